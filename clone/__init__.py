@@ -1,0 +1,1 @@
+"""Clone: a clustered key-value state replication service over ZeroMQ."""

@@ -1,0 +1,329 @@
+"""The CHP wire format, and nothing else.
+
+How this works: every CHP command except ICANHAZ? is five ZeroMQ frames,
+``[key, sequence, uuid, properties, body]``.  KVSYNC, KVPUB and KVSET share that
+shape and are told apart by the socket they arrive on; KTHXBAI and HUGZ are the
+same shape with a reserved word in the key frame.  ICANHAZ? is two frames,
+``[b"ICANHAZ?", subtree]``.
+
+Decoding is strict and total: for any list of frames, a ``decode_*`` function
+returns a message or raises :class:`~clone.errors.ProtocolError` whose text says
+what was wrong.  Nothing else escapes, whatever arrives (hypothesis checks it).
+Encoding trusts its input: messages are validated when they are built
+(:meth:`KVMsg.build`) or decoded, so the hot path does not check twice.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import uuid6
+
+from clone.errors import LimitExceeded, ProtocolError
+from clone.protocol import (
+    HUGZ,
+    ICANHAZ,
+    KTHXBAI,
+    MAX_KEY_BYTES,
+    MAX_PROPERTIES_BYTES,
+    MAX_SUBTREE_BYTES,
+    MAX_VALUE_BYTES,
+)
+
+__all__ = [
+    "KVMsg",
+    "SnapshotRequest",
+    "SnapshotEnd",
+    "Hugz",
+    "Properties",
+    "new_uuid",
+    "encode_kv",
+    "encode_icanhaz",
+    "encode_kthxbai",
+    "encode_hugz",
+    "encode_properties",
+    "decode_properties",
+    "decode_icanhaz",
+    "decode_kvset",
+    "decode_update",
+    "decode_snapshot_reply",
+    "validate_key",
+    "validate_subtree",
+    "key_in_subtree",
+    "RESERVED_KEYS",
+]
+
+Properties = tuple[tuple[str, str], ...]
+
+RESERVED_KEYS = frozenset({KTHXBAI.decode(), HUGZ.decode()})
+_SEQ_MAX = (1 << 64) - 1
+_ZERO_SEQ = bytes(8)
+_SUBTREE_RE = re.compile(r"/(?:[^/]+/)+")
+
+
+def new_uuid() -> bytes:
+    """A fresh UUIDv7 as 16 bytes: unique, and sorted by creation time."""
+    return uuid6.uuid7().bytes
+
+
+@dataclass(frozen=True, slots=True)
+class KVMsg:
+    """One key-value message: a KVSYNC, KVPUB or KVSET.
+
+    An empty ``body`` on KVSET/KVPUB means "delete this key".
+    """
+
+    key: str
+    sequence: int = 0
+    uuid: bytes = b""
+    properties: Properties = ()
+    body: bytes = b""
+
+    @classmethod
+    def build(
+        cls,
+        key: str,
+        body: bytes = b"",
+        *,
+        sequence: int = 0,
+        uuid: bytes | None = None,
+        properties: Properties | dict[str, str] = (),
+    ) -> KVMsg:
+        """Validate application input and make a message (API misuse raises).
+
+        ``uuid=None`` draws a fresh UUIDv7.  Limits raise
+        :class:`~clone.errors.LimitExceeded` so callers can tell "too big" from
+        "wrong type".
+        """
+        if not isinstance(key, str):
+            raise TypeError(f"key must be str, not {type(key).__name__}")
+        if not isinstance(body, bytes | bytearray | memoryview):
+            raise TypeError(f"value must be bytes, not {type(body).__name__}")
+        validate_key(key.encode("utf-8"), reserved_ok=False)
+        body = bytes(body)
+        if len(body) > MAX_VALUE_BYTES:
+            raise LimitExceeded(
+                f"value of {len(body)} bytes for key {key!r} is over the "
+                f"{MAX_VALUE_BYTES}-byte limit"
+            )
+        if not 0 <= sequence <= _SEQ_MAX:
+            raise ValueError(f"sequence {sequence} does not fit in 64 unsigned bits")
+        if uuid is None:
+            uuid = new_uuid()
+        if len(uuid) not in (0, 16):
+            raise ValueError(f"uuid must be 0 or 16 bytes, not {len(uuid)}")
+        props = tuple(properties.items()) if isinstance(properties, dict) else tuple(properties)
+        encoded = encode_properties(props)
+        decode_properties(encoded)  # the same checks a receiver makes
+        return cls(key, sequence, bytes(uuid), props, body)
+
+    def prop(self, name: str, default: str | None = None) -> str | None:
+        """The value of property ``name``, or ``default``."""
+        for pname, value in self.properties:
+            if pname == name:
+                return value
+        return default
+
+    def with_props(self, **changes: str | None) -> Properties:
+        """Properties with ``changes`` applied (None removes), order kept."""
+        out = [(n, v) for n, v in self.properties if n not in changes]
+        out.extend((n, v) for n, v in changes.items() if v is not None)
+        return tuple(out)
+
+    @property
+    def is_delete(self) -> bool:
+        return not self.body
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotRequest:
+    """ICANHAZ?: a client asks for the state under ``subtree`` ('' = all)."""
+
+    subtree: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotEnd:
+    """KTHXBAI: the snapshot is complete up to ``sequence``."""
+
+    sequence: int
+    subtree: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Hugz:
+    """HUGZ: the server is alive.  ``sequence`` is informational only."""
+
+    sequence: int = 0
+
+
+# --------------------------------------------------------------------------
+# Encoding
+
+
+def encode_properties(props: Properties) -> bytes:
+    """``name=value\\n`` for each property, in order."""
+    if not props:
+        return b""
+    return "".join(f"{n}={v}\n" for n, v in props).encode("utf-8")
+
+
+def encode_kv(msg: KVMsg) -> list[bytes]:
+    """The five frames of a KVSYNC, KVPUB or KVSET."""
+    return [
+        msg.key.encode("utf-8"),
+        msg.sequence.to_bytes(8, "big"),
+        msg.uuid,
+        encode_properties(msg.properties),
+        msg.body,
+    ]
+
+
+def encode_icanhaz(subtree: str = "") -> list[bytes]:
+    """The two frames of a snapshot request."""
+    raw = subtree.encode("utf-8")
+    validate_subtree(raw)
+    return [ICANHAZ, raw]
+
+
+def encode_kthxbai(sequence: int, subtree: str = "") -> list[bytes]:
+    """The five frames that end a snapshot."""
+    return [KTHXBAI, sequence.to_bytes(8, "big"), b"", b"", subtree.encode("utf-8")]
+
+
+def encode_hugz(sequence: int = 0) -> list[bytes]:
+    """The five frames of a heartbeat.  The spec shows sequence zero."""
+    return [HUGZ, sequence.to_bytes(8, "big") if sequence else _ZERO_SEQ, b"", b"", b""]
+
+
+# --------------------------------------------------------------------------
+# Decoding
+
+
+def validate_key(raw: bytes, *, reserved_ok: bool = True) -> str:
+    """Decode and check a key frame; return the key as text."""
+    if not raw:
+        raise ProtocolError("empty key")
+    if len(raw) > MAX_KEY_BYTES:
+        raise LimitExceeded(f"key of {len(raw)} bytes is over the {MAX_KEY_BYTES}-byte limit")
+    try:
+        key = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"key is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    if not reserved_ok and key in RESERVED_KEYS:
+        raise ProtocolError(f"key {key!r} is reserved for protocol commands")
+    return key
+
+
+def validate_subtree(raw: bytes) -> str:
+    """A subtree is empty or ``/segment/.../``; return it as text."""
+    if not raw:
+        return ""
+    if len(raw) > MAX_SUBTREE_BYTES:
+        raise LimitExceeded(
+            f"subtree of {len(raw)} bytes is over the {MAX_SUBTREE_BYTES}-byte limit"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError("subtree is not UTF-8") from None
+    if not _SUBTREE_RE.fullmatch(text):
+        raise ProtocolError(
+            f"subtree {text[:80]!r} is neither empty nor of the form '/segment/.../'"
+        )
+    return text
+
+
+def key_in_subtree(key: str, subtree: str) -> bool:
+    """Subtrees match by prefix, as ZeroMQ subscriptions do."""
+    return key.startswith(subtree)
+
+
+def decode_properties(raw: bytes) -> Properties:
+    """Parse a properties frame: zero or more ``name=value\\n``."""
+    if not raw:
+        return ()
+    if len(raw) > MAX_PROPERTIES_BYTES:
+        raise LimitExceeded(
+            f"properties of {len(raw)} bytes are over the {MAX_PROPERTIES_BYTES}-byte limit"
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ProtocolError("properties are not UTF-8") from None
+    if not text.endswith("\n"):
+        raise ProtocolError("properties must end with a newline")
+    props: list[tuple[str, str]] = []
+    seen: set[str] = set()
+    for line in text[:-1].split("\n"):
+        name, eq, value = line.partition("=")
+        if not eq:
+            raise ProtocolError(f"property {line[:40]!r} has no '='")
+        if not name:
+            raise ProtocolError("property with an empty name")
+        if "\r" in name or "\r" in value:
+            raise ProtocolError(f"property {name[:40]!r} contains a carriage return")
+        if name in seen:
+            raise ProtocolError(f"property {name[:40]!r} appears twice")
+        seen.add(name)
+        props.append((name, value))
+    return tuple(props)
+
+
+def _check_frames(frames: Sequence[bytes], count: int, what: str) -> None:
+    if len(frames) != count:
+        raise ProtocolError(f"{what} must have {count} frames, got {len(frames)}")
+
+
+def _decode_sequence(raw: bytes) -> int:
+    if len(raw) != 8:
+        raise ProtocolError(f"sequence frame must be 8 bytes, got {len(raw)}")
+    return int.from_bytes(raw, "big")
+
+
+def _decode_kv(frames: Sequence[bytes], what: str, *, reserved_ok: bool) -> KVMsg:
+    _check_frames(frames, 5, what)
+    key_raw, seq_raw, uuid, props_raw, body = frames
+    key = validate_key(bytes(key_raw), reserved_ok=reserved_ok)
+    sequence = _decode_sequence(seq_raw)
+    if len(uuid) not in (0, 16):
+        raise ProtocolError(f"uuid frame must be 0 or 16 bytes, got {len(uuid)}")
+    if len(body) > MAX_VALUE_BYTES:
+        raise LimitExceeded(
+            f"value of {len(body)} bytes for key {key[:80]!r} is over the "
+            f"{MAX_VALUE_BYTES}-byte limit"
+        )
+    props = decode_properties(bytes(props_raw)) if props_raw else ()
+    return KVMsg(key, sequence, bytes(uuid), props, bytes(body))
+
+
+def decode_icanhaz(frames: Sequence[bytes]) -> SnapshotRequest:
+    """A snapshot request, without the ROUTER identity frame."""
+    if not frames or frames[0] != ICANHAZ:
+        head = bytes(frames[0][:16]) if frames else b""
+        raise ProtocolError(f"expected ICANHAZ?, got command {head!r}")
+    _check_frames(frames, 2, "ICANHAZ?")
+    return SnapshotRequest(validate_subtree(bytes(frames[1])))
+
+
+def decode_kvset(frames: Sequence[bytes]) -> KVMsg:
+    """A client update arriving at the collector."""
+    return _decode_kv(frames, "KVSET", reserved_ok=False)
+
+
+def decode_update(frames: Sequence[bytes]) -> KVMsg | Hugz:
+    """What a subscriber receives: a KVPUB or a HUGZ."""
+    if frames and frames[0] == HUGZ:
+        _check_frames(frames, 5, "HUGZ")
+        return Hugz(_decode_sequence(frames[1]))
+    return _decode_kv(frames, "KVPUB", reserved_ok=False)
+
+
+def decode_snapshot_reply(frames: Sequence[bytes]) -> KVMsg | SnapshotEnd:
+    """What a snapshot requester receives: a KVSYNC or the closing KTHXBAI."""
+    if frames and frames[0] == KTHXBAI:
+        _check_frames(frames, 5, "KTHXBAI")
+        return SnapshotEnd(_decode_sequence(frames[1]), validate_subtree(bytes(frames[4])))
+    return _decode_kv(frames, "KVSYNC", reserved_ok=False)

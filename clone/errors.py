@@ -1,0 +1,45 @@
+"""Every exception Clone raises on purpose.
+
+One root, :class:`CloneError`, so an application can catch everything Clone
+means to raise with a single ``except``.  API misuse still raises the built-in
+``ValueError``/``TypeError``.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CloneError",
+    "ConfirmTimeout",
+    "LimitExceeded",
+    "NotSynced",
+    "ProtocolError",
+    "ClosedError",
+]
+
+
+class CloneError(Exception):
+    """Root of every Clone exception."""
+
+
+class ProtocolError(CloneError):
+    """A message on the wire does not follow CHP as we implement it.
+
+    The message says what was wrong so that the log line is actionable; the
+    caller adds who sent it.
+    """
+
+
+class LimitExceeded(ProtocolError):
+    """A key, value or properties frame is larger than the documented limit."""
+
+
+class ConfirmTimeout(CloneError, TimeoutError):
+    """A confirmed write was not republished by the active server in time."""
+
+
+class NotSynced(CloneError, TimeoutError):
+    """The client could not complete a snapshot from any server in time."""
+
+
+class ClosedError(CloneError):
+    """The client or server was used after ``close()``."""
