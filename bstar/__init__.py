@@ -1,0 +1,51 @@
+"""Binary Star: primary/backup failover for a pair of ZeroMQ servers.
+
+The pattern is the one from chapter 4 of the ZeroMQ Guide: two servers publish
+their state to each other every heartbeat; clients vote for the server they want
+by sending it requests; a passive server takes over only when its peer has gone
+silent *and* a client asks it to. See ``docs/failover.md`` for the rules.
+
+* :mod:`bstar.fsm` holds the decisions (no I/O, explicit ``now``);
+* :mod:`bstar.wire` the state message format;
+"""
+
+from bstar.errors import (
+    BinaryStarError,
+    IllegalTransitionError,
+    PeerStateError,
+    RoleConflictError,
+)
+from bstar.fsm import (
+    TRANSITIONS,
+    BinaryStarFSM,
+    Conflict,
+    Event,
+    FsmCounters,
+    Outcome,
+    Rule,
+    State,
+    Vote,
+    VotePolicy,
+    peer_event,
+)
+from bstar.wire import decode_state, encode_state
+
+__all__ = [
+    "TRANSITIONS",
+    "BinaryStarError",
+    "BinaryStarFSM",
+    "Conflict",
+    "Event",
+    "FsmCounters",
+    "IllegalTransitionError",
+    "Outcome",
+    "PeerStateError",
+    "RoleConflictError",
+    "Rule",
+    "State",
+    "Vote",
+    "VotePolicy",
+    "decode_state",
+    "encode_state",
+    "peer_event",
+]

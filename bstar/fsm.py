@@ -1,0 +1,424 @@
+"""Binary Star failover state machine, without any I/O.
+
+How this works
+--------------
+A Binary Star pair is two servers, one configured *primary* and one *backup*.
+Each runs a :class:`BinaryStarFSM`. A server starts in ``PRIMARY`` or ``BACKUP``
+(its configured role, peer not heard yet) and settles in ``ACTIVE`` (serving
+clients) or ``PASSIVE`` (standing by). Two kinds of input drive it:
+
+* the state the peer publishes every heartbeat, mapped to a ``PEER_*`` event;
+* a client request (a *vote*): a client asking this server to serve it, which it
+  only does because it believes the other server is gone.
+
+The rules live in :data:`TRANSITIONS`, a table keyed by ``(state, event)``. A rule
+names the next state, how to answer a vote, and whether the pair is in conflict
+(both active: *split brain*; both passive: nobody serves). Conflicts are symmetric,
+so the rule settles them with the roles: the primary wins, the backup yields
+(``backup_next_state``). A pair missing from the table raises
+:class:`~bstar.errors.IllegalTransitionError` and leaves the machine untouched.
+
+Time is an argument, never read here: every input carries ``now`` (seconds on a
+monotonic clock). The peer is presumed alive until
+``peer_expiry = last_peer_contact + missed * heartbeat``; before the first contact
+the start time stands in for the last contact, so a freshly started server waits
+one full expiry period before it accepts a vote. A vote that would make this
+server active is accepted only when ``now >= peer_expiry``. Expiry on its own never
+changes the state: only a vote turns a silent peer into a failover, because only
+a client can tell us that it can no longer reach the other server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from types import MappingProxyType
+from typing import Final
+
+from bstar.errors import IllegalTransitionError, RoleConflictError
+
+__all__ = [
+    "TRANSITIONS",
+    "BinaryStarFSM",
+    "Conflict",
+    "Event",
+    "FsmCounters",
+    "Outcome",
+    "Rule",
+    "State",
+    "Vote",
+    "VotePolicy",
+    "peer_event",
+]
+
+
+class State(Enum):
+    """Where a server stands. The values are the Guide's wire numbers; keep them."""
+
+    PRIMARY = 1  # configured primary, waiting to hear the peer
+    BACKUP = 2  # configured backup, waiting to hear the peer
+    ACTIVE = 3  # serving clients
+    PASSIVE = 4  # standing by, refusing clients while the peer lives
+
+
+class Event(Enum):
+    """What can happen to a server. ``PEER_*`` mirror the peer's published state."""
+
+    PEER_PRIMARY = 1
+    PEER_BACKUP = 2
+    PEER_ACTIVE = 3
+    PEER_PASSIVE = 4
+    CLIENT_REQUEST = 5
+
+
+_PEER_EVENTS: Final[Mapping[State, Event]] = MappingProxyType(
+    {
+        State.PRIMARY: Event.PEER_PRIMARY,
+        State.BACKUP: Event.PEER_BACKUP,
+        State.ACTIVE: Event.PEER_ACTIVE,
+        State.PASSIVE: Event.PEER_PASSIVE,
+    }
+)
+
+
+def peer_event(state: State) -> Event:
+    """The event this server sees when its peer reports ``state``."""
+    return _PEER_EVENTS[state]
+
+
+class VotePolicy(Enum):
+    """How a rule answers a client request."""
+
+    ACCEPT = "accept"
+    REFUSE = "refuse"
+    ACCEPT_IF_PEER_DEAD = "accept if the peer has expired"
+
+
+class Vote(Enum):
+    """The answer given to one client request."""
+
+    ACCEPTED = "accepted"
+    REFUSED = "refused"
+
+
+class Conflict(Enum):
+    """Both servers claim the same settled state; the table resolves it by role."""
+
+    SPLIT_BRAIN = "both servers active"
+    DUAL_PASSIVE = "both servers passive"
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """One row of the transition table.
+
+    ``next_state`` is where the server goes; for a vote with
+    ``ACCEPT_IF_PEER_DEAD`` it is where an *accepted* vote takes it (a refused vote
+    changes nothing). ``backup_next_state``, when set, overrides ``next_state`` for
+    the backup: that is how a symmetric conflict is broken deterministically.
+    """
+
+    next_state: State
+    why: str
+    vote: VotePolicy | None = None
+    conflict: Conflict | None = None
+    backup_next_state: State | None = None
+
+    def target(self, primary: bool) -> State:
+        """Where a server of the given role goes under this rule."""
+        if not primary and self.backup_next_state is not None:
+            return self.backup_next_state
+        return self.next_state
+
+
+_P, _B, _A, _S = State.PRIMARY, State.BACKUP, State.ACTIVE, State.PASSIVE
+
+#: The Binary Star rules. Deliberately absent, hence illegal:
+#: (PRIMARY, PEER_PRIMARY) and (BACKUP, PEER_BACKUP): two servers configured with
+#: the same role. (A peer announcing our own role is refused in every state, see
+#: BinaryStarFSM.handle, because then no role-based tie-break can work.)
+TRANSITIONS: Final[Mapping[tuple[State, Event], Rule]] = MappingProxyType(
+    {
+        # PRIMARY: configured primary, peer not heard yet.
+        (_P, Event.PEER_BACKUP): Rule(_A, "backup is up and waiting, so the primary serves"),
+        (_P, Event.PEER_ACTIVE): Rule(_S, "backup is already active (failback), so stand by"),
+        (_P, Event.PEER_PASSIVE): Rule(
+            _P, "peer still reports a state from before our restart; wait for news"
+        ),
+        (_P, Event.CLIENT_REQUEST): Rule(
+            _A,
+            "backup silent for the whole expiry period and a client voted for us",
+            vote=VotePolicy.ACCEPT_IF_PEER_DEAD,
+        ),
+        # BACKUP: configured backup, peer not heard yet.
+        (_B, Event.PEER_PRIMARY): Rule(_B, "primary is starting and goes active on seeing us"),
+        (_B, Event.PEER_ACTIVE): Rule(_S, "primary is active, so stand by"),
+        (_B, Event.PEER_PASSIVE): Rule(
+            _B, "primary goes active when it sees us restarting; wait for it"
+        ),
+        (_B, Event.CLIENT_REQUEST): Rule(
+            _B, "a backup serves only after it has seen the primary", vote=VotePolicy.REFUSE
+        ),
+        # ACTIVE: serving. The only normal way out is death.
+        (_A, Event.PEER_PRIMARY): Rule(_A, "peer restarted and goes passive on seeing us"),
+        (_A, Event.PEER_BACKUP): Rule(_A, "peer restarted and goes passive on seeing us"),
+        (_A, Event.PEER_ACTIVE): Rule(
+            _A,
+            "split brain: the primary keeps serving, the backup steps down",
+            conflict=Conflict.SPLIT_BRAIN,
+            backup_next_state=_S,
+        ),
+        (_A, Event.PEER_PASSIVE): Rule(_A, "normal operation"),
+        (_A, Event.CLIENT_REQUEST): Rule(_A, "we serve", vote=VotePolicy.ACCEPT),
+        # PASSIVE: standing by while the peer serves.
+        (_S, Event.PEER_PRIMARY): Rule(_A, "active peer restarted and lost its state; take over"),
+        (_S, Event.PEER_BACKUP): Rule(_A, "active peer restarted and lost its state; take over"),
+        (_S, Event.PEER_ACTIVE): Rule(_S, "normal operation"),
+        (_S, Event.PEER_PASSIVE): Rule(
+            _A,
+            "nobody serves: the primary takes over, the backup keeps standing by",
+            conflict=Conflict.DUAL_PASSIVE,
+            backup_next_state=_S,
+        ),
+        (_S, Event.CLIENT_REQUEST): Rule(
+            _A,
+            "failover: the peer expired and a client voted for us",
+            vote=VotePolicy.ACCEPT_IF_PEER_DEAD,
+        ),
+    }
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one input did: the decision for the application to act upon.
+
+    ``vote`` is set only for client requests. ``conflict`` is set once per conflict
+    episode (the first time the peer is seen in our own settled state), so an
+    application alerting on it is not flooded by every heartbeat.
+    """
+
+    event: Event
+    previous: State
+    state: State
+    why: str
+    vote: Vote | None = None
+    conflict: Conflict | None = None
+
+    @property
+    def changed(self) -> bool:
+        """True when this input moved the machine to another state."""
+        return self.state is not self.previous
+
+    @property
+    def accepted(self) -> bool:
+        """True for a client request that may be served."""
+        return self.vote is Vote.ACCEPTED
+
+    @property
+    def became_active(self) -> bool:
+        """True when this input made the server start serving."""
+        return self.changed and self.state is State.ACTIVE
+
+    @property
+    def became_passive(self) -> bool:
+        """True when this input made the server stand by (it may need to resync)."""
+        return self.changed and self.state is State.PASSIVE
+
+    @property
+    def split_brain_detected(self) -> bool:
+        """True on the first sight of a peer that is active while we are too."""
+        return self.conflict is Conflict.SPLIT_BRAIN
+
+
+@dataclass(frozen=True, slots=True)
+class FsmCounters:
+    """A snapshot of what the machine has seen, for metrics and tests."""
+
+    transitions: int = 0
+    votes_accepted: int = 0
+    votes_refused: int = 0
+    split_brain_count: int = 0
+    dual_passive_count: int = 0
+    peer_expirations: int = 0
+    illegal_events: int = 0
+
+
+class BinaryStarFSM:
+    """One server's side of a Binary Star pair.
+
+    Not thread-safe; meant to be owned by one reactor. ``primary`` is the
+    configured role, which never changes: it picks the start state and breaks ties.
+    """
+
+    def __init__(
+        self, primary: bool, now: float, *, heartbeat: float = 1.0, missed: int = 2
+    ) -> None:
+        if not isinstance(primary, bool):
+            raise TypeError(f"primary must be a bool, got {type(primary).__name__}")
+        if not heartbeat > 0:
+            raise ValueError(f"heartbeat must be a positive number of seconds, got {heartbeat!r}")
+        if isinstance(missed, bool) or not isinstance(missed, int) or missed < 1:
+            raise ValueError(f"missed must be an integer >= 1, got {missed!r}")
+        self._primary = primary
+        self._heartbeat = float(heartbeat)
+        self._missed = missed
+        self._started_at = now
+        self._state = State.PRIMARY if primary else State.BACKUP
+        self._peer_state: State | None = None
+        self._last_peer_contact: float | None = None
+        # Whether the peer's expiry has been reported yet, so it is reported once.
+        self._expiry_reported = False
+        # The conflict already reported and still going on, so it is reported once.
+        self._ongoing_conflict: Conflict | None = None
+        self._transitions = 0
+        self._votes_accepted = 0
+        self._votes_refused = 0
+        self._split_brains = 0
+        self._dual_passives = 0
+        self._expirations = 0
+        self._illegal = 0
+
+    # -- read-only views -------------------------------------------------------
+
+    @property
+    def primary(self) -> bool:
+        """The configured role: True for the primary, False for the backup."""
+        return self._primary
+
+    @property
+    def state(self) -> State:
+        return self._state
+
+    @property
+    def heartbeat(self) -> float:
+        return self._heartbeat
+
+    @property
+    def missed(self) -> int:
+        return self._missed
+
+    @property
+    def started_at(self) -> float:
+        return self._started_at
+
+    @property
+    def peer_state(self) -> State | None:
+        """The peer's last reported state, or None if it has never been heard."""
+        return self._peer_state
+
+    @property
+    def last_peer_contact(self) -> float | None:
+        """When the peer was last heard, or None if never."""
+        return self._last_peer_contact
+
+    @property
+    def peer_expiry(self) -> float:
+        """The moment from which the peer counts as dead, unless heard again."""
+        base = self._started_at if self._last_peer_contact is None else self._last_peer_contact
+        return base + self._missed * self._heartbeat
+
+    def peer_alive(self, now: float) -> bool:
+        return now < self.peer_expiry
+
+    @property
+    def counters(self) -> FsmCounters:
+        return FsmCounters(
+            transitions=self._transitions,
+            votes_accepted=self._votes_accepted,
+            votes_refused=self._votes_refused,
+            split_brain_count=self._split_brains,
+            dual_passive_count=self._dual_passives,
+            peer_expirations=self._expirations,
+            illegal_events=self._illegal,
+        )
+
+    # -- inputs ----------------------------------------------------------------
+
+    def receive_peer_state(self, peer: State, now: float) -> Outcome:
+        """The peer reported ``peer`` at ``now``."""
+        return self.handle(peer_event(peer), now)
+
+    def client_request(self, now: float) -> Outcome:
+        """A client asked us to serve it; ``outcome.accepted`` says whether we may."""
+        return self.handle(Event.CLIENT_REQUEST, now)
+
+    def check_expiry(self, now: float) -> bool:
+        """Return True exactly once each time the peer goes silent past its expiry.
+
+        This only notes the fact (and counts it): the state does not change, since
+        in Binary Star only a client vote can turn silence into a failover.
+        """
+        if self._expiry_reported or self.peer_alive(now):
+            return False
+        self._expiry_reported = True
+        self._expirations += 1
+        return True
+
+    def handle(self, event: Event, now: float) -> Outcome:
+        """Apply one event. Raises IllegalTransitionError and changes nothing if illegal."""
+        if event is Event.CLIENT_REQUEST:
+            return self._apply(event, self._rule(event), now)
+        reported = State(event.value)
+        if not self.peer_alive(now):
+            # A peer back from silence starts a new story, conflicts included.
+            self._ongoing_conflict = None
+        # Any state message proves the peer is alive, even one we then reject:
+        # treating a live but misconfigured peer as dead could let us grab votes.
+        self._peer_state = reported
+        self._last_peer_contact = now
+        self._expiry_reported = False
+        if reported is (State.PRIMARY if self._primary else State.BACKUP):
+            self._illegal += 1
+            role = "primary" if self._primary else "backup"
+            raise RoleConflictError(self._state, event, f"both servers are configured as {role}")
+        return self._apply(event, self._rule(event), now)
+
+    # -- internals -------------------------------------------------------------
+
+    def _rule(self, event: Event) -> Rule:
+        try:
+            return TRANSITIONS[(self._state, event)]
+        except KeyError:
+            self._illegal += 1
+            raise IllegalTransitionError(
+                self._state, event, "no rule in the Binary Star table"
+            ) from None
+
+    def _apply(self, event: Event, rule: Rule, now: float) -> Outcome:
+        previous = self._state
+        target = rule.target(self._primary)
+        vote: Vote | None = None
+        if rule.vote is not None:
+            if rule.vote is VotePolicy.ACCEPT:
+                vote = Vote.ACCEPTED
+            elif rule.vote is VotePolicy.REFUSE:
+                vote = Vote.REFUSED
+            else:
+                vote = Vote.REFUSED if self.peer_alive(now) else Vote.ACCEPTED
+            if vote is Vote.ACCEPTED:
+                self._votes_accepted += 1
+            else:
+                self._votes_refused += 1
+                target = previous
+        # Report a conflict when it starts, not on every heartbeat while it lasts.
+        conflict = rule.conflict if rule.conflict is not self._ongoing_conflict else None
+        if conflict is Conflict.SPLIT_BRAIN:
+            self._split_brains += 1
+        elif conflict is Conflict.DUAL_PASSIVE:
+            self._dual_passives += 1
+        if target is not previous:
+            self._transitions += 1
+            self._state = target
+            self._ongoing_conflict = None  # whatever it was, we moved out of it
+        elif event is not Event.CLIENT_REQUEST:
+            self._ongoing_conflict = rule.conflict
+        return Outcome(
+            event=event,
+            previous=previous,
+            state=target,
+            why=rule.why,
+            vote=vote,
+            conflict=conflict,
+        )
