@@ -1,0 +1,580 @@
+"""The client agent's decisions, with no sockets and no clock.
+
+How this works: the agent's I/O loop (:mod:`clone.agent`) decodes what arrives from
+the servers and feeds it here as events, together with the current time ``now``
+(seconds, any monotonic origin).  :class:`AgentFSM` answers with a list of
+actions for the loop to carry out: ask a server for a snapshot, publish an update,
+tell the application that a key changed, that a confirmed write was seen, or that
+the state changed.  Nothing here imports zmq or ``time``, so the unit tests drive
+it with a fake clock and hand-made messages.
+
+The states are the Guide's client FSM::
+
+    INITIAL --connect--> SYNCING --all KTHXBAIs--> ACTIVE
+                          ^   |  silence: ask again (twice per server),   |
+                          |   |  then fail over to the next server        |
+                          +---+--------- silence / gap -------------------+
+
+What we do differently from the Guide's client, on purpose:
+
+* A resync never merges into the old map.  The snapshot is built in a side map and
+  swapped in on the last KTHXBAI, so keys deleted while we were away disappear,
+  yet the application keeps reading the old map until then.  The swap emits one
+  change per key that differs.
+* Updates that arrive while we are syncing are buffered and replayed after the
+  KTHXBAI: the server's snapshot is fuzzy (see docs/protocol.md), so only updates
+  newer than the snapshot's sequence count, and never over a newer snapshot value.
+* Sequences are checked: a KVPUB more than one ahead of the last applied, or a HUGZ
+  whose sequence is ahead of it, means we lost updates; we count it and resync
+  instead of silently diverging.  HUGZ is never an update.
+* Only messages from the current server are acted upon; the others are dropped.
+* Confirmed writes are remembered by uuid until the current server republishes
+  them, and are resent (same uuid, the servers deduplicate) after every resync
+  and every ``resend_interval``, so a failover does not lose them.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from clone.codec import Hugz, KVMsg, SnapshotEnd, key_in_subtree, validate_subtree
+from clone.errors import CloneError
+
+__all__ = [
+    "State",
+    "Event",
+    "TRANSITIONS",
+    "AgentConfig",
+    "AgentFSM",
+    "AgentCounters",
+    "IllegalTransition",
+    "RequestSnapshot",
+    "SendUpdate",
+    "Changed",
+    "Confirmed",
+    "StateChanged",
+    "Action",
+    "normalize_subtrees",
+]
+
+log = logging.getLogger(__name__)
+
+
+class IllegalTransition(CloneError):
+    """The table has no entry for a (state, event) pair: a bug in the agent."""
+
+
+class State(enum.Enum):
+    INITIAL = "initial"  # no server known yet
+    SYNCING = "syncing"  # snapshot requested from the current server
+    ACTIVE = "active"  # snapshot complete, applying updates
+
+
+class Event(enum.Enum):
+    CONNECT = "connect"  # a server endpoint was added
+    SNAPSHOT_ENTRY = "snapshot_entry"  # KVSYNC
+    SNAPSHOT_END = "snapshot_end"  # KTHXBAI
+    UPDATE = "update"  # KVPUB
+    HEARTBEAT = "heartbeat"  # HUGZ
+    SILENCE = "silence"  # the current server said nothing for server_timeout
+
+
+# --------------------------------------------------------------------------
+# Actions: what the I/O loop must do.
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSnapshot:
+    """Send ICANHAZ? for each subtree to ``server``, on a fresh DEALER.
+
+    A fresh socket per request means late replies to an earlier request cannot
+    be mistaken for this one.
+    """
+
+    server: int
+    subtrees: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SendUpdate:
+    """Publish this KVSET to every server's collector."""
+
+    msg: KVMsg
+
+
+@dataclass(frozen=True, slots=True)
+class Changed:
+    """The application's view of ``key`` changed; ``entry`` None means deleted."""
+
+    key: str
+    entry: KVMsg | None
+
+
+@dataclass(frozen=True, slots=True)
+class Confirmed:
+    """The write with this uuid is in the map: the active server republished it."""
+
+    uuid: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StateChanged:
+    state: State
+    server: int | None
+
+
+Action = RequestSnapshot | SendUpdate | Changed | Confirmed | StateChanged
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """Timing of the agent, in seconds.
+
+    ``server_timeout`` is how long the current server may stay silent (no update,
+    no HUGZ, no snapshot reply) before we ask again or fail over.  The default of
+    2.5 heartbeats notices a dead server after two missed HUGZ while tolerating
+    one late one.
+    """
+
+    heartbeat: float = 1.0
+    server_timeout: float = 2.5
+    requests_per_server: int = 2
+    resend_interval: float = 0.5
+
+    @classmethod
+    def from_heartbeat(cls, heartbeat: float, **overrides: Any) -> AgentConfig:
+        """Scale every timeout to the servers' heartbeat (tests use short ones)."""
+        if heartbeat <= 0:
+            raise ValueError(f"heartbeat must be > 0, not {heartbeat}")
+        values: dict[str, Any] = {
+            "heartbeat": heartbeat,
+            "server_timeout": 2.5 * heartbeat,
+            "resend_interval": 0.5 * heartbeat,
+        }
+        values.update(overrides)
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        if self.server_timeout <= 0 or self.resend_interval <= 0 or self.heartbeat <= 0:
+            raise ValueError("timeouts must be > 0")
+        if self.requests_per_server < 1:
+            raise ValueError("requests_per_server must be >= 1")
+
+
+@dataclass(slots=True)
+class AgentCounters:
+    """What happened so far; shown by ``Clone.status()``."""
+
+    snapshots: int = 0  # completed snapshots
+    resyncs: int = 0  # snapshots started after the first one, for any reason
+    retries: int = 0  # snapshot requests repeated to the same server after silence
+    failovers: int = 0  # switches to another server
+    gaps: int = 0  # holes in the sequence that forced a resync
+    stale: int = 0  # KVPUBs discarded as not newer than the last applied
+    protocol_errors: int = 0  # malformed messages dropped
+    foreign: int = 0  # messages from a server that is not the current one
+    resent: int = 0  # confirmed writes sent again
+    expired_writes: int = 0  # confirmed writes given up on
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(slots=True)
+class _Pending:
+    msg: KVMsg
+    expires_at: float
+    next_send: float
+    published: bool = False  # seen on the current server's stream, map not yet swapped
+
+
+def normalize_subtrees(subtrees: str | Iterable[str] | None) -> tuple[str, ...]:
+    """Validated, sorted subtrees with none inside another.
+
+    A key must belong to exactly one subtree, so that it has one snapshot sequence
+    to compare updates with; ``/a/`` already covers ``/a/b/``, and ``''`` covers
+    everything.
+    """
+    if subtrees is None:
+        return ("",)
+    items = [subtrees] if isinstance(subtrees, str) else list(subtrees)
+    if not items:
+        return ("",)
+    for item in items:
+        if not isinstance(item, str):
+            raise TypeError(f"subtree must be str, not {type(item).__name__}")
+        validate_subtree(item.encode("utf-8"))
+    kept: list[str] = []
+    for item in sorted(set(items), key=len):
+        if not any(item.startswith(k) for k in kept):
+            kept.append(item)
+    return tuple(sorted(kept))
+
+
+_Handler = Callable[["AgentFSM", int, Any, float], list[Action]]
+
+
+class AgentFSM:
+    """The client agent's state machine.  Not thread-safe: the agent thread owns it."""
+
+    def __init__(
+        self,
+        subtrees: str | Iterable[str] | None = None,
+        config: AgentConfig | None = None,
+        *,
+        now: float = 0.0,
+    ) -> None:
+        self.config = config or AgentConfig()
+        self.subtrees = normalize_subtrees(subtrees)
+        self.servers: list[str] = []
+        self.state = State.INITIAL
+        self.current: int | None = None
+        self.counters = AgentCounters()
+        self.emit_changes = True
+        self.last_sequence = 0
+        self._map: dict[str, KVMsg] = {}
+        self._side: dict[str, KVMsg] = {}
+        self._buffer: list[KVMsg] = []
+        self._ends: dict[str, int] = {}
+        self._requests = 0  # snapshot requests sent to the current server this round
+        self._silence_at: float | None = None
+        self._pending: dict[bytes, _Pending] = {}
+        self._created = now
+
+    # ----------------------------------------------------------------------
+    # Reading
+
+    def get(self, key: str) -> KVMsg | None:
+        return self._map.get(key)
+
+    def items(self, prefix: str = "") -> list[KVMsg]:
+        """Entries whose key starts with ``prefix``, sorted by key."""
+        return [self._map[k] for k in sorted(self._map) if k.startswith(prefix)]
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    @property
+    def pending_writes(self) -> int:
+        return len(self._pending)
+
+    def in_subtrees(self, key: str) -> bool:
+        return self._subtree_of(key) is not None
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` has something to do next, or None."""
+        times = [p.next_send for p in self._pending.values()]
+        times.extend(p.expires_at for p in self._pending.values())
+        if self._silence_at is not None:
+            times.append(self._silence_at)
+        return min(times) if times else None
+
+    # ----------------------------------------------------------------------
+    # Inputs
+
+    def handle(self, event: Event, server: int, payload: Any, now: float) -> list[Action]:
+        """Dispatch one event through the table."""
+        if event is not Event.CONNECT and server != self.current:
+            # Late replies from a server we left, or updates from a passive one.
+            self.counters.foreign += 1
+            return []
+        try:
+            handler = TRANSITIONS[(self.state, event)]
+        except KeyError:
+            raise IllegalTransition(
+                f"no transition for {event.name} in {self.state.name}"
+            ) from None
+        return handler(self, server, payload, now)
+
+    def connect(self, endpoint: str, now: float) -> list[Action]:
+        """Add a server (in failover order); the first one starts the sync."""
+        self.servers.append(endpoint)
+        return self.handle(Event.CONNECT, len(self.servers) - 1, endpoint, now)
+
+    def snapshot_reply(self, server: int, msg: KVMsg | SnapshotEnd, now: float) -> list[Action]:
+        if isinstance(msg, SnapshotEnd):
+            return self.handle(Event.SNAPSHOT_END, server, msg, now)
+        return self.handle(Event.SNAPSHOT_ENTRY, server, msg, now)
+
+    def update(self, server: int, msg: KVMsg | Hugz, now: float) -> list[Action]:
+        if isinstance(msg, Hugz):
+            return self.handle(Event.HEARTBEAT, server, msg, now)
+        return self.handle(Event.UPDATE, server, msg, now)
+
+    def protocol_error(self, server: int) -> None:
+        """Count a malformed message (the I/O loop logs it and drops it)."""
+        self.counters.protocol_errors += 1
+
+    def write(self, msg: KVMsg, now: float, *, confirm_within: float | None) -> list[Action]:
+        """Publish a client update; with ``confirm_within``, track it until confirmed."""
+        if confirm_within is not None:
+            if not msg.uuid:
+                raise ValueError("a confirmed write needs a uuid")
+            self._pending[msg.uuid] = _Pending(
+                msg, now + confirm_within, now + self.config.resend_interval
+            )
+        return [SendUpdate(msg)]
+
+    def forget(self, uuid: bytes) -> None:
+        """The application gave up waiting for this write."""
+        self._pending.pop(uuid, None)
+
+    def tick(self, now: float) -> list[Action]:
+        """Let time pass: silence, resends and expired confirmed writes."""
+        actions: list[Action] = []
+        if self._pending:
+            for uuid, p in list(self._pending.items()):
+                if now >= p.expires_at:
+                    del self._pending[uuid]
+                    self.counters.expired_writes += 1
+                    log.warning("gave up on confirmed write to %r: not republished", p.msg.key)
+                elif now >= p.next_send and not p.published:
+                    p.next_send = now + self.config.resend_interval
+                    self.counters.resent += 1
+                    actions.append(SendUpdate(p.msg))
+        if self._silence_at is not None and now >= self._silence_at:
+            actions.extend(self.handle(Event.SILENCE, self.current or 0, None, now))
+        return actions
+
+    # ----------------------------------------------------------------------
+    # Handlers (the table below)
+
+    def _ignore(self, server: int, payload: Any, now: float) -> list[Action]:
+        return []
+
+    def _add_server(self, server: int, payload: Any, now: float) -> list[Action]:
+        return []
+
+    def _first_server(self, server: int, payload: Any, now: float) -> list[Action]:
+        return self._start_sync(server, now)
+
+    def _store_entry(self, server: int, msg: KVMsg, now: float) -> list[Action]:
+        self._alive(now)
+        if msg.body and self._subtree_of(msg.key) is not None:
+            self._side[msg.key] = msg
+        return []
+
+    def _end_snapshot(self, server: int, end: SnapshotEnd, now: float) -> list[Action]:
+        self._alive(now)
+        waiting = [s for s in self.subtrees if s not in self._ends]
+        if end.subtree in waiting:
+            subtree = end.subtree
+        elif len(waiting) == 1:
+            subtree = waiting[0]  # a server that does not echo the subtree
+        else:
+            self.counters.protocol_errors += 1
+            log.warning("KTHXBAI for subtree %r that we are not waiting for", end.subtree)
+            return []
+        self._ends[subtree] = end.sequence
+        if len(self._ends) < len(self.subtrees):
+            return []
+        return self._swap(now)
+
+    def _buffer_update(self, server: int, msg: KVMsg, now: float) -> list[Action]:
+        self._alive(now)
+        self._buffer.append(msg)
+        return []
+
+    def _note_alive(self, server: int, payload: Any, now: float) -> list[Action]:
+        self._alive(now)
+        return []
+
+    def _retry_or_failover(self, server: int, payload: Any, now: float) -> list[Action]:
+        assert self.current is not None
+        if self._requests < self.config.requests_per_server:
+            self.counters.retries += 1
+            log.info("no snapshot from %s yet; asking again", self.servers[self.current])
+            return self._request(now)
+        return self._failover(now)
+
+    def _silent_active(self, server: int, payload: Any, now: float) -> list[Action]:
+        assert self.current is not None
+        log.warning(
+            "server %s silent for %.3g s; failing over",
+            self.servers[self.current],
+            self.config.server_timeout,
+        )
+        return self._failover(now)
+
+    def _apply_update(self, server: int, msg: KVMsg, now: float) -> list[Action]:
+        self._alive(now)
+        if msg.sequence <= self.last_sequence:
+            self.counters.stale += 1
+            return self._confirm_if_pending(msg.uuid)
+        if msg.sequence != self.last_sequence + 1:
+            self.counters.gaps += 1
+            log.warning(
+                "sequence gap from %s: got %d after %d; resyncing",
+                self.servers[server],
+                msg.sequence,
+                self.last_sequence,
+            )
+            self._mark_published(msg.uuid)
+            return self._start_sync(server, now)
+        self.last_sequence = msg.sequence
+        actions: list[Action] = []
+        if self._subtree_of(msg.key) is not None:
+            old = self._map.get(msg.key)
+            if msg.body:
+                self._map[msg.key] = msg
+            elif old is not None:
+                del self._map[msg.key]
+            if self.emit_changes and _differs(old, msg if msg.body else None):
+                actions.append(Changed(msg.key, msg if msg.body else None))
+        actions.extend(self._confirm_if_pending(msg.uuid))
+        return actions
+
+    def _check_heartbeat(self, server: int, hugz: Hugz, now: float) -> list[Action]:
+        self._alive(now)
+        if hugz.sequence > self.last_sequence:
+            self.counters.gaps += 1
+            log.warning(
+                "HUGZ from %s at sequence %d but we applied only up to %d; resyncing",
+                self.servers[server],
+                hugz.sequence,
+                self.last_sequence,
+            )
+            return self._start_sync(server, now)
+        return []
+
+    # ----------------------------------------------------------------------
+    # Helpers
+
+    def _alive(self, now: float) -> None:
+        self._silence_at = now + self.config.server_timeout
+
+    def _subtree_of(self, key: str) -> str | None:
+        for subtree in self.subtrees:
+            if key_in_subtree(key, subtree):
+                return subtree
+        return None
+
+    def _set_state(self, state: State) -> list[Action]:
+        if state is self.state:
+            return []
+        self.state = state
+        return [StateChanged(state, self.current)]
+
+    def _start_sync(self, server: int, now: float) -> list[Action]:
+        """Start a fresh snapshot from ``server``, keeping the map readable."""
+        if self.counters.snapshots:
+            self.counters.resyncs += 1
+        self.current = server
+        self._requests = 0
+        actions = self._set_state(State.SYNCING)
+        return actions + self._request(now)
+
+    def _request(self, now: float) -> list[Action]:
+        assert self.current is not None
+        self._side = {}
+        self._buffer = []
+        self._ends = {}
+        self._requests += 1
+        self._alive(now)
+        return [RequestSnapshot(self.current, self.subtrees)]
+
+    def _failover(self, now: float) -> list[Action]:
+        assert self.current is not None
+        nxt = (self.current + 1) % len(self.servers)
+        self.counters.failovers += 1
+        log.info("failing over from %s to %s", self.servers[self.current], self.servers[nxt])
+        return self._start_sync(nxt, now)
+
+    def _mark_published(self, uuid: bytes) -> None:
+        pending = self._pending.get(uuid) if uuid else None
+        if pending is not None:
+            pending.published = True
+
+    def _confirm_if_pending(self, uuid: bytes) -> list[Action]:
+        if uuid and self._pending.pop(uuid, None) is not None:
+            return [Confirmed(uuid)]
+        return []
+
+    def _swap(self, now: float) -> list[Action]:
+        """Replay the buffered updates over the side map, then make it the map."""
+        side = self._side
+        last = min(self._ends.values())
+        for msg in self._buffer:
+            self._mark_published(msg.uuid)
+            if msg.sequence <= last:
+                continue
+            if msg.sequence != last + 1:
+                self.counters.gaps += 1
+                assert self.current is not None
+                log.warning(
+                    "sequence gap while syncing from %s: got %d after %d; resyncing",
+                    self.servers[self.current],
+                    msg.sequence,
+                    last,
+                )
+                return self._start_sync(self.current, now)
+            last = msg.sequence
+            subtree = self._subtree_of(msg.key)
+            if subtree is None or msg.sequence <= self._ends[subtree]:
+                continue
+            held = side.get(msg.key)
+            if held is not None and held.sequence >= msg.sequence:
+                continue  # the fuzzy snapshot already holds a newer value
+            if msg.body:
+                side[msg.key] = msg
+            else:
+                side.pop(msg.key, None)
+        old, self._map = self._map, side
+        self._side, self._buffer, self._ends = {}, [], {}
+        self.last_sequence = last
+        self.counters.snapshots += 1
+        actions = self._set_state(State.ACTIVE)
+        if self.emit_changes:
+            actions.extend(_diff(old, side))
+        for entry in side.values():
+            self._mark_published(entry.uuid)
+        for uuid, p in list(self._pending.items()):
+            if p.published:
+                del self._pending[uuid]
+                actions.append(Confirmed(uuid))
+            else:
+                # The new server may never have seen it: send again, same uuid.
+                p.next_send = now + self.config.resend_interval
+                self.counters.resent += 1
+                actions.append(SendUpdate(p.msg))
+        return actions
+
+
+def _differs(old: KVMsg | None, new: KVMsg | None) -> bool:
+    if old is None or new is None:
+        return old is not new
+    return old.body != new.body or old.properties != new.properties
+
+
+def _diff(old: dict[str, KVMsg], new: dict[str, KVMsg]) -> list[Action]:
+    """The changes that turn ``old`` into ``new``, by key."""
+    out: list[Action] = [Changed(k, None) for k in old if k not in new]
+    out.extend(Changed(k, v) for k, v in new.items() if _differs(old.get(k), v))
+    return out
+
+
+_S, _E = State, Event
+TRANSITIONS: dict[tuple[State, Event], _Handler] = {
+    (_S.INITIAL, _E.CONNECT): AgentFSM._first_server,
+    (_S.INITIAL, _E.SNAPSHOT_ENTRY): AgentFSM._ignore,
+    (_S.INITIAL, _E.SNAPSHOT_END): AgentFSM._ignore,
+    (_S.INITIAL, _E.UPDATE): AgentFSM._ignore,
+    (_S.INITIAL, _E.HEARTBEAT): AgentFSM._ignore,
+    (_S.INITIAL, _E.SILENCE): AgentFSM._ignore,
+    (_S.SYNCING, _E.CONNECT): AgentFSM._add_server,
+    (_S.SYNCING, _E.SNAPSHOT_ENTRY): AgentFSM._store_entry,
+    (_S.SYNCING, _E.SNAPSHOT_END): AgentFSM._end_snapshot,
+    (_S.SYNCING, _E.UPDATE): AgentFSM._buffer_update,
+    (_S.SYNCING, _E.HEARTBEAT): AgentFSM._note_alive,
+    (_S.SYNCING, _E.SILENCE): AgentFSM._retry_or_failover,
+    (_S.ACTIVE, _E.CONNECT): AgentFSM._add_server,
+    (_S.ACTIVE, _E.SNAPSHOT_ENTRY): AgentFSM._note_alive,  # late reply: alive, ignored
+    (_S.ACTIVE, _E.SNAPSHOT_END): AgentFSM._note_alive,
+    (_S.ACTIVE, _E.UPDATE): AgentFSM._apply_update,
+    (_S.ACTIVE, _E.HEARTBEAT): AgentFSM._check_heartbeat,
+    (_S.ACTIVE, _E.SILENCE): AgentFSM._silent_active,
+}

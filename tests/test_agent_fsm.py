@@ -1,0 +1,408 @@
+"""Unit tests of the client agent's state machine: no sockets, a fake clock.
+
+``FakeServer`` plays a CHP server in memory: it holds a map and a sequence, and
+hands the FSM the KVSYNC/KTHXBAI/KVPUB/HUGZ messages a real one would send.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from clone.agent_fsm import (
+    TRANSITIONS,
+    AgentConfig,
+    AgentFSM,
+    Changed,
+    Confirmed,
+    Event,
+    IllegalTransition,
+    RequestSnapshot,
+    SendUpdate,
+    State,
+    StateChanged,
+    normalize_subtrees,
+)
+from clone.codec import Hugz, KVMsg, SnapshotEnd, new_uuid
+
+CFG = AgentConfig(heartbeat=1.0, server_timeout=2.5, resend_interval=0.5)
+
+
+class FakeServer:
+    """An in-memory CHP server: a map, a sequence, and the messages it would send."""
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.seq = 0
+        self.map: dict[str, KVMsg] = {}
+
+    def apply(self, key: str, body: bytes, uuid: bytes = b"") -> KVMsg:
+        self.seq += 1
+        msg = KVMsg(key, self.seq, uuid, (), body)
+        if body:
+            self.map[key] = msg
+        else:
+            self.map.pop(key, None)
+        return msg
+
+    def snapshot(self, subtree: str = "") -> list[KVMsg | SnapshotEnd]:
+        out: list[KVMsg | SnapshotEnd] = [
+            m for k, m in sorted(self.map.items()) if k.startswith(subtree)
+        ]
+        out.append(SnapshotEnd(self.seq, subtree))
+        return out
+
+
+def feed_snapshot(fsm: AgentFSM, srv: FakeServer, now: float, subtree: str = "") -> list:
+    actions: list = []
+    for msg in srv.snapshot(subtree):
+        actions += fsm.snapshot_reply(srv.index, msg, now)
+    return actions
+
+
+def synced(servers: int = 2, subtrees: str | list[str] | None = None) -> tuple:
+    fsm = AgentFSM(subtrees, CFG, now=0.0)
+    srvs = [FakeServer(i) for i in range(servers)]
+    for i in range(servers):
+        fsm.connect(f"tcp://127.0.0.1:{5556 + 10 * i}", 0.0)
+    for sub in fsm.subtrees:
+        feed_snapshot(fsm, srvs[0], 0.0, sub)
+    assert fsm.state is State.ACTIVE
+    return fsm, srvs
+
+
+def test_table_covers_every_state_and_event() -> None:
+    for state, event in itertools.product(State, Event):
+        assert (state, event) in TRANSITIONS, (state, event)
+
+
+@pytest.mark.parametrize(("state", "event"), list(TRANSITIONS))
+def test_every_transition_runs(state: State, event: Event) -> None:
+    """Each table entry accepts a plausible payload without raising."""
+    fsm = AgentFSM(None, CFG, now=0.0)
+    if state is not State.INITIAL:
+        fsm.connect("tcp://a:1", 0.0)
+    if state is State.ACTIVE:
+        fsm.snapshot_reply(0, SnapshotEnd(0), 0.0)
+    assert fsm.state is state
+    payload = {
+        Event.CONNECT: "tcp://b:2",
+        Event.SNAPSHOT_ENTRY: KVMsg("k", 1, b"", (), b"v"),
+        Event.SNAPSHOT_END: SnapshotEnd(0),
+        Event.UPDATE: KVMsg("k", 1, b"", (), b"v"),
+        Event.HEARTBEAT: Hugz(0),
+        Event.SILENCE: None,
+    }[event]
+    server = 1 if event is Event.CONNECT else 0
+    if state is State.INITIAL and event is not Event.CONNECT:
+        fsm.current = 0  # reach the handler rather than the foreign-server filter
+    assert isinstance(fsm.handle(event, server, payload, 1.0), list)
+
+
+def test_missing_pair_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    fsm = AgentFSM(None, CFG)
+    fsm.connect("tcp://a:1", 0.0)
+    monkeypatch.delitem(TRANSITIONS, (State.SYNCING, Event.HEARTBEAT))
+    with pytest.raises(IllegalTransition):
+        fsm.update(0, Hugz(0), 0.0)
+
+
+def test_connect_requests_a_snapshot_from_the_first_server_only() -> None:
+    fsm = AgentFSM("/a/", CFG)
+    assert fsm.connect("tcp://a:1", 0.0) == [
+        StateChanged(State.SYNCING, 0),
+        RequestSnapshot(0, ("/a/",)),
+    ]
+    assert fsm.connect("tcp://b:1", 0.0) == []
+    assert fsm.state is State.SYNCING
+
+
+def test_snapshot_then_updates() -> None:
+    fsm = AgentFSM(None, CFG)
+    srv = FakeServer(0)
+    srv.apply("a", b"1")
+    srv.apply("b", b"2")
+    fsm.connect("tcp://a:1", 0.0)
+    actions = feed_snapshot(fsm, srv, 0.1)
+    assert StateChanged(State.ACTIVE, 0) in actions
+    assert {a.key for a in actions if isinstance(a, Changed)} == {"a", "b"}
+    assert fsm.last_sequence == 2
+    actions = fsm.update(0, srv.apply("a", b"3"), 0.2)
+    assert actions == [Changed("a", srv.map["a"])]
+    fsm.update(0, srv.apply("b", b""), 0.3)
+    assert fsm.get("b") is None
+    assert [m.key for m in fsm.items()] == ["a"]
+
+
+def test_stale_updates_are_discarded() -> None:
+    fsm, (srv, _) = synced()
+    m1 = srv.apply("a", b"1")
+    fsm.update(0, m1, 0.1)
+    assert fsm.update(0, KVMsg("a", 1, b"", (), b"old"), 0.2) == []
+    assert fsm.get("a") == m1
+    assert fsm.counters.stale == 1
+
+
+def test_gap_in_kvpub_forces_a_resync_on_the_same_server() -> None:
+    fsm, (srv, _) = synced()
+    srv.apply("a", b"1")  # lost on the way
+    actions = fsm.update(0, srv.apply("b", b"2"), 0.1)
+    assert RequestSnapshot(0, ("",)) in actions
+    assert fsm.state is State.SYNCING
+    assert fsm.counters.gaps == 1
+    feed_snapshot(fsm, srv, 0.2)
+    assert fsm.get("a") is not None and fsm.get("b") is not None
+
+
+def test_hugz_is_not_an_update_but_reveals_a_missed_tail() -> None:
+    fsm, (srv, _) = synced()
+    assert fsm.update(0, Hugz(0), 0.1) == []
+    assert fsm.last_sequence == 0
+    srv.apply("a", b"1")  # lost
+    actions = fsm.update(0, Hugz(srv.seq), 0.2)
+    assert RequestSnapshot(0, ("",)) in actions
+    assert fsm.counters.gaps == 1
+
+
+def test_silence_while_syncing_asks_twice_then_fails_over() -> None:
+    fsm = AgentFSM(None, CFG, now=0.0)
+    fsm.connect("tcp://a:1", 0.0)
+    fsm.connect("tcp://b:1", 0.0)
+    assert fsm.next_deadline() == 2.5
+    assert fsm.tick(2.4) == []
+    assert fsm.tick(2.5) == [RequestSnapshot(0, ("",))]
+    assert fsm.tick(5.0) == [RequestSnapshot(1, ("",))]
+    assert fsm.current == 1 and fsm.counters.failovers == 1
+    assert fsm.tick(7.5) == [RequestSnapshot(1, ("",))]
+    assert fsm.tick(10.0) == [RequestSnapshot(0, ("",))]
+
+
+def test_streaming_snapshot_keeps_the_server_alive() -> None:
+    fsm = AgentFSM(None, CFG, now=0.0)
+    fsm.connect("tcp://a:1", 0.0)
+    for i in range(10):
+        fsm.snapshot_reply(0, KVMsg(f"k{i}", i + 1, b"", (), b"v"), 2.0 * i)
+        assert fsm.tick(2.0 * i + 1) == []
+    assert fsm.counters.retries == 0
+
+
+def test_silence_while_active_fails_over_with_a_fresh_map() -> None:
+    fsm, (primary, backup) = synced()
+    for key in ("a", "b", "c"):
+        m = primary.apply(key, b"1")
+        backup.map[key] = m
+        fsm.update(0, m, 0.5)
+    fsm.update(0, Hugz(primary.seq), 1.0)
+    # primary dies; on the backup "b" gets deleted and "d" appears
+    backup.seq = primary.seq
+    backup.apply("b", b"")
+    backup.apply("d", b"new")
+    assert fsm.tick(3.4) == []
+    actions = fsm.tick(3.5)
+    assert StateChanged(State.SYNCING, 1) in actions
+    assert RequestSnapshot(1, ("",)) in actions
+    # The old map stays readable while the new snapshot streams in.
+    assert fsm.get("b") is not None
+    actions = feed_snapshot(fsm, backup, 3.6)
+    assert fsm.get("b") is None
+    assert fsm.get("d") is not None
+    changes = {a.key: a.entry for a in actions if isinstance(a, Changed)}
+    assert set(changes) == {"b", "d"} and changes["b"] is None
+    assert fsm.counters.failovers == 1 and fsm.counters.resyncs == 1
+
+
+def test_updates_during_sync_are_buffered_and_replayed_after_kthxbai() -> None:
+    fsm = AgentFSM(None, CFG)
+    srv = FakeServer(0)
+    srv.apply("a", b"1")
+    fsm.connect("tcp://a:1", 0.0)
+    snap = srv.snapshot()  # [a@1, KTHXBAI(1)]
+    published = [srv.apply("a", b"2"), srv.apply("b", b"old"), srv.apply("b", b"new")]
+    for msg in published:  # they arrive while the snapshot streams
+        assert fsm.update(0, msg, 0.1) == []
+    assert fsm.state is State.SYNCING
+    fsm.snapshot_reply(0, snap[0], 0.2)
+    fsm.snapshot_reply(0, srv.map["b"], 0.2)  # fuzzy: b@4 is newer than KTHXBAI(1)
+    actions = fsm.snapshot_reply(0, snap[-1], 0.3)
+    assert fsm.state is State.ACTIVE
+    assert {m.key: m.body for m in fsm.items()} == {"a": b"2", "b": b"new"}
+    assert fsm.last_sequence == 4
+    assert {a.key for a in actions if isinstance(a, Changed)} == {"a", "b"}
+
+
+def test_gap_inside_the_sync_buffer_resyncs() -> None:
+    fsm = AgentFSM(None, CFG)
+    srv = FakeServer(0)
+    fsm.connect("tcp://a:1", 0.0)
+    srv.apply("a", b"1")  # missed: subscription not yet in place
+    fsm.update(0, srv.apply("b", b"2"), 0.1)
+    actions = feed_snapshot(fsm, FakeServer(0), 0.2)  # a snapshot from before both
+    assert RequestSnapshot(0, ("",)) in actions
+    assert fsm.state is State.SYNCING and fsm.counters.gaps == 1
+
+
+def test_messages_from_other_servers_are_ignored() -> None:
+    fsm, (_srv, other) = synced()
+    other.apply("x", b"1")
+    assert fsm.update(1, other.map["x"], 0.1) == []
+    assert fsm.snapshot_reply(1, SnapshotEnd(5), 0.1) == []
+    assert fsm.get("x") is None
+    assert fsm.counters.foreign == 2
+
+
+def test_subtrees_filter_and_each_gets_its_own_snapshot() -> None:
+    srv = FakeServer(0)
+    srv.apply("/a/1", b"x")
+    srv.apply("/b/1", b"y")
+    srv.apply("/c/1", b"z")
+    fsm = AgentFSM(["/b/", "/a/", "/a/deep/"], CFG)
+    assert fsm.subtrees == ("/a/", "/b/")
+    actions = fsm.connect("tcp://a:1", 0.0)
+    assert RequestSnapshot(0, ("/a/", "/b/")) in actions
+    feed_snapshot(fsm, srv, 0.1, "/a/")
+    assert fsm.state is State.SYNCING
+    feed_snapshot(fsm, srv, 0.1, "/b/")
+    assert fsm.state is State.ACTIVE
+    assert [m.key for m in fsm.items()] == ["/a/1", "/b/1"]
+    # updates outside the subtrees advance the sequence but are not stored
+    fsm.update(0, srv.apply("/c/2", b"q"), 0.2)
+    fsm.update(0, srv.apply("/a/2", b"r"), 0.2)
+    assert fsm.counters.gaps == 0
+    assert [m.key for m in fsm.items("/a/")] == ["/a/1", "/a/2"]
+
+
+def test_normalize_subtrees() -> None:
+    assert normalize_subtrees(None) == ("",)
+    assert normalize_subtrees([]) == ("",)
+    assert normalize_subtrees(["/a/", ""]) == ("",)
+    with pytest.raises(Exception, match="segment"):
+        normalize_subtrees("a/")
+    with pytest.raises(TypeError):
+        normalize_subtrees([b"/a/"])  # type: ignore[list-item]
+
+
+def test_confirmed_write_is_confirmed_when_its_uuid_comes_back() -> None:
+    fsm, (srv, _) = synced()
+    msg = KVMsg.build("k", b"v")
+    assert fsm.write(msg, 1.0, confirm_within=5.0) == [SendUpdate(msg)]
+    actions = fsm.update(0, srv.apply("k", b"v", msg.uuid), 1.1)
+    assert actions[-1] == Confirmed(msg.uuid)
+    assert fsm.get("k") is not None  # applied before confirmed
+    assert fsm.pending_writes == 0
+
+
+def test_unconfirmed_write_is_resent_then_given_up() -> None:
+    fsm, _ = synced()
+    msg = KVMsg.build("k", b"v")
+    fsm.write(msg, 1.0, confirm_within=2.0)
+    fsm.update(0, Hugz(0), 1.2)
+    assert fsm.tick(1.4) == []
+    assert fsm.tick(1.5) == [SendUpdate(msg)]
+    assert fsm.tick(2.0) == [SendUpdate(msg)]
+    fsm.update(0, Hugz(0), 2.5)
+    assert fsm.tick(3.0) == []
+    assert fsm.pending_writes == 0 and fsm.counters.expired_writes == 1
+
+
+def test_confirmed_write_survives_failover() -> None:
+    fsm, (_primary, backup) = synced()
+    msg = KVMsg.build("k", b"v")
+    fsm.write(msg, 0.5, confirm_within=10.0)
+    # neither server publishes it; the primary dies
+    actions = fsm.tick(2.5)
+    assert RequestSnapshot(1, ("",)) in actions
+    actions = feed_snapshot(fsm, backup, 2.6)
+    assert SendUpdate(msg) in actions  # resent to the new server, same uuid
+    actions = fsm.update(1, backup.apply("k", b"v", msg.uuid), 2.7)
+    assert Confirmed(msg.uuid) in actions
+
+
+def test_write_published_during_sync_is_confirmed_at_the_swap() -> None:
+    fsm = AgentFSM(None, CFG)
+    srv = FakeServer(0)
+    fsm.connect("tcp://a:1", 0.0)
+    msg = KVMsg.build("k", b"v")
+    fsm.write(msg, 0.0, confirm_within=5.0)
+    snap = srv.snapshot()
+    pub = srv.apply("k", b"v", msg.uuid)
+    assert fsm.update(0, pub, 0.1) == []  # buffered, not confirmed yet
+    actions = []
+    for m in snap:
+        actions += fsm.snapshot_reply(0, m, 0.2)
+    assert Confirmed(msg.uuid) in actions
+    assert fsm.get("k") is not None
+
+
+def test_write_seen_in_a_gap_is_confirmed_after_the_resync() -> None:
+    fsm, (srv, _) = synced()
+    msg = KVMsg.build("k", b"v")
+    fsm.write(msg, 0.0, confirm_within=5.0)
+    srv.apply("x", b"lost")
+    fsm.update(0, srv.apply("k", b"v", msg.uuid), 0.1)  # gap -> resync
+    srv.apply("k", b"overwritten")  # so the snapshot no longer carries our uuid
+    actions = feed_snapshot(fsm, srv, 0.2)
+    assert Confirmed(msg.uuid) in actions
+    assert not any(isinstance(a, SendUpdate) for a in actions)
+
+
+def test_config_from_heartbeat() -> None:
+    cfg = AgentConfig.from_heartbeat(0.1)
+    assert cfg.server_timeout == pytest.approx(0.25)
+    assert cfg.resend_interval == pytest.approx(0.05)
+    with pytest.raises(ValueError):
+        AgentConfig.from_heartbeat(0)
+    with pytest.raises(ValueError):
+        AgentConfig(requests_per_server=0)
+
+
+_ops = st.lists(
+    st.tuples(st.sampled_from(["a", "b", "c", "d"]), st.sampled_from([b"", b"1", b"2"])),
+    max_size=30,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(before=_ops, during=_ops, after=_ops, cut=st.integers(0, 30))
+def test_client_converges_to_the_server_state(
+    before: list[tuple[str, bytes]],
+    during: list[tuple[str, bytes]],
+    after: list[tuple[str, bytes]],
+    cut: int,
+) -> None:
+    """Whatever happens around a fuzzy snapshot, the client ends equal to the server.
+
+    The snapshot is taken at some point, its entries are read while updates keep
+    coming (so some entries are newer than KTHXBAI), and every update is also
+    published to the subscriber.
+    """
+    srv = FakeServer(0)
+    for k, v in before:
+        srv.apply(k, v)
+    fsm = AgentFSM(None, CFG)
+    fsm.connect("tcp://a:1", 0.0)
+    snap_seq = srv.seq
+    published = [srv.apply(k, v) for k, v in during]
+    # fuzzy: entries as of a later point (cut into the 'during' updates)
+    fuzzy_state: dict[str, KVMsg] = {}
+    replay = FakeServer(0)
+    for k, v in before:
+        replay.apply(k, v)
+    for k, v in during[: min(cut, len(during))]:
+        replay.apply(k, v)
+    fuzzy_state = dict(replay.map)
+    for update in published:
+        fsm.update(0, update, 0.1)
+    for m in sorted(fuzzy_state.values(), key=lambda m: m.key):
+        fsm.snapshot_reply(0, m, 0.2)
+    fsm.snapshot_reply(0, SnapshotEnd(snap_seq), 0.2)
+    for k, v in after:
+        fsm.update(0, srv.apply(k, v), 0.3)
+    assert fsm.state is State.ACTIVE
+    assert {m.key: m.body for m in fsm.items()} == {k: m.body for k, m in srv.map.items()}
+
+
+def test_new_uuid_is_sixteen_bytes() -> None:
+    assert len(new_uuid()) == 16
