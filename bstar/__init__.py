@@ -7,6 +7,7 @@ silent *and* a client asks it to. See ``docs/failover.md`` for the rules.
 
 * :mod:`bstar.fsm` holds the decisions (no I/O, explicit ``now``);
 * :mod:`bstar.wire` the state message format;
+* :mod:`bstar.reactor` the sockets and timers on a tornado IOLoop.
 """
 
 from bstar.errors import (
@@ -28,10 +29,13 @@ from bstar.fsm import (
     VotePolicy,
     peer_event,
 )
+from bstar.reactor import BinaryStar, BinaryStarCounters, StateCallback, VoteHandler
 from bstar.wire import decode_state, encode_state
 
 __all__ = [
     "TRANSITIONS",
+    "BinaryStar",
+    "BinaryStarCounters",
     "BinaryStarError",
     "BinaryStarFSM",
     "Conflict",
@@ -43,7 +47,9 @@ __all__ = [
     "RoleConflictError",
     "Rule",
     "State",
+    "StateCallback",
     "Vote",
+    "VoteHandler",
     "VotePolicy",
     "decode_state",
     "encode_state",

@@ -113,10 +113,10 @@ VOTE_RULES: dict[tuple[bool, State], tuple[tuple[State, Vote], tuple[State, Vote
 }
 
 
-def _case_id(case: object) -> str:
-    role, state, *rest = case  # type: ignore[misc]
-    names = [getattr(x, "name", str(x)) for x in rest]
-    return "-".join(["primary" if role else "backup", state.name, *names])
+def _case_id(case: tuple[bool, State] | tuple[bool, State, Event]) -> str:
+    role, state = case[0], case[1]
+    names = [state.name, *(event.name for event in case[2:])]
+    return "-".join(["primary" if role else "backup", *names])
 
 
 def test_expectations_cover_every_reachable_state_event_pair() -> None:

@@ -1,0 +1,421 @@
+"""Binary Star over ZeroMQ on a tornado IOLoop: the I/O around :mod:`bstar.fsm`.
+
+:class:`BinaryStar` owns a PUB socket, bound at the local endpoint, on which it
+announces its state every heartbeat and right after every transition, and a SUB
+socket connected to the peer's PUB. Everything it hears and every client vote goes
+to the state machine; what comes back is turned into callbacks and log lines.
+
+All methods must be called on the loop's thread (from another thread, go through
+``loop.add_callback``). Nothing here blocks, and nothing looks up a global loop or
+context: both are passed in, so several instances can share one process, which is
+how the tests run a primary and a backup side by side.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+from tornado.ioloop import IOLoop
+from zmq.eventloop.zmqstream import ZMQStream
+
+from bstar.errors import BinaryStarError, PeerStateError
+from bstar.fsm import BinaryStarFSM, Conflict, FsmCounters, Outcome, State
+from bstar.wire import decode_state, encode_state
+
+__all__ = ["BinaryStar", "BinaryStarCounters", "StateCallback", "VoteHandler"]
+
+log = logging.getLogger(__name__)
+
+#: Called with no arguments when the server becomes active, passive, or detects
+#: split brain.
+StateCallback = Callable[[], object]
+#: Called with the voter stream and the received frames when a vote is accepted;
+#: reply on the stream if the protocol needs a reply.
+VoteHandler = Callable[[ZMQStream, list[bytes]], object]
+
+#: Bad input from the network is logged at most once per this many seconds.
+_LOG_INTERVAL = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class BinaryStarCounters:
+    """Counters of the state machine plus those of the I/O around it."""
+
+    fsm: FsmCounters
+    state_messages_sent: int = 0
+    state_messages_received: int = 0
+    malformed_peer_messages: int = 0
+    rejected_peer_events: int = 0
+    callback_errors: int = 0
+
+
+class _RateLimitedLog:
+    """Log at most one message per interval and say how many were held back.
+
+    A peer stuck sending garbage at the heartbeat rate must not flood the log.
+    """
+
+    def __init__(self, logger: logging.Logger, interval: float, clock: Callable[[], float]):
+        self._logger = logger
+        self._interval = interval
+        self._clock = clock
+        self._last: float | None = None
+        self._suppressed = 0
+
+    def log(self, level: int, msg: str, *args: object) -> None:
+        now = self._clock()
+        if self._last is not None and now - self._last < self._interval:
+            self._suppressed += 1
+            return
+        if self._suppressed:
+            msg += " (%d similar messages suppressed)"
+            args = (*args, self._suppressed)
+        self._logger.log(level, msg, *args)
+        self._last = now
+        self._suppressed = 0
+
+
+class BinaryStar:
+    """One server of a Binary Star pair.
+
+    ``primary`` is this server's configured role. ``local_endpoint`` is where our
+    state is published (bound), ``peer_endpoint`` where the peer publishes its own
+    (connected). The peer is declared dead ``missed`` heartbeats after it was last
+    heard. ``clock`` returns monotonic seconds; it is injectable so that the rules
+    can be exercised with a controlled time source.
+
+    Create it, register callbacks and voters, then :meth:`start`; :meth:`stop`
+    closes everything. An instance is started at most once: a restarted server
+    is a new instance, just as it would be a new process.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        loop: IOLoop,
+        primary: bool,
+        local_endpoint: str,
+        peer_endpoint: str,
+        *,
+        heartbeat: float = 1.0,
+        missed: int = 2,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not isinstance(ctx, zmq.Context):
+            raise TypeError(f"ctx must be a zmq.Context, got {type(ctx).__name__}")
+        if not isinstance(loop, IOLoop):
+            raise TypeError(f"loop must be a tornado IOLoop, got {type(loop).__name__}")
+        endpoints = {"local_endpoint": local_endpoint, "peer_endpoint": peer_endpoint}
+        for name, endpoint in endpoints.items():
+            if not isinstance(endpoint, str) or not endpoint:
+                raise ValueError(f"{name} must be a non-empty endpoint string, got {endpoint!r}")
+        if local_endpoint == peer_endpoint:
+            raise ValueError(f"local and peer endpoints are both {local_endpoint!r}")
+        self._ctx = ctx
+        self._loop = loop
+        self._local_endpoint = local_endpoint
+        self._peer_endpoint = peer_endpoint
+        self._clock = clock
+        # Validates primary/heartbeat/missed; replaced at start() so that the
+        # start-up grace period counts from the moment we begin listening.
+        self._fsm = BinaryStarFSM(primary, clock(), heartbeat=heartbeat, missed=missed)
+        self._on_active: list[StateCallback] = []
+        self._on_passive: list[StateCallback] = []
+        self._on_split_brain: list[StateCallback] = []
+        self._voters: list[ZMQStream] = []
+        self._pub: zmq.Socket | None = None
+        self._sub: ZMQStream | None = None
+        self._timer: object | None = None
+        self._next_tick = 0.0
+        self._started = False
+        self._stopped = False
+        self._sent = 0
+        self._received = 0
+        self._malformed = 0
+        self._rejected = 0
+        self._callback_errors = 0
+        self._bad_input_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
+
+    def __repr__(self) -> str:
+        role = "primary" if self.primary else "backup"
+        return (
+            f"<BinaryStar {role} {self.state.name} at {self._local_endpoint}"
+            f" peer {self._peer_endpoint}>"
+        )
+
+    # -- read-only views -------------------------------------------------------
+
+    @property
+    def primary(self) -> bool:
+        return self._fsm.primary
+
+    @property
+    def state(self) -> State:
+        return self._fsm.state
+
+    @property
+    def peer_state(self) -> State | None:
+        """The peer's last reported state, or None if never heard."""
+        return self._fsm.peer_state
+
+    @property
+    def last_peer_contact(self) -> float | None:
+        """Clock reading of the last state message from the peer, or None."""
+        return self._fsm.last_peer_contact
+
+    @property
+    def peer_expiry(self) -> float:
+        """Clock reading from which a vote may make us active, unless the peer speaks."""
+        return self._fsm.peer_expiry
+
+    @property
+    def heartbeat(self) -> float:
+        return self._fsm.heartbeat
+
+    @property
+    def missed(self) -> int:
+        return self._fsm.missed
+
+    @property
+    def local_endpoint(self) -> str:
+        return self._local_endpoint
+
+    @property
+    def peer_endpoint(self) -> str:
+        return self._peer_endpoint
+
+    @property
+    def running(self) -> bool:
+        """True between start() and stop()."""
+        return self._started and not self._stopped
+
+    @property
+    def counters(self) -> BinaryStarCounters:
+        return BinaryStarCounters(
+            fsm=self._fsm.counters,
+            state_messages_sent=self._sent,
+            state_messages_received=self._received,
+            malformed_peer_messages=self._malformed,
+            rejected_peer_events=self._rejected,
+            callback_errors=self._callback_errors,
+        )
+
+    # -- application hooks -----------------------------------------------------
+
+    def on_active(self, callback: StateCallback) -> None:
+        """Call ``callback()`` each time this server becomes active."""
+        self._on_active.append(callback)
+
+    def on_passive(self, callback: StateCallback) -> None:
+        """Call ``callback()`` each time this server becomes passive.
+
+        After a split brain the backup lands here too: its data may have diverged
+        from the primary's, so this is the place to resynchronise.
+        """
+        self._on_passive.append(callback)
+
+    def on_split_brain(self, callback: StateCallback) -> None:
+        """Call ``callback()`` once per split-brain episode, on both servers."""
+        self._on_split_brain.append(callback)
+
+    def register_voter(self, voter: zmq.Socket | ZMQStream, handler: VoteHandler) -> ZMQStream:
+        """Treat every message on ``voter`` as a client vote.
+
+        A message reaches ``handler(stream, frames)`` only if the vote is accepted;
+        a refused vote is dropped (and counted), which is how a passive server stays
+        silent while its peer lives. Ownership of the socket passes to us: it is
+        closed by :meth:`stop`. Returns the stream, so the handler can reply on it.
+        """
+        if self._stopped:
+            raise RuntimeError("register_voter() on a stopped BinaryStar")
+        if isinstance(voter, ZMQStream):
+            if voter.io_loop is not self._loop:
+                raise ValueError("voter stream runs on another IOLoop")
+            stream = voter
+        elif isinstance(voter, zmq.Socket):
+            stream = ZMQStream(voter, self._loop)
+        else:
+            raise TypeError(f"voter must be a zmq.Socket or ZMQStream, got {type(voter).__name__}")
+
+        def on_vote(stream: ZMQStream, frames: list[bytes]) -> None:
+            if self.accept_vote():
+                self._call(handler, "vote handler", stream, frames)
+            else:
+                log.debug("vote refused in state %s, message dropped", self.state.name)
+
+        stream.on_recv_stream(on_vote)
+        self._voters.append(stream)
+        return stream
+
+    def accept_vote(self, now: float | None = None) -> bool:
+        """Count one client request as a vote; True if the application may serve it.
+
+        For voter sockets the application manages itself: call this for each
+        request and serve only on True. Accepting may make this server active; if
+        so, the ``on_active`` callbacks run *before* this returns, so the
+        application is ready (pending updates applied) when it serves the request.
+        A server that is not running never accepts. ``now`` defaults to the clock.
+        """
+        if not self.running:
+            return False
+        outcome = self._fsm.client_request(self._clock() if now is None else now)
+        self._react(outcome)
+        return outcome.accepted
+
+    # -- life cycle ------------------------------------------------------------
+
+    def start(self) -> None:
+        """Bind, connect, announce our state and start the heartbeat."""
+        if self._started:
+            if self._stopped:
+                raise RuntimeError("a stopped BinaryStar cannot be restarted; create a new one")
+            return
+        self._started = True
+        self._fsm = BinaryStarFSM(
+            self._fsm.primary, self._clock(), heartbeat=self._fsm.heartbeat, missed=self._fsm.missed
+        )
+        try:
+            pub = self._ctx.socket(zmq.PUB)
+            self._pub = pub
+            pub.setsockopt(zmq.LINGER, 0)
+            pub.bind(self._local_endpoint)
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            self._sub = ZMQStream(sub, self._loop)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(self._peer_endpoint)
+        except Exception:
+            self.stop()
+            raise
+        self._sub.on_recv(self._on_peer_message)
+        log.info(
+            "binary star %s starting: publishing at %s, peer at %s, heartbeat %.3f s x %d",
+            "primary" if self.primary else "backup",
+            self._local_endpoint,
+            self._peer_endpoint,
+            self.heartbeat,
+            self.missed,
+        )
+        self._publish()
+        self._next_tick = self._loop.time() + self.heartbeat
+        self._timer = self._loop.call_at(self._next_tick, self._on_tick)
+
+    def stop(self) -> None:
+        """Cancel the heartbeat and close every socket we own. Safe to call twice."""
+        if self._stopped:
+            return
+        self._stopped = True
+        self._started = True
+        if self._timer is not None:
+            self._loop.remove_timeout(self._timer)
+            self._timer = None
+        for stream in self._voters:
+            stream.close(linger=0)
+        self._voters.clear()
+        if self._sub is not None:
+            self._sub.close(linger=0)
+            self._sub = None
+        if self._pub is not None:
+            self._pub.close(linger=0)
+            self._pub = None
+        log.info("binary star stopped in state %s", self.state.name)
+
+    # -- internals -------------------------------------------------------------
+
+    def _on_tick(self) -> None:
+        """Heartbeat: announce our state and note, once, a peer that went silent."""
+        self._timer = None
+        if not self.running:
+            return
+        self._publish()
+        now = self._clock()
+        if self._fsm.check_expiry(now):
+            contact = self._fsm.last_peer_contact
+            log.info(
+                "peer at %s presumed dead (%s); in state %s, %s",
+                self._peer_endpoint,
+                "never heard" if contact is None else f"silent for {now - contact:.3f} s",
+                self.state.name,
+                "still serving" if self.state is State.ACTIVE else "a client vote may fail over",
+            )
+        # Fixed-rate schedule; if the loop fell behind, skip rather than burst.
+        self._next_tick += self.heartbeat
+        loop_now = self._loop.time()
+        if self._next_tick <= loop_now:
+            self._next_tick = loop_now + self.heartbeat
+        self._timer = self._loop.call_at(self._next_tick, self._on_tick)
+
+    def _on_peer_message(self, frames: list[bytes]) -> None:
+        if not self.running:
+            return
+        self._received += 1
+        try:
+            peer = decode_state(frames, self._peer_endpoint)
+        except PeerStateError as exc:
+            self._malformed += 1
+            self._bad_input_log.log(logging.WARNING, "dropped state message: %s", exc)
+            return
+        now = self._clock()
+        was_silent = self._fsm.peer_state is None or not self._fsm.peer_alive(now)
+        try:
+            outcome = self._fsm.receive_peer_state(peer, now)
+        except BinaryStarError as exc:
+            self._rejected += 1
+            self._bad_input_log.log(logging.ERROR, "rejected peer state: %s", exc)
+            return
+        if was_silent:
+            log.info("peer at %s heard (%s)", self._peer_endpoint, peer.name)
+        self._react(outcome)
+
+    def _react(self, outcome: Outcome) -> None:
+        """Turn a decision of the state machine into log lines, messages and callbacks."""
+        if outcome.conflict is Conflict.SPLIT_BRAIN:
+            log.warning(
+                "split brain: peer at %s is active too; %s", self._peer_endpoint, outcome.why
+            )
+            self._fire(self._on_split_brain, "split-brain")
+        elif outcome.conflict is Conflict.DUAL_PASSIVE:
+            log.warning(
+                "dual passive: peer at %s is passive too; %s", self._peer_endpoint, outcome.why
+            )
+        if not outcome.changed:
+            return
+        log.info(
+            "%s -> %s on %s: %s",
+            outcome.previous.name,
+            outcome.state.name,
+            outcome.event.name,
+            outcome.why,
+        )
+        # Tell the peer now instead of at the next tick: it settles faster.
+        self._publish()
+        if outcome.became_active:
+            self._fire(self._on_active, "on_active")
+        elif outcome.became_passive:
+            self._fire(self._on_passive, "on_passive")
+
+    def _publish(self) -> None:
+        if self._pub is None:
+            return
+        try:
+            self._pub.send_multipart(encode_state(self.state), zmq.NOBLOCK)
+        except zmq.Again:
+            # PUB drops rather than blocks; nothing to do until the next tick.
+            return
+        self._sent += 1
+
+    def _fire(self, callbacks: list[StateCallback], what: str) -> None:
+        for callback in list(callbacks):
+            self._call(callback, what)
+
+    def _call(self, callback: Callable[..., object], what: str, *args: object) -> None:
+        """Run application code; its failure is logged, never allowed to stop the loop."""
+        try:
+            callback(*args)
+        except Exception:
+            self._callback_errors += 1
+            log.exception("%s callback %r failed", what, callback)

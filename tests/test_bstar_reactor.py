@@ -1,0 +1,486 @@
+"""Binary Star reactor: real zmq sockets on 127.0.0.1, one tornado IOLoop per test.
+
+Both servers of a pair live in this process on the same loop, which the test
+creates (no global loop, no global context). Every wait has a deadline and, when
+it expires, the failure names the state and counters of every server; the bstar
+log is captured at DEBUG and shown by pytest on failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+from tornado.ioloop import IOLoop
+from zmq.eventloop.zmqstream import ZMQStream
+
+from bstar import BinaryStar, State
+from tests.ports import free_ports
+
+HEARTBEAT = 0.1
+# One more than the default, so that a briefly busy test machine does not fake a
+# death; the rules under test are the same.
+MISSED = 3
+DEADLINE = 5.0
+
+P, B, A, S = State.PRIMARY, State.BACKUP, State.ACTIVE, State.PASSIVE
+
+
+class _TrackingContext(zmq.Context):
+    """A context that remembers its sockets, so teardown can prove all were closed."""
+
+    made: list[zmq.Socket]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made = []
+
+    def socket(self, socket_type: int, *args: Any, **kwargs: Any) -> zmq.Socket:
+        sock = super().socket(socket_type, *args, **kwargs)
+        self.made.append(sock)
+        return sock
+
+
+@pytest.fixture(autouse=True)
+def _debug_logs(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG, logger="bstar")
+
+
+@pytest.fixture
+def ctx() -> Iterator[_TrackingContext]:
+    context = _TrackingContext()
+    try:
+        yield context
+        left_open = [s for s in context.made if not s.closed]
+        assert not left_open, f"sockets left open: {left_open}"
+    finally:
+        context.destroy(linger=0)
+
+
+@pytest.fixture
+def loop() -> Iterator[IOLoop]:
+    io_loop = IOLoop(make_current=False)
+    yield io_loop
+    io_loop.close(all_fds=False)
+
+
+def _endpoint(port: int) -> str:
+    return f"tcp://127.0.0.1:{port}"
+
+
+def run(loop: IOLoop, scenario: Callable[[], Awaitable[None]], timeout: float = 20.0) -> None:
+    loop.run_sync(scenario, timeout=timeout)
+
+
+class Node:
+    """A BinaryStar plus a log of the callbacks it fired, in order."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        loop: IOLoop,
+        primary: bool,
+        local: str,
+        peer: str,
+    ) -> None:
+        self.name = "primary" if primary else "backup"
+        self.star = BinaryStar(ctx, loop, primary, local, peer, heartbeat=HEARTBEAT, missed=MISSED)
+        self.fired: list[str] = []
+        self.star.on_active(lambda: self.fired.append("active"))
+        self.star.on_passive(lambda: self.fired.append("passive"))
+        self.star.on_split_brain(lambda: self.fired.append("split"))
+
+    def describe(self) -> str:
+        s = self.star
+        return (
+            f"{self.name}: state={s.state.name} peer={s.peer_state} fired={self.fired}"
+            f" counters={s.counters}"
+        )
+
+
+class Cluster:
+    """Tracks nodes and raw sockets so that every scenario closes all of them."""
+
+    def __init__(self, ctx: zmq.Context, loop: IOLoop) -> None:
+        self.ctx = ctx
+        self.loop = loop
+        self.nodes: list[Node] = []
+        self.streams: list[ZMQStream] = []
+
+    def node(self, primary: bool, local: str, peer: str, start: bool = True) -> Node:
+        node = Node(self.ctx, self.loop, primary, local, peer)
+        self.nodes.append(node)
+        if start:
+            node.star.start()
+        return node
+
+    def stream(self, socket_type: int) -> ZMQStream:
+        sock = self.ctx.socket(socket_type)
+        sock.setsockopt(zmq.LINGER, 0)
+        stream = ZMQStream(sock, self.loop)
+        self.streams.append(stream)
+        return stream
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.star.stop()
+        for stream in self.streams:
+            stream.close(linger=0)
+
+    async def wait_until(
+        self, predicate: Callable[[], bool], what: str, timeout: float = DEADLINE
+    ) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                states = "\n  ".join(node.describe() for node in self.nodes)
+                pytest.fail(f"timed out after {timeout} s waiting for {what}:\n  {states}")
+            await asyncio.sleep(0.01)
+
+    async def settle(self, heartbeats: int = 3) -> None:
+        """Let a few heartbeats go by, to show that nothing more happens."""
+        await asyncio.sleep(heartbeats * HEARTBEAT)
+
+
+class Relay:
+    """One direction of the network between the two servers, which a test can cut.
+
+    It subscribes to a server's state publisher and republishes at another
+    endpoint, dropping everything while ``up`` is False: a partition on demand.
+    """
+
+    def __init__(self, cluster: Cluster, source: str, out: str) -> None:
+        self.up = True
+        self.pub = cluster.stream(zmq.PUB)
+        self.pub.bind(out)
+        self.sub = cluster.stream(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.connect(source)
+        self.sub.on_recv(self._forward)
+
+    def _forward(self, frames: list[bytes]) -> None:
+        if self.up:
+            self.pub.send_multipart(frames)
+
+
+async def _send_until(
+    cluster: Cluster,
+    stream: ZMQStream,
+    frames: list[bytes],
+    predicate: Callable[[], bool],
+    what: str,
+) -> None:
+    """Keep sending (a PUB may still be joining) until ``predicate`` holds."""
+    deadline = time.monotonic() + DEADLINE
+    while not predicate():
+        if time.monotonic() > deadline:
+            states = "\n  ".join(node.describe() for node in cluster.nodes)
+            pytest.fail(f"timed out waiting for {what}:\n  {states}")
+        stream.send_multipart(frames)
+        await asyncio.sleep(0.02)
+
+
+def _counter_above(node: Node, seen: int) -> Callable[[], bool]:
+    return lambda: node.star.counters.malformed_peer_messages > seen
+
+
+# -- scenarios ------------------------------------------------------------------
+
+
+def test_pair_comes_up_primary_active_backup_passive(ctx: zmq.Context, loop: IOLoop) -> None:
+    pa, pb = (_endpoint(p) for p in free_ports(2))
+
+    async def scenario() -> None:
+        cluster = Cluster(ctx, loop)
+        try:
+            backup = cluster.node(False, pb, pa)
+            primary = cluster.node(True, pa, pb)
+            await cluster.wait_until(
+                lambda: (primary.star.state, backup.star.state) == (A, S),
+                "primary ACTIVE, backup PASSIVE",
+            )
+            await cluster.settle()
+            assert primary.fired == ["active"]
+            assert backup.fired == ["passive"]
+            for node in (primary, backup):
+                counters = node.star.counters
+                assert counters.state_messages_sent >= 2
+                assert counters.state_messages_received >= 1
+                assert counters.fsm.split_brain_count == 0
+                assert counters.malformed_peer_messages == 0
+                assert node.star.last_peer_contact is not None
+            assert primary.star.peer_state is S and backup.star.peer_state is A
+        finally:
+            cluster.close()
+
+    run(loop, scenario)
+
+
+def test_failover_through_voter_socket_then_failback_comes_up_passive(
+    ctx: zmq.Context,
+    loop: IOLoop,
+) -> None:
+    pa, pb, pv = (_endpoint(p) for p in free_ports(3))
+
+    async def scenario() -> None:
+        cluster = Cluster(ctx, loop)
+        try:
+            primary = cluster.node(True, pa, pb)
+            backup = cluster.node(False, pb, pa)
+            served: list[list[bytes]] = []
+
+            def serve(stream: ZMQStream, frames: list[bytes]) -> None:
+                served.append(frames)
+                stream.send_multipart([frames[0], b"served"])
+
+            router = cluster.ctx.socket(zmq.ROUTER)
+            router.setsockopt(zmq.LINGER, 0)
+            router.bind(pv)
+            backup.star.register_voter(router, serve)  # the backup now owns it
+            client = cluster.stream(zmq.DEALER)
+            client.connect(pv)
+            replies: list[list[bytes]] = []
+            client.on_recv(replies.append)
+
+            await cluster.wait_until(
+                lambda: (primary.star.state, backup.star.state) == (A, S), "pair up"
+            )
+            # While the primary lives, the backup drops votes unanswered.
+            refused_before = backup.star.counters.fsm.votes_refused
+            await _send_until(
+                cluster,
+                client,
+                [b"snapshot?"],
+                lambda: backup.star.counters.fsm.votes_refused > refused_before,
+                "a refused vote",
+            )
+            assert served == [] and backup.star.state is S
+
+            # The primary dies. The backup refuses votes until the primary has
+            # expired, stays passive without votes, and fails over on the next one.
+            primary.star.stop()
+            now = time.monotonic()
+            assert now < backup.star.peer_expiry
+            assert not backup.star.accept_vote(now)
+            await cluster.wait_until(
+                lambda: backup.star.counters.fsm.peer_expirations == 1, "primary expiry"
+            )
+            await cluster.settle(2)
+            assert backup.star.state is S, "expiry alone must not make the backup active"
+            await _send_until(cluster, client, [b"snapshot?"], lambda: bool(replies), "a reply")
+            assert backup.star.state is A
+            assert served and served[0][-1] == b"snapshot?"
+            assert replies[0] == [b"served"]
+            assert backup.fired == ["passive", "active"]
+
+            # The old primary comes back: it must stand by behind the active backup.
+            restarted = cluster.node(True, pa, pb)
+            assert not restarted.star.accept_vote(), "a fresh primary must wait out expiry"
+            await cluster.wait_until(lambda: restarted.star.state is S, "restarted primary PASSIVE")
+            await cluster.settle()
+            assert restarted.fired == ["passive"]
+            assert restarted.star.state is S and backup.star.state is A
+            assert not restarted.star.accept_vote()
+            assert backup.fired == ["passive", "active"]
+            assert primary.fired == ["active"]
+        finally:
+            cluster.close()
+
+    run(loop, scenario)
+
+
+def test_split_brain_after_partition_is_detected_and_backup_steps_down(
+    ctx: zmq.Context,
+    loop: IOLoop,
+) -> None:
+    pa, pb, pa_relayed, pb_relayed = (_endpoint(p) for p in free_ports(4))
+
+    async def scenario() -> None:
+        cluster = Cluster(ctx, loop)
+        try:
+            to_backup = Relay(cluster, pa, pa_relayed)
+            to_primary = Relay(cluster, pb, pb_relayed)
+            primary = cluster.node(True, pa, pb_relayed)
+            backup = cluster.node(False, pb, pa_relayed)
+            await cluster.wait_until(
+                lambda: (primary.star.state, backup.star.state) == (A, S), "pair up"
+            )
+
+            # Partition: each side loses the other; a client votes for the backup.
+            to_backup.up = to_primary.up = False
+            await cluster.wait_until(
+                lambda: time.monotonic() >= backup.star.peer_expiry, "primary silent"
+            )
+            assert backup.star.accept_vote()
+            assert (primary.star.state, backup.star.state) == (A, A)
+
+            # Heal one direction first, so that the primary sees an active backup.
+            to_primary.up = True
+            await cluster.wait_until(
+                lambda: primary.star.counters.fsm.split_brain_count == 1, "primary detects"
+            )
+            assert primary.star.state is A
+            await cluster.settle()
+            assert primary.star.counters.fsm.split_brain_count == 1, "once per episode"
+            assert backup.star.state is A
+
+            to_backup.up = True
+            await cluster.wait_until(lambda: backup.star.state is S, "backup steps down")
+            await cluster.settle()
+            assert backup.star.counters.fsm.split_brain_count == 1
+            assert primary.star.counters.fsm.split_brain_count == 1
+            assert (primary.star.state, backup.star.state) == (A, S)
+            assert primary.fired == ["active", "split"]
+            assert backup.fired == ["passive", "active", "split", "passive"]
+        finally:
+            cluster.close()
+
+    run(loop, scenario)
+
+
+def test_bad_peer_messages_are_counted_dropped_and_rate_limited(
+    ctx: zmq.Context,
+    loop: IOLoop,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pa, pb = (_endpoint(p) for p in free_ports(2))
+
+    async def scenario() -> None:
+        cluster = Cluster(ctx, loop)
+        try:
+            rogue = cluster.stream(zmq.PUB)  # squats on the primary's endpoint
+            rogue.bind(pa)
+            backup = cluster.node(False, pb, pa)
+            for frames in ([b"junk"], [b"9"], [b"3", b"3"], [b""]):
+                seen = backup.star.counters.malformed_peer_messages
+                await _send_until(
+                    cluster,
+                    rogue,
+                    frames,
+                    _counter_above(backup, seen),
+                    f"malformed {frames!r} counted",
+                )
+            # A peer claiming our own role is well formed but illegal.
+            await _send_until(
+                cluster,
+                rogue,
+                [b"2"],
+                lambda: backup.star.counters.rejected_peer_events > 0,
+                "role conflict rejected",
+            )
+            assert backup.star.state is B and backup.fired == []
+            # The loop is alive and well: a proper message still works.
+            await _send_until(cluster, rogue, [b"3"], lambda: backup.star.state is S, "PASSIVE")
+            assert backup.fired == ["passive"]
+        finally:
+            cluster.close()
+
+    run(loop, scenario)
+    dropped = [r for r in caplog.records if "dropped state message" in r.getMessage()]
+    assert len(dropped) == 1, "bad input must be rate-limited"
+    assert dropped[0].levelno == logging.WARNING
+    assert "from tcp://127.0.0.1" in dropped[0].getMessage()
+
+
+def test_callback_failure_is_logged_and_the_loop_goes_on(
+    ctx: zmq.Context,
+    loop: IOLoop,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    pa, pb = (_endpoint(p) for p in free_ports(2))
+
+    async def scenario() -> None:
+        cluster = Cluster(ctx, loop)
+        try:
+            # A hand-made peer speaking the Guide's wire format, acting as backup.
+            guide_backup = cluster.stream(zmq.PUB)
+            guide_backup.bind(pb)
+            heard: list[list[bytes]] = []
+            listener = cluster.stream(zmq.SUB)
+            listener.setsockopt(zmq.SUBSCRIBE, b"")
+            listener.connect(pa)
+            listener.on_recv(heard.append)
+
+            primary = cluster.node(True, pa, pb, start=False)
+
+            def broken() -> None:
+                raise RuntimeError("application bug")
+
+            primary.star.on_active(broken)
+            primary.star.on_active(lambda: primary.fired.append("after"))
+            primary.star.start()
+            await _send_until(
+                cluster, guide_backup, [b"2"], lambda: primary.star.state is A, "ACTIVE"
+            )
+            assert primary.fired == ["active", "after"]
+            assert primary.star.counters.callback_errors == 1
+            sent = primary.star.counters.state_messages_sent
+            await cluster.wait_until(lambda: [b"3"] in heard, "ACTIVE announced as b'3'")
+            await cluster.settle(2)
+            assert primary.star.counters.state_messages_sent > sent, "heartbeat goes on"
+            assert all(frames in ([b"1"], [b"3"]) for frames in heard)
+        finally:
+            cluster.close()
+
+    run(loop, scenario)
+    failures = [r for r in caplog.records if r.exc_info and "callback" in r.getMessage()]
+    assert len(failures) == 1
+    assert "application bug" in caplog.text
+
+
+def test_stop_is_idempotent_and_closes_what_it_owns(ctx: zmq.Context, loop: IOLoop) -> None:
+    pa, pb = (_endpoint(p) for p in free_ports(2))
+
+    async def scenario() -> None:
+        star = BinaryStar(ctx, loop, True, pa, pb, heartbeat=HEARTBEAT)
+        star.stop()  # before start: harmless
+        star = BinaryStar(ctx, loop, True, pa, pb, heartbeat=HEARTBEAT)
+        assert not star.accept_vote(), "not started: no vote"
+        voter = ctx.socket(zmq.ROUTER)
+        voter.setsockopt(zmq.LINGER, 0)
+        stream = star.register_voter(voter, lambda stream, frames: None)
+        star.start()
+        star.start()  # second start is a no-op
+        assert star.running
+        await asyncio.sleep(HEARTBEAT * 2)
+        star.stop()
+        star.stop()
+        assert not star.running
+        assert stream.closed() and voter.closed
+        assert not star.accept_vote(), "stopped: no vote"
+        sent = star.counters.state_messages_sent
+        await asyncio.sleep(HEARTBEAT * 2)
+        assert star.counters.state_messages_sent == sent, "no heartbeat after stop"
+        with pytest.raises(RuntimeError):
+            star.start()
+        # The endpoint is free again at once (linger 0), as a restart needs.
+        again = BinaryStar(ctx, loop, True, pa, pb, heartbeat=HEARTBEAT)
+        again.start()
+        again.stop()
+
+    run(loop, scenario)
+
+
+def test_constructor_rejects_misuse(ctx: zmq.Context, loop: IOLoop) -> None:
+    ep = "tcp://127.0.0.1:5000"
+    with pytest.raises(ValueError):
+        BinaryStar(ctx, loop, True, ep, ep)
+    with pytest.raises(ValueError):
+        BinaryStar(ctx, loop, True, ep, "", heartbeat=0.1)
+    with pytest.raises(ValueError):
+        BinaryStar(ctx, loop, True, ep, "tcp://127.0.0.1:5001", heartbeat=0)
+    with pytest.raises(ValueError):
+        BinaryStar(ctx, loop, True, ep, "tcp://127.0.0.1:5001", missed=0)
+    with pytest.raises(TypeError):
+        BinaryStar(object(), loop, True, ep, "tcp://127.0.0.1:5001")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        BinaryStar(ctx, object(), True, ep, "tcp://127.0.0.1:5001")  # type: ignore[arg-type]
+    star = BinaryStar(ctx, loop, False, ep, "tcp://127.0.0.1:5001")
+    with pytest.raises(TypeError):
+        star.register_voter(object(), lambda stream, frames: None)  # type: ignore[arg-type]
+    assert star.state is B and not star.running
