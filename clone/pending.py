@@ -1,0 +1,150 @@
+"""What the passive server holds back, and which update ids a server has seen.
+
+How this works: clients send every KVSET to both servers.  The passive one
+cannot apply it (only the active server assigns sequences), so it parks it in a
+:class:`PendingList` until the same update comes back from the active server as
+a KVPUB, matched by uuid, or until the passive is promoted and applies what is
+left.  The reverse order happens too: the active's KVPUB can overtake the
+client's direct copy.  :class:`UuidWindow` remembers the most recently applied
+ids so such a late copy is recognised and not parked.  The same window is the
+active server's deduplication window: a uuid is published at most once within
+it, which lets clients resend unconfirmed writes after a failover.
+
+Both structures are bounded, O(1) per operation, and sans-IO (``now`` is passed
+in).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict, deque
+from collections.abc import Hashable, Iterator
+from dataclasses import dataclass
+
+from clone.codec import KVMsg
+
+__all__ = ["UuidWindow", "PendingList", "PendingUpdate", "update_id"]
+
+
+def update_id(msg: KVMsg) -> Hashable:
+    """What matches a client's KVSET with the active server's KVPUB.
+
+    The uuid when there is one.  The Guide's clients may send none; then the
+    key and value stand in, which matches the republished copy of a set but
+    cannot tell two identical sets apart (harmless: applying it twice gives the
+    same state).
+    """
+    return msg.uuid if msg.uuid else (msg.key, msg.body)
+
+
+class UuidWindow:
+    """The last ``capacity`` update ids seen, with O(1) membership and eviction."""
+
+    __slots__ = ("_capacity", "_order", "_set")
+
+    def __init__(self, capacity: int) -> None:
+        if capacity < 1:
+            raise ValueError(f"window capacity must be at least 1, not {capacity}")
+        self._capacity = capacity
+        self._order: deque[Hashable] = deque()
+        self._set: set[Hashable] = set()
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def __len__(self) -> int:
+        return len(self._set)
+
+    def __contains__(self, uid: object) -> bool:
+        return uid in self._set
+
+    def add(self, uid: Hashable) -> bool:
+        """Remember ``uid``; False if it was already in the window."""
+        if uid in self._set:
+            return False
+        if len(self._order) >= self._capacity:
+            self._set.discard(self._order.popleft())
+        self._order.append(uid)
+        self._set.add(uid)
+        return True
+
+
+@dataclass(frozen=True, slots=True)
+class PendingUpdate:
+    """A client update parked on the passive server, with when it arrived.
+
+    ``arrived`` is wall-clock time: an ephemeral key's expiry is counted from
+    when the client sent it, not from when a backup got promoted.
+    """
+
+    msg: KVMsg
+    arrived: float
+
+
+class PendingList:
+    """Client updates the active server has not yet republished, oldest first.
+
+    Bounded by count and by age so a passive whose active never echoes (a
+    client writing only to the passive, an active that rejected the update)
+    cannot grow without limit.  Drops are counted in :attr:`dropped`.
+    """
+
+    __slots__ = ("_items", "dropped", "max_age", "max_items")
+
+    def __init__(self, max_items: int, max_age: float) -> None:
+        if max_items < 1:
+            raise ValueError(f"max_items must be at least 1, not {max_items}")
+        if max_age <= 0:
+            raise ValueError(f"max_age must be positive, not {max_age}")
+        self.max_items = max_items
+        self.max_age = max_age
+        self._items: OrderedDict[Hashable, PendingUpdate] = OrderedDict()
+        self.dropped = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __contains__(self, uid: object) -> bool:
+        return uid in self._items
+
+    def __iter__(self) -> Iterator[PendingUpdate]:
+        return iter(self._items.values())
+
+    def add(self, msg: KVMsg, now: float) -> bool:
+        """Park ``msg``; False if an update with its id is already parked.
+
+        When full, the oldest update is dropped to make room: the newest ones
+        are the most likely to be still missing from the active server.
+        """
+        uid = update_id(msg)
+        if uid in self._items:
+            return False
+        if len(self._items) >= self.max_items:
+            self._items.popitem(last=False)
+            self.dropped += 1
+        self._items[uid] = PendingUpdate(msg, now)
+        return True
+
+    def confirm(self, uid: Hashable) -> bool:
+        """The active server applied ``uid``: forget it.  True if it was parked."""
+        return self._items.pop(uid, None) is not None
+
+    def expire(self, now: float) -> int:
+        """Drop updates older than ``max_age``; return how many were dropped."""
+        items = self._items
+        cutoff = now - self.max_age
+        n = 0
+        while items:
+            first = next(iter(items.values()))
+            if first.arrived > cutoff:
+                break
+            items.popitem(last=False)
+            n += 1
+        self.dropped += n
+        return n
+
+    def drain(self) -> list[PendingUpdate]:
+        """Everything parked, in arrival order, leaving the list empty."""
+        out = list(self._items.values())
+        self._items.clear()
+        return out

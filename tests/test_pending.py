@@ -1,0 +1,69 @@
+"""The passive server's pending list and the uuid window, sans-IO."""
+
+from __future__ import annotations
+
+import pytest
+
+from clone.codec import KVMsg
+from clone.pending import PendingList, UuidWindow, update_id
+
+
+def _msg(n: int, key: str = "k", body: bytes = b"v") -> KVMsg:
+    return KVMsg(key, 0, n.to_bytes(16, "big"), (), body)
+
+
+def test_window_remembers_the_last_n_ids() -> None:
+    window = UuidWindow(3)
+    for uid in (b"a", b"b", b"c"):
+        assert window.add(uid)
+    assert not window.add(b"a")
+    window.add(b"d")  # evicts a
+    assert b"a" not in window
+    assert all(u in window for u in (b"b", b"c", b"d"))
+    assert len(window) == 3
+
+
+def test_window_rejects_a_zero_capacity() -> None:
+    with pytest.raises(ValueError):
+        UuidWindow(0)
+
+
+def test_update_id_is_the_uuid_or_the_content() -> None:
+    assert update_id(_msg(1)) == (1).to_bytes(16, "big")
+    assert update_id(KVMsg("k", 0, b"", (), b"v")) == ("k", b"v")
+
+
+def test_pending_keeps_arrival_order_and_confirms_in_o1() -> None:
+    pending = PendingList(max_items=10, max_age=60)
+    for i in range(5):
+        assert pending.add(_msg(i), now=float(i))
+    assert not pending.add(_msg(2), now=9.0)  # same uuid: already parked
+    assert pending.confirm(update_id(_msg(1)))
+    assert not pending.confirm(update_id(_msg(1)))
+    drained = pending.drain()
+    assert [p.msg.uuid[-1] for p in drained] == [0, 2, 3, 4]
+    assert [p.arrived for p in drained] == [0.0, 2.0, 3.0, 4.0]
+    assert len(pending) == 0
+
+
+def test_pending_is_bounded_by_count_dropping_the_oldest() -> None:
+    pending = PendingList(max_items=3, max_age=60)
+    for i in range(5):
+        pending.add(_msg(i), now=0.0)
+    assert [p.msg.uuid[-1] for p in pending] == [2, 3, 4]
+    assert pending.dropped == 2
+
+
+def test_pending_is_bounded_by_age() -> None:
+    pending = PendingList(max_items=100, max_age=10)
+    for i in range(5):
+        pending.add(_msg(i), now=float(i * 5))  # 0, 5, 10, 15, 20
+    assert pending.expire(now=21.0) == 3  # arrived at or before 11
+    assert [p.arrived for p in pending] == [15.0, 20.0]
+    assert pending.dropped == 3
+
+
+@pytest.mark.parametrize(("max_items", "max_age"), [(0, 1.0), (1, 0.0), (1, -1.0)])
+def test_pending_rejects_bad_bounds(max_items: int, max_age: float) -> None:
+    with pytest.raises(ValueError):
+        PendingList(max_items, max_age)

@@ -1,0 +1,126 @@
+"""The hashmap, its sequence and ephemeral keys, with explicit wall-clock times."""
+
+from __future__ import annotations
+
+import pytest
+
+from clone.codec import KVMsg
+from clone.errors import LimitExceeded, ProtocolError
+from clone.store import Store
+
+U1 = bytes(range(16))
+
+
+def _set(key: str, body: bytes = b"v", props: tuple[tuple[str, str], ...] = ()) -> KVMsg:
+    return KVMsg(key, 0, U1, props, body)
+
+
+def test_apply_assigns_consecutive_sequences_and_keeps_uuid_and_props() -> None:
+    store = Store()
+    pubs = [store.apply(_set(f"k{i}", props=(("a", "1"),)), now=0.0) for i in range(3)]
+    assert [p.sequence for p in pubs] == [1, 2, 3]
+    assert all(p.uuid == U1 and p.properties == (("a", "1"),) for p in pubs)
+    assert store.sequence == 3
+    assert store.get("k1") == pubs[1]
+
+
+def test_unchanged_properties_are_the_same_object() -> None:
+    msg = _set("k", props=(("a", "1"),))
+    assert Store().apply(msg, now=0.0).properties is msg.properties
+
+
+def test_empty_value_deletes_and_still_takes_a_sequence() -> None:
+    store = Store()
+    store.apply(_set("k"), now=0.0)
+    pub = store.apply(_set("k", b""), now=0.0)
+    assert pub.sequence == 2 and pub.is_delete
+    assert "k" not in store
+
+
+@pytest.mark.parametrize(
+    ("props", "expires"),
+    [
+        ((("ttl", "10"),), "1010.000"),
+        ((("ttl", "0.5"), ("x", "y")), "1000.500"),
+        ((("ttl", "0"),), None),
+        ((("x", "y"),), None),
+        ((("expires", "5"),), None),  # a client's expires is removed
+        ((("ttl", "0"), ("expires", "5")), None),
+    ],
+)
+def test_ttl_becomes_an_absolute_expires(
+    props: tuple[tuple[str, str], ...], expires: str | None
+) -> None:
+    store = Store()
+    pub = store.apply(_set("k", props=props), now=1000.0)
+    assert pub.prop("expires") == expires
+    assert pub.prop("ttl") == dict(props).get("ttl")
+    assert store.deadline("k") == (float(expires) if expires else None)
+
+
+@pytest.mark.parametrize("ttl", ["abc", "-1", "1e9", "nan"])
+def test_invalid_ttl_rejects_the_update_without_side_effects(ttl: str) -> None:
+    store = Store()
+    with pytest.raises(ProtocolError):
+        store.apply(_set("k", props=(("ttl", ttl),)), now=0.0)
+    assert store.sequence == 0 and "k" not in store
+
+
+def test_expires_that_would_overflow_the_properties_frame_is_rejected() -> None:
+    big = (("ttl", "5"), ("pad", "x" * 4080))
+    with pytest.raises(LimitExceeded):
+        Store().apply(_set("k", props=big), now=0.0)
+
+
+def test_expire_deletes_due_keys_with_fresh_sequences() -> None:
+    store = Store()
+    store.apply(_set("a", props=(("ttl", "1"),)), now=100.0)
+    store.apply(_set("b", props=(("ttl", "5"),)), now=100.0)
+    store.apply(_set("c"), now=100.0)
+    assert store.expire(now=100.5) == []
+    deletes = store.expire(now=101.0)
+    assert deletes == [KVMsg("a", 4)]
+    assert "a" not in store and "b" in store
+    assert store.next_deadline() == 105.0
+
+
+def test_overwriting_or_deleting_an_ephemeral_key_cancels_its_expiry() -> None:
+    store = Store()
+    store.apply(_set("a", props=(("ttl", "1"),)), now=0.0)
+    store.apply(_set("a"), now=0.0)  # now permanent
+    store.apply(_set("b", props=(("ttl", "1"),)), now=0.0)
+    store.apply(_set("b", b""), now=0.0)
+    assert store.expire(now=10.0) == []
+    assert "a" in store
+
+
+def test_apply_published_keeps_sequence_and_expires_as_sent() -> None:
+    store = Store()
+    msg = KVMsg("k", 42, U1, (("ttl", "10"), ("expires", "123.000")), b"v")
+    store.apply_published(msg)
+    assert store.get("k") is msg
+    assert store.sequence == 42
+    assert store.deadline("k") == 123.0
+
+
+def test_apply_published_with_garbage_expires_keeps_the_key_and_counts() -> None:
+    store = Store()
+    store.apply_published(KVMsg("k", 1, U1, (("expires", "soon"),), b"v"))
+    assert "k" in store and store.deadline("k") is None
+    assert store.bad_expires == 1
+
+
+def test_replace_swaps_state_and_rebuilds_expiry() -> None:
+    store = Store()
+    store.apply(_set("old", props=(("ttl", "1"),)), now=0.0)
+    store.replace(
+        {
+            "x": KVMsg("x", 7, U1, (("expires", "50"),), b"v"),
+            "y": KVMsg("y", 8, U1, (), b"w"),
+        },
+        sequence=9,
+    )
+    assert store.sequence == 9
+    assert store.keys() == ["x", "y"]
+    assert [m.key for m in store.expire(now=60.0)] == ["x"]
+    assert store.sequence == 10
