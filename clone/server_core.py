@@ -1,0 +1,450 @@
+"""The CHP server's decisions, without sockets or clocks.
+
+How this works: :class:`ServerCore` takes events -- a client's KVSET, a KVPUB
+or HUGZ from the active peer, a KVSYNC/KTHXBAI of the snapshot we asked the
+peer for, a snapshot request, a role change, a timer tick -- each as raw frames
+plus an explicit wall-clock ``now``, and answers with frames to publish or an
+outcome for the I/O layer to act on.  ``clone.server`` owns the sockets and the
+reactor; this module owns the rules:
+
+* **Active**: a KVSET gets the next sequence and is republished (at most once
+  per uuid within the dedup window); due ephemeral keys are deleted and the
+  deletes published.
+* **Passive**: follows the active server.  A full sync (snapshot into a staging
+  map while buffering the live KVPUBs, then swap and replay) and afterwards
+  every KVPUB in strict sequence order; a gap, or a HUGZ announcing a sequence
+  we do not have, means "resync".  Client KVSETs wait in the pending list until
+  the active server republishes them.
+* **Promotion** (passive -> active): apply the pending list in arrival order,
+  each with a fresh sequence, and publish every one of them.  Sequences carry on
+  from the highest the server has seen anywhere, so they never go backwards.
+
+The follower's sync state is a small table (:data:`SYNC_TRANSITIONS`), checked
+on every change.  Bad input raises :class:`~clone.errors.ProtocolError` after
+it has been counted; the caller logs it and carries on.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from clone.codec import (
+    Hugz,
+    KVMsg,
+    SnapshotEnd,
+    decode_icanhaz,
+    decode_kvset,
+    decode_snapshot_reply,
+    decode_update,
+    encode_hugz,
+    encode_kv,
+)
+from clone.errors import ProtocolError
+from clone.pending import PendingList, UuidWindow, update_id
+from clone.protocol import TTL_PROPERTY
+from clone.snapshot import SnapshotStream
+from clone.store import Store
+from clone.ttl import parse_ttl
+
+__all__ = [
+    "COUNTERS",
+    "SYNC_TRANSITIONS",
+    "CoreSettings",
+    "FollowOutcome",
+    "IllegalSyncTransition",
+    "Role",
+    "ServerCore",
+    "SyncEvent",
+    "SyncState",
+]
+
+
+class Role(enum.Enum):
+    """What the server does with client updates."""
+
+    STARTING = "starting"  # Binary Star has not decided yet: park updates
+    ACTIVE = "active"  # serve snapshots, sequence and publish updates
+    PASSIVE = "passive"  # follow the active peer, park client updates
+
+
+class SyncState(enum.Enum):
+    """How far a passive server's copy of the state is."""
+
+    IDLE = "idle"  # not following anybody (starting or active)
+    SYNCING = "syncing"  # snapshot requested, staging entries, buffering KVPUBs
+    SYNCED = "synced"  # applying the peer's KVPUBs in order
+
+
+class SyncEvent(enum.Enum):
+    FOLLOW = "follow"  # became passive, or a gap was found: (re)start a sync
+    SNAPSHOT_DONE = "snapshot_done"  # KTHXBAI received and the buffer replayed
+    STOP = "stop"  # promoted to active (or shutting down)
+
+
+#: (state, event) -> next state.  Anything missing is a bug in the caller.
+SYNC_TRANSITIONS: dict[tuple[SyncState, SyncEvent], SyncState] = {
+    (SyncState.IDLE, SyncEvent.FOLLOW): SyncState.SYNCING,
+    (SyncState.IDLE, SyncEvent.STOP): SyncState.IDLE,
+    (SyncState.SYNCING, SyncEvent.FOLLOW): SyncState.SYNCING,
+    (SyncState.SYNCING, SyncEvent.SNAPSHOT_DONE): SyncState.SYNCED,
+    (SyncState.SYNCING, SyncEvent.STOP): SyncState.IDLE,
+    (SyncState.SYNCED, SyncEvent.FOLLOW): SyncState.SYNCING,
+    (SyncState.SYNCED, SyncEvent.STOP): SyncState.IDLE,
+}
+
+
+class IllegalSyncTransition(RuntimeError):
+    """A sync event that the table has no rule for: a bug in the caller."""
+
+
+class FollowOutcome(enum.Enum):
+    """What the I/O layer must do after a message from the peer."""
+
+    OK = "ok"  # nothing
+    SYNCED = "synced"  # the snapshot completed; stop the sync timer
+    RESYNC = "resync"  # ask the active peer for a new snapshot
+
+
+#: Every counter :attr:`ServerCore.counters` holds, all starting at zero.
+COUNTERS = (
+    "kvset_received",
+    "kvset_invalid",
+    "kvset_duplicate",
+    "kvset_pending",
+    "kvset_already_applied",
+    "kvpub_published",
+    "expired",
+    "snapshot_requests",
+    "snapshot_invalid",
+    "peer_updates",
+    "peer_stale",
+    "peer_gaps",
+    "peer_invalid",
+    "peer_ignored",
+    "sync_buffer_overflow",
+    "syncs_started",
+    "syncs_completed",
+    "snapshot_entries_received",
+    "pending_applied",
+    "pending_skipped",
+    "pending_failed",
+    "promotions",
+    "demotions",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CoreSettings:
+    """The limits of a server core (see docs/operations.md for the defaults' reasons)."""
+
+    dedup_window: int = 65_536
+    pending_max: int = 100_000
+    pending_max_age: float = 30.0
+    sync_buffer_max: int = 200_000
+    expiry_batch: int = 10_000
+
+    def __post_init__(self) -> None:
+        for name in ("dedup_window", "pending_max", "sync_buffer_max", "expiry_batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.pending_max_age <= 0:
+            raise ValueError(f"pending_max_age must be positive, not {self.pending_max_age}")
+
+
+class ServerCore:
+    """One server's state and rules.  Not thread-safe: one reactor drives it."""
+
+    def __init__(self, settings: CoreSettings | None = None, *, standalone: bool = False) -> None:
+        self.settings = settings or CoreSettings()
+        self.store = Store()
+        self.window = UuidWindow(self.settings.dedup_window)
+        self.pending = PendingList(self.settings.pending_max, self.settings.pending_max_age)
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self.role = Role.ACTIVE if standalone else Role.STARTING
+        self.sync_state = SyncState.IDLE
+        #: The highest sequence seen anywhere (own store, peer KVPUB/HUGZ/KTHXBAI).
+        self.highest_seen = 0
+        self._staging: dict[str, KVMsg] = {}
+        self._buffer: list[KVMsg] = []
+        self._buffer_overflowed = False
+
+    # -- client side ---------------------------------------------------------
+
+    def on_kvset(self, frames: Sequence[bytes], now: float) -> list[bytes] | None:
+        """A KVSET at the collector; returns the KVPUB frames to publish, if any.
+
+        Raises ProtocolError (counted) for a malformed or invalid update.
+        """
+        c = self.counters
+        c["kvset_received"] += 1
+        try:
+            msg = decode_kvset(frames)
+        except ProtocolError:
+            c["kvset_invalid"] += 1
+            raise
+        if self.role is Role.ACTIVE:
+            uuid = msg.uuid
+            if uuid and uuid in self.window:
+                c["kvset_duplicate"] += 1
+                return None
+            try:
+                pub = self.store.apply(msg, now)
+            except ProtocolError:
+                c["kvset_invalid"] += 1
+                raise
+            if uuid:
+                self.window.add(uuid)
+            c["kvpub_published"] += 1
+            if pub.properties is msg.properties:
+                # Nothing changed but the sequence: reuse the received frames.
+                return [frames[0], pub.sequence.to_bytes(8, "big"), frames[2], frames[3], frames[4]]
+            return encode_kv(pub)
+        # Passive or starting: validate now, so promotion cannot fail on it.
+        if msg.properties:
+            try:
+                parse_ttl(msg.prop(TTL_PROPERTY))
+            except ProtocolError:
+                c["kvset_invalid"] += 1
+                raise
+        if msg.uuid and msg.uuid in self.window:
+            c["kvset_already_applied"] += 1
+            return None
+        if self.pending.add(msg, now):
+            c["kvset_pending"] += 1
+        else:
+            c["kvset_duplicate"] += 1
+        return None
+
+    def snapshot_request(self, frames: Sequence[bytes]) -> str:
+        """Decode an ICANHAZ? (without its identity frame); return the subtree.
+
+        Raises ProtocolError (counted).  The caller then checks the Binary Star
+        vote and only if it may serve calls :meth:`open_snapshot`, so that a
+        promotion triggered by the vote is already in the snapshot.
+        """
+        self.counters["snapshot_requests"] += 1
+        try:
+            return decode_icanhaz(frames).subtree
+        except ProtocolError:
+            self.counters["snapshot_invalid"] += 1
+            raise
+
+    def open_snapshot(self, identity: bytes, subtree: str) -> SnapshotStream:
+        """Start streaming the current state under ``subtree`` to ``identity``."""
+        return SnapshotStream(identity, subtree, self.store)
+
+    def hugz(self) -> list[bytes]:
+        """A heartbeat carrying the current highest sequence (our extension)."""
+        return encode_hugz(self.store.sequence)
+
+    # -- roles ---------------------------------------------------------------
+
+    def become_active(self, now: float) -> list[list[bytes]]:
+        """Promotion: apply the pending list, return the KVPUBs to publish.
+
+        Idempotent: a second call while active returns nothing.
+        """
+        if self.role is Role.ACTIVE:
+            return []
+        c = self.counters
+        c["promotions"] += 1
+        if self.sync_state is SyncState.SYNCING:
+            # The snapshot will never complete; keep the last whole state and
+            # whatever of the buffered updates follows it without a gap.
+            self._staging = {}
+            self._replay_buffer(after=self.store.sequence)
+        self._sync(SyncEvent.STOP)
+        self.role = Role.ACTIVE
+        store = self.store
+        store.sequence = max(store.sequence, self.highest_seen)
+        out: list[list[bytes]] = []
+        for parked in self.pending.drain():
+            msg = parked.msg
+            if msg.uuid and msg.uuid in self.window:
+                c["pending_skipped"] += 1
+                continue
+            try:
+                # ttl counts from when the client sent it, not from now.
+                pub = store.apply(msg, parked.arrived)
+            except ProtocolError:
+                c["pending_failed"] += 1
+                continue
+            if msg.uuid:
+                self.window.add(msg.uuid)
+            out.append(encode_kv(pub))
+        c["pending_applied"] += len(out)
+        c["kvpub_published"] += len(out)
+        self.highest_seen = store.sequence
+        return out
+
+    def become_passive(self) -> None:
+        """Demotion or first decision: the caller must now start a sync."""
+        if self.role is Role.ACTIVE:
+            self.counters["demotions"] += 1
+        self.role = Role.PASSIVE
+
+    # -- following the active peer -------------------------------------------
+
+    def start_sync(self) -> None:
+        """(Re)start a full sync: the caller sends ICANHAZ? on a fresh socket."""
+        self._sync(SyncEvent.FOLLOW)
+        self.counters["syncs_started"] += 1
+        self._staging = {}
+        self._buffer = []
+        self._buffer_overflowed = False
+
+    def on_peer_update(self, frames: Sequence[bytes]) -> FollowOutcome:
+        """A KVPUB or HUGZ from the active peer's publisher."""
+        c = self.counters
+        if self.role is not Role.PASSIVE:
+            c["peer_ignored"] += 1
+            return FollowOutcome.OK
+        try:
+            msg = decode_update(frames)
+        except ProtocolError:
+            c["peer_invalid"] += 1
+            raise
+        state = self.sync_state
+        if isinstance(msg, Hugz):
+            seq = msg.sequence
+            if seq > self.highest_seen:
+                self.highest_seen = seq
+            if state is SyncState.SYNCED and seq != self.store.sequence:
+                # Higher: we missed its tail.  Lower: it is not the state we
+                # follow (a restarted peer).  Either way, start over.
+                c["peer_gaps"] += 1
+                return FollowOutcome.RESYNC
+            return FollowOutcome.OK
+        c["peer_updates"] += 1
+        if msg.sequence > self.highest_seen:
+            self.highest_seen = msg.sequence
+        if state is SyncState.SYNCED:
+            return self._follow(msg)
+        if state is SyncState.SYNCING:
+            if len(self._buffer) < self.settings.sync_buffer_max:
+                self._buffer.append(msg)
+            elif not self._buffer_overflowed:
+                # The replay will hit a gap and resync; better than unbounded memory.
+                self._buffer_overflowed = True
+                c["sync_buffer_overflow"] += 1
+        return FollowOutcome.OK
+
+    def on_snapshot_reply(self, frames: Sequence[bytes]) -> FollowOutcome:
+        """A KVSYNC or KTHXBAI from the snapshot we asked the peer for."""
+        c = self.counters
+        if self.sync_state is not SyncState.SYNCING or self.role is not Role.PASSIVE:
+            c["peer_ignored"] += 1
+            return FollowOutcome.OK
+        try:
+            msg = decode_snapshot_reply(frames)
+        except ProtocolError:
+            c["peer_invalid"] += 1
+            raise
+        if isinstance(msg, SnapshotEnd):
+            if msg.subtree:
+                c["peer_invalid"] += 1
+                raise ProtocolError(f"KTHXBAI for subtree {msg.subtree!r}, we asked for all")
+            self.store.replace(self._staging, msg.sequence)
+            self._staging = {}
+            if msg.sequence > self.highest_seen:
+                self.highest_seen = msg.sequence
+            if not self._replay_buffer(after=msg.sequence):
+                c["peer_gaps"] += 1
+                return FollowOutcome.RESYNC
+            self._sync(SyncEvent.SNAPSHOT_DONE)
+            c["syncs_completed"] += 1
+            return FollowOutcome.SYNCED
+        c["snapshot_entries_received"] += 1
+        if msg.body:
+            self._staging[msg.key] = msg
+        if msg.uuid:
+            # The active applied it: the client's direct copy is no longer pending.
+            self.pending.confirm(msg.uuid)
+        return FollowOutcome.OK
+
+    # -- time ----------------------------------------------------------------
+
+    def tick(self, now: float) -> list[list[bytes]]:
+        """Periodic work: age the pending list; expire keys if active.
+
+        Returns the delete KVPUBs to publish (at most ``expiry_batch``; call
+        again soon if :meth:`expiry_due` is still true).
+        """
+        self.pending.expire(now)
+        if self.role is not Role.ACTIVE:
+            return []
+        deletes = self.store.expire(now, self.settings.expiry_batch)
+        if not deletes:
+            return []
+        self.counters["expired"] += len(deletes)
+        self.counters["kvpub_published"] += len(deletes)
+        self.highest_seen = self.store.sequence
+        return [encode_kv(m) for m in deletes]
+
+    def expiry_due(self, now: float) -> bool:
+        deadline = self.store.next_deadline()
+        return deadline is not None and deadline <= now
+
+    # -- introspection -------------------------------------------------------
+
+    def stats(self) -> dict[str, int | str]:
+        """Counters plus gauges, for logs and ``CloneServer.stats()``."""
+        out: dict[str, int | str] = dict(self.counters)
+        out.update(
+            role=self.role.value,
+            sync_state=self.sync_state.value,
+            sequence=self.store.sequence,
+            highest_seen=self.highest_seen,
+            keys=len(self.store),
+            ephemeral_keys=self.store.ephemeral_count,
+            pending=len(self.pending),
+            pending_dropped=self.pending.dropped,
+            dedup_window_used=len(self.window),
+            bad_expires=self.store.bad_expires,
+        )
+        return out
+
+    # -- internals -----------------------------------------------------------
+
+    def _sync(self, event: SyncEvent) -> None:
+        try:
+            self.sync_state = SYNC_TRANSITIONS[(self.sync_state, event)]
+        except KeyError:
+            raise IllegalSyncTransition(
+                f"sync event {event.name} is not allowed in state {self.sync_state.name}"
+            ) from None
+
+    def _follow(self, msg: KVMsg) -> FollowOutcome:
+        store = self.store
+        expected = store.sequence + 1
+        if msg.sequence < expected:
+            self.counters["peer_stale"] += 1
+            return FollowOutcome.OK
+        if msg.sequence > expected:
+            self.counters["peer_gaps"] += 1
+            return FollowOutcome.RESYNC
+        store.apply_published(msg)
+        uid = update_id(msg)
+        self.pending.confirm(uid)
+        if msg.uuid:
+            self.window.add(msg.uuid)
+        return FollowOutcome.OK
+
+    def _replay_buffer(self, after: int) -> bool:
+        """Apply buffered KVPUBs newer than ``after``; False on a gap."""
+        buffered, self._buffer = self._buffer, []
+        overflowed, self._buffer_overflowed = self._buffer_overflowed, False
+        store = self.store
+        for msg in buffered:
+            if msg.sequence <= after:
+                # Already in the snapshot, but it still confirms a pending update.
+                self.pending.confirm(update_id(msg))
+                if msg.uuid:
+                    self.window.add(msg.uuid)
+                continue
+            if msg.sequence != store.sequence + 1:
+                return False
+            self._follow(msg)
+        return not overflowed

@@ -1,0 +1,346 @@
+"""The server's decisions, driven by raw frames and explicit times (no sockets).
+
+An in-memory pair links two cores the way the sockets would: the active core's
+publications are fed to the passive one, and a snapshot of the active core
+answers the passive's sync.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from clone.codec import (
+    KVMsg,
+    decode_update,
+    encode_hugz,
+    encode_icanhaz,
+    encode_kthxbai,
+    encode_kv,
+)
+from clone.errors import ProtocolError
+from clone.server_core import (
+    SYNC_TRANSITIONS,
+    CoreSettings,
+    FollowOutcome,
+    IllegalSyncTransition,
+    Role,
+    ServerCore,
+    SyncEvent,
+    SyncState,
+)
+
+
+def _uuid(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+def _kvset(key: str, body: bytes = b"v", n: int = 1, props: str = "") -> list[bytes]:
+    return [key.encode(), bytes(8), _uuid(n) if n else b"", props.encode(), body]
+
+
+def _decode(frames: list[bytes]) -> KVMsg:
+    msg = decode_update(frames)
+    assert isinstance(msg, KVMsg)
+    return msg
+
+
+def _snapshot_of(core: ServerCore) -> list[list[bytes]]:
+    stream = core.open_snapshot(b"peer", "")
+    out = []
+    while not stream.done:
+        frames = stream.peek()
+        if frames is not None:
+            out.append(frames[1:])
+            stream.advance()
+    return out
+
+
+class Pair:
+    """An active core and a passive core wired in memory."""
+
+    def __init__(self, settings: CoreSettings | None = None) -> None:
+        self.active = ServerCore(settings, standalone=True)
+        self.passive = ServerCore(settings)
+        self.passive.become_passive()
+        self.passive.start_sync()
+
+    def sync(self) -> FollowOutcome:
+        outcome = FollowOutcome.OK
+        for frames in _snapshot_of(self.active):
+            outcome = self.passive.on_snapshot_reply(frames)
+        return outcome
+
+    def client_set(self, frames: list[bytes], now: float = 0.0, *, to_passive: bool = True) -> None:
+        """A client writes to both collectors; the active's KVPUB reaches the passive."""
+        pub = self.active.on_kvset(frames, now)
+        if to_passive:
+            self.passive.on_kvset(frames, now)
+        if pub is not None:
+            assert self.passive.on_peer_update(pub) is FollowOutcome.OK
+
+
+# -- the sync table ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("start", "event"), list(SYNC_TRANSITIONS))
+def test_every_sync_rule_is_reachable(start: SyncState, event: SyncEvent) -> None:
+    core = ServerCore()
+    core.sync_state = start
+    core._sync(event)
+    assert core.sync_state is SYNC_TRANSITIONS[(start, event)]
+
+
+def test_illegal_sync_transition_raises() -> None:
+    core = ServerCore()
+    with pytest.raises(IllegalSyncTransition):
+        core._sync(SyncEvent.SNAPSHOT_DONE)
+
+
+# -- active --------------------------------------------------------------------
+
+
+def test_active_sequences_and_echoes_uuid_and_properties() -> None:
+    core = ServerCore(standalone=True)
+    outs = [core.on_kvset(_kvset(f"k{i}", n=i + 1, props="a=b\n"), now=0.0) for i in range(3)]
+    msgs = [_decode(o) for o in outs if o is not None]
+    assert [m.sequence for m in msgs] == [1, 2, 3]
+    assert [m.uuid for m in msgs] == [_uuid(1), _uuid(2), _uuid(3)]
+    assert all(m.properties == (("a", "b"),) for m in msgs)
+
+
+def test_active_publishes_a_uuid_at_most_once_in_the_window() -> None:
+    core = ServerCore(CoreSettings(dedup_window=2), standalone=True)
+    assert core.on_kvset(_kvset("k", n=1), 0.0) is not None
+    assert core.on_kvset(_kvset("k", n=1), 0.0) is None
+    core.on_kvset(_kvset("k", n=2), 0.0)
+    core.on_kvset(_kvset("k", n=3), 0.0)  # evicts 1
+    assert core.on_kvset(_kvset("k", n=1), 0.0) is not None
+    assert core.counters["kvset_duplicate"] == 1
+
+
+def test_uuidless_updates_are_never_deduplicated() -> None:
+    core = ServerCore(standalone=True)
+    assert core.on_kvset(_kvset("k", b"1", n=0), 0.0) is not None
+    assert core.on_kvset(_kvset("k", b"1", n=0), 0.0) is not None
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [b"k", bytes(8), b"", b""],  # four frames
+        [b"k", b"\x01", b"", b"", b"v"],  # short sequence
+        [b"k", bytes(8), b"x", b"", b"v"],  # bad uuid
+        [b"HUGZ", bytes(8), b"", b"", b"v"],  # reserved key
+        [b"k", bytes(8), b"", b"ttl=abc\n", b"v"],
+        [b"k", bytes(8), b"", b"ttl=-1\n", b"v"],
+        [b"k", bytes(8), b"", b"", b"x" * (1024 * 1024 + 1)],
+    ],
+)
+@pytest.mark.parametrize("standalone", [True, False])
+def test_bad_kvsets_are_counted_and_raise(frames: list[bytes], standalone: bool) -> None:
+    core = ServerCore(standalone=standalone)
+    with pytest.raises(ProtocolError):
+        core.on_kvset(frames, 0.0)
+    assert core.counters["kvset_invalid"] == 1
+    assert core.store.sequence == 0 and len(core.pending) == 0
+
+
+def test_expiry_publishes_a_bare_delete() -> None:
+    core = ServerCore(standalone=True)
+    core.on_kvset(_kvset("k", props="ttl=2\n"), now=100.0)
+    assert core.tick(101.0) == []
+    assert core.expiry_due(102.0)
+    (frames,) = core.tick(102.0)
+    assert _decode(frames) == KVMsg("k", 2, b"", (), b"")
+    assert core.counters["expired"] == 1
+
+
+def test_hugz_carries_the_highest_sequence() -> None:
+    core = ServerCore(standalone=True)
+    core.on_kvset(_kvset("k"), 0.0)
+    assert core.hugz() == encode_hugz(1)
+
+
+def test_snapshot_request_decoding() -> None:
+    core = ServerCore(standalone=True)
+    assert core.snapshot_request(encode_icanhaz("/a/")) == "/a/"
+    for bad in ([b"ICANHAZ?"], [b"ICANHAZ?", b"", b""], [b"WAT", b""], [b"ICANHAZ?", b"a"]):
+        with pytest.raises(ProtocolError):
+            core.snapshot_request(bad)
+    assert core.counters["snapshot_invalid"] == 4
+
+
+# -- passive -------------------------------------------------------------------
+
+
+def test_passive_syncs_then_follows() -> None:
+    pair = Pair()
+    pair.client_set(_kvset("a", n=1), to_passive=False)
+    pair.client_set(_kvset("b", props="ttl=5\n", n=2), now=10.0, to_passive=False)
+    assert pair.sync() is FollowOutcome.SYNCED
+    assert pair.passive.sync_state is SyncState.SYNCED
+    pair.client_set(_kvset("c", n=3))
+    assert pair.passive.store.keys() == pair.active.store.keys()
+    assert pair.passive.store.sequence == pair.active.store.sequence == 3
+    assert pair.passive.store.deadline("b") == 15.0
+    assert len(pair.passive.pending) == 0
+
+
+def test_updates_published_during_the_sync_are_buffered_and_replayed() -> None:
+    pair = Pair()
+    pair.client_set(_kvset("a", n=1))  # buffered: the passive is SYNCING
+    snapshot = _snapshot_of(pair.active)  # sequence 1
+    pair.client_set(_kvset("b", n=2))  # buffered, after the snapshot
+    for frames in snapshot:
+        pair.passive.on_snapshot_reply(frames)
+    assert pair.passive.store.get("b") is not None
+    assert pair.passive.store.sequence == 2
+    assert len(pair.passive.pending) == 0
+
+
+def test_gap_in_the_buffer_asks_for_a_resync() -> None:
+    pair = Pair()
+    pair.active.on_kvset(_kvset("a", n=1), 0.0)  # never reaches the passive
+    snapshot_seq0 = [encode_kthxbai(0)]
+    pair.client_set(_kvset("b", n=2))  # sequence 2 buffered
+    assert pair.passive.on_snapshot_reply(snapshot_seq0[0]) is FollowOutcome.RESYNC
+
+
+def test_sequence_gap_while_following_asks_for_a_resync() -> None:
+    pair = Pair()
+    pair.sync()
+    pair.active.on_kvset(_kvset("a", n=1), 0.0)  # lost
+    pub = pair.active.on_kvset(_kvset("b", n=2), 0.0)
+    assert pub is not None
+    assert pair.passive.on_peer_update(pub) is FollowOutcome.RESYNC
+    assert pair.passive.counters["peer_gaps"] == 1
+
+
+@pytest.mark.parametrize(("hugz_seq", "outcome"), [(0, FollowOutcome.OK), (1, FollowOutcome.RESYNC)])
+def test_hugz_reveals_a_missed_tail(hugz_seq: int, outcome: FollowOutcome) -> None:
+    pair = Pair()
+    pair.sync()
+    assert pair.passive.on_peer_update(encode_hugz(hugz_seq)) is outcome
+
+
+def test_stale_peer_updates_are_ignored() -> None:
+    pair = Pair()
+    pub = pair.active.on_kvset(_kvset("a", n=1), 0.0)
+    pair.sync()
+    assert pub is not None
+    assert pair.passive.on_peer_update(pub) is FollowOutcome.OK
+    assert pair.passive.counters["peer_stale"] == 1
+
+
+def test_pending_is_confirmed_in_either_order() -> None:
+    pair = Pair()
+    pair.sync()
+    # client copy first, then the active's KVPUB
+    pair.client_set(_kvset("a", n=1))
+    # KVPUB first, then the late client copy: not parked
+    pub = pair.active.on_kvset(_kvset("b", n=2), 0.0)
+    assert pub is not None
+    pair.passive.on_peer_update(pub)
+    pair.passive.on_kvset(_kvset("b", n=2), 0.0)
+    assert len(pair.passive.pending) == 0
+    assert pair.passive.counters["kvset_already_applied"] == 1
+
+
+def test_promotion_applies_and_publishes_pending_in_order_with_fresh_sequences() -> None:
+    pair = Pair()
+    pair.client_set(_kvset("a", n=1))
+    pair.sync()
+    # the active dies; these reach only the passive
+    pair.passive.on_kvset(_kvset("x", b"1", n=10), now=50.0)
+    pair.passive.on_kvset(_kvset("y", b"2", n=11, props="ttl=10\n"), now=51.0)
+    pair.passive.on_kvset(_kvset("x", b"3", n=12), now=52.0)
+    outs = [_decode(f) for f in pair.passive.become_active(now=55.0)]
+    assert [(m.key, m.body, m.sequence) for m in outs] == [
+        ("x", b"1", 2),
+        ("y", b"2", 3),
+        ("x", b"3", 4),
+    ]
+    assert outs[1].prop("expires") == "61.000"  # counted from arrival, not promotion
+    assert pair.passive.role is Role.ACTIVE
+    assert pair.passive.become_active(now=56.0) == []  # idempotent
+    # a client resending after the failover is deduplicated
+    assert pair.passive.on_kvset(_kvset("x", b"1", n=10), 57.0) is None
+
+
+def test_new_active_continues_from_the_highest_sequence_seen() -> None:
+    pair = Pair()
+    pair.sync()
+    pair.passive.on_peer_update(encode_hugz(0))
+    # a KVPUB we could not apply (gap) still tells us how far the active got
+    pair.passive.on_peer_update(encode_kv(KVMsg("z", 40, _uuid(5), (), b"v")))
+    pair.passive.become_active(0.0)
+    out = pair.passive.on_kvset(_kvset("k", n=6), 0.0)
+    assert out is not None and _decode(out).sequence == 41
+
+
+def test_promotion_mid_sync_keeps_the_old_state_and_the_pending_list() -> None:
+    core = ServerCore()
+    core.become_passive()
+    core.start_sync()
+    core.on_snapshot_reply(encode_kv(KVMsg("half", 3, b"", (), b"v")))
+    core.on_kvset(_kvset("p", n=9), 1.0)
+    outs = core.become_active(2.0)
+    assert "half" not in core.store
+    assert [_decode(f).key for f in outs] == ["p"]
+    assert core.sync_state is SyncState.IDLE
+
+
+def test_a_starting_server_parks_updates_until_it_is_told_its_role() -> None:
+    core = ServerCore()
+    assert core.role is Role.STARTING
+    assert core.on_kvset(_kvset("k", n=1), 0.0) is None
+    assert [_decode(f).key for f in core.become_active(0.0)] == ["k"]
+
+
+def test_peer_messages_are_ignored_unless_passive() -> None:
+    core = ServerCore(standalone=True)
+    assert core.on_peer_update([b"garbage"]) is FollowOutcome.OK
+    assert core.on_snapshot_reply([b"garbage"]) is FollowOutcome.OK
+    assert core.counters["peer_ignored"] == 2
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [[b"x"], [b"k", b"\x00", b"", b"", b""], [b"HUGZ", b""], [b"k", bytes(8), b"", b"bad", b"v"]],
+)
+def test_bad_peer_input_raises_and_counts(frames: list[bytes]) -> None:
+    pair = Pair()
+    pair.sync()
+    with pytest.raises(ProtocolError):
+        pair.passive.on_peer_update(frames)
+    assert pair.passive.counters["peer_invalid"] == 1
+
+
+def test_kthxbai_for_a_subtree_is_rejected() -> None:
+    pair = Pair()
+    with pytest.raises(ProtocolError):
+        pair.passive.on_snapshot_reply(encode_kthxbai(0, "/a/"))
+
+
+def test_stepping_down_resyncs_into_a_fresh_state() -> None:
+    core = ServerCore(standalone=True)
+    core.on_kvset(_kvset("mine", n=1), 0.0)
+    core.become_passive()
+    core.start_sync()
+    assert core.counters["demotions"] == 1
+    core.on_snapshot_reply(encode_kv(KVMsg("theirs", 5, b"", (), b"v")))
+    assert core.on_snapshot_reply(encode_kthxbai(5)) is FollowOutcome.SYNCED
+    assert core.store.keys() == ["theirs"] and core.store.sequence == 5
+
+
+def test_sync_buffer_overflow_forces_a_resync() -> None:
+    pair = Pair(CoreSettings(sync_buffer_max=2))
+    for i in range(3):
+        pair.client_set(_kvset(f"k{i}", n=i + 1), to_passive=False)
+    assert pair.passive.counters["sync_buffer_overflow"] == 1
+    assert pair.passive.on_snapshot_reply(encode_kthxbai(0)) is FollowOutcome.RESYNC
+
+
+def test_stats_has_counters_and_gauges() -> None:
+    stats = ServerCore(standalone=True).stats()
+    assert stats["role"] == "active" and stats["keys"] == 0 and stats["kvset_received"] == 0
