@@ -40,6 +40,14 @@ VoteHandler = Callable[[ZMQStream, list[bytes]], object]
 #: Bad input from the network is logged at most once per this many seconds.
 _LOG_INTERVAL = 10.0
 
+#: What a dead peer means in each state, for the one log line about it.
+_AFTER_EXPIRY = {
+    State.PRIMARY: "the next client vote makes us active",
+    State.BACKUP: "votes stay refused until the primary has been seen",
+    State.ACTIVE: "still serving",
+    State.PASSIVE: "the next client vote fails over",
+}
+
 
 @dataclass(frozen=True, slots=True)
 class BinaryStarCounters:
@@ -340,7 +348,7 @@ class BinaryStar:
                 self._peer_endpoint,
                 "never heard" if contact is None else f"silent for {now - contact:.3f} s",
                 self.state.name,
-                "still serving" if self.state is State.ACTIVE else "a client vote may fail over",
+                _AFTER_EXPIRY[self.state],
             )
         # Fixed-rate schedule; if the loop fell behind, skip rather than burst.
         self._next_tick += self.heartbeat
