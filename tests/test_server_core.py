@@ -216,7 +216,9 @@ def test_sequence_gap_while_following_asks_for_a_resync() -> None:
     assert pair.passive.counters["peer_gaps"] == 1
 
 
-@pytest.mark.parametrize(("hugz_seq", "outcome"), [(0, FollowOutcome.OK), (1, FollowOutcome.RESYNC)])
+@pytest.mark.parametrize(
+    ("hugz_seq", "outcome"), [(0, FollowOutcome.OK), (1, FollowOutcome.RESYNC)]
+)
 def test_hugz_reveals_a_missed_tail(hugz_seq: int, outcome: FollowOutcome) -> None:
     pair = Pair()
     pair.sync()
