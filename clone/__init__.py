@@ -1,1 +1,21 @@
-"""Clone: a clustered key-value state replication service over ZeroMQ."""
+"""Clone: a clustered key-value state replication service over ZeroMQ.
+
+The client API lives here; the server is started with ``clone-server`` and is not
+imported by ``import clone``.
+"""
+
+from clone import errors
+from clone.client import Clone, Entry, Status, clone_get, clone_set
+from clone.errors import CloneError, ConfirmTimeout, NotSynced
+
+__all__ = [
+    "Clone",
+    "CloneError",
+    "ConfirmTimeout",
+    "Entry",
+    "NotSynced",
+    "Status",
+    "clone_get",
+    "clone_set",
+    "errors",
+]

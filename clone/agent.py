@@ -1,0 +1,368 @@
+"""The client agent's I/O loop: sockets in, state machine, sockets out.
+
+It runs in the thread the frontend (:mod:`clone.client`) starts, owns every
+network socket of one client, and polls them together with the command pipe from
+the frontend.  Everything it receives is decoded with :mod:`clone.codec` and handed
+to :class:`~clone.agent_fsm.AgentFSM`, which decides; this module only carries
+out the actions.  A plain ``zmq.Poller`` loop is enough: the agent has a handful
+of sockets and one timer (the state machine's next deadline).
+
+Sockets per server (base port P): a SUB on P+1 subscribed to everything, opened
+at connect time so that it is already subscribed when we ask for a snapshot (and
+so that sequence holes can be seen even with subtrees: see docs/client.md), and a
+DEALER on P opened afresh for every snapshot request.  One PUB is connected to
+every server's collector (P+2), so both servers of a pair see every update.
+
+The pipe protocol, all frames bytes:
+
+* frontend -> agent, one reply each, ``rid`` echoed:
+  ``CONNECT rid endpoint``, ``SET rid confirm_seconds|'' key seq uuid props body``,
+  ``GET rid key``, ``ITEMS rid prefix``, ``STATUS rid``, ``WATCH rid 1|0``,
+  ``TERMINATE rid``.  Replies are ``OK rid ...`` or ``ERROR rid text``; an unknown
+  command gets an ERROR too.
+* agent -> frontend, on the separate event pipe: ``STARTED``, ``CONFIRMED uuid``,
+  ``STATE state endpoint``, ``CHANGE key seq uuid props body`` (empty body:
+  deleted), ``STOPPED``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from clone.agent_fsm import (
+    Action,
+    AgentFSM,
+    Changed,
+    Confirmed,
+    RequestSnapshot,
+    SendUpdate,
+    StateChanged,
+)
+from clone.codec import (
+    KVMsg,
+    decode_kvset,
+    decode_snapshot_reply,
+    decode_update,
+    encode_icanhaz,
+    encode_kv,
+)
+from clone.errors import ProtocolError
+from clone.protocol import COLLECTOR_OFFSET, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
+
+__all__ = ["Agent", "split_endpoint", "SUBSCRIBER_HWM"]
+
+log = logging.getLogger(__name__)
+
+# A large snapshot's worth of updates may pile up while we sync; the default
+# 1000 would drop them and force a resync loop.
+SUBSCRIBER_HWM = 100_000
+# Messages taken from one socket before looking at the others again.
+_BATCH = 512
+# Upper bound on one poll, so a wrong deadline can never freeze the loop.
+_MAX_POLL = 1.0
+
+# Pipe commands and replies.
+CONNECT, SET, GET, ITEMS, STATUS, WATCH, TERMINATE = (
+    b"CONNECT",
+    b"SET",
+    b"GET",
+    b"ITEMS",
+    b"STATUS",
+    b"WATCH",
+    b"TERMINATE",
+)
+OK, ERROR = b"OK", b"ERROR"
+STARTED, CONFIRMED, STATE, CHANGE, STOPPED = (
+    b"STARTED",
+    b"CONFIRMED",
+    b"STATE",
+    b"CHANGE",
+    b"STOPPED",
+)
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``tcp://host:P`` -> (``tcp://host``, P); raises ValueError otherwise."""
+    if not isinstance(endpoint, str):
+        raise TypeError(f"endpoint must be str, not {type(endpoint).__name__}")
+    head, sep, port = endpoint.rpartition(":")
+    if not endpoint.startswith("tcp://") or not sep or not port.isdigit() or head == "tcp":
+        raise ValueError(f"endpoint {endpoint!r} is not of the form tcp://host:port")
+    base = int(port)
+    if not 0 < base <= 65535 - COLLECTOR_OFFSET:
+        raise ValueError(f"endpoint {endpoint!r}: port out of range")
+    return head, base
+
+
+class _RateLimitedLog:
+    """At most ``burst`` warnings per ``interval`` seconds; then a count of the rest.
+
+    A server spewing garbage must not flood the application's log.
+    """
+
+    def __init__(self, clock: Callable[[], float], interval: float = 10.0, burst: int = 5):
+        self._clock = clock
+        self._interval = interval
+        self._burst = burst
+        self._window_start = -interval
+        self._logged = 0
+        self._suppressed = 0
+
+    def warning(self, fmt: str, *args: object) -> None:
+        now = self._clock()
+        if now - self._window_start >= self._interval:
+            if self._suppressed:
+                log.warning("%d more malformed messages were dropped", self._suppressed)
+            self._window_start, self._logged, self._suppressed = now, 0, 0
+        if self._logged < self._burst:
+            self._logged += 1
+            log.warning(fmt, *args)
+        else:
+            self._suppressed += 1
+
+
+@dataclass(slots=True)
+class _Server:
+    endpoint: str
+    sub: zmq.Socket[bytes]
+    dealer: zmq.Socket[bytes] | None = None
+
+    def address(self, offset: int) -> str:
+        host, base = split_endpoint(self.endpoint)
+        return f"{host}:{base + offset}"
+
+
+class Agent:
+    """One client's sockets and loop; :meth:`run` is the thread's target."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        commands: zmq.Socket[bytes],
+        events: zmq.Socket[bytes],
+        fsm: AgentFSM,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._ctx = ctx
+        self._commands = commands
+        self._events = events
+        self._fsm = fsm
+        self._clock = clock
+        self._servers: list[_Server] = []
+        self._poller = zmq.Poller()
+        self._pub: zmq.Socket[bytes] | None = None
+        self._running = False
+        self._bad = _RateLimitedLog(clock)
+        fsm.emit_changes = False  # until somebody watches
+
+    # ------------------------------------------------------------------
+    # Loop
+
+    def run(self) -> None:
+        """Serve until TERMINATE; always close our sockets and say STOPPED."""
+        try:
+            self._pub = self._ctx.socket(zmq.PUB)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.setsockopt(zmq.SNDHWM, SUBSCRIBER_HWM)
+            self._poller.register(self._commands, zmq.POLLIN)
+            self._running = True
+            self._events.send(STARTED)
+            self._loop()
+        except Exception:
+            log.exception("clone agent stopped by an unexpected error")
+        finally:
+            self._close_sockets()
+            try:
+                self._events.send(STOPPED, zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            self._commands.close(linger=0)
+            self._events.close(linger=0)
+
+    def _loop(self) -> None:
+        while self._running:
+            deadline = self._fsm.next_deadline()
+            wait = _MAX_POLL if deadline is None else deadline - self._clock()
+            timeout_ms = max(0, min(int(wait * 1000) + 1, int(_MAX_POLL * 1000)))
+            ready = dict(self._poller.poll(timeout_ms))
+            if self._commands in ready:
+                self._drain_commands()
+            for index, server in enumerate(list(self._servers)):
+                if server.sub in ready:
+                    self._drain_updates(index, server)
+                if server.dealer is not None and server.dealer in ready:
+                    self._drain_snapshot(index, server)
+            self._execute(self._fsm.tick(self._clock()))
+
+    def _drain_commands(self) -> None:
+        for _ in range(_BATCH):
+            if not self._running:
+                return
+            try:
+                frames = self._commands.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._command(frames)
+
+    def _drain_updates(self, index: int, server: _Server) -> None:
+        for _ in range(_BATCH):
+            try:
+                frames = server.sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode_update(frames)
+            except ProtocolError as exc:
+                self._malformed(index, "update", exc)
+                continue
+            self._execute(self._fsm.update(index, msg, self._clock()))
+
+    def _drain_snapshot(self, index: int, server: _Server) -> None:
+        dealer = server.dealer
+        for _ in range(_BATCH):
+            if dealer is not server.dealer:  # a new request replaced the socket
+                return
+            assert dealer is not None
+            try:
+                frames = dealer.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                msg = decode_snapshot_reply(frames)
+            except ProtocolError as exc:
+                self._malformed(index, "snapshot reply", exc)
+                continue
+            self._execute(self._fsm.snapshot_reply(index, msg, self._clock()))
+
+    def _malformed(self, index: int, what: str, exc: ProtocolError) -> None:
+        self._fsm.protocol_error(index)
+        self._bad.warning(
+            "dropped malformed %s from %s: %s", what, self._servers[index].endpoint, exc
+        )
+
+    # ------------------------------------------------------------------
+    # Actions
+
+    def _execute(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, SendUpdate):
+                assert self._pub is not None
+                self._pub.send_multipart(encode_kv(action.msg))
+            elif isinstance(action, Changed):
+                entry = action.entry or KVMsg(action.key)
+                self._events.send_multipart([CHANGE, *encode_kv(entry)])
+            elif isinstance(action, Confirmed):
+                self._events.send_multipart([CONFIRMED, action.uuid])
+            elif isinstance(action, RequestSnapshot):
+                self._request_snapshot(action)
+            elif isinstance(action, StateChanged):
+                endpoint = "" if action.server is None else self._servers[action.server].endpoint
+                log.debug("agent is %s on %s", action.state.value, endpoint or "-")
+                self._events.send_multipart([STATE, action.state.value.encode(), endpoint.encode()])
+
+    def _request_snapshot(self, action: RequestSnapshot) -> None:
+        server = self._servers[action.server]
+        if server.dealer is not None:
+            self._poller.unregister(server.dealer)
+            server.dealer.close(linger=0)
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.RCVHWM, SUBSCRIBER_HWM)
+        dealer.connect(server.address(SNAPSHOT_OFFSET))
+        server.dealer = dealer
+        self._poller.register(dealer, zmq.POLLIN)
+        for subtree in action.subtrees:
+            dealer.send_multipart(encode_icanhaz(subtree))
+        log.debug("asked %s for a snapshot of %s", server.endpoint, action.subtrees)
+
+    def _add_server(self, endpoint: str) -> None:
+        split_endpoint(endpoint)
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, SUBSCRIBER_HWM)
+        # Everything, not just our subtrees: sequences are global, so only a
+        # complete stream lets us see holes.  We filter by subtree ourselves.
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        server = _Server(endpoint, sub)
+        sub.connect(server.address(PUBLISHER_OFFSET))
+        assert self._pub is not None
+        self._pub.connect(server.address(COLLECTOR_OFFSET))
+        self._servers.append(server)
+        self._poller.register(sub, zmq.POLLIN)
+        self._execute(self._fsm.connect(endpoint, self._clock()))
+
+    def _close_sockets(self) -> None:
+        for server in self._servers:
+            server.sub.close(linger=0)
+            if server.dealer is not None:
+                server.dealer.close(linger=0)
+        self._servers.clear()
+        if self._pub is not None:
+            self._pub.close(linger=0)
+            self._pub = None
+
+    # ------------------------------------------------------------------
+    # Commands from the frontend
+
+    def _command(self, frames: list[bytes]) -> None:
+        if len(frames) < 2:
+            head = frames[0][:32] if frames else b""
+            self._commands.send_multipart([ERROR, b"", b"malformed command " + head])
+            return
+        verb, rid, args = frames[0], frames[1], frames[2:]
+        try:
+            reply = self._answer(verb, args)
+        except (ValueError, TypeError, IndexError, ProtocolError) as exc:
+            self._commands.send_multipart([ERROR, rid, str(exc).encode("utf-8", "replace")])
+            return
+        self._commands.send_multipart([OK, rid, *reply])
+
+    def _answer(self, verb: bytes, args: list[bytes]) -> list[bytes]:
+        fsm = self._fsm
+        if verb == GET:
+            entry = fsm.get(args[0].decode("utf-8"))
+            return [] if entry is None else encode_kv(entry)
+        if verb == SET:
+            confirm = float(args[0]) if args[0] else None
+            msg = decode_kvset(args[1:])
+            self._execute(fsm.write(msg, self._clock(), confirm_within=confirm))
+            return []
+        if verb == ITEMS:
+            prefix = args[0].decode("utf-8")
+            out: list[bytes] = []
+            for entry in fsm.items(prefix):
+                out.extend(encode_kv(entry))
+            return out
+        if verb == STATUS:
+            return [json.dumps(self._status()).encode()]
+        if verb == WATCH:
+            fsm.emit_changes = args[0] == b"1"
+            return []
+        if verb == CONNECT:
+            self._add_server(args[0].decode("utf-8"))
+            return []
+        if verb == TERMINATE:
+            self._running = False
+            return []
+        raise ValueError(f"unknown command {verb[:32]!r}")
+
+    def _status(self) -> dict[str, object]:
+        fsm = self._fsm
+        current = None if fsm.current is None else fsm.servers[fsm.current]
+        return {
+            "state": fsm.state.value,
+            "server": current,
+            "servers": list(fsm.servers),
+            "subtrees": list(fsm.subtrees),
+            "sequence": fsm.last_sequence,
+            "keys": len(fsm),
+            "pending_writes": fsm.pending_writes,
+            "counters": fsm.counters.as_dict(),
+        }

@@ -1,0 +1,567 @@
+"""The application's side of a Clone client: a thin frontend over the agent thread.
+
+:class:`Clone` owns a ``zmq.Context``, starts the agent (:mod:`clone.agent`) in a
+thread and talks to it over two inproc PAIR pipes: a command pipe (strict
+request/reply, one caller at a time, every wait bounded) and an event pipe the
+agent writes to without ever blocking (confirmations, state changes, changes to
+keys).  A small dispatcher thread reads the event pipe, so a thread waiting for a
+confirmed write never holds the command pipe, and another thread runs the
+``on_change`` callbacks, so a slow or re-entrant callback cannot stall the agent
+or the confirmations.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import zmq
+
+from clone import agent as _agent
+from clone.agent import Agent, split_endpoint
+from clone.agent_fsm import AgentConfig, AgentFSM, normalize_subtrees
+from clone.codec import KVMsg, Properties, decode_kvset, encode_kv
+from clone.errors import CloneError, ClosedError, ConfirmTimeout, NotSynced
+from clone.protocol import (
+    DEFAULT_BACKUP_PORT,
+    DEFAULT_PRIMARY_PORT,
+    MAX_TTL_SECONDS,
+    TTL_PROPERTY,
+)
+
+__all__ = [
+    "Clone",
+    "Entry",
+    "Status",
+    "clone_set",
+    "clone_get",
+    "default_servers",
+    "DEFAULT_SERVERS",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SERVERS = (
+    f"tcp://127.0.0.1:{DEFAULT_PRIMARY_PORT}",
+    f"tcp://127.0.0.1:{DEFAULT_BACKUP_PORT}",
+)
+_ids = itertools.count(1)
+
+
+def default_servers() -> list[str]:
+    """``$CLONE_SERVERS`` (comma-separated), else the local pair on 5556/5566."""
+    env = os.environ.get("CLONE_SERVERS", "")
+    servers = [s.strip() for s in env.split(",") if s.strip()]
+    return servers or list(DEFAULT_SERVERS)
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    """A key's value as the client holds it; in a change, ``value`` None = deleted."""
+
+    key: str
+    value: bytes | None
+    sequence: int = 0
+    properties: Properties = ()
+
+    @property
+    def deleted(self) -> bool:
+        return self.value is None
+
+    def prop(self, name: str, default: str | None = None) -> str | None:
+        for pname, value in self.properties:
+            if pname == name:
+                return value
+        return default
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """What the agent is doing, for health checks and tests."""
+
+    state: str  # "initial", "syncing" or "active"
+    server: str | None  # the server we sync from / listen to
+    sequence: int  # last sequence applied
+    keys: int
+    pending_writes: int
+    servers: tuple[str, ...] = ()
+    subtrees: tuple[str, ...] = ()
+    counters: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def gaps(self) -> int:
+        return self.counters.get("gaps", 0)
+
+    @property
+    def resyncs(self) -> int:
+        return self.counters.get("resyncs", 0)
+
+    @property
+    def failovers(self) -> int:
+        return self.counters.get("failovers", 0)
+
+    @property
+    def protocol_errors(self) -> int:
+        return self.counters.get("protocol_errors", 0)
+
+
+def _as_bytes(value: bytes | bytearray | memoryview | str) -> bytes:
+    if isinstance(value, str):
+        return value.encode("utf-8")
+    if isinstance(value, bytes | bytearray | memoryview):
+        return bytes(value)
+    raise TypeError(f"value must be bytes or str, not {type(value).__name__}")
+
+
+def _format_ttl(ttl: float) -> str | None:
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+        raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
+    if ttl == 0:
+        return None
+    if not 0.001 <= ttl <= MAX_TTL_SECONDS:
+        raise ValueError(f"ttl must be 0 (no expiry) or 0.001 .. {MAX_TTL_SECONDS:g} s")
+    return f"{ttl:.3f}".rstrip("0").rstrip(".")
+
+
+def _entry(frames: Sequence[bytes]) -> Entry:
+    msg = decode_kvset(frames)
+    return Entry(msg.key, msg.body or None, msg.sequence, msg.properties)
+
+
+_STOP = object()
+
+
+class Clone:
+    """A client of one Clone server pair, holding a replica of (part of) the map.
+
+    ``servers`` are the CHP base endpoints in failover order (a list, or one
+    comma-separated string); ``subtree`` one subtree or several (``/a/``, ``/b/``),
+    or None for the whole map.  ``heartbeat`` is the servers' heartbeat; the
+    server timeout defaults to 2.5 heartbeats.  Use it as a context manager, or
+    call :meth:`close`.  Methods may be called from any thread.
+    """
+
+    def __init__(
+        self,
+        servers: str | Sequence[str] | None = None,
+        subtree: str | Iterable[str] | None = None,
+        *,
+        heartbeat: float = 1.0,
+        server_timeout: float | None = None,
+        confirm_timeout: float = 10.0,
+        command_timeout: float = 5.0,
+    ) -> None:
+        overrides = {} if server_timeout is None else {"server_timeout": server_timeout}
+        config = AgentConfig.from_heartbeat(heartbeat, **overrides)
+        subtrees = normalize_subtrees(subtree)
+        self.confirm_timeout = confirm_timeout
+        self.command_timeout = command_timeout
+        self._servers: list[str] = []
+        self._closed = False
+        self._lock = threading.Lock()  # the command pipe, one caller at a time
+        self._rids = itertools.count(1)
+        self._waiters: dict[bytes, threading.Event] = {}
+        self._watchers: list[queue.SimpleQueue[Entry | object]] = []
+        self._callbacks: list[Callable[[Entry], None]] = []
+        self._callback_queue: queue.SimpleQueue[Entry | object] | None = None
+        self._callback_thread: threading.Thread | None = None
+        self._shared = threading.Lock()  # waiters, watchers, callbacks, state
+        self._state = "initial"
+        self._active = threading.Event()
+        self._stopped = threading.Event()
+        self._dispatch_stop = False
+        self._watching = False
+
+        number = next(_ids)
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        try:
+            self._cmd = self._pipe_pair(f"inproc://clone-{number}-commands")
+            self._evt = self._pipe_pair(f"inproc://clone-{number}-events")
+            agent_cmd, agent_evt = self._cmd[1], self._evt[1]
+            # Events must never block the agent; the dispatcher keeps up.
+            fsm = AgentFSM(subtrees, config, now=time.monotonic())
+            agent = Agent(self._ctx, agent_cmd, agent_evt, fsm)
+            self._agent_thread = threading.Thread(
+                target=agent.run, name=f"clone-agent-{number}", daemon=True
+            )
+            self._agent_thread.start()
+            evt = self._evt[0]
+            if not evt.poll(int(command_timeout * 1000)) or evt.recv() != _agent.STARTED:
+                raise CloneError(f"the client agent did not start within {command_timeout:g} s")
+            self._dispatcher = threading.Thread(
+                target=self._dispatch, name=f"clone-events-{number}", daemon=True
+            )
+            self._dispatcher.start()
+        except BaseException:
+            self._ctx.destroy(linger=0)
+            raise
+        if isinstance(servers, str):
+            servers = [s.strip() for s in servers.split(",") if s.strip()]
+        for endpoint in servers or ():
+            self.connect(endpoint)
+
+    def _pipe_pair(self, address: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+        front = self._ctx.socket(zmq.PAIR)
+        back = self._ctx.socket(zmq.PAIR)
+        for sock in (front, back):
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+        front.bind(address)
+        back.connect(address)
+        return front, back
+
+    # ------------------------------------------------------------------
+    # Lifecycle
+
+    def __enter__(self) -> Clone:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<Clone servers={self._servers!r} state={self._state}>"
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def close(self) -> None:
+        """Stop the agent, join the threads, close every socket and the context."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            try:
+                if self._stopped.is_set():
+                    raise CloneError("the agent had already stopped")
+                self._request_locked(_agent.TERMINATE, [], self.command_timeout)
+            except CloneError as exc:
+                log.warning("client agent did not acknowledge terminate: %s", exc)
+        self._agent_thread.join(self.command_timeout)
+        self._dispatch_stop = True
+        self._dispatcher.join(self.command_timeout)
+        with self._shared:
+            for ev in self._waiters.values():
+                ev.set()
+            for q in self._watchers:
+                q.put(_STOP)
+            if self._callback_queue is not None:
+                self._callback_queue.put(_STOP)
+        if (
+            self._callback_thread is not None
+            and self._callback_thread is not threading.current_thread()
+        ):
+            self._callback_thread.join(self.command_timeout)
+        self._cmd[0].close(linger=0)
+        self._evt[0].close(linger=0)
+        if self._agent_thread.is_alive() or self._dispatcher.is_alive():
+            log.error("client threads did not stop; leaving the zmq context open")
+            return
+        self._ctx.term()
+
+    # ------------------------------------------------------------------
+    # Commands
+
+    def _request(self, verb: bytes, args: list[bytes]) -> list[bytes]:
+        with self._lock:
+            if self._closed:
+                raise ClosedError("this Clone client is closed")
+            return self._request_locked(verb, args, self.command_timeout)
+
+    def _request_locked(self, verb: bytes, args: list[bytes], timeout: float) -> list[bytes]:
+        pipe = self._cmd[0]
+        rid = str(next(self._rids)).encode()
+        pipe.send_multipart([verb, rid, *args])
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not pipe.poll(max(1, int(remaining * 1000))):
+                if self._stopped.is_set():
+                    raise ClosedError("the client agent has stopped")
+                raise CloneError(
+                    f"the client agent did not answer {verb.decode()} within {timeout:g} s"
+                )
+            reply = pipe.recv_multipart()
+            if len(reply) >= 2 and reply[1] == rid:
+                break
+            log.debug("dropped a late agent reply %r", reply[:2])
+        if reply[0] != _agent.OK:
+            text = reply[2].decode("utf-8", "replace") if len(reply) > 2 else "?"
+            raise CloneError(f"client agent refused {verb.decode()}: {text}")
+        return reply[2:]
+
+    def connect(self, endpoint: str) -> None:
+        """Add a server by its CHP base endpoint, e.g. ``tcp://127.0.0.1:5556``.
+
+        Servers are tried in the order they were added.
+        """
+        split_endpoint(endpoint)
+        self._request(_agent.CONNECT, [endpoint.encode()])
+        self._servers.append(endpoint)
+
+    def set(
+        self,
+        key: str,
+        value: bytes | str,
+        ttl: float = 0,
+        *,
+        wait: bool = False,
+        timeout: float | None = None,
+    ) -> None:
+        """Publish ``key = value`` to every server; ``ttl`` seconds, 0 = forever.
+
+        With ``wait=True`` return only when the active server has republished
+        this very update (so a following :meth:`get` sees it), or raise
+        :class:`~clone.errors.ConfirmTimeout` after ``timeout`` (default
+        ``confirm_timeout``).  Without it, the write is fire-and-forget and shows
+        up in :meth:`get` when the server's update arrives.
+        """
+        body = _as_bytes(value)
+        if not body:
+            raise ValueError("an empty value means delete; call delete() instead")
+        ttl_text = _format_ttl(ttl)
+        props = {TTL_PROPERTY: ttl_text} if ttl_text is not None else {}
+        self._write(KVMsg.build(key, body, properties=props), wait, timeout)
+
+    def delete(self, key: str, *, wait: bool = False, timeout: float | None = None) -> None:
+        """Delete ``key`` on the servers (``wait`` as for :meth:`set`)."""
+        self._write(KVMsg.build(key, b""), wait, timeout)
+
+    def _write(self, msg: KVMsg, wait: bool, timeout: float | None) -> None:
+        frames = encode_kv(msg)
+        if not wait:
+            self._request(_agent.SET, [b"", *frames])
+            return
+        timeout = self.confirm_timeout if timeout is None else timeout
+        if timeout <= 0:
+            raise ValueError("timeout must be > 0")
+        done = threading.Event()
+        with self._shared:
+            self._waiters[msg.uuid] = done
+        try:
+            self._request(_agent.SET, [repr(float(timeout)).encode(), *frames])
+            confirmed = done.wait(timeout)
+        finally:
+            with self._shared:
+                self._waiters.pop(msg.uuid, None)
+        if self._closed:
+            raise ClosedError("the client was closed while a write awaited confirmation")
+        if not confirmed:
+            raise ConfirmTimeout(
+                f"write to {msg.key!r} was not confirmed by the active server within "
+                f"{timeout:g} s (servers: {', '.join(self._servers) or 'none'})"
+            )
+
+    def get(self, key: str, default: bytes | None = None) -> bytes | None:
+        """The value of ``key`` in our replica, or ``default``."""
+        entry = self.entry(key)
+        return default if entry is None else entry.value
+
+    def entry(self, key: str) -> Entry | None:
+        """``key`` with its sequence and properties, or None."""
+        if not isinstance(key, str):
+            raise TypeError(f"key must be str, not {type(key).__name__}")
+        reply = self._request(_agent.GET, [key.encode("utf-8")])
+        return _entry(reply) if reply else None
+
+    def entries(self, prefix: str = "") -> list[Entry]:
+        """Every entry whose key starts with ``prefix``, sorted by key."""
+        reply = self._request(_agent.ITEMS, [prefix.encode("utf-8")])
+        return [_entry(reply[i : i + 5]) for i in range(0, len(reply), 5)]
+
+    def items(self, prefix: str = "") -> list[tuple[str, bytes]]:
+        """``(key, value)`` for every key starting with ``prefix``, sorted by key."""
+        return [(e.key, e.value) for e in self.entries(prefix) if e.value is not None]
+
+    def status(self) -> Status:
+        raw = json.loads(self._request(_agent.STATUS, [])[0])
+        return Status(
+            state=raw["state"],
+            server=raw["server"],
+            sequence=raw["sequence"],
+            keys=raw["keys"],
+            pending_writes=raw["pending_writes"],
+            servers=tuple(raw["servers"]),
+            subtrees=tuple(raw["subtrees"]),
+            counters=raw["counters"],
+        )
+
+    def wait_synced(self, timeout: float = 10.0) -> None:
+        """Block until the client holds a complete snapshot, or raise NotSynced."""
+        if self._active.wait(timeout):
+            return
+        if self._closed:
+            raise ClosedError("this Clone client is closed")
+        tried = ", ".join(self._servers) or "no servers configured"
+        raise NotSynced(
+            f"no server answered a snapshot request within {timeout:g} s: tried {tried}"
+        )
+
+    # ------------------------------------------------------------------
+    # Changes
+
+    def on_change(self, callback: Callable[[Entry], None]) -> None:
+        """Call ``callback(entry)`` for every change to a key in our subtrees.
+
+        Callbacks run one at a time in this client's callback thread (named
+        ``clone-callbacks-N``), never in the agent thread, so they may call this
+        client, even a confirmed ``set``.  Exceptions are logged and swallowed.
+        Only changes after registration are reported; a resync reports the keys
+        that differ from what we held.
+        """
+        if not callable(callback):
+            raise TypeError("callback must be callable")
+        with self._shared:
+            if self._closed:
+                raise ClosedError("this Clone client is closed")
+            self._callbacks.append(callback)
+            if self._callback_thread is None:
+                self._callback_queue = queue.SimpleQueue()
+                self._callback_thread = threading.Thread(
+                    target=self._run_callbacks,
+                    args=(self._callback_queue,),
+                    name=self._dispatcher.name.replace("events", "callbacks"),
+                    daemon=True,
+                )
+                self._callback_thread.start()
+        self._watch()
+
+    def changes(self, timeout: float | None = None, prefix: str = "") -> Iterator[Entry]:
+        """Yield changes (deleted keys have ``value`` None) as they happen.
+
+        Stops after ``timeout`` seconds in all (None: until the client closes).
+        """
+        q: queue.SimpleQueue[Entry | object] = queue.SimpleQueue()
+        with self._shared:
+            if self._closed:
+                raise ClosedError("this Clone client is closed")
+            self._watchers.append(q)
+        self._watch()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            while True:
+                if deadline is None:
+                    wait = 1.0
+                else:
+                    wait = deadline - time.monotonic()
+                    if wait <= 0:
+                        return
+                try:
+                    item = q.get(timeout=min(wait, 1.0))
+                except queue.Empty:
+                    continue
+                if item is _STOP:
+                    return
+                assert isinstance(item, Entry)
+                if item.key.startswith(prefix):
+                    yield item
+        finally:
+            with self._shared:
+                if q in self._watchers:
+                    self._watchers.remove(q)
+
+    def _watch(self) -> None:
+        if not self._watching:
+            self._request(_agent.WATCH, [b"1"])
+            self._watching = True
+
+    # ------------------------------------------------------------------
+    # Threads
+
+    def _dispatch(self) -> None:
+        """Event pipe reader: confirmations, state, changes.  Never runs user code."""
+        evt = self._evt[0]
+        while not self._dispatch_stop:
+            try:
+                if not evt.poll(100):
+                    continue
+                frames = evt.recv_multipart()
+            except zmq.ZMQError as exc:
+                log.error("client event pipe failed: %s", exc)
+                break
+            kind = frames[0]
+            if kind == _agent.CONFIRMED:
+                with self._shared:
+                    waiter = self._waiters.get(frames[1])
+                if waiter is not None:
+                    waiter.set()
+            elif kind == _agent.CHANGE:
+                change = _entry(frames[1:])
+                with self._shared:
+                    for q in self._watchers:
+                        q.put(change)
+                    if self._callback_queue is not None:
+                        self._callback_queue.put(change)
+            elif kind == _agent.STATE:
+                self._state = frames[1].decode()
+                if self._state == "active":
+                    self._active.set()
+                else:
+                    self._active.clear()
+            elif kind == _agent.STOPPED:
+                self._stopped.set()
+                break
+        self._active.clear()
+
+    def _run_callbacks(self, q: queue.SimpleQueue[Entry | object]) -> None:
+        while True:
+            item = q.get()
+            if item is _STOP:
+                return
+            assert isinstance(item, Entry)
+            with self._shared:
+                callbacks = list(self._callbacks)
+            for callback in callbacks:
+                try:
+                    callback(item)
+                except Exception:
+                    log.exception("on_change callback %r failed for key %r", callback, item.key)
+
+
+# --------------------------------------------------------------------------
+# One default client per process, for scripts.
+
+_default: Clone | None = None
+_default_lock = threading.Lock()
+
+
+def _default_client() -> Clone:
+    global _default
+    with _default_lock:
+        if _default is None or _default.closed:
+            _default = Clone(default_servers())
+        return _default
+
+
+def _close_default() -> None:
+    global _default
+    with _default_lock:
+        if _default is not None:
+            _default.close()
+            _default = None
+
+
+atexit.register(_close_default)
+
+
+def clone_set(key: str, value: bytes | str, ttl: float = 0, *, timeout: float = 10.0) -> None:
+    """A confirmed write through the default client (``$CLONE_SERVERS``)."""
+    client = _default_client()
+    client.set(key, value, ttl, wait=True, timeout=timeout)
+
+
+def clone_get(key: str, default: bytes | None = None, *, timeout: float = 10.0) -> bytes | None:
+    """Read ``key`` from the default client, waiting up to ``timeout`` for its first sync."""
+    client = _default_client()
+    client.wait_synced(timeout)
+    return client.get(key, default)

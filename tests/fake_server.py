@@ -1,0 +1,167 @@
+"""A tiny CHP server in raw pyzmq, for client tests that must not depend on ours.
+
+It runs in a thread with its own context, serves snapshots, republishes KVSETs
+with a sequence (deduplicating by uuid), sends HUGZ, and can be told to go
+silent, to stop answering snapshots, to drop some publications (to make holes),
+or to send arbitrary frames (garbage).  It does no TTL and no Binary Star.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import zmq
+
+from clone.codec import (
+    KVMsg,
+    decode_icanhaz,
+    decode_kvset,
+    encode_hugz,
+    encode_kthxbai,
+    encode_kv,
+)
+from clone.errors import ProtocolError
+from tests.ports import free_base_port
+
+__all__ = ["FakeServer"]
+
+
+class FakeServer:
+    """A CHP server on 127.0.0.1 ports P, P+1, P+2 (``endpoint`` is P)."""
+
+    def __init__(self, *, heartbeat: float = 0.1, port: int | None = None) -> None:
+        self.port = port or free_base_port()
+        self.endpoint = f"tcp://127.0.0.1:{self.port}"
+        self.heartbeat = heartbeat
+        self.map: dict[str, KVMsg] = {}
+        self.sequence = 0
+        self.silent = False  # no HUGZ, no publications, no snapshots
+        self.answer_snapshots = True
+        self.drop_next_publications = 0  # publish with a sequence hole
+        self.snapshot_requests = 0
+        self.kvsets = 0
+        self._seen: set[bytes] = set()
+        self._inject: list[tuple[str, list[bytes]]] = []
+        self._calls: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"fake-chp-{self.port}", daemon=True)
+
+    def __enter__(self) -> FakeServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self._thread.start()
+        if not self._ready.wait(5):
+            raise RuntimeError("fake server did not start")
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def inject(self, socket: str, frames: Sequence[bytes]) -> None:
+        """Send raw frames on 'pub' or as a snapshot reply ('snapshot', to every requester)."""
+        with self._lock:
+            self._inject.append((socket, list(frames)))
+
+    def call(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` in the server thread (to change the map consistently)."""
+        with self._lock:
+            self._calls.append(fn)
+
+    def publish(self, key: str, body: bytes, uuid: bytes = b"") -> None:
+        """Apply and publish an update as if a client had sent it."""
+        self.call(lambda: self._apply(KVMsg(key, 0, uuid, (), body)))
+
+    # ------------------------------------------------------------------
+
+    def _run(self) -> None:
+        ctx = zmq.Context()
+        snap = ctx.socket(zmq.ROUTER)
+        pub = ctx.socket(zmq.PUB)
+        coll = ctx.socket(zmq.SUB)
+        for s in (snap, pub, coll):
+            s.setsockopt(zmq.LINGER, 0)
+        coll.setsockopt(zmq.SUBSCRIBE, b"")
+        snap.bind(f"tcp://127.0.0.1:{self.port}")
+        pub.bind(f"tcp://127.0.0.1:{self.port + 1}")
+        coll.bind(f"tcp://127.0.0.1:{self.port + 2}")
+        self._pub = pub
+        self._requesters: list[bytes] = []
+        poller = zmq.Poller()
+        poller.register(snap, zmq.POLLIN)
+        poller.register(coll, zmq.POLLIN)
+        next_hugz = time.monotonic()
+        self._ready.set()
+        try:
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(10):
+                    frames = sock.recv_multipart()
+                    if sock is snap:
+                        self._snapshot(snap, frames)
+                    elif not self.silent:
+                        self._collect(frames)
+                with self._lock:
+                    calls, self._calls = self._calls, []
+                    injects, self._inject = self._inject, []
+                for fn in calls:
+                    fn()
+                for where, frames in injects:
+                    if where == "pub":
+                        pub.send_multipart(frames)
+                    else:
+                        for ident in self._requesters:
+                            snap.send_multipart([ident, *frames])
+                now = time.monotonic()
+                if now >= next_hugz:
+                    next_hugz = now + self.heartbeat
+                    if not self.silent:
+                        pub.send_multipart(encode_hugz(self.sequence))
+        finally:
+            ctx.destroy(linger=0)
+
+    def _snapshot(self, snap: zmq.Socket[bytes], frames: list[bytes]) -> None:
+        ident, rest = frames[0], frames[1:]
+        self.snapshot_requests += 1
+        if self.silent or not self.answer_snapshots:
+            return
+        try:
+            req = decode_icanhaz(rest)
+        except ProtocolError:
+            return
+        self._requesters.append(ident)
+        for key in sorted(self.map):
+            if key.startswith(req.subtree):
+                snap.send_multipart([ident, *encode_kv(self.map[key])])
+        snap.send_multipart([ident, *encode_kthxbai(self.sequence, req.subtree)])
+
+    def _collect(self, frames: list[bytes]) -> None:
+        try:
+            msg = decode_kvset(frames)
+        except ProtocolError:
+            return
+        self.kvsets += 1
+        if msg.uuid:
+            if msg.uuid in self._seen:
+                return
+            self._seen.add(msg.uuid)
+        self._apply(msg)
+
+    def _apply(self, msg: KVMsg) -> None:
+        self.sequence += 1
+        out = KVMsg(msg.key, self.sequence, msg.uuid, msg.properties, msg.body)
+        if msg.body:
+            self.map[msg.key] = out
+        else:
+            self.map.pop(msg.key, None)
+        if self.drop_next_publications > 0:
+            self.drop_next_publications -= 1
+            return
+        self._pub.send_multipart(encode_kv(out))
