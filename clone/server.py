@@ -1,0 +1,842 @@
+"""The CHP server's sockets and timers: thin I/O around :mod:`clone.server_core`.
+
+How this works: one tornado IOLoop (owned, never the global one) drives
+
+* the SNAPSHOT ROUTER (P): ICANHAZ? -> Binary Star vote -> a
+  :class:`~clone.snapshot.SnapshotStream` pumped a chunk per loop turn with
+  ``ROUTER_MANDATORY`` and non-blocking sends.  EAGAIN pauses that stream and
+  retries shortly (no entry is dropped); EHOSTUNREACH aborts it.
+* the PUBLISHER PUB (P+1): KVPUBs, and HUGZ every heartbeat while active.  Bulk
+  output (a promotion's pending list, a mass expiry) goes through an in-order
+  queue drained a chunk per turn, and while that queue is non-empty every other
+  publication joins its tail so sequence order on the wire is kept.
+* the COLLECTOR SUB (P+2): KVSETs, drained in batches per readiness event.
+* when passive: a SUB on the peer's publisher and a DEALER on its snapshot port
+  (a fresh one per attempt, with a timeout), to follow the active server.
+* :class:`bstar.reactor.BinaryStar` on the HA ports, which decides the role.
+
+Every handler is wrapped: bad input is counted and logged (rate-limited) and
+an unexpected exception is logged with its traceback; nothing stops the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import signal
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import zmq
+from tornado.ioloop import IOLoop
+from zmq.eventloop.zmqstream import ZMQStream
+
+from clone.codec import encode_icanhaz
+from clone.errors import CloneError, ProtocolError
+from clone.protocol import COLLECTOR_OFFSET, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
+from clone.server_core import CoreSettings, FollowOutcome, Role, ServerCore, SyncState
+from clone.snapshot import SnapshotStream
+
+__all__ = ["CloneServer", "ServerConfig", "ServerMode", "ServerStartError"]
+
+log = logging.getLogger(__name__)
+
+_LOG_INTERVAL = 10.0  # seconds between two log lines of the same kind of bad input
+_STALL_RETRY = 0.005  # seconds before retrying a snapshot send that hit the HWM
+_HOUSEKEEPING = 0.1  # seconds between expiry / sync-timeout checks
+
+
+class ServerMode(enum.Enum):
+    PRIMARY = "primary"
+    BACKUP = "backup"
+    STANDALONE = "standalone"
+
+
+class ServerStartError(CloneError):
+    """The server could not start (a port in use, a bad endpoint)."""
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything a server needs; defaults are documented in docs/operations.md.
+
+    ``peer`` and ``peer_ha`` are ``host:port``; ``bind`` an interface (``*`` for
+    all).  Times are seconds.
+    """
+
+    port: int
+    mode: ServerMode = ServerMode.STANDALONE
+    bind: str = "*"
+    peer: str | None = None
+    ha_port: int | None = None
+    peer_ha: str | None = None
+    heartbeat: float = 1.0
+    ha_missed: int = 2
+    pub_hwm: int = 100_000
+    collector_hwm: int = 100_000
+    snapshot_hwm: int = 10_000
+    snapshot_chunk: int = 1_000
+    snapshot_stall_timeout: float = 30.0
+    max_snapshots: int = 64
+    collector_batch: int = 1_000
+    sync_timeout: float = 0.0  # 0: max(5 heartbeats, 2 s)
+    stats_interval: float = 60.0
+    core: CoreSettings = field(default_factory=CoreSettings)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port <= 65535 - 2:
+            raise ValueError(f"port {self.port} leaves no room for P+1 and P+2")
+        if self.heartbeat <= 0:
+            raise ValueError(f"heartbeat must be positive, not {self.heartbeat}")
+        for name in ("pub_hwm", "collector_hwm", "snapshot_hwm"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = no limit)")
+        for name in ("snapshot_chunk", "collector_batch", "max_snapshots"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.mode is not ServerMode.STANDALONE:
+            missing = [n for n in ("peer", "ha_port", "peer_ha") if getattr(self, n) is None]
+            if missing:
+                raise ValueError(f"a {self.mode.value} server needs {', '.join(missing)}")
+
+    @property
+    def effective_sync_timeout(self) -> float:
+        return self.sync_timeout or max(5 * self.heartbeat, 2.0)
+
+
+def _tcp(host_port: str) -> str:
+    return host_port if "://" in host_port else f"tcp://{host_port}"
+
+
+def _peer_base(host_port: str, offset: int) -> str:
+    host, _, port = host_port.rpartition(":")
+    return f"tcp://{host}:{int(port) + offset}"
+
+
+class _Throttle:
+    """One log line per kind per interval, with a count of what was held back."""
+
+    def __init__(self, clock: Callable[[], float], interval: float = _LOG_INTERVAL) -> None:
+        self._clock = clock
+        self._interval = interval
+        self._last: dict[str, float] = {}
+        self._held: dict[str, int] = {}
+
+    def log(self, kind: str, level: int, msg: str, *args: object) -> None:
+        now = self._clock()
+        last = self._last.get(kind)
+        if last is not None and now - last < self._interval:
+            self._held[kind] = self._held.get(kind, 0) + 1
+            return
+        held = self._held.pop(kind, 0)
+        if held:
+            msg += " (%d more like this in the last %.0f s)"
+            args = (*args, held, self._interval)
+        self._last[kind] = now
+        log.log(level, msg, *args)
+
+
+def _who(identity: bytes) -> str:
+    return identity.hex() if identity else "?"
+
+
+class CloneServer:
+    """One member of a Clone server pair (or a standalone server).
+
+    ``run()`` serves in the calling thread until :meth:`stop`; ``start()`` runs
+    it in a background thread and returns once the sockets are bound.  The
+    context is ours unless one is passed in.  ``clock`` (monotonic) paces
+    timers and timeouts; ``wallclock`` (Unix seconds) stamps expiry times.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        ctx: zmq.Context | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wallclock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        self._own_ctx = ctx is None
+        self._ctx: zmq.Context = ctx if ctx is not None else zmq.Context()
+        self._clock = clock
+        self._wallclock = wallclock
+        self.core = ServerCore(config.core, standalone=config.mode is ServerMode.STANDALONE)
+        self._loop: IOLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._stopping = False
+        self._throttle = _Throttle(clock)
+        self._streams: list[ZMQStream] = []
+        self._router: zmq.Socket | None = None
+        self._pub: zmq.Socket | None = None
+        self._collector: zmq.Socket | None = None
+        self._ha: Any = None  # bstar.reactor.BinaryStar when paired
+        self._snapshots: dict[SnapshotStream, float] = {}  # stream -> last progress
+        self._outq: deque[list[bytes]] = deque()
+        self._outq_scheduled = False
+        self._peer_sub: ZMQStream | None = None
+        self._peer_dealer: ZMQStream | None = None
+        self._sync_progress = 0.0
+        self._sync_started = 0.0
+        self._hugz_timer: object | None = None
+        self._house_timer: object | None = None
+        self._stats_timer: object | None = None
+        self._next_hugz = 0.0
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "snapshots_served",
+                "snapshots_aborted",
+                "snapshots_refused",
+                "snapshot_stalls",
+                "snapshot_entries_sent",
+                "hugz_sent",
+                "outq_dropped",
+                "sync_timeouts",
+                "internal_errors",
+            ),
+            0,
+        )
+
+    # -- life cycle ----------------------------------------------------------
+
+    @property
+    def loop(self) -> IOLoop | None:
+        return self._loop
+
+    def run(self, *, handle_signals: bool = False) -> None:
+        """Bind and serve in this thread until :meth:`stop` (or a signal).
+
+        ``handle_signals`` installs SIGINT/SIGTERM (graceful stop) and SIGUSR1
+        (log the stats) handlers; only the main thread may do that.
+        """
+        loop = IOLoop(make_current=False)
+        self._loop = loop
+        try:
+            self._setup()
+        except BaseException as exc:
+            self._start_error = exc
+            self._close_all()
+            loop.close(all_fds=False)
+            self._ready.set()
+            if isinstance(exc, zmq.ZMQError):
+                raise ServerStartError(f"cannot start: {exc}") from exc
+            raise
+        if handle_signals:
+            aio: asyncio.AbstractEventLoop = loop.asyncio_loop
+            aio.add_signal_handler(signal.SIGINT, self._on_signal, "SIGINT")
+            aio.add_signal_handler(signal.SIGTERM, self._on_signal, "SIGTERM")
+            aio.add_signal_handler(signal.SIGUSR1, self.log_stats, logging.INFO)
+        self._ready.set()
+        try:
+            loop.start()
+        finally:
+            if handle_signals:
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+                    loop.asyncio_loop.remove_signal_handler(sig)
+            self._close_all()
+            loop.close(all_fds=False)
+            if self._own_ctx:
+                self._ctx.term()
+            log.info("server stopped")
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Run in a background thread; return once bound (or raise why not)."""
+        if self._thread is not None:
+            raise RuntimeError("server already started")
+        self._thread = threading.Thread(target=self._thread_main, name="clone-server", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise ServerStartError(f"server did not start within {timeout} s")
+        if self._start_error is not None:
+            self._thread.join(timeout)
+            raise ServerStartError(f"cannot start: {self._start_error}") from self._start_error
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop serving and close every socket.  Safe from any thread, twice."""
+        self.request_stop()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                log.warning("server thread did not stop within %.1f s", timeout)
+
+    def request_stop(self) -> None:
+        """Schedule a graceful stop on the loop and return at once."""
+        loop = self._loop
+        if loop is not None and not self._stopping:
+            try:
+                loop.add_callback(self._shutdown)
+            except RuntimeError:  # loop already closed
+                pass
+
+    def stats(self) -> dict[str, int | float | str]:
+        """Counters and gauges: the core's, the I/O layer's and Binary Star's."""
+        out: dict[str, int | float | str] = dict(self.core.stats())
+        out.update(self.counters)
+        out["snapshots_in_flight"] = len(self._snapshots)
+        out["outq"] = len(self._outq)
+        out["mode"] = self.config.mode.value
+        ha = self._ha
+        if ha is not None:
+            out["ha_state"] = ha.state.name.lower()
+            counters = ha.counters
+            out["ha_state_messages_received"] = counters.state_messages_received
+            out["ha_malformed_messages"] = counters.malformed_peer_messages
+        return out
+
+    def log_stats(self, level: int = logging.DEBUG) -> None:
+        """One line an operator can read (SIGUSR1 logs it at INFO)."""
+        s = self.stats()
+        invalid = sum(int(s[k]) for k in ("kvset_invalid", "snapshot_invalid", "peer_invalid"))
+        log.log(
+            level,
+            "stats: %s seq=%s keys=%s ephemeral=%s pending=%s kvset=%s published=%s "
+            "invalid=%s dup=%s snapshots=%s/%s aborted=%s refused=%s gaps=%s syncs=%s/%s "
+            "pending_dropped=%s errors=%s",
+            s["role"],
+            s["sequence"],
+            s["keys"],
+            s["ephemeral_keys"],
+            s["pending"],
+            s["kvset_received"],
+            s["kvpub_published"],
+            invalid,
+            s["kvset_duplicate"],
+            s["snapshots_served"],
+            s["snapshot_requests"],
+            s["snapshots_aborted"],
+            s["snapshots_refused"],
+            s["peer_gaps"],
+            s["syncs_completed"],
+            s["syncs_started"],
+            s["pending_dropped"],
+            s["internal_errors"],
+        )
+
+    def _thread_main(self) -> None:
+        try:
+            self.run()
+        except BaseException as exc:  # reported to start() through _start_error
+            if self._start_error is None:
+                log.exception("server thread failed")
+                self._start_error = exc
+            self._ready.set()
+
+    # -- setup / teardown ----------------------------------------------------
+
+    def _setup(self) -> None:
+        cfg = self.config
+        loop = self._loop
+        assert loop is not None
+        base = f"tcp://{cfg.bind}"
+        router = self._socket(zmq.ROUTER)
+        router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        router.setsockopt(zmq.SNDHWM, cfg.snapshot_hwm)
+        router.bind(f"{base}:{cfg.port + SNAPSHOT_OFFSET}")
+        self._router = router
+        pub = self._socket(zmq.PUB)
+        pub.setsockopt(zmq.SNDHWM, cfg.pub_hwm)
+        pub.bind(f"{base}:{cfg.port + PUBLISHER_OFFSET}")
+        self._pub = pub
+        collector = self._socket(zmq.SUB)
+        collector.setsockopt(zmq.RCVHWM, cfg.collector_hwm)
+        collector.setsockopt(zmq.SUBSCRIBE, b"")
+        collector.bind(f"{base}:{cfg.port + COLLECTOR_OFFSET}")
+        self._collector = collector
+        self._stream(router, self._on_router)
+        self._stream(collector, self._on_collector)
+        if cfg.mode is not ServerMode.STANDALONE:
+            from bstar.reactor import BinaryStar  # only paired servers need it
+
+            assert cfg.ha_port is not None and cfg.peer_ha is not None
+            ha = BinaryStar(
+                self._ctx,
+                loop,
+                cfg.mode is ServerMode.PRIMARY,
+                f"{base}:{cfg.ha_port}",
+                _tcp(cfg.peer_ha),
+                heartbeat=cfg.heartbeat,
+                missed=cfg.ha_missed,
+                clock=self._clock,
+            )
+            ha.on_active(self._on_became_active)
+            ha.on_passive(self._on_became_passive)
+            self._ha = ha
+            ha.start()
+        self._next_hugz = loop.time() + cfg.heartbeat
+        self._hugz_timer = loop.call_at(self._next_hugz, self._on_heartbeat)
+        self._house_timer = loop.call_later(_HOUSEKEEPING, self._on_housekeeping)
+        if cfg.stats_interval > 0:
+            self._stats_timer = loop.call_later(cfg.stats_interval, self._on_stats_timer)
+        peer = (
+            f"; peer {cfg.peer}, binary star {base}:{cfg.ha_port} <-> {_tcp(cfg.peer_ha or '')}"
+            if cfg.mode is not ServerMode.STANDALONE
+            else ""
+        )
+        log.info(
+            "%s server: snapshots %s:%d, updates %s:%d, collector %s:%d, heartbeat %.3f s%s",
+            cfg.mode.value,
+            base,
+            cfg.port,
+            base,
+            cfg.port + 1,
+            base,
+            cfg.port + 2,
+            cfg.heartbeat,
+            peer,
+        )
+        if cfg.mode is ServerMode.STANDALONE:
+            log.info("standalone: active at once")
+
+    def _socket(self, kind: int) -> zmq.Socket:
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        return sock
+
+    def _stream(self, sock: zmq.Socket, handler: Callable[[list[bytes]], None]) -> ZMQStream:
+        assert self._loop is not None
+        stream = ZMQStream(sock, self._loop)
+        stream.on_recv(self._guard(handler))
+        self._streams.append(stream)
+        return stream
+
+    def _guard(self, handler: Callable[[list[bytes]], None]) -> Callable[[list[bytes]], None]:
+        """Wrap a socket handler so that a bug is logged, never fatal."""
+
+        def guarded(frames: list[bytes]) -> None:
+            try:
+                handler(frames)
+            except Exception:
+                self.counters["internal_errors"] += 1
+                log.exception("internal error in %s", handler.__name__)
+
+        return guarded
+
+    def _shutdown(self) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        log.info("stopping (%s, sequence %d)", self.core.role.value, self.core.store.sequence)
+        self.log_stats(logging.INFO)
+        self._close_all()
+        assert self._loop is not None
+        self._loop.stop()
+
+    def _close_all(self) -> None:
+        loop = self._loop
+        if loop is not None:
+            for timer in (self._hugz_timer, self._house_timer, self._stats_timer):
+                if timer is not None:
+                    loop.remove_timeout(timer)
+        self._hugz_timer = self._house_timer = self._stats_timer = None
+        if self._ha is not None:
+            self._ha.stop()
+        self._close_peer()
+        self._snapshots.clear()
+        self._outq.clear()
+        for stream in self._streams:
+            stream.close(linger=0)
+        self._streams.clear()
+        for sock in (self._router, self._pub, self._collector):
+            if sock is not None and not sock.closed:
+                sock.close(linger=0)
+
+    # -- timers --------------------------------------------------------------
+
+    def _on_heartbeat(self) -> None:
+        loop = self._loop
+        if loop is None or self._stopping:
+            return
+        try:
+            if self.core.role is Role.ACTIVE:
+                self._publish(self.core.hugz())
+                self.counters["hugz_sent"] += 1
+        except Exception:
+            self.counters["internal_errors"] += 1
+            log.exception("internal error in heartbeat")
+        # Fixed rate; after a stall skip ahead rather than burst.
+        self._next_hugz += self.config.heartbeat
+        now = loop.time()
+        if self._next_hugz <= now:
+            self._next_hugz = now + self.config.heartbeat
+        self._hugz_timer = loop.call_at(self._next_hugz, self._on_heartbeat)
+
+    def _on_housekeeping(self) -> None:
+        loop = self._loop
+        if loop is None or self._stopping:
+            return
+        delay = _HOUSEKEEPING
+        try:
+            now = self._wallclock()
+            for frames in self.core.tick(now):
+                self._publish(frames)
+            if self.core.expiry_due(now):
+                delay = 0.0  # more due than one batch: continue next turn
+            self._check_sync_timeout()
+            self._check_stalled_snapshots()
+        except Exception:
+            self.counters["internal_errors"] += 1
+            log.exception("internal error in housekeeping")
+        self._house_timer = loop.call_later(delay, self._on_housekeeping)
+
+    def _on_stats_timer(self) -> None:
+        if self._loop is None or self._stopping:
+            return
+        if log.isEnabledFor(logging.DEBUG):
+            self.log_stats(logging.DEBUG)
+        self._stats_timer = self._loop.call_later(self.config.stats_interval, self._on_stats_timer)
+
+    def _on_signal(self, name: str) -> None:
+        log.info("%s received", name)
+        self.request_stop()
+
+    # -- publishing ----------------------------------------------------------
+
+    def _publish(self, frames: list[bytes]) -> None:
+        """Publish in order: behind the bulk queue if it is not empty."""
+        if self._outq:
+            self._outq.append(frames)
+        else:
+            assert self._pub is not None
+            self._pub.send_multipart(frames)
+
+    def _publish_bulk(self, batch: list[list[bytes]]) -> None:
+        if not batch:
+            return
+        self._outq.extend(batch)
+        self._schedule_outq()
+
+    def _schedule_outq(self) -> None:
+        if not self._outq_scheduled and self._loop is not None:
+            self._outq_scheduled = True
+            self._loop.add_callback(self._drain_outq)
+
+    def _drain_outq(self) -> None:
+        self._outq_scheduled = False
+        pub = self._pub
+        if pub is None or pub.closed:
+            return
+        q = self._outq
+        for _ in range(self.config.snapshot_chunk):
+            if not q:
+                return
+            pub.send_multipart(q.popleft())
+        if q:
+            self._schedule_outq()
+
+    # -- the collector: client updates ---------------------------------------
+
+    def _on_collector(self, frames: list[bytes]) -> None:
+        core = self.core
+        sock = self._collector
+        assert sock is not None
+        wallclock = self._wallclock
+        publish = self._publish
+        batch = self.config.collector_batch
+        while True:
+            try:
+                out = core.on_kvset(frames, wallclock())
+            except ProtocolError as exc:
+                self._throttle.log("kvset", logging.WARNING, "dropped a client update: %s", exc)
+            else:
+                if out is not None:
+                    publish(out)
+            batch -= 1
+            if batch <= 0:
+                return
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    # -- the snapshot port ---------------------------------------------------
+
+    def _on_router(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        try:
+            subtree = self.core.snapshot_request(frames[1:])
+        except ProtocolError as exc:
+            self._throttle.log(
+                "icanhaz", logging.WARNING, "dropped a request from %s: %s", _who(identity), exc
+            )
+            return
+        ha = self._ha
+        if ha is not None and not ha.accept_vote():
+            # Binary Star: a server that may not serve stays silent; the client
+            # times out and fails over to the other server.
+            self.counters["snapshots_refused"] += 1
+            log.debug("snapshot request from %s not served (%s)", _who(identity), ha.state.name)
+            return
+        if self.core.role is not Role.ACTIVE:
+            # The vote was accepted; make sure the promotion happened first.
+            self._on_became_active()
+        if len(self._snapshots) >= self.config.max_snapshots:
+            self.counters["snapshots_refused"] += 1
+            self._throttle.log(
+                "snapshots_full",
+                logging.WARNING,
+                "%d snapshots already in flight; request from %s not served",
+                len(self._snapshots),
+                _who(identity),
+            )
+            return
+        stream = self.core.open_snapshot(identity, subtree)
+        self._snapshots[stream] = self._clock()
+        log.debug(
+            "snapshot for %s: subtree %r, up to %d keys at sequence %d",
+            _who(identity),
+            subtree,
+            stream.total_keys,
+            stream.sequence,
+        )
+        self._pump(stream)
+
+    def _pump(self, stream: SnapshotStream) -> None:
+        """Send one chunk of ``stream``, then yield to the loop."""
+        if stream not in self._snapshots or self._loop is None:
+            return  # aborted meanwhile
+        sock = self._router
+        assert sock is not None
+        sent_before = stream.sent
+        try:
+            for _ in range(self.config.snapshot_chunk):
+                frames = stream.peek()
+                if frames is None:
+                    if stream.done:
+                        break
+                    continue  # skipped a run of keys outside the subtree
+                try:
+                    sock.send_multipart(frames, zmq.NOBLOCK)
+                except zmq.Again:
+                    # The requester's pipe is full: wait for it, drop nothing.
+                    self.counters["snapshot_stalls"] += 1
+                    self._note_progress(stream, sent_before)
+                    self._loop.call_later(_STALL_RETRY, self._pump, stream)
+                    return
+                except zmq.ZMQError as exc:
+                    if exc.errno == zmq.EHOSTUNREACH:
+                        self._abort_snapshot(stream, "requester went away")
+                        return
+                    raise
+                stream.advance()
+                if stream.done:
+                    break
+        except Exception:
+            self.counters["internal_errors"] += 1
+            log.exception("internal error while streaming a snapshot")
+            self._abort_snapshot(stream, "internal error")
+            return
+        self._note_progress(stream, sent_before)
+        if stream.done:
+            del self._snapshots[stream]
+            self.counters["snapshots_served"] += 1
+            self.counters["snapshot_entries_sent"] += stream.sent
+            log.debug(
+                "snapshot for %s done: %d entries, sequence %d",
+                _who(stream.identity),
+                stream.sent,
+                stream.sequence,
+            )
+            return
+        self._loop.add_callback(self._pump, stream)
+
+    def _note_progress(self, stream: SnapshotStream, sent_before: int) -> None:
+        if stream.sent != sent_before and stream in self._snapshots:
+            self._snapshots[stream] = self._clock()
+
+    def _abort_snapshot(self, stream: SnapshotStream, why: str) -> None:
+        if self._snapshots.pop(stream, None) is None:
+            return
+        self.counters["snapshots_aborted"] += 1
+        self._throttle.log(
+            "snapshot_abort",
+            logging.INFO,
+            "snapshot for %s aborted after %d entries: %s",
+            _who(stream.identity),
+            stream.sent,
+            why,
+        )
+
+    def _check_stalled_snapshots(self) -> None:
+        if not self._snapshots:
+            return
+        cutoff = self._clock() - self.config.snapshot_stall_timeout
+        for stream, last in list(self._snapshots.items()):
+            if last < cutoff:
+                self._abort_snapshot(stream, "requester stopped reading")
+
+    # -- roles ---------------------------------------------------------------
+
+    def _on_became_active(self) -> None:
+        core = self.core
+        if core.role is Role.ACTIVE:
+            return
+        was = core.role
+        pending = len(core.pending)
+        batch = core.become_active(self._wallclock())
+        self._close_peer()
+        self._publish_bulk(batch)
+        log.warning(
+            "now ACTIVE (was %s): serving at sequence %d, %d keys; published %d of %d "
+            "pending updates",
+            was.value,
+            core.store.sequence,
+            len(core.store),
+            len(batch),
+            pending,
+        )
+        # Tell subscribers at once that this server is alive and where it stands.
+        self._publish(core.hugz())
+
+    def _on_became_passive(self) -> None:
+        core = self.core
+        was = core.role
+        core.become_passive()
+        for stream in list(self._snapshots):
+            self._abort_snapshot(stream, "server became passive")
+        if self._outq:
+            self.counters["outq_dropped"] += len(self._outq)
+            self._outq.clear()
+        log.warning(
+            "now PASSIVE (was %s): following the active server at %s", was.value, self.config.peer
+        )
+        self._follow()
+
+    # -- following the active peer -------------------------------------------
+
+    def _follow(self) -> None:
+        cfg = self.config
+        assert cfg.peer is not None
+        if self._peer_sub is None:
+            sub = self._socket(zmq.SUB)
+            sub.setsockopt(zmq.RCVHWM, cfg.collector_hwm)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(_peer_base(cfg.peer, PUBLISHER_OFFSET))
+            self._peer_sub = self._stream(sub, self._on_peer_update)
+        self._sync_started = self._clock()
+        self._request_snapshot()
+
+    def _request_snapshot(self) -> None:
+        """(Re)start a sync on a fresh DEALER, so stale replies cannot mix in."""
+        cfg = self.config
+        assert cfg.peer is not None
+        self._close_dealer()
+        dealer = self._socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVHWM, cfg.snapshot_hwm)
+        dealer.connect(_peer_base(cfg.peer, SNAPSHOT_OFFSET))
+        self._peer_dealer = self._stream(dealer, self._on_sync_reply)
+        self.core.start_sync()
+        self._sync_progress = self._clock()
+        try:
+            dealer.send_multipart(encode_icanhaz(""), zmq.NOBLOCK)
+        except zmq.Again:
+            pass  # the sync timeout retries
+        log.debug("asked %s for a snapshot", cfg.peer)
+
+    def _check_sync_timeout(self) -> None:
+        core = self.core
+        if core.role is not Role.PASSIVE or core.sync_state is not SyncState.SYNCING:
+            return
+        now = self._clock()
+        if now - self._sync_progress < self.config.effective_sync_timeout:
+            return
+        self.counters["sync_timeouts"] += 1
+        self._throttle.log(
+            "sync_timeout",
+            logging.WARNING,
+            "no snapshot from the active server at %s for %.1f s; asking again",
+            self.config.peer,
+            now - self._sync_progress,
+        )
+        self._request_snapshot()
+
+    def _on_peer_update(self, frames: list[bytes]) -> None:
+        sub = self._peer_sub
+        core = self.core
+        for _ in range(self.config.collector_batch):
+            try:
+                outcome = core.on_peer_update(frames)
+            except ProtocolError as exc:
+                self._throttle.log(
+                    "peer_update", logging.WARNING, "dropped a message from the peer: %s", exc
+                )
+            else:
+                if outcome is FollowOutcome.RESYNC:
+                    self._throttle.log(
+                        "gap",
+                        logging.INFO,
+                        "missed updates from the active server (have %d, it is at %d); resyncing",
+                        core.store.sequence,
+                        core.highest_seen,
+                    )
+                    self._request_snapshot()
+            if sub is None or sub is not self._peer_sub or sub.closed():
+                return
+            try:
+                frames = sub.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def _on_sync_reply(self, frames: list[bytes]) -> None:
+        dealer = self._peer_dealer
+        core = self.core
+        self._sync_progress = self._clock()
+        for _ in range(self.config.collector_batch):
+            try:
+                outcome = core.on_snapshot_reply(frames)
+            except ProtocolError as exc:
+                self._throttle.log(
+                    "sync_reply", logging.WARNING, "dropped a snapshot entry from the peer: %s", exc
+                )
+                outcome = FollowOutcome.OK
+            if outcome is FollowOutcome.SYNCED:
+                log.info(
+                    "synced from %s: %d keys at sequence %d in %.2f s",
+                    self.config.peer,
+                    len(core.store),
+                    core.store.sequence,
+                    self._clock() - self._sync_started,
+                )
+                assert self._loop is not None
+                self._loop.add_callback(self._close_dealer_if, dealer)
+                return
+            if outcome is FollowOutcome.RESYNC:
+                self._throttle.log(
+                    "gap", logging.INFO, "updates missed during the sync; resyncing"
+                )
+                self._request_snapshot()
+                return
+            if dealer is None or dealer is not self._peer_dealer or dealer.closed():
+                return
+            try:
+                frames = dealer.socket.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+
+    def _close_dealer_if(self, dealer: ZMQStream | None) -> None:
+        if dealer is not None and dealer is self._peer_dealer:
+            self._close_dealer()
+
+    def _close_dealer(self) -> None:
+        dealer, self._peer_dealer = self._peer_dealer, None
+        if dealer is not None:
+            self._forget(dealer)
+
+    def _close_peer(self) -> None:
+        self._close_dealer()
+        sub, self._peer_sub = self._peer_sub, None
+        if sub is not None:
+            self._forget(sub)
+
+    def _forget(self, stream: ZMQStream) -> None:
+        if stream in self._streams:
+            self._streams.remove(stream)
+        stream.close(linger=0)

@@ -1,0 +1,202 @@
+"""``clone-server``: run one member of a Clone server pair (or a standalone one).
+
+The defaults reproduce the ZeroMQ Guide's example pair on one host, so its
+example clients work unchanged::
+
+    clone-server --primary   # CHP 5556-5558, Binary Star 5003, peer localhost:5566 / :5004
+    clone-server --backup    # CHP 5566-5568, Binary Star 5004, peer localhost:5556 / :5003
+
+See docs/operations.md for every flag, the limits and the failover timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from clone.errors import CloneError
+from clone.protocol import (
+    DEFAULT_BACKUP_HA_PORT,
+    DEFAULT_BACKUP_PORT,
+    DEFAULT_PRIMARY_HA_PORT,
+    DEFAULT_PRIMARY_PORT,
+)
+from clone.server import CloneServer, ServerConfig, ServerMode
+from clone.server_core import CoreSettings
+
+__all__ = ["build_parser", "config_from_args", "main"]
+
+log = logging.getLogger("clone.server_cli")
+
+_LOG_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)-7s %(name)s: %(message)s"
+_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
+
+
+def _host_port(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return text
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="clone-server",
+        description="Clone key-value server (CHP over ZeroMQ) with Binary Star failover.",
+    )
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--primary", action="store_true", help="run as the primary of a pair")
+    mode.add_argument("--backup", action="store_true", help="run as the backup of a pair")
+    mode.add_argument("--standalone", action="store_true", help="run alone, with no peer")
+    p.add_argument("--port", type=int, help="CHP base port P (P, P+1, P+2); default 5556/5566")
+    p.add_argument("--peer", type=_host_port, help="the peer's CHP base port, HOST:PORT")
+    p.add_argument("--ha-port", type=int, help="our Binary Star port; default 5003/5004")
+    p.add_argument("--peer-ha", type=_host_port, help="the peer's Binary Star port, HOST:PORT")
+    p.add_argument("--bind", default="*", help="interface to bind (default: all, '*')")
+    p.add_argument(
+        "--heartbeat",
+        type=_positive_int,
+        default=1000,
+        metavar="MS",
+        help="HUGZ and Binary Star heartbeat interval in ms (default 1000)",
+    )
+    p.add_argument(
+        "--hwm",
+        type=_non_negative_int,
+        default=100_000,
+        help="high-water mark of the publisher (per subscriber) and collector (default 100000)",
+    )
+    p.add_argument(
+        "--snapshot-hwm",
+        type=_non_negative_int,
+        default=10_000,
+        help="high-water mark of the snapshot port, per requester (default 10000)",
+    )
+    p.add_argument(
+        "--snapshot-chunk",
+        type=_positive_int,
+        default=1_000,
+        help="snapshot entries sent per loop turn (default 1000)",
+    )
+    p.add_argument(
+        "--dedup-window",
+        type=_positive_int,
+        default=65_536,
+        help="update ids remembered for deduplication (default 65536)",
+    )
+    p.add_argument(
+        "--pending-max",
+        type=_positive_int,
+        default=100_000,
+        help="most client updates a passive server holds back (default 100000)",
+    )
+    p.add_argument(
+        "--pending-max-age",
+        type=_positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="longest a passive server holds a client update back (default 30)",
+    )
+    p.add_argument(
+        "--stats-interval",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="log a stats line this often at DEBUG (with --verbose); 0 disables",
+    )
+    p.add_argument("--log-file", help="log here instead of stderr")
+    p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    """Turn parsed flags into a config, filling in the Guide's example defaults."""
+    core = CoreSettings(
+        dedup_window=args.dedup_window,
+        pending_max=args.pending_max,
+        pending_max_age=args.pending_max_age,
+    )
+    common = dict(
+        bind=args.bind,
+        heartbeat=args.heartbeat / 1000.0,
+        pub_hwm=args.hwm,
+        collector_hwm=args.hwm,
+        snapshot_hwm=args.snapshot_hwm,
+        snapshot_chunk=args.snapshot_chunk,
+        stats_interval=args.stats_interval,
+        core=core,
+    )
+    if args.standalone:
+        return ServerConfig(
+            port=args.port or DEFAULT_PRIMARY_PORT,
+            mode=ServerMode.STANDALONE,
+            **common,
+        )
+    if args.primary:
+        mode = ServerMode.PRIMARY
+        port, ha_port = DEFAULT_PRIMARY_PORT, DEFAULT_PRIMARY_HA_PORT
+        peer, peer_ha = DEFAULT_BACKUP_PORT, DEFAULT_BACKUP_HA_PORT
+    else:
+        mode = ServerMode.BACKUP
+        port, ha_port = DEFAULT_BACKUP_PORT, DEFAULT_BACKUP_HA_PORT
+        peer, peer_ha = DEFAULT_PRIMARY_PORT, DEFAULT_PRIMARY_HA_PORT
+    return ServerConfig(
+        port=args.port or port,
+        mode=mode,
+        peer=args.peer or f"localhost:{peer}",
+        ha_port=args.ha_port or ha_port,
+        peer_ha=args.peer_ha or f"localhost:{peer_ha}",
+        **common,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    handler: logging.Handler = (
+        logging.FileHandler(args.log_file) if args.log_file else logging.StreamHandler(sys.stderr)
+    )
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format=_LOG_FORMAT,
+        datefmt=_DATE_FORMAT,
+        handlers=[handler],
+    )
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    server = CloneServer(config)
+    try:
+        server.run(handle_signals=True)
+    except (CloneError, OSError) as exc:
+        log.error("%s", exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
