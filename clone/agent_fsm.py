@@ -192,6 +192,9 @@ class _Pending:
     published: bool = False  # seen on the current server's stream, map not yet swapped
 
 
+_NEVER = float("inf")
+
+
 def normalize_subtrees(subtrees: str | Iterable[str] | None) -> tuple[str, ...]:
     """Validated, sorted subtrees with none inside another.
 
@@ -243,7 +246,7 @@ class AgentFSM:
         self._requests = 0  # snapshot requests sent to the current server this round
         self._silence_at: float | None = None
         self._pending: dict[bytes, _Pending] = {}
-        self._created = now
+        self._held: list[KVMsg] = []  # writes made before the first snapshot
 
     # ----------------------------------------------------------------------
     # Reading
@@ -267,7 +270,7 @@ class AgentFSM:
 
     def next_deadline(self) -> float | None:
         """When :meth:`tick` has something to do next, or None."""
-        times = [p.next_send for p in self._pending.values()]
+        times = [p.next_send for p in self._pending.values() if p.next_send != _NEVER]
         times.extend(p.expires_at for p in self._pending.values())
         if self._silence_at is not None:
             times.append(self._silence_at)
@@ -311,12 +314,17 @@ class AgentFSM:
 
     def write(self, msg: KVMsg, now: float, *, confirm_within: float | None) -> list[Action]:
         """Publish a client update; with ``confirm_within``, track it until confirmed."""
+        held = not self.counters.snapshots
         if confirm_within is not None:
             if not msg.uuid:
                 raise ValueError("a confirmed write needs a uuid")
-            self._pending[msg.uuid] = _Pending(
-                msg, now + confirm_within, now + self.config.resend_interval
-            )
+            next_send = _NEVER if held else now + self.config.resend_interval
+            self._pending[msg.uuid] = _Pending(msg, now + confirm_within, next_send)
+        if held:
+            # Until the first snapshot we cannot know that our PUB reaches any
+            # collector (a PUB drops what it cannot deliver); hold the writes.
+            self._held.append(msg)
+            return []
         return [SendUpdate(msg)]
 
     def forget(self, uuid: bytes) -> None:
@@ -532,10 +540,15 @@ class AgentFSM:
             actions.extend(_diff(old, side))
         for entry in side.values():
             self._mark_published(entry.uuid)
+        flushed, self._held = self._held, []
+        actions.extend(SendUpdate(msg) for msg in flushed)
+        held_uuids = {msg.uuid for msg in flushed}
         for uuid, p in list(self._pending.items()):
             if p.published:
                 del self._pending[uuid]
                 actions.append(Confirmed(uuid))
+            elif uuid in held_uuids:
+                p.next_send = now + self.config.resend_interval
             else:
                 # The new server may never have seen it: send again, same uuid.
                 p.next_send = now + self.config.resend_interval

@@ -29,7 +29,14 @@ from clone import agent as _agent
 from clone.agent import Agent, split_endpoint
 from clone.agent_fsm import AgentConfig, AgentFSM, normalize_subtrees
 from clone.codec import KVMsg, Properties, decode_kvset, encode_kv
-from clone.errors import CloneError, ClosedError, ConfirmTimeout, NotSynced
+from clone.errors import (
+    CloneError,
+    ClosedError,
+    ConfirmTimeout,
+    LimitExceeded,
+    NotSynced,
+    ProtocolError,
+)
 from clone.protocol import (
     DEFAULT_BACKUP_PORT,
     DEFAULT_PRIMARY_PORT,
@@ -131,6 +138,16 @@ def _format_ttl(ttl: float) -> str | None:
     return f"{ttl:.3f}".rstrip("0").rstrip(".")
 
 
+def _build(key: str, body: bytes, props: dict[str, str]) -> KVMsg:
+    """Validate an application write; a bad key is misuse (ValueError), not wire trouble."""
+    try:
+        return KVMsg.build(key, body, properties=props)
+    except LimitExceeded:
+        raise
+    except ProtocolError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def _entry(frames: Sequence[bytes]) -> Entry:
     msg = decode_kvset(frames)
     return Entry(msg.key, msg.body or None, msg.sequence, msg.properties)
@@ -161,7 +178,10 @@ class Clone:
     ) -> None:
         overrides = {} if server_timeout is None else {"server_timeout": server_timeout}
         config = AgentConfig.from_heartbeat(heartbeat, **overrides)
-        subtrees = normalize_subtrees(subtree)
+        try:
+            subtrees = normalize_subtrees(subtree)
+        except ProtocolError as exc:
+            raise ValueError(str(exc)) from None
         self.confirm_timeout = confirm_timeout
         self.command_timeout = command_timeout
         self._servers: list[str] = []
@@ -331,11 +351,11 @@ class Clone:
             raise ValueError("an empty value means delete; call delete() instead")
         ttl_text = _format_ttl(ttl)
         props = {TTL_PROPERTY: ttl_text} if ttl_text is not None else {}
-        self._write(KVMsg.build(key, body, properties=props), wait, timeout)
+        self._write(_build(key, body, props), wait, timeout)
 
     def delete(self, key: str, *, wait: bool = False, timeout: float | None = None) -> None:
         """Delete ``key`` on the servers (``wait`` as for :meth:`set`)."""
-        self._write(KVMsg.build(key, b""), wait, timeout)
+        self._write(_build(key, b"", {}), wait, timeout)
 
     def _write(self, msg: KVMsg, wait: bool, timeout: float | None) -> None:
         frames = encode_kv(msg)

@@ -39,6 +39,7 @@ class FakeServer:
         self.sequence = 0
         self.silent = False  # no HUGZ, no publications, no snapshots
         self.answer_snapshots = True
+        self.ignore_kvsets = False  # receive client updates but never apply them
         self.drop_next_publications = 0  # publish with a sequence hole
         self.snapshot_requests = 0
         self.kvsets = 0
@@ -71,10 +72,18 @@ class FakeServer:
         with self._lock:
             self._inject.append((socket, list(frames)))
 
-    def call(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` in the server thread (to change the map consistently)."""
+    def call(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` in the server thread (to change the map consistently); wait for it."""
+        done = threading.Event()
+
+        def run() -> None:
+            fn()
+            done.set()
+
         with self._lock:
-            self._calls.append(fn)
+            self._calls.append(run)
+        if not done.wait(5):
+            raise RuntimeError("fake server did not run the call")
 
     def publish(self, key: str, body: bytes, uuid: bytes = b"") -> None:
         """Apply and publish an update as if a client had sent it."""
@@ -148,6 +157,8 @@ class FakeServer:
         except ProtocolError:
             return
         self.kvsets += 1
+        if self.ignore_kvsets:
+            return
         if msg.uuid:
             if msg.uuid in self._seen:
                 return

@@ -406,3 +406,17 @@ def test_client_converges_to_the_server_state(
 
 def test_new_uuid_is_sixteen_bytes() -> None:
     assert len(new_uuid()) == 16
+
+
+def test_writes_before_the_first_snapshot_are_held_until_it_completes() -> None:
+    fsm = AgentFSM(None, CFG)
+    fsm.connect("tcp://a:1", 0.0)
+    early = KVMsg.build("a", b"1")
+    confirmed = KVMsg.build("b", b"2")
+    assert fsm.write(early, 0.0, confirm_within=None) == []
+    assert fsm.write(confirmed, 0.0, confirm_within=5.0) == []
+    assert fsm.tick(1.0) == []  # no resend while held
+    actions = fsm.snapshot_reply(0, SnapshotEnd(0), 1.1)
+    sends = [a.msg for a in actions if isinstance(a, SendUpdate)]
+    assert sends == [early, confirmed]
+    assert fsm.write(KVMsg.build("c", b"3"), 1.2, confirm_within=None) != []

@@ -1,0 +1,352 @@
+"""The Clone client against a raw-pyzmq fake CHP server (tests/fake_server.py).
+
+Real sockets on 127.0.0.1, short heartbeats, a deadline on every wait.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+import clone
+import clone.client as client_mod
+from clone import Clone, Entry
+from clone.codec import KVMsg, encode_hugz, encode_kthxbai, encode_kv
+from clone.errors import CloneError, ClosedError, ConfirmTimeout, NotSynced
+from tests.fake_server import FakeServer
+from tests.ports import free_base_port
+
+HB = 0.1  # fake server heartbeat
+
+
+def eventually(check: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+@pytest.fixture
+def server() -> Iterator[FakeServer]:
+    with FakeServer(heartbeat=HB) as srv:
+        yield srv
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[FakeServer, FakeServer]]:
+    with FakeServer(heartbeat=HB) as primary, FakeServer(heartbeat=HB) as backup:
+        backup.silent = True  # passive: no HUGZ, no snapshots, no updates
+        yield primary, backup
+
+
+def make_client(*servers: FakeServer, **kw: object) -> Clone:
+    kw.setdefault("heartbeat", HB)
+    return Clone([s.endpoint for s in servers], **kw)  # type: ignore[arg-type]
+
+
+def client_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("clone-")]
+
+
+def test_sync_get_and_missing_keys(server: FakeServer) -> None:
+    server.publish("a", b"1")
+    with make_client(server) as c:
+        c.wait_synced(5)
+        assert c.get("a") == b"1"
+        assert c.get("missing") is None
+        assert c.get("missing", b"dflt") == b"dflt"
+        assert c.get("missing") is None  # the agent is still alive
+        st = c.status()
+        assert st.state == "active" and st.server == server.endpoint
+        assert st.sequence == 1 and st.keys == 1
+
+
+def test_confirmed_write_is_visible_to_the_next_read(server: FakeServer) -> None:
+    with make_client(server) as c:
+        c.wait_synced(5)
+        for i in range(50):
+            c.set(f"k{i}", f"value {i}", wait=True, timeout=5)
+            assert c.get(f"k{i}") == f"value {i}".encode()
+        c.delete("k0", wait=True, timeout=5)
+        assert c.get("k0") is None
+        assert [k for k, _ in c.items("k1")][:2] == ["k1", "k10"]
+
+
+def test_fire_and_forget_write_shows_up(server: FakeServer) -> None:
+    with make_client(server) as c:
+        c.wait_synced(5)
+        c.set("k", b"v", ttl=30)
+        eventually(lambda: c.get("k") == b"v", what="the write to come back")
+        entry = c.entry("k")
+        assert entry is not None and entry.prop("ttl") == "30"
+
+
+def test_unconfirmed_write_times_out_and_is_resent(server: FakeServer) -> None:
+    server.ignore_kvsets = True
+    with make_client(server) as c:
+        c.wait_synced(5)
+        t0 = time.monotonic()
+        with pytest.raises(ConfirmTimeout, match="not confirmed"):
+            c.set("k", b"v", wait=True, timeout=0.5)
+        assert 0.45 < time.monotonic() - t0 < 2.0
+        assert server.kvsets >= 2  # the agent resent it
+        eventually(lambda: c.status().pending_writes == 0, what="the agent to give up")
+
+
+def test_api_misuse_raises_value_or_type_errors(server: FakeServer) -> None:
+    with make_client(server) as c:
+        with pytest.raises(TypeError):
+            c.set("k", 12)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="delete"):
+            c.set("k", b"")
+        with pytest.raises(ValueError):
+            c.set("k", b"v", ttl=-1)
+        with pytest.raises(ValueError):
+            c.set("HUGZ", b"v")
+        with pytest.raises(ValueError):
+            c.connect("localhost:5556")
+        with pytest.raises(TypeError):
+            c.get(b"k")  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        Clone(subtree="not-a-subtree")
+
+
+def test_unknown_command_gets_an_error(server: FakeServer) -> None:
+    with make_client(server) as c:
+        with pytest.raises(CloneError, match="unknown command"):
+            c._request(b"BOGUS", [])
+        assert c.get("x") is None
+
+
+def test_close_is_clean_and_idempotent(server: FakeServer) -> None:
+    before = set(client_threads())
+    c = make_client(server)
+    c.wait_synced(5)
+    c.close()
+    c.close()
+    assert set(client_threads()) <= before
+    with pytest.raises(ClosedError):
+        c.get("a")
+    with pytest.raises(ClosedError):
+        c.set("a", b"b")
+
+
+def test_several_clients_in_one_process(server: FakeServer) -> None:
+    clients = [make_client(server) for _ in range(4)]
+    try:
+        for c in clients:
+            c.wait_synced(5)
+        for i, c in enumerate(clients):
+            c.set(f"from{i}", str(i), wait=True, timeout=5)
+        clients[0].close()  # closing one leaves the others working
+        for c in clients[1:]:
+            eventually(lambda c=c: len(c.items()) == 4, what="every write everywhere")
+            assert c.items() == clients[1].items()
+    finally:
+        for c in clients:
+            c.close()
+
+
+def test_wait_synced_names_the_servers_it_tried() -> None:
+    dead = f"tcp://127.0.0.1:{free_base_port()}"
+    with Clone([dead], heartbeat=0.05) as c:
+        with pytest.raises(NotSynced, match=r"no server answered a snapshot request within 0\.3 s"):
+            c.wait_synced(0.3)
+        assert c.status().counters["retries"] >= 1
+
+
+def test_garbage_from_the_server_is_counted_and_dropped(server: FakeServer) -> None:
+    server.publish("a", b"1")
+    with make_client(server) as c:
+        c.wait_synced(5)
+        garbage: list[list[bytes]] = [
+            [b"only one frame"],
+            [b"k", b"short", b"", b"", b"v"],
+            [b"k", bytes(8), b"bad uuid", b"", b"v"],
+            [b"\xff\xfe", bytes(8), b"", b"", b"v"],
+            [b"k", bytes(8), b"", b"no-equals-sign\n", b"v"],
+            [b"HUGZ", b"x"],
+            [b"KTHXBAI", bytes(8), b"", b"", b"/"],
+        ]
+        for frames in garbage:
+            server.inject("pub", frames)
+        eventually(
+            lambda: c.status().protocol_errors >= len(garbage) - 1,
+            what="protocol errors to be counted",
+        )
+        c.set("b", b"2", wait=True, timeout=5)
+        assert c.items() == [("a", b"1"), ("b", b"2")]
+        assert c.status().state == "active"
+
+
+def test_garbage_in_a_snapshot_does_not_stop_the_sync(server: FakeServer) -> None:
+    server.publish("a", b"1")
+    with make_client(server) as c:
+        c.wait_synced(5)
+        server.inject("snapshot", [b"\x00garbage"])
+        server.inject("snapshot", [b"KTHXBAI", b"\x01"])
+        eventually(lambda: c.status().protocol_errors >= 2, what="errors to be counted")
+        assert c.get("a") == b"1"
+
+
+def test_sequence_hole_forces_a_resync(server: FakeServer) -> None:
+    with make_client(server) as c:
+        c.wait_synced(5)
+        server.drop_next_publications = 1
+        server.publish("lost", b"1")
+        server.publish("seen", b"2")
+        eventually(lambda: c.get("lost") == b"1", what="the resync to recover the key")
+        st = c.status()
+        assert st.gaps >= 1 and st.resyncs >= 1 and st.sequence == 2
+
+
+def test_missed_tail_is_noticed_through_hugz(server: FakeServer) -> None:
+    with make_client(server) as c:
+        c.wait_synced(5)
+        server.drop_next_publications = 1
+        server.publish("tail", b"1")  # nothing follows it but HUGZ
+        eventually(lambda: c.get("tail") == b"1", what="HUGZ to reveal the hole")
+        assert c.status().gaps == 1
+
+
+def test_failover_resyncs_with_a_fresh_map(pair: tuple[FakeServer, FakeServer]) -> None:
+    primary, backup = pair
+    for srv in pair:
+        srv.publish("keep", b"1")
+        srv.publish("gone", b"1")
+    with make_client(primary, backup) as c:
+        c.wait_synced(5)
+        changes: list[Entry] = []
+        c.on_change(changes.append)
+        assert c.get("gone") == b"1"
+        # The primary dies; meanwhile on the backup "gone" is deleted.
+        backup.call(lambda: backup.map.pop("gone"))
+        primary.silent = True
+        backup.silent = False
+        t0 = time.monotonic()
+        eventually(lambda: c.status().server == backup.endpoint, what="failover")
+        eventually(lambda: c.status().state == "active", what="resync")
+        elapsed = time.monotonic() - t0
+        assert elapsed < 2.5 * HB + 1.0
+        assert c.get("gone") is None
+        assert c.get("keep") == b"1"
+        assert c.status().failovers == 1
+        eventually(lambda: any(ch.key == "gone" and ch.deleted for ch in changes))
+
+
+def test_confirmed_write_is_resent_to_the_new_server(pair: tuple[FakeServer, FakeServer]) -> None:
+    primary, backup = pair
+    primary.ignore_kvsets = True  # it dies before republishing the write
+    with make_client(primary, backup) as c:
+        c.wait_synced(5)
+        result: list[BaseException | None] = []
+
+        def write() -> None:
+            try:
+                c.set("precious", b"1", wait=True, timeout=5)
+                result.append(None)
+            except BaseException as exc:
+                result.append(exc)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        time.sleep(0.1)
+        primary.silent = True
+        backup.silent = False  # a passive server would have ignored the write too
+        writer.join(6)
+        assert result == [None]
+        assert c.get("precious") == b"1"
+        assert backup.map["precious"].body == b"1"
+
+
+def test_on_change_runs_in_the_callback_thread_and_may_reenter(server: FakeServer) -> None:
+    with make_client(server) as c:
+        c.wait_synced(5)
+        seen: list[tuple[str, bytes | None, str]] = []
+
+        def callback(entry: Entry) -> None:
+            # re-entrant: a read from inside a callback must not deadlock
+            seen.append((entry.key, c.get(entry.key), threading.current_thread().name))
+            if entry.key == "boom":
+                raise RuntimeError("callback errors are logged, not fatal")
+
+        c.on_change(callback)
+        c.set("boom", b"x", wait=True, timeout=5)
+        c.set("a", b"1", wait=True, timeout=5)
+        c.delete("a", wait=True, timeout=5)
+        eventually(lambda: len(seen) == 3, what="three callbacks")
+        assert [s[0] for s in seen] == ["boom", "a", "a"]
+        assert all(name.startswith("clone-callbacks-") for *_, name in seen)
+
+
+def test_changes_iterator_with_prefix_and_timeout(server: FakeServer) -> None:
+    with make_client(server) as c:
+        c.wait_synced(5)
+        stream = c.changes(timeout=1.0, prefix="/x/")
+        got: list[Entry] = []
+
+        def consume() -> None:
+            got.extend(stream)
+
+        t = threading.Thread(target=consume)
+        t.start()
+        time.sleep(0.1)
+        c.set("/x/1", b"a", wait=True)
+        c.set("/y/1", b"b", wait=True)
+        c.delete("/x/1", wait=True)
+        t.join(3)
+        assert not t.is_alive()
+        assert [(e.key, e.value) for e in got] == [("/x/1", b"a"), ("/x/1", None)]
+
+
+def test_subtrees_isolate_keys(server: FakeServer) -> None:
+    for key in ("/a/1", "/b/1", "/c/1"):
+        server.publish(key, b"v")
+    with make_client(server, subtree=["/a/", "/b/"]) as c:
+        c.wait_synced(5)
+        assert [k for k, _ in c.items()] == ["/a/1", "/b/1"]
+        c.set("/c/2", b"outside", wait=True, timeout=5)  # confirmed, but not held
+        c.set("/a/2", b"inside", wait=True, timeout=5)
+        assert c.get("/c/2") is None
+        assert [k for k, _ in c.items()] == ["/a/1", "/a/2", "/b/1"]
+        assert c.status().gaps == 0
+
+
+def test_foreign_snapshot_reply_and_fake_hugz(server: FakeServer) -> None:
+    """A KTHXBAI while active and a HUGZ behind our sequence change nothing."""
+    server.publish("a", b"1")
+    with make_client(server) as c:
+        c.wait_synced(5)
+        server.inject("snapshot", encode_kthxbai(99))
+        server.inject("pub", encode_hugz(0))
+        server.inject("pub", encode_kv(KVMsg("a", 1, b"", (), b"stale")))
+        c.set("b", b"2", wait=True, timeout=5)
+        assert c.get("a") == b"1"
+        assert c.status().counters["stale"] == 1
+
+
+def test_module_level_default_client(server: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CLONE_SERVERS", server.endpoint)
+    client_mod._close_default()
+    try:
+        clone.clone_set("/default/k", "v", timeout=5)
+        assert clone.clone_get("/default/k") == b"v"
+        assert clone.clone_get("/default/missing") is None
+    finally:
+        client_mod._close_default()
+
+
+def test_default_servers(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CLONE_SERVERS", raising=False)
+    assert client_mod.default_servers() == ["tcp://127.0.0.1:5556", "tcp://127.0.0.1:5566"]
+    monkeypatch.setenv("CLONE_SERVERS", " tcp://h:1 ,tcp://h:11,")
+    assert client_mod.default_servers() == ["tcp://h:1", "tcp://h:11"]
+
+
+def test_public_api() -> None:
+    assert set(clone.__all__) >= {"Clone", "clone_set", "clone_get", "errors"}
