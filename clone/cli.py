@@ -1,0 +1,187 @@
+"""``clone``: read, write and watch a Clone server pair from the shell.
+
+Argument parsing and printing only; the work is :class:`clone.Clone`.  Exit codes:
+0 success, 1 key not found, 2 no server answered (or bad usage), 3 a write was
+not confirmed in time, 4 any other Clone error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+
+from clone.client import Clone, Entry, default_servers
+from clone.errors import CloneError, ConfirmTimeout, NotSynced
+
+__all__ = ["main"]
+
+EXIT_OK, EXIT_MISSING, EXIT_UNREACHABLE, EXIT_UNCONFIRMED, EXIT_ERROR = 0, 1, 2, 3, 4
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="clone",
+        description="Read, write and watch keys held by a Clone server pair.",
+    )
+    p.add_argument(
+        "--servers",
+        help="comma-separated CHP base endpoints in failover order "
+        "(default: $CLONE_SERVERS, else tcp://127.0.0.1:5556,tcp://127.0.0.1:5566)",
+    )
+    p.add_argument(
+        "--subtree",
+        action="append",
+        metavar="PREFIX",
+        help="only sync this subtree, e.g. /config/ (repeatable)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=5.0,
+        metavar="S",
+        help="seconds to wait for a snapshot and for a write's confirmation (default 5)",
+    )
+    p.add_argument(
+        "--heartbeat",
+        type=float,
+        default=1.0,
+        metavar="S",
+        help="the servers' heartbeat in seconds; failover after 2.5 of them (default 1)",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="log what the client does")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    get = sub.add_parser("get", help="print a key's value (exit 1 if absent)")
+    get.add_argument("key")
+
+    set_ = sub.add_parser("set", help="write a key and wait until the server confirms it")
+    set_.add_argument("key")
+    set_.add_argument("value")
+    set_.add_argument("--ttl", type=float, default=0, metavar="SECONDS", help="expire after")
+
+    delete = sub.add_parser("del", help="delete a key (confirmed)")
+    delete.add_argument("key")
+
+    dump = sub.add_parser("dump", help="print every key under PREFIX as key=value")
+    dump.add_argument("prefix", nargs="?", default="")
+    dump.add_argument("--json", action="store_true", help="one JSON object per line")
+
+    watch = sub.add_parser("watch", help="print changes under PREFIX until interrupted")
+    watch.add_argument("prefix", nargs="?", default="")
+    watch.add_argument("--json", action="store_true", help="one JSON object per line")
+    watch.add_argument(
+        "--duration", type=float, default=None, metavar="S", help="stop after S seconds"
+    )
+    return p
+
+
+def _text(value: bytes) -> str:
+    return value.decode("utf-8", "backslashreplace")
+
+
+def _json_line(entry: Entry) -> str:
+    obj: dict[str, object] = {"key": entry.key}
+    if entry.value is None:
+        obj["value"] = None
+        obj["deleted"] = True
+    else:
+        try:
+            obj["value"] = entry.value.decode("utf-8")
+        except UnicodeDecodeError:
+            obj["value"] = base64.b64encode(entry.value).decode("ascii")
+            obj["base64"] = True
+    obj["sequence"] = entry.sequence
+    obj["properties"] = dict(entry.properties)
+    return json.dumps(obj, ensure_ascii=False)
+
+
+def _plain_line(entry: Entry) -> str:
+    if entry.value is None:
+        return f"{entry.key} (deleted)"
+    return f"{entry.key}={_text(entry.value)}"
+
+
+def _emit(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+def _run(args: argparse.Namespace, client: Clone) -> int:
+    client.wait_synced(args.timeout)
+    if args.command == "get":
+        value = client.get(args.key)
+        if value is None:
+            print(f"clone: key {args.key!r} not found", file=sys.stderr)
+            return EXIT_MISSING
+        sys.stdout.buffer.write(value + b"\n")
+        sys.stdout.flush()
+    elif args.command == "set":
+        client.set(args.key, args.value, args.ttl, wait=True, timeout=args.timeout)
+    elif args.command == "del":
+        client.delete(args.key, wait=True, timeout=args.timeout)
+    elif args.command == "dump":
+        for entry in client.entries(args.prefix):
+            _emit(_json_line(entry) if args.json else _plain_line(entry))
+    elif args.command == "watch":
+        try:
+            for entry in client.changes(timeout=args.duration, prefix=args.prefix):
+                _emit(_json_line(entry) if args.json else _plain_line(entry))
+        except KeyboardInterrupt:
+            pass
+    return EXIT_OK
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``clone`` console script."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.ERROR,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if args.timeout <= 0 or args.heartbeat <= 0:
+        print("clone: --timeout and --heartbeat must be > 0", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    servers = args.servers.split(",") if args.servers else default_servers()
+    servers = [s.strip() for s in servers if s.strip()]
+    try:
+        client = Clone(servers, args.subtree, heartbeat=args.heartbeat)
+    except (ValueError, TypeError) as exc:
+        print(f"clone: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    try:
+        return _run(args, client)
+    except NotSynced as exc:
+        print(f"clone: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except ConfirmTimeout as exc:
+        print(f"clone: {exc}", file=sys.stderr)
+        return EXIT_UNCONFIRMED
+    except (CloneError, ValueError, TypeError) as exc:
+        print(f"clone: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return EXIT_OK if args.command == "watch" else 130
+    finally:
+        _close_uninterrupted(client)
+
+
+def _close_uninterrupted(client: Clone) -> None:
+    """Close the client even if a second Ctrl-C arrives while it shuts down."""
+    if threading.current_thread() is not threading.main_thread():
+        client.close()
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        client.close()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
