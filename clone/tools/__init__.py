@@ -1,0 +1,12 @@
+"""Operator tools: failover drills and benchmarks (``scripts/drill``, ``scripts/bench``).
+
+Nothing in the core :mod:`clone` package imports these; they drive real
+``clone-server`` and client processes from the outside.
+
+* :mod:`clone.tools.procs` -- child processes, signals, free ports, logs;
+* :mod:`clone.tools.histogram` -- HDR latency histograms;
+* :mod:`clone.tools.bench` -- throughput, latency, snapshot and memory benchmarks;
+* :mod:`clone.tools.drill` -- failover drills; :mod:`clone.tools.drill_client`
+  is the client worker process they start;
+* :mod:`clone.tools.report` -- tables, markdown and plots.
+"""

@@ -1,0 +1,304 @@
+"""Child processes for drills and benchmarks: start, signal, stop, and their logs.
+
+Every process a tool starts goes through a :class:`ProcessGroup`, which stops all
+of them on exit, on failure too.  Each child writes stdout and stderr to its own
+log file (appended across restarts, with a marker line), so a failed drill can
+show what the servers said.  On Linux each child also gets ``PR_SET_PDEATHSIG``
+so that a harness killed with -9 does not leave servers behind; start children
+from the main thread only (the signal fires when the *thread* that forked exits).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+__all__ = [
+    "ManagedProcess",
+    "ProcessGroup",
+    "ServerAddress",
+    "free_base_port",
+    "free_port",
+    "python_module_argv",
+    "server_argv",
+    "wait_listening",
+]
+
+log = logging.getLogger(__name__)
+
+_handed_out: set[int] = set()
+_PR_SET_PDEATHSIG = 1
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A free TCP port on 127.0.0.1, never handed out twice by this process."""
+    return free_base_port(1)
+
+
+def free_base_port(span: int = 3, rng: random.Random | None = None) -> int:
+    """A base port P with P .. P+span-1 all free on 127.0.0.1.
+
+    Drawn below the usual ephemeral range (32768+) so that outgoing connections
+    cannot take the run between this check and the server's bind.
+    """
+    rng = rng or random.Random()
+    for _ in range(2000):
+        base = rng.randrange(20000, 32000 - span)
+        run = range(base, base + span)
+        if any(p in _handed_out for p in run):
+            continue
+        if all(_port_is_free(p) for p in run):
+            _handed_out.update(run)
+            return base
+    raise RuntimeError("no free run of loopback ports found")
+
+
+def wait_listening(port: int, deadline: float, host: str = "127.0.0.1") -> bool:
+    """Wait until something accepts TCP connections on ``port`` (monotonic deadline)."""
+    while time.monotonic() < deadline:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.settimeout(0.2)
+            try:
+                s.connect((host, port))
+                return True
+            except OSError:
+                pass
+        time.sleep(0.02)
+    return False
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    with contextlib.suppress(Exception):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def python_module_argv(module: str, *args: str) -> list[str]:
+    """``python -m module args`` with the interpreter running this tool."""
+    return [sys.executable, "-m", module, *args]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerAddress:
+    """Where one server of a pair listens: CHP base port and Binary Star port."""
+
+    name: str
+    port: int
+    ha_port: int = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.port}"
+
+
+def _server_command() -> list[str]:
+    exe = Path(sys.executable).with_name("clone-server")
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("clone-server")
+    if found:
+        return [found]
+    return [sys.executable, "-c", "import sys; from clone.server_cli import main; sys.exit(main())"]
+
+
+def server_argv(
+    role: str,
+    me: ServerAddress,
+    peer: ServerAddress | None = None,
+    *,
+    heartbeat_ms: int | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The command line of one ``clone-server`` (role: standalone, primary, backup)."""
+    if role not in ("standalone", "primary", "backup"):
+        raise ValueError(f"unknown server role {role!r}")
+    argv = [*_server_command(), f"--{role}", "--port", str(me.port), "--bind", "127.0.0.1"]
+    if role != "standalone":
+        if peer is None:
+            raise ValueError(f"a {role} server needs a peer")
+        argv += [
+            "--peer",
+            f"127.0.0.1:{peer.port}",
+            "--ha-port",
+            str(me.ha_port),
+            "--peer-ha",
+            f"127.0.0.1:{peer.ha_port}",
+        ]
+    if heartbeat_ms is not None:
+        argv += ["--heartbeat", str(heartbeat_ms)]
+    argv += list(extra)
+    return argv
+
+
+@dataclass
+class ManagedProcess:
+    """One child process with a log file; can be killed, frozen, thawed, restarted."""
+
+    name: str
+    argv: list[str]
+    log_path: Path
+    env: dict[str, str] | None = None
+    popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    starts: int = 0
+    frozen: bool = False
+
+    @property
+    def pid(self) -> int:
+        if self.popen is None:
+            raise RuntimeError(f"{self.name} was never started")
+        return self.popen.pid
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.popen is None else self.popen.poll()
+
+    def start(self) -> None:
+        if self.alive:
+            raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self.starts += 1
+        with open(self.log_path, "ab") as logf:
+            stamp = time.strftime("%H:%M:%S")
+            logf.write(f"=== {stamp} start #{self.starts}: {' '.join(self.argv)}\n".encode())
+            logf.flush()
+            self.popen = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+                preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None,
+            )
+        self.frozen = False
+        log.debug("started %s pid %d: %s", self.name, self.popen.pid, self.argv)
+
+    def signal(self, sig: int) -> None:
+        if self.alive:
+            os.kill(self.pid, sig)
+
+    def kill9(self) -> None:
+        """SIGKILL, then reap."""
+        if self.popen is None:
+            return
+        self.signal(signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout=5)
+        self.frozen = False
+
+    def freeze(self) -> None:
+        self.signal(signal.SIGSTOP)
+        self.frozen = True
+
+    def thaw(self) -> None:
+        self.signal(signal.SIGCONT)
+        self.frozen = False
+
+    def stop(self, timeout: float = 3.0) -> int | None:
+        """SIGTERM (thawing first), then SIGKILL after ``timeout`` seconds."""
+        if self.popen is None:
+            return None
+        if self.alive:
+            if self.frozen:
+                self.thaw()
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("%s did not stop in %.1fs, killing it", self.name, timeout)
+                self.kill9()
+        return self.popen.poll()
+
+    def wait(self, timeout: float) -> int | None:
+        """Wait for exit up to ``timeout`` seconds; the return code or None."""
+        if self.popen is None:
+            return None
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class ProcessGroup:
+    """Owns child processes; stops every one of them when leaving the ``with``."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = Path(log_dir)
+        self.procs: dict[str, ManagedProcess] = {}
+
+    def add(
+        self, name: str, argv: list[str], *, env: dict[str, str] | None = None, start: bool = True
+    ) -> ManagedProcess:
+        if name in self.procs:
+            raise ValueError(f"a process named {name!r} already exists")
+        proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env)
+        self.procs[name] = proc
+        if start:
+            proc.start()
+        return proc
+
+    def __getitem__(self, name: str) -> ManagedProcess:
+        return self.procs[name]
+
+    def __iter__(self) -> Iterator[ManagedProcess]:
+        return iter(list(self.procs.values()))
+
+    def stop_all(self, timeout: float = 3.0) -> None:
+        # Thaw first: a stopped process cannot act on SIGTERM.
+        for proc in self:
+            if proc.frozen:
+                proc.thaw()
+        for proc in self:
+            if proc.alive:
+                proc.signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for proc in self:
+            if proc.popen is not None and proc.wait(max(0.0, deadline - time.monotonic())) is None:
+                log.warning("%s ignored SIGTERM, killing it", proc.name)
+                proc.kill9()
+
+    def __enter__(self) -> ProcessGroup:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop_all()
