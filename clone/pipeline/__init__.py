@@ -1,0 +1,18 @@
+"""The batch side of Clone: bulk load, export and drill analysis on Spark.
+
+The modules split the way the jobs do:
+
+- :mod:`~clone.pipeline.session` builds the one SparkSession (entry points only);
+- :mod:`~clone.pipeline.sources` reads tables, drill logs and exports into
+  DataFrames with fixed schemas (the update-event schema is the common ground a
+  future journal reader will share);
+- :mod:`~clone.pipeline.transforms` holds the pure DataFrame -> DataFrame steps;
+- :mod:`~clone.pipeline.snapshot` and :mod:`~clone.pipeline.writer` do the CHP
+  I/O (driver-side snapshot, executor-side confirmed writes);
+- :mod:`~clone.pipeline.jobs` wires them into ``load``, ``export`` and
+  ``drill-report``; :mod:`~clone.pipeline.cli` parses arguments.
+
+Nothing here imports pyspark at module import time except the modules that
+need it, and the core :mod:`clone` package never imports this one, so the
+service runs without Spark installed.
+"""

@@ -1,0 +1,298 @@
+"""Rendering of the drill report: markdown tables and a PNG plot.
+
+The numbers are computed in Spark (:mod:`clone.pipeline.transforms`); what
+arrives here is a handful of small collected rows as plain dicts, so this
+module needs neither Spark nor a session, only matplotlib (Agg backend, no
+display) for the plot.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["CrossCheck", "ReportData", "cross_check", "render_markdown", "render_plot"]
+
+Row = Mapping[str, Any]
+
+# summary.json fields we recompute, and how close "the same" is.
+_CHECKED_FIELDS: tuple[tuple[str, float], ...] = (
+    ("clients", 0.0),
+    ("failover_p50_s", 0.01),
+    ("failover_p99_s", 0.01),
+    ("failover_max_s", 0.01),
+    ("confirmed_writes", 0.0),
+    ("confirmed_lost", 0.0),
+    ("unconfirmed_lost", 0.0),
+    ("duplicates", 0.0),
+    ("out_of_order", 0.0),
+    ("converged", 0.0),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CrossCheck:
+    """One field where our number and the drill's own summary disagree."""
+
+    run: str
+    field: str
+    ours: Any
+    drill: Any
+
+
+@dataclass(slots=True)
+class ReportData:
+    """Everything the report shows, as collected rows."""
+
+    overview: Sequence[Row]
+    percentiles: Sequence[Row]
+    clients: Sequence[Row]
+    gaps: Sequence[Row]
+    rates: Sequence[Row]
+    faults: Sequence[Row]
+    mismatches: list[CrossCheck] = field(default_factory=list)
+    summaries_seen: int = 0
+
+
+def _same(ours: Any, theirs: Any, tolerance: float) -> bool:
+    if ours is None or theirs is None:
+        return ours is None and theirs is None
+    if isinstance(ours, bool) or isinstance(theirs, bool):
+        return bool(ours) == bool(theirs)
+    try:
+        a, b = float(ours), float(theirs)
+    except (TypeError, ValueError):
+        return str(ours) == str(theirs)
+    if tolerance == 0.0:
+        return a == b
+    # Relative for large values, absolute (10 ms) for small ones.
+    return abs(a - b) <= max(tolerance, tolerance * max(abs(a), abs(b)))
+
+
+def cross_check(
+    overview: Iterable[Row], summaries: Mapping[str, Mapping[str, Any]]
+) -> list[CrossCheck]:
+    """Fields of each run's ``summary.json`` that our recomputation disagrees with."""
+    out: list[CrossCheck] = []
+    for row in overview:
+        summary = summaries.get(row["run"])
+        if not summary:
+            continue
+        for name, tolerance in _CHECKED_FIELDS:
+            if name in summary and not _same(row.get(name), summary[name], tolerance):
+                out.append(CrossCheck(row["run"], name, row.get(name), summary[name]))
+    return out
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "**NO**"
+    if isinstance(value, float):
+        if math.isnan(value):
+            return "-"
+        return f"{value:.3f}"
+    return str(value).replace("|", "\\|")
+
+
+def _table(rows: Sequence[Row], columns: Sequence[tuple[str, str]]) -> list[str]:
+    if not rows:
+        return ["_(none)_", ""]
+    lines = [
+        "| " + " | ".join(title for _, title in columns) + " |",
+        "|" + "|".join("---" for _ in columns) + "|",
+    ]
+    lines += ["| " + " | ".join(_fmt(r.get(name)) for name, _ in columns) + " |" for r in rows]
+    return [*lines, ""]
+
+
+def render_markdown(data: ReportData, plot_name: str = "report.png") -> str:
+    """The report as markdown: verdict, failover percentiles per scenario,
+    one line per run, per-client counts, and the cross-check against the
+    drills' own summaries."""
+    runs = len(data.overview)
+    bad_runs = [
+        r["run"]
+        for r in data.overview
+        if r.get("confirmed_lost")
+        or r.get("duplicates")
+        or r.get("out_of_order")
+        or r.get("converged") is False
+    ]
+    lines = ["# Failover drill report", ""]
+    clients = sum(int(r.get("clients") or 0) for r in data.overview)
+    faults = sum(int(r.get("faults") or 0) for r in data.overview)
+    lines.append(f"{runs} run(s), {clients} client stream(s), {faults} injected fault(s).")
+    if bad_runs:
+        lines.append(
+            f"**{len(bad_runs)} run(s) lost, duplicated or reordered confirmed writes, "
+            "or did not converge:** " + ", ".join(f"`{r}`" for r in bad_runs) + "."
+        )
+    else:
+        lines.append("Every run: no confirmed write lost, no duplicate, no reordering, converged.")
+    lines += ["", f"![failover times and write rate]({plot_name})", ""]
+
+    lines += ["## Failover time per scenario (seconds)", ""]
+    lines.append(
+        "From each client's `failover_done` event: the gap between the last update "
+        "from the old server and the first complete update from the new one."
+    )
+    lines.append("")
+    lines += _table(
+        data.percentiles,
+        [
+            ("scenario", "scenario"),
+            ("runs", "runs"),
+            ("failovers", "failovers"),
+            ("p50_s", "p50"),
+            ("p90_s", "p90"),
+            ("p99_s", "p99"),
+            ("max_s", "max"),
+            ("mean_s", "mean"),
+        ],
+    )
+
+    lines += ["## Runs", ""]
+    lines += _table(
+        data.overview,
+        [
+            ("scenario", "scenario"),
+            ("run", "run"),
+            ("clients", "clients"),
+            ("faults", "faults"),
+            ("failover_p50_s", "failover p50"),
+            ("failover_p99_s", "p99"),
+            ("failover_max_s", "max"),
+            ("confirmed_writes", "confirmed writes"),
+            ("confirmed_lost", "confirmed lost"),
+            ("unconfirmed_lost", "unconfirmed lost"),
+            ("duplicates", "duplicates"),
+            ("out_of_order", "out of order"),
+            ("converged", "converged"),
+        ],
+    )
+
+    lines += ["## Clients", ""]
+    lines.append(
+        "`lost` counts writes of the run (by any client) that this client never applied; "
+        "`out of order` counts updates not above the last sequence it applied since its "
+        "last failover."
+    )
+    lines.append("")
+    lines += _table(
+        data.clients,
+        [
+            ("run", "run"),
+            ("client", "client"),
+            ("writes_sent", "sent"),
+            ("writes_confirmed", "confirmed"),
+            ("write_timeouts", "timeouts"),
+            ("updates", "updates"),
+            ("failovers", "failovers"),
+            ("confirmed_lost", "confirmed lost"),
+            ("unconfirmed_lost", "unconfirmed lost"),
+            ("duplicates", "duplicates"),
+            ("out_of_order", "out of order"),
+        ],
+    )
+
+    lines += ["## Cross-check with the drills' summary.json", ""]
+    if not data.summaries_seen:
+        lines.append("No `summary.json` found; nothing to compare.")
+    elif not data.mismatches:
+        lines.append(f"All {data.summaries_seen} summaries agree with the numbers above.")
+    else:
+        lines.append(
+            f"{len(data.mismatches)} field(s) differ (ours are recomputed from events.jsonl):"
+        )
+        lines.append("")
+        lines += _table(
+            [
+                {"run": m.run, "field": m.field, "ours": m.ours, "drill": m.drill}
+                for m in data.mismatches
+            ],
+            [("run", "run"), ("field", "field"), ("ours", "ours"), ("drill", "summary.json")],
+        )
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def render_plot(data: ReportData, path: str) -> None:
+    """Two panels: failover time per scenario (box and points, p50/p99
+    marked), and confirmed writes/s over time per run with faults marked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(
+        1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [1, 1.4]}
+    )
+    scenarios = sorted({str(g["scenario"]) for g in data.gaps})
+    if scenarios:
+        series = [[float(g["gap_s"]) for g in data.gaps if g["scenario"] == s] for s in scenarios]
+        left.boxplot(series, showfliers=False)
+        left.set_xticks(range(1, len(scenarios) + 1), scenarios, rotation=20, ha="right")
+        for i, values in enumerate(series, start=1):
+            offsets = [i + 0.12 * (((j * 7919) % 11) / 10 - 0.5) for j in range(len(values))]
+            left.scatter(offsets, values, s=12, alpha=0.6, color="tab:blue", zorder=3)
+        by_name = {str(p["scenario"]): p for p in data.percentiles}
+        for i, s in enumerate(scenarios, start=1):
+            p = by_name.get(s)
+            if p and p.get("p99_s") is not None:
+                left.annotate(
+                    f"p50 {p['p50_s']:.2f}s\np99 {p['p99_s']:.2f}s",
+                    (i, p["p99_s"]),
+                    textcoords="offset points",
+                    xytext=(18, 0),
+                    fontsize=8,
+                    va="center",
+                )
+        left.set_ylim(bottom=0)
+    else:
+        left.text(
+            0.5, 0.5, "no failovers recorded", ha="center", va="center", transform=left.transAxes
+        )
+        left.set_xticks([])
+    left.set_title("Failover time per scenario")
+    left.set_ylabel("seconds (last old update → first new update)")
+    left.grid(axis="y", alpha=0.3)
+
+    runs = sorted({str(r["run"]) for r in data.rates} | {str(f["run"]) for f in data.faults})
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i, run in enumerate(runs):
+        color = colors[i % len(colors)]
+        points = [(float(r["t"]), float(r["rate"])) for r in data.rates if r["run"] == run]
+        label = next((str(r["scenario"]) for r in data.rates if r["run"] == run), run)
+        if points:
+            right.step(
+                [p[0] for p in points],
+                [p[1] for p in points],
+                where="post",
+                color=color,
+                label=f"{label} ({_short(run)})",
+                linewidth=1.2,
+            )
+        for f in (f for f in data.faults if f["run"] == run):
+            right.axvline(float(f["t"]), color=color, linestyle="--", alpha=0.7, linewidth=1)
+    if runs:
+        right.legend(fontsize=8, loc="lower right")
+    else:
+        right.text(
+            0.5, 0.5, "no writes recorded", ha="center", va="center", transform=right.transAxes
+        )
+    right.set_title("Confirmed writes/s (dashed: injected faults)")
+    right.set_xlabel("seconds since the run started")
+    right.set_ylabel("writes/s")
+    right.set_ylim(bottom=0)
+    right.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _short(run: str) -> str:
+    parts = [p for p in run.replace("\\", "/").split("/") if p]
+    return parts[-1] if parts else run

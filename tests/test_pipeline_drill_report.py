@@ -1,0 +1,247 @@
+"""drill-report on generated drill logs: percentiles, counts, markdown, PNG."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clone.pipeline.cli import main
+from tests.spark_session import spark_fixture  # noqa: F401  (the shared session)
+
+pytestmark = pytest.mark.spark
+
+
+def _percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default)."""
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def _write_run(
+    root: Path,
+    name: str,
+    scenario: str,
+    gaps: list[float],
+    *,
+    lose: bool = False,
+    duplicate: bool = False,
+    reorder: bool = False,
+    diverge: bool = False,
+    summary: dict[str, Any] | None = None,
+) -> Path:
+    """A drill run: c0 writes 20 keys (all confirmed); c0 and c1 apply every
+    update, except for the faults asked for, which c1 suffers."""
+    run = root / name
+    run.mkdir()
+    t = 1_700_000_000.0
+    events: list[dict[str, Any]] = []
+    seq = 0
+    for i in range(20):
+        seq += 1
+        uuid = f"{i:032x}"
+        key = f"/drill/k{i}"
+        events.append({"ts": t, "client": "c0", "event": "write_sent", "key": key, "uuid": uuid})
+        for client in ("c0", "c1"):
+            if client == "c1" and lose and i == 7:
+                continue
+            events.append(
+                {
+                    "ts": t + 0.01,
+                    "client": client,
+                    "event": "update",
+                    "key": key,
+                    "seq": seq,
+                    "uuid": uuid,
+                }
+            )
+        if duplicate and i == 3:
+            events.append(
+                {
+                    "ts": t + 0.02,
+                    "client": "c1",
+                    "event": "update",
+                    "key": key,
+                    "seq": seq,
+                    "uuid": uuid,
+                }
+            )
+        events.append(
+            {
+                "ts": t + 0.015,
+                "client": "c0",
+                "event": "write_confirmed",
+                "key": key,
+                "uuid": uuid,
+                "seq": seq,
+                "confirmed": True,
+            }
+        )
+        if i == 10:
+            events.append(
+                {
+                    "ts": t + 0.03,
+                    "client": "drill",
+                    "event": "fault",
+                    "kind": "kill",
+                    "target": "primary",
+                }
+            )
+            for j, gap in enumerate(gaps):
+                client = "c0" if j % 2 == 0 else "c1"
+                events.append(
+                    {
+                        "ts": t + 0.04 + j * 0.001,
+                        "client": client,
+                        "event": "failover_done",
+                        "gap_s": gap,
+                        "from": "tcp://127.0.0.1:5556",
+                        "to": "tcp://127.0.0.1:5566",
+                    }
+                )
+        t += 0.1
+    if reorder:
+        # An update older than what c1 already applied, with no failover in between.
+        events.append(
+            {
+                "ts": t,
+                "client": "c1",
+                "event": "update",
+                "key": "/drill/k2",
+                "seq": 2,
+                "uuid": "ff" * 16,
+            }
+        )
+    events.append({"ts": t + 1, "client": "c0", "event": "final_state", "hash": "aaa", "keys": 20})
+    events.append(
+        {
+            "ts": t + 1,
+            "client": "c1",
+            "event": "final_state",
+            "hash": "bbb" if diverge else "aaa",
+            "keys": 19 if diverge else 20,
+        }
+    )
+    with open(run / "events.jsonl", "w", encoding="utf-8") as fh:
+        for e in events:
+            fh.write(json.dumps(e) + "\n")
+        fh.write("this line is not json\n")
+    if summary is not None:
+        (run / "summary.json").write_text(json.dumps({"scenario": scenario, **summary}))
+    return run
+
+
+@pytest.fixture(scope="module")
+def drill_runs(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[list[Path], dict[str, list[float]]]:
+    root = tmp_path_factory.mktemp("drills")
+    gaps = {
+        "kill-primary": [0.8, 1.1, 1.3, 2.0, 0.9, 1.7],
+        "partition": [3.0, 2.5, 4.1, 2.2],
+    }
+    runs = [
+        _write_run(
+            root,
+            "run1",
+            "kill-primary",
+            gaps["kill-primary"][:3],
+            summary={
+                "clients": 2,
+                "confirmed_writes": 20,
+                "confirmed_lost": 0,
+                "duplicates": 0,
+                "out_of_order": 0,
+                "converged": True,
+                "failover_max_s": 1.3,
+            },
+        ),
+        _write_run(
+            root,
+            "run2",
+            "kill-primary",
+            gaps["kill-primary"][3:],
+            lose=True,
+            duplicate=True,
+            summary={"clients": 2, "confirmed_lost": 0, "duplicates": 1},
+        ),
+        _write_run(
+            root, "run3", "partition", gaps["partition"], reorder=True, diverge=True, summary={}
+        ),
+    ]
+    return runs, gaps
+
+
+@pytest.mark.timeout(120)
+def test_drill_report_numbers_markdown_and_plot(
+    spark: Any,
+    drill_runs: tuple[list[Path], dict[str, list[float]]],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    runs, gaps = drill_runs
+    out = tmp_path / "report"
+    code = main(["drill-report", "--input", *map(str, runs), "--output", str(out)])
+    assert code == 0, capsys.readouterr().err
+    printed = capsys.readouterr().out
+    assert "3 run(s) analysed" in printed
+
+    data = json.loads((out / "report.json").read_text())
+    scenarios = {s["scenario"]: s for s in data["scenarios"]}
+    for name, values in gaps.items():
+        row = scenarios[name]
+        assert row["failovers"] == len(values)
+        for q in (0.5, 0.9, 0.99):
+            assert row[f"p{round(q * 100)}_s"] == pytest.approx(_percentile(values, q))
+        assert row["max_s"] == pytest.approx(max(values))
+    assert scenarios["kill-primary"]["runs"] == 2
+
+    by_run = {os.path.basename(r["run"]): r for r in data["runs"]}
+    assert by_run["run1"]["confirmed_writes"] == 20
+    assert (by_run["run1"]["confirmed_lost"], by_run["run1"]["duplicates"]) == (0, 0)
+    assert by_run["run1"]["converged"] is True
+    assert (by_run["run2"]["confirmed_lost"], by_run["run2"]["duplicates"]) == (1, 1)
+    assert by_run["run3"]["out_of_order"] == 1
+    assert by_run["run2"]["out_of_order"] == 0
+    assert by_run["run3"]["converged"] is False
+    assert by_run["run3"]["faults"] == 1
+
+    clients = {(os.path.basename(c["run"]), c["client"]): c for c in data["clients"]}
+    assert clients[("run2", "c1")]["confirmed_lost"] == 1
+    assert clients[("run2", "c0")]["confirmed_lost"] == 0
+    assert clients[("run2", "c1")]["duplicates"] == 1
+    assert clients[("run3", "c1")]["out_of_order"] == 1
+    assert clients[("run3", "c0")]["out_of_order"] == 0
+    assert ("run1", "drill") not in clients
+
+    # run2's summary.json claims no loss: the report must say it disagrees.
+    mismatches = {(os.path.basename(m["run"]), m["field"]) for m in data["mismatches"]}
+    assert mismatches == {("run2", "confirmed_lost")}
+
+    md = (out / "report.md").read_text()
+    assert "# Failover drill report" in md
+    assert "| kill-primary | 2 | 6 |" in md
+    assert "![failover times and write rate](report.png)" in md
+    assert "did not converge" in md and "run3" in md
+    assert "confirmed_lost" in md  # the cross-check table
+
+    png = (out / "report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_drill_report_missing_input_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["drill-report", "--input", str(tmp_path / "nope"), "--output", str(tmp_path)])
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert (
+        err
+        == f"clone-pipeline drill-report: error: drill directory {tmp_path / 'nope'} does not exist"
+    )
