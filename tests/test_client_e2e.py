@@ -1,0 +1,162 @@
+"""The client library against real ``clone-server`` processes (tests/servers.py).
+
+Servers run with a 100 ms heartbeat; clients use the same heartbeat and a server
+timeout of 5 heartbeats, so a loaded CI machine does not fail over by accident.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from clone import Clone
+from clone.errors import ConfirmTimeout
+from tests.servers import ServerProcess, Servers, servers  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+HB = 0.1
+SERVER_TIMEOUT = 0.5
+
+
+def endpoint(server: ServerProcess) -> str:
+    return f"tcp://127.0.0.1:{server.port}"
+
+
+@contextmanager
+def client(*srv: ServerProcess, **kw: object) -> Iterator[Clone]:
+    kw.setdefault("heartbeat", HB)
+    kw.setdefault("server_timeout", SERVER_TIMEOUT)
+    c = Clone([endpoint(s) for s in srv], **kw)  # type: ignore[arg-type]
+    try:
+        c.wait_synced(10)
+        yield c
+    finally:
+        c.close()
+
+
+def eventually(check: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def test_confirmed_writes_are_read_back(servers: Servers) -> None:  # noqa: F811
+    primary, backup = servers.pair()
+    with client(primary, backup) as c:
+        for i in range(100):
+            c.set(f"/cw/{i}", f"v{i}", wait=True, timeout=5)
+            assert c.get(f"/cw/{i}") == f"v{i}".encode()
+        c.delete("/cw/0", wait=True, timeout=5)
+        assert c.get("/cw/0") is None
+        assert c.status().server == endpoint(primary)
+
+
+def test_two_clients_converge_and_a_late_joiner_gets_the_snapshot(
+    servers: Servers,  # noqa: F811
+) -> None:
+    primary, backup = servers.pair()
+    with client(primary, backup) as a, client(primary, backup) as b:
+        for i in range(200):
+            (a if i % 2 else b).set(f"/conv/{i % 37}", f"{i}")
+        a.set("/conv/last", b"a", wait=True, timeout=5)
+        b.set("/conv/last2", b"b", wait=True, timeout=5)
+        eventually(lambda: a.items() == b.items(), what="both clients to agree")
+        with client(primary, backup) as late:
+            assert late.items() == a.items()
+            assert len(late.items()) == 39
+
+
+def test_ttl_keys_vanish_from_clients(servers: Servers) -> None:  # noqa: F811
+    primary, backup = servers.pair()
+    with client(primary, backup) as c:
+        gone = threading.Event()
+        c.on_change(lambda e: gone.set() if e.key == "/ttl/k" and e.deleted else None)
+        c.set("/ttl/k", b"soon gone", ttl=0.5, wait=True, timeout=5)
+        entry = c.entry("/ttl/k")
+        assert entry is not None and entry.prop("expires") is not None
+        assert gone.wait(5)
+        assert c.get("/ttl/k") is None
+
+
+def test_subtree_isolation(servers: Servers) -> None:  # noqa: F811
+    solo = servers.standalone()
+    with client(solo) as writer:
+        for key in ("/a/1", "/b/1", "/c/1"):
+            writer.set(key, b"x", wait=True, timeout=5)
+        with client(solo, subtree="/a/") as a, client(solo, subtree=["/b/", "/c/"]) as bc:
+            assert [k for k, _ in a.items()] == ["/a/1"]
+            assert [k for k, _ in bc.items()] == ["/b/1", "/c/1"]
+            writer.set("/a/2", b"y", wait=True, timeout=5)
+            writer.set("/b/2", b"y", wait=True, timeout=5)
+            eventually(lambda: a.get("/a/2") == b"y" and bc.get("/b/2") == b"y")
+            assert a.get("/b/2") is None and bc.get("/a/2") is None
+            assert a.status().gaps == 0 and bc.status().gaps == 0
+
+
+def test_kill9_of_the_active_server_loses_no_confirmed_write(
+    servers: Servers,  # noqa: F811
+) -> None:
+    primary, backup = servers.pair()
+    with client(primary, backup) as c:
+        confirmed: list[str] = []
+        unconfirmed: list[str] = []
+        stop = threading.Event()
+
+        def write() -> None:
+            i = 0
+            while not stop.is_set():
+                key = f"/kill/{i:06d}"
+                try:
+                    c.set(key, str(i), wait=True, timeout=5)
+                    confirmed.append(key)
+                except ConfirmTimeout:
+                    unconfirmed.append(key)
+                i += 1
+
+        writer = threading.Thread(target=write, name="test-writer")
+        writer.start()
+        try:
+            eventually(lambda: len(confirmed) >= 50, what="writes before the crash")
+            primary.kill9()
+            t_kill = time.monotonic()
+            eventually(
+                lambda: c.status().server == endpoint(backup) and c.status().state == "active",
+                timeout=10,
+                what="failover to the backup",
+            )
+            failover = time.monotonic() - t_kill
+            count = len(confirmed)
+            eventually(lambda: len(confirmed) >= count + 50, what="writes after the failover")
+        finally:
+            stop.set()
+            writer.join(10)
+        # silence (0.5 s) + at most two snapshot requests to the backup
+        assert failover < SERVER_TIMEOUT * 3 + 1.0, failover
+        assert c.status().failovers >= 1
+        assert not unconfirmed
+        held = dict(c.items("/kill/"))
+        missing = [k for k in confirmed if k not in held]
+        assert not missing, f"{len(missing)} confirmed writes lost, e.g. {missing[:5]}"
+        with client(backup) as fresh:
+            on_backup = dict(fresh.items("/kill/"))
+        assert all(k in on_backup for k in confirmed)
+
+
+def test_backup_serves_a_client_that_starts_while_the_primary_is_dead(
+    servers: Servers,  # noqa: F811
+) -> None:
+    primary, backup = servers.pair()
+    with client(primary, backup) as c:
+        c.set("/boot/k", b"v", wait=True, timeout=5)
+    primary.kill9()
+    with client(primary, backup) as late:
+        assert late.get("/boot/k") == b"v"
+        assert late.status().server == endpoint(backup)
