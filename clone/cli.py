@@ -82,7 +82,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _text(value: bytes) -> str:
-    return value.decode("utf-8", "backslashreplace")
+    """One printable line: invalid UTF-8 and control characters as escapes."""
+    text = value.decode("utf-8", "backslashreplace")
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
 def _json_line(entry: Entry) -> str:

@@ -1,0 +1,194 @@
+"""The ``clone`` command and the runnable example, as subprocesses against a real server."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from clone import Clone
+from clone.cli import main
+from tests.ports import free_base_port
+from tests.servers import ROOT, ServerProcess, Servers, servers  # noqa: F401
+
+pytestmark = pytest.mark.slow
+
+
+def env_with(servers_list: str | None = None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.pop("CLONE_SERVERS", None)
+    if servers_list:
+        env["CLONE_SERVERS"] = servers_list
+    return env
+
+
+@pytest.fixture
+def solo(servers: Servers) -> Iterator[ServerProcess]:  # noqa: F811
+    yield servers.standalone()
+
+
+def ep(server: ServerProcess) -> str:
+    return f"tcp://127.0.0.1:{server.port}"
+
+
+def clone_cmd(
+    server: ServerProcess | None, *args: str, timeout: float = 20
+) -> subprocess.CompletedProcess[str]:
+    head = ["--servers", ep(server), "--heartbeat", "0.1"] if server else []
+    return subprocess.run(
+        [sys.executable, "-m", "clone.cli", *head, *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env_with(),
+        cwd=ROOT,
+    )
+
+
+def test_set_get_del(solo: ServerProcess) -> None:
+    r = clone_cmd(solo, "set", "/cli/k", "héllo")
+    assert r.returncode == 0, r.stderr
+    r = clone_cmd(solo, "get", "/cli/k")
+    assert (r.returncode, r.stdout) == (0, "héllo\n")
+    r = clone_cmd(solo, "del", "/cli/k")
+    assert r.returncode == 0, r.stderr
+    r = clone_cmd(solo, "get", "/cli/k")
+    assert r.returncode == 1
+    assert "not found" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_dump_plain_and_json(solo: ServerProcess) -> None:
+    with Clone([ep(solo)], heartbeat=0.1) as c:
+        c.wait_synced(10)
+        c.set("/d/text", "plain", wait=True)
+        c.set("/d/bin", b"\xff\x00", wait=True)
+        c.set("/other", "x", wait=True)
+    assert clone_cmd(solo, "set", "/d/ttl", "t", "--ttl", "30").returncode == 0
+    r = clone_cmd(solo, "dump", "/d/")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines() == ["/d/bin=\\xff\\x00", "/d/text=plain", "/d/ttl=t"]
+    r = clone_cmd(solo, "dump", "--json", "/d/")
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["key"] for row in rows] == ["/d/bin", "/d/text", "/d/ttl"]
+    assert rows[0]["value"] == "/wA=" and rows[0]["base64"] is True
+    assert rows[1]["value"] == "plain" and "base64" not in rows[1]
+    assert rows[2]["properties"]["ttl"] == "30" and "expires" in rows[2]["properties"]
+    assert all(isinstance(row["sequence"], int) and row["sequence"] > 0 for row in rows)
+
+
+def test_unreachable_servers_exit_2_without_a_traceback() -> None:
+    dead = f"tcp://127.0.0.1:{free_base_port()}"
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "clone.cli", "--servers", dead, "--timeout", "0.5", "get", "k"],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        env=env_with(),
+        cwd=ROOT,
+    )
+    assert r.returncode == 2
+    assert f"no server answered a snapshot request within 0.5 s: tried {dead}" in r.stderr
+    assert "Traceback" not in r.stderr
+    assert time.monotonic() - t0 < 10
+
+
+def test_servers_default_to_the_environment(solo: ServerProcess) -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "clone.cli", "--heartbeat", "0.1", "set", "/env/k", "v"],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        env=env_with(ep(solo)),
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    assert clone_cmd(solo, "get", "/env/k").stdout == "v\n"
+
+
+def test_watch_streams_changes_until_ctrl_c(solo: ServerProcess) -> None:
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "clone.cli", "--servers", ep(solo), "--heartbeat", "0.1"),
+            *("watch", "--json", "/w/"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_with(),
+        cwd=ROOT,
+    )
+    try:
+        with Clone([ep(solo)], heartbeat=0.1) as c:
+            c.wait_synced(10)
+            # The watcher may still be starting: write until it reports something.
+            assert proc.stdout is not None
+            deadline = time.monotonic() + 15
+            first = ""
+            os.set_blocking(proc.stdout.fileno(), False)
+            i = 0
+            while not first and time.monotonic() < deadline:
+                c.set("/w/k", f"v{i}", wait=True)
+                c.set("/x/ignored", f"v{i}", wait=True)
+                i += 1
+                time.sleep(0.1)
+                first = proc.stdout.readline()
+            assert first, "watch printed nothing"
+            row = json.loads(first)
+            assert row["key"] == "/w/k"
+            c.delete("/w/k", wait=True)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert rows[-1] == {
+        "key": "/w/k",
+        "value": None,
+        "deleted": True,
+        "sequence": rows[-1]["sequence"],
+        "properties": {},
+    }
+    assert all(r["key"] == "/w/k" for r in rows)
+
+
+def test_watch_duration_ends_by_itself(solo: ServerProcess) -> None:
+    r = clone_cmd(solo, "watch", "--duration", "0.3")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == ""
+
+
+def test_main_in_process_rejects_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--timeout", "0", "get", "k"]) == 2
+    assert "must be > 0" in capsys.readouterr().err
+    assert main(["--servers", "nonsense", "get", "k"]) == 2
+    assert "tcp://host:port" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["frobnicate"])
+
+
+def test_hello_example_runs(solo: ServerProcess) -> None:
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts" / "examples" / "hello.py")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env_with(ep(solo)),
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == "Hello, World!"
+    assert "/hello/world = b'Hello, World!'" in lines
+    assert lines[-1] == "b'yes'"
