@@ -185,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         datefmt=_DATE_FORMAT,
         handlers=[handler],
     )
+    logging.getLogger("asyncio").setLevel(logging.INFO)  # its DEBUG is noise to operators
     try:
         config = config_from_args(args)
     except ValueError as exc:

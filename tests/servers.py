@@ -1,0 +1,297 @@
+"""Real ``clone-server`` processes for end-to-end tests.
+
+Usage: declare the fixture in your test module (or list ``"tests.servers"`` in
+the root conftest's ``pytest_plugins`` to get the ``servers`` fixture below)::
+
+    from tests.servers import Servers, server_pool
+
+    @pytest.fixture
+    def servers(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Servers]:
+        with server_pool(tmp_path, request) as pool:
+            yield pool
+
+    def test_something(servers: Servers) -> None:
+        primary, backup = servers.pair()          # both up; primary active, backup synced
+        solo = servers.standalone()               # one server, active at once
+        primary.kill9(); primary.restart()        # fault injection
+        primary.wait_log("synced from")           # observe what a server did
+
+API
+---
+:class:`Servers` (the ``servers`` fixture) starts processes on free loopback
+ports, each logging (``--verbose``) to a file under the test's tmp dir, and
+kills every one of them at teardown.  When the test failed, teardown prints
+every server's log (pytest shows it under "Captured stderr teardown").
+
+* ``servers.standalone(*extra_args) -> ServerProcess`` -- waits until it answers
+  a raw ICANHAZ?.
+* ``servers.pair(*extra_args, wait=True) -> (primary, backup)`` -- waits until
+  the primary serves and the backup has synced from it.
+* ``servers.spawn(name, args, port, ha_port) -> ServerProcess`` -- any other
+  command line (e.g. a server paired with a fake peer), tracked for teardown.
+* ``servers.heartbeat_ms`` -- the ``--heartbeat`` given to every server (default
+  100, so failover tests take a fraction of a second per heartbeat).
+
+:class:`ServerProcess`:
+
+* ``port`` (CHP base P), ``ha_port``, ``name``, ``log_path``, ``pid``, ``args``;
+* ``start()``, ``restart()`` (same ports, same args), ``terminate(timeout) ->
+  returncode`` (SIGTERM, then SIGKILL), ``kill9()``, ``sigstop()``,
+  ``sigcont()``, ``signal(sig)``, ``alive``;
+* ``wait_serving(timeout)`` -- a raw ICANHAZ? answered by KTHXBAI;
+* ``wait_log(text, timeout, after=0) -> int`` -- wait until ``text`` appears in
+  the log (optionally only after byte offset ``after``; returns the offset just
+  past the match); ``log_text()``; ``log_size()``.
+
+Every wait has a deadline and raises ``TimeoutError`` with the log tail.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import zmq
+
+from tests.ports import free_base_port, free_port
+
+__all__ = ["ROOT", "ServerProcess", "Servers", "server_pool", "servers"]
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_HEARTBEAT_MS = 100
+
+
+class ServerProcess:
+    """One ``clone-server`` process, restartable on the same ports."""
+
+    def __init__(
+        self, name: str, args: list[str], port: int, ha_port: int | None, log_dir: Path
+    ) -> None:
+        self.name = name
+        self.args = args
+        self.port = port
+        self.ha_port = ha_port
+        self.log_path = log_dir / f"{name}.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.starts = 0
+
+    def __repr__(self) -> str:
+        return f"<ServerProcess {self.name} port {self.port} pid {self.pid}>"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> None:
+        if self.alive:
+            raise RuntimeError(f"{self.name} is already running")
+        self.starts += 1
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env["PYTHONUNBUFFERED"] = "1"
+        with open(self.log_path, "ab") as log:
+            log.write(f"----- start #{self.starts}: {' '.join(self.args)}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "clone.server_cli", *self.args],
+                cwd=ROOT,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+
+    def restart(self) -> None:
+        """Stop (if running) and start again with the same ports and flags."""
+        if self.alive:
+            self.terminate()
+        self.start()
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def kill9(self) -> None:
+        """SIGKILL and reap: the crash case (no goodbye to anybody)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def sigstop(self) -> None:
+        """Freeze the process (a hung server: sockets stay open, nothing answers)."""
+        self.signal(signal.SIGSTOP)
+
+    def sigcont(self) -> None:
+        self.signal(signal.SIGCONT)
+
+    def terminate(self, timeout: float = 10.0) -> int | None:
+        """SIGTERM (after SIGCONT), wait, SIGKILL if needed; the exit code."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.terminate()
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        return proc.returncode
+
+    # -- observing ------------------------------------------------------------
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def wait_log(self, text: str, timeout: float = 10.0, *, after: int = 0) -> int:
+        deadline = time.monotonic() + timeout
+        while True:
+            data = self.log_path.read_bytes() if self.log_path.exists() else b""
+            at = data.find(text.encode(), after)
+            if at >= 0:
+                return at + len(text)
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.name}: {text!r} not in log after {timeout} s; tail:\n"
+                    + data[-3000:].decode(errors="replace")
+                )
+            if self.proc is not None and self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.name} exited with {self.proc.returncode} while waiting for "
+                    f"{text!r}; tail:\n" + data[-3000:].decode(errors="replace")
+                )
+            time.sleep(0.02)
+
+    def wait_serving(self, timeout: float = 10.0) -> None:
+        """Until a raw ICANHAZ? is answered (which is also a Binary Star vote)."""
+        deadline = time.monotonic() + timeout
+        ctx = zmq.Context()
+        try:
+            while time.monotonic() < deadline:
+                if self.proc is not None and self.proc.poll() is not None:
+                    code = self.proc.returncode
+                    tail = self.log_text()[-3000:]
+                    raise RuntimeError(f"{self.name} exited with {code}:\n{tail}")
+                dealer = ctx.socket(zmq.DEALER)
+                dealer.setsockopt(zmq.LINGER, 0)
+                try:
+                    dealer.connect(f"tcp://127.0.0.1:{self.port}")
+                    dealer.send_multipart([b"ICANHAZ?", b"/--wait-serving--/"])
+                    while dealer.poll(200):
+                        if dealer.recv_multipart()[0] == b"KTHXBAI":
+                            return
+                finally:
+                    dealer.close(linger=0)
+            raise TimeoutError(
+                f"{self.name} not serving after {timeout} s; log tail:\n{self.log_text()[-3000:]}"
+            )
+        finally:
+            ctx.term()
+
+
+class Servers:
+    """Starts servers for one test and stops every one of them afterwards."""
+
+    def __init__(self, log_dir: Path, heartbeat_ms: int = DEFAULT_HEARTBEAT_MS) -> None:
+        self.log_dir = log_dir
+        self.heartbeat_ms = heartbeat_ms
+        self.started: list[ServerProcess] = []
+
+    def spawn(self, name: str, args: list[str], port: int, ha_port: int | None) -> ServerProcess:
+        """Start ``clone-server *args`` (ports as given), tracked for teardown."""
+        server = ServerProcess(name, args, port, ha_port, self.log_dir)
+        self.started.append(server)
+        server.start()
+        return server
+
+    def _common(self) -> list[str]:
+        return ["--bind", "127.0.0.1", "--heartbeat", str(self.heartbeat_ms), "--verbose"]
+
+    def standalone(self, *extra: str, name: str = "standalone", wait: bool = True) -> ServerProcess:
+        port = free_base_port()
+        args = ["--standalone", "--port", str(port), *self._common(), *extra]
+        server = self.spawn(name, args, port, None)
+        if wait:
+            server.wait_serving()
+        return server
+
+    def pair(self, *extra: str, wait: bool = True) -> tuple[ServerProcess, ServerProcess]:
+        """A primary and a backup on free ports, each pointed at the other."""
+        p_port, b_port = free_base_port(), free_base_port()
+        p_ha, b_ha = free_port(), free_port()
+
+        def args(role: str, port: int, ha: int, peer: int, peer_ha: int) -> list[str]:
+            return [
+                f"--{role}",
+                "--port", str(port),
+                "--peer", f"127.0.0.1:{peer}",
+                "--ha-port", str(ha),
+                "--peer-ha", f"127.0.0.1:{peer_ha}",
+                *self._common(),
+                *extra,
+            ]  # fmt: skip
+
+        primary = self.spawn("primary", args("primary", p_port, p_ha, b_port, b_ha), p_port, p_ha)
+        backup = self.spawn("backup", args("backup", b_port, b_ha, p_port, p_ha), b_port, b_ha)
+        if wait:
+            primary.wait_log("now ACTIVE")
+            backup.wait_log("synced from")
+            primary.wait_serving()
+        return primary, backup
+
+    def stop_all(self) -> None:
+        for server in self.started:
+            server.terminate(timeout=5.0)
+
+    def dump_logs(self) -> str:
+        parts = []
+        for server in self.started:
+            parts.append(f"===== {server.name} ({server.log_path}) =====\n{server.log_text()}")
+        return "\n".join(parts)
+
+
+@contextmanager
+def server_pool(
+    tmp_path: Path, request: pytest.FixtureRequest | None = None, **kwargs: int
+) -> Iterator[Servers]:
+    """A :class:`Servers` whose processes are all stopped on exit.
+
+    With ``request``, the logs are written to stderr if the test failed.
+    ``kwargs`` go to :class:`Servers` (e.g. ``heartbeat_ms=50``).
+    """
+    failed_before = request.session.testsfailed if request is not None else 0
+    pool = Servers(tmp_path, **kwargs)
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+        if request is not None and request.session.testsfailed > failed_before:
+            sys.stderr.write(pool.dump_logs()[-200_000:])
+
+
+@pytest.fixture
+def servers(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Servers]:
+    """Real server processes; all stopped at teardown, logs dumped on failure."""
+    with server_pool(tmp_path, request) as pool:
+        yield pool

@@ -1,0 +1,396 @@
+"""End-to-end: real ``clone-server`` processes driven by a raw CHP peer.
+
+Heartbeats are 100 ms (``tests.servers``), so a failover takes well under a
+second.  Every wait has a deadline; the fixtures stop every process and close
+every socket, and dump the servers' logs when a test fails.
+"""
+
+from __future__ import annotations
+
+import itertools
+import signal
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import zmq
+
+from tests.chp_peer import ChpPeer, Snapshot, Update
+from tests.ports import free_base_port, free_port
+from tests.servers import ServerProcess, Servers, server_pool
+
+pytestmark = pytest.mark.slow
+
+SEQ0 = struct.pack(">Q", 0)
+
+
+@pytest.fixture
+def servers(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Servers]:
+    with server_pool(tmp_path, request) as pool:
+        yield pool
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+@pytest.fixture
+def peers(ctx: zmq.Context) -> Iterator[list[ChpPeer]]:
+    """Peers created by a test through ``peers.append``; all closed afterwards."""
+    made: list[ChpPeer] = []
+    yield made
+    for peer in made:
+        peer.close()
+
+
+def _peer(ctx: zmq.Context, peers: list[ChpPeer], server: ServerProcess, *also: int) -> ChpPeer:
+    peer = ChpPeer(ctx)
+    peers.append(peer)
+    peer.connect(server.port, collectors=[server.port, *also])
+    peer.wait_hugz()
+    return peer
+
+
+def _snapshot_with_retry(peer: ChpPeer, port: int, timeout: float = 10.0) -> Snapshot:
+    """Ask like a client failing over: short timeouts, repeated, fresh socket."""
+    deadline = time.monotonic() + timeout
+    while True:
+        peer.use_snapshot_server(port)
+        try:
+            return peer.snapshot(timeout=0.5)
+        except TimeoutError:
+            if time.monotonic() > deadline:
+                raise
+
+
+# -- the basics, on a standalone server ----------------------------------------
+
+
+def test_snapshot_with_and_without_subtree(
+    servers: Servers, ctx: zmq.Context, peers: list[ChpPeer]
+) -> None:
+    server = servers.standalone()
+    peer = _peer(ctx, peers, server)
+    for key in (b"/a/1", b"/a/2", b"/b/1", b"/ab/3"):
+        peer.kvset(key, b"value of " + key)
+    peer.updates(4)
+    full = peer.snapshot()
+    assert set(full.entries) == {b"/a/1", b"/a/2", b"/b/1", b"/ab/3"}
+    assert full.sequence == 4 and full.subtree == b""
+    assert full.entries[b"/b/1"].body == b"value of /b/1"
+    sub = peer.snapshot(b"/a/")
+    assert set(sub.entries) == {b"/a/1", b"/a/2"}
+    assert sub.sequence == 4 and sub.subtree == b"/a/"
+    assert peer.snapshot(b"/zzz/").entries == {}
+
+
+def test_sequences_uuid_properties_and_delete(
+    servers: Servers, ctx: zmq.Context, peers: list[ChpPeer]
+) -> None:
+    server = servers.standalone()
+    peer = _peer(ctx, peers, server)
+    sent = [peer.kvset(b"/k/%d" % i, b"v%d" % i, props={"owner": f"t{i}"}) for i in range(50)]
+    got = peer.updates(50)
+    assert [u.sequence for u in got] == list(range(1, 51))
+    assert [u.uuid for u in got] == sent
+    assert [u.props for u in got] == [{"owner": f"t{i}"} for i in range(50)]
+    delete_id = peer.kvset(b"/k/7", b"")
+    (deleted,) = peer.updates(1)
+    assert (deleted.key, deleted.body, deleted.sequence, deleted.uuid) == (
+        b"/k/7", b"", 51, delete_id
+    )
+    snap = peer.snapshot()
+    assert b"/k/7" not in snap.entries and len(snap.entries) == 49
+    assert snap.entries[b"/k/8"].uuid == sent[8]  # KVSYNC carries uuid and properties
+    assert snap.entries[b"/k/8"].props == {"owner": "t8"}
+
+
+def test_duplicate_uuid_is_published_once(
+    servers: Servers, ctx: zmq.Context, peers: list[ChpPeer]
+) -> None:
+    server = servers.standalone()
+    peer = _peer(ctx, peers, server)
+    uid = peer.kvset(b"/d", b"1")
+    peer.kvset(b"/d", b"1", uuid=uid)  # a resend after a failover
+    peer.kvset(b"/e", b"2")
+    got = peer.updates(2)
+    assert [(u.key, u.sequence) for u in got] == [(b"/d", 1), (b"/e", 2)]
+
+
+def test_ttl_expiry_publishes_a_delete_and_bad_ttl_is_rejected(
+    servers: Servers, ctx: zmq.Context, peers: list[ChpPeer]
+) -> None:
+    server = servers.standalone()
+    peer = _peer(ctx, peers, server)
+    before = time.time()
+    peer.kvset(b"/bad", b"x", props={"ttl": "abc"})
+    peer.kvset(b"/neg", b"x", props={"ttl": "-5"})
+    peer.kvset(b"/eph", b"x", props={"ttl": "0.5"})
+    (pub,) = peer.updates(1)
+    assert pub.key == b"/eph" and pub.sequence == 1
+    assert pub.props["ttl"] == "0.5"
+    assert before + 0.5 <= float(pub.props["expires"]) <= time.time() + 0.5 + 0.01
+    assert set(peer.snapshot().entries) == {b"/eph"}
+    expired = peer.wait_for(lambda u: not u.is_hugz, timeout=3.0)
+    assert (expired.key, expired.sequence, expired.uuid, expired.props, expired.body) == (
+        b"/eph", 2, b"", {}, b""
+    )
+    assert time.time() >= float(pub.props["expires"])
+    assert peer.snapshot().entries == {}
+    server.wait_log("ttl='abc' is not a decimal number")
+
+
+def test_hugz_cadence_and_sequence(
+    servers: Servers, ctx: zmq.Context, peers: list[ChpPeer]
+) -> None:
+    server = servers.standalone()
+    peer = _peer(ctx, peers, server)
+    peer.kvset(b"/x", b"1")
+    peer.updates(1)
+    peer.wait_hugz()
+    start = time.monotonic()
+    beats = peer.updates(10, timeout=3.0, hugz=True)
+    elapsed = time.monotonic() - start
+    assert all(b.is_hugz and b.sequence == 1 for b in beats)
+    assert 0.8 <= elapsed <= 1.5, elapsed  # 10 beats at 100 ms
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_graceful_shutdown_exits_zero(servers: Servers, sig: int) -> None:
+    server = servers.standalone()
+    server.signal(sig)
+    assert server.proc is not None
+    assert server.proc.wait(10) == 0
+    assert "server stopped" in server.log_text()
+
+
+# -- bad input on every socket --------------------------------------------------
+
+
+def test_malformed_input_never_stops_the_server(
+    servers: Servers, ctx: zmq.Context, peers: list[ChpPeer]
+) -> None:
+    server = servers.standalone()
+    peer = _peer(ctx, peers, server)
+    for frames in (
+        [b"ICANHAZ?"],  # missing subtree frame
+        [b"GIMME", b""],  # unknown command
+        [b"ICANHAZ?", b"", b"extra"],  # extra frame
+        [b"ICANHAZ?", b"no-slashes"],  # bad subtree
+        [b"ICANHAZ?", b"/a//"],  # empty segment
+        [b"ICANHAZ?", b"\xff\xfe"],  # not UTF-8
+        [b"ICANHAZ?", b"/" + b"x" * 2000 + b"/"],  # oversized subtree
+    ):
+        peer.send_snapshot_frames(frames)
+    for frames in (
+        [b"/k", SEQ0, b"", b""],  # wrong frame count
+        [b"/k", b"\x00\x01", b"", b"", b"v"],  # bad sequence
+        [b"/k", SEQ0, b"short", b"", b"v"],  # bad uuid
+        [b"/k", SEQ0, b"", b"", b"x" * (1024 * 1024 + 1)],  # huge value
+        [b"/k", SEQ0, b"", b"ttl=abc\n", b"v"],  # bad ttl
+        [b"/k", SEQ0, b"", b"noequals\n", b"v"],  # bad properties
+        [b"\xff", SEQ0, b"", b"", b"v"],  # key not UTF-8
+        [b"KTHXBAI", SEQ0, b"", b"", b"v"],  # reserved key
+        [b"x" * 2000, SEQ0, b"", b"", b"v"],  # oversized key
+    ):
+        peer.send_collector_frames(frames)
+    peer.kvset(b"/ok", b"fine")
+    (ok,) = peer.updates(1)
+    assert ok.key == b"/ok" and ok.sequence == 1
+    assert set(peer.snapshot().entries) == {b"/ok"}
+    log = server.log_text()
+    assert "dropped a request" in log and "dropped a client update" in log
+    assert server.alive
+
+
+def test_garbage_on_the_binary_star_port_and_from_the_peer(
+    servers: Servers, ctx: zmq.Context, peers: list[ChpPeer]
+) -> None:
+    """A backup whose "primary" is this test: bad state messages, a bad
+    snapshot and bad KVPUBs on its peer subscription, then the "primary" dies
+    and the backup must serve exactly the valid part."""
+    fake_port, fake_ha = free_base_port(), free_port()
+    fake_state = ctx.socket(zmq.PUB)
+    fake_router = ctx.socket(zmq.ROUTER)
+    fake_pub = ctx.socket(zmq.PUB)
+    for sock in (fake_state, fake_router, fake_pub):
+        sock.setsockopt(zmq.LINGER, 0)
+    try:
+        fake_state.bind(f"tcp://127.0.0.1:{fake_ha}")
+        fake_router.bind(f"tcp://127.0.0.1:{fake_port}")
+        fake_pub.bind(f"tcp://127.0.0.1:{fake_port + 1}")
+        port, ha = free_base_port(), free_port()
+        args = [
+            "--backup", "--port", str(port), "--peer", f"127.0.0.1:{fake_port}",
+            "--ha-port", str(ha), "--peer-ha", f"127.0.0.1:{fake_ha}",
+            "--bind", "127.0.0.1", "--heartbeat", "100", "--verbose",
+        ]  # fmt: skip
+        backup = servers.spawn("backup", args, port, ha)
+        # Garbage, then "I am active", until it asks us for a snapshot.
+        deadline = time.monotonic() + 10
+        request = None
+        while request is None:
+            assert time.monotonic() < deadline, "backup never asked for a snapshot"
+            for junk in ([b"zz"], [b"3", b"3"], [b"9"], [b"x" * 100]):
+                fake_state.send_multipart(junk)
+            fake_state.send(b"3")
+            if fake_router.poll(100):
+                request = fake_router.recv_multipart()
+        assert request[1:] == [b"ICANHAZ?", b""]
+        who = request[0]
+        for frames in (
+            [b"bad"],
+            [b"/s/bad", b"\x01", b"", b"", b"v"],
+            [b"/s/1", struct.pack(">Q", 1), b"", b"", b"one"],
+            [b"KTHXBAI", struct.pack(">Q", 1), b"", b"", b""],
+        ):
+            fake_router.send_multipart([who, *frames])
+        backup.wait_log("synced from", timeout=5)
+        for frames in (
+            [b"garbage"],
+            [b"/p/2", b"\x00", b"", b"", b"two"],
+            [b"HUGZ", b""],
+            [b"/p/2", struct.pack(">Q", 2), b"", b"", b"two"],
+            [b"HUGZ", struct.pack(">Q", 2), b"", b"", b""],
+        ):
+            fake_state.send(b"3")
+            fake_pub.send_multipart(frames)
+            time.sleep(0.02)
+        # The fake primary goes silent; a client vote promotes the backup.
+        peer = ChpPeer(ctx)
+        peers.append(peer)
+        snap = _snapshot_with_retry(peer, port)
+        assert {k: u.body for k, u in snap.entries.items()} == {b"/s/1": b"one", b"/p/2": b"two"}
+        assert snap.sequence == 2
+        log = backup.log_text()
+        assert "dropped a message from the peer" in log
+        assert "dropped a snapshot entry from the peer" in log
+        assert "dropped state message" in log or "bad state message" in log
+    finally:
+        for sock in (fake_state, fake_router, fake_pub):
+            sock.close(linger=0)
+
+
+# -- failover ---------------------------------------------------------------------
+
+
+def test_failover_serves_full_state_and_publishes_the_failover_window(
+    servers: Servers, ctx: zmq.Context, peers: list[ChpPeer]
+) -> None:
+    primary, backup = servers.pair()
+    peer = _peer(ctx, peers, primary, backup.port)
+    peer.sub.connect(f"tcp://127.0.0.1:{backup.port + 1}")  # hear whoever is active
+    before = [peer.kvset(b"/k/%d" % i, b"v%d" % i) for i in range(200)]
+    got = peer.updates(200)
+    assert [u.uuid for u in got] == before
+    time.sleep(0.2)  # let the backup's copy of the last KVPUBs land
+    primary.kill9()
+    window = [peer.kvset(b"/w/%d" % i, b"w%d" % i, props={"ttl": "60"}) for i in range(100)]
+    snap = _snapshot_with_retry(peer, backup.port)
+    assert snap.kvsync_count == 300
+    assert {k: u.body for k, u in snap.entries.items() if k.startswith(b"/k/")} == {
+        b"/k/%d" % i: b"v%d" % i for i in range(200)
+    }
+    assert all(float(snap.entries[b"/w/%d" % i].props["expires"]) > time.time() for i in range(100))
+    assert snap.sequence >= 300
+    # Every update of the failover window was published by the new active.
+    published = [
+        u for u in peer.updates(100, timeout=5) if u.key.startswith(b"/w/")
+    ]
+    assert [u.uuid for u in published] == window
+    seqs = [u.sequence for u in published]
+    assert seqs == list(range(seqs[0], seqs[0] + 100)) and seqs[0] > 200
+    # A client resending an unconfirmed update after the failover is deduplicated.
+    peer.kvset(b"/w/0", b"w0", uuid=window[0], props={"ttl": "60"})
+    peer.kvset(b"/after", b"x")
+    nxt = peer.wait_for(lambda u: not u.is_hugz)
+    assert nxt.key == b"/after" and nxt.sequence == seqs[-1] + 1
+    backup.wait_log("now ACTIVE (was passive)")
+
+
+def test_restarted_primary_comes_back_passive_with_the_full_state(
+    servers: Servers, ctx: zmq.Context, peers: list[ChpPeer]
+) -> None:
+    primary, backup = servers.pair()
+    peer = _peer(ctx, peers, primary, backup.port)
+    for i in range(100):
+        peer.kvset(b"/a/%d" % i, b"%d" % i)
+    peer.updates(100)
+    time.sleep(0.2)
+    primary.kill9()
+    _snapshot_with_retry(peer, backup.port)  # the vote: backup takes over
+    peer.resubscribe(backup.port)
+    peer.wait_hugz()
+    mark = primary.log_size()
+    primary.restart()
+    primary.wait_log("now PASSIVE", after=mark)
+    primary.wait_log("synced from", after=mark)
+    # Passive: it does not answer snapshot requests while the backup lives.
+    probe = ChpPeer(ctx)
+    peers.append(probe)
+    probe.use_snapshot_server(primary.port)
+    assert probe.no_snapshot_reply(0.5)
+    # It follows the active backup: updates made now reach it too.
+    for i in range(100, 150):
+        peer.kvset(b"/a/%d" % i, b"%d" % i)
+    last = peer.updates(50)[-1]
+    time.sleep(0.3)
+    backup.kill9()
+    snap = _snapshot_with_retry(peer, primary.port)
+    assert snap.kvsync_count == 150
+    assert {k: u.body for k, u in snap.entries.items()} == {
+        b"/a/%d" % i: b"%d" % i for i in range(150)
+    }
+    assert snap.sequence >= last.sequence  # never backwards
+
+
+# -- big snapshots -----------------------------------------------------------------
+
+
+def test_100k_snapshot_is_complete_and_heartbeats_keep_flowing(
+    servers: Servers, ctx: zmq.Context, peers: list[ChpPeer]
+) -> None:
+    server = servers.standalone("--snapshot-hwm", "1000")
+    peer = _peer(ctx, peers, server)
+    n = 100_000
+    value = b"x" * 100
+    for i in range(n):
+        peer.kvset(b"/big/%d" % i, value)
+    peer.wait_for(lambda u: u.sequence == n and not u.is_hugz, timeout=30)
+    peer.drain()
+    hugz_at: list[float] = []
+
+    def slow_reader(_: Update) -> None:
+        # Read slowly enough that the server's pipe fills and it must wait.
+        while (msg := peer.recv(0)) is not None:
+            if msg.is_hugz:
+                hugz_at.append(time.monotonic())
+
+    other = ChpPeer(ctx)  # a second snapshot streams concurrently
+    peers.append(other)
+    other.use_snapshot_server(server.port)
+    assert other.dealer is not None
+    other.dealer.send_multipart([b"ICANHAZ?", b"/big/"])
+    start = time.monotonic()
+    snap = peer.snapshot(timeout=40, on_entry=slow_reader)
+    elapsed = time.monotonic() - start
+    assert snap.kvsync_count == n and len(snap.entries) == n
+    assert snap.sequence == n
+    count = 0
+    deadline = time.monotonic() + 30
+    while True:
+        assert other.dealer.poll(int(max(0, deadline - time.monotonic()) * 1000))
+        frames = other.dealer.recv_multipart()
+        if frames[0] == b"KTHXBAI":
+            break
+        count += 1
+    assert count == n
+    if elapsed > 0.5:
+        gaps = [b - a for a, b in itertools.pairwise(hugz_at)]
+        assert len(hugz_at) >= int(elapsed / 0.1) // 2, (elapsed, len(hugz_at))
+        assert max(gaps, default=0) < 0.5, max(gaps)
