@@ -32,9 +32,13 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, markdown: bo
         return "\n".join(lines)
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
               for i, h in enumerate(headers)]
-    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-    lines = [fmt.format(*headers), fmt.format(*("-" * w for w in widths))]
-    lines += [fmt.format(*r) for r in cells]
+    # Numbers right-aligned, text left-aligned, decided per column.
+    numeric = [all(not isinstance(row[i], str) for row in rows) for i in range(len(headers))]
+    fmt = "  ".join(
+        f"{{:{'>' if num else '<'}{w}}}" for w, num in zip(widths, numeric, strict=True)
+    )
+    lines = [fmt.format(*headers).rstrip(), fmt.format(*("-" * w for w in widths))]
+    lines += [fmt.format(*r).rstrip() for r in cells]
     return "\n".join(lines)
 
 

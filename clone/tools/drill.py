@@ -1,0 +1,764 @@
+"""Failover drills: a real server pair, N client processes, one injected fault.
+
+How this works: :func:`run_drill` starts a primary and a backup ``clone-server``
+on free loopback ports, a thread that listens to the HUGZ of both (only the
+active server sends HUGZ, so it always knows which one is active, and when both
+are), and N :mod:`clone.tools.drill_client` processes.  The clients sync, start
+writing together at ``start_at`` and stop after ``duration`` seconds; the fault
+is injected at 35% of the run.  Each client logs its events to its own file
+(``clients/<id>.jsonl``) and its final state to ``clients/<id>.state.json``.
+Once everyone has settled, the drill takes a snapshot of ``/drill/`` from the
+active server, asks both servers for a stats line (SIGUSR1), stops everything,
+merges all events into ``events.jsonl`` (sorted by time) and decides:
+
+* every confirmed write is in the final state (keys are unique per write, so a
+  write is lost exactly when its key is missing or holds another value);
+* every client ended with the same state as the server (hash of the items);
+* no client applied the same write twice or a writer's writes out of order;
+* the scenario's own checks: a restarted server came back passive, a thawed
+  server did not go on as a second active, no ephemeral key outlived its ttl.
+
+The result is ``summary.json``; :func:`main` prints a table and exits 1 when a
+guarantee is broken.  ``docs/drills.md`` describes the scenarios and the schema.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import math
+import re
+import signal
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from clone.protocol import HUGZ, KTHXBAI, PUBLISHER_OFFSET
+from clone.tools.drill_client import DRILL_PREFIX, parse_value, state_hash
+from clone.tools.procs import (
+    ManagedProcess,
+    ProcessGroup,
+    ServerAddress,
+    free_base_port,
+    free_port,
+    python_module_argv,
+    server_argv,
+    wait_listening,
+)
+
+__all__ = [
+    "SCENARIOS",
+    "DrillConfig",
+    "analyse",
+    "main",
+    "percentile",
+    "run_drill",
+]
+
+log = logging.getLogger(__name__)
+
+SCENARIOS: tuple[str, ...] = (
+    "kill-active",
+    "kill-passive",
+    "freeze-active",
+    "client-restart",
+    "ttl-storm",
+)
+_KEY_RE = re.compile(r"^/drill/(?P<client>[^/]+)/(?P<ttl>ttl/)?g(?P<gen>\d+)/(?P<n>\d+)$")
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class DrillConfig:
+    scenario: str
+    clients: int = 3
+    duration: float = 30.0
+    out: Path = Path("results/drill")
+    rate: float = 20.0  # writes per second per client
+    confirm_every: int = 4
+    heartbeat_ms: int = 1000  # the servers' default
+    seed: int = 0
+    fault_at: float = 0.35  # fraction of the duration
+    ttl_per_tick: int = 3  # ttl-storm: ephemeral writes per regular write
+    ttl_min: float = 0.5
+    ttl_max: float = 2.0
+    confirm_timeout: float = 10.0
+    value_size: int = 64
+
+    def __post_init__(self) -> None:
+        if self.scenario not in SCENARIOS:
+            raise ValueError(f"unknown scenario {self.scenario!r}; one of {', '.join(SCENARIOS)}")
+        if self.clients < 1 or (self.scenario == "client-restart" and self.clients < 2):
+            raise ValueError("need at least 1 client (2 for client-restart)")
+        if self.duration <= 0 or self.rate <= 0:
+            raise ValueError("duration and rate must be > 0")
+
+    @property
+    def heartbeat(self) -> float:
+        return self.heartbeat_ms / 1000.0
+
+    @property
+    def failover_budget(self) -> float:
+        """A generous bound on one failover: client silence timeout, the backup's
+        peer expiry, a snapshot, and slack for a loaded 2-core machine."""
+        return 2.5 * self.heartbeat + 2 * self.heartbeat + 1.5
+
+    @property
+    def settle(self) -> float:
+        extra = self.ttl_max + 2 * self.heartbeat + 1.0 if self.scenario == "ttl-storm" else 0.0
+        return max(3.0, 3 * self.heartbeat) + extra
+
+
+# --------------------------------------------------------------------------
+# Watching the servers
+
+
+class HugzMonitor:
+    """Listens to the HUGZ of both servers in a thread; HUGZ means 'I am active'."""
+
+    def __init__(self, publishers: dict[str, str], heartbeat: float) -> None:
+        self.publishers = publishers
+        self.heartbeat = heartbeat
+        self.history: list[tuple[float, str]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="drill-hugz", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        ctx: zmq.Context[Any] = zmq.Context()
+        poller = zmq.Poller()
+        names: dict[zmq.Socket[Any], str] = {}
+        try:
+            for name, endpoint in self.publishers.items():
+                sub = ctx.socket(zmq.SUB)
+                sub.linger = 0
+                sub.setsockopt(zmq.SUBSCRIBE, HUGZ)
+                sub.connect(endpoint)
+                poller.register(sub, zmq.POLLIN)
+                names[sub] = name
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(50):
+                    with contextlib.suppress(zmq.Again):
+                        while True:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                            if frames[0] == HUGZ:
+                                with self._lock:
+                                    self.history.append((time.time(), names[sock]))
+        finally:
+            ctx.destroy(linger=0)
+
+    def active(self, at: float | None = None) -> list[str]:
+        """Servers that sent HUGZ in the 2.5 heartbeats before ``at`` (default now)."""
+        at = time.time() if at is None else at
+        window = 2.5 * self.heartbeat
+        with self._lock:
+            return sorted({n for t, n in self.history if at - window <= t <= at})
+
+    def hugz_after(self, name: str, t: float) -> list[float]:
+        with self._lock:
+            return [ts for ts, n in self.history if n == name and ts > t]
+
+    def dual_active_seconds(self, since: float) -> float:
+        """How long, after ``since``, both servers were sending HUGZ."""
+        with self._lock:
+            hist = [(t, n) for t, n in self.history if t >= since]
+        window = 1.5 * self.heartbeat
+        last: dict[str, float] = {}
+        dual = 0.0
+        prev_t: float | None = None
+        for t, n in hist:
+            if prev_t is not None and len([x for x in last.values() if t - x <= window]) >= 2:
+                dual += t - prev_t
+            last[n] = t
+            prev_t = t
+        return dual
+
+
+def _raw_snapshot(endpoint: str, subtree: str, timeout: float) -> dict[str, bytes] | None:
+    """The server's state under ``subtree``, or None if it does not answer (passive)."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        dealer.connect(endpoint)
+        dealer.send_multipart([b"ICANHAZ?", subtree.encode()])
+        items: dict[str, bytes] = {}
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not dealer.poll(int(remaining * 1000) + 1):
+                return None
+            frames = dealer.recv_multipart()
+            if frames[0] == KTHXBAI:
+                return items
+            if len(frames) == 5 and frames[4]:
+                items[frames[0].decode()] = frames[4]
+    finally:
+        ctx.destroy(linger=0)
+
+
+_STATS_RE = re.compile(r"stats: (\w+) (.*)$")
+
+
+def _server_stats(proc: ManagedProcess, timeout: float = 2.0) -> dict[str, Any]:
+    """Ask a running server for its stats line (SIGUSR1) and parse it from the log."""
+    if not proc.alive:
+        return {"alive": False}
+    before = len(proc.log_path.read_text(errors="replace").splitlines())
+    proc.signal(signal.SIGUSR1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = proc.log_path.read_text(errors="replace").splitlines()[before:]
+        for line in lines:
+            m = _STATS_RE.search(line)
+            if m:
+                out: dict[str, Any] = {"alive": True, "role": m.group(1)}
+                for pair in m.group(2).split():
+                    k, _, v = pair.partition("=")
+                    out[k] = int(v) if v.isdigit() else v
+                return out
+        time.sleep(0.05)
+    return {"alive": True}
+
+
+# --------------------------------------------------------------------------
+# Following the clients' event files
+
+
+class _Tail:
+    """Reads new complete lines from the clients' event files and counts events."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.offsets: dict[Path, int] = {}
+        self.counts: Counter[str] = Counter()
+
+    def poll(self) -> None:
+        for path in sorted(self.directory.glob("*.jsonl")):
+            off = self.offsets.get(path, 0)
+            with open(path, "rb") as f:
+                f.seek(off)
+                data = f.read()
+            end = data.rfind(b"\n") + 1
+            self.offsets[path] = off + end
+            for line in data[:end].splitlines():
+                with contextlib.suppress(ValueError):
+                    self.counts[json.loads(line)["event"]] += 1
+
+
+def _read_events(path: Path) -> list[dict[str, Any]]:
+    """A client's events; a line cut short by kill -9 is skipped."""
+    out: list[dict[str, Any]] = []
+    if not path.exists():
+        return out
+    for line in path.read_text(errors="replace").splitlines():
+        with contextlib.suppress(ValueError):
+            out.append(json.loads(line))
+    return out
+
+
+# --------------------------------------------------------------------------
+# The analysis: pure, over recorded events and states
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """Nearest-rank percentile; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def analyse(
+    streams: dict[str, list[dict[str, Any]]],
+    server_state: dict[str, bytes] | None,
+    final_clients: dict[str, str | None],
+) -> dict[str, Any]:
+    """Loss, order, duplicates, failover gaps and convergence.
+
+    ``streams``: the events of each client incarnation (``c1`` then ``c1.g1``
+    after a restart); ``server_state``: the active server's final ``/drill/``
+    items; ``final_clients``: each client id's final state hash (its last
+    incarnation), None when it has none.
+    """
+    writes: dict[str, dict[str, Any]] = {}
+    duplicates = out_of_order = updates = 0
+    gaps: list[float] = []
+    timeouts = 0
+    for events in streams.values():
+        seen: set[str] = set()
+        last_n: dict[str, int] = {}
+        for ev in events:
+            kind = ev.get("event")
+            key = ev.get("key", "")
+            if kind == "write_sent":
+                writes[key] = {"uuid": ev.get("uuid"), "confirmed": False, "ttl": "/ttl/" in key}
+            elif kind == "write_confirmed" and key in writes:
+                writes[key]["confirmed"] = True
+            elif kind == "write_timeout":
+                timeouts += 1
+            elif kind == "update":
+                updates += 1
+                uid = ev.get("uuid")
+                if uid is None:
+                    continue  # a delete (expiry): it carries no write
+                if uid in seen:
+                    duplicates += 1
+                seen.add(uid)
+                m = _KEY_RE.match(key)
+                if m:
+                    writer = f"{m['client']}/{m['ttl'] or ''}g{m['gen']}"
+                    n = int(m["n"])
+                    if n <= last_n.get(writer, -1):
+                        out_of_order += 1
+                    last_n[writer] = max(n, last_n.get(writer, -1))
+            elif kind == "failover_done" and ev.get("gap_s") is not None:
+                gaps.append(float(ev["gap_s"]))
+
+    final = server_state or {}
+    final_ids = {k: parse_value(v) for k, v in final.items()}
+    lost_confirmed: list[str] = []
+    unconfirmed = unconfirmed_lost = confirmed = ttl_writes = 0
+    for key, w in writes.items():
+        if w["ttl"]:
+            ttl_writes += 1
+            continue
+        present = final_ids.get(key) == w["uuid"]
+        if w["confirmed"]:
+            confirmed += 1
+            if not present:
+                lost_confirmed.append(key)
+        else:
+            unconfirmed += 1
+            unconfirmed_lost += not present
+    ttl_leftover = sum(1 for k in final if "/ttl/" in k)
+    server_hash = state_hash(final.items()) if server_state is not None else None
+    hashes = set(final_clients.values())
+    converged = (
+        server_state is not None
+        and bool(final_clients)
+        and None not in hashes
+        and hashes == {server_hash}
+    )
+
+    def r(x: float | None) -> float | None:
+        return None if x is None else round(x, 4)
+
+    return {
+        "writes_sent": len(writes),
+        "confirmed_writes": confirmed,
+        "confirmed_lost": len(lost_confirmed),
+        "confirmed_lost_keys": sorted(lost_confirmed)[:20],
+        "unconfirmed_writes": unconfirmed,
+        "unconfirmed_lost": unconfirmed_lost,
+        "write_timeouts": timeouts,
+        "ttl_writes": ttl_writes,
+        "ttl_leftover": ttl_leftover,
+        "duplicates": duplicates,
+        "out_of_order": out_of_order,
+        "updates_seen": updates,
+        "failovers_observed": len(gaps),
+        "failover_p50_s": r(percentile(gaps, 50)),
+        "failover_p99_s": r(percentile(gaps, 99)),
+        "failover_max_s": r(max(gaps) if gaps else None),
+        "final_keys": len(final),
+        "final_hash": server_hash,
+        "converged": converged,
+    }
+
+
+# --------------------------------------------------------------------------
+# The run
+
+
+class _Drill:
+    """One drill run: the processes, the timeline and the harness's own events."""
+
+    def __init__(self, cfg: DrillConfig, say: Say) -> None:
+        self.cfg, self.say = cfg, say
+        self.out = Path(cfg.out)
+        self.clients_dir = self.out / "clients"
+        self.group = ProcessGroup(self.out / "logs")
+        p1, p2 = free_base_port(3), free_base_port(3)
+        self.servers = {
+            "primary": ServerAddress("primary", p1, free_port()),
+            "backup": ServerAddress("backup", p2, free_port()),
+        }
+        self.monitor = HugzMonitor(
+            {n: f"tcp://127.0.0.1:{a.port + PUBLISHER_OFFSET}" for n, a in self.servers.items()},
+            cfg.heartbeat,
+        )
+        self.harness_events: list[dict[str, Any]] = []
+        self.generations: dict[str, int] = {}
+        self.notes: dict[str, Any] = {}
+        self.fault_text = ""
+
+    # -- events and processes ---------------------------------------------
+
+    def event(self, event: str, **fields: Any) -> None:
+        record = {"ts": time.time(), "client": "drill", "event": event}
+        record.update(fields)
+        self.harness_events.append(record)
+
+    def start_server(self, name: str) -> ManagedProcess:
+        other = "backup" if name == "primary" else "primary"
+        argv = server_argv(
+            name, self.servers[name], self.servers[other], heartbeat_ms=self.cfg.heartbeat_ms
+        )
+        if name in self.group.procs:
+            proc = self.group[name]
+            proc.start()
+        else:
+            proc = self.group.add(name, argv)
+        return proc
+
+    def start_client(self, cid: str, start_at: float, final_at: float) -> ManagedProcess:
+        cfg = self.cfg
+        gen = self.generations.get(cid, -1) + 1
+        self.generations[cid] = gen
+        stem = cid if gen == 0 else f"{cid}.g{gen}"
+        names = list(self.servers)
+        argv = python_module_argv(
+            "clone.tools.drill_client",
+            "--id", cid,
+            "--gen", str(gen),
+            "--servers", ",".join(self.servers[n].endpoint for n in names),
+            "--names", ",".join(names),
+            "--heartbeat", str(cfg.heartbeat),
+            "--rate", str(cfg.rate),
+            "--confirm-every", str(cfg.confirm_every),
+            "--confirm-timeout", str(cfg.confirm_timeout),
+            "--ttl-per-tick", str(cfg.ttl_per_tick if cfg.scenario == "ttl-storm" else 0),
+            "--ttl-min", str(cfg.ttl_min),
+            "--ttl-max", str(cfg.ttl_max),
+            "--value-size", str(cfg.value_size),
+            "--start-at", repr(start_at),
+            "--write-seconds", repr(max(0.0, self.write_end - start_at)),
+            "--final-at", repr(final_at),
+            "--events", str(self.clients_dir / f"{stem}.jsonl"),
+            "--state", str(self.clients_dir / f"{stem}.state.json"),
+            "--seed", str(cfg.seed),
+        )  # fmt: skip
+        return self.group.add(stem, argv)
+
+    def active_server(self) -> str | None:
+        active = self.monitor.active()
+        return active[0] if len(active) == 1 else None
+
+    # -- the timeline -------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        self.clients_dir.mkdir(parents=True, exist_ok=True)
+        for stale in [*self.clients_dir.glob("*"), self.out / "events.jsonl"]:
+            stale.unlink(missing_ok=True)
+        with self.group:
+            try:
+                return self._run()
+            finally:
+                self.monitor.stop()
+
+    def _run(self) -> dict[str, Any]:
+        cfg = self.cfg
+        self.say(
+            f"drill {cfg.scenario}: {cfg.clients} clients x {cfg.rate:g} writes/s for "
+            f"{cfg.duration:g} s, heartbeat {cfg.heartbeat_ms} ms, out {self.out}"
+        )
+        for name in self.servers:
+            self.start_server(name)
+        deadline = time.monotonic() + 15
+        for name, addr in self.servers.items():
+            for port in (addr.port, addr.port + 1, addr.port + 2):
+                if not wait_listening(port, deadline):
+                    raise RuntimeError(f"{name} not listening:\n{self.group[name].log_tail()}")
+        self.monitor.start()
+        deadline = time.monotonic() + 10 + 5 * cfg.heartbeat
+        while self.active_server() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.active_server() is None:
+            raise RuntimeError("no server became active:\n" + self._log_tails())
+        self.say(f"pair up: {self.active_server()} is active")
+
+        start_at = time.time() + 2.5
+        self.write_end = start_at + cfg.duration
+        final_at = self.write_end + cfg.settle
+        client_ids = [f"c{i}" for i in range(cfg.clients)]
+        for cid in client_ids:
+            self.start_client(cid, start_at, final_at)
+
+        actions = self._plan(start_at)
+        tail = _Tail(self.clients_dir)
+        next_report = start_at
+        while time.time() < final_at or any(
+            p.alive for p in self.group if p.name not in self.servers
+        ):
+            now = time.time()
+            while actions and actions[0][0] <= now:
+                _, action = actions.pop(0)
+                action()
+            if now >= next_report:
+                tail.poll()
+                self._progress(now - start_at, tail.counts)
+                next_report += 1.0
+            if now > final_at + 30:
+                self.say("clients did not finish in time; stopping them")
+                break
+            time.sleep(0.05)
+        return self._finish(start_at, client_ids)
+
+    def _plan(self, start_at: float) -> list[tuple[float, Callable[[], None]]]:
+        cfg = self.cfg
+        t_fault = start_at + cfg.fault_at * cfg.duration
+        recover = max(0.25 * cfg.duration, cfg.failover_budget)
+        sc = cfg.scenario
+        if sc in ("kill-active", "ttl-storm"):
+            return [(t_fault, lambda: self._kill("active")),
+                    (t_fault + recover, self._restart_killed)]
+        if sc == "kill-passive":
+            return [(t_fault, lambda: self._kill("passive")),
+                    (t_fault + recover, self._restart_killed)]
+        if sc == "freeze-active":
+            return [(t_fault, self._freeze), (t_fault + recover, self._thaw)]
+        victim = f"c{cfg.clients - 1}"
+        back = t_fault + max(1.0, 0.15 * cfg.duration)
+        return [(t_fault, lambda: self._kill_client(victim)),
+                (back, lambda: self._restart_client(victim))]
+
+    def _pick(self, which: str) -> str:
+        active = self.active_server() or "primary"
+        return active if which == "active" else ("backup" if active == "primary" else "primary")
+
+    def _kill(self, which: str) -> None:
+        name = self._pick(which)
+        self.group[name].kill9()
+        self.notes["killed"], self.notes["fault_ts"] = name, time.time()
+        self.event("fault", kind="kill-9", target=name)
+        self.fault_text = f"kill -9 {name} ({which})"
+        self.say(f"FAULT: kill -9 the {which} server ({name})")
+
+    def _restart_killed(self) -> None:
+        name = self.notes["killed"]
+        self.start_server(name)
+        self.notes["restart_ts"] = time.time()
+        self.event("restart", target=name)
+        self.say(f"restarted {name}; it must come back passive")
+
+    def _freeze(self) -> None:
+        name = self._pick("active")
+        self.group[name].freeze()
+        self.notes["frozen"], self.notes["fault_ts"] = name, time.time()
+        self.event("fault", kind="sigstop", target=name)
+        self.fault_text = f"SIGSTOP {name}"
+        self.say(f"FAULT: SIGSTOP the active server ({name})")
+
+    def _thaw(self) -> None:
+        name = self.notes["frozen"]
+        self.group[name].thaw()
+        self.notes["thaw_ts"] = time.time()
+        self.event("fault", kind="sigcont", target=name)
+        self.say(f"SIGCONT {name}: it must not go on as a second active")
+
+    def _kill_client(self, cid: str) -> None:
+        stem = cid if self.generations[cid] == 0 else f"{cid}.g{self.generations[cid]}"
+        self.group[stem].kill9()
+        self.event("fault", kind="kill-9", target=cid)
+        self.fault_text = f"kill -9 client {cid}"
+        self.say(f"FAULT: kill -9 client {cid}")
+
+    def _restart_client(self, cid: str) -> None:
+        self.start_client(cid, time.time(), self.write_end + self.cfg.settle)
+        self.event("restart", target=cid)
+        self.say(f"restarted client {cid} (late joiner)")
+
+    def _progress(self, t: float, counts: Counter[str]) -> None:
+        active = self.monitor.active()
+        shown = "+".join(active) if active else "none"
+        if len(active) > 1:
+            shown += " (BOTH ACTIVE)"
+        self.say(
+            f"t={t:+6.1f}s writes={counts['write_sent']} confirmed={counts['write_confirmed']} "
+            f"timeouts={counts['write_timeout']} updates={counts['update']} "
+            f"failovers={counts['failover_done']} active={shown}"
+            + (f"  [{self.fault_text}]" if self.fault_text else "")
+        )
+
+    # -- the end --------------------------------------------------------------
+
+    def _finish(self, start_at: float, client_ids: list[str]) -> dict[str, Any]:
+        cfg = self.cfg
+        for proc in self.group:
+            if proc.name not in self.servers and proc.alive:
+                proc.stop(timeout=2)
+        end_active = self.monitor.active()
+        server_state: dict[str, bytes] | None = None
+        answered = None
+        for name in [*end_active, *(n for n in self.servers if n not in end_active)]:
+            if self.group[name].alive:
+                server_state = _raw_snapshot(self.servers[name].endpoint, DRILL_PREFIX, 5.0)
+                if server_state is not None:
+                    answered = name
+                    break
+        stats = {name: _server_stats(self.group[name]) for name in self.servers}
+        self.group.stop_all()
+        self.monitor.stop()
+
+        streams: dict[str, list[dict[str, Any]]] = {}
+        for path in sorted(self.clients_dir.glob("*.jsonl")):
+            streams[path.stem] = _read_events(path)
+        final_clients: dict[str, str | None] = {}
+        for cid in client_ids:
+            gen = self.generations.get(cid, 0)
+            stem = cid if gen == 0 else f"{cid}.g{gen}"
+            state_path = self.clients_dir / f"{stem}.state.json"
+            final_clients[cid] = (
+                json.loads(state_path.read_text())["hash"] if state_path.exists() else None
+            )
+        everything = [e for evs in streams.values() for e in evs] + self.harness_events
+        everything.sort(key=lambda e: e["ts"])
+        with open(self.out / "events.jsonl", "w") as f:
+            for e in everything:
+                f.write(json.dumps(e, separators=(",", ":")) + "\n")
+
+        summary: dict[str, Any] = {
+            "scenario": cfg.scenario,
+            "clients": cfg.clients,
+            "duration_s": cfg.duration,
+            "rate_per_client": cfg.rate,
+            "heartbeat_ms": cfg.heartbeat_ms,
+            "seed": cfg.seed,
+            "out": str(self.out),
+        }
+        summary.update(analyse(streams, server_state, final_clients))
+        summary["final_server"] = answered
+        summary["final_client_hashes"] = final_clients
+        summary["active_at_end"] = end_active
+        summary["servers"] = stats
+        summary["checks"] = self._checks(summary, end_active)
+        summary["ok"] = all(c["ok"] for c in summary["checks"].values())
+        summary["config"] = {k: str(v) if isinstance(v, Path) else v
+                             for k, v in asdict(cfg).items()}
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        return summary
+
+    def _checks(self, s: dict[str, Any], end_active: list[str]) -> dict[str, dict[str, Any]]:
+        checks: dict[str, dict[str, Any]] = {}
+
+        def check(name: str, ok: bool, detail: str = "") -> None:
+            checks[name] = {"ok": bool(ok), "detail": detail}
+
+        check("no confirmed write lost", s["confirmed_lost"] == 0,
+              f"{s['confirmed_lost']} of {s['confirmed_writes']}")
+        check("clients converged", s["converged"],
+              f"server {s['final_server'] or 'none answered'}, "
+              f"{len(set(s['final_client_hashes'].values()))} distinct client hash(es)")
+        check("no duplicate applied", s["duplicates"] == 0, str(s["duplicates"]))
+        check("per-writer order kept", s["out_of_order"] == 0, str(s["out_of_order"]))
+        check("one active server at the end", len(end_active) == 1, ",".join(end_active) or "none")
+        sc = self.cfg.scenario
+        st = s["servers"]
+        if sc in ("kill-active", "kill-passive", "ttl-storm") and "restart_ts" in self.notes:
+            name = self.notes["killed"]
+            hugz = self.monitor.hugz_after(name, self.notes["restart_ts"])
+            role = st.get(name, {}).get("role", "?")
+            check(f"restarted {name} came back passive", not hugz and role == "passive",
+                  f"{len(hugz)} HUGZ after restart; stats role {role}")
+        if sc == "freeze-active" and "thaw_ts" in self.notes:
+            dual = self.monitor.dual_active_seconds(self.notes["thaw_ts"])
+            s["dual_active_s"] = round(dual, 3)
+            detected = any("split brain" in self.group[n].log_path.read_text(errors="replace")
+                           for n in self.servers)
+            s["split_brain_detected"] = detected
+            check("split brain detected and resolved", detected and len(end_active) == 1,
+                  f"logged={detected}, both active for {dual:.2f} s after SIGCONT, "
+                  f"active at end: {','.join(end_active) or 'none'}")
+        if sc == "ttl-storm":
+            check("no ephemeral key outlived its ttl", s["ttl_leftover"] == 0,
+                  f"{s['ttl_leftover']} of {s['ttl_writes']} left")
+        roles = {n: v.get("role") for n, v in st.items()}
+        seqs = {n: v.get("seq") for n, v in st.items()}
+        if all(v.get("alive") and "seq" in v for v in st.values()):
+            check("passive in step with active", len(set(seqs.values())) == 1
+                  and len({v.get("keys") for v in st.values()}) == 1,
+                  f"roles {roles}, seq {seqs}")
+        if sc == "client-restart":
+            check("every client has a final state",
+                  None not in s["final_client_hashes"].values(), "")
+        return checks
+
+    def _log_tails(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.log_tail(20)}" for p in self.group)
+
+
+def run_drill(cfg: DrillConfig, say: Say | None = None) -> dict[str, Any]:
+    """Run one drill; the summary (also written to ``cfg.out/summary.json``)."""
+    return _Drill(cfg, say or log.info).run()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="scripts/drill",
+        description="Failover drill: a server pair, N writing clients, one injected fault.",
+    )
+    p.add_argument("--scenario", required=True, choices=SCENARIOS)
+    p.add_argument("--clients", type=int, default=3)
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of writing")
+    p.add_argument("--out", type=Path, default=None, help="output directory")
+    p.add_argument("--rate", type=float, default=20.0, help="writes per second per client")
+    p.add_argument("--confirm-every", type=int, default=4,
+                   help="every k-th write is confirmed (0: none)")
+    p.add_argument("--heartbeat", type=int, default=1000, metavar="MS",
+                   help="servers' heartbeat (default 1000, the server's default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--fault-at", type=float, default=0.35, help="fraction of the duration")
+    p.add_argument("--ttl-per-tick", type=int, default=3, help="ttl-storm: ephemeral writes/tick")
+    p.add_argument("--ttl-min", type=float, default=0.5)
+    p.add_argument("--ttl-max", type=float, default=2.0)
+    p.add_argument("--confirm-timeout", type=float, default=10.0)
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from clone.tools import report
+
+    out = args.out or Path("results") / f"drill-{args.scenario}-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        cfg = DrillConfig(
+            scenario=args.scenario, clients=args.clients, duration=args.duration, out=out,
+            rate=args.rate, confirm_every=args.confirm_every, heartbeat_ms=args.heartbeat,
+            seed=args.seed, fault_at=args.fault_at, ttl_per_tick=args.ttl_per_tick,
+            ttl_min=args.ttl_min, ttl_max=args.ttl_max, confirm_timeout=args.confirm_timeout,
+        )
+    except ValueError as exc:
+        print(f"drill: {exc}", file=sys.stderr)
+        return 2
+    summary = run_drill(cfg, say=lambda line: print(line, flush=True))
+    print()
+    print(report.drill_text(summary))
+    print(f"\nevents: {out / 'events.jsonl'}\nsummary: {out / 'summary.json'}")
+    return 0 if summary["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

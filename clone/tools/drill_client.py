@@ -1,0 +1,338 @@
+"""One drill client: a real ``clone.Clone`` writing on a schedule and logging events.
+
+Run by :mod:`clone.tools.drill` as ``python -m clone.tools.drill_client ...``.
+
+How this works: the process syncs the ``/drill/`` subtree, waits for the shared
+start time, then writes unique keys ``/drill/<id>/g<gen>/<n>`` at ``--rate`` per
+second: every ``--confirm-every``-th write is a confirmed write (``wait=True``),
+the others fire and forget.  ``<gen>`` is the incarnation: a client restarted by
+the drill writes new keys, so every write is decidable at the end (present or
+lost).  With ``--ttl-per-tick`` it also writes ephemeral keys
+``/drill/<id>/ttl/g<gen>/<n>`` that must all be gone at the end.  Each value is
+``<id>|g<gen>|<n>|<write id>|`` padded: the write id (a UUIDv7, hex) is what the
+``uuid`` field of the events carries, for writes and for the updates that bring
+them back.
+
+Every change the client applies is logged as an ``update`` (key, sequence, write
+id).  A thread polls ``status()`` every 20 ms: when the server the client is
+active on changes, it logs ``failover_detected`` and then ``failover_done`` with
+``gap_s``, the longest silence between two updates around the failover -- from
+the last update the old server delivered to the first one from the new server
+once its snapshot is complete (the agent delivers nothing in between).
+
+After the write period and a settle time, it logs ``final_state``: a SHA-256 of
+the sorted ``/drill/`` items and the key count, and writes the items to
+``--state`` for the drill to compare.  Events go one JSON object per line to
+``--events``, line-buffered, so a client killed with -9 loses at most the line
+being written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import hashlib
+import itertools
+import json
+import logging
+import random
+import sys
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from clone import Clone, ConfirmTimeout, Entry
+from clone.codec import new_uuid
+from clone.errors import CloneError
+
+__all__ = ["DRILL_PREFIX", "EventLog", "main", "parse_value", "state_hash", "write_key"]
+
+log = logging.getLogger("clone.tools.drill_client")
+
+DRILL_PREFIX = "/drill/"
+_POLL_S = 0.02
+
+
+def write_key(client: str, gen: int, n: int, *, ttl: bool = False) -> str:
+    return f"{DRILL_PREFIX}{client}/{'ttl/' if ttl else ''}g{gen}/{n}"
+
+
+def make_value(client: str, gen: int, n: int, write_id: str, size: int) -> bytes:
+    text = f"{client}|g{gen}|{n}|{write_id}|"
+    return text.ljust(size, ".").encode()
+
+
+def parse_value(value: bytes | None) -> str | None:
+    """The write id carried in a drill value, or None."""
+    if not value:
+        return None
+    parts = value.split(b"|")
+    if len(parts) < 5:
+        return None
+    return parts[3].decode("ascii", "replace")
+
+
+def state_hash(items: Iterable[tuple[str, bytes]]) -> str:
+    """SHA-256 over the sorted (key, value) pairs: equal states, equal hashes."""
+    h = hashlib.sha256()
+    for key, value in sorted(items):
+        h.update(key.encode())
+        h.update(b"\0")
+        h.update(len(value).to_bytes(4, "big"))
+        h.update(value)
+    return h.hexdigest()
+
+
+class EventLog:
+    """events.jsonl writer shared by threads; one flushed line per event."""
+
+    def __init__(self, stream: TextIO, client: str) -> None:
+        self._stream = stream
+        self._client = client
+        self._lock = threading.Lock()
+
+    def emit(self, event: str, **fields: Any) -> None:
+        record = {"ts": time.time(), "client": self._client, "event": event}
+        record.update({k: v for k, v in fields.items() if v is not None})
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        with self._lock:
+            self._stream.write(line)
+            self._stream.flush()
+
+
+class _UpdateTracker:
+    """Timestamps of updates (for failover gaps) and the update log."""
+
+    def __init__(self, events: EventLog) -> None:
+        self.events = events
+        self.lock = threading.Lock()
+        self.times: list[float] = []
+        self.count = 0
+
+    def on_change(self, entry: Entry) -> None:
+        now = time.time()
+        wire_uuid: bytes = getattr(entry, "uuid", b"") or b""
+        uid = parse_value(entry.value) or (wire_uuid.hex() if wire_uuid else None)
+        with self.lock:
+            self.times.append(now)
+            self.count += 1
+        self.events.emit("update", key=entry.key, seq=entry.sequence, uuid=uid)
+
+    def last_before(self, t: float) -> float | None:
+        with self.lock:
+            i = bisect.bisect_left(self.times, t)
+            return self.times[i - 1] if i else None
+
+    def first_after(self, t: float) -> float | None:
+        with self.lock:
+            i = bisect.bisect_right(self.times, t)
+            return self.times[i] if i < len(self.times) else None
+
+    def max_gap(self, start: float, end: float) -> float:
+        """The longest interval between consecutive updates that overlaps [start, end]."""
+        with self.lock:
+            lo = max(0, bisect.bisect_left(self.times, start) - 1)
+            hi = bisect.bisect_right(self.times, end) + 1
+            window = self.times[lo:hi]
+        return max((b - a for a, b in itertools.pairwise(window)), default=0.0)
+
+
+class _FailoverWatch(threading.Thread):
+    """Polls status(); logs failover_detected / failover_done with the observed gap."""
+
+    def __init__(
+        self, client: Clone, tracker: _UpdateTracker, events: EventLog, names: dict[str, str]
+    ) -> None:
+        super().__init__(name="drill-failover-watch", daemon=True)
+        self.client, self.tracker, self.events = client, tracker, events
+        self.names = names
+        self.stop = threading.Event()
+        self.active_server: str | None = None
+        self.failovers = 0
+
+    def run(self) -> None:
+        detected_at: float | None = None
+        detected_from: str | None = None
+        waiting: tuple[str | None, str, float, float] | None = None
+        while not self.stop.wait(_POLL_S):
+            try:
+                st = self.client.status()
+            except CloneError as exc:
+                log.warning("status() failed: %s", exc)
+                continue
+            now = time.time()
+            server = None if st.server is None else self.names.get(st.server, st.server)
+            if waiting is not None and self._finish(waiting, now):
+                waiting = None
+            if self.active_server is None:
+                if st.state == "active":
+                    self.active_server = server
+                continue
+            # Leaving the server we were active on: the agent fails over to the next
+            # one at once (its status names the server it now syncs from).  A resync
+            # from the same server (after a gap) is not a failover.
+            if detected_at is None and server != self.active_server:
+                detected_at, detected_from = now, self.active_server
+                self.events.emit("failover_detected", **{"from": detected_from})
+            if st.state == "active" and server is not None and detected_at is not None:
+                waiting = (detected_from, server, detected_at, now)
+                self.active_server = server
+                detected_at = detected_from = None
+
+    def _finish(self, waiting: tuple[str | None, str, float, float], now: float) -> bool:
+        """Log failover_done once the new server delivered its first update."""
+        old, new, t_detect, t_active = waiting
+        first_new = self.tracker.first_after(t_active - 2 * _POLL_S)
+        if first_new is None and now - t_active < 30:
+            return False
+        end = first_new if first_new is not None else now
+        last_old = self.tracker.last_before(t_detect - 2 * _POLL_S)
+        gap = self.tracker.max_gap(last_old if last_old is not None else t_detect, end)
+        self.events.emit("failover_done", gap_s=round(gap, 4), **{"from": old, "to": new})
+        self.failovers += 1
+        return True
+
+
+def _sleep_until(t: float) -> None:
+    while True:
+        d = t - time.time()
+        if d <= 0:
+            return
+        time.sleep(min(d, 0.5))
+
+
+def run(args: argparse.Namespace) -> int:
+    rng = random.Random(f"{args.seed}-{args.id}-{args.gen}")
+    Path(args.events).parent.mkdir(parents=True, exist_ok=True)
+    with open(args.events, "a", buffering=1) as stream:
+        events = EventLog(stream, args.id)
+        tracker = _UpdateTracker(events)
+        client = Clone(
+            None,
+            subtree=DRILL_PREFIX,
+            heartbeat=args.heartbeat,
+            confirm_timeout=args.confirm_timeout,
+        )
+        with client:
+            client.on_change(tracker.on_change)
+            for endpoint in args.servers.split(","):
+                client.connect(endpoint)
+            t0 = time.monotonic()
+            client.wait_synced(args.sync_timeout)
+            log.info("%s g%d synced in %.3f s: %s", args.id, args.gen, time.monotonic() - t0,
+                     client.status())
+            endpoints = args.servers.split(",")
+            names = dict(zip(endpoints, args.names.split(","), strict=False)) if args.names else {}
+            watch = _FailoverWatch(client, tracker, events, names)
+            watch.start()
+            _sleep_until(args.start_at)
+            _write_loop(client, events, args, rng)
+            _sleep_until(args.final_at)
+            watch.stop.set()
+            watch.join(2)
+            items = client.items(DRILL_PREFIX)
+            digest = state_hash(items)
+            events.emit("final_state", hash=digest, keys=len(items))
+            state = {k: parse_value(v) for k, v in items}
+            Path(args.state).write_text(json.dumps(
+                {"client": args.id, "gen": args.gen, "hash": digest, "items": state,
+                 "status": _status_dict(client)}
+            ))
+            log.info("%s final state: %d keys, hash %s", args.id, len(items), digest[:12])
+    return 0
+
+
+def _status_dict(client: Clone) -> dict[str, Any]:
+    st = client.status()
+    return {"state": st.state, "server": st.server, "sequence": st.sequence, "keys": st.keys,
+            "pending_writes": st.pending_writes, "counters": st.counters}
+
+
+def _write_loop(
+    client: Clone, events: EventLog, args: argparse.Namespace, rng: random.Random
+) -> None:
+    interval = 1.0 / args.rate
+    next_t = time.time()
+    end = args.start_at + args.write_seconds
+    n = ttl_n = 0
+    while True:
+        now = time.time()
+        if now >= end:
+            return
+        if next_t > now:
+            time.sleep(min(next_t - now, end - now))
+            continue
+        # Keep a steady rate, but do not burst to catch up after a long stall.
+        next_t = max(next_t + interval, now - 0.5)
+        confirmed = args.confirm_every > 0 and n % args.confirm_every == 0
+        _one_write(client, events, args, write_key(args.id, args.gen, n), n, confirmed)
+        n += 1
+        for _ in range(args.ttl_per_tick):
+            ttl = round(rng.uniform(args.ttl_min, args.ttl_max), 3)
+            key = write_key(args.id, args.gen, ttl_n, ttl=True)
+            _one_write(client, events, args, key, ttl_n, False, ttl=ttl)
+            ttl_n += 1
+
+
+def _one_write(
+    client: Clone,
+    events: EventLog,
+    args: argparse.Namespace,
+    key: str,
+    n: int,
+    confirmed: bool,
+    ttl: float = 0,
+) -> None:
+    write_id = new_uuid().hex()
+    value = make_value(args.id, args.gen, n, write_id, args.value_size)
+    events.emit("write_sent", key=key, uuid=write_id, confirmed=confirmed)
+    try:
+        client.set(key, value, ttl=ttl, wait=confirmed)
+    except ConfirmTimeout:
+        events.emit("write_timeout", key=key, uuid=write_id, confirmed=False)
+        return
+    except CloneError as exc:  # e.g. the agent did not answer in time
+        log.warning("write of %s failed: %s", key, exc)
+        events.emit("write_timeout", key=key, uuid=write_id, confirmed=False)
+        return
+    if confirmed:
+        events.emit("write_confirmed", key=key, uuid=write_id, confirmed=True)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m clone.tools.drill_client")
+    p.add_argument("--id", required=True, help="client id, e.g. c0")
+    p.add_argument("--gen", type=int, default=0, help="incarnation (restarts count up)")
+    p.add_argument("--servers", required=True, help="comma-separated CHP endpoints")
+    p.add_argument("--names", default="", help="names of the servers, same order")
+    p.add_argument("--heartbeat", type=float, default=1.0, help="servers' heartbeat, seconds")
+    p.add_argument("--rate", type=float, default=20.0, help="writes per second")
+    p.add_argument("--confirm-every", type=int, default=4, help="every k-th write is confirmed")
+    p.add_argument("--confirm-timeout", type=float, default=10.0)
+    p.add_argument("--ttl-per-tick", type=int, default=0, help="ephemeral writes per tick")
+    p.add_argument("--ttl-min", type=float, default=0.5)
+    p.add_argument("--ttl-max", type=float, default=2.0)
+    p.add_argument("--value-size", type=int, default=64)
+    p.add_argument("--start-at", type=float, required=True, help="Unix time to start writing")
+    p.add_argument("--write-seconds", type=float, required=True)
+    p.add_argument("--final-at", type=float, required=True, help="Unix time to take the state")
+    p.add_argument("--sync-timeout", type=float, default=30.0)
+    p.add_argument("--events", required=True, help="events file (JSON lines, appended)")
+    p.add_argument("--state", required=True, help="final state file (JSON)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
