@@ -1,0 +1,229 @@
+"""``clone-pipeline``: bulk load, export and drill reports on Spark.
+
+Exit status: 0 done; 1 done, but some rows were rejected (load); 2 failure
+(missing input or column, servers or Spark unreachable, writes that could not
+be confirmed), with a one-line message on stderr and no traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+import warnings
+from collections.abc import Sequence
+
+from clone.pipeline.errors import PipelineError
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("clone.pipeline")
+
+EXIT_OK = 0
+EXIT_REJECTED = 1
+EXIT_FAILED = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        """Usage errors exit 2 like every other failure (argparse's default too)."""
+        self.print_usage(sys.stderr)
+        self.exit(EXIT_FAILED, f"{self.prog}: error: {message}\n")
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from clone.pipeline.session import DEFAULT_MASTER
+
+    parser = _Parser(prog="clone-pipeline", description=__doc__.splitlines()[0] if __doc__ else "")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--master", default=DEFAULT_MASTER, help=f"Spark master URL (default {DEFAULT_MASTER})"
+        )
+
+    load = sub.add_parser("load", help="write a table into a running Clone pair")
+    load.add_argument("--servers", required=True, help="host:port[,host:port] of the pair")
+    load.add_argument("--input", required=True, help="table to load (file or directory)")
+    load.add_argument("--format", default="parquet", choices=("parquet", "csv", "json"))
+    load.add_argument("--key-col", default="key", help="column holding the key (default key)")
+    load.add_argument("--value-col", default="value", help="column holding the value")
+    load.add_argument("--ttl-col", default=None, help="column holding a ttl in seconds")
+    load.add_argument("--subtree", default="", help="every key must start with this prefix")
+    load.add_argument(
+        "--rejects",
+        default="clone-pipeline-rejects",
+        help="directory for rejected rows and their reasons, as JSON lines "
+        "(default ./clone-pipeline-rejects; written only when rows are rejected)",
+    )
+    load.add_argument(
+        "--max-in-flight",
+        type=_positive_int,
+        default=256,
+        help="unconfirmed writes per partition (default 256)",
+    )
+    load.add_argument(
+        "--confirm-timeout",
+        type=_positive_float,
+        default=30.0,
+        help="seconds to wait for a partition's writes to be confirmed, failovers included",
+    )
+    load.add_argument(
+        "--heartbeat",
+        type=_positive_float,
+        default=1.0,
+        help="the servers' heartbeat in seconds (default 1.0), for failover detection",
+    )
+    common(load)
+
+    export = sub.add_parser("export", help="write a consistent snapshot of the store as Parquet")
+    export.add_argument("--servers", required=True, help="host:port[,host:port] of the pair")
+    export.add_argument("--output", required=True, help="directory to write (replaced)")
+    export.add_argument("--subtree", default="", help="export only keys under /this/subtree/")
+    export.add_argument(
+        "--timeout", type=_positive_float, default=5.0, help="seconds to wait for a server"
+    )
+    common(export)
+
+    report = sub.add_parser("drill-report", help="analyse the event logs of drill runs")
+    report.add_argument("--input", required=True, nargs="+", help="drill run directories")
+    report.add_argument("--output", required=True, help="directory for report.md and report.png")
+    common(report)
+    return parser
+
+
+def _configure_logging(args: argparse.Namespace) -> None:
+    level = logging.DEBUG if args.verbose else logging.WARNING if args.quiet else logging.INFO
+    logging.basicConfig(
+        level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
+    # py4j logs every gateway call at INFO.
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning, module="pyspark.*")
+    warnings.filterwarnings("ignore", category=DeprecationWarning, module="pyspark.*")
+
+
+def _drill_report(args: argparse.Namespace) -> int:
+    from clone.pipeline import jobs
+    from clone.pipeline.session import build_session
+    from clone.pipeline.sources import read_drill_summaries
+
+    started = time.monotonic()
+    runs = read_drill_summaries(args.input)  # fails fast, before Spark starts
+    spark = build_session(args.master, "clone-pipeline drill-report")
+    result = jobs.drill_report(spark, runs, args.output)
+    print(f"{result.runs} run(s) analysed in {time.monotonic() - started:.1f}s")
+    print(f"report: {result.markdown}")
+    print(f"plot:   {result.plot}")
+    if result.problems:
+        print(
+            "runs with lost/duplicate/out-of-order writes or no convergence: "
+            + ", ".join(result.problems)
+        )
+    if result.mismatches:
+        print(f"{result.mismatches} number(s) differ from the drills' summary.json (see report)")
+    return EXIT_OK
+
+
+def _export(args: argparse.Namespace) -> int:
+    from clone.pipeline import jobs
+    from clone.pipeline.session import build_session
+    from clone.pipeline.snapshot import parse_servers
+
+    started = time.monotonic()
+    servers = parse_servers(args.servers)
+    spark = build_session(args.master, "clone-pipeline export")
+    meta = jobs.export_snapshot(
+        spark, servers, args.output, subtree=args.subtree, timeout=args.timeout
+    )
+    print(
+        f"exported {meta.rows} keys at sequence {meta.sequence} from {meta.server} "
+        f"to {args.output} in {time.monotonic() - started:.1f}s"
+    )
+    return EXIT_OK
+
+
+def _load(args: argparse.Namespace) -> int:
+    from clone.pipeline import jobs
+    from clone.pipeline.session import build_session
+    from clone.pipeline.snapshot import find_active, parse_servers
+    from clone.pipeline.sources import require_exists
+    from clone.pipeline.transforms import LoadColumns
+
+    started = time.monotonic()
+    servers = parse_servers(args.servers)
+    require_exists(args.input, "input")  # fail fast, before Spark starts
+    find_active(servers, timeout=max(5.0, 3 * args.heartbeat))
+    spark = build_session(args.master, "clone-pipeline load")
+    result = jobs.load_table(
+        spark,
+        servers,
+        args.input,
+        fmt=args.format,
+        columns=LoadColumns(args.key_col, args.value_col, args.ttl_col, args.subtree),
+        rejects=args.rejects,
+        max_in_flight=args.max_in_flight,
+        confirm_timeout=args.confirm_timeout,
+        heartbeat=args.heartbeat,
+    )
+    elapsed = time.monotonic() - started
+    print(f"rows written:  {result.written}")
+    print(f"rows rejected: {result.rejected}")
+    for reason, count in result.reasons:
+        print(f"  {count:>10}  {reason}")
+    if result.rejected:
+        print(f"rejected rows and reasons: {result.rejects_path}")
+    rate = result.written / max(result.write_seconds, 1e-9)
+    print(
+        f"time taken:    {elapsed:.1f}s (writing {result.write_seconds:.1f}s, {rate:.0f} rows/s, "
+        f"{result.partitions} partitions, {result.retries} retries)"
+    )
+    return EXIT_REJECTED if result.rejected else EXIT_OK
+
+
+_COMMANDS = {"load": _load, "export": _export, "drill-report": _drill_report}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _configure_logging(args)
+    try:
+        # Spark and the jobs are imported only now: --help and usage errors are instant.
+        return _COMMANDS[args.command](args)
+    except PipelineError as exc:
+        print(f"clone-pipeline {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    except KeyboardInterrupt:
+        print(f"clone-pipeline {args.command}: interrupted", file=sys.stderr)
+        return EXIT_FAILED
+    except Exception as exc:  # a bug or an unforeseen Spark error: still one line
+        log.debug("unexpected error", exc_info=True)
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        print(
+            f"clone-pipeline {args.command}: error: {type(exc).__name__}: {first} "
+            "(run with -v for the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,363 @@
+"""The three jobs, wired from readers, transforms and the CHP I/O modules.
+
+Each job takes a SparkSession built by the caller (the CLI, the benchmark or a
+test) and returns a small result object; none prints.  Errors the user can fix
+raise :class:`~clone.pipeline.errors.PipelineError` subclasses.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from clone.pipeline.errors import InputError, WriteFailed
+from clone.pipeline.sources import (
+    EXPORT_SCHEMA,
+    SNAPSHOT_META_FILE,
+    DrillRun,
+    ExportMeta,
+    read_drill_events,
+    read_drill_summaries,
+)
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from pyspark.sql import DataFrame, SparkSession
+
+    from clone.pipeline.snapshot import Snapshot
+    from clone.pipeline.transforms import LoadColumns
+
+__all__ = [
+    "LoadResult",
+    "load_table",
+    "ReportResult",
+    "drill_report",
+    "export_snapshot",
+    "snapshot_dataframe",
+    "write_text_file",
+]
+
+log = logging.getLogger(__name__)
+
+# Rows of local data per task when a driver-side snapshot becomes a DataFrame:
+# Spark warns about tasks over 1 MB, and small slices spread the Parquet work.
+_SLICE_BYTES = 768 * 1024
+# Parquet files of an export: about this many rows each.
+_ROWS_PER_FILE = 500_000
+
+
+# --------------------------------------------------------------------------
+# load
+
+
+@dataclass(slots=True)
+class LoadResult:
+    """What a load did: rows stored, rows rejected (by reason), rows failed."""
+
+    written: int
+    rejected: int
+    failed: int
+    seconds: float
+    partitions: int
+    write_seconds: float = 0.0
+    retries: int = 0
+    reasons: list[tuple[str, int]] = field(default_factory=list)
+    rejects_path: str | None = None
+
+
+def _write_partitions(rows: int, parallelism: int) -> int:
+    """Partitions to write with: every core busy, and (for progress lines and
+    retries) no more than ~100k rows each, but each partition opens a client
+    that syncs the subtree first, so never many more than the cores."""
+    return max(1, min(max(parallelism, -(-rows // 100_000)), parallelism * 4))
+
+
+def load_table(
+    spark: SparkSession,
+    servers: Sequence[str],
+    path: str,
+    *,
+    fmt: str = "parquet",
+    columns: LoadColumns | None = None,
+    rejects: str | None = None,
+    max_in_flight: int = 64,
+    confirm_timeout: float = 30.0,
+    heartbeat: float = 1.0,
+) -> LoadResult:
+    """Validate a table, write the rejects with their reasons, and write the
+    rest into the pair with confirmed writes from the executors.
+
+    Raises :class:`WriteFailed` when rows could not be stored.
+    """
+    from pyspark import StorageLevel
+
+    from clone.pipeline.progress import ProgressLog
+    from clone.pipeline.snapshot import find_active
+    from clone.pipeline.sources import read_table
+    from clone.pipeline.transforms import (
+        REJECT_REASON,
+        LoadColumns,
+        rejected_rows,
+        with_reject_reason,
+        write_records,
+    )
+    from clone.pipeline.writer import RESULT_SCHEMA, WriterConfig, arrow_partition_writer
+
+    cols = columns or LoadColumns()
+    started = time.monotonic()
+    df = read_table(spark, path, fmt)
+    checked = with_reject_reason(df, cols)
+    active = find_active(servers, timeout=max(5.0, 3 * heartbeat))
+    log.info("active server: %s", active)
+
+    checked = checked.persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        with ProgressLog(spark, "validate"):
+            counts = checked.groupBy(REJECT_REASON).count().collect()
+        reasons = sorted(
+            ((r[REJECT_REASON], int(r["count"])) for r in counts if r[REJECT_REASON] is not None),
+            key=lambda rc: (-rc[1], rc[0]),
+        )
+        rejected = sum(n for _, n in reasons)
+        to_write = sum(int(r["count"]) for r in counts if r[REJECT_REASON] is None)
+        rejects_path = None
+        if rejected:
+            rejects_path = rejects or "clone-pipeline-rejects"
+            rejected_rows(checked).write.mode("overwrite").json(rejects_path)
+            log.info("%d rejected rows written to %s", rejected, rejects_path)
+
+        parallelism = spark.sparkContext.defaultParallelism
+        partitions = _write_partitions(to_write, parallelism)
+        config = WriterConfig(
+            servers=tuple(servers),
+            subtree=cols.subtree or None,
+            max_in_flight=max_in_flight,
+            confirm_timeout=confirm_timeout,
+            heartbeat=heartbeat,
+        )
+        log.info("writing %d rows in %d partitions", to_write, partitions)
+        records = write_records(checked).repartition(partitions)
+        write_started = time.monotonic()
+        with ProgressLog(spark, "load"):
+            results = records.mapInArrow(arrow_partition_writer(config), RESULT_SCHEMA).collect()
+        write_seconds = time.monotonic() - write_started
+    finally:
+        checked.unpersist()
+    for r in results:
+        log.info(
+            "partition %d: %d rows, %d written, %d failed, %d retries in %.1fs",
+            r["partition"],
+            r["rows"],
+            r["written"],
+            r["failed"],
+            r["retries"],
+            r["seconds"],
+        )
+    written = sum(int(r["written"]) for r in results)
+    failed = sum(int(r["failed"]) for r in results)
+    retries = sum(int(r["retries"]) for r in results)
+    result = LoadResult(
+        written=written,
+        rejected=rejected,
+        failed=failed,
+        seconds=time.monotonic() - started,
+        partitions=len(results),
+        write_seconds=write_seconds,
+        retries=retries,
+        reasons=reasons,
+        rejects_path=rejects_path,
+    )
+    if failed or written != to_write:
+        errors = sorted({str(r["error"]) for r in results if r["error"]})
+        raise WriteFailed(
+            f"{failed} of {to_write} rows could not be stored "
+            f"({written} written, {rejected} rejected): {errors[0] if errors else 'unknown'}"
+        )
+    return result
+
+
+# --------------------------------------------------------------------------
+# drill-report
+
+
+@dataclass(slots=True)
+class ReportResult:
+    """Where the report went and its headline numbers."""
+
+    markdown: str
+    plot: str
+    runs: int
+    problems: list[str] = field(default_factory=list)
+    mismatches: int = 0
+
+
+def drill_report(
+    spark: SparkSession, inputs: Sequence[str] | Sequence[DrillRun], output: str
+) -> ReportResult:
+    """Read drill runs (directories, or runs already read), compute failover
+    percentiles, delivery counts and convergence, and write ``report.md``,
+    ``report.png`` and ``report.json`` into ``output``."""
+    from clone.pipeline import report, transforms
+
+    runs = [r for r in inputs if isinstance(r, DrillRun)]
+    runs += read_drill_summaries([r for r in inputs if isinstance(r, str)])
+    events = read_drill_events(spark, runs)
+
+    def rows(df: DataFrame) -> list[dict[str, Any]]:
+        return [r.asDict(recursive=True) for r in df.collect()]
+
+    gaps = transforms.failover_gaps(events)
+    overview = rows(transforms.run_overview(events))
+    data = report.ReportData(
+        overview=overview,
+        percentiles=rows(transforms.failover_percentiles(gaps)),
+        clients=rows(transforms.client_delivery_stats(events)),
+        gaps=rows(gaps),
+        rates=rows(transforms.confirmed_write_rate(events)),
+        faults=rows(transforms.fault_marks(events)),
+    )
+    summaries = {run.path: run.summary for run in runs if run.summary}
+    data.summaries_seen = len(summaries)
+    data.mismatches = report.cross_check(overview, summaries)
+    events.unpersist()
+
+    os.makedirs(output, exist_ok=True)
+    md_path = os.path.join(output, "report.md")
+    png_path = os.path.join(output, "report.png")
+    report.render_plot(data, png_path)
+    with open(md_path, "w", encoding="utf-8") as fh:
+        fh.write(report.render_markdown(data, os.path.basename(png_path)))
+    with open(os.path.join(output, "report.json"), "w", encoding="utf-8") as fh:
+        json.dump(
+            {
+                "runs": overview,
+                "scenarios": data.percentiles,
+                "clients": data.clients,
+                "mismatches": [vars_of(m) for m in data.mismatches],
+            },
+            fh,
+            indent=2,
+            default=str,
+        )
+    problems = [
+        str(r["run"])
+        for r in overview
+        if r.get("confirmed_lost")
+        or r.get("duplicates")
+        or r.get("out_of_order")
+        or r.get("converged") is False
+    ]
+    return ReportResult(md_path, png_path, len(runs), problems, len(data.mismatches))
+
+
+def vars_of(obj: Any) -> dict[str, Any]:
+    """A slotted dataclass as a dict (``vars`` does not work on slots)."""
+    return {name: getattr(obj, name) for name in obj.__slots__}
+
+
+# --------------------------------------------------------------------------
+# export
+
+
+def _snapshot_table(snap: Snapshot) -> pa.Table:
+    import pyarrow as pa
+
+    entries = sorted(snap.entries.values(), key=lambda m: m.key)
+    return pa.table(
+        {
+            "key": pa.array([m.key for m in entries], pa.string()),
+            "value": pa.array([m.body for m in entries], pa.binary()),
+            "sequence": pa.array([m.sequence for m in entries], pa.int64()),
+            "uuid": pa.array([m.uuid.hex() if m.uuid else None for m in entries], pa.string()),
+            "properties": pa.array(
+                [list(m.properties) for m in entries], pa.map_(pa.string(), pa.string())
+            ),
+        }
+    )
+
+
+def snapshot_dataframe(spark: SparkSession, snap: Snapshot) -> DataFrame:
+    """A driver-side snapshot as a DataFrame in :data:`EXPORT_SCHEMA`, cut
+    into slices small enough to ship to executors without warnings."""
+    from functools import reduce
+
+    from pyspark.sql import DataFrame
+
+    from clone.pipeline.transforms import snapshot_to_export
+
+    table = _snapshot_table(snap)
+    raw_schema = ", ".join(
+        f"`{f.name}` {f.dataType.simpleString()}" for f in EXPORT_SCHEMA.fields[:5]
+    )
+    parallelism = max(1, spark.sparkContext.defaultParallelism)
+    per_slice = max(1, table.nbytes // max(1, table.num_rows)) if table.num_rows else 1
+    rows_per_frame = max(1000, _SLICE_BYTES * parallelism // per_slice)
+    frames = [
+        spark.createDataFrame(table.slice(start, rows_per_frame), schema=raw_schema)
+        for start in range(0, max(1, table.num_rows), rows_per_frame)
+    ]
+    return snapshot_to_export(reduce(DataFrame.unionAll, frames))
+
+
+def write_text_file(spark: SparkSession, path: str, text: str) -> None:
+    """Write a small text file through Hadoop's FileSystem, so that ``path``
+    may be local or on any file system the cluster can write to."""
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    hpath = jvm.org.apache.hadoop.fs.Path(path)
+    fs = hpath.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
+    out = fs.create(hpath, True)
+    try:
+        out.write(bytearray(text.encode("utf-8")))
+    finally:
+        out.close()
+
+
+def export_snapshot(
+    spark: SparkSession,
+    servers: Sequence[str],
+    output: str,
+    *,
+    subtree: str = "",
+    timeout: float = 5.0,
+) -> ExportMeta:
+    """Write a consistent snapshot of the store (or ``subtree``) to ``output``
+    as Parquet, with ``_clone_snapshot.json`` recording its sequence."""
+    from clone.pipeline.snapshot import take_snapshot
+
+    started = time.time()
+    snap = take_snapshot(servers, subtree, timeout=timeout)
+    log.info(
+        "snapshot of %d keys at sequence %d from %s in %.2fs",
+        len(snap.entries),
+        snap.sequence,
+        snap.server,
+        time.time() - started,
+    )
+    df = snapshot_dataframe(spark, snap)
+    files = max(1, -(-len(snap.entries) // _ROWS_PER_FILE))
+    try:
+        df.coalesce(files).write.mode("overwrite").parquet(output)
+    except Exception as exc:
+        if type(exc).__name__ in ("AnalysisException", "Py4JJavaError"):
+            first = str(exc).strip().splitlines()[0]
+            raise InputError(f"cannot write the export to {output}: {first}") from None
+        raise
+    meta = ExportMeta(
+        sequence=snap.sequence,
+        snapshot_sequence=snap.snapshot_sequence,
+        servers=tuple(servers),
+        server=snap.server,
+        subtree=subtree,
+        time=started,
+        rows=len(snap.entries),
+    )
+    write_text_file(
+        spark, f"{output.rstrip('/')}/{SNAPSHOT_META_FILE}", json.dumps(meta.to_json(), indent=2)
+    )
+    return meta

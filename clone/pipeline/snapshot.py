@@ -1,0 +1,260 @@
+"""A consistent snapshot of the store, taken in the driver over raw CHP.
+
+How this works: CHP snapshots are fuzzy (docs/protocol.md): KTHXBAI carries
+the server's sequence *when the snapshot started*, and a KVSYNC may already
+hold a newer value.  To get the store exactly as it was after one sequence we
+do what a client does, and then stop at a known point:
+
+1. subscribe to every server's PUBLISHER (the subtree and HUGZ) and wait for
+   the first HUGZ: it names the active server (only the active one sends
+   HUGZ) and proves our subscription is live;
+2. ask that server for the snapshot (ICANHAZ?) and read KVSYNC... KTHXBAI,
+   buffering every KVPUB that arrives meanwhile;
+3. replay the buffered stream: KVPUBs with a sequence above the KTHXBAI's
+   (never over a newer value), until a HUGZ whose sequence ``H`` is at least
+   every sequence seen.  PUB delivers in order, so every update up to ``H``
+   was in the stream before that HUGZ: the result is the store (or subtree)
+   exactly as of sequence ``H``.  That is the sequence we record.
+
+A server that does not answer in ``timeout`` seconds is skipped and the next
+one is tried, so an export survives a failover (it starts over).  The whole
+snapshot is held in the driver's memory: Clone is a configuration store.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import zmq
+
+from clone.codec import (
+    Hugz,
+    KVMsg,
+    SnapshotEnd,
+    decode_snapshot_reply,
+    decode_update,
+    encode_icanhaz,
+    validate_subtree,
+)
+from clone.errors import ProtocolError
+from clone.pipeline.errors import InputError, ServersUnreachable
+from clone.protocol import HUGZ, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
+
+__all__ = ["Snapshot", "parse_servers", "endpoint_at", "find_active", "take_snapshot"]
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """The store (or a subtree) exactly as of update ``sequence``."""
+
+    entries: dict[str, KVMsg]
+    sequence: int
+    snapshot_sequence: int
+    server: str
+    subtree: str
+
+
+def parse_servers(servers: str | Sequence[str]) -> list[str]:
+    """``"h:p,tcp://h2:p2"`` or a list of them -> ``["tcp://h:p", "tcp://h2:p2"]``."""
+    items = servers.split(",") if isinstance(servers, str) else list(servers)
+    out: list[str] = []
+    for item in (s.strip() for s in items):
+        if not item:
+            continue
+        endpoint = item if "://" in item else f"tcp://{item}"
+        host, sep, port = endpoint.rpartition(":")
+        if not sep or not port.isdigit() or host.endswith("//"):
+            raise InputError(f"server {item!r} is not of the form [tcp://]host:port")
+        out.append(endpoint)
+    if not out:
+        raise InputError("no servers given (--servers host:port[,host:port])")
+    return out
+
+
+def endpoint_at(endpoint: str, offset: int) -> str:
+    """The endpoint ``offset`` ports above a server's base port."""
+    host, _, port = endpoint.rpartition(":")
+    return f"{host}:{int(port) + offset}"
+
+
+class _Subscriptions:
+    """One SUB per server, subscribed to HUGZ and the subtree."""
+
+    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], servers: Sequence[str], subtree: str):
+        self.sockets: list[zmq.Socket[bytes]] = []
+        self.poller = zmq.Poller()
+        for server in servers:
+            sub = ctx.socket(zmq.SUB)
+            sub.linger = 0
+            sub.rcvhwm = 0  # never drop an update while we read the snapshot
+            sub.setsockopt(zmq.SUBSCRIBE, subtree.encode("utf-8"))
+            if subtree:
+                sub.setsockopt(zmq.SUBSCRIBE, HUGZ)
+            sub.connect(endpoint_at(server, PUBLISHER_OFFSET))
+            self.sockets.append(sub)
+            self.poller.register(sub, zmq.POLLIN)
+
+    def close(self) -> None:
+        for sub in self.sockets:
+            sub.close(linger=0)
+
+
+def _wait_for_hugz(subs: _Subscriptions, deadline: float, clock: Clock) -> int | None:
+    """Index of the first server that sends a HUGZ before ``deadline``."""
+    while (left := deadline - clock()) > 0:
+        for sock, _ in subs.poller.poll(timeout=max(1, int(left * 1000))):
+            frames = sock.recv_multipart()
+            if frames and frames[0] == HUGZ:
+                return subs.sockets.index(sock)
+    return None
+
+
+def find_active(
+    servers: Sequence[str],
+    *,
+    timeout: float = 5.0,
+    context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    clock: Clock = time.monotonic,
+) -> str:
+    """The endpoint of the server that is active now (it sends HUGZ).
+
+    Raises :class:`ServersUnreachable` when none does within ``timeout``.
+    """
+    ctx = context or zmq.Context()
+    subs = _Subscriptions(ctx, servers, "")
+    try:
+        index = _wait_for_hugz(subs, clock() + timeout, clock)
+    finally:
+        subs.close()
+        if context is None:
+            ctx.term()
+    if index is None:
+        raise ServersUnreachable(
+            f"no active Clone server at {', '.join(servers)} (no heartbeat in {timeout:g}s)"
+        )
+    return servers[index]
+
+
+def _apply(entries: dict[str, KVMsg], msg: KVMsg) -> None:
+    """Apply a KVPUB unless the entry is already as new or newer."""
+    current = entries.get(msg.key)
+    if current is not None and current.sequence >= msg.sequence:
+        return
+    if msg.is_delete:
+        entries.pop(msg.key, None)
+    else:
+        entries[msg.key] = msg
+
+
+def _snapshot_from(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    subs: _Subscriptions,
+    index: int,
+    server: str,
+    subtree: str,
+    timeout: float,
+    clock: Clock,
+) -> Snapshot:
+    sub = subs.sockets[index]
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    dealer.connect(endpoint_at(server, SNAPSHOT_OFFSET))
+    poller = zmq.Poller()
+    poller.register(dealer, zmq.POLLIN)
+    poller.register(sub, zmq.POLLIN)
+    stream: deque[KVMsg | Hugz] = deque()
+    entries: dict[str, KVMsg] = {}
+    end: SnapshotEnd | None = None
+    highest = 0
+    try:
+        dealer.send_multipart(encode_icanhaz(subtree))
+        quiet_since = clock()
+        while True:
+            if end is not None:
+                result = _replay(entries, stream, end.sequence, highest)
+                if result is not None:
+                    return Snapshot(entries, result, end.sequence, server, subtree)
+            left = quiet_since + timeout - clock()
+            if left <= 0:
+                what = "the snapshot" if end is None else "a heartbeat after the snapshot"
+                raise TimeoutError(f"{server} sent no more of {what} for {timeout:g}s")
+            for sock, _ in poller.poll(timeout=max(1, int(left * 1000))):
+                quiet_since = clock()
+                frames = sock.recv_multipart()
+                if sock is sub:
+                    update = decode_update(frames)
+                    stream.append(update)
+                    continue
+                reply = decode_snapshot_reply(frames)
+                if isinstance(reply, SnapshotEnd):
+                    end = reply
+                    highest = max(highest, reply.sequence)
+                else:
+                    entries[reply.key] = reply
+                    highest = max(highest, reply.sequence)
+    finally:
+        dealer.close(linger=0)
+
+
+def _replay(
+    entries: dict[str, KVMsg], stream: deque[KVMsg | Hugz], start: int, highest: int
+) -> int | None:
+    """Apply buffered updates above ``start`` up to the first HUGZ that covers
+    ``highest``; return that HUGZ's sequence, or None (and keep the rest) if
+    the stream has not reached one yet."""
+    while stream:
+        item = stream.popleft()
+        if isinstance(item, Hugz):
+            if item.sequence >= highest:
+                return item.sequence
+            continue
+        if item.sequence > start:
+            _apply(entries, item)
+    return None
+
+
+def take_snapshot(
+    servers: Sequence[str],
+    subtree: str = "",
+    *,
+    timeout: float = 5.0,
+    context: zmq.Context[zmq.Socket[bytes]] | None = None,
+    clock: Clock = time.monotonic,
+) -> Snapshot:
+    """The store (or ``subtree``) exactly as of one sequence, from the active
+    server of ``servers``; tries each server in turn within ``len(servers) + 1``
+    rounds of ``timeout``."""
+    try:
+        validate_subtree(subtree.encode("utf-8"))
+    except ProtocolError as exc:
+        raise InputError(f"bad subtree: {exc}") from None
+    ctx = context or zmq.Context()
+    try:
+        for attempt in range(len(servers) + 1):
+            subs = _Subscriptions(ctx, servers, subtree)
+            try:
+                index = _wait_for_hugz(subs, clock() + timeout, clock)
+                if index is None:
+                    break
+                server = servers[index]
+                log.info("taking a snapshot of %r from %s", subtree or "/", server)
+                try:
+                    return _snapshot_from(ctx, subs, index, server, subtree, timeout, clock)
+                except (TimeoutError, ProtocolError) as exc:
+                    log.warning("snapshot attempt %d failed: %s", attempt + 1, exc)
+            finally:
+                subs.close()
+    finally:
+        if context is None:
+            ctx.term()
+    raise ServersUnreachable(
+        f"no Clone server at {', '.join(servers)} delivered a snapshot (timeout {timeout:g}s)"
+    )
