@@ -870,6 +870,8 @@ def machine_info() -> dict[str, Any]:
         "libzmq": zmq.zmq_version(),
         "platform": platform.platform(),
         "commit": commit,
+        # Other work on the machine skews every number: record how busy it was.
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
     }
 
 

@@ -148,7 +148,8 @@ def _machine_line(results: dict[str, Any]) -> str:
     m = results["machine"]
     return (
         f"{m['cpu']}, {m['cores']} cores, Python {m['python']}, pyzmq {m['pyzmq']}, "
-        f"libzmq {m['libzmq']}, {m['platform']}, commit {m['commit'] or '?'}"
+        f"libzmq {m['libzmq']}, {m['platform']}, commit {m['commit'] or '?'}, "
+        f"load average at start {m.get('loadavg_at_start', '?')}"
     )
 
 

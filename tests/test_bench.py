@@ -1,0 +1,169 @@
+"""Benchmarks: the pieces on their own, and every section at tiny sizes.
+
+The slow tests run real processes (a clone-server, the C proxy, the pyzmq
+forwarder, writers and watchers) with a few thousand messages and assert that
+the results are complete and sane -- every message delivered, percentiles in
+order, a snapshot complete -- never how fast anything was.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clone.tools import bench, report
+from clone.tools.bench import BenchConfig, evaluate_targets, run_benchmarks, summarise_profile
+from clone.tools.histogram import LatencyHistogram
+
+# --------------------------------------------------------------------------
+# Pieces
+
+
+def test_histogram_round_trip_and_merge() -> None:
+    a, b = LatencyHistogram(), LatencyHistogram()
+    for us in range(100, 1100):
+        a.record_us(us)
+    b.record_seconds(0.5)
+    b.record_us(-3)  # clock skew: clamped, counted
+    merged = LatencyHistogram.decode(a.encode())
+    merged.merge(LatencyHistogram.decode(b.encode()))
+    s = merged.summary()
+    assert s["count"] == 1002
+    assert merged.clamped == 1
+    assert s["p50_ms"] <= s["p99_ms"] <= s["p99_9_ms"] <= s["max_ms"]
+    assert 499 <= s["max_ms"] <= 501
+    dist = merged.distribution()
+    assert dist[0][0] <= dist[-1][0] == 100.0
+    assert LatencyHistogram().summary()["count"] == 0
+
+
+def test_max_gap_counts_silence_at_the_end() -> None:
+    assert bench._max_gap([0.0, 1.0, 2.0, 5.0], 1.5, 2.5) == 3.0
+    assert bench._max_gap([0.0, 1.0, 2.0], 0.5, 4.0) == 2.0
+    assert bench._max_gap([], 1.0, 3.0) == 2.0
+
+
+def test_profile_summary(tmp_path: Path) -> None:
+    raw = tmp_path / "p.txt"
+    raw.write_text(
+        "process 1:\"x\";run (tornado/ioloop.py:10);handle (clone/server.py:5) 30\n"
+        "process 1:\"x\";run (tornado/ioloop.py:10);decode (clone/codec.py:7) 10\n"
+        "garbage line\n"
+    )
+    s = summarise_profile(raw)
+    assert s["samples"] == 40
+    assert s["self"][0] == ["handle (clone/server.py)", 75.0]
+    assert ["run (tornado/ioloop.py)", 100.0] in s["total"]
+
+
+def test_markdown_section_is_replaced_not_appended(tmp_path: Path) -> None:
+    doc = tmp_path / "benchmarks.md"
+    doc.write_text("# Benchmarks\n\nhand-written notes\n")
+    report.update_markdown(doc, "first run\n")
+    report.update_markdown(doc, "second run\n")
+    text = doc.read_text()
+    assert "hand-written notes" in text and "second run" in text
+    assert "first run" not in text
+    assert text.count(report.BEGIN_MARK) == 1
+
+
+def _fake_results() -> dict[str, Any]:
+    lat = {"count": 10, "mean_ms": 0.5, "p50_ms": 0.4, "p90_ms": 0.6, "p99_ms": 1.0,
+           "p99_9_ms": 3.0, "p99_99_ms": 3.5, "max_ms": 4.0}
+    runs = [{"target": t, "rate": r, "subscribers": n, "seconds": 1, "sent": 10,
+             "received_min": 10, "lost": 0, "latency": lat, "writer_lag": lat,
+             "distribution": [(50.0, 0.4), (99.0, 1.0), (100.0, 4.0)]}
+            for t in ("clone", "c-proxy") for r, n in ((2000, 1), (10000, 1), (10000, 10))]
+    return {
+        "command": "scripts/bench", "started": "now",
+        "machine": {"cpu": "x", "cores": 2, "python": "3", "pyzmq": "1", "libzmq": "4",
+                    "platform": "p", "commit": "c"},
+        "sections": {
+            "latency": {"runs": runs},
+            "throughput": {"runs": [], "ratios": {"1sub_vs_c-proxy": 0.4}},
+        },
+    }
+
+
+def test_targets_and_plot(tmp_path: Path) -> None:
+    results = _fake_results()
+    targets = {t["target"]: t for t in evaluate_targets(results)}
+    assert targets["latency 2k/s p99 ms"]["met"] is True
+    assert targets["latency 2k/s p99.9 ms"]["met"] is True
+    assert targets["latency 10k/s 10 sub p99 ms"]["met"] is True
+    assert targets["throughput 1sub vs c-proxy"]["met"] is False
+    png = tmp_path / "lat.png"
+    report.plot_latency(results, png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    results["targets"] = list(targets.values())
+    assert "| clone |" in report.bench_markdown(results)
+
+
+# --------------------------------------------------------------------------
+# Real sections, tiny sizes
+
+
+def _tiny(tmp_path: Path, *sections: str, **changes: Any) -> BenchConfig:
+    return BenchConfig.quick(sections=sections, log_dir=tmp_path / "logs", **changes)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_throughput_section(tmp_path: Path) -> None:
+    cfg = _tiny(tmp_path, "throughput", throughput_messages=2000, subscriber_counts=(1, 2))
+    res = run_benchmarks(cfg)["sections"]["throughput"]
+    runs = {(r["target"], r["subscribers"]): r for r in res["runs"]}
+    assert set(runs) == {(t, n) for t in bench.TARGETS for n in (1, 2)}
+    for (target, _), r in runs.items():
+        assert r["rate_median"] > 0 and r["rate_min"] > 0
+        if target == "clone":  # the server's publisher never drops: HWM far above 2000
+            assert r["received_min"] == r["messages"] == 2000
+            assert r["delivered"] == 1.0
+    assert set(res["ratios"]) == {f"{n}sub_vs_{c}" for n in (1, 2)
+                                  for c in ("c-proxy", "py-forwarder")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_latency_section(tmp_path: Path) -> None:
+    cfg = _tiny(tmp_path, "latency", rates=(500,), rate_seconds=1.0, multi_sub_rate=500,
+                multi_subs=2, latency_targets=("clone", "c-proxy"))
+    runs = run_benchmarks(cfg)["sections"]["latency"]["runs"]
+    assert [(r["target"], r["rate"], r["subscribers"]) for r in runs] == [
+        ("clone", 500, 1), ("clone", 500, 2), ("c-proxy", 500, 1), ("c-proxy", 500, 2)]
+    for r in runs:
+        lat = r["latency"]
+        assert r["sent"] == 500
+        if r["target"] == "clone":
+            assert r["lost"] == 0 and lat["count"] == 500 * r["subscribers"]
+        assert 0 < lat["p50_ms"] <= lat["p99_ms"] <= lat["p99_9_ms"] <= lat["max_ms"]
+        assert r["writer_lag"]["count"] == 500
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_snapshot_and_memory_sections_through_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, md = tmp_path / "bench.json", tmp_path / "benchmarks.md"
+    rc = bench.main(["--quick", "snapshot", "memory", "--snapshot-sizes", "1000",
+                     "--memory-keys", "2000", "--out", str(out), "--md", str(md),
+                     "--log-dir", str(tmp_path / "logs")])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "Snapshots" in printed and "Server memory" in printed
+    results = json.loads(out.read_text())
+    assert results["machine"]["cores"] >= 1 and results["command"].startswith("scripts/bench")
+    (snap,) = results["sections"]["snapshot"]["runs"]
+    assert snap["keys"] == 1000
+    assert snap["serve_complete"] is True
+    assert all(s["entries"] == 1000 for s in snap["serve_all"])
+    assert snap["client_sync"]["available"] is True
+    assert snap["client_sync"]["keys"] == 1000
+    assert snap["hugz_max_gap_s"] is not None and snap["hugz_max_gap_s"] > 0
+    mem = results["sections"]["memory"]
+    assert mem["keys"] == 2000 and mem["rss_empty"] > 0 and mem["rss_loaded"] > 0
+    assert "| keys |" in md.read_text()
