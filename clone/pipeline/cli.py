@@ -170,7 +170,7 @@ def _load(args: argparse.Namespace) -> int:
     started = time.monotonic()
     servers = parse_servers(args.servers)
     require_exists(args.input, "input")  # fail fast, before Spark starts
-    find_active(servers, timeout=max(5.0, 3 * args.heartbeat))
+    find_active(servers, timeout=max(1.0, 3 * args.heartbeat))
     spark = build_session(args.master, "clone-pipeline load")
     result = jobs.load_table(
         spark,

@@ -112,7 +112,7 @@ def load_table(
     started = time.monotonic()
     df = read_table(spark, path, fmt)
     checked = with_reject_reason(df, cols)
-    active = find_active(servers, timeout=max(5.0, 3 * heartbeat))
+    active = find_active(servers, timeout=max(1.0, 3 * heartbeat))
     log.info("active server: %s", active)
 
     checked = checked.persist(StorageLevel.MEMORY_AND_DISK)

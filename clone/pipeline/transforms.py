@@ -90,7 +90,7 @@ def _as_text(col: Column, dtype: DataType, what: str) -> Column:
     if isinstance(dtype, StringType | BinaryType):
         return col.cast("string")
     if isinstance(dtype, StructType | ArrayType | MapType):
-        raise InputError(f"{what} column has type {dtype.simpleString()}, which cannot be a key")
+        raise InputError(f"{what} has type {dtype.simpleString()}, which cannot be a key")
     return col.cast("string")
 
 
@@ -145,7 +145,7 @@ def _as_ttl(col: Column, dtype: DataType, what: str) -> tuple[Column, Column]:
         )
         return seconds, bad
     raise InputError(
-        f"{what} column has type {dtype.simpleString()}; a ttl must be a number or text"
+        f"{what} has type {dtype.simpleString()}; a ttl must be a number or text"
     )
 
 

@@ -117,6 +117,9 @@ def _default_client(config: WriterConfig) -> ClientLike:
         list(config.servers),
         subtree=config.subtree or None,
         heartbeat=config.heartbeat,
+        # At least half a second of silence before failing over: with a fast
+        # heartbeat a busy executor would otherwise fail over by accident.
+        server_timeout=max(2.5 * config.heartbeat, 0.5),
         confirm_timeout=config.confirm_timeout,
     )
 

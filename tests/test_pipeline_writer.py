@@ -1,0 +1,96 @@
+"""The executor-side writer with a fake client: confirmation, retries, bounds."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from clone.errors import ConfirmTimeout, NotSynced
+from clone.pipeline.writer import WriterConfig, write_partition
+
+CONFIG = WriterConfig(servers=("tcp://127.0.0.1:1",), max_in_flight=4, confirm_timeout=0.01)
+
+
+class FakeClient:
+    """Confirms after ``delay``; times out the first ``timeouts[key]`` tries of a key."""
+
+    def __init__(self, *, delay: float = 0.0, timeouts: dict[str, int] | None = None,
+                 synced: bool = True) -> None:  # fmt: skip
+        self.delay = delay
+        self.timeouts = dict(timeouts or {})
+        self.synced = synced
+        self.stored: dict[str, tuple[bytes, float]] = {}
+        self.in_flight = 0
+        self.max_in_flight = 0
+        self.closed = False
+        self._lock = threading.Lock()
+
+    def wait_synced(self, timeout: float = 10.0) -> None:
+        if not self.synced:
+            raise NotSynced("no server answered")
+
+    def set(self, key: str, value: bytes | str, ttl: float = 0, *, wait: bool = False,
+            timeout: float | None = None) -> None:  # fmt: skip
+        assert wait, "the loader only does confirmed writes"
+        with self._lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            time.sleep(self.delay)
+            with self._lock:
+                if self.timeouts.get(key, 0) > 0:
+                    self.timeouts[key] -= 1
+                    raise ConfirmTimeout(f"write to {key!r} not confirmed")
+                self.stored[key] = (
+                    bytes(value) if isinstance(value, bytes) else value.encode(),
+                    ttl,
+                )
+        finally:
+            with self._lock:
+                self.in_flight -= 1
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def _rows(n: int) -> list[tuple[str, bytes, float]]:
+    return [(f"/k{i}", f"v{i}".encode(), float(i % 3)) for i in range(n)]
+
+
+def test_every_row_confirmed_within_the_in_flight_bound() -> None:
+    client = FakeClient(delay=0.002)
+    result = write_partition(_rows(200), CONFIG, 3, client_factory=lambda _c: client)
+    assert (result.partition, result.rows, result.written, result.failed) == (3, 200, 200, 0)
+    assert client.stored == {k: (v, t) for k, v, t in _rows(200)}
+    assert 1 < client.max_in_flight <= CONFIG.max_in_flight
+    assert client.closed
+
+
+def test_timeouts_are_retried_then_counted() -> None:
+    client = FakeClient(timeouts={"/k1": 1, "/k2": 5})
+    result = write_partition(_rows(5), CONFIG, client_factory=lambda _c: client)
+    assert (result.written, result.failed, result.retries) == (4, 1, 3)
+    assert "/k1" in client.stored and "/k2" not in client.stored
+    assert result.error is not None and "/k2" in result.error
+
+
+def test_stops_taking_rows_after_too_many_failures() -> None:
+    config = WriterConfig(servers=CONFIG.servers, max_in_flight=1, attempts=1, max_failures=3)
+    client = FakeClient(timeouts={f"/k{i}": 1 for i in range(1000)})
+    result = write_partition(_rows(1000), config, client_factory=lambda _c: client)
+    assert (result.rows, result.written, result.failed) == (1000, 0, 1000)
+    assert result.retries == 0
+
+
+@pytest.mark.parametrize("where", ["connect", "sync"])
+def test_unreachable_servers_fail_every_row(where: str) -> None:
+    def factory(_config: WriterConfig) -> FakeClient:
+        if where == "connect":
+            raise OSError("connection refused")
+        return FakeClient(synced=False)
+
+    result = write_partition(_rows(7), CONFIG, client_factory=factory)
+    assert (result.rows, result.written, result.failed) == (7, 0, 7)
+    assert result.error is not None
