@@ -6,7 +6,7 @@ by sending it requests; a passive server takes over only when its peer has gone
 silent *and* a client asks it to. See ``docs/failover.md`` for the rules.
 
 * :mod:`bstar.fsm` holds the decisions (no I/O, explicit ``now``);
-* :mod:`bstar.wire` the state message format;
+* :mod:`bstar.wire` the state message format (state and election epoch);
 * :mod:`bstar.reactor` the sockets and timers on a tornado IOLoop.
 """
 
@@ -25,14 +25,17 @@ from bstar.fsm import (
     Outcome,
     Rule,
     State,
+    TieBreak,
     Vote,
     VotePolicy,
     peer_event,
+    yields_to_peer,
 )
 from bstar.reactor import BinaryStar, BinaryStarCounters, StateCallback, VoteHandler
-from bstar.wire import decode_state, encode_state
+from bstar.wire import MAX_EPOCH, PeerReport, decode_state, encode_state
 
 __all__ = [
+    "MAX_EPOCH",
     "TRANSITIONS",
     "BinaryStar",
     "BinaryStarCounters",
@@ -43,15 +46,18 @@ __all__ = [
     "FsmCounters",
     "IllegalTransitionError",
     "Outcome",
+    "PeerReport",
     "PeerStateError",
     "RoleConflictError",
     "Rule",
     "State",
     "StateCallback",
+    "TieBreak",
     "Vote",
     "VoteHandler",
     "VotePolicy",
     "decode_state",
     "encode_state",
     "peer_event",
+    "yields_to_peer",
 ]

@@ -14,9 +14,19 @@ clients) or ``PASSIVE`` (standing by). Two kinds of input drive it:
 The rules live in :data:`TRANSITIONS`, a table keyed by ``(state, event)``. A rule
 names the next state, how to answer a vote, and whether the pair is in conflict
 (both active: *split brain*; both passive: nobody serves). Conflicts are symmetric,
-so the rule settles them with the roles: the primary wins, the backup yields
-(``backup_next_state``). A pair missing from the table raises
+so the rule also names where the side that *yields* goes (``yield_state``) and how
+the yielding side is picked (``tie_break``). A pair missing from the table raises
 :class:`~bstar.errors.IllegalTransitionError` and leaves the machine untouched.
+
+Epochs settle split brain. Each server holds an election *epoch* (a term number,
+as in Raft), 0 at start; whenever it becomes ``ACTIVE`` it takes
+``max(own epoch, highest peer epoch seen) + 1``, and it announces its epoch with
+its state. Two actives compare epochs: the lower one yields (:func:`yields_to_peer`),
+because the server elected most recently is the one the clients last voted for
+and wrote to. A frozen primary that thaws still believes it is active, but with
+the epoch it had before the backup took over, so it is the one that steps down.
+Equal epochs (two elections from the same knowledge, neither hearing of the
+other) fall back on the roles: the primary wins. Dual passive is settled by role alone.
 
 Time is an argument, never read here: every input carries ``now`` (seconds on a
 monotonic clock). The peer is presumed alive until
@@ -47,9 +57,11 @@ __all__ = [
     "Outcome",
     "Rule",
     "State",
+    "TieBreak",
     "Vote",
     "VotePolicy",
     "peer_event",
+    "yields_to_peer",
 ]
 
 
@@ -103,10 +115,31 @@ class Vote(Enum):
 
 
 class Conflict(Enum):
-    """Both servers claim the same settled state; the table resolves it by role."""
+    """Both servers claim the same settled state; the table says who yields."""
 
     SPLIT_BRAIN = "both servers active"
     DUAL_PASSIVE = "both servers passive"
+
+
+class TieBreak(Enum):
+    """How a symmetric conflict picks the server that yields."""
+
+    ROLE = "the backup yields"
+    EPOCH = "the lower epoch yields; on equal epochs the backup yields"
+
+
+def yields_to_peer(own_epoch: int, peer_epoch: int, primary: bool) -> bool:
+    """Whether a server with ``own_epoch`` gives way to an active peer at ``peer_epoch``.
+
+    The higher epoch was elected later, so clients voted for it and wrote to it
+    last: it keeps serving. Equal epochs mean neither heard of the other's
+    election; the configured roles then decide, so the answer is never the same
+    on both sides: exactly one of ``yields_to_peer(a, b, True)`` and
+    ``yields_to_peer(b, a, False)`` is true.
+    """
+    if own_epoch != peer_epoch:
+        return own_epoch < peer_epoch
+    return not primary
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,20 +148,30 @@ class Rule:
 
     ``next_state`` is where the server goes; for a vote with
     ``ACCEPT_IF_PEER_DEAD`` it is where an *accepted* vote takes it (a refused vote
-    changes nothing). ``backup_next_state``, when set, overrides ``next_state`` for
-    the backup: that is how a symmetric conflict is broken deterministically.
+    changes nothing). ``yield_state``, when set, is where the server goes instead
+    if it yields to its peer, and ``tie_break`` says which side yields: that is how
+    a symmetric conflict is broken deterministically.
     """
 
     next_state: State
     why: str
     vote: VotePolicy | None = None
     conflict: Conflict | None = None
-    backup_next_state: State | None = None
+    yield_state: State | None = None
+    tie_break: TieBreak = TieBreak.ROLE
 
-    def target(self, primary: bool) -> State:
-        """Where a server of the given role goes under this rule."""
-        if not primary and self.backup_next_state is not None:
-            return self.backup_next_state
+    def yields(self, primary: bool, own_epoch: int = 0, peer_epoch: int = 0) -> bool:
+        """Whether a server of this role and epoch gives way to the peer under this rule."""
+        if self.yield_state is None:
+            return False
+        if self.tie_break is TieBreak.EPOCH:
+            return yields_to_peer(own_epoch, peer_epoch, primary)
+        return not primary
+
+    def target(self, primary: bool, own_epoch: int = 0, peer_epoch: int = 0) -> State:
+        """Where a server of the given role and epoch goes under this rule."""
+        if self.yield_state is not None and self.yields(primary, own_epoch, peer_epoch):
+            return self.yield_state
         return self.next_state
 
 
@@ -165,9 +208,11 @@ TRANSITIONS: Final[Mapping[tuple[State, Event], Rule]] = MappingProxyType(
         (_A, Event.PEER_BACKUP): Rule(_A, "peer restarted and goes passive on seeing us"),
         (_A, Event.PEER_ACTIVE): Rule(
             _A,
-            "split brain: the primary keeps serving, the backup steps down",
+            "split brain: the later elected (higher epoch) keeps serving, the other steps"
+            " down; on equal epochs the primary keeps serving",
             conflict=Conflict.SPLIT_BRAIN,
-            backup_next_state=_S,
+            yield_state=_S,
+            tie_break=TieBreak.EPOCH,
         ),
         (_A, Event.PEER_PASSIVE): Rule(_A, "normal operation"),
         (_A, Event.CLIENT_REQUEST): Rule(_A, "we serve", vote=VotePolicy.ACCEPT),
@@ -179,7 +224,8 @@ TRANSITIONS: Final[Mapping[tuple[State, Event], Rule]] = MappingProxyType(
             _A,
             "nobody serves: the primary takes over, the backup keeps standing by",
             conflict=Conflict.DUAL_PASSIVE,
-            backup_next_state=_S,
+            yield_state=_S,
+            tie_break=TieBreak.ROLE,
         ),
         (_S, Event.CLIENT_REQUEST): Rule(
             _A,
@@ -196,7 +242,9 @@ class Outcome:
 
     ``vote`` is set only for client requests. ``conflict`` is set once per conflict
     episode (the first time the peer is seen in our own settled state), so an
-    application alerting on it is not flooded by every heartbeat.
+    application alerting on it is not flooded by every heartbeat. ``epoch`` is our
+    epoch after the input; ``peer_epoch`` the one the peer announced with this
+    input (None for a client request).
     """
 
     event: Event
@@ -205,6 +253,8 @@ class Outcome:
     why: str
     vote: Vote | None = None
     conflict: Conflict | None = None
+    epoch: int = 0
+    peer_epoch: int | None = None
 
     @property
     def changed(self) -> bool:
@@ -268,6 +318,8 @@ class BinaryStarFSM:
         self._state = State.PRIMARY if primary else State.BACKUP
         self._peer_state: State | None = None
         self._last_peer_contact: float | None = None
+        self._epoch = 0
+        self._peer_epoch = 0
         # Whether the peer's expiry has been reported yet, so it is reported once.
         self._expiry_reported = False
         # The conflict already reported and still going on, so it is reported once.
@@ -309,6 +361,20 @@ class BinaryStarFSM:
         return self._peer_state
 
     @property
+    def epoch(self) -> int:
+        """Our election epoch: 0 until we first become active, then bumped each time."""
+        return self._epoch
+
+    @property
+    def peer_epoch(self) -> int:
+        """The highest epoch the peer has announced (0 if never, or a Guide peer).
+
+        It is the highest, not the latest: a restarted peer announces 0 again, but
+        our next election must still outbid every epoch we have heard of.
+        """
+        return self._peer_epoch
+
+    @property
     def last_peer_contact(self) -> float | None:
         """When the peer was last heard, or None if never."""
         return self._last_peer_contact
@@ -336,9 +402,9 @@ class BinaryStarFSM:
 
     # -- inputs ----------------------------------------------------------------
 
-    def receive_peer_state(self, peer: State, now: float) -> Outcome:
-        """The peer reported ``peer`` at ``now``."""
-        return self.handle(peer_event(peer), now)
+    def receive_peer_state(self, peer: State, now: float, epoch: int = 0) -> Outcome:
+        """The peer reported ``peer`` with its ``epoch`` (0 from a Guide peer) at ``now``."""
+        return self.handle(peer_event(peer), now, epoch)
 
     def client_request(self, now: float) -> Outcome:
         """A client asked us to serve it; ``outcome.accepted`` says whether we may."""
@@ -356,10 +422,18 @@ class BinaryStarFSM:
         self._expirations += 1
         return True
 
-    def handle(self, event: Event, now: float) -> Outcome:
-        """Apply one event. Raises IllegalTransitionError and changes nothing if illegal."""
+    def handle(self, event: Event, now: float, epoch: int = 0) -> Outcome:
+        """Apply one event. Raises IllegalTransitionError and changes nothing if illegal.
+
+        ``epoch`` is the one the peer announced with a ``PEER_*`` event; it is
+        ignored for a client request.
+        """
         if event is Event.CLIENT_REQUEST:
-            return self._apply(event, self._rule(event), now)
+            return self._apply(event, self._rule(event), now, None)
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            raise TypeError(f"epoch must be an int, got {type(epoch).__name__}")
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
         reported = State(event.value)
         if not self.peer_alive(now):
             # A peer back from silence starts a new story, conflicts included.
@@ -367,13 +441,14 @@ class BinaryStarFSM:
         # Any state message proves the peer is alive, even one we then reject:
         # treating a live but misconfigured peer as dead could let us grab votes.
         self._peer_state = reported
+        self._peer_epoch = max(self._peer_epoch, epoch)
         self._last_peer_contact = now
         self._expiry_reported = False
         if reported is (State.PRIMARY if self._primary else State.BACKUP):
             self._illegal += 1
             role = "primary" if self._primary else "backup"
             raise RoleConflictError(self._state, event, f"both servers are configured as {role}")
-        return self._apply(event, self._rule(event), now)
+        return self._apply(event, self._rule(event), now, epoch)
 
     # -- internals -------------------------------------------------------------
 
@@ -386,9 +461,12 @@ class BinaryStarFSM:
                 self._state, event, "no rule in the Binary Star table"
             ) from None
 
-    def _apply(self, event: Event, rule: Rule, now: float) -> Outcome:
+    def _apply(self, event: Event, rule: Rule, now: float, peer_epoch: int | None) -> Outcome:
         previous = self._state
-        target = rule.target(self._primary)
+        # Compare with the epoch of this very message, not the highest ever seen: a
+        # peer that restarted and was elected while cut off from us really is at a
+        # lower epoch, and both sides must reach the same verdict.
+        target = rule.target(self._primary, self._epoch, 0 if peer_epoch is None else peer_epoch)
         vote: Vote | None = None
         if rule.vote is not None:
             if rule.vote is VotePolicy.ACCEPT:
@@ -412,6 +490,10 @@ class BinaryStarFSM:
             self._transitions += 1
             self._state = target
             self._ongoing_conflict = None  # whatever it was, we moved out of it
+            if target is State.ACTIVE:
+                # A new election: outbid every epoch known on either side, so that
+                # a stale active (say, a primary thawing from a freeze) loses to us.
+                self._epoch = max(self._epoch, self._peer_epoch) + 1
         elif event is not Event.CLIENT_REQUEST:
             self._ongoing_conflict = rule.conflict
         return Outcome(
@@ -421,4 +503,6 @@ class BinaryStarFSM:
             why=rule.why,
             vote=vote,
             conflict=conflict,
+            epoch=self._epoch,
+            peer_epoch=peer_epoch,
         )

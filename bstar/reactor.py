@@ -1,7 +1,8 @@
 """Binary Star over ZeroMQ on a tornado IOLoop: the I/O around :mod:`bstar.fsm`.
 
 :class:`BinaryStar` owns a PUB socket, bound at the local endpoint, on which it
-announces its state every heartbeat and right after every transition, and a SUB
+announces its state and election epoch every heartbeat and right after every
+transition, and a SUB
 socket connected to the peer's PUB. Everything it hears and every client vote goes
 to the state machine; what comes back is turned into callbacks and log lines.
 
@@ -151,8 +152,8 @@ class BinaryStar:
     def __repr__(self) -> str:
         role = "primary" if self.primary else "backup"
         return (
-            f"<BinaryStar {role} {self.state.name} at {self._local_endpoint}"
-            f" peer {self._peer_endpoint}>"
+            f"<BinaryStar {role} {self.state.name} epoch {self.epoch}"
+            f" at {self._local_endpoint} peer {self._peer_endpoint}>"
         )
 
     # -- read-only views -------------------------------------------------------
@@ -169,6 +170,16 @@ class BinaryStar:
     def peer_state(self) -> State | None:
         """The peer's last reported state, or None if never heard."""
         return self._fsm.peer_state
+
+    @property
+    def epoch(self) -> int:
+        """Our election epoch: 0 until first active, bumped on every election."""
+        return self._fsm.epoch
+
+    @property
+    def peer_epoch(self) -> int:
+        """The highest epoch the peer has announced (0 if never, or a Guide peer)."""
+        return self._fsm.peer_epoch
 
     @property
     def last_peer_contact(self) -> float | None:
@@ -221,8 +232,9 @@ class BinaryStar:
     def on_passive(self, callback: StateCallback) -> None:
         """Call ``callback()`` each time this server becomes passive.
 
-        After a split brain the backup lands here too: its data may have diverged
-        from the primary's, so this is the place to resynchronise.
+        After a split brain the side that lost (the lower epoch, or the backup on
+        equal epochs) lands here too: what it served during the split may have
+        diverged from the winner, so this is the place to resynchronise.
         """
         self._on_passive.append(callback)
 
@@ -362,7 +374,7 @@ class BinaryStar:
             return
         self._received += 1
         try:
-            peer = decode_state(frames, self._peer_endpoint)
+            report = decode_state(frames, self._peer_endpoint)
         except PeerStateError as exc:
             self._malformed += 1
             self._bad_input_log.log(logging.WARNING, "dropped state message: %s", exc)
@@ -370,20 +382,30 @@ class BinaryStar:
         now = self._clock()
         was_silent = self._fsm.peer_state is None or not self._fsm.peer_alive(now)
         try:
-            outcome = self._fsm.receive_peer_state(peer, now)
+            outcome = self._fsm.receive_peer_state(report.state, now, report.epoch)
         except BinaryStarError as exc:
             self._rejected += 1
             self._bad_input_log.log(logging.ERROR, "rejected peer state: %s", exc)
             return
         if was_silent:
-            log.info("peer at %s heard (%s)", self._peer_endpoint, peer.name)
+            log.info(
+                "peer at %s heard (%s, epoch %d)",
+                self._peer_endpoint,
+                report.state.name,
+                report.epoch,
+            )
         self._react(outcome)
 
     def _react(self, outcome: Outcome) -> None:
         """Turn a decision of the state machine into log lines, messages and callbacks."""
         if outcome.conflict is Conflict.SPLIT_BRAIN:
             log.warning(
-                "split brain: peer at %s is active too; %s", self._peer_endpoint, outcome.why
+                "split brain: peer at %s is active too (our epoch %d, its epoch %s); %s: %s",
+                self._peer_endpoint,
+                outcome.epoch,
+                outcome.peer_epoch,
+                "we step down" if outcome.became_passive else "we keep serving",
+                outcome.why,
             )
             self._fire(self._on_split_brain, "split-brain")
         elif outcome.conflict is Conflict.DUAL_PASSIVE:
@@ -393,10 +415,11 @@ class BinaryStar:
         if not outcome.changed:
             return
         log.info(
-            "%s -> %s on %s: %s",
+            "%s -> %s on %s (epoch %d): %s",
             outcome.previous.name,
             outcome.state.name,
             outcome.event.name,
+            outcome.epoch,
             outcome.why,
         )
         # Tell the peer now instead of at the next tick: it settles faster.
@@ -410,7 +433,7 @@ class BinaryStar:
         if self._pub is None:
             return
         try:
-            self._pub.send_multipart(encode_state(self.state), zmq.NOBLOCK)
+            self._pub.send_multipart(encode_state(self.state, self.epoch), zmq.NOBLOCK)
         except zmq.Again:
             # PUB drops rather than blocks; nothing to do until the next tick.
             return

@@ -2,6 +2,8 @@
 
 The expectations below are written out by hand from docs/failover.md rather than
 derived from ``bstar.fsm.TRANSITIONS``, so that a wrong table row fails a test.
+Every machine built by ``_reach`` carries realistic election epochs: an active peer
+announces epoch 1, and a server becomes active with one more than it has seen.
 """
 
 from __future__ import annotations
@@ -16,19 +18,24 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bstar import (
+    MAX_EPOCH,
     TRANSITIONS,
     BinaryStarError,
     BinaryStarFSM,
     Conflict,
     Event,
     IllegalTransitionError,
+    Outcome,
+    PeerReport,
     PeerStateError,
     RoleConflictError,
     State,
+    TieBreak,
     Vote,
     decode_state,
     encode_state,
     peer_event,
+    yields_to_peer,
 )
 
 P, B, A, S = State.PRIMARY, State.BACKUP, State.ACTIVE, State.PASSIVE
@@ -54,35 +61,47 @@ def _reach(primary: bool, state: State) -> BinaryStarFSM:
     """A machine in ``state`` reached through the public API, peer last heard at 0.
 
     For the fresh start states no contact happened; the start time (0) stands in,
-    so in every case the peer expires at EXPIRY.
+    so in every case the peer expires at EXPIRY. Epochs (own, highest peer):
+    PRIMARY/BACKUP (0, 0), PASSIVE (0, 1), primary ACTIVE (1, 0), backup ACTIVE (2, 1).
     """
     fsm = BinaryStarFSM(primary, 0.0, heartbeat=HEARTBEAT, missed=MISSED)
     if state in (P, B):
         pass
     elif state is S:
-        fsm.receive_peer_state(A, 0.0)
+        fsm.receive_peer_state(A, 0.0, epoch=1)
     elif primary:  # primary ACTIVE
         fsm.receive_peer_state(B, 0.0)
     else:  # backup ACTIVE: stand by, then fail over on a vote once the primary is dead
-        fsm.receive_peer_state(A, 0.0)
+        fsm.receive_peer_state(A, 0.0, epoch=1)
         assert fsm.client_request(EXPIRY).accepted
         assert fsm.last_peer_contact == 0.0
     assert fsm.state is state
     return fsm
 
 
+#: The peer's epoch relative to ours, for the one rule that looks at epochs.
+LOWER, EQUAL, HIGHER = "peer-epoch-lower", "peer-epoch-equal", "peer-epoch-higher"
+_EPOCH_DELTA = {LOWER: -1, EQUAL: 0, HIGHER: 1}
+
+
 REACHABLE = [(PRI, P), (PRI, A), (PRI, S), (BAK, B), (BAK, A), (BAK, S)]
 PEER_EVENTS = [Event.PEER_PRIMARY, Event.PEER_BACKUP, Event.PEER_ACTIVE, Event.PEER_PASSIVE]
 
-# (role, state, peer event) -> (next state, conflict) or the error raised.
-PEER_RULES: dict[tuple[bool, State, Event], tuple[State, Conflict | None] | type[Exception]] = {
+_Expected = tuple[State, Conflict | None]
+# (role, state, peer event) -> (next state, conflict), the error raised, or, for
+# split brain, the (next state, conflict) for each epoch of the peer relative to ours.
+PEER_RULES: dict[tuple[bool, State, Event], _Expected | type[Exception] | dict[str, _Expected]] = {
     (PRI, P, Event.PEER_PRIMARY): RoleConflictError,
     (PRI, P, Event.PEER_BACKUP): (A, None),
     (PRI, P, Event.PEER_ACTIVE): (S, None),
     (PRI, P, Event.PEER_PASSIVE): (P, None),
     (PRI, A, Event.PEER_PRIMARY): RoleConflictError,
     (PRI, A, Event.PEER_BACKUP): (A, None),
-    (PRI, A, Event.PEER_ACTIVE): (A, Conflict.SPLIT_BRAIN),
+    (PRI, A, Event.PEER_ACTIVE): {
+        LOWER: (A, Conflict.SPLIT_BRAIN),
+        EQUAL: (A, Conflict.SPLIT_BRAIN),  # the tie-break: the primary wins
+        HIGHER: (S, Conflict.SPLIT_BRAIN),  # e.g. we were frozen while the backup took over
+    },
     (PRI, A, Event.PEER_PASSIVE): (A, None),
     (PRI, S, Event.PEER_PRIMARY): RoleConflictError,
     (PRI, S, Event.PEER_BACKUP): (A, None),
@@ -94,7 +113,11 @@ PEER_RULES: dict[tuple[bool, State, Event], tuple[State, Conflict | None] | type
     (BAK, B, Event.PEER_PASSIVE): (B, None),
     (BAK, A, Event.PEER_PRIMARY): (A, None),
     (BAK, A, Event.PEER_BACKUP): RoleConflictError,
-    (BAK, A, Event.PEER_ACTIVE): (S, Conflict.SPLIT_BRAIN),
+    (BAK, A, Event.PEER_ACTIVE): {
+        LOWER: (A, Conflict.SPLIT_BRAIN),  # e.g. a primary thawing from a freeze
+        EQUAL: (S, Conflict.SPLIT_BRAIN),
+        HIGHER: (S, Conflict.SPLIT_BRAIN),
+    },
     (BAK, A, Event.PEER_PASSIVE): (A, None),
     (BAK, S, Event.PEER_PRIMARY): (A, None),
     (BAK, S, Event.PEER_BACKUP): RoleConflictError,
@@ -135,14 +158,19 @@ def test_table_has_a_rule_for_every_pair_except_same_role_starts() -> None:
     "case", [(r, s, e) for r, s in REACHABLE for e in PEER_EVENTS], ids=_case_id
 )
 @pytest.mark.parametrize("now", [ALIVE_AT, JUST_BEFORE, EXPIRY, EXPIRY + 5.0])
-def test_peer_event(case: tuple[bool, State, Event], now: float) -> None:
+@pytest.mark.parametrize("relation", [LOWER, EQUAL, HIGHER])
+def test_peer_event(case: tuple[bool, State, Event], now: float, relation: str) -> None:
     role, state, event = case
     fsm = _reach(role, state)
     before = fsm.counters
+    epoch_before, peer_epoch_before = fsm.epoch, fsm.peer_epoch
+    peer_epoch = max(0, fsm.epoch + _EPOCH_DELTA[relation])
     expected = PEER_RULES[case]
+    if isinstance(expected, dict):
+        expected = expected[relation]
     if isinstance(expected, type):
         with pytest.raises(expected) as info:
-            fsm.handle(event, now)
+            fsm.handle(event, now, peer_epoch)
         assert isinstance(info.value, IllegalTransitionError)
         assert isinstance(info.value, BinaryStarError)
         assert (info.value.state, info.value.event) == (state, event)
@@ -151,9 +179,10 @@ def test_peer_event(case: tuple[bool, State, Event], now: float) -> None:
         assert fsm.counters.transitions == before.transitions
         # Even a rejected message proves someone is alive at the peer endpoint.
         assert fsm.last_peer_contact == now
+        assert fsm.epoch == epoch_before
         return
     next_state, conflict = expected
-    outcome = fsm.handle(event, now)
+    outcome = fsm.handle(event, now, peer_epoch)
     assert (outcome.previous, outcome.state, outcome.event) == (state, next_state, event)
     assert fsm.state is next_state
     assert outcome.vote is None
@@ -165,6 +194,13 @@ def test_peer_event(case: tuple[bool, State, Event], now: float) -> None:
     assert fsm.last_peer_contact == now
     assert fsm.peer_state is State(event.value)
     assert fsm.peer_expiry == now + EXPIRY
+    assert fsm.peer_epoch == max(peer_epoch_before, peer_epoch)
+    assert outcome.peer_epoch == peer_epoch
+    if outcome.became_active:  # a new election outbids every epoch known
+        assert fsm.epoch == max(epoch_before, peer_epoch_before, peer_epoch) + 1
+    else:
+        assert fsm.epoch == epoch_before
+    assert outcome.epoch == fsm.epoch
     after = fsm.counters
     assert after.transitions == before.transitions + (next_state is not state)
     assert after.split_brain_count == before.split_brain_count + (conflict is Conflict.SPLIT_BRAIN)
@@ -184,6 +220,7 @@ def test_client_request(case: tuple[bool, State], now: float, peer_dead: bool) -
     fsm = _reach(role, state)
     before = fsm.counters
     contact = fsm.last_peer_contact
+    epoch, peer_epoch = fsm.epoch, fsm.peer_epoch
     next_state, vote = VOTE_RULES[case][peer_dead]
     outcome = fsm.client_request(now)
     assert (outcome.previous, outcome.state, outcome.vote) == (state, next_state, vote)
@@ -194,6 +231,8 @@ def test_client_request(case: tuple[bool, State], now: float, peer_dead: bool) -
     assert not outcome.became_passive
     assert fsm.state is next_state
     assert fsm.last_peer_contact == contact, "a vote is not news from the peer"
+    assert fsm.peer_epoch == peer_epoch and outcome.peer_epoch is None
+    assert fsm.epoch == (max(epoch, peer_epoch) + 1 if outcome.became_active else epoch)
     after = fsm.counters
     assert after.votes_accepted == before.votes_accepted + (vote is Vote.ACCEPTED)
     assert after.votes_refused == before.votes_refused + (vote is Vote.REFUSED)
@@ -264,38 +303,84 @@ def test_never_heard_peer_expires_after_the_grace_period() -> None:
 # -- conflicts ------------------------------------------------------------------
 
 
-def test_split_brain_is_counted_once_per_episode_on_the_primary() -> None:
+# (own epoch, peer epoch, primary) -> does this server yield to its active peer?
+YIELD_RULES = {
+    (1, 2, PRI): True,  # a thawed primary meets the backup elected while it was frozen
+    (2, 1, BAK): False,  # ... and the backup keeps serving
+    (2, 1, PRI): False,
+    (1, 2, BAK): True,
+    (1, 1, PRI): False,  # equal epochs: the old role rule breaks the tie
+    (1, 1, BAK): True,
+    (0, 0, PRI): False,
+    (0, 0, BAK): True,
+    (7, 0, BAK): False,  # a Guide peer announces no epoch, i.e. 0
+    (0, 7, PRI): True,
+}
+
+
+@pytest.mark.parametrize(("own", "peer", "primary"), list(YIELD_RULES))
+def test_yields_to_peer(own: int, peer: int, primary: bool) -> None:
+    assert yields_to_peer(own, peer, primary) is YIELD_RULES[(own, peer, primary)]
+
+
+@given(st.integers(0, MAX_EPOCH), st.integers(0, MAX_EPOCH))
+def test_exactly_one_side_of_a_split_brain_yields(primary_epoch: int, backup_epoch: int) -> None:
+    primary_yields = yields_to_peer(primary_epoch, backup_epoch, True)
+    backup_yields = yields_to_peer(backup_epoch, primary_epoch, False)
+    assert primary_yields != backup_yields
+
+
+def test_only_split_brain_is_settled_by_epoch() -> None:
+    by_epoch = {key for key, rule in TRANSITIONS.items() if rule.tie_break is TieBreak.EPOCH}
+    assert by_epoch == {(A, Event.PEER_ACTIVE)}
+    split = TRANSITIONS[(A, Event.PEER_ACTIVE)]
+    assert split.target(True, 1, 2) is S and split.target(False, 2, 1) is A
+    dual = TRANSITIONS[(S, Event.PEER_PASSIVE)]
+    assert dual.target(True, 0, 9) is A and dual.target(False, 9, 0) is S
+
+
+@pytest.mark.parametrize("peer_epoch", [0, 1], ids=["lower-epoch", "equal-epoch"])
+def test_split_brain_is_counted_once_per_episode_on_the_winner(peer_epoch: int) -> None:
     clock = FakeClock()
-    fsm = _reach(PRI, A)
-    first = fsm.receive_peer_state(A, clock.advance(0.5))
+    fsm = _reach(PRI, A)  # epoch 1
+    first = fsm.receive_peer_state(A, clock.advance(0.5), peer_epoch)
     assert first.split_brain_detected and fsm.state is A
     for _ in range(3):
-        repeat = fsm.receive_peer_state(A, clock.advance(0.5))
+        repeat = fsm.receive_peer_state(A, clock.advance(0.5), peer_epoch)
         assert repeat.conflict is None and fsm.state is A
     assert fsm.counters.split_brain_count == 1
-    fsm.receive_peer_state(S, clock.advance(0.5))  # the backup stepped down
-    assert fsm.receive_peer_state(A, clock.advance(0.5)).split_brain_detected
+    fsm.receive_peer_state(S, clock.advance(0.5), peer_epoch)  # the backup stepped down
+    assert fsm.receive_peer_state(A, clock.advance(0.5), peer_epoch).split_brain_detected
     assert fsm.counters.split_brain_count == 2
     clock.advance(EXPIRY)  # the peer went silent; when it speaks again, it is news
-    assert fsm.receive_peer_state(A, clock.now).split_brain_detected
+    assert fsm.receive_peer_state(A, clock.now, peer_epoch).split_brain_detected
     assert fsm.counters.split_brain_count == 3
     assert fsm.counters.transitions == 1
+    assert fsm.epoch == 1, "winning a split brain is not an election"
 
 
-def test_split_brain_backup_steps_down_and_can_fail_over_again() -> None:
-    fsm = _reach(BAK, A)
-    outcome = fsm.receive_peer_state(A, 3.0)
+@pytest.mark.parametrize(
+    ("role", "peer_epoch"),
+    [(BAK, 2), (BAK, 3), (PRI, 2)],
+    ids=["backup-equal-epoch", "backup-lower-epoch", "primary-lower-epoch"],
+)
+def test_split_brain_loser_steps_down_and_can_fail_over_again(role: bool, peer_epoch: int) -> None:
+    fsm = _reach(role, A)
+    outcome = fsm.receive_peer_state(A, 3.0, peer_epoch)
     assert outcome.split_brain_detected and outcome.became_passive
     assert fsm.state is S
-    assert not fsm.receive_peer_state(A, 3.5).split_brain_detected
+    assert fsm.counters.split_brain_count == 1
+    assert not fsm.receive_peer_state(A, 3.5, peer_epoch).split_brain_detected
     assert not fsm.client_request(5.4).accepted
     assert fsm.client_request(5.5).became_active
+    assert fsm.epoch == peer_epoch + 1
 
 
 def test_dual_passive_primary_takes_over_backup_stays() -> None:
     primary, backup = _reach(PRI, S), _reach(BAK, S)
     outcome = primary.receive_peer_state(S, 1.0)
     assert outcome.conflict is Conflict.DUAL_PASSIVE and outcome.became_active
+    assert primary.epoch == 2, "it outbids the epoch of the active it last heard"
     assert backup.receive_peer_state(S, 1.0).conflict is Conflict.DUAL_PASSIVE
     assert backup.receive_peer_state(S, 1.1).conflict is None  # same episode
     assert backup.state is S
@@ -344,10 +429,10 @@ def test_constructor_rejects_non_bool_role() -> None:
 
 @dataclass
 class _Link:
-    """One direction between the two servers: a queue of published states."""
+    """One direction between the two servers: a queue of published (state, epoch)."""
 
     up: bool = True
-    queue: deque[State] = field(default_factory=deque)
+    queue: deque[tuple[State, int]] = field(default_factory=deque)
 
 
 class _Pair:
@@ -355,12 +440,14 @@ class _Pair:
 
     Publishing happens on demand (a heartbeat) and right after each transition,
     as the reactor does; messages in flight can be stale, as on a real network.
+    Every outcome is kept per server, so tests can count what would have fired.
     """
 
     def __init__(self) -> None:
         self.clock = FakeClock()
         self.fsm = {PRI: self._new(PRI), BAK: self._new(BAK)}
         self.link = {PRI: _Link(), BAK: _Link()}  # keyed by sender
+        self.outcomes: dict[bool, list[Outcome]] = {PRI: [], BAK: []}
 
     def _new(self, role: bool) -> BinaryStarFSM:
         return BinaryStarFSM(role, self.clock.now, heartbeat=HEARTBEAT, missed=MISSED)
@@ -371,20 +458,40 @@ class _Pair:
 
     def publish(self, role: bool) -> None:
         if self.link[role].up:
-            self.link[role].queue.append(self.fsm[role].state)
+            self.link[role].queue.append((self.fsm[role].state, self.fsm[role].epoch))
 
     def deliver(self, sender: bool) -> None:
         queue = self.link[sender].queue
         if queue:
             receiver = not sender
-            if self.fsm[receiver].receive_peer_state(queue.popleft(), self.clock.now).changed:
+            state, epoch = queue.popleft()
+            outcome = self.fsm[receiver].receive_peer_state(state, self.clock.now, epoch)
+            self.outcomes[receiver].append(outcome)
+            if outcome.changed:
                 self.publish(receiver)
+
+    def drain(self, sender: bool) -> None:
+        while self.link[sender].queue:
+            self.deliver(sender)
 
     def vote(self, role: bool) -> bool:
         outcome = self.fsm[role].client_request(self.clock.now)
+        self.outcomes[role].append(outcome)
         if outcome.changed:
             self.publish(role)
         return outcome.accepted
+
+    def fired(self, role: bool) -> list[str]:
+        """The callbacks the reactor would have fired for ``role``, in order."""
+        names = []
+        for outcome in self.outcomes[role]:
+            if outcome.split_brain_detected:
+                names.append("split")
+            if outcome.became_active:
+                names.append("active")
+            elif outcome.became_passive:
+                names.append("passive")
+        return names
 
     def heal_and_settle(self) -> None:
         for link in self.link.values():
@@ -403,11 +510,21 @@ class _Pair:
     def states(self) -> tuple[State, State]:
         return self.fsm[PRI].state, self.fsm[BAK].state
 
+    @property
+    def epochs(self) -> tuple[int, int]:
+        return self.fsm[PRI].epoch, self.fsm[BAK].epoch
 
-def test_pair_start_failover_and_failback() -> None:
+
+def _settled_pair() -> _Pair:
     pair = _Pair()
     pair.heal_and_settle()
-    assert pair.states == (A, S)
+    assert pair.states == (A, S) and pair.epochs == (1, 0)
+    assert pair.fsm[BAK].peer_epoch == 1
+    return pair
+
+
+def test_pair_start_failover_and_failback() -> None:
+    pair = _settled_pair()
     # The primary dies: the backup refuses votes until the primary has expired.
     pair.link[PRI].up = False
     assert not pair.vote(BAK)
@@ -416,36 +533,114 @@ def test_pair_start_failover_and_failback() -> None:
     pair.clock.advance(EXPIRY - JUST_BEFORE)
     assert pair.vote(BAK)
     assert pair.states == (A, A)  # the dead primary's machine is stale, not serving
+    assert pair.fsm[BAK].epoch == 2
     # The primary restarts and comes up passive behind the active backup.
     pair.link[PRI].queue.clear()
     pair.restart(PRI)
     assert not pair.vote(PRI)
     pair.heal_and_settle()
     assert pair.states == (S, A)
+    assert pair.epochs == (0, 2) and pair.fsm[PRI].peer_epoch == 2
     assert pair.fsm[BAK].counters.split_brain_count == 0
 
 
-def test_pair_partition_split_brain_resolves_to_primary() -> None:
-    pair = _Pair()
+def test_pair_frozen_primary_thaws_and_steps_down() -> None:
+    """The drill ``freeze-active``: the thawed primary must not serve as a second active."""
+    pair = _settled_pair()
+    # The primary freezes: it publishes nothing and reads nothing. The backup
+    # keeps heartbeating into the primary's (unread) queue.
+    pair.link[PRI].up = False
+    pair.link[PRI].queue.clear()
+    pair.outcomes = {PRI: [], BAK: []}
+    for _ in range(MISSED):
+        pair.clock.advance(HEARTBEAT)
+        pair.publish(BAK)
+    assert pair.vote(BAK), "the primary expired; a client voted for the backup"
+    assert pair.states == (A, A) and pair.epochs == (1, 2)
+    pair.publish(BAK)  # a heartbeat of the new active, also unread for now
+    # The primary thaws, still believing it is ACTIVE at epoch 1: its timer fires
+    # first and announces that, then it reads what piled up while it was frozen.
+    pair.clock.advance(5.0)
+    pair.link[PRI].up = True
+    pair.publish(PRI)
+    pair.drain(PRI)
+    assert pair.fsm[BAK].state is A, "the backup (epoch 2) beats the stale primary (epoch 1)"
+    pair.drain(BAK)
+    assert pair.states == (S, A)
     pair.heal_and_settle()
+    assert pair.states == (S, A) and pair.epochs == (1, 2)
+    assert pair.fired(PRI) == ["split", "passive"]
+    assert pair.fired(BAK) == ["active", "split"]
+    for role in (PRI, BAK):
+        assert pair.fsm[role].counters.split_brain_count == 1
+    assert not pair.vote(PRI) and pair.vote(BAK)
+
+
+def test_pair_partition_both_voted_later_election_wins() -> None:
+    """Both sides took votes while cut off: the one elected later (higher epoch) wins."""
+    pair = _settled_pair()
     pair.link[PRI].up = pair.link[BAK].up = False
     pair.clock.advance(EXPIRY)
-    assert pair.vote(BAK) and pair.vote(PRI)
-    assert pair.states == (A, A)
+    assert pair.vote(PRI), "already active: the primary serves, no new election"
+    assert pair.vote(BAK)
+    assert pair.states == (A, A) and pair.epochs == (1, 2)
     # Heal one direction at a time, so that each side sees the other active.
-    pair.link[BAK].up = True
-    pair.publish(BAK)
-    pair.deliver(BAK)
-    assert pair.states == (A, A)
-    assert pair.fsm[PRI].counters.split_brain_count == 1
     pair.link[PRI].up = True
     pair.publish(PRI)
     pair.deliver(PRI)
-    assert pair.states == (A, S)
+    assert pair.states == (A, A)
     assert pair.fsm[BAK].counters.split_brain_count == 1
+    pair.link[BAK].up = True
+    pair.publish(BAK)
+    pair.deliver(BAK)
+    assert pair.states == (S, A)
+    pair.heal_and_settle()
+    assert pair.states == (S, A)
+    assert pair.fired(PRI) == ["active", "split", "passive"]
+    assert pair.fired(BAK) == ["passive", "active", "split"]
+
+
+def test_pair_partition_equal_epochs_primary_wins() -> None:
+    """Two elections from the same knowledge give equal epochs: the primary wins.
+
+    During a rolling upgrade the backup stood by behind the old primary, which
+    announced no epoch (0). The upgraded primary comes back cut off from the
+    backup; clients vote for each of them, so both are elected at epoch 1.
+    """
+    pair = _Pair()
+    pair.link[PRI].up = pair.link[BAK].up = False
+    old_primary = decode_state([b"3"])
+    assert pair.fsm[BAK].receive_peer_state(old_primary.state, 0.0, old_primary.epoch).changed
+    pair.clock.advance(EXPIRY)
+    assert pair.vote(PRI) and pair.vote(BAK)
+    assert pair.states == (A, A) and pair.epochs == (1, 1)
     pair.heal_and_settle()
     assert pair.states == (A, S)
-    assert pair.fsm[PRI].counters.split_brain_count == 1
+    assert pair.fired(PRI) == ["active", "split"]
+    assert pair.fired(BAK) == ["active", "split", "passive"]
+
+
+def test_guide_peer_without_epoch_still_pairs() -> None:
+    """A Guide bstar peer sends one frame, the bare state number: epoch 0."""
+    fsm = BinaryStarFSM(False, 0.0, heartbeat=HEARTBEAT, missed=MISSED)
+
+    def hear(frame: bytes, now: float) -> Outcome:
+        report = decode_state([frame])
+        assert report.epoch == 0
+        return fsm.receive_peer_state(report.state, now, report.epoch)
+
+    assert hear(b"3", 0.0).became_passive
+    assert fsm.peer_epoch == 0
+    assert fsm.client_request(EXPIRY).became_active  # the Guide primary died
+    assert fsm.epoch == 1
+    assert hear(b"1\0", 3.0).state is A  # it restarts and will go passive
+    assert hear(b"4", 3.5).state is A
+    # A Guide peer that goes active anyway is at epoch 0 and loses; the Guide's own
+    # rule makes it abort on dual actives, so someone is left serving either way.
+    outcome = hear(b"3", 4.0)
+    assert outcome.split_brain_detected and fsm.state is A
+    assert encode_state(fsm.state, fsm.epoch) == [b"3:1"]
+    assert int(encode_state(fsm.state, fsm.epoch)[0].split(b":")[0]) == 3  # what atoi sees
 
 
 _ACTIONS = st.sampled_from(
@@ -495,20 +690,59 @@ def test_any_history_settles_to_one_active_and_one_passive(actions: list[str]) -
             pair.restart(role)
     pair.heal_and_settle()
     assert pair.states == (A, S) or pair.states == (S, A)
+    active = pair.fsm[PRI] if pair.states[0] is A else pair.fsm[BAK]
+    assert active.epoch >= 1, "every server that became active was elected"
 
 
 # -- wire format ----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("state", list(State))
-def test_state_message_round_trip(state: State) -> None:
-    frames = encode_state(state)
-    assert frames == [str(state.value).encode()]
-    assert decode_state(frames) is state
+@pytest.mark.parametrize("epoch", [0, 1, 17, MAX_EPOCH])
+def test_state_message_round_trip(state: State, epoch: int) -> None:
+    frames = encode_state(state, epoch)
+    assert frames == [f"{state.value}:{epoch}".encode()]
+    assert decode_state(frames) == PeerReport(state, epoch)
 
 
-def test_decode_accepts_c_string_terminator() -> None:
-    assert decode_state([b"3\0"]) is A
+@given(st.sampled_from(State), st.integers(0, MAX_EPOCH))
+def test_any_state_and_epoch_round_trip(state: State, epoch: int) -> None:
+    assert decode_state(encode_state(state, epoch)) == PeerReport(state, epoch)
+
+
+def test_encode_always_sends_an_epoch() -> None:
+    assert encode_state(A) == [b"3:0"]
+
+
+@pytest.mark.parametrize("state", list(State))
+def test_decode_guide_format_means_epoch_zero(state: State) -> None:
+    assert decode_state([b"%d" % state.value]) == PeerReport(state, 0)
+
+
+@pytest.mark.parametrize(
+    ("frame", "expected"),
+    [(b"3\0", PeerReport(A, 0)), (b"3:17\0", PeerReport(A, 17)), (b"4:007", PeerReport(S, 7))],
+)
+def test_decode_accepts_c_string_terminator_and_leading_zeros(
+    frame: bytes, expected: PeerReport
+) -> None:
+    assert decode_state([frame]) == expected
+
+
+@pytest.mark.parametrize(
+    ("epoch", "error"), [(-1, ValueError), (MAX_EPOCH + 1, ValueError), (True, TypeError)]
+)
+def test_encode_rejects_bad_epochs(epoch: int, error: type[Exception]) -> None:
+    with pytest.raises(error):
+        encode_state(A, epoch)
+
+
+@pytest.mark.parametrize("epoch", [-1, 1.0, True])
+def test_fsm_rejects_bad_epochs(epoch: int) -> None:
+    fsm = BinaryStarFSM(False, 0.0)
+    with pytest.raises((ValueError, TypeError)):
+        fsm.receive_peer_state(A, 0.0, epoch)
+    assert fsm.state is B and fsm.last_peer_contact is None
 
 
 @pytest.mark.parametrize(
@@ -524,6 +758,20 @@ def test_decode_accepts_c_string_terminator() -> None:
         [b"ACTIVE"],
         [b"\xff"],
         [b"9" * 50],
+        [b"3:"],
+        [b":3"],
+        [b":"],
+        [b"3:-1"],
+        [b"3:+1"],
+        [b"3: 1"],
+        [b"3:1 "],
+        [b"3:1:2"],
+        [b"3:x"],
+        [b"3:1.5"],
+        ["3:\uff11".encode()],  # a fullwidth digit is not ASCII
+        [b"3:" + b"1" * 21],
+        [b"5:1"],
+        [b"3:17", b""],
     ],
 )
 def test_decode_rejects_malformed_messages(frames: list[bytes]) -> None:
@@ -531,11 +779,18 @@ def test_decode_rejects_malformed_messages(frames: list[bytes]) -> None:
         decode_state(frames, "tcp://peer")
 
 
-@given(st.lists(st.binary(max_size=12), max_size=3))
-def test_decode_returns_a_state_or_raises_peer_state_error(frames: list[bytes]) -> None:
+@given(
+    st.one_of(
+        st.lists(st.binary(max_size=40), max_size=3),
+        st.lists(st.from_regex(rb"\A[0-9]{1,3}(:[-+ 0-9:]{0,24})?\x00{0,9}\Z"), max_size=2),
+    )
+)
+def test_decode_returns_a_report_or_raises_peer_state_error(frames: list[bytes]) -> None:
     try:
         result = decode_state(frames)
     except PeerStateError:
         return
-    assert isinstance(result, State)
+    assert isinstance(result, PeerReport)
+    assert isinstance(result.state, State)
+    assert 0 <= result.epoch <= MAX_EPOCH
     assert len(frames) == 1

@@ -215,6 +215,8 @@ def test_pair_comes_up_primary_active_backup_passive(ctx: zmq.Context, loop: IOL
                 assert counters.malformed_peer_messages == 0
                 assert node.star.last_peer_contact is not None
             assert primary.star.peer_state is S and backup.star.peer_state is A
+            assert (primary.star.epoch, backup.star.epoch) == (1, 0)
+            assert (primary.star.peer_epoch, backup.star.peer_epoch) == (0, 1)
         finally:
             cluster.close()
 
@@ -277,6 +279,7 @@ def test_failover_through_voter_socket_then_failback_comes_up_passive(
             assert served and served[0][-1] == b"snapshot?"
             assert replies[0] == [b"served"]
             assert backup.fired == ["passive", "active"]
+            assert backup.star.epoch == 2
 
             # The old primary comes back: it must stand by behind the active backup.
             restarted = cluster.node(True, pa, pb)
@@ -285,6 +288,7 @@ def test_failover_through_voter_socket_then_failback_comes_up_passive(
             await cluster.settle()
             assert restarted.fired == ["passive"]
             assert restarted.star.state is S and backup.star.state is A
+            assert restarted.star.peer_epoch == 2
             assert not restarted.star.accept_vote()
             assert backup.fired == ["passive", "active"]
             assert primary.fired == ["active"]
@@ -294,7 +298,25 @@ def test_failover_through_voter_socket_then_failback_comes_up_passive(
     run(loop, scenario)
 
 
-def test_split_brain_after_partition_is_detected_and_backup_steps_down(
+async def _split_pair(
+    cluster: Cluster, pa: str, pb: str, pa_relayed: str, pb_relayed: str
+) -> tuple[Node, Node, Relay, Relay]:
+    """A settled pair talking through relays; then both relays cut and the backup,
+    its peer expired, elected by a client vote: two actives, epochs 1 and 2."""
+    to_backup = Relay(cluster, pa, pa_relayed)
+    to_primary = Relay(cluster, pb, pb_relayed)
+    primary = cluster.node(True, pa, pb_relayed)
+    backup = cluster.node(False, pb, pa_relayed)
+    await cluster.wait_until(lambda: (primary.star.state, backup.star.state) == (A, S), "pair up")
+    to_backup.up = to_primary.up = False
+    await cluster.wait_until(lambda: time.monotonic() >= backup.star.peer_expiry, "primary silent")
+    assert backup.star.accept_vote()
+    assert (primary.star.state, backup.star.state) == (A, A)
+    assert (primary.star.epoch, backup.star.epoch) == (1, 2)
+    return primary, backup, to_backup, to_primary
+
+
+def test_split_brain_after_partition_later_elected_backup_wins(
     ctx: zmq.Context,
     loop: IOLoop,
 ) -> None:
@@ -303,40 +325,69 @@ def test_split_brain_after_partition_is_detected_and_backup_steps_down(
     async def scenario() -> None:
         cluster = Cluster(ctx, loop)
         try:
-            to_backup = Relay(cluster, pa, pa_relayed)
-            to_primary = Relay(cluster, pb, pb_relayed)
-            primary = cluster.node(True, pa, pb_relayed)
-            backup = cluster.node(False, pb, pa_relayed)
-            await cluster.wait_until(
-                lambda: (primary.star.state, backup.star.state) == (A, S), "pair up"
+            primary, backup, to_backup, to_primary = await _split_pair(
+                cluster, pa, pb, pa_relayed, pb_relayed
             )
+            assert primary.star.accept_vote(), "clients on the primary's side still vote"
 
-            # Partition: each side loses the other; a client votes for the backup.
-            to_backup.up = to_primary.up = False
-            await cluster.wait_until(
-                lambda: time.monotonic() >= backup.star.peer_expiry, "primary silent"
-            )
-            assert backup.star.accept_vote()
-            assert (primary.star.state, backup.star.state) == (A, A)
-
-            # Heal one direction first, so that the primary sees an active backup.
-            to_primary.up = True
-            await cluster.wait_until(
-                lambda: primary.star.counters.fsm.split_brain_count == 1, "primary detects"
-            )
-            assert primary.star.state is A
-            await cluster.settle()
-            assert primary.star.counters.fsm.split_brain_count == 1, "once per episode"
-            assert backup.star.state is A
-
+            # Heal one direction first, so that the backup sees an active primary.
             to_backup.up = True
-            await cluster.wait_until(lambda: backup.star.state is S, "backup steps down")
+            await cluster.wait_until(
+                lambda: backup.star.counters.fsm.split_brain_count == 1, "backup detects"
+            )
+            await cluster.settle()
+            assert backup.star.counters.fsm.split_brain_count == 1, "once per episode"
+            assert backup.star.state is A, "epoch 2 beats epoch 1: the backup keeps serving"
+            assert primary.star.state is A
+
+            to_primary.up = True
+            await cluster.wait_until(lambda: primary.star.state is S, "primary steps down")
             await cluster.settle()
             assert backup.star.counters.fsm.split_brain_count == 1
             assert primary.star.counters.fsm.split_brain_count == 1
-            assert (primary.star.state, backup.star.state) == (A, S)
-            assert primary.fired == ["active", "split"]
-            assert backup.fired == ["passive", "active", "split", "passive"]
+            assert (primary.star.state, backup.star.state) == (S, A)
+            assert (primary.star.epoch, backup.star.epoch) == (1, 2)
+            assert primary.star.peer_epoch == 2
+            assert primary.fired == ["active", "split", "passive"]
+            assert backup.fired == ["passive", "active", "split"]
+            assert not primary.star.accept_vote() and backup.star.accept_vote()
+        finally:
+            cluster.close()
+
+    run(loop, scenario)
+
+
+def test_frozen_primary_thaws_and_steps_down(ctx: zmq.Context, loop: IOLoop) -> None:
+    """The drill ``freeze-active``: the thawed server must not go on serving.
+
+    A frozen process neither sends nor reads; cutting both relays is what its
+    peer sees. On thaw, both directions come back at once, as they would.
+    """
+    pa, pb, pa_relayed, pb_relayed = (_endpoint(p) for p in free_ports(4))
+
+    async def scenario() -> None:
+        cluster = Cluster(ctx, loop)
+        try:
+            heard: list[list[bytes]] = []
+            listener = cluster.stream(zmq.SUB)
+            listener.setsockopt(zmq.SUBSCRIBE, b"")
+            listener.connect(pb)
+            listener.on_recv(heard.append)
+            primary, backup, to_backup, to_primary = await _split_pair(
+                cluster, pa, pb, pa_relayed, pb_relayed
+            )
+            await cluster.wait_until(lambda: [b"3:2"] in heard, "backup announces ACTIVE:2")
+            to_backup.up = to_primary.up = True  # thaw
+            await cluster.wait_until(lambda: primary.star.state is S, "thawed primary steps down")
+            await cluster.settle()
+            assert (primary.star.state, backup.star.state) == (S, A)
+            assert primary.fired == ["active", "split", "passive"]
+            # The backup sees the stale ACTIVE:1 only if it arrives before the
+            # primary's PASSIVE; either way it stays active and never re-elects.
+            assert backup.fired in (["passive", "active", "split"], ["passive", "active"])
+            assert backup.star.counters.fsm.split_brain_count == backup.fired.count("split")
+            assert primary.star.counters.fsm.split_brain_count == 1
+            assert (primary.star.epoch, primary.star.peer_epoch, backup.star.epoch) == (1, 2, 2)
         finally:
             cluster.close()
 
@@ -356,7 +407,7 @@ def test_bad_peer_messages_are_counted_dropped_and_rate_limited(
             rogue = cluster.stream(zmq.PUB)  # squats on the primary's endpoint
             rogue.bind(pa)
             backup = cluster.node(False, pb, pa)
-            for frames in ([b"junk"], [b"9"], [b"3", b"3"], [b""]):
+            for frames in ([b"junk"], [b"9"], [b"3", b"3"], [b""], [b"3:-1"]):
                 seen = backup.star.counters.malformed_peer_messages
                 await _send_until(
                     cluster,
@@ -420,10 +471,12 @@ def test_callback_failure_is_logged_and_the_loop_goes_on(
             assert primary.fired == ["active", "after"]
             assert primary.star.counters.callback_errors == 1
             sent = primary.star.counters.state_messages_sent
-            await cluster.wait_until(lambda: [b"3"] in heard, "ACTIVE announced as b'3'")
+            await cluster.wait_until(lambda: [b"3:1"] in heard, "ACTIVE announced as b'3:1'")
             await cluster.settle(2)
             assert primary.star.counters.state_messages_sent > sent, "heartbeat goes on"
-            assert all(frames in ([b"1"], [b"3"]) for frames in heard)
+            # One frame, state then epoch: a Guide peer's atoi still reads the state.
+            assert all(frames in ([b"1:0"], [b"3:1"]) for frames in heard)
+            assert primary.star.peer_epoch == 0, "the Guide peer sends no epoch"
         finally:
             cluster.close()
 
