@@ -100,6 +100,9 @@ def build_session(master: str = DEFAULT_MASTER, app_name: str = "clone-pipeline"
         raise SparkUnavailable(
             f"pyspark is not installed ({exc}); install the 'spark' extra"
         ) from None
+    active = SparkSession.getActiveSession()
+    if active is not None:  # a test run's shared session, or a notebook's
+        return active
     java_opts = f"-Dlog4j2.configurationFile=file:{_log4j_config()}"
     builder = (
         SparkSession.builder.master(master)

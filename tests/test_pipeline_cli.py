@@ -1,0 +1,101 @@
+"""clone-pipeline's failure modes: exit 2 with one line on stderr, no traceback."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from clone.pipeline.cli import main
+from tests.ports import free_base_port, free_port
+from tests.servers import Servers, servers  # noqa: F401
+from tests.spark_session import spark_fixture  # noqa: F401  (the shared session)
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _one_line_error(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    errors = [line for line in lines if ": error: " in line]
+    assert len(errors) == 1, err
+    assert "Traceback" not in err
+    return errors[0]
+
+
+def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["load", "--input", "x"])
+    assert exc.value.code == 2
+    assert "--servers" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["load", "--servers", "h:1", "--input", "x", "--max-in-flight", "0"])
+    assert exc.value.code == 2
+
+
+def test_missing_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "nope.parquet"
+    code, _, err = _run(capsys, "load", "--servers", "127.0.0.1:1", "--input", str(missing))
+    assert code == 2
+    assert _one_line_error(err) == f"clone-pipeline load: error: input {missing} does not exist"
+
+
+def test_bad_servers_argument(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, "export", "--servers", "nohost", "--output", str(tmp_path))
+    assert code == 2
+    assert "is not of the form [tcp://]host:port" in _one_line_error(err)
+
+
+def test_unreachable_servers(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    table = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"key": ["/a"], "value": ["1"]}), table)
+    dead = f"127.0.0.1:{free_base_port()}"
+    code, _, err = _run(
+        capsys, "load", "--servers", dead, "--input", str(table), "--heartbeat", "0.1"
+    )
+    assert code == 2
+    assert "no active Clone server at tcp://" in _one_line_error(err)
+
+
+def test_unreachable_spark_master(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "events.jsonl").write_text(json.dumps({"ts": 1.0, "client": "c0", "event": "x"}) + "\n")
+    master = f"spark://127.0.0.1:{free_port()}"
+    code, _, err = _run(
+        capsys, "drill-report", "--input", str(run), "--output", str(tmp_path / "o"),
+        "--master", master,
+    )  # fmt: skip
+    assert code == 2
+    assert _one_line_error(err) == (
+        f"clone-pipeline drill-report: error: Spark master {master} is unreachable"
+    )
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_missing_column(
+    spark: Any,
+    servers: Servers,  # noqa: F811
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    solo = servers.standalone()
+    table = tmp_path / "t.csv"
+    table.write_text("name,value\n/a,1\n")
+    code, _, err = _run(
+        capsys, "load", "--servers", f"127.0.0.1:{solo.port}", "--input", str(table),
+        "--format", "csv", "--heartbeat", "0.1",
+    )  # fmt: skip
+    assert code == 2
+    assert _one_line_error(err) == (
+        "clone-pipeline load: error: input has no column 'key' (columns: name, value)"
+    )
