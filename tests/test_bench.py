@@ -138,7 +138,7 @@ def test_latency_section(tmp_path: Path) -> None:
         lat = r["latency"]
         assert r["sent"] == 500
         if r["target"] == "clone":
-            assert r["lost"] == 0 and lat["count"] == 500 * r["subscribers"]
+            assert r["lost"] == 0 and lat["count"] == 500 * r["probes"]
         assert 0 < lat["p50_ms"] <= lat["p99_ms"] <= lat["p99_9_ms"] <= lat["max_ms"]
         assert r["writer_lag"]["count"] == 500
 

@@ -12,7 +12,12 @@ processes through a *target*:
   loop in its own process, the ceiling of a Python process doing nothing else.
 
 Writer and watchers run in separate processes (``multiprocessing``, spawn), so
-the load generator and the target do not share a GIL.  Before any clock starts,
+the load generator and the target do not share a GIL.  With more than one
+subscriber, ``probes`` of them (default 1) are measuring Python watchers and the
+rest are C-level sinks (``zmq.proxy`` from a SUB into a PUB with no peers, one
+thread each, in one process): the target pays for every subscriber, but ten
+Python watchers would saturate two cores by themselves and measure the watchers,
+not the target.  Before any clock starts,
 the writer builds every message and sends *warm-up* messages until each watcher
 has seen one (subscriptions propagate asynchronously, so without this the first
 messages would be dropped by PUB).  Then:
@@ -65,6 +70,7 @@ from typing import Any
 
 import zmq
 
+from clone.errors import CloneError
 from clone.protocol import COLLECTOR_OFFSET, HUGZ, KTHXBAI, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
 from clone.tools.histogram import LatencyHistogram
 from clone.tools.procs import (
@@ -119,6 +125,8 @@ class BenchConfig:
     snapshot_repeats: int = 3
     snapshot_heartbeat_ms: int = 200
     memory_keys: int = 100_000
+    # Subscribers measured by a Python watcher process each; the others are C sinks.
+    probes: int = 1
     server_heartbeat_ms: int | None = None
     profile_dir: Path | None = None
     log_dir: Path = Path("results/bench-logs")
@@ -192,6 +200,35 @@ def _proxy_main(kind: str, in_port: int, out_port: int) -> None:
     recv, send = sub.recv_multipart, pub.send_multipart
     while True:
         send(recv())
+
+
+def _sink_main(out_endpoint: str, count: int) -> None:
+    """``count`` subscribers that drain everything at C speed, until killed.
+
+    Each is ``zmq.proxy(SUB, PUB)`` in its own thread, the PUB bound to nowhere, so
+    libzmq receives and drops every message without Python in the loop: the target
+    pays for ``count`` more subscribers while the machine's two cores stay free for
+    the target and the measuring watchers.
+    """
+    import threading
+
+    ctx = zmq.Context()
+
+    def drain(i: int) -> None:
+        sub = ctx.socket(zmq.SUB)
+        sub.rcvhwm = 0
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(out_endpoint)
+        void = ctx.socket(zmq.PUB)
+        void.bind(f"inproc://void-{i}")
+        with contextlib.suppress(zmq.ZMQError):
+            zmq.proxy(sub, void)
+
+    threads = [threading.Thread(target=drain, args=(i,), daemon=True) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
 
 
 def _writer_main(
@@ -278,7 +315,7 @@ def _watcher_main(
     count = 0
     first = last = 0.0
     hugz: list[float] = []
-    hist = LatencyHistogram()
+    latencies: list[float] = []  # seconds; into the histogram after the run, off the hot path
     prefix = _TPUT_PREFIX if mode == "throughput" else _LAT_PREFIX
     hard_deadline = mono() + 3600
     while not stop.is_set() and mono() < hard_deadline:
@@ -306,12 +343,15 @@ def _watcher_main(
                 if count == 1:
                     first = now
                 if mode == "latency":
-                    hist.record_seconds(now - struct.unpack_from("!d", frames[4])[0])
+                    latencies.append(now - struct.unpack_from("!d", frames[4])[0])
             elif key == _WARM_KEY and not announced:
                 ready.put(idx)
                 announced = True
         if expected and count >= expected:
             break
+    hist = LatencyHistogram()
+    for lat in latencies:
+        hist.record_seconds(lat)
     results.put(
         {
             "role": "watcher",
@@ -484,7 +524,15 @@ def _traffic(
     expected: int,
     params: dict[str, Any],
     deadline_s: float,
+    probes: int,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run a writer and ``subscribers`` subscribers through ``target``.
+
+    ``probes`` of the subscribers are measuring watchers (one process each); the
+    rest are C-level sinks in one more process (see :func:`_sink_main`).
+    """
+    sinks = max(0, subscribers - probes)
+    subscribers -= sinks
     ready = _MP.Queue()
     results = _MP.Queue()
     go, stop = _MP.Event(), _MP.Event()
@@ -501,7 +549,12 @@ def _traffic(
         target=_writer_main, args=(target.in_endpoint, mode, params, go, results), daemon=True
     )
     procs = [*watchers, writer]
-    for p in procs:
+    if sinks:
+        sink = _MP.Process(target=_sink_main, args=(target.out_endpoint, sinks), daemon=True)
+        sink.start()
+        time.sleep(0.5)  # connected and subscribed before the measurement starts
+        procs.append(sink)
+    for p in [*watchers, writer]:
         p.start()
     try:
         seen: set[int] = set()
@@ -529,7 +582,8 @@ def _traffic(
                 break
     finally:
         stop.set()
-        _reap(procs)
+        _reap([*watchers, writer])
+        _reap(procs, 0.0)
     writer_res = next((r for r in got if r["role"] == "writer"), None)
     if writer_res is None:
         raise RuntimeError(f"{target.name}: the writer did not report")
@@ -553,6 +607,7 @@ def run_throughput(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str,
                         n,
                         {"messages": n, "value_size": cfg.value_size},
                         deadline_s=60 + n / 1000,
+                        probes=cfg.probes,
                     )
             rates = [
                 w["received"] / (w["last"] - writer["t_start"])
@@ -564,7 +619,8 @@ def run_throughput(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str,
                 "subscribers": subs,
                 "messages": n,
                 "received_min": min((w["received"] for w in watchers), default=0),
-                "delivered": round(sum(w["received"] for w in watchers) / (n * subs), 4),
+                "probes": len(watchers),
+                "delivered": round(sum(w["received"] for w in watchers) / (n * len(watchers)), 4),
                 "rate_median": round(statistics.median(rates)) if rates else 0,
                 "rate_min": round(min(rates)) if rates else 0,
                 "writer_enqueue_rate": round(
@@ -612,6 +668,7 @@ def run_latency(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, An
                     count,
                     {"rate": rate, "seconds": cfg.rate_seconds, "value_size": cfg.value_size},
                     deadline_s=cfg.rate_seconds + 60,
+                    probes=cfg.probes,
                 )
         merged = LatencyHistogram()
         for w in watchers:
@@ -624,7 +681,8 @@ def run_latency(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, An
             "seconds": cfg.rate_seconds,
             "sent": writer["sent"],
             "received_min": min((w["received"] for w in watchers), default=0),
-            "lost": writer["sent"] * subs - sum(w["received"] for w in watchers),
+            "probes": len(watchers),
+            "lost": writer["sent"] * len(watchers) - sum(w["received"] for w in watchers),
             "latency": merged.summary(),
             "writer_lag": lag.summary(),
             "distribution": merged.distribution(),
@@ -722,10 +780,15 @@ def _client_sync(endpoint: str, subtree: str, timeout: float) -> dict[str, Any]:
     except ImportError:
         return {"available": False}
     t0 = time.monotonic()
-    with Clone([endpoint], subtree=subtree) as client:
-        client.wait_synced(timeout)
+    with Clone([endpoint], subtree=subtree, command_timeout=30.0) as client:
+        try:
+            client.wait_synced(timeout)
+        except CloneError as exc:
+            return {"available": True, "seconds": None, "error": str(exc)}
         t1 = time.monotonic()
-        keys = len(list(client.items(subtree)))
+        # status() rather than items(): listing a million entries through the
+        # agent's command pipe is not what is measured here.
+        keys = client.status().keys
     return {"available": True, "seconds": round(t1 - t0, 4), "keys": keys}
 
 
@@ -749,61 +812,16 @@ def run_snapshot(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, A
     ctx: zmq.Context[Any] = zmq.Context()
     try:
         for n in cfg.snapshot_sizes:
-            with _running_target("clone", group, cfg.snapshot_heartbeat_ms) as target:
-                time.sleep(0.3)
-                rss0 = _rss(target.pid)
-                load_s = _load_keys(ctx, target, n, cfg.value_size)
-                time.sleep(0.3)
-                rss1 = _rss(target.pid)
-                ready, results, stop = _MP.Queue(), _MP.Queue(), _MP.Event()
-                hugz = _MP.Process(
-                    target=_watcher_main,
-                    args=(0, target.out_endpoint, "hugz", 0, 3600.0, ready, results, stop),
-                    daemon=True,
-                )
-                hugz.start()
-                try:
-                    ready.get(timeout=15)
-                    windows: list[tuple[float, float]] = []
-                    serves: list[dict[str, Any]] = []
-                    with _Profiler(cfg.profile_dir, f"snapshot-{n}", target.pid) as prof:
-                        for _ in range(cfg.snapshot_repeats):
-                            t0 = time.monotonic()
-                            serves.append(
-                                _raw_snapshot(ctx, target.snapshot_endpoint, _SNAP_SUBTREE, 60)
-                            )
-                            windows.append((t0, time.monotonic()))
-                            time.sleep(hb)
-                        t0 = time.monotonic()
-                        sync = _client_sync(target.snapshot_endpoint, _SNAP_SUBTREE, 120)
-                        windows.append((t0, time.monotonic()))
-                    time.sleep(hb * 1.5)
-                    stop.set()
-                    hugz_times = results.get(timeout=15)["hugz"]
-                finally:
-                    stop.set()
-                    _reap([hugz])
-            gaps = [_max_gap(hugz_times, a, b) for a, b in windows]
-            ok_serves = [s for s in serves if s["complete"] and s["entries"] == n]
-            run: dict[str, Any] = {
-                "keys": n,
-                "load_s": round(load_s, 3),
-                "load_rate": round(n / load_s),
-                "rss_before": rss0,
-                "rss_after": rss1,
-                "bytes_per_key": round((rss1 - rss0) / n, 1),
-                "serve_s": min((s["seconds"] for s in ok_serves), default=None),
-                "serve_all": serves,
-                "serve_complete": len(ok_serves) == len(serves),
-                "client_sync": sync,
-                "heartbeat_s": hb,
-                "hugz_max_gap_s": round(max(gaps), 4) if gaps else None,
-                "hugz_missed": bool(gaps) and max(gaps) > 1.5 * hb,
-            }
-            if prof.summary:
-                run["profile"] = prof.summary
+            try:
+                run = _snapshot_one(cfg, group, ctx, n)
+            except Exception as exc:  # keep the other sizes
+                log.exception("snapshot of %d keys failed", n)
+                say(f"  snapshot {n:>9,} keys: FAILED: {exc}")
+                runs.append({"keys": n, "error": repr(exc)})
+                continue
             runs.append(run)
-            sync_text = f"{sync['seconds']:.3f}s" if sync.get("available") else "n/a"
+            sync = run["client_sync"]
+            sync_text = f"{sync['seconds']}s" if sync.get("available") else "n/a"
             say(
                 f"  snapshot {n:>9,} keys: served {run['serve_s']}s "
                 f"(complete={run['serve_complete']}), client sync {sync_text}, "
@@ -813,6 +831,67 @@ def run_snapshot(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, A
     finally:
         ctx.term()
     return {"runs": runs}
+
+
+def _snapshot_one(
+    cfg: BenchConfig, group: ProcessGroup, ctx: zmq.Context[Any], n: int
+) -> dict[str, Any]:
+    hb = cfg.snapshot_heartbeat_ms / 1000.0
+    with _running_target("clone", group, cfg.snapshot_heartbeat_ms) as target:
+        time.sleep(0.3)
+        rss0 = _rss(target.pid)
+        load_s = _load_keys(ctx, target, n, cfg.value_size)
+        time.sleep(0.3)
+        rss1 = _rss(target.pid)
+        ready, results, stop = _MP.Queue(), _MP.Queue(), _MP.Event()
+        hugz = _MP.Process(
+            target=_watcher_main,
+            args=(0, target.out_endpoint, "hugz", 0, 3600.0, ready, results, stop),
+            daemon=True,
+        )
+        hugz.start()
+        try:
+            ready.get(timeout=15)
+            windows: list[tuple[float, float]] = []
+            serves: list[dict[str, Any]] = []
+            with _Profiler(cfg.profile_dir, f"snapshot-{n}", target.pid) as prof:
+                for _ in range(cfg.snapshot_repeats):
+                    t0 = time.monotonic()
+                    serves.append(
+                        _raw_snapshot(ctx, target.snapshot_endpoint, _SNAP_SUBTREE, 60)
+                    )
+                    windows.append((t0, time.monotonic()))
+                    time.sleep(hb)
+                t0 = time.monotonic()
+                sync = _client_sync(target.snapshot_endpoint, _SNAP_SUBTREE, 120)
+                windows.append((t0, time.monotonic()))
+            time.sleep(hb * 1.5)
+            stop.set()
+            hugz_times = results.get(timeout=15)["hugz"]
+        finally:
+            stop.set()
+            _reap([hugz])
+    gaps = [_max_gap(hugz_times, a, b) for a, b in windows]
+    ok_serves = [s for s in serves if s["complete"] and s["entries"] == n]
+    run: dict[str, Any] = {
+        "keys": n,
+        "load_s": round(load_s, 3),
+        "load_rate": round(n / load_s),
+        "rss_before": rss0,
+        "rss_after": rss1,
+        "bytes_per_key": round((rss1 - rss0) / n, 1),
+        "serve_s": min((s["seconds"] for s in ok_serves), default=None),
+        "serve_all": serves,
+        "serve_complete": len(ok_serves) == len(serves),
+        "client_sync": sync,
+        "heartbeat_s": hb,
+        "hugz_max_gap_s": round(max(gaps), 4) if gaps else None,
+        "hugz_max_gap_during_sync_s": round(gaps[-1], 4),
+        "hugz_missed": bool(gaps) and max(gaps) > 1.5 * hb,
+    }
+    if prof.summary:
+        run["profile"] = prof.summary
+    return run
 
 
 def run_memory(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]:
@@ -899,7 +978,13 @@ def run_benchmarks(
         for section in cfg.sections:
             say(f"[{section}]")
             t0 = time.monotonic()
-            results["sections"][section] = _RUNNERS[section](cfg, group, say)
+            try:
+                results["sections"][section] = _RUNNERS[section](cfg, group, say)
+            except Exception as exc:  # one broken section must not lose the others
+                log.exception("section %s failed", section)
+                say(f"  {section} FAILED: {exc}")
+                results.setdefault("errors", {})[section] = repr(exc)
+                continue
             results["sections"][section]["elapsed_s"] = round(time.monotonic() - t0, 1)
     results["targets"] = evaluate_targets(results)
     return results
@@ -934,6 +1019,9 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 )
     if "snapshot" in s:
         for run in s["snapshot"]["runs"]:
+            if "error" in run:
+                add(f"{run['keys']:,}-key snapshot ran", run["error"], "no error", False)
+                continue
             if run["keys"] == 100_000:
                 serve = run["serve_s"]
                 add("100k snapshot served s", serve, "<= 0.5", serve is not None and serve <= 0.5)
@@ -972,6 +1060,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-seconds", type=float, help="latency: seconds per rate")
     p.add_argument("--snapshot-sizes", type=_ints, help="snapshot: key counts, e.g. 10000,100000")
     p.add_argument("--memory-keys", type=int, help="memory: keys to load")
+    p.add_argument("--probes", type=int,
+                   help="measuring watcher processes per run (the other subscribers are C sinks)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -987,6 +1077,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         ("rate_seconds", "rate_seconds"),
         ("snapshot_sizes", "snapshot_sizes"),
         ("memory_keys", "memory_keys"),
+        ("probes", "probes"),
     ]:
         value = getattr(args, arg)
         if value is not None:
@@ -1024,6 +1115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.md is not None:
         report.update_markdown(args.md, report.bench_markdown(results))
         print(f"markdown: {args.md}")
+    if results.get("errors"):
+        print(f"FAILED sections: {', '.join(results['errors'])}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -70,12 +70,13 @@ def _bench_tables(results: dict[str, Any], markdown: bool) -> list[tuple[str, st
     s = results["sections"]
     if "throughput" in s:
         rows = [
-            [r["target"], r["subscribers"], r["messages"], r["rate_median"], r["rate_min"],
-             f"{r['delivered']:.1%}"]
+            [r["target"], r["subscribers"], r.get("probes", r["subscribers"]), r["messages"],
+             r["rate_median"], r["rate_min"], f"{r['delivered']:.1%}"]
             for r in s["throughput"]["runs"]
         ]
         text = table(
-            ["target", "subs", "messages", "msg/s per sub (median)", "min", "delivered"],
+            ["target", "subs", "measured", "messages", "msg/s per sub (median)", "min",
+             "delivered"],
             rows,
             markdown=markdown,
         )
@@ -90,13 +91,15 @@ def _bench_tables(results: dict[str, Any], markdown: bool) -> list[tuple[str, st
         for r in s["latency"]["runs"]:
             lat = r["latency"]
             rows.append([
-                r["target"], r["rate"], r["subscribers"], lat["count"], lat["p50_ms"],
+                r["target"], r["rate"], r["subscribers"], r.get("probes", r["subscribers"]),
+                lat["count"], lat["p50_ms"],
                 lat["p99_ms"], lat["p99_9_ms"], lat["max_ms"], r["lost"], r["writer_lag"]["p99_ms"],
             ])
         out.append((
             "Latency from the intended send time (ms, HDR histogram)",
             table(
-                ["target", "rate/s", "subs", "samples", "p50", "p99", "p99.9", "max", "lost",
+                ["target", "rate/s", "subs", "measured", "samples", "p50", "p99", "p99.9", "max",
+                 "lost",
                  "writer lag p99"],
                 rows,
                 markdown=markdown,
@@ -105,10 +108,15 @@ def _bench_tables(results: dict[str, Any], markdown: bool) -> list[tuple[str, st
     if "snapshot" in s:
         rows = []
         for r in s["snapshot"]["runs"]:
+            if "error" in r:
+                rows.append([r["keys"], None, None, False, r["error"][:40], None, None, None,
+                             None])
+                continue
             sync = r["client_sync"]
             rows.append([
                 r["keys"], r["load_rate"], r["serve_s"], r["serve_complete"],
-                sync.get("seconds") if sync.get("available") else "n/a",
+                (sync.get("seconds") or sync.get("error", "?")[:40])
+                if sync.get("available") else "n/a",
                 r["hugz_max_gap_s"], r["heartbeat_s"], not r["hugz_missed"], r["bytes_per_key"],
             ])
         out.append((
