@@ -76,8 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument(
         "--max-in-flight",
         type=_positive_int,
-        default=256,
-        help="unconfirmed writes per partition (default 256)",
+        default=64,
+        help="unconfirmed writes per partition (default 64)",
     )
     load.add_argument(
         "--confirm-timeout",

@@ -44,9 +44,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Rows of local data per task when a driver-side snapshot becomes a DataFrame:
-# Spark warns about tasks over 1 MB, and small slices spread the Parquet work.
-_SLICE_BYTES = 768 * 1024
 # Parquet files of an export: about this many rows each.
 _ROWS_PER_FILE = 500_000
 
@@ -282,26 +279,14 @@ def _snapshot_table(snap: Snapshot) -> pa.Table:
 
 
 def snapshot_dataframe(spark: SparkSession, snap: Snapshot) -> DataFrame:
-    """A driver-side snapshot as a DataFrame in :data:`EXPORT_SCHEMA`, cut
-    into slices small enough to ship to executors without warnings."""
-    from functools import reduce
-
-    from pyspark.sql import DataFrame
-
+    """A driver-side snapshot as a DataFrame in :data:`EXPORT_SCHEMA` (built
+    from Arrow columns: no per-row Python objects on the way to the JVM)."""
     from clone.pipeline.transforms import snapshot_to_export
 
-    table = _snapshot_table(snap)
     raw_schema = ", ".join(
         f"`{f.name}` {f.dataType.simpleString()}" for f in EXPORT_SCHEMA.fields[:5]
     )
-    parallelism = max(1, spark.sparkContext.defaultParallelism)
-    per_slice = max(1, table.nbytes // max(1, table.num_rows)) if table.num_rows else 1
-    rows_per_frame = max(1000, _SLICE_BYTES * parallelism // per_slice)
-    frames = [
-        spark.createDataFrame(table.slice(start, rows_per_frame), schema=raw_schema)
-        for start in range(0, max(1, table.num_rows), rows_per_frame)
-    ]
-    return snapshot_to_export(reduce(DataFrame.unionAll, frames))
+    return snapshot_to_export(spark.createDataFrame(_snapshot_table(snap), schema=raw_schema))
 
 
 def write_text_file(spark: SparkSession, path: str, text: str) -> None:

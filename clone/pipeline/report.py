@@ -178,8 +178,8 @@ def render_markdown(data: ReportData, plot_name: str = "report.png") -> str:
     lines += ["## Clients", ""]
     lines.append(
         "`lost` counts writes of the run (by any client) that this client never applied; "
-        "`out of order` counts updates not above the last sequence it applied since its "
-        "last failover."
+        "`out of order` counts updates of a key not above the last sequence it applied for "
+        "that key."
     )
     lines.append("")
     lines += _table(

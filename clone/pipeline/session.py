@@ -8,6 +8,7 @@ to be running; ``master`` sends the same job to a real cluster.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import socket
@@ -30,6 +31,9 @@ DEFAULT_MASTER = "local[2]"
 # near-empty tasks per shuffle on a two-core laptop.
 _SHUFFLE_PARTITIONS = 4
 # JVM logging: warnings and errors only, and not Hadoop's native-library notice.
+# TaskSetManager's "task of very large size" warning is expected: an export
+# ships the driver's snapshot to the executors inside its tasks.  A failed task
+# still fails the job with its error.
 _LOG4J2 = """\
 rootLogger.level = warn
 rootLogger.appenderRef.stderr.ref = console
@@ -44,11 +48,14 @@ logger.shutdown.name = org.apache.spark.util.ShutdownHookManager
 logger.shutdown.level = error
 logger.blockmanager.name = org.apache.spark.storage.BlockManager
 logger.blockmanager.level = error
+logger.tsm.name = org.apache.spark.scheduler.TaskSetManager
+logger.tsm.level = error
 """
 
 
 def _log4j_config() -> str:
-    path = os.path.join(tempfile.gettempdir(), "clone-pipeline-log4j2.properties")
+    digest = hashlib.sha1(_LOG4J2.encode()).hexdigest()[:12]
+    path = os.path.join(tempfile.gettempdir(), f"clone-pipeline-log4j2-{digest}.properties")
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as fh:

@@ -60,6 +60,8 @@ __all__ = [
     "read_export",
     "read_export_updates",
     "require_columns",
+    "require_exists",
+    "read_export_meta",
 ]
 
 log = logging.getLogger(__name__)
@@ -174,7 +176,9 @@ def _local_path(path: str) -> str:
     return urlsplit(path).path if path.startswith("file:") else path
 
 
-def _require_exists(path: str, what: str) -> None:
+def require_exists(path: str, what: str) -> None:
+    """Raise :class:`InputError` when a local ``path`` does not exist (remote
+    paths are left to Spark, whose error is turned into an InputError)."""
     if _is_local(path) and not os.path.exists(_local_path(path)):
         raise InputError(f"{what} {path} does not exist")
 
@@ -196,7 +200,7 @@ def read_table(spark: SparkSession, path: str, fmt: str = "parquet") -> DataFram
     """A table to load.  CSV needs a header line; its columns are read as text."""
     if fmt not in TABLE_FORMATS:
         raise InputError(f"unknown format {fmt!r} (one of {', '.join(TABLE_FORMATS)})")
-    _require_exists(path, "input")
+    require_exists(path, "input")
     reader = spark.read.format(fmt)
     if fmt == "csv":
         reader = reader.option("header", "true").option("inferSchema", "false")
@@ -213,8 +217,8 @@ def read_drill_summaries(paths: Sequence[str]) -> list[DrillRun]:
     """The runs in ``paths``, each with its ``summary.json`` (driver-side, small)."""
     runs: list[DrillRun] = []
     for path in paths:
-        _require_exists(path, "drill directory")
-        _require_exists(os.path.join(path, "events.jsonl"), "drill log")
+        require_exists(path, "drill directory")
+        require_exists(os.path.join(path, "events.jsonl"), "drill log")
         summary: dict[str, Any] = {}
         summary_path = os.path.join(_local_path(path), "summary.json")
         if os.path.exists(summary_path):
@@ -281,7 +285,7 @@ def read_export_meta(path: str) -> ExportMeta:
 
 def read_export(spark: SparkSession, path: str) -> tuple[DataFrame, ExportMeta]:
     """An export written by ``clone-pipeline export`` and its snapshot metadata."""
-    _require_exists(path, "export")
+    require_exists(path, "export")
     meta = read_export_meta(path)
     try:
         df = spark.read.schema(EXPORT_SCHEMA).parquet(path)

@@ -144,9 +144,7 @@ def _as_ttl(col: Column, dtype: DataType, what: str) -> tuple[Column, Column]:
             )
         )
         return seconds, bad
-    raise InputError(
-        f"{what} has type {dtype.simpleString()}; a ttl must be a number or text"
-    )
+    raise InputError(f"{what} has type {dtype.simpleString()}; a ttl must be a number or text")
 
 
 def with_reject_reason(df: DataFrame, cols: LoadColumns) -> DataFrame:
@@ -365,8 +363,8 @@ def client_delivery_stats(events: DataFrame) -> DataFrame:
     - ``writes_sent``, ``writes_confirmed``, ``write_timeouts``: its own writes;
     - ``updates``: KVPUBs it applied; ``failovers``: its ``failover_done`` events;
     - ``duplicates``: updates whose uuid it had already applied;
-    - ``out_of_order``: updates (other than duplicates) whose sequence is not
-      above every sequence it applied before since its last failover;
+    - ``out_of_order``: updates (other than duplicates) of a key whose sequence
+      is not above every sequence it applied before for that key;
     - ``confirmed_lost``: writes confirmed (by any client of the run) whose uuid
       this client never applied; ``unconfirmed_lost``: the same for writes sent
       but never confirmed.  Both are null for a client that applied nothing
@@ -388,25 +386,21 @@ def client_delivery_stats(events: DataFrame) -> DataFrame:
     observed = _observed(events)
     duplicates = observed.groupBy("run", "client").agg(F.sum(F.col("n") - 1).alias("duplicates"))
 
-    # Sequence order within each client's stream, reset by each failover.
-    stream = events.filter(ev.isin("update", "failover_done")).withColumn(
-        "epoch",
-        F.sum(F.when(ev == "failover_done", 1).otherwise(0)).over(
-            Window.partitionBy("run", "client").orderBy("ts", "line")
-        ),
-    )
+    # Order per key: a client must never apply an older update of a key after a
+    # newer one.  (Per key, not across keys: after a resync the client reports
+    # the keys that changed in key order, whatever their sequences.)  A
+    # redelivered uuid is a duplicate, counted above, not also out of order.
     before = (
-        Window.partitionBy("run", "client", "epoch")
+        Window.partitionBy("run", "client", "key")
         .orderBy("ts", "line")
         .rowsBetween(Window.unboundedPreceding, -1)
     )
-    # A redelivered uuid is a duplicate, counted above, not also out of order.
     first_time = Window.partitionBy("run", "client", "uuid").orderBy("ts", "line")
     repeat = (
         F.col("uuid").isNotNull() & (F.col("uuid") != "") & (F.row_number().over(first_time) > 1)
     )
     ordered = (
-        stream.filter((ev == "update") & F.col("seq").isNotNull())
+        events.filter((ev == "update") & F.col("seq").isNotNull() & F.col("key").isNotNull())
         .withColumn("prev_max", F.max("seq").over(before))
         .withColumn("repeat", repeat)
         .groupBy("run", "client")
