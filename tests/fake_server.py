@@ -44,7 +44,6 @@ class FakeServer:
         self.snapshot_requests = 0
         self.kvsets = 0
         self._seen: set[bytes] = set()
-        self._inject: list[tuple[str, list[bytes]]] = []
         self._calls: list[Callable[[], None]] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -68,9 +67,18 @@ class FakeServer:
         self._thread.join(5)
 
     def inject(self, socket: str, frames: Sequence[bytes]) -> None:
-        """Send raw frames on 'pub' or as a snapshot reply ('snapshot', to every requester)."""
-        with self._lock:
-            self._inject.append((socket, list(frames)))
+        """Send raw frames on 'pub' or as a snapshot reply ('snapshot', to every
+        requester); returns once they are sent."""
+        raw = list(frames)
+
+        def send() -> None:
+            if socket == "pub":
+                self._pub.send_multipart(raw)
+            else:
+                for ident in self._requesters:
+                    self._snap.send_multipart([ident, *raw])
+
+        self.call(send)
 
     def call(self, fn: Callable[[], object]) -> None:
         """Run ``fn`` in the server thread (to change the map consistently); wait for it."""
@@ -103,6 +111,7 @@ class FakeServer:
         pub.bind(f"tcp://127.0.0.1:{self.port + 1}")
         coll.bind(f"tcp://127.0.0.1:{self.port + 2}")
         self._pub = pub
+        self._snap = snap
         self._requesters: list[bytes] = []
         poller = zmq.Poller()
         poller.register(snap, zmq.POLLIN)
@@ -119,15 +128,8 @@ class FakeServer:
                         self._collect(frames)
                 with self._lock:
                     calls, self._calls = self._calls, []
-                    injects, self._inject = self._inject, []
                 for fn in calls:
                     fn()
-                for where, frames in injects:
-                    if where == "pub":
-                        pub.send_multipart(frames)
-                    else:
-                        for ident in self._requesters:
-                            snap.send_multipart([ident, *frames])
                 now = time.monotonic()
                 if now >= next_hugz:
                     next_hugz = now + self.heartbeat

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from functools import partial
 
 import pytest
 
@@ -145,7 +146,7 @@ def test_several_clients_in_one_process(server: FakeServer) -> None:
             c.set(f"from{i}", str(i), wait=True, timeout=5)
         clients[0].close()  # closing one leaves the others working
         for c in clients[1:]:
-            eventually(lambda c=c: len(c.items()) == 4, what="every write everywhere")
+            eventually(partial(lambda c: len(c.items()) == 4, c), what="every write everywhere")
             assert c.items() == clients[1].items()
     finally:
         for c in clients:
