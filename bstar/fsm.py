@@ -36,6 +36,14 @@ one full expiry period before it accepts a vote. A vote that would make this
 server active is accepted only when ``now >= peer_expiry``. Expiry on its own never
 changes the state: only a vote turns a silent peer into a failover, because only
 a client can tell us that it can no longer reach the other server.
+
+A lost connection is earlier evidence of the same thing. When the peer's process
+dies, its kernel closes its TCP connections at once, and the reactor reports that
+as :meth:`BinaryStarFSM.peer_disconnected`: from then on the peer counts as expired
+(``peer_expiry`` is the moment of the disconnect) until it is heard again. It only
+brings forward what the heartbeat would conclude ``missed * heartbeat`` later; a
+vote is still needed to fail over, so the rules and their safety are unchanged. A
+frozen peer or a partition closes nothing, so there only the heartbeat tells.
 """
 
 from __future__ import annotations
@@ -318,6 +326,8 @@ class BinaryStarFSM:
         self._state = State.PRIMARY if primary else State.BACKUP
         self._peer_state: State | None = None
         self._last_peer_contact: float | None = None
+        # When the connection to the peer was lost, if it has not been heard since.
+        self._peer_lost_at: float | None = None
         self._epoch = 0
         self._peer_epoch = 0
         # Whether the peer's expiry has been reported yet, so it is reported once.
@@ -380,12 +390,26 @@ class BinaryStarFSM:
         return self._last_peer_contact
 
     @property
+    def peer_lost_at(self) -> float | None:
+        """When the connection to the peer was lost, or None if it has not been
+        lost since the peer was last heard (or since it was back)."""
+        return self._peer_lost_at
+
+    @property
     def peer_expiry(self) -> float:
-        """The moment from which the peer counts as dead, unless heard again."""
+        """The moment from which the peer counts as dead, unless heard again.
+
+        Normally ``missed`` heartbeats after the last contact; after a lost
+        connection, the moment it was lost, if that is earlier.
+        """
         base = self._started_at if self._last_peer_contact is None else self._last_peer_contact
-        return base + self._missed * self._heartbeat
+        expiry = base + self._missed * self._heartbeat
+        if self._peer_lost_at is not None:
+            return min(expiry, self._peer_lost_at)
+        return expiry
 
     def peer_alive(self, now: float) -> bool:
+        """Whether the peer still counts as alive at ``now`` (``now < peer_expiry``)."""
         return now < self.peer_expiry
 
     @property
@@ -409,6 +433,39 @@ class BinaryStarFSM:
     def client_request(self, now: float) -> Outcome:
         """A client asked us to serve it; ``outcome.accepted`` says whether we may."""
         return self.handle(Event.CLIENT_REQUEST, now)
+
+    def peer_disconnected(self, now: float) -> bool:
+        """The connection to the peer was lost at ``now``: count the peer as expired.
+
+        This is what a peer process that died looks like: its kernel closes its
+        connections at once, long before ``missed`` heartbeats have gone by. The
+        peer counts as dead from ``now`` until it is heard again (or the
+        connection is back, see :meth:`peer_connected`); the state does not change,
+        a vote is still needed to fail over. Returns True if this made a live peer
+        count as dead. A disconnect older than the last message heard is stale
+        news and is ignored.
+        """
+        contact = self._last_peer_contact
+        if contact is not None and now < contact:
+            return False
+        was_alive = self.peer_alive(now)
+        if self._peer_lost_at is None or now < self._peer_lost_at:
+            self._peer_lost_at = now
+        return was_alive
+
+    def peer_connected(self, now: float) -> None:
+        """A connection to the peer endpoint was (re)established at ``now``.
+
+        Someone is listening there again, so a loss recorded earlier no longer
+        stands: expiry goes back to counting heartbeats from the last contact.
+        This is not contact (nothing has been heard), so it never makes a silent
+        peer alive by itself; it only undoes the shortcut of a disconnect.
+        """
+        if self._peer_lost_at is None:
+            return
+        self._peer_lost_at = None
+        if self.peer_alive(now):
+            self._expiry_reported = False  # alive again: report the next expiry
 
     def check_expiry(self, now: float) -> bool:
         """Return True exactly once each time the peer goes silent past its expiry.
@@ -443,6 +500,7 @@ class BinaryStarFSM:
         self._peer_state = reported
         self._peer_epoch = max(self._peer_epoch, epoch)
         self._last_peer_contact = now
+        self._peer_lost_at = None  # heard again: back to heartbeat expiry
         self._expiry_reported = False
         if reported is (State.PRIMARY if self._primary else State.BACKUP):
             self._illegal += 1

@@ -6,6 +6,12 @@ transition, and a SUB
 socket connected to the peer's PUB. Everything it hears and every client vote goes
 to the state machine; what comes back is turned into callbacks and log lines.
 
+With ``fast_failover`` (the default) the SUB socket is also watched with a zmq
+socket monitor: when the TCP connection to the peer's publisher is lost, which
+happens at once when the peer's process dies, the state machine is told
+(:meth:`~bstar.fsm.BinaryStarFSM.peer_disconnected`) and the next client vote may
+fail over without waiting for ``missed`` heartbeats.
+
 All methods must be called on the loop's thread (from another thread, go through
 ``loop.add_callback``). Nothing here blocks, and nothing looks up a global loop or
 context: both are passed in, so several instances can share one process, which is
@@ -22,6 +28,7 @@ from dataclasses import dataclass
 import zmq
 from tornado.ioloop import IOLoop
 from zmq.eventloop.zmqstream import ZMQStream
+from zmq.utils.monitor import parse_monitor_message
 
 from bstar.errors import BinaryStarError, PeerStateError
 from bstar.fsm import BinaryStarFSM, Conflict, FsmCounters, Outcome, State
@@ -50,6 +57,10 @@ _AFTER_EXPIRY = {
 }
 
 
+#: Socket monitor events that matter for fast failover.
+_MONITORED_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
 @dataclass(frozen=True, slots=True)
 class BinaryStarCounters:
     """Counters of the state machine plus those of the I/O around it."""
@@ -60,6 +71,10 @@ class BinaryStarCounters:
     malformed_peer_messages: int = 0
     rejected_peer_events: int = 0
     callback_errors: int = 0
+    #: Connections to the peer's publisher lost / (re)established, as seen by the
+    #: socket monitor (always 0 with ``fast_failover=False``).
+    peer_disconnects: int = 0
+    peer_connects: int = 0
 
 
 class _RateLimitedLog:
@@ -97,6 +112,12 @@ class BinaryStar:
     heard. ``clock`` returns monotonic seconds; it is injectable so that the rules
     can be exercised with a controlled time source.
 
+    ``fast_failover`` (default True) watches the connection to the peer's
+    publisher: when it is lost (the peer process died or closed its sockets) the
+    peer counts as expired at once, instead of ``missed * heartbeat`` later. A
+    frozen peer or a network partition closes no connection; those are still
+    detected by the heartbeat alone. Pass False for the heartbeat-only behaviour.
+
     Create it, register callbacks and voters, then :meth:`start`; :meth:`stop`
     closes everything. An instance is started at most once: a restarted server
     is a new instance, just as it would be a new process.
@@ -113,6 +134,7 @@ class BinaryStar:
         heartbeat: float = 1.0,
         missed: int = 2,
         clock: Callable[[], float] = time.monotonic,
+        fast_failover: bool = True,
     ) -> None:
         if not isinstance(ctx, zmq.Context):
             raise TypeError(f"ctx must be a zmq.Context, got {type(ctx).__name__}")
@@ -124,11 +146,14 @@ class BinaryStar:
                 raise ValueError(f"{name} must be a non-empty endpoint string, got {endpoint!r}")
         if local_endpoint == peer_endpoint:
             raise ValueError(f"local and peer endpoints are both {local_endpoint!r}")
+        if not isinstance(fast_failover, bool):
+            raise TypeError(f"fast_failover must be a bool, got {type(fast_failover).__name__}")
         self._ctx = ctx
         self._loop = loop
         self._local_endpoint = local_endpoint
         self._peer_endpoint = peer_endpoint
         self._clock = clock
+        self._fast_failover = fast_failover
         # Validates primary/heartbeat/missed; replaced at start() so that the
         # start-up grace period counts from the moment we begin listening.
         self._fsm = BinaryStarFSM(primary, clock(), heartbeat=heartbeat, missed=missed)
@@ -138,6 +163,7 @@ class BinaryStar:
         self._voters: list[ZMQStream] = []
         self._pub: zmq.Socket | None = None
         self._sub: ZMQStream | None = None
+        self._monitor: ZMQStream | None = None
         self._timer: object | None = None
         self._next_tick = 0.0
         self._started = False
@@ -147,6 +173,8 @@ class BinaryStar:
         self._malformed = 0
         self._rejected = 0
         self._callback_errors = 0
+        self._disconnects = 0
+        self._connects = 0
         self._bad_input_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
 
     def __repr__(self) -> str:
@@ -192,6 +220,18 @@ class BinaryStar:
         return self._fsm.peer_expiry
 
     @property
+    def peer_alive(self) -> bool:
+        """Whether the peer counts as alive now: heard within ``missed`` heartbeats
+        and, with fast failover, its connection not lost since. For status pages;
+        a vote decides with its own reading of the clock."""
+        return self._fsm.peer_alive(self._clock())
+
+    @property
+    def fast_failover(self) -> bool:
+        """Whether a lost connection to the peer counts as its death."""
+        return self._fast_failover
+
+    @property
     def heartbeat(self) -> float:
         return self._fsm.heartbeat
 
@@ -221,6 +261,8 @@ class BinaryStar:
             malformed_peer_messages=self._malformed,
             rejected_peer_events=self._rejected,
             callback_errors=self._callback_errors,
+            peer_disconnects=self._disconnects,
+            peer_connects=self._connects,
         )
 
     # -- application hooks -----------------------------------------------------
@@ -307,18 +349,27 @@ class BinaryStar:
             sub.setsockopt(zmq.LINGER, 0)
             self._sub = ZMQStream(sub, self._loop)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
+            if self._fast_failover:
+                # Before connect(), so that no event is missed. The monitor is a
+                # PAIR socket on an inproc endpoint, made in the SUB's context.
+                # Wrapped at once, so that stop() closes it whatever fails next.
+                self._monitor = ZMQStream(sub.get_monitor_socket(_MONITORED_EVENTS), self._loop)
+                self._monitor.setsockopt(zmq.LINGER, 0)
             sub.connect(self._peer_endpoint)
         except Exception:
             self.stop()
             raise
         self._sub.on_recv(self._on_peer_message)
+        if self._monitor is not None:
+            self._monitor.on_recv(self._on_monitor_event)
         log.info(
-            "binary star %s starting: publishing at %s, peer at %s, heartbeat %.3f s x %d",
+            "binary star %s starting: publishing at %s, peer at %s, heartbeat %.3f s x %d%s",
             "primary" if self.primary else "backup",
             self._local_endpoint,
             self._peer_endpoint,
             self.heartbeat,
             self.missed,
+            ", fast failover on a lost connection" if self._fast_failover else "",
         )
         self._publish()
         self._next_tick = self._loop.time() + self.heartbeat
@@ -336,6 +387,16 @@ class BinaryStar:
         for stream in self._voters:
             stream.close(linger=0)
         self._voters.clear()
+        if self._monitor is not None:
+            # Detach the monitor from the SUB first, so that libzmq stops writing
+            # events to it, then close our end; both before the SUB goes.
+            if self._sub is not None and not self._sub.closed():
+                try:
+                    self._sub.socket.disable_monitor()
+                except zmq.ZMQError as exc:
+                    log.debug("disable_monitor failed: %s", exc)
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._sub is not None:
             self._sub.close(linger=0)
             self._sub = None
@@ -395,6 +456,42 @@ class BinaryStar:
                 report.epoch,
             )
         self._react(outcome)
+
+    def _on_monitor_event(self, frames: list[bytes]) -> None:
+        """A socket monitor event about our connection to the peer's publisher."""
+        if not self.running:
+            return
+        try:
+            event = parse_monitor_message(frames)["event"]
+        except (RuntimeError, ValueError) as exc:  # a libzmq we do not understand
+            self._bad_input_log.log(logging.WARNING, "dropped monitor event: %s", exc)
+            return
+        if event == zmq.EVENT_CONNECTED:
+            self._connects += 1
+            self._fsm.peer_connected(self._clock())
+            log.debug("connected to the peer at %s", self._peer_endpoint)
+        elif event == zmq.EVENT_DISCONNECTED:
+            self._disconnects += 1
+            self._on_peer_disconnected()
+
+    def _on_peer_disconnected(self) -> None:
+        # What the peer sent before its connection closed is already queued on the
+        # SUB socket (libzmq queues it before it reports the disconnect), but the
+        # loop may not have handed it to us yet. Read it first, or a last
+        # heartbeat processed after the loss would undo it.
+        if self._sub is not None:
+            self._sub.flush(zmq.POLLIN)
+        if not self.running:  # a callback run by the flush stopped us
+            return
+        now = self._clock()
+        self._fsm.peer_disconnected(now)
+        self._fsm.check_expiry(now)  # counted now; the heartbeat must not log it again
+        log.info(
+            "peer connection lost: %s closed; presumed dead; in state %s, %s",
+            self._peer_endpoint,
+            self.state.name,
+            _AFTER_EXPIRY[self.state],
+        )
 
     def _react(self, outcome: Outcome) -> None:
         """Turn a decision of the state machine into log lines, messages and callbacks."""

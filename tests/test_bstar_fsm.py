@@ -300,6 +300,139 @@ def test_never_heard_peer_expires_after_the_grace_period() -> None:
     assert fsm.state is P
 
 
+# -- lost connection (fast failover) ----------------------------------------------
+
+
+@pytest.mark.parametrize("case", REACHABLE, ids=_case_id)
+def test_vote_after_a_lost_connection_is_decided_as_if_the_peer_expired(
+    case: tuple[bool, State],
+) -> None:
+    """The disconnect row of the vote table: every state answers as when expired."""
+    role, state = case
+    fsm = _reach(role, state)
+    before = fsm.counters
+    assert fsm.peer_alive(ALIVE_AT)
+    assert fsm.peer_disconnected(ALIVE_AT)
+    assert fsm.state is state, "a lost connection alone never changes the state"
+    assert fsm.counters == before
+    assert fsm.peer_expiry == ALIVE_AT and fsm.peer_lost_at == ALIVE_AT
+    assert not fsm.peer_alive(ALIVE_AT)
+    next_state, vote = VOTE_RULES[case][True]
+    outcome = fsm.client_request(ALIVE_AT)
+    assert (outcome.state, outcome.vote) == (next_state, vote)
+
+
+def test_passive_accepts_a_vote_at_once_after_the_connection_is_lost() -> None:
+    clock = FakeClock(100.0)
+    fsm = BinaryStarFSM(False, clock.now)
+    fsm.receive_peer_state(A, clock.now, epoch=1)
+    clock.advance(0.3)
+    assert not fsm.client_request(clock.now).accepted
+    assert fsm.peer_disconnected(clock.advance(0.01))
+    assert fsm.last_peer_contact == 100.0, "a disconnect is not contact"
+    outcome = fsm.client_request(clock.now)
+    assert outcome.accepted and outcome.became_active
+    assert fsm.epoch == 2
+    assert clock.now < 100.0 + EXPIRY, "well before the heartbeat would have told"
+
+
+def test_a_message_after_the_loss_restores_heartbeat_expiry() -> None:
+    clock = FakeClock()
+    fsm = BinaryStarFSM(False, clock.now)
+    fsm.receive_peer_state(A, clock.now)
+    fsm.peer_disconnected(clock.advance(0.5))
+    assert not fsm.peer_alive(clock.now)
+    # The peer is back (restarted, or the connection was only reset).
+    fsm.receive_peer_state(A, clock.advance(0.5))
+    assert fsm.peer_lost_at is None
+    assert fsm.peer_expiry == clock.now + EXPIRY
+    assert not fsm.client_request(clock.advance(1.9)).accepted
+    assert fsm.client_request(clock.advance(0.1)).accepted
+
+
+def test_a_rejected_message_after_the_loss_still_counts_as_contact() -> None:
+    fsm = BinaryStarFSM(False, 0.0)
+    fsm.receive_peer_state(A, 0.0)
+    fsm.peer_disconnected(0.5)
+    with pytest.raises(RoleConflictError):
+        fsm.receive_peer_state(B, 0.6)
+    assert fsm.peer_lost_at is None and fsm.peer_alive(0.6)
+
+
+def test_reconnection_without_a_message_falls_back_on_the_heartbeat() -> None:
+    fsm = BinaryStarFSM(False, 0.0)
+    fsm.receive_peer_state(A, 0.0)
+    assert fsm.peer_disconnected(0.5)
+    assert fsm.check_expiry(0.5), "the loss is the expiry, reported once"
+    fsm.peer_connected(0.6)
+    assert fsm.peer_lost_at is None
+    assert fsm.peer_expiry == EXPIRY and fsm.peer_alive(0.6)
+    assert not fsm.client_request(0.6).accepted
+    # Alive again, so the next expiry is reported again.
+    assert not fsm.check_expiry(JUST_BEFORE)
+    assert fsm.check_expiry(EXPIRY)
+    assert fsm.counters.peer_expirations == 2
+    fsm.peer_connected(EXPIRY + 1.0)  # no loss recorded: nothing to undo
+    assert not fsm.peer_alive(EXPIRY + 1.0), "a connection is not contact"
+
+
+def test_reconnection_long_after_the_last_message_leaves_the_peer_dead() -> None:
+    fsm = BinaryStarFSM(False, 0.0)
+    fsm.receive_peer_state(A, 0.0)
+    fsm.peer_disconnected(0.5)
+    assert fsm.check_expiry(0.5)
+    fsm.peer_connected(EXPIRY + 3.0)
+    assert not fsm.peer_alive(EXPIRY + 3.0)
+    assert not fsm.check_expiry(EXPIRY + 3.0), "still the same silence: reported already"
+    assert fsm.client_request(EXPIRY + 3.0).accepted
+
+
+def test_primary_that_loses_the_peer_before_hearing_it_skips_the_start_grace() -> None:
+    """The backup was reachable (connected) but never heard, then its connection
+    closed: it is gone, so the start-up grace period has nothing left to wait for."""
+    fsm = BinaryStarFSM(True, 10.0)
+    assert fsm.last_peer_contact is None
+    assert not fsm.client_request(10.5).accepted
+    assert fsm.peer_disconnected(10.6)
+    assert fsm.peer_expiry == 10.6
+    outcome = fsm.client_request(10.6)
+    assert outcome.accepted and outcome.became_active and fsm.epoch == 1
+
+
+def test_backup_before_hearing_the_primary_refuses_votes_even_after_a_loss() -> None:
+    fsm = BinaryStarFSM(False, 0.0)
+    fsm.peer_disconnected(0.1)
+    assert not fsm.client_request(0.1).accepted
+    assert not fsm.client_request(EXPIRY + 10.0).accepted
+    assert fsm.state is B
+
+
+def test_loss_never_delays_expiry_and_keeps_the_earliest_moment() -> None:
+    fsm = BinaryStarFSM(False, 0.0)
+    fsm.receive_peer_state(A, 0.0)
+    assert not fsm.peer_disconnected(EXPIRY + 1.0), "already dead: nothing new"
+    assert fsm.peer_expiry == EXPIRY, "a late loss does not push expiry back"
+    fsm.receive_peer_state(A, 5.0)
+    assert fsm.peer_disconnected(5.5)
+    assert not fsm.peer_disconnected(5.8), "a second loss adds nothing"
+    assert fsm.peer_lost_at == 5.5
+
+
+def test_a_loss_older_than_the_last_message_is_stale() -> None:
+    fsm = BinaryStarFSM(False, 0.0)
+    fsm.receive_peer_state(A, 1.0)
+    assert not fsm.peer_disconnected(0.9)
+    assert fsm.peer_lost_at is None and fsm.peer_alive(1.0)
+    assert fsm.peer_disconnected(1.0), "the same instant: the loss came after the message"
+
+
+def test_loss_while_active_keeps_serving() -> None:
+    fsm = _reach(PRI, A)
+    assert fsm.peer_disconnected(ALIVE_AT)
+    assert fsm.client_request(ALIVE_AT).accepted
+    assert fsm.state is A and fsm.epoch == 1, "no new election"
+
+
 # -- conflicts ------------------------------------------------------------------
 
 
@@ -474,6 +607,10 @@ class _Pair:
         while self.link[sender].queue:
             self.deliver(sender)
 
+    def drop(self, sender: bool) -> None:
+        """The receiver sees its connection to ``sender``'s publisher close."""
+        self.fsm[not sender].peer_disconnected(self.clock.now)
+
     def vote(self, role: bool) -> bool:
         outcome = self.fsm[role].client_request(self.clock.now)
         self.outcomes[role].append(outcome)
@@ -542,6 +679,25 @@ def test_pair_start_failover_and_failback() -> None:
     assert pair.states == (S, A)
     assert pair.epochs == (0, 2) and pair.fsm[PRI].peer_epoch == 2
     assert pair.fsm[BAK].counters.split_brain_count == 0
+
+
+def test_pair_primary_crash_fails_over_on_the_connection_loss() -> None:
+    """The drill ``kill-active``: the backup needs no heartbeat to accept the vote."""
+    pair = _settled_pair()
+    pair.clock.advance(0.4)
+    pair.link[PRI].up = False  # dead: publishes nothing more
+    pair.link[PRI].queue.clear()
+    assert not pair.vote(BAK)
+    pair.clock.advance(0.05)
+    pair.drop(PRI)  # its kernel closed the connection
+    assert pair.vote(BAK)
+    assert pair.states == (A, A) and pair.epochs == (1, 2)  # the primary's machine is dead
+    pair.link[PRI].queue.clear()
+    pair.restart(PRI)
+    pair.heal_and_settle()
+    assert pair.states == (S, A)
+    assert pair.fsm[BAK].peer_lost_at is None
+    assert pair.fired(BAK) == ["passive", "active"]
 
 
 def test_pair_frozen_primary_thaws_and_steps_down() -> None:
@@ -657,6 +813,8 @@ _ACTIONS = st.sampled_from(
         "heal",
         "restart-primary",
         "restart-backup",
+        "drop-primary",
+        "drop-backup",
     ]
 )
 
@@ -686,6 +844,8 @@ def test_any_history_settles_to_one_active_and_one_passive(actions: list[str]) -
             pair.link[role].up = False
         elif verb == "heal":
             pair.link[PRI].up = pair.link[BAK].up = True
+        elif verb == "drop":
+            pair.drop(role)
         else:
             pair.restart(role)
     pair.heal_and_settle()

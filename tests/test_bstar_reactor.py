@@ -87,9 +87,19 @@ class Node:
         primary: bool,
         local: str,
         peer: str,
+        fast_failover: bool = True,
     ) -> None:
         self.name = "primary" if primary else "backup"
-        self.star = BinaryStar(ctx, loop, primary, local, peer, heartbeat=HEARTBEAT, missed=MISSED)
+        self.star = BinaryStar(
+            ctx,
+            loop,
+            primary,
+            local,
+            peer,
+            heartbeat=HEARTBEAT,
+            missed=MISSED,
+            fast_failover=fast_failover,
+        )
         self.fired: list[str] = []
         self.star.on_active(lambda: self.fired.append("active"))
         self.star.on_passive(lambda: self.fired.append("passive"))
@@ -112,8 +122,10 @@ class Cluster:
         self.nodes: list[Node] = []
         self.streams: list[ZMQStream] = []
 
-    def node(self, primary: bool, local: str, peer: str, start: bool = True) -> Node:
-        node = Node(self.ctx, self.loop, primary, local, peer)
+    def node(
+        self, primary: bool, local: str, peer: str, start: bool = True, fast_failover: bool = True
+    ) -> Node:
+        node = Node(self.ctx, self.loop, primary, local, peer, fast_failover)
         self.nodes.append(node)
         if start:
             node.star.start()
@@ -233,7 +245,8 @@ def test_failover_through_voter_socket_then_failback_comes_up_passive(
         cluster = Cluster(ctx, loop)
         try:
             primary = cluster.node(True, pa, pb)
-            backup = cluster.node(False, pb, pa)
+            # Heartbeat expiry only: the lost connection is tests/test_bstar_disconnect.py's.
+            backup = cluster.node(False, pb, pa, fast_failover=False)
             served: list[list[bytes]] = []
 
             def serve(stream: ZMQStream, frames: list[bytes]) -> None:
@@ -533,7 +546,10 @@ def test_constructor_rejects_misuse(ctx: zmq.Context, loop: IOLoop) -> None:
         BinaryStar(object(), loop, True, ep, "tcp://127.0.0.1:5001")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
         BinaryStar(ctx, object(), True, ep, "tcp://127.0.0.1:5001")  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        BinaryStar(ctx, loop, True, ep, "tcp://127.0.0.1:5001", fast_failover=1)  # type: ignore[arg-type]
     star = BinaryStar(ctx, loop, False, ep, "tcp://127.0.0.1:5001")
+    assert star.fast_failover and star.counters.peer_disconnects == 0
     with pytest.raises(TypeError):
         star.register_voter(object(), lambda stream, frames: None)  # type: ignore[arg-type]
     assert star.state is B and not star.running
