@@ -13,6 +13,14 @@ so that sequence holes can be seen even with subtrees: see docs/client.md), and 
 DEALER on P opened afresh for every snapshot request.  One PUB is connected to
 every server's collector (P+2), so both servers of a pair see every update.
 
+Each SUB also has a zmq socket monitor (a PAIR on an inproc endpoint, polled
+with the rest) reporting ``EVENT_DISCONNECTED``: a server process that dies has
+its connections closed by its kernel at once, and the state machine fails over
+on that instead of waiting for ``server_timeout`` of silence.  A monitor lives as
+long as its SUB (one per server, never re-created on failover): its inproc
+address is derived from the SUB's descriptor, and binding it again right after a
+close could race with libzmq's teardown.
+
 The pipe protocol, all frames bytes:
 
 * frontend -> agent, one reply each, ``rid`` echoed:
@@ -34,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from clone.agent_fsm import (
     Action,
@@ -66,6 +75,8 @@ SUBSCRIBER_HWM = 100_000
 _BATCH = 512
 # Upper bound on one poll, so a wrong deadline can never freeze the loop.
 _MAX_POLL = 1.0
+# Socket monitor events we act on.
+_MONITORED = zmq.EVENT_DISCONNECTED
 
 # Pipe commands and replies.
 CONNECT, SET, GET, ITEMS, STATUS, WATCH, TERMINATE = (
@@ -131,6 +142,7 @@ class _RateLimitedLog:
 class _Server:
     endpoint: str
     sub: zmq.Socket[bytes]
+    monitor: zmq.Socket[bytes] | None = None
     dealer: zmq.Socket[bytes] | None = None
 
     def address(self, offset: int) -> str:
@@ -199,6 +211,8 @@ class Agent:
                     self._drain_updates(index, server)
                 if server.dealer is not None and server.dealer in ready:
                     self._drain_snapshot(index, server)
+                if server.monitor is not None and server.monitor in ready:
+                    self._drain_monitor(index, server)
             self._execute(self._fsm.tick(self._clock()))
 
     def _drain_commands(self) -> None:
@@ -211,8 +225,8 @@ class Agent:
                 return
             self._command(frames)
 
-    def _drain_updates(self, index: int, server: _Server) -> None:
-        for _ in range(_BATCH):
+    def _drain_updates(self, index: int, server: _Server, limit: int = _BATCH) -> None:
+        for _ in range(limit):
             try:
                 frames = server.sub.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -240,6 +254,26 @@ class Agent:
                 self._malformed(index, "snapshot reply", exc)
                 continue
             self._execute(self._fsm.snapshot_reply(index, msg, self._clock()))
+
+    def _drain_monitor(self, index: int, server: _Server) -> None:
+        monitor = server.monitor
+        assert monitor is not None
+        for _ in range(_BATCH):
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except (ValueError, RuntimeError) as exc:  # a libzmq we do not understand
+                self._bad.warning("dropped a socket monitor event for %s: %s", server.endpoint, exc)
+                continue
+            assert isinstance(event, dict)
+            if event["event"] != zmq.EVENT_DISCONNECTED:
+                continue
+            # libzmq queues what the server sent before it reports the loss;
+            # take it first, or it would arrive as a foreign server's.
+            self._drain_updates(index, server, SUBSCRIBER_HWM)
+            log.debug("connection to %s lost (%s)", server.endpoint, event["endpoint"])
+            self._execute(self._fsm.server_disconnected(index, self._clock()))
 
     def _malformed(self, index: int, what: str, exc: ProtocolError) -> None:
         self._fsm.protocol_error(index)
@@ -291,6 +325,11 @@ class Agent:
         # complete stream lets us see holes.  We filter by subtree ourselves.
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         server = _Server(endpoint, sub)
+        # Before connect(), so no event can be missed.
+        monitor = sub.get_monitor_socket(_MONITORED)
+        monitor.setsockopt(zmq.LINGER, 0)
+        server.monitor = monitor
+        self._poller.register(monitor, zmq.POLLIN)
         sub.connect(server.address(PUBLISHER_OFFSET))
         assert self._pub is not None
         self._pub.connect(server.address(COLLECTOR_OFFSET))
@@ -300,6 +339,14 @@ class Agent:
 
     def _close_sockets(self) -> None:
         for server in self._servers:
+            if server.monitor is not None:
+                # Detach first so libzmq stops writing to it, then close our end.
+                try:
+                    server.sub.disable_monitor()
+                except zmq.ZMQError as exc:
+                    log.debug("disable_monitor on %s failed: %s", server.endpoint, exc)
+                server.monitor.close(linger=0)
+                server.monitor = None
             server.sub.close(linger=0)
             if server.dealer is not None:
                 server.dealer.close(linger=0)

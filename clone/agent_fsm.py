@@ -11,9 +11,32 @@ it with a fake clock and hand-made messages.
 The states are the Guide's client FSM::
 
     INITIAL --connect--> SYNCING --all KTHXBAIs--> ACTIVE
-                          ^   |  silence: ask again (twice per server),   |
-                          |   |  then fail over to the next server        |
-                          +---+--------- silence / gap -------------------+
+                          ^   |  no reply yet: ask again every            |
+                          |   |  reask_interval (bounded); no snapshot    |
+                          |   |  data within server_timeout, or the       |
+                          |   |  connection lost: next server             |
+                          +---+--- silence / gap / connection lost -------+
+
+How a dead server is noticed, two ways:
+
+* Its connection breaks (SERVER_DISCONNECTED): a process that dies, even by
+  ``kill -9``, has its TCP connections closed by its kernel at once.  The I/O
+  loop watches the SUB socket of every server with a zmq socket monitor and
+  reports the loss; if it is the current server we fail over at once, as if
+  ``server_timeout`` had expired.  This is what makes a crash cost well under a
+  heartbeat on the client's side.
+* Silence (SILENCE): a process that is frozen (SIGSTOP, a paused VM) or cut off
+  by a partition keeps its connections; only ``server_timeout`` without a message
+  tells.
+
+While syncing, a snapshot request may simply be refused: Binary Star drops the
+vote of a passive server whose peer still looks alive, which is what a backup
+does for a client that noticed the primary's death before the backup did.  So
+until snapshot data arrives we ask again (REASK) every ``reask_interval`` on a
+fresh DEALER, at most ``requests_per_server`` requests per round; if no snapshot
+data has come within ``server_timeout`` of the round's start we move on to the
+next server.  HUGZ or updates from a server that does not answer our request do
+not keep us there.
 
 What we do differently from the Guide's client, on purpose:
 
@@ -81,6 +104,8 @@ class Event(enum.Enum):
     UPDATE = "update"  # KVPUB
     HEARTBEAT = "heartbeat"  # HUGZ
     SILENCE = "silence"  # the current server said nothing for server_timeout
+    REASK = "reask"  # syncing, no snapshot data yet, reask_interval passed
+    SERVER_DISCONNECTED = "server_disconnected"  # TCP connection to its publisher lost
 
 
 # --------------------------------------------------------------------------
@@ -135,15 +160,23 @@ class AgentConfig:
     """Timing of the agent, in seconds.
 
     ``server_timeout`` is how long the current server may stay silent (no update,
-    no HUGZ, no snapshot reply) before we ask again or fail over.  The default of
-    2.5 heartbeats notices a dead server after two missed HUGZ while tolerating
-    one late one.
+    no HUGZ, no snapshot reply) before we fail over; while syncing, how long we
+    wait for the first snapshot data.  The default of 2.5 heartbeats notices a
+    frozen server after two missed HUGZ while tolerating one late one.  (A server
+    whose process died is noticed at once, by its lost connection.)
+
+    ``reask_interval`` is how often an unanswered snapshot request is repeated on
+    a fresh DEALER while syncing (default a quarter heartbeat), and
+    ``requests_per_server`` bounds the requests sent to one server per round (the
+    Guide's rule of bounded requests): the defaults give at most 10 requests, at
+    0, 0.25, ..., 2.25 heartbeats, before we move on at 2.5.
     """
 
     heartbeat: float = 1.0
     server_timeout: float = 2.5
-    requests_per_server: int = 2
+    requests_per_server: int = 10
     resend_interval: float = 0.5
+    reask_interval: float = 0.25
 
     @classmethod
     def from_heartbeat(cls, heartbeat: float, **overrides: Any) -> AgentConfig:
@@ -154,12 +187,13 @@ class AgentConfig:
             "heartbeat": heartbeat,
             "server_timeout": 2.5 * heartbeat,
             "resend_interval": 0.5 * heartbeat,
+            "reask_interval": 0.25 * heartbeat,
         }
         values.update(overrides)
         return cls(**values)
 
     def __post_init__(self) -> None:
-        if self.server_timeout <= 0 or self.resend_interval <= 0 or self.heartbeat <= 0:
+        if min(self.server_timeout, self.resend_interval, self.heartbeat, self.reask_interval) <= 0:
             raise ValueError("timeouts must be > 0")
         if self.requests_per_server < 1:
             raise ValueError("requests_per_server must be >= 1")
@@ -171,14 +205,19 @@ class AgentCounters:
 
     snapshots: int = 0  # completed snapshots
     resyncs: int = 0  # snapshots started after the first one, for any reason
-    retries: int = 0  # snapshot requests repeated to the same server after silence
-    failovers: int = 0  # switches to another server
+    retries: int = 0  # snapshot requests repeated to the same server (re-asks)
+    failovers: int = 0  # switches to another server, for any reason
+    disconnects: int = 0  # lost connections to any server's publisher
+    disconnect_failovers: int = 0  # failovers caused by losing the current server's
     gaps: int = 0  # holes in the sequence that forced a resync
     stale: int = 0  # KVPUBs discarded as not newer than the last applied
     protocol_errors: int = 0  # malformed messages dropped
     foreign: int = 0  # messages from a server that is not the current one
     resent: int = 0  # confirmed writes sent again
     expired_writes: int = 0  # confirmed writes given up on
+    # A gauge, not a counter: ms from the last message of the server we left to
+    # the end of the first snapshot from the next one, for the last failover.
+    last_failover_gap_ms: int = 0
 
     def as_dict(self) -> dict[str, int]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -245,6 +284,10 @@ class AgentFSM:
         self._ends: dict[str, int] = {}
         self._requests = 0  # snapshot requests sent to the current server this round
         self._silence_at: float | None = None
+        self._reask_at: float | None = None  # when to repeat an unanswered request
+        self._answered = False  # snapshot data arrived for the current request
+        self._heard_at: float | None = None  # last message from the current server
+        self._left_at: float | None = None  # last heard from the server we failed over from
         self._pending: dict[bytes, _Pending] = {}
         self._held: list[KVMsg] = []  # writes made before the first snapshot
 
@@ -274,6 +317,8 @@ class AgentFSM:
         times.extend(p.expires_at for p in self._pending.values())
         if self._silence_at is not None:
             times.append(self._silence_at)
+        if self._reask_at is not None:
+            times.append(self._reask_at)
         return min(times) if times else None
 
     # ----------------------------------------------------------------------
@@ -291,6 +336,8 @@ class AgentFSM:
             raise IllegalTransition(
                 f"no transition for {event.name} in {self.state.name}"
             ) from None
+        if event in _MESSAGES:
+            self._heard_at = now
         return handler(self, server, payload, now)
 
     def connect(self, endpoint: str, now: float) -> list[Action]:
@@ -307,6 +354,16 @@ class AgentFSM:
         if isinstance(msg, Hugz):
             return self.handle(Event.HEARTBEAT, server, msg, now)
         return self.handle(Event.UPDATE, server, msg, now)
+
+    def server_disconnected(self, server: int, now: float) -> list[Action]:
+        """The TCP connection to ``server``'s publisher was lost (socket monitor).
+
+        Only the current server matters; losing another one is just counted.
+        """
+        self.counters.disconnects += 1
+        if server != self.current:
+            return []
+        return self.handle(Event.SERVER_DISCONNECTED, server, None, now)
 
     def protocol_error(self, server: int) -> None:
         """Count a malformed message (the I/O loop logs it and drops it)."""
@@ -346,6 +403,8 @@ class AgentFSM:
                     actions.append(SendUpdate(p.msg))
         if self._silence_at is not None and now >= self._silence_at:
             actions.extend(self.handle(Event.SILENCE, self.current or 0, None, now))
+        if self._reask_at is not None and now >= self._reask_at:
+            actions.extend(self.handle(Event.REASK, self.current or 0, None, now))
         return actions
 
     # ----------------------------------------------------------------------
@@ -361,13 +420,13 @@ class AgentFSM:
         return self._start_sync(server, now)
 
     def _store_entry(self, server: int, msg: KVMsg, now: float) -> list[Action]:
-        self._alive(now)
+        self._got_snapshot_data(now)
         if msg.body and self._subtree_of(msg.key) is not None:
             self._side[msg.key] = msg
         return []
 
     def _end_snapshot(self, server: int, end: SnapshotEnd, now: float) -> list[Action]:
-        self._alive(now)
+        self._got_snapshot_data(now)
         waiting = [s for s in self.subtrees if s not in self._ends]
         if end.subtree in waiting:
             subtree = end.subtree
@@ -383,20 +442,47 @@ class AgentFSM:
         return self._swap(now)
 
     def _buffer_update(self, server: int, msg: KVMsg, now: float) -> list[Action]:
-        self._alive(now)
+        self._alive_if_answered(now)
         self._buffer.append(msg)
+        return []
+
+    def _heartbeat_while_syncing(self, server: int, hugz: Hugz, now: float) -> list[Action]:
+        self._alive_if_answered(now)
         return []
 
     def _note_alive(self, server: int, payload: Any, now: float) -> list[Action]:
         self._alive(now)
         return []
 
-    def _retry_or_failover(self, server: int, payload: Any, now: float) -> list[Action]:
+    def _reask(self, server: int, payload: Any, now: float) -> list[Action]:
         assert self.current is not None
-        if self._requests < self.config.requests_per_server:
-            self.counters.retries += 1
-            log.info("no snapshot from %s yet; asking again", self.servers[self.current])
-            return self._request(now)
+        self.counters.retries += 1
+        log.debug(
+            "no snapshot from %s yet; asking again (%d of %d)",
+            self.servers[self.current],
+            self._requests + 1,
+            self.config.requests_per_server,
+        )
+        return self._request(now)
+
+    def _silent_while_syncing(self, server: int, payload: Any, now: float) -> list[Action]:
+        assert self.current is not None
+        log.info(
+            "no snapshot from %s within %.3g s (%d requests); trying the next server",
+            self.servers[self.current],
+            self.config.server_timeout,
+            self._requests,
+        )
+        return self._failover(now)
+
+    def _lost_server(self, server: int, payload: Any, now: float) -> list[Action]:
+        assert self.current is not None
+        log.warning(
+            "lost the connection to server %s (%s); failing over",
+            self.servers[self.current],
+            self.state.value,
+        )
+        self.counters.disconnect_failovers += 1
         return self._failover(now)
 
     def _silent_active(self, server: int, payload: Any, now: float) -> list[Action]:
@@ -455,6 +541,17 @@ class AgentFSM:
     def _alive(self, now: float) -> None:
         self._silence_at = now + self.config.server_timeout
 
+    def _alive_if_answered(self, now: float) -> None:
+        # While syncing, only snapshot data proves the server is serving *us*:
+        # a server that sends HUGZ but refuses our request must not hold us.
+        if self._answered:
+            self._alive(now)
+
+    def _got_snapshot_data(self, now: float) -> None:
+        self._answered = True
+        self._reask_at = None
+        self._alive(now)
+
     def _subtree_of(self, key: str) -> str | None:
         for subtree in self.subtrees:
             if key_in_subtree(key, subtree):
@@ -474,21 +571,30 @@ class AgentFSM:
         self.current = server
         self._requests = 0
         actions = self._set_state(State.SYNCING)
+        self._alive(now)  # the round's deadline; re-asks do not move it
         return actions + self._request(now)
 
     def _request(self, now: float) -> list[Action]:
+        """Ask the current server for a snapshot, on a fresh DEALER (see the action)."""
         assert self.current is not None
         self._side = {}
         self._buffer = []
         self._ends = {}
         self._requests += 1
-        self._alive(now)
+        self._answered = False
+        more = self._requests < self.config.requests_per_server
+        self._reask_at = now + self.config.reask_interval if more else None
         return [RequestSnapshot(self.current, self.subtrees)]
 
     def _failover(self, now: float) -> list[Action]:
         assert self.current is not None
         nxt = (self.current + 1) % len(self.servers)
         self.counters.failovers += 1
+        if self._left_at is None and self._heard_at is not None:
+            # Measured from the server we were last served by, across any
+            # number of further failovers until a snapshot completes.
+            self._left_at = self._heard_at
+        self._heard_at = None
         log.info("failing over from %s to %s", self.servers[self.current], self.servers[nxt])
         return self._start_sync(nxt, now)
 
@@ -533,8 +639,12 @@ class AgentFSM:
                 side.pop(msg.key, None)
         old, self._map = self._map, side
         self._side, self._buffer, self._ends = {}, [], {}
+        self._reask_at = None
         self.last_sequence = last
         self.counters.snapshots += 1
+        if self._left_at is not None:
+            self.counters.last_failover_gap_ms = round(1000 * (now - self._left_at))
+            self._left_at = None
         actions = self._set_state(State.ACTIVE)
         if self.emit_changes:
             actions.extend(_diff(old, side))
@@ -570,6 +680,8 @@ def _diff(old: dict[str, KVMsg], new: dict[str, KVMsg]) -> list[Action]:
     return out
 
 
+_MESSAGES = frozenset((Event.SNAPSHOT_ENTRY, Event.SNAPSHOT_END, Event.UPDATE, Event.HEARTBEAT))
+
 _S, _E = State, Event
 TRANSITIONS: dict[tuple[State, Event], _Handler] = {
     (_S.INITIAL, _E.CONNECT): AgentFSM._first_server,
@@ -578,16 +690,22 @@ TRANSITIONS: dict[tuple[State, Event], _Handler] = {
     (_S.INITIAL, _E.UPDATE): AgentFSM._ignore,
     (_S.INITIAL, _E.HEARTBEAT): AgentFSM._ignore,
     (_S.INITIAL, _E.SILENCE): AgentFSM._ignore,
+    (_S.INITIAL, _E.REASK): AgentFSM._ignore,
+    (_S.INITIAL, _E.SERVER_DISCONNECTED): AgentFSM._ignore,
     (_S.SYNCING, _E.CONNECT): AgentFSM._add_server,
     (_S.SYNCING, _E.SNAPSHOT_ENTRY): AgentFSM._store_entry,
     (_S.SYNCING, _E.SNAPSHOT_END): AgentFSM._end_snapshot,
     (_S.SYNCING, _E.UPDATE): AgentFSM._buffer_update,
-    (_S.SYNCING, _E.HEARTBEAT): AgentFSM._note_alive,
-    (_S.SYNCING, _E.SILENCE): AgentFSM._retry_or_failover,
+    (_S.SYNCING, _E.HEARTBEAT): AgentFSM._heartbeat_while_syncing,
+    (_S.SYNCING, _E.SILENCE): AgentFSM._silent_while_syncing,
+    (_S.SYNCING, _E.REASK): AgentFSM._reask,
+    (_S.SYNCING, _E.SERVER_DISCONNECTED): AgentFSM._lost_server,
     (_S.ACTIVE, _E.CONNECT): AgentFSM._add_server,
     (_S.ACTIVE, _E.SNAPSHOT_ENTRY): AgentFSM._note_alive,  # late reply: alive, ignored
     (_S.ACTIVE, _E.SNAPSHOT_END): AgentFSM._note_alive,
     (_S.ACTIVE, _E.UPDATE): AgentFSM._apply_update,
     (_S.ACTIVE, _E.HEARTBEAT): AgentFSM._check_heartbeat,
     (_S.ACTIVE, _E.SILENCE): AgentFSM._silent_active,
+    (_S.ACTIVE, _E.REASK): AgentFSM._ignore,  # a stale timer: the snapshot completed
+    (_S.ACTIVE, _E.SERVER_DISCONNECTED): AgentFSM._lost_server,
 }

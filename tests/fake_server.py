@@ -2,8 +2,10 @@
 
 It runs in a thread with its own context, serves snapshots, republishes KVSETs
 with a sequence (deduplicating by uuid), sends HUGZ, and can be told to go
-silent, to stop answering snapshots, to drop some publications (to make holes),
-or to send arbitrary frames (garbage).  It does no TTL and no Binary Star.
+silent, to stop answering snapshots, to ignore the next N snapshot requests (a
+passive server refusing votes), to drop some publications (to make holes), or to
+send arbitrary frames (garbage).  ``stop()`` closes its sockets, which is what a
+killed process looks like to its clients.  It does no TTL and no Binary Star.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class FakeServer:
         self.sequence = 0
         self.silent = False  # no HUGZ, no publications, no snapshots
         self.answer_snapshots = True
+        self.ignore_next_snapshots = 0  # drop this many requests, then answer again
         self.ignore_kvsets = False  # receive client updates but never apply them
         self.drop_next_publications = 0  # publish with a sequence hole
         self.snapshot_requests = 0
@@ -142,6 +145,9 @@ class FakeServer:
         ident, rest = frames[0], frames[1:]
         self.snapshot_requests += 1
         if self.silent or not self.answer_snapshots:
+            return
+        if self.ignore_next_snapshots > 0:
+            self.ignore_next_snapshots -= 1
             return
         try:
             req = decode_icanhaz(rest)

@@ -95,6 +95,8 @@ def test_every_transition_runs(state: State, event: Event) -> None:
         Event.UPDATE: KVMsg("k", 1, b"", (), b"v"),
         Event.HEARTBEAT: Hugz(0),
         Event.SILENCE: None,
+        Event.REASK: None,
+        Event.SERVER_DISCONNECTED: None,
     }[event]
     server = 1 if event is Event.CONNECT else 0
     if state is State.INITIAL and event is not Event.CONNECT:
@@ -167,17 +169,115 @@ def test_hugz_is_not_an_update_but_reveals_a_missed_tail() -> None:
     assert fsm.counters.gaps == 1
 
 
-def test_silence_while_syncing_asks_twice_then_fails_over() -> None:
+def _requests(actions: list) -> list[int]:
+    return [a.server for a in actions if isinstance(a, RequestSnapshot)]
+
+
+def test_unanswered_request_is_repeated_a_bounded_number_of_times_then_fails_over() -> None:
+    """Every 0.25 heartbeat, at most 10 requests per round, next server at 2.5."""
     fsm = AgentFSM(None, CFG, now=0.0)
     fsm.connect("tcp://a:1", 0.0)
     fsm.connect("tcp://b:1", 0.0)
-    assert fsm.next_deadline() == 2.5
-    assert fsm.tick(2.4) == []
-    assert fsm.tick(2.5) == [RequestSnapshot(0, ("",))]
-    assert fsm.tick(5.0) == [RequestSnapshot(1, ("",))]
+    assert fsm.next_deadline() == pytest.approx(0.25)
+    assert fsm.tick(0.24) == []
+    asked = [0.0]
+    t = 0.0
+    while (deadline := fsm.next_deadline()) is not None and deadline < 2.5:
+        t = deadline
+        assert fsm.tick(t) == [RequestSnapshot(0, ("",))]
+        asked.append(t)
+    assert len(asked) == CFG.requests_per_server == 10
+    assert asked[-1] == pytest.approx(2.25)
+    assert fsm.counters.retries == 9 and fsm.counters.failovers == 0
+    assert fsm.tick(2.49) == []
+    assert fsm.tick(2.5) == [RequestSnapshot(1, ("",))]  # next server, a new round
     assert fsm.current == 1 and fsm.counters.failovers == 1
-    assert fsm.tick(7.5) == [RequestSnapshot(1, ("",))]
-    assert fsm.tick(10.0) == [RequestSnapshot(0, ("",))]
+    assert fsm.next_deadline() == pytest.approx(2.75)
+    assert fsm.tick(2.75) == [RequestSnapshot(1, ("",))]
+    for t in (3.0, 3.25, 3.5, 3.75, 4.0, 4.25, 4.5, 4.75):
+        fsm.tick(t)
+    assert fsm.tick(5.0) == [RequestSnapshot(0, ("",))]
+    assert fsm.counters.failovers == 2 and fsm.counters.retries == 18
+
+
+def test_hugz_from_a_server_that_refuses_us_do_not_hold_the_sync() -> None:
+    """A server that heartbeats but never answers the request is left at 2.5."""
+    fsm = AgentFSM(None, CFG, now=0.0)
+    fsm.connect("tcp://a:1", 0.0)
+    fsm.connect("tcp://b:1", 0.0)
+    for t in (0.5, 1.0, 1.5, 2.0, 2.4):
+        fsm.update(0, Hugz(0), t)
+        fsm.update(0, KVMsg("k", int(t * 10), b"", (), b"v"), t)
+    actions = fsm.tick(2.5)
+    assert _requests(actions) == [1] and fsm.counters.failovers == 1
+
+
+def test_snapshot_data_stops_the_reasks() -> None:
+    fsm = AgentFSM(None, CFG, now=0.0)
+    fsm.connect("tcp://a:1", 0.0)
+    fsm.snapshot_reply(0, KVMsg("k", 1, b"", (), b"v"), 0.1)
+    assert fsm.next_deadline() == pytest.approx(2.6)  # silence only; no re-ask
+    assert fsm.tick(2.0) == []
+    fsm.update(0, Hugz(1), 2.0)  # after snapshot data, HUGZ count as life again
+    assert fsm.tick(2.6) == [] and fsm.counters.retries == 0
+
+
+def test_server_that_ignores_the_first_requests_is_synced_without_failover() -> None:
+    """The backup refuses votes until it notices the primary's death, then answers."""
+    fsm, (primary, backup) = synced()
+    fsm.update(0, primary.apply("a", b"1"), 0.5)
+    backup.map, backup.seq = dict(primary.map), primary.seq
+    actions = fsm.server_disconnected(0, 1.0)
+    assert _requests(actions) == [1]
+    for t in (1.25, 1.5, 1.75):  # refused: nothing comes back
+        assert fsm.tick(t) == [RequestSnapshot(1, ("",))]
+    feed_snapshot(fsm, backup, 1.8)  # the answer to the fourth request
+    assert fsm.state is State.ACTIVE and fsm.current == 1
+    assert fsm.get("a") is not None
+    c = fsm.counters
+    assert (c.failovers, c.disconnect_failovers, c.retries) == (1, 1, 3)
+    assert c.last_failover_gap_ms == 1300  # last heard at 0.5, synced at 1.8
+    assert fsm.next_deadline() == pytest.approx(1.8 + 2.5)  # no re-ask left behind
+
+
+def test_lost_connection_to_the_active_server_fails_over_at_once() -> None:
+    fsm, (_primary, backup) = synced()
+    fsm.update(0, Hugz(0), 1.0)
+    actions = fsm.server_disconnected(0, 1.2)  # long before server_timeout (3.5)
+    assert actions == [StateChanged(State.SYNCING, 1), RequestSnapshot(1, ("",))]
+    assert fsm.current == 1
+    c = fsm.counters
+    assert (c.disconnects, c.disconnect_failovers, c.failovers) == (1, 1, 1)
+    feed_snapshot(fsm, backup, 1.3)
+    assert fsm.state is State.ACTIVE and fsm.counters.last_failover_gap_ms == 300
+
+
+def test_lost_connection_while_syncing_moves_to_the_next_server() -> None:
+    fsm = AgentFSM(None, CFG, now=0.0)
+    fsm.connect("tcp://a:1", 0.0)
+    fsm.connect("tcp://b:1", 0.0)
+    actions = fsm.server_disconnected(0, 0.1)
+    assert actions == [RequestSnapshot(1, ("",))]
+    assert fsm.counters.disconnect_failovers == 1
+
+
+def test_lost_connection_to_another_server_is_only_counted() -> None:
+    fsm, _ = synced()
+    assert fsm.server_disconnected(1, 1.0) == []
+    assert fsm.current == 0 and fsm.state is State.ACTIVE
+    c = fsm.counters
+    assert (c.disconnects, c.disconnect_failovers, c.failovers, c.foreign) == (1, 0, 0, 0)
+    before = AgentFSM(None, CFG)
+    assert before.server_disconnected(0, 0.0) == []  # no server yet
+
+
+def test_frozen_server_is_still_found_by_silence_alone() -> None:
+    """No lost connection (SIGSTOP keeps it): fail over after server_timeout."""
+    fsm, _ = synced()
+    fsm.update(0, Hugz(0), 1.0)
+    assert fsm.tick(3.49) == []
+    assert _requests(fsm.tick(3.5)) == [1]
+    assert fsm.counters.disconnect_failovers == 0 and fsm.counters.failovers == 1
 
 
 def test_streaming_snapshot_keeps_the_server_alive() -> None:
@@ -352,6 +452,9 @@ def test_config_from_heartbeat() -> None:
     cfg = AgentConfig.from_heartbeat(0.1)
     assert cfg.server_timeout == pytest.approx(0.25)
     assert cfg.resend_interval == pytest.approx(0.05)
+    assert cfg.reask_interval == pytest.approx(0.025)
+    with pytest.raises(ValueError):
+        AgentConfig(reask_interval=0)
     with pytest.raises(ValueError):
         AgentConfig.from_heartbeat(0)
     with pytest.raises(ValueError):
@@ -415,7 +518,7 @@ def test_writes_before_the_first_snapshot_are_held_until_it_completes() -> None:
     confirmed = KVMsg.build("b", b"2")
     assert fsm.write(early, 0.0, confirm_within=None) == []
     assert fsm.write(confirmed, 0.0, confirm_within=5.0) == []
-    assert fsm.tick(1.0) == []  # no resend while held
+    assert not any(isinstance(a, SendUpdate) for a in fsm.tick(1.0))  # no resend while held
     actions = fsm.snapshot_reply(0, SnapshotEnd(0), 1.1)
     sends = [a.msg for a in actions if isinstance(a, SendUpdate)]
     assert sends == [early, confirmed]

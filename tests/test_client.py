@@ -240,6 +240,98 @@ def test_failover_resyncs_with_a_fresh_map(pair: tuple[FakeServer, FakeServer]) 
         eventually(lambda: any(ch.key == "gone" and ch.deleted for ch in changes))
 
 
+def test_lost_connection_fails_over_without_waiting_for_the_timeout() -> None:
+    """The active server's process goes away: failover on the lost connection.
+
+    The server timeout is set to 60 s, so only the disconnect can explain a
+    failover within the test's deadline.
+    """
+    primary = FakeServer(heartbeat=HB)
+    primary.start()
+    try:
+        with FakeServer(heartbeat=HB) as backup:
+            for srv in (primary, backup):
+                srv.publish("k", b"1")
+            backup.publish("only-on-backup", b"2")
+            with make_client(primary, backup, server_timeout=60.0) as c:
+                c.wait_synced(5)
+                assert c.status().server == primary.endpoint
+                primary.stop()  # its sockets close, as a killed process's would
+                eventually(
+                    lambda: c.status().server == backup.endpoint
+                    and c.status().state == "active",
+                    timeout=10,
+                    what="failover on the lost connection",
+                )
+                counters = c.status().counters
+                assert counters["disconnect_failovers"] == 1
+                assert counters["failovers"] == 1
+                assert counters["disconnects"] >= 1
+                assert counters["last_failover_gap_ms"] > 0
+                assert c.get("only-on-backup") == b"2"
+    finally:
+        primary.stop()
+
+
+def test_frozen_server_keeps_its_connection_and_is_found_by_silence(
+    pair: tuple[FakeServer, FakeServer],
+) -> None:
+    primary, backup = pair
+    with make_client(primary, backup) as c:
+        c.wait_synced(5)
+        primary.silent = True  # alive, connected, saying nothing
+        backup.silent = False
+        eventually(
+            lambda: c.status().server == backup.endpoint and c.status().state == "active",
+            what="failover on silence",
+        )
+        counters = c.status().counters
+        assert counters["failovers"] == 1 and counters["disconnect_failovers"] == 0
+
+
+def test_refused_snapshot_requests_are_repeated_on_the_same_server(
+    pair: tuple[FakeServer, FakeServer],
+) -> None:
+    """A server that ignores the first requests (a passive server refusing the
+    vote until it notices its peer's death) is asked again, not left."""
+    primary, backup = pair
+    primary.ignore_next_snapshots = 3
+    primary.publish("k", b"1")
+    with make_client(primary, backup, server_timeout=5.0) as c:
+        c.wait_synced(5)
+        st = c.status()
+        assert st.server == primary.endpoint
+        assert st.failovers == 0
+        assert st.counters["retries"] >= 3
+        assert primary.snapshot_requests >= 4
+        assert c.get("k") == b"1"
+
+
+def test_failover_to_a_backup_that_has_not_yet_noticed(
+    pair: tuple[FakeServer, FakeServer],
+) -> None:
+    """The client sees the primary die before the backup does: the backup
+    refuses the first requests, then answers one of the re-asks."""
+    primary, backup = pair
+    backup.silent = False
+    backup.ignore_next_snapshots = 4
+    for srv in pair:
+        srv.publish("k", b"1")
+    with make_client(primary, backup, server_timeout=60.0) as c:
+        c.wait_synced(5)
+        primary.stop()
+        eventually(
+            lambda: c.status().server == backup.endpoint and c.status().state == "active",
+            timeout=10,
+            what="sync with the backup",
+        )
+        counters = c.status().counters
+        assert counters["failovers"] == 1 and counters["disconnect_failovers"] == 1
+        assert counters["retries"] >= 4
+        assert backup.snapshot_requests >= 5
+        assert c.get("k") == b"1"
+
+
 def test_confirmed_write_is_resent_to_the_new_server(pair: tuple[FakeServer, FakeServer]) -> None:
     primary, backup = pair
     primary.ignore_kvsets = True  # it dies before republishing the write
