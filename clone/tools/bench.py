@@ -744,6 +744,12 @@ def _load_keys(ctx: zmq.Context[Any], target: Target, n: int, size: int) -> floa
 def _raw_snapshot(
     ctx: zmq.Context[Any], endpoint: str, subtree: str, timeout: float
 ) -> dict[str, Any]:
+    """ICANHAZ? until KTHXBAI on a raw DEALER, counting entries.
+
+    The receive loop is as cheap as pyzmq allows (no-copy frames, ``Frame.more``
+    instead of a RCVMORE getsockopt per frame, ~3.5 us per entry here), so that
+    the requester is not what limits the serve time.
+    """
     dealer = ctx.socket(zmq.DEALER)
     dealer.rcvhwm = 0
     dealer.connect(endpoint)
@@ -752,13 +758,20 @@ def _raw_snapshot(
         dealer.send_multipart([b"ICANHAZ?", subtree.encode()])
         count = 0
         first = 0.0
-        recv = dealer.recv_multipart
+        recv = dealer.recv
         deadline = t0 + timeout
         while True:
-            if not dealer.poll(max(1, int((deadline - time.monotonic()) * 1000))):
-                return {"complete": False, "entries": count, "seconds": None}
-            frames = recv()
-            if frames[0] == KTHXBAI:
+            try:
+                head = recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or not dealer.poll(max(1, int(remaining * 1000))):
+                    return {"complete": False, "entries": count, "seconds": None}
+                continue
+            frame = head
+            while frame.more:
+                frame = recv(zmq.NOBLOCK, copy=False)
+            if head.bytes == KTHXBAI:
                 t1 = time.monotonic()
                 return {
                     "complete": True,
