@@ -6,6 +6,12 @@ How this works: one tornado IOLoop (owned, never the global one) drives
   :class:`~clone.snapshot.SnapshotStream` pumped a chunk per loop turn with
   ``ROUTER_MANDATORY`` and non-blocking sends.  EAGAIN pauses that stream and
   retries shortly (no entry is dropped); EHOSTUNREACH aborts it.
+  A vote refused only because the peer does not look dead *yet* (we are passive,
+  or a primary still starting) is *deferred*: held, bounded in number and age,
+  and voted again at the peer's expiry time, every housekeeping tick and when
+  we become active; served if accepted then, dropped when it ages out.  A
+  client that noticed the active server's crash before we did is then served
+  the moment we notice it too, instead of after its own retry.
 * the PUBLISHER PUB (P+1): KVPUBs, and HUGZ every heartbeat while active.  Bulk
   output (a promotion's pending list, a mass expiry) goes through an in-order
   queue drained a chunk per turn, and while that queue is non-empty every other
@@ -54,7 +60,11 @@ log = logging.getLogger(__name__)
 
 _LOG_INTERVAL = 10.0  # seconds between two log lines of the same kind of bad input
 _STALL_RETRY = 0.005  # seconds before retrying a snapshot send that hit the HWM
-_HOUSEKEEPING = 0.1  # seconds between expiry / sync-timeout checks
+_HOUSEKEEPING = 0.1  # seconds between expiry / sync-timeout / deferred-vote checks
+# Binary Star states in which a refused vote may be accepted later, once the
+# peer expires ("vote if expired" in docs/failover.md).  By name, so that a
+# standalone server does not import bstar.
+_DEFERRING_STATES = frozenset(("PASSIVE", "PRIMARY"))
 # Wall-time budget of one handler call that drains a socket or streams a
 # snapshot chunk.  The count limits alone are not enough: on a loaded host a
 # batch of 1000 took up to 190 ms of wall time, and timers (HUGZ) waited for it.
@@ -132,6 +142,8 @@ class ServerConfig:
     max_snapshots: int = 64
     collector_batch: int = 1_000
     sync_timeout: float = 0.0  # 0: max(5 heartbeats, 2 s)
+    max_deferred_votes: int = 1_000
+    deferred_vote_max_age: float = 0.0  # 0: 2 * ha_missed * heartbeat
     stats_interval: float = 60.0
     core: CoreSettings = field(default_factory=CoreSettings)
 
@@ -143,6 +155,10 @@ class ServerConfig:
         for name in ("pub_hwm", "collector_hwm", "snapshot_hwm"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = no limit)")
+        if self.deferred_vote_max_age < 0:
+            raise ValueError("deferred_vote_max_age must be >= 0 (0 = 2 * missed heartbeats)")
+        if self.max_deferred_votes < 0:
+            raise ValueError("max_deferred_votes must be >= 0 (0 = never defer)")
         for name in ("snapshot_chunk", "collector_batch", "max_snapshots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
@@ -154,6 +170,10 @@ class ServerConfig:
     @property
     def effective_sync_timeout(self) -> float:
         return self.sync_timeout or max(5 * self.heartbeat, 2.0)
+
+    @property
+    def effective_deferred_vote_max_age(self) -> float:
+        return self.deferred_vote_max_age or 2 * self.ha_missed * self.heartbeat
 
 
 def _tcp(host_port: str) -> str:
@@ -192,6 +212,15 @@ def _who(identity: bytes) -> str:
     return identity.hex() if identity else "?"
 
 
+@dataclass(frozen=True, slots=True)
+class _DeferredVote:
+    """A snapshot request held until Binary Star may accept it (or it ages out)."""
+
+    identity: bytes
+    subtree: str
+    expires_at: float  # on self._clock
+
+
 class CloneServer:
     """One member of a Clone server pair (or a standalone server).
 
@@ -227,6 +256,11 @@ class CloneServer:
         self._collector: zmq.Socket | None = None
         self._ha: Any = None  # bstar.reactor.BinaryStar when paired
         self._snapshots: dict[SnapshotStream, float] = {}  # stream -> last progress
+        # Deferred votes by (identity, subtree), oldest first (all have the same
+        # maximum age, so insertion order is expiry order).
+        self._deferred: dict[tuple[bytes, str], _DeferredVote] = {}
+        self._deferred_timer: object | None = None
+        self._deferred_streams: set[SnapshotStream] = set()  # served from _deferred
         self._outq: deque[list[bytes]] = deque()
         self._outq_scheduled = False
         self._peer_sub: ZMQStream | None = None
@@ -242,6 +276,11 @@ class CloneServer:
                 "snapshots_served",
                 "snapshots_aborted",
                 "snapshots_refused",
+                "votes_deferred",
+                "votes_deferred_served",
+                "votes_deferred_expired",
+                "votes_deferred_overflow",
+                "votes_deferred_gone",
                 "snapshot_stalls",
                 "snapshot_entries_sent",
                 "hugz_sent",
@@ -330,6 +369,7 @@ class CloneServer:
         out: dict[str, int | float | str] = dict(self.core.stats())
         out.update(self.counters)
         out["snapshots_in_flight"] = len(self._snapshots)
+        out["votes_deferred_held"] = len(self._deferred)
         out["outq"] = len(self._outq)
         out["mode"] = self.config.mode.value
         ha = self._ha
@@ -348,7 +388,8 @@ class CloneServer:
             level,
             "stats: %s seq=%s keys=%s ephemeral=%s pending=%s kvset=%s published=%s "
             "invalid=%s dup=%s snapshots=%s/%s aborted=%s refused=%s gaps=%s syncs=%s/%s "
-            "pending_dropped=%s late_ms=%s errors=%s",
+            "pending_dropped=%s late_ms=%s deferred_votes=%s served=%s expired=%s held=%s "
+            "errors=%s",
             s["role"],
             s["sequence"],
             s["keys"],
@@ -367,6 +408,10 @@ class CloneServer:
             s["syncs_started"],
             s["pending_dropped"],
             s["heartbeat_max_late_ms"],
+            s["votes_deferred"],
+            s["votes_deferred_served"],
+            s["votes_deferred_expired"],
+            s["votes_deferred_held"],
             s["internal_errors"],
         )
 
@@ -484,10 +529,14 @@ class CloneServer:
     def _close_all(self) -> None:
         loop = self._loop
         if loop is not None:
-            for timer in (self._hugz_timer, self._house_timer, self._stats_timer):
+            timers = (self._hugz_timer, self._house_timer, self._stats_timer, self._deferred_timer)
+            for timer in timers:
                 if timer is not None:
                     loop.remove_timeout(timer)
         self._hugz_timer = self._house_timer = self._stats_timer = None
+        self._deferred_timer = None
+        self._deferred.clear()
+        self._deferred_streams.clear()
         if self._ha is not None:
             self._ha.stop()
         self._close_peer()
@@ -540,6 +589,10 @@ class CloneServer:
                 delay = 0.0  # more due than one batch: continue next turn
             self._check_sync_timeout()
             self._check_stalled_snapshots()
+            if self._deferred:
+                # The peer's expiry may have moved earlier (Binary Star saw its
+                # connection drop); the timer only knows the old one.
+                self._recheck_deferred()
         except Exception:
             self.counters["internal_errors"] += 1
             log.exception("internal error in housekeeping")
@@ -630,11 +683,22 @@ class CloneServer:
             return
         ha = self._ha
         if ha is not None and not ha.accept_vote():
-            # Binary Star: a server that may not serve stays silent; the client
+            # Binary Star: a server that may not serve stays silent.  If only
+            # the peer's not-yet-expired heartbeat stands in the way, hold the
+            # request and vote again when it expires; otherwise the client
             # times out and fails over to the other server.
-            self.counters["snapshots_refused"] += 1
-            log.debug("snapshot request from %s not served (%s)", _who(identity), ha.state.name)
+            if not self._defer_vote(identity, subtree):
+                self.counters["snapshots_refused"] += 1
+                log.debug(
+                    "snapshot request from %s not served (%s)", _who(identity), ha.state.name
+                )
             return
+        # Served now: a held copy of the same request must not be served again.
+        self._deferred.pop((identity, subtree), None)
+        self._serve(identity, subtree)
+
+    def _serve(self, identity: bytes, subtree: str, *, deferred: bool = False) -> None:
+        """Stream a snapshot for an accepted vote."""
         if self.core.role is not Role.ACTIVE:
             # The vote was accepted; make sure the promotion happened first.
             self._on_became_active()
@@ -650,6 +714,8 @@ class CloneServer:
             return
         stream = self.core.open_snapshot(identity, subtree)
         self._snapshots[stream] = self._clock()
+        if deferred:
+            self._deferred_streams.add(stream)
         log.debug(
             "snapshot for %s: subtree %r, up to %d keys at sequence %d",
             _who(identity),
@@ -686,7 +752,7 @@ class CloneServer:
                     return
                 except zmq.ZMQError as exc:
                     if exc.errno == zmq.EHOSTUNREACH:
-                        self._abort_snapshot(stream, "requester went away")
+                        self._abort_snapshot(stream, "requester went away", gone=True)
                         return
                     raise
                 stream.advance()
@@ -700,6 +766,7 @@ class CloneServer:
         self._note_progress(stream, sent_before)
         if stream.done:
             del self._snapshots[stream]
+            self._deferred_streams.discard(stream)
             self.counters["snapshots_served"] += 1
             self.counters["snapshot_entries_sent"] += stream.sent
             log.debug(
@@ -715,9 +782,19 @@ class CloneServer:
         if stream.sent != sent_before and stream in self._snapshots:
             self._snapshots[stream] = self._clock()
 
-    def _abort_snapshot(self, stream: SnapshotStream, why: str) -> None:
+    def _abort_snapshot(self, stream: SnapshotStream, why: str, *, gone: bool = False) -> None:
         if self._snapshots.pop(stream, None) is None:
             return
+        if stream in self._deferred_streams:
+            self._deferred_streams.discard(stream)
+            if gone and stream.sent == 0:
+                # Expected: the client asked again on a fresh DEALER (or moved
+                # on) while its request was held; its old socket is closed.
+                self.counters["votes_deferred_gone"] += 1
+                log.debug(
+                    "deferred snapshot request from %s: requester gone", _who(stream.identity)
+                )
+                return
         self.counters["snapshots_aborted"] += 1
         self._throttle.log(
             "snapshot_abort",
@@ -735,6 +812,112 @@ class CloneServer:
         for stream, last in list(self._snapshots.items()):
             if last < cutoff:
                 self._abort_snapshot(stream, "requester stopped reading")
+
+    # -- deferred votes --------------------------------------------------------
+
+    def _defer_vote(self, identity: bytes, subtree: str) -> bool:
+        """Hold a refused vote if it may be accepted once the peer expires."""
+        ha = self._ha
+        limit = self.config.max_deferred_votes
+        if ha is None or limit == 0 or ha.state.name not in _DEFERRING_STATES:
+            return False
+        key = (identity, subtree)
+        if key in self._deferred:
+            return True  # the same request again (a Guide client re-asks so)
+        if len(self._deferred) >= limit:
+            oldest = next(iter(self._deferred))
+            del self._deferred[oldest]
+            self.counters["votes_deferred_overflow"] += 1
+            self.counters["snapshots_refused"] += 1
+            self._throttle.log(
+                "deferred_overflow",
+                logging.WARNING,
+                "%d snapshot requests held for a vote; dropped the oldest",
+                limit,
+            )
+        now = self._clock()
+        age = self.config.effective_deferred_vote_max_age
+        self._deferred[key] = _DeferredVote(identity, subtree, now + age)
+        self.counters["votes_deferred"] += 1
+        log.debug(
+            "snapshot request from %s held (%s, peer expires in %.3f s)",
+            _who(identity),
+            ha.state.name,
+            ha.peer_expiry - now,
+        )
+        self._schedule_deferred_check()
+        return True
+
+    def _schedule_deferred_check(self) -> None:
+        """A timer at the peer's expiry or the oldest vote's, whichever is first."""
+        loop, ha = self._loop, self._ha
+        if loop is None or ha is None or self._stopping:
+            return
+        if self._deferred_timer is not None:
+            loop.remove_timeout(self._deferred_timer)
+            self._deferred_timer = None
+        if not self._deferred:
+            return
+        oldest = next(iter(self._deferred.values()))
+        at = min(ha.peer_expiry, oldest.expires_at)
+        delay = max(0.0, at - self._clock())
+        self._deferred_timer = loop.call_later(delay, self._on_deferred_timer)
+
+    def _on_deferred_timer(self) -> None:
+        self._deferred_timer = None
+        self._recheck_deferred_guarded()
+
+    def _recheck_deferred_soon(self) -> None:
+        if self._loop is not None:
+            self._loop.add_callback(self._recheck_deferred_guarded)
+
+    def _recheck_deferred_guarded(self) -> None:
+        try:
+            self._recheck_deferred()
+        except Exception:
+            self.counters["internal_errors"] += 1
+            log.exception("internal error in the deferred-vote check")
+
+    def _recheck_deferred(self) -> None:
+        """Age out held votes; vote again with the rest if they may be accepted now."""
+        if self._stopping or not self._deferred:
+            return
+        held = self._deferred
+        now = self._clock()
+        while held:
+            key, vote = next(iter(held.items()))
+            if vote.expires_at > now:
+                break
+            del held[key]
+            self.counters["votes_deferred_expired"] += 1
+            self.counters["snapshots_refused"] += 1
+            log.debug("snapshot request from %s aged out unanswered", _who(vote.identity))
+        ha = self._ha
+        if not held or ha is None or not ha.running:
+            self._schedule_deferred_check()
+            return
+        if ha.state.name != "ACTIVE" and now < ha.peer_expiry:
+            # Still alive: voting now would only be refused (and counted).
+            self._schedule_deferred_check()
+            return
+        stop_at = now + _TURN_BUDGET
+        while held:
+            key, vote = next(iter(held.items()))
+            del held[key]
+            if not ha.accept_vote():
+                # Refused although the peer has expired (not a state that votes
+                # can change); it will not get better.
+                self.counters["votes_deferred_expired"] += 1
+                self.counters["snapshots_refused"] += 1
+                continue
+            self.counters["votes_deferred_served"] += 1
+            log.debug("serving the held snapshot request from %s", _who(vote.identity))
+            self._serve(vote.identity, vote.subtree, deferred=True)
+            if held and self._clock() > stop_at:
+                # Each serve sends a first chunk; yield to the loop between turns.
+                self._recheck_deferred_soon()
+                return
+        self._schedule_deferred_check()
 
     # -- roles ---------------------------------------------------------------
 
@@ -758,6 +941,8 @@ class CloneServer:
         )
         # Tell subscribers at once that this server is alive and where it stands.
         self._publish(core.hugz())
+        if self._deferred:
+            self._recheck_deferred_soon()  # not from here: we may be inside accept_vote()
 
     def _on_became_passive(self) -> None:
         core = self.core

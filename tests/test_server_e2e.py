@@ -318,6 +318,100 @@ def test_failover_serves_full_state_and_publishes_the_failover_window(
     backup.wait_log("now ACTIVE (was passive)")
 
 
+def _stats_line(server: ServerProcess) -> str:
+    """Ask for a stats line (SIGUSR1) and return it."""
+    mark = server.log_size()
+    server.signal(signal.SIGUSR1)
+    end = server.wait_log("errors=", after=mark)
+    text = server.log_path.read_bytes()[mark:end].decode(errors="replace")
+    return text[text.rfind("stats:") :]
+
+
+def _stat(line: str, name: str) -> int:
+    return int(line.split(f" {name}=", 1)[1].split()[0])
+
+
+def _await_kthxbai(dealer: zmq.Socket, timeout: float) -> int:
+    """KVSYNCs received before KTHXBAI on ``dealer``; TimeoutError if none comes."""
+    deadline = time.monotonic() + timeout
+    entries = 0
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0 or not dealer.poll(int(remaining * 1000)):
+            raise TimeoutError(f"no KTHXBAI within {timeout} s ({entries} KVSYNCs)")
+        frames = dealer.recv_multipart()
+        if frames[0] == b"KTHXBAI":
+            return entries
+        entries += 1
+
+
+@pytest.fixture
+def slow_servers(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Servers]:
+    """Servers at the production heartbeat (1 s): a held vote lives 4 s."""
+    with server_pool(tmp_path, request, heartbeat_ms=1000) as pool:
+        yield pool
+
+
+def test_vote_held_by_the_passive_is_served_once_the_primary_dies(
+    slow_servers: Servers, ctx: zmq.Context, peers: list[ChpPeer]
+) -> None:
+    """A client that votes for the backup before the backup knows the primary
+    is dead is answered when it finds out, on the same request: no re-send."""
+    primary, backup = slow_servers.pair()
+    peer = _peer(ctx, peers, primary, backup.port)
+    for i in range(20):
+        peer.kvset(b"/held/%d" % i, b"%d" % i)
+    peer.updates(20)
+    time.sleep(0.3)  # the backup applies the last KVPUBs
+    early = ctx.socket(zmq.DEALER)
+    early.setsockopt(zmq.LINGER, 0)
+    try:
+        early.connect(f"tcp://127.0.0.1:{backup.port}")
+        early.send_multipart([b"ICANHAZ?", b""])
+        assert not early.poll(300), "a passive server with a live peer served a snapshot"
+        primary.kill9()
+        assert _await_kthxbai(early, timeout=5.0) == 20  # the request sent before the kill
+    finally:
+        early.close(linger=0)
+    backup.wait_log("now ACTIVE (was passive)")
+    line = _stats_line(backup)
+    assert _stat(line, "deferred_votes") >= 1 and _stat(line, "served") >= 1, line
+    assert _stat(line, "held") == 0, line
+
+
+def test_request_right_after_the_kill_is_answered_without_resending(
+    slow_servers: Servers, ctx: zmq.Context
+) -> None:
+    primary, backup = slow_servers.pair()
+    primary.kill9()
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    try:
+        dealer.connect(f"tcp://127.0.0.1:{backup.port}")
+        dealer.send_multipart([b"ICANHAZ?", b""])
+        # Held at most until the backup's expiry of the primary (2 s after its
+        # last heartbeat), never the client's 2.5 s timeout plus a retry.
+        _await_kthxbai(dealer, timeout=5.0)
+    finally:
+        dealer.close(linger=0)
+    backup.wait_log("now ACTIVE (was passive)")
+
+
+def test_held_vote_ages_out_while_the_peer_lives(
+    servers: Servers, ctx: zmq.Context, peers: list[ChpPeer]
+) -> None:
+    _primary, backup = servers.pair()  # 100 ms heartbeats: held at most 0.4 s
+    probe = ChpPeer(ctx)
+    peers.append(probe)
+    probe.use_snapshot_server(backup.port)
+    assert probe.no_snapshot_reply(1.0)
+    line = _stats_line(backup)
+    assert _stat(line, "deferred_votes") >= 1, line
+    assert _stat(line, "expired") >= 1 and _stat(line, "served") == 0, line
+    assert _stat(line, "held") == 0, line
+    assert "now ACTIVE" not in backup.log_text()  # a held vote never promoted it
+
+
 def test_restarted_primary_comes_back_passive_with_the_full_state(
     servers: Servers, ctx: zmq.Context, peers: list[ChpPeer]
 ) -> None:
