@@ -127,6 +127,8 @@ class BenchConfig:
     memory_keys: int = 100_000
     # Subscribers measured by a Python watcher process each; the others are C sinks.
     probes: int = 1
+    # Throughput and latency runs are repeated, interleaved; the median is reported.
+    repeats: int = 3
     server_heartbeat_ms: int | None = None
     profile_dir: Path | None = None
     log_dir: Path = Path("results/bench-logs")
@@ -144,6 +146,7 @@ class BenchConfig:
             snapshot_sizes=(2_000,),
             snapshot_repeats=1,
             memory_keys=5_000,
+            repeats=1,
         )
         return replace(base, **changes)
 
@@ -590,51 +593,77 @@ def _traffic(
     return writer_res, sorted((r for r in got if r["role"] == "watcher"), key=lambda r: r["idx"])
 
 
-def run_throughput(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]:
-    """Messages/s received per subscriber, for each target and subscriber count."""
-    runs: list[dict[str, Any]] = []
+def _throughput_once(
+    cfg: BenchConfig, group: ProcessGroup, kind: str, subs: int, rep: int
+) -> dict[str, Any]:
     n = cfg.throughput_messages
-    for subs in cfg.subscriber_counts:
-        for kind in cfg.throughput_targets:
-            with _running_target(kind, group, cfg.server_heartbeat_ms) as target:
-                label = f"throughput-{kind}-{subs}sub"
-                profile_dir = cfg.profile_dir if kind == "clone" else None
-                with _Profiler(profile_dir, label, target.pid) as prof:
-                    writer, watchers = _traffic(
-                        target,
-                        "throughput",
-                        subs,
-                        n,
-                        {"messages": n, "value_size": cfg.value_size},
-                        deadline_s=60 + n / 1000,
-                        probes=cfg.probes,
-                    )
-            rates = [
-                w["received"] / (w["last"] - writer["t_start"])
-                for w in watchers
-                if w["received"] and w["last"] > writer["t_start"]
-            ]
-            run = {
-                "target": kind,
-                "subscribers": subs,
-                "messages": n,
-                "received_min": min((w["received"] for w in watchers), default=0),
-                "probes": len(watchers),
-                "delivered": round(sum(w["received"] for w in watchers) / (n * len(watchers)), 4),
-                "rate_median": round(statistics.median(rates)) if rates else 0,
-                "rate_min": round(min(rates)) if rates else 0,
-                "writer_enqueue_rate": round(
-                    n / max(1e-9, writer["t_enqueued"] - writer["t_start"])
-                ),
-            }
-            if prof.summary:
-                run["profile"] = prof.summary
-            runs.append(run)
-            say(
-                f"  throughput {kind:>12} {subs:>2} sub: "
-                f"{run['rate_median']:>8,} msg/s per subscriber"
-                f" (delivered {run['delivered']:.1%})"
+    with _running_target(kind, group, cfg.server_heartbeat_ms) as target:
+        label = f"throughput-{kind}-{subs}sub"
+        profile_dir = cfg.profile_dir if kind == "clone" and rep == 0 else None
+        with _Profiler(profile_dir, label, target.pid) as prof:
+            writer, watchers = _traffic(
+                target,
+                "throughput",
+                subs,
+                n,
+                {"messages": n, "value_size": cfg.value_size},
+                deadline_s=60 + n / 1000,
+                probes=cfg.probes,
             )
+    rates = [
+        w["received"] / (w["last"] - writer["t_start"])
+        for w in watchers
+        if w["received"] and w["last"] > writer["t_start"]
+    ]
+    run: dict[str, Any] = {
+        "received_min": min((w["received"] for w in watchers), default=0),
+        "probes": len(watchers),
+        "delivered": round(sum(w["received"] for w in watchers) / (n * len(watchers)), 4),
+        "rate": round(min(rates)) if rates else 0,
+        "writer_enqueue_rate": round(n / max(1e-9, writer["t_enqueued"] - writer["t_start"])),
+    }
+    if prof.summary:
+        run["profile"] = prof.summary
+    return run
+
+
+def run_throughput(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]:
+    """Messages/s received per subscriber, for each target and subscriber count.
+
+    Each combination runs ``repeats`` times, the targets interleaved, so that a
+    burst of other work on the machine hits all of them alike; the median counts.
+    """
+    combos = [(kind, subs) for subs in cfg.subscriber_counts for kind in cfg.throughput_targets]
+    reps: dict[tuple[str, int], list[dict[str, Any]]] = {c: [] for c in combos}
+    for rep in range(cfg.repeats):
+        for kind, subs in combos:
+            one = _throughput_once(cfg, group, kind, subs, rep)
+            reps[(kind, subs)].append(one)
+            say(
+                f"  throughput {kind:>12} {subs:>2} sub: {one['rate']:>8,} msg/s per subscriber"
+                f" (delivered {one['delivered']:.1%})"
+                + (f" [repeat {rep + 1}/{cfg.repeats}]" if cfg.repeats > 1 else "")
+            )
+    runs: list[dict[str, Any]] = []
+    for (kind, subs), ones in reps.items():
+        rates = [o["rate"] for o in ones]
+        run: dict[str, Any] = {
+            "target": kind,
+            "subscribers": subs,
+            "messages": cfg.throughput_messages,
+            "probes": ones[0]["probes"],
+            "received_min": min(o["received_min"] for o in ones),
+            "delivered": min(o["delivered"] for o in ones),
+            "rate_median": round(statistics.median(rates)),
+            "rate_min": min(rates),
+            "rate_max": max(rates),
+            "rates": rates,
+            "writer_enqueue_rate": round(statistics.median(o["writer_enqueue_rate"] for o in ones)),
+        }
+        profile = next((o["profile"] for o in ones if "profile" in o), None)
+        if profile:
+            run["profile"] = profile
+        runs.append(run)
     # Our throughput as a fraction of each ceiling, same subscriber count.
     by = {(r["target"], r["subscribers"]): r["rate_median"] for r in runs}
     ratios: dict[str, float] = {}
@@ -647,55 +676,83 @@ def run_throughput(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str,
     return {"runs": runs, "ratios": ratios}
 
 
+def _latency_once(
+    cfg: BenchConfig, group: ProcessGroup, kind: str, rate: int, subs: int, rep: int
+) -> dict[str, Any]:
+    with _running_target(kind, group, cfg.server_heartbeat_ms) as target:
+        label = f"latency-{kind}-{rate}-{subs}sub"
+        profiled = kind == "clone" and rate == max(cfg.rates) and rep == 0
+        with _Profiler(cfg.profile_dir if profiled else None, label, target.pid) as prof:
+            count = max(1, int(rate * cfg.rate_seconds))
+            writer, watchers = _traffic(
+                target,
+                "latency",
+                subs,
+                count,
+                {"rate": rate, "seconds": cfg.rate_seconds, "value_size": cfg.value_size},
+                deadline_s=cfg.rate_seconds + 60,
+                probes=cfg.probes,
+            )
+    merged = LatencyHistogram()
+    for w in watchers:
+        merged.merge(LatencyHistogram.decode(w["hist"]))
+    lag = LatencyHistogram.decode(writer["lag"])
+    run: dict[str, Any] = {
+        "target": kind,
+        "rate": rate,
+        "subscribers": subs,
+        "seconds": cfg.rate_seconds,
+        "sent": writer["sent"],
+        "received_min": min((w["received"] for w in watchers), default=0),
+        "probes": len(watchers),
+        "lost": writer["sent"] * len(watchers) - sum(w["received"] for w in watchers),
+        "latency": merged.summary(),
+        "writer_lag": lag.summary(),
+        "distribution": merged.distribution(),
+    }
+    if prof.summary:
+        run["profile"] = prof.summary
+    return run
+
+
 def run_latency(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]:
-    """Latency percentiles at fixed offered rates, measured from the intended send time."""
+    """Latency percentiles at fixed offered rates, measured from the intended send time.
+
+    With ``repeats`` > 1 every (target, rate, subscribers) runs that many times,
+    interleaved; the run with the median p99 is reported in full and every
+    repeat's percentiles are kept (``repeats``), so a disturbed run shows.
+    """
     plan: list[tuple[str, int, int]] = []
     for kind in cfg.latency_targets:
         plan += [(kind, rate, 1) for rate in cfg.rates]
         if cfg.multi_subs > 1:
             plan.append((kind, cfg.multi_sub_rate, cfg.multi_subs))
+    reps: dict[tuple[str, int, int], list[dict[str, Any]]] = {p: [] for p in plan}
+    for rep in range(cfg.repeats):
+        for kind, rate, subs in plan:
+            one = _latency_once(cfg, group, kind, rate, subs, rep)
+            reps[(kind, rate, subs)].append(one)
+            lat = one["latency"]
+            say(
+                f"  latency {kind:>8} {rate:>6}/s {subs:>2} sub: p50 {lat['p50_ms']:.3f} "
+                f"p99 {lat['p99_ms']:.3f} p99.9 {lat['p99_9_ms']:.3f} max {lat['max_ms']:.3f} ms"
+                f" (lost {one['lost']}, writer lag p99 {one['writer_lag']['p99_ms']:.3f})"
+                + (f" [repeat {rep + 1}/{cfg.repeats}]" if cfg.repeats > 1 else "")
+            )
     runs: list[dict[str, Any]] = []
-    for kind, rate, subs in plan:
-        with _running_target(kind, group, cfg.server_heartbeat_ms) as target:
-            label = f"latency-{kind}-{rate}-{subs}sub"
-            profile_dir = cfg.profile_dir if kind == "clone" and rate == max(cfg.rates) else None
-            with _Profiler(profile_dir, label, target.pid) as prof:
-                count = max(1, int(rate * cfg.rate_seconds))
-                writer, watchers = _traffic(
-                    target,
-                    "latency",
-                    subs,
-                    count,
-                    {"rate": rate, "seconds": cfg.rate_seconds, "value_size": cfg.value_size},
-                    deadline_s=cfg.rate_seconds + 60,
-                    probes=cfg.probes,
-                )
-        merged = LatencyHistogram()
-        for w in watchers:
-            merged.merge(LatencyHistogram.decode(w["hist"]))
-        lag = LatencyHistogram.decode(writer["lag"])
-        run: dict[str, Any] = {
-            "target": kind,
-            "rate": rate,
-            "subscribers": subs,
-            "seconds": cfg.rate_seconds,
-            "sent": writer["sent"],
-            "received_min": min((w["received"] for w in watchers), default=0),
-            "probes": len(watchers),
-            "lost": writer["sent"] * len(watchers) - sum(w["received"] for w in watchers),
-            "latency": merged.summary(),
-            "writer_lag": lag.summary(),
-            "distribution": merged.distribution(),
-        }
-        if prof.summary:
-            run["profile"] = prof.summary
+    for ones in reps.values():
+        ranked = sorted(ones, key=lambda o: o["latency"]["p99_ms"])
+        run = dict(ranked[(len(ranked) - 1) // 2])
+        run["lost"] = sum(o["lost"] for o in ones)
+        run["repeats"] = [
+            {k: o["latency"][k] for k in ("p50_ms", "p99_ms", "p99_9_ms", "max_ms")}
+            | {"writer_lag_p99_ms": o["writer_lag"]["p99_ms"]}
+            for o in ones
+        ]
+        profile = next((o["profile"] for o in ones if "profile" in o), None)
+        if profile:
+            run["profile"] = profile
         runs.append(run)
-        lat = run["latency"]
-        say(
-            f"  latency {kind:>8} {rate:>6}/s {subs:>2} sub: p50 {lat['p50_ms']:.3f} "
-            f"p99 {lat['p99_ms']:.3f} p99.9 {lat['p99_9_ms']:.3f} max {lat['max_ms']:.3f} ms"
-            f" (lost {run['lost']})"
-        )
     return {"runs": runs}
 
 
@@ -1073,6 +1130,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-seconds", type=float, help="latency: seconds per rate")
     p.add_argument("--snapshot-sizes", type=_ints, help="snapshot: key counts, e.g. 10000,100000")
     p.add_argument("--memory-keys", type=int, help="memory: keys to load")
+    p.add_argument("--repeats", type=int,
+                   help="throughput/latency: runs of each case, median reported (default 3)")
     p.add_argument("--probes", type=int,
                    help="measuring watcher processes per run (the other subscribers are C sinks)")
     p.add_argument("-v", "--verbose", action="store_true")
@@ -1091,6 +1150,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         ("snapshot_sizes", "snapshot_sizes"),
         ("memory_keys", "memory_keys"),
         ("probes", "probes"),
+        ("repeats", "repeats"),
     ]:
         value = getattr(args, arg)
         if value is not None:

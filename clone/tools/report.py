@@ -71,11 +71,12 @@ def _bench_tables(results: dict[str, Any], markdown: bool) -> list[tuple[str, st
     if "throughput" in s:
         rows = [
             [r["target"], r["subscribers"], r.get("probes", r["subscribers"]), r["messages"],
-             r["rate_median"], r["rate_min"], f"{r['delivered']:.1%}"]
+             r["rate_median"], r["rate_min"], r.get("rate_max", r["rate_min"]),
+             f"{r['delivered']:.1%}"]
             for r in s["throughput"]["runs"]
         ]
         text = table(
-            ["target", "subs", "measured", "messages", "msg/s per sub (median)", "min",
+            ["target", "subs", "measured", "messages", "msg/s per sub (median)", "min", "max",
              "delivered"],
             rows,
             markdown=markdown,
@@ -94,13 +95,13 @@ def _bench_tables(results: dict[str, Any], markdown: bool) -> list[tuple[str, st
                 r["target"], r["rate"], r["subscribers"], r.get("probes", r["subscribers"]),
                 lat["count"], lat["p50_ms"],
                 lat["p99_ms"], lat["p99_9_ms"], lat["max_ms"], r["lost"], r["writer_lag"]["p99_ms"],
+                " / ".join(f"{x['p99_ms']:.2f}" for x in r.get("repeats", [])) or "-",
             ])
         out.append((
             "Latency from the intended send time (ms, HDR histogram)",
             table(
                 ["target", "rate/s", "subs", "measured", "samples", "p50", "p99", "p99.9", "max",
-                 "lost",
-                 "writer lag p99"],
+                 "lost", "writer lag p99", "p99 of each repeat"],
                 rows,
                 markdown=markdown,
             ),
