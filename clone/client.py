@@ -13,6 +13,7 @@ or the confirmations.
 from __future__ import annotations
 
 import atexit
+import heapq
 import itertools
 import json
 import logging
@@ -21,6 +22,8 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 
 import zmq
@@ -61,6 +64,8 @@ DEFAULT_SERVERS = (
     f"tcp://127.0.0.1:{DEFAULT_BACKUP_PORT}",
 )
 _ids = itertools.count(1)
+# How often the event dispatcher wakes up at least (to fail overdue writes).
+_DISPATCH_POLL_S = 0.1
 
 
 def default_servers() -> list[str]:
@@ -188,7 +193,10 @@ class Clone:
         self._closed = False
         self._lock = threading.Lock()  # the command pipe, one caller at a time
         self._rids = itertools.count(1)
-        self._waiters: dict[bytes, threading.Event] = {}
+        # Confirmed writes in flight: uuid -> future, and their deadlines (a heap),
+        # both resolved by the dispatcher thread.
+        self._waiters: dict[bytes, Future[None]] = {}
+        self._deadlines: list[tuple[float, bytes, str, float]] = []
         self._watchers: list[queue.SimpleQueue[Entry | object]] = []
         self._callbacks: list[Callable[[Entry], None]] = []
         self._callback_queue: queue.SimpleQueue[Entry | object] | None = None
@@ -271,12 +279,17 @@ class Clone:
         self._dispatch_stop = True
         self._dispatcher.join(self.command_timeout)
         with self._shared:
-            for ev in self._waiters.values():
-                ev.set()
+            waiters = list(self._waiters.values())
+            self._waiters.clear()
             for q in self._watchers:
                 q.put(_STOP)
             if self._callback_queue is not None:
                 self._callback_queue.put(_STOP)
+        for fut in waiters:
+            if not fut.done():
+                fut.set_exception(
+                    ClosedError("the client was closed while a write awaited confirmation")
+                )
         if (
             self._callback_thread is not None
             and self._callback_thread is not threading.current_thread()
@@ -357,30 +370,80 @@ class Clone:
         """Delete ``key`` on the servers (``wait`` as for :meth:`set`)."""
         self._write(_build(key, b"", {}), wait, timeout)
 
+    def set_async(
+        self, key: str, value: bytes | str, ttl: float = 0, *, timeout: float | None = None
+    ) -> Future[None]:
+        """A confirmed write that does not block: the future resolves when the active
+        server has republished it, or fails with ConfirmTimeout after ``timeout``.
+
+        This is how a bulk loader keeps many writes in flight from one thread.
+        """
+        body = _as_bytes(value)
+        if not body:
+            raise ValueError("an empty value means delete; call delete_async() instead")
+        ttl_text = _format_ttl(ttl)
+        props = {TTL_PROPERTY: ttl_text} if ttl_text is not None else {}
+        return self._write_async(_build(key, body, props), timeout)
+
+    def delete_async(self, key: str, *, timeout: float | None = None) -> Future[None]:
+        """Delete ``key``; the future resolves as for :meth:`set_async`."""
+        return self._write_async(_build(key, b"", {}), timeout)
+
     def _write(self, msg: KVMsg, wait: bool, timeout: float | None) -> None:
-        frames = encode_kv(msg)
         if not wait:
-            self._request(_agent.SET, [b"", *frames])
+            self._request(_agent.SET, [b"", *encode_kv(msg)])
             return
+        fut = self._write_async(msg, timeout)
+        limit = self.confirm_timeout if timeout is None else timeout
+        # The dispatcher fails the future at its deadline; the margin only guards
+        # against a dispatcher that died.
+        done, _ = futures_wait([fut], limit + 2 * _DISPATCH_POLL_S + 1.0)
+        if not done:
+            with self._shared:
+                self._waiters.pop(msg.uuid, None)
+            raise ConfirmTimeout(self._timeout_text(msg.key, limit))
+        fut.result()  # raises ConfirmTimeout or ClosedError
+
+    def _write_async(self, msg: KVMsg, timeout: float | None) -> Future[None]:
         timeout = self.confirm_timeout if timeout is None else timeout
         if timeout <= 0:
             raise ValueError("timeout must be > 0")
-        done = threading.Event()
+        fut: Future[None] = Future()
+        fut.set_running_or_notify_cancel()
         with self._shared:
-            self._waiters[msg.uuid] = done
+            self._waiters[msg.uuid] = fut
+            heapq.heappush(
+                self._deadlines, (time.monotonic() + timeout, msg.uuid, msg.key, timeout)
+            )
         try:
-            self._request(_agent.SET, [repr(float(timeout)).encode(), *frames])
-            confirmed = done.wait(timeout)
-        finally:
+            self._request(_agent.SET, [repr(float(timeout)).encode(), *encode_kv(msg)])
+        except BaseException:
             with self._shared:
                 self._waiters.pop(msg.uuid, None)
-        if self._closed:
-            raise ClosedError("the client was closed while a write awaited confirmation")
-        if not confirmed:
-            raise ConfirmTimeout(
-                f"write to {msg.key!r} was not confirmed by the active server within "
-                f"{timeout:g} s (servers: {', '.join(self._servers) or 'none'})"
-            )
+            raise
+        return fut
+
+    def _timeout_text(self, key: str, timeout: float) -> str:
+        return (
+            f"write to {key!r} was not confirmed by the active server within "
+            f"{timeout:g} s (servers: {', '.join(self._servers) or 'none'})"
+        )
+
+    def _expire_waiters(self) -> float:
+        """Fail the confirmed writes past their deadline; return seconds to the next."""
+        now = time.monotonic()
+        expired: list[tuple[Future[None], str, float]] = []
+        with self._shared:
+            while self._deadlines and self._deadlines[0][0] <= now:
+                _, uuid, key, timeout = heapq.heappop(self._deadlines)
+                fut = self._waiters.pop(uuid, None)
+                if fut is not None:
+                    expired.append((fut, key, timeout))
+            wait = self._deadlines[0][0] - now if self._deadlines else _DISPATCH_POLL_S
+        for fut, key, timeout in expired:
+            if not fut.done():
+                fut.set_exception(ConfirmTimeout(self._timeout_text(key, timeout)))
+        return min(wait, _DISPATCH_POLL_S)
 
     def get(self, key: str, default: bytes | None = None) -> bytes | None:
         """The value of ``key`` in our replica, or ``default``."""
@@ -502,8 +565,9 @@ class Clone:
         """Event pipe reader: confirmations, state, changes.  Never runs user code."""
         evt = self._evt[0]
         while not self._dispatch_stop:
+            wait = self._expire_waiters()
             try:
-                if not evt.poll(100):
+                if not evt.poll(max(1, int(wait * 1000))):
                     continue
                 frames = evt.recv_multipart()
             except zmq.ZMQError as exc:
@@ -512,9 +576,9 @@ class Clone:
             kind = frames[0]
             if kind == _agent.CONFIRMED:
                 with self._shared:
-                    waiter = self._waiters.get(frames[1])
-                if waiter is not None:
-                    waiter.set()
+                    waiter = self._waiters.pop(frames[1], None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
             elif kind == _agent.CHANGE:
                 change = _entry(frames[1:])
                 with self._shared:

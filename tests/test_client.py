@@ -124,6 +124,31 @@ def test_unknown_command_gets_an_error(server: FakeServer) -> None:
         assert c.get("x") is None
 
 
+def test_async_writes_time_out_each_with_its_own_deadline(server: FakeServer) -> None:
+    server.ignore_kvsets = True
+    with make_client(server) as c:
+        c.wait_synced(5)
+        short = c.set_async("a", b"1", timeout=0.3)
+        long = c.delete_async("b", timeout=30)
+        with pytest.raises(ConfirmTimeout, match=r"'a' was not confirmed .* within 0.3 s"):
+            short.result(5)
+        assert not long.done(), "a later deadline must not fail with the earlier one"
+    # Closing the client fails what is still in flight, rather than leaving it hanging.
+    with pytest.raises(ClosedError):
+        long.result(5)
+
+
+def test_async_writes_are_confirmed(server: FakeServer) -> None:
+    with make_client(server) as c:
+        c.wait_synced(5)
+        futures = [c.set_async(f"k{i}", f"v{i}", timeout=5) for i in range(50)]
+        for fut in futures:
+            assert fut.result(10) is None
+        assert [c.get(f"k{i}") for i in range(50)] == [f"v{i}".encode() for i in range(50)]
+        with pytest.raises(ValueError, match="delete"):
+            c.set_async("k", b"")
+
+
 def test_close_is_clean_and_idempotent(server: FakeServer) -> None:
     before = set(client_threads())
     c = make_client(server)

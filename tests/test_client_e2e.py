@@ -62,6 +62,22 @@ def test_confirmed_writes_are_read_back(servers: Servers) -> None:  # noqa: F811
         assert c.status().server == endpoint(primary)
 
 
+def test_many_async_confirmed_writes_in_flight_from_one_thread(
+    servers: Servers,  # noqa: F811
+) -> None:
+    primary, backup = servers.pair()
+    with client(primary, backup) as c, client(primary, backup) as reader:
+        futures = [c.set_async(f"/async/{i}", f"v{i}", timeout=10) for i in range(2000)]
+        for fut in futures:
+            fut.result(20)
+        # Confirmed by the active server: a second client converges on all of them.
+        expected = [(f"/async/{i}", f"v{i}".encode()) for i in range(2000)]
+        eventually(
+            lambda: sorted(reader.items("/async/")) == sorted(expected),
+            what="the reader to see every confirmed write",
+        )
+
+
 def test_two_clients_converge_and_a_late_joiner_gets_the_snapshot(
     servers: Servers,  # noqa: F811
 ) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-import time
+from concurrent.futures import Future
 
 import pytest
 
@@ -31,25 +31,29 @@ class FakeClient:
         if not self.synced:
             raise NotSynced("no server answered")
 
-    def set(self, key: str, value: bytes | str, ttl: float = 0, *, wait: bool = False,
-            timeout: float | None = None) -> None:  # fmt: skip
-        assert wait, "the loader only does confirmed writes"
+    def set_async(self, key: str, value: bytes | str, ttl: float = 0, *,
+                  timeout: float | None = None) -> Future[None]:  # fmt: skip
+        """Resolve on a timer thread after ``delay``, as the client's dispatcher would."""
+        fut: Future[None] = Future()
         with self._lock:
             self.in_flight += 1
             self.max_in_flight = max(self.max_in_flight, self.in_flight)
-        try:
-            time.sleep(self.delay)
+
+        def settle() -> None:
             with self._lock:
+                self.in_flight -= 1
                 if self.timeouts.get(key, 0) > 0:
                     self.timeouts[key] -= 1
-                    raise ConfirmTimeout(f"write to {key!r} not confirmed")
+                    fut.set_exception(ConfirmTimeout(f"write to {key!r} not confirmed"))
+                    return
                 self.stored[key] = (
                     bytes(value) if isinstance(value, bytes) else value.encode(),
                     ttl,
                 )
-        finally:
-            with self._lock:
-                self.in_flight -= 1
+            fut.set_result(None)
+
+        threading.Timer(self.delay, settle).start()
+        return fut
 
     def close(self) -> None:
         self.closed = True

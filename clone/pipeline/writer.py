@@ -2,11 +2,12 @@
 
 How this works: each partition opens its own :class:`clone.Clone` client
 (one connection to the pair, subscribed to the load's subtree so that it sees
-its own updates come back) and writes its rows with ``set(wait=True)``: a write
-counts as stored only when the active server has republished its uuid.  A
-confirmed write blocks its caller, so ``max_in_flight`` worker threads share
-the one client (its methods are thread-safe) and a semaphore keeps the row
-iterator from running ahead of them.  Across a failover the client resends
+its own updates come back) and writes its rows with ``set_async``: a write
+counts as stored only when the active server has republished its uuid.  The
+partition's one thread keeps up to ``max_in_flight`` confirmed writes
+outstanding; their futures report back on a queue, which is also where a full
+window waits.  No thread pool: threads would only fight over the GIL and the
+client's command pipe.  Across a failover the client resends
 unconfirmed writes to the new active server by itself (same uuid, the servers
 deduplicate); a write that still times out is tried again with a fresh uuid
 up to ``attempts`` times.  After ``max_failures`` rows failed for good, the
@@ -21,11 +22,11 @@ it with a fake client); :func:`arrow_partition_writer` adapts it to Spark's
 from __future__ import annotations
 
 import logging
-import threading
+import queue
 import time
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from clone.errors import CloneError, ConfirmTimeout
@@ -58,15 +59,9 @@ class ClientLike(Protocol):
 
     def wait_synced(self, timeout: float = ...) -> None: ...
 
-    def set(
-        self,
-        key: str,
-        value: bytes | str,
-        ttl: float = ...,
-        *,
-        wait: bool = ...,
-        timeout: float | None = ...,
-    ) -> None: ...
+    def set_async(
+        self, key: str, value: bytes | str, ttl: float = ..., *, timeout: float | None = ...
+    ) -> Future[None]: ...
 
     def close(self) -> None: ...
 
@@ -96,7 +91,6 @@ class PartitionResult:
     retries: int = 0
     seconds: float = 0.0
     error: str | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -124,27 +118,58 @@ def _default_client(config: WriterConfig) -> ClientLike:
     )
 
 
-def _write_one(client: ClientLike, row: Row, config: WriterConfig, result: PartitionResult) -> None:
-    key, value, ttl = row
-    for attempt in range(1, config.attempts + 1):
+_Done = tuple["Future[None]", Row, int]
+
+
+class _Window:
+    """At most ``size`` confirmed writes outstanding; results come back on a queue."""
+
+    def __init__(self, client: ClientLike, config: WriterConfig, result: PartitionResult) -> None:
+        self._client = client
+        self._config = config
+        self._result = result
+        self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
+        self.outstanding = 0
+
+    def submit(self, row: Row, attempt: int = 1) -> None:
+        key, value, ttl = row
         try:
-            client.set(key, value, ttl, wait=True, timeout=config.confirm_timeout)
-        except ConfirmTimeout as exc:
-            with result._lock:
-                result.retries += attempt < config.attempts
-                if attempt == config.attempts:
-                    result.failed += 1
-                    result.error = result.error or str(exc)
-            log.warning("write %d/%d of %r not confirmed: %s", attempt, config.attempts, key, exc)
-            continue
+            fut = self._client.set_async(key, value, ttl, timeout=self._config.confirm_timeout)
         except (CloneError, ValueError, TypeError) as exc:  # closed client, bad row
-            with result._lock:
-                result.failed += 1
-                result.error = result.error or f"{key[:80]!r}: {exc}"
+            self._fail(key, exc)
             return
-        with result._lock:
-            result.written += 1
-        return
+        self.outstanding += 1
+        fut.add_done_callback(lambda f: self._done.put((f, row, attempt)))
+
+    def wait_for_room(self) -> None:
+        while self.outstanding >= self._config.max_in_flight:
+            self._settle(self._done.get())
+        while not self._done.empty():
+            self._settle(self._done.get_nowait())
+
+    def drain(self) -> None:
+        while self.outstanding:
+            self._settle(self._done.get())
+
+    def _settle(self, item: _Done) -> None:
+        fut, row, attempt = item
+        self.outstanding -= 1
+        exc = fut.exception()
+        if exc is None:
+            self._result.written += 1
+            return
+        key = row[0]
+        config = self._config
+        if isinstance(exc, ConfirmTimeout) and attempt < config.attempts:
+            log.warning("write %d/%d of %r not confirmed: %s", attempt, config.attempts, key, exc)
+            self._result.retries += 1
+            self.submit(row, attempt + 1)  # a fresh uuid: a new write, not a resend
+            return
+        self._fail(key, exc)
+
+    def _fail(self, key: str, exc: BaseException) -> None:
+        self._result.failed += 1
+        self._result.error = self._result.error or f"{key[:80]!r}: {exc}"
 
 
 def write_partition(
@@ -172,17 +197,15 @@ def write_partition(
             result.failed = result.rows = sum(1 for _ in rows)
             result.error = f"no server answered: {exc}"
             return result
-        slots = threading.BoundedSemaphore(config.max_in_flight)
-        with ThreadPoolExecutor(config.max_in_flight, f"clone-writer-{partition}") as pool:
-            for row in rows:
-                result.rows += 1
-                if result.failed >= config.max_failures:
-                    with result._lock:
-                        result.failed += 1
-                    continue
-                slots.acquire()
-                future = pool.submit(_write_one, client, row, config, result)
-                future.add_done_callback(lambda _f: slots.release())
+        window = _Window(client, config, result)
+        for row in rows:
+            result.rows += 1
+            window.wait_for_room()
+            if result.failed >= config.max_failures:
+                result.failed += 1
+                continue
+            window.submit(row)
+        window.drain()
     finally:
         client.close()
         result.seconds = clock() - started
