@@ -63,6 +63,7 @@ from clone.codec import (
 )
 from clone.errors import ProtocolError
 from clone.protocol import COLLECTOR_OFFSET, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
+from clone.ratelimit import Throttle
 
 __all__ = ["Agent", "split_endpoint", "SUBSCRIBER_HWM"]
 
@@ -111,33 +112,6 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return head, base
 
 
-class _RateLimitedLog:
-    """At most ``burst`` warnings per ``interval`` seconds; then a count of the rest.
-
-    A server spewing garbage must not flood the application's log.
-    """
-
-    def __init__(self, clock: Callable[[], float], interval: float = 10.0, burst: int = 5):
-        self._clock = clock
-        self._interval = interval
-        self._burst = burst
-        self._window_start = -interval
-        self._logged = 0
-        self._suppressed = 0
-
-    def warning(self, fmt: str, *args: object) -> None:
-        now = self._clock()
-        if now - self._window_start >= self._interval:
-            if self._suppressed:
-                log.warning("%d more malformed messages were dropped", self._suppressed)
-            self._window_start, self._logged, self._suppressed = now, 0, 0
-        if self._logged < self._burst:
-            self._logged += 1
-            log.warning(fmt, *args)
-        else:
-            self._suppressed += 1
-
-
 @dataclass(slots=True)
 class _Server:
     endpoint: str
@@ -171,7 +145,7 @@ class Agent:
         self._poller = zmq.Poller()
         self._pub: zmq.Socket[bytes] | None = None
         self._running = False
-        self._bad = _RateLimitedLog(clock)
+        self._bad = Throttle(log, clock)
         fsm.emit_changes = False  # until somebody watches
 
     # ------------------------------------------------------------------
@@ -264,7 +238,13 @@ class Agent:
             except zmq.Again:
                 return
             except (ValueError, RuntimeError) as exc:  # a libzmq we do not understand
-                self._bad.warning("dropped a socket monitor event for %s: %s", server.endpoint, exc)
+                self._bad.log(
+                    "monitor",
+                    logging.WARNING,
+                    "dropped a socket monitor event for %s: %s",
+                    server.endpoint,
+                    exc,
+                )
                 continue
             assert isinstance(event, dict)
             if event["event"] != zmq.EVENT_DISCONNECTED:
@@ -277,8 +257,13 @@ class Agent:
 
     def _malformed(self, index: int, what: str, exc: ProtocolError) -> None:
         self._fsm.protocol_error(index)
-        self._bad.warning(
-            "dropped malformed %s from %s: %s", what, self._servers[index].endpoint, exc
+        self._bad.log(
+            what,
+            logging.WARNING,
+            "dropped malformed %s from %s: %s",
+            what,
+            self._servers[index].endpoint,
+            exc,
         )
 
     # ------------------------------------------------------------------

@@ -51,6 +51,7 @@ from clone.protocol import (
     PUBLISHER_OFFSET,
     SNAPSHOT_OFFSET,
 )
+from clone.ratelimit import Throttle
 from clone.server_core import CoreSettings, FollowOutcome, Role, ServerCore, SyncState
 from clone.snapshot import SnapshotStream
 
@@ -185,29 +186,6 @@ def _peer_base(host_port: str, offset: int) -> str:
     return f"tcp://{host}:{int(port) + offset}"
 
 
-class _Throttle:
-    """One log line per kind per interval, with a count of what was held back."""
-
-    def __init__(self, clock: Callable[[], float], interval: float = _LOG_INTERVAL) -> None:
-        self._clock = clock
-        self._interval = interval
-        self._last: dict[str, float] = {}
-        self._held: dict[str, int] = {}
-
-    def log(self, kind: str, level: int, msg: str, *args: object) -> None:
-        now = self._clock()
-        last = self._last.get(kind)
-        if last is not None and now - last < self._interval:
-            self._held[kind] = self._held.get(kind, 0) + 1
-            return
-        held = self._held.pop(kind, 0)
-        if held:
-            msg += " (%d more like this in the last %.0f s)"
-            args = (*args, held, self._interval)
-        self._last[kind] = now
-        log.log(level, msg, *args)
-
-
 def _who(identity: bytes) -> str:
     return identity.hex() if identity else "?"
 
@@ -249,7 +227,7 @@ class CloneServer:
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._stopping = False
-        self._throttle = _Throttle(clock)
+        self._throttle = Throttle(log, clock, _LOG_INTERVAL)
         self._streams: list[ZMQStream] = []
         self._router: zmq.Socket | None = None
         self._pub: zmq.Socket | None = None
@@ -689,9 +667,7 @@ class CloneServer:
             # times out and fails over to the other server.
             if not self._defer_vote(identity, subtree):
                 self.counters["snapshots_refused"] += 1
-                log.debug(
-                    "snapshot request from %s not served (%s)", _who(identity), ha.state.name
-                )
+                log.debug("snapshot request from %s not served (%s)", _who(identity), ha.state.name)
             return
         # Served now: a held copy of the same request must not be served again.
         self._deferred.pop((identity, subtree), None)
@@ -1063,9 +1039,7 @@ class CloneServer:
                 self._loop.add_callback(self._close_dealer_if, dealer)
                 return
             if outcome is FollowOutcome.RESYNC:
-                self._throttle.log(
-                    "gap", logging.INFO, "updates missed during the sync; resyncing"
-                )
+                self._throttle.log("gap", logging.INFO, "updates missed during the sync; resyncing")
                 self._request_snapshot()
                 return
             if dealer is None or dealer is not self._peer_dealer or dealer.closed():
