@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Benchmark clone-pipeline load and export: rows/s at given table sizes.
 
 Starts its own standalone clone-server on free loopback ports (and stops it at
@@ -16,7 +15,6 @@ import json
 import logging
 import os
 import platform
-import socket
 import subprocess
 import sys
 import tempfile
@@ -24,25 +22,11 @@ import time
 import warnings
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from clone.tools.procs import free_base_port
 
-log = logging.getLogger("bench_pipeline")
+ROOT = Path(__file__).resolve().parents[2]
 
-
-def _free_base_port() -> int:
-    for base in range(24000, 31000, 7):
-        ok = True
-        for port in range(base, base + 3):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free ports")
+log = logging.getLogger(__name__)
 
 
 def _make_table(path: Path, rows: int, value_bytes: int) -> None:
@@ -80,7 +64,7 @@ def main() -> int:
     from clone.pipeline import jobs
     from clone.pipeline.session import build_session
 
-    port = _free_base_port()
+    port = free_base_port()
     server_log = open(Path(tempfile.gettempdir()) / f"bench_pipeline_server_{port}.log", "wb")
     server = subprocess.Popen(
         [sys.executable, "-m", "clone.server_cli", "--standalone", "--port", str(port),
