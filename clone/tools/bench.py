@@ -995,6 +995,14 @@ def run_memory(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any
 # The run
 
 
+def cpu_pressure() -> float | None:
+    """Linux PSI: % of the last 10 s in which some task waited for a CPU."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+        return float(line.split()[1].partition("=")[2])
+    return None
+
+
 def machine_info() -> dict[str, Any]:
     cpu = platform.processor() or "unknown"
     with contextlib.suppress(OSError):
@@ -1021,6 +1029,7 @@ def machine_info() -> dict[str, Any]:
         "commit": commit,
         # Other work on the machine skews every number: record how busy it was.
         "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "cpu_pressure_at_start": cpu_pressure(),
     }
 
 
@@ -1056,6 +1065,12 @@ def run_benchmarks(
                 results.setdefault("errors", {})[section] = repr(exc)
                 continue
             results["sections"][section]["elapsed_s"] = round(time.monotonic() - t0, 1)
+            # CPU pressure includes our own processes; far above what the section
+            # itself causes, it means someone else was using the machine.
+            results["sections"][section]["cpu_pressure_at_end"] = cpu_pressure()
+            results["sections"][section]["loadavg_at_end"] = [
+                round(x, 2) for x in os.getloadavg()
+            ]
     results["targets"] = evaluate_targets(results)
     return results
 

@@ -162,10 +162,21 @@ def _machine_line(results: dict[str, Any]) -> str:
     )
 
 
+def _load_line(results: dict[str, Any]) -> str:
+    """How busy the machine was after each section (others' work skews results)."""
+    items = [
+        f"{name}: load {sec.get('loadavg_at_end', '?')}, CPU pressure (PSI some avg10) "
+        f"{sec.get('cpu_pressure_at_end', '?')}%"
+        for name, sec in results["sections"].items()
+    ]
+    return "Machine load after each section: " + "; ".join(items)
+
+
 def bench_text(results: dict[str, Any]) -> str:
     parts = [f"machine: {_machine_line(results)}"]
     for title, body in _bench_tables(results, markdown=False):
         parts.append(f"{title}\n{body}")
+    parts.append(_load_line(results))
     return "\n\n".join(parts)
 
 
@@ -177,6 +188,7 @@ def bench_markdown(results: dict[str, Any]) -> str:
     ]
     for title, body in _bench_tables(results, markdown=True):
         parts.append(f"#### {title}\n\n{body}")
+    parts.append(_load_line(results))
     return "\n\n".join(parts) + "\n"
 
 
