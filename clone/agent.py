@@ -27,10 +27,12 @@ The pipe protocol, all frames bytes:
   ``CONNECT rid endpoint``, ``SET rid confirm_seconds|'' key seq uuid props body``,
   ``GET rid key``, ``ITEMS rid prefix``, ``STATUS rid``, ``WATCH rid 1|0``,
   ``TERMINATE rid``.  Replies are ``OK rid ...`` or ``ERROR rid text``; an unknown
-  command gets an ERROR too.
+  command gets an ERROR too.  A SET with an empty ``rid`` is one-way: no reply,
+  so writes stream without a round trip each; if it fails, the agent says so with
+  ``FAILED uuid text`` on the event pipe.
 * agent -> frontend, on the separate event pipe: ``STARTED``, ``CONFIRMED uuid``,
-  ``STATE state endpoint``, ``CHANGE key seq uuid props body`` (empty body:
-  deleted), ``STOPPED``.
+  ``FAILED uuid text``, ``STATE state endpoint``, ``CHANGE key seq uuid props body``
+  (empty body: deleted), ``STOPPED``.
 """
 
 from __future__ import annotations
@@ -90,9 +92,10 @@ CONNECT, SET, GET, ITEMS, STATUS, WATCH, TERMINATE = (
     b"TERMINATE",
 )
 OK, ERROR = b"OK", b"ERROR"
-STARTED, CONFIRMED, STATE, CHANGE, STOPPED = (
+STARTED, CONFIRMED, FAILED, STATE, CHANGE, STOPPED = (
     b"STARTED",
     b"CONFIRMED",
+    b"FAILED",
     b"STATE",
     b"CHANGE",
     b"STOPPED",
@@ -352,9 +355,16 @@ class Agent:
         try:
             reply = self._answer(verb, args)
         except (ValueError, TypeError, IndexError, ProtocolError) as exc:
-            self._commands.send_multipart([ERROR, rid, str(exc).encode("utf-8", "replace")])
+            text = str(exc).encode("utf-8", "replace")
+            if rid:
+                self._commands.send_multipart([ERROR, rid, text])
+            elif verb == SET and len(args) > 3:
+                self._events.send_multipart([FAILED, args[3], text])
+            else:
+                log.warning("one-way %r command failed: %s", verb[:32], exc)
             return
-        self._commands.send_multipart([OK, rid, *reply])
+        if rid:
+            self._commands.send_multipart([OK, rid, *reply])
 
     def _answer(self, verb: bytes, args: list[bytes]) -> list[bytes]:
         fsm = self._fsm

@@ -66,6 +66,8 @@ DEFAULT_SERVERS = (
 _ids = itertools.count(1)
 # How often the event dispatcher wakes up at least (to fail overdue writes).
 _DISPATCH_POLL_S = 0.1
+# Commands queued for the agent at most; a writer that gets ahead waits.
+_PIPE_HWM = 10_000
 
 
 def default_servers() -> list[str]:
@@ -211,7 +213,9 @@ class Clone:
         number = next(_ids)
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
-            self._cmd = self._pipe_pair(f"inproc://clone-{number}-commands")
+            # Commands are bounded, so a writer cannot outrun the agent without
+            # limit; events are not, so the agent never blocks on a slow reader.
+            self._cmd = self._pipe_pair(f"inproc://clone-{number}-commands", _PIPE_HWM)
             self._evt = self._pipe_pair(f"inproc://clone-{number}-events")
             agent_cmd, agent_evt = self._cmd[1], self._evt[1]
             # Events must never block the agent; the dispatcher keeps up.
@@ -236,13 +240,15 @@ class Clone:
         for endpoint in servers or ():
             self.connect(endpoint)
 
-    def _pipe_pair(self, address: str) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
+    def _pipe_pair(self, address: str, hwm: int = 0) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
         front = self._ctx.socket(zmq.PAIR)
         back = self._ctx.socket(zmq.PAIR)
         for sock in (front, back):
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.setsockopt(zmq.SNDHWM, hwm)
+            sock.setsockopt(zmq.RCVHWM, hwm)
+        if hwm:
+            front.setsockopt(zmq.SNDTIMEO, max(1, int(self.command_timeout * 1000)))
         front.bind(address)
         back.connect(address)
         return front, back
@@ -314,7 +320,12 @@ class Clone:
     def _request_locked(self, verb: bytes, args: list[bytes], timeout: float) -> list[bytes]:
         pipe = self._cmd[0]
         rid = str(next(self._rids)).encode()
-        pipe.send_multipart([verb, rid, *args])
+        try:
+            pipe.send_multipart([verb, rid, *args])
+        except zmq.Again:
+            raise CloneError(
+                f"the client agent did not take {verb.decode()} within {timeout:g} s"
+            ) from None
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -332,6 +343,23 @@ class Clone:
             text = reply[2].decode("utf-8", "replace") if len(reply) > 2 else "?"
             raise CloneError(f"client agent refused {verb.decode()}: {text}")
         return reply[2:]
+
+    def _send_oneway(self, verb: bytes, args: list[bytes]) -> None:
+        """A command the agent does not answer: writes stream without a round trip.
+
+        The pipe is bounded (``_PIPE_HWM``), so an application that writes faster
+        than the agent can send waits here, for at most ``command_timeout``.
+        """
+        with self._lock:
+            if self._closed:
+                raise ClosedError("this Clone client is closed")
+            try:
+                self._cmd[0].send_multipart([verb, b"", *args])
+            except zmq.Again:
+                raise CloneError(
+                    f"the client agent did not take {verb.decode()} within "
+                    f"{self.command_timeout:g} s"
+                ) from None
 
     def connect(self, endpoint: str) -> None:
         """Add a server by its CHP base endpoint, e.g. ``tcp://127.0.0.1:5556``.
@@ -391,7 +419,7 @@ class Clone:
 
     def _write(self, msg: KVMsg, wait: bool, timeout: float | None) -> None:
         if not wait:
-            self._request(_agent.SET, [b"", *encode_kv(msg)])
+            self._send_oneway(_agent.SET, [b"", *encode_kv(msg)])
             return
         fut = self._write_async(msg, timeout)
         limit = self.confirm_timeout if timeout is None else timeout
@@ -416,7 +444,7 @@ class Clone:
                 self._deadlines, (time.monotonic() + timeout, msg.uuid, msg.key, timeout)
             )
         try:
-            self._request(_agent.SET, [repr(float(timeout)).encode(), *encode_kv(msg)])
+            self._send_oneway(_agent.SET, [repr(float(timeout)).encode(), *encode_kv(msg)])
         except BaseException:
             with self._shared:
                 self._waiters.pop(msg.uuid, None)
@@ -579,6 +607,14 @@ class Clone:
                     waiter = self._waiters.pop(frames[1], None)
                 if waiter is not None and not waiter.done():
                     waiter.set_result(None)
+            elif kind == _agent.FAILED:
+                text = frames[2].decode("utf-8", "replace")
+                with self._shared:
+                    waiter = self._waiters.pop(frames[1], None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_exception(CloneError(f"client agent refused the write: {text}"))
+                else:
+                    log.warning("client agent refused a write: %s", text)
             elif kind == _agent.CHANGE:
                 change = _entry(frames[1:])
                 with self._shared:

@@ -15,7 +15,7 @@ import pytest
 import clone
 import clone.client as client_mod
 from clone import Clone, Entry
-from clone.codec import KVMsg, encode_hugz, encode_kthxbai, encode_kv
+from clone.codec import KVMsg, encode_hugz, encode_kthxbai, encode_kv, new_uuid
 from clone.errors import CloneError, ClosedError, ConfirmTimeout, NotSynced
 from tests.fake_server import FakeServer
 from tests.ports import free_base_port
@@ -136,6 +136,18 @@ def test_async_writes_time_out_each_with_its_own_deadline(server: FakeServer) ->
     # Closing the client fails what is still in flight, rather than leaving it hanging.
     with pytest.raises(ClosedError):
         long.result(5)
+
+
+def test_a_write_the_agent_refuses_fails_its_future(server: FakeServer) -> None:
+    """One-way writes get no reply; a refusal comes back on the event pipe."""
+    with make_client(server) as c:
+        c.wait_synced(5)
+        # Built without validation, so only the agent's decoder can catch it.
+        bad = KVMsg("HUGZ", 0, new_uuid(), (), b"v")
+        fut = c._write_async(bad, 5)
+        with pytest.raises(CloneError, match=r"refused the write: .*reserved"):
+            fut.result(5)
+        c.set("still/works", b"1", wait=True, timeout=5)
 
 
 def test_async_writes_are_confirmed(server: FakeServer) -> None:
