@@ -167,9 +167,18 @@ def _check_outputs(out: Path, summary: dict[str, Any], scenario: str) -> list[di
     return events
 
 
+def _log_tails(out: Path, lines: int = 30) -> str:
+    """The end of every process log of a drill, for a failure message."""
+    parts = []
+    for log in sorted((out / "logs").glob("*.log")):
+        tail = log.read_text(errors="replace").splitlines()[-lines:]
+        parts.append(f"--- {log.name}\n" + "\n".join(tail))
+    return "\n".join(parts)
+
+
 def _assert_guarantees(summary: dict[str, Any]) -> None:
     failed = {k: v for k, v in summary["checks"].items() if not v["ok"]}
-    assert not failed, report.drill_text(summary)
+    assert not failed, report.drill_text(summary) + "\n" + _log_tails(Path(summary["out"]))
     assert summary["confirmed_lost"] == 0
     assert summary["confirmed_writes"] > 0
     assert summary["converged"] is True
