@@ -93,6 +93,9 @@ class DrillConfig:
     ttl_max: float = 2.0
     confirm_timeout: float = 10.0
     value_size: int = 64
+    # Keys (outside /drill/) loaded into the pair before the clients start, so that
+    # a restarted server has a real snapshot to sync.
+    preload: int = 0
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -494,6 +497,8 @@ class _Drill:
         if self.active_server() is None:
             raise RuntimeError("no server became active:\n" + self._log_tails())
         self.say(f"pair up: {self.active_server()} is active")
+        if cfg.preload:
+            self._preload(cfg.preload)
 
         start_at = time.time() + 2.5
         self.write_end = start_at + cfg.duration
@@ -521,6 +526,20 @@ class _Drill:
                 break
             time.sleep(0.05)
         return self._finish(start_at, client_ids)
+
+    def _preload(self, n: int) -> None:
+        from clone.tools.bench import Target, _load_keys
+
+        name = self.active_server() or "primary"
+        addr = self.servers[name]
+        target = Target(name, f"tcp://127.0.0.1:{addr.port + 2}",
+                        f"tcp://127.0.0.1:{addr.port + PUBLISHER_OFFSET}", self.group[name].pid)
+        ctx: zmq.Context[Any] = zmq.Context()
+        try:
+            seconds = _load_keys(ctx, target, n, self.cfg.value_size)
+        finally:
+            ctx.term()
+        self.say(f"preloaded {n} keys (outside {DRILL_PREFIX}) in {seconds:.1f} s")
 
     def _plan(self, start_at: float) -> list[tuple[float, Callable[[], None]]]:
         cfg = self.cfg
@@ -695,7 +714,8 @@ class _Drill:
         if all(v.get("alive") and "seq" in v for v in st.values()):
             check("passive in step with active", len(set(seqs.values())) == 1
                   and len({v.get("keys") for v in st.values()}) == 1,
-                  f"roles {roles}, seq {seqs}")
+                  f"roles {roles}, seq {seqs}, keys { {n: v.get('keys') for n, v in st.items()} }, "
+                  f"pending { {n: v.get('pending') for n, v in st.items()} }")
         if sc == "client-restart":
             check("every client has a final state",
                   None not in s["final_client_hashes"].values(), "")
@@ -730,6 +750,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ttl-min", type=float, default=0.5)
     p.add_argument("--ttl-max", type=float, default=2.0)
     p.add_argument("--confirm-timeout", type=float, default=10.0)
+    p.add_argument("--preload", type=int, default=0,
+                   help="keys loaded before the clients start (outside /drill/), so a "
+                   "restarted server syncs a real snapshot")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -749,6 +772,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rate=args.rate, confirm_every=args.confirm_every, heartbeat_ms=args.heartbeat,
             seed=args.seed, fault_at=args.fault_at, ttl_per_tick=args.ttl_per_tick,
             ttl_min=args.ttl_min, ttl_max=args.ttl_max, confirm_timeout=args.confirm_timeout,
+            preload=args.preload,
         )
     except ValueError as exc:
         print(f"drill: {exc}", file=sys.stderr)
