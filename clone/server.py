@@ -641,7 +641,7 @@ class CloneServer:
                 if out is not None:
                     publish(out)
             batch -= 1
-            if batch <= 0 or (batch & _BUDGET_CHECK == 0 and clock() > stop_at):
+            if self._turn_over(batch, stop_at):
                 return
             try:
                 frames = _recv_frames(sock)
@@ -982,13 +982,21 @@ class CloneServer:
         )
         self._request_snapshot()
 
+    def _turn_over(self, budget: int, stop_at: float) -> bool:
+        """Whether a draining handler should give the loop back now.
+
+        Out of messages for this turn, or (checked every 64 messages, since a
+        clock read is not free) out of time.  Handlers ask this before they
+        receive the next message, so nothing received is ever left unhandled.
+        """
+        return budget <= 0 or (budget & _BUDGET_CHECK == 0 and self._clock() > stop_at)
+
     def _on_peer_update(self, frames: list[bytes]) -> None:
         sub = self._peer_sub
         core = self.core
         stop_at = self._clock() + _TURN_BUDGET
-        for n in range(self.config.collector_batch):
-            if n & _BUDGET_CHECK == _BUDGET_CHECK and self._clock() > stop_at:
-                return
+        budget = self.config.collector_batch
+        while True:
             try:
                 outcome = core.on_peer_update(frames)
             except ProtocolError as exc:
@@ -1005,6 +1013,11 @@ class CloneServer:
                         core.highest_seen,
                     )
                     self._request_snapshot()
+            # Decide to yield *before* taking the next message, never after:
+            # a message received and then abandoned is lost for good.
+            budget -= 1
+            if self._turn_over(budget, stop_at):
+                return
             if sub is None or sub is not self._peer_sub or sub.closed():
                 return
             try:
@@ -1017,9 +1030,8 @@ class CloneServer:
         core = self.core
         self._sync_progress = stop_at = self._clock()
         stop_at += _TURN_BUDGET
-        for n in range(self.config.collector_batch):
-            if n & _BUDGET_CHECK == _BUDGET_CHECK and self._clock() > stop_at:
-                return
+        budget = self.config.collector_batch
+        while True:
             try:
                 outcome = core.on_snapshot_reply(frames)
             except ProtocolError as exc:
@@ -1041,6 +1053,9 @@ class CloneServer:
             if outcome is FollowOutcome.RESYNC:
                 self._throttle.log("gap", logging.INFO, "updates missed during the sync; resyncing")
                 self._request_snapshot()
+                return
+            budget -= 1
+            if self._turn_over(budget, stop_at):
                 return
             if dealer is None or dealer is not self._peer_dealer or dealer.closed():
                 return

@@ -448,6 +448,30 @@ def test_restarted_primary_comes_back_passive_with_the_full_state(
     assert snap.sequence >= last.sequence  # never backwards
 
 
+def test_a_passive_that_resyncs_a_large_state_misses_nothing(
+    servers: Servers, ctx: zmq.Context, peers: list[ChpPeer]
+) -> None:
+    """Regression: the follower's drain loop used to drop the message it had just
+    received whenever its turn ran out, one snapshot entry per 1000, silently."""
+    primary, backup = servers.pair()
+    peer = _peer(ctx, peers, primary, backup.port)
+    n = 5000
+    for i in range(n):
+        peer.kvset(b"/big/%d" % i, b"%d" % i)
+    peer.updates(n)
+    mark = backup.log_size()
+    backup.kill9()
+    backup.restart()
+    backup.wait_log("synced from", after=mark)
+    time.sleep(0.3)
+    primary.kill9()
+    snap = _snapshot_with_retry(peer, backup.port)
+    assert snap.kvsync_count == n
+    assert {k: u.body for k, u in snap.entries.items()} == {
+        b"/big/%d" % i: b"%d" % i for i in range(n)
+    }
+
+
 # -- big snapshots -----------------------------------------------------------------
 
 
