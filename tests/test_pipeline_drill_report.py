@@ -245,3 +245,37 @@ def test_drill_report_missing_input_is_a_one_line_error(
         err
         == f"clone-pipeline drill-report: error: drill directory {tmp_path / 'nope'} does not exist"
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_drill_report_on_a_real_drill(
+    spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The report reads what scripts/drill really writes, and agrees with it."""
+    from clone.tools.drill import DrillConfig, run_drill
+
+    run = tmp_path / "kill-active"
+    summary = run_drill(
+        DrillConfig(
+            scenario="kill-active", clients=2, duration=5.0, out=run, rate=20.0, heartbeat_ms=200
+        )
+    )
+    assert summary["ok"] is True
+    out = tmp_path / "report"
+    code = main(["drill-report", "--input", str(run), "--output", str(out)])
+    assert code == 0, capsys.readouterr().err
+
+    data = json.loads((out / "report.json").read_text())
+    (scenario,) = data["scenarios"]
+    assert scenario["scenario"] == "kill-active"
+    assert scenario["failovers"] == summary["failovers_observed"] >= 1
+    assert scenario["max_s"] == pytest.approx(summary["failover_max_s"], abs=1e-3)
+    (row,) = data["runs"]
+    assert row["confirmed_writes"] == summary["confirmed_writes"] > 0
+    assert (row["confirmed_lost"], row["duplicates"], row["out_of_order"]) == (0, 0, 0)
+    assert row["converged"] is True
+    assert {c["client"] for c in data["clients"]} == {"c0", "c1"}
+    assert not [m for m in data["mismatches"] if m["field"] == "confirmed_lost"]
+    assert "kill-active" in (out / "report.md").read_text()
+    assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
