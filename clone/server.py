@@ -34,7 +34,7 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -83,29 +83,33 @@ _MAX_FRAMES = 8
 # times more than the send itself (measured: 8.8 us vs 2.9 us per 5-frame send).
 _raw_send = _BackendSocket.send
 _raw_recv = _BackendSocket.recv
-_raw_get = _BackendSocket.get
 _NOBLOCK = int(zmq.NOBLOCK)
 _SNDMORE = int(zmq.SNDMORE)
-_RCVMORE = int(zmq.RCVMORE)
 
 
-def _send_frames(sock: zmq.Socket, frames: list[bytes], flags: int = 0) -> None:
+def _send_frames(sock: zmq.Socket, frames: Sequence[bytes], flags: int = 0) -> None:
     """send_multipart without the sugar.  With ``_NOBLOCK``, EAGAIN and
     EHOSTUNREACH can only come from the first frame: a multipart message is
     atomic once its first part is queued."""
-    last = len(frames) - 1
     more = flags | _SNDMORE
-    for i, frame in enumerate(frames):
-        _raw_send(sock, frame, more if i < last else flags)
+    for frame in frames[:-1]:
+        _raw_send(sock, frame, more)
+    _raw_send(sock, frames[-1], flags)
 
 
 def _recv_frames(sock: zmq.Socket) -> list[bytes]:
-    """One whole message, non-blocking (raises zmq.Again when there is none)."""
-    parts: list[bytes] = [_raw_recv(sock, _NOBLOCK)]
-    while _raw_get(sock, _RCVMORE):
-        frame = _raw_recv(sock, _NOBLOCK)
+    """One whole message, non-blocking (raises zmq.Again when there is none).
+
+    Receives zero-copy frames only to read ``Frame.more``: asking RCVMORE with
+    ``Socket.get`` builds a ``SocketOption`` enum per call in pyzmq 27 (measured
+    per 5-frame message: 9.0 us with ``get``, 5.0 us with ``Frame.more``).
+    """
+    frame = _raw_recv(sock, _NOBLOCK, False)
+    parts: list[bytes] = [frame.bytes]
+    while frame.more:
+        frame = _raw_recv(sock, _NOBLOCK, False)
         if len(parts) < _MAX_FRAMES:
-            parts.append(frame)
+            parts.append(frame.bytes)
     return parts
 
 
