@@ -45,7 +45,7 @@ from clone.errors import ProtocolError
 from clone.pending import PendingList, UuidWindow, update_id
 from clone.protocol import TTL_PROPERTY
 from clone.snapshot import SnapshotStream
-from clone.store import Store
+from clone.store import Entry, Store
 from clone.ttl import parse_ttl
 
 __all__ = [
@@ -166,7 +166,7 @@ class ServerCore:
         self.sync_state = SyncState.IDLE
         #: The highest sequence seen anywhere (own store, peer KVPUB/HUGZ/KTHXBAI).
         self.highest_seen = 0
-        self._staging: dict[str, KVMsg] = {}
+        self._staging: dict[bytes, Entry] = {}
         self._buffer: list[KVMsg] = []
         self._buffer_overflowed = False
 
@@ -190,17 +190,16 @@ class ServerCore:
                 c["kvset_duplicate"] += 1
                 return None
             try:
-                pub = self.store.apply(msg, now)
+                # The received frames are reused: stored and published as they
+                # are, with the new sequence (and expires, if any).
+                out = self.store.apply(msg, now, frames)
             except ProtocolError:
                 c["kvset_invalid"] += 1
                 raise
             if uuid:
                 self.window.add(uuid)
             c["kvpub_published"] += 1
-            if pub.properties is msg.properties:
-                # Nothing changed but the sequence: reuse the received frames.
-                return [frames[0], pub.sequence.to_bytes(8, "big"), frames[2], frames[3], frames[4]]
-            return encode_kv(pub)
+            return out
         # Passive or starting: validate now, so promotion cannot fail on it.
         if msg.properties:
             try:
@@ -273,7 +272,7 @@ class ServerCore:
                 continue
             if msg.uuid:
                 self.window.add(msg.uuid)
-            out.append(encode_kv(pub))
+            out.append(pub)
         c["pending_applied"] += len(out)
         c["kvpub_published"] += len(out)
         self.highest_seen = store.sequence
@@ -321,7 +320,7 @@ class ServerCore:
         if msg.sequence > self.highest_seen:
             self.highest_seen = msg.sequence
         if state is SyncState.SYNCED:
-            return self._follow(msg)
+            return self._follow(msg, frames)
         if state is SyncState.SYNCING:
             if len(self._buffer) < self.settings.sync_buffer_max:
                 self._buffer.append(msg)
@@ -358,7 +357,8 @@ class ServerCore:
             return FollowOutcome.SYNCED
         c["snapshot_entries_received"] += 1
         if msg.body:
-            self._staging[msg.key] = msg
+            # Stored as received (decoded once, to validate): see clone.store.
+            self._staging[frames[0]] = (frames[1], frames[2], frames[3], frames[4])
         if msg.uuid:
             # The active applied it: the client's direct copy is no longer pending.
             self.pending.confirm(msg.uuid)
@@ -416,7 +416,7 @@ class ServerCore:
                 f"sync event {event.name} is not allowed in state {self.sync_state.name}"
             ) from None
 
-    def _follow(self, msg: KVMsg) -> FollowOutcome:
+    def _follow(self, msg: KVMsg, frames: Sequence[bytes] | None = None) -> FollowOutcome:
         store = self.store
         expected = store.sequence + 1
         if msg.sequence < expected:
@@ -425,7 +425,7 @@ class ServerCore:
         if msg.sequence > expected:
             self.counters["peer_gaps"] += 1
             return FollowOutcome.RESYNC
-        store.apply_published(msg)
+        store.apply_published(msg, frames)
         uid = update_id(msg)
         self.pending.confirm(uid)
         if msg.uuid:

@@ -17,6 +17,8 @@ from __future__ import annotations
 import heapq
 import math
 import re
+from collections.abc import Hashable
+from typing import Generic, TypeVar
 
 from clone.errors import ProtocolError
 from clone.protocol import MAX_TTL_SECONDS, TTL_PROPERTY
@@ -71,14 +73,18 @@ def format_expires(deadline: float) -> str:
     return f"{deadline:.3f}"
 
 
-class ExpiryHeap:
+#: The key type: the store uses raw key bytes.
+K = TypeVar("K", bound=Hashable)
+
+
+class ExpiryHeap(Generic[K]):
     """Deadlines of ephemeral keys, cheapest-first, with lazy deletion."""
 
     __slots__ = ("_counter", "_heap", "_live")
 
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, str]] = []
-        self._live: dict[str, tuple[float, int]] = {}
+        self._heap: list[tuple[float, int, K]] = []
+        self._live: dict[K, tuple[float, int]] = {}
         self._counter = 0
 
     def __len__(self) -> int:
@@ -88,12 +94,12 @@ class ExpiryHeap:
     def __contains__(self, key: object) -> bool:
         return key in self._live
 
-    def deadline(self, key: str) -> float | None:
+    def deadline(self, key: K) -> float | None:
         """The live deadline of ``key``, if any."""
         entry = self._live.get(key)
         return entry[0] if entry else None
 
-    def schedule(self, key: str, deadline: float) -> None:
+    def schedule(self, key: K, deadline: float) -> None:
         """Expire ``key`` at ``deadline``, replacing any earlier schedule."""
         self._counter += 1
         gen = self._counter
@@ -102,7 +108,7 @@ class ExpiryHeap:
         if len(self._heap) > 2 * len(self._live) + _COMPACT_SLACK:
             self._compact()
 
-    def cancel(self, key: str) -> None:
+    def cancel(self, key: K) -> None:
         """Forget ``key``'s deadline (its heap tuple goes stale)."""
         self._live.pop(key, None)
 
@@ -115,13 +121,13 @@ class ExpiryHeap:
         self._drop_stale_head()
         return self._heap[0][0] if self._heap else None
 
-    def due(self, now: float, limit: int | None = None) -> list[str]:
+    def due(self, now: float, limit: int | None = None) -> list[K]:
         """Remove and return keys whose deadline is ``<= now``, earliest first.
 
         ``limit`` bounds the work of one call so a mass expiry cannot stall a
         reactor; the rest comes out on the next call.
         """
-        out: list[str] = []
+        out: list[K] = []
         heap = self._heap
         live = self._live
         while heap and heap[0][0] <= now:
@@ -133,10 +139,10 @@ class ExpiryHeap:
                 out.append(key)
         return out
 
-    def rebuild(self, deadlines: dict[str, float]) -> None:
+    def rebuild(self, deadlines: dict[K, float]) -> None:
         """Replace everything with ``deadlines`` in O(n) (after a full resync)."""
         self._live = {}
-        heap: list[tuple[float, int, str]] = []
+        heap: list[tuple[float, int, K]] = []
         for key, deadline in deadlines.items():
             self._counter += 1
             self._live[key] = (deadline, self._counter)

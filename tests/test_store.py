@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from clone.codec import KVMsg
+from clone.codec import KVMsg, decode_update, encode_kv
 from clone.errors import LimitExceeded, ProtocolError
-from clone.store import Store
+from clone.store import Store, entry_of
 
 U1 = bytes(range(16))
+
+
+def _apply(store: Store, msg: KVMsg, now: float) -> KVMsg:
+    """Apply and decode the KVPUB frames it returns."""
+    pub = decode_update(store.apply(msg, now))
+    assert isinstance(pub, KVMsg)
+    return pub
 
 
 def _set(key: str, body: bytes = b"v", props: tuple[tuple[str, str], ...] = ()) -> KVMsg:
@@ -17,22 +24,34 @@ def _set(key: str, body: bytes = b"v", props: tuple[tuple[str, str], ...] = ()) 
 
 def test_apply_assigns_consecutive_sequences_and_keeps_uuid_and_props() -> None:
     store = Store()
-    pubs = [store.apply(_set(f"k{i}", props=(("a", "1"),)), now=0.0) for i in range(3)]
+    pubs = [_apply(store, _set(f"k{i}", props=(("a", "1"),)), now=0.0) for i in range(3)]
     assert [p.sequence for p in pubs] == [1, 2, 3]
     assert all(p.uuid == U1 and p.properties == (("a", "1"),) for p in pubs)
     assert store.sequence == 3
     assert store.get("k1") == pubs[1]
 
 
-def test_unchanged_properties_are_the_same_object() -> None:
+def test_the_received_frames_are_stored_and_published_as_they_are() -> None:
     msg = _set("k", props=(("a", "1"),))
-    assert Store().apply(msg, now=0.0).properties is msg.properties
+    frames = encode_kv(msg)
+    store = Store()
+    pub = store.apply(msg, now=0.0, frames=frames)
+    assert pub[1] == (1).to_bytes(8, "big")
+    assert all(pub[i] is frames[i] for i in (0, 2, 3, 4))
+    assert store.entry(b"k") == tuple(pub[1:])
+    assert store.get("k") == KVMsg("k", 1, U1, (("a", "1"),), b"v")
+
+
+def test_changed_properties_are_re_encoded_even_with_frames() -> None:
+    msg = _set("k", props=(("ttl", "10"),))
+    pub = Store().apply(msg, now=5.0, frames=encode_kv(msg))
+    assert pub[3] == b"ttl=10\nexpires=15.000\n"
 
 
 def test_empty_value_deletes_and_still_takes_a_sequence() -> None:
     store = Store()
     store.apply(_set("k"), now=0.0)
-    pub = store.apply(_set("k", b""), now=0.0)
+    pub = _apply(store, _set("k", b""), now=0.0)
     assert pub.sequence == 2 and pub.is_delete
     assert "k" not in store
 
@@ -52,7 +71,7 @@ def test_ttl_becomes_an_absolute_expires(
     props: tuple[tuple[str, str], ...], expires: str | None
 ) -> None:
     store = Store()
-    pub = store.apply(_set("k", props=props), now=1000.0)
+    pub = _apply(store, _set("k", props=props), now=1000.0)
     assert pub.prop("expires") == expires
     assert pub.prop("ttl") == dict(props).get("ttl")
     assert store.deadline("k") == (float(expires) if expires else None)
@@ -98,7 +117,7 @@ def test_apply_published_keeps_sequence_and_expires_as_sent() -> None:
     store = Store()
     msg = KVMsg("k", 42, U1, (("ttl", "10"), ("expires", "123.000")), b"v")
     store.apply_published(msg)
-    assert store.get("k") is msg
+    assert store.get("k") == msg
     assert store.sequence == 42
     assert store.deadline("k") == 123.0
 
@@ -115,8 +134,8 @@ def test_replace_swaps_state_and_rebuilds_expiry() -> None:
     store.apply(_set("old", props=(("ttl", "1"),)), now=0.0)
     store.replace(
         {
-            "x": KVMsg("x", 7, U1, (("expires", "50"),), b"v"),
-            "y": KVMsg("y", 8, U1, (), b"w"),
+            b"x": entry_of(KVMsg("x", 7, U1, (("expires", "50"),), b"v")),
+            b"y": entry_of(KVMsg("y", 8, U1, (), b"w")),
         },
         sequence=9,
     )
@@ -124,3 +143,23 @@ def test_replace_swaps_state_and_rebuilds_expiry() -> None:
     assert store.keys() == ["x", "y"]
     assert [m.key for m in store.expire(now=60.0)] == ["x"]
     assert store.sequence == 10
+
+
+def test_apply_published_with_frames_stores_them_as_they_are() -> None:
+    store = Store()
+    msg = KVMsg("k", 42, U1, (("x", "1"),), b"v")
+    frames = encode_kv(msg)
+    store.apply_published(msg, frames)
+    entry = store.entry(b"k")
+    assert entry is not None and all(a is b for a, b in zip(entry, frames[1:], strict=True))
+    assert store.get("k") == msg and store.sequence == 42
+
+
+def test_stored_entries_are_not_tracked_by_the_garbage_collector() -> None:
+    import gc
+
+    store = Store()
+    msg = _set("k")
+    store.apply(msg, now=0.0, frames=encode_kv(msg))
+    gc.collect()
+    assert not gc.is_tracked(store.entry(b"k"))
