@@ -17,6 +17,7 @@ import heapq
 import itertools
 import json
 import logging
+import marshal
 import os
 import queue
 import threading
@@ -487,12 +488,19 @@ class Clone:
 
     def entries(self, prefix: str = "") -> list[Entry]:
         """Every entry whose key starts with ``prefix``, sorted by key."""
-        reply = self._request(_agent.ITEMS, [prefix.encode("utf-8")])
-        return [_entry(reply[i : i + 5]) for i in range(0, len(reply), 5)]
+        return [Entry(k, body, seq, props) for k, (seq, _, props, body) in self._rows(prefix)]
 
     def items(self, prefix: str = "") -> list[tuple[str, bytes]]:
         """``(key, value)`` for every key starting with ``prefix``, sorted by key."""
-        return [(e.key, e.value) for e in self.entries(prefix) if e.value is not None]
+        return [(k, row[3]) for k, row in self._rows(prefix)]
+
+    def _rows(self, prefix: str) -> list[tuple[str, tuple[int, bytes, Properties, bytes]]]:
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be str, not {type(prefix).__name__}")
+        reply = self._request(_agent.ITEMS, [prefix.encode("utf-8")])
+        # One marshal frame from our own agent thread, never from the network.
+        rows: list[tuple[str, tuple[int, bytes, Properties, bytes]]] = marshal.loads(reply[0])
+        return rows
 
     def status(self) -> Status:
         raw = json.loads(self._request(_agent.STATUS, [])[0])

@@ -20,13 +20,23 @@ from clone.agent_fsm import (
     Confirmed,
     Event,
     IllegalTransition,
+    Malformed,
     RequestSnapshot,
     SendUpdate,
     State,
     StateChanged,
     normalize_subtrees,
 )
-from clone.codec import Hugz, KVMsg, SnapshotEnd, new_uuid
+from clone.codec import (
+    Hugz,
+    KVMsg,
+    SnapshotEnd,
+    decode_snapshot_reply,
+    encode_kthxbai,
+    encode_kv,
+    new_uuid,
+)
+from clone.errors import ProtocolError
 
 CFG = AgentConfig(heartbeat=1.0, server_timeout=2.5, resend_interval=0.5)
 
@@ -56,10 +66,27 @@ class FakeServer:
         return out
 
 
+def raw(msg: KVMsg | SnapshotEnd) -> list[bytes]:
+    if isinstance(msg, SnapshotEnd):
+        return encode_kthxbai(msg.sequence, msg.subtree)
+    return encode_kv(msg)
+
+
 def feed_snapshot(fsm: AgentFSM, srv: FakeServer, now: float, subtree: str = "") -> list:
     actions: list = []
     for msg in srv.snapshot(subtree):
         actions += fsm.snapshot_reply(srv.index, msg, now)
+    return actions
+
+
+def feed_batches(
+    fsm: AgentFSM, srv: FakeServer, now: float, subtree: str = "", size: int = 3
+) -> list:
+    """The snapshot as the agent hands it over: raw frames, ``size`` per event."""
+    frames = [raw(m) for m in srv.snapshot(subtree)]
+    actions: list = []
+    for i in range(0, len(frames), size):
+        actions += fsm.snapshot_batch(srv.index, frames[i : i + size], now)
     return actions
 
 
@@ -92,6 +119,7 @@ def test_every_transition_runs(state: State, event: Event) -> None:
         Event.CONNECT: "tcp://b:2",
         Event.SNAPSHOT_ENTRY: KVMsg("k", 1, b"", (), b"v"),
         Event.SNAPSHOT_END: SnapshotEnd(0),
+        Event.SNAPSHOT_BATCH: [encode_kv(KVMsg("k", 1, b"", (), b"v")), [b"bad"]],
         Event.UPDATE: KVMsg("k", 1, b"", (), b"v"),
         Event.HEARTBEAT: Hugz(0),
         Event.SILENCE: None,
@@ -523,3 +551,151 @@ def test_writes_before_the_first_snapshot_are_held_until_it_completes() -> None:
     sends = [a.msg for a in actions if isinstance(a, SendUpdate)]
     assert sends == [early, confirmed]
     assert fsm.write(KVMsg.build("c", b"3"), 1.2, confirm_within=None) != []
+
+
+# --------------------------------------------------------------------------
+# Snapshot batches: raw frames, one event per batch
+
+
+@pytest.mark.parametrize("size", [1, 2, 1000])
+def test_batched_snapshot_equals_the_decoded_one(size: int) -> None:
+    srv = FakeServer(0)
+    for i in range(7):
+        srv.apply(f"/a/{i}", b"v%d" % i, new_uuid())
+    srv.apply("/b/x", b"other")
+    srv.apply("/a/3", b"")  # deleted before the snapshot
+    ttl = KVMsg("/a/ttl", 99, new_uuid(), (("ttl", "5"), ("expires", "1.5")), b"t")
+    one, many = AgentFSM("/a/", CFG), AgentFSM("/a/", CFG)
+    for fsm in (one, many):
+        fsm.connect("tcp://a:1", 0.0)
+        fsm.snapshot_reply(0, ttl, 0.0)
+    feed_snapshot(one, srv, 0.1, "/a/")
+    actions = feed_batches(many, srv, 0.1, "/a/", size)
+    assert StateChanged(State.ACTIVE, 0) in actions
+    assert many.items() == one.items()
+    assert many.last_sequence == one.last_sequence == srv.seq
+    got = many.get("/a/ttl")
+    assert got == ttl and got is not None and got.prop("expires") == "1.5"
+    assert many.get("/a/1") == srv.map["/a/1"]
+    assert many.rows("/a/1") == [("/a/1", (2, srv.map["/a/1"].uuid, (), b"v1"))]
+
+
+GARBAGE: list[list[bytes]] = [
+    [b"only one frame"],
+    [b"k", b"short", b"", b"", b"v"],
+    [b"k", bytes(8), b"bad uuid", b"", b"v"],
+    [b"\xff\xfe", bytes(8), b"", b"", b"v"],
+    [b"k", bytes(8), b"", b"no-equals-sign\n", b"v"],
+    [b"k", bytes(8), b"", b"a=1\na=2\n", b"v"],
+    [b"", bytes(8), b"", b"", b"v"],
+    [b"HUGZ", bytes(8), b"", b"", b"v"],
+    [b"k" * 1025, bytes(8), b"", b"", b"v"],
+    [b"k", bytes(8), b"", b"", b"v" * (1024 * 1024 + 1)],
+    [b"KTHXBAI", b"\x01"],
+    [b"KTHXBAI", bytes(8), b"", b"", b"not/a/subtree"],
+    [b"k", bytes(8), b"", b"", b"v", b"sixth"],
+]
+
+
+def test_malformed_entries_in_a_batch_are_counted_and_dropped() -> None:
+    for frames in GARBAGE:  # the codec refuses each one
+        with pytest.raises(ProtocolError):
+            decode_snapshot_reply(frames)
+    fsm = AgentFSM(None, CFG)
+    fsm.connect("tcp://a:1", 0.0)
+    good = encode_kv(KVMsg("good", 1, b"", (), b"v"))
+    actions = fsm.snapshot_batch(0, [*GARBAGE, good, encode_kthxbai(1)], 0.1)
+    assert fsm.counters.protocol_errors == len(GARBAGE)
+    dropped = [a for a in actions if isinstance(a, Malformed)]
+    assert len(dropped) == len(GARBAGE) and all(a.server == 0 for a in dropped)
+    assert "frames" in dropped[0].error  # the codec's own reason
+    assert fsm.state is State.ACTIVE
+    assert [m.key for m in fsm.items()] == ["good"]
+
+
+def test_a_batch_of_garbage_alone_is_not_an_answer() -> None:
+    fsm = AgentFSM(None, CFG)
+    fsm.connect("tcp://a:1", 0.0)
+    fsm.snapshot_batch(0, GARBAGE, 0.1)
+    # Still re-asking: garbage does not prove the server serves us.
+    assert [a for a in fsm.tick(0.3) if isinstance(a, RequestSnapshot)]
+
+
+def test_replies_after_the_kthxbai_in_a_batch_are_late_and_still_checked() -> None:
+    fsm = AgentFSM(None, CFG)
+    fsm.connect("tcp://a:1", 0.0)
+    late = encode_kv(KVMsg("late", 5, b"", (), b"v"))
+    fsm.snapshot_batch(0, [encode_kthxbai(0), late, [b"bad"]], 0.1)
+    assert fsm.state is State.ACTIVE
+    assert fsm.get("late") is None
+    assert fsm.counters.protocol_errors == 1
+
+
+def test_a_batch_stops_when_its_kthxbai_starts_a_new_request() -> None:
+    srv = FakeServer(0)
+    srv.apply("a", b"1")
+    fsm = AgentFSM(None, CFG)
+    fsm.connect("tcp://a:1", 0.0)
+    fsm.update(0, KVMsg("x", 5, b"", (), b"v"), 0.05)  # buffered: a gap after seq 1
+    batch = [raw(m) for m in srv.snapshot()] + [encode_kv(KVMsg("stale", 1, b"", (), b"v"))]
+    actions = fsm.snapshot_batch(0, batch, 0.1)
+    assert RequestSnapshot(0, ("",)) in actions
+    assert fsm.state is State.SYNCING and fsm.counters.gaps == 1
+    feed_batches(fsm, srv, 0.2)
+    assert [m.key for m in fsm.items()] == ["a"]  # "stale" answered the old request
+
+
+def test_batches_with_several_subtrees() -> None:
+    srv = FakeServer(0)
+    for key in ("/a/1", "/b/1", "/c/1"):
+        srv.apply(key, b"v")
+    fsm = AgentFSM(["/a/", "/b/"], CFG)
+    fsm.connect("tcp://a:1", 0.0)
+    both = [raw(m) for m in srv.snapshot("/a/") + srv.snapshot("/b/")]
+    fsm.snapshot_batch(0, both, 0.1)
+    assert fsm.state is State.ACTIVE
+    assert [m.key for m in fsm.items()] == ["/a/1", "/b/1"]
+
+
+def test_a_batch_from_another_server_is_foreign() -> None:
+    fsm, _ = synced()
+    assert fsm.snapshot_batch(1, [[b"x"], [b"y"]], 1.0) == []
+    assert fsm.counters.foreign == 2 and fsm.counters.protocol_errors == 0
+
+
+def test_swap_confirms_a_pending_write_found_in_the_new_map() -> None:
+    fsm, srvs = synced()
+    uuid = new_uuid()
+    fsm.write(KVMsg("k", 0, uuid, (), b"v"), 1.0, confirm_within=10.0)
+    srvs[1].apply("k", b"v", uuid)
+    fsm.server_disconnected(0, 1.1)  # fail over to server 1
+    actions = feed_batches(fsm, srvs[1], 1.2)
+    assert Confirmed(uuid) in actions and fsm.pending_writes == 0
+
+
+_frame = st.binary(max_size=20) | st.sampled_from(
+    [b"KTHXBAI", b"HUGZ", bytes(8), b"a=1\n", b"\xff", b"/a/", bytes(16)]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(_frame, min_size=0, max_size=6), max_size=12))
+def test_batch_accepts_exactly_what_the_codec_accepts(batch: list[list[bytes]]) -> None:
+    """The inline checks are a fast path of the codec, never looser or stricter."""
+    fast, slow = AgentFSM(None, CFG), AgentFSM(None, CFG)
+    for fsm in (fast, slow):
+        fsm.connect("tcp://a:1", 0.0)
+    fast.snapshot_batch(0, batch, 0.1)
+    for frames in batch:
+        if slow.state is not State.SYNCING:
+            break
+        try:
+            msg = decode_snapshot_reply(frames)
+        except ProtocolError:
+            slow.protocol_error(0)
+            continue
+        slow.snapshot_reply(0, msg, 0.1)
+    if slow.state is State.SYNCING:
+        assert fast.counters.protocol_errors == slow.counters.protocol_errors
+    assert fast.state is slow.state
+    assert fast.items() == slow.items()

@@ -295,8 +295,7 @@ def test_lost_connection_fails_over_without_waiting_for_the_timeout() -> None:
                 assert c.status().server == primary.endpoint
                 primary.stop()  # its sockets close, as a killed process's would
                 eventually(
-                    lambda: c.status().server == backup.endpoint
-                    and c.status().state == "active",
+                    lambda: c.status().server == backup.endpoint and c.status().state == "active",
                     timeout=10,
                     what="failover on the lost connection",
                 )
@@ -480,3 +479,34 @@ def test_default_servers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_public_api() -> None:
     assert set(clone.__all__) >= {"Clone", "clone_set", "clone_get", "errors"}
+
+
+def test_large_map_reads_in_one_command(server: FakeServer) -> None:
+    """A large map is synced and listed within the default command timeout (the
+    reply used to be five frames per entry)."""
+    n = 50_000  # within the fake's ROUTER high-water mark plus the client's
+
+    def fill() -> None:
+        for i in range(n):
+            props = (("expires", "9.5"),) if i % 1000 == 0 else ()
+            server.map[f"/big/{i:06d}"] = KVMsg(
+                f"/big/{i:06d}", i + 1, new_uuid(), props, b"v%d" % i
+            )
+        server.map["/other"] = KVMsg("/other", n + 1, b"", (), b"o")
+        server.sequence = n + 1
+
+    server.call(fill)
+    with make_client(server) as c:
+        c.wait_synced(10)
+        assert c.status().keys == n + 1
+        items = c.items("/big/")
+        assert len(items) == n
+        assert items[0] == ("/big/000000", b"v0") and items[-1] == (
+            f"/big/{n - 1:06d}",
+            b"v%d" % (n - 1),
+        )
+        entries = c.entries()
+        assert len(entries) == n + 1 and entries[-1] == Entry("/other", b"o", n + 1)
+        assert entries[1000] == Entry("/big/001000", b"v1000", 1001, (("expires", "9.5"),))
+        assert c.entry("/big/001000") == entries[1000]
+        assert c.items("/nothing/") == []

@@ -15,8 +15,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import zmq
 
 from clone import Clone
+from clone.codec import KVMsg, encode_kv
 from clone.errors import ConfirmTimeout
 from tests.servers import ServerProcess, Servers, server_pool, servers  # noqa: F401
 
@@ -243,3 +245,36 @@ def test_kill9_at_default_settings_fails_over_on_the_lost_connection(
         if writer.is_alive():
             writer.join(15)
         c.close()
+
+
+def test_large_snapshot_is_synced_and_listed(servers: Servers) -> None:  # noqa: F811
+    """200k keys: the client syncs them and lists them within the default
+    command timeout (5 s), which a reply of five frames per entry did not meet
+    at 1M keys."""
+    n = 200_000
+    solo = servers.standalone()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    try:
+        pub.setsockopt(zmq.SNDHWM, 0)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.connect(f"tcp://127.0.0.1:{solo.port + 2}")
+        with client(solo) as c:  # synced, so the PUB has a collector by now
+            time.sleep(0.2)
+            body = b"x" * 100
+            for i in range(n):
+                pub.send_multipart(encode_kv(KVMsg(f"/big/{i:07d}", 0, b"", (), body)))
+            eventually(lambda: c.status().keys == n, timeout=60, what="every key applied")
+        t0 = time.monotonic()
+        with client(solo) as c:
+            synced = time.monotonic() - t0
+            items = c.items()
+            entries = c.entries("/big/")
+            assert len(items) == n and len(entries) == n
+            assert items[-1] == (f"/big/{n - 1:07d}", body)
+            assert entries[5].key == "/big/0000005" and entries[5].sequence > 0
+            assert c.status().protocol_errors == 0
+        assert synced < 30, synced
+    finally:
+        pub.close(linger=0)
+        ctx.term()
