@@ -2,9 +2,11 @@
 
 It runs in the thread the frontend (:mod:`clone.client`) starts, owns every
 network socket of one client, and polls them together with the command pipe from
-the frontend.  Everything it receives is decoded with :mod:`clone.codec` and handed
-to :class:`~clone.agent_fsm.AgentFSM`, which decides; this module only carries
-out the actions.  A plain ``zmq.Poller`` loop is enough: the agent has a handful
+the frontend.  Updates are decoded with :mod:`clone.codec`; snapshot replies go
+to the state machine raw, thousands per event, since a sync is where the time
+goes (it checks them itself, as strictly as the codec).
+:class:`~clone.agent_fsm.AgentFSM` decides; this module only carries out the
+actions.  A plain ``zmq.Poller`` loop is enough: the agent has a handful
 of sockets and one timer (the state machine's next deadline).
 
 Sockets per server (base port P): a SUB on P+1 subscribed to everything, opened
