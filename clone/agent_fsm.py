@@ -152,7 +152,11 @@ class SendUpdate:
 
 @dataclass(frozen=True, slots=True)
 class Changed:
-    """The application's view of ``key`` changed; ``entry`` None means deleted."""
+    """The application's view of ``key`` changed.
+
+    ``entry`` None, or an entry with an empty body, means deleted: a live delete
+    carries its KVPUB (so its sequence), a key gone after a resync has none.
+    """
 
     key: str
     entry: KVMsg | None
@@ -646,7 +650,8 @@ class AgentFSM:
             elif old is not None:
                 del self._map[msg.key]
             if self.emit_changes and _differs(old, new):
-                actions.append(Changed(msg.key, msg if msg.body else None))
+                # A delete keeps its message, so watchers learn its sequence.
+                actions.append(Changed(msg.key, msg))
         actions.extend(self._confirm_if_pending(msg.uuid))
         return actions
 

@@ -431,6 +431,8 @@ def test_changes_iterator_with_prefix_and_timeout(server: FakeServer) -> None:
         t.join(3)
         assert not t.is_alive()
         assert [(e.key, e.value) for e in got] == [("/x/1", b"a"), ("/x/1", None)]
+        # A delete is an update with its own sequence, which watchers see.
+        assert 0 < got[0].sequence < got[1].sequence
 
 
 def test_subtrees_isolate_keys(server: FakeServer) -> None:
