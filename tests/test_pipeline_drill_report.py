@@ -279,3 +279,31 @@ def test_drill_report_on_a_real_drill(
     assert not [m for m in data["mismatches"] if m["field"] == "confirmed_lost"]
     assert "kill-active" in (out / "report.md").read_text()
     assert (out / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(("restarted", "duplicates"), [(True, 0), (False, 1)])
+def test_a_restarted_client_starts_a_new_stream(
+    spark: Any, tmp_path: Path, restarted: bool, duplicates: int
+) -> None:
+    """A restarted client gets the snapshot again: not a duplicate, unless the
+    same process applied the same update twice."""
+    from clone.pipeline.sources import read_drill_events, read_drill_summaries
+    from clone.pipeline.transforms import client_delivery_stats
+
+    run = tmp_path / "run"
+    run.mkdir()
+    t = 1_700_000_000.0
+    update = {"client": "c1", "event": "update", "key": "/k", "seq": 1, "uuid": "ab" * 16}
+    events: list[dict[str, Any]] = [
+        {"ts": t, "client": "c0", "event": "write_sent", "key": "/k", "uuid": "ab" * 16},
+        {"ts": t + 0.1, **update},
+        {"ts": t + 0.2, "client": "drill", "event": "restart", "target": "c1"}
+        if restarted
+        else {"ts": t + 0.2, "client": "drill", "event": "fault", "kind": "none"},
+        {"ts": t + 0.3, **update},
+    ]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run / "summary.json").write_text(json.dumps({"scenario": "client-restart", "clients": 2}))
+    stats = client_delivery_stats(read_drill_events(spark, read_drill_summaries([str(run)])))
+    row = stats.filter("client = 'c1'").collect()[0]
+    assert (row["duplicates"], row["out_of_order"]) == (duplicates, 0)

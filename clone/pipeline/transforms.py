@@ -41,6 +41,7 @@ from clone.protocol import MAX_KEY_BYTES, MAX_TTL_SECONDS, MAX_VALUE_BYTES
 __all__ = [
     "LoadColumns",
     "REJECT_REASON",
+    "with_client_life",
     "with_reject_reason",
     "rejected_rows",
     "write_records",
@@ -346,13 +347,30 @@ def failover_percentiles(gaps: DataFrame) -> DataFrame:
     )
 
 
-def _observed(events: DataFrame) -> DataFrame:
-    """update events with a uuid: (run, client, uuid, n) = times applied."""
+def with_client_life(events: DataFrame) -> DataFrame:
+    """Add ``life``: how many times the harness had restarted this event's client
+    by then.  A restarted client is a new process under the same id: it starts a
+    new stream and legitimately receives the snapshot again, so duplicates and
+    ordering are judged per life, not per id."""
+    restarts = events.filter((F.col("event") == "restart") & F.col("target").isNotNull()).select(
+        "run", F.col("target").alias("client"), F.col("ts").alias("restart_ts")
+    )
+    lives = (
+        events.select("run", "client", "line", "ts")
+        .join(restarts, ["run", "client"], "inner")
+        .groupBy("run", "line")
+        .agg(F.count_if(F.col("restart_ts") <= F.col("ts")).alias("life"))
+    )
+    return events.join(lives, ["run", "line"], "left").fillna(0, subset=["life"])
+
+
+def _observed(events: DataFrame, *by: str) -> DataFrame:
+    """update events with a uuid: (run, client, *by, uuid, n) = times applied."""
     return (
         events.filter(
             (F.col("event") == "update") & F.col("uuid").isNotNull() & (F.col("uuid") != "")
         )
-        .groupBy("run", "client", "uuid")
+        .groupBy("run", "client", *by, "uuid")
         .agg(F.count(F.lit(1)).alias("n"))
     )
 
@@ -362,9 +380,10 @@ def client_delivery_stats(events: DataFrame) -> DataFrame:
 
     - ``writes_sent``, ``writes_confirmed``, ``write_timeouts``: its own writes;
     - ``updates``: KVPUBs it applied; ``failovers``: its ``failover_done`` events;
-    - ``duplicates``: updates whose uuid it had already applied;
+    - ``duplicates``: updates whose uuid it had already applied (in the same
+      process: a restarted client starts afresh, see :func:`with_client_life`);
     - ``out_of_order``: updates (other than duplicates) of a key whose sequence
-      is not above every sequence it applied before for that key;
+      is not above every sequence it applied before for that key (same process);
     - ``confirmed_lost``: writes confirmed (by any client of the run) whose uuid
       this client never applied; ``unconfirmed_lost``: the same for writes sent
       but never confirmed.  Both are null for a client that applied nothing
@@ -383,24 +402,29 @@ def client_delivery_stats(events: DataFrame) -> DataFrame:
         )
     )
 
+    lived = with_client_life(events)
+    duplicates = (
+        _observed(lived, "life")
+        .groupBy("run", "client")
+        .agg(F.sum(F.col("n") - 1).alias("duplicates"))
+    )
     observed = _observed(events)
-    duplicates = observed.groupBy("run", "client").agg(F.sum(F.col("n") - 1).alias("duplicates"))
 
     # Order per key: a client must never apply an older update of a key after a
     # newer one.  (Per key, not across keys: after a resync the client reports
     # the keys that changed in key order, whatever their sequences.)  A
     # redelivered uuid is a duplicate, counted above, not also out of order.
     before = (
-        Window.partitionBy("run", "client", "key")
+        Window.partitionBy("run", "client", "life", "key")
         .orderBy("ts", "line")
         .rowsBetween(Window.unboundedPreceding, -1)
     )
-    first_time = Window.partitionBy("run", "client", "uuid").orderBy("ts", "line")
+    first_time = Window.partitionBy("run", "client", "life", "uuid").orderBy("ts", "line")
     repeat = (
         F.col("uuid").isNotNull() & (F.col("uuid") != "") & (F.row_number().over(first_time) > 1)
     )
     ordered = (
-        events.filter((ev == "update") & F.col("seq").isNotNull() & F.col("key").isNotNull())
+        lived.filter((ev == "update") & F.col("seq").isNotNull() & F.col("key").isNotNull())
         .withColumn("prev_max", F.max("seq").over(before))
         .withColumn("repeat", repeat)
         .groupBy("run", "client")
