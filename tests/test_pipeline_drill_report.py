@@ -301,6 +301,8 @@ def test_a_restarted_client_starts_a_new_stream(
         if restarted
         else {"ts": t + 0.2, "client": "drill", "event": "fault", "kind": "none"},
         {"ts": t + 0.3, **update},
+        # Found gone by a resync: a delete with no sequence of its own, not disorder.
+        {"ts": t + 0.4, "client": "c1", "event": "update", "key": "/k", "seq": 0},
     ]
     (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     (run / "summary.json").write_text(json.dumps({"scenario": "client-restart", "clients": 2}))

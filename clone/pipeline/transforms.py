@@ -424,7 +424,9 @@ def client_delivery_stats(events: DataFrame) -> DataFrame:
         F.col("uuid").isNotNull() & (F.col("uuid") != "") & (F.row_number().over(first_time) > 1)
     )
     ordered = (
-        lived.filter((ev == "update") & F.col("seq").isNotNull() & F.col("key").isNotNull())
+        # Sequence 0 is "unknown": a key found gone when a resync's snapshot
+        # replaced the map has no update of its own to order.
+        lived.filter((ev == "update") & (F.col("seq") > 0) & F.col("key").isNotNull())
         .withColumn("prev_max", F.max("seq").over(before))
         .withColumn("repeat", repeat)
         .groupBy("run", "client")
