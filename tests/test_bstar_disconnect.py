@@ -19,7 +19,6 @@ import logging
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
 
 import pytest
 import zmq
@@ -27,6 +26,7 @@ from tornado.ioloop import IOLoop
 
 from bstar import BinaryStar, State
 from tests.ports import free_ports
+from tests.tracking import TrackingContext
 
 A, S = State.ACTIVE, State.PASSIVE
 HEARTBEAT, MISSED = 1.0, 2  # the defaults, spelled out so the arithmetic is visible
@@ -36,29 +36,14 @@ SETTLE_DEADLINE = 2.5  # pair up: the backup's first heartbeat can be lost (slow
 DISCONNECT_DEADLINE = 0.5
 
 
-class _TrackingContext(zmq.Context):
-    """A context that remembers its sockets, so teardown can prove all were closed."""
-
-    made: list[zmq.Socket]
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.made = []
-
-    def socket(self, socket_type: int, *args: Any, **kwargs: Any) -> zmq.Socket:
-        sock = super().socket(socket_type, *args, **kwargs)
-        self.made.append(sock)
-        return sock
-
-
 @pytest.fixture(autouse=True)
 def _debug_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="bstar")
 
 
 @pytest.fixture
-def ctx() -> Iterator[_TrackingContext]:
-    context = _TrackingContext()
+def ctx() -> Iterator[TrackingContext]:
+    context = TrackingContext()
     try:
         yield context
         left_open = [s for s in context.made if not s.closed]
@@ -250,7 +235,7 @@ def test_restarted_peer_is_heard_again_and_the_loss_is_forgotten(
 
 
 def test_stop_closes_the_monitor_and_a_stopped_star_ignores_the_loss(
-    ctx: _TrackingContext, loop: IOLoop
+    ctx: TrackingContext, loop: IOLoop
 ) -> None:
     async def scenario() -> None:
         pair = _Pair(ctx, loop)

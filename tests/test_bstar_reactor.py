@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from typing import Any
 
 import pytest
 import zmq
@@ -21,6 +20,7 @@ from zmq.eventloop.zmqstream import ZMQStream
 
 from bstar import BinaryStar, State
 from tests.ports import free_ports
+from tests.tracking import TrackingContext
 
 HEARTBEAT = 0.1
 # One more than the default, so that a briefly busy test machine does not fake a
@@ -31,29 +31,14 @@ DEADLINE = 5.0
 P, B, A, S = State.PRIMARY, State.BACKUP, State.ACTIVE, State.PASSIVE
 
 
-class _TrackingContext(zmq.Context):
-    """A context that remembers its sockets, so teardown can prove all were closed."""
-
-    made: list[zmq.Socket]
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.made = []
-
-    def socket(self, socket_type: int, *args: Any, **kwargs: Any) -> zmq.Socket:
-        sock = super().socket(socket_type, *args, **kwargs)
-        self.made.append(sock)
-        return sock
-
-
 @pytest.fixture(autouse=True)
 def _debug_logs(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.DEBUG, logger="bstar")
 
 
 @pytest.fixture
-def ctx() -> Iterator[_TrackingContext]:
-    context = _TrackingContext()
+def ctx() -> Iterator[TrackingContext]:
+    context = TrackingContext()
     try:
         yield context
         left_open = [s for s in context.made if not s.closed]
