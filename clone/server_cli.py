@@ -16,6 +16,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from clone.argtypes import non_negative_int, positive_float, positive_int
 from clone.errors import CloneError
 from clone.protocol import (
     DEFAULT_BACKUP_HA_PORT,
@@ -41,27 +42,6 @@ def _host_port(text: str) -> str:
     return text
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="clone-server",
@@ -78,44 +58,44 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--bind", default="*", help="interface to bind (default: all, '*')")
     p.add_argument(
         "--heartbeat",
-        type=_positive_int,
+        type=positive_int,
         default=1000,
         metavar="MS",
         help="HUGZ and Binary Star heartbeat interval in ms (default 1000)",
     )
     p.add_argument(
         "--hwm",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=100_000,
         help="high-water mark of the publisher (per subscriber) and collector (default 100000)",
     )
     p.add_argument(
         "--snapshot-hwm",
-        type=_non_negative_int,
+        type=non_negative_int,
         default=10_000,
         help="high-water mark of the snapshot port, per requester (default 10000)",
     )
     p.add_argument(
         "--snapshot-chunk",
-        type=_positive_int,
+        type=positive_int,
         default=1_000,
         help="snapshot entries sent per loop turn (default 1000)",
     )
     p.add_argument(
         "--dedup-window",
-        type=_positive_int,
+        type=positive_int,
         default=65_536,
         help="update ids remembered for deduplication (default 65536)",
     )
     p.add_argument(
         "--pending-max",
-        type=_positive_int,
+        type=positive_int,
         default=100_000,
         help="most client updates a passive server holds back (default 100000)",
     )
     p.add_argument(
         "--pending-max-age",
-        type=_positive_float,
+        type=positive_float,
         default=30.0,
         metavar="SECONDS",
         help="longest a passive server holds a client update back (default 30)",

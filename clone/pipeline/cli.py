@@ -14,6 +14,7 @@ import time
 import warnings
 from collections.abc import Sequence
 
+from clone.argtypes import positive_float, positive_int
 from clone.pipeline.errors import PipelineError
 
 __all__ = ["main", "build_parser"]
@@ -30,20 +31,6 @@ class _Parser(argparse.ArgumentParser):
         """Usage errors exit 2 like every other failure (argparse's default too)."""
         self.print_usage(sys.stderr)
         self.exit(EXIT_FAILED, f"{self.prog}: error: {message}\n")
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, not {text}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,19 +62,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     load.add_argument(
         "--max-in-flight",
-        type=_positive_int,
+        type=positive_int,
         default=64,
         help="unconfirmed writes per partition (default 64)",
     )
     load.add_argument(
         "--confirm-timeout",
-        type=_positive_float,
+        type=positive_float,
         default=30.0,
         help="seconds to wait for a partition's writes to be confirmed, failovers included",
     )
     load.add_argument(
         "--heartbeat",
-        type=_positive_float,
+        type=positive_float,
         default=1.0,
         help="the servers' heartbeat in seconds (default 1.0), for failover detection",
     )
@@ -98,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("--output", required=True, help="directory to write (replaced)")
     export.add_argument("--subtree", default="", help="export only keys under /this/subtree/")
     export.add_argument(
-        "--timeout", type=_positive_float, default=5.0, help="seconds to wait for a server"
+        "--timeout", type=positive_float, default=5.0, help="seconds to wait for a server"
     )
     common(export)
 
