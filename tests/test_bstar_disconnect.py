@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator
 
@@ -26,7 +25,7 @@ from tornado.ioloop import IOLoop
 
 from bstar import BinaryStar, State
 from tests.ports import free_ports
-from tests.tracking import TrackingContext
+from tests.tracking import TrackingContext, tracking_context
 
 A, S = State.ACTIVE, State.PASSIVE
 HEARTBEAT, MISSED = 1.0, 2  # the defaults, spelled out so the arithmetic is visible
@@ -43,20 +42,7 @@ def _debug_logs(caplog: pytest.LogCaptureFixture) -> None:
 
 @pytest.fixture
 def ctx() -> Iterator[TrackingContext]:
-    context = TrackingContext()
-    try:
-        yield context
-        left_open = [s for s in context.made if not s.closed]
-        assert not left_open, f"sockets left open: {left_open}"
-        # Everything is closed, so term() must return at once; run it in a thread
-        # so that a leak shows up as a failure rather than a hung test run.
-        done = threading.Event()
-        terminator = threading.Thread(target=lambda: (context.term(), done.set()), daemon=True)
-        terminator.start()
-        assert done.wait(2.0), "context.term() hung: a socket was leaked"
-    finally:
-        if not context.closed:
-            context.destroy(linger=0)
+    yield from tracking_context()
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ from zmq.eventloop.zmqstream import ZMQStream
 
 from bstar import BinaryStar, State
 from tests.ports import free_ports
-from tests.tracking import TrackingContext
+from tests.tracking import TrackingContext, tracking_context
 
 HEARTBEAT = 0.1
 # One more than the default, so that a briefly busy test machine does not fake a
@@ -38,13 +38,7 @@ def _debug_logs(caplog: pytest.LogCaptureFixture) -> None:
 
 @pytest.fixture
 def ctx() -> Iterator[TrackingContext]:
-    context = TrackingContext()
-    try:
-        yield context
-        left_open = [s for s in context.made if not s.closed]
-        assert not left_open, f"sockets left open: {left_open}"
-    finally:
-        context.destroy(linger=0)
+    yield from tracking_context()
 
 
 @pytest.fixture
