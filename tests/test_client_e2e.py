@@ -53,6 +53,34 @@ def eventually(check: Callable[[], bool], timeout: float = 10.0, what: str = "co
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
+class _ConfirmedWriter:
+    """A thread writing keys ``{prefix}{i:06d}`` with confirmed writes until stopped,
+    sorting them into confirmed and unconfirmed, so a test can check losses."""
+
+    def __init__(self, c: Clone, prefix: str, timeout: float) -> None:
+        self.confirmed: list[str] = []
+        self.unconfirmed: list[str] = []
+        self._stop = threading.Event()
+        self._client, self._prefix, self._timeout = c, prefix, timeout
+        self.thread = threading.Thread(target=self._write, name="test-writer")
+
+    def _write(self) -> None:
+        i = 0
+        while not self._stop.is_set():
+            key = f"{self._prefix}{i:06d}"
+            try:
+                self._client.set(key, str(i), wait=True, timeout=self._timeout)
+                self.confirmed.append(key)
+            except ConfirmTimeout:
+                self.unconfirmed.append(key)
+            i += 1
+
+    def stop(self, timeout: float) -> None:
+        self._stop.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+
 def test_confirmed_writes_are_read_back(servers: Servers) -> None:  # noqa: F811
     primary, backup = servers.pair()
     with client(primary, backup) as c:
@@ -127,23 +155,9 @@ def test_kill9_of_the_active_server_loses_no_confirmed_write(
 ) -> None:
     primary, backup = servers.pair()
     with client(primary, backup) as c:
-        confirmed: list[str] = []
-        unconfirmed: list[str] = []
-        stop = threading.Event()
-
-        def write() -> None:
-            i = 0
-            while not stop.is_set():
-                key = f"/kill/{i:06d}"
-                try:
-                    c.set(key, str(i), wait=True, timeout=5)
-                    confirmed.append(key)
-                except ConfirmTimeout:
-                    unconfirmed.append(key)
-                i += 1
-
-        writer = threading.Thread(target=write, name="test-writer")
-        writer.start()
+        writer = _ConfirmedWriter(c, "/kill/", timeout=5)
+        confirmed, unconfirmed = writer.confirmed, writer.unconfirmed
+        writer.thread.start()
         try:
             eventually(lambda: len(confirmed) >= 50, what="writes before the crash")
             primary.kill9()
@@ -157,8 +171,7 @@ def test_kill9_of_the_active_server_loses_no_confirmed_write(
             count = len(confirmed)
             eventually(lambda: len(confirmed) >= count + 50, what="writes after the failover")
         finally:
-            stop.set()
-            writer.join(10)
+            writer.stop(10)
         # normally the lost connection; at worst silence (0.5 s) and re-asks
         assert failover < SERVER_TIMEOUT * 3 + 1.0, failover
         assert c.status().failovers >= 1
@@ -197,25 +210,11 @@ def test_kill9_at_default_settings_fails_over_on_the_lost_connection(
     connection, not by 2.5 s of silence, and no confirmed write is lost."""
     primary, backup = default_servers.pair()
     c = Clone([endpoint(primary), endpoint(backup)])  # every setting at its default
-    confirmed: list[str] = []
-    unconfirmed: list[str] = []
-    stop = threading.Event()
-
-    def write() -> None:
-        i = 0
-        while not stop.is_set():
-            key = f"/crash/{i:06d}"
-            try:
-                c.set(key, str(i), wait=True, timeout=10)
-                confirmed.append(key)
-            except ConfirmTimeout:
-                unconfirmed.append(key)
-            i += 1
-
-    writer = threading.Thread(target=write, name="test-writer")
+    writer = _ConfirmedWriter(c, "/crash/", timeout=10)
+    confirmed, unconfirmed = writer.confirmed, writer.unconfirmed
     try:
         c.wait_synced(10)
-        writer.start()
+        writer.thread.start()
         eventually(lambda: len(confirmed) >= 50, what="writes before the crash")
         primary.kill9()
         eventually(
@@ -225,8 +224,7 @@ def test_kill9_at_default_settings_fails_over_on_the_lost_connection(
         )
         count = len(confirmed)
         eventually(lambda: len(confirmed) >= count + 50, what="writes after the failover")
-        stop.set()
-        writer.join(15)
+        writer.stop(15)
         st = c.status()
         gap_ms = st.counters["last_failover_gap_ms"]
         record_property("failover_gap_ms", gap_ms)
@@ -241,9 +239,7 @@ def test_kill9_at_default_settings_fails_over_on_the_lost_connection(
         # typically tens of ms, so this bound is loose.
         assert 0 < gap_ms < 2500, gap_ms
     finally:
-        stop.set()
-        if writer.is_alive():
-            writer.join(15)
+        writer.stop(15)
         c.close()
 
 
