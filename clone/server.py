@@ -59,7 +59,6 @@ __all__ = ["CloneServer", "ServerConfig", "ServerMode", "ServerStartError"]
 
 log = logging.getLogger(__name__)
 
-_LOG_INTERVAL = 10.0  # seconds between two log lines of the same kind of bad input
 _STALL_RETRY = 0.005  # seconds before retrying a snapshot send that hit the HWM
 _HOUSEKEEPING = 0.1  # seconds between expiry / sync-timeout / deferred-vote checks
 # Binary Star states in which a refused vote may be accepted later, once the
@@ -231,7 +230,7 @@ class CloneServer:
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._stopping = False
-        self._throttle = Throttle(log, clock, _LOG_INTERVAL)
+        self._throttle = Throttle(log, clock)
         self._streams: list[ZMQStream] = []
         self._router: zmq.Socket | None = None
         self._pub: zmq.Socket | None = None
