@@ -110,6 +110,9 @@ class FakeServer:
         for s in (snap, pub, coll):
             s.setsockopt(zmq.LINGER, 0)
         coll.setsockopt(zmq.SUBSCRIBE, b"")
+        # No high-water mark on snapshots: a ROUTER drops silently at the mark,
+        # and a test of a large map must not depend on how fast the client reads.
+        snap.setsockopt(zmq.SNDHWM, 0)
         snap.bind(f"tcp://127.0.0.1:{self.port}")
         pub.bind(f"tcp://127.0.0.1:{self.port + 1}")
         coll.bind(f"tcp://127.0.0.1:{self.port + 2}")

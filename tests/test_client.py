@@ -486,7 +486,7 @@ def test_public_api() -> None:
 def test_large_map_reads_in_one_command(server: FakeServer) -> None:
     """A large map is synced and listed within the default command timeout (the
     reply used to be five frames per entry)."""
-    n = 50_000  # within the fake's ROUTER high-water mark plus the client's
+    n = 50_000
 
     def fill() -> None:
         for i in range(n):
