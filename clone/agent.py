@@ -441,5 +441,9 @@ class Agent:
             "sequence": fsm.last_sequence,
             "keys": len(fsm),
             "pending_writes": fsm.pending_writes,
-            "counters": fsm.counters.as_dict(),
+            "counters": {
+                **fsm.counters.as_dict(),
+                # A gauge: the silence that would make us fail over now.
+                "silence_timeout_ms": round(1000 * fsm.silence_timeout()),
+            },
         }

@@ -82,7 +82,7 @@ from clone.codec import (
     validate_subtree,
 )
 from clone.errors import CloneError, ProtocolError
-from clone.protocol import MAX_KEY_BYTES, MAX_VALUE_BYTES
+from clone.protocol import DEFAULT_MISSED_HEARTBEATS, MAX_KEY_BYTES, MAX_VALUE_BYTES
 
 __all__ = [
     "State",
@@ -211,6 +211,13 @@ class AgentConfig:
     frozen server after two missed HUGZ while tolerating one late one.  (A server
     whose process died is noticed at once, by its lost connection.)
 
+    A server that says its heartbeat in its HUGZ (ours do: the ``heartbeat``
+    property) is judged by its own rhythm instead, once we are active on it:
+    silent for ``missed_heartbeats`` of its heartbeats means gone.  So
+    ``heartbeat`` and ``server_timeout`` matter for servers that do not say (the
+    Guide's, 1 s), and for the wait on a snapshot, where a passive server that
+    has not yet given up on its peer may hold our request for a while.
+
     ``reask_interval`` is how often an unanswered snapshot request is repeated on
     a fresh DEALER while syncing (default a quarter heartbeat), and
     ``requests_per_server`` bounds the requests sent to one server per round (the
@@ -220,6 +227,7 @@ class AgentConfig:
 
     heartbeat: float = 1.0
     server_timeout: float = 2.5
+    missed_heartbeats: int = DEFAULT_MISSED_HEARTBEATS
     requests_per_server: int = 10
     resend_interval: float = 0.5
     reask_interval: float = 0.25
@@ -243,6 +251,8 @@ class AgentConfig:
             raise ValueError("timeouts must be > 0")
         if self.requests_per_server < 1:
             raise ValueError("requests_per_server must be >= 1")
+        if self.missed_heartbeats < 1:
+            raise ValueError("missed_heartbeats must be >= 1")
 
 
 @dataclass(slots=True)
@@ -337,6 +347,8 @@ class AgentFSM:
         self._left_at: float | None = None  # last heard from the server we failed over from
         self._pending: dict[bytes, _Pending] = {}
         self._held: list[KVMsg] = []  # writes made before the first snapshot
+        # Silence allowed while active, per server that said its heartbeat.
+        self._advertised_timeout: dict[int, float] = {}
 
     # ----------------------------------------------------------------------
     # Reading
@@ -578,6 +590,7 @@ class AgentFSM:
         return []
 
     def _heartbeat_while_syncing(self, server: int, hugz: Hugz, now: float) -> list[Action]:
+        self._note_heartbeat(server, hugz)
         self._alive_if_answered(now)
         return []
 
@@ -621,7 +634,7 @@ class AgentFSM:
         log.warning(
             "server %s silent for %.3g s; failing over",
             self.servers[self.current],
-            self.config.server_timeout,
+            self._silence_allowed(),
         )
         return self._failover(now)
 
@@ -656,6 +669,7 @@ class AgentFSM:
         return actions
 
     def _check_heartbeat(self, server: int, hugz: Hugz, now: float) -> list[Action]:
+        self._note_heartbeat(server, hugz)
         self._alive(now)
         if hugz.sequence > self.last_sequence:
             self.counters.gaps += 1
@@ -672,7 +686,24 @@ class AgentFSM:
     # Helpers
 
     def _alive(self, now: float) -> None:
-        self._silence_at = now + self.config.server_timeout
+        self._silence_at = now + self._silence_allowed()
+
+    def silence_timeout(self) -> float:
+        """Seconds of silence from the current server that mean it is gone:
+        ``missed_heartbeats`` of its advertised heartbeat while active on a
+        server that says it, else ``server_timeout``."""
+        return self._silence_allowed()
+
+    def _silence_allowed(self) -> float:
+        if self.state is State.ACTIVE and self.current is not None:
+            return self._advertised_timeout.get(self.current, self.config.server_timeout)
+        return self.config.server_timeout
+
+    def _note_heartbeat(self, server: int, hugz: Hugz) -> None:
+        if hugz.heartbeat is not None:
+            self._advertised_timeout[server] = self.config.missed_heartbeats * hugz.heartbeat
+        else:  # a server that stopped saying (replaced by another kind)
+            self._advertised_timeout.pop(server, None)
 
     def _alive_if_answered(self, now: float) -> None:
         # While syncing, only snapshot data proves the server is serving *us*:

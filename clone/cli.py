@@ -52,7 +52,8 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=1.0,
         metavar="S",
-        help="the servers' heartbeat in seconds; failover after 2.5 of them (default 1)",
+        help="heartbeat to assume of servers that do not advertise theirs (the Guide's), "
+        "in seconds; failover after 2.5 of them (default 1). Ours advertise theirs",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log what the client does")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -169,9 +169,11 @@ class Clone:
 
     ``servers`` are the CHP base endpoints in failover order (a list, or one
     comma-separated string); ``subtree`` one subtree or several (``/a/``, ``/b/``),
-    or None for the whole map.  ``heartbeat`` is the servers' heartbeat; the
-    server timeout defaults to 2.5 heartbeats.  Use it as a context manager, or
-    call :meth:`close`.  Methods may be called from any thread.
+    or None for the whole map.  ``heartbeat`` is the heartbeat to assume of a
+    server that does not advertise its own in its HUGZ (the Guide's); the server
+    timeout defaults to 2.5 of those.  A server that advertises (ours do) is
+    declared dead after 4 of its own heartbeats of silence.  Use it as a context
+    manager, or call :meth:`close`.  Methods may be called from any thread.
     """
 
     def __init__(

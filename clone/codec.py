@@ -23,9 +23,11 @@ import uuid6
 
 from clone.errors import LimitExceeded, ProtocolError
 from clone.protocol import (
+    HEARTBEAT_PROPERTY,
     HUGZ,
     ICANHAZ,
     KTHXBAI,
+    MAX_HEARTBEAT_MS,
     MAX_KEY_BYTES,
     MAX_PROPERTIES_BYTES,
     MAX_SUBTREE_BYTES,
@@ -154,9 +156,16 @@ class SnapshotEnd:
 
 @dataclass(frozen=True, slots=True)
 class Hugz:
-    """HUGZ: the server is alive.  ``sequence`` is informational only."""
+    """HUGZ: the server is alive.  ``sequence`` is informational only.
+
+    ``heartbeat`` is the interval the server promises, in seconds, when it says
+    (our extension, the ``heartbeat`` property in milliseconds): a client then
+    judges silence by the server's own rhythm instead of a guess.  None from a
+    server that does not say, such as the Guide's.
+    """
 
     sequence: int = 0
+    heartbeat: float | None = None
 
 
 # --------------------------------------------------------------------------
@@ -193,9 +202,15 @@ def encode_kthxbai(sequence: int, subtree: str = "") -> list[bytes]:
     return [KTHXBAI, sequence.to_bytes(8, "big"), b"", b"", subtree.encode("utf-8")]
 
 
-def encode_hugz(sequence: int = 0) -> list[bytes]:
-    """The five frames of a heartbeat.  The spec shows sequence zero."""
-    return [HUGZ, sequence.to_bytes(8, "big") if sequence else _ZERO_SEQ, b"", b"", b""]
+def encode_hugz(sequence: int = 0, heartbeat_ms: int | None = None) -> list[bytes]:
+    """The five frames of a heartbeat.  The spec shows sequence zero and no
+    properties; ``heartbeat_ms`` adds our ``heartbeat`` property."""
+    props = b""
+    if heartbeat_ms is not None:
+        if not 0 < heartbeat_ms <= MAX_HEARTBEAT_MS:
+            raise ValueError(f"heartbeat of {heartbeat_ms} ms is outside 1..{MAX_HEARTBEAT_MS}")
+        props = b"%s=%d\n" % (HEARTBEAT_PROPERTY.encode(), heartbeat_ms)
+    return [HUGZ, sequence.to_bytes(8, "big") if sequence else _ZERO_SEQ, b"", props, b""]
 
 
 # --------------------------------------------------------------------------
@@ -283,6 +298,21 @@ def _decode_sequence(raw: bytes) -> int:
     return int.from_bytes(raw, "big")
 
 
+def _decode_heartbeat(props_raw: bytes) -> float | None:
+    """The ``heartbeat`` property of a HUGZ, in seconds; None if absent."""
+    if not props_raw:
+        return None
+    for name, value in decode_properties(props_raw):
+        if name == HEARTBEAT_PROPERTY:
+            if not (value.isascii() and value.isdigit()) or not 0 < int(value) <= MAX_HEARTBEAT_MS:
+                raise ProtocolError(
+                    f"HUGZ heartbeat property {value[:20]!r} is not a whole number of "
+                    f"milliseconds in 1..{MAX_HEARTBEAT_MS}"
+                )
+            return int(value) / 1000.0
+    return None
+
+
 def _decode_kv(frames: Sequence[bytes], what: str, *, reserved_ok: bool) -> KVMsg:
     _check_frames(frames, 5, what)
     key_raw, seq_raw, uuid, props_raw, body = frames
@@ -317,7 +347,7 @@ def decode_update(frames: Sequence[bytes]) -> KVMsg | Hugz:
     """What a subscriber receives: a KVPUB or a HUGZ."""
     if frames and frames[0] == HUGZ:
         _check_frames(frames, 5, "HUGZ")
-        return Hugz(_decode_sequence(frames[1]))
+        return Hugz(_decode_sequence(frames[1]), _decode_heartbeat(bytes(frames[3])))
     return _decode_kv(frames, "KVPUB", reserved_ok=False)
 
 

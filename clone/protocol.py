@@ -22,6 +22,10 @@ __all__ = [
     "TTL_PROPERTY",
     "EXPIRES_PROPERTY",
     "MAX_TTL_SECONDS",
+    "HEARTBEAT_PROPERTY",
+    "MAX_HEARTBEAT_MS",
+    "DEFAULT_HEARTBEAT_MS",
+    "DEFAULT_MISSED_HEARTBEATS",
     "DEFAULT_PRIMARY_PORT",
     "DEFAULT_BACKUP_PORT",
     "DEFAULT_PRIMARY_HA_PORT",
@@ -52,6 +56,19 @@ TTL_PROPERTY: Final = "ttl"
 # Extension (ours): absolute expiry in Unix seconds, set by the active server
 # on every KVPUB/KVSYNC of an ephemeral key so both servers agree on it.
 EXPIRES_PROPERTY: Final = "expires"
+
+# Extension (ours): a HUGZ says the server's heartbeat interval, in whole
+# milliseconds, so clients judge its silence by its own rhythm.
+HEARTBEAT_PROPERTY: Final = "heartbeat"
+MAX_HEARTBEAT_MS: Final = 3_600_000
+
+# Liveness defaults (docs/operations.md, "Heartbeats and failure detection").
+# A HUGZ and a Binary Star state message every 250 ms; a server or peer silent
+# for 4 of them (1 s) is presumed dead.  The Guide uses 1 s and 2 missed: a
+# freeze then costs 2.5 s before anyone acts; 250 ms x 4 notices it in 1 s and
+# still rides out a 750 ms stall, for 4 small messages a second per subscriber.
+DEFAULT_HEARTBEAT_MS: Final = 250
+DEFAULT_MISSED_HEARTBEATS: Final = 4
 
 # The Guide's example pair on one host.
 DEFAULT_PRIMARY_PORT: Final = 5556

@@ -47,6 +47,9 @@ from clone.codec import encode_icanhaz
 from clone.errors import CloneError, ProtocolError
 from clone.protocol import (
     COLLECTOR_OFFSET,
+    DEFAULT_HEARTBEAT_MS,
+    DEFAULT_MISSED_HEARTBEATS,
+    MAX_HEARTBEAT_MS,
     MAX_VALUE_BYTES,
     PUBLISHER_OFFSET,
     SNAPSHOT_OFFSET,
@@ -136,8 +139,8 @@ class ServerConfig:
     peer: str | None = None
     ha_port: int | None = None
     peer_ha: str | None = None
-    heartbeat: float = 1.0
-    ha_missed: int = 2
+    heartbeat: float = DEFAULT_HEARTBEAT_MS / 1000.0
+    ha_missed: int = DEFAULT_MISSED_HEARTBEATS
     pub_hwm: int = 100_000
     collector_hwm: int = 100_000
     snapshot_hwm: int = 10_000
@@ -220,6 +223,8 @@ class CloneServer:
         wallclock: Callable[[], float] = time.time,
     ) -> None:
         self.config = config
+        # What every HUGZ tells clients to expect (the codec's range).
+        self._heartbeat_ms = min(max(1, round(config.heartbeat * 1000)), MAX_HEARTBEAT_MS)
         self._own_ctx = ctx is None
         self._ctx: zmq.Context = ctx if ctx is not None else zmq.Context()
         self._clock = clock
@@ -545,7 +550,7 @@ class CloneServer:
                 log.warning("heartbeat ran %d ms late: the reactor was blocked", late_ms)
         try:
             if self.core.role is Role.ACTIVE:
-                self._publish(self.core.hugz())
+                self._publish(self.core.hugz(self._heartbeat_ms))
                 self.counters["hugz_sent"] += 1
         except Exception:
             self.counters["internal_errors"] += 1
@@ -919,7 +924,7 @@ class CloneServer:
             pending,
         )
         # Tell subscribers at once that this server is alive and where it stands.
-        self._publish(core.hugz())
+        self._publish(core.hugz(self._heartbeat_ms))
         if self._deferred:
             self._recheck_deferred_soon()  # not from here: we may be inside accept_vote()
 

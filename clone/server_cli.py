@@ -21,6 +21,8 @@ from clone.errors import CloneError
 from clone.protocol import (
     DEFAULT_BACKUP_HA_PORT,
     DEFAULT_BACKUP_PORT,
+    DEFAULT_HEARTBEAT_MS,
+    DEFAULT_MISSED_HEARTBEATS,
     DEFAULT_PRIMARY_HA_PORT,
     DEFAULT_PRIMARY_PORT,
 )
@@ -59,9 +61,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--heartbeat",
         type=positive_int,
-        default=1000,
+        default=DEFAULT_HEARTBEAT_MS,
         metavar="MS",
-        help="HUGZ and Binary Star heartbeat interval in ms (default 1000)",
+        help=f"HUGZ and Binary Star heartbeat interval in ms (default {DEFAULT_HEARTBEAT_MS}); "
+        "run both servers of a pair with the same value",
+    )
+    p.add_argument(
+        "--missed",
+        type=positive_int,
+        default=DEFAULT_MISSED_HEARTBEATS,
+        metavar="N",
+        help="heartbeats the peer may miss before it is presumed dead "
+        f"(default {DEFAULT_MISSED_HEARTBEATS}: 1 s at the default heartbeat)",
     )
     p.add_argument(
         "--hwm",
@@ -122,6 +133,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     common = dict(
         bind=args.bind,
         heartbeat=args.heartbeat / 1000.0,
+        ha_missed=args.missed,
         pub_hwm=args.hwm,
         collector_hwm=args.hwm,
         snapshot_hwm=args.snapshot_hwm,

@@ -234,9 +234,10 @@ class ServerCore:
         """Start streaming the current state under ``subtree`` to ``identity``."""
         return SnapshotStream(identity, subtree, self.store)
 
-    def hugz(self) -> list[bytes]:
-        """A heartbeat carrying the current highest sequence (our extension)."""
-        return encode_hugz(self.store.sequence)
+    def hugz(self, heartbeat_ms: int | None = None) -> list[bytes]:
+        """A heartbeat carrying the current highest sequence and, given
+        ``heartbeat_ms``, the interval clients should expect (our extensions)."""
+        return encode_hugz(self.store.sequence, heartbeat_ms)
 
     # -- roles ---------------------------------------------------------------
 

@@ -308,6 +308,40 @@ def test_frozen_server_is_still_found_by_silence_alone() -> None:
     assert fsm.counters.disconnect_failovers == 0 and fsm.counters.failovers == 1
 
 
+def test_a_server_that_says_its_heartbeat_is_judged_by_it() -> None:
+    """Our servers put ``heartbeat=250`` in HUGZ: silent for 4 of them (1 s) is
+    gone, not the 2.5 s we assume of a server that does not say."""
+    fsm, _ = synced()
+    assert fsm.silence_timeout() == pytest.approx(2.5)
+    fsm.update(0, Hugz(0, 0.25), 1.0)
+    assert fsm.silence_timeout() == pytest.approx(4 * 0.25)
+    assert fsm.tick(1.99) == []
+    assert _requests(fsm.tick(2.0)) == [1]
+    # Waiting for a snapshot from the next server: the configured timeout again,
+    # since a passive server may hold our request until it gives up on its peer.
+    assert fsm.state is State.SYNCING
+    assert fsm.silence_timeout() == pytest.approx(2.5)
+
+
+def test_a_server_that_stops_saying_its_heartbeat_falls_back_to_the_config() -> None:
+    fsm, _ = synced()
+    fsm.update(0, Hugz(0, 0.1), 1.0)
+    fsm.update(0, Hugz(0), 1.1)  # a Guide server now answers at that address
+    assert fsm.silence_timeout() == pytest.approx(2.5)
+    assert fsm.tick(3.59) == []
+    assert _requests(fsm.tick(3.6)) == [1]
+
+
+def test_missed_heartbeats_is_configurable_and_checked() -> None:
+    fsm = AgentFSM(None, AgentConfig(missed_heartbeats=2), now=0.0)
+    fsm.connect("tcp://a:1", 0.0)
+    fsm.snapshot_reply(0, SnapshotEnd(0), 0.0)
+    fsm.update(0, Hugz(0, 0.5), 0.1)
+    assert fsm.silence_timeout() == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="missed_heartbeats"):
+        AgentConfig(missed_heartbeats=0)
+
+
 def test_streaming_snapshot_keeps_the_server_alive() -> None:
     fsm = AgentFSM(None, CFG, now=0.0)
     fsm.connect("tcp://a:1", 0.0)

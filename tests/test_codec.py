@@ -55,6 +55,29 @@ def test_hugz_frames() -> None:
     assert codec.encode_hugz(5)[1] == seq(5)
 
 
+def test_hugz_says_the_heartbeat_when_asked() -> None:
+    frames = codec.encode_hugz(7, 250)
+    assert frames == [b"HUGZ", seq(7), b"", b"heartbeat=250\n", b""]
+    assert codec.decode_update(frames) == Hugz(7, 0.25)
+    # Another property alongside is fine; no heartbeat property means "not said".
+    both = [b"HUGZ", seq(1), b"", b"x=1\nheartbeat=1000\n", b""]
+    assert codec.decode_update(both) == Hugz(1, 1.0)
+    assert codec.decode_update([b"HUGZ", seq(1), b"", b"x=1\n", b""]) == Hugz(1, None)
+
+
+@pytest.mark.parametrize("value", ["", "0", "-5", "1.5", "abc", "\u0661", "3600001"])
+def test_hugz_with_a_bad_heartbeat_is_malformed(value: str) -> None:
+    frames = [b"HUGZ", seq(1), b"", f"heartbeat={value}\n".encode(), b""]
+    with pytest.raises(ProtocolError, match="heartbeat property"):
+        codec.decode_update(frames)
+
+
+@pytest.mark.parametrize("ms", [0, -1, 3_600_001])
+def test_encode_hugz_refuses_a_heartbeat_out_of_range(ms: int) -> None:
+    with pytest.raises(ValueError, match="heartbeat"):
+        codec.encode_hugz(1, ms)
+
+
 def test_decode_hand_built_kvpub() -> None:
     frames = [b"k\xc3\xa9", seq(2**64 - 1), UUID, b"a=1\nb=\n", b"\x00\xff"]
     assert codec.decode_update(frames) == KVMsg(

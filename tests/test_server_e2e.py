@@ -158,6 +158,8 @@ def test_hugz_cadence_and_sequence(
     beats = peer.updates(10, timeout=3.0, hugz=True)
     elapsed = time.monotonic() - start
     assert all(b.is_hugz and b.sequence == 1 for b in beats)
+    # Our extension: each HUGZ says the interval, so clients judge silence by it.
+    assert all(b.props == {"heartbeat": str(servers.heartbeat_ms)} for b in beats)
     assert 0.7 <= elapsed <= 2.0, elapsed  # 10 beats at 100 ms
 
 

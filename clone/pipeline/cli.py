@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--heartbeat",
         type=positive_float,
         default=1.0,
-        help="the servers' heartbeat in seconds (default 1.0), for failover detection",
+        help="heartbeat in seconds to assume of servers that do not advertise theirs "
+        "(default 1.0), for failover detection",
     )
     common(load)
 

@@ -42,7 +42,13 @@ from typing import Any
 
 import zmq
 
-from clone.protocol import HUGZ, KTHXBAI, PUBLISHER_OFFSET
+from clone.protocol import (
+    DEFAULT_HEARTBEAT_MS,
+    DEFAULT_MISSED_HEARTBEATS,
+    HUGZ,
+    KTHXBAI,
+    PUBLISHER_OFFSET,
+)
 from clone.tools.drill_client import DRILL_PREFIX, parse_value, state_hash
 from clone.tools.procs import (
     ManagedProcess,
@@ -85,7 +91,7 @@ class DrillConfig:
     out: Path = Path("results/drill")
     rate: float = 20.0  # writes per second per client
     confirm_every: int = 4
-    heartbeat_ms: int = 1000  # the servers' default
+    heartbeat_ms: int = DEFAULT_HEARTBEAT_MS  # the servers' default
     seed: int = 0
     fault_at: float = 0.35  # fraction of the duration
     ttl_per_tick: int = 3  # ttl-storm: ephemeral writes per regular write
@@ -112,12 +118,15 @@ class DrillConfig:
     @property
     def failover_budget(self) -> float:
         """A generous bound on one failover: client silence timeout, the backup's
-        peer expiry, a snapshot, and slack for a loaded 2-core machine."""
-        return 2.5 * self.heartbeat + 2 * self.heartbeat + 1.5
+        peer expiry (both ``missed`` heartbeats), a snapshot, and slack for a
+        loaded 2-core machine."""
+        return 2 * DEFAULT_MISSED_HEARTBEATS * self.heartbeat + 1.5
 
     @property
     def settle(self) -> float:
-        extra = self.ttl_max + 2 * self.heartbeat + 1.0 if self.scenario == "ttl-storm" else 0.0
+        extra = 0.0
+        if self.scenario == "ttl-storm":
+            extra = self.ttl_max + DEFAULT_MISSED_HEARTBEATS * self.heartbeat + 1.0
         return max(3.0, 3 * self.heartbeat) + extra
 
 
@@ -167,9 +176,10 @@ class HugzMonitor:
             ctx.destroy(linger=0)
 
     def active(self, at: float | None = None) -> list[str]:
-        """Servers that sent HUGZ in the 2.5 heartbeats before ``at`` (default now)."""
+        """Servers that sent HUGZ in the ``missed`` heartbeats before ``at`` (default
+        now): the same window in which a client would still trust them."""
         at = time.time() if at is None else at
-        window = 2.5 * self.heartbeat
+        window = DEFAULT_MISSED_HEARTBEATS * self.heartbeat
         with self._lock:
             return sorted({n for t, n in self.history if at - window <= t <= at})
 
@@ -742,8 +752,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=float, default=20.0, help="writes per second per client")
     p.add_argument("--confirm-every", type=int, default=4,
                    help="every k-th write is confirmed (0: none)")
-    p.add_argument("--heartbeat", type=int, default=1000, metavar="MS",
-                   help="servers' heartbeat (default 1000, the server's default)")
+    p.add_argument("--heartbeat", type=int, default=DEFAULT_HEARTBEAT_MS, metavar="MS",
+                   help=f"servers' heartbeat (default {DEFAULT_HEARTBEAT_MS}, as the server's)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--fault-at", type=float, default=0.35, help="fraction of the duration")
     p.add_argument("--ttl-per-tick", type=int, default=3, help="ttl-storm: ephemeral writes/tick")

@@ -1,0 +1,35 @@
+"""The server's flags become the config we document in docs/operations.md."""
+
+from __future__ import annotations
+
+import pytest
+
+from clone.server import ServerConfig, ServerMode
+from clone.server_cli import build_parser, config_from_args
+
+
+def _config(*argv: str) -> ServerConfig:
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def test_liveness_defaults_notice_a_silent_peer_in_one_second() -> None:
+    cfg = _config("--primary")
+    assert cfg.mode is ServerMode.PRIMARY
+    assert (cfg.heartbeat, cfg.ha_missed) == (0.25, 4)
+    assert cfg.heartbeat * cfg.ha_missed == pytest.approx(1.0)
+    # The library's defaults are the CLI's.
+    assert (ServerConfig(port=5556).heartbeat, ServerConfig(port=5556).ha_missed) == (0.25, 4)
+
+
+def test_heartbeat_and_missed_flags() -> None:
+    cfg = _config("--backup", "--heartbeat", "1000", "--missed", "2")
+    assert (cfg.heartbeat, cfg.ha_missed) == (1.0, 2)
+    assert cfg.effective_deferred_vote_max_age == pytest.approx(4.0)
+
+
+@pytest.mark.parametrize("flag", ["--heartbeat", "--missed"])
+def test_liveness_flags_must_be_positive(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--primary", flag, "0"])
+    assert exc.value.code == 2
+    assert flag in capsys.readouterr().err
