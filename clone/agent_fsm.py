@@ -217,6 +217,9 @@ class AgentConfig:
     ``heartbeat`` and ``server_timeout`` matter for servers that do not say (the
     Guide's, 1 s), and for the wait on a snapshot, where a passive server that
     has not yet given up on its peer may hold our request for a while.
+    ``missed_heartbeats=None`` ignores what servers say: ``server_timeout`` then
+    applies to every server (the frontend does this when the application sets
+    ``server_timeout`` itself).
 
     ``reask_interval`` is how often an unanswered snapshot request is repeated on
     a fresh DEALER while syncing (default a quarter heartbeat), and
@@ -227,7 +230,7 @@ class AgentConfig:
 
     heartbeat: float = 1.0
     server_timeout: float = 2.5
-    missed_heartbeats: int = DEFAULT_MISSED_HEARTBEATS
+    missed_heartbeats: int | None = DEFAULT_MISSED_HEARTBEATS  # None: ignore what servers say
     requests_per_server: int = 10
     resend_interval: float = 0.5
     reask_interval: float = 0.25
@@ -251,8 +254,8 @@ class AgentConfig:
             raise ValueError("timeouts must be > 0")
         if self.requests_per_server < 1:
             raise ValueError("requests_per_server must be >= 1")
-        if self.missed_heartbeats < 1:
-            raise ValueError("missed_heartbeats must be >= 1")
+        if self.missed_heartbeats is not None and self.missed_heartbeats < 1:
+            raise ValueError("missed_heartbeats must be >= 1 (or None)")
 
 
 @dataclass(slots=True)
@@ -700,8 +703,9 @@ class AgentFSM:
         return self.config.server_timeout
 
     def _note_heartbeat(self, server: int, hugz: Hugz) -> None:
-        if hugz.heartbeat is not None:
-            self._advertised_timeout[server] = self.config.missed_heartbeats * hugz.heartbeat
+        missed = self.config.missed_heartbeats
+        if hugz.heartbeat is not None and missed is not None:
+            self._advertised_timeout[server] = missed * hugz.heartbeat
         else:  # a server that stopped saying (replaced by another kind)
             self._advertised_timeout.pop(server, None)
 

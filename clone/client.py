@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
+from typing import Any
 
 import zmq
 
@@ -172,7 +173,8 @@ class Clone:
     or None for the whole map.  ``heartbeat`` is the heartbeat to assume of a
     server that does not advertise its own in its HUGZ (the Guide's); the server
     timeout defaults to 2.5 of those.  A server that advertises (ours do) is
-    declared dead after 4 of its own heartbeats of silence.  Use it as a context
+    declared dead after 4 of its own heartbeats of silence, unless
+    ``server_timeout`` is given: then that applies to every server.  Use it as a context
     manager, or call :meth:`close`.  Methods may be called from any thread.
     """
 
@@ -186,7 +188,13 @@ class Clone:
         confirm_timeout: float = 10.0,
         command_timeout: float = 5.0,
     ) -> None:
-        overrides = {} if server_timeout is None else {"server_timeout": server_timeout}
+        # An explicit server_timeout is the application's word for every server,
+        # whatever heartbeat a server advertises.
+        overrides: dict[str, Any] = (
+            {}
+            if server_timeout is None
+            else {"server_timeout": server_timeout, "missed_heartbeats": None}
+        )
         config = AgentConfig.from_heartbeat(heartbeat, **overrides)
         try:
             subtrees = normalize_subtrees(subtree)

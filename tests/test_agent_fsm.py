@@ -342,6 +342,17 @@ def test_missed_heartbeats_is_configurable_and_checked() -> None:
         AgentConfig(missed_heartbeats=0)
 
 
+def test_missed_heartbeats_none_ignores_what_servers_say() -> None:
+    """How the frontend honours an explicit ``server_timeout``."""
+    fsm = AgentFSM(None, AgentConfig(server_timeout=0.7, missed_heartbeats=None), now=0.0)
+    fsm.connect("tcp://a:1", 0.0)
+    fsm.snapshot_reply(0, SnapshotEnd(0), 0.0)
+    fsm.update(0, Hugz(0, 0.05), 0.1)
+    assert fsm.silence_timeout() == pytest.approx(0.7)
+    assert fsm.tick(0.79) == []
+    assert _requests(fsm.tick(0.8)) == [0]  # the only server, asked again
+
+
 def test_streaming_snapshot_keeps_the_server_alive() -> None:
     fsm = AgentFSM(None, CFG, now=0.0)
     fsm.connect("tcp://a:1", 0.0)

@@ -291,6 +291,19 @@ def test_freeze_at_default_settings_fails_over_on_the_servers_heartbeat(
         c.close()
 
 
+def test_the_client_learns_the_servers_heartbeat_unless_told_a_timeout(
+    servers: Servers,  # noqa: F811
+) -> None:
+    server = servers.standalone()
+    learned = 4 * servers.heartbeat_ms
+    with client(server, server_timeout=None) as c:
+        eventually(lambda: c.status().counters["silence_timeout_ms"] == learned, what="learning")
+    with client(server, server_timeout=0.7) as c:
+        c.set("/hb/probe", b"1", wait=True)  # a KVPUB and HUGZ have been seen
+        time.sleep(3 * HB)
+        assert c.status().counters["silence_timeout_ms"] == 700
+
+
 def test_large_snapshot_is_synced_and_listed(servers: Servers) -> None:  # noqa: F811
     """200k keys: the client syncs them and lists them within the default
     command timeout (5 s), which a reply of five frames per entry did not meet
