@@ -230,9 +230,14 @@ class ServerCore:
             self.counters["snapshot_invalid"] += 1
             raise
 
-    def open_snapshot(self, identity: bytes, subtree: str) -> SnapshotStream:
-        """Start streaming the current state under ``subtree`` to ``identity``."""
-        return SnapshotStream(identity, subtree, self.store)
+    def open_snapshot(
+        self, identity: bytes, subtree: str, *, batch: bool = False
+    ) -> SnapshotStream:
+        """Start streaming the current state under ``subtree`` to ``identity``.
+
+        ``batch``: the requester negotiated KVBATCH (:mod:`clone.batch`).
+        """
+        return SnapshotStream(identity, subtree, self.store, batch=batch)
 
     def hugz(self) -> list[bytes]:
         """A heartbeat carrying the current highest sequence (our extension)."""
