@@ -46,9 +46,11 @@ from zmq.eventloop.zmqstream import ZMQStream
 from clone.codec import encode_icanhaz
 from clone.errors import CloneError, ProtocolError
 from clone.protocol import (
+    BATCH_METADATA,
     BATCH_PROPERTY,
     BATCH_VERSION,
     COLLECTOR_OFFSET,
+    MAX_BATCH_BYTES,
     MAX_VALUE_BYTES,
     PUBLISHER_OFFSET,
     SNAPSHOT_OFFSET,
@@ -82,9 +84,13 @@ _BUDGET_CHECK = 63  # check the clock every 64 messages (mask)
 # A peer sending a frame bigger than any valid one is disconnected by libzmq
 # before we allocate it; the codec still checks the exact limits.
 _MAX_FRAME = MAX_VALUE_BYTES + 64 * 1024
-# No CHP message has more than six frames (a ROUTER identity plus five); a
-# longer one is consumed but kept short, and the codec rejects it.
-_MAX_FRAMES = 8
+# The DEALER that syncs from the active peer asks for KVBATCHes, whose data
+# frames may be larger (clone.protocol.MAX_BATCH_BYTES).
+_MAX_SYNC_FRAME = MAX_BATCH_BYTES + 64 * 1024
+# No CHP message has more than ten frames (a KVBATCH; a KVSYNC is five, six with
+# a ROUTER identity); a longer one is consumed but kept short, and the codec
+# rejects it.
+_MAX_FRAMES = 12
 
 # The hot path calls libzmq through pyzmq's backend methods with plain int
 # flags: the sugar layer's enum arithmetic and per-frame checks cost about three
@@ -1034,6 +1040,12 @@ class CloneServer:
         self._close_dealer()
         dealer = self._socket(zmq.DEALER)
         dealer.setsockopt(zmq.RCVHWM, cfg.snapshot_hwm)
+        # Ask for KVBATCHes (our peer is one of us): a restart resyncs faster.
+        try:
+            dealer.setsockopt(zmq.METADATA, BATCH_METADATA)
+            dealer.setsockopt(zmq.MAXMSGSIZE, _MAX_SYNC_FRAME)
+        except zmq.ZMQError:  # a libzmq older than 4.3: the standard stream
+            log.debug("this libzmq cannot send ZMTP metadata; syncing without KVBATCH")
         dealer.connect(_peer_base(cfg.peer, SNAPSHOT_OFFSET))
         self._peer_dealer = self._stream(dealer, self._on_sync_reply)
         self.core.start_sync()
@@ -1136,6 +1148,8 @@ class CloneServer:
             budget -= 1
             if self._turn_over(budget, stop_at):
                 return
+            if len(frames) > 5 and self._clock() > stop_at:
+                return  # a KVBATCH is thousands of entries: check after each one
             if dealer is None or dealer is not self._peer_dealer or dealer.closed():
                 return
             try:

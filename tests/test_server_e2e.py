@@ -663,3 +663,33 @@ def test_a_batched_requester_that_stops_reading_pins_few_batches_and_is_aborted_
     assert sum(len(_unbatch(m)) for m in replies[:-1]) == n
     line = _stats_line(server)
     assert _stat(line, "batched") == 1 and _stat(line, "aborted") == 1, line
+
+
+def test_a_restarted_passive_resyncs_through_kvbatches(
+    servers: Servers, ctx: zmq.Context, peers: list[ChpPeer]
+) -> None:
+    """The backup asks its peer for batches; after the primary dies it serves
+    exactly the state the primary served, properties and expiry included."""
+    primary, backup = servers.pair()
+    peer = _peer(ctx, peers, primary, backup.port)
+    n = 20_000
+    for i in range(n):
+        peer.kvset(b"/r/%d" % i, b"v%d" % i, props={"ttl": "3600"} if i % 10 == 0 else None)
+    peer.updates(n, timeout=30)
+    before = _replies(_snapshot_dealer(ctx, primary, batched=False), timeout=30)
+    pmark, bmark = primary.log_size(), backup.log_size()
+    backup.kill9()
+    backup.restart()
+    backup.wait_log("synced from", after=bmark, timeout=30)
+    primary.wait_log(", batched", after=pmark)
+    time.sleep(0.3)
+    primary.kill9()
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            after = _replies(_snapshot_dealer(ctx, backup, batched=False), timeout=0.5)
+            break
+        except TimeoutError:
+            assert time.monotonic() < deadline, "the backup never served"
+    assert len(after) == n + 1
+    assert after == before  # byte for byte, expires included
