@@ -74,8 +74,8 @@ def _typecode(size: int) -> str:
 _U32 = _typecode(4)
 _U64 = _typecode(8)
 _SWAP = sys.byteorder == "little"  # the wire is big-endian
-_PROPS = itemgetter(2)
-_BODY = itemgetter(3)
+_COLUMNS = tuple(map(itemgetter, range(4)))
+_PROPS, _BODY = _COLUMNS[2], _COLUMNS[3]
 
 
 # --------------------------------------------------------------------------
@@ -116,7 +116,10 @@ def encode_kvbatch(keys: Sequence[bytes], entries: Sequence[BatchEntry]) -> list
         raise ValueError(f"a batch has 1 to {MAX_BATCH_ENTRIES} entries, not {n}")
     if len(entries) != n:
         raise ValueError(f"{n} keys but {len(entries)} entries")
-    seqs, uuids, props, bodies = zip(*entries, strict=True)
+    # Columns by itemgetter, not zip(*entries): that would allocate an iterator
+    # per entry, thousands of GC-tracked objects per batch, and the collections
+    # they trigger promote live objects until a full collection walks the store.
+    seqs, uuids, props, bodies = (list(map(get, entries)) for get in _COLUMNS)
     join = b"".join
     return [
         KVBATCH,
