@@ -30,6 +30,13 @@ __all__ = [
     "DEFAULT_BACKUP_PORT",
     "DEFAULT_PRIMARY_HA_PORT",
     "DEFAULT_BACKUP_HA_PORT",
+    "KVBATCH",
+    "BATCH_PROPERTY",
+    "BATCH_VERSION",
+    "BATCH_METADATA",
+    "MAX_BATCH_ENTRIES",
+    "BATCH_TARGET_BYTES",
+    "MAX_BATCH_BYTES",
 ]
 
 # Command words as they appear in frame 0.
@@ -69,6 +76,23 @@ MAX_HEARTBEAT_MS: Final = 3_600_000
 # still rides out a 750 ms stall, for 4 small messages a second per subscriber.
 DEFAULT_HEARTBEAT_MS: Final = 250
 DEFAULT_MISSED_HEARTBEATS: Final = 4
+
+# Extension (ours): batched snapshots, docs/protocol.md "KVBATCH".  A requester
+# that sets this ZMTP metadata property on its snapshot DEALER may get its
+# KVSYNCs packed into KVBATCH messages; one that does not (the Guide's clients)
+# gets the standard stream.  The value is the version it understands.
+KVBATCH: Final = b"KVBATCH"
+BATCH_PROPERTY: Final = "X-CHP-Batch"
+BATCH_VERSION: Final = "1"
+BATCH_METADATA: Final = f"{BATCH_PROPERTY}:{BATCH_VERSION}".encode()
+# Entries per KVBATCH: the length columns stay 16 KiB each, and one batch is a
+# few milliseconds of work for either end, so neither reactor stalls on one.
+MAX_BATCH_ENTRIES: Final = 4096
+# A sender stops adding entries once the keys, properties and bodies in the
+# batch reach this many bytes (a batch always has at least one entry) ...
+BATCH_TARGET_BYTES: Final = 1024 * 1024
+# ... so they never add up to more than this, which receivers enforce.
+MAX_BATCH_BYTES: Final = BATCH_TARGET_BYTES + MAX_KEY_BYTES + MAX_PROPERTIES_BYTES + MAX_VALUE_BYTES
 
 # The Guide's example pair on one host.
 DEFAULT_PRIMARY_PORT: Final = 5556

@@ -36,7 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 from tornado.ioloop import IOLoop
@@ -46,9 +46,13 @@ from zmq.eventloop.zmqstream import ZMQStream
 from clone.codec import encode_icanhaz
 from clone.errors import CloneError, ProtocolError
 from clone.protocol import (
+    BATCH_METADATA,
+    BATCH_PROPERTY,
+    BATCH_VERSION,
     COLLECTOR_OFFSET,
     DEFAULT_HEARTBEAT_MS,
     DEFAULT_MISSED_HEARTBEATS,
+    MAX_BATCH_BYTES,
     MAX_HEARTBEAT_MS,
     MAX_VALUE_BYTES,
     PUBLISHER_OFFSET,
@@ -62,7 +66,14 @@ __all__ = ["CloneServer", "ServerConfig", "ServerMode", "ServerStartError"]
 
 log = logging.getLogger(__name__)
 
+_F = TypeVar("_F", bytes, zmq.Frame)
+
 _STALL_RETRY = 0.005  # seconds before retrying a snapshot send that hit the HWM
+# KVBATCHes per batched snapshot that libzmq may hold unsent.  The socket's
+# high-water mark counts messages, and snapshot_hwm batches could be a whole
+# snapshot; this keeps what a slow requester can pin in our memory to a few MB
+# (at most this many times MAX_BATCH_BYTES) while the pipe stays full.
+_BATCHES_IN_FLIGHT = 4
 _HOUSEKEEPING = 0.1  # seconds between expiry / sync-timeout / deferred-vote checks
 # Binary Star states in which a refused vote may be accepted later, once the
 # peer expires ("vote if expired" in docs/failover.md).  By name, so that a
@@ -76,9 +87,13 @@ _BUDGET_CHECK = 63  # check the clock every 64 messages (mask)
 # A peer sending a frame bigger than any valid one is disconnected by libzmq
 # before we allocate it; the codec still checks the exact limits.
 _MAX_FRAME = MAX_VALUE_BYTES + 64 * 1024
-# No CHP message has more than six frames (a ROUTER identity plus five); a
-# longer one is consumed but kept short, and the codec rejects it.
-_MAX_FRAMES = 8
+# The DEALER that syncs from the active peer asks for KVBATCHes, whose data
+# frames may be larger (clone.protocol.MAX_BATCH_BYTES).
+_MAX_SYNC_FRAME = MAX_BATCH_BYTES + 64 * 1024
+# No CHP message has more than ten frames (a KVBATCH; a KVSYNC is five, six with
+# a ROUTER identity); a longer one is consumed but kept short, and the codec
+# rejects it.
+_MAX_FRAMES = 12
 
 # The hot path calls libzmq through pyzmq's backend methods with plain int
 # flags: the sugar layer's enum arithmetic and per-frame checks cost about three
@@ -97,6 +112,17 @@ def _send_frames(sock: zmq.Socket, frames: Sequence[bytes], flags: int = 0) -> N
     for frame in frames[:-1]:
         _raw_send(sock, frame, more)
     _raw_send(sock, frames[-1], flags)
+
+
+def _send_tracked(sock: zmq.Socket, frames: Sequence[bytes], flags: int) -> zmq.MessageTracker:
+    """:func:`_send_frames`, the last frame without a copy and tracked: the
+    tracker is done once libzmq has written the whole message out (or dropped
+    it with its connection)."""
+    more = flags | _SNDMORE
+    for frame in frames[:-1]:
+        _raw_send(sock, frame, more)
+    tracker: zmq.MessageTracker = _raw_send(sock, frames[-1], flags, False, True)
+    return tracker
 
 
 def _recv_frames(sock: zmq.Socket) -> list[bytes]:
@@ -196,6 +222,18 @@ def _who(identity: bytes) -> str:
     return identity.hex() if identity else "?"
 
 
+def _wants_batches(frame: zmq.Frame) -> bool:
+    """Whether the requester's connection carries our KVBATCH metadata.
+
+    A peer that did not set it (the Guide's clients, raw tools) makes libzmq
+    raise EINVAL: it gets the standard KVSYNC stream.
+    """
+    try:
+        return bool(frame.get(BATCH_PROPERTY) == BATCH_VERSION)
+    except zmq.ZMQError:
+        return False
+
+
 @dataclass(frozen=True, slots=True)
 class _DeferredVote:
     """A snapshot request held until Binary Star may accept it (or it ages out)."""
@@ -203,6 +241,7 @@ class _DeferredVote:
     identity: bytes
     subtree: str
     expires_at: float  # on self._clock
+    batch: bool  # the requester negotiated KVBATCH
 
 
 class CloneServer:
@@ -242,6 +281,9 @@ class CloneServer:
         self._collector: zmq.Socket | None = None
         self._ha: Any = None  # bstar.reactor.BinaryStar when paired
         self._snapshots: dict[SnapshotStream, float] = {}  # stream -> last progress
+        # Batched streams: a tracker per KVBATCH that libzmq has not yet written
+        # to the connection, oldest first (see _BATCHES_IN_FLIGHT).
+        self._in_flight: dict[SnapshotStream, deque[zmq.MessageTracker]] = {}
         # Deferred votes by (identity, subtree), oldest first (all have the same
         # maximum age, so insertion order is expiry order).
         self._deferred: dict[tuple[bytes, str], _DeferredVote] = {}
@@ -269,6 +311,8 @@ class CloneServer:
                 "votes_deferred_gone",
                 "snapshot_stalls",
                 "snapshot_entries_sent",
+                "snapshots_batched",
+                "snapshot_batches_sent",
                 "hugz_sent",
                 "heartbeat_max_late_ms",
                 "outq_dropped",
@@ -373,7 +417,8 @@ class CloneServer:
         log.log(
             level,
             "stats: %s seq=%s keys=%s ephemeral=%s pending=%s kvset=%s published=%s "
-            "invalid=%s dup=%s snapshots=%s/%s aborted=%s refused=%s gaps=%s syncs=%s/%s "
+            "invalid=%s dup=%s snapshots=%s/%s batched=%s aborted=%s refused=%s gaps=%s "
+            "syncs=%s/%s "
             "pending_dropped=%s late_ms=%s deferred_votes=%s served=%s expired=%s held=%s "
             "errors=%s",
             s["role"],
@@ -387,6 +432,7 @@ class CloneServer:
             s["kvset_duplicate"],
             s["snapshots_served"],
             s["snapshot_requests"],
+            s["snapshots_batched"],
             s["snapshots_aborted"],
             s["snapshots_refused"],
             s["peer_gaps"],
@@ -431,7 +477,8 @@ class CloneServer:
         collector.setsockopt(zmq.SUBSCRIBE, b"")
         collector.bind(f"{base}:{cfg.port + COLLECTOR_OFFSET}")
         self._collector = collector
-        self._stream(router, self._on_router)
+        # Zero-copy frames: only a Frame can tell the requester's ZMTP metadata.
+        self._stream(router, self._on_router, copy=False)
         self._stream(collector, self._on_collector)
         if cfg.mode is not ServerMode.STANDALONE:
             from bstar.reactor import BinaryStar  # only paired servers need it
@@ -483,17 +530,20 @@ class CloneServer:
             sock.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME)
         return sock
 
-    def _stream(self, sock: zmq.Socket, handler: Callable[[list[bytes]], None]) -> ZMQStream:
+    def _stream(
+        self, sock: zmq.Socket, handler: Callable[[list[_F]], None], *, copy: bool = True
+    ) -> ZMQStream:
+        """``handler`` gets bytes, or ``zmq.Frame``s with ``copy=False``."""
         assert self._loop is not None
         stream = ZMQStream(sock, self._loop)
-        stream.on_recv(self._guard(handler))
+        stream.on_recv(self._guard(handler), copy=copy)
         self._streams.append(stream)
         return stream
 
-    def _guard(self, handler: Callable[[list[bytes]], None]) -> Callable[[list[bytes]], None]:
+    def _guard(self, handler: Callable[[list[_F]], None]) -> Callable[[list[_F]], None]:
         """Wrap a socket handler so that a bug is logged, never fatal."""
 
-        def guarded(frames: list[bytes]) -> None:
+        def guarded(frames: list[_F]) -> None:
             try:
                 handler(frames)
             except Exception:
@@ -527,6 +577,7 @@ class CloneServer:
             self._ha.stop()
         self._close_peer()
         self._snapshots.clear()
+        self._in_flight.clear()
         self._outq.clear()
         for stream in self._streams:
             stream.close(linger=0)
@@ -658,10 +709,12 @@ class CloneServer:
 
     # -- the snapshot port ---------------------------------------------------
 
-    def _on_router(self, frames: list[bytes]) -> None:
-        identity = frames[0]
+    def _on_router(self, parts: list[zmq.Frame]) -> None:
+        identity = parts[0].bytes
+        batch = len(parts) > 1 and _wants_batches(parts[1])
+        frames = [part.bytes for part in parts[1:]]
         try:
-            subtree = self.core.snapshot_request(frames[1:])
+            subtree = self.core.snapshot_request(frames)
         except ProtocolError as exc:
             self._throttle.log(
                 "icanhaz", logging.WARNING, "dropped a request from %s: %s", _who(identity), exc
@@ -673,16 +726,18 @@ class CloneServer:
             # the peer's not-yet-expired heartbeat stands in the way, hold the
             # request and vote again when it expires; otherwise the client
             # times out and fails over to the other server.
-            if not self._defer_vote(identity, subtree):
+            if not self._defer_vote(identity, subtree, batch):
                 self.counters["snapshots_refused"] += 1
                 log.debug("snapshot request from %s not served (%s)", _who(identity), ha.state.name)
             return
         # Served now: a held copy of the same request must not be served again.
         self._deferred.pop((identity, subtree), None)
-        self._serve(identity, subtree)
+        self._serve(identity, subtree, batch=batch)
 
-    def _serve(self, identity: bytes, subtree: str, *, deferred: bool = False) -> None:
-        """Stream a snapshot for an accepted vote."""
+    def _serve(
+        self, identity: bytes, subtree: str, *, deferred: bool = False, batch: bool = False
+    ) -> None:
+        """Stream a snapshot for an accepted vote (in KVBATCHes if ``batch``)."""
         if self.core.role is not Role.ACTIVE:
             # The vote was accepted; make sure the promotion happened first.
             self._on_became_active()
@@ -696,16 +751,19 @@ class CloneServer:
                 _who(identity),
             )
             return
-        stream = self.core.open_snapshot(identity, subtree)
+        stream = self.core.open_snapshot(identity, subtree, batch=batch)
         self._snapshots[stream] = self._clock()
+        if batch:
+            self._in_flight[stream] = deque()
         if deferred:
             self._deferred_streams.add(stream)
         log.debug(
-            "snapshot for %s: subtree %r, up to %d keys at sequence %d",
+            "snapshot for %s: subtree %r, up to %d keys at sequence %d%s",
             _who(identity),
             subtree,
             stream.total_keys,
             stream.sequence,
+            ", batched" if batch else "",
         )
         self._pump(stream)
 
@@ -717,22 +775,32 @@ class CloneServer:
         assert sock is not None
         sent_before = stream.sent
         stop_at = self._clock() + _TURN_BUDGET
+        # A KVBATCH is thousands of entries: check the clock before each one.
+        check = 0 if stream.batch else _BUDGET_CHECK
+        in_flight = self._in_flight.get(stream)
         try:
             for n in range(self.config.snapshot_chunk):
-                if n & _BUDGET_CHECK == _BUDGET_CHECK and self._clock() > stop_at:
+                if n & check == check and self._clock() > stop_at:
                     break
+                if in_flight is not None:
+                    while in_flight and in_flight[0].done:
+                        in_flight.popleft()
+                    if len(in_flight) >= _BATCHES_IN_FLIGHT:
+                        self._stall(stream, sent_before)
+                        return
                 frames = stream.peek()
                 if frames is None:
                     # Done, or a long run of keys outside the subtree was
                     # skipped: either way, give the loop back.
                     break
                 try:
-                    _send_frames(sock, frames, _NOBLOCK)
+                    if in_flight is None:
+                        _send_frames(sock, frames, _NOBLOCK)
+                    else:
+                        in_flight.append(_send_tracked(sock, frames, _NOBLOCK))
                 except zmq.Again:
                     # The requester's pipe is full: wait for it, drop nothing.
-                    self.counters["snapshot_stalls"] += 1
-                    self._note_progress(stream, sent_before)
-                    self._loop.call_later(_STALL_RETRY, self._pump, stream)
+                    self._stall(stream, sent_before)
                     return
                 except zmq.ZMQError as exc:
                     if exc.errno == zmq.EHOSTUNREACH:
@@ -750,17 +818,30 @@ class CloneServer:
         self._note_progress(stream, sent_before)
         if stream.done:
             del self._snapshots[stream]
+            self._in_flight.pop(stream, None)
             self._deferred_streams.discard(stream)
-            self.counters["snapshots_served"] += 1
-            self.counters["snapshot_entries_sent"] += stream.sent
+            c = self.counters
+            c["snapshots_served"] += 1
+            c["snapshot_entries_sent"] += stream.sent
+            if stream.batch:
+                c["snapshots_batched"] += 1
+                c["snapshot_batches_sent"] += stream.batches_sent
             log.debug(
-                "snapshot for %s done: %d entries, sequence %d",
+                "snapshot for %s done: %d entries in %d messages, sequence %d",
                 _who(stream.identity),
                 stream.sent,
+                stream.batches_sent if stream.batch else stream.sent,
                 stream.sequence,
             )
             return
         self._loop.add_callback(self._pump, stream)
+
+    def _stall(self, stream: SnapshotStream, sent_before: int) -> None:
+        """The requester is not keeping up: try again shortly, drop nothing."""
+        assert self._loop is not None
+        self.counters["snapshot_stalls"] += 1
+        self._note_progress(stream, sent_before)
+        self._loop.call_later(_STALL_RETRY, self._pump, stream)
 
     def _note_progress(self, stream: SnapshotStream, sent_before: int) -> None:
         if stream.sent != sent_before and stream in self._snapshots:
@@ -769,6 +850,7 @@ class CloneServer:
     def _abort_snapshot(self, stream: SnapshotStream, why: str, *, gone: bool = False) -> None:
         if self._snapshots.pop(stream, None) is None:
             return
+        self._in_flight.pop(stream, None)
         if stream in self._deferred_streams:
             self._deferred_streams.discard(stream)
             if gone and stream.sent == 0:
@@ -799,7 +881,7 @@ class CloneServer:
 
     # -- deferred votes --------------------------------------------------------
 
-    def _defer_vote(self, identity: bytes, subtree: str) -> bool:
+    def _defer_vote(self, identity: bytes, subtree: str, batch: bool) -> bool:
         """Hold a refused vote if it may be accepted once the peer expires."""
         ha = self._ha
         limit = self.config.max_deferred_votes
@@ -821,7 +903,7 @@ class CloneServer:
             )
         now = self._clock()
         age = self.config.effective_deferred_vote_max_age
-        self._deferred[key] = _DeferredVote(identity, subtree, now + age)
+        self._deferred[key] = _DeferredVote(identity, subtree, now + age, batch)
         self.counters["votes_deferred"] += 1
         log.debug(
             "snapshot request from %s held (%s, peer expires in %.3f s)",
@@ -896,7 +978,7 @@ class CloneServer:
                 continue
             self.counters["votes_deferred_served"] += 1
             log.debug("serving the held snapshot request from %s", _who(vote.identity))
-            self._serve(vote.identity, vote.subtree, deferred=True)
+            self._serve(vote.identity, vote.subtree, deferred=True, batch=vote.batch)
             if held and self._clock() > stop_at:
                 # Each serve sends a first chunk; yield to the loop between turns.
                 self._recheck_deferred_soon()
@@ -963,6 +1045,12 @@ class CloneServer:
         self._close_dealer()
         dealer = self._socket(zmq.DEALER)
         dealer.setsockopt(zmq.RCVHWM, cfg.snapshot_hwm)
+        # Ask for KVBATCHes (our peer is one of us): a restart resyncs faster.
+        try:
+            dealer.setsockopt(zmq.METADATA, BATCH_METADATA)
+            dealer.setsockopt(zmq.MAXMSGSIZE, _MAX_SYNC_FRAME)
+        except zmq.ZMQError:  # a libzmq older than 4.3: the standard stream
+            log.debug("this libzmq cannot send ZMTP metadata; syncing without KVBATCH")
         dealer.connect(_peer_base(cfg.peer, SNAPSHOT_OFFSET))
         self._peer_dealer = self._stream(dealer, self._on_sync_reply)
         self.core.start_sync()
@@ -1065,6 +1153,8 @@ class CloneServer:
             budget -= 1
             if self._turn_over(budget, stop_at):
                 return
+            if len(frames) > 5 and self._clock() > stop_at:
+                return  # a KVBATCH is thousands of entries: check after each one
             if dealer is None or dealer is not self._peer_dealer or dealer.closed():
                 return
             try:

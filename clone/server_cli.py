@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--snapshot-chunk",
         type=positive_int,
         default=1_000,
-        help="snapshot entries sent per loop turn (default 1000)",
+        help="snapshot messages (KVSYNCs or KVBATCHes) sent per loop turn (default 1000)",
     )
     p.add_argument(
         "--dedup-window",

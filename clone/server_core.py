@@ -30,6 +30,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from clone.batch import decode_kvbatch, is_kvbatch
 from clone.codec import (
     Hugz,
     KVMsg,
@@ -230,9 +231,14 @@ class ServerCore:
             self.counters["snapshot_invalid"] += 1
             raise
 
-    def open_snapshot(self, identity: bytes, subtree: str) -> SnapshotStream:
-        """Start streaming the current state under ``subtree`` to ``identity``."""
-        return SnapshotStream(identity, subtree, self.store)
+    def open_snapshot(
+        self, identity: bytes, subtree: str, *, batch: bool = False
+    ) -> SnapshotStream:
+        """Start streaming the current state under ``subtree`` to ``identity``.
+
+        ``batch``: the requester negotiated KVBATCH (:mod:`clone.batch`).
+        """
+        return SnapshotStream(identity, subtree, self.store, batch=batch)
 
     def hugz(self, heartbeat_ms: int | None = None) -> list[bytes]:
         """A heartbeat carrying the current highest sequence and, given
@@ -337,6 +343,9 @@ class ServerCore:
         if self.sync_state is not SyncState.SYNCING or self.role is not Role.PASSIVE:
             c["peer_ignored"] += 1
             return FollowOutcome.OK
+        if is_kvbatch(frames):
+            self._stage_batch(frames)
+            return FollowOutcome.OK
         try:
             msg = decode_snapshot_reply(frames)
         except ProtocolError:
@@ -364,6 +373,30 @@ class ServerCore:
             # The active applied it: the client's direct copy is no longer pending.
             self.pending.confirm(msg.uuid)
         return FollowOutcome.OK
+
+    def _stage_batch(self, frames: Sequence[bytes]) -> None:
+        """A KVBATCH of the snapshot we asked for: stage its entries as KVSYNCs."""
+        try:
+            batch = decode_kvbatch(frames)
+        except ProtocolError:
+            self.counters["peer_invalid"] += 1
+            raise
+        self.counters["snapshot_entries_received"] += len(batch)
+        # Stored as received, like a KVSYNC's frames (see clone.store).
+        values = zip(
+            batch.sequence_frames(), batch.uuids, batch.raw_properties, batch.bodies, strict=True
+        )
+        entries = zip(batch.raw_keys, values, strict=True)
+        if all(batch.bodies):
+            self._staging.update(entries)
+        else:
+            self._staging.update(kv for kv in entries if kv[1][3])
+        if self.pending:
+            # The active applied them: their direct copies are no longer pending.
+            confirm = self.pending.confirm
+            for uuid in batch.uuids:
+                if uuid:
+                    confirm(uuid)
 
     # -- time ----------------------------------------------------------------
 

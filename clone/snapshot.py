@@ -15,14 +15,25 @@ The I/O layer drives it with :meth:`peek` / :meth:`advance`: it tries to send
 the frames ``peek`` returns and calls ``advance`` only when the send succeeded,
 so a full socket (EAGAIN) never drops an entry -- it just retries the same
 frames later.  Sans-IO: no sockets, no clock.
+
+In batch mode (a requester that negotiated our KVBATCH extension, see
+:mod:`clone.batch`) each message packs up to ``MAX_BATCH_ENTRIES`` entries, and
+the per-key work is done a column at a time in C: a window of the key list is
+filtered by prefix with ``compress``, looked up with ``map``, and keys deleted
+since are dropped.  Keys that did not fit under the batch's byte target are
+carried into the next batch and looked up again then.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import compress, repeat
+from typing import cast
 
+from clone.batch import batch_size, encode_kvbatch
 from clone.codec import encode_kthxbai
-from clone.store import Store
+from clone.protocol import BATCH_TARGET_BYTES, MAX_BATCH_ENTRIES
+from clone.store import Entry, Store
 
 __all__ = ["SnapshotStream"]
 
@@ -35,34 +46,47 @@ class SnapshotStream:
     """The state of one ICANHAZ? reply in flight."""
 
     __slots__ = (
+        "_carry",
         "_current",
+        "_current_entries",
         "_done",
         "_ended",
         "_index",
         "_keys",
         "_lookup",
+        "_lookup_many",
         "_prefix",
         "_total",
+        "batch",
+        "batches_sent",
         "identity",
         "sent",
         "sequence",
         "subtree",
     )
 
-    def __init__(self, identity: bytes, subtree: str, store: Store) -> None:
+    def __init__(self, identity: bytes, subtree: str, store: Store, *, batch: bool = False) -> None:
         self.identity = identity
+        #: Whether entries go out as KVBATCH messages rather than KVSYNCs.
+        self.batch = batch
         self.subtree = subtree
         self.sequence = store.sequence
         self._prefix = subtree.encode("utf-8")
         self._lookup = store.entry
+        self._lookup_many = store.entries
         self._keys = store.raw_keys()
         self._total = len(self._keys)
         self._index = 0
         self._current: Sequence[bytes] | None = None
+        self._current_entries = 0  # entries in _current
+        self._carry: list[bytes] = []  # batch mode: keys picked but not yet sent
         self._ended = False  # KTHXBAI has been produced
         self._done = False  # KTHXBAI has been sent
-        #: KVSYNCs sent so far (KTHXBAI not counted).
+        #: Entries sent so far, one per KVSYNC or per key in a KVBATCH (KTHXBAI
+        #: not counted).
         self.sent = 0
+        #: KVBATCH messages sent so far (batch mode).
+        self.batches_sent = 0
 
     @property
     def done(self) -> bool:
@@ -75,16 +99,19 @@ class SnapshotStream:
         return self._total
 
     def peek(self) -> Sequence[bytes] | None:
-        """The next message's frames (identity first, six in all), or None.
+        """The next message's frames (identity first), or None.
 
-        None means either the stream is done, or ``SCAN_BUDGET`` keys outside
-        the subtree were skipped and the caller should yield before asking
-        again (check :attr:`done`).
+        Six frames for a KVSYNC or KTHXBAI, eleven for a KVBATCH.  None means
+        either the stream is done, or ``SCAN_BUDGET`` keys were skipped (outside
+        the subtree, or deleted since) and the caller should yield before
+        asking again (check :attr:`done`).
         """
         if self._current is not None:
             return self._current
         if self._done:
             return None
+        if self.batch:
+            return self._peek_batch()
         keys = self._keys
         lookup = self._lookup
         prefix = self._prefix
@@ -105,11 +132,61 @@ class SnapshotStream:
                 continue
             self._index = index
             self._current = (self.identity, key, *entry)
+            self._current_entries = 1
             return self._current
         self._index = index
+        return self._end()
+
+    def _end(self) -> Sequence[bytes]:
         self._keys = []  # free the copy as soon as it is no longer needed
         self._ended = True
+        self._current_entries = 0
         self._current = [self.identity, *encode_kthxbai(self.sequence, self.subtree)]
+        return self._current
+
+    def _peek_batch(self) -> Sequence[bytes] | None:
+        keys = self._keys
+        prefix = self._prefix
+        index = self._index
+        end = len(keys)
+        picked, self._carry = self._carry, []
+        scanned = 0
+        while len(picked) < MAX_BATCH_ENTRIES and index < end and scanned < SCAN_BUDGET:
+            # Whole windows, so a subtree that matches one key in two does not
+            # make a long run of ever smaller windows; the excess is carried.
+            window = keys[index : index + MAX_BATCH_ENTRIES]
+            index += len(window)
+            scanned += len(window)
+            if prefix:
+                window = list(compress(window, map(bytes.startswith, window, repeat(prefix))))
+            picked += window
+        self._index = index
+        if len(picked) > MAX_BATCH_ENTRIES:
+            self._carry = picked[MAX_BATCH_ENTRIES:]
+            del picked[MAX_BATCH_ENTRIES:]
+        if not picked:
+            return None if index < end else self._end()
+        found = self._lookup_many(picked)
+        if None in found:  # deleted since the snapshot started
+            kept = [(k, e) for k, e in zip(picked, found, strict=True) if e is not None]
+            if not kept:
+                if self._carry or index < end:
+                    return None
+                return self._end()
+            picked = [k for k, _ in kept]
+            entries = [e for _, e in kept]
+        else:
+            entries = cast(list[Entry], found)
+        frames = encode_kvbatch(picked, entries)
+        n = len(picked)
+        if len(frames[2]) + len(frames[7]) + len(frames[9]) >= BATCH_TARGET_BYTES:
+            # Over the byte target (large values; rare): fewer entries.
+            n = batch_size(picked, entries)
+            if n < len(picked):
+                self._carry[:0] = picked[n:]
+                frames = encode_kvbatch(picked[:n], entries[:n])
+        self._current = [self.identity, *frames]
+        self._current_entries = n
         return self._current
 
     def advance(self) -> None:
@@ -120,4 +197,6 @@ class SnapshotStream:
         if self._ended:
             self._done = True
         else:
-            self.sent += 1
+            self.sent += self._current_entries
+            if self.batch:
+                self.batches_sent += 1

@@ -95,6 +95,10 @@ class Store:
         """The stored frames for a raw key frame: what a snapshot sends."""
         return self._map.get(raw_key)
 
+    def entries(self, raw_keys: Sequence[bytes]) -> list[Entry | None]:
+        """:meth:`entry` for many keys at once, in C (a batched snapshot's lookup)."""
+        return list(map(self._map.get, raw_keys))
+
     def keys(self) -> list[str]:
         """The keys as text, in insertion order (for tests and tools)."""
         return [key.decode("utf-8") for key in self._map]

@@ -5,7 +5,9 @@ with a sequence (deduplicating by uuid), sends HUGZ, and can be told to go
 silent, to stop answering snapshots, to ignore the next N snapshot requests (a
 passive server refusing votes), to drop some publications (to make holes), or to
 send arbitrary frames (garbage).  ``stop()`` closes its sockets, which is what a
-killed process looks like to its clients.  It does no TTL and no Binary Star.
+killed process looks like to its clients.  It does no TTL and no Binary Star,
+and like the Guide's servers it answers with KVSYNCs even when the requester
+asks for our KVBATCH extension (it only counts those requests).
 """
 
 from __future__ import annotations
@@ -45,6 +47,9 @@ class FakeServer:
         self.ignore_kvsets = False  # receive client updates but never apply them
         self.drop_next_publications = 0  # publish with a sequence hole
         self.snapshot_requests = 0
+        self.batch_requests = 0  # requests whose connection carried X-CHP-Batch
+        # Raw messages sent at the start of every snapshot reply (garbage tests).
+        self.snapshot_prefix: list[list[bytes]] = []
         self.kvsets = 0
         self._seen: set[bytes] = set()
         self._calls: list[Callable[[], None]] = []
@@ -127,11 +132,10 @@ class FakeServer:
         try:
             while not self._stop.is_set():
                 for sock, _ in poller.poll(10):
-                    frames = sock.recv_multipart()
                     if sock is snap:
-                        self._snapshot(snap, frames)
+                        self._snapshot(snap, snap.recv_multipart(copy=False))
                     elif not self.silent:
-                        self._collect(frames)
+                        self._collect(sock.recv_multipart())
                 with self._lock:
                     calls, self._calls = self._calls, []
                 for fn in calls:
@@ -144,9 +148,14 @@ class FakeServer:
         finally:
             ctx.destroy(linger=0)
 
-    def _snapshot(self, snap: zmq.Socket[bytes], frames: list[bytes]) -> None:
-        ident, rest = frames[0], frames[1:]
+    def _snapshot(self, snap: zmq.Socket[bytes], parts: list[zmq.Frame]) -> None:
+        ident, rest = parts[0].bytes, [p.bytes for p in parts[1:]]
         self.snapshot_requests += 1
+        try:
+            if len(parts) > 1 and parts[1].get("X-CHP-Batch") == "1":
+                self.batch_requests += 1
+        except zmq.ZMQError:  # no such property: a requester that did not ask
+            pass
         if self.silent or not self.answer_snapshots:
             return
         if self.ignore_next_snapshots > 0:
@@ -157,6 +166,8 @@ class FakeServer:
         except ProtocolError:
             return
         self._requesters.append(ident)
+        for frames in self.snapshot_prefix:
+            snap.send_multipart([ident, *frames])
         for key in sorted(self.map):
             if key.startswith(req.subtree):
                 snap.send_multipart([ident, *encode_kv(self.map[key])])

@@ -27,6 +27,7 @@ from clone.agent_fsm import (
     StateChanged,
     normalize_subtrees,
 )
+from clone.batch import encode_kvbatch
 from clone.codec import (
     Hugz,
     KVMsg,
@@ -37,6 +38,7 @@ from clone.codec import (
     new_uuid,
 )
 from clone.errors import ProtocolError
+from clone.store import entry_of
 
 CFG = AgentConfig(heartbeat=1.0, server_timeout=2.5, resend_interval=0.5)
 
@@ -744,3 +746,111 @@ def test_batch_accepts_exactly_what_the_codec_accepts(batch: list[list[bytes]]) 
         assert fast.counters.protocol_errors == slow.counters.protocol_errors
     assert fast.state is slow.state
     assert fast.items() == slow.items()
+
+
+# --------------------------------------------------------------------------
+# KVBATCH (our extension): many entries per message, accepted or dropped whole
+
+
+def kvbatch(msgs: list[KVMsg]) -> list[bytes]:
+    return encode_kvbatch([m.key.encode() for m in msgs], [entry_of(m) for m in msgs])
+
+
+def kvbatches(srv: FakeServer, subtree: str = "", size: int = 3) -> list[list[bytes]]:
+    """The snapshot as our server sends it to a client that asked for batches."""
+    *entries, end = srv.snapshot(subtree)
+    msgs = [m for m in entries if isinstance(m, KVMsg)]
+    out = [kvbatch(msgs[i : i + size]) for i in range(0, len(msgs), size)]
+    return [*out, raw(end)]
+
+
+@pytest.mark.parametrize(("per_batch", "per_event"), [(1, 1), (3, 2), (1000, 1000)])
+def test_kvbatch_snapshot_equals_the_decoded_one(per_batch: int, per_event: int) -> None:
+    srv = FakeServer(0)
+    for i in range(7):
+        srv.apply(f"/a/{i}", b"v%d" % i, new_uuid())
+    srv.apply("/a/é", b"\x00")
+    srv.apply("/a/3", b"")  # deleted before the snapshot
+    ttl = KVMsg("/a/ttl", 99, new_uuid(), (("ttl", "5"), ("expires", "1.5")), b"t")
+    srv.map["/a/ttl"] = ttl
+    one, many = AgentFSM("/a/", CFG), AgentFSM("/a/", CFG)
+    for fsm in (one, many):
+        fsm.connect("tcp://a:1", 0.0)
+    feed_snapshot(one, srv, 0.1, "/a/")
+    frames = kvbatches(srv, "/a/", per_batch)
+    actions = []
+    for i in range(0, len(frames), per_event):
+        actions += many.snapshot_batch(0, frames[i : i + per_event], 0.1)
+    assert StateChanged(State.ACTIVE, 0) in actions
+    assert many.items() == one.items() and len(many) == 8
+    assert many.get("/a/ttl") == ttl
+    assert many.rows("/a/1") == [("/a/1", (2, srv.map["/a/1"].uuid, (), b"v1"))]
+    assert many.counters.protocol_errors == 0
+
+
+def test_kvbatch_entries_that_are_deletes_or_outside_the_subtrees_are_skipped() -> None:
+    fsm = AgentFSM(["/a/", "/b/"], CFG)
+    fsm.connect("tcp://a:1", 0.0)
+    batch = kvbatch(
+        [
+            KVMsg("/a/1", 1, b"", (), b"v"),
+            KVMsg("/a/gone", 2, b"", (), b""),  # an empty body is a delete
+            KVMsg("/c/1", 3, b"", (), b"v"),  # not ours
+            KVMsg("/b/1", 4, b"", (), b"w"),
+        ]
+    )
+    fsm.snapshot_batch(0, [batch, encode_kthxbai(4, "/a/"), encode_kthxbai(4, "/b/")], 0.1)
+    assert fsm.state is State.ACTIVE
+    assert [(m.key, m.body) for m in fsm.items()] == [("/a/1", b"v"), ("/b/1", b"w")]
+
+
+def test_kvbatch_and_kvsyncs_mix_in_one_event() -> None:
+    fsm = AgentFSM(None, CFG)
+    fsm.connect("tcp://a:1", 0.0)
+    fsm.snapshot_batch(
+        0,
+        [
+            encode_kv(KVMsg("a", 1, b"", (), b"1")),
+            kvbatch([KVMsg("b", 2, b"", (), b"2"), KVMsg("c", 3, b"", (), b"3")]),
+            encode_kv(KVMsg("d", 4, b"", (), b"4")),
+            encode_kthxbai(4),
+        ],
+        0.1,
+    )
+    assert [m.key for m in fsm.items()] == ["a", "b", "c", "d"]
+
+
+def test_a_malformed_kvbatch_is_dropped_whole_and_counted() -> None:
+    fsm = AgentFSM(None, CFG)
+    fsm.connect("tcp://a:1", 0.0)
+    good = kvbatch([KVMsg("a", 1, b"", (), b"1"), KVMsg("b", 2, b"", (), b"2")])
+    bad_key = kvbatch([KVMsg("c", 3, b"", (), b"3"), KVMsg("d", 4, b"", (), b"4")])
+    bad_key[2] = b"c\xff"  # entry 1's key is not UTF-8; entry 0 is fine but goes too
+    short = [*good[:9], good[9][:-1]]  # bodies shorter than their lengths say
+    actions = fsm.snapshot_batch(0, [bad_key, short, good, encode_kthxbai(2)], 0.1)
+    dropped = [a for a in actions if isinstance(a, Malformed)]
+    assert [(a.what, a.server) for a in dropped] == [("snapshot batch", 0)] * 2
+    assert "entry 1: key is not UTF-8" in dropped[0].error
+    assert "body lengths add up to 2 bytes but the frame has 1" in dropped[1].error
+    assert fsm.counters.protocol_errors == 2
+    assert fsm.state is State.ACTIVE
+    assert [m.key for m in fsm.items()] == ["a", "b"]
+
+
+def test_a_malformed_kvbatch_alone_is_not_an_answer() -> None:
+    fsm = AgentFSM(None, CFG)
+    fsm.connect("tcp://a:1", 0.0)
+    fsm.snapshot_batch(0, [[b"KVBATCH", *[b""] * 9]], 0.1)
+    assert fsm.counters.protocol_errors == 1
+    assert [a for a in fsm.tick(0.3) if isinstance(a, RequestSnapshot)]
+
+
+def test_late_kvbatches_are_checked_but_not_stored() -> None:
+    fsm, _ = synced()
+    late = kvbatch([KVMsg("late", 5, b"", (), b"v")])
+    bad = [*late[:3], b"\x00" * 7, *late[4:]]  # sequences of the wrong size
+    fsm.snapshot_batch(0, [late, bad], 1.0)
+    assert fsm.get("late") is None
+    assert fsm.counters.protocol_errors == 1
+    assert fsm.snapshot_batch(1, [late], 1.0) == []  # another server's: foreign
+    assert fsm.counters.foreign == 1

@@ -161,6 +161,8 @@ def test_snapshot_and_memory_sections_through_the_cli(
     assert snap["keys"] == 1000
     assert snap["serve_complete"] is True
     assert all(s["entries"] == 1000 for s in snap["serve_all"])
+    assert all(s["entries"] == 1000 for s in snap["serve_batched_all"])
+    assert snap["serve_batched_s"] is not None
     assert snap["client_sync"]["available"] is True
     assert snap["client_sync"]["keys"] == 1000
     assert snap["hugz_max_gap_s"] is not None and snap["hugz_max_gap_s"] > 0

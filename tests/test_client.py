@@ -15,6 +15,7 @@ import pytest
 import clone
 import clone.client as client_mod
 from clone import Clone, Entry
+from clone.batch import encode_kvbatch
 from clone.codec import KVMsg, encode_hugz, encode_kthxbai, encode_kv, new_uuid
 from clone.errors import CloneError, ClosedError, ConfirmTimeout, NotSynced
 from tests.fake_server import FakeServer
@@ -512,3 +513,31 @@ def test_large_map_reads_in_one_command(server: FakeServer) -> None:
         assert entries[1000] == Entry("/big/001000", b"v1000", 1001, (("expires", "9.5"),))
         assert c.entry("/big/001000") == entries[1000]
         assert c.items("/nothing/") == []
+
+
+def test_client_asks_for_batches_and_takes_kvsyncs_from_a_guide_style_server(
+    server: FakeServer,
+) -> None:
+    """The request carries our KVBATCH metadata; a server that ignores it (as the
+    fake one and the Guide's do) answers with KVSYNCs, which sync as ever."""
+    for i in range(20):
+        server.publish(f"/k/{i:02d}", b"v%d" % i)
+    with make_client(server) as c:
+        c.wait_synced(5)
+        assert server.batch_requests >= 1
+        assert server.batch_requests == server.snapshot_requests
+        assert c.items()[3] == ("/k/03", b"v3") and len(c.items()) == 20
+
+
+def test_a_malformed_kvbatch_in_the_snapshot_is_dropped_and_counted(server: FakeServer) -> None:
+    server.publish("a", b"1")
+    good = encode_kvbatch([b"x", b"y"], [(bytes(8), b"", b"", b"1"), (bytes(8), b"", b"", b"2")])
+    bad = list(good)
+    bad[2] = b"x\xff"  # entry 1's key is not UTF-8
+    server.snapshot_prefix = [bad, [b"KVBATCH", *[b"\x00"] * 9]]
+    with make_client(server) as c:
+        c.wait_synced(5)
+        assert c.items() == [("a", b"1")]  # nothing of the bad batches
+        eventually(lambda: c.status().protocol_errors == 2, what="both batches counted")
+        c.set("b", b"2", wait=True, timeout=5)  # the agent carries on
+        assert c.get("b") == b"2" and c.status().state == "active"

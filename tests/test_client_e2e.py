@@ -335,3 +335,46 @@ def test_large_snapshot_is_synced_and_listed(servers: Servers) -> None:  # noqa:
     finally:
         pub.close(linger=0)
         ctx.term()
+
+
+def test_batched_sync_of_a_large_map_with_properties(servers: Servers) -> None:  # noqa: F811
+    """Our client asks our server for KVBATCHes: tens of thousands of keys with
+    ttl, properties and multi-byte keys arrive exactly as a watching client
+    applied them from the live KVPUBs."""
+    n = 30_000
+    solo = servers.standalone()
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    try:
+        pub.setsockopt(zmq.SNDHWM, 0)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.connect(f"tcp://127.0.0.1:{solo.port + 2}")
+        with client(solo) as watcher:  # synced, so the PUB has a collector by now
+            time.sleep(0.2)
+            for i in range(n):
+                if i % 100 == 0:
+                    props: tuple[tuple[str, str], ...] = (("ttl", "3600"), ("owner", f"w{i}"))
+                elif i % 7 == 0:
+                    props = (("kind", "séven"),)
+                else:
+                    props = ()
+                key = f"/big/é{i:06d}"
+                body = b"v%d" % i * (1 + i % 5)
+                uuid = (i + 1).to_bytes(16, "big")
+                pub.send_multipart(encode_kv(KVMsg(key, 0, uuid, props, body)))
+            eventually(lambda: watcher.status().keys == n, timeout=60, what="every key applied")
+            expected = watcher.entries()
+            mark = solo.log_size()
+            with client(solo) as c:
+                got = c.entries()
+                assert c.status().protocol_errors == 0
+        solo.wait_log(", batched", after=mark)
+        assert len(got) == n and got == expected
+        ttl = got[100]
+        assert ttl.key == "/big/é000100" and ttl.prop("ttl") == "3600"
+        assert ttl.prop("owner") == "w100" and ttl.prop("expires") is not None
+        assert got[7].properties == (("kind", "séven"),)
+        assert got[3].value == b"v3" * 4 and got[3].sequence > 0
+    finally:
+        pub.close(linger=0)
+        ctx.term()

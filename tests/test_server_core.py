@@ -44,8 +44,8 @@ def _decode(frames: list[bytes]) -> KVMsg:
     return msg
 
 
-def _snapshot_of(core: ServerCore) -> list[list[bytes]]:
-    stream = core.open_snapshot(b"peer", "")
+def _snapshot_of(core: ServerCore, *, batch: bool = False) -> list[list[bytes]]:
+    stream = core.open_snapshot(b"peer", "", batch=batch)
     out = []
     while not stream.done:
         frames = stream.peek()
@@ -64,9 +64,9 @@ class Pair:
         self.passive.become_passive()
         self.passive.start_sync()
 
-    def sync(self) -> FollowOutcome:
+    def sync(self, *, batch: bool = False) -> FollowOutcome:
         outcome = FollowOutcome.OK
-        for frames in _snapshot_of(self.active):
+        for frames in _snapshot_of(self.active, batch=batch):
             outcome = self.passive.on_snapshot_reply(frames)
         return outcome
 
@@ -184,6 +184,46 @@ def test_passive_syncs_then_follows() -> None:
     assert pair.passive.store.sequence == pair.active.store.sequence == 3
     assert pair.passive.store.deadline("b") == 15.0
     assert len(pair.passive.pending) == 0
+
+
+def test_passive_syncs_from_kvbatches_into_the_same_state() -> None:
+    """Our own peer asks for batches: the staged entries are the KVSYNC frames
+    they stand for, expiry deadlines and pending confirmations included."""
+    plain, batched = Pair(), Pair()
+    for pair in (plain, batched):
+        for i in range(5000):
+            props = "ttl=5\n" if i % 100 == 0 else ""
+            frames = _kvset(f"/k/{i}", b"v%d" % i, n=i + 1, props=props)
+            pair.client_set(frames, now=10.0, to_passive=False)
+        pair.client_set(_kvset("/k/7", b"", n=9999), now=10.0, to_passive=False)  # a delete
+        late = _kvset("late", n=10_000)  # parked on the passive, its KVPUB lost ...
+        pair.active.on_kvset(late, 10.0)
+        pair.passive.on_kvset(late, 10.0)
+    assert len(batched.passive.pending) == 1
+    assert plain.sync() is FollowOutcome.SYNCED
+    assert batched.sync(batch=True) is FollowOutcome.SYNCED
+    assert len(_snapshot_of(batched.active, batch=True)) == 3  # two batches and KTHXBAI
+    got, want = batched.passive.store, plain.passive.store
+    assert got.keys() == want.keys() and len(got) == 5000  # 4999 and "late"
+    assert all(got.entry(k.encode()) == want.entry(k.encode()) for k in want.keys())
+    assert got.deadline("/k/100") == want.deadline("/k/100") == 15.0
+    assert got.sequence == want.sequence == 5002
+    assert len(batched.passive.pending) == 0  # ... and confirmed by the batch
+    assert batched.passive.counters["snapshot_entries_received"] == 5000
+
+
+def test_a_malformed_batch_from_the_peer_raises_and_counts() -> None:
+    pair = Pair()
+    pair.client_set(_kvset("a", n=1), to_passive=False)
+    snapshot = _snapshot_of(pair.active, batch=True)
+    bad = list(snapshot[0])
+    bad[3] = b"\x00" * 7  # sequences of the wrong size
+    with pytest.raises(ProtocolError, match="needs 8 bytes of sequences"):
+        pair.passive.on_snapshot_reply(bad)
+    assert pair.passive.counters["peer_invalid"] == 1
+    assert pair.passive.on_snapshot_reply(snapshot[0]) is FollowOutcome.OK
+    assert pair.passive.on_snapshot_reply(snapshot[1]) is FollowOutcome.SYNCED
+    assert pair.passive.store.keys() == ["a"]
 
 
 def test_updates_published_during_the_sync_are_buffered_and_replayed() -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from clone.batch import KVBatch, decode_kvbatch
 from clone.codec import KVMsg, decode_snapshot_reply
 from clone.codec import SnapshotEnd as End
+from clone.protocol import BATCH_TARGET_BYTES, MAX_BATCH_ENTRIES
 from clone.snapshot import SCAN_BUDGET, SnapshotStream
 from clone.store import Store
 
@@ -76,3 +78,102 @@ def test_a_sparse_subtree_yields_after_the_scan_budget() -> None:
 
 def test_empty_store_is_just_kthxbai() -> None:
     assert _drain(SnapshotStream(b"id", "/a/", Store())) == [End(0, "/a/")]
+
+
+# --------------------------------------------------------------------------
+# Batch mode (our KVBATCH extension): the same entries, many per message
+
+
+def _drain_batches(stream: SnapshotStream) -> tuple[list[KVBatch], End]:
+    batches: list[KVBatch] = []
+    while True:
+        frames = stream.peek()
+        if frames is None:
+            assert not stream.done
+            continue
+        assert frames[0] == stream.identity
+        stream.advance()
+        if stream.done:
+            end = decode_snapshot_reply(frames[1:])
+            assert isinstance(end, End)
+            return batches, end
+        batches.append(decode_kvbatch(frames[1:]))
+
+
+def _entries(batches: list[KVBatch]) -> list[KVMsg]:
+    return [msg for batch in batches for msg in batch.messages()]
+
+
+def test_batches_carry_what_the_standard_stream_carries_in_the_same_order() -> None:
+    keys = [f"/k/{i:05d}" for i in range(10_000)]
+    store = _store(keys)
+    standard = _drain(SnapshotStream(b"id", "", store))
+    stream = SnapshotStream(b"id", "", store, batch=True)
+    batches, end = _drain_batches(stream)
+    assert [len(b) for b in batches] == [MAX_BATCH_ENTRIES, MAX_BATCH_ENTRIES, 10_000 - 8192]
+    assert [*_entries(batches), end] == standard
+    assert stream.sent == 10_000 and stream.batches_sent == 3
+
+
+def test_batch_subtree_and_fuzzy_changes() -> None:
+    store = _store(["/a/1", "/b/2", "/a/3", "/ab/4", "/a/5"])
+    stream = SnapshotStream(b"id", "/a/", store, batch=True)
+    store.apply(KVMsg("/a/3", 0, b"", (), b""), now=0.0)  # deleted: skipped
+    store.apply(KVMsg("/a/5", 0, b"", (), b"new"), now=0.0)  # newer: current value
+    store.apply(KVMsg("/a/6", 0, b"", (), b"x"), now=0.0)  # added later: not in it
+    batches, end = _drain_batches(stream)
+    assert [(m.key, m.body) for m in _entries(batches)] == [("/a/1", b"/a/1"), ("/a/5", b"new")]
+    assert end == End(5, "/a/")
+
+
+def test_batch_peek_repeats_until_advance() -> None:
+    stream = SnapshotStream(b"id", "", _store(["a", "b"]), batch=True)
+    first = stream.peek()
+    assert first is not None and stream.peek() is first
+    stream.advance()
+    assert stream.sent == 2
+    last = stream.peek()
+    assert last is not None and last[1] == b"KTHXBAI"
+    stream.advance()
+    assert stream.done and stream.peek() is None
+
+
+def test_batches_stop_at_the_byte_target_and_lose_nothing() -> None:
+    store = Store()
+    value = b"v" * (BATCH_TARGET_BYTES // 5)
+    keys = [f"/big/{i:02d}" for i in range(23)]
+    for key in keys:
+        store.apply(KVMsg(key, 0, b"", (), value), now=0.0)
+    batches, _ = _drain_batches(SnapshotStream(b"id", "", store, batch=True))
+    assert [m.key for m in _entries(batches)] == keys
+    for batch in batches:
+        payload = sum(map(len, batch.raw_keys)) + sum(map(len, batch.bodies))
+        last = len(batch.raw_keys[-1]) + len(batch.bodies[-1])
+        assert payload - last < BATCH_TARGET_BYTES  # the target was not reached before the last
+    assert len(batches) == 5  # five values of a fifth reach it; the last batch has three
+
+
+def test_a_sparse_subtree_in_batch_mode_yields_after_the_scan_budget() -> None:
+    # A peek scans whole windows of MAX_BATCH_ENTRIES keys until SCAN_BUDGET.
+    per_peek = -(-SCAN_BUDGET // MAX_BATCH_ENTRIES) * MAX_BATCH_ENTRIES
+    keys = [f"/x/{i}" for i in range(2 * per_peek)] + ["/a/1"]
+    stream = SnapshotStream(b"id", "/a/", _store(keys), batch=True)
+    assert stream.peek() is None and not stream.done  # gave the reactor back
+    assert stream.peek() is None and not stream.done
+    batches, end = _drain_batches(stream)
+    assert [m.key for m in _entries(batches)] == ["/a/1"]
+    assert end.subtree == "/a/"
+
+
+def test_keys_all_deleted_since_the_start_give_just_kthxbai() -> None:
+    store = _store(["a", "b", "c"])
+    stream = SnapshotStream(b"id", "", store, batch=True)
+    for key in ("a", "b", "c"):
+        store.apply(KVMsg(key, 0, b"", (), b""), now=0.0)
+    batches, end = _drain_batches(stream)
+    assert batches == [] and end == End(3, "")
+    assert stream.sent == 0
+
+
+def test_empty_store_in_batch_mode_is_just_kthxbai() -> None:
+    assert _drain_batches(SnapshotStream(b"id", "", Store(), batch=True)) == ([], End(0, ""))

@@ -110,12 +110,13 @@ def _bench_tables(results: dict[str, Any], markdown: bool) -> list[tuple[str, st
         rows = []
         for r in s["snapshot"]["runs"]:
             if "error" in r:
-                rows.append([r["keys"], None, None, False, r["error"][:40], None, None, None,
-                             None])
+                rows.append([r["keys"], None, None, None, False, r["error"][:40], None, None,
+                             None, None])
                 continue
             sync = r["client_sync"]
             rows.append([
-                r["keys"], r["load_rate"], r["serve_s"], r["serve_complete"],
+                r["keys"], r["load_rate"], r["serve_s"], r.get("serve_batched_s"),
+                r["serve_complete"],
                 (sync.get("seconds") or sync.get("error", "?")[:40])
                 if sync.get("available") else "n/a",
                 r["hugz_max_gap_s"], r["heartbeat_s"], not r["hugz_missed"], r["bytes_per_key"],
@@ -123,8 +124,8 @@ def _bench_tables(results: dict[str, Any], markdown: bool) -> list[tuple[str, st
         out.append((
             "Snapshots",
             table(
-                ["keys", "load keys/s", "serve s", "complete", "client sync s", "max HUGZ gap s",
-                 "heartbeat s", "no HUGZ missed", "RSS B/key"],
+                ["keys", "load keys/s", "serve s", "batched serve s", "complete", "client sync s",
+                 "max HUGZ gap s", "heartbeat s", "no HUGZ missed", "RSS B/key"],
                 rows,
                 markdown=markdown,
             ),
