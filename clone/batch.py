@@ -14,7 +14,7 @@ up to exactly its size.  ``seqs`` is the 8-byte big-endian sequences joined.
 Entry *i* is the KVSYNC ``[key_i, seq_i, uuid_i, props_i, body_i]``, with every
 rule of a KVSYNC (``docs/protocol.md``).
 
-Both ends work a column at a time so the per-entry work runs in C: ``zip`` to
+Both ends work a column at a time so the per-entry work runs in C: ``itemgetter`` to
 transpose, ``array`` for the lengths, ``bytes.join`` to encode; ``accumulate``
 for offsets, ``map`` over slices to split, ``min``/``max`` over the lengths and a
 set test for the reserved keys to validate.  The decoder is strict and total
