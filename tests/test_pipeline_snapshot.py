@@ -8,8 +8,11 @@ import time
 import pytest
 
 from clone import Clone
+from clone.batch import KVBatch
+from clone.pipeline import snapshot as snapshot_module
 from clone.pipeline.errors import InputError, ServersUnreachable
 from clone.pipeline.snapshot import find_active, parse_servers, take_snapshot
+from tests.fake_server import FakeServer
 from tests.ports import free_base_port
 from tests.servers import ServerProcess, Servers, servers  # noqa: F401
 
@@ -86,3 +89,51 @@ def test_snapshot_is_exact_while_writes_go_on(servers: Servers) -> None:  # noqa
         final = take_snapshot(eps, timeout=5)
         held = {e.key: (e.value, e.sequence) for e in c.entries()}
     assert {k: (m.body, m.sequence) for k, m in final.entries.items()} == held
+
+
+def test_snapshot_from_a_server_that_sends_plain_kvsyncs() -> None:
+    """The export asks for KVBATCHes; a Guide-style server ignores the metadata
+    and streams KVSYNCs, which the export takes the same way."""
+    with FakeServer() as fake:
+        for i in range(50):
+            fake.publish(f"/g/{i:03d}", f"v{i}".encode())
+        fake.publish("/other/x", b"y")
+        time.sleep(0.3)  # the fake applies publications on its own thread
+        snap = take_snapshot([fake.endpoint], "/g/", timeout=5)
+        assert fake.batch_requests >= 1
+    assert sorted(snap.entries) == [f"/g/{i:03d}" for i in range(50)]
+    assert snap.entries["/g/007"].body == b"v7"
+    assert snap.sequence >= snap.snapshot_sequence == 51
+
+
+def test_a_large_snapshot_arrives_in_kvbatches_whole(
+    servers: Servers,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """20,000 keys, with properties: several KVBATCHes from a real server, and the
+    result equals what a client holds, sequences and properties included."""
+    batches: list[int] = []
+    real_decode = snapshot_module.decode_kvbatch
+
+    def counting_decode(frames: list[bytes]) -> KVBatch:
+        batch = real_decode(frames)
+        batches.append(len(batch))
+        return batch
+
+    monkeypatch.setattr(snapshot_module, "decode_kvbatch", counting_decode)
+    server = servers.standalone()
+    eps = [endpoint(server)]
+    with Clone(eps, heartbeat=HB) as c:
+        c.wait_synced(10)
+        futures = [
+            c.set_async(f"/big/{i:05d}", f"value {i}", ttl=3600 if i % 7 == 0 else 0)
+            for i in range(20_000)
+        ]
+        for f in futures:
+            f.result(30)
+        snap = take_snapshot(eps, "/big/", timeout=10)
+        held = {e.key: (e.value, e.sequence, e.properties) for e in c.entries()}
+    assert len(snap.entries) == 20_000
+    assert {k: (m.body, m.sequence, m.properties) for k, m in snap.entries.items()} == held
+    assert dict(snap.entries["/big/00007"].properties)["ttl"] == "3600"
+    assert sum(batches) == 20_000 and len(batches) >= 5, batches

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from clone.batch import decode_kvbatch, is_kvbatch
 from clone.codec import (
     Hugz,
     KVMsg,
@@ -42,13 +43,17 @@ from clone.codec import (
 )
 from clone.errors import ProtocolError
 from clone.pipeline.errors import InputError, ServersUnreachable
-from clone.protocol import HUGZ, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
+from clone.protocol import BATCH_METADATA, HUGZ, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
 
 __all__ = ["Snapshot", "parse_servers", "endpoint_at", "find_active", "take_snapshot"]
 
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+
+# Messages read from one socket per poll: a snapshot arrives far faster than
+# one poll per message could take it.
+_DRAIN = 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +171,12 @@ def _snapshot_from(
     sub = subs.sockets[index]
     dealer = ctx.socket(zmq.DEALER)
     dealer.linger = 0
+    try:
+        # Our servers then pack the snapshot into KVBATCHes (protocol.md); the
+        # Guide's ignore the property and send KVSYNCs, which we take as well.
+        dealer.setsockopt(zmq.METADATA, BATCH_METADATA)
+    except zmq.ZMQError:  # a libzmq older than 4.3
+        log.debug("this libzmq cannot send ZMTP metadata; asking without KVBATCH")
     dealer.connect(endpoint_at(server, SNAPSHOT_OFFSET))
     poller = zmq.Poller()
     poller.register(dealer, zmq.POLLIN)
@@ -188,18 +199,26 @@ def _snapshot_from(
                 raise TimeoutError(f"{server} sent no more of {what} for {timeout:g}s")
             for sock, _ in poller.poll(timeout=max(1, int(left * 1000))):
                 quiet_since = clock()
-                frames = sock.recv_multipart()
-                if sock is sub:
-                    update = decode_update(frames)
-                    stream.append(update)
-                    continue
-                reply = decode_snapshot_reply(frames)
-                if isinstance(reply, SnapshotEnd):
-                    end = reply
-                    highest = max(highest, reply.sequence)
-                else:
-                    entries[reply.key] = reply
-                    highest = max(highest, reply.sequence)
+                for _ in range(_DRAIN):
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    if sock is sub:
+                        stream.append(decode_update(frames))
+                        continue
+                    if is_kvbatch(frames):
+                        batch = decode_kvbatch(frames)
+                        entries.update(zip(batch.keys, batch.messages(), strict=True))
+                        highest = max(highest, max(batch.sequences))
+                        continue
+                    reply = decode_snapshot_reply(frames)
+                    if isinstance(reply, SnapshotEnd):
+                        end = reply
+                        highest = max(highest, reply.sequence)
+                    else:
+                        entries[reply.key] = reply
+                        highest = max(highest, reply.sequence)
     finally:
         dealer.close(linger=0)
 
