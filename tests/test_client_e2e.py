@@ -275,18 +275,29 @@ def test_the_client_learns_the_servers_heartbeat_unless_told_a_timeout(
         assert c.status().counters["silence_timeout_ms"] == 700
 
 
+@contextmanager
+def _raw_collector(server: ServerProcess) -> Iterator[zmq.Socket[bytes]]:
+    """A raw PUB on ``server``'s collector, with no high-water mark, for loading
+    many keys fast; closed (with its own context) afterwards."""
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    try:
+        pub.setsockopt(zmq.SNDHWM, 0)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.connect(f"tcp://127.0.0.1:{server.port + 2}")
+        yield pub
+    finally:
+        pub.close(linger=0)
+        ctx.term()
+
+
 def test_large_snapshot_is_synced_and_listed(servers: Servers) -> None:  # noqa: F811
     """200k keys: the client syncs them and lists them within the default
     command timeout (5 s), which a reply of five frames per entry did not meet
     at 1M keys."""
     n = 200_000
     solo = servers.standalone()
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    try:
-        pub.setsockopt(zmq.SNDHWM, 0)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.connect(f"tcp://127.0.0.1:{solo.port + 2}")
+    with _raw_collector(solo) as pub:
         with client(solo) as c:  # synced, so the PUB has a collector by now
             time.sleep(0.2)
             body = b"x" * 100
@@ -303,9 +314,6 @@ def test_large_snapshot_is_synced_and_listed(servers: Servers) -> None:  # noqa:
             assert entries[5].key == "/big/0000005" and entries[5].sequence > 0
             assert c.status().protocol_errors == 0
         assert synced < 30, synced
-    finally:
-        pub.close(linger=0)
-        ctx.term()
 
 
 def test_batched_sync_of_a_large_map_with_properties(servers: Servers) -> None:  # noqa: F811
@@ -314,12 +322,7 @@ def test_batched_sync_of_a_large_map_with_properties(servers: Servers) -> None: 
     applied them from the live KVPUBs."""
     n = 30_000
     solo = servers.standalone()
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    try:
-        pub.setsockopt(zmq.SNDHWM, 0)
-        pub.setsockopt(zmq.LINGER, 0)
-        pub.connect(f"tcp://127.0.0.1:{solo.port + 2}")
+    with _raw_collector(solo) as pub:
         with client(solo) as watcher:  # synced, so the PUB has a collector by now
             time.sleep(0.2)
             for i in range(n):
@@ -346,6 +349,3 @@ def test_batched_sync_of_a_large_map_with_properties(servers: Servers) -> None: 
         assert ttl.prop("owner") == "w100" and ttl.prop("expires") is not None
         assert got[7].properties == (("kind", "séven"),)
         assert got[3].value == b"v3" * 4 and got[3].sequence > 0
-    finally:
-        pub.close(linger=0)
-        ctx.term()
