@@ -546,8 +546,7 @@ class AgentFSM:
                     kvbatch = decode_kvbatch(frames)
                 except ProtocolError as exc:
                     # Rejected whole: storing part of a batch would hide the error.
-                    self.counters.protocol_errors += 1
-                    actions.append(Malformed(server, "snapshot batch", str(exc)))
+                    actions.append(self._malformed(server, "snapshot batch", exc))
                     continue
                 stored = True
                 self._store_kvbatch(kvbatch)
@@ -555,8 +554,7 @@ class AgentFSM:
             try:
                 msg = decode_snapshot_reply(frames)
             except ProtocolError as exc:
-                self.counters.protocol_errors += 1
-                actions.append(Malformed(server, "snapshot reply", str(exc)))
+                actions.append(self._malformed(server, "snapshot reply", exc))
                 continue
             if isinstance(msg, KVMsg):  # the inline checks were stricter than needed
                 actions.extend(self._store_entry(server, msg, now))
@@ -616,10 +614,14 @@ class AgentFSM:
                 else:
                     decode_snapshot_reply(frames)
             except ProtocolError as exc:
-                self.counters.protocol_errors += 1
                 what = "snapshot batch" if batched else "snapshot reply"
-                actions.append(Malformed(server, what, str(exc)))
+                actions.append(self._malformed(server, what, exc))
         return actions
+
+    def _malformed(self, server: int, what: str, exc: ProtocolError) -> Malformed:
+        """Count a malformed message and ask the I/O loop to log it."""
+        self.protocol_error(server)
+        return Malformed(server, what, str(exc))
 
     def _buffer_update(self, server: int, msg: KVMsg, now: float) -> list[Action]:
         self._alive_if_answered(now)
