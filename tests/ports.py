@@ -7,9 +7,9 @@ port comes with its whole run P..P+2 free.
 
 from __future__ import annotations
 
-from clone.tools.procs import free_base_port, free_port
+from clone.tools.procs import free_base_port, free_port, port_is_free
 
-__all__ = ["free_base_port", "free_port", "free_ports"]
+__all__ = ["free_base_port", "free_port", "free_ports", "port_is_free"]
 
 
 def free_ports(n: int) -> list[int]:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from clone import Clone
+from tests.ports import port_is_free
 
 pytestmark = pytest.mark.slow
 
@@ -24,19 +24,9 @@ ROOT = Path(__file__).resolve().parent.parent
 PORTS = (5556, 5557, 5558, 5566, 5567, 5568, 5003, 5004)
 
 
-def _busy(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return True
-    return False
-
-
 @pytest.mark.timeout(120)
 def test_run_starts_a_pair_that_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
-    busy = [p for p in PORTS if _busy(p)]
+    busy = [p for p in PORTS if not port_is_free(p)]
     if busy:
         pytest.skip(f"the default ports {busy} are in use on this machine")
     env = dict(os.environ, CLONE_VENV=str(Path(sys.executable).parent.parent))

@@ -32,6 +32,7 @@ __all__ = [
     "ServerAddress",
     "free_base_port",
     "free_port",
+    "port_is_free",
     "python_module_argv",
     "server_argv",
     "wait_listening",
@@ -43,7 +44,7 @@ _handed_out: set[int] = set()
 _PR_SET_PDEATHSIG = 1
 
 
-def _port_is_free(port: int) -> bool:
+def port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
@@ -70,7 +71,7 @@ def free_base_port(span: int = 3, rng: random.Random | None = None) -> int:
         run = range(base, base + span)
         if any(p in _handed_out for p in run):
             continue
-        if all(_port_is_free(p) for p in run):
+        if all(port_is_free(p) for p in run):
             _handed_out.update(run)
             return base
     raise RuntimeError("no free run of loopback ports found")
