@@ -604,14 +604,22 @@ def test_writes_before_the_first_snapshot_are_held_until_it_completes() -> None:
 # Snapshot batches: raw frames, one event per batch
 
 
-@pytest.mark.parametrize("size", [1, 2, 1000])
-def test_batched_snapshot_equals_the_decoded_one(size: int) -> None:
+def _snapshot_source(*extra: tuple[str, bytes]) -> tuple[FakeServer, KVMsg]:
+    """A server with /a/0../a/6 (uuids), ``extra`` keys, /a/3 deleted again, and
+    an ephemeral key with properties for the caller to place."""
     srv = FakeServer(0)
     for i in range(7):
         srv.apply(f"/a/{i}", b"v%d" % i, new_uuid())
-    srv.apply("/b/x", b"other")
+    for key, body in extra:
+        srv.apply(key, body)
     srv.apply("/a/3", b"")  # deleted before the snapshot
     ttl = KVMsg("/a/ttl", 99, new_uuid(), (("ttl", "5"), ("expires", "1.5")), b"t")
+    return srv, ttl
+
+
+@pytest.mark.parametrize("size", [1, 2, 1000])
+def test_batched_snapshot_equals_the_decoded_one(size: int) -> None:
+    srv, ttl = _snapshot_source(("/b/x", b"other"))
     one, many = AgentFSM("/a/", CFG), AgentFSM("/a/", CFG)
     for fsm in (one, many):
         fsm.connect("tcp://a:1", 0.0)
@@ -766,12 +774,7 @@ def kvbatches(srv: FakeServer, subtree: str = "", size: int = 3) -> list[list[by
 
 @pytest.mark.parametrize(("per_batch", "per_event"), [(1, 1), (3, 2), (1000, 1000)])
 def test_kvbatch_snapshot_equals_the_decoded_one(per_batch: int, per_event: int) -> None:
-    srv = FakeServer(0)
-    for i in range(7):
-        srv.apply(f"/a/{i}", b"v%d" % i, new_uuid())
-    srv.apply("/a/é", b"\x00")
-    srv.apply("/a/3", b"")  # deleted before the snapshot
-    ttl = KVMsg("/a/ttl", 99, new_uuid(), (("ttl", "5"), ("expires", "1.5")), b"t")
+    srv, ttl = _snapshot_source(("/a/é", b"\x00"))
     srv.map["/a/ttl"] = ttl
     one, many = AgentFSM("/a/", CFG), AgentFSM("/a/", CFG)
     for fsm in (one, many):
