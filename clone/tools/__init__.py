@@ -1,4 +1,5 @@
-"""Operator tools: failover drills and benchmarks (``scripts/drill``, ``scripts/bench``).
+"""Operator tools: failover drills, benchmarks and the local pair (``scripts/drill``,
+``scripts/bench``, ``scripts/run``).
 
 Nothing in the core :mod:`clone` package imports these; they drive real
 ``clone-server`` and client processes from the outside.
@@ -8,5 +9,6 @@ Nothing in the core :mod:`clone` package imports these; they drive real
 * :mod:`clone.tools.bench` -- throughput, latency, snapshot and memory benchmarks;
 * :mod:`clone.tools.drill` -- failover drills; :mod:`clone.tools.drill_client`
   is the client worker process they start;
-* :mod:`clone.tools.report` -- tables, markdown and plots.
+* :mod:`clone.tools.report` -- tables, markdown and plots;
+* :mod:`clone.tools.run_pair` -- ``scripts/run``: a local pair, restarted as it dies.
 """
