@@ -1,7 +1,9 @@
-"""The README's run command: scripts/run starts a local primary+backup pair.
+"""The README's run command: scripts/run keeps a local primary+backup pair serving.
 
-It uses the Guide's fixed ports (5556/5566, Binary Star 5003/5004), so the test
-skips when something else holds them rather than fight over them.
+Every test moves the pair with ``--port`` onto free loopback ports (P..P+13),
+so nothing here fights over the Guide's fixed ports.  Each run's output goes to
+a log file that a failing assertion shows; the script runs in its own session
+and the whole group is SIGKILLed at teardown whatever happened.
 """
 
 from __future__ import annotations
@@ -11,53 +13,207 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
+import zmq
 
 from clone import Clone
-from tests.ports import port_is_free
+from clone.tools.procs import wait_listening
+from tests.ports import free_base_port
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-PORTS = (5556, 5557, 5558, 5566, 5567, 5568, 5003, 5004)
+SPAN = 14  # P..P+13: primary P..P+3, backup P+10..P+13
+
+
+class RunScript:
+    """One ``scripts/run`` process, its log and the servers it supervises."""
+
+    def __init__(self, log_path: Path, *args: str) -> None:
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        env = dict(os.environ, CLONE_VENV=str(Path(sys.executable).parent.parent))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(
+            [str(ROOT / "scripts" / "run"), *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+        self.seen: set[int] = set()  # every server pid ever seen, for the leftover check
+
+    def text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def server(self, role: str, timeout: float = 30) -> psutil.Process:
+        """The live ``--primary`` or ``--backup`` child."""
+        deadline = time.monotonic() + timeout
+        while True:
+            assert self.proc.poll() is None, self.text()
+            for child in psutil.Process(self.proc.pid).children():
+                try:
+                    if f"--{role}" in child.cmdline() and child.status() != psutil.STATUS_ZOMBIE:
+                        self.seen.add(child.pid)
+                        return child
+                except psutil.NoSuchProcess:
+                    pass
+            assert time.monotonic() < deadline, f"no {role} child\n{self.text()}"
+            time.sleep(0.05)
+
+    def wait_log_count(self, text: str, count: int, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while self.text().count(text) < count:
+            assert self.proc.poll() is None, self.text()
+            assert time.monotonic() < deadline, f"{count} x {text!r} never logged\n{self.text()}"
+            time.sleep(0.05)
+
+    def stop(self, timeout: float = 30) -> int:
+        """SIGTERM to the script; its exit status once every server is gone."""
+        for role in ("primary", "backup"):
+            self.server(role)
+        self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout)
+        left = [p for p in self.seen if psutil.pid_exists(p) and _not_zombie(p)]
+        assert not left, f"servers left behind: {left}\n{self.text()}"
+        return code
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        for pid in self.seen:  # a restarted server outlives a killed script only by a bug
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self._log.close()
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture
+def base_port() -> int:
+    return free_base_port(SPAN)
+
+
+@pytest.fixture
+def run_factory() -> Iterator[list[RunScript]]:
+    runs: list[RunScript] = []
+    yield runs
+    for run in runs:
+        run.close()
+
+
+def _start(runs: list[RunScript], tmp_path: Path, *args: str) -> RunScript:
+    run = RunScript(tmp_path / f"run{len(runs)}.log", *args)
+    runs.append(run)
+    return run
+
+
+def _answers_snapshot(port: int, timeout: float) -> None:
+    """A raw ICANHAZ? to ``port`` is answered with KTHXBAI within ``timeout`` s.
+
+    Each try is a fresh DEALER, as a failing-over client does; each request is
+    also a Binary Star vote for that server.
+    """
+    deadline = time.monotonic() + timeout
+    ctx = zmq.Context()
+    try:
+        while time.monotonic() < deadline:
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            try:
+                dealer.connect(f"tcp://127.0.0.1:{port}")
+                dealer.send_multipart([b"ICANHAZ?", b"/run-script/"])
+                while dealer.poll(250):
+                    if dealer.recv_multipart()[0] == b"KTHXBAI":
+                        return
+            finally:
+                dealer.close(linger=0)
+        raise AssertionError(f"no KTHXBAI from port {port} within {timeout} s")
+    finally:
+        ctx.term()
 
 
 @pytest.mark.timeout(120)
-def test_run_starts_a_pair_that_serves_and_stops_on_sigterm(tmp_path: Path) -> None:
-    busy = [p for p in PORTS if not port_is_free(p)]
-    if busy:
-        pytest.skip(f"the default ports {busy} are in use on this machine")
-    env = dict(os.environ, CLONE_VENV=str(Path(sys.executable).parent.parent))
-    log = (tmp_path / "run.log").open("wb")
-    proc = subprocess.Popen(
-        [str(ROOT / "scripts" / "run"), "--bind", "127.0.0.1", "--heartbeat", "200"],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
+def test_run_serves_on_the_ports_it_names_and_stops_on_sigterm(
+    tmp_path: Path, base_port: int, run_factory: list[RunScript]
+) -> None:
+    p = base_port
+    run = _start(
+        run_factory, tmp_path, "--port", str(p), "--bind", "127.0.0.1", "--heartbeat", "200"
     )
-    try:
-        deadline = time.monotonic() + 90
-        with Clone(["tcp://127.0.0.1:5556", "tcp://127.0.0.1:5566"], heartbeat=0.2) as client:
-            while True:
-                try:
-                    client.wait_synced(1)
-                    break
-                except Exception:
-                    assert proc.poll() is None, (tmp_path / "run.log").read_text()
-                    assert time.monotonic() < deadline, "the pair never served"
-            client.set("/run/check", b"ok", wait=True, timeout=10)
-            assert client.get("/run/check") == b"ok"
-            assert client.status().server == "tcp://127.0.0.1:5556"  # the primary serves
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) is not None
-        text = (tmp_path / "run.log").read_text()
-        assert text.count("server stopped") == 2, text
-        assert "now ACTIVE" in text and "now PASSIVE" in text
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        log.close()
+    primary, backup = f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{p + 10}"
+    deadline = time.monotonic() + 90
+    with Clone([primary, backup], heartbeat=0.2) as client:
+        while True:
+            try:
+                client.wait_synced(1)
+                break
+            except Exception:
+                assert run.proc.poll() is None, run.text()
+                assert time.monotonic() < deadline, f"the pair never served\n{run.text()}"
+        client.set("/run/check", b"ok", wait=True, timeout=10)
+        assert client.get("/run/check") == b"ok"
+        assert client.status().server == primary  # the primary serves
+    text = run.text()
+    assert (
+        f"on tcp://127.0.0.1:{p}-{p + 2}, Binary Star {p + 3}; backup" in text
+        and f"on tcp://127.0.0.1:{p + 10}-{p + 12}, Binary Star {p + 13};" in text
+    ), text
+    assert f"--servers {primary},{backup}" in text
+    for port in (p, p + 1, p + 2, p + 3, p + 10, p + 11, p + 12, p + 13):
+        assert wait_listening(port, time.monotonic() + 5), f"nothing on {port}\n{text}"
+    assert run.stop() == 0
+    text = run.text()
+    assert text.count("server stopped") == 2, text
+    assert "now ACTIVE" in text and "now PASSIVE" in text
+    assert "restarted: pid" not in text and "Traceback" not in text, text
+
+
+@pytest.mark.timeout(150)
+def test_run_restarts_a_killed_server_while_the_other_keeps_serving(
+    tmp_path: Path, base_port: int, run_factory: list[RunScript]
+) -> None:
+    p = base_port
+    run = _start(
+        run_factory, tmp_path, "--port", str(p), "--bind", "127.0.0.1", "--heartbeat", "100"
+    )
+    _answers_snapshot(p, 60)  # the primary serves
+    run.wait_log_count("now PASSIVE", 1)  # the backup follows it
+
+    # kill -9 the primary: the backup takes the vote and serves; the primary comes back.
+    first = run.server("primary")
+    first.kill()
+    _answers_snapshot(p + 10, 20)
+    run.wait_log_count("primary restarted: pid", 1)
+    again = run.server("primary")
+    assert again.pid != first.pid
+    assert wait_listening(p, time.monotonic() + 20), run.text()
+    run.wait_log_count("now PASSIVE", 2)  # it came back as the passive one
+
+    # kill -9 the backup, active now: the restarted primary takes over; the backup comes back.
+    victim = run.server("backup")
+    victim.kill()
+    _answers_snapshot(p, 20)
+    run.wait_log_count("backup restarted: pid", 1)
+    assert run.server("backup").pid != victim.pid
+    assert wait_listening(p + 10, time.monotonic() + 20), run.text()
+    run.wait_log_count("now PASSIVE", 3)
+
+    text = run.text()
+    assert f"primary (pid {first.pid}) died (killed by SIGKILL)" in text, text
+    assert f"backup (pid {victim.pid}) died (killed by SIGKILL)" in text, text
+    assert "restarting it in 0.5 s" in text, text
+    assert run.stop() == 0
