@@ -14,7 +14,9 @@ The states are the Guide's client FSM::
                           ^   |  no reply yet: ask again every            |
                           |   |  reask_interval (bounded); no snapshot    |
                           |   |  data within server_timeout, or the       |
-                          |   |  connection lost: next server             |
+                          |   |  connection lost: next server; no data    |
+                          |   |  yet and another server shows itself      |
+                          |   |  active (ACTIVE_ELSEWHERE): that server   |
                           +---+--- silence / gap / connection lost -------+
 
 How a dead server is noticed, two ways:
@@ -37,6 +39,28 @@ fresh DEALER, at most ``requests_per_server`` requests per round; if no snapshot
 data has come within ``server_timeout`` of the round's start we move on to the
 next server.  HUGZ or updates from a server that does not answer our request do
 not keep us there.
+
+Another server that shows itself active does move us, at once (ACTIVE_ELSEWHERE):
+a failed-over pair's old primary comes back passive, and a client that lists it
+first would otherwise wait out ``server_timeout`` before asking the new active
+server.  Only the active server of a pair publishes KVPUBs, and our servers send
+HUGZ only while active and say their heartbeat in them (the Guide's passive
+servers send bare HUGZ too, so bare ones do not count).  So while syncing, with no
+snapshot data yet, such a message from another server makes it the current one
+and we ask it for the snapshot: within one of its heartbeats, whatever the order
+of the servers.  Two rules keep this from flapping (two actives in a split brain
+both heartbeat):
+
+* a current server that itself showed itself active this round is never left
+  for another one: it is no less the active one, only slower to answer;
+* the server we switched to counts as having shown itself, so at most one such
+  switch happens per round, and the server switched to keeps us for a whole
+  round (``server_timeout``), as after any failover.
+
+While ACTIVE the event is ignored: we are served (a second active is a split
+brain, or a takeover our own silence detection will follow).  Nothing changes on
+the wire, and a request left behind at a passive server is only a vote held
+there, which Binary Star may still count if its peer really dies.
 
 What we do differently from the Guide's client, on purpose:
 
@@ -130,6 +154,9 @@ class Event(enum.Enum):
     SILENCE = "silence"  # the current server said nothing for server_timeout
     REASK = "reask"  # syncing, no snapshot data yet, reask_interval passed
     SERVER_DISCONNECTED = "server_disconnected"  # TCP connection to its publisher lost
+    # Another server published a KVPUB, or a HUGZ that says its heartbeat: it is
+    # active.  The only event about a server that is not the current one.
+    ACTIVE_ELSEWHERE = "active_elsewhere"
 
 
 # --------------------------------------------------------------------------
@@ -273,6 +300,8 @@ class AgentCounters:
     failovers: int = 0  # switches to another server, for any reason
     disconnects: int = 0  # lost connections to any server's publisher
     disconnect_failovers: int = 0  # failovers caused by losing the current server's
+    # failovers while syncing to another server that showed itself active
+    hint_failovers: int = 0
     gaps: int = 0  # holes in the sequence that forced a resync
     stale: int = 0  # KVPUBs discarded as not newer than the last applied
     protocol_errors: int = 0  # malformed messages dropped
@@ -351,6 +380,8 @@ class AgentFSM:
         self._silence_at: float | None = None
         self._reask_at: float | None = None  # when to repeat an unanswered request
         self._answered = False  # snapshot data arrived for the current request
+        # The current server showed itself active this round (see ACTIVE_ELSEWHERE).
+        self._shown_active = False
         self._heard_at: float | None = None  # last message from the current server
         self._left_at: float | None = None  # last heard from the server we failed over from
         self._pending: dict[bytes, _Pending] = {}
@@ -403,7 +434,7 @@ class AgentFSM:
 
     def handle(self, event: Event, server: int, payload: Any, now: float) -> list[Action]:
         """Dispatch one event through the table."""
-        if event is not Event.CONNECT and server != self.current:
+        if event not in _ANY_SERVER and server != self.current:
             # Late replies from a server we left, or updates from a passive one.
             self.counters.foreign += 1
             return []
@@ -435,6 +466,9 @@ class AgentFSM:
         return self.handle(Event.SNAPSHOT_BATCH, server, batch, now)
 
     def update(self, server: int, msg: KVMsg | Hugz, now: float) -> list[Action]:
+        if server != self.current and _shows_active(msg):
+            self.counters.foreign += 1  # still not acted upon as an update
+            return self.handle(Event.ACTIVE_ELSEWHERE, server, msg, now)
         if isinstance(msg, Hugz):
             return self.handle(Event.HEARTBEAT, server, msg, now)
         return self.handle(Event.UPDATE, server, msg, now)
@@ -624,14 +658,41 @@ class AgentFSM:
         return Malformed(server, what, str(exc))
 
     def _buffer_update(self, server: int, msg: KVMsg, now: float) -> list[Action]:
+        self._shown_active = True
         self._alive_if_answered(now)
         self._buffer.append(msg)
         return []
 
     def _heartbeat_while_syncing(self, server: int, hugz: Hugz, now: float) -> list[Action]:
         self._note_heartbeat(server, hugz)
+        if _shows_active(hugz):
+            self._shown_active = True
         self._alive_if_answered(now)
         return []
+
+    def _switch_to_active(self, server: int, msg: KVMsg | Hugz, now: float) -> list[Action]:
+        """Syncing: ``server`` showed itself active; ask it if the current one
+        has not answered and has not shown itself active too (no flapping)."""
+        if server == self.current or self._answered or self._shown_active:
+            return []
+        assert self.current is not None
+        log.info(
+            "%s is active (%s) and %s has not answered; asking %s",
+            self.servers[server],
+            "HUGZ" if isinstance(msg, Hugz) else "KVPUB",
+            self.servers[self.current],
+            self.servers[server],
+        )
+        self.counters.hint_failovers += 1
+        actions = self._failover(now, server)
+        # It has shown itself: no other server takes us from it this round.
+        self._shown_active = True
+        self._heard_at = now
+        if isinstance(msg, Hugz):
+            self._note_heartbeat(server, msg)
+        else:  # published before our request: in the snapshot, and harmless here
+            self._buffer.append(msg)
+        return actions
 
     def _note_alive(self, server: int, payload: Any, now: float) -> list[Action]:
         self._alive(now)
@@ -774,6 +835,7 @@ class AgentFSM:
             self.counters.resyncs += 1
         self.current = server
         self._requests = 0
+        self._shown_active = False
         actions = self._set_state(State.SYNCING)
         self._alive(now)  # the round's deadline; re-asks do not move it
         return actions + self._request(now)
@@ -791,9 +853,10 @@ class AgentFSM:
         self._reask_at = now + self.config.reask_interval if more else None
         return [RequestSnapshot(self.current, self.subtrees)]
 
-    def _failover(self, now: float) -> list[Action]:
+    def _failover(self, now: float, to: int | None = None) -> list[Action]:
+        """Start a round on ``to``, by default the next server (round robin)."""
         assert self.current is not None
-        nxt = (self.current + 1) % len(self.servers)
+        nxt = (self.current + 1) % len(self.servers) if to is None else to
         self.counters.failovers += 1
         if self._left_at is None and self._heard_at is not None:
             # Measured from the server we were last served by, across any
@@ -888,6 +951,14 @@ def _diff(old: dict[str, _Stored], new: dict[str, _Stored]) -> list[Action]:
     return out
 
 
+def _shows_active(msg: KVMsg | Hugz) -> bool:
+    """Only an active server publishes updates, and only ours (active) say
+    their heartbeat in HUGZ; the Guide's passive servers send bare HUGZ too."""
+    return not isinstance(msg, Hugz) or msg.heartbeat is not None
+
+
+# Events about a server that need not be the current one.
+_ANY_SERVER = frozenset((Event.CONNECT, Event.ACTIVE_ELSEWHERE))
 _MESSAGES = frozenset(
     (Event.SNAPSHOT_ENTRY, Event.SNAPSHOT_END, Event.SNAPSHOT_BATCH, Event.UPDATE, Event.HEARTBEAT)
 )
@@ -903,6 +974,7 @@ TRANSITIONS: dict[tuple[State, Event], _Handler] = {
     (_S.INITIAL, _E.SILENCE): AgentFSM._ignore,
     (_S.INITIAL, _E.REASK): AgentFSM._ignore,
     (_S.INITIAL, _E.SERVER_DISCONNECTED): AgentFSM._ignore,
+    (_S.INITIAL, _E.ACTIVE_ELSEWHERE): AgentFSM._ignore,
     (_S.SYNCING, _E.CONNECT): AgentFSM._add_server,
     (_S.SYNCING, _E.SNAPSHOT_ENTRY): AgentFSM._store_entry,
     (_S.SYNCING, _E.SNAPSHOT_END): AgentFSM._end_snapshot,
@@ -912,6 +984,7 @@ TRANSITIONS: dict[tuple[State, Event], _Handler] = {
     (_S.SYNCING, _E.SILENCE): AgentFSM._silent_while_syncing,
     (_S.SYNCING, _E.REASK): AgentFSM._reask,
     (_S.SYNCING, _E.SERVER_DISCONNECTED): AgentFSM._lost_server,
+    (_S.SYNCING, _E.ACTIVE_ELSEWHERE): AgentFSM._switch_to_active,
     (_S.ACTIVE, _E.CONNECT): AgentFSM._add_server,
     (_S.ACTIVE, _E.SNAPSHOT_ENTRY): AgentFSM._note_alive,  # late reply: alive, ignored
     (_S.ACTIVE, _E.SNAPSHOT_END): AgentFSM._note_alive,
@@ -921,4 +994,7 @@ TRANSITIONS: dict[tuple[State, Event], _Handler] = {
     (_S.ACTIVE, _E.SILENCE): AgentFSM._silent_active,
     (_S.ACTIVE, _E.REASK): AgentFSM._ignore,  # a stale timer: the snapshot completed
     (_S.ACTIVE, _E.SERVER_DISCONNECTED): AgentFSM._lost_server,
+    # Served already: a second active is a split brain, or a takeover that our
+    # silence detection follows; switching on it could flap between two actives.
+    (_S.ACTIVE, _E.ACTIVE_ELSEWHERE): AgentFSM._ignore,
 }

@@ -127,6 +127,7 @@ def test_every_transition_runs(state: State, event: Event) -> None:
         Event.SILENCE: None,
         Event.REASK: None,
         Event.SERVER_DISCONNECTED: None,
+        Event.ACTIVE_ELSEWHERE: Hugz(0, 0.25),
     }[event]
     server = 1 if event is Event.CONNECT else 0
     if state is State.INITIAL and event is not Event.CONNECT:
@@ -299,6 +300,129 @@ def test_lost_connection_to_another_server_is_only_counted() -> None:
     assert (c.disconnects, c.disconnect_failovers, c.failovers, c.foreign) == (1, 0, 0, 0)
     before = AgentFSM(None, CFG)
     assert before.server_disconnected(0, 0.0) == []  # no server yet
+
+
+def two_servers() -> AgentFSM:
+    """A client syncing from server 0, which has not answered; server 1 known."""
+    fsm = AgentFSM(None, CFG, now=0.0)
+    fsm.connect("tcp://a:1", 0.0)
+    fsm.connect("tcp://b:1", 0.0)
+    return fsm
+
+
+def test_a_server_that_shows_itself_active_is_asked_at_once() -> None:
+    """The failback case: server 0 came back passive and holds our request; the
+    first HUGZ of the active server 1 (ours say their heartbeat) moves us to it,
+    within one of its heartbeats instead of server_timeout."""
+    fsm = two_servers()
+    srv = FakeServer(1)
+    srv.apply("a", b"1")
+    assert fsm.tick(0.25) == [RequestSnapshot(0, ("",))]  # refused, asked again
+    actions = fsm.update(1, Hugz(srv.seq, 0.25), 0.3)
+    assert actions == [RequestSnapshot(1, ("",))]
+    assert fsm.current == 1 and fsm.state is State.SYNCING
+    c = fsm.counters
+    assert (c.failovers, c.hint_failovers, c.disconnect_failovers) == (1, 1, 0)
+    assert fsm.next_deadline() == pytest.approx(0.3 + 0.25)  # a new round on 1
+    actions = feed_snapshot(fsm, srv, 0.35)
+    assert StateChanged(State.ACTIVE, 1) in actions
+    assert fsm.get("a") is not None
+    # It said its heartbeat: judged by it from now on.
+    assert fsm.silence_timeout() == pytest.approx(4 * 0.25)
+
+
+def test_a_kvpub_shows_a_server_active_but_a_bare_hugz_does_not() -> None:
+    """The Guide's passive servers send HUGZ too (without a heartbeat): those
+    prove nothing.  Only the active server publishes updates."""
+    fsm = two_servers()
+    assert fsm.update(1, Hugz(0), 0.1) == []
+    assert fsm.current == 0 and fsm.counters.foreign == 1
+    srv = FakeServer(1)
+    kvpub = srv.apply("a", b"1")
+    assert fsm.update(1, kvpub, 0.2) == [RequestSnapshot(1, ("",))]
+    assert fsm.current == 1 and fsm.counters.hint_failovers == 1
+    feed_snapshot(fsm, srv, 0.3)  # the snapshot holds the KVPUB already
+    assert fsm.state is State.ACTIVE and fsm.get("a") == kvpub
+    assert fsm.last_sequence == 1 and fsm.counters.gaps == 0
+
+
+def test_a_server_that_answers_or_shows_itself_active_is_not_left() -> None:
+    # Snapshot data is flowing from server 0: another active one does not matter.
+    fsm = two_servers()
+    fsm.snapshot_reply(0, KVMsg("k", 1, b"", (), b"v"), 0.1)
+    assert fsm.update(1, Hugz(1, 0.25), 0.2) == []
+    assert fsm.current == 0
+    # Server 0 heartbeats too (two actives): it is only slower to answer.
+    fsm = two_servers()
+    fsm.update(0, Hugz(0, 0.25), 0.05)
+    assert fsm.update(1, Hugz(0, 0.25), 0.1) == []
+    assert fsm.current == 0 and fsm.counters.hint_failovers == 0
+
+
+def test_two_actives_do_not_make_the_client_flap() -> None:
+    """Split brain: both servers heartbeat and neither answers for a while.
+    The client switches at most once per round, and a server it switched to
+    keeps it for a whole server_timeout; once served it stays."""
+    fsm = two_servers()
+    current_at: list[tuple[float, int]] = [(0.0, 0)]
+    t = 0.0
+    while t < 10.0:
+        t = round(t + 0.05, 2)
+        if round(t * 100) % 25 == 10:  # server 1 first in every heartbeat
+            fsm.update(1, Hugz(0, 0.25), t)
+        if round(t * 100) % 25 == 15:
+            fsm.update(0, Hugz(0, 0.25), t)
+        fsm.tick(t)
+        if fsm.current != current_at[-1][1]:
+            assert fsm.current is not None
+            current_at.append((t, fsm.current))
+    # 0 -> 1 by the first HUGZ of 1; rounds then end by timeout, and a round
+    # reached by timeout may end early by one HUGZ of the other server, whose
+    # round is then whole: of two consecutive stays, one lasts a full round.
+    assert current_at[1] == (0.1, 1)
+    stays = [b[0] - a[0] for a, b in itertools.pairwise([*current_at, (t, -1)])]
+    assert all(max(a, b) >= CFG.server_timeout - 1e-9 for a, b in itertools.pairwise(stays))
+    c = fsm.counters
+    assert c.hint_failovers <= c.failovers - c.hint_failovers + 1
+    assert len(current_at) <= 2 * (10.0 / CFG.server_timeout) + 1
+    # Served by server 1: HUGZ from the other active one are ignored.
+    assert fsm.current == 1  # since 7.65
+    feed_snapshot(fsm, FakeServer(1), t + 0.02)
+    assert fsm.state is State.ACTIVE
+    for k in range(1, 20):
+        assert fsm.update(0, Hugz(0, 0.25), t + 0.1 * k) == []
+        fsm.update(1, Hugz(0, 0.25), t + 0.1 * k)
+    assert fsm.current == 1 and fsm.state is State.ACTIVE
+
+
+def test_a_frozen_active_that_resumes_before_the_takeover_is_asked_again() -> None:
+    """We left a silent server for a backup that refuses (its peer still looks
+    alive to it); the old active's next HUGZ shows it is still the one."""
+    fsm, (primary, _backup) = synced()
+    fsm.update(0, Hugz(0, 0.25), 1.0)
+    assert _requests(fsm.tick(2.0)) == [1]  # 4 heartbeats of silence
+    assert fsm.tick(2.25) == [RequestSnapshot(1, ("",))]  # refused
+    assert fsm.update(0, Hugz(0, 0.25), 2.4) == [RequestSnapshot(0, ("",))]
+    feed_snapshot(fsm, primary, 2.45)
+    assert fsm.state is State.ACTIVE and fsm.current == 0
+    c = fsm.counters
+    assert (c.failovers, c.hint_failovers) == (2, 1)
+
+
+def test_a_dead_active_still_fails_over_to_a_backup_that_answers_late() -> None:
+    """The crash case is unchanged: nothing comes from a dead server, so the
+    backup is asked again until it takes over, and its HUGZ are its own."""
+    fsm, (primary, backup) = synced()
+    fsm.update(0, Hugz(0, 0.25), 0.5)
+    backup.map, backup.seq = dict(primary.map), primary.seq
+    assert _requests(fsm.server_disconnected(0, 0.6)) == [1]
+    for t in (0.85, 1.1, 1.35):
+        assert fsm.tick(t) == [RequestSnapshot(1, ("",))]
+    assert fsm.update(1, Hugz(backup.seq, 0.25), 1.5) == []  # promoted: current, not a hint
+    feed_snapshot(fsm, backup, 1.55)
+    assert fsm.state is State.ACTIVE and fsm.current == 1
+    c = fsm.counters
+    assert (c.failovers, c.disconnect_failovers, c.hint_failovers) == (1, 1, 0)
 
 
 def test_frozen_server_is_still_found_by_silence_alone() -> None:
