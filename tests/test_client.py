@@ -369,6 +369,42 @@ def test_failover_to_a_backup_that_has_not_yet_noticed(
         assert c.get("k") == b"1"
 
 
+def test_a_kvpub_from_the_other_server_ends_the_wait_on_a_guide_style_passive(
+    pair: tuple[FakeServer, FakeServer],
+) -> None:
+    """Listed first, a passive server of the Guide's kind sends bare HUGZ and
+    drops our requests.  The active one's KVPUBs show where to go, long before
+    the (here 5 s) server timeout."""
+    active, passive = pair
+    passive.silent = False  # bare HUGZ, like the Guide's passive servers
+    passive.answer_snapshots = False
+    active.publish("k", b"1")
+    stop = threading.Event()
+
+    def traffic() -> None:
+        i = 0
+        while not stop.wait(0.05):
+            active.publish(f"t{i % 10}", b"x")
+            i += 1
+
+    writer = threading.Thread(target=traffic, name="test-traffic")
+    writer.start()
+    try:
+        t0 = time.monotonic()
+        with make_client(passive, active, server_timeout=5.0) as c:
+            c.wait_synced(5)
+            elapsed = time.monotonic() - t0
+            assert c.get("k") == b"1"
+            st = c.status()
+            assert st.server == active.endpoint
+            assert st.counters["hint_failovers"] == 1 and st.failovers == 1
+    finally:
+        stop.set()
+        writer.join(5)
+    assert elapsed < 1.0, elapsed
+    assert passive.snapshot_requests >= 1
+
+
 def test_confirmed_write_is_resent_to_the_new_server(pair: tuple[FakeServer, FakeServer]) -> None:
     primary, backup = pair
     primary.ignore_kvsets = True  # it dies before republishing the write

@@ -3,11 +3,14 @@
 Servers run with a 100 ms heartbeat; clients use the same heartbeat and a server
 timeout of 5 heartbeats, so a loaded CI machine does not fail over by accident.
 The crash test at the production defaults (1 s heartbeat, default client) uses
-its own pool.
+its own pool; the failback test runs default clients against the 100 ms pool.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +24,7 @@ from clone import Clone
 from clone.codec import KVMsg, encode_kv
 from clone.errors import ConfirmTimeout
 from clone.protocol import DEFAULT_HEARTBEAT_MS
-from tests.servers import ServerProcess, Servers, server_pool, servers  # noqa: F401
+from tests.servers import ROOT, ServerProcess, Servers, server_pool, servers  # noqa: F401
 
 pytestmark = pytest.mark.slow
 
@@ -195,6 +198,74 @@ def test_backup_serves_a_client_that_starts_while_the_primary_is_dead(
     with client(primary, backup) as late:
         assert late.get("/boot/k") == b"v"
         assert late.status().server == endpoint(backup)
+
+
+def _clone_get(key: str, *srv: ServerProcess) -> tuple[subprocess.CompletedProcess[str], float]:
+    """``clone get`` at the client's defaults (1 s assumed heartbeat, so a 2.5 s
+    snapshot wait), and its wall time, interpreter start included."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    servers_arg = ",".join(endpoint(s) for s in srv)
+    t0 = time.monotonic()
+    r = subprocess.run(
+        [sys.executable, "-m", "clone.cli", "--servers", servers_arg, "get", key],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env,
+        cwd=ROOT,
+    )
+    return r, time.monotonic() - t0
+
+
+def test_failback_a_client_that_lists_the_passive_first_finds_the_active_at_once(
+    servers: Servers,  # noqa: F811
+    record_property: Callable[[str, object], None],
+) -> None:
+    """Issue 11.  After a failover the old primary comes back passive; a new
+    client that lists it first used to wait its whole snapshot timeout (2.5 s
+    at the client defaults) before asking the backup.  The backup's HUGZ show
+    it is the active one, so the client asks it within one heartbeat (100 ms
+    here).  The client runs at its defaults, which is the slow case.
+    Measured: 80-100 ms per client (each starts just after the HUGZ that ended
+    the previous one's wait, so close to a whole heartbeat), 2.5 s before."""
+    primary, backup = servers.pair()
+    with client(primary, backup) as c:
+        c.set("/failback/k", b"v", wait=True, timeout=5)
+    primary.kill9()
+    backup.wait_serving()  # a vote: Binary Star takes over on a client's request
+    mark = primary.log_size()
+    primary.restart()
+    primary.wait_log("now PASSIVE", after=mark)
+    primary.wait_log("synced from", after=mark)
+
+    times = []
+    for _ in range(3):
+        t0 = time.monotonic()
+        c = Clone([endpoint(primary), endpoint(backup)])  # every setting at its default
+        try:
+            c.wait_synced(10)
+            assert c.get("/failback/k") == b"v"
+            times.append(time.monotonic() - t0)
+            st = c.status()
+            assert st.server == endpoint(backup)
+            assert st.counters["hint_failovers"] == 1 and st.failovers == 1, st.counters
+        finally:
+            c.close()
+    record_property("failback_get_s", max(times))
+    print("failback: client with the passive first synced and read in", times)
+    assert max(times) < 1.0, times  # was 2.5 s + the sync
+
+    # The command line, passive first, against active first (both pay for the
+    # interpreter's start).
+    r_active, t_active = _clone_get("/failback/k", backup, primary)
+    r_passive, t_passive = _clone_get("/failback/k", primary, backup)
+    for r in (r_active, r_passive):
+        assert (r.returncode, r.stdout) == (0, "v\n"), r.stderr
+    record_property("cli_get_active_first_s", t_active)
+    record_property("cli_get_passive_first_s", t_passive)
+    print(f"clone get: active first {t_active:.3f} s, passive first {t_passive:.3f} s")
+    assert t_passive < t_active + 1.0, (t_passive, t_active)
 
 
 @pytest.fixture
