@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Sequence
 
+from clone.argtypes import normalize_endpoints
 from clone.client import Clone, Entry, default_servers
 from clone.errors import CloneError, ConfirmTimeout, NotSynced
 
@@ -31,7 +32,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--servers",
-        help="comma-separated CHP base endpoints in failover order "
+        help="comma-separated CHP base endpoints, [tcp://]host:port, in failover order "
         "(default: $CLONE_SERVERS, else tcp://127.0.0.1:5556,tcp://127.0.0.1:5566)",
     )
     p.add_argument(
@@ -152,9 +153,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.timeout <= 0 or args.heartbeat <= 0:
         print("clone: --timeout and --heartbeat must be > 0", file=sys.stderr)
         return EXIT_UNREACHABLE
-    servers = args.servers.split(",") if args.servers else default_servers()
-    servers = [s.strip() for s in servers if s.strip()]
     try:
+        servers = normalize_endpoints(args.servers or default_servers())
         client = Clone(servers, args.subtree, heartbeat=args.heartbeat)
     except (ValueError, TypeError) as exc:
         print(f"clone: {exc}", file=sys.stderr)

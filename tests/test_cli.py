@@ -113,6 +113,22 @@ def test_servers_default_to_the_environment(solo: ServerProcess) -> None:
     assert clone_cmd(solo, "get", "/env/k").stdout == "v\n"
 
 
+def test_servers_may_be_given_without_the_scheme(solo: ServerProcess) -> None:
+    # clone-pipeline always took host:port; clone takes both spellings too.
+    bare = f"127.0.0.1:{solo.port}"
+    r = clone_cmd(None, "--servers", bare, "--heartbeat", "0.1", "set", "/bare/k", "v")
+    assert r.returncode == 0, r.stderr
+    r = subprocess.run(
+        [sys.executable, "-m", "clone.cli", "--heartbeat", "0.1", "get", "/bare/k"],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        env=env_with(f" {bare} ,"),  # $CLONE_SERVERS too, blanks and all
+        cwd=ROOT,
+    )
+    assert (r.returncode, r.stdout) == (0, "v\n"), r.stderr
+
+
 def test_watch_streams_changes_until_ctrl_c(solo: ServerProcess) -> None:
     proc = subprocess.Popen(
         [
@@ -181,7 +197,11 @@ def test_main_in_process_rejects_bad_arguments(capsys: pytest.CaptureFixture[str
     assert main(["--timeout", "0", "get", "k"]) == 2
     assert "must be > 0" in capsys.readouterr().err
     assert main(["--servers", "nonsense", "get", "k"]) == 2
-    assert "tcp://host:port" in capsys.readouterr().err
+    assert "clone: server 'nonsense' is not of the form [tcp://]host:port" in (
+        capsys.readouterr().err
+    )
+    assert main(["--servers", "ipc://x:1", "get", "k"]) == 2
+    assert "only tcp:// endpoints are supported" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["frobnicate"])
 

@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
         )
 
     load = sub.add_parser("load", help="write a table into a running Clone pair")
-    load.add_argument("--servers", required=True, help="host:port[,host:port] of the pair")
+    load.add_argument(
+        "--servers", required=True, help="[tcp://]host:port[,[tcp://]host:port] of the pair"
+    )
     load.add_argument("--input", required=True, help="table to load (file or directory)")
     load.add_argument("--format", default="parquet", choices=("parquet", "csv", "json"))
     load.add_argument("--key-col", default="key", help="column holding the key (default key)")
@@ -82,7 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
     common(load)
 
     export = sub.add_parser("export", help="write a consistent snapshot of the store as Parquet")
-    export.add_argument("--servers", required=True, help="host:port[,host:port] of the pair")
+    export.add_argument(
+        "--servers", required=True, help="[tcp://]host:port[,[tcp://]host:port] of the pair"
+    )
     export.add_argument("--output", required=True, help="directory to write (replaced)")
     export.add_argument("--subtree", default="", help="export only keys under /this/subtree/")
     export.add_argument(

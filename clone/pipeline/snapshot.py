@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from clone.argtypes import normalize_endpoints
 from clone.batch import decode_kvbatch, is_kvbatch
 from clone.codec import (
     Hugz,
@@ -68,17 +69,14 @@ class Snapshot:
 
 
 def parse_servers(servers: str | Sequence[str]) -> list[str]:
-    """``"h:p,tcp://h2:p2"`` or a list of them -> ``["tcp://h:p", "tcp://h2:p2"]``."""
-    items = servers.split(",") if isinstance(servers, str) else list(servers)
-    out: list[str] = []
-    for item in (s.strip() for s in items):
-        if not item:
-            continue
-        endpoint = item if "://" in item else f"tcp://{item}"
-        host, sep, port = endpoint.rpartition(":")
-        if not sep or not port.isdigit() or host.endswith("//"):
-            raise InputError(f"server {item!r} is not of the form [tcp://]host:port")
-        out.append(endpoint)
+    """``"h:p,tcp://h2:p2"`` or a list of them -> ``["tcp://h:p", "tcp://h2:p2"]``.
+
+    The same spelling rules as ``clone --servers`` (:func:`normalize_endpoints`).
+    """
+    try:
+        out = normalize_endpoints(servers)
+    except (ValueError, TypeError) as exc:
+        raise InputError(str(exc)) from None
     if not out:
         raise InputError("no servers given (--servers host:port[,host:port])")
     return out
