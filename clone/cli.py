@@ -2,7 +2,10 @@
 
 Argument parsing and printing only; the work is :class:`clone.Clone`.  Exit codes:
 0 success, 1 key not found, 2 no server answered (or bad usage), 3 a write was
-not confirmed in time, 4 any other Clone error.
+not confirmed in time, 4 any other Clone error, 141 the reader of our output went
+away (``clone dump | head``): 128 + SIGPIPE, what a shell reports for ``cat`` in
+the same place, quietly, so ``set -o pipefail`` scripts see that the output was
+cut short.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import argparse
 import base64
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -23,6 +27,7 @@ from clone.errors import CloneError, ConfirmTimeout, NotSynced
 __all__ = ["main"]
 
 EXIT_OK, EXIT_MISSING, EXIT_UNREACHABLE, EXIT_UNCONFIRMED, EXIT_ERROR = 0, 1, 2, 3, 4
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # 141
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -161,6 +166,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_UNREACHABLE
     try:
         return _run(args, client)
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
     except NotSynced as exc:
         print(f"clone: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
@@ -174,6 +182,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK if args.command == "watch" else 130
     finally:
         _close_uninterrupted(client)
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null: the reader is gone, and without this the
+    interpreter's final flush of what is still buffered fails again and prints
+    "Exception ignored ... BrokenPipeError" on the way out."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (stdout replaced in-process)
+        pass
+    finally:
+        os.close(devnull)
 
 
 def _close_uninterrupted(client: Clone) -> None:

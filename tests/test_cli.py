@@ -129,6 +129,38 @@ def test_servers_may_be_given_without_the_scheme(solo: ServerProcess) -> None:
     assert (r.returncode, r.stdout) == (0, "v\n"), r.stderr
 
 
+@pytest.mark.timeout(60)
+def test_dump_into_a_closed_pipe_exits_141_quietly(solo: ServerProcess) -> None:
+    """``clone dump | head -1``: the reader leaves long before the dump ends."""
+    with Clone([ep(solo)], heartbeat=0.1) as c:
+        c.wait_synced(10)
+        for i in range(499):
+            c.set(f"/pipe/{i:04d}", "x" * 1000)
+        c.set("/pipe/9999", "x" * 1000, wait=True)  # applied in order: all 500 are in
+    # ~0.5 MB of output, far more than a pipe buffers (64 KiB): the dump is still
+    # writing when the reader closes its end.
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "clone.cli", "--servers", ep(solo), "--heartbeat", "0.1",
+         "dump", "/pipe/"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env_with(),
+        cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None and proc.stderr is not None
+        first = proc.stdout.readline()
+        assert first.startswith(b"/pipe/0000=xxx"), first
+        proc.stdout.close()
+        assert proc.wait(30) == 141
+        err = proc.stderr.read().decode()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(5)
+    assert err == "", err  # no traceback, no "Exception ignored" at exit
+
+
 def test_watch_streams_changes_until_ctrl_c(solo: ServerProcess) -> None:
     proc = subprocess.Popen(
         [
