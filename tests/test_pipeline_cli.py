@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from clone.pipeline.cli import main
+from clone.pipeline.cli import build_parser, main
 from tests.ports import free_base_port, free_port
 from tests.servers import Servers, servers  # noqa: F401
 from tests.spark_session import spark_fixture  # noqa: F401  (the shared session)
@@ -38,6 +38,40 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["load", "--servers", "h:1", "--input", "x", "--max-in-flight", "0"])
     assert exc.value.code == 2
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+_COMMANDS = [
+    ["load", "--servers", "h:1", "--input", "x"],
+    ["export", "--servers", "h:1", "--output", "o"],
+    ["drill-report", "--input", "r", "--output", "o"],
+]
+
+
+@pytest.mark.parametrize("command", _COMMANDS, ids=lambda c: c[0])
+def test_quiet_and_verbose_before_or_after_the_subcommand(command: list[str]) -> None:
+    parser = build_parser()
+    name, rest = command[0], command[1:]
+    for argv, quiet in [
+        (command, False),
+        (["-q", *command], True),
+        ([name, "-q", *rest], True),
+        ([*command, "--quiet"], True),
+    ]:
+        args = parser.parse_args(argv)
+        assert (args.quiet, args.verbose) == (quiet, False), argv
+    assert parser.parse_args([name, "-v", *rest]).verbose is True
+    assert parser.parse_args(["-v", name, *rest]).verbose is True
+
+
+def test_load_takes_q_after_the_subcommand(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = tmp_path / "nope.parquet"
+    code, _, err = _run(capsys, "load", "-q", "--servers", "127.0.0.1:1", "--input", str(missing))
+    assert code == 2  # the missing input, not a usage error
+    assert _one_line_error(err) == f"clone-pipeline load: error: input {missing} does not exist"
 
 
 def test_missing_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -37,14 +37,16 @@ def build_parser() -> argparse.ArgumentParser:
     from clone.pipeline.session import DEFAULT_MASTER
 
     parser = _Parser(prog="clone-pipeline", description=__doc__.splitlines()[0] if __doc__ else "")
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    parser.add_argument("-q", "--quiet", action="store_true", help="warnings and errors only")
+    _verbosity(parser, default=False)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument(
             "--master", default=DEFAULT_MASTER, help=f"Spark master URL (default {DEFAULT_MASTER})"
         )
+        # Before or after the subcommand, as docs/pipeline.md promises; SUPPRESS
+        # keeps a subcommand that was not given -q from undoing a -q before it.
+        _verbosity(p, default=argparse.SUPPRESS)
 
     load = sub.add_parser("load", help="write a table into a running Clone pair")
     load.add_argument(
@@ -99,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     report.add_argument("--output", required=True, help="directory for report.md and report.png")
     common(report)
     return parser
+
+
+def _verbosity(p: argparse.ArgumentParser, *, default: object) -> None:
+    p.add_argument("-v", "--verbose", action="store_true", default=default, help="debug logging")
+    p.add_argument(
+        "-q", "--quiet", action="store_true", default=default, help="warnings and errors only"
+    )
 
 
 def _configure_logging(args: argparse.Namespace) -> None:
