@@ -10,6 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from clone.pipeline import DEFAULT_REJECTS
 from clone.pipeline.cli import build_parser, main
 from tests.ports import free_base_port, free_port
 from tests.servers import Servers, servers  # noqa: F401
@@ -74,6 +75,14 @@ def test_load_takes_q_after_the_subcommand(
     assert _one_line_error(err) == f"clone-pipeline load: error: input {missing} does not exist"
 
 
+def test_rejects_go_under_results_by_default() -> None:
+    args = build_parser().parse_args(_COMMANDS[0])
+    assert args.rejects == DEFAULT_REJECTS == "results/clone-pipeline-rejects"
+    ignored = (ROOT / ".gitignore").read_text().splitlines()
+    assert "/results/" in ignored  # so the default never shows up in git status
+    assert "clone-pipeline-rejects/" in ignored  # nor what older versions left at the top
+
+
 def test_missing_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = tmp_path / "nope.parquet"
     code, _, err = _run(capsys, "load", "--servers", "127.0.0.1:1", "--input", str(missing))
@@ -133,3 +142,31 @@ def test_missing_column(
     assert _one_line_error(err) == (
         "clone-pipeline load: error: input has no column 'key' (columns: name, value)"
     )
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_rejects_default_to_results_under_the_working_directory(
+    spark: Any,
+    servers: Servers,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    solo = servers.standalone()
+    work = tmp_path / "work"
+    work.mkdir()
+    table = tmp_path / "t.csv"
+    table.write_text("key,value\n/rejects/a,1\nHUGZ,2\n")  # the second key is reserved
+    monkeypatch.chdir(work)  # the shared Spark JVM was started elsewhere
+    code, out, err = _run(
+        capsys, "load", "--servers", f"127.0.0.1:{solo.port}", "--input", str(table),
+        "--format", "csv", "--heartbeat", "0.1", "-q",
+    )  # fmt: skip
+    assert code == 1, err
+    where = work / "results" / "clone-pipeline-rejects"
+    assert f"rejected rows and reasons: {where}\n" in out
+    rows = [json.loads(line) for f in sorted(where.glob("*.json")) for line in f.open()]
+    assert rows == [{"key": "HUGZ", "value": "2", "reject_reason": "key 'HUGZ' is reserved"}]
+    assert sorted(p.name for p in work.iterdir()) == ["results"]  # nothing else left behind

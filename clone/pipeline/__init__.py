@@ -16,3 +16,10 @@ Nothing here imports pyspark at module import time except the modules that
 need it, and the core :mod:`clone` package never imports this one, so the
 service runs without Spark installed.
 """
+
+__all__ = ["DEFAULT_REJECTS"]
+
+# Where ``load`` writes rejected rows unless told (--rejects): under results/,
+# the output directory every tool here writes to and .gitignore leaves out, so
+# a run in a checkout does not leave an untracked folder at its top.
+DEFAULT_REJECTS = "results/clone-pipeline-rejects"

@@ -34,6 +34,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from clone.pipeline import DEFAULT_REJECTS
     from clone.pipeline.session import DEFAULT_MASTER
 
     parser = _Parser(prog="clone-pipeline", description=__doc__.splitlines()[0] if __doc__ else "")
@@ -60,9 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument("--subtree", default="", help="every key must start with this prefix")
     load.add_argument(
         "--rejects",
-        default="clone-pipeline-rejects",
-        help="directory for rejected rows and their reasons, as JSON lines "
-        "(default ./clone-pipeline-rejects; written only when rows are rejected)",
+        default=DEFAULT_REJECTS,
+        help="directory for rejected rows and their reasons, as JSON lines, replaced "
+        f"(default ./{DEFAULT_REJECTS}, under the results/ output directory; written "
+        "only when rows are rejected)",
     )
     load.add_argument(
         "--max-in-flight",

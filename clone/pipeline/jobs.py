@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from clone.pipeline import DEFAULT_REJECTS
 from clone.pipeline.errors import InputError, WriteFailed
 from clone.pipeline.sources import (
     EXPORT_SCHEMA,
@@ -124,7 +125,9 @@ def load_table(
         to_write = sum(int(r["count"]) for r in counts if r[REJECT_REASON] is None)
         rejects_path = None
         if rejected:
-            rejects_path = rejects or "clone-pipeline-rejects"
+            # Absolute, because Spark resolves a relative path against the JVM's
+            # working directory, which is not ours if the session started elsewhere.
+            rejects_path = os.path.abspath(rejects or DEFAULT_REJECTS)
             rejected_rows(checked).write.mode("overwrite").json(rejects_path)
             log.info("%d rejected rows written to %s", rejected, rejects_path)
 
