@@ -37,6 +37,11 @@ __all__ = [
     "MAX_BATCH_ENTRIES",
     "BATCH_TARGET_BYTES",
     "MAX_BATCH_BYTES",
+    "KVAPPLIED",
+    "APPLIED_PROPERTY",
+    "APPLIED_VERSION",
+    "APPLIED_METADATA",
+    "MAX_APPLIED_IDS",
 ]
 
 # Command words as they appear in frame 0.
@@ -93,6 +98,18 @@ MAX_BATCH_ENTRIES: Final = 4096
 BATCH_TARGET_BYTES: Final = 1024 * 1024
 # ... so they never add up to more than this, which receivers enforce.
 MAX_BATCH_BYTES: Final = BATCH_TARGET_BYTES + MAX_KEY_BYTES + MAX_PROPERTIES_BYTES + MAX_VALUE_BYTES
+
+# Extension (ours): the applied-update list, docs/protocol.md "KVAPPLIED".  A
+# passive server asks for it (this ZMTP metadata on its sync DEALER) so that it
+# can tell which of the client updates it holds pending the active server has
+# already applied: those are in (or superseded in) the snapshot and must never
+# be applied again at a promotion (docs/failover.md, "Pending updates").
+KVAPPLIED: Final = b"KVAPPLIED"
+APPLIED_PROPERTY: Final = "X-CHP-Applied"
+APPLIED_VERSION: Final = "1"
+APPLIED_METADATA: Final = f"{APPLIED_PROPERTY}:{APPLIED_VERSION}".encode()
+# Update ids (16-byte uuids) per KVAPPLIED message: 64 KiB of ids.
+MAX_APPLIED_IDS: Final = 4096
 
 # The Guide's example pair on one host.
 DEFAULT_PRIMARY_PORT: Final = 5556
