@@ -8,7 +8,10 @@ left.  The reverse order happens too: the active's KVPUB can overtake the
 client's direct copy.  :class:`UuidWindow` remembers the most recently applied
 ids so such a late copy is recognised and not parked.  The same window is the
 active server's deduplication window: a uuid is published at most once within
-it, which lets clients resend unconfirmed writes after a failover.
+it, which lets clients resend unconfirmed writes after a failover.  It also
+remembers when each id was applied, so that an active server can tell a syncing
+peer which updates its snapshot covers and how far back that list reaches
+(:mod:`clone.applied`).
 
 Both structures are bounded, O(1) per operation, and sans-IO (``now`` is passed
 in).
@@ -16,8 +19,9 @@ in).
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict, deque
-from collections.abc import Hashable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
 from clone.codec import KVMsg
@@ -37,16 +41,21 @@ def update_id(msg: KVMsg) -> Hashable:
 
 
 class UuidWindow:
-    """The last ``capacity`` update ids seen, with O(1) membership and eviction."""
+    """The last ``capacity`` update ids seen, with O(1) membership and eviction,
+    and when each was added."""
 
-    __slots__ = ("_capacity", "_order", "_set")
+    __slots__ = ("_capacity", "_horizon", "_order", "_set", "_times")
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"window capacity must be at least 1, not {capacity}")
         self._capacity = capacity
         self._order: deque[Hashable] = deque()
+        self._times: deque[float] = deque()
         self._set: set[Hashable] = set()
+        # Every id applied after this time is in the window.  A server starts
+        # with nothing applied, so at first the window holds its whole history.
+        self._horizon = -math.inf
 
     @property
     def capacity(self) -> int:
@@ -58,15 +67,31 @@ class UuidWindow:
     def __contains__(self, uid: object) -> bool:
         return uid in self._set
 
-    def add(self, uid: Hashable) -> bool:
-        """Remember ``uid``; False if it was already in the window."""
+    def add(self, uid: Hashable, now: float) -> bool:
+        """Remember ``uid``, applied at ``now``; False if it was already in the window."""
         if uid in self._set:
             return False
         if len(self._order) >= self._capacity:
             self._set.discard(self._order.popleft())
+            self._horizon = max(self._horizon, self._times.popleft())
         self._order.append(uid)
+        self._times.append(now)
         self._set.add(uid)
         return True
+
+    def ids(self) -> list[Hashable]:
+        """Every id in the window, oldest first."""
+        return list(self._order)
+
+    def span(self, now: float) -> float:
+        """How far back, from ``now``, the window reaches: every id applied
+        since ``now - span`` is in it (``math.inf``: every id ever applied)."""
+        return max(0.0, now - self._horizon)
+
+    def limit_history(self, since: float) -> None:
+        """The state was replaced by a snapshot whose updates are known only as
+        far back as ``since`` (the peer's applied list): so is the window."""
+        self._horizon = max(self._horizon, since)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +167,17 @@ class PendingList:
             n += 1
         self.dropped += n
         return n
+
+    def retain(self, keep: Callable[[PendingUpdate], bool]) -> int:
+        """Keep only the updates ``keep`` accepts, in order; return how many went.
+
+        Not counted in :attr:`dropped` (that counts what the bounds cost); the
+        caller counts why it discarded them.
+        """
+        items = self._items
+        before = len(items)
+        self._items = OrderedDict((uid, p) for uid, p in items.items() if keep(p))
+        return before - len(self._items)
 
     def drain(self) -> list[PendingUpdate]:
         """Everything parked, in arrival order, leaving the list empty."""

@@ -15,9 +15,9 @@ def _msg(n: int, key: str = "k", body: bytes = b"v") -> KVMsg:
 def test_window_remembers_the_last_n_ids() -> None:
     window = UuidWindow(3)
     for uid in (b"a", b"b", b"c"):
-        assert window.add(uid)
-    assert not window.add(b"a")
-    window.add(b"d")  # evicts a
+        assert window.add(uid, 0.0)
+    assert not window.add(b"a", 0.0)
+    window.add(b"d", 0.0)  # evicts a
     assert b"a" not in window
     assert all(u in window for u in (b"b", b"c", b"d"))
     assert len(window) == 3
