@@ -14,7 +14,12 @@ reactor; this module owns the rules:
   map while buffering the live KVPUBs, then swap and replay) and afterwards
   every KVPUB in strict sequence order; a gap, or a HUGZ announcing a sequence
   we do not have, means "resync".  Client KVSETs wait in the pending list until
-  the active server republishes them.
+  the active server republishes them.  When a sync completes, the pending list
+  keeps only updates the active server had provably *not* applied by the
+  snapshot's sequence (it sends the ids it applied, :mod:`clone.applied`): a
+  snapshot holds only the last update of each key, so an update applied and
+  superseded before it would otherwise stay pending and be applied again, over
+  newer values, at a promotion (docs/failover.md, "Pending updates").
 * **Promotion** (passive -> active): apply the pending list in arrival order,
   each with a fresh sequence, and publish every one of them.  Sequences carry on
   from the highest the server has seen anywhere, so they never go backwards.
@@ -30,6 +35,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from clone.applied import decode_kvapplied, encode_kvapplied, is_kvapplied, uuid_ids
 from clone.batch import decode_kvbatch, is_kvbatch
 from clone.codec import (
     Hugz,
@@ -43,7 +49,7 @@ from clone.codec import (
     encode_kv,
 )
 from clone.errors import ProtocolError
-from clone.pending import PendingList, UuidWindow, update_id
+from clone.pending import PendingList, PendingUpdate, UuidWindow, update_id
 from clone.protocol import TTL_PROPERTY
 from clone.snapshot import SnapshotStream
 from clone.store import Entry, Store
@@ -108,6 +114,12 @@ class FollowOutcome(enum.Enum):
     RESYNC = "resync"  # ask the active peer for a new snapshot
 
 
+#: How much earlier than the applied list reaches a pending update must have
+#: arrived to count as possibly covered by the snapshot: the passive may read a
+#: client's copy of an update later than the active applied it (a busy loop, a
+#: queue in its collector socket), so the list's reach is shortened by this.
+APPLIED_SPAN_MARGIN = 1.0
+
 #: Every counter :attr:`ServerCore.counters` holds, all starting at zero.
 COUNTERS = (
     "kvset_received",
@@ -131,6 +143,9 @@ COUNTERS = (
     "pending_applied",
     "pending_skipped",
     "pending_failed",
+    "applied_ids_received",
+    "pending_already_applied",
+    "pending_unverifiable",
     "promotions",
     "demotions",
 )
@@ -170,6 +185,12 @@ class ServerCore:
         self._staging: dict[bytes, Entry] = {}
         self._buffer: list[KVMsg] = []
         self._buffer_overflowed = False
+        # The ids the active said it applied up to this sync's snapshot, and the
+        # arrival time before which a pending update may predate that list;
+        # None until a KVAPPLIED of the current sync arrives.
+        self._peer_applied: set[bytes] | None = None
+        self._peer_applied_order: list[bytes] = []
+        self._peer_applied_since = 0.0
 
     # -- client side ---------------------------------------------------------
 
@@ -198,7 +219,7 @@ class ServerCore:
                 c["kvset_invalid"] += 1
                 raise
             if uuid:
-                self.window.add(uuid)
+                self.window.add(uuid, now)
             c["kvpub_published"] += 1
             return out
         # Passive or starting: validate now, so promotion cannot fail on it.
@@ -232,13 +253,27 @@ class ServerCore:
             raise
 
     def open_snapshot(
-        self, identity: bytes, subtree: str, *, batch: bool = False
+        self,
+        identity: bytes,
+        subtree: str,
+        *,
+        batch: bool = False,
+        applied: bool = False,
+        now: float = 0.0,
     ) -> SnapshotStream:
         """Start streaming the current state under ``subtree`` to ``identity``.
 
         ``batch``: the requester negotiated KVBATCH (:mod:`clone.batch`).
+        ``applied``: it asked for the applied-update list (:mod:`clone.applied`),
+        which then goes first, as of ``now``.
         """
-        return SnapshotStream(identity, subtree, self.store, batch=batch)
+        preamble: list[list[bytes]] = []
+        if applied:
+            window = self.window
+            preamble = encode_kvapplied(
+                self.store.sequence, uuid_ids(window.ids()), window.span(now)
+            )
+        return SnapshotStream(identity, subtree, self.store, batch=batch, preamble=preamble)
 
     def hugz(self, heartbeat_ms: int | None = None) -> list[bytes]:
         """A heartbeat carrying the current highest sequence and, given
@@ -260,7 +295,8 @@ class ServerCore:
             # The snapshot will never complete; keep the last whole state and
             # whatever of the buffered updates follows it without a gap.
             self._staging = {}
-            self._replay_buffer(after=self.store.sequence)
+            self._replay_buffer(self.store.sequence, now)
+        self._forget_peer_applied()
         self._sync(SyncEvent.STOP)
         self.role = Role.ACTIVE
         store = self.store
@@ -278,7 +314,7 @@ class ServerCore:
                 c["pending_failed"] += 1
                 continue
             if msg.uuid:
-                self.window.add(msg.uuid)
+                self.window.add(msg.uuid, now)
             out.append(pub)
         c["pending_applied"] += len(out)
         c["kvpub_published"] += len(out)
@@ -300,9 +336,10 @@ class ServerCore:
         self._staging = {}
         self._buffer = []
         self._buffer_overflowed = False
+        self._forget_peer_applied()
 
-    def on_peer_update(self, frames: Sequence[bytes]) -> FollowOutcome:
-        """A KVPUB or HUGZ from the active peer's publisher."""
+    def on_peer_update(self, frames: Sequence[bytes], now: float) -> FollowOutcome:
+        """A KVPUB or HUGZ from the active peer's publisher, received at ``now``."""
         c = self.counters
         if self.role is not Role.PASSIVE:
             c["peer_ignored"] += 1
@@ -327,7 +364,7 @@ class ServerCore:
         if msg.sequence > self.highest_seen:
             self.highest_seen = msg.sequence
         if state is SyncState.SYNCED:
-            return self._follow(msg, frames)
+            return self._follow(msg, now, frames)
         if state is SyncState.SYNCING:
             if len(self._buffer) < self.settings.sync_buffer_max:
                 self._buffer.append(msg)
@@ -337,14 +374,18 @@ class ServerCore:
                 c["sync_buffer_overflow"] += 1
         return FollowOutcome.OK
 
-    def on_snapshot_reply(self, frames: Sequence[bytes]) -> FollowOutcome:
-        """A KVSYNC or KTHXBAI from the snapshot we asked the peer for."""
+    def on_snapshot_reply(self, frames: Sequence[bytes], now: float) -> FollowOutcome:
+        """A KVSYNC, KVBATCH, KVAPPLIED or KTHXBAI of the snapshot we asked the
+        peer for, received at ``now``."""
         c = self.counters
         if self.sync_state is not SyncState.SYNCING or self.role is not Role.PASSIVE:
             c["peer_ignored"] += 1
             return FollowOutcome.OK
         if is_kvbatch(frames):
             self._stage_batch(frames)
+            return FollowOutcome.OK
+        if is_kvapplied(frames):
+            self._note_peer_applied(frames, now)
             return FollowOutcome.OK
         try:
             msg = decode_snapshot_reply(frames)
@@ -359,9 +400,10 @@ class ServerCore:
             self._staging = {}
             if msg.sequence > self.highest_seen:
                 self.highest_seen = msg.sequence
-            if not self._replay_buffer(after=msg.sequence):
+            if not self._replay_buffer(msg.sequence, now):
                 c["peer_gaps"] += 1
                 return FollowOutcome.RESYNC
+            self._reconcile_pending(now)
             self._sync(SyncEvent.SNAPSHOT_DONE)
             c["syncs_completed"] += 1
             return FollowOutcome.SYNCED
@@ -397,6 +439,64 @@ class ServerCore:
             for uuid in batch.uuids:
                 if uuid:
                     confirm(uuid)
+
+    def _note_peer_applied(self, frames: Sequence[bytes], now: float) -> None:
+        """A KVAPPLIED of the snapshot we asked for: remember its ids."""
+        try:
+            applied = decode_kvapplied(frames)
+        except ProtocolError:
+            self.counters["peer_invalid"] += 1
+            raise
+        if self._peer_applied is None:
+            self._peer_applied = set()
+            # A list that reaches back a finite time is trusted a margin less.
+            self._peer_applied_since = now - applied.span + APPLIED_SPAN_MARGIN
+        self._peer_applied.update(applied.ids)
+        self._peer_applied_order += applied.ids
+        self.counters["applied_ids_received"] += len(applied.ids)
+
+    def _forget_peer_applied(self) -> None:
+        self._peer_applied = None
+        self._peer_applied_order = []
+
+    def _reconcile_pending(self, now: float) -> None:
+        """A sync completed: keep only pending updates the active had not applied.
+
+        The rule of docs/failover.md, "Pending updates".  A pending update the
+        active applied by the snapshot's sequence is in the snapshot, or was
+        superseded by what is: it goes, and its id joins the window, so a late
+        copy from its client is not parked again.  One the list cannot vouch for
+        (no list from this peer, no uuid, or it arrived before the list reaches)
+        goes too: if the active applied it, the snapshot covers it; if not, it
+        was never confirmed, and its writer resends it until it is.  The rest
+        were not applied by the snapshot's sequence: they stay, to be confirmed
+        by a later KVPUB or applied at a promotion.
+        """
+        applied = self._peer_applied
+        since = self._peer_applied_since
+        window = self.window
+        if applied is not None:
+            add = window.add
+            for uid in self._peer_applied_order:
+                add(uid, now)
+        window.limit_history(since if applied is not None else now)
+        self._forget_peer_applied()
+        c = self.counters
+        if not self.pending:
+            return
+        gone_applied = 0
+
+        def keep(parked: PendingUpdate) -> bool:
+            nonlocal gone_applied
+            uuid = parked.msg.uuid
+            if applied is not None and uuid in applied:
+                gone_applied += 1
+                return False
+            return applied is not None and bool(uuid) and parked.arrived >= since
+
+        gone = self.pending.retain(keep)
+        c["pending_already_applied"] += gone_applied
+        c["pending_unverifiable"] += gone - gone_applied
 
     # -- time ----------------------------------------------------------------
 
@@ -450,7 +550,9 @@ class ServerCore:
                 f"sync event {event.name} is not allowed in state {self.sync_state.name}"
             ) from None
 
-    def _follow(self, msg: KVMsg, frames: Sequence[bytes] | None = None) -> FollowOutcome:
+    def _follow(
+        self, msg: KVMsg, now: float, frames: Sequence[bytes] | None = None
+    ) -> FollowOutcome:
         store = self.store
         expected = store.sequence + 1
         if msg.sequence < expected:
@@ -463,10 +565,10 @@ class ServerCore:
         uid = update_id(msg)
         self.pending.confirm(uid)
         if msg.uuid:
-            self.window.add(msg.uuid)
+            self.window.add(msg.uuid, now)
         return FollowOutcome.OK
 
-    def _replay_buffer(self, after: int) -> bool:
+    def _replay_buffer(self, after: int, now: float) -> bool:
         """Apply buffered KVPUBs newer than ``after``; False on a gap."""
         buffered, self._buffer = self._buffer, []
         overflowed, self._buffer_overflowed = self._buffer_overflowed, False
@@ -476,9 +578,9 @@ class ServerCore:
                 # Already in the snapshot, but it still confirms a pending update.
                 self.pending.confirm(update_id(msg))
                 if msg.uuid:
-                    self.window.add(msg.uuid)
+                    self.window.add(msg.uuid, now)
                 continue
             if msg.sequence != store.sequence + 1:
                 return False
-            self._follow(msg)
+            self._follow(msg, now)
         return not overflowed

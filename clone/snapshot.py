@@ -22,6 +22,10 @@ the per-key work is done a column at a time in C: a window of the key list is
 filtered by prefix with ``compress``, looked up with ``map``, and keys deleted
 since are dropped.  Keys that did not fit under the batch's byte target are
 carried into the next batch and looked up again then.
+
+A ``preamble`` of whole messages goes out before the first entry: a peer
+server's sync gets the KVAPPLIED list there (:mod:`clone.applied`), built when
+the stream starts so that it is consistent with the recorded sequence.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ class SnapshotStream:
         "_keys",
         "_lookup",
         "_lookup_many",
+        "_preamble",
         "_prefix",
         "_total",
         "batch",
@@ -65,8 +70,18 @@ class SnapshotStream:
         "subtree",
     )
 
-    def __init__(self, identity: bytes, subtree: str, store: Store, *, batch: bool = False) -> None:
+    def __init__(
+        self,
+        identity: bytes,
+        subtree: str,
+        store: Store,
+        *,
+        batch: bool = False,
+        preamble: Sequence[Sequence[bytes]] = (),
+    ) -> None:
         self.identity = identity
+        # Reversed, so the next one is popped off the end.
+        self._preamble = [[identity, *frames] for frames in reversed(preamble)]
         #: Whether entries go out as KVBATCH messages rather than KVSYNCs.
         self.batch = batch
         self.subtree = subtree
@@ -110,6 +125,10 @@ class SnapshotStream:
             return self._current
         if self._done:
             return None
+        if self._preamble:
+            self._current = self._preamble[-1]
+            self._current_entries = 0
+            return self._current
         if self.batch:
             return self._peek_batch()
         keys = self._keys
@@ -196,6 +215,8 @@ class SnapshotStream:
         self._current = None
         if self._ended:
             self._done = True
+        elif self._preamble:
+            self._preamble.pop()
         else:
             self.sent += self._current_entries
             if self.batch:

@@ -44,8 +44,12 @@ def _decode(frames: list[bytes]) -> KVMsg:
     return msg
 
 
-def _snapshot_of(core: ServerCore, *, batch: bool = False) -> list[list[bytes]]:
-    stream = core.open_snapshot(b"peer", "", batch=batch)
+def _snapshot_of(
+    core: ServerCore, *, batch: bool = False, applied: bool = True, now: float = 0.0
+) -> list[list[bytes]]:
+    """What the active core sends a peer server that asks for a snapshot (with
+    the applied-update list first, as our servers ask)."""
+    stream = core.open_snapshot(b"peer", "", batch=batch, applied=applied, now=now)
     out = []
     while not stream.done:
         frames = stream.peek()
@@ -67,7 +71,7 @@ class Pair:
     def sync(self, *, batch: bool = False) -> FollowOutcome:
         outcome = FollowOutcome.OK
         for frames in _snapshot_of(self.active, batch=batch):
-            outcome = self.passive.on_snapshot_reply(frames)
+            outcome = self.passive.on_snapshot_reply(frames, 0.0)
         return outcome
 
     def client_set(self, frames: list[bytes], now: float = 0.0, *, to_passive: bool = True) -> None:
@@ -76,7 +80,7 @@ class Pair:
         if to_passive:
             self.passive.on_kvset(frames, now)
         if pub is not None:
-            assert self.passive.on_peer_update(pub) is FollowOutcome.OK
+            assert self.passive.on_peer_update(pub, 0.0) is FollowOutcome.OK
 
 
 # -- the sync table ------------------------------------------------------------
@@ -202,7 +206,8 @@ def test_passive_syncs_from_kvbatches_into_the_same_state() -> None:
     assert len(batched.passive.pending) == 1
     assert plain.sync() is FollowOutcome.SYNCED
     assert batched.sync(batch=True) is FollowOutcome.SYNCED
-    assert len(_snapshot_of(batched.active, batch=True)) == 3  # two batches and KTHXBAI
+    # two batches and KTHXBAI (without the applied-update list a peer asks for)
+    assert len(_snapshot_of(batched.active, batch=True, applied=False)) == 3
     got, want = batched.passive.store, plain.passive.store
     assert got.keys() == want.keys() and len(got) == 5000  # 4999 and "late"
     assert all(got.entry(k.encode()) == want.entry(k.encode()) for k in want.keys())
@@ -215,14 +220,14 @@ def test_passive_syncs_from_kvbatches_into_the_same_state() -> None:
 def test_a_malformed_batch_from_the_peer_raises_and_counts() -> None:
     pair = Pair()
     pair.client_set(_kvset("a", n=1), to_passive=False)
-    snapshot = _snapshot_of(pair.active, batch=True)
+    snapshot = _snapshot_of(pair.active, batch=True, applied=False)
     bad = list(snapshot[0])
     bad[3] = b"\x00" * 7  # sequences of the wrong size
     with pytest.raises(ProtocolError, match="needs 8 bytes of sequences"):
-        pair.passive.on_snapshot_reply(bad)
+        pair.passive.on_snapshot_reply(bad, 0.0)
     assert pair.passive.counters["peer_invalid"] == 1
-    assert pair.passive.on_snapshot_reply(snapshot[0]) is FollowOutcome.OK
-    assert pair.passive.on_snapshot_reply(snapshot[1]) is FollowOutcome.SYNCED
+    assert pair.passive.on_snapshot_reply(snapshot[0], 0.0) is FollowOutcome.OK
+    assert pair.passive.on_snapshot_reply(snapshot[1], 0.0) is FollowOutcome.SYNCED
     assert pair.passive.store.keys() == ["a"]
 
 
@@ -232,7 +237,7 @@ def test_updates_published_during_the_sync_are_buffered_and_replayed() -> None:
     snapshot = _snapshot_of(pair.active)  # sequence 1
     pair.client_set(_kvset("b", n=2))  # buffered, after the snapshot
     for frames in snapshot:
-        pair.passive.on_snapshot_reply(frames)
+        pair.passive.on_snapshot_reply(frames, 0.0)
     assert pair.passive.store.get("b") is not None
     assert pair.passive.store.sequence == 2
     assert len(pair.passive.pending) == 0
@@ -243,7 +248,7 @@ def test_gap_in_the_buffer_asks_for_a_resync() -> None:
     pair.active.on_kvset(_kvset("a", n=1), 0.0)  # never reaches the passive
     snapshot_seq0 = [encode_kthxbai(0)]
     pair.client_set(_kvset("b", n=2))  # sequence 2 buffered
-    assert pair.passive.on_snapshot_reply(snapshot_seq0[0]) is FollowOutcome.RESYNC
+    assert pair.passive.on_snapshot_reply(snapshot_seq0[0], 0.0) is FollowOutcome.RESYNC
 
 
 def test_sequence_gap_while_following_asks_for_a_resync() -> None:
@@ -252,7 +257,7 @@ def test_sequence_gap_while_following_asks_for_a_resync() -> None:
     pair.active.on_kvset(_kvset("a", n=1), 0.0)  # lost
     pub = pair.active.on_kvset(_kvset("b", n=2), 0.0)
     assert pub is not None
-    assert pair.passive.on_peer_update(pub) is FollowOutcome.RESYNC
+    assert pair.passive.on_peer_update(pub, 0.0) is FollowOutcome.RESYNC
     assert pair.passive.counters["peer_gaps"] == 1
 
 
@@ -262,7 +267,7 @@ def test_sequence_gap_while_following_asks_for_a_resync() -> None:
 def test_hugz_reveals_a_missed_tail(hugz_seq: int, outcome: FollowOutcome) -> None:
     pair = Pair()
     pair.sync()
-    assert pair.passive.on_peer_update(encode_hugz(hugz_seq)) is outcome
+    assert pair.passive.on_peer_update(encode_hugz(hugz_seq), 0.0) is outcome
 
 
 def test_stale_peer_updates_are_ignored() -> None:
@@ -270,7 +275,7 @@ def test_stale_peer_updates_are_ignored() -> None:
     pub = pair.active.on_kvset(_kvset("a", n=1), 0.0)
     pair.sync()
     assert pub is not None
-    assert pair.passive.on_peer_update(pub) is FollowOutcome.OK
+    assert pair.passive.on_peer_update(pub, 0.0) is FollowOutcome.OK
     assert pair.passive.counters["peer_stale"] == 1
 
 
@@ -282,7 +287,7 @@ def test_pending_is_confirmed_in_either_order() -> None:
     # KVPUB first, then the late client copy: not parked
     pub = pair.active.on_kvset(_kvset("b", n=2), 0.0)
     assert pub is not None
-    pair.passive.on_peer_update(pub)
+    pair.passive.on_peer_update(pub, 0.0)
     pair.passive.on_kvset(_kvset("b", n=2), 0.0)
     assert len(pair.passive.pending) == 0
     assert pair.passive.counters["kvset_already_applied"] == 1
@@ -312,9 +317,9 @@ def test_promotion_applies_and_publishes_pending_in_order_with_fresh_sequences()
 def test_new_active_continues_from_the_highest_sequence_seen() -> None:
     pair = Pair()
     pair.sync()
-    pair.passive.on_peer_update(encode_hugz(0))
+    pair.passive.on_peer_update(encode_hugz(0), 0.0)
     # a KVPUB we could not apply (gap) still tells us how far the active got
-    pair.passive.on_peer_update(encode_kv(KVMsg("z", 40, _uuid(5), (), b"v")))
+    pair.passive.on_peer_update(encode_kv(KVMsg("z", 40, _uuid(5), (), b"v")), 0.0)
     pair.passive.become_active(0.0)
     out = pair.passive.on_kvset(_kvset("k", n=6), 0.0)
     assert out is not None and _decode(out).sequence == 41
@@ -324,7 +329,7 @@ def test_promotion_mid_sync_keeps_the_old_state_and_the_pending_list() -> None:
     core = ServerCore()
     core.become_passive()
     core.start_sync()
-    core.on_snapshot_reply(encode_kv(KVMsg("half", 3, b"", (), b"v")))
+    core.on_snapshot_reply(encode_kv(KVMsg("half", 3, b"", (), b"v")), 0.0)
     core.on_kvset(_kvset("p", n=9), 1.0)
     outs = core.become_active(2.0)
     assert "half" not in core.store
@@ -341,8 +346,8 @@ def test_a_starting_server_parks_updates_until_it_is_told_its_role() -> None:
 
 def test_peer_messages_are_ignored_unless_passive() -> None:
     core = ServerCore(standalone=True)
-    assert core.on_peer_update([b"garbage"]) is FollowOutcome.OK
-    assert core.on_snapshot_reply([b"garbage"]) is FollowOutcome.OK
+    assert core.on_peer_update([b"garbage"], 0.0) is FollowOutcome.OK
+    assert core.on_snapshot_reply([b"garbage"], 0.0) is FollowOutcome.OK
     assert core.counters["peer_ignored"] == 2
 
 
@@ -354,14 +359,14 @@ def test_bad_peer_input_raises_and_counts(frames: list[bytes]) -> None:
     pair = Pair()
     pair.sync()
     with pytest.raises(ProtocolError):
-        pair.passive.on_peer_update(frames)
+        pair.passive.on_peer_update(frames, 0.0)
     assert pair.passive.counters["peer_invalid"] == 1
 
 
 def test_kthxbai_for_a_subtree_is_rejected() -> None:
     pair = Pair()
     with pytest.raises(ProtocolError):
-        pair.passive.on_snapshot_reply(encode_kthxbai(0, "/a/"))
+        pair.passive.on_snapshot_reply(encode_kthxbai(0, "/a/"), 0.0)
 
 
 def test_stepping_down_resyncs_into_a_fresh_state() -> None:
@@ -370,8 +375,8 @@ def test_stepping_down_resyncs_into_a_fresh_state() -> None:
     core.become_passive()
     core.start_sync()
     assert core.counters["demotions"] == 1
-    core.on_snapshot_reply(encode_kv(KVMsg("theirs", 5, b"", (), b"v")))
-    assert core.on_snapshot_reply(encode_kthxbai(5)) is FollowOutcome.SYNCED
+    core.on_snapshot_reply(encode_kv(KVMsg("theirs", 5, b"", (), b"v")), 0.0)
+    assert core.on_snapshot_reply(encode_kthxbai(5), 0.0) is FollowOutcome.SYNCED
     assert core.store.keys() == ["theirs"] and core.store.sequence == 5
 
 
@@ -380,9 +385,101 @@ def test_sync_buffer_overflow_forces_a_resync() -> None:
     for i in range(3):
         pair.client_set(_kvset(f"k{i}", n=i + 1), to_passive=False)
     assert pair.passive.counters["sync_buffer_overflow"] == 1
-    assert pair.passive.on_snapshot_reply(encode_kthxbai(0)) is FollowOutcome.RESYNC
+    assert pair.passive.on_snapshot_reply(encode_kthxbai(0), 0.0) is FollowOutcome.RESYNC
 
 
 def test_stats_has_counters_and_gauges() -> None:
     stats = ServerCore(standalone=True).stats()
     assert stats["role"] == "active" and stats["keys"] == 0 and stats["kvset_received"] == 0
+
+
+# -- pending updates after a sync (docs/failover.md, "Pending updates") ---------
+
+
+def _restarted_passive_pair(writes: int, now: float = 100.0) -> Pair:
+    """The rolling-restart case in memory: while the passive was (re)starting, a
+    client overwrote key ``k`` ``writes`` times.  Both servers got every KVSET;
+    the active applied and published them before the passive subscribed, so the
+    passive never saw those KVPUBs, only its own copies, which are pending."""
+    pair = Pair()
+    for n in range(1, writes + 1):
+        pair.active.on_kvset(_kvset("k", b"v%d" % n, n=n), now)
+        pair.passive.on_kvset(_kvset("k", b"v%d" % n, n=n), now)
+    assert len(pair.passive.pending) == writes
+    return pair
+
+
+def test_a_sync_drops_pending_updates_the_active_applied_and_superseded() -> None:
+    pair = _restarted_passive_pair(5)
+    assert pair.sync() is FollowOutcome.SYNCED
+    # v1..v4 were applied and superseded by v5 (the snapshot's entry): none of
+    # them may be applied again at a promotion.
+    assert len(pair.passive.pending) == 0
+    assert pair.passive.counters["pending_already_applied"] == 4
+    pair.passive.become_active(101.0)
+    assert pair.passive.store.get("k").body == b"v5"  # type: ignore[union-attr]
+
+
+def test_a_late_copy_of_an_applied_update_is_not_parked_after_the_sync() -> None:
+    pair = _restarted_passive_pair(1)
+    pair.active.on_kvset(_kvset("k", b"v2", n=2), 100.0)  # superseded before the snapshot
+    pair.sync()
+    # The passive reads its client's copy of v2 only now (a busy loop).
+    pair.passive.on_kvset(_kvset("k", b"v2", n=2), 100.5)
+    assert len(pair.passive.pending) == 0
+    assert pair.passive.counters["kvset_already_applied"] == 1
+
+
+def test_a_sync_keeps_pending_updates_the_active_has_not_applied() -> None:
+    pair = _restarted_passive_pair(2)
+    # In flight: the passive has it, the active has not applied it yet.
+    pair.passive.on_kvset(_kvset("k", b"v3", n=3), 100.0)
+    pair.sync()
+    assert [p.msg.body for p in pair.passive.pending] == [b"v3"]
+    # The active dies before it applies it: the promoted passive applies it.
+    pair.passive.become_active(101.0)
+    assert pair.passive.store.get("k").body == b"v3"  # type: ignore[union-attr]
+
+
+def test_pending_updates_older_than_the_applied_list_reaches_are_dropped() -> None:
+    settings = CoreSettings(dedup_window=2)
+    pair = Pair(settings)
+    # Arrived at 10.0; by the snapshot the active's window (2 ids) reaches back
+    # only to 50.0: whether it applied this one cannot be told, so it goes.
+    pair.passive.on_kvset(_kvset("old", n=1), 10.0)
+    for n in (2, 3, 4):
+        pair.client_set(_kvset("k", b"v%d" % n, n=n), now=50.0, to_passive=False)
+    for frames in _snapshot_of(pair.active, now=60.0):
+        pair.passive.on_snapshot_reply(frames, 60.0)
+    assert len(pair.passive.pending) == 0
+    assert pair.passive.counters["pending_unverifiable"] == 1
+
+
+def test_without_an_applied_list_a_sync_keeps_no_pending_update() -> None:
+    """A peer that sends no list (an older version): nothing pending can be
+    vouched for, so nothing stays (their writers resend what was unconfirmed)."""
+    pair = _restarted_passive_pair(3)
+    pair.passive.on_kvset(_kvset("k", b"v4", n=4), 100.0)
+    for frames in _snapshot_of(pair.active, applied=False):
+        pair.passive.on_snapshot_reply(frames, 100.0)
+    assert len(pair.passive.pending) == 0
+    # v3 is the snapshot's entry (confirmed by it); v1, v2 and v4 go.
+    assert pair.passive.counters["pending_unverifiable"] == 3
+
+
+def test_a_resync_forgets_the_applied_list_of_the_abandoned_sync() -> None:
+    pair = _restarted_passive_pair(2)
+    snapshot = _snapshot_of(pair.active)
+    pair.passive.on_snapshot_reply(snapshot[0], 100.0)  # the KVAPPLIED
+    pair.passive.start_sync()  # abandoned (a gap, a timeout)
+    for frames in _snapshot_of(pair.active, applied=False):
+        pair.passive.on_snapshot_reply(frames, 100.0)
+    assert pair.passive.counters["pending_already_applied"] == 0
+    assert pair.passive.counters["pending_unverifiable"] == 1  # v2 is the snapshot's entry
+
+
+def test_a_malformed_applied_list_raises_and_counts() -> None:
+    pair = _restarted_passive_pair(1)
+    with pytest.raises(ProtocolError, match="multiple of 16"):
+        pair.passive.on_snapshot_reply([b"KVAPPLIED", bytes(8), b"span_ms=1\n", b"x"], 100.0)
+    assert pair.passive.counters["peer_invalid"] == 1
