@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import json
 import logging
 import signal
 import threading
@@ -46,6 +47,9 @@ from zmq.eventloop.zmqstream import ZMQStream
 from clone.codec import encode_icanhaz
 from clone.errors import CloneError, ProtocolError
 from clone.protocol import (
+    APPLIED_METADATA,
+    APPLIED_PROPERTY,
+    APPLIED_VERSION,
     BATCH_METADATA,
     BATCH_PROPERTY,
     BATCH_VERSION,
@@ -101,6 +105,9 @@ _MAX_FRAMES = 12
 _raw_send = _BackendSocket.send
 _raw_recv = _BackendSocket.recv
 _NOBLOCK = int(zmq.NOBLOCK)
+_POLLIN = int(zmq.POLLIN)
+# Snapshot requests handled after one pump turn at most (see _take_router_backlog).
+_ROUTER_BACKLOG_BATCH = 100
 _SNDMORE = int(zmq.SNDMORE)
 
 
@@ -222,16 +229,26 @@ def _who(identity: bytes) -> str:
     return identity.hex() if identity else "?"
 
 
-def _wants_batches(frame: zmq.Frame) -> bool:
-    """Whether the requester's connection carries our KVBATCH metadata.
+def _has_metadata(frame: zmq.Frame, name: str, value: str) -> bool:
+    """Whether the requester's connection carries our metadata ``name:value``.
 
     A peer that did not set it (the Guide's clients, raw tools) makes libzmq
-    raise EINVAL: it gets the standard KVSYNC stream.
+    raise EINVAL: it gets the standard stream.
     """
     try:
-        return bool(frame.get(BATCH_PROPERTY) == BATCH_VERSION)
+        return bool(frame.get(name) == value)
     except zmq.ZMQError:
         return False
+
+
+def _wants_batches(frame: zmq.Frame) -> bool:
+    """KVBATCHes instead of KVSYNCs (:mod:`clone.batch`)."""
+    return _has_metadata(frame, BATCH_PROPERTY, BATCH_VERSION)
+
+
+def _wants_applied(frame: zmq.Frame) -> bool:
+    """The applied-update list first: a peer server's sync (:mod:`clone.applied`)."""
+    return _has_metadata(frame, APPLIED_PROPERTY, APPLIED_VERSION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -242,6 +259,7 @@ class _DeferredVote:
     subtree: str
     expires_at: float  # on self._clock
     batch: bool  # the requester negotiated KVBATCH
+    applied: bool  # the requester (a peer server) asked for KVAPPLIED
 
 
 class CloneServer:
@@ -446,6 +464,7 @@ class CloneServer:
             s["votes_deferred_held"],
             s["internal_errors"],
         )
+        log.log(level, "counters: %s", json.dumps(s, sort_keys=True))
 
     def _thread_main(self) -> None:
         try:
@@ -478,6 +497,7 @@ class CloneServer:
         collector.bind(f"{base}:{cfg.port + COLLECTOR_OFFSET}")
         self._collector = collector
         # Zero-copy frames: only a Frame can tell the requester's ZMTP metadata.
+        self._on_router_guarded = self._guard(self._on_router)
         self._stream(router, self._on_router, copy=False)
         self._stream(collector, self._on_collector)
         if cfg.mode is not ServerMode.STANDALONE:
@@ -712,6 +732,7 @@ class CloneServer:
     def _on_router(self, parts: list[zmq.Frame]) -> None:
         identity = parts[0].bytes
         batch = len(parts) > 1 and _wants_batches(parts[1])
+        applied = len(parts) > 1 and _wants_applied(parts[1])
         frames = [part.bytes for part in parts[1:]]
         try:
             subtree = self.core.snapshot_request(frames)
@@ -726,18 +747,25 @@ class CloneServer:
             # the peer's not-yet-expired heartbeat stands in the way, hold the
             # request and vote again when it expires; otherwise the client
             # times out and fails over to the other server.
-            if not self._defer_vote(identity, subtree, batch):
+            if not self._defer_vote(identity, subtree, batch, applied):
                 self.counters["snapshots_refused"] += 1
                 log.debug("snapshot request from %s not served (%s)", _who(identity), ha.state.name)
             return
         # Served now: a held copy of the same request must not be served again.
         self._deferred.pop((identity, subtree), None)
-        self._serve(identity, subtree, batch=batch)
+        self._serve(identity, subtree, batch=batch, applied=applied)
 
     def _serve(
-        self, identity: bytes, subtree: str, *, deferred: bool = False, batch: bool = False
+        self,
+        identity: bytes,
+        subtree: str,
+        *,
+        deferred: bool = False,
+        batch: bool = False,
+        applied: bool = False,
     ) -> None:
-        """Stream a snapshot for an accepted vote (in KVBATCHes if ``batch``)."""
+        """Stream a snapshot for an accepted vote (in KVBATCHes if ``batch``,
+        after the applied-update list if ``applied``)."""
         if self.core.role is not Role.ACTIVE:
             # The vote was accepted; make sure the promotion happened first.
             self._on_became_active()
@@ -751,7 +779,9 @@ class CloneServer:
                 _who(identity),
             )
             return
-        stream = self.core.open_snapshot(identity, subtree, batch=batch)
+        stream = self.core.open_snapshot(
+            identity, subtree, batch=batch, applied=applied, now=self._wallclock()
+        )
         self._snapshots[stream] = self._clock()
         if batch:
             self._in_flight[stream] = deque()
@@ -816,6 +846,7 @@ class CloneServer:
             self._abort_snapshot(stream, "internal error")
             return
         self._note_progress(stream, sent_before)
+        self._take_router_backlog()
         if stream.done:
             del self._snapshots[stream]
             self._in_flight.pop(stream, None)
@@ -835,6 +866,27 @@ class CloneServer:
             )
             return
         self._loop.add_callback(self._pump, stream)
+
+    def _take_router_backlog(self) -> None:
+        """Handle snapshot requests that our own sends may have hidden.
+
+        The pump sends on the ROUTER directly, and a send can consume the edge
+        of the socket's file descriptor that announces a new request: the
+        ZMQStream then never wakes for it, and a request that came in during
+        a long snapshot could wait until something else stirred the socket
+        (seen: 10 s).  So after sending we ask the socket itself.
+        """
+        sock = self._router
+        if sock is None or sock.closed:
+            return
+        for _ in range(_ROUTER_BACKLOG_BATCH):
+            if not sock.poll(0, _POLLIN):
+                return
+            try:
+                parts = sock.recv_multipart(_NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_router_guarded(parts)
 
     def _stall(self, stream: SnapshotStream, sent_before: int) -> None:
         """The requester is not keeping up: try again shortly, drop nothing."""
@@ -881,7 +933,7 @@ class CloneServer:
 
     # -- deferred votes --------------------------------------------------------
 
-    def _defer_vote(self, identity: bytes, subtree: str, batch: bool) -> bool:
+    def _defer_vote(self, identity: bytes, subtree: str, batch: bool, applied: bool) -> bool:
         """Hold a refused vote if it may be accepted once the peer expires."""
         ha = self._ha
         limit = self.config.max_deferred_votes
@@ -903,7 +955,7 @@ class CloneServer:
             )
         now = self._clock()
         age = self.config.effective_deferred_vote_max_age
-        self._deferred[key] = _DeferredVote(identity, subtree, now + age, batch)
+        self._deferred[key] = _DeferredVote(identity, subtree, now + age, batch, applied)
         self.counters["votes_deferred"] += 1
         log.debug(
             "snapshot request from %s held (%s, peer expires in %.3f s)",
@@ -978,7 +1030,9 @@ class CloneServer:
                 continue
             self.counters["votes_deferred_served"] += 1
             log.debug("serving the held snapshot request from %s", _who(vote.identity))
-            self._serve(vote.identity, vote.subtree, deferred=True, batch=vote.batch)
+            self._serve(
+                vote.identity, vote.subtree, deferred=True, batch=vote.batch, applied=vote.applied
+            )
             if held and self._clock() > stop_at:
                 # Each serve sends a first chunk; yield to the loop between turns.
                 self._recheck_deferred_soon()
@@ -992,23 +1046,80 @@ class CloneServer:
         if core.role is Role.ACTIVE:
             return
         was = core.role
+        taken = self._take_peer_backlog()
+        self._take_collector_backlog()
         pending = len(core.pending)
         batch = core.become_active(self._wallclock())
         self._close_peer()
         self._publish_bulk(batch)
         log.warning(
             "now ACTIVE (was %s): serving at sequence %d, %d keys; published %d of %d "
-            "pending updates",
+            "pending updates; took %d updates the old active had sent",
             was.value,
             core.store.sequence,
             len(core.store),
             len(batch),
             pending,
+            taken,
         )
         # Tell subscribers at once that this server is alive and where it stands.
         self._publish(core.hugz(self._heartbeat_ms))
         if self._deferred:
             self._recheck_deferred_soon()  # not from here: we may be inside accept_vote()
+
+    def _take_peer_backlog(self) -> int:
+        """Before a promotion, take every message the old active already sent.
+
+        A busy passive may hold thousands of the old active's KVPUBs unread in
+        its SUB queue; clients may have seen them (confirmed writes), and once
+        the socket is closed they are gone.  So they are applied first, in
+        order, like any followed update (a gap stops that, and the pending list
+        covers the rest).  Bounded by the SUB's high-water mark, and done once
+        per promotion.  Returns how many messages were taken.
+        """
+        sub = self._peer_sub
+        if sub is None or sub.closed():
+            return 0
+        core, sock, now = self.core, sub.socket, self._wallclock()
+        taken = 0
+        while True:
+            try:
+                frames = _recv_frames(sock)
+            except zmq.Again:
+                return taken
+            taken += 1
+            try:
+                core.on_peer_update(frames, now)
+            except ProtocolError as exc:
+                self._throttle.log(
+                    "peer_update", logging.WARNING, "dropped a message from the peer: %s", exc
+                )
+
+    def _take_collector_backlog(self) -> None:
+        """Before a promotion, park every client update already received.
+
+        A client's copy of a write the old active confirmed may still sit
+        unread in our collector queue (we were busy, say with a sync).  Read
+        after the promotion it would be applied only after we had served
+        snapshots without it: clients would see the key go back, then forward.
+        Parked now, it is applied with the pending list, before any snapshot.
+        Bounded by the collector's high-water mark, once per promotion.
+        """
+        sock = self._collector
+        if sock is None or self.core.role is Role.ACTIVE:
+            return
+        core, now = self.core, self._wallclock()
+        while True:
+            try:
+                frames = _recv_frames(sock)
+            except zmq.Again:
+                return
+            try:
+                core.on_kvset(frames, now)
+            except ProtocolError as exc:
+                self._throttle.log(
+                    "kvset", logging.WARNING, "dropped a client update: %s", exc
+                )
 
     def _on_became_passive(self) -> None:
         core = self.core
@@ -1048,6 +1159,8 @@ class CloneServer:
         # Ask for KVBATCHes (our peer is one of us): a restart resyncs faster.
         try:
             dealer.setsockopt(zmq.METADATA, BATCH_METADATA)
+            # ... and for the ids it applied, to reconcile our pending list.
+            dealer.setsockopt(zmq.METADATA, APPLIED_METADATA)
             dealer.setsockopt(zmq.MAXMSGSIZE, _MAX_SYNC_FRAME)
         except zmq.ZMQError:  # a libzmq older than 4.3: the standard stream
             log.debug("this libzmq cannot send ZMTP metadata; syncing without KVBATCH")
@@ -1091,10 +1204,11 @@ class CloneServer:
         sub = self._peer_sub
         core = self.core
         stop_at = self._clock() + _TURN_BUDGET
+        now = self._wallclock()
         budget = self.config.collector_batch
         while True:
             try:
-                outcome = core.on_peer_update(frames)
+                outcome = core.on_peer_update(frames, now)
             except ProtocolError as exc:
                 self._throttle.log(
                     "peer_update", logging.WARNING, "dropped a message from the peer: %s", exc
@@ -1126,10 +1240,11 @@ class CloneServer:
         core = self.core
         self._sync_progress = stop_at = self._clock()
         stop_at += _TURN_BUDGET
+        now = self._wallclock()
         budget = self.config.collector_batch
         while True:
             try:
-                outcome = core.on_snapshot_reply(frames)
+                outcome = core.on_snapshot_reply(frames, now)
             except ProtocolError as exc:
                 self._throttle.log(
                     "sync_reply", logging.WARNING, "dropped a snapshot entry from the peer: %s", exc
