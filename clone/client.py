@@ -33,6 +33,7 @@ import zmq
 from clone import agent as _agent
 from clone.agent import Agent, split_endpoint
 from clone.agent_fsm import AgentConfig, AgentFSM, normalize_subtrees
+from clone.argtypes import normalize_endpoint
 from clone.codec import KVMsg, Properties, decode_kvset, encode_kv
 from clone.errors import (
     CloneError,
@@ -373,10 +374,12 @@ class Clone:
                 ) from None
 
     def connect(self, endpoint: str) -> None:
-        """Add a server by its CHP base endpoint, e.g. ``tcp://127.0.0.1:5556``.
+        """Add a server by its CHP base endpoint, e.g. ``tcp://127.0.0.1:5556``
+        (or ``127.0.0.1:5556``: tcp is the default).
 
         Servers are tried in the order they were added.
         """
+        endpoint = normalize_endpoint(endpoint)
         split_endpoint(endpoint)
         self._request(_agent.CONNECT, [endpoint.encode()])
         self._servers.append(endpoint)
