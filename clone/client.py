@@ -51,6 +51,7 @@ from clone.protocol import (
 )
 
 __all__ = [
+    "ChangeStream",
     "Clone",
     "Entry",
     "Status",
@@ -166,6 +167,78 @@ def _entry(frames: Sequence[bytes]) -> Entry:
 _STOP = object()
 
 
+class _Watcher:
+    """One ``changes()`` iterator's queue, as the dispatcher sees it.
+
+    ``closed`` is set without the client's lock (from ``__del__``, which may run
+    anywhere, even in a thread holding that lock); the dispatcher skips closed
+    watchers and registration prunes them.
+    """
+
+    __slots__ = ("closed", "queue")
+
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[Entry | object] = queue.SimpleQueue()
+        self.closed = False
+
+
+class ChangeStream(Iterator[Entry]):
+    """The iterator :meth:`Clone.changes` returns, registered from its creation.
+
+    Iterating blocks until the next change under ``prefix`` and stops at the
+    deadline, when the client closes or after :meth:`close`.  Dropping the last
+    reference unregisters it too.
+    """
+
+    def __init__(self, client: Clone, timeout: float | None, prefix: str) -> None:
+        self._client = client
+        self._prefix = prefix
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._watcher = _Watcher()
+        client._add_watcher(self._watcher)
+
+    def __iter__(self) -> ChangeStream:
+        return self
+
+    def __next__(self) -> Entry:
+        while not self._watcher.closed:
+            if self._deadline is None:
+                wait = 1.0
+            else:
+                wait = self._deadline - time.monotonic()
+                if wait <= 0:
+                    break
+            try:
+                item = self._watcher.queue.get(timeout=min(wait, 1.0))
+            except queue.Empty:
+                continue
+            if item is _STOP:
+                break
+            assert isinstance(item, Entry)
+            if item.key.startswith(self._prefix):
+                return item
+        self.close()
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop queueing changes for this iterator; iterating then stops."""
+        if not self._watcher.closed:
+            self._client._remove_watcher(self._watcher)
+            self._watcher.queue.put(_STOP)  # wake a thread blocked in next()
+
+    def __enter__(self) -> ChangeStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # No lock here: see _Watcher.
+        watcher = getattr(self, "_watcher", None)
+        if watcher is not None:
+            watcher.closed = True
+
+
 class Clone:
     """A client of one Clone server pair, holding a replica of (part of) the map.
 
@@ -211,7 +284,7 @@ class Clone:
         # both resolved by the dispatcher thread.
         self._waiters: dict[bytes, Future[None]] = {}
         self._deadlines: list[tuple[float, bytes, str, float]] = []
-        self._watchers: list[queue.SimpleQueue[Entry | object]] = []
+        self._watchers: list[_Watcher] = []
         self._callbacks: list[Callable[[Entry], None]] = []
         self._callback_queue: queue.SimpleQueue[Entry | object] | None = None
         self._callback_thread: threading.Thread | None = None
@@ -299,8 +372,8 @@ class Clone:
         with self._shared:
             waiters = list(self._waiters.values())
             self._waiters.clear()
-            for q in self._watchers:
-                q.put(_STOP)
+            for watcher in self._watchers:
+                watcher.queue.put(_STOP)
             if self._callback_queue is not None:
                 self._callback_queue.put(_STOP)
         for fut in waiters:
@@ -568,39 +641,29 @@ class Clone:
                 self._callback_thread.start()
         self._watch()
 
-    def changes(self, timeout: float | None = None, prefix: str = "") -> Iterator[Entry]:
-        """Yield changes (deleted keys have ``value`` None) as they happen.
+    def changes(self, timeout: float | None = None, prefix: str = "") -> ChangeStream:
+        """An iterator over changes (deleted keys have ``value`` None) as they happen.
 
-        Stops after ``timeout`` seconds in all (None: until the client closes).
+        It is registered when this call returns, so a change that arrives before
+        the first ``next()`` is not lost.  It ends ``timeout`` seconds after this
+        call (None: when the client closes) or when closed; close it (or use it
+        as a context manager) to stop queueing changes for it.
         """
-        q: queue.SimpleQueue[Entry | object] = queue.SimpleQueue()
+        return ChangeStream(self, timeout, prefix)
+
+    def _add_watcher(self, watcher: _Watcher) -> None:
         with self._shared:
             if self._closed:
                 raise ClosedError("this Clone client is closed")
-            self._watchers.append(q)
+            self._watchers = [w for w in self._watchers if not w.closed]
+            self._watchers.append(watcher)
         self._watch()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while True:
-                if deadline is None:
-                    wait = 1.0
-                else:
-                    wait = deadline - time.monotonic()
-                    if wait <= 0:
-                        return
-                try:
-                    item = q.get(timeout=min(wait, 1.0))
-                except queue.Empty:
-                    continue
-                if item is _STOP:
-                    return
-                assert isinstance(item, Entry)
-                if item.key.startswith(prefix):
-                    yield item
-        finally:
-            with self._shared:
-                if q in self._watchers:
-                    self._watchers.remove(q)
+
+    def _remove_watcher(self, watcher: _Watcher) -> None:
+        watcher.closed = True
+        with self._shared:
+            if watcher in self._watchers:
+                self._watchers.remove(watcher)
 
     def _watch(self) -> None:
         if not self._watching:
@@ -639,8 +702,9 @@ class Clone:
             elif kind == _agent.CHANGE:
                 change = _entry(frames[1:])
                 with self._shared:
-                    for q in self._watchers:
-                        q.put(change)
+                    for watcher in self._watchers:
+                        if not watcher.closed:
+                            watcher.queue.put(change)
                     if self._callback_queue is not None:
                         self._callback_queue.put(change)
             elif kind == _agent.STATE:

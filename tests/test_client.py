@@ -472,6 +472,57 @@ def test_changes_iterator_with_prefix_and_timeout(server: FakeServer) -> None:
         assert 0 < got[0].sequence < got[1].sequence
 
 
+def test_changes_are_registered_before_the_first_next(server: FakeServer) -> None:
+    """A change between the call and the first next() is not lost."""
+    with make_client(server) as c:
+        c.wait_synced(5)
+        stream = c.changes(timeout=5.0)
+        server.publish("early", b"1")
+        eventually(lambda: c.get("early") == b"1", what="the update to be applied")
+        entry = next(stream)
+        assert (entry.key, entry.value) == ("early", b"1")
+        stream.close()
+
+
+def test_changes_unregister_on_close_exit_and_release(server: FakeServer) -> None:
+    with make_client(server) as c:
+        c.wait_synced(5)
+        stream = c.changes()
+        assert len(c._watchers) == 1
+        stream.close()
+        assert c._watchers == []
+        assert list(stream) == []  # a closed stream is exhausted, not blocked
+
+        with c.changes() as scoped:
+            assert len(c._watchers) == 1
+        assert c._watchers == []
+        assert list(scoped) == []
+
+        # Dropped without closing: skipped at once, pruned at the next registration.
+        dropped = c.changes()
+        watcher = c._watchers[0]
+        del dropped
+        assert watcher.closed
+        c.set("k", b"v", wait=True, timeout=5)
+        assert watcher.queue.empty()
+        with c.changes():
+            assert watcher not in c._watchers
+
+
+def test_changes_on_a_closed_client_raise_at_once(server: FakeServer) -> None:
+    c = make_client(server)
+    c.close()
+    with pytest.raises(ClosedError):
+        c.changes()
+
+
+def test_closing_the_client_ends_a_blocked_iteration(server: FakeServer) -> None:
+    with make_client(server) as c:
+        c.wait_synced(5)
+        stream = c.changes()
+    assert list(stream) == []
+
+
 def test_subtrees_isolate_keys(server: FakeServer) -> None:
     for key in ("/a/1", "/b/1", "/c/1"):
         server.publish(key, b"v")
