@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from clone.argtypes import non_negative_int, positive_float, positive_int
 from clone.errors import CloneError
 from clone.protocol import (
+    COLLECTOR_OFFSET,
     DEFAULT_BACKUP_HA_PORT,
     DEFAULT_BACKUP_PORT,
     DEFAULT_HEARTBEAT_MS,
@@ -44,6 +45,37 @@ def _host_port(text: str) -> str:
     return text
 
 
+def _base_port(text: str) -> int:
+    """A CHP base port P: P, P+1 and P+2 are bound, so 1..65533; 0 is refused.
+
+    0 would ask for an ephemeral port that nothing reports back (and used to
+    become the default port without a word).
+    """
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 < value <= 65535 - COLLECTOR_OFFSET:
+        raise argparse.ArgumentTypeError(
+            f"must be a port in 1..{65535 - COLLECTOR_OFFSET} (P, P+1 and P+2 are bound;"
+            f" 0, an ephemeral port, is not supported), got {value}"
+        )
+    return value
+
+
+def _port(text: str) -> int:
+    """A single TCP port, 1..65535; 0 (ephemeral) is refused as for ``--port``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number, got {text!r}") from None
+    if not 0 < value <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"must be a port in 1..65535 (0, an ephemeral port, is not supported), got {value}"
+        )
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="clone-server",
@@ -53,9 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--primary", action="store_true", help="run as the primary of a pair")
     mode.add_argument("--backup", action="store_true", help="run as the backup of a pair")
     mode.add_argument("--standalone", action="store_true", help="run alone, with no peer")
-    p.add_argument("--port", type=int, help="CHP base port P (P, P+1, P+2); default 5556/5566")
+    p.add_argument(
+        "--port", type=_base_port, help="CHP base port P (P, P+1, P+2); default 5556/5566"
+    )
     p.add_argument("--peer", type=_host_port, help="the peer's CHP base port, HOST:PORT")
-    p.add_argument("--ha-port", type=int, help="our Binary Star port; default 5003/5004")
+    p.add_argument("--ha-port", type=_port, help="our Binary Star port; default 5003/5004")
     p.add_argument("--peer-ha", type=_host_port, help="the peer's Binary Star port, HOST:PORT")
     p.add_argument("--bind", default="*", help="interface to bind (default: all, '*')")
     p.add_argument(
@@ -143,7 +177,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
     if args.standalone:
         return ServerConfig(
-            port=args.port or DEFAULT_PRIMARY_PORT,
+            port=DEFAULT_PRIMARY_PORT if args.port is None else args.port,
             mode=ServerMode.STANDALONE,
             **common,
         )
@@ -156,10 +190,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         port, ha_port = DEFAULT_BACKUP_PORT, DEFAULT_BACKUP_HA_PORT
         peer, peer_ha = DEFAULT_PRIMARY_PORT, DEFAULT_PRIMARY_HA_PORT
     return ServerConfig(
-        port=args.port or port,
+        port=port if args.port is None else args.port,
         mode=mode,
         peer=args.peer or f"localhost:{peer}",
-        ha_port=args.ha_port or ha_port,
+        ha_port=ha_port if args.ha_port is None else args.ha_port,
         peer_ha=args.peer_ha or f"localhost:{peer_ha}",
         **common,
     )

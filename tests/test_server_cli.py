@@ -33,3 +33,32 @@ def test_liveness_flags_must_be_positive(flag: str, capsys: pytest.CaptureFixtur
         build_parser().parse_args(["--primary", flag, "0"])
     assert exc.value.code == 2
     assert flag in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "message"),
+    [
+        ("--port", "0", "0, an ephemeral port, is not supported"),
+        ("--port", "65534", "must be a port in 1..65533"),
+        ("--port", "x", "expected a port number"),
+        ("--ha-port", "0", "0, an ephemeral port, is not supported"),
+        ("--ha-port", "65536", "must be a port in 1..65535"),
+    ],
+)
+def test_port_zero_and_out_of_range_are_usage_errors(
+    flag: str, value: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--port 0`` once silently became the default port."""
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["--primary", flag, value])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert flag in err and message in err
+
+
+@pytest.mark.parametrize("mode", ["--primary", "--backup", "--standalone"])
+def test_explicit_ports_are_used(mode: str) -> None:
+    cfg = _config(mode, "--port", "7000", "--ha-port", "7100")
+    assert cfg.port == 7000
+    if mode != "--standalone":
+        assert cfg.ha_port == 7100
