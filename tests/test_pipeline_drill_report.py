@@ -309,3 +309,56 @@ def test_a_restarted_client_starts_a_new_stream(
     stats = client_delivery_stats(read_drill_events(spark, read_drill_summaries([str(run)])))
     row = stats.filter("client = 'c1'").collect()[0]
     assert (row["duplicates"], row["out_of_order"]) == (duplicates, 0)
+
+
+def test_overwritten_drill_keys_are_left_out_of_the_per_write_counts(
+    spark: Any, tmp_path: Path
+) -> None:
+    """Keys every drill client overwrites (/drill/shared/) cannot be judged write
+    by write: c1 rightly misses a value overwritten while it resynced, and sees
+    an older sequence after a failover that lost an unconfirmed write.  The
+    counts leave them out (the drill judges them itself) and still count the
+    keys written once."""
+    from clone.pipeline.sources import read_drill_events, read_drill_summaries
+    from clone.pipeline.transforms import client_delivery_stats, run_overview
+
+    run = tmp_path / "run"
+    run.mkdir()
+    t = 1_700_000_000.0
+    shared, own = "/drill/shared/0", "/drill/c0/g0/0"
+
+    def sent(i: float, key: str, uuid: str, confirmed: bool) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = [
+            {"ts": t + i, "client": "c0", "event": "write_sent", "key": key, "uuid": uuid}
+        ]
+        if confirmed:
+            out.append({"ts": t + i + 0.01, "client": "c0", "event": "write_confirmed",
+                        "key": key, "uuid": uuid, "confirmed": True})
+        return out
+
+    def seen(i: float, client: str, key: str, seq: int, uuid: str) -> dict[str, Any]:
+        return {"ts": t + i, "client": client, "event": "update", "key": key, "seq": seq,
+                "uuid": uuid}
+
+    events = [
+        *sent(0, own, "aa" * 16, True), seen(0.005, "c0", own, 1, "aa" * 16),
+        seen(0.006, "c1", own, 1, "aa" * 16),
+        *sent(1, shared, "a1" * 16, True), *sent(2, shared, "a2" * 16, True),
+        *sent(3, shared, "a3" * 16, False),
+        seen(1.005, "c0", shared, 2, "a1" * 16), seen(2.005, "c0", shared, 3, "a2" * 16),
+        seen(3.005, "c0", shared, 4, "a3" * 16),
+        # c1 resynced after a1 and a2, and then lost the unconfirmed a3 in a failover.
+        seen(3.006, "c1", shared, 4, "a3" * 16), seen(4.0, "c1", shared, 3, "a2" * 16),
+    ]
+    (run / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run / "summary.json").write_text(json.dumps({"scenario": "kill-active", "clients": 2}))
+    drill_events = read_drill_events(spark, read_drill_summaries([str(run)]))
+    stats = {r["client"]: r for r in client_delivery_stats(drill_events).collect()}
+    for client in ("c0", "c1"):
+        row = stats[client]
+        assert (row["confirmed_lost"], row["unconfirmed_lost"]) == (0, 0), row
+        assert (row["duplicates"], row["out_of_order"]) == (0, 0), row
+    assert (stats["c0"]["writes_sent"], stats["c0"]["writes_confirmed"]) == (1, 1)
+    (overview,) = run_overview(drill_events).collect()
+    assert overview["confirmed_writes"] == 1
+    assert (overview["confirmed_lost"], overview["out_of_order"]) == (0, 0)
