@@ -2,8 +2,9 @@
 
 The real drills (marked slow) run a server pair and two client processes for a
 few seconds with a 200 ms heartbeat, and assert the guarantees -- no confirmed
-write lost, convergence, no duplicate, order kept, the scenario's own checks --
-and the events.jsonl / summary.json schema.  Never speed.
+write lost, no overwritten key back at an older value, convergence, no
+duplicate, order kept, the scenario's own checks -- and the events.jsonl /
+summary.json schema.  Never speed.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 
 from clone.tools import drill, report
 from clone.tools.drill import DrillConfig, analyse, percentile, run_drill
-from clone.tools.drill_client import make_value, parse_value, state_hash, write_key
+from clone.tools.drill_client import make_value, parse_value, shared_key, state_hash, write_key
 
 # --------------------------------------------------------------------------
 # The analysis, without processes
@@ -127,11 +128,150 @@ def test_ttl_writes_are_not_losses_but_leftovers_count() -> None:
     assert s["ttl_leftover"] == 1
 
 
+# Overwritten keys: every write by hand, with its times.
+K = shared_key(0)
+
+
+def _shared(
+    client: str, order: int, uid: str, sent: float, confirmed: float | None = None,
+    *, key: str = K, timed_out: bool = False,
+) -> list[dict[str, Any]]:
+    """One write of ``key`` by ``client``: sent at ``sent``, confirmed at ``confirmed``."""
+    evs = [{"ts": sent, "client": client, "event": "write_sent", "key": key, "uuid": uid,
+            "confirmed": confirmed is not None or timed_out}]
+    if confirmed is not None:
+        evs.append({"ts": confirmed, "client": client, "event": "write_confirmed", "key": key,
+                    "uuid": uid, "confirmed": True})
+    if timed_out:
+        evs.append({"ts": sent + 10, "client": client, "event": "write_timeout", "key": key,
+                    "uuid": uid, "confirmed": False})
+    return evs
+
+
+def _seen(observer: str, uid: str | None, ts: float, seq: int, key: str = K) -> dict[str, Any]:
+    return {"ts": ts, "client": observer, "event": "update", "key": key, "seq": seq, "uuid": uid}
+
+
+def _ending(streams: dict[str, list[dict[str, Any]]], final: str | None,
+            clients: dict[str, str | None] | None = None) -> dict[str, Any]:
+    """analyse() with the server ending on write ``final`` of K (None: K is gone)."""
+    state = {} if final is None else {K: make_value("x", 0, 0, final, 64)}
+    for evs in streams.values():
+        evs.sort(key=lambda e: e["ts"])
+    items = {c: {K: u} for c, u in (clients or {}).items()}
+    return analyse(streams, state, {}, items)
+
+
+def test_a_key_back_at_an_older_confirmed_value_is_a_revert() -> None:
+    # c0's write A was confirmed at 1.1; c1 sent B at 2.0, confirmed at 2.1; the
+    # server ends with A: A was applied before B was even sent.
+    streams = {"c0": _shared("c0", 0, "A", 1.0, 1.1), "c1": _shared("c1", 0, "B", 2.0, 2.1)}
+    s = _ending(streams, "A", clients={"c0": "A", "c1": "B"})
+    assert s["reverted_keys"] == 1
+    assert s["reverted_by_state"] == {"server": 1, "c0": 1, "c1": 0}
+    ex = s["reverted_examples"][0]
+    assert (ex["state"], ex["key"], ex["final_uuid"]) == ("server", K, "A")
+    assert ex["outlived"]["writer"] == "c1" and ex["outlived"]["uuid"] == "B"
+    assert "before a confirmed write was sent" in ex["reason"]
+    assert s["shared_writes"] == 2 and s["shared_confirmed_writes"] == 2
+    # B at the end is right, and so is a write of A's sent after B was confirmed.
+    assert _ending({"c0": _shared("c0", 0, "A", 1.0, 1.1),
+                    "c1": _shared("c1", 0, "B", 2.0, 2.1)}, "B")["reverted_keys"] == 0
+
+
+def test_a_concurrent_write_may_win_over_the_last_confirmed_one() -> None:
+    # c1 sent B at 1.0 (confirmed at 1.3); c0 sent A at 1.2, while B was in
+    # flight: the server may apply A last, confirmed or not.
+    for a_confirmed in (None, 1.4, 1.25):
+        streams = {"c0": _shared("c0", 0, "A", 1.2, a_confirmed),
+                   "c1": _shared("c1", 0, "B", 1.0, 1.3)}
+        s = _ending(streams, "A", clients={"c0": "A", "c1": "A"})
+        assert s["reverted_keys"] == 0, a_confirmed
+        # ... and B may win over A just as well.
+        assert _ending({"c0": _shared("c0", 0, "A", 1.2, a_confirmed),
+                        "c1": _shared("c1", 0, "B", 1.0, 1.3)}, "B")["reverted_keys"] == 0
+
+
+def test_older_writes_of_the_same_writer_are_reverts() -> None:
+    # c0 sent A (not confirmed), then B (confirmed): A cannot be applied after B.
+    streams = {"c0": [*_shared("c0", 0, "A", 1.0), *_shared("c0", 1, "B", 1.05, 1.1)]}
+    s = _ending(streams, "A")
+    assert s["reverted_keys"] == 1
+    assert s["reverted_examples"][0]["reason"] == "sent before a confirmed write of the same writer"
+    # c0's unconfirmed A was followed by its confirmed write C of a unique key
+    # (confirmed at 1.2), so A was applied by 1.2; c1's B was sent at 2.0.
+    streams = {"c0": [*_shared("c0", 0, "A", 1.0), *_write("c0", 1, "C", True)],
+               "c1": _shared("c1", 0, "B", 2.0, 2.1)}
+    assert _ending(streams, "A")["reverted_keys"] == 1
+    # Without the later confirmation, A may have been in flight all along.
+    streams = {"c0": _shared("c0", 0, "A", 1.0), "c1": _shared("c1", 0, "B", 2.0, 2.1)}
+    assert _ending(streams, "A")["reverted_keys"] == 0
+
+
+def test_a_timed_out_write_is_never_judged_older() -> None:
+    # The agent may resend a write whose wait timed out: it may land late.
+    streams = {"c0": [*_shared("c0", 0, "A", 1.0, timed_out=True),
+                      *_shared("c0", 1, "B", 12.0, 12.1)],
+               "c1": _shared("c1", 0, "C", 13.0, 13.1)}
+    assert _ending(streams, "A")["reverted_keys"] == 0
+
+
+def test_a_missing_or_unknown_final_value_is_a_revert() -> None:
+    streams = {"c0": _shared("c0", 0, "A", 1.0, 1.1)}
+    s = _ending(streams, None)
+    assert s["reverted_keys"] == 1 and s["reverted_examples"][0]["reason"] == "missing"
+    streams = {"c0": _shared("c0", 0, "A", 1.0, 1.1)}
+    s = _ending(streams, "stranger")
+    assert s["reverted_keys"] == 1 and s["reverted_examples"][0]["final_uuid"] == "stranger"
+    # A key with no confirmed write has nothing to go back from.
+    assert _ending({"c0": _shared("c0", 0, "A", 1.0)}, None)["reverted_keys"] == 0
+
+
+def test_clients_seeing_a_key_go_back() -> None:
+    writes = [*_shared("c0", 0, "A", 1.0, 1.1), *_shared("c1", 0, "B", 2.0, 2.1)]
+    streams = {
+        "c0": [e for e in writes if e["client"] == "c0"],
+        "c1": [e for e in writes if e["client"] == "c1"],
+        # Saw B (after its confirmation), then A again: B went back to A.
+        "c2": [_seen("c2", "A", 1.05, 1), _seen("c2", "B", 2.2, 2), _seen("c2", "A", 3.0, 3)],
+        # Behind: sees A late, then B.  Not a revert.
+        "c3": [_seen("c3", "A", 2.5, 1), _seen("c3", "B", 2.6, 2)],
+    }
+    s = _ending(streams, "B")
+    assert s["reverted_keys"] == 0
+    assert s["reverts_seen"] == 1 and s["reverts_seen_by_client"]["c2"] == 1
+    assert s["reverts_seen_examples"][0]["state"] == "c2"
+    assert s["duplicates"] == 0  # A, B, A again is a revert, not a duplicate
+
+
+def test_overwritten_keys_keep_the_per_write_checks_honest() -> None:
+    # Duplicates of an overwritten key: applying the write the key already holds.
+    writes = [*_shared("c0", 0, "A", 1.0, 1.1), *_shared("c0", 1, "B", 1.2),
+              *_shared("c1", 0, "C", 1.3, 1.4)]
+    streams = {
+        "c0": [e for e in writes if e["client"] == "c0"]
+        + [_seen("c0", "A", 1.05, 1), _seen("c0", "A", 1.06, 1), _seen("c0", "B", 1.25, 2),
+           _seen("c0", "C", 1.35, 3)],
+        "c1": [e for e in writes if e["client"] == "c1"]
+        # A resync after a failover that lost the unconfirmed B: from B back to A,
+        # with a lower sequence.  Neither a duplicate nor disorder.
+        + [_seen("c1", "A", 1.05, 1), _seen("c1", "B", 1.25, 2), _seen("c1", None, 1.3, 0),
+           _seen("c1", "A", 1.31, 1), _seen("c1", "C", 1.35, 4)],
+    }
+    s = _ending(streams, "C")
+    assert s["duplicates"] == 1 and s["out_of_order"] == 0
+    assert s["reverted_keys"] == 0 and s["reverts_seen"] == 0
+    # The per-write counts are about unique keys only.
+    assert s["writes_sent"] == 0 and s["confirmed_writes"] == 0 and s["confirmed_lost"] == 0
+
+
 def test_config_rejects_nonsense() -> None:
     with pytest.raises(ValueError):
         DrillConfig(scenario="meteor-strike")
     with pytest.raises(ValueError):
         DrillConfig(scenario="client-restart", clients=1)
+    with pytest.raises(ValueError):
+        DrillConfig(scenario="kill-active", shared_keys=-1)
 
 
 # --------------------------------------------------------------------------
@@ -141,7 +281,8 @@ _EVENTS = {"write_sent", "write_confirmed", "write_timeout", "update", "failover
            "failover_done", "fault", "restart", "final_state"}
 _SUMMARY_FIELDS = {"scenario", "clients", "failover_p50_s", "failover_p99_s", "failover_max_s",
                    "confirmed_writes", "confirmed_lost", "unconfirmed_lost", "duplicates",
-                   "out_of_order", "converged"}
+                   "out_of_order", "converged", "shared_writes", "shared_confirmed_writes",
+                   "reverted_keys", "reverted_examples", "reverts_seen"}
 
 
 def _check_outputs(out: Path, summary: dict[str, Any], scenario: str) -> list[dict[str, Any]]:
@@ -183,12 +324,17 @@ def _assert_guarantees(summary: dict[str, Any]) -> None:
     assert summary["confirmed_writes"] > 0
     assert summary["converged"] is True
     assert summary["duplicates"] == 0 and summary["out_of_order"] == 0
+    # The clients overwrote the shared keys, confirmed and not, and none went back.
+    assert summary["shared_confirmed_writes"] > 0
+    assert summary["shared_writes"] > summary["shared_confirmed_writes"]
+    assert summary["reverted_keys"] == 0 and summary["reverts_seen"] == 0
+    assert summary["checks"]["every key at its last confirmed value or later"]["ok"] is True
     assert summary["ok"] is True
 
 
 def _small(scenario: str, out: Path, **changes: Any) -> DrillConfig:
-    return DrillConfig(scenario=scenario, clients=2, duration=5.0, out=out, rate=20.0,
-                       heartbeat_ms=200, **changes)
+    settings: dict[str, Any] = {"clients": 2, "duration": 5.0, "rate": 20.0, "heartbeat_ms": 200}
+    return DrillConfig(scenario=scenario, out=out, **{**settings, **changes})
 
 
 @pytest.mark.slow
@@ -237,3 +383,4 @@ def test_drill_client_restart_late_joiner(tmp_path: Path) -> None:
     assert (tmp_path / "clients" / "c1.g1.state.json").exists()
     finals = [e for e in events if e["event"] == "final_state"]
     assert len({e["hash"] for e in finals}) == 1 and len(finals) == 2
+

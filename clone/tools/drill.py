@@ -13,6 +13,9 @@ merges all events into ``events.jsonl`` (sorted by time) and decides:
 
 * every confirmed write is in the final state (keys are unique per write, so a
   write is lost exactly when its key is missing or holds another value);
+* every key that all clients overwrite is at its last confirmed value or a
+  later write, in the server's final state and in every client's, and no
+  client saw one go back (:mod:`clone.tools.drill_analysis`);
 * every client ended with the same state as the server (hash of the items);
 * no client applied the same write twice or a writer's writes out of order;
 * the passive ends in step with the active: same sequence and key count, and
@@ -30,7 +33,6 @@ import argparse
 import contextlib
 import json
 import logging
-import math
 import re
 import signal
 import sys
@@ -51,7 +53,8 @@ from clone.protocol import (
     KTHXBAI,
     PUBLISHER_OFFSET,
 )
-from clone.tools.drill_client import DRILL_PREFIX, parse_value, state_hash
+from clone.tools.drill_analysis import analyse, percentile, revert_detail, seen_revert_detail
+from clone.tools.drill_client import DEFAULT_SHARED_KEYS, DRILL_PREFIX
 from clone.tools.procs import (
     ManagedProcess,
     ProcessGroup,
@@ -81,7 +84,6 @@ SCENARIOS: tuple[str, ...] = (
     "client-restart",
     "ttl-storm",
 )
-_KEY_RE = re.compile(r"^/drill/(?P<client>[^/]+)/(?P<ttl>ttl/)?g(?P<gen>\d+)/(?P<n>\d+)$")
 Say = Callable[[str], None]
 
 
@@ -104,6 +106,8 @@ class DrillConfig:
     # Keys (outside /drill/) loaded into the pair before the clients start, so that
     # a restarted server has a real snapshot to sync.
     preload: int = 0
+    # Keys every client overwrites (one write per tick): what can show a revert.
+    shared_keys: int = DEFAULT_SHARED_KEYS
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -112,6 +116,8 @@ class DrillConfig:
             raise ValueError("need at least 1 client (2 for client-restart)")
         if self.duration <= 0 or self.rate <= 0:
             raise ValueError("duration and rate must be > 0")
+        if self.shared_keys < 0:
+            raise ValueError("shared_keys must be >= 0")
 
     @property
     def heartbeat(self) -> float:
@@ -289,117 +295,6 @@ def _read_events(path: Path) -> list[dict[str, Any]]:
 
 
 # --------------------------------------------------------------------------
-# The analysis: pure, over recorded events and states
-
-
-def percentile(values: Sequence[float], p: float) -> float | None:
-    """Nearest-rank percentile; None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(p / 100.0 * len(ordered)))
-    return ordered[rank - 1]
-
-
-def analyse(
-    streams: dict[str, list[dict[str, Any]]],
-    server_state: dict[str, bytes] | None,
-    final_clients: dict[str, str | None],
-) -> dict[str, Any]:
-    """Loss, order, duplicates, failover gaps and convergence.
-
-    ``streams``: the events of each client incarnation (``c1`` then ``c1.g1``
-    after a restart); ``server_state``: the active server's final ``/drill/``
-    items; ``final_clients``: each client id's final state hash (its last
-    incarnation), None when it has none.
-    """
-    writes: dict[str, dict[str, Any]] = {}
-    duplicates = out_of_order = updates = 0
-    gaps: list[float] = []
-    timeouts = 0
-    for events in streams.values():
-        seen: set[str] = set()
-        last_n: dict[str, int] = {}
-        for ev in events:
-            kind = ev.get("event")
-            key = ev.get("key", "")
-            if kind == "write_sent":
-                writes[key] = {"uuid": ev.get("uuid"), "confirmed": False, "ttl": "/ttl/" in key}
-            elif kind == "write_confirmed" and key in writes:
-                writes[key]["confirmed"] = True
-            elif kind == "write_timeout":
-                timeouts += 1
-            elif kind == "update":
-                updates += 1
-                uid = ev.get("uuid")
-                if uid is None:
-                    continue  # a delete (expiry): it carries no write
-                if uid in seen:
-                    duplicates += 1
-                seen.add(uid)
-                m = _KEY_RE.match(key)
-                if m:
-                    writer = f"{m['client']}/{m['ttl'] or ''}g{m['gen']}"
-                    n = int(m["n"])
-                    if n <= last_n.get(writer, -1):
-                        out_of_order += 1
-                    last_n[writer] = max(n, last_n.get(writer, -1))
-            elif kind == "failover_done" and ev.get("gap_s") is not None:
-                gaps.append(float(ev["gap_s"]))
-
-    final = server_state or {}
-    final_ids = {k: parse_value(v) for k, v in final.items()}
-    lost_confirmed: list[str] = []
-    unconfirmed = unconfirmed_lost = confirmed = ttl_writes = 0
-    for key, w in writes.items():
-        if w["ttl"]:
-            ttl_writes += 1
-            continue
-        present = final_ids.get(key) == w["uuid"]
-        if w["confirmed"]:
-            confirmed += 1
-            if not present:
-                lost_confirmed.append(key)
-        else:
-            unconfirmed += 1
-            unconfirmed_lost += not present
-    ttl_leftover = sum(1 for k in final if "/ttl/" in k)
-    server_hash = state_hash(final.items()) if server_state is not None else None
-    hashes = set(final_clients.values())
-    converged = (
-        server_state is not None
-        and bool(final_clients)
-        and None not in hashes
-        and hashes == {server_hash}
-    )
-
-    def r(x: float | None) -> float | None:
-        return None if x is None else round(x, 4)
-
-    return {
-        "writes_sent": len(writes),
-        "confirmed_writes": confirmed,
-        "confirmed_lost": len(lost_confirmed),
-        "confirmed_lost_keys": sorted(lost_confirmed)[:20],
-        "unconfirmed_writes": unconfirmed,
-        "unconfirmed_lost": unconfirmed_lost,
-        "write_timeouts": timeouts,
-        "ttl_writes": ttl_writes,
-        "ttl_leftover": ttl_leftover,
-        "duplicates": duplicates,
-        "out_of_order": out_of_order,
-        "updates_seen": updates,
-        "failovers_observed": len(gaps),
-        "failover_p50_s": r(percentile(gaps, 50)),
-        "failover_p99_s": r(percentile(gaps, 99)),
-        "failover_max_s": r(max(gaps) if gaps else None),
-        "final_keys": len(final),
-        "final_hash": server_hash,
-        "converged": converged,
-    }
-
-
-# --------------------------------------------------------------------------
 # The run
 
 
@@ -463,6 +358,7 @@ class _Drill:
             "--ttl-per-tick", str(cfg.ttl_per_tick if cfg.scenario == "ttl-storm" else 0),
             "--ttl-min", str(cfg.ttl_min),
             "--ttl-max", str(cfg.ttl_max),
+            "--shared-keys", str(cfg.shared_keys),
             "--value-size", str(cfg.value_size),
             "--start-at", repr(start_at),
             "--write-seconds", repr(max(0.0, self.write_end - start_at)),
@@ -653,13 +549,15 @@ class _Drill:
         for path in sorted(self.clients_dir.glob("*.jsonl")):
             streams[path.stem] = _read_events(path)
         final_clients: dict[str, str | None] = {}
+        client_items: dict[str, dict[str, str | None]] = {}
         for cid in client_ids:
             gen = self.generations.get(cid, 0)
             stem = cid if gen == 0 else f"{cid}.g{gen}"
             state_path = self.clients_dir / f"{stem}.state.json"
-            final_clients[cid] = (
-                json.loads(state_path.read_text())["hash"] if state_path.exists() else None
-            )
+            final = json.loads(state_path.read_text()) if state_path.exists() else None
+            final_clients[cid] = None if final is None else final["hash"]
+            if final is not None:
+                client_items[cid] = final["items"]
         everything = [e for evs in streams.values() for e in evs] + self.harness_events
         everything.sort(key=lambda e: e["ts"])
         with open(self.out / "events.jsonl", "w") as f:
@@ -675,7 +573,7 @@ class _Drill:
             "seed": cfg.seed,
             "out": str(self.out),
         }
-        summary.update(analyse(streams, server_state, final_clients))
+        summary.update(analyse(streams, server_state, final_clients, client_items))
         summary["final_server"] = answered
         summary["final_client_hashes"] = final_clients
         summary["active_at_end"] = end_active
@@ -733,6 +631,10 @@ class _Drill:
                   and all(pending[n] == 0 for n, role in roles.items() if role != "active"),
                   f"roles {roles}, seq {seqs}, keys { {n: v.get('keys') for n, v in st.items()} }, "
                   f"pending {pending}")
+        if self.cfg.shared_keys > 0:
+            check("every key at its last confirmed value or later", s["reverted_keys"] == 0,
+                  revert_detail(s))
+            check("no client saw a key go back", s["reverts_seen"] == 0, seen_revert_detail(s))
         if sc == "client-restart":
             check("every client has a final state",
                   None not in s["final_client_hashes"].values(), "")
@@ -770,6 +672,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--preload", type=int, default=0,
                    help="keys loaded before the clients start (outside /drill/), so a "
                    "restarted server syncs a real snapshot")
+    p.add_argument("--shared-keys", type=int, default=DEFAULT_SHARED_KEYS,
+                   help="keys every client also overwrites, one write per tick, so that a "
+                   f"revert to an older value shows (default {DEFAULT_SHARED_KEYS}; 0: none)")
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -789,7 +694,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rate=args.rate, confirm_every=args.confirm_every, heartbeat_ms=args.heartbeat,
             seed=args.seed, fault_at=args.fault_at, ttl_per_tick=args.ttl_per_tick,
             ttl_min=args.ttl_min, ttl_max=args.ttl_max, confirm_timeout=args.confirm_timeout,
-            preload=args.preload,
+            preload=args.preload, shared_keys=args.shared_keys,
         )
     except ValueError as exc:
         print(f"drill: {exc}", file=sys.stderr)

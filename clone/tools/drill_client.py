@@ -13,6 +13,14 @@ lost).  With ``--ttl-per-tick`` it also writes ephemeral keys
 ``uuid`` field of the events carries, for writes and for the updates that bring
 them back.
 
+With ``--shared-keys N`` (the drill passes 8 by default) every tick also writes
+one of N keys that every client overwrites, ``/drill/shared/<k>`` with ``k``
+drawn at random: written once, a key cannot show a revert to an older value,
+so these keys are there to be overwritten, by everyone, with confirmed (every
+``--confirm-every``-th of them) and unconfirmed writes alike.  Their values have
+the same form, ``<id>|g<gen>|<m>|<write id>|`` with ``m`` counting the client's
+shared writes, so the drill can tell which write a final value came from.
+
 Every change the client applies is logged as an ``update`` (key, sequence, write
 id).  A thread polls ``status()`` every 20 ms: when the server the client is
 active on changes, it logs ``failover_detected`` and then ``failover_done`` with
@@ -47,16 +55,33 @@ from clone import Clone, ConfirmTimeout, Entry
 from clone.codec import new_uuid
 from clone.errors import CloneError
 
-__all__ = ["DRILL_PREFIX", "EventLog", "main", "parse_value", "state_hash", "write_key"]
+__all__ = [
+    "DEFAULT_SHARED_KEYS",
+    "DRILL_PREFIX",
+    "SHARED_PREFIX",
+    "EventLog",
+    "main",
+    "parse_value",
+    "shared_key",
+    "state_hash",
+    "write_key",
+]
 
 log = logging.getLogger("clone.tools.drill_client")
 
 DRILL_PREFIX = "/drill/"
+# Keys every client overwrites; no client id may be "shared".
+SHARED_PREFIX = DRILL_PREFIX + "shared/"
+DEFAULT_SHARED_KEYS = 8
 _POLL_S = 0.02
 
 
 def write_key(client: str, gen: int, n: int, *, ttl: bool = False) -> str:
     return f"{DRILL_PREFIX}{client}/{'ttl/' if ttl else ''}g{gen}/{n}"
+
+
+def shared_key(k: int) -> str:
+    return f"{SHARED_PREFIX}{k}"
 
 
 def make_value(client: str, gen: int, n: int, write_id: str, size: int) -> bytes:
@@ -256,7 +281,9 @@ def _write_loop(
     interval = 1.0 / args.rate
     next_t = time.time()
     end = args.start_at + args.write_seconds
-    n = ttl_n = 0
+    n = ttl_n = shared_n = 0
+    # Its own generator, so that the ttl choices stay what they were without it.
+    pick = random.Random(f"{args.seed}-{args.id}-{args.gen}-shared")
     while True:
         now = time.time()
         if now >= end:
@@ -269,6 +296,11 @@ def _write_loop(
         confirmed = args.confirm_every > 0 and n % args.confirm_every == 0
         _one_write(client, events, args, write_key(args.id, args.gen, n), n, confirmed)
         n += 1
+        if args.shared_keys > 0:
+            key = shared_key(pick.randrange(args.shared_keys))
+            confirmed = args.confirm_every > 0 and shared_n % args.confirm_every == 0
+            _one_write(client, events, args, key, shared_n, confirmed)
+            shared_n += 1
         for _ in range(args.ttl_per_tick):
             ttl = round(rng.uniform(args.ttl_min, args.ttl_max), 3)
             key = write_key(args.id, args.gen, ttl_n, ttl=True)
@@ -312,6 +344,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--confirm-every", type=int, default=4, help="every k-th write is confirmed")
     p.add_argument("--confirm-timeout", type=float, default=10.0)
     p.add_argument("--ttl-per-tick", type=int, default=0, help="ephemeral writes per tick")
+    p.add_argument("--shared-keys", type=int, default=0,
+                   help="also overwrite one of this many shared keys per tick (0: none)")
     p.add_argument("--ttl-min", type=float, default=0.5)
     p.add_argument("--ttl-max", type=float, default=2.0)
     p.add_argument("--value-size", type=int, default=64)

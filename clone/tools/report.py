@@ -278,7 +278,8 @@ def drill_text(summary: dict[str, Any]) -> str:
         "writes_sent", "confirmed_writes", "write_timeouts", "confirmed_lost",
         "unconfirmed_writes", "unconfirmed_lost", "ttl_writes", "ttl_leftover", "duplicates",
         "out_of_order", "updates_seen", "failovers_observed", "failover_p50_s", "failover_p99_s",
-        "failover_max_s", "final_keys", "converged",
+        "failover_max_s", "final_keys", "converged", "shared_writes", "shared_confirmed_writes",
+        "reverted_keys", "reverts_seen",
     ]
     lines.append("")
     lines.append(table(["measure", "value"], [[f, summary.get(f)] for f in fields]))

@@ -1,0 +1,404 @@
+"""What a drill's recorded events and final states say: pure, no processes, no clock.
+
+How this works: :func:`analyse` reads the events of every client incarnation
+(``c1``, then ``c1.g1`` after a restart) and the final states, and counts.
+
+* **Unique keys** (``/drill/<id>/g<gen>/<n>``) are written once each, so a write
+  is lost exactly when its key is missing or holds another value, and each
+  client must see each writer's writes once and in order.
+* **Overwritten keys** (``/drill/shared/<k>``) are written by every client, many
+  times; only they can show a *revert*, a key going back to an older value.
+  For those, :func:`find_reverts` judges each final value against the events:
+
+  A write ``w`` was applied by the server some time after it was sent (its
+  ``write_sent``) and, if it was confirmed, before its writer saw the
+  confirmation (its ``write_confirmed``).  A client's writes reach a server in
+  the order it sent them, so ``w`` was also applied before any *later* write of
+  the same writer was confirmed: ``done_by(w)`` is the earliest confirmation of
+  ``w`` or of a later write of its writer (infinite when there is none, and for
+  a write that timed out, whose copies the agent may still resend).
+
+  The final value of a key, from write ``F``, is a **revert** when a confirmed
+  write ``L`` of that key (``L`` is not ``F``) was provably applied after ``F``:
+
+  1. ``done_by(F) < sent(L)``: ``F`` was confirmed (or followed by a confirmed
+     write of its writer) before ``L`` was even sent; or
+  2. ``F`` and ``L`` come from the same writer (one client incarnation) and
+     ``F`` was sent before ``L``, and ``F`` did not time out.
+
+  Everything else is allowed: a write in flight while ``L`` was, confirmed or
+  not, may legitimately land after ``L``, whichever client sent it.  A key
+  with a confirmed write that is missing at the end, or holds a value no
+  client wrote, is reverted too.  Timestamps are ``time.time()`` of processes
+  on one host, so they share a clock.
+
+Duplicates on an overwritten key are judged by the key, not the write id: a
+client applied a write twice when the key already held that write.  (Seeing a
+write again after another value is a revert, judged at the end, not a
+duplicate; per-writer order is checked on unique keys only, since a resync
+reports the changed keys in key order.)
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from clone.tools.drill_client import SHARED_PREFIX, parse_value, state_hash
+
+__all__ = [
+    "REVERT_EXAMPLES",
+    "Revert",
+    "SharedWrite",
+    "analyse",
+    "applied_before",
+    "find_reverts",
+    "percentile",
+    "revert_detail",
+    "seen_revert_detail",
+    "shared_writes",
+]
+
+_KEY_RE = re.compile(r"^/drill/(?P<client>[^/]+)/(?P<ttl>ttl/)?g(?P<gen>\d+)/(?P<n>\d+)$")
+#: How many reverted keys the summary describes in full.
+REVERT_EXAMPLES = 10
+
+
+def percentile(values: Sequence[float], p: float) -> float | None:
+    """Nearest-rank percentile; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(p / 100.0 * len(ordered)))
+    return ordered[rank - 1]
+
+
+# --------------------------------------------------------------------------
+# Overwritten keys
+
+
+@dataclass(frozen=True, slots=True)
+class SharedWrite:
+    """One write of an overwritten key, as its writer's events tell it."""
+
+    key: str
+    uuid: str
+    writer: str  # the stream, i.e. the client incarnation: c1, c1.g1
+    order: int  # its place among all the writes of its writer
+    sent: float
+    confirmed: float | None  # when its writer saw it confirmed
+    timed_out: bool
+    done_by: float  # applied by then at the latest; inf when unknown
+
+    def describe(self, t0: float) -> dict[str, Any]:
+        def rel(t: float | None) -> float | None:
+            return None if t is None or math.isinf(t) else round(t - t0, 4)
+
+        return {
+            "writer": self.writer, "order": self.order, "uuid": self.uuid,
+            "sent_s": rel(self.sent), "confirmed_s": rel(self.confirmed),
+            "timed_out": self.timed_out, "done_by_s": rel(self.done_by),
+        }  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Revert:
+    """A key whose final value (in one final state) went back before a confirmed write."""
+
+    state: str  # "server" or a client id
+    key: str
+    final: SharedWrite | None  # None: the key is missing or holds an unknown value
+    final_uuid: str | None
+    # The confirmed write that the final one should not have outlived (for a
+    # missing or unknown value: the confirmed write sent last).
+    outlived: SharedWrite
+    reason: str
+
+    def describe(self, t0: float) -> dict[str, Any]:
+        return {
+            "state": self.state, "key": self.key, "reason": self.reason,
+            "final_uuid": self.final_uuid,
+            "final": None if self.final is None else self.final.describe(t0),
+            "outlived": self.outlived.describe(t0),
+        }  # fmt: skip
+
+
+def shared_writes(streams: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, SharedWrite]:
+    """Every write of an overwritten key, by write id, with its ``done_by``."""
+    out: dict[str, SharedWrite] = {}
+    for writer, events in streams.items():
+        sent: list[tuple[str, str, float]] = []  # (uuid, key, ts), in the writer's order
+        confirmed: dict[str, float] = {}
+        timed_out: set[str] = set()
+        for ev in events:
+            kind, uid = ev.get("event"), ev.get("uuid")
+            if not isinstance(uid, str):
+                continue
+            if kind == "write_sent":
+                sent.append((uid, str(ev.get("key", "")), float(ev["ts"])))
+            elif kind == "write_confirmed":
+                confirmed[uid] = float(ev["ts"])
+            elif kind == "write_timeout":
+                timed_out.add(uid)
+        # Backwards, carrying the earliest confirmation at or after each write:
+        # every write of any key counts, since all share one path to the server.
+        bound = math.inf
+        for order in range(len(sent) - 1, -1, -1):
+            uid, key, ts = sent[order]
+            if uid in confirmed:
+                bound = min(bound, confirmed[uid])
+            if key.startswith(SHARED_PREFIX):
+                late = uid in timed_out
+                out[uid] = SharedWrite(
+                    key, uid, writer, order, ts, confirmed.get(uid), late,
+                    math.inf if late else bound,
+                )  # fmt: skip
+    return out
+
+
+def applied_before(older: SharedWrite, confirmed: SharedWrite) -> str | None:
+    """Why write ``older`` was certainly applied before the confirmed write
+    ``confirmed`` (so must not be a key's value after it), or None if that is
+    not certain: a write in flight at the same time may land either side."""
+    if older is confirmed or older.timed_out:
+        return None
+    if older.writer == confirmed.writer and older.order < confirmed.order:
+        return "sent before a confirmed write of the same writer"
+    if older.done_by < confirmed.sent:
+        return f"done {confirmed.sent - older.done_by:.3f} s before a confirmed write was sent"
+    return None
+
+
+def _judge(
+    state: str,
+    key: str,
+    final_uuid: str | None,
+    confirmed: Sequence[SharedWrite],
+    writes: Mapping[str, SharedWrite],
+) -> Revert | None:
+    """The revert, if the final value of ``key`` is one (see the module docstring)."""
+    latest_first = sorted(confirmed, key=lambda w: (w.sent, w.writer, w.order), reverse=True)
+    final = writes.get(final_uuid) if final_uuid is not None else None
+    if final is None or final.key != key:
+        what = "missing" if final_uuid is None else "a value no client wrote to this key"
+        return Revert(state, key, None, final_uuid, latest_first[0], what)
+    for later in latest_first:
+        why = applied_before(final, later)
+        if why is not None:
+            return Revert(state, key, final, final_uuid, later, why)
+    return None
+
+
+def _seen_reverts(
+    streams: Mapping[str, Sequence[Mapping[str, Any]]], writes: Mapping[str, SharedWrite]
+) -> list[Revert]:
+    """Updates that took a key back, as each client saw them: the client had
+    applied a confirmed write ``L`` of the key, ``L`` had been confirmed, and
+    then it applied a write certainly applied before ``L``.  A client that is
+    merely behind sees old values, but never one older than what it has seen;
+    this catches a revert that later writes hide from the final state."""
+    out: list[Revert] = []
+    for stream, events in streams.items():
+        seen: dict[str, list[SharedWrite]] = {}  # key -> confirmed writes applied
+        for ev in events:
+            key = ev.get("key", "")
+            if ev.get("event") != "update" or not key.startswith(SHARED_PREFIX):
+                continue
+            uid = ev.get("uuid")
+            now = float(ev["ts"])
+            w = writes.get(uid) if isinstance(uid, str) else None
+            if w is None or w.key != key:
+                continue  # a key found gone at a resync, or a stranger: judged at the end
+            for earlier in seen.get(key, ()):
+                assert earlier.confirmed is not None
+                why = applied_before(w, earlier) if earlier.confirmed < now else None
+                if why is not None:
+                    out.append(Revert(stream, key, w, uid, earlier, why))
+                    break
+            if w.confirmed is not None:
+                seen.setdefault(key, []).append(w)
+    return out
+
+
+def find_reverts(
+    streams: Mapping[str, Sequence[Mapping[str, Any]]],
+    finals: Mapping[str, Mapping[str, str | None]],
+) -> dict[str, Any]:
+    """Judge every overwritten key in every final state, and every update of
+    one that a client applied; the counts and examples for the summary.
+
+    ``finals``: state name (``server``, or a client id) -> key -> write id
+    held at the end; only keys under ``SHARED_PREFIX`` are looked at.
+    """
+    writes = shared_writes(streams)
+    by_key: dict[str, list[SharedWrite]] = {}
+    for w in writes.values():
+        by_key.setdefault(w.key, []).append(w)
+    reverts: list[Revert] = []
+    for state, items in finals.items():
+        for key in sorted(by_key):
+            confirmed = [w for w in by_key[key] if w.confirmed is not None]
+            if confirmed:
+                found = _judge(state, key, items.get(key), confirmed, writes)
+                if found is not None:
+                    reverts.append(found)
+    seen = _seen_reverts(streams, writes)
+    t0 = min((w.sent for w in writes.values()), default=0.0)
+    return {
+        "shared_keys_written": len(by_key),
+        "shared_writes": len(writes),
+        "shared_confirmed_writes": sum(1 for w in writes.values() if w.confirmed is not None),
+        "reverted_keys": len({r.key for r in reverts}),
+        "reverted_by_state": {s: sum(1 for r in reverts if r.state == s) for s in finals},
+        "reverted_examples": [r.describe(t0) for r in reverts[:REVERT_EXAMPLES]],
+        "reverts_seen": len(seen),
+        "reverts_seen_by_client": {s: sum(1 for r in seen if r.state == s) for s in streams},
+        "reverts_seen_examples": [r.describe(t0) for r in seen[:REVERT_EXAMPLES]],
+        "shared_t0": t0,
+    }
+
+
+# --------------------------------------------------------------------------
+# Everything
+
+
+def analyse(
+    streams: dict[str, list[dict[str, Any]]],
+    server_state: dict[str, bytes] | None,
+    final_clients: dict[str, str | None],
+    client_items: Mapping[str, Mapping[str, str | None]] | None = None,
+) -> dict[str, Any]:
+    """Loss, order, duplicates, failover gaps, convergence and reverts.
+
+    ``streams``: the events of each client incarnation (``c1`` then ``c1.g1``
+    after a restart); ``server_state``: the active server's final ``/drill/``
+    items; ``final_clients``: each client id's final state hash (its last
+    incarnation), None when it has none; ``client_items``: each client id's
+    final items as key -> write id, where known (for the revert check).
+    """
+    writes: dict[str, dict[str, Any]] = {}
+    duplicates = out_of_order = updates = 0
+    gaps: list[float] = []
+    timeouts = 0
+    for events in streams.values():
+        seen: set[str] = set()
+        last_n: dict[str, int] = {}
+        held: dict[str, str | None] = {}  # overwritten keys: the write each holds
+        for ev in events:
+            kind = ev.get("event")
+            key = ev.get("key", "")
+            shared = key.startswith(SHARED_PREFIX)
+            if kind == "write_sent" and not shared:
+                writes[key] = {"uuid": ev.get("uuid"), "confirmed": False, "ttl": "/ttl/" in key}
+            elif kind == "write_confirmed" and key in writes:
+                writes[key]["confirmed"] = True
+            elif kind == "write_timeout":
+                timeouts += 1
+            elif kind == "update":
+                updates += 1
+                uid = ev.get("uuid")
+                if shared:
+                    duplicates += uid is not None and held.get(key) == uid
+                    held[key] = uid
+                    continue
+                if uid is None:
+                    continue  # a delete (expiry): it carries no write
+                if uid in seen:
+                    duplicates += 1
+                seen.add(uid)
+                m = _KEY_RE.match(key)
+                if m:
+                    writer = f"{m['client']}/{m['ttl'] or ''}g{m['gen']}"
+                    n = int(m["n"])
+                    if n <= last_n.get(writer, -1):
+                        out_of_order += 1
+                    last_n[writer] = max(n, last_n.get(writer, -1))
+            elif kind == "failover_done" and ev.get("gap_s") is not None:
+                gaps.append(float(ev["gap_s"]))
+
+    final = server_state or {}
+    final_ids = {k: parse_value(v) for k, v in final.items()}
+    lost_confirmed: list[str] = []
+    unconfirmed = unconfirmed_lost = confirmed = ttl_writes = 0
+    for key, w in writes.items():
+        if w["ttl"]:
+            ttl_writes += 1
+            continue
+        present = final_ids.get(key) == w["uuid"]
+        if w["confirmed"]:
+            confirmed += 1
+            if not present:
+                lost_confirmed.append(key)
+        else:
+            unconfirmed += 1
+            unconfirmed_lost += not present
+    ttl_leftover = sum(1 for k in final if "/ttl/" in k)
+    server_hash = state_hash(final.items()) if server_state is not None else None
+    hashes = set(final_clients.values())
+    converged = (
+        server_state is not None
+        and bool(final_clients)
+        and None not in hashes
+        and hashes == {server_hash}
+    )
+    finals: dict[str, Mapping[str, str | None]] = {}
+    if server_state is not None:
+        finals["server"] = final_ids
+    finals.update(client_items or {})
+    shared = find_reverts(streams, finals)
+
+    def r(x: float | None) -> float | None:
+        return None if x is None else round(x, 4)
+
+    summary: dict[str, Any] = {
+        "writes_sent": len(writes),
+        "confirmed_writes": confirmed,
+        "confirmed_lost": len(lost_confirmed),
+        "confirmed_lost_keys": sorted(lost_confirmed)[:20],
+        "unconfirmed_writes": unconfirmed,
+        "unconfirmed_lost": unconfirmed_lost,
+        "write_timeouts": timeouts,
+        "ttl_writes": ttl_writes,
+        "ttl_leftover": ttl_leftover,
+        "duplicates": duplicates,
+        "out_of_order": out_of_order,
+        "updates_seen": updates,
+        "failovers_observed": len(gaps),
+        "failover_p50_s": r(percentile(gaps, 50)),
+        "failover_p99_s": r(percentile(gaps, 99)),
+        "failover_max_s": r(max(gaps) if gaps else None),
+        "final_keys": len(final),
+        "final_hash": server_hash,
+        "converged": converged,
+    }
+    summary.update(shared)
+    return summary
+
+
+def _example(ex: Mapping[str, Any], where: str) -> str:
+    final, outlived = ex["final"], ex["outlived"]
+    held = f"{final['writer']} write #{final['order']}" if final else ex["final_uuid"] or "nothing"
+    return (f"; e.g. {ex['key']} {where} {ex['state']}: {held}, {ex['reason']} "
+            f"({outlived['writer']} write #{outlived['order']}, sent at t={outlived['sent_s']} s, "
+            f"confirmed at t={outlived['confirmed_s']} s)")
+
+
+def revert_detail(summary: Mapping[str, Any]) -> str:
+    """For the check table: how many keys ended reverted, where, and the first case."""
+    per_state = ", ".join(f"{s} {n}" for s, n in summary["reverted_by_state"].items())
+    text = (f"{summary['reverted_keys']} of {summary['shared_keys_written']} overwritten keys "
+            f"reverted ({per_state or 'no final state'}); "
+            f"{summary['shared_confirmed_writes']} of {summary['shared_writes']} writes confirmed")
+    examples = summary["reverted_examples"]
+    return text + (_example(examples[0], "at the end on") if examples else "")
+
+
+def seen_revert_detail(summary: Mapping[str, Any]) -> str:
+    """For the check table: how many updates took a key back, for whom, the first case."""
+    per_client = ", ".join(f"{s} {n}" for s, n in summary["reverts_seen_by_client"].items())
+    text = f"{summary['reverts_seen']} updates took a key back ({per_client or 'no client'})"
+    examples = summary["reverts_seen_examples"]
+    return text + (_example(examples[0], "seen by") if examples else "")
