@@ -362,10 +362,6 @@ class BinaryStarFSM:
         return self._missed
 
     @property
-    def started_at(self) -> float:
-        return self._started_at
-
-    @property
     def peer_state(self) -> State | None:
         """The peer's last reported state, or None if it has never been heard."""
         return self._peer_state

@@ -416,9 +416,6 @@ class AgentFSM:
     def pending_writes(self) -> int:
         return len(self._pending)
 
-    def in_subtrees(self, key: str) -> bool:
-        return self._subtree_of(key) is not None
-
     def next_deadline(self) -> float | None:
         """When :meth:`tick` has something to do next, or None."""
         times = [p.next_send for p in self._pending.values() if p.next_send != _NEVER]

@@ -59,7 +59,6 @@ __all__ = [
     "read_drill_updates",
     "read_export",
     "read_export_updates",
-    "require_columns",
     "require_exists",
     "read_export_meta",
 ]
@@ -186,14 +185,6 @@ def require_exists(path: str, what: str) -> None:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-def require_columns(df: DataFrame, columns: Sequence[str | None], what: str = "input") -> None:
-    """Raise :class:`InputError` naming the first of ``columns`` that ``df`` lacks."""
-    have = df.columns
-    for col in columns:
-        if col is not None and col not in have:
-            raise InputError(f"{what} has no column {col!r} (columns: {', '.join(have) or 'none'})")
 
 
 def read_table(spark: SparkSession, path: str, fmt: str = "parquet") -> DataFrame:
