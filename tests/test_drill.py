@@ -384,3 +384,27 @@ def test_drill_client_restart_late_joiner(tmp_path: Path) -> None:
     finals = [e for e in events if e["event"] == "final_state"]
     assert len({e["hash"] for e in finals}) == 1 and len(finals) == 2
 
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_drill_rolling_restart(tmp_path: Path) -> None:
+    # Long enough for two rounds under load; the last takeover comes after the writes.
+    summary = run_drill(_small("rolling-restart", tmp_path, duration=10.0))
+    events = _check_outputs(tmp_path, summary, "rolling-restart")
+    _assert_guarantees(summary)
+    rounds = summary["rounds"]
+    assert len(rounds) >= 2
+    assert all(r["takeover_s"] is not None for r in rounds)
+    # Each round restarted both servers, and each came back passive.
+    restarts = summary["restarts"]
+    assert len(restarts) == 2 * len(rounds)
+    assert all(r["came_back_passive"] and r["synced_s"] is not None for r in restarts)
+    assert summary["checks"]["every restarted server came back passive"]["ok"] is True
+    # Both ways of stopping a server were used, on the passive and on the active.
+    kinds = {(e["kind"], e["target"]) for e in events if e["event"] == "fault"}
+    assert {k for k, _ in kinds} == {"kill-9", "sigterm"}
+    assert sum(e["event"] == "restart" for e in events) == len(restarts)
+    # Every client follows every takeover; the last one, after the writes, may
+    # bring no update to measure the gap by.
+    assert summary["failovers_observed"] >= summary["clients"] * (len(rounds) - 1)
+

@@ -1,21 +1,23 @@
-"""Failover drills: a real server pair, N client processes, one injected fault.
+"""Failover drills: a real server pair, N client processes, injected faults.
 
 How this works: :func:`run_drill` starts a primary and a backup ``clone-server``
 on free loopback ports, a thread that listens to the HUGZ of both (only the
 active server sends HUGZ, so it always knows which one is active, and when both
-are), and N :mod:`clone.tools.drill_client` processes.  The clients sync, start
-writing together at ``start_at`` and stop after ``duration`` seconds; the fault
-is injected at 35% of the run.  Each client logs its events to its own file
-(``clients/<id>.jsonl``) and its final state to ``clients/<id>.state.json``.
-Once everyone has settled, the drill takes a snapshot of ``/drill/`` from the
-active server, asks both servers for a stats line (SIGUSR1), stops everything,
-merges all events into ``events.jsonl`` (sorted by time) and decides:
+are: :mod:`clone.tools.drill_watch`), and N :mod:`clone.tools.drill_client`
+processes.  The clients sync, start writing together at ``start_at`` and stop
+after ``duration`` seconds; the fault is injected at 35% of the run
+(``rolling-restart``: rounds of restarts from then on, the scenario's own
+timeline).  Each client logs its events to its own file (``clients/<id>.jsonl``)
+and its final state to ``clients/<id>.state.json``.  Once everyone has settled,
+the drill takes a snapshot of ``/drill/`` from the active server, asks both
+servers for a stats line (SIGUSR1), stops everything, merges all events into
+``events.jsonl`` (sorted by time) and decides (:mod:`clone.tools.drill_analysis`):
 
 * every confirmed write is in the final state (keys are unique per write, so a
   write is lost exactly when its key is missing or holds another value);
 * every key that all clients overwrite is at its last confirmed value or a
   later write, in the server's final state and in every client's, and no
-  client saw one go back (:mod:`clone.tools.drill_analysis`);
+  client saw one go back;
 * every client ended with the same state as the server (hash of the items);
 * no client applied the same write twice or a writer's writes out of order;
 * the passive ends in step with the active: same sequence and key count, and
@@ -30,31 +32,24 @@ guarantee is broken.  ``docs/drills.md`` describes the scenarios and the schema.
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import json
 import logging
-import re
-import signal
 import sys
-import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import zmq
 
-from clone.protocol import (
-    DEFAULT_HEARTBEAT_MS,
-    DEFAULT_MISSED_HEARTBEATS,
-    HUGZ,
-    KTHXBAI,
-    PUBLISHER_OFFSET,
-)
+from clone.protocol import DEFAULT_HEARTBEAT_MS, DEFAULT_MISSED_HEARTBEATS, PUBLISHER_OFFSET
 from clone.tools.drill_analysis import analyse, percentile, revert_detail, seen_revert_detail
 from clone.tools.drill_client import DEFAULT_SHARED_KEYS, DRILL_PREFIX
+from clone.tools.drill_watch import HugzMonitor, raw_snapshot, server_stats
 from clone.tools.procs import (
     ManagedProcess,
     ProcessGroup,
@@ -83,6 +78,7 @@ SCENARIOS: tuple[str, ...] = (
     "freeze-active",
     "client-restart",
     "ttl-storm",
+    "rolling-restart",
 )
 Say = Callable[[str], None]
 
@@ -131,131 +127,21 @@ class DrillConfig:
         return 2 * DEFAULT_MISSED_HEARTBEATS * self.heartbeat + 1.5
 
     @property
+    def round_period(self) -> float:
+        """rolling-restart: one round starts this often (a round takes about one
+        failover budget: two syncs and a takeover)."""
+        return max(self.failover_budget, 0.1 * self.duration)
+
+    @property
     def settle(self) -> float:
         extra = 0.0
         if self.scenario == "ttl-storm":
             extra = self.ttl_max + DEFAULT_MISSED_HEARTBEATS * self.heartbeat + 1.0
+        elif self.scenario == "rolling-restart":
+            # The last takeover comes after the writes, and a passive takes over
+            # only when a client asks it to: the clients must still be there.
+            extra = 2 * self.failover_budget
         return max(3.0, 3 * self.heartbeat) + extra
-
-
-# --------------------------------------------------------------------------
-# Watching the servers
-
-
-class HugzMonitor:
-    """Listens to the HUGZ of both servers in a thread; HUGZ means 'I am active'."""
-
-    def __init__(self, publishers: dict[str, str], heartbeat: float) -> None:
-        self.publishers = publishers
-        self.heartbeat = heartbeat
-        self.history: list[tuple[float, str]] = []
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="drill-hugz", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _run(self) -> None:
-        ctx: zmq.Context[Any] = zmq.Context()
-        poller = zmq.Poller()
-        names: dict[zmq.Socket[Any], str] = {}
-        try:
-            for name, endpoint in self.publishers.items():
-                sub = ctx.socket(zmq.SUB)
-                sub.linger = 0
-                sub.setsockopt(zmq.SUBSCRIBE, HUGZ)
-                sub.connect(endpoint)
-                poller.register(sub, zmq.POLLIN)
-                names[sub] = name
-            while not self._stop.is_set():
-                for sock, _ in poller.poll(50):
-                    with contextlib.suppress(zmq.Again):
-                        while True:
-                            frames = sock.recv_multipart(zmq.NOBLOCK)
-                            if frames[0] == HUGZ:
-                                with self._lock:
-                                    self.history.append((time.time(), names[sock]))
-        finally:
-            ctx.destroy(linger=0)
-
-    def active(self, at: float | None = None) -> list[str]:
-        """Servers that sent HUGZ in the ``missed`` heartbeats before ``at`` (default
-        now): the same window in which a client would still trust them."""
-        at = time.time() if at is None else at
-        window = DEFAULT_MISSED_HEARTBEATS * self.heartbeat
-        with self._lock:
-            return sorted({n for t, n in self.history if at - window <= t <= at})
-
-    def hugz_after(self, name: str, t: float) -> list[float]:
-        with self._lock:
-            return [ts for ts, n in self.history if n == name and ts > t]
-
-    def dual_active_seconds(self, since: float) -> float:
-        """How long, after ``since``, both servers were sending HUGZ."""
-        with self._lock:
-            hist = [(t, n) for t, n in self.history if t >= since]
-        window = 1.5 * self.heartbeat
-        last: dict[str, float] = {}
-        dual = 0.0
-        prev_t: float | None = None
-        for t, n in hist:
-            if prev_t is not None and len([x for x in last.values() if t - x <= window]) >= 2:
-                dual += t - prev_t
-            last[n] = t
-            prev_t = t
-        return dual
-
-
-def _raw_snapshot(endpoint: str, subtree: str, timeout: float) -> dict[str, bytes] | None:
-    """The server's state under ``subtree``, or None if it does not answer (passive)."""
-    ctx: zmq.Context[Any] = zmq.Context()
-    try:
-        dealer = ctx.socket(zmq.DEALER)
-        dealer.linger = 0
-        dealer.connect(endpoint)
-        dealer.send_multipart([b"ICANHAZ?", subtree.encode()])
-        items: dict[str, bytes] = {}
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not dealer.poll(int(remaining * 1000) + 1):
-                return None
-            frames = dealer.recv_multipart()
-            if frames[0] == KTHXBAI:
-                return items
-            if len(frames) == 5 and frames[4]:
-                items[frames[0].decode()] = frames[4]
-    finally:
-        ctx.destroy(linger=0)
-
-
-_STATS_RE = re.compile(r"stats: (\w+) (.*)$")
-
-
-def _server_stats(proc: ManagedProcess, timeout: float = 2.0) -> dict[str, Any]:
-    """Ask a running server for its stats line (SIGUSR1) and parse it from the log."""
-    if not proc.alive:
-        return {"alive": False}
-    before = len(proc.log_path.read_text(errors="replace").splitlines())
-    proc.signal(signal.SIGUSR1)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        lines = proc.log_path.read_text(errors="replace").splitlines()[before:]
-        for line in lines:
-            m = _STATS_RE.search(line)
-            if m:
-                out: dict[str, Any] = {"alive": True, "role": m.group(1)}
-                for pair in m.group(2).split():
-                    k, _, v = pair.partition("=")
-                    out[k] = int(v) if v.isdigit() else v
-                return out
-        time.sleep(0.05)
-    return {"alive": True}
 
 
 # --------------------------------------------------------------------------
@@ -319,6 +205,11 @@ class _Drill:
         self.generations: dict[str, int] = {}
         self.notes: dict[str, Any] = {}
         self.fault_text = ""
+        # rolling-restart: one record per round and per server restart.
+        self.rounds: list[dict[str, Any]] = []
+        self.restarts: list[dict[str, Any]] = []
+        self.in_progress = False  # a multi-step action is under way: do not end yet
+        self.t0 = 0.0  # when the clients start writing
 
     # -- events and processes ---------------------------------------------
 
@@ -408,7 +299,7 @@ class _Drill:
         if cfg.preload:
             self._preload(cfg.preload)
 
-        start_at = time.time() + 2.5
+        start_at = self.t0 = time.time() + 2.5
         self.write_end = start_at + cfg.duration
         final_at = self.write_end + cfg.settle
         client_ids = [f"c{i}" for i in range(cfg.clients)]
@@ -418,19 +309,20 @@ class _Drill:
         actions = self._plan(start_at)
         tail = _Tail(self.clients_dir)
         next_report = start_at
-        while time.time() < final_at or any(
-            p.alive for p in self.group if p.name not in self.servers
-        ):
+        while (time.time() < final_at or self.in_progress
+               or any(p.alive for p in self.group if p.name not in self.servers)):
             now = time.time()
             while actions and actions[0][0] <= now:
                 _, action = actions.pop(0)
-                action()
+                again = action()  # a step of a longer action says when to go on
+                if again is not None:
+                    bisect.insort(actions, (again, action), key=lambda a: a[0])
             if now >= next_report:
                 tail.poll()
                 self._progress(now - start_at, tail.counts)
                 next_report += 1.0
             if now > final_at + 30:
-                self.say("clients did not finish in time; stopping them")
+                self.say("clients or faults did not finish in time; stopping them")
                 break
             time.sleep(0.05)
         return self._finish(start_at, client_ids)
@@ -449,11 +341,14 @@ class _Drill:
             ctx.term()
         self.say(f"preloaded {n} keys (outside {DRILL_PREFIX}) in {seconds:.1f} s")
 
-    def _plan(self, start_at: float) -> list[tuple[float, Callable[[], None]]]:
+    def _plan(self, start_at: float) -> list[tuple[float, Callable[[], float | None]]]:
         cfg = self.cfg
         t_fault = start_at + cfg.fault_at * cfg.duration
         recover = max(0.25 * cfg.duration, cfg.failover_budget)
         sc = cfg.scenario
+        if sc == "rolling-restart":
+            steps = self._rolling_restart(t_fault)
+            return [(t_fault, lambda: next(steps, None))]
         if sc in ("kill-active", "ttl-storm"):
             return [(t_fault, lambda: self._kill("active")),
                     (t_fault + recover, self._restart_killed)]
@@ -513,6 +408,114 @@ class _Drill:
         self.event("restart", target=cid)
         self.say(f"restarted client {cid} (late joiner)")
 
+    # -- rolling-restart -----------------------------------------------------
+
+    def _rolling_restart(self, first: float) -> Iterator[float]:
+        """Rounds of an operator's rolling restart, under load: restart the passive,
+        wait until it has synced, stop the active so that the restarted one takes
+        over, restart the stopped one.  The last round stops the active only once
+        the writes are over, so that the final state is what the takeover left:
+        a revert at takeover that later writes would hide stays visible.  A
+        generator: it yields when to go on, so the main loop keeps reporting
+        progress while it waits."""
+        period = self.cfg.round_period
+        rounds = max(2, int((self.write_end - first) // period))
+        self.in_progress = True
+        try:
+            for i in range(rounds):
+                yield first + i * period  # or at once, if the last round ran late
+                yield from self._round(i, rounds)
+        finally:
+            self.in_progress = False
+
+    def _round(self, i: int, rounds: int) -> Iterator[float]:
+        budget = 2 * self.cfg.failover_budget
+        # Alternate the signals, so that both servers see both kinds of stop.
+        how_passive, how_active = ("kill-9", "sigterm") if i % 2 == 0 else ("sigterm", "kill-9")
+        record: dict[str, Any] = {"round": i + 1, "ts": time.time()}
+        self.rounds.append(record)
+        deadline = time.time() + budget
+        while self.active_server() is None and time.time() < deadline:
+            yield time.time() + 0.05
+        active = self.active_server()
+        if active is None:
+            record["error"] = f"no single active server: {self.monitor.active()}"
+            self.say(f"round {i + 1}: {record['error']}; skipping it")
+            return
+        passive = "backup" if active == "primary" else "primary"
+        record.update(active=active, passive=passive, passive_stop=how_passive,
+                      active_stop=how_active)
+        tag = f"round {i + 1}/{rounds}"
+        self._stop_server(passive, how_passive, f"{tag}: restart the passive")
+        # A real restart leaves the server down for a moment while writes go on
+        # (and queue up in the clients' sockets for it).
+        down_until = time.time() + max(0.5, 2 * self.cfg.heartbeat)
+        while time.time() < down_until:
+            yield down_until
+        restarted = self._restart_server(passive, tag)
+        yield from self._wait_synced(restarted)
+        if i == rounds - 1:
+            while time.time() < self.write_end + 0.5:
+                yield time.time() + 0.05
+        # What it holds in its pending list, it would apply again when it takes over.
+        record["pending_at_takeover"] = server_stats(self.group[passive]).get("pending")
+        self._stop_server(active, how_active, f"{tag}: stop the active")
+        stopped_at = time.time()
+        while self.monitor.active() != [passive] and time.time() < stopped_at + budget:
+            yield time.time() + 0.05
+        took_over = self.monitor.active() == [passive]
+        record["takeover_s"] = round(time.time() - stopped_at, 3) if took_over else None
+        self.say(f"{tag}: {passive} took over in {record['takeover_s']} s" if took_over
+                 else f"{tag}: {passive} did NOT take over; active: {self.monitor.active()}")
+        back = self._restart_server(active, tag)
+        yield from self._wait_synced(back)
+        record["seconds"] = round(time.time() - record["ts"], 3)
+
+    def _stop_server(self, name: str, how: str, why: str) -> None:
+        # A restarted server must stay passive until it is stopped or meant to
+        # take over, and every stop is one or the other (a SIGTERM'd active may
+        # hand over before it has exited).
+        now = time.time()
+        for rec in self.restarts:
+            if rec["until"] is None:
+                rec["until"] = now
+        self.event("fault", kind=how, target=name)
+        proc = self.group[name]
+        if how == "kill-9":
+            proc.kill9()
+        else:
+            proc.stop(timeout=5)
+        self.fault_text = f"{why}: {how} {name}"
+        self.say(f"FAULT ({why}): {how} {name}")
+
+    def _restart_server(self, name: str, tag: str) -> dict[str, Any]:
+        path = self.group[name].log_path
+        offset = path.stat().st_size if path.exists() else 0
+        self.start_server(name)
+        rec: dict[str, Any] = {"server": name, "ts": time.time(), "log_offset": offset,
+                               "until": None, "synced_s": None, "stats": {}}
+        self.restarts.append(rec)
+        self.event("restart", target=name)
+        self.say(f"{tag}: restarted {name}; it must come back passive and sync")
+        return rec
+
+    def _wait_synced(self, rec: dict[str, Any]) -> Iterator[float]:
+        """Until the restarted server's log says ``synced from`` (or a deadline);
+        then its stats line, taken while it should be a passive in step."""
+        proc = self.group[rec["server"]]
+        deadline = rec["ts"] + max(10.0, 2 * self.cfg.failover_budget)
+        while proc.alive:
+            with open(proc.log_path, "rb") as f:
+                f.seek(rec["log_offset"])
+                if b"synced from" in f.read():
+                    rec["synced_s"] = round(time.time() - rec["ts"], 3)
+                    break
+            if time.time() >= deadline:
+                self.say(f"{rec['server']} did not sync in time")
+                break
+            yield time.time() + 0.05
+        rec["stats"] = server_stats(proc)
+
     def _progress(self, t: float, counts: Counter[str]) -> None:
         active = self.monitor.active()
         shown = "+".join(active) if active else "none"
@@ -533,15 +536,18 @@ class _Drill:
             if proc.name not in self.servers and proc.alive:
                 proc.stop(timeout=2)
         end_active = self.monitor.active()
+        for rec in self.restarts:
+            if rec["until"] is None:
+                rec["until"] = time.time()
         server_state: dict[str, bytes] | None = None
         answered = None
         for name in [*end_active, *(n for n in self.servers if n not in end_active)]:
             if self.group[name].alive:
-                server_state = _raw_snapshot(self.servers[name].endpoint, DRILL_PREFIX, 5.0)
+                server_state = raw_snapshot(self.servers[name].endpoint, DRILL_PREFIX, 5.0)
                 if server_state is not None:
                     answered = name
                     break
-        stats = {name: _server_stats(self.group[name]) for name in self.servers}
+        stats = {name: server_stats(self.group[name]) for name in self.servers}
         self.group.stop_all()
         self.monitor.stop()
 
@@ -578,12 +584,25 @@ class _Drill:
         summary["final_client_hashes"] = final_clients
         summary["active_at_end"] = end_active
         summary["servers"] = stats
+        if cfg.scenario == "rolling-restart":
+            summary["rounds"] = self.rounds
+            summary["restarts"] = self._judge_restarts()
         summary["checks"] = self._checks(summary, end_active)
         summary["ok"] = all(c["ok"] for c in summary["checks"].values())
         summary["config"] = {k: str(v) if isinstance(v, Path) else v
                              for k, v in asdict(cfg).items()}
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         return summary
+
+    def _judge_restarts(self) -> list[dict[str, Any]]:
+        """Each restart, with whether it came back passive: it synced, its stats
+        said passive, and it sent no HUGZ until it was stopped or meant to take over."""
+        out = []
+        for rec in self.restarts:
+            hugz = self.monitor.hugz_after(rec["server"], rec["ts"], rec["until"])
+            ok = rec["synced_s"] is not None and rec["stats"].get("role") == "passive" and not hugz
+            out.append({**rec, "hugz_before_takeover": len(hugz), "came_back_passive": ok})
+        return out
 
     def _checks(self, s: dict[str, Any], end_active: list[str]) -> dict[str, dict[str, Any]]:
         checks: dict[str, dict[str, Any]] = {}
@@ -635,6 +654,22 @@ class _Drill:
             check("every key at its last confirmed value or later", s["reverted_keys"] == 0,
                   revert_detail(s))
             check("no client saw a key go back", s["reverts_seen"] == 0, seen_revert_detail(s))
+        if sc == "rolling-restart":
+            restarts = s["restarts"]
+            bad = [r for r in restarts if not r["came_back_passive"]]
+            check("every restarted server came back passive", bool(restarts) and not bad,
+                  f"{len(restarts)} restarts, {len(bad)} not passive"
+                  + "".join(f"; {r['server']} at t={r['ts'] - self.t0:.1f} s: synced "
+                            f"{r['synced_s']} s, role {r['stats'].get('role')}, "
+                            f"{'running' if r['stats'].get('alive') else 'exited'}, "
+                            f"{r['hugz_before_takeover']} HUGZ" for r in bad[:3]))
+            rounds = s["rounds"]
+            took = [r for r in rounds if r.get("takeover_s") is not None]
+            check("the restarted passive took over every round",
+                  len(rounds) >= 2 and len(took) == len(rounds),
+                  f"{len(took)} of {len(rounds)} rounds, takeover in "
+                  f"{[r.get('takeover_s') for r in rounds]} s, pending at takeover "
+                  f"{[r.get('pending_at_takeover') for r in rounds]}")
         if sc == "client-restart":
             check("every client has a final state",
                   None not in s["final_client_hashes"].values(), "")
@@ -652,7 +687,7 @@ def run_drill(cfg: DrillConfig, say: Say | None = None) -> dict[str, Any]:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="scripts/drill",
-        description="Failover drill: a server pair, N writing clients, one injected fault.",
+        description="Failover drill: a server pair, N writing clients, injected faults.",
     )
     p.add_argument("--scenario", required=True, choices=SCENARIOS)
     p.add_argument("--clients", type=int, default=3)

@@ -1,0 +1,142 @@
+"""Watching a drill's server pair from the outside: who is active, what it holds.
+
+How this works: only the active server of a Binary Star pair sends HUGZ, so a
+thread subscribed to both servers' publishers (:class:`HugzMonitor`) knows at
+any moment which one is active, and when both are.  :func:`raw_snapshot` asks a
+server for its items with a bare ICANHAZ? (a passive does not answer), and
+:func:`server_stats` makes a server log its stats line (SIGUSR1) and parses it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import signal
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from clone.protocol import DEFAULT_MISSED_HEARTBEATS, HUGZ, KTHXBAI
+from clone.tools.procs import ManagedProcess
+
+__all__ = ["HugzMonitor", "raw_snapshot", "server_stats"]
+
+
+
+class HugzMonitor:
+    """Listens to the HUGZ of both servers in a thread; HUGZ means 'I am active'."""
+
+    def __init__(self, publishers: dict[str, str], heartbeat: float) -> None:
+        self.publishers = publishers
+        self.heartbeat = heartbeat
+        self.history: list[tuple[float, str]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="drill-hugz", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        ctx: zmq.Context[Any] = zmq.Context()
+        poller = zmq.Poller()
+        names: dict[zmq.Socket[Any], str] = {}
+        try:
+            for name, endpoint in self.publishers.items():
+                sub = ctx.socket(zmq.SUB)
+                sub.linger = 0
+                sub.setsockopt(zmq.SUBSCRIBE, HUGZ)
+                sub.connect(endpoint)
+                poller.register(sub, zmq.POLLIN)
+                names[sub] = name
+            while not self._stop.is_set():
+                for sock, _ in poller.poll(50):
+                    with contextlib.suppress(zmq.Again):
+                        while True:
+                            frames = sock.recv_multipart(zmq.NOBLOCK)
+                            if frames[0] == HUGZ:
+                                with self._lock:
+                                    self.history.append((time.time(), names[sock]))
+        finally:
+            ctx.destroy(linger=0)
+
+    def active(self, at: float | None = None) -> list[str]:
+        """Servers that sent HUGZ in the ``missed`` heartbeats before ``at`` (default
+        now): the same window in which a client would still trust them."""
+        at = time.time() if at is None else at
+        window = DEFAULT_MISSED_HEARTBEATS * self.heartbeat
+        with self._lock:
+            return sorted({n for t, n in self.history if at - window <= t <= at})
+
+    def hugz_after(self, name: str, t: float, until: float = math.inf) -> list[float]:
+        with self._lock:
+            return [ts for ts, n in self.history if n == name and t < ts < until]
+
+    def dual_active_seconds(self, since: float) -> float:
+        """How long, after ``since``, both servers were sending HUGZ."""
+        with self._lock:
+            hist = [(t, n) for t, n in self.history if t >= since]
+        window = 1.5 * self.heartbeat
+        last: dict[str, float] = {}
+        dual = 0.0
+        prev_t: float | None = None
+        for t, n in hist:
+            if prev_t is not None and len([x for x in last.values() if t - x <= window]) >= 2:
+                dual += t - prev_t
+            last[n] = t
+            prev_t = t
+        return dual
+
+
+def raw_snapshot(endpoint: str, subtree: str, timeout: float) -> dict[str, bytes] | None:
+    """The server's state under ``subtree``, or None if it does not answer (passive)."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        dealer.connect(endpoint)
+        dealer.send_multipart([b"ICANHAZ?", subtree.encode()])
+        items: dict[str, bytes] = {}
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not dealer.poll(int(remaining * 1000) + 1):
+                return None
+            frames = dealer.recv_multipart()
+            if frames[0] == KTHXBAI:
+                return items
+            if len(frames) == 5 and frames[4]:
+                items[frames[0].decode()] = frames[4]
+    finally:
+        ctx.destroy(linger=0)
+
+
+_STATS_RE = re.compile(r"stats: (\w+) (.*)$")
+
+
+def server_stats(proc: ManagedProcess, timeout: float = 2.0) -> dict[str, Any]:
+    """Ask a running server for its stats line (SIGUSR1) and parse it from the log."""
+    if not proc.alive:
+        return {"alive": False}
+    before = len(proc.log_path.read_text(errors="replace").splitlines())
+    proc.signal(signal.SIGUSR1)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        lines = proc.log_path.read_text(errors="replace").splitlines()[before:]
+        for line in lines:
+            m = _STATS_RE.search(line)
+            if m:
+                out: dict[str, Any] = {"alive": True, "role": m.group(1)}
+                for pair in m.group(2).split():
+                    k, _, v = pair.partition("=")
+                    out[k] = int(v) if v.isdigit() else v
+                return out
+        time.sleep(0.05)
+    return {"alive": True}
