@@ -69,14 +69,18 @@ class UuidWindow:
 
     def add(self, uid: Hashable, now: float) -> bool:
         """Remember ``uid``, applied at ``now``; False if it was already in the window."""
-        if uid in self._set:
+        seen = self._set
+        if uid in seen:
             return False
-        if len(self._order) >= self._capacity:
-            self._set.discard(self._order.popleft())
-            self._horizon = max(self._horizon, self._times.popleft())
-        self._order.append(uid)
-        self._times.append(now)
-        self._set.add(uid)
+        order, times = self._order, self._times
+        if len(order) >= self._capacity:
+            seen.discard(order.popleft())
+            evicted = times.popleft()
+            if evicted > self._horizon:
+                self._horizon = evicted
+        order.append(uid)
+        times.append(now)
+        seen.add(uid)
         return True
 
     def ids(self) -> list[Hashable]:
