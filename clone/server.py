@@ -1074,26 +1074,14 @@ class CloneServer:
         its SUB queue; clients may have seen them (confirmed writes), and once
         the socket is closed they are gone.  So they are applied first, in
         order, like any followed update (a gap stops that, and the pending list
-        covers the rest).  Bounded by the SUB's high-water mark, and done once
-        per promotion.  Returns how many messages were taken.
+        covers the rest).  Returns how many messages were taken.
         """
         sub = self._peer_sub
         if sub is None or sub.closed():
             return 0
-        core, sock, now = self.core, sub.socket, self._wallclock()
-        taken = 0
-        while True:
-            try:
-                frames = _recv_frames(sock)
-            except zmq.Again:
-                return taken
-            taken += 1
-            try:
-                core.on_peer_update(frames, now)
-            except ProtocolError as exc:
-                self._throttle.log(
-                    "peer_update", logging.WARNING, "dropped a message from the peer: %s", exc
-                )
+        return self._take_backlog(
+            sub.socket, self.core.on_peer_update, "peer_update", "a message from the peer"
+        )
 
     def _take_collector_backlog(self) -> None:
         """Before a promotion, park every client update already received.
@@ -1103,23 +1091,36 @@ class CloneServer:
         after the promotion it would be applied only after we had served
         snapshots without it: clients would see the key go back, then forward.
         Parked now, it is applied with the pending list, before any snapshot.
-        Bounded by the collector's high-water mark, once per promotion.
         """
         sock = self._collector
         if sock is None or self.core.role is Role.ACTIVE:
             return
-        core, now = self.core, self._wallclock()
+        self._take_backlog(sock, self.core.on_kvset, "kvset", "a client update")
+
+    def _take_backlog(
+        self,
+        sock: zmq.Socket,
+        handle: Callable[[list[bytes], float], object],
+        kind: str,
+        what: str,
+    ) -> int:
+        """Hand every message queued on ``sock`` to ``handle`` now; how many.
+
+        Bounded by the socket's high-water mark, and done once per promotion;
+        bad input is logged (rate-limited by ``kind``) and skipped.
+        """
+        now = self._wallclock()
+        taken = 0
         while True:
             try:
                 frames = _recv_frames(sock)
             except zmq.Again:
-                return
+                return taken
+            taken += 1
             try:
-                core.on_kvset(frames, now)
+                handle(frames, now)
             except ProtocolError as exc:
-                self._throttle.log(
-                    "kvset", logging.WARNING, "dropped a client update: %s", exc
-                )
+                self._throttle.log(kind, logging.WARNING, "dropped %s: %s", what, exc)
 
     def _on_became_passive(self) -> None:
         core = self.core
