@@ -5,7 +5,7 @@ imported by ``import clone``.
 """
 
 from clone import errors
-from clone.client import Clone, Entry, Status, clone_get, clone_set
+from clone.client.frontend import Clone, Entry, Status, clone_get, clone_set
 from clone.errors import CloneError, ConfirmTimeout, NotSynced
 
 __all__ = [

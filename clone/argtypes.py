@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Iterable
 
-from clone.protocol import COLLECTOR_OFFSET
+from clone.wire.protocol import COLLECTOR_OFFSET
 
 __all__ = [
     "non_negative_int",

@@ -1,6 +1,6 @@
 """A minimal CHP peer on raw pyzmq, for end-to-end tests of the server.
 
-It builds and parses frames by hand (``struct``), not with ``clone.codec`` or
+It builds and parses frames by hand (``struct``), not with ``clone.wire.codec`` or
 the project's client, so the tests check the wire format independently of the
 code under test.  Every call that waits takes a deadline; every socket has
 ``linger=0`` and is closed by :meth:`ChpPeer.close`.

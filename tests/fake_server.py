@@ -18,7 +18,8 @@ from collections.abc import Callable, Sequence
 
 import zmq
 
-from clone.codec import (
+from clone.errors import ProtocolError
+from clone.wire.codec import (
     KVMsg,
     decode_icanhaz,
     decode_kvset,
@@ -26,7 +27,6 @@ from clone.codec import (
     encode_kthxbai,
     encode_kv,
 )
-from clone.errors import ProtocolError
 from tests.ports import free_base_port
 
 __all__ = ["FakeServer"]

@@ -104,7 +104,7 @@ class ServerProcess:
             log.write(f"----- start #{self.starts}: {' '.join(self.args)}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "clone.server_cli", *self.args],
+                [sys.executable, "-m", "clone.server.cli", *self.args],
                 cwd=ROOT,
                 env=env,
                 stdin=subprocess.DEVNULL,

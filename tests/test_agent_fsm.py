@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clone.agent_fsm import (
+from clone.client.fsm import (
     TRANSITIONS,
     AgentConfig,
     AgentFSM,
@@ -27,8 +27,10 @@ from clone.agent_fsm import (
     StateChanged,
     normalize_subtrees,
 )
-from clone.batch import encode_kvbatch
-from clone.codec import (
+from clone.errors import ProtocolError
+from clone.server.store import entry_of
+from clone.wire.batch import encode_kvbatch
+from clone.wire.codec import (
     Hugz,
     KVMsg,
     SnapshotEnd,
@@ -37,8 +39,6 @@ from clone.codec import (
     encode_kv,
     new_uuid,
 )
-from clone.errors import ProtocolError
-from clone.store import entry_of
 
 CFG = AgentConfig(heartbeat=1.0, server_timeout=2.5, resend_interval=0.5)
 

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clone import codec
-from clone.batch import KVBatch, batch_size, decode_kvbatch, encode_kvbatch, is_kvbatch
-from clone.codec import KVMsg
 from clone.errors import LimitExceeded, ProtocolError
-from clone.protocol import (
+from clone.wire import codec
+from clone.wire.batch import KVBatch, batch_size, decode_kvbatch, encode_kvbatch, is_kvbatch
+from clone.wire.codec import KVMsg
+from clone.wire.protocol import (
     BATCH_TARGET_BYTES,
     MAX_BATCH_BYTES,
     MAX_BATCH_ENTRIES,
@@ -35,7 +35,7 @@ def lens(*sizes: int) -> bytes:
 
 
 def by_hand(entries: list[tuple[bytes, int, bytes, bytes, bytes]]) -> list[bytes]:
-    """A KVBATCH built from the spec's layout, without clone.batch."""
+    """A KVBATCH built from the spec's layout, without clone.wire.batch."""
     columns = list(zip(*entries, strict=True))
     keys, seqs, uuids, props, bodies = columns
     return [

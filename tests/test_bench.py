@@ -14,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from clone.tools import bench, report
+from clone.tools import report
 from clone.tools.bench import BenchConfig, evaluate_targets, run_benchmarks, summarise_profile
+from clone.tools.bench import harness as bench
 from clone.tools.histogram import LatencyHistogram
 
 # --------------------------------------------------------------------------
@@ -49,13 +50,13 @@ def test_max_gap_counts_silence_at_the_end() -> None:
 def test_profile_summary(tmp_path: Path) -> None:
     raw = tmp_path / "p.txt"
     raw.write_text(
-        "process 1:\"x\";run (tornado/ioloop.py:10);handle (clone/server.py:5) 30\n"
-        "process 1:\"x\";run (tornado/ioloop.py:10);decode (clone/codec.py:7) 10\n"
+        "process 1:\"x\";run (tornado/ioloop.py:10);handle (clone/server/reactor.py:5) 30\n"
+        "process 1:\"x\";run (tornado/ioloop.py:10);decode (clone/wire/codec.py:7) 10\n"
         "garbage line\n"
     )
     s = summarise_profile(raw)
     assert s["samples"] == 40
-    assert s["self"][0] == ["handle (clone/server.py)", 75.0]
+    assert s["self"][0] == ["handle (server/reactor.py)", 75.0]
     assert ["run (tornado/ioloop.py)", 100.0] in s["total"]
 
 

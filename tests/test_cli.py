@@ -13,11 +13,14 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from clone import Clone
-from clone.cli import main
+from clone.client.cli import main
 from tests.ports import free_base_port
 from tests.servers import ROOT, ServerProcess, Servers, servers  # noqa: F401
 
 pytestmark = pytest.mark.slow
+
+#: How a user runs the ``clone`` command (without the console script).
+CLONE_CLI = (sys.executable, "-m", "clone.client.cli")
 
 
 def env_with(servers_list: str | None = None) -> dict[str, str]:
@@ -43,7 +46,7 @@ def clone_cmd(
 ) -> subprocess.CompletedProcess[str]:
     head = ["--servers", ep(server), "--heartbeat", "0.1"] if server else []
     return subprocess.run(
-        [sys.executable, "-m", "clone.cli", *head, *args],
+        [*CLONE_CLI, *head, *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -87,7 +90,7 @@ def test_unreachable_servers_exit_2_without_a_traceback() -> None:
     dead = f"tcp://127.0.0.1:{free_base_port()}"
     t0 = time.monotonic()
     r = subprocess.run(
-        [sys.executable, "-m", "clone.cli", "--servers", dead, "--timeout", "0.5", "get", "k"],
+        [*CLONE_CLI, "--servers", dead, "--timeout", "0.5", "get", "k"],
         capture_output=True,
         text=True,
         timeout=20,
@@ -102,7 +105,7 @@ def test_unreachable_servers_exit_2_without_a_traceback() -> None:
 
 def test_servers_default_to_the_environment(solo: ServerProcess) -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "clone.cli", "--heartbeat", "0.1", "set", "/env/k", "v"],
+        [*CLONE_CLI, "--heartbeat", "0.1", "set", "/env/k", "v"],
         capture_output=True,
         text=True,
         timeout=20,
@@ -119,7 +122,7 @@ def test_servers_may_be_given_without_the_scheme(solo: ServerProcess) -> None:
     r = clone_cmd(None, "--servers", bare, "--heartbeat", "0.1", "set", "/bare/k", "v")
     assert r.returncode == 0, r.stderr
     r = subprocess.run(
-        [sys.executable, "-m", "clone.cli", "--heartbeat", "0.1", "get", "/bare/k"],
+        [*CLONE_CLI, "--heartbeat", "0.1", "get", "/bare/k"],
         capture_output=True,
         text=True,
         timeout=20,
@@ -140,7 +143,7 @@ def test_dump_into_a_closed_pipe_exits_141_quietly(solo: ServerProcess) -> None:
     # ~0.5 MB of output, far more than a pipe buffers (64 KiB): the dump is still
     # writing when the reader closes its end.
     proc = subprocess.Popen(
-        [sys.executable, "-m", "clone.cli", "--servers", ep(solo), "--heartbeat", "0.1",
+        [*CLONE_CLI, "--servers", ep(solo), "--heartbeat", "0.1",
          "dump", "/pipe/"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -164,7 +167,7 @@ def test_dump_into_a_closed_pipe_exits_141_quietly(solo: ServerProcess) -> None:
 def test_watch_streams_changes_until_ctrl_c(solo: ServerProcess) -> None:
     proc = subprocess.Popen(
         [
-            *(sys.executable, "-m", "clone.cli", "--servers", ep(solo), "--heartbeat", "0.1"),
+            *(*CLONE_CLI, "--servers", ep(solo), "--heartbeat", "0.1"),
             *("watch", "--json", "/w/"),
         ],
         stdout=subprocess.PIPE,

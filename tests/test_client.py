@@ -13,11 +13,11 @@ from functools import partial
 import pytest
 
 import clone
-import clone.client as client_mod
+import clone.client.frontend as client_mod
 from clone import Clone, Entry
-from clone.batch import encode_kvbatch
-from clone.codec import KVMsg, encode_hugz, encode_kthxbai, encode_kv, new_uuid
 from clone.errors import CloneError, ClosedError, ConfirmTimeout, NotSynced
+from clone.wire.batch import encode_kvbatch
+from clone.wire.codec import KVMsg, encode_hugz, encode_kthxbai, encode_kv, new_uuid
 from tests.fake_server import FakeServer
 from tests.ports import free_base_port
 

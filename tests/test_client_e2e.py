@@ -21,9 +21,9 @@ import pytest
 import zmq
 
 from clone import Clone
-from clone.codec import KVMsg, encode_kv
 from clone.errors import ConfirmTimeout
-from clone.protocol import DEFAULT_HEARTBEAT_MS
+from clone.wire.codec import KVMsg, encode_kv
+from clone.wire.protocol import DEFAULT_HEARTBEAT_MS
 from tests.servers import ROOT, ServerProcess, Servers, server_pool, servers  # noqa: F401
 
 pytestmark = pytest.mark.slow
@@ -208,7 +208,7 @@ def _clone_get(key: str, *srv: ServerProcess) -> tuple[subprocess.CompletedProce
     servers_arg = ",".join(endpoint(s) for s in srv)
     t0 = time.monotonic()
     r = subprocess.run(
-        [sys.executable, "-m", "clone.cli", "--servers", servers_arg, "get", key],
+        [sys.executable, "-m", "clone.client.cli", "--servers", servers_arg, "get", key],
         capture_output=True,
         text=True,
         timeout=30,

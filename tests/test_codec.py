@@ -8,10 +8,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from clone import codec
-from clone.codec import Hugz, KVMsg, SnapshotEnd, SnapshotRequest
 from clone.errors import LimitExceeded, ProtocolError
-from clone.protocol import (
+from clone.wire import codec
+from clone.wire.codec import Hugz, KVMsg, SnapshotEnd, SnapshotRequest
+from clone.wire.protocol import (
     COLLECTOR_OFFSET,
     MAX_KEY_BYTES,
     MAX_PROPERTIES_BYTES,

@@ -17,7 +17,7 @@ import pytest
 
 from clone.tools import drill, report
 from clone.tools.drill import DrillConfig, analyse, percentile, run_drill
-from clone.tools.drill_client import make_value, parse_value, shared_key, state_hash, write_key
+from clone.tools.drill.client import make_value, parse_value, shared_key, state_hash, write_key
 
 # --------------------------------------------------------------------------
 # The analysis, without processes

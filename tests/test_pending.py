@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from clone.codec import KVMsg
-from clone.pending import PendingList, UuidWindow, update_id
+from clone.server.pending import PendingList, UuidWindow, update_id
+from clone.wire.codec import KVMsg
 
 
 def _msg(n: int, key: str = "k", body: bytes = b"v") -> KVMsg:

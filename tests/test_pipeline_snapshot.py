@@ -8,10 +8,10 @@ import time
 import pytest
 
 from clone import Clone
-from clone.batch import KVBatch
 from clone.pipeline import snapshot as snapshot_module
 from clone.pipeline.errors import InputError, ServersUnreachable
 from clone.pipeline.snapshot import find_active, parse_servers, take_snapshot
+from clone.wire.batch import KVBatch
 from tests.fake_server import FakeServer
 from tests.ports import free_base_port
 from tests.servers import ServerProcess, Servers, servers  # noqa: F401

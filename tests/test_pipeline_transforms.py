@@ -17,7 +17,7 @@ from clone.pipeline.transforms import (
     with_reject_reason,
     write_records,
 )
-from clone.protocol import MAX_KEY_BYTES, MAX_VALUE_BYTES
+from clone.wire.protocol import MAX_KEY_BYTES, MAX_VALUE_BYTES
 from tests.spark_session import spark_fixture  # noqa: F401  (the shared session)
 
 pytestmark = pytest.mark.spark

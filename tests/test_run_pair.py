@@ -16,7 +16,7 @@ import time
 import psutil
 import pytest
 
-from clone.server_cli import build_parser, config_from_args
+from clone.server.cli import build_parser, config_from_args
 from clone.tools.run_pair import (
     Backoff,
     PairPorts,

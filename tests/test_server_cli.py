@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from clone.server import ServerConfig, ServerMode
-from clone.server_cli import build_parser, config_from_args
+from clone.server.cli import build_parser, config_from_args
+from clone.server.reactor import ServerConfig, ServerMode
 
 
 def _config(*argv: str) -> ServerConfig:

@@ -9,16 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from clone.codec import (
-    KVMsg,
-    decode_update,
-    encode_hugz,
-    encode_icanhaz,
-    encode_kthxbai,
-    encode_kv,
-)
 from clone.errors import ProtocolError
-from clone.server_core import (
+from clone.server.core import (
     SYNC_TRANSITIONS,
     CoreSettings,
     FollowOutcome,
@@ -27,6 +19,14 @@ from clone.server_core import (
     ServerCore,
     SyncEvent,
     SyncState,
+)
+from clone.wire.codec import (
+    KVMsg,
+    decode_update,
+    encode_hugz,
+    encode_icanhaz,
+    encode_kthxbai,
+    encode_kv,
 )
 
 

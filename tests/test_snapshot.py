@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from clone.batch import KVBatch, decode_kvbatch
-from clone.codec import KVMsg, decode_snapshot_reply
-from clone.codec import SnapshotEnd as End
-from clone.protocol import BATCH_TARGET_BYTES, MAX_BATCH_ENTRIES
-from clone.snapshot import SCAN_BUDGET, SnapshotStream
-from clone.store import Store
+from clone.server.snapshot import SCAN_BUDGET, SnapshotStream
+from clone.server.store import Store
+from clone.wire.batch import KVBatch, decode_kvbatch
+from clone.wire.codec import KVMsg, decode_snapshot_reply
+from clone.wire.codec import SnapshotEnd as End
+from clone.wire.protocol import BATCH_TARGET_BYTES, MAX_BATCH_ENTRIES
 
 
 def _store(keys: list[str]) -> Store:

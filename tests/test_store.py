@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from clone.codec import KVMsg, decode_update, encode_kv
 from clone.errors import LimitExceeded, ProtocolError
-from clone.store import Store, entry_of
+from clone.server.store import Store, entry_of
+from clone.wire.codec import KVMsg, decode_update, encode_kv
 
 U1 = bytes(range(16))
 

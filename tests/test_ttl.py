@@ -7,8 +7,8 @@ import random
 import pytest
 
 from clone.errors import ProtocolError
-from clone.protocol import MAX_TTL_SECONDS
-from clone.ttl import ExpiryHeap, format_expires, parse_expires, parse_ttl
+from clone.server.ttl import ExpiryHeap, format_expires, parse_expires, parse_ttl
+from clone.wire.protocol import MAX_TTL_SECONDS
 
 
 @pytest.mark.parametrize(

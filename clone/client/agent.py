@@ -1,11 +1,11 @@
 """The client agent's I/O loop: sockets in, state machine, sockets out.
 
-It runs in the thread the frontend (:mod:`clone.client`) starts, owns every
+It runs in the thread the frontend (:mod:`clone.client.frontend`) starts, owns every
 network socket of one client, and polls them together with the command pipe from
-the frontend.  Updates are decoded with :mod:`clone.codec`; snapshot replies go
+the frontend.  Updates are decoded with :mod:`clone.wire.codec`; snapshot replies go
 to the state machine raw, thousands per event, since a sync is where the time
 goes (it checks them itself, as strictly as the codec).
-:class:`~clone.agent_fsm.AgentFSM` decides; this module only carries out the
+:class:`~clone.client.fsm.AgentFSM` decides; this module only carries out the
 actions.  A plain ``zmq.Poller`` loop is enough: the agent has a handful
 of sockets and one timer (the state machine's next deadline).
 
@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from clone.agent_fsm import (
+from clone.client.fsm import (
     Action,
     AgentFSM,
     Changed,
@@ -63,22 +63,22 @@ from clone.agent_fsm import (
     SendUpdate,
     StateChanged,
 )
-from clone.batch import BATCH_FRAMES
-from clone.codec import (
+from clone.errors import ProtocolError
+from clone.ratelimit import Throttle
+from clone.wire.batch import BATCH_FRAMES
+from clone.wire.codec import (
     KVMsg,
     decode_kvset,
     decode_update,
     encode_icanhaz,
     encode_kv,
 )
-from clone.errors import ProtocolError
-from clone.protocol import (
+from clone.wire.protocol import (
     BATCH_METADATA,
     COLLECTOR_OFFSET,
     PUBLISHER_OFFSET,
     SNAPSHOT_OFFSET,
 )
-from clone.ratelimit import Throttle
 
 __all__ = ["Agent", "split_endpoint", "SUBSCRIBER_HWM"]
 
@@ -92,7 +92,7 @@ _BATCH = 512
 # Snapshot replies per state machine event (and per turn of the loop): large, as
 # one event per entry was a third of a sync's time; ~20 ms of work.
 _SNAPSHOT_BATCH = 4096
-# The same bound in entries for KVBATCHes (clone.batch), which cost about a
+# The same bound in entries for KVBATCHes (clone.wire.batch), which cost about a
 # quarter of a KVSYNC's time per entry: ~20 ms of work too.
 _SNAPSHOT_BATCH_ENTRIES = 4 * _SNAPSHOT_BATCH
 # Upper bound on one poll, so a wrong deadline can never freeze the loop.

@@ -21,7 +21,7 @@ import threading
 from collections.abc import Sequence
 
 from clone.argtypes import normalize_endpoints
-from clone.client import Clone, Entry, default_servers
+from clone.client.frontend import Clone, Entry, default_servers
 from clone.errors import CloneError, ConfirmTimeout, NotSynced
 
 __all__ = ["main"]

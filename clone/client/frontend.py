@@ -1,6 +1,6 @@
 """The application's side of a Clone client: a thin frontend over the agent thread.
 
-:class:`Clone` owns a ``zmq.Context``, starts the agent (:mod:`clone.agent`) in a
+:class:`Clone` owns a ``zmq.Context``, starts the agent (:mod:`clone.client.agent`) in a
 thread and talks to it over two inproc PAIR pipes: a command pipe (strict
 request/reply, one caller at a time, every wait bounded) and an event pipe the
 agent writes to without ever blocking (confirmations, state changes, changes to
@@ -30,11 +30,10 @@ from typing import Any
 
 import zmq
 
-from clone import agent as _agent
-from clone.agent import Agent, split_endpoint
-from clone.agent_fsm import AgentConfig, AgentFSM, normalize_subtrees
 from clone.argtypes import normalize_endpoint
-from clone.codec import KVMsg, Properties, decode_kvset, encode_kv
+from clone.client import agent as _agent
+from clone.client.agent import Agent, split_endpoint
+from clone.client.fsm import AgentConfig, AgentFSM, normalize_subtrees
 from clone.errors import (
     CloneError,
     ClosedError,
@@ -43,7 +42,8 @@ from clone.errors import (
     NotSynced,
     ProtocolError,
 )
-from clone.protocol import (
+from clone.wire.codec import KVMsg, Properties, decode_kvset, encode_kv
+from clone.wire.protocol import (
     DEFAULT_BACKUP_PORT,
     DEFAULT_PRIMARY_PORT,
     MAX_TTL_SECONDS,

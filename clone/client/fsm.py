@@ -1,6 +1,6 @@
 """The client agent's decisions, with no sockets and no clock.
 
-How this works: the agent's I/O loop (:mod:`clone.agent`) decodes what arrives from
+How this works: the agent's I/O loop (:mod:`clone.client.agent`) decodes what arrives from
 the servers and feeds it here as events, together with the current time ``now``
 (seconds, any monotonic origin).  :class:`AgentFSM` answers with a list of
 actions for the loop to carry out: ask a server for a snapshot, publish an update,
@@ -79,7 +79,7 @@ What we do differently from the Guide's client, on purpose:
   thousands of KVSYNCs), checked with cheap tests that accept only what the
   codec accepts; anything else goes through the codec's strict decoder, so a
   malformed KVSYNC is still counted and dropped with the codec's reason.  Our
-  servers pack the entries into KVBATCH messages (:mod:`clone.batch`, asked for
+  servers pack the entries into KVBATCH messages (:mod:`clone.wire.batch`, asked for
   by the I/O loop), each decoded and stored a column at a time, or dropped
   whole if anything in it is malformed.  The maps
   hold compact tuples ``(sequence, uuid, properties, body)``, not messages: a
@@ -98,8 +98,9 @@ from dataclasses import dataclass, fields
 from itertools import repeat
 from typing import Any
 
-from clone.batch import KVBatch, decode_kvbatch, is_kvbatch
-from clone.codec import (
+from clone.errors import CloneError, ProtocolError
+from clone.wire.batch import KVBatch, decode_kvbatch, is_kvbatch
+from clone.wire.codec import (
     RESERVED_KEYS,
     Hugz,
     KVMsg,
@@ -110,8 +111,7 @@ from clone.codec import (
     key_in_subtree,
     validate_subtree,
 )
-from clone.errors import CloneError, ProtocolError
-from clone.protocol import DEFAULT_MISSED_HEARTBEATS, MAX_KEY_BYTES, MAX_VALUE_BYTES
+from clone.wire.protocol import DEFAULT_MISSED_HEARTBEATS, MAX_KEY_BYTES, MAX_VALUE_BYTES
 
 __all__ = [
     "State",

@@ -67,7 +67,7 @@ def main() -> int:
     port = free_base_port()
     server_log = open(Path(tempfile.gettempdir()) / f"bench_pipeline_server_{port}.log", "wb")
     server = subprocess.Popen(
-        [sys.executable, "-m", "clone.server_cli", "--standalone", "--port", str(port),
+        [sys.executable, "-m", "clone.server.cli", "--standalone", "--port", str(port),
          "--bind", "127.0.0.1"],
         cwd=ROOT, stdout=server_log, stderr=subprocess.STDOUT,
     )  # fmt: skip

@@ -32,8 +32,10 @@ from dataclasses import dataclass
 import zmq
 
 from clone.argtypes import normalize_endpoints
-from clone.batch import decode_kvbatch, is_kvbatch
-from clone.codec import (
+from clone.errors import ProtocolError
+from clone.pipeline.errors import InputError, ServersUnreachable
+from clone.wire.batch import decode_kvbatch, is_kvbatch
+from clone.wire.codec import (
     Hugz,
     KVMsg,
     SnapshotEnd,
@@ -42,9 +44,7 @@ from clone.codec import (
     encode_icanhaz,
     validate_subtree,
 )
-from clone.errors import ProtocolError
-from clone.pipeline.errors import InputError, ServersUnreachable
-from clone.protocol import BATCH_METADATA, HUGZ, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
+from clone.wire.protocol import BATCH_METADATA, HUGZ, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
 
 __all__ = ["Snapshot", "parse_servers", "endpoint_at", "find_active", "take_snapshot"]
 

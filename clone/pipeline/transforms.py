@@ -34,9 +34,9 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from clone.codec import RESERVED_KEYS
 from clone.pipeline.errors import InputError
-from clone.protocol import MAX_KEY_BYTES, MAX_TTL_SECONDS, MAX_VALUE_BYTES
+from clone.wire.codec import RESERVED_KEYS
+from clone.wire.protocol import MAX_KEY_BYTES, MAX_TTL_SECONDS, MAX_VALUE_BYTES
 
 __all__ = [
     "LoadColumns",
@@ -65,10 +65,10 @@ _KEY = "__clone_key"
 _VALUE = "__clone_value"
 _TTL = "__clone_ttl"
 _DUPES = "__clone_dupes"
-# The server's rule for a ttl given as text (clone.ttl.parse_ttl).
+# The server's rule for a ttl given as text (clone.server.ttl.parse_ttl).
 _DECIMAL_RE = r"^(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)$"
 _PERCENTILES = (0.5, 0.9, 0.99)
-# Keys every drill client overwrites on purpose (clone.tools.drill_client.SHARED_PREFIX).
+# Keys every drill client overwrites on purpose (clone.tools.drill.client.SHARED_PREFIX).
 # Many writes to one key: a client rightly misses the ones overwritten while it
 # resynced, and sees an older sequence after a failover that lost an
 # unconfirmed write, so the per-write counts below leave them out; the drill

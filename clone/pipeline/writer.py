@@ -105,7 +105,7 @@ class PartitionResult:
 
 
 def _default_client(config: WriterConfig) -> ClientLike:
-    from clone.client import Clone
+    from clone.client.frontend import Clone
 
     return Clone(
         list(config.servers),

@@ -18,7 +18,9 @@ from collections.abc import Sequence
 
 from clone.argtypes import non_negative_int, positive_float, positive_int
 from clone.errors import CloneError
-from clone.protocol import (
+from clone.server.core import CoreSettings
+from clone.server.reactor import CloneServer, ServerConfig, ServerMode
+from clone.wire.protocol import (
     COLLECTOR_OFFSET,
     DEFAULT_BACKUP_HA_PORT,
     DEFAULT_BACKUP_PORT,
@@ -27,12 +29,10 @@ from clone.protocol import (
     DEFAULT_PRIMARY_HA_PORT,
     DEFAULT_PRIMARY_PORT,
 )
-from clone.server import CloneServer, ServerConfig, ServerMode
-from clone.server_core import CoreSettings
 
 __all__ = ["build_parser", "config_from_args", "main"]
 
-log = logging.getLogger("clone.server_cli")
+log = logging.getLogger("clone.server.cli")
 
 _LOG_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)-7s %(name)s: %(message)s"
 _DATE_FORMAT = "%Y-%m-%d %H:%M:%S"

@@ -4,7 +4,7 @@ How this works: :class:`ServerCore` takes events -- a client's KVSET, a KVPUB
 or HUGZ from the active peer, a KVSYNC/KTHXBAI of the snapshot we asked the
 peer for, a snapshot request, a role change, a timer tick -- each as raw frames
 plus an explicit wall-clock ``now``, and answers with frames to publish or an
-outcome for the I/O layer to act on.  ``clone.server`` owns the sockets and the
+outcome for the I/O layer to act on.  ``clone.server.reactor`` owns the sockets and the
 reactor; this module owns the rules:
 
 * **Active**: a KVSET gets the next sequence and is republished (at most once
@@ -16,7 +16,7 @@ reactor; this module owns the rules:
   we do not have, means "resync".  Client KVSETs wait in the pending list until
   the active server republishes them.  When a sync completes, the pending list
   keeps only updates the active server had provably *not* applied by the
-  snapshot's sequence (it sends the ids it applied, :mod:`clone.applied`): a
+  snapshot's sequence (it sends the ids it applied, :mod:`clone.wire.applied`): a
   snapshot holds only the last update of each key, so an update applied and
   superseded before it would otherwise stay pending and be applied again, over
   newer values, at a promotion (docs/failover.md, "Pending updates").
@@ -35,9 +35,14 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from clone.applied import decode_kvapplied, encode_kvapplied, is_kvapplied, uuid_ids
-from clone.batch import decode_kvbatch, is_kvbatch
-from clone.codec import (
+from clone.errors import ProtocolError
+from clone.server.pending import PendingList, PendingUpdate, UuidWindow, update_id
+from clone.server.snapshot import SnapshotStream
+from clone.server.store import Entry, Store
+from clone.server.ttl import parse_ttl
+from clone.wire.applied import decode_kvapplied, encode_kvapplied, is_kvapplied, uuid_ids
+from clone.wire.batch import decode_kvbatch, is_kvbatch
+from clone.wire.codec import (
     Hugz,
     KVMsg,
     SnapshotEnd,
@@ -48,12 +53,7 @@ from clone.codec import (
     encode_hugz,
     encode_kv,
 )
-from clone.errors import ProtocolError
-from clone.pending import PendingList, PendingUpdate, UuidWindow, update_id
-from clone.protocol import TTL_PROPERTY
-from clone.snapshot import SnapshotStream
-from clone.store import Entry, Store
-from clone.ttl import parse_ttl
+from clone.wire.protocol import TTL_PROPERTY
 
 __all__ = [
     "COUNTERS",
@@ -263,8 +263,8 @@ class ServerCore:
     ) -> SnapshotStream:
         """Start streaming the current state under ``subtree`` to ``identity``.
 
-        ``batch``: the requester negotiated KVBATCH (:mod:`clone.batch`).
-        ``applied``: it asked for the applied-update list (:mod:`clone.applied`),
+        ``batch``: the requester negotiated KVBATCH (:mod:`clone.wire.batch`).
+        ``applied``: it asked for the applied-update list (:mod:`clone.wire.applied`),
         which then goes first, as of ``now``.
         """
         preamble: list[list[bytes]] = []
@@ -409,7 +409,7 @@ class ServerCore:
             return FollowOutcome.SYNCED
         c["snapshot_entries_received"] += 1
         if msg.body:
-            # Stored as received (decoded once, to validate): see clone.store.
+            # Stored as received (decoded once, to validate): see clone.server.store.
             self._staging[frames[0]] = (frames[1], frames[2], frames[3], frames[4])
         if msg.uuid:
             # The active applied it: the client's direct copy is no longer pending.
@@ -424,7 +424,7 @@ class ServerCore:
             self.counters["peer_invalid"] += 1
             raise
         self.counters["snapshot_entries_received"] += len(batch)
-        # Stored as received, like a KVSYNC's frames (see clone.store).
+        # Stored as received, like a KVSYNC's frames (see clone.server.store).
         values = zip(
             batch.sequence_frames(), batch.uuids, batch.raw_properties, batch.bodies, strict=True
         )

@@ -11,7 +11,7 @@ active server's deduplication window: a uuid is published at most once within
 it, which lets clients resend unconfirmed writes after a failover.  It also
 remembers when each id was applied, so that an active server can tell a syncing
 peer which updates its snapshot covers and how far back that list reaches
-(:mod:`clone.applied`).
+(:mod:`clone.wire.applied`).
 
 Both structures are bounded, O(1) per operation, and sans-IO (``now`` is passed
 in).
@@ -24,7 +24,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 
-from clone.codec import KVMsg
+from clone.wire.codec import KVMsg
 
 __all__ = ["UuidWindow", "PendingList", "PendingUpdate", "update_id"]
 

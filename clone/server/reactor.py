@@ -1,9 +1,9 @@
-"""The CHP server's sockets and timers: thin I/O around :mod:`clone.server_core`.
+"""The CHP server's sockets and timers: thin I/O around :mod:`clone.server.core`.
 
 How this works: one tornado IOLoop (owned, never the global one) drives
 
 * the SNAPSHOT ROUTER (P): ICANHAZ? -> Binary Star vote -> a
-  :class:`~clone.snapshot.SnapshotStream` pumped a chunk per loop turn with
+  :class:`~clone.server.snapshot.SnapshotStream` pumped a chunk per loop turn with
   ``ROUTER_MANDATORY`` and non-blocking sends.  EAGAIN pauses that stream and
   retries shortly (no entry is dropped); EHOSTUNREACH aborts it.
   A vote refused only because the peer does not look dead *yet* (we are passive,
@@ -44,9 +44,12 @@ from tornado.ioloop import IOLoop
 from zmq.backend import Socket as _BackendSocket
 from zmq.eventloop.zmqstream import ZMQStream
 
-from clone.codec import encode_icanhaz
 from clone.errors import CloneError, ProtocolError
-from clone.protocol import (
+from clone.ratelimit import Throttle
+from clone.server.core import CoreSettings, FollowOutcome, Role, ServerCore, SyncState
+from clone.server.snapshot import SnapshotStream
+from clone.wire.codec import encode_icanhaz
+from clone.wire.protocol import (
     APPLIED_METADATA,
     APPLIED_PROPERTY,
     APPLIED_VERSION,
@@ -62,9 +65,6 @@ from clone.protocol import (
     PUBLISHER_OFFSET,
     SNAPSHOT_OFFSET,
 )
-from clone.ratelimit import Throttle
-from clone.server_core import CoreSettings, FollowOutcome, Role, ServerCore, SyncState
-from clone.snapshot import SnapshotStream
 
 __all__ = ["CloneServer", "ServerConfig", "ServerMode", "ServerStartError"]
 
@@ -92,7 +92,7 @@ _BUDGET_CHECK = 63  # check the clock every 64 messages (mask)
 # before we allocate it; the codec still checks the exact limits.
 _MAX_FRAME = MAX_VALUE_BYTES + 64 * 1024
 # The DEALER that syncs from the active peer asks for KVBATCHes, whose data
-# frames may be larger (clone.protocol.MAX_BATCH_BYTES).
+# frames may be larger (clone.wire.protocol.MAX_BATCH_BYTES).
 _MAX_SYNC_FRAME = MAX_BATCH_BYTES + 64 * 1024
 # No CHP message has more than ten frames (a KVBATCH; a KVSYNC is five, six with
 # a ROUTER identity); a longer one is consumed but kept short, and the codec
@@ -242,12 +242,12 @@ def _has_metadata(frame: zmq.Frame, name: str, value: str) -> bool:
 
 
 def _wants_batches(frame: zmq.Frame) -> bool:
-    """KVBATCHes instead of KVSYNCs (:mod:`clone.batch`)."""
+    """KVBATCHes instead of KVSYNCs (:mod:`clone.wire.batch`)."""
     return _has_metadata(frame, BATCH_PROPERTY, BATCH_VERSION)
 
 
 def _wants_applied(frame: zmq.Frame) -> bool:
-    """The applied-update list first: a peer server's sync (:mod:`clone.applied`)."""
+    """The applied-update list first: a peer server's sync (:mod:`clone.wire.applied`)."""
     return _has_metadata(frame, APPLIED_PROPERTY, APPLIED_VERSION)
 
 

@@ -17,14 +17,14 @@ so a full socket (EAGAIN) never drops an entry -- it just retries the same
 frames later.  Sans-IO: no sockets, no clock.
 
 In batch mode (a requester that negotiated our KVBATCH extension, see
-:mod:`clone.batch`) each message packs up to ``MAX_BATCH_ENTRIES`` entries, and
+:mod:`clone.wire.batch`) each message packs up to ``MAX_BATCH_ENTRIES`` entries, and
 the per-key work is done a column at a time in C: a window of the key list is
 filtered by prefix with ``compress``, looked up with ``map``, and keys deleted
 since are dropped.  Keys that did not fit under the batch's byte target are
 carried into the next batch and looked up again then.
 
 A ``preamble`` of whole messages goes out before the first entry: a peer
-server's sync gets the KVAPPLIED list there (:mod:`clone.applied`), built when
+server's sync gets the KVAPPLIED list there (:mod:`clone.wire.applied`), built when
 the stream starts so that it is consistent with the recorded sequence.
 """
 
@@ -34,10 +34,10 @@ from collections.abc import Sequence
 from itertools import compress, repeat
 from typing import cast
 
-from clone.batch import batch_size, encode_kvbatch
-from clone.codec import encode_kthxbai
-from clone.protocol import BATCH_TARGET_BYTES, MAX_BATCH_ENTRIES
-from clone.store import Entry, Store
+from clone.server.store import Entry, Store
+from clone.wire.batch import batch_size, encode_kvbatch
+from clone.wire.codec import encode_kthxbai
+from clone.wire.protocol import BATCH_TARGET_BYTES, MAX_BATCH_ENTRIES
 
 __all__ = ["SnapshotStream"]
 

@@ -17,7 +17,7 @@ Two ways in:
   active server is stored as is, its sequence and ``expires`` included, so both
   servers expire a key at the same moment.
 
-Expiry deadlines live in an :class:`~clone.ttl.ExpiryHeap`; only the active
+Expiry deadlines live in an :class:`~clone.server.ttl.ExpiryHeap`; only the active
 server calls :meth:`Store.expire`, which deletes due keys and returns the delete
 KVPUBs to publish.  Sans-IO: every ``now`` is wall-clock Unix seconds, passed in.
 """
@@ -26,10 +26,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from clone.codec import KVMsg, Properties, decode_properties, encode_properties
 from clone.errors import LimitExceeded
-from clone.protocol import EXPIRES_PROPERTY, MAX_PROPERTIES_BYTES, TTL_PROPERTY
-from clone.ttl import ExpiryHeap, format_expires, parse_expires, parse_ttl
+from clone.server.ttl import ExpiryHeap, format_expires, parse_expires, parse_ttl
+from clone.wire.codec import KVMsg, Properties, decode_properties, encode_properties
+from clone.wire.protocol import EXPIRES_PROPERTY, MAX_PROPERTIES_BYTES, TTL_PROPERTY
 
 __all__ = ["Entry", "Store", "entry_of"]
 

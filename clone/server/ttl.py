@@ -21,7 +21,7 @@ from collections.abc import Hashable
 from typing import Generic, TypeVar
 
 from clone.errors import ProtocolError
-from clone.protocol import MAX_TTL_SECONDS, TTL_PROPERTY
+from clone.wire.protocol import MAX_TTL_SECONDS, TTL_PROPERTY
 
 __all__ = ["ExpiryHeap", "parse_ttl", "parse_expires", "format_expires"]
 

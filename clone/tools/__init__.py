@@ -7,9 +7,9 @@ Nothing in the core :mod:`clone` package imports these; they drive real
 * :mod:`clone.tools.procs` -- child processes, signals, free ports, logs;
 * :mod:`clone.tools.histogram` -- HDR latency histograms;
 * :mod:`clone.tools.bench` -- throughput, latency, snapshot and memory benchmarks;
-* :mod:`clone.tools.drill` -- failover drills; :mod:`clone.tools.drill_client`
-  is the client worker process they start, :mod:`clone.tools.drill_watch`
-  watches the server pair, :mod:`clone.tools.drill_analysis` judges the results;
+* :mod:`clone.tools.drill` -- failover drills; :mod:`clone.tools.drill.client`
+  is the client worker process they start, :mod:`clone.tools.drill.watch`
+  watches the server pair, :mod:`clone.tools.drill.analysis` judges the results;
 * :mod:`clone.tools.report` -- tables, markdown and plots;
 * :mod:`clone.tools.run_pair` -- ``scripts/run``: a local pair, restarted as it dies.
 """

@@ -122,7 +122,7 @@ def _server_command() -> list[str]:
     found = shutil.which("clone-server")
     if found:
         return [found]
-    return [sys.executable, "-c", "import sys; from clone.server_cli import main; sys.exit(main())"]
+    return [sys.executable, "-c", "import sys; from clone.server.cli import main; sys.exit(main())"]
 
 
 def server_argv(

@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
 
-from clone.protocol import (
+from clone.wire.protocol import (
     DEFAULT_BACKUP_HA_PORT,
     DEFAULT_BACKUP_PORT,
     DEFAULT_PRIMARY_HA_PORT,
@@ -385,7 +385,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _check_server_flags(parser: argparse.ArgumentParser, argvs: dict[str, list[str]]) -> None:
     """Refuse flags here, once, rather than restart servers that refuse them."""
-    from clone.server_cli import build_parser, config_from_args
+    from clone.server.cli import build_parser, config_from_args
 
     server_parser = build_parser()
     for argv in argvs.values():
@@ -425,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.info("clients: --servers tcp://%s:%d,tcp://%s:%d",
                  host, ports.primary, host, ports.backup)  # fmt: skip
 
-    server = [sys.executable, "-m", "clone.server_cli"]
+    server = [sys.executable, "-m", "clone.server.cli"]
     supervisor = PairSupervisor(
         {name: [*server, *a] for name, a in argvs.items()}, on_started=banner
     )

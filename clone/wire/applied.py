@@ -22,7 +22,7 @@ applied is (its window never overflowed).  Only a duration crosses the wire, so
 the two servers' clocks need not agree.
 Update ids that are not uuids (a Guide-style KVSET without one) are not listed.
 
-Like :mod:`clone.codec`, the decoder is total: it returns a message or raises
+Like :mod:`clone.wire.codec`, the decoder is total: it returns a message or raises
 :class:`~clone.errors.ProtocolError`.  Guide peers never see KVAPPLIED: it is
 sent only to requesters that set the metadata, and only our servers do.
 """
@@ -33,9 +33,9 @@ import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from clone.codec import decode_properties
 from clone.errors import ProtocolError
-from clone.protocol import KVAPPLIED, MAX_APPLIED_IDS
+from clone.wire.codec import decode_properties
+from clone.wire.protocol import KVAPPLIED, MAX_APPLIED_IDS
 
 __all__ = [
     "APPLIED_FRAMES",

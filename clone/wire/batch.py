@@ -18,7 +18,7 @@ Both ends work a column at a time so the per-entry work runs in C: ``itemgetter`
 transpose, ``array`` for the lengths, ``bytes.join`` to encode; ``accumulate``
 for offsets, ``map`` over slices to split, ``min``/``max`` over the lengths and a
 set test for the reserved keys to validate.  The decoder is strict and total
-like :mod:`clone.codec`: a batch is accepted whole or rejected whole with a
+like :mod:`clone.wire.codec`: a batch is accepted whole or rejected whole with a
 :class:`~clone.errors.ProtocolError` that says what was wrong.  The encoder
 trusts its entries (they are a store's, validated when they came in).
 """
@@ -34,9 +34,9 @@ from itertools import accumulate, islice
 from operator import add, itemgetter
 from struct import Struct
 
-from clone.codec import RESERVED_KEYS, KVMsg, Properties, decode_properties
 from clone.errors import LimitExceeded, ProtocolError
-from clone.protocol import (
+from clone.wire.codec import RESERVED_KEYS, KVMsg, Properties, decode_properties
+from clone.wire.protocol import (
     BATCH_TARGET_BYTES,
     KVBATCH,
     MAX_BATCH_BYTES,
@@ -60,7 +60,7 @@ __all__ = [
 BATCH_FRAMES = 10
 
 #: One entry as a store holds it after the key: sequence (8 bytes, big-endian),
-#: uuid, properties frame, body.  The same shape as :data:`clone.store.Entry`.
+#: uuid, properties frame, body.  The same shape as :data:`clone.server.store.Entry`.
 BatchEntry = tuple[bytes, bytes, bytes, bytes]
 
 

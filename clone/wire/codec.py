@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import uuid6
 
 from clone.errors import LimitExceeded, ProtocolError
-from clone.protocol import (
+from clone.wire.protocol import (
     HEARTBEAT_PROPERTY,
     HUGZ,
     ICANHAZ,

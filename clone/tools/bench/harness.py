@@ -71,15 +71,6 @@ from typing import Any
 import zmq
 
 from clone.errors import CloneError
-from clone.protocol import (
-    BATCH_METADATA,
-    COLLECTOR_OFFSET,
-    HUGZ,
-    KTHXBAI,
-    KVBATCH,
-    PUBLISHER_OFFSET,
-    SNAPSHOT_OFFSET,
-)
 from clone.tools.histogram import LatencyHistogram
 from clone.tools.procs import (
     ProcessGroup,
@@ -87,6 +78,15 @@ from clone.tools.procs import (
     free_base_port,
     server_argv,
     wait_listening,
+)
+from clone.wire.protocol import (
+    BATCH_METADATA,
+    COLLECTOR_OFFSET,
+    HUGZ,
+    KTHXBAI,
+    KVBATCH,
+    PUBLISHER_OFFSET,
+    SNAPSHOT_OFFSET,
 )
 
 __all__ = [
@@ -516,7 +516,7 @@ def summarise_profile(path: Path, top: int = 15) -> dict[str, Any]:
 
 
 def _short_frame(frame: str) -> str:
-    """'handle (clone/server.py:120)' -> 'handle (server.py)'."""
+    """'handle (/x/clone/server/reactor.py:120)' -> 'handle (server/reactor.py)'."""
     name, _, where = frame.partition(" (")
     filename = where.rsplit(":", 1)[0].rstrip(")")
     parts = filename.replace("\\", "/").split("/")

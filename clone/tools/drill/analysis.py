@@ -47,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from clone.tools.drill_client import SHARED_PREFIX, parse_value, state_hash
+from clone.tools.drill.client import SHARED_PREFIX, parse_value, state_hash
 
 __all__ = [
     "REVERT_EXAMPLES",

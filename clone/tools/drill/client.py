@@ -1,6 +1,6 @@
 """One drill client: a real ``clone.Clone`` writing on a schedule and logging events.
 
-Run by :mod:`clone.tools.drill` as ``python -m clone.tools.drill_client ...``.
+Run by :mod:`clone.tools.drill` as ``python -m clone.tools.drill.client ...``.
 
 How this works: the process syncs the ``/drill/`` subtree, waits for the shared
 start time, then writes unique keys ``/drill/<id>/g<gen>/<n>`` at ``--rate`` per
@@ -52,8 +52,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from clone import Clone, ConfirmTimeout, Entry
-from clone.codec import new_uuid
 from clone.errors import CloneError
+from clone.wire.codec import new_uuid
 
 __all__ = [
     "DEFAULT_SHARED_KEYS",
@@ -67,7 +67,7 @@ __all__ = [
     "write_key",
 ]
 
-log = logging.getLogger("clone.tools.drill_client")
+log = logging.getLogger("clone.tools.drill.client")
 
 DRILL_PREFIX = "/drill/"
 # Keys every client overwrites; no client id may be "shared".
@@ -334,7 +334,7 @@ def _one_write(
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m clone.tools.drill_client")
+    p = argparse.ArgumentParser(prog="python -m clone.tools.drill.client")
     p.add_argument("--id", required=True, help="client id, e.g. c0")
     p.add_argument("--gen", type=int, default=0, help="incarnation (restarts count up)")
     p.add_argument("--servers", required=True, help="comma-separated CHP endpoints")

@@ -3,7 +3,7 @@
 How this works: :func:`run_drill` starts a primary and a backup ``clone-server``
 on free loopback ports, a thread that listens to the HUGZ of both (only the
 active server sends HUGZ, so it always knows which one is active, and when both
-are: :mod:`clone.tools.drill_watch`), and N :mod:`clone.tools.drill_client`
+are: :mod:`clone.tools.drill.watch`), and N :mod:`clone.tools.drill.client`
 processes.  The clients sync, start writing together at ``start_at`` and stop
 after ``duration`` seconds; the fault is injected at 35% of the run
 (``rolling-restart``: rounds of restarts from then on, the scenario's own
@@ -11,7 +11,7 @@ timeline).  Each client logs its events to its own file (``clients/<id>.jsonl``)
 and its final state to ``clients/<id>.state.json``.  Once everyone has settled,
 the drill takes a snapshot of ``/drill/`` from the active server, asks both
 servers for a stats line (SIGUSR1), stops everything, merges all events into
-``events.jsonl`` (sorted by time) and decides (:mod:`clone.tools.drill_analysis`):
+``events.jsonl`` (sorted by time) and decides (:mod:`clone.tools.drill.analysis`):
 
 * every confirmed write is in the final state (keys are unique per write, so a
   write is lost exactly when its key is missing or holds another value);
@@ -46,10 +46,9 @@ from typing import Any
 
 import zmq
 
-from clone.protocol import DEFAULT_HEARTBEAT_MS, DEFAULT_MISSED_HEARTBEATS, PUBLISHER_OFFSET
-from clone.tools.drill_analysis import analyse, percentile, revert_detail, seen_revert_detail
-from clone.tools.drill_client import DEFAULT_SHARED_KEYS, DRILL_PREFIX
-from clone.tools.drill_watch import HugzMonitor, raw_snapshot, server_stats
+from clone.tools.drill.analysis import analyse, percentile, revert_detail, seen_revert_detail
+from clone.tools.drill.client import DEFAULT_SHARED_KEYS, DRILL_PREFIX
+from clone.tools.drill.watch import HugzMonitor, raw_snapshot, server_stats
 from clone.tools.procs import (
     ManagedProcess,
     ProcessGroup,
@@ -60,6 +59,7 @@ from clone.tools.procs import (
     server_argv,
     wait_listening,
 )
+from clone.wire.protocol import DEFAULT_HEARTBEAT_MS, DEFAULT_MISSED_HEARTBEATS, PUBLISHER_OFFSET
 
 __all__ = [
     "SCENARIOS",
@@ -237,7 +237,7 @@ class _Drill:
         stem = cid if gen == 0 else f"{cid}.g{gen}"
         names = list(self.servers)
         argv = python_module_argv(
-            "clone.tools.drill_client",
+            "clone.tools.drill.client",
             "--id", cid,
             "--gen", str(gen),
             "--servers", ",".join(self.servers[n].endpoint for n in names),
@@ -328,7 +328,7 @@ class _Drill:
         return self._finish(start_at, client_ids)
 
     def _preload(self, n: int) -> None:
-        from clone.tools.bench import Target, _load_keys
+        from clone.tools.bench.harness import Target, _load_keys
 
         name = self.active_server() or "primary"
         addr = self.servers[name]

@@ -19,8 +19,8 @@ from typing import Any
 
 import zmq
 
-from clone.protocol import DEFAULT_MISSED_HEARTBEATS, HUGZ, KTHXBAI
 from clone.tools.procs import ManagedProcess
+from clone.wire.protocol import DEFAULT_MISSED_HEARTBEATS, HUGZ, KTHXBAI
 
 __all__ = ["HugzMonitor", "raw_snapshot", "server_stats"]
 

@@ -1,0 +1,10 @@
+"""The client: the ``Clone`` frontend, its agent thread, and the ``clone`` command.
+
+Holds the frontend that application threads call (:mod:`.frontend`), the agent
+thread that owns the sockets (:mod:`.agent`), the agent's sans-IO state machine
+(:mod:`.fsm`), and the command line (:mod:`.cli`).  The public API is re-exported
+by :mod:`clone` itself (``from clone import Clone, clone_set, clone_get``).
+
+May import: :mod:`clone.wire`, :mod:`clone.errors`, :mod:`clone.ratelimit` and
+:mod:`clone.argtypes`.  Never the server or the tools.
+"""
