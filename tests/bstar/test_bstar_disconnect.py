@@ -17,15 +17,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 
 import pytest
 import zmq
 from tornado.ioloop import IOLoop
 
 from bstar import BinaryStar, State
-from tests.ports import free_ports
-from tests.tracking import TrackingContext, tracking_context
+from tests.support.ports import free_ports
+from tests.support.tracking import TrackingContext
 
 A, S = State.ACTIVE, State.PASSIVE
 HEARTBEAT, MISSED = 1.0, 2  # the defaults, spelled out so the arithmetic is visible
@@ -33,23 +33,6 @@ SETTLE_DEADLINE = 2.5  # pair up: the backup's first heartbeat can be lost (slow
 # How long the disconnect may take to reach the backup. Generous for loopback (it
 # takes milliseconds) but shorter than the 1 s by which the heartbeat rule lags.
 DISCONNECT_DEADLINE = 0.5
-
-
-@pytest.fixture(autouse=True)
-def _debug_logs(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="bstar")
-
-
-@pytest.fixture
-def ctx() -> Iterator[TrackingContext]:
-    yield from tracking_context()
-
-
-@pytest.fixture
-def loop() -> Iterator[IOLoop]:
-    io_loop = IOLoop(make_current=False)
-    yield io_loop
-    io_loop.close(all_fds=False)
 
 
 def _run(loop: IOLoop, scenario: Callable[[], Awaitable[None]]) -> None:

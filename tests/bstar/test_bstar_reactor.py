@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 
 import pytest
 import zmq
@@ -19,8 +19,7 @@ from tornado.ioloop import IOLoop
 from zmq.eventloop.zmqstream import ZMQStream
 
 from bstar import BinaryStar, State
-from tests.ports import free_ports
-from tests.tracking import TrackingContext, tracking_context
+from tests.support.ports import free_ports
 
 HEARTBEAT = 0.1
 # One more than the default, so that a briefly busy test machine does not fake a
@@ -29,23 +28,6 @@ MISSED = 3
 DEADLINE = 5.0
 
 P, B, A, S = State.PRIMARY, State.BACKUP, State.ACTIVE, State.PASSIVE
-
-
-@pytest.fixture(autouse=True)
-def _debug_logs(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.DEBUG, logger="bstar")
-
-
-@pytest.fixture
-def ctx() -> Iterator[TrackingContext]:
-    yield from tracking_context()
-
-
-@pytest.fixture
-def loop() -> Iterator[IOLoop]:
-    io_loop = IOLoop(make_current=False)
-    yield io_loop
-    io_loop.close(all_fds=False)
 
 
 def _endpoint(port: int) -> str:
@@ -224,7 +206,7 @@ def test_failover_through_voter_socket_then_failback_comes_up_passive(
         cluster = Cluster(ctx, loop)
         try:
             primary = cluster.node(True, pa, pb)
-            # Heartbeat expiry only: the lost connection is tests/test_bstar_disconnect.py's.
+            # Heartbeat expiry only: the lost connection is tests/bstar/test_bstar_disconnect.py's.
             backup = cluster.node(False, pb, pa, fast_failover=False)
             served: list[list[bytes]] = []
 

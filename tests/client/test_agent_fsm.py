@@ -1,6 +1,6 @@
 """Unit tests of the client agent's state machine: no sockets, a fake clock.
 
-``FakeServer`` plays a CHP server in memory: it holds a map and a sequence, and
+``MemoryServer`` plays a CHP server in memory: it holds a map and a sequence, and
 hands the FSM the KVSYNC/KTHXBAI/KVPUB/HUGZ messages a real one would send.
 """
 
@@ -43,7 +43,7 @@ from clone.wire.codec import (
 CFG = AgentConfig(heartbeat=1.0, server_timeout=2.5, resend_interval=0.5)
 
 
-class FakeServer:
+class MemoryServer:
     """An in-memory CHP server: a map, a sequence, and the messages it would send."""
 
     def __init__(self, index: int) -> None:
@@ -74,7 +74,7 @@ def raw(msg: KVMsg | SnapshotEnd) -> list[bytes]:
     return encode_kv(msg)
 
 
-def feed_snapshot(fsm: AgentFSM, srv: FakeServer, now: float, subtree: str = "") -> list:
+def feed_snapshot(fsm: AgentFSM, srv: MemoryServer, now: float, subtree: str = "") -> list:
     actions: list = []
     for msg in srv.snapshot(subtree):
         actions += fsm.snapshot_reply(srv.index, msg, now)
@@ -82,7 +82,7 @@ def feed_snapshot(fsm: AgentFSM, srv: FakeServer, now: float, subtree: str = "")
 
 
 def feed_batches(
-    fsm: AgentFSM, srv: FakeServer, now: float, subtree: str = "", size: int = 3
+    fsm: AgentFSM, srv: MemoryServer, now: float, subtree: str = "", size: int = 3
 ) -> list:
     """The snapshot as the agent hands it over: raw frames, ``size`` per event."""
     frames = [raw(m) for m in srv.snapshot(subtree)]
@@ -94,7 +94,7 @@ def feed_batches(
 
 def synced(servers: int = 2, subtrees: str | list[str] | None = None) -> tuple:
     fsm = AgentFSM(subtrees, CFG, now=0.0)
-    srvs = [FakeServer(i) for i in range(servers)]
+    srvs = [MemoryServer(i) for i in range(servers)]
     for i in range(servers):
         fsm.connect(f"tcp://127.0.0.1:{5556 + 10 * i}", 0.0)
     for sub in fsm.subtrees:
@@ -155,7 +155,7 @@ def test_connect_requests_a_snapshot_from_the_first_server_only() -> None:
 
 def test_snapshot_then_updates() -> None:
     fsm = AgentFSM(None, CFG)
-    srv = FakeServer(0)
+    srv = MemoryServer(0)
     srv.apply("a", b"1")
     srv.apply("b", b"2")
     fsm.connect("tcp://a:1", 0.0)
@@ -315,7 +315,7 @@ def test_a_server_that_shows_itself_active_is_asked_at_once() -> None:
     first HUGZ of the active server 1 (ours say their heartbeat) moves us to it,
     within one of its heartbeats instead of server_timeout."""
     fsm = two_servers()
-    srv = FakeServer(1)
+    srv = MemoryServer(1)
     srv.apply("a", b"1")
     assert fsm.tick(0.25) == [RequestSnapshot(0, ("",))]  # refused, asked again
     actions = fsm.update(1, Hugz(srv.seq, 0.25), 0.3)
@@ -337,7 +337,7 @@ def test_a_kvpub_shows_a_server_active_but_a_bare_hugz_does_not() -> None:
     fsm = two_servers()
     assert fsm.update(1, Hugz(0), 0.1) == []
     assert fsm.current == 0 and fsm.counters.foreign == 1
-    srv = FakeServer(1)
+    srv = MemoryServer(1)
     kvpub = srv.apply("a", b"1")
     assert fsm.update(1, kvpub, 0.2) == [RequestSnapshot(1, ("",))]
     assert fsm.current == 1 and fsm.counters.hint_failovers == 1
@@ -387,7 +387,7 @@ def test_two_actives_do_not_make_the_client_flap() -> None:
     assert len(current_at) <= 2 * (10.0 / CFG.server_timeout) + 1
     # Served by server 1: HUGZ from the other active one are ignored.
     assert fsm.current == 1  # since 7.65
-    feed_snapshot(fsm, FakeServer(1), t + 0.02)
+    feed_snapshot(fsm, MemoryServer(1), t + 0.02)
     assert fsm.state is State.ACTIVE
     for k in range(1, 20):
         assert fsm.update(0, Hugz(0, 0.25), t + 0.1 * k) == []
@@ -515,7 +515,7 @@ def test_silence_while_active_fails_over_with_a_fresh_map() -> None:
 
 def test_updates_during_sync_are_buffered_and_replayed_after_kthxbai() -> None:
     fsm = AgentFSM(None, CFG)
-    srv = FakeServer(0)
+    srv = MemoryServer(0)
     srv.apply("a", b"1")
     fsm.connect("tcp://a:1", 0.0)
     snap = srv.snapshot()  # [a@1, KTHXBAI(1)]
@@ -534,11 +534,11 @@ def test_updates_during_sync_are_buffered_and_replayed_after_kthxbai() -> None:
 
 def test_gap_inside_the_sync_buffer_resyncs() -> None:
     fsm = AgentFSM(None, CFG)
-    srv = FakeServer(0)
+    srv = MemoryServer(0)
     fsm.connect("tcp://a:1", 0.0)
     srv.apply("a", b"1")  # missed: subscription not yet in place
     fsm.update(0, srv.apply("b", b"2"), 0.1)
-    actions = feed_snapshot(fsm, FakeServer(0), 0.2)  # a snapshot from before both
+    actions = feed_snapshot(fsm, MemoryServer(0), 0.2)  # a snapshot from before both
     assert RequestSnapshot(0, ("",)) in actions
     assert fsm.state is State.SYNCING and fsm.counters.gaps == 1
 
@@ -553,7 +553,7 @@ def test_messages_from_other_servers_are_ignored() -> None:
 
 
 def test_subtrees_filter_and_each_gets_its_own_snapshot() -> None:
-    srv = FakeServer(0)
+    srv = MemoryServer(0)
     srv.apply("/a/1", b"x")
     srv.apply("/b/1", b"y")
     srv.apply("/c/1", b"z")
@@ -621,7 +621,7 @@ def test_confirmed_write_survives_failover() -> None:
 
 def test_write_published_during_sync_is_confirmed_at_the_swap() -> None:
     fsm = AgentFSM(None, CFG)
-    srv = FakeServer(0)
+    srv = MemoryServer(0)
     fsm.connect("tcp://a:1", 0.0)
     msg = KVMsg.build("k", b"v")
     fsm.write(msg, 0.0, confirm_within=5.0)
@@ -680,7 +680,7 @@ def test_client_converges_to_the_server_state(
     coming (so some entries are newer than KTHXBAI), and every update is also
     published to the subscriber.
     """
-    srv = FakeServer(0)
+    srv = MemoryServer(0)
     for k, v in before:
         srv.apply(k, v)
     fsm = AgentFSM(None, CFG)
@@ -689,7 +689,7 @@ def test_client_converges_to_the_server_state(
     published = [srv.apply(k, v) for k, v in during]
     # fuzzy: entries as of a later point (cut into the 'during' updates)
     fuzzy_state: dict[str, KVMsg] = {}
-    replay = FakeServer(0)
+    replay = MemoryServer(0)
     for k, v in before:
         replay.apply(k, v)
     for k, v in during[: min(cut, len(during))]:
@@ -728,10 +728,10 @@ def test_writes_before_the_first_snapshot_are_held_until_it_completes() -> None:
 # Snapshot batches: raw frames, one event per batch
 
 
-def _snapshot_source(*extra: tuple[str, bytes]) -> tuple[FakeServer, KVMsg]:
+def _snapshot_source(*extra: tuple[str, bytes]) -> tuple[MemoryServer, KVMsg]:
     """A server with /a/0../a/6 (uuids), ``extra`` keys, /a/3 deleted again, and
     an ephemeral key with properties for the caller to place."""
-    srv = FakeServer(0)
+    srv = MemoryServer(0)
     for i in range(7):
         srv.apply(f"/a/{i}", b"v%d" % i, new_uuid())
     for key, body in extra:
@@ -811,7 +811,7 @@ def test_replies_after_the_kthxbai_in_a_batch_are_late_and_still_checked() -> No
 
 
 def test_a_batch_stops_when_its_kthxbai_starts_a_new_request() -> None:
-    srv = FakeServer(0)
+    srv = MemoryServer(0)
     srv.apply("a", b"1")
     fsm = AgentFSM(None, CFG)
     fsm.connect("tcp://a:1", 0.0)
@@ -825,7 +825,7 @@ def test_a_batch_stops_when_its_kthxbai_starts_a_new_request() -> None:
 
 
 def test_batches_with_several_subtrees() -> None:
-    srv = FakeServer(0)
+    srv = MemoryServer(0)
     for key in ("/a/1", "/b/1", "/c/1"):
         srv.apply(key, b"v")
     fsm = AgentFSM(["/a/", "/b/"], CFG)
@@ -888,7 +888,7 @@ def kvbatch(msgs: list[KVMsg]) -> list[bytes]:
     return encode_kvbatch([m.key.encode() for m in msgs], [entry_of(m) for m in msgs])
 
 
-def kvbatches(srv: FakeServer, subtree: str = "", size: int = 3) -> list[list[bytes]]:
+def kvbatches(srv: MemoryServer, subtree: str = "", size: int = 3) -> list[list[bytes]]:
     """The snapshot as our server sends it to a client that asked for batches."""
     *entries, end = srv.snapshot(subtree)
     msgs = [m for m in entries if isinstance(m, KVMsg)]

@@ -14,8 +14,8 @@ import pytest
 
 from clone import Clone
 from clone.client.cli import main
-from tests.ports import free_base_port
-from tests.servers import ROOT, ServerProcess, Servers, servers  # noqa: F401
+from tests.support.ports import free_base_port
+from tests.support.servers import ROOT, ServerProcess, Servers
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +33,7 @@ def env_with(servers_list: str | None = None) -> dict[str, str]:
 
 
 @pytest.fixture
-def solo(servers: Servers) -> Iterator[ServerProcess]:  # noqa: F811
+def solo(servers: Servers) -> Iterator[ServerProcess]:
     yield servers.standalone()
 
 

@@ -1,4 +1,4 @@
-"""The Clone client against a raw-pyzmq fake CHP server (tests/fake_server.py).
+"""The Clone client against a raw-pyzmq fake CHP server (tests/support/fake_server.py).
 
 Real sockets on 127.0.0.1, short heartbeats, a deadline on every wait.
 """
@@ -18,19 +18,16 @@ from clone import Clone, Entry
 from clone.errors import CloneError, ClosedError, ConfirmTimeout, NotSynced
 from clone.wire.batch import encode_kvbatch
 from clone.wire.codec import KVMsg, encode_hugz, encode_kthxbai, encode_kv, new_uuid
-from tests.fake_server import FakeServer
-from tests.ports import free_base_port
+from tests.support.fake_server import FakeServer
+from tests.support.ports import free_base_port
+from tests.support.waiting import eventually as wait_until
 
 HB = 0.1  # fake server heartbeat
 
 
-def eventually(check: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+def eventually(check: Callable[[], object], timeout: float = 5.0, what: str = "condition") -> None:
+    """The shared helper with this file's shorter deadline (a fake server is fast)."""
+    wait_until(check, timeout, what)
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The client library against real ``clone-server`` processes (tests/servers.py).
+"""The client library against real ``clone-server`` processes (tests/support/servers.py).
 
 Servers run with a 100 ms heartbeat; clients use the same heartbeat and a server
 timeout of 5 heartbeats, so a loaded CI machine does not fail over by accident.
@@ -24,7 +24,8 @@ from clone import Clone
 from clone.errors import ConfirmTimeout
 from clone.wire.codec import KVMsg, encode_kv
 from clone.wire.protocol import DEFAULT_HEARTBEAT_MS
-from tests.servers import ROOT, ServerProcess, Servers, server_pool, servers  # noqa: F401
+from tests.support.servers import ROOT, ServerProcess, Servers, server_pool
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -46,15 +47,6 @@ def client(*srv: ServerProcess, **kw: object) -> Iterator[Clone]:
         yield c
     finally:
         c.close()
-
-
-def eventually(check: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 class _ConfirmedWriter:
@@ -85,7 +77,7 @@ class _ConfirmedWriter:
             self.thread.join(timeout)
 
 
-def test_confirmed_writes_are_read_back(servers: Servers) -> None:  # noqa: F811
+def test_confirmed_writes_are_read_back(servers: Servers) -> None:
     primary, backup = servers.pair()
     with client(primary, backup) as c:
         for i in range(100):
@@ -97,7 +89,7 @@ def test_confirmed_writes_are_read_back(servers: Servers) -> None:  # noqa: F811
 
 
 def test_many_async_confirmed_writes_in_flight_from_one_thread(
-    servers: Servers,  # noqa: F811
+    servers: Servers,
 ) -> None:
     primary, backup = servers.pair()
     with client(primary, backup) as c, client(primary, backup) as reader:
@@ -113,7 +105,7 @@ def test_many_async_confirmed_writes_in_flight_from_one_thread(
 
 
 def test_two_clients_converge_and_a_late_joiner_gets_the_snapshot(
-    servers: Servers,  # noqa: F811
+    servers: Servers,
 ) -> None:
     primary, backup = servers.pair()
     with client(primary, backup) as a, client(primary, backup) as b:
@@ -127,7 +119,7 @@ def test_two_clients_converge_and_a_late_joiner_gets_the_snapshot(
             assert len(late.items()) == 39
 
 
-def test_ttl_keys_vanish_from_clients(servers: Servers) -> None:  # noqa: F811
+def test_ttl_keys_vanish_from_clients(servers: Servers) -> None:
     primary, backup = servers.pair()
     with client(primary, backup) as c:
         gone = threading.Event()
@@ -139,7 +131,7 @@ def test_ttl_keys_vanish_from_clients(servers: Servers) -> None:  # noqa: F811
         assert c.get("/ttl/k") is None
 
 
-def test_subtree_isolation(servers: Servers) -> None:  # noqa: F811
+def test_subtree_isolation(servers: Servers) -> None:
     solo = servers.standalone()
     with client(solo) as writer:
         for key in ("/a/1", "/b/1", "/c/1"):
@@ -155,7 +147,7 @@ def test_subtree_isolation(servers: Servers) -> None:  # noqa: F811
 
 
 def test_kill9_of_the_active_server_loses_no_confirmed_write(
-    servers: Servers,  # noqa: F811
+    servers: Servers,
 ) -> None:
     primary, backup = servers.pair()
     with client(primary, backup) as c:
@@ -189,7 +181,7 @@ def test_kill9_of_the_active_server_loses_no_confirmed_write(
 
 
 def test_backup_serves_a_client_that_starts_while_the_primary_is_dead(
-    servers: Servers,  # noqa: F811
+    servers: Servers,
 ) -> None:
     primary, backup = servers.pair()
     with client(primary, backup) as c:
@@ -219,7 +211,7 @@ def _clone_get(key: str, *srv: ServerProcess) -> tuple[subprocess.CompletedProce
 
 
 def test_failback_a_client_that_lists_the_passive_first_finds_the_active_at_once(
-    servers: Servers,  # noqa: F811
+    servers: Servers,
     record_property: Callable[[str, object], None],
 ) -> None:
     """Issue 11.  After a failover the old primary comes back passive; a new
@@ -270,7 +262,7 @@ def test_failback_a_client_that_lists_the_passive_first_finds_the_active_at_once
 
 @pytest.fixture
 def default_servers(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Servers]:
-    """A pool at the production heartbeat (tests.servers defaults to 100 ms)."""
+    """A pool at the production heartbeat (tests.support.servers defaults to 100 ms)."""
     with server_pool(tmp_path, request, heartbeat_ms=DEFAULT_HEARTBEAT_MS) as pool:
         yield pool
 
@@ -334,7 +326,7 @@ def test_failover_at_default_settings_loses_no_confirmed_write(
 
 
 def test_the_client_learns_the_servers_heartbeat_unless_told_a_timeout(
-    servers: Servers,  # noqa: F811
+    servers: Servers,
 ) -> None:
     server = servers.standalone()
     learned = 4 * servers.heartbeat_ms
@@ -362,7 +354,7 @@ def _raw_collector(server: ServerProcess) -> Iterator[zmq.Socket[bytes]]:
         ctx.term()
 
 
-def test_large_snapshot_is_synced_and_listed(servers: Servers) -> None:  # noqa: F811
+def test_large_snapshot_is_synced_and_listed(servers: Servers) -> None:
     """200k keys: the client syncs them and lists them within the default
     command timeout (5 s), which a reply of five frames per entry did not meet
     at 1M keys."""
@@ -387,7 +379,7 @@ def test_large_snapshot_is_synced_and_listed(servers: Servers) -> None:  # noqa:
         assert synced < 30, synced
 
 
-def test_batched_sync_of_a_large_map_with_properties(servers: Servers) -> None:  # noqa: F811
+def test_batched_sync_of_a_large_map_with_properties(servers: Servers) -> None:
     """Our client asks our server for KVBATCHes: tens of thousands of keys with
     ttl, properties and multi-byte keys arrive exactly as a watching client
     applied them from the live KVPUBs."""

@@ -12,9 +12,8 @@ import pytest
 
 from clone.pipeline import DEFAULT_REJECTS
 from clone.pipeline.cli import build_parser, main
-from tests.ports import free_base_port, free_port
-from tests.servers import Servers, servers  # noqa: F401
-from tests.spark_session import spark_fixture  # noqa: F401  (the shared session)
+from tests.support.ports import free_base_port, free_port
+from tests.support.servers import Servers
 
 
 def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -41,7 +40,7 @@ def test_usage_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert exc.value.code == 2
 
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 _COMMANDS = [
     ["load", "--servers", "h:1", "--input", "x"],
@@ -127,7 +126,7 @@ def test_unreachable_spark_master(tmp_path: Path, capsys: pytest.CaptureFixture[
 @pytest.mark.timeout(120)
 def test_missing_column(
     spark: Any,
-    servers: Servers,  # noqa: F811
+    servers: Servers,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -149,7 +148,7 @@ def test_missing_column(
 @pytest.mark.timeout(180)
 def test_rejects_default_to_results_under_the_working_directory(
     spark: Any,
-    servers: Servers,  # noqa: F811
+    servers: Servers,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],

@@ -11,7 +11,6 @@ from typing import Any
 import pytest
 
 from clone.pipeline.cli import main
-from tests.spark_session import spark_fixture  # noqa: F401  (the shared session)
 
 pytestmark = pytest.mark.spark
 

@@ -19,8 +19,7 @@ import pytest
 from clone import Clone
 from clone.pipeline.cli import main
 from clone.pipeline.sources import read_export
-from tests.servers import ServerProcess, Servers, servers  # noqa: F401
-from tests.spark_session import spark_fixture  # noqa: F401  (the shared session)
+from tests.support.servers import ServerProcess, Servers
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -68,7 +67,7 @@ def _client(*srv: ServerProcess) -> Clone:
 
 def test_load_read_back_and_export(
     spark: Any,
-    servers: Servers,  # noqa: F811
+    servers: Servers,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -117,7 +116,7 @@ def test_load_read_back_and_export(
 
 def test_load_survives_a_failover(
     spark: Any,
-    servers: Servers,  # noqa: F811
+    servers: Servers,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:

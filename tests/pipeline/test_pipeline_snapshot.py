@@ -12,9 +12,9 @@ from clone.pipeline import snapshot as snapshot_module
 from clone.pipeline.errors import InputError, ServersUnreachable
 from clone.pipeline.snapshot import find_active, parse_servers, take_snapshot
 from clone.wire.batch import KVBatch
-from tests.fake_server import FakeServer
-from tests.ports import free_base_port
-from tests.servers import ServerProcess, Servers, servers  # noqa: F401
+from tests.support.fake_server import FakeServer
+from tests.support.ports import free_base_port
+from tests.support.servers import ServerProcess, Servers
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +42,7 @@ def test_nothing_listening_is_unreachable() -> None:
         take_snapshot(["tcp://127.0.0.1:1"], "nope")
 
 
-def test_snapshot_is_exact_while_writes_go_on(servers: Servers) -> None:  # noqa: F811
+def test_snapshot_is_exact_while_writes_go_on(servers: Servers) -> None:
     """A writer sets /w/n for n = 1, 2, ... and then /w/last = n, one confirmed
     write after the other.  A snapshot exact at one sequence holds /w/1 .. /w/m
     and /w/last = m or m - 1 (taken between the two writes), never a hole."""
@@ -107,7 +107,7 @@ def test_snapshot_from_a_server_that_sends_plain_kvsyncs() -> None:
 
 
 def test_a_large_snapshot_arrives_in_kvbatches_whole(
-    servers: Servers,  # noqa: F811
+    servers: Servers,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """20,000 keys, with properties: several KVBATCHes from a real server, and the

@@ -18,7 +18,6 @@ from clone.pipeline.transforms import (
     write_records,
 )
 from clone.wire.protocol import MAX_KEY_BYTES, MAX_VALUE_BYTES
-from tests.spark_session import spark_fixture  # noqa: F401  (the shared session)
 
 pytestmark = pytest.mark.spark
 

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import signal
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -22,8 +21,9 @@ import zmq
 
 from clone import Clone
 from clone.errors import CloneError
-from tests.chp_peer import ChpPeer
-from tests.servers import ServerProcess, Servers, server_pool, servers  # noqa: F401
+from tests.support.chp_peer import ChpPeer
+from tests.support.servers import ServerProcess, Servers
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -33,15 +33,6 @@ KEYS = 20
 
 def endpoint(server: ServerProcess) -> str:
     return f"tcp://127.0.0.1:{server.port}"
-
-
-def eventually(check: Callable[[], bool], timeout: float = 10.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 class _Overwriter:
@@ -174,7 +165,7 @@ def _restart(server: ServerProcess, sig: int) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill9"])
 def test_restart_passive_then_stop_active_keeps_confirmed_values(
-    servers: Servers, sig: int  # noqa: F811
+    servers: Servers, sig: int
 ) -> None:
     primary, backup = servers.pair()
     with _client(primary, backup) as c, _Overwriter(c) as w:
@@ -193,7 +184,7 @@ def test_restart_passive_then_stop_active_keeps_confirmed_values(
 
 
 def test_restart_passive_during_a_large_snapshot_keeps_confirmed_values(
-    servers: Servers,  # noqa: F811
+    servers: Servers,
 ) -> None:
     primary, backup = servers.pair()
     _preload(primary, 200_000)

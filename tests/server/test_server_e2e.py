@@ -1,6 +1,6 @@
 """End-to-end: real ``clone-server`` processes driven by a raw CHP peer.
 
-Heartbeats are 100 ms (``tests.servers``), so a failover takes well under a
+Heartbeats are 100 ms (``tests.support.servers``), so a failover takes well under a
 second.  Every wait has a deadline; the fixtures stop every process and close
 every socket, and dump the servers' logs when a test fails.
 """
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import zmq
 
-from tests.chp_peer import ChpPeer, Snapshot, Update
-from tests.ports import free_base_port, free_port
-from tests.servers import ServerProcess, Servers, server_pool
+from tests.support.chp_peer import ChpPeer, Snapshot, Update
+from tests.support.ports import free_base_port, free_port
+from tests.support.servers import ServerProcess, Servers, server_pool
 
 pytestmark = pytest.mark.slow
 

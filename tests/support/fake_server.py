@@ -27,7 +27,7 @@ from clone.wire.codec import (
     encode_kthxbai,
     encode_kv,
 )
-from tests.ports import free_base_port
+from tests.support.ports import free_base_port
 
 __all__ = ["FakeServer"]
 

@@ -1,9 +1,9 @@
 """Real ``clone-server`` processes for end-to-end tests.
 
-Usage: declare the fixture in your test module (or list ``"tests.servers"`` in
+Usage: declare the fixture in your test module (or list ``"tests.support.servers"`` in
 the root conftest's ``pytest_plugins`` to get the ``servers`` fixture below)::
 
-    from tests.servers import Servers, server_pool
+    from tests.support.servers import Servers, server_pool
 
     @pytest.fixture
     def servers(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Servers]:
@@ -60,11 +60,11 @@ from pathlib import Path
 import pytest
 import zmq
 
-from tests.ports import free_base_port, free_port
+from tests.support.ports import free_base_port, free_port
 
 __all__ = ["ROOT", "ServerProcess", "Servers", "server_pool", "servers"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_HEARTBEAT_MS = 100
 
 

@@ -1,8 +1,7 @@
 """The one local SparkSession of a test run, shared by every Spark test.
 
-Import the fixture into a test module with
-``from tests.spark_session import spark_fixture  # noqa: F401``; tests then take a
-``spark`` argument.  Starting Spark costs
+tests/conftest.py registers this module as a plugin, so tests take a ``spark``
+argument.  Starting Spark costs
 about ten seconds, so the session is built once (whatever number of modules
 import the fixture) and stopped when the run ends.
 """

@@ -3,7 +3,7 @@
 The pure parts (port plan, command lines, back-off) are checked as tables; the
 supervision loop runs in this process over tiny Python children that exit,
 ignore SIGTERM or signal their parent, so restarts and stops take well under a
-second each.  (tests/test_run_script.py runs the real script over real servers.)
+second each.  (tests/tools/test_run_script.py runs the real script over real servers.)
 """
 
 from __future__ import annotations

@@ -22,11 +22,11 @@ import zmq
 
 from clone import Clone
 from clone.tools.procs import wait_listening
-from tests.ports import free_base_port
+from tests.support.ports import free_base_port
 
 pytestmark = pytest.mark.slow
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SPAN = 14  # P..P+13: primary P..P+3, backup P+10..P+13
 
 

@@ -1,0 +1,5 @@
+"""Test helpers in one place: real server processes (:mod:`.servers`), a fake CHP
+server for the client (:mod:`.fake_server`), a raw CHP peer for the server
+(:mod:`.chp_peer`), free ports (:mod:`.ports`), socket tracking
+(:mod:`.tracking`), the shared Spark session (:mod:`.spark_session`) and
+:func:`.waiting.eventually`."""
