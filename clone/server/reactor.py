@@ -35,13 +35,12 @@ import signal
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import zmq
 from tornado.ioloop import IOLoop
-from zmq.backend import Socket as _BackendSocket
 from zmq.eventloop.zmqstream import ZMQStream
 
 from clone.errors import CloneError, ProtocolError
@@ -49,6 +48,15 @@ from clone.ratelimit import Throttle
 from clone.server.core import CoreSettings, FollowOutcome, Role, ServerCore, SyncState
 from clone.server.snapshot import SnapshotStream
 from clone.wire.codec import encode_icanhaz
+from clone.wire.frames import (
+    MAX_SYNC_FRAME_BYTES,
+    NOBLOCK,
+    POLLIN,
+    cap_message_size,
+    recv_frames,
+    send_frames,
+    send_tracked,
+)
 from clone.wire.protocol import (
     APPLIED_METADATA,
     APPLIED_PROPERTY,
@@ -59,9 +67,7 @@ from clone.wire.protocol import (
     COLLECTOR_OFFSET,
     DEFAULT_HEARTBEAT_MS,
     DEFAULT_MISSED_HEARTBEATS,
-    MAX_BATCH_BYTES,
     MAX_HEARTBEAT_MS,
-    MAX_VALUE_BYTES,
     PUBLISHER_OFFSET,
     SNAPSHOT_OFFSET,
 )
@@ -88,64 +94,8 @@ _DEFERRING_STATES = frozenset(("PASSIVE", "PRIMARY"))
 # batch of 1000 took up to 190 ms of wall time, and timers (HUGZ) waited for it.
 _TURN_BUDGET = 0.01
 _BUDGET_CHECK = 63  # check the clock every 64 messages (mask)
-# A peer sending a frame bigger than any valid one is disconnected by libzmq
-# before we allocate it; the codec still checks the exact limits.
-_MAX_FRAME = MAX_VALUE_BYTES + 64 * 1024
-# The DEALER that syncs from the active peer asks for KVBATCHes, whose data
-# frames may be larger (clone.wire.protocol.MAX_BATCH_BYTES).
-_MAX_SYNC_FRAME = MAX_BATCH_BYTES + 64 * 1024
-# No CHP message has more than ten frames (a KVBATCH; a KVSYNC is five, six with
-# a ROUTER identity); a longer one is consumed but kept short, and the codec
-# rejects it.
-_MAX_FRAMES = 12
-
-# The hot path calls libzmq through pyzmq's backend methods with plain int
-# flags: the sugar layer's enum arithmetic and per-frame checks cost about three
-# times more than the send itself (measured: 8.8 us vs 2.9 us per 5-frame send).
-_raw_send = _BackendSocket.send
-_raw_recv = _BackendSocket.recv
-_NOBLOCK = int(zmq.NOBLOCK)
-_POLLIN = int(zmq.POLLIN)
 # Snapshot requests handled after one pump turn at most (see _take_router_backlog).
 _ROUTER_BACKLOG_BATCH = 100
-_SNDMORE = int(zmq.SNDMORE)
-
-
-def _send_frames(sock: zmq.Socket, frames: Sequence[bytes], flags: int = 0) -> None:
-    """send_multipart without the sugar.  With ``_NOBLOCK``, EAGAIN and
-    EHOSTUNREACH can only come from the first frame: a multipart message is
-    atomic once its first part is queued."""
-    more = flags | _SNDMORE
-    for frame in frames[:-1]:
-        _raw_send(sock, frame, more)
-    _raw_send(sock, frames[-1], flags)
-
-
-def _send_tracked(sock: zmq.Socket, frames: Sequence[bytes], flags: int) -> zmq.MessageTracker:
-    """:func:`_send_frames`, the last frame without a copy and tracked: the
-    tracker is done once libzmq has written the whole message out (or dropped
-    it with its connection)."""
-    more = flags | _SNDMORE
-    for frame in frames[:-1]:
-        _raw_send(sock, frame, more)
-    tracker: zmq.MessageTracker = _raw_send(sock, frames[-1], flags, False, True)
-    return tracker
-
-
-def _recv_frames(sock: zmq.Socket) -> list[bytes]:
-    """One whole message, non-blocking (raises zmq.Again when there is none).
-
-    Receives zero-copy frames only to read ``Frame.more``: asking RCVMORE with
-    ``Socket.get`` builds a ``SocketOption`` enum per call in pyzmq 27 (measured
-    per 5-frame message: 9.0 us with ``get``, 5.0 us with ``Frame.more``).
-    """
-    frame = _raw_recv(sock, _NOBLOCK, False)
-    parts: list[bytes] = [frame.bytes]
-    while frame.more:
-        frame = _raw_recv(sock, _NOBLOCK, False)
-        if len(parts) < _MAX_FRAMES:
-            parts.append(frame.bytes)
-    return parts
 
 
 class ServerMode(enum.Enum):
@@ -547,7 +497,7 @@ class CloneServer:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         if kind != zmq.PUB:
-            sock.setsockopt(zmq.MAXMSGSIZE, _MAX_FRAME)
+            cap_message_size(sock)
         return sock
 
     def _stream(
@@ -674,7 +624,7 @@ class CloneServer:
             self._outq.append(frames)
         else:
             assert self._pub is not None
-            _send_frames(self._pub, frames)
+            send_frames(self._pub, frames)
 
     def _publish_bulk(self, batch: list[list[bytes]]) -> None:
         if not batch:
@@ -696,7 +646,7 @@ class CloneServer:
         for _ in range(self.config.snapshot_chunk):
             if not q:
                 return
-            _send_frames(pub, q.popleft())
+            send_frames(pub, q.popleft())
         if q:
             self._schedule_outq()
 
@@ -723,7 +673,7 @@ class CloneServer:
             if self._turn_over(batch, stop_at):
                 return
             try:
-                frames = _recv_frames(sock)
+                frames = recv_frames(sock)
             except zmq.Again:
                 return
 
@@ -825,9 +775,9 @@ class CloneServer:
                     break
                 try:
                     if in_flight is None:
-                        _send_frames(sock, frames, _NOBLOCK)
+                        send_frames(sock, frames, NOBLOCK)
                     else:
-                        in_flight.append(_send_tracked(sock, frames, _NOBLOCK))
+                        in_flight.append(send_tracked(sock, frames, NOBLOCK))
                 except zmq.Again:
                     # The requester's pipe is full: wait for it, drop nothing.
                     self._stall(stream, sent_before)
@@ -880,10 +830,10 @@ class CloneServer:
         if sock is None or sock.closed:
             return
         for _ in range(_ROUTER_BACKLOG_BATCH):
-            if not sock.poll(0, _POLLIN):
+            if not sock.poll(0, POLLIN):
                 return
             try:
-                parts = sock.recv_multipart(_NOBLOCK, copy=False)
+                parts = sock.recv_multipart(NOBLOCK, copy=False)
             except zmq.Again:
                 return
             self._on_router_guarded(parts)
@@ -1113,7 +1063,7 @@ class CloneServer:
         taken = 0
         while True:
             try:
-                frames = _recv_frames(sock)
+                frames = recv_frames(sock)
             except zmq.Again:
                 return taken
             taken += 1
@@ -1162,7 +1112,7 @@ class CloneServer:
             dealer.setsockopt(zmq.METADATA, BATCH_METADATA)
             # ... and for the ids it applied, to reconcile our pending list.
             dealer.setsockopt(zmq.METADATA, APPLIED_METADATA)
-            dealer.setsockopt(zmq.MAXMSGSIZE, _MAX_SYNC_FRAME)
+            cap_message_size(dealer, MAX_SYNC_FRAME_BYTES)
         except zmq.ZMQError:  # a libzmq older than 4.3: the standard stream
             log.debug("this libzmq cannot send ZMTP metadata; syncing without KVBATCH")
         dealer.connect(_peer_base(cfg.peer, SNAPSHOT_OFFSET))
@@ -1232,7 +1182,7 @@ class CloneServer:
             if sub is None or sub is not self._peer_sub or sub.closed():
                 return
             try:
-                frames = _recv_frames(sub.socket)
+                frames = recv_frames(sub.socket)
             except zmq.Again:
                 return
 
@@ -1274,7 +1224,7 @@ class CloneServer:
             if dealer is None or dealer is not self._peer_dealer or dealer.closed():
                 return
             try:
-                frames = _recv_frames(dealer.socket)
+                frames = recv_frames(dealer.socket)
             except zmq.Again:
                 return
 
