@@ -14,6 +14,8 @@ __all__ = [
     "NotSynced",
     "ProtocolError",
     "ClosedError",
+    "IllegalSyncTransition",
+    "ServerStartError",
 ]
 
 
@@ -43,3 +45,15 @@ class NotSynced(CloneError, TimeoutError):
 
 class ClosedError(CloneError):
     """The client or server was used after ``close()``."""
+
+
+class ServerStartError(CloneError):
+    """The server could not start (a port in use, a bad endpoint)."""
+
+
+class IllegalSyncTransition(CloneError, RuntimeError):
+    """A sync event that the server core's table has no rule for: a bug in the caller.
+
+    Also a ``RuntimeError``, as it was before it joined the ``CloneError`` family,
+    so that code catching that keeps working.
+    """

@@ -35,7 +35,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from clone.errors import ProtocolError
+from clone.errors import IllegalSyncTransition, ProtocolError
 from clone.server.pending import PendingList, PendingUpdate, UuidWindow, update_id
 from clone.server.snapshot import SnapshotStream
 from clone.server.store import Entry, Store
@@ -100,10 +100,6 @@ SYNC_TRANSITIONS: dict[tuple[SyncState, SyncEvent], SyncState] = {
     (SyncState.SYNCED, SyncEvent.FOLLOW): SyncState.SYNCING,
     (SyncState.SYNCED, SyncEvent.STOP): SyncState.IDLE,
 }
-
-
-class IllegalSyncTransition(RuntimeError):
-    """A sync event that the table has no rule for: a bug in the caller."""
 
 
 class FollowOutcome(enum.Enum):

@@ -43,7 +43,7 @@ import zmq
 from tornado.ioloop import IOLoop
 from zmq.eventloop.zmqstream import ZMQStream
 
-from clone.errors import CloneError, ProtocolError
+from clone.errors import ProtocolError, ServerStartError
 from clone.ratelimit import Throttle
 from clone.server.core import CoreSettings, FollowOutcome, Role, ServerCore, SyncState
 from clone.server.snapshot import SnapshotStream
@@ -102,10 +102,6 @@ class ServerMode(enum.Enum):
     PRIMARY = "primary"
     BACKUP = "backup"
     STANDALONE = "standalone"
-
-
-class ServerStartError(CloneError):
-    """The server could not start (a port in use, a bad endpoint)."""
 
 
 @dataclass(frozen=True)

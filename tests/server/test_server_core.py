@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from clone.errors import ProtocolError
+from clone.errors import CloneError, IllegalSyncTransition, ProtocolError
 from clone.server.core import (
     SYNC_TRANSITIONS,
     CoreSettings,
     FollowOutcome,
-    IllegalSyncTransition,
     Role,
     ServerCore,
     SyncEvent,
@@ -96,8 +95,9 @@ def test_every_sync_rule_is_reachable(start: SyncState, event: SyncEvent) -> Non
 
 def test_illegal_sync_transition_raises() -> None:
     core = ServerCore()
-    with pytest.raises(IllegalSyncTransition):
+    with pytest.raises(IllegalSyncTransition) as raised:
         core._sync(SyncEvent.SNAPSHOT_DONE)
+    assert isinstance(raised.value, CloneError) and isinstance(raised.value, RuntimeError)
 
 
 # -- active --------------------------------------------------------------------
