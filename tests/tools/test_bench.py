@@ -15,8 +15,15 @@ from typing import Any
 import pytest
 
 from clone.tools import report
-from clone.tools.bench import BenchConfig, evaluate_targets, run_benchmarks, summarise_profile
-from clone.tools.bench import harness as bench
+from clone.tools.bench import (
+    BenchConfig,
+    cli,
+    config,
+    evaluate_targets,
+    run_benchmarks,
+    snapshot,
+    summarise_profile,
+)
 from clone.tools.histogram import LatencyHistogram
 
 # --------------------------------------------------------------------------
@@ -42,9 +49,9 @@ def test_histogram_round_trip_and_merge() -> None:
 
 
 def test_max_gap_counts_silence_at_the_end() -> None:
-    assert bench._max_gap([0.0, 1.0, 2.0, 5.0], 1.5, 2.5) == 3.0
-    assert bench._max_gap([0.0, 1.0, 2.0], 0.5, 4.0) == 2.0
-    assert bench._max_gap([], 1.0, 3.0) == 2.0
+    assert snapshot._max_gap([0.0, 1.0, 2.0, 5.0], 1.5, 2.5) == 3.0
+    assert snapshot._max_gap([0.0, 1.0, 2.0], 0.5, 4.0) == 2.0
+    assert snapshot._max_gap([], 1.0, 3.0) == 2.0
 
 
 def test_profile_summary(tmp_path: Path) -> None:
@@ -117,7 +124,7 @@ def test_throughput_section(tmp_path: Path) -> None:
     cfg = _tiny(tmp_path, "throughput", throughput_messages=2000, subscriber_counts=(1, 2))
     res = run_benchmarks(cfg)["sections"]["throughput"]
     runs = {(r["target"], r["subscribers"]): r for r in res["runs"]}
-    assert set(runs) == {(t, n) for t in bench.TARGETS for n in (1, 2)}
+    assert set(runs) == {(t, n) for t in config.TARGETS for n in (1, 2)}
     for (target, _), r in runs.items():
         assert r["rate_median"] > 0 and r["rate_min"] > 0
         if target == "clone":  # the server's publisher never drops: HWM far above 2000
@@ -150,7 +157,7 @@ def test_snapshot_and_memory_sections_through_the_cli(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out, md = tmp_path / "bench.json", tmp_path / "benchmarks.md"
-    rc = bench.main(["--quick", "snapshot", "memory", "--snapshot-sizes", "1000",
+    rc = cli.main(["--quick", "snapshot", "memory", "--snapshot-sizes", "1000",
                      "--memory-keys", "2000", "--out", str(out), "--md", str(md),
                      "--log-dir", str(tmp_path / "logs")])
     assert rc == 0

@@ -1,7 +1,7 @@
-"""``python -m clone.tools.bench``: run the benchmarks (see :func:`.harness.main`)."""
+"""``python -m clone.tools.bench``: run the benchmarks (see :func:`.cli.main`)."""
 
 import sys
 
-from clone.tools.bench.harness import main
+from clone.tools.bench.cli import main
 
 sys.exit(main())

@@ -328,7 +328,7 @@ class _Drill:
         return self._finish(start_at, client_ids)
 
     def _preload(self, n: int) -> None:
-        from clone.tools.bench.harness import Target, _load_keys
+        from clone.tools.bench.targets import Target, load_keys
 
         name = self.active_server() or "primary"
         addr = self.servers[name]
@@ -336,7 +336,7 @@ class _Drill:
                         f"tcp://127.0.0.1:{addr.port + PUBLISHER_OFFSET}", self.group[name].pid)
         ctx: zmq.Context[Any] = zmq.Context()
         try:
-            seconds = _load_keys(ctx, target, n, self.cfg.value_size)
+            seconds = load_keys(ctx, target, n, self.cfg.value_size)
         finally:
             ctx.term()
         self.say(f"preloaded {n} keys (outside {DRILL_PREFIX}) in {seconds:.1f} s")

@@ -1,0 +1,108 @@
+"""``scripts/bench``: the command line, its configuration and its output files."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from clone.tools.bench.config import SECTIONS, BenchConfig
+from clone.tools.bench.run import run_benchmarks
+
+__all__ = ["config_from_args", "main"]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(float(x)) for x in text.split(",") if x)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="scripts/bench",
+        description="Benchmark clone-server against libzmq's C proxy and a raw pyzmq forwarder.",
+    )
+    p.add_argument("sections", nargs="*", metavar="SECTION",
+                   help=f"sections to run (default: all of {', '.join(SECTIONS)})")
+    p.add_argument("--quick", action="store_true", help="tiny sizes, seconds per section")
+    p.add_argument("--out", type=Path, default=Path("results/bench.json"), help="JSON results")
+    p.add_argument("--plot", type=Path, default=None, help="PNG of latency against rate")
+    p.add_argument("--md", type=Path, default=None,
+                   help="markdown file whose generated section gets the results table")
+    p.add_argument("--profile", type=Path, default=None,
+                   help="directory for py-spy profiles of the server (needs py-spy)")
+    p.add_argument(
+        "--log-dir", type=Path, default=None, help="server logs (default: next to --out)"
+    )
+    p.add_argument("--messages", type=int, help="throughput: messages per run")
+    p.add_argument("--subscribers", type=_ints, help="throughput: subscriber counts, e.g. 1,10")
+    p.add_argument("--rates", type=_ints, help="latency: offered rates, e.g. 1000,2000,5000,10000")
+    p.add_argument("--rate-seconds", type=float, help="latency: seconds per rate")
+    p.add_argument("--snapshot-sizes", type=_ints, help="snapshot: key counts, e.g. 10000,100000")
+    p.add_argument("--memory-keys", type=int, help="memory: keys to load")
+    p.add_argument("--repeats", type=int,
+                   help="throughput/latency: runs of each case, median reported (default 3)")
+    p.add_argument("--probes", type=int,
+                   help="measuring watcher processes per run (the other subscribers are C sinks)")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    changes: dict[str, Any] = {}
+    if args.sections:
+        changes["sections"] = tuple(dict.fromkeys(args.sections))
+    for arg, name in [
+        ("messages", "throughput_messages"),
+        ("subscribers", "subscriber_counts"),
+        ("rates", "rates"),
+        ("rate_seconds", "rate_seconds"),
+        ("snapshot_sizes", "snapshot_sizes"),
+        ("memory_keys", "memory_keys"),
+        ("probes", "probes"),
+        ("repeats", "repeats"),
+    ]:
+        value = getattr(args, arg)
+        if value is not None:
+            changes[name] = value
+    changes["profile_dir"] = args.profile
+    changes["log_dir"] = args.log_dir or args.out.parent / (args.out.stem + "-logs")
+    return BenchConfig.quick(**changes) if args.quick else replace(BenchConfig(), **changes)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    unknown = [x for x in args.sections if x not in SECTIONS]
+    if unknown:
+        parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    from clone.tools import report
+
+    cfg = config_from_args(args)
+    command = "scripts/bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    print(f"clone bench: sections {', '.join(cfg.sections)}{' (quick)' if args.quick else ''}",
+          flush=True)
+    results = run_benchmarks(cfg, say=lambda line: print(line, flush=True), command=command)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1) + "\n")
+    print()
+    print(report.bench_text(results))
+    print(f"\nresults: {args.out}")
+    if args.plot is not None and "latency" in results["sections"]:
+        report.plot_latency(results, args.plot)
+        print(f"plot: {args.plot}")
+    if args.md is not None:
+        report.update_markdown(args.md, report.bench_markdown(results))
+        print(f"markdown: {args.md}")
+    if results.get("errors"):
+        print(f"FAILED sections: {', '.join(results['errors'])}", file=sys.stderr)
+        return 1
+    return 0

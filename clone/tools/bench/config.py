@@ -1,0 +1,59 @@
+"""What a benchmark run measures and how big: the sections, the targets, the presets."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+__all__ = ["SECTIONS", "TARGETS", "BenchConfig", "Say"]
+
+SECTIONS: tuple[str, ...] = ("throughput", "latency", "snapshot", "memory")
+TARGETS: tuple[str, ...] = ("clone", "c-proxy", "py-forwarder")
+
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What to run and how big: the defaults are the full run, :meth:`quick` the small preset."""
+
+    sections: tuple[str, ...] = SECTIONS
+    value_size: int = 100
+    throughput_messages: int = 100_000
+    subscriber_counts: tuple[int, ...] = (1, 10)
+    throughput_targets: tuple[str, ...] = TARGETS
+    rates: tuple[int, ...] = (1_000, 2_000, 5_000, 10_000)
+    rate_seconds: float = 5.0
+    multi_sub_rate: int = 10_000
+    multi_subs: int = 10
+    latency_targets: tuple[str, ...] = ("clone", "c-proxy")
+    snapshot_sizes: tuple[int, ...] = (10_000, 100_000, 1_000_000)
+    snapshot_repeats: int = 3
+    snapshot_heartbeat_ms: int = 200
+    memory_keys: int = 100_000
+    # Subscribers measured by a Python watcher process each; the others are C sinks.
+    probes: int = 1
+    # Throughput and latency runs are repeated, interleaved; the median is reported.
+    repeats: int = 3
+    server_heartbeat_ms: int | None = None
+    profile_dir: Path | None = None
+    log_dir: Path = Path("results/bench-logs")
+
+    @classmethod
+    def quick(cls, **changes: Any) -> BenchConfig:
+        base = cls(
+            throughput_messages=5_000,
+            subscriber_counts=(1, 3),
+            rates=(1_000, 2_000),
+            rate_seconds=1.0,
+            multi_sub_rate=2_000,
+            multi_subs=3,
+            latency_targets=("clone",),
+            snapshot_sizes=(2_000,),
+            snapshot_repeats=1,
+            memory_keys=5_000,
+            repeats=1,
+        )
+        return replace(base, **changes)

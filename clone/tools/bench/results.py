@@ -1,0 +1,96 @@
+"""What the results record besides the measurements: the machine, and the targets met."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+__all__ = ["cpu_pressure", "evaluate_targets", "machine_info"]
+
+
+def cpu_pressure() -> float | None:
+    """Linux PSI: % of the last 10 s in which some task waited for a CPU."""
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        line = Path("/proc/pressure/cpu").read_text().splitlines()[0]
+        return float(line.split()[1].partition("=")[2])
+    return None
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    commit = ""
+    with contextlib.suppress(Exception):
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+            cwd=Path(__file__).resolve().parent,
+        ).stdout.strip()
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "pyzmq": zmq.__version__,
+        "libzmq": zmq.zmq_version(),
+        "platform": platform.platform(),
+        "commit": commit,
+        # Other work on the machine skews every number: record how busy it was.
+        "loadavg_at_start": [round(x, 2) for x in os.getloadavg()],
+        "cpu_pressure_at_start": cpu_pressure(),
+    }
+
+
+
+def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each with the measured value and met / missed."""
+    out: list[dict[str, Any]] = []
+    s = results["sections"]
+
+    def add(name: str, value: Any, limit: str, met: bool | None) -> None:
+        out.append({"target": name, "value": value, "limit": limit, "met": met})
+
+    if "throughput" in s:
+        for key, ratio in s["throughput"]["ratios"].items():
+            if key.endswith("vs_c-proxy"):
+                add(f"throughput {key.replace('_', ' ')}", ratio, ">= 0.5", ratio >= 0.5)
+    if "latency" in s:
+        for run in s["latency"]["runs"]:
+            if run["target"] != "clone":
+                continue
+            lat = run["latency"]
+            if run["rate"] == 2000 and run["subscribers"] == 1:
+                add("latency 2k/s p99 ms", lat["p99_ms"], "<= 2", lat["p99_ms"] <= 2)
+                add("latency 2k/s p99.9 ms", lat["p99_9_ms"], "<= 5", lat["p99_9_ms"] <= 5)
+            if run["rate"] == 10_000 and run["subscribers"] >= 10:
+                add(
+                    f"latency 10k/s {run['subscribers']} sub p99 ms",
+                    lat["p99_ms"],
+                    "< 5",
+                    lat["p99_ms"] < 5,
+                )
+    if "snapshot" in s:
+        for run in s["snapshot"]["runs"]:
+            if "error" in run:
+                add(f"{run['keys']:,}-key snapshot ran", run["error"], "no error", False)
+                continue
+            if run["keys"] == 100_000:
+                serve = run["serve_s"]
+                add("100k snapshot served s", serve, "<= 0.5", serve is not None and serve <= 0.5)
+            if run["keys"] == 1_000_000:
+                sync = run["client_sync"].get("seconds")
+                add("1M client sync s", sync, "<= 5", sync is not None and sync <= 5)
+                add("1M no heartbeat missed", run["hugz_max_gap_s"], "gap <= 1.5 hb",
+                    not run["hugz_missed"])
+    return out

@@ -1,0 +1,212 @@
+"""The targets traffic goes through, one traffic run through a target, and loading keys.
+
+A target is a real ``clone-server --standalone``, libzmq's C proxy or a trivial
+pyzmq forwarder (see :mod:`clone.tools.bench`); every section runs through
+:func:`running_target`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from clone.tools.bench.config import TARGETS
+from clone.tools.bench.processes import (
+    DONE_PREFIX,
+    MP,
+    SNAP_SUBTREE,
+    ZERO_SEQ,
+    kvset,
+    proxy_main,
+    reap,
+    sink_main,
+    uuid,
+    watcher_main,
+    writer_main,
+)
+from clone.tools.procs import (
+    ProcessGroup,
+    ServerAddress,
+    free_base_port,
+    server_argv,
+    wait_listening,
+)
+from clone.wire.frames import cap_message_size, recv_frames
+from clone.wire.protocol import COLLECTOR_OFFSET, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
+
+__all__ = ["Target", "load_keys", "rss", "running_target", "traffic"]
+
+
+@dataclass
+class Target:
+    """Something running that forwards KVSET-shaped traffic."""
+
+    name: str
+    in_endpoint: str
+    out_endpoint: str
+    pid: int
+    snapshot_endpoint: str = ""
+
+
+@contextlib.contextmanager
+def running_target(
+    kind: str, group: ProcessGroup, heartbeat_ms: int | None = None
+) -> Iterator[Target]:
+    """A fresh target of ``kind`` for the ``with`` block, stopped after it."""
+    deadline = time.monotonic() + 15
+    if kind == "clone":
+        base = free_base_port(3)
+        name = f"clone-server-{len(group.procs)}"
+        proc = group.add(
+            name, server_argv("standalone", ServerAddress(name, base), heartbeat_ms=heartbeat_ms)
+        )
+        try:
+            for off in (SNAPSHOT_OFFSET, PUBLISHER_OFFSET, COLLECTOR_OFFSET):
+                if not wait_listening(base + off, deadline):
+                    raise RuntimeError(
+                        f"clone-server did not listen on {base + off}:\n{proc.log_tail()}"
+                    )
+            yield Target(
+                kind,
+                f"tcp://127.0.0.1:{base + COLLECTOR_OFFSET}",
+                f"tcp://127.0.0.1:{base + PUBLISHER_OFFSET}",
+                proc.pid,
+                f"tcp://127.0.0.1:{base + SNAPSHOT_OFFSET}",
+            )
+        finally:
+            proc.stop()
+        return
+    if kind not in TARGETS:
+        raise ValueError(f"unknown target {kind!r}")
+    base = free_base_port(2)
+    p = MP.Process(target=proxy_main, args=(kind, base, base + 1), daemon=True)
+    p.start()
+    try:
+        for port in (base, base + 1):
+            if not wait_listening(port, deadline):
+                raise RuntimeError(f"{kind} did not listen on {port}")
+        assert p.pid is not None
+        yield Target(kind, f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}", p.pid)
+    finally:
+        reap([p], 0.0)
+
+
+
+def traffic(
+    target: Target,
+    mode: str,
+    subscribers: int,
+    expected: int,
+    params: dict[str, Any],
+    deadline_s: float,
+    probes: int,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run a writer and ``subscribers`` subscribers through ``target``.
+
+    ``probes`` of the subscribers are measuring watchers (one process each); the
+    rest are C-level sinks in one more process (see :func:`sink_main`).
+    """
+    sinks = max(0, subscribers - probes)
+    subscribers -= sinks
+    ready = MP.Queue()
+    results = MP.Queue()
+    go, stop = MP.Event(), MP.Event()
+    idle_s = 3.0 if mode == "latency" else 1.5
+    watchers = [
+        MP.Process(
+            target=watcher_main,
+            args=(i, target.out_endpoint, mode, expected, idle_s, ready, results, stop),
+            daemon=True,
+        )
+        for i in range(subscribers)
+    ]
+    writer = MP.Process(
+        target=writer_main, args=(target.in_endpoint, mode, params, go, results), daemon=True
+    )
+    procs = [*watchers, writer]
+    if sinks:
+        sink = MP.Process(target=sink_main, args=(target.out_endpoint, sinks), daemon=True)
+        sink.start()
+        time.sleep(0.5)  # connected and subscribed before the measurement starts
+        procs.append(sink)
+    for p in [*watchers, writer]:
+        p.start()
+    try:
+        seen: set[int] = set()
+        end = time.monotonic() + 30
+        while len(seen) < subscribers:
+            try:
+                seen.add(ready.get(timeout=max(0.01, end - time.monotonic())))
+            except queue.Empty:
+                raise RuntimeError(
+                    f"{target.name}: only {len(seen)}/{subscribers} watchers got the warm-up"
+                ) from None
+        time.sleep(0.05)
+        go.set()
+        got: list[dict[str, Any]] = []
+        end = time.monotonic() + deadline_s
+        while len(got) < subscribers + 1:
+            try:
+                got.append(results.get(timeout=max(0.01, end - time.monotonic())))
+            except queue.Empty:
+                stop.set()
+                end = time.monotonic() + 5  # let the watchers report what they have
+                with contextlib.suppress(queue.Empty):
+                    while len(got) < subscribers + 1:
+                        got.append(results.get(timeout=max(0.01, end - time.monotonic())))
+                break
+    finally:
+        stop.set()
+        reap([*watchers, writer])
+        reap(procs, 0.0)
+    writer_res = next((r for r in got if r["role"] == "writer"), None)
+    if writer_res is None:
+        raise RuntimeError(f"{target.name}: the writer did not report")
+    return writer_res, sorted((r for r in got if r["role"] == "watcher"), key=lambda r: r["idx"])
+
+
+
+def rss(pid: int) -> int:
+    """The resident set size of ``pid`` in bytes."""
+    import psutil
+
+    return int(psutil.Process(pid).memory_info().rss)
+
+
+def load_keys(ctx: zmq.Context[Any], target: Target, n: int, size: int) -> float:
+    """Set keys ``/bench/snap/0000000`` .. in the server; seconds until all applied."""
+    done = ctx.socket(zmq.SUB)
+    done.setsockopt(zmq.SUBSCRIBE, DONE_PREFIX)
+    cap_message_size(done)
+    done.connect(target.out_endpoint)
+    pub = ctx.socket(zmq.PUB)
+    pub.sndhwm = 0
+    pub.connect(target.in_endpoint)
+    time.sleep(0.2)
+    body = b"s" * size
+    t0 = time.monotonic()
+    send = pub.send_multipart
+    prefix = SNAP_SUBTREE.encode()
+    for i in range(n):
+        send([prefix + b"%07d" % i, ZERO_SEQ, uuid(i), b"", body])
+    # A sentinel after the keys: when it comes back, every key before it is applied.
+    # Resent until seen, because the first one may precede our subscription.
+    deadline = time.monotonic() + 60 + n / 2000
+    k = 0
+    try:
+        while time.monotonic() < deadline:
+            send(kvset(DONE_PREFIX + str(k).encode(), b"d", (1 << 41) + k))
+            k += 1
+            if done.poll(500):
+                recv_frames(done)
+                return time.monotonic() - t0
+        raise RuntimeError(f"loading {n} keys did not finish in time")
+    finally:
+        pub.close(linger=0)
+        done.close(linger=0)
