@@ -18,8 +18,9 @@ from collections.abc import Sequence
 
 from clone.argtypes import non_negative_int, positive_float, positive_int
 from clone.errors import CloneError
+from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import CoreSettings
-from clone.server.reactor import CloneServer, ServerConfig, ServerMode
+from clone.server.reactor import CloneServer
 from clone.wire.protocol import (
     COLLECTOR_OFFSET,
     DEFAULT_BACKUP_HA_PORT,

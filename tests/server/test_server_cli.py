@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from clone.server.cli import build_parser, config_from_args
-from clone.server.reactor import ServerConfig, ServerMode
+from clone.server.config import ServerConfig, ServerMode
 
 
 def _config(*argv: str) -> ServerConfig:

@@ -1,0 +1,82 @@
+"""What a server is told at start: :class:`ServerConfig` and :class:`ServerMode`.
+
+Plain data checked once in ``__post_init__``, so that the command line, the
+tests and the tools build the same validated object and the reactor never
+re-checks a limit on its hot paths.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from clone.server.core import CoreSettings
+from clone.wire.protocol import DEFAULT_HEARTBEAT_MS, DEFAULT_MISSED_HEARTBEATS
+
+__all__ = ["ServerConfig", "ServerMode"]
+
+
+class ServerMode(enum.Enum):
+    """Which member of a pair this server is (or none: standalone)."""
+
+    PRIMARY = "primary"
+    BACKUP = "backup"
+    STANDALONE = "standalone"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything a server needs; defaults are documented in docs/operations.md.
+
+    ``peer`` and ``peer_ha`` are ``host:port``; ``bind`` an interface (``*`` for
+    all).  Times are seconds.
+    """
+
+    port: int
+    mode: ServerMode = ServerMode.STANDALONE
+    bind: str = "*"
+    peer: str | None = None
+    ha_port: int | None = None
+    peer_ha: str | None = None
+    heartbeat: float = DEFAULT_HEARTBEAT_MS / 1000.0
+    ha_missed: int = DEFAULT_MISSED_HEARTBEATS
+    pub_hwm: int = 100_000
+    collector_hwm: int = 100_000
+    snapshot_hwm: int = 10_000
+    snapshot_chunk: int = 1_000
+    snapshot_stall_timeout: float = 30.0
+    max_snapshots: int = 64
+    collector_batch: int = 1_000
+    sync_timeout: float = 0.0  # 0: max(5 heartbeats, 2 s)
+    max_deferred_votes: int = 1_000
+    deferred_vote_max_age: float = 0.0  # 0: 2 * ha_missed * heartbeat
+    stats_interval: float = 60.0
+    core: CoreSettings = field(default_factory=CoreSettings)
+
+    def __post_init__(self) -> None:
+        if not 0 < self.port <= 65535 - 2:
+            raise ValueError(f"port {self.port} leaves no room for P+1 and P+2")
+        if self.heartbeat <= 0:
+            raise ValueError(f"heartbeat must be positive, not {self.heartbeat}")
+        for name in ("pub_hwm", "collector_hwm", "snapshot_hwm"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0 (0 = no limit)")
+        if self.deferred_vote_max_age < 0:
+            raise ValueError("deferred_vote_max_age must be >= 0 (0 = 2 * missed heartbeats)")
+        if self.max_deferred_votes < 0:
+            raise ValueError("max_deferred_votes must be >= 0 (0 = never defer)")
+        for name in ("snapshot_chunk", "collector_batch", "max_snapshots"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1")
+        if self.mode is not ServerMode.STANDALONE:
+            missing = [n for n in ("peer", "ha_port", "peer_ha") if getattr(self, n) is None]
+            if missing:
+                raise ValueError(f"a {self.mode.value} server needs {', '.join(missing)}")
+
+    @property
+    def effective_sync_timeout(self) -> float:
+        return self.sync_timeout or max(5 * self.heartbeat, 2.0)
+
+    @property
+    def effective_deferred_vote_max_age(self) -> float:
+        return self.deferred_vote_max_age or 2 * self.ha_missed * self.heartbeat

@@ -1,0 +1,397 @@
+"""The snapshot port (ROUTER, P): requests, Binary Star votes and streams.
+
+How this works: ICANHAZ? -> Binary Star vote -> a
+:class:`~clone.server.snapshot.SnapshotStream` pumped a chunk per loop turn
+with ``ROUTER_MANDATORY`` and non-blocking sends.  EAGAIN pauses that stream
+and retries shortly (no entry is dropped); EHOSTUNREACH aborts it; a stream
+that makes no progress for ``snapshot_stall_timeout`` is aborted.
+
+A vote refused only because the peer does not look dead *yet* (we are
+passive, or a primary still starting) is *deferred*: held, bounded in number
+and age, and voted again at the peer's expiry time, every housekeeping tick
+and when we become active; served if accepted then, dropped when it ages out.
+A client that noticed the active server's crash before we did is then served
+the moment we notice it too, instead of after its own retry.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import zmq
+
+from clone.errors import ProtocolError
+from clone.server.base import BUDGET_CHECK, TURN_BUDGET, ServerBase, log, who
+from clone.server.core import Role
+from clone.server.snapshot import SnapshotStream
+from clone.wire.frames import NOBLOCK, POLLIN, send_frames, send_tracked
+from clone.wire.protocol import (
+    APPLIED_PROPERTY,
+    APPLIED_VERSION,
+    BATCH_PROPERTY,
+    BATCH_VERSION,
+)
+
+__all__ = ["DeferredVote", "ServingMixin"]
+
+_STALL_RETRY = 0.005  # seconds before retrying a snapshot send that hit the HWM
+# KVBATCHes per batched snapshot that libzmq may hold unsent.  The socket's
+# high-water mark counts messages, and snapshot_hwm batches could be a whole
+# snapshot; this keeps what a slow requester can pin in our memory to a few MB
+# (at most this many times MAX_BATCH_BYTES) while the pipe stays full.
+_BATCHES_IN_FLIGHT = 4
+# Binary Star states in which a refused vote may be accepted later, once the
+# peer expires ("vote if expired" in docs/failover.md).  By name, so that a
+# standalone server does not import bstar.
+_DEFERRING_STATES = frozenset(("PASSIVE", "PRIMARY"))
+# Snapshot requests handled after one pump turn at most (see _take_router_backlog).
+_ROUTER_BACKLOG_BATCH = 100
+
+
+def _has_metadata(frame: zmq.Frame, name: str, value: str) -> bool:
+    """Whether the requester's connection carries our metadata ``name:value``.
+
+    A peer that did not set it (the Guide's clients, raw tools) makes libzmq
+    raise EINVAL: it gets the standard stream.
+    """
+    try:
+        return bool(frame.get(name) == value)
+    except zmq.ZMQError:
+        return False
+
+
+def _wants_batches(frame: zmq.Frame) -> bool:
+    """KVBATCHes instead of KVSYNCs (:mod:`clone.wire.batch`)."""
+    return _has_metadata(frame, BATCH_PROPERTY, BATCH_VERSION)
+
+
+def _wants_applied(frame: zmq.Frame) -> bool:
+    """The applied-update list first: a peer server's sync (:mod:`clone.wire.applied`)."""
+    return _has_metadata(frame, APPLIED_PROPERTY, APPLIED_VERSION)
+
+
+@dataclass(frozen=True, slots=True)
+class DeferredVote:
+    """A snapshot request held until Binary Star may accept it (or it ages out)."""
+
+    identity: bytes
+    subtree: str
+    expires_at: float  # on self._clock
+    batch: bool  # the requester negotiated KVBATCH
+    applied: bool  # the requester (a peer server) asked for KVAPPLIED
+
+
+class ServingMixin(ServerBase):
+    """Answer snapshot requests: vote, hold, stream, stall and abort."""
+
+    # -- the snapshot port ---------------------------------------------------
+
+    def _on_router(self, parts: list[zmq.Frame]) -> None:
+        identity = parts[0].bytes
+        batch = len(parts) > 1 and _wants_batches(parts[1])
+        applied = len(parts) > 1 and _wants_applied(parts[1])
+        frames = [part.bytes for part in parts[1:]]
+        try:
+            subtree = self.core.snapshot_request(frames)
+        except ProtocolError as exc:
+            self._throttle.log(
+                "icanhaz", logging.WARNING, "dropped a request from %s: %s", who(identity), exc
+            )
+            return
+        ha = self._ha
+        if ha is not None and not ha.accept_vote():
+            # Binary Star: a server that may not serve stays silent.  If only
+            # the peer's not-yet-expired heartbeat stands in the way, hold the
+            # request and vote again when it expires; otherwise the client
+            # times out and fails over to the other server.
+            if not self._defer_vote(identity, subtree, batch, applied):
+                self.counters["snapshots_refused"] += 1
+                log.debug("snapshot request from %s not served (%s)", who(identity), ha.state.name)
+            return
+        # Served now: a held copy of the same request must not be served again.
+        self._deferred.pop((identity, subtree), None)
+        self._serve(identity, subtree, batch=batch, applied=applied)
+
+    def _serve(
+        self,
+        identity: bytes,
+        subtree: str,
+        *,
+        deferred: bool = False,
+        batch: bool = False,
+        applied: bool = False,
+    ) -> None:
+        """Stream a snapshot for an accepted vote (in KVBATCHes if ``batch``,
+        after the applied-update list if ``applied``)."""
+        if self.core.role is not Role.ACTIVE:
+            # The vote was accepted; make sure the promotion happened first.
+            self._on_became_active()
+        if len(self._snapshots) >= self.config.max_snapshots:
+            self.counters["snapshots_refused"] += 1
+            self._throttle.log(
+                "snapshots_full",
+                logging.WARNING,
+                "%d snapshots already in flight; request from %s not served",
+                len(self._snapshots),
+                who(identity),
+            )
+            return
+        stream = self.core.open_snapshot(
+            identity, subtree, batch=batch, applied=applied, now=self._wallclock()
+        )
+        self._snapshots[stream] = self._clock()
+        if batch:
+            self._in_flight[stream] = deque()
+        if deferred:
+            self._deferred_streams.add(stream)
+        log.debug(
+            "snapshot for %s: subtree %r, up to %d keys at sequence %d%s",
+            who(identity),
+            subtree,
+            stream.total_keys,
+            stream.sequence,
+            ", batched" if batch else "",
+        )
+        self._pump(stream)
+
+    def _pump(self, stream: SnapshotStream) -> None:
+        """Send one chunk of ``stream``, then yield to the loop."""
+        if stream not in self._snapshots or self._loop is None:
+            return  # aborted meanwhile
+        sock = self._router
+        assert sock is not None
+        sent_before = stream.sent
+        stop_at = self._clock() + TURN_BUDGET
+        # A KVBATCH is thousands of entries: check the clock before each one.
+        check = 0 if stream.batch else BUDGET_CHECK
+        in_flight = self._in_flight.get(stream)
+        try:
+            for n in range(self.config.snapshot_chunk):
+                if n & check == check and self._clock() > stop_at:
+                    break
+                if in_flight is not None:
+                    while in_flight and in_flight[0].done:
+                        in_flight.popleft()
+                    if len(in_flight) >= _BATCHES_IN_FLIGHT:
+                        self._stall(stream, sent_before)
+                        return
+                frames = stream.peek()
+                if frames is None:
+                    # Done, or a long run of keys outside the subtree was
+                    # skipped: either way, give the loop back.
+                    break
+                try:
+                    if in_flight is None:
+                        send_frames(sock, frames, NOBLOCK)
+                    else:
+                        in_flight.append(send_tracked(sock, frames, NOBLOCK))
+                except zmq.Again:
+                    # The requester's pipe is full: wait for it, drop nothing.
+                    self._stall(stream, sent_before)
+                    return
+                except zmq.ZMQError as exc:
+                    if exc.errno == zmq.EHOSTUNREACH:
+                        self._abort_snapshot(stream, "requester went away", gone=True)
+                        return
+                    raise
+                stream.advance()
+                if stream.done:
+                    break
+        except Exception:
+            self.counters["internal_errors"] += 1
+            log.exception("internal error while streaming a snapshot")
+            self._abort_snapshot(stream, "internal error")
+            return
+        self._note_progress(stream, sent_before)
+        self._take_router_backlog()
+        if stream.done:
+            del self._snapshots[stream]
+            self._in_flight.pop(stream, None)
+            self._deferred_streams.discard(stream)
+            c = self.counters
+            c["snapshots_served"] += 1
+            c["snapshot_entries_sent"] += stream.sent
+            if stream.batch:
+                c["snapshots_batched"] += 1
+                c["snapshot_batches_sent"] += stream.batches_sent
+            log.debug(
+                "snapshot for %s done: %d entries in %d messages, sequence %d",
+                who(stream.identity),
+                stream.sent,
+                stream.batches_sent if stream.batch else stream.sent,
+                stream.sequence,
+            )
+            return
+        self._loop.add_callback(self._pump, stream)
+
+    def _take_router_backlog(self) -> None:
+        """Handle snapshot requests that our own sends may have hidden.
+
+        The pump sends on the ROUTER directly, and a send can consume the edge
+        of the socket's file descriptor that announces a new request: the
+        ZMQStream then never wakes for it, and a request that came in during
+        a long snapshot could wait until something else stirred the socket
+        (seen: 10 s).  So after sending we ask the socket itself.
+        """
+        sock = self._router
+        if sock is None or sock.closed:
+            return
+        for _ in range(_ROUTER_BACKLOG_BATCH):
+            if not sock.poll(0, POLLIN):
+                return
+            try:
+                parts = sock.recv_multipart(NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._on_router_guarded(parts)
+
+    def _stall(self, stream: SnapshotStream, sent_before: int) -> None:
+        """The requester is not keeping up: try again shortly, drop nothing."""
+        assert self._loop is not None
+        self.counters["snapshot_stalls"] += 1
+        self._note_progress(stream, sent_before)
+        self._loop.call_later(_STALL_RETRY, self._pump, stream)
+
+    def _note_progress(self, stream: SnapshotStream, sent_before: int) -> None:
+        if stream.sent != sent_before and stream in self._snapshots:
+            self._snapshots[stream] = self._clock()
+
+    def _abort_snapshot(self, stream: SnapshotStream, why: str, *, gone: bool = False) -> None:
+        if self._snapshots.pop(stream, None) is None:
+            return
+        self._in_flight.pop(stream, None)
+        if stream in self._deferred_streams:
+            self._deferred_streams.discard(stream)
+            if gone and stream.sent == 0:
+                # Expected: the client asked again on a fresh DEALER (or moved
+                # on) while its request was held; its old socket is closed.
+                self.counters["votes_deferred_gone"] += 1
+                log.debug("deferred snapshot request from %s: requester gone", who(stream.identity))
+                return
+        self.counters["snapshots_aborted"] += 1
+        self._throttle.log(
+            "snapshot_abort",
+            logging.INFO,
+            "snapshot for %s aborted after %d entries: %s",
+            who(stream.identity),
+            stream.sent,
+            why,
+        )
+
+    def _check_stalled_snapshots(self) -> None:
+        if not self._snapshots:
+            return
+        cutoff = self._clock() - self.config.snapshot_stall_timeout
+        for stream, last in list(self._snapshots.items()):
+            if last < cutoff:
+                self._abort_snapshot(stream, "requester stopped reading")
+
+    # -- deferred votes --------------------------------------------------------
+
+    def _defer_vote(self, identity: bytes, subtree: str, batch: bool, applied: bool) -> bool:
+        """Hold a refused vote if it may be accepted once the peer expires."""
+        ha = self._ha
+        limit = self.config.max_deferred_votes
+        if ha is None or limit == 0 or ha.state.name not in _DEFERRING_STATES:
+            return False
+        key = (identity, subtree)
+        if key in self._deferred:
+            return True  # the same request again (a Guide client re-asks so)
+        if len(self._deferred) >= limit:
+            oldest = next(iter(self._deferred))
+            del self._deferred[oldest]
+            self.counters["votes_deferred_overflow"] += 1
+            self.counters["snapshots_refused"] += 1
+            self._throttle.log(
+                "deferred_overflow",
+                logging.WARNING,
+                "%d snapshot requests held for a vote; dropped the oldest",
+                limit,
+            )
+        now = self._clock()
+        age = self.config.effective_deferred_vote_max_age
+        self._deferred[key] = DeferredVote(identity, subtree, now + age, batch, applied)
+        self.counters["votes_deferred"] += 1
+        log.debug(
+            "snapshot request from %s held (%s, peer expires in %.3f s)",
+            who(identity),
+            ha.state.name,
+            ha.peer_expiry - now,
+        )
+        self._schedule_deferred_check()
+        return True
+
+    def _schedule_deferred_check(self) -> None:
+        """A timer at the peer's expiry or the oldest vote's, whichever is first."""
+        loop, ha = self._loop, self._ha
+        if loop is None or ha is None or self._stopping:
+            return
+        if self._deferred_timer is not None:
+            loop.remove_timeout(self._deferred_timer)
+            self._deferred_timer = None
+        if not self._deferred:
+            return
+        oldest = next(iter(self._deferred.values()))
+        at = min(ha.peer_expiry, oldest.expires_at)
+        delay = max(0.0, at - self._clock())
+        self._deferred_timer = loop.call_later(delay, self._on_deferred_timer)
+
+    def _on_deferred_timer(self) -> None:
+        self._deferred_timer = None
+        self._recheck_deferred_guarded()
+
+    def _recheck_deferred_soon(self) -> None:
+        if self._loop is not None:
+            self._loop.add_callback(self._recheck_deferred_guarded)
+
+    def _recheck_deferred_guarded(self) -> None:
+        try:
+            self._recheck_deferred()
+        except Exception:
+            self.counters["internal_errors"] += 1
+            log.exception("internal error in the deferred-vote check")
+
+    def _recheck_deferred(self) -> None:
+        """Age out held votes; vote again with the rest if they may be accepted now."""
+        if self._stopping or not self._deferred:
+            return
+        held = self._deferred
+        now = self._clock()
+        while held:
+            key, vote = next(iter(held.items()))
+            if vote.expires_at > now:
+                break
+            del held[key]
+            self.counters["votes_deferred_expired"] += 1
+            self.counters["snapshots_refused"] += 1
+            log.debug("snapshot request from %s aged out unanswered", who(vote.identity))
+        ha = self._ha
+        if not held or ha is None or not ha.running:
+            self._schedule_deferred_check()
+            return
+        if ha.state.name != "ACTIVE" and now < ha.peer_expiry:
+            # Still alive: voting now would only be refused (and counted).
+            self._schedule_deferred_check()
+            return
+        stop_at = now + TURN_BUDGET
+        while held:
+            key, vote = next(iter(held.items()))
+            del held[key]
+            if not ha.accept_vote():
+                # Refused although the peer has expired (not a state that votes
+                # can change); it will not get better.
+                self.counters["votes_deferred_expired"] += 1
+                self.counters["snapshots_refused"] += 1
+                continue
+            self.counters["votes_deferred_served"] += 1
+            log.debug("serving the held snapshot request from %s", who(vote.identity))
+            self._serve(
+                vote.identity, vote.subtree, deferred=True, batch=vote.batch, applied=vote.applied
+            )
+            if held and self._clock() > stop_at:
+                # Each serve sends a first chunk; yield to the loop between turns.
+                self._recheck_deferred_soon()
+                return
+        self._schedule_deferred_check()
