@@ -2,9 +2,15 @@
 
 It runs in the thread the frontend (:mod:`clone.client.frontend`) starts, owns every
 network socket of one client, and polls them together with the command pipe from
-the frontend.  Updates are decoded with :mod:`clone.wire.codec`; snapshot replies go
-to the state machine raw, thousands per event, since a sync is where the time
-goes (it checks them itself, as strictly as the codec).
+the frontend.  Every socket that receives from a server is read with
+:func:`clone.wire.frames.recv_frames` and capped with
+:func:`~clone.wire.frames.cap_message_size`, so a broken or hostile server can
+neither make us allocate without limit nor stop the loop: an oversized frame
+costs it its connection (libzmq drops it before allocating), an overlong message
+is cut short and then rejected by the codec.  Updates are decoded with
+:mod:`clone.wire.codec`; snapshot replies go to the state machine raw, thousands
+per event, since a sync is where the time goes (it checks them itself, as
+strictly as the codec).
 :class:`~clone.client.fsm.AgentFSM` decides; this module only carries out the
 actions.  A plain ``zmq.Poller`` loop is enough: the agent has a handful
 of sockets and one timer (the state machine's next deadline).
@@ -65,13 +71,19 @@ from clone.client.fsm import (
 )
 from clone.errors import ProtocolError
 from clone.ratelimit import Throttle
-from clone.wire.batch import BATCH_FRAMES
+from clone.wire.batch import announced_entries, is_kvbatch
 from clone.wire.codec import (
     KVMsg,
     decode_kvset,
     decode_update,
     encode_icanhaz,
     encode_kv,
+)
+from clone.wire.frames import (
+    MAX_FRAME_BYTES,
+    MAX_SYNC_FRAME_BYTES,
+    cap_message_size,
+    recv_frames,
 )
 from clone.wire.protocol import (
     BATCH_METADATA,
@@ -132,24 +144,6 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     if not 0 < base <= 65535 - COLLECTOR_OFFSET:
         raise ValueError(f"endpoint {endpoint!r}: port out of range")
     return head, base
-
-
-def _recv_message(recv: Callable[..., zmq.Frame]) -> list[bytes] | None:
-    """One multipart message without blocking, or None.
-
-    Not ``recv_multipart``: in pyzmq 27 its RCVMORE check builds an enum per
-    frame (39% of a sync); ``Frame.more`` comes with the frame.  A multipart
-    message is delivered whole, so its later frames never block.
-    """
-    try:
-        frame = recv(zmq.NOBLOCK, copy=False)
-    except zmq.Again:
-        return None
-    frames = [frame.bytes]
-    while frame.more:
-        frame = recv(zmq.NOBLOCK, copy=False)
-        frames.append(frame.bytes)
-    return frames
 
 
 @dataclass(slots=True)
@@ -243,10 +237,11 @@ class Agent:
             self._command(frames)
 
     def _drain_updates(self, index: int, server: _Server, limit: int = _BATCH) -> None:
-        recv = server.sub.recv
+        sub = server.sub
         for _ in range(limit):
-            frames = _recv_message(recv)
-            if frames is None:
+            try:
+                frames = recv_frames(sub)
+            except zmq.Again:
                 return
             try:
                 msg = decode_update(frames)
@@ -259,17 +254,17 @@ class Agent:
         """Take up to a batch of replies and hand them to the state machine raw."""
         dealer = server.dealer
         assert dealer is not None
-        recv = dealer.recv
         batch: list[list[bytes]] = []
         append = batch.append
         entries = 0
         for _ in range(_SNAPSHOT_BATCH):
-            frames = _recv_message(recv)
-            if frames is None:
+            try:
+                frames = recv_frames(dealer)
+            except zmq.Again:
                 break
             append(frames)
-            if len(frames) == BATCH_FRAMES:  # a KVBATCH, or garbage the FSM drops
-                entries += len(frames[1]) >> 2  # a 32-bit length per entry
+            if is_kvbatch(frames):  # or garbage that claims to be one: the FSM drops it
+                entries += announced_entries(frames)
                 if entries >= _SNAPSHOT_BATCH_ENTRIES:
                     break
         if batch:
@@ -349,6 +344,8 @@ class Agent:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
         dealer.setsockopt(zmq.RCVHWM, SUBSCRIBER_HWM)
+        # A KVBATCH frame may be far larger than a value (see clone.wire.frames).
+        cap_message_size(dealer, MAX_SYNC_FRAME_BYTES)
         try:
             # Our servers then pack the snapshot into KVBATCHes; the Guide's
             # ignore the property and send KVSYNCs, which we take as well.
@@ -367,6 +364,7 @@ class Agent:
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, SUBSCRIBER_HWM)
+        cap_message_size(sub, MAX_FRAME_BYTES)
         # Everything, not just our subtrees: sequences are global, so only a
         # complete stream lets us see holes.  We filter by subtree ourselves.
         sub.setsockopt(zmq.SUBSCRIBE, b"")

@@ -50,6 +50,7 @@ __all__ = [
     "BATCH_FRAMES",
     "BatchEntry",
     "KVBatch",
+    "announced_entries",
     "batch_size",
     "decode_kvbatch",
     "encode_kvbatch",
@@ -74,6 +75,8 @@ def _typecode(size: int) -> str:
 _U32 = _typecode(4)
 _U64 = _typecode(8)
 _SWAP = sys.byteorder == "little"  # the wire is big-endian
+_KEY_LENS = 1  # the frame of key lengths, after the command
+_LENGTH_BYTES = 4  # one unsigned 32-bit length per entry
 _COLUMNS = tuple(map(itemgetter, range(4)))
 _PROPS, _BODY = _COLUMNS[2], _COLUMNS[3]
 
@@ -173,6 +176,16 @@ class KVBatch:
 def is_kvbatch(frames: Sequence[bytes]) -> bool:
     """Whether ``frames`` claim to be a KVBATCH (decode to know if it is one)."""
     return len(frames) == BATCH_FRAMES and frames[0] == KVBATCH
+
+
+def announced_entries(frames: Sequence[bytes]) -> int:
+    """How many entries a KVBATCH's ``key_lens`` frame announces, without decoding.
+
+    Only a cost estimate for the receive loop (it bounds the work per event):
+    garbage that claims to be a KVBATCH announces whatever it likes, and
+    :func:`decode_kvbatch` still rejects it.
+    """
+    return len(frames[_KEY_LENS]) // _LENGTH_BYTES
 
 
 def _read_lengths(raw: bytes, what: str) -> array[int]:
