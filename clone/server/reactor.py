@@ -57,8 +57,15 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin):
 
     ``run()`` serves in the calling thread until :meth:`stop`; ``start()`` runs
     it in a background thread and returns once the sockets are bound.  The
-    context is ours unless one is passed in.  ``clock`` (monotonic) paces
-    timers and timeouts; ``wallclock`` (Unix seconds) stamps expiry times.
+    context is ours unless one is passed in.  ``wallclock`` (Unix seconds)
+    stamps expiry times.
+
+    ``clock`` (monotonic seconds) is the one clock of the server: every
+    deadline (the next HUGZ, sync timeouts, stalled snapshots, held votes) and
+    Binary Star's peer expiry are read from it.  The loop is only asked to wake
+    us after a delay computed on that clock (``call_later``, never ``call_at``
+    with the loop's own time), so a fake clock in a test moves every deadline
+    and two clocks can never disagree about whether something is due.
     """
 
     # -- life cycle ----------------------------------------------------------
@@ -239,8 +246,8 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin):
             ha.on_passive(self._on_became_passive)
             self._ha = ha
             ha.start()
-        self._next_hugz = loop.time() + cfg.heartbeat
-        self._hugz_timer = loop.call_at(self._next_hugz, self._on_heartbeat)
+        self._next_hugz = self._clock() + cfg.heartbeat
+        self._hugz_timer = loop.call_later(cfg.heartbeat, self._on_heartbeat)
         self._house_timer = loop.call_later(_HOUSEKEEPING, self._on_housekeeping)
         if cfg.stats_interval > 0:
             self._stats_timer = loop.call_later(cfg.stats_interval, self._on_stats_timer)
@@ -306,7 +313,7 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin):
             return
         # How late the reactor ran this timer: the operator's measure of a
         # blocked loop (and what clients would see as a heartbeat gap).
-        late_ms = int((loop.time() - self._next_hugz) * 1000)
+        late_ms = int((self._clock() - self._next_hugz) * 1000)
         if late_ms > self.counters["heartbeat_max_late_ms"]:
             self.counters["heartbeat_max_late_ms"] = late_ms
             if late_ms > 1000 * self.config.heartbeat:
@@ -320,10 +327,10 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin):
             log.exception("internal error in heartbeat")
         # Fixed rate; after a stall skip ahead rather than burst.
         self._next_hugz += self.config.heartbeat
-        now = loop.time()
+        now = self._clock()
         if self._next_hugz <= now:
             self._next_hugz = now + self.config.heartbeat
-        self._hugz_timer = loop.call_at(self._next_hugz, self._on_heartbeat)
+        self._hugz_timer = loop.call_later(self._next_hugz - now, self._on_heartbeat)
 
     def _on_housekeeping(self) -> None:
         loop = self._loop
