@@ -42,10 +42,6 @@ _STALL_RETRY = 0.005  # seconds before retrying a snapshot send that hit the HWM
 # snapshot; this keeps what a slow requester can pin in our memory to a few MB
 # (at most this many times MAX_BATCH_BYTES) while the pipe stays full.
 _BATCHES_IN_FLIGHT = 4
-# Binary Star states in which a refused vote may be accepted later, once the
-# peer expires ("vote if expired" in docs/failover.md).  By name, so that a
-# standalone server does not import bstar.
-_DEFERRING_STATES = frozenset(("PASSIVE", "PRIMARY"))
 # Snapshot requests handled after one pump turn at most (see _take_router_backlog).
 _ROUTER_BACKLOG_BATCH = 100
 
@@ -294,7 +290,14 @@ class ServingMixin(ServerBase):
         """Hold a refused vote if it may be accepted once the peer expires."""
         ha = self._ha
         limit = self.config.max_deferred_votes
-        if ha is None or limit == 0 or ha.state.name not in _DEFERRING_STATES:
+        if ha is None or limit == 0:
+            return False
+        # Imported here, not at the top: a standalone server never loads bstar.
+        from bstar.fsm import State
+
+        # The states in which a refused vote may be accepted later, once the
+        # peer expires ("vote if expired" in docs/failover.md).
+        if ha.state not in (State.PASSIVE, State.PRIMARY):
             return False
         key = (identity, subtree)
         if key in self._deferred:
@@ -371,7 +374,9 @@ class ServingMixin(ServerBase):
         if not held or ha is None or not ha.running:
             self._schedule_deferred_check()
             return
-        if ha.state.name != "ACTIVE" and now < ha.peer_expiry:
+        from bstar.fsm import State  # paired, so already loaded
+
+        if ha.state is not State.ACTIVE and now < ha.peer_expiry:
             # Still alive: voting now would only be refused (and counted).
             self._schedule_deferred_check()
             return
