@@ -9,8 +9,8 @@ neither make us allocate without limit nor stop the loop: an oversized frame
 costs it its connection (libzmq drops it before allocating), an overlong message
 is cut short and then rejected by the codec.  Updates are decoded with
 :mod:`clone.wire.codec`; snapshot replies go to the state machine raw, thousands
-per event, since a sync is where the time goes (it checks them itself, as
-strictly as the codec).
+per event, since a sync is where the time goes (it takes KVSYNCs with
+:func:`clone.wire.codec.fast_kvsync_entry`, exactly as strict as the codec).
 :class:`~clone.client.fsm.AgentFSM` decides; this module only carries out the
 actions.  A plain ``zmq.Poller`` loop is enough: the agent has a handful
 of sockets and one timer (the state machine's next deadline).

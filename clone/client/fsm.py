@@ -76,9 +76,10 @@ What we do differently from the Guide's client, on purpose:
   instead of silently diverging.  HUGZ is never an update.
 * Only messages from the current server are acted upon; the others are dropped.
 * Snapshot replies come in batches of raw frames (SNAPSHOT_BATCH: one event for
-  thousands of KVSYNCs), checked with cheap tests that accept only what the
-  codec accepts; anything else goes through the codec's strict decoder, so a
-  malformed KVSYNC is still counted and dropped with the codec's reason.  Our
+  thousands of KVSYNCs), each taken by :func:`clone.wire.codec.fast_kvsync_entry`,
+  which accepts exactly what the codec accepts without building a message;
+  anything else goes through the codec's strict decoder, so a malformed KVSYNC
+  is still counted and dropped with the codec's reason.  Our
   servers pack the entries into KVBATCH messages (:mod:`clone.wire.batch`, asked for
   by the I/O loop), each decoded and stored a column at a time, or dropped
   whole if anything in it is malformed.  The maps
@@ -101,17 +102,16 @@ from typing import Any
 from clone.errors import CloneError, ProtocolError
 from clone.wire.batch import KVBatch, decode_kvbatch, is_kvbatch
 from clone.wire.codec import (
-    RESERVED_KEYS,
     Hugz,
     KVMsg,
     Properties,
     SnapshotEnd,
-    decode_properties,
     decode_snapshot_reply,
+    fast_kvsync_entry,
     key_in_subtree,
     validate_subtree,
 )
-from clone.wire.protocol import DEFAULT_MISSED_HEARTBEATS, MAX_KEY_BYTES, MAX_VALUE_BYTES
+from clone.wire.protocol import DEFAULT_MISSED_HEARTBEATS
 
 __all__ = [
     "State",
@@ -222,7 +222,7 @@ Action = RequestSnapshot | SendUpdate | Changed | Confirmed | StateChanged | Mal
 # A tuple, not a KVMsg: building a frozen dataclass per snapshot entry cost as
 # much as receiving it.
 _Stored = tuple[int, bytes, Properties, bytes]
-_RESERVED_RAW = frozenset(k.encode() for k in RESERVED_KEYS)
+_PROPS, _BODY = 2, 3  # where a _Stored holds them
 
 
 def _stored(msg: KVMsg) -> _Stored:
@@ -543,36 +543,24 @@ class AgentFSM:
     def _store_batch(self, server: int, batch: list[list[bytes]], now: float) -> list[Action]:
         """Many replies at once: the hot path of a sync, so it avoids per-entry calls.
 
-        The inline checks accept only KVSYNCs that the codec accepts too; whatever
-        they do not accept (KTHXBAI, anything odd) goes through the codec.
+        :func:`~clone.wire.codec.fast_kvsync_entry` takes the KVSYNCs (exactly
+        those the codec accepts); KVBATCHes are decoded whole; whatever else
+        (KTHXBAI, anything odd) goes through the codec, which says what it is.
         """
         actions: list[Action] = []
         side = self._side
         subtrees = self.subtrees
         request = self._request_id
-        reserved = _RESERVED_RAW
         stored = False  # valid snapshot data for the current request
         for index, frames in enumerate(batch):
-            if len(frames) == 5:
-                key_raw, seq_raw, uuid, props_raw, body = frames
-                if (
-                    len(seq_raw) == 8
-                    and 0 < len(key_raw) <= MAX_KEY_BYTES
-                    and len(uuid) in (0, 16)
-                    and len(body) <= MAX_VALUE_BYTES
-                    and key_raw not in reserved
-                ):
-                    try:
-                        key = key_raw.decode("utf-8")
-                        props = decode_properties(props_raw) if props_raw else ()
-                    except (UnicodeDecodeError, ProtocolError):
-                        pass  # the codec below says why
-                    else:
-                        stored = True
-                        if body and key.startswith(subtrees):
-                            side[key] = (int.from_bytes(seq_raw, "big"), uuid, props, body)
-                        continue
-            elif is_kvbatch(frames):
+            entry = fast_kvsync_entry(frames)
+            if entry is not None:
+                stored = True
+                key, value = entry
+                if value[_BODY] and key.startswith(subtrees):  # not a delete, and ours
+                    side[key] = value
+                continue
+            if is_kvbatch(frames):
                 try:
                     kvbatch = decode_kvbatch(frames)
                 except ProtocolError as exc:
@@ -587,7 +575,7 @@ class AgentFSM:
             except ProtocolError as exc:
                 actions.append(self._malformed(server, "snapshot reply", exc))
                 continue
-            if isinstance(msg, KVMsg):  # the inline checks were stricter than needed
+            if isinstance(msg, KVMsg):  # not reached: the fast path takes every KVSYNC
                 actions.extend(self._store_entry(server, msg, now))
                 continue
             stored = False  # _end_snapshot takes note of the data itself
@@ -614,7 +602,9 @@ class AgentFSM:
         ):
             self._side.update(entries)
         else:  # deletes, or keys outside our subtrees
-            self._side.update(kv for kv in entries if kv[1][3] and kv[0].startswith(subtrees))
+            self._side.update(
+                (key, value) for key, value in entries if value[_BODY] and key.startswith(subtrees)
+            )
 
     def _end_snapshot(self, server: int, end: SnapshotEnd, now: float) -> list[Action]:
         self._got_snapshot_data(now)
@@ -938,7 +928,7 @@ class AgentFSM:
 def _differs(old: _Stored | None, new: _Stored | None) -> bool:
     if old is None or new is None:
         return old is not new
-    return old[3] != new[3] or old[2] != new[2]
+    return old[_BODY] != new[_BODY] or old[_PROPS] != new[_PROPS]
 
 
 def _diff(old: dict[str, _Stored], new: dict[str, _Stored]) -> list[Action]:

@@ -51,6 +51,7 @@ __all__ = [
     "decode_kvset",
     "decode_update",
     "decode_snapshot_reply",
+    "fast_kvsync_entry",
     "validate_key",
     "validate_subtree",
     "key_in_subtree",
@@ -62,6 +63,10 @@ Properties = tuple[tuple[str, str], ...]
 RESERVED_KEYS = frozenset({KTHXBAI.decode(), HUGZ.decode()})
 _SEQ_MAX = (1 << 64) - 1
 _ZERO_SEQ = bytes(8)
+_RESERVED_RAW = frozenset(k.encode() for k in RESERVED_KEYS)
+_KV_FRAMES = 5
+_SEQ_BYTES = 8
+_UUID_SIZES = (0, 16)
 _SUBTREE_RE = re.compile(r"/(?:[^/]+/)+")
 
 
@@ -357,3 +362,34 @@ def decode_snapshot_reply(frames: Sequence[bytes]) -> KVMsg | SnapshotEnd:
         _check_frames(frames, 5, "KTHXBAI")
         return SnapshotEnd(_decode_sequence(frames[1]), validate_subtree(bytes(frames[4])))
     return _decode_kv(frames, "KVSYNC", reserved_ok=False)
+
+
+def fast_kvsync_entry(
+    frames: Sequence[bytes],
+) -> tuple[str, tuple[int, bytes, Properties, bytes]] | None:
+    """A KVSYNC as ``(key, (sequence, uuid, properties, body))``, or None.
+
+    The hot path of a sync from a server that sends KVSYNCs (the Guide's): no
+    message object, no exception, checks ordered cheapest first.  It accepts
+    exactly the KVSYNCs that :func:`decode_snapshot_reply` accepts, with the same
+    values (a hypothesis test compares them).  None means "not a valid KVSYNC":
+    a KTHXBAI, or something malformed; the caller then asks the codec, which
+    says what it is, or why not.  ``frames`` are ``bytes``, not buffers.
+    """
+    if len(frames) != _KV_FRAMES:
+        return None
+    key_raw, seq_raw, uuid, props_raw, body = frames
+    if (
+        len(seq_raw) != _SEQ_BYTES
+        or not 0 < len(key_raw) <= MAX_KEY_BYTES
+        or len(uuid) not in _UUID_SIZES
+        or len(body) > MAX_VALUE_BYTES
+        or key_raw in _RESERVED_RAW
+    ):
+        return None
+    try:
+        key = key_raw.decode("utf-8")
+        props = decode_properties(props_raw) if props_raw else ()
+    except (UnicodeDecodeError, ProtocolError):
+        return None
+    return key, (int.from_bytes(seq_raw, "big"), uuid, props, body)

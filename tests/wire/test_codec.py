@@ -267,6 +267,37 @@ def test_decoders_are_total(frames: list[bytes]) -> None:
             pass
 
 
+kvsync_frame = frame | st.sampled_from(
+    [bytes(8), bytes(16), b"\xff", b"a=1\na=2\n", b"k" * (MAX_KEY_BYTES + 1), b"k" * MAX_KEY_BYTES]
+)
+
+
+@settings(max_examples=1000)
+@given(st.one_of(st.lists(kvsync_frame, max_size=7), messages.map(codec.encode_kv)))
+def test_fast_kvsync_entry_accepts_exactly_what_the_codec_accepts(frames: list[bytes]) -> None:
+    """The sync's fast path is the codec's KVSYNC rule, never looser or stricter."""
+    fast = codec.fast_kvsync_entry(frames)
+    try:
+        msg = codec.decode_snapshot_reply(frames)
+    except ProtocolError:
+        assert fast is None
+        return
+    if isinstance(msg, SnapshotEnd):
+        assert fast is None
+    else:
+        assert fast == (msg.key, (msg.sequence, msg.uuid, msg.properties, msg.body))
+
+
+def test_fast_kvsync_entry_at_the_limits() -> None:
+    long_key = "k" * MAX_KEY_BYTES
+    biggest = codec.encode_kv(KVMsg(long_key, 1, bytes(16), (), b"v" * MAX_VALUE_BYTES))
+    assert codec.fast_kvsync_entry(biggest) is not None
+    too_long = codec.encode_kv(KVMsg(long_key + "k", 1, b"", (), b"v"))
+    too_big = codec.encode_kv(KVMsg("k", 1, b"", (), b"v" * (MAX_VALUE_BYTES + 1)))
+    for frames in (too_long, too_big, codec.encode_kthxbai(1), codec.encode_hugz(1)):
+        assert codec.fast_kvsync_entry(frames) is None
+
+
 @given(st.binary(max_size=200))
 def test_properties_decoder_is_total(raw: bytes) -> None:
     try:
