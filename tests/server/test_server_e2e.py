@@ -8,12 +8,14 @@ every socket, and dump the servers' logs when a test fails.
 from __future__ import annotations
 
 import itertools
+import json
 import signal
 import struct
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import zmq
@@ -320,17 +322,15 @@ def test_failover_serves_full_state_and_publishes_the_failover_window(
     backup.wait_log("now ACTIVE (was passive)")
 
 
-def _stats_line(server: ServerProcess) -> str:
-    """Ask for a stats line (SIGUSR1) and return it."""
+def _stats(server: ServerProcess) -> dict[str, Any]:
+    """Ask for the stats line (SIGUSR1) and return its JSON object."""
     mark = server.log_size()
     server.signal(signal.SIGUSR1)
-    end = server.wait_log("errors=", after=mark)
-    text = server.log_path.read_bytes()[mark:end].decode(errors="replace")
-    return text[text.rfind("stats:") :]
-
-
-def _stat(line: str, name: str) -> int:
-    return int(line.split(f" {name}=", 1)[1].split()[0])
+    start = server.wait_log("stats: {", after=mark)
+    end = server.wait_log("\n", after=start)
+    text = server.log_path.read_bytes()[start - 1 : end].decode(errors="replace")
+    stats: dict[str, Any] = json.loads(text)
+    return stats
 
 
 def _await_kthxbai(dealer: zmq.Socket, timeout: float) -> int:
@@ -376,9 +376,9 @@ def test_vote_held_by_the_passive_is_served_once_the_primary_dies(
     finally:
         early.close(linger=0)
     backup.wait_log("now ACTIVE (was passive)")
-    line = _stats_line(backup)
-    assert _stat(line, "deferred_votes") >= 1 and _stat(line, "served") >= 1, line
-    assert _stat(line, "held") == 0, line
+    stats = _stats(backup)
+    assert stats["votes_deferred"] >= 1 and stats["votes_deferred_served"] >= 1, stats
+    assert stats["votes_deferred_held"] == 0, stats
 
 
 def test_request_right_after_the_kill_is_answered_without_resending(
@@ -407,10 +407,10 @@ def test_held_vote_ages_out_while_the_peer_lives(
     peers.append(probe)
     probe.use_snapshot_server(backup.port)
     assert probe.no_snapshot_reply(1.0)
-    line = _stats_line(backup)
-    assert _stat(line, "deferred_votes") >= 1, line
-    assert _stat(line, "expired") >= 1 and _stat(line, "served") == 0, line
-    assert _stat(line, "held") == 0, line
+    stats = _stats(backup)
+    assert stats["votes_deferred"] >= 1, stats
+    assert stats["votes_deferred_expired"] >= 1 and stats["votes_deferred_served"] == 0, stats
+    assert stats["votes_deferred_held"] == 0, stats
     assert "now ACTIVE" not in backup.log_text()  # a held vote never promoted it
 
 
@@ -590,10 +590,6 @@ def _unbatch(frames: list[bytes]) -> list[list[bytes]]:
     return [list(e) for e in zip(keys, seqs, uuids, props, bodies, strict=True)]
 
 
-def _served(line: str) -> int:
-    return int(line.split(" snapshots=", 1)[1].split("/")[0])
-
-
 def _fill(peer: ChpPeer, n: int, value: bytes, prefix: bytes = b"/big/") -> None:
     for i in range(n):
         peer.kvset(prefix + b"%d" % i, value)
@@ -632,7 +628,7 @@ def test_batched_snapshot_is_the_standard_one_packed(
     sub = _replies(_snapshot_dealer(ctx, server, batched=True), b"/s/")
     assert [m[0] for m in _unbatch(sub[0])] == ["/s/é\x00nul".encode(), b"/s/other"]
     assert sub[1] == [b"KTHXBAI", seq, b"", b"", b"/s/"]
-    assert _stat(_stats_line(server), "batched") == 2
+    assert _stats(server)["snapshots_batched"] == 2
 
 
 def test_a_batched_requester_that_stops_reading_pins_few_batches_and_is_aborted_when_gone(
@@ -646,25 +642,25 @@ def test_a_batched_requester_that_stops_reading_pins_few_batches_and_is_aborted_
     peer = _peer(ctx, peers, server)
     n = 60_000  # 60 MB of values: far more than socket buffers hold
     _fill(peer, n, b"x" * 1000)
-    served = _served(_stats_line(server))
+    served = _stats(server)["snapshots_served"]
     stuck = _snapshot_dealer(ctx, server, batched=True, rcvhwm=1)
     stuck.send_multipart([b"ICANHAZ?", b""])
     assert stuck.poll(5000)
     stuck.recv_multipart()  # it started, then the requester stops reading
     time.sleep(1.5)
-    line = _stats_line(server)
-    assert _stat(line, "batched") == 0 and _stat(line, "aborted") == 0, line
-    assert _served(line) == served, line  # still in flight, not all queued
+    stats = _stats(server)
+    assert stats["snapshots_batched"] == 0 and stats["snapshots_aborted"] == 0, stats
+    assert stats["snapshots_served"] == served, stats  # still in flight, not all queued
     stuck.close(linger=0)
     deadline = time.monotonic() + 10
-    while _stat(_stats_line(server), "aborted") == 0:
+    while _stats(server)["snapshots_aborted"] == 0:
         assert time.monotonic() < deadline, "the vanished requester's stream was not aborted"
         time.sleep(0.1)
     assert "requester went away" in server.log_text()
     replies = _replies(_snapshot_dealer(ctx, server, batched=True), timeout=30)
     assert sum(len(_unbatch(m)) for m in replies[:-1]) == n
-    line = _stats_line(server)
-    assert _stat(line, "batched") == 1 and _stat(line, "aborted") == 1, line
+    stats = _stats(server)
+    assert stats["snapshots_batched"] == 1 and stats["snapshots_aborted"] == 1, stats
 
 
 def test_a_restarted_passive_resyncs_through_kvbatches(

@@ -10,6 +10,7 @@ server for its items with a bare ICANHAZ? (a passive does not answer), and
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import re
 import signal
@@ -118,11 +119,16 @@ def raw_snapshot(endpoint: str, subtree: str, timeout: float) -> dict[str, bytes
         ctx.destroy(linger=0)
 
 
-_STATS_RE = re.compile(r"stats: (\w+) (.*)$")
+_STATS_RE = re.compile(r"stats: (\{.*\})\s*$")
 
 
 def server_stats(proc: ManagedProcess, timeout: float = 2.0) -> dict[str, Any]:
-    """Ask a running server for its stats line (SIGUSR1) and parse it from the log."""
+    """Ask a running server for its stats line (SIGUSR1) and parse it from the log.
+
+    The line is ``stats: {json}`` with every counter and gauge of
+    ``CloneServer.stats()``; ``alive`` is added, and ``seq`` as a short name for
+    ``sequence`` (the drill's checks read it).
+    """
     if not proc.alive:
         return {"alive": False}
     before = len(proc.log_path.read_text(errors="replace").splitlines())
@@ -133,10 +139,13 @@ def server_stats(proc: ManagedProcess, timeout: float = 2.0) -> dict[str, Any]:
         for line in lines:
             m = _STATS_RE.search(line)
             if m:
-                out: dict[str, Any] = {"alive": True, "role": m.group(1)}
-                for pair in m.group(2).split():
-                    k, _, v = pair.partition("=")
-                    out[k] = int(v) if v.isdigit() else v
+                try:
+                    stats = json.loads(m.group(1))
+                except ValueError:
+                    continue  # a line cut short while being written: read it again
+                out: dict[str, Any] = {"alive": True, **stats}
+                if "sequence" in out:
+                    out["seq"] = out["sequence"]
                 return out
         time.sleep(0.05)
     return {"alive": True}
