@@ -1,7 +1,7 @@
-"""``python -m clone.tools.drill``: run one drill (see :func:`.harness.main`)."""
+"""``python -m clone.tools.drill``: run one drill (see :func:`.cli.main`)."""
 
 import sys
 
-from clone.tools.drill.harness import main
+from clone.tools.drill.cli import main
 
 sys.exit(main())

@@ -1,0 +1,102 @@
+"""The drill's verdict: the guarantees every drill checks and each scenario's own.
+
+Pure judgement over the summary :func:`.analysis.analyse` made and what the
+run noted (its config, faults, restarts and the HUGZ monitor's history).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from clone.tools.drill.analysis import revert_detail, seen_revert_detail
+from clone.tools.drill.pair import PairRun
+
+__all__ = ["judge_restarts", "run_checks"]
+
+
+def judge_restarts(run: PairRun) -> list[dict[str, Any]]:
+    """Each restart, with whether it came back passive: it synced, its stats
+    said passive, and it sent no HUGZ until it was stopped or meant to take over."""
+    out = []
+    for rec in run.restarts:
+        hugz = run.monitor.hugz_after(rec["server"], rec["ts"], rec["until"])
+        ok = rec["synced_s"] is not None and rec["stats"].get("role") == "passive" and not hugz
+        out.append({**rec, "hugz_before_takeover": len(hugz), "came_back_passive": ok})
+    return out
+
+
+def run_checks(
+    run: PairRun, s: dict[str, Any], end_active: list[str]
+) -> dict[str, dict[str, Any]]:
+    """Each check by name, ok or not with a detail; ``s`` is the summary so far
+    (the freeze-active check adds ``dual_active_s`` and ``split_brain_detected``
+    to it)."""
+    checks: dict[str, dict[str, Any]] = {}
+
+    def check(name: str, ok: bool, detail: str = "") -> None:
+        checks[name] = {"ok": bool(ok), "detail": detail}
+
+    check("no confirmed write lost", s["confirmed_lost"] == 0,
+          f"{s['confirmed_lost']} of {s['confirmed_writes']}")
+    check("clients converged", s["converged"],
+          f"server {s['final_server'] or 'none answered'}, "
+          f"{len(set(s['final_client_hashes'].values()))} distinct client hash(es)")
+    check("no duplicate applied", s["duplicates"] == 0, str(s["duplicates"]))
+    check("per-writer order kept", s["out_of_order"] == 0, str(s["out_of_order"]))
+    check("one active server at the end", len(end_active) == 1, ",".join(end_active) or "none")
+    sc = run.cfg.scenario
+    st = s["servers"]
+    if sc in ("kill-active", "kill-passive", "ttl-storm") and "restart_ts" in run.notes:
+        name = run.notes["killed"]
+        hugz = run.monitor.hugz_after(name, run.notes["restart_ts"])
+        role = st.get(name, {}).get("role", "?")
+        check(f"restarted {name} came back passive", not hugz and role == "passive",
+              f"{len(hugz)} HUGZ after restart; stats role {role}")
+    if sc == "freeze-active" and "thaw_ts" in run.notes:
+        dual = run.monitor.dual_active_seconds(run.notes["thaw_ts"])
+        s["dual_active_s"] = round(dual, 3)
+        detected = any("split brain" in run.group[n].log_path.read_text(errors="replace")
+                       for n in run.servers)
+        s["split_brain_detected"] = detected
+        check("split brain detected and resolved", detected and len(end_active) == 1,
+              f"logged={detected}, both active for {dual:.2f} s after SIGCONT, "
+              f"active at end: {','.join(end_active) or 'none'}")
+    if sc == "ttl-storm":
+        check("no ephemeral key outlived its ttl", s["ttl_leftover"] == 0,
+              f"{s['ttl_leftover']} of {s['ttl_writes']} left")
+    roles = {n: v.get("role") for n, v in st.items()}
+    seqs = {n: v.get("seq") for n, v in st.items()}
+    if all(v.get("alive") and "seq" in v for v in st.values()):
+        # A passive's pending list holds client writes the active has not (yet)
+        # republished; at the end there are none, and any it still holds would
+        # be applied again when it takes over.
+        pending = {n: v.get("pending") for n, v in st.items()}
+        check("passive in step with active", len(set(seqs.values())) == 1
+              and len({v.get("keys") for v in st.values()}) == 1
+              and all(pending[n] == 0 for n, role in roles.items() if role != "active"),
+              f"roles {roles}, seq {seqs}, keys { {n: v.get('keys') for n, v in st.items()} }, "
+              f"pending {pending}")
+    if run.cfg.shared_keys > 0:
+        check("every key at its last confirmed value or later", s["reverted_keys"] == 0,
+              revert_detail(s))
+        check("no client saw a key go back", s["reverts_seen"] == 0, seen_revert_detail(s))
+    if sc == "rolling-restart":
+        restarts = s["restarts"]
+        bad = [r for r in restarts if not r["came_back_passive"]]
+        check("every restarted server came back passive", bool(restarts) and not bad,
+              f"{len(restarts)} restarts, {len(bad)} not passive"
+              + "".join(f"; {r['server']} at t={r['ts'] - run.t0:.1f} s: synced "
+                        f"{r['synced_s']} s, role {r['stats'].get('role')}, "
+                        f"{'running' if r['stats'].get('alive') else 'exited'}, "
+                        f"{r['hugz_before_takeover']} HUGZ" for r in bad[:3]))
+        rounds = s["rounds"]
+        took = [r for r in rounds if r.get("takeover_s") is not None]
+        check("the restarted passive took over every round",
+              len(rounds) >= 2 and len(took) == len(rounds),
+              f"{len(took)} of {len(rounds)} rounds, takeover in "
+              f"{[r.get('takeover_s') for r in rounds]} s, pending at takeover "
+              f"{[r.get('pending_at_takeover') for r in rounds]}")
+    if sc == "client-restart":
+        check("every client has a final state",
+              None not in s["final_client_hashes"].values(), "")
+    return checks

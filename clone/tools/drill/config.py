@@ -1,0 +1,83 @@
+"""What a drill runs: the scenarios, and one drill's configuration with its derived timings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from clone.tools.drill.client import DEFAULT_SHARED_KEYS
+from clone.wire.protocol import DEFAULT_HEARTBEAT_MS, DEFAULT_MISSED_HEARTBEATS
+
+__all__ = ["SCENARIOS", "DrillConfig", "Say"]
+
+SCENARIOS: tuple[str, ...] = (
+    "kill-active",
+    "kill-passive",
+    "freeze-active",
+    "client-restart",
+    "ttl-storm",
+    "rolling-restart",
+)
+Say = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class DrillConfig:
+    scenario: str
+    clients: int = 3
+    duration: float = 30.0
+    out: Path = Path("results/drill")
+    rate: float = 20.0  # writes per second per client
+    confirm_every: int = 4
+    heartbeat_ms: int = DEFAULT_HEARTBEAT_MS  # the servers' default
+    seed: int = 0
+    fault_at: float = 0.35  # fraction of the duration
+    ttl_per_tick: int = 3  # ttl-storm: ephemeral writes per regular write
+    ttl_min: float = 0.5
+    ttl_max: float = 2.0
+    confirm_timeout: float = 10.0
+    value_size: int = 64
+    # Keys (outside /drill/) loaded into the pair before the clients start, so that
+    # a restarted server has a real snapshot to sync.
+    preload: int = 0
+    # Keys every client overwrites (one write per tick): what can show a revert.
+    shared_keys: int = DEFAULT_SHARED_KEYS
+
+    def __post_init__(self) -> None:
+        if self.scenario not in SCENARIOS:
+            raise ValueError(f"unknown scenario {self.scenario!r}; one of {', '.join(SCENARIOS)}")
+        if self.clients < 1 or (self.scenario == "client-restart" and self.clients < 2):
+            raise ValueError("need at least 1 client (2 for client-restart)")
+        if self.duration <= 0 or self.rate <= 0:
+            raise ValueError("duration and rate must be > 0")
+        if self.shared_keys < 0:
+            raise ValueError("shared_keys must be >= 0")
+
+    @property
+    def heartbeat(self) -> float:
+        return self.heartbeat_ms / 1000.0
+
+    @property
+    def failover_budget(self) -> float:
+        """A generous bound on one failover: client silence timeout, the backup's
+        peer expiry (both ``missed`` heartbeats), a snapshot, and slack for a
+        loaded 2-core machine."""
+        return 2 * DEFAULT_MISSED_HEARTBEATS * self.heartbeat + 1.5
+
+    @property
+    def round_period(self) -> float:
+        """rolling-restart: one round starts this often (a round takes about one
+        failover budget: two syncs and a takeover)."""
+        return max(self.failover_budget, 0.1 * self.duration)
+
+    @property
+    def settle(self) -> float:
+        extra = 0.0
+        if self.scenario == "ttl-storm":
+            extra = self.ttl_max + DEFAULT_MISSED_HEARTBEATS * self.heartbeat + 1.0
+        elif self.scenario == "rolling-restart":
+            # The last takeover comes after the writes, and a passive takes over
+            # only when a client asks it to: the clients must still be there.
+            extra = 2 * self.failover_budget
+        return max(3.0, 3 * self.heartbeat) + extra

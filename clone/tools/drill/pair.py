@@ -1,0 +1,113 @@
+"""One drill's processes: the server pair, the client processes and the HUGZ monitor."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+from clone.tools.drill.config import DrillConfig, Say
+from clone.tools.drill.watch import HugzMonitor
+from clone.tools.procs import (
+    ManagedProcess,
+    ProcessGroup,
+    ServerAddress,
+    free_base_port,
+    free_port,
+    python_module_argv,
+    server_argv,
+)
+from clone.wire.protocol import PUBLISHER_OFFSET
+
+__all__ = ["PairRun"]
+
+
+class PairRun:
+    """One drill's processes -- the server pair, the clients, the HUGZ monitor --
+    and the harness's own events; :class:`.scenarios.Scenarios` adds the
+    faults and :class:`.harness.Drill` the timeline."""
+
+    def __init__(self, cfg: DrillConfig, say: Say) -> None:
+        self.cfg, self.say = cfg, say
+        self.out = Path(cfg.out)
+        self.clients_dir = self.out / "clients"
+        self.group = ProcessGroup(self.out / "logs")
+        p1, p2 = free_base_port(3), free_base_port(3)
+        self.servers = {
+            "primary": ServerAddress("primary", p1, free_port()),
+            "backup": ServerAddress("backup", p2, free_port()),
+        }
+        self.monitor = HugzMonitor(
+            {n: f"tcp://127.0.0.1:{a.port + PUBLISHER_OFFSET}" for n, a in self.servers.items()},
+            cfg.heartbeat,
+        )
+        self.harness_events: list[dict[str, Any]] = []
+        self.generations: dict[str, int] = {}
+        self.notes: dict[str, Any] = {}
+        self.fault_text = ""
+        # rolling-restart: one record per round and per server restart.
+        self.rounds: list[dict[str, Any]] = []
+        self.restarts: list[dict[str, Any]] = []
+        self.in_progress = False  # a multi-step action is under way: do not end yet
+        self.t0 = 0.0  # when the clients start writing
+        self.write_end = 0.0  # when they stop (set once the run starts)
+
+    # -- events and processes ---------------------------------------------
+
+    def event(self, event: str, **fields: Any) -> None:
+        record = {"ts": time.time(), "client": "drill", "event": event}
+        record.update(fields)
+        self.harness_events.append(record)
+
+    def start_server(self, name: str) -> ManagedProcess:
+        other = "backup" if name == "primary" else "primary"
+        argv = server_argv(
+            name, self.servers[name], self.servers[other], heartbeat_ms=self.cfg.heartbeat_ms
+        )
+        if name in self.group.procs:
+            proc = self.group[name]
+            proc.start()
+        else:
+            proc = self.group.add(name, argv)
+        return proc
+
+    def start_client(self, cid: str, start_at: float, final_at: float) -> ManagedProcess:
+        cfg = self.cfg
+        gen = self.generations.get(cid, -1) + 1
+        self.generations[cid] = gen
+        stem = cid if gen == 0 else f"{cid}.g{gen}"
+        names = list(self.servers)
+        argv = python_module_argv(
+            "clone.tools.drill.client",
+            "--id", cid,
+            "--gen", str(gen),
+            "--servers", ",".join(self.servers[n].endpoint for n in names),
+            "--names", ",".join(names),
+            "--heartbeat", str(cfg.heartbeat),
+            "--rate", str(cfg.rate),
+            "--confirm-every", str(cfg.confirm_every),
+            "--confirm-timeout", str(cfg.confirm_timeout),
+            "--ttl-per-tick", str(cfg.ttl_per_tick if cfg.scenario == "ttl-storm" else 0),
+            "--ttl-min", str(cfg.ttl_min),
+            "--ttl-max", str(cfg.ttl_max),
+            "--shared-keys", str(cfg.shared_keys),
+            "--value-size", str(cfg.value_size),
+            "--start-at", repr(start_at),
+            "--write-seconds", repr(max(0.0, self.write_end - start_at)),
+            "--final-at", repr(final_at),
+            "--events", str(self.clients_dir / f"{stem}.jsonl"),
+            "--state", str(self.clients_dir / f"{stem}.state.json"),
+            "--seed", str(cfg.seed),
+        )  # fmt: skip
+        return self.group.add(stem, argv)
+
+    def active_server(self) -> str | None:
+        active = self.monitor.active()
+        return active[0] if len(active) == 1 else None
+
+    def _pick(self, which: str) -> str:
+        active = self.active_server() or "primary"
+        return active if which == "active" else ("backup" if active == "primary" else "primary")
+
+    def _log_tails(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.log_tail(20)}" for p in self.group)
