@@ -42,7 +42,7 @@ from clone.errors import (
     NotSynced,
     ProtocolError,
 )
-from clone.wire.codec import KVMsg, Properties, decode_kvset, encode_kv
+from clone.wire.codec import KVMsg, Properties, decode_kvset, encode_kv, new_uuid
 from clone.wire.protocol import (
     DEFAULT_BACKUP_PORT,
     DEFAULT_PRIMARY_PORT,
@@ -152,7 +152,7 @@ def _format_ttl(ttl: float) -> str | None:
 def _build(key: str, body: bytes, props: dict[str, str]) -> KVMsg:
     """Validate an application write; a bad key is misuse (ValueError), not wire trouble."""
     try:
-        return KVMsg.build(key, body, properties=props)
+        return KVMsg.build(key, body, uuid=new_uuid(), properties=props)
     except LimitExceeded:
         raise
     except ProtocolError as exc:

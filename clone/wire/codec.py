@@ -10,7 +10,9 @@ Decoding is strict and total: for any list of frames, a ``decode_*`` function
 returns a message or raises :class:`~clone.errors.ProtocolError` whose text says
 what was wrong.  Nothing else escapes, whatever arrives (hypothesis checks it).
 Encoding trusts its input: messages are validated when they are built
-(:meth:`KVMsg.build`) or decoded, so the hot path does not check twice.
+(:meth:`KVMsg.build`, from a uuid the caller draws) or decoded, so the hot path
+does not check twice.  Only :func:`new_uuid` reads the clock or draws randomness,
+and only when called.
 """
 
 from __future__ import annotations
@@ -71,7 +73,11 @@ _SUBTREE_RE = re.compile(r"/(?:[^/]+/)+")
 
 
 def new_uuid() -> bytes:
-    """A fresh UUIDv7 as 16 bytes: unique, and sorted by creation time."""
+    """A fresh UUIDv7 as 16 bytes: unique, and sorted by creation time.
+
+    The one function here that reads the clock and draws randomness; the I/O
+    layers call it and hand the result in (:meth:`KVMsg.build` never draws).
+    """
     return uuid6.uuid7().bytes
 
 
@@ -94,13 +100,15 @@ class KVMsg:
         key: str,
         body: bytes = b"",
         *,
+        uuid: bytes,
         sequence: int = 0,
-        uuid: bytes | None = None,
         properties: Properties | dict[str, str] = (),
     ) -> KVMsg:
         """Validate application input and make a message (API misuse raises).
 
-        ``uuid=None`` draws a fresh UUIDv7.  Limits raise
+        The caller passes the ``uuid`` (:func:`new_uuid` for a fresh write, ``b""``
+        for none): drawing one here would hide a clock and randomness in a
+        module that is otherwise a pure function of its input.  Limits raise
         :class:`~clone.errors.LimitExceeded` so callers can tell "too big" from
         "wrong type".
         """
@@ -117,8 +125,6 @@ class KVMsg:
             )
         if not 0 <= sequence <= _SEQ_MAX:
             raise ValueError(f"sequence {sequence} does not fit in 64 unsigned bits")
-        if uuid is None:
-            uuid = new_uuid()
         if len(uuid) not in (0, 16):
             raise ValueError(f"uuid must be 0 or 16 bytes, not {len(uuid)}")
         props = tuple(properties.items()) if isinstance(properties, dict) else tuple(properties)

@@ -585,7 +585,7 @@ def test_normalize_subtrees() -> None:
 
 def test_confirmed_write_is_confirmed_when_its_uuid_comes_back() -> None:
     fsm, (srv, _) = synced()
-    msg = KVMsg.build("k", b"v")
+    msg = KVMsg.build("k", b"v", uuid=new_uuid())
     assert fsm.write(msg, 1.0, confirm_within=5.0) == [SendUpdate(msg)]
     actions = fsm.update(0, srv.apply("k", b"v", msg.uuid), 1.1)
     assert actions[-1] == Confirmed(msg.uuid)
@@ -595,7 +595,7 @@ def test_confirmed_write_is_confirmed_when_its_uuid_comes_back() -> None:
 
 def test_unconfirmed_write_is_resent_then_given_up() -> None:
     fsm, _ = synced()
-    msg = KVMsg.build("k", b"v")
+    msg = KVMsg.build("k", b"v", uuid=new_uuid())
     fsm.write(msg, 1.0, confirm_within=2.0)
     fsm.update(0, Hugz(0), 1.2)
     assert fsm.tick(1.4) == []
@@ -608,7 +608,7 @@ def test_unconfirmed_write_is_resent_then_given_up() -> None:
 
 def test_confirmed_write_survives_failover() -> None:
     fsm, (_primary, backup) = synced()
-    msg = KVMsg.build("k", b"v")
+    msg = KVMsg.build("k", b"v", uuid=new_uuid())
     fsm.write(msg, 0.5, confirm_within=10.0)
     # neither server publishes it; the primary dies
     actions = fsm.tick(2.5)
@@ -623,7 +623,7 @@ def test_write_published_during_sync_is_confirmed_at_the_swap() -> None:
     fsm = AgentFSM(None, CFG)
     srv = MemoryServer(0)
     fsm.connect("tcp://a:1", 0.0)
-    msg = KVMsg.build("k", b"v")
+    msg = KVMsg.build("k", b"v", uuid=new_uuid())
     fsm.write(msg, 0.0, confirm_within=5.0)
     snap = srv.snapshot()
     pub = srv.apply("k", b"v", msg.uuid)
@@ -637,7 +637,7 @@ def test_write_published_during_sync_is_confirmed_at_the_swap() -> None:
 
 def test_write_seen_in_a_gap_is_confirmed_after_the_resync() -> None:
     fsm, (srv, _) = synced()
-    msg = KVMsg.build("k", b"v")
+    msg = KVMsg.build("k", b"v", uuid=new_uuid())
     fsm.write(msg, 0.0, confirm_within=5.0)
     srv.apply("x", b"lost")
     fsm.update(0, srv.apply("k", b"v", msg.uuid), 0.1)  # gap -> resync
@@ -713,15 +713,15 @@ def test_new_uuid_is_sixteen_bytes() -> None:
 def test_writes_before_the_first_snapshot_are_held_until_it_completes() -> None:
     fsm = AgentFSM(None, CFG)
     fsm.connect("tcp://a:1", 0.0)
-    early = KVMsg.build("a", b"1")
-    confirmed = KVMsg.build("b", b"2")
+    early = KVMsg.build("a", b"1", uuid=new_uuid())
+    confirmed = KVMsg.build("b", b"2", uuid=new_uuid())
     assert fsm.write(early, 0.0, confirm_within=None) == []
     assert fsm.write(confirmed, 0.0, confirm_within=5.0) == []
     assert not any(isinstance(a, SendUpdate) for a in fsm.tick(1.0))  # no resend while held
     actions = fsm.snapshot_reply(0, SnapshotEnd(0), 1.1)
     sends = [a.msg for a in actions if isinstance(a, SendUpdate)]
     assert sends == [early, confirmed]
-    assert fsm.write(KVMsg.build("c", b"3"), 1.2, confirm_within=None) != []
+    assert fsm.write(KVMsg.build("c", b"3", uuid=new_uuid()), 1.2, confirm_within=None) != []
 
 
 # --------------------------------------------------------------------------

@@ -171,19 +171,31 @@ def test_kthxbai_with_bad_subtree_is_rejected() -> None:
 
 def test_build_validates_application_input() -> None:
     with pytest.raises(TypeError):
-        KVMsg.build(b"key", b"v")  # type: ignore[arg-type]
+        KVMsg.build(b"key", b"v", uuid=b"")  # type: ignore[arg-type]
     with pytest.raises(TypeError):
-        KVMsg.build("key", "v")  # type: ignore[arg-type]
+        KVMsg.build("key", "v", uuid=b"")  # type: ignore[arg-type]
     with pytest.raises(LimitExceeded):
-        KVMsg.build("key", b"x" * (MAX_VALUE_BYTES + 1))
+        KVMsg.build("key", b"x" * (MAX_VALUE_BYTES + 1), uuid=b"")
     with pytest.raises(ProtocolError, match="reserved"):
-        KVMsg.build("KTHXBAI", b"v")
+        KVMsg.build("KTHXBAI", b"v", uuid=b"")
     with pytest.raises(ProtocolError, match="has no '='"):
-        KVMsg.build("k", b"v", properties={"a\nb": "1"})
+        KVMsg.build("k", b"v", uuid=b"", properties={"a\nb": "1"})
+    with pytest.raises(ValueError, match="uuid"):
+        KVMsg.build("k", b"v", uuid=b"short")
 
 
-def test_build_draws_time_ordered_uuid7() -> None:
-    ids = [KVMsg.build("k", b"v").uuid for _ in range(50)]
+def test_build_takes_the_uuid_it_is_given() -> None:
+    """No hidden clock or randomness: the same input builds the same message."""
+    uuid = bytes(range(16))
+    assert KVMsg.build("k", b"v", uuid=uuid) == KVMsg.build("k", b"v", uuid=uuid)
+    assert KVMsg.build("k", b"v", uuid=uuid).uuid == uuid
+    assert KVMsg.build("k", b"v", uuid=b"").uuid == b""
+    with pytest.raises(TypeError):
+        KVMsg.build("k", b"v")  # type: ignore[call-arg]
+
+
+def test_new_uuid_draws_time_ordered_uuid7() -> None:
+    ids = [codec.new_uuid() for _ in range(50)]
     assert all(len(i) == 16 for i in ids)
     assert all((i[6] >> 4) == 7 for i in ids), "version nibble must be 7"
     assert ids == sorted(ids)
