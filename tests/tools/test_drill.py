@@ -17,6 +17,7 @@ import pytest
 
 from clone.tools import drill, report
 from clone.tools.drill import DrillConfig, analyse, percentile, run_drill
+from clone.tools.drill.analysis import nearest_rank
 from clone.tools.drill.client import make_value, parse_value, shared_key, state_hash, write_key
 
 # --------------------------------------------------------------------------
@@ -65,6 +66,14 @@ def test_percentile_nearest_rank() -> None:
     assert percentile([3.0], 99) == 3.0
     assert percentile([1, 2, 3, 4], 50) == 2
     assert percentile(list(range(1, 101)), 99) == 99
+
+
+def test_nearest_rank_is_the_one_definition() -> None:
+    # The benchmark picks its median run with it: the lower median.
+    assert [nearest_rank(n, 50) for n in (1, 2, 3, 4)] == [0, 0, 1, 1]
+    assert nearest_rank(100, 99) == 98 and nearest_rank(5, 0) == 0
+    with pytest.raises(ValueError):
+        nearest_rank(0, 50)
 
 
 def test_clean_run_passes() -> None:

@@ -7,6 +7,7 @@ from typing import Any
 from clone.tools.bench.config import BenchConfig, Say
 from clone.tools.bench.profiling import Profiler
 from clone.tools.bench.targets import running_target, traffic
+from clone.tools.drill.analysis import nearest_rank
 from clone.tools.histogram import LatencyHistogram
 from clone.tools.procs import ProcessGroup
 
@@ -79,7 +80,7 @@ def run_latency(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, An
     runs: list[dict[str, Any]] = []
     for ones in reps.values():
         ranked = sorted(ones, key=lambda o: o["latency"]["p99_ms"])
-        run = dict(ranked[(len(ranked) - 1) // 2])
+        run = dict(ranked[nearest_rank(len(ranked), 50)])  # the median p99
         run["lost"] = sum(o["lost"] for o in ones)
         run["repeats"] = [
             {k: o["latency"][k] for k in ("p50_ms", "p99_ms", "p99_9_ms", "max_ms")}

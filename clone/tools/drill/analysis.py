@@ -56,6 +56,7 @@ __all__ = [
     "analyse",
     "applied_before",
     "find_reverts",
+    "nearest_rank",
     "percentile",
     "revert_detail",
     "seen_revert_detail",
@@ -67,13 +68,25 @@ _KEY_RE = re.compile(r"^/drill/(?P<client>[^/]+)/(?P<ttl>ttl/)?g(?P<gen>\d+)/(?P
 REVERT_EXAMPLES = 10
 
 
+def nearest_rank(n: int, p: float) -> int:
+    """The index, in ``n`` sorted values, of the ``p``-th percentile.
+
+    The one definition of a percentile in the tools: the nearest rank, the
+    smallest value with at least ``p`` % of the values at or below it (rank
+    ``ceil(p/100 * n)``, at least 1).  Always one of the values, never an
+    interpolation: a failover gap or a benchmark run that happened, and the
+    50th is the lower median.
+    """
+    if n < 1:
+        raise ValueError("no values")
+    return max(1, math.ceil(p / 100.0 * n)) - 1
+
+
 def percentile(values: Sequence[float], p: float) -> float | None:
-    """Nearest-rank percentile; None for no values."""
+    """The ``p``-th percentile of ``values`` by :func:`nearest_rank`; None for no values."""
     if not values:
         return None
-    ordered = sorted(values)
-    rank = max(1, math.ceil(p / 100.0 * len(ordered)))
-    return ordered[rank - 1]
+    return sorted(values)[nearest_rank(len(values), p)]
 
 
 # --------------------------------------------------------------------------
