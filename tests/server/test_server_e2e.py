@@ -23,6 +23,7 @@ import zmq
 from tests.support.chp_peer import ChpPeer, Snapshot, Update
 from tests.support.ports import free_base_port, free_port
 from tests.support.servers import ServerProcess, Servers, server_pool
+from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -293,7 +294,7 @@ def test_failover_serves_full_state_and_publishes_the_failover_window(
     before = [peer.kvset(b"/k/%d" % i, b"v%d" % i) for i in range(200)]
     got = peer.updates(200)
     assert [u.uuid for u in got] == before
-    time.sleep(0.2)  # let the backup's copy of the last KVPUBs land
+    _caught_up(backup, got[-1].sequence)  # the backup's copy of the last KVPUBs landed
     primary.kill9()
     window = [peer.kvset(b"/w/%d" % i, b"w%d" % i, props={"ttl": "60"}) for i in range(100)]
     snap = _snapshot_with_retry(peer, backup.port)
@@ -333,6 +334,14 @@ def _stats(server: ServerProcess) -> dict[str, Any]:
     return stats
 
 
+def _caught_up(server: ServerProcess, sequence: int) -> None:
+    """Until ``server`` (a passive) holds the state up to ``sequence``, by its stats."""
+    eventually(
+        lambda: _stats(server)["sequence"] >= sequence,
+        what=f"{server.name} to reach sequence {sequence}",
+    )
+
+
 def _await_kthxbai(dealer: zmq.Socket, timeout: float) -> int:
     """KVSYNCs received before KTHXBAI on ``dealer``; TimeoutError if none comes."""
     deadline = time.monotonic() + timeout
@@ -363,8 +372,8 @@ def test_vote_held_by_the_passive_is_served_once_the_primary_dies(
     peer = _peer(ctx, peers, primary, backup.port)
     for i in range(20):
         peer.kvset(b"/held/%d" % i, b"%d" % i)
-    peer.updates(20)
-    time.sleep(0.3)  # the backup applies the last KVPUBs
+    last = peer.updates(20)[-1]
+    _caught_up(backup, last.sequence)  # the backup applied the last KVPUBs
     early = ctx.socket(zmq.DEALER)
     early.setsockopt(zmq.LINGER, 0)
     try:
@@ -421,8 +430,7 @@ def test_restarted_primary_comes_back_passive_with_the_full_state(
     peer = _peer(ctx, peers, primary, backup.port)
     for i in range(100):
         peer.kvset(b"/a/%d" % i, b"%d" % i)
-    peer.updates(100)
-    time.sleep(0.2)
+    _caught_up(backup, peer.updates(100)[-1].sequence)
     primary.kill9()
     _snapshot_with_retry(peer, backup.port)  # the vote: backup takes over
     peer.resubscribe(backup.port)
@@ -440,7 +448,7 @@ def test_restarted_primary_comes_back_passive_with_the_full_state(
     for i in range(100, 150):
         peer.kvset(b"/a/%d" % i, b"%d" % i)
     last = peer.updates(50)[-1]
-    time.sleep(0.3)
+    _caught_up(primary, last.sequence)
     backup.kill9()
     snap = _snapshot_with_retry(peer, primary.port)
     assert snap.kvsync_count == 150
@@ -465,7 +473,7 @@ def test_a_passive_that_resyncs_a_large_state_misses_nothing(
     backup.kill9()
     backup.restart()
     backup.wait_log("synced from", after=mark)
-    time.sleep(0.3)
+    _caught_up(backup, n)
     primary.kill9()
     snap = _snapshot_with_retry(peer, backup.port)
     assert snap.kvsync_count == n
@@ -652,10 +660,10 @@ def test_a_batched_requester_that_stops_reading_pins_few_batches_and_is_aborted_
     assert stats["snapshots_batched"] == 0 and stats["snapshots_aborted"] == 0, stats
     assert stats["snapshots_served"] == served, stats  # still in flight, not all queued
     stuck.close(linger=0)
-    deadline = time.monotonic() + 10
-    while _stats(server)["snapshots_aborted"] == 0:
-        assert time.monotonic() < deadline, "the vanished requester's stream was not aborted"
-        time.sleep(0.1)
+    eventually(
+        lambda: _stats(server)["snapshots_aborted"] > 0,
+        what="the vanished requester's stream to be aborted",
+    )
     assert "requester went away" in server.log_text()
     replies = _replies(_snapshot_dealer(ctx, server, batched=True), timeout=30)
     assert sum(len(_unbatch(m)) for m in replies[:-1]) == n
@@ -680,7 +688,7 @@ def test_a_restarted_passive_resyncs_through_kvbatches(
     backup.restart()
     backup.wait_log("synced from", after=bmark, timeout=30)
     primary.wait_log(", batched", after=pmark)
-    time.sleep(0.3)
+    _caught_up(backup, n)
     primary.kill9()
     deadline = time.monotonic() + 10
     while True:
