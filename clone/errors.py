@@ -16,6 +16,7 @@ __all__ = [
     "ClosedError",
     "IllegalSyncTransition",
     "ServerStartError",
+    "IllegalTransition",
 ]
 
 
@@ -57,3 +58,8 @@ class IllegalSyncTransition(CloneError, RuntimeError):
     Also a ``RuntimeError``, as it was before it joined the ``CloneError`` family,
     so that code catching that keeps working.
     """
+
+
+class IllegalTransition(CloneError):
+    """The client agent's table has no rule for a (state, event) pair: a bug in
+    the agent, never caused by what a server sends."""

@@ -7,13 +7,16 @@ hands the FSM the KVSYNC/KTHXBAI/KVPUB/HUGZ messages a real one would send.
 from __future__ import annotations
 
 import itertools
+from types import MappingProxyType
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import clone.client.fsm as fsm_module
 from clone.client.fsm import (
     TRANSITIONS,
+    Action,
     AgentConfig,
     AgentFSM,
     Changed,
@@ -27,7 +30,7 @@ from clone.client.fsm import (
     StateChanged,
     normalize_subtrees,
 )
-from clone.errors import ProtocolError
+from clone.errors import CloneError, ProtocolError
 from clone.server.store import entry_of
 from clone.wire.batch import encode_kvbatch
 from clone.wire.codec import (
@@ -74,10 +77,17 @@ def raw(msg: KVMsg | SnapshotEnd) -> list[bytes]:
     return encode_kv(msg)
 
 
+def snapshot_reply(
+    fsm: AgentFSM, server: int, msg: KVMsg | SnapshotEnd, now: float
+) -> list[Action]:
+    """One snapshot reply, as the agent hands it over: raw, in a batch of one."""
+    return fsm.snapshot_batch(server, [raw(msg)], now)
+
+
 def feed_snapshot(fsm: AgentFSM, srv: MemoryServer, now: float, subtree: str = "") -> list:
     actions: list = []
     for msg in srv.snapshot(subtree):
-        actions += fsm.snapshot_reply(srv.index, msg, now)
+        actions += snapshot_reply(fsm, srv.index, msg, now)
     return actions
 
 
@@ -115,12 +125,10 @@ def test_every_transition_runs(state: State, event: Event) -> None:
     if state is not State.INITIAL:
         fsm.connect("tcp://a:1", 0.0)
     if state is State.ACTIVE:
-        fsm.snapshot_reply(0, SnapshotEnd(0), 0.0)
+        snapshot_reply(fsm, 0, SnapshotEnd(0), 0.0)
     assert fsm.state is state
     payload = {
         Event.CONNECT: "tcp://b:2",
-        Event.SNAPSHOT_ENTRY: KVMsg("k", 1, b"", (), b"v"),
-        Event.SNAPSHOT_END: SnapshotEnd(0),
         Event.SNAPSHOT_BATCH: [encode_kv(KVMsg("k", 1, b"", (), b"v")), [b"bad"]],
         Event.UPDATE: KVMsg("k", 1, b"", (), b"v"),
         Event.HEARTBEAT: Hugz(0),
@@ -138,9 +146,17 @@ def test_every_transition_runs(state: State, event: Event) -> None:
 def test_missing_pair_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
     fsm = AgentFSM(None, CFG)
     fsm.connect("tcp://a:1", 0.0)
-    monkeypatch.delitem(TRANSITIONS, (State.SYNCING, Event.HEARTBEAT))
-    with pytest.raises(IllegalTransition):
+    table = {k: v for k, v in TRANSITIONS.items() if k != (State.SYNCING, Event.HEARTBEAT)}
+    monkeypatch.setattr(fsm_module, "TRANSITIONS", MappingProxyType(table))
+    with pytest.raises(IllegalTransition) as info:
         fsm.update(0, Hugz(0), 0.0)
+    assert isinstance(info.value, CloneError)
+    assert "HEARTBEAT" in str(info.value) and "SYNCING" in str(info.value)
+
+
+def test_the_table_is_read_only() -> None:
+    with pytest.raises(TypeError):
+        TRANSITIONS[(State.SYNCING, Event.HEARTBEAT)] = AgentFSM._ignore  # type: ignore[index]
 
 
 def test_connect_requests_a_snapshot_from_the_first_server_only() -> None:
@@ -246,7 +262,7 @@ def test_hugz_from_a_server_that_refuses_us_do_not_hold_the_sync() -> None:
 def test_snapshot_data_stops_the_reasks() -> None:
     fsm = AgentFSM(None, CFG, now=0.0)
     fsm.connect("tcp://a:1", 0.0)
-    fsm.snapshot_reply(0, KVMsg("k", 1, b"", (), b"v"), 0.1)
+    snapshot_reply(fsm, 0, KVMsg("k", 1, b"", (), b"v"), 0.1)
     assert fsm.next_deadline() == pytest.approx(2.6)  # silence only; no re-ask
     assert fsm.tick(2.0) == []
     fsm.update(0, Hugz(1), 2.0)  # after snapshot data, HUGZ count as life again
@@ -349,7 +365,7 @@ def test_a_kvpub_shows_a_server_active_but_a_bare_hugz_does_not() -> None:
 def test_a_server_that_answers_or_shows_itself_active_is_not_left() -> None:
     # Snapshot data is flowing from server 0: another active one does not matter.
     fsm = two_servers()
-    fsm.snapshot_reply(0, KVMsg("k", 1, b"", (), b"v"), 0.1)
+    snapshot_reply(fsm, 0, KVMsg("k", 1, b"", (), b"v"), 0.1)
     assert fsm.update(1, Hugz(1, 0.25), 0.2) == []
     assert fsm.current == 0
     # Server 0 heartbeats too (two actives): it is only slower to answer.
@@ -461,7 +477,7 @@ def test_a_server_that_stops_saying_its_heartbeat_falls_back_to_the_config() -> 
 def test_missed_heartbeats_is_configurable_and_checked() -> None:
     fsm = AgentFSM(None, AgentConfig(missed_heartbeats=2), now=0.0)
     fsm.connect("tcp://a:1", 0.0)
-    fsm.snapshot_reply(0, SnapshotEnd(0), 0.0)
+    snapshot_reply(fsm, 0, SnapshotEnd(0), 0.0)
     fsm.update(0, Hugz(0, 0.5), 0.1)
     assert fsm.silence_timeout() == pytest.approx(1.0)
     with pytest.raises(ValueError, match="missed_heartbeats"):
@@ -472,7 +488,7 @@ def test_missed_heartbeats_none_ignores_what_servers_say() -> None:
     """How the frontend honours an explicit ``server_timeout``."""
     fsm = AgentFSM(None, AgentConfig(server_timeout=0.7, missed_heartbeats=None), now=0.0)
     fsm.connect("tcp://a:1", 0.0)
-    fsm.snapshot_reply(0, SnapshotEnd(0), 0.0)
+    snapshot_reply(fsm, 0, SnapshotEnd(0), 0.0)
     fsm.update(0, Hugz(0, 0.05), 0.1)
     assert fsm.silence_timeout() == pytest.approx(0.7)
     assert fsm.tick(0.79) == []
@@ -483,7 +499,7 @@ def test_streaming_snapshot_keeps_the_server_alive() -> None:
     fsm = AgentFSM(None, CFG, now=0.0)
     fsm.connect("tcp://a:1", 0.0)
     for i in range(10):
-        fsm.snapshot_reply(0, KVMsg(f"k{i}", i + 1, b"", (), b"v"), 2.0 * i)
+        snapshot_reply(fsm, 0, KVMsg(f"k{i}", i + 1, b"", (), b"v"), 2.0 * i)
         assert fsm.tick(2.0 * i + 1) == []
     assert fsm.counters.retries == 0
 
@@ -523,9 +539,9 @@ def test_updates_during_sync_are_buffered_and_replayed_after_kthxbai() -> None:
     for msg in published:  # they arrive while the snapshot streams
         assert fsm.update(0, msg, 0.1) == []
     assert fsm.state is State.SYNCING
-    fsm.snapshot_reply(0, snap[0], 0.2)
-    fsm.snapshot_reply(0, srv.map["b"], 0.2)  # fuzzy: b@4 is newer than KTHXBAI(1)
-    actions = fsm.snapshot_reply(0, snap[-1], 0.3)
+    snapshot_reply(fsm, 0, snap[0], 0.2)
+    snapshot_reply(fsm, 0, srv.map["b"], 0.2)  # fuzzy: b@4 is newer than KTHXBAI(1)
+    actions = snapshot_reply(fsm, 0, snap[-1], 0.3)
     assert fsm.state is State.ACTIVE
     assert {m.key: m.body for m in fsm.items()} == {"a": b"2", "b": b"new"}
     assert fsm.last_sequence == 4
@@ -547,7 +563,7 @@ def test_messages_from_other_servers_are_ignored() -> None:
     fsm, (_srv, other) = synced()
     other.apply("x", b"1")
     assert fsm.update(1, other.map["x"], 0.1) == []
-    assert fsm.snapshot_reply(1, SnapshotEnd(5), 0.1) == []
+    assert snapshot_reply(fsm, 1, SnapshotEnd(5), 0.1) == []
     assert fsm.get("x") is None
     assert fsm.counters.foreign == 2
 
@@ -630,7 +646,7 @@ def test_write_published_during_sync_is_confirmed_at_the_swap() -> None:
     assert fsm.update(0, pub, 0.1) == []  # buffered, not confirmed yet
     actions = []
     for m in snap:
-        actions += fsm.snapshot_reply(0, m, 0.2)
+        actions += snapshot_reply(fsm, 0, m, 0.2)
     assert Confirmed(msg.uuid) in actions
     assert fsm.get("k") is not None
 
@@ -698,8 +714,8 @@ def test_client_converges_to_the_server_state(
     for update in published:
         fsm.update(0, update, 0.1)
     for m in sorted(fuzzy_state.values(), key=lambda m: m.key):
-        fsm.snapshot_reply(0, m, 0.2)
-    fsm.snapshot_reply(0, SnapshotEnd(snap_seq), 0.2)
+        snapshot_reply(fsm, 0, m, 0.2)
+    snapshot_reply(fsm, 0, SnapshotEnd(snap_seq), 0.2)
     for k, v in after:
         fsm.update(0, srv.apply(k, v), 0.3)
     assert fsm.state is State.ACTIVE
@@ -718,7 +734,7 @@ def test_writes_before_the_first_snapshot_are_held_until_it_completes() -> None:
     assert fsm.write(early, 0.0, confirm_within=None) == []
     assert fsm.write(confirmed, 0.0, confirm_within=5.0) == []
     assert not any(isinstance(a, SendUpdate) for a in fsm.tick(1.0))  # no resend while held
-    actions = fsm.snapshot_reply(0, SnapshotEnd(0), 1.1)
+    actions = snapshot_reply(fsm, 0, SnapshotEnd(0), 1.1)
     sends = [a.msg for a in actions if isinstance(a, SendUpdate)]
     assert sends == [early, confirmed]
     assert fsm.write(KVMsg.build("c", b"3", uuid=new_uuid()), 1.2, confirm_within=None) != []
@@ -747,7 +763,7 @@ def test_batched_snapshot_equals_the_decoded_one(size: int) -> None:
     one, many = AgentFSM("/a/", CFG), AgentFSM("/a/", CFG)
     for fsm in (one, many):
         fsm.connect("tcp://a:1", 0.0)
-        fsm.snapshot_reply(0, ttl, 0.0)
+        snapshot_reply(fsm, 0, ttl, 0.0)
     feed_snapshot(one, srv, 0.1, "/a/")
     actions = feed_batches(many, srv, 0.1, "/a/", size)
     assert StateChanged(State.ACTIVE, 0) in actions
@@ -860,7 +876,8 @@ _frame = st.binary(max_size=20) | st.sampled_from(
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.lists(_frame, min_size=0, max_size=6), max_size=12))
 def test_batch_accepts_exactly_what_the_codec_accepts(batch: list[list[bytes]]) -> None:
-    """The inline checks are a fast path of the codec, never looser or stricter."""
+    """A batch at once does what its replies do one by one, decoded by the codec
+    (whose fast path is checked against it in tests/wire/test_codec.py)."""
     fast, slow = AgentFSM(None, CFG), AgentFSM(None, CFG)
     for fsm in (fast, slow):
         fsm.connect("tcp://a:1", 0.0)
@@ -873,7 +890,7 @@ def test_batch_accepts_exactly_what_the_codec_accepts(batch: list[list[bytes]]) 
         except ProtocolError:
             slow.protocol_error(0)
             continue
-        slow.snapshot_reply(0, msg, 0.1)
+        snapshot_reply(slow, 0, msg, 0.1)
     if slow.state is State.SYNCING:
         assert fast.counters.protocol_errors == slow.counters.protocol_errors
     assert fast.state is slow.state

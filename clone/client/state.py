@@ -1,0 +1,432 @@
+"""The client agent's state, and the vocabulary its state machine speaks.
+
+How this works: :class:`AgentState` holds everything the agent knows (the
+servers, the current one, the map, the snapshot being built, pending writes,
+deadlines) and the small helpers every part of the machine shares.  The
+machine's rules live in :mod:`clone.client.fsm` (the table and the events it
+dispatches), with the rules of a sync in :mod:`clone.client.sync`, of failing
+over in :mod:`clone.client.failover` and of writes in :mod:`clone.client.writes`,
+each a mixin over this state.  Like them, this module is sans-IO: no zmq, no
+``time``; ``now`` is always an argument.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from typing import Any
+
+from clone.errors import ProtocolError
+from clone.wire.codec import Hugz, KVMsg, Properties, key_in_subtree, validate_subtree
+from clone.wire.protocol import DEFAULT_MISSED_HEARTBEATS
+
+__all__ = [
+    "Action",
+    "AgentConfig",
+    "AgentCounters",
+    "AgentState",
+    "Changed",
+    "Confirmed",
+    "Event",
+    "Malformed",
+    "RequestSnapshot",
+    "SendUpdate",
+    "State",
+    "StateChanged",
+    "normalize_subtrees",
+]
+
+log = logging.getLogger(__name__)
+
+
+class State(enum.Enum):
+    INITIAL = "initial"  # no server known yet
+    SYNCING = "syncing"  # snapshot requested from the current server
+    ACTIVE = "active"  # snapshot complete, applying updates
+
+
+class Event(enum.Enum):
+    CONNECT = "connect"  # a server endpoint was added
+    # Raw snapshot replies (KVSYNCs, KVBATCHes, KTHXBAIs), undecoded: the only
+    # snapshot event, as the I/O loop hands them over thousands at a time.
+    SNAPSHOT_BATCH = "snapshot_batch"
+    UPDATE = "update"  # KVPUB
+    HEARTBEAT = "heartbeat"  # HUGZ
+    SILENCE = "silence"  # the current server said nothing for server_timeout
+    REASK = "reask"  # syncing, no snapshot data yet, reask_interval passed
+    SERVER_DISCONNECTED = "server_disconnected"  # TCP connection to its publisher lost
+    # Another server published a KVPUB, or a HUGZ that says its heartbeat: it is
+    # active.  The only event about a server that is not the current one.
+    ACTIVE_ELSEWHERE = "active_elsewhere"
+
+
+# --------------------------------------------------------------------------
+# Actions: what the I/O loop must do.
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSnapshot:
+    """Send ICANHAZ? for each subtree to ``server``, on a fresh DEALER.
+
+    A fresh socket per request means late replies to an earlier request cannot
+    be mistaken for this one.
+    """
+
+    server: int
+    subtrees: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class SendUpdate:
+    """Publish this KVSET to every server's collector."""
+
+    msg: KVMsg
+
+
+@dataclass(frozen=True, slots=True)
+class Changed:
+    """The application's view of ``key`` changed.
+
+    ``entry`` None, or an entry with an empty body, means deleted: a live delete
+    carries its KVPUB (so its sequence), a key gone after a resync has none.
+    """
+
+    key: str
+    entry: KVMsg | None
+
+
+@dataclass(frozen=True, slots=True)
+class Confirmed:
+    """The write with this uuid is in the map: the active server republished it."""
+
+    uuid: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StateChanged:
+    state: State
+    server: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Malformed:
+    """A reply was dropped as malformed (already counted): log ``error``."""
+
+    server: int
+    what: str
+    error: str
+
+
+Action = RequestSnapshot | SendUpdate | Changed | Confirmed | StateChanged | Malformed
+
+# What the maps hold per key: (sequence, uuid, properties, body), body never empty.
+# A tuple, not a KVMsg: building a frozen dataclass per snapshot entry cost as
+# much as receiving it.
+_Stored = tuple[int, bytes, Properties, bytes]
+_PROPS, _BODY = 2, 3  # where a _Stored holds them
+
+
+def _stored(msg: KVMsg) -> _Stored:
+    return (msg.sequence, msg.uuid, msg.properties, msg.body)
+
+
+def _differs(old: _Stored | None, new: _Stored | None) -> bool:
+    if old is None or new is None:
+        return old is not new
+    return old[_BODY] != new[_BODY] or old[_PROPS] != new[_PROPS]
+
+
+def _message(key: str, stored: _Stored) -> KVMsg:
+    return KVMsg(key, *stored)
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """Timing of the agent, in seconds.
+
+    ``server_timeout`` is how long the current server may stay silent (no update,
+    no HUGZ, no snapshot reply) before we fail over; while syncing, how long we
+    wait for the first snapshot data.  The default of 2.5 heartbeats notices a
+    frozen server after two missed HUGZ while tolerating one late one.  (A server
+    whose process died is noticed at once, by its lost connection.)
+
+    A server that says its heartbeat in its HUGZ (ours do: the ``heartbeat``
+    property) is judged by its own rhythm instead, once we are active on it:
+    silent for ``missed_heartbeats`` of its heartbeats means gone.  So
+    ``heartbeat`` and ``server_timeout`` matter for servers that do not say (the
+    Guide's, 1 s), and for the wait on a snapshot, where a passive server that
+    has not yet given up on its peer may hold our request for a while.
+    ``missed_heartbeats=None`` ignores what servers say: ``server_timeout`` then
+    applies to every server (the frontend does this when the application sets
+    ``server_timeout`` itself).
+
+    ``reask_interval`` is how often an unanswered snapshot request is repeated on
+    a fresh DEALER while syncing (default a quarter heartbeat), and
+    ``requests_per_server`` bounds the requests sent to one server per round (the
+    Guide's rule of bounded requests): the defaults give at most 10 requests, at
+    0, 0.25, ..., 2.25 heartbeats, before we move on at 2.5.
+    """
+
+    heartbeat: float = 1.0
+    server_timeout: float = 2.5
+    missed_heartbeats: int | None = DEFAULT_MISSED_HEARTBEATS  # None: ignore what servers say
+    requests_per_server: int = 10
+    resend_interval: float = 0.5
+    reask_interval: float = 0.25
+
+    @classmethod
+    def from_heartbeat(cls, heartbeat: float, **overrides: Any) -> AgentConfig:
+        """Scale every timeout to the servers' heartbeat (tests use short ones)."""
+        if heartbeat <= 0:
+            raise ValueError(f"heartbeat must be > 0, not {heartbeat}")
+        values: dict[str, Any] = {
+            "heartbeat": heartbeat,
+            "server_timeout": 2.5 * heartbeat,
+            "resend_interval": 0.5 * heartbeat,
+            "reask_interval": 0.25 * heartbeat,
+        }
+        values.update(overrides)
+        return cls(**values)
+
+    def __post_init__(self) -> None:
+        if min(self.server_timeout, self.resend_interval, self.heartbeat, self.reask_interval) <= 0:
+            raise ValueError("timeouts must be > 0")
+        if self.requests_per_server < 1:
+            raise ValueError("requests_per_server must be >= 1")
+        if self.missed_heartbeats is not None and self.missed_heartbeats < 1:
+            raise ValueError("missed_heartbeats must be >= 1 (or None)")
+
+
+@dataclass(slots=True)
+class AgentCounters:
+    """What happened so far; shown by ``Clone.status()``."""
+
+    snapshots: int = 0  # completed snapshots
+    resyncs: int = 0  # snapshots started after the first one, for any reason
+    retries: int = 0  # snapshot requests repeated to the same server (re-asks)
+    failovers: int = 0  # switches to another server, for any reason
+    disconnects: int = 0  # lost connections to any server's publisher
+    disconnect_failovers: int = 0  # failovers caused by losing the current server's
+    # failovers while syncing to another server that showed itself active
+    hint_failovers: int = 0
+    gaps: int = 0  # holes in the sequence that forced a resync
+    stale: int = 0  # KVPUBs discarded as not newer than the last applied
+    protocol_errors: int = 0  # malformed messages dropped
+    foreign: int = 0  # messages from a server that is not the current one
+    resent: int = 0  # confirmed writes sent again
+    expired_writes: int = 0  # confirmed writes given up on
+    # A gauge, not a counter: ms from the last message of the server we left to
+    # the end of the first snapshot from the next one, for the last failover.
+    last_failover_gap_ms: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(slots=True)
+class _Pending:
+    msg: KVMsg
+    expires_at: float
+    next_send: float
+    published: bool = False  # seen on the current server's stream, map not yet swapped
+
+
+_NEVER = float("inf")
+
+
+def normalize_subtrees(subtrees: str | Iterable[str] | None) -> tuple[str, ...]:
+    """Validated, sorted subtrees with none inside another.
+
+    A key must belong to exactly one subtree, so that it has one snapshot sequence
+    to compare updates with; ``/a/`` already covers ``/a/b/``, and ``''`` covers
+    everything.
+    """
+    if subtrees is None:
+        return ("",)
+    items = [subtrees] if isinstance(subtrees, str) else list(subtrees)
+    if not items:
+        return ("",)
+    for item in items:
+        if not isinstance(item, str):
+            raise TypeError(f"subtree must be str, not {type(item).__name__}")
+        validate_subtree(item.encode("utf-8"))
+    kept: list[str] = []
+    for item in sorted(set(items), key=len):
+        if not any(item.startswith(k) for k in kept):
+            kept.append(item)
+    return tuple(sorted(kept))
+
+
+class AgentState:
+    """What the agent knows, and the helpers every part of its machine shares.
+
+    Not thread-safe: the agent thread owns it.
+    """
+
+    def __init__(
+        self,
+        subtrees: str | Iterable[str] | None = None,
+        config: AgentConfig | None = None,
+        *,
+        now: float = 0.0,
+    ) -> None:
+        self.config = config or AgentConfig()
+        self.subtrees = normalize_subtrees(subtrees)
+        self.servers: list[str] = []
+        self.state = State.INITIAL
+        self.current: int | None = None
+        self.counters = AgentCounters()
+        self.emit_changes = True
+        self.last_sequence = 0
+        self._map: dict[str, _Stored] = {}
+        self._side: dict[str, _Stored] = {}
+        self._buffer: list[KVMsg] = []
+        self._ends: dict[str, int] = {}
+        self._requests = 0  # snapshot requests sent to the current server this round
+        self._request_id = 0  # every request, ever: a batch stops when it changes
+        self._silence_at: float | None = None
+        self._reask_at: float | None = None  # when to repeat an unanswered request
+        self._answered = False  # snapshot data arrived for the current request
+        # The current server showed itself active this round (see ACTIVE_ELSEWHERE).
+        self._shown_active = False
+        self._heard_at: float | None = None  # last message from the current server
+        self._left_at: float | None = None  # last heard from the server we failed over from
+        self._pending: dict[bytes, _Pending] = {}
+        self._held: list[KVMsg] = []  # writes made before the first snapshot
+        # Silence allowed while active, per server that said its heartbeat.
+        self._advertised_timeout: dict[int, float] = {}
+
+    # ----------------------------------------------------------------------
+    # Reading
+
+    def get(self, key: str) -> KVMsg | None:
+        stored = self._map.get(key)
+        return None if stored is None else _message(key, stored)
+
+    def items(self, prefix: str = "") -> list[KVMsg]:
+        """Entries whose key starts with ``prefix``, sorted by key."""
+        return [_message(k, v) for k, v in self.rows(prefix)]
+
+    def rows(self, prefix: str = "") -> list[tuple[str, _Stored]]:
+        """``(key, (sequence, uuid, properties, body))`` under ``prefix``, sorted by key.
+
+        The cheap form of :meth:`items` for large reads: no message per entry.
+        """
+        if not prefix:
+            return sorted(self._map.items())  # keys are unique: values never compared
+        return sorted(kv for kv in self._map.items() if kv[0].startswith(prefix))
+
+    def __len__(self) -> int:
+        return len(self._map)
+
+    @property
+    def pending_writes(self) -> int:
+        return len(self._pending)
+
+    def next_deadline(self) -> float | None:
+        """When :meth:`tick` has something to do next, or None."""
+        times = [p.next_send for p in self._pending.values() if p.next_send != _NEVER]
+        times.extend(p.expires_at for p in self._pending.values())
+        if self._silence_at is not None:
+            times.append(self._silence_at)
+        if self._reask_at is not None:
+            times.append(self._reask_at)
+        return min(times) if times else None
+
+    def protocol_error(self, server: int) -> None:
+        """Count a malformed message (the I/O loop logs it and drops it)."""
+        self.counters.protocol_errors += 1
+
+    def _malformed(self, server: int, what: str, exc: ProtocolError) -> Malformed:
+        """Count a malformed message and ask the I/O loop to log it."""
+        self.protocol_error(server)
+        return Malformed(server, what, str(exc))
+
+    # ----------------------------------------------------------------------
+    # Helpers
+
+    def _alive(self, now: float) -> None:
+        self._silence_at = now + self._silence_allowed()
+
+    def silence_timeout(self) -> float:
+        """Seconds of silence from the current server that mean it is gone:
+        ``missed_heartbeats`` of its advertised heartbeat while active on a
+        server that says it, else ``server_timeout``."""
+        return self._silence_allowed()
+
+    def _silence_allowed(self) -> float:
+        if self.state is State.ACTIVE and self.current is not None:
+            return self._advertised_timeout.get(self.current, self.config.server_timeout)
+        return self.config.server_timeout
+
+    def _note_heartbeat(self, server: int, hugz: Hugz) -> None:
+        missed = self.config.missed_heartbeats
+        if hugz.heartbeat is not None and missed is not None:
+            self._advertised_timeout[server] = missed * hugz.heartbeat
+        else:  # a server that stopped saying (replaced by another kind)
+            self._advertised_timeout.pop(server, None)
+
+    def _alive_if_answered(self, now: float) -> None:
+        # While syncing, only snapshot data proves the server is serving *us*:
+        # a server that sends HUGZ but refuses our request must not hold us.
+        if self._answered:
+            self._alive(now)
+
+    def _got_snapshot_data(self, now: float) -> None:
+        self._answered = True
+        self._reask_at = None
+        self._alive(now)
+
+    def _subtree_of(self, key: str) -> str | None:
+        for subtree in self.subtrees:
+            if key_in_subtree(key, subtree):
+                return subtree
+        return None
+
+    def _set_state(self, state: State) -> list[Action]:
+        if state is self.state:
+            return []
+        self.state = state
+        return [StateChanged(state, self.current)]
+
+    def _start_sync(self, server: int, now: float) -> list[Action]:
+        """Start a fresh snapshot from ``server``, keeping the map readable."""
+        if self.counters.snapshots:
+            self.counters.resyncs += 1
+        self.current = server
+        self._requests = 0
+        self._shown_active = False
+        actions = self._set_state(State.SYNCING)
+        self._alive(now)  # the round's deadline; re-asks do not move it
+        return actions + self._request(now)
+
+    def _request(self, now: float) -> list[Action]:
+        """Ask the current server for a snapshot, on a fresh DEALER (see the action)."""
+        assert self.current is not None
+        self._side = {}
+        self._buffer = []
+        self._ends = {}
+        self._requests += 1
+        self._request_id += 1
+        self._answered = False
+        more = self._requests < self.config.requests_per_server
+        self._reask_at = now + self.config.reask_interval if more else None
+        return [RequestSnapshot(self.current, self.subtrees)]
+
+    def _mark_published(self, uuid: bytes) -> None:
+        pending = self._pending.get(uuid) if uuid else None
+        if pending is not None:
+            pending.published = True
+
+    def _confirm_if_pending(self, uuid: bytes) -> list[Action]:
+        if uuid and self._pending.pop(uuid, None) is not None:
+            return [Confirmed(uuid)]
+        return []
+
+
+def _shows_active(msg: KVMsg | Hugz) -> bool:
+    """Only an active server publishes updates, and only ours (active) say
+    their heartbeat in HUGZ; the Guide's passive servers send bare HUGZ too."""
+    return not isinstance(msg, Hugz) or msg.heartbeat is not None

@@ -1,0 +1,59 @@
+"""How the agent publishes writes, and keeps confirmed ones until they are seen.
+
+How this works: a write before the first snapshot is held (a PUB drops what it
+cannot deliver, and until a server has answered us we cannot know that ours
+reaches one).  A confirmed write is remembered by uuid until the current server
+republishes it, and sent again (same uuid: servers deduplicate) every
+``resend_interval`` and after every resync, until it is seen or expires.  These
+are not table rows: a write is a command from the application, not an event
+from a server, and resends are a timer, the same in every state.  A mixin over
+:class:`~clone.client.state.AgentState`; sans-IO.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from clone.client.state import _NEVER, Action, AgentState, SendUpdate, _Pending
+from clone.wire.codec import KVMsg
+
+__all__ = ["Writes"]
+
+log = logging.getLogger(__name__)
+
+
+class Writes(AgentState):
+    """Publishing, holding, resending and expiring the application's writes."""
+
+    def write(self, msg: KVMsg, now: float, *, confirm_within: float | None) -> list[Action]:
+        """Publish a client update; with ``confirm_within``, track it until confirmed."""
+        held = not self.counters.snapshots
+        if confirm_within is not None:
+            if not msg.uuid:
+                raise ValueError("a confirmed write needs a uuid")
+            next_send = _NEVER if held else now + self.config.resend_interval
+            self._pending[msg.uuid] = _Pending(msg, now + confirm_within, next_send)
+        if held:
+            # Until the first snapshot we cannot know that our PUB reaches any
+            # collector (a PUB drops what it cannot deliver); hold the writes.
+            self._held.append(msg)
+            return []
+        return [SendUpdate(msg)]
+
+    def forget(self, uuid: bytes) -> None:
+        """The application gave up waiting for this write."""
+        self._pending.pop(uuid, None)
+
+    def _resend_due(self, now: float) -> list[Action]:
+        """Expire confirmed writes past their deadline; resend those due."""
+        actions: list[Action] = []
+        for uuid, p in list(self._pending.items()):
+            if now >= p.expires_at:
+                del self._pending[uuid]
+                self.counters.expired_writes += 1
+                log.warning("gave up on confirmed write to %r: not republished", p.msg.key)
+            elif now >= p.next_send and not p.published:
+                p.next_send = now + self.config.resend_interval
+                self.counters.resent += 1
+                actions.append(SendUpdate(p.msg))
+        return actions
