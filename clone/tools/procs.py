@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -91,10 +91,25 @@ def wait_listening(port: int, deadline: float, host: str = "127.0.0.1") -> bool:
     return False
 
 
+_prctl: Callable[..., int] | None = None
+
+
+def _load_prctl() -> None:
+    """Resolve ``prctl`` in the parent, so the child does no ``dlopen`` after fork
+    (another thread of a threaded parent may hold the loader's lock)."""
+    global _prctl
+    if _prctl is None:
+        with contextlib.suppress(Exception):
+            _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+
+
 def _set_pdeathsig() -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if _prctl is not None:
+            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        else:
+            libc = ctypes.CDLL("libc.so.6", use_errno=True)
+            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def python_module_argv(module: str, *args: str) -> list[str]:
@@ -156,7 +171,12 @@ def server_argv(
 
 @dataclass
 class ManagedProcess:
-    """One child process with a log file; can be killed, frozen, thawed, restarted."""
+    """One child process with a log file; can be killed, frozen, thawed, restarted.
+
+    ``cwd`` is the child's working directory (default: ours).  ``die_with_parent``
+    sets ``PR_SET_PDEATHSIG`` on Linux; turn it off for a child started from a
+    thread that may exit before the child should.
+    """
 
     name: str
     argv: list[str]
@@ -165,6 +185,8 @@ class ManagedProcess:
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     starts: int = 0
     frozen: bool = False
+    cwd: Path | None = None
+    die_with_parent: bool = True
 
     @property
     def pid(self) -> int:
@@ -187,6 +209,9 @@ class ManagedProcess:
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.starts += 1
+        pdeathsig = self.die_with_parent and sys.platform.startswith("linux")
+        if pdeathsig:
+            _load_prctl()
         with open(self.log_path, "ab") as logf:
             stamp = time.strftime("%H:%M:%S")
             logf.write(f"=== {stamp} start #{self.starts}: {' '.join(self.argv)}\n".encode())
@@ -197,7 +222,8 @@ class ManagedProcess:
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 env=env,
-                preexec_fn=_set_pdeathsig if sys.platform.startswith("linux") else None,
+                cwd=self.cwd,
+                preexec_fn=_set_pdeathsig if pdeathsig else None,
             )
         self.frozen = False
         log.debug("started %s pid %d: %s", self.name, self.popen.pid, self.argv)
@@ -253,6 +279,63 @@ class ManagedProcess:
         except OSError:
             return ""
         return "\n".join(text.splitlines()[-lines:])
+
+    def restart(self, timeout: float = 3.0) -> None:
+        """Stop (if running, see :meth:`stop`) and start again with the same argv."""
+        if self.alive:
+            self.stop(timeout)
+        self.start()
+
+    def log_text(self) -> str:
+        """The whole log (every start), or "" before the first start."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def log_size(self) -> int:
+        """The log's size in bytes: an offset for :meth:`wait_log` ``after``."""
+        try:
+            return self.log_path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def wait_log(self, text: str, timeout: float = 10.0, *, after: int = 0) -> int:
+        """Wait until ``text`` is in the log at or past byte offset ``after``.
+
+        Returns the offset just past the match.  ``TimeoutError`` after
+        ``timeout`` seconds, ``RuntimeError`` if the process exits first; both
+        with the log's tail.
+        """
+        needle = text.encode()
+        deadline = time.monotonic() + timeout
+        while True:
+            # Whether it had exited is read before the log, so that a line
+            # written just before exiting is still found.
+            exited = self.popen is not None and self.popen.poll() is not None
+            try:
+                with open(self.log_path, "rb") as f:
+                    f.seek(after)
+                    data = f.read()
+            except FileNotFoundError:
+                data = b""
+            at = data.find(needle)
+            if at >= 0:
+                return after + at + len(needle)
+            if exited:
+                assert self.popen is not None
+                raise RuntimeError(
+                    f"{self.name} exited with {self.popen.returncode} while waiting for "
+                    f"{text!r}; tail:\n{self._log_end()}"
+                )
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"{self.name}: {text!r} not in log after {timeout} s; tail:\n" + self._log_end()
+                )
+            time.sleep(0.02)
+
+    def _log_end(self, size: int = 3000) -> str:
+        return self.log_text()[-size:]
 
 
 class ProcessGroup:

@@ -34,14 +34,17 @@ every server's log (pytest shows it under "Captured stderr teardown").
 
 :class:`ServerProcess`:
 
-* ``port`` (CHP base P), ``ha_port``, ``name``, ``log_path``, ``pid``, ``args``;
+* ``port`` (CHP base P), ``ha_port``, ``name``, ``log_path``, ``pid``, ``args``,
+  ``starts``, ``proc`` (the current ``Popen``), ``process`` (the underlying
+  :class:`clone.tools.procs.ManagedProcess`, shared with the drills);
 * ``start()``, ``restart()`` (same ports, same args), ``terminate(timeout) ->
   returncode`` (SIGTERM, then SIGKILL), ``kill9()``, ``sigstop()``,
   ``sigcont()``, ``signal(sig)``, ``alive``;
 * ``wait_serving(timeout)`` -- a raw ICANHAZ? answered by KTHXBAI;
 * ``wait_log(text, timeout, after=0) -> int`` -- wait until ``text`` appears in
   the log (optionally only after byte offset ``after``; returns the offset just
-  past the match); ``log_text()``; ``log_size()``.
+  past the match); ``log_text()``; ``log_size()``.  Each start appends a
+  ``=== HH:MM:SS start #N: <command line>`` line to the log.
 
 Every wait has a deadline and raises ``TimeoutError`` with the log tail.
 """
@@ -49,9 +52,9 @@ Every wait has a deadline and raises ``TimeoutError`` with the log tail.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,6 +63,7 @@ from pathlib import Path
 import pytest
 import zmq
 
+from clone.tools.procs import ManagedProcess, python_module_argv
 from tests.support.ports import free_base_port, free_port
 
 __all__ = ["ROOT", "ServerProcess", "Servers", "server_pool", "servers"]
@@ -69,7 +73,13 @@ DEFAULT_HEARTBEAT_MS = 100
 
 
 class ServerProcess:
-    """One ``clone-server`` process, restartable on the same ports."""
+    """One ``clone-server`` process, restartable on the same ports.
+
+    The process work (log file, signals, stop with a timeout, waiting on the
+    log) is a :class:`clone.tools.procs.ManagedProcess`, the one the drills and
+    benchmarks use; this adds the ports, the test's command line and
+    :meth:`wait_serving`.
+    """
 
     def __init__(
         self, name: str, args: list[str], port: int, ha_port: int | None, log_dir: Path
@@ -78,39 +88,45 @@ class ServerProcess:
         self.args = args
         self.port = port
         self.ha_port = ha_port
-        self.log_path = log_dir / f"{name}.log"
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.starts = 0
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env["PYTHONUNBUFFERED"] = "1"
+        self.process = ManagedProcess(name, self._argv(), log_dir / f"{name}.log", env, cwd=ROOT)
 
     def __repr__(self) -> str:
         return f"<ServerProcess {self.name} port {self.port} pid {self.pid}>"
 
+    def _argv(self) -> list[str]:
+        return python_module_argv("clone.server.cli", *self.args)
+
+    @property
+    def log_path(self) -> Path:
+        return self.process.log_path
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        """The current ``Popen`` (None before the first start)."""
+        return self.process.popen
+
     @property
     def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
+        return self.process.popen.pid if self.process.popen else None
+
+    @property
+    def starts(self) -> int:
+        """How many times it was started (the log's ``start #N`` markers)."""
+        return self.process.starts
 
     @property
     def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
+        return self.process.alive
 
     def start(self) -> None:
-        if self.alive:
-            raise RuntimeError(f"{self.name} is already running")
-        self.starts += 1
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-        env["PYTHONUNBUFFERED"] = "1"
-        with open(self.log_path, "ab") as log:
-            log.write(f"----- start #{self.starts}: {' '.join(self.args)}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "clone.server.cli", *self.args],
-                cwd=ROOT,
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+        # PR_SET_PDEATHSIG fires when the *thread* that forked exits: a server
+        # (re)started from a test's worker thread must outlive that thread.
+        self.process.die_with_parent = threading.current_thread() is threading.main_thread()
+        self.process.argv = self._argv()  # ``args`` may have been changed
+        self.process.start()
 
     def restart(self) -> None:
         """Stop (if running) and start again with the same ports and flags."""
@@ -119,69 +135,36 @@ class ServerProcess:
         self.start()
 
     def signal(self, sig: int) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
+        self.process.signal(sig)
 
     def kill9(self) -> None:
         """SIGKILL and reap: the crash case (no goodbye to anybody)."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
+        self.process.kill9()
 
     def sigstop(self) -> None:
         """Freeze the process (a hung server: sockets stay open, nothing answers)."""
-        self.signal(signal.SIGSTOP)
+        self.process.freeze()
 
     def sigcont(self) -> None:
-        self.signal(signal.SIGCONT)
+        self.process.thaw()
 
     def terminate(self, timeout: float = 10.0) -> int | None:
         """SIGTERM (after SIGCONT), wait, SIGKILL if needed; the exit code."""
-        proc = self.proc
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGCONT)
-            proc.terminate()
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-        return proc.returncode
+        # SIGCONT even if not frozen through sigstop(): a test may have sent
+        # SIGSTOP with signal().
+        self.process.thaw()
+        return self.process.stop(timeout)
 
     # -- observing ------------------------------------------------------------
 
     def log_text(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
+        return self.process.log_text()
 
     def log_size(self) -> int:
-        try:
-            return self.log_path.stat().st_size
-        except FileNotFoundError:
-            return 0
+        return self.process.log_size()
 
     def wait_log(self, text: str, timeout: float = 10.0, *, after: int = 0) -> int:
-        deadline = time.monotonic() + timeout
-        while True:
-            data = self.log_path.read_bytes() if self.log_path.exists() else b""
-            at = data.find(text.encode(), after)
-            if at >= 0:
-                return at + len(text)
-            if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"{self.name}: {text!r} not in log after {timeout} s; tail:\n"
-                    + data[-3000:].decode(errors="replace")
-                )
-            if self.proc is not None and self.proc.poll() is not None:
-                raise RuntimeError(
-                    f"{self.name} exited with {self.proc.returncode} while waiting for "
-                    f"{text!r}; tail:\n" + data[-3000:].decode(errors="replace")
-                )
-            time.sleep(0.02)
+        return self.process.wait_log(text, timeout, after=after)
 
     def wait_serving(self, timeout: float = 10.0) -> None:
         """Until a raw ICANHAZ? is answered (which is also a Binary Star vote)."""
