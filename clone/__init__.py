@@ -6,11 +6,12 @@ imported by ``import clone``.
 
 from clone import errors
 from clone.client.frontend import Clone, Entry, Status, clone_get, clone_set
-from clone.errors import CloneError, ConfirmTimeout, NotSynced
+from clone.errors import CloneError, ClosedError, ConfirmTimeout, NotSynced
 
 __all__ = [
     "Clone",
     "CloneError",
+    "ClosedError",
     "ConfirmTimeout",
     "Entry",
     "NotSynced",

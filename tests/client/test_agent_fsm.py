@@ -43,6 +43,7 @@ from clone.wire.codec import (
     new_uuid,
 )
 
+ACTION_TYPES = (RequestSnapshot, SendUpdate, Changed, Confirmed, StateChanged, Malformed)
 CFG = AgentConfig(heartbeat=1.0, server_timeout=2.5, resend_interval=0.5)
 
 
@@ -120,7 +121,8 @@ def test_table_covers_every_state_and_event() -> None:
 
 @pytest.mark.parametrize(("state", "event"), list(TRANSITIONS))
 def test_every_transition_runs(state: State, event: Event) -> None:
-    """Each table entry accepts a plausible payload without raising."""
+    """Each table entry takes a plausible payload, answers with actions only,
+    lands in the state it should, and announces a change of state."""
     fsm = AgentFSM(None, CFG, now=0.0)
     if state is not State.INITIAL:
         fsm.connect("tcp://a:1", 0.0)
@@ -140,7 +142,15 @@ def test_every_transition_runs(state: State, event: Event) -> None:
     server = 1 if event is Event.CONNECT else 0
     if state is State.INITIAL and event is not Event.CONNECT:
         fsm.current = 0  # reach the handler rather than the foreign-server filter
-    assert isinstance(fsm.handle(event, server, payload, 1.0), list)
+    actions = fsm.handle(event, server, payload, 1.0)
+    assert all(isinstance(a, ACTION_TYPES) for a in actions), actions
+    leaves = {(State.INITIAL, Event.CONNECT), (State.ACTIVE, Event.SILENCE)}
+    leaves.add((State.ACTIVE, Event.SERVER_DISCONNECTED))
+    expected = State.SYNCING if (state, event) in leaves else state
+    assert fsm.state is expected
+    # A state change is announced, once, and only a change.
+    changes = [a for a in actions if isinstance(a, StateChanged)]
+    assert changes == ([] if expected is state else [StateChanged(expected, fsm.current)])
 
 
 def test_missing_pair_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:

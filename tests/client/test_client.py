@@ -420,7 +420,10 @@ def test_confirmed_write_is_resent_to_the_new_server(pair: tuple[FakeServer, Fak
 
         writer = threading.Thread(target=write)
         writer.start()
-        time.sleep(0.1)
+        eventually(
+            lambda: primary.kvsets >= 1 and c.status().pending_writes == 1,
+            what="the write to reach the primary and stay unconfirmed",
+        )
         primary.silent = True
         backup.silent = False  # a passive server would have ignored the write too
         writer.join(6)
@@ -459,8 +462,7 @@ def test_changes_iterator_with_prefix_and_timeout(server: FakeServer) -> None:
             got.extend(stream)
 
         t = threading.Thread(target=consume)
-        t.start()
-        time.sleep(0.1)
+        t.start()  # no wait needed: the stream is registered since changes()
         c.set("/x/1", b"a", wait=True)
         c.set("/y/1", b"b", wait=True)
         c.delete("/x/1", wait=True)
@@ -567,7 +569,35 @@ def test_default_servers(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_public_api() -> None:
-    assert set(clone.__all__) >= {"Clone", "clone_set", "clone_get", "errors"}
+    """The public API is exactly this: a change to it is a decision, not an accident."""
+    assert sorted(clone.__all__) == [
+        "Clone",
+        "CloneError",
+        "ClosedError",
+        "ConfirmTimeout",
+        "Entry",
+        "NotSynced",
+        "Status",
+        "clone_get",
+        "clone_set",
+        "errors",
+    ]
+    namespace: dict[str, object] = {}
+    exec("from clone import *", namespace)  # every listed name is importable
+    assert set(namespace) - {"__builtins__"} == set(clone.__all__)
+    assert clone.ClosedError is ClosedError and issubclass(ClosedError, CloneError)
+    assert sorted(client_mod.__all__) == [
+        "ChangeStream",
+        "Clone",
+        "DEFAULT_SERVERS",
+        "Entry",
+        "Status",
+        "clone_get",
+        "clone_set",
+        "default_servers",
+    ]
+    for name in client_mod.__all__:
+        assert hasattr(client_mod, name), name
 
 
 def test_large_map_reads_in_one_command(server: FakeServer) -> None:
