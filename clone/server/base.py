@@ -26,12 +26,12 @@ from clone.ratelimit import Throttle
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import ServerCore
 from clone.server.snapshot import SnapshotStream
+from clone.server.votes import DeferredVotes
 from clone.wire.frames import cap_message_size
 from clone.wire.protocol import MAX_HEARTBEAT_MS
 
 if TYPE_CHECKING:
     from bstar.reactor import BinaryStar
-    from clone.server.serving import DeferredVote
 
 __all__ = ["ServerBase"]
 
@@ -89,9 +89,10 @@ class ServerBase:
         # Batched streams: a tracker per KVBATCH that libzmq has not yet written
         # to the connection, oldest first (see _BATCHES_IN_FLIGHT).
         self._in_flight: dict[SnapshotStream, deque[zmq.MessageTracker]] = {}
-        # Deferred votes by (identity, subtree), oldest first (all have the same
-        # maximum age, so insertion order is expiry order).
-        self._deferred: dict[tuple[bytes, str], DeferredVote] = {}
+        # Snapshot requests held for a later vote (the policy: clone.server.votes).
+        self._deferred = DeferredVotes(
+            config.max_deferred_votes, config.effective_deferred_vote_max_age
+        )
         self._deferred_timer: object | None = None
         self._deferred_streams: set[SnapshotStream] = set()  # served from _deferred
         self._outq: deque[list[bytes]] = deque()

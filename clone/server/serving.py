@@ -11,14 +11,15 @@ passive, or a primary still starting) is *deferred*: held, bounded in number
 and age, and voted again at the peer's expiry time, every housekeeping tick
 and when we become active; served if accepted then, dropped when it ages out.
 A client that noticed the active server's crash before we did is then served
-the moment we notice it too, instead of after its own retry.
+the moment we notice it too, instead of after its own retry.  Which requests
+are held, for how long and when to vote again is :mod:`.votes` (sans-IO); this
+module keeps the timer, the vote and the sockets.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass
 
 import zmq
 
@@ -34,7 +35,7 @@ from clone.wire.protocol import (
     BATCH_VERSION,
 )
 
-__all__ = ["DeferredVote", "ServingMixin"]
+__all__ = ["ServingMixin"]
 
 _STALL_RETRY = 0.005  # seconds before retrying a snapshot send that hit the HWM
 # KVBATCHes per batched snapshot that libzmq may hold unsent.  The socket's
@@ -68,17 +69,6 @@ def _wants_applied(frame: zmq.Frame) -> bool:
     return _has_metadata(frame, APPLIED_PROPERTY, APPLIED_VERSION)
 
 
-@dataclass(frozen=True, slots=True)
-class DeferredVote:
-    """A snapshot request held until Binary Star may accept it (or it ages out)."""
-
-    identity: bytes
-    subtree: str
-    expires_at: float  # on self._clock
-    batch: bool  # the requester negotiated KVBATCH
-    applied: bool  # the requester (a peer server) asked for KVAPPLIED
-
-
 class ServingMixin(ServerBase):
     """Answer snapshot requests: vote, hold, stream, stall and abort."""
 
@@ -107,7 +97,7 @@ class ServingMixin(ServerBase):
                 log.debug("snapshot request from %s not served (%s)", who(identity), ha.state.name)
             return
         # Served now: a held copy of the same request must not be served again.
-        self._deferred.pop((identity, subtree), None)
+        self._deferred.discard(identity, subtree)
         self._serve(identity, subtree, batch=batch, applied=applied)
 
     def _serve(
@@ -289,8 +279,8 @@ class ServingMixin(ServerBase):
     def _defer_vote(self, identity: bytes, subtree: str, batch: bool, applied: bool) -> bool:
         """Hold a refused vote if it may be accepted once the peer expires."""
         ha = self._ha
-        limit = self.config.max_deferred_votes
-        if ha is None or limit == 0:
+        votes = self._deferred
+        if ha is None or not votes.enabled:
             return False
         # Imported here, not at the top: a standalone server never loads bstar.
         from bstar.fsm import State
@@ -299,23 +289,19 @@ class ServingMixin(ServerBase):
         # peer expires ("vote if expired" in docs/failover.md).
         if ha.state not in (State.PASSIVE, State.PRIMARY):
             return False
-        key = (identity, subtree)
-        if key in self._deferred:
+        now = self._clock()
+        hold = votes.hold(identity, subtree, now, batch=batch, applied=applied)
+        if not hold.new:
             return True  # the same request again (a Guide client re-asks so)
-        if len(self._deferred) >= limit:
-            oldest = next(iter(self._deferred))
-            del self._deferred[oldest]
+        if hold.dropped is not None:
             self.counters["votes_deferred_overflow"] += 1
             self.counters["snapshots_refused"] += 1
             self._throttle.log(
                 "deferred_overflow",
                 logging.WARNING,
                 "%d snapshot requests held for a vote; dropped the oldest",
-                limit,
+                votes.limit,
             )
-        now = self._clock()
-        age = self.config.effective_deferred_vote_max_age
-        self._deferred[key] = DeferredVote(identity, subtree, now + age, batch, applied)
         self.counters["votes_deferred"] += 1
         log.debug(
             "snapshot request from %s held (%s, peer expires in %.3f s)",
@@ -334,10 +320,9 @@ class ServingMixin(ServerBase):
         if self._deferred_timer is not None:
             loop.remove_timeout(self._deferred_timer)
             self._deferred_timer = None
-        if not self._deferred:
+        at = self._deferred.wake_at(ha.peer_expiry)
+        if at is None:
             return
-        oldest = next(iter(self._deferred.values()))
-        at = min(ha.peer_expiry, oldest.expires_at)
         delay = max(0.0, at - self._clock())
         self._deferred_timer = loop.call_later(delay, self._on_deferred_timer)
 
@@ -357,33 +342,33 @@ class ServingMixin(ServerBase):
             log.exception("internal error in the deferred-vote check")
 
     def _recheck_deferred(self) -> None:
-        """Age out held votes; vote again with the rest if they may be accepted now."""
-        if self._stopping or not self._deferred:
+        """Age out held votes; vote again with the rest if they may be accepted now.
+
+        The policy (:class:`~clone.server.votes.DeferredVotes`) decides what is
+        due; this votes, serves, counts and keeps each turn short.
+        """
+        votes = self._deferred
+        if self._stopping or not votes:
             return
-        held = self._deferred
         now = self._clock()
-        while held:
-            key, vote = next(iter(held.items()))
-            if vote.expires_at > now:
-                break
-            del held[key]
+        for vote in votes.age_out(now):
             self.counters["votes_deferred_expired"] += 1
             self.counters["snapshots_refused"] += 1
             log.debug("snapshot request from %s aged out unanswered", who(vote.identity))
         ha = self._ha
-        if not held or ha is None or not ha.running:
+        if ha is None or not ha.running:
             self._schedule_deferred_check()
             return
         from bstar.fsm import State  # paired, so already loaded
 
-        if ha.state is not State.ACTIVE and now < ha.peer_expiry:
-            # Still alive: voting now would only be refused (and counted).
+        if not votes.may_vote(now, active=ha.state is State.ACTIVE, peer_expiry=ha.peer_expiry):
+            # Nothing left, or the peer still alive: voting now would only be
+            # refused (and counted).
             self._schedule_deferred_check()
             return
         stop_at = now + TURN_BUDGET
-        while held:
-            key, vote = next(iter(held.items()))
-            del held[key]
+        while votes:
+            vote = votes.pop()
             if not ha.accept_vote():
                 # Refused although the peer has expired (not a state that votes
                 # can change); it will not get better.
@@ -395,7 +380,7 @@ class ServingMixin(ServerBase):
             self._serve(
                 vote.identity, vote.subtree, deferred=True, batch=vote.batch, applied=vote.applied
             )
-            if held and self._clock() > stop_at:
+            if votes and self._clock() > stop_at:
                 # Each serve sends a first chunk; yield to the loop between turns.
                 self._recheck_deferred_soon()
                 return
