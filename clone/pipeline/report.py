@@ -2,8 +2,8 @@
 
 The numbers are computed in Spark (:mod:`clone.pipeline.transforms`); what
 arrives here is a handful of small collected rows as plain dicts, so this
-module needs neither Spark nor a session, only matplotlib (Agg backend, no
-display) for the plot.
+module needs neither Spark nor a session, only tabulate for the tables and
+matplotlib (Agg backend, no display) for the plot.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from tabulate import tabulate
 
 __all__ = ["CrossCheck", "ReportData", "cross_check", "render_markdown", "render_plot"]
 
@@ -101,12 +103,15 @@ def _fmt(value: Any) -> str:
 def _table(rows: Sequence[Row], columns: Sequence[tuple[str, str]]) -> list[str]:
     if not rows:
         return ["_(none)_", ""]
-    lines = [
-        "| " + " | ".join(title for _, title in columns) + " |",
-        "|" + "|".join("---" for _ in columns) + "|",
-    ]
-    lines += ["| " + " | ".join(_fmt(r.get(name)) for name, _ in columns) + " |" for r in rows]
-    return [*lines, ""]
+    table = tabulate(
+        [[_fmt(r.get(name)) for name, _ in columns] for r in rows],
+        headers=[title for _, title in columns],
+        tablefmt="github",
+        stralign=None,  # unpadded cells: | kill-primary | 2 | 6 |
+        numalign=None,
+        disable_numparse=True,  # the cells are formatted by _fmt already
+    )
+    return [*table.splitlines(), ""]
 
 
 def render_markdown(data: ReportData, plot_name: str = "report.png") -> str:

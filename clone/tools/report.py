@@ -10,10 +10,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tabulate import tabulate
+
 __all__ = [
     "bench_markdown",
     "bench_text",
     "drill_text",
+    "markdown_table",
     "plot_latency",
     "table",
     "update_markdown",
@@ -24,12 +27,16 @@ END_MARK = "<!-- bench-results:end -->"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, markdown: bool = False) -> str:
-    """Aligned text table, or a GitHub markdown table."""
+    """Aligned text table, or a GitHub markdown table.
+
+    The markdown is tabulate's, its cells unpadded (``| clone | 1 |``) so that
+    a diff of docs/benchmarks.md shows the numbers that changed, not a column
+    re-padded.  The text table keeps its own layout: tabulate always pads a
+    header by two, which would widen the terminal columns.
+    """
     cells = [[_cell(v) for v in row] for row in rows]
     if markdown:
-        lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
-        lines += ["| " + " | ".join(r) + " |" for r in cells]
-        return "\n".join(lines)
+        return markdown_table(headers, cells)
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h)
               for i, h in enumerate(headers)]
     # Numbers right-aligned, text left-aligned, decided per column.
@@ -40,6 +47,18 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, markdown: bo
     lines = [fmt.format(*headers).rstrip(), fmt.format(*("-" * w for w in widths))]
     lines += [fmt.format(*r).rstrip() for r in cells]
     return "\n".join(lines)
+
+
+def markdown_table(headers: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
+    """A GitHub markdown table of cells already formatted, unpadded."""
+    return tabulate(
+        cells,
+        headers=list(headers),
+        tablefmt="github",
+        stralign=None,
+        numalign=None,
+        disable_numparse=True,
+    )
 
 
 def _cell(value: Any) -> str:
