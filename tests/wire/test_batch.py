@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 
 from clone.errors import LimitExceeded, ProtocolError
 from clone.wire import codec
-from clone.wire.batch import KVBatch, batch_size, decode_kvbatch, encode_kvbatch, is_kvbatch
+from clone.wire.batch import (
+    KVBatch,
+    announced_entries,
+    batch_size,
+    decode_kvbatch,
+    encode_kvbatch,
+    is_kvbatch,
+)
 from clone.wire.codec import KVMsg
 from clone.wire.protocol import (
     BATCH_TARGET_BYTES,
@@ -120,6 +127,13 @@ def test_is_kvbatch_looks_at_the_shape_only() -> None:
     assert is_kvbatch(by_hand(GOOD))
     assert not is_kvbatch([b"KVBATCH", seq(1), b"", b"", b"v"])  # a KVSYNC for key KVBATCH
     assert not is_kvbatch([b"other", *by_hand(GOOD)[1:]])
+
+
+def test_announced_entries_reads_the_key_lengths_frame_only() -> None:
+    assert announced_entries(by_hand(GOOD)) == len(GOOD)
+    assert announced_entries(encode_kvbatch(*_store_entries(GOOD))) == len(GOOD)
+    # A claim, not a decode: garbage announces what it likes.
+    assert announced_entries([b"KVBATCH", bytes(4 * 1000), *[b""] * 8]) == 1000
 
 
 def test_a_kvsync_whose_key_is_kvbatch_is_still_a_kvsync() -> None:
