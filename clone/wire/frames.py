@@ -75,7 +75,7 @@ def send_tracked(sock: zmq.Socket, frames: Sequence[bytes], flags: int) -> zmq.M
     more = flags | _SNDMORE
     for frame in frames[:-1]:
         _raw_send(sock, frame, more)
-    tracker: zmq.MessageTracker = _raw_send(sock, frames[-1], flags, False, True)
+    tracker: zmq.MessageTracker = _raw_send(sock, frames[-1], flags, copy=False, track=True)
     return tracker
 
 

@@ -65,8 +65,8 @@ def run_checks(
         check("no ephemeral key outlived its ttl", s["ttl_leftover"] == 0,
               f"{s['ttl_leftover']} of {s['ttl_writes']} left")
     roles = {n: v.get("role") for n, v in st.items()}
-    seqs = {n: v.get("seq") for n, v in st.items()}
-    if all(v.get("alive") and "seq" in v for v in st.values()):
+    seqs = {n: v.get("sequence") for n, v in st.items()}
+    if all(v.get("alive") and "sequence" in v for v in st.values()):
         # A passive's pending list holds client writes the active has not (yet)
         # republished; at the end there are none, and any it still holds would
         # be applied again when it takes over.

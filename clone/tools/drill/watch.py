@@ -126,8 +126,7 @@ def server_stats(proc: ManagedProcess, timeout: float = 2.0) -> dict[str, Any]:
     """Ask a running server for its stats line (SIGUSR1) and parse it from the log.
 
     The line is ``stats: {json}`` with every counter and gauge of
-    ``CloneServer.stats()``; ``alive`` is added, and ``seq`` as a short name for
-    ``sequence`` (the drill's checks read it).
+    ``CloneServer.stats()``; ``alive`` is added.
     """
     if not proc.alive:
         return {"alive": False}
@@ -144,8 +143,6 @@ def server_stats(proc: ManagedProcess, timeout: float = 2.0) -> dict[str, Any]:
                 except ValueError:
                     continue  # a line cut short while being written: read it again
                 out: dict[str, Any] = {"alive": True, **stats}
-                if "sequence" in out:
-                    out["seq"] = out["sequence"]
                 return out
         time.sleep(0.05)
     return {"alive": True}
