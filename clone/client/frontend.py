@@ -22,10 +22,9 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
@@ -34,6 +33,7 @@ from clone.argtypes import normalize_endpoint
 from clone.client import agent as _agent
 from clone.client.agent import Agent, split_endpoint
 from clone.client.fsm import AgentConfig, AgentFSM, normalize_subtrees
+from clone.client.results import STOP, ChangeStream, Entry, Status, Watcher
 from clone.errors import (
     CloneError,
     ClosedError,
@@ -81,56 +81,6 @@ def default_servers() -> list[str]:
     return servers or list(DEFAULT_SERVERS)
 
 
-@dataclass(frozen=True, slots=True)
-class Entry:
-    """A key's value as the client holds it; in a change, ``value`` None = deleted."""
-
-    key: str
-    value: bytes | None
-    sequence: int = 0
-    properties: Properties = ()
-
-    @property
-    def deleted(self) -> bool:
-        return self.value is None
-
-    def prop(self, name: str, default: str | None = None) -> str | None:
-        for pname, value in self.properties:
-            if pname == name:
-                return value
-        return default
-
-
-@dataclass(frozen=True, slots=True)
-class Status:
-    """What the agent is doing, for health checks and tests."""
-
-    state: str  # "initial", "syncing" or "active"
-    server: str | None  # the server we sync from / listen to
-    sequence: int  # last sequence applied
-    keys: int
-    pending_writes: int
-    servers: tuple[str, ...] = ()
-    subtrees: tuple[str, ...] = ()
-    counters: dict[str, int] = field(default_factory=dict)
-
-    @property
-    def gaps(self) -> int:
-        return self.counters.get("gaps", 0)
-
-    @property
-    def resyncs(self) -> int:
-        return self.counters.get("resyncs", 0)
-
-    @property
-    def failovers(self) -> int:
-        return self.counters.get("failovers", 0)
-
-    @property
-    def protocol_errors(self) -> int:
-        return self.counters.get("protocol_errors", 0)
-
-
 def _as_bytes(value: bytes | bytearray | memoryview | str) -> bytes:
     if isinstance(value, str):
         return value.encode("utf-8")
@@ -162,81 +112,6 @@ def _build(key: str, body: bytes, props: dict[str, str]) -> KVMsg:
 def _entry(frames: Sequence[bytes]) -> Entry:
     msg = decode_kvset(frames)
     return Entry(msg.key, msg.body or None, msg.sequence, msg.properties)
-
-
-_STOP = object()
-
-
-class _Watcher:
-    """One ``changes()`` iterator's queue, as the dispatcher sees it.
-
-    ``closed`` is set without the client's lock (from ``__del__``, which may run
-    anywhere, even in a thread holding that lock); the dispatcher skips closed
-    watchers and registration prunes them.
-    """
-
-    __slots__ = ("closed", "queue")
-
-    def __init__(self) -> None:
-        self.queue: queue.SimpleQueue[Entry | object] = queue.SimpleQueue()
-        self.closed = False
-
-
-class ChangeStream(Iterator[Entry]):
-    """The iterator :meth:`Clone.changes` returns, registered from its creation.
-
-    Iterating blocks until the next change under ``prefix`` and stops at the
-    deadline, when the client closes or after :meth:`close`.  Dropping the last
-    reference unregisters it too.
-    """
-
-    def __init__(self, client: Clone, timeout: float | None, prefix: str) -> None:
-        self._client = client
-        self._prefix = prefix
-        self._deadline = None if timeout is None else time.monotonic() + timeout
-        self._watcher = _Watcher()
-        client._add_watcher(self._watcher)
-
-    def __iter__(self) -> ChangeStream:
-        return self
-
-    def __next__(self) -> Entry:
-        while not self._watcher.closed:
-            if self._deadline is None:
-                wait = 1.0
-            else:
-                wait = self._deadline - time.monotonic()
-                if wait <= 0:
-                    break
-            try:
-                item = self._watcher.queue.get(timeout=min(wait, 1.0))
-            except queue.Empty:
-                continue
-            if item is _STOP:
-                break
-            assert isinstance(item, Entry)
-            if item.key.startswith(self._prefix):
-                return item
-        self.close()
-        raise StopIteration
-
-    def close(self) -> None:
-        """Stop queueing changes for this iterator; iterating then stops."""
-        if not self._watcher.closed:
-            self._client._remove_watcher(self._watcher)
-            self._watcher.queue.put(_STOP)  # wake a thread blocked in next()
-
-    def __enter__(self) -> ChangeStream:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def __del__(self) -> None:
-        # No lock here: see _Watcher.
-        watcher = getattr(self, "_watcher", None)
-        if watcher is not None:
-            watcher.closed = True
 
 
 class Clone:
@@ -284,7 +159,7 @@ class Clone:
         # both resolved by the dispatcher thread.
         self._waiters: dict[bytes, Future[None]] = {}
         self._deadlines: list[tuple[float, bytes, str, float]] = []
-        self._watchers: list[_Watcher] = []
+        self._watchers: list[Watcher] = []
         self._callbacks: list[Callable[[Entry], None]] = []
         self._callback_queue: queue.SimpleQueue[Entry | object] | None = None
         self._callback_thread: threading.Thread | None = None
@@ -373,9 +248,9 @@ class Clone:
             waiters = list(self._waiters.values())
             self._waiters.clear()
             for watcher in self._watchers:
-                watcher.queue.put(_STOP)
+                watcher.queue.put(STOP)
             if self._callback_queue is not None:
-                self._callback_queue.put(_STOP)
+                self._callback_queue.put(STOP)
         for fut in waiters:
             if not fut.done():
                 fut.set_exception(
@@ -651,7 +526,7 @@ class Clone:
         """
         return ChangeStream(self, timeout, prefix)
 
-    def _add_watcher(self, watcher: _Watcher) -> None:
+    def _add_watcher(self, watcher: Watcher) -> None:
         with self._shared:
             if self._closed:
                 raise ClosedError("this Clone client is closed")
@@ -659,7 +534,7 @@ class Clone:
             self._watchers.append(watcher)
         self._watch()
 
-    def _remove_watcher(self, watcher: _Watcher) -> None:
+    def _remove_watcher(self, watcher: Watcher) -> None:
         watcher.closed = True
         with self._shared:
             if watcher in self._watchers:
@@ -721,7 +596,7 @@ class Clone:
     def _run_callbacks(self, q: queue.SimpleQueue[Entry | object]) -> None:
         while True:
             item = q.get()
-            if item is _STOP:
+            if item is STOP:
                 return
             assert isinstance(item, Entry)
             with self._shared:
