@@ -45,7 +45,7 @@ _F = TypeVar("_F", bytes, zmq.Frame)
 # snapshot chunk.  The count limits alone are not enough: on a loaded host a
 # batch of 1000 took up to 190 ms of wall time, and timers (HUGZ) waited for it.
 TURN_BUDGET = 0.01
-BUDGET_CHECK = 63  # check the clock every 64 messages (mask)
+CLOCK_EVERY = 64  # a draining handler reads the clock once per this many messages
 
 
 def who(identity: bytes) -> str:
@@ -169,7 +169,7 @@ class ServerBase:
         clock read is not free) out of time.  Handlers ask this before they
         receive the next message, so nothing received is ever left unhandled.
         """
-        return budget <= 0 or (budget & BUDGET_CHECK == 0 and self._clock() > stop_at)
+        return budget <= 0 or (budget % CLOCK_EVERY == 0 and self._clock() > stop_at)
 
     if TYPE_CHECKING:
         # Provided by the other parts of CloneServer.

@@ -20,6 +20,7 @@ from zmq.eventloop.zmqstream import ZMQStream
 from clone.errors import ProtocolError
 from clone.server.base import TURN_BUDGET, ServerBase, log
 from clone.server.core import FollowOutcome, Role, SyncState
+from clone.wire.batch import is_kvbatch
 from clone.wire.codec import encode_icanhaz
 from clone.wire.frames import MAX_SYNC_FRAME_BYTES, cap_message_size, recv_frames
 from clone.wire.protocol import (
@@ -261,7 +262,7 @@ class FollowingMixin(ServerBase):
             budget -= 1
             if self._turn_over(budget, stop_at):
                 return
-            if len(frames) > 5 and self._clock() > stop_at:
+            if is_kvbatch(frames) and self._clock() > stop_at:
                 return  # a KVBATCH is thousands of entries: check after each one
             if dealer is None or dealer is not self._peer_dealer or dealer.closed():
                 return

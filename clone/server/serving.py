@@ -24,7 +24,7 @@ from collections import deque
 import zmq
 
 from clone.errors import ProtocolError
-from clone.server.base import BUDGET_CHECK, TURN_BUDGET, ServerBase, log, who
+from clone.server.base import CLOCK_EVERY, TURN_BUDGET, ServerBase, log, who
 from clone.server.core import Role
 from clone.server.snapshot import SnapshotStream
 from clone.wire.frames import NOBLOCK, POLLIN, send_frames, send_tracked
@@ -150,12 +150,12 @@ class ServingMixin(ServerBase):
         assert sock is not None
         sent_before = stream.sent
         stop_at = self._clock() + TURN_BUDGET
-        # A KVBATCH is thousands of entries: check the clock before each one.
-        check = 0 if stream.batch else BUDGET_CHECK
+        # A KVBATCH is thousands of entries: check the clock after each one.
+        clock_every = 1 if stream.batch else CLOCK_EVERY
         in_flight = self._in_flight.get(stream)
         try:
             for n in range(self.config.snapshot_chunk):
-                if n & check == check and self._clock() > stop_at:
+                if (n + 1) % clock_every == 0 and self._clock() > stop_at:
                     break
                 if in_flight is not None:
                     while in_flight and in_flight[0].done:

@@ -1,8 +1,10 @@
 """Operator tools: failover drills, benchmarks and the local pair (``scripts/drill``,
 ``scripts/bench``, ``scripts/run``).
 
-Nothing in the core :mod:`clone` package imports these; they drive real
-``clone-server`` and client processes from the outside.
+Nothing in the core :mod:`clone` package imports these (the pipeline's drill
+report reads the drill's files, not its code); they may import anything in
+:mod:`clone`, and drive real ``clone-server`` and client processes from the
+outside.
 
 * :mod:`clone.tools.procs` -- child processes, signals, free ports, logs;
 * :mod:`clone.tools.histogram` -- HDR latency histograms;

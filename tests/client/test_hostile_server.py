@@ -1,6 +1,6 @@
 """A broken or hostile server cannot make a client allocate without limit.
 
-The hostile server (:mod:`tests.client.hostile_server`) runs in a process of its
+The hostile server (:mod:`tests.support.hostile_server`) runs in a process of its
 own, so the memory it spends on huge frames is not the client's, and its
 messages really cross TCP.  Each test lists it first and a good fake server
 second (silent, like a passive one, until the hostile server has done its
@@ -31,8 +31,8 @@ import psutil
 import pytest
 
 from clone import Clone
-from tests.client.hostile_server import HEARTBEAT, HUGE_FRAME_BYTES
 from tests.support.fake_server import FakeServer
+from tests.support.hostile_server import HEARTBEAT, HUGE_FRAME_BYTES
 from tests.support.ports import free_base_port
 from tests.support.waiting import eventually
 
@@ -60,7 +60,7 @@ def hostile_server(mode: str) -> Iterator[Hostile]:
     """Start the hostile server in ``mode``; yield it; always kill it."""
     port = free_base_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.client.hostile_server", str(port), mode],
+        [sys.executable, "-m", "tests.support.hostile_server", str(port), mode],
         cwd=ROOT,
         stdout=subprocess.PIPE,
         text=True,

@@ -1,6 +1,6 @@
 """A CHP server that sends what no server should, run as its own process.
 
-``python -m tests.client.hostile_server PORT MODE`` binds a snapshot ROUTER on
+``python -m tests.support.hostile_server PORT MODE`` binds a snapshot ROUTER on
 PORT and a PUB on PORT+1, prints ``ready``, and serves until killed:
 
 * ``frames``: every snapshot reply and every publication is preceded by a
