@@ -56,7 +56,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -66,7 +66,7 @@ import zmq
 from clone.tools.procs import ManagedProcess, python_module_argv
 from tests.support.ports import free_base_port, free_port
 
-__all__ = ["ROOT", "ServerProcess", "Servers", "server_pool", "servers"]
+__all__ = ["ROOT", "ServerProcess", "Servers", "answers_icanhaz", "server_pool", "servers"]
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_HEARTBEAT_MS = 100
@@ -168,29 +168,17 @@ class ServerProcess:
 
     def wait_serving(self, timeout: float = 10.0) -> None:
         """Until a raw ICANHAZ? is answered (which is also a Binary Star vote)."""
-        deadline = time.monotonic() + timeout
-        ctx = zmq.Context()
-        try:
-            while time.monotonic() < deadline:
-                if self.proc is not None and self.proc.poll() is not None:
-                    code = self.proc.returncode
-                    tail = self.log_text()[-3000:]
-                    raise RuntimeError(f"{self.name} exited with {code}:\n{tail}")
-                dealer = ctx.socket(zmq.DEALER)
-                dealer.setsockopt(zmq.LINGER, 0)
-                try:
-                    dealer.connect(f"tcp://127.0.0.1:{self.port}")
-                    dealer.send_multipart([b"ICANHAZ?", b"/--wait-serving--/"])
-                    while dealer.poll(200):
-                        if dealer.recv_multipart()[0] == b"KTHXBAI":
-                            return
-                finally:
-                    dealer.close(linger=0)
+
+        def still_running() -> None:
+            if self.proc is not None and self.proc.poll() is not None:
+                code = self.proc.returncode
+                tail = self.log_text()[-3000:]
+                raise RuntimeError(f"{self.name} exited with {code}:\n{tail}")
+
+        if not answers_icanhaz(self.port, timeout, b"/--wait-serving--/", still_running):
             raise TimeoutError(
                 f"{self.name} not serving after {timeout} s; log tail:\n{self.log_text()[-3000:]}"
             )
-        finally:
-            ctx.term()
 
 
 class Servers:
@@ -278,3 +266,33 @@ def servers(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Servers]
     """Real server processes; all stopped at teardown, logs dumped on failure."""
     with server_pool(tmp_path, request) as pool:
         yield pool
+
+
+def answers_icanhaz(
+    port: int, timeout: float, subtree: bytes, between: Callable[[], None] | None = None
+) -> bool:
+    """Whether a raw ICANHAZ? to ``port`` gets a KTHXBAI within ``timeout`` s.
+
+    Each try is a fresh DEALER, as a failing-over client does; each request is
+    also a Binary Star vote for that server.  ``between`` runs before each try
+    (to fail early, e.g. when the process died).
+    """
+    deadline = time.monotonic() + timeout
+    ctx = zmq.Context()
+    try:
+        while time.monotonic() < deadline:
+            if between is not None:
+                between()
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            try:
+                dealer.connect(f"tcp://127.0.0.1:{port}")
+                dealer.send_multipart([b"ICANHAZ?", subtree])
+                while dealer.poll(200):
+                    if dealer.recv_multipart()[0] == b"KTHXBAI":
+                        return True
+            finally:
+                dealer.close(linger=0)
+        return False
+    finally:
+        ctx.term()

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import psutil
 import pytest
-import zmq
 
 from clone import Clone
 from clone.tools.procs import wait_listening
 from tests.support.ports import free_base_port
+from tests.support.servers import answers_icanhaz
 
 pytestmark = pytest.mark.slow
 
@@ -122,28 +122,9 @@ def _start(runs: list[RunScript], tmp_path: Path, *args: str) -> RunScript:
 
 
 def _answers_snapshot(port: int, timeout: float) -> None:
-    """A raw ICANHAZ? to ``port`` is answered with KTHXBAI within ``timeout`` s.
-
-    Each try is a fresh DEALER, as a failing-over client does; each request is
-    also a Binary Star vote for that server.
-    """
-    deadline = time.monotonic() + timeout
-    ctx = zmq.Context()
-    try:
-        while time.monotonic() < deadline:
-            dealer = ctx.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            try:
-                dealer.connect(f"tcp://127.0.0.1:{port}")
-                dealer.send_multipart([b"ICANHAZ?", b"/run-script/"])
-                while dealer.poll(250):
-                    if dealer.recv_multipart()[0] == b"KTHXBAI":
-                        return
-            finally:
-                dealer.close(linger=0)
+    """A raw ICANHAZ? to ``port`` is answered with KTHXBAI within ``timeout`` s."""
+    if not answers_icanhaz(port, timeout, b"/run-script/"):
         raise AssertionError(f"no KTHXBAI from port {port} within {timeout} s")
-    finally:
-        ctx.term()
 
 
 @pytest.mark.timeout(120)
