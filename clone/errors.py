@@ -17,6 +17,10 @@ __all__ = [
     "IllegalSyncTransition",
     "ServerStartError",
     "IllegalTransition",
+    "StorageError",
+    "DataDirLocked",
+    "DataDirCorrupt",
+    "DataDirIncompatible",
 ]
 
 
@@ -63,3 +67,23 @@ class IllegalSyncTransition(CloneError, RuntimeError):
 class IllegalTransition(CloneError):
     """The client agent's table has no rule for a (state, event) pair: a bug in
     the agent, never caused by what a server sends."""
+
+
+class StorageError(CloneError):
+    """The data directory cannot be used: the message says which and what to do.
+
+    A server that meets one at start exits non-zero with the message; it never
+    starts empty in place of a state it could not read.
+    """
+
+
+class DataDirLocked(StorageError):
+    """Another server process holds this data directory (its lock file is taken)."""
+
+
+class DataDirCorrupt(StorageError):
+    """The database in the data directory is unreadable, truncated or not a database."""
+
+
+class DataDirIncompatible(StorageError):
+    """The data directory was written by another format version, or is not Clone's."""
