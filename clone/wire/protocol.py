@@ -42,6 +42,9 @@ __all__ = [
     "APPLIED_VERSION",
     "APPLIED_METADATA",
     "MAX_APPLIED_IDS",
+    "KVDELTA",
+    "SINCE_PROPERTY",
+    "SINCE_DIGEST_BYTES",
 ]
 
 # Command words as they appear in frame 0.
@@ -116,3 +119,13 @@ DEFAULT_PRIMARY_PORT: Final = 5556
 DEFAULT_BACKUP_PORT: Final = 5566
 DEFAULT_PRIMARY_HA_PORT: Final = 5003
 DEFAULT_BACKUP_HA_PORT: Final = 5004
+
+# Extension (ours): catch-up from a sequence, docs/protocol.md "KVDELTA".  A
+# server restarted with its state on disk sets this ZMTP metadata on its sync
+# DEALER ("<sequence>,<digest in hex>" of its last update); an active server
+# whose history still reaches back that far, and agrees on that update, sends
+# only the updates after it, announced by a KVDELTA, instead of a snapshot.
+KVDELTA: Final = b"KVDELTA"
+SINCE_PROPERTY: Final = "X-CHP-Since"
+# Bytes of an update's digest (blake2b), 16 hex characters in the metadata.
+SINCE_DIGEST_BYTES: Final = 8

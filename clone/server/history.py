@@ -1,0 +1,173 @@
+"""The active server's most recent updates, for catch-up from a sequence.
+
+How this works: a passive server that restarts with its state on disk asks
+for the updates after its last sequence (:mod:`clone.wire.delta`).  The
+active answers from a :class:`History`: the newest updates it published, as
+the exact KVPUB frames, contiguous in sequence, so "every update after N" is
+a suffix of it.  The history is bounded twice, in updates and in bytes: a
+burst of large values must not pin memory, and a requester too far behind
+gets a full snapshot anyway, which is cheaper than replaying most of the
+store.
+
+Contiguity is the invariant everything rests on: were an update missing, a
+delta would silently lose it.  So an update that does not follow the newest
+one (the sequence jumped, after a full resync or a bug) *restarts* the
+history at it; :attr:`History.restarts` counts that, and :meth:`History.reset`
+is the way to say "the store is now at sequence N" without an update (after
+a full resync).  A new history is empty and accepts any first update.
+
+The database log can drop rows below :attr:`History.keep_from`: this history
+never needs them again.  Sans-IO: no sockets, no clock, no database.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Sequence
+from itertools import islice
+
+__all__ = ["History"]
+
+_UPDATE_FRAMES = 5
+_Frames = list[bytes]
+_Entry = tuple[_Frames, int]  # an update's frames and the term it was written under
+
+
+def _size(frames: Sequence[bytes]) -> int:
+    return len(frames[0]) + len(frames[1]) + len(frames[2]) + len(frames[3]) + len(frames[4])
+
+
+class History:
+    """The most recent updates, contiguous in sequence, bounded in count and bytes."""
+
+    __slots__ = (
+        "_anchored",
+        "_base",
+        "_bytes",
+        "_max_bytes",
+        "_max_updates",
+        "_updates",
+        "restarts",
+    )
+
+    def __init__(self, max_updates: int, max_bytes: int) -> None:
+        if max_updates < 1:
+            raise ValueError(f"max_updates must be at least 1, not {max_updates}")
+        if max_bytes < 1:
+            raise ValueError(f"max_bytes must be at least 1, not {max_bytes}")
+        self._max_updates = max_updates
+        self._max_bytes = max_bytes
+        self._updates: deque[_Entry] = deque()
+        # The sequence the history starts after: the first update is _base + 1.
+        self._base = 0
+        # Whether _base is known (reset() or an update seen): until then, any
+        # first update is accepted without counting a restart.
+        self._anchored = False
+        self._bytes = 0
+        #: Times the history was cleared because an update did not follow.
+        self.restarts = 0
+
+    # ----------------------------------------------------------------------
+    # Changes
+
+    def append(self, frames: Sequence[bytes], term: int) -> None:
+        """Add the update ``frames`` (a KVPUB's 5 frames) written under ``term``.
+
+        The history keeps the frames list it is given: do not change it after.
+        """
+        if len(frames) != _UPDATE_FRAMES or len(frames[1]) != 8:
+            raise ValueError("an update is 5 frames with an 8-byte sequence")
+        seq = int.from_bytes(frames[1], "big")
+        if seq < 1:
+            raise ValueError("an update's sequence is at least 1")
+        updates = self._updates
+        if seq != self._base + len(updates) + 1:
+            if updates or self._anchored:
+                self.restarts += 1
+            updates.clear()
+            self._bytes = 0
+            self._base = seq - 1
+        self._anchored = True
+        stored = frames if type(frames) is list else list(frames)
+        updates.append((stored, term))
+        self._bytes += _size(stored)
+        # Evict the oldest, but never the newest: it anchors the next append.
+        while len(updates) > 1 and (
+            len(updates) > self._max_updates or self._bytes > self._max_bytes
+        ):
+            old, _ = updates.popleft()
+            self._bytes -= _size(old)
+            self._base += 1
+
+    def reset(self, sequence: int) -> None:
+        """Empty the history; the next update will be ``sequence + 1``.
+
+        For a full resync: the store jumped to ``sequence`` without updates
+        this history could hold.
+        """
+        if sequence < 0:
+            raise ValueError(f"sequence must not be negative, not {sequence}")
+        self._updates.clear()
+        self._bytes = 0
+        self._base = sequence
+        self._anchored = True
+
+    def load(self, rows: Iterable[tuple[_Frames, int, float]]) -> None:
+        """Append the database log's rows ``(frames, term, at)``, oldest first."""
+        for frames, term, _at in rows:
+            self.append(frames, term)
+
+    # ----------------------------------------------------------------------
+    # Queries
+
+    def __len__(self) -> int:
+        return len(self._updates)
+
+    @property
+    def first(self) -> int | None:
+        """The oldest update's sequence, or None when empty."""
+        return self._base + 1 if self._updates else None
+
+    @property
+    def last(self) -> int | None:
+        """The newest update's sequence, or None when empty."""
+        return self._base + len(self._updates) if self._updates else None
+
+    @property
+    def base(self) -> int:
+        """The sequence the history starts after (``first - 1``, or the reset value)."""
+        return self._base
+
+    @property
+    def bytes(self) -> int:
+        """Bytes held: the sum of the frames' lengths (5 per update)."""
+        return self._bytes
+
+    @property
+    def keep_from(self) -> int:
+        """The lowest sequence still needed: the database log may drop below it."""
+        return self._base + 1
+
+    def covers(self, since: int) -> bool:
+        """Whether every update after ``since``, up to the newest, is held."""
+        return self._base <= since <= self._base + len(self._updates)
+
+    def since(self, seq: int) -> list[_Frames]:
+        """The updates after ``seq``, oldest first; ``covers(seq)`` must hold.
+
+        O(k) for the k updates returned: they are taken from the newest end,
+        so a requester slightly behind costs little however long the history.
+        """
+        if not self.covers(seq):
+            raise ValueError(f"history ({self._base}, {self.last}] does not cover {seq}")
+        count = self._base + len(self._updates) - seq
+        out = [frames for frames, _ in islice(reversed(self._updates), count)]
+        out.reverse()
+        return out
+
+    def entry(self, seq: int) -> _Entry | None:
+        """The update at ``seq`` and its term, or None if not held."""
+        index = seq - self._base - 1
+        if 0 <= index < len(self._updates):
+            return self._updates[index]
+        return None
