@@ -1,0 +1,430 @@
+"""One server's on-disk database: the state and a bounded log of updates.
+
+How this works: ``DIR/clone.db`` is a SQLite database in WAL mode with three
+tables -- ``kv`` (the state: key -> the stored Entry), ``log`` (recent updates
+by sequence, trimmed by the caller's ``keep_from``) and ``meta`` (sequence and
+term).  The server's reactor calls :meth:`Storage.append` once per loop turn
+with every update of that turn, and the group costs one commit (group commit);
+:class:`FsyncPolicy` decides how durable that commit is.  Every call is bounded
+plain blocking I/O: the WAL is checkpointed by a :class:`Checkpointer` thread
+with its own connection, and a full resync from the peer is streamed in chunks
+(:meth:`Storage.begin_replace`, :meth:`Storage.stage`, :meth:`Storage.finish_replace`).
+
+The methods are meant for one thread (the reactor's), except
+:meth:`Storage.backup_to`, which reads through its own connection.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import sqlite3
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from clone.errors import StorageError
+from clone.storage.checkpointer import Checkpointer
+from clone.storage.copying import copy_database
+from clone.storage.files import fsync_dir
+from clone.storage.lock import DirLock
+from clone.storage.schema import (
+    DATA_FILE,
+    KV_COLUMNS,
+    Entry,
+    kv_table_sql,
+    precheck_file,
+    read_position,
+    translate,
+    verify,
+)
+from clone.storage.statefile import write_state_file
+
+__all__ = ["DATA_FILE", "Entry", "FsyncPolicy", "Loaded", "Storage", "Update"]
+
+logger = logging.getLogger(__name__)
+
+#: A row of the log as the server replays it: the 5 KVPUB frames
+#: [key, seq8, uuid, props, body] (an empty body is a delete), the term, and ``at``.
+Update = tuple[list[bytes], int, float]
+
+#: The WAL is reset to this size when it restarts, so one burst does not keep a
+#: big file around.
+_WAL_SIZE_LIMIT = 64 * 1024 * 1024
+
+
+class FsyncPolicy(enum.Enum):
+    """How durable a commit is; the trade is commit latency."""
+
+    #: synchronous=FULL and one commit per update: each update survives a power cut.
+    ALWAYS = "always"
+    #: synchronous=FULL and one commit per append() call (one reactor turn).
+    BATCH = "batch"
+    #: synchronous=OFF: survives a killed process, not a power cut or a kernel crash.
+    OFF = "off"
+
+
+@dataclass(frozen=True, slots=True)
+class Loaded:
+    """What a server starts from: the state, its position and the recent log."""
+
+    entries: dict[bytes, Entry]
+    sequence: int
+    term: int
+    #: The log, oldest first.
+    history: list[Update]
+
+
+class Storage:
+    """An open, locked data directory.  Use :meth:`open`; call :meth:`close`."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        lock: DirLock,
+        conn: sqlite3.Connection,
+        fsync: FsyncPolicy,
+        checkpointer: Checkpointer,
+        sequence: int,
+        term: int,
+    ) -> None:
+        self._dir = data_dir
+        self._db_path = data_dir / DATA_FILE
+        self._lock = lock
+        self._conn: sqlite3.Connection | None = conn
+        self._fsync = fsync
+        self._checkpointer = checkpointer
+        self._sequence = sequence
+        self._term = term
+
+    # -- opening and closing -------------------------------------------------
+
+    @classmethod
+    def open(
+        cls,
+        data_dir: str | os.PathLike[str],
+        *,
+        fsync: FsyncPolicy = FsyncPolicy.BATCH,
+        create: bool = True,
+        checkpoint_interval: float = 1.0,
+    ) -> Storage:
+        """Lock ``data_dir`` and open (or, with ``create``, make) its database.
+
+        Raises a :class:`~clone.errors.StorageError` kind that says what to do;
+        on any failure nothing is left locked or open.
+        """
+        if not isinstance(fsync, FsyncPolicy):
+            raise TypeError(f"fsync must be a FsyncPolicy, got {fsync!r}")
+        path = Path(data_dir)
+        _ensure_dir(path, create)
+        lock = DirLock(path)
+        lock.acquire()
+        conn: sqlite3.Connection | None = None
+        try:
+            db_path = path / DATA_FILE
+            if not db_path.exists():
+                if not create:
+                    raise StorageError(
+                        f"{path} holds no {DATA_FILE}: start with create enabled for a "
+                        "new server, or restore one: clone-server --restore FILE"
+                    )
+                # Built aside and renamed into place: a crash mid-creation never
+                # leaves a clone.db that looks like an empty state.
+                write_state_file(db_path, {}, sequence=0, term=0)
+                logger.info("created a new database %s", db_path)
+            conn = _connect(db_path, fsync)
+            sequence, term = read_position(conn, db_path)
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            lock.release()
+            raise
+        checkpointer = Checkpointer(db_path, checkpoint_interval)
+        checkpointer.start()
+        logger.info("opened %s at sequence %d, term %d (fsync=%s)",
+                    db_path, sequence, term, fsync.value)
+        return cls(path, lock, conn, fsync, checkpointer, sequence, term)
+
+    def close(self) -> None:
+        """Stop the checkpointer, checkpoint the WAL away and release the lock; idempotent."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        try:
+            self._checkpointer.stop()
+            try:
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            except sqlite3.Error:
+                logger.warning("final WAL checkpoint of %s failed; the next open "
+                               "replays the WAL", self._db_path, exc_info=True)
+            conn.close()
+        finally:
+            self._lock.release()
+
+    def __enter__(self) -> Storage:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- reading -------------------------------------------------------------
+
+    @property
+    def path(self) -> Path:
+        """The data directory."""
+        return self._dir
+
+    @property
+    def fsync(self) -> FsyncPolicy:
+        return self._fsync
+
+    @property
+    def sequence(self) -> int:
+        """The sequence last committed."""
+        return self._sequence
+
+    @property
+    def term(self) -> int:
+        """The term last committed."""
+        return self._term
+
+    def load(self) -> Loaded:
+        """Read the whole state and log (once, at start)."""
+        conn = self._live()
+        try:
+            cur = conn.cursor()
+            cur.row_factory = None
+            cur.arraysize = 4096
+            # Straight from the cursor: no intermediate list of a million rows.
+            entries: dict[bytes, Entry] = {
+                key: (seq, uuid, props, body)
+                for key, seq, uuid, props, body in cur.execute(f"SELECT {KV_COLUMNS} FROM kv")
+            }
+            history: list[Update] = [
+                ([key, seq.to_bytes(8, "big"), uuid, props, body], term, at)
+                for seq, key, uuid, props, body, term, at in cur.execute(
+                    "SELECT seq, key, uuid, props, body, term, at FROM log ORDER BY seq"
+                )
+            ]
+            sequence, term = read_position(conn, self._db_path)
+        except sqlite3.Error as exc:
+            raise translate(exc, self._db_path, "loading") from exc
+        return Loaded(entries, sequence, term, history)
+
+    # -- writing -------------------------------------------------------------
+
+    def append(
+        self,
+        updates: Sequence[Sequence[bytes]],
+        *,
+        term: int,
+        at: float | Sequence[float],
+        keep_from: int | None = None,
+    ) -> None:
+        """Commit one group of updates (5 KVPUB frames each), in order.
+
+        The state, the log, and meta's sequence (the last update's) and term
+        change together.  ``at`` is one time for all or one per update;
+        ``keep_from`` trims the log below that sequence in the same commit.
+        """
+        ats = _times(at, len(updates))
+        for update in updates:
+            if len(update) != 5 or len(update[1]) != 8:
+                raise ValueError(
+                    "an update is the 5 KVPUB frames [key, seq8, uuid, props, body]; "
+                    f"got {len(update)} frames"
+                    + (f", a {len(update[1])}-byte sequence" if len(update) == 5 else "")
+                )
+        if not updates:
+            if term != self._term:
+                self.set_position(self._sequence, term)
+            return
+        if self._fsync is FsyncPolicy.ALWAYS:
+            last = len(updates) - 1
+            for i, update in enumerate(updates):
+                self._write_group((update,), (ats[i],), term, keep_from if i == last else None)
+        else:
+            self._write_group(updates, ats, term, keep_from)
+
+    def _write_group(
+        self,
+        updates: Sequence[Sequence[bytes]],
+        ats: Sequence[float],
+        term: int,
+        keep_from: int | None,
+    ) -> None:
+        # Within one transaction only each key's last update matters to kv, so
+        # sets and deletes can go in two executemany calls without reordering.
+        last: dict[bytes, Sequence[bytes]] = {}
+        for update in updates:
+            last[bytes(update[0])] = update
+        sets = [(k, u[1], u[2], u[3], u[4]) for k, u in last.items() if u[4]]
+        deletes = [(k,) for k, u in last.items() if not u[4]]
+        log_rows = [
+            (int.from_bytes(u[1], "big"), u[0], u[2], u[3], u[4], term, a)
+            for u, a in zip(updates, ats, strict=True)
+        ]
+        sequence = log_rows[-1][0]
+        with self._transaction("appending to") as conn:
+            if sets:
+                conn.executemany(f"INSERT OR REPLACE INTO kv ({KV_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
+                                 sets)
+            if deletes:
+                conn.executemany("DELETE FROM kv WHERE key = ?", deletes)
+            # OR REPLACE: after a failover a sequence may be written again under a
+            # newer term, and the newer update is the one that counts.
+            conn.executemany(
+                "INSERT OR REPLACE INTO log (seq, key, uuid, props, body, term, at) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                log_rows,
+            )
+            _set_meta(conn, sequence, term)
+            if keep_from is not None:
+                conn.execute("DELETE FROM log WHERE seq < ?", (keep_from,))
+        self._sequence, self._term = sequence, term
+
+    def set_position(self, sequence: int, term: int) -> None:
+        """Record a new sequence and term alone (e.g. a promotion bumps the term)."""
+        with self._transaction("recording the position in") as conn:
+            _set_meta(conn, sequence, term)
+        self._sequence, self._term = sequence, term
+
+    # -- full resync from the peer --------------------------------------------
+
+    def begin_replace(self) -> None:
+        """Start staging a new state (an empty ``kv_staging``; a previous one is dropped)."""
+        with self._transaction("starting a resync in") as conn:
+            conn.execute("DROP TABLE IF EXISTS kv_staging")
+            conn.execute(kv_table_sql("kv_staging"))
+
+    def stage(self, items: Iterable[tuple[bytes, Entry]]) -> None:
+        """Add one chunk of the new state; committed, so chunks stay short."""
+        rows = [(key, *entry) for key, entry in items]
+        with self._transaction("staging a resync chunk in") as conn:
+            conn.executemany(
+                f"INSERT OR REPLACE INTO kv_staging ({KV_COLUMNS}) VALUES (?, ?, ?, ?, ?)", rows
+            )
+
+    def finish_replace(self, sequence: int, term: int) -> None:
+        """Swap the staged state in, empty the log and record the position: one commit."""
+        with self._transaction("finishing a resync in") as conn:
+            if not _has_table(conn, "kv_staging"):
+                raise ValueError("finish_replace() without begin_replace()")
+            conn.execute("DROP TABLE kv")
+            conn.execute("ALTER TABLE kv_staging RENAME TO kv")
+            conn.execute("DELETE FROM log")
+            _set_meta(conn, sequence, term)
+        self._sequence, self._term = sequence, term
+
+    def abort_replace(self) -> None:
+        """Drop the staged state, if any; the current one is untouched."""
+        with self._transaction("aborting a resync in") as conn:
+            conn.execute("DROP TABLE IF EXISTS kv_staging")
+
+    # -- backup ----------------------------------------------------------------
+
+    def backup_to(self, target: str | os.PathLike[str]) -> None:
+        """Write a consistent copy of the database to ``target`` (atomically replaced).
+
+        Reads through its own connection (a WAL snapshot), so it neither blocks
+        nor is blocked by :meth:`append`, and may run in another thread.
+        """
+        self._live()
+        copy_database(self._db_path, Path(target))
+
+    # -- helpers -------------------------------------------------------------
+
+    def _live(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise ValueError(f"storage of {self._dir} is closed")
+        return self._conn
+
+    @contextmanager
+    def _transaction(self, doing: str) -> Iterator[sqlite3.Connection]:
+        conn = self._live()
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+        except sqlite3.Error as exc:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise translate(exc, self._db_path, doing) from exc
+
+
+def _ensure_dir(path: Path, create: bool) -> None:
+    try:
+        if path.is_dir():
+            return
+        if path.exists():
+            raise StorageError(f"data directory {path} exists but is not a directory: "
+                               "give --data-dir a directory path")
+        if not create:
+            raise StorageError(f"data directory {path} does not exist")
+        path.mkdir(parents=True)
+        fsync_dir(path.parent)
+    except OSError as exc:
+        raise StorageError(
+            f"cannot create or use data directory {path}: {exc.strerror}; check the "
+            "path and that this user may write there"
+        ) from exc
+
+
+def _connect(db_path: Path, fsync: FsyncPolicy) -> sqlite3.Connection:
+    """Open and check an existing database, set up for the reactor's writes."""
+    precheck_file(db_path)
+    try:
+        # check_same_thread=False: opened at start, then used by the reactor thread.
+        conn = sqlite3.connect(db_path, isolation_level=None, timeout=2.0,
+                               check_same_thread=False)
+    except sqlite3.Error as exc:
+        raise translate(exc, db_path, "opening") from exc
+    try:
+        verify(conn, db_path)  # before journal_mode=WAL writes to the header
+        mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
+        if mode != "wal":
+            raise StorageError(
+                f"{db_path} cannot use WAL journaling (got {mode!r}): put the data "
+                "directory on a local file system"
+            )
+        sync = "OFF" if fsync is FsyncPolicy.OFF else "FULL"
+        conn.execute(f"PRAGMA synchronous = {sync}")
+        conn.execute("PRAGMA wal_autocheckpoint = 0")
+        conn.execute(f"PRAGMA journal_size_limit = {_WAL_SIZE_LIMIT}")
+        # A resync interrupted by a crash leaves its staging table behind.
+        conn.execute("DROP TABLE IF EXISTS kv_staging")
+    except sqlite3.Error as exc:
+        conn.close()
+        raise translate(exc, db_path, "opening") from exc
+    except BaseException:
+        conn.close()
+        raise
+    return conn
+
+
+def _set_meta(conn: sqlite3.Connection, sequence: int, term: int) -> None:
+    conn.execute(
+        "INSERT OR REPLACE INTO meta (name, value) VALUES ('sequence', ?), ('term', ?)",
+        (sequence, term),
+    )
+
+
+def _has_table(conn: sqlite3.Connection, name: str) -> bool:
+    row = conn.execute(
+        "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)
+    ).fetchone()
+    return row is not None
+
+
+def _times(at: float | Sequence[float], count: int) -> Sequence[float]:
+    if isinstance(at, (int, float)):
+        return [float(at)] * count
+    if len(at) != count:
+        raise ValueError(f"at has {len(at)} times for {count} updates")
+    return at

@@ -1,0 +1,178 @@
+"""The database format, version 1: tables, header marks, and the checks on open.
+
+How this works: a Clone database carries ``application_id = 0x434C4F4E``
+("CLON") and ``user_version = FORMAT_VERSION`` in its SQLite header, so that a
+file written by something else, or by another format version, is refused with a
+message instead of being read as an empty state.  :func:`verify` runs those
+checks plus ``PRAGMA quick_check``; :func:`translate` turns a ``sqlite3`` error
+into one of our :class:`~clone.errors.StorageError` kinds naming the path and
+what to do.  The same format serves the live data directory (``clone.db``) and a
+standalone state file written by ``clone backup``.
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import time
+from pathlib import Path
+
+from clone.errors import DataDirCorrupt, DataDirIncompatible, StorageError
+
+__all__ = [
+    "APPLICATION_ID",
+    "DATA_FILE",
+    "Entry",
+    "FORMAT_VERSION",
+    "KV_COLUMNS",
+    "RESTORE_HINT",
+    "create_schema",
+    "connect_readonly",
+    "kv_table_sql",
+    "precheck_file",
+    "read_position",
+    "translate",
+    "verify",
+]
+
+#: One stored key's frames after the key: sequence (8 bytes, big-endian), uuid,
+#: properties, body -- as the server's store holds them (clone.server.store.Entry,
+#: not imported: storage sits below the server).
+Entry = tuple[bytes, bytes, bytes, bytes]
+
+#: The database file inside a data directory.
+DATA_FILE = "clone.db"
+APPLICATION_ID = 0x434C4F4E
+FORMAT_VERSION = 1
+RESTORE_HINT = "move it aside or restore from a backup: clone-server --restore FILE"
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+_HEADER_SIZE = 100
+
+#: Columns of ``kv`` (and ``kv_staging``) in the order of a stored row: key, then an Entry.
+KV_COLUMNS = "key, seq, uuid, props, body"
+
+
+def kv_table_sql(name: str) -> str:
+    """DDL of the state table; WITHOUT ROWID since the key is the only lookup."""
+    return (
+        f"CREATE TABLE {name} (key BLOB PRIMARY KEY, seq BLOB, uuid BLOB, "
+        "props BLOB, body BLOB) WITHOUT ROWID"
+    )
+
+
+_LOG_SQL = (
+    "CREATE TABLE log (seq INTEGER PRIMARY KEY, key BLOB, uuid BLOB, props BLOB, "
+    "body BLOB, term INTEGER, at REAL)"
+)
+_META_SQL = "CREATE TABLE meta (name TEXT PRIMARY KEY, value)"
+
+
+def create_schema(conn: sqlite3.Connection, *, sequence: int = 0, term: int = 0) -> None:
+    """Write the tables and header marks into an empty database (caller commits)."""
+    conn.execute(f"PRAGMA application_id = {APPLICATION_ID}")
+    conn.execute(f"PRAGMA user_version = {FORMAT_VERSION}")
+    conn.execute(kv_table_sql("kv"))
+    conn.execute(_LOG_SQL)
+    conn.execute(_META_SQL)
+    conn.executemany(
+        "INSERT INTO meta (name, value) VALUES (?, ?)",
+        [("created", time.time()), ("sequence", sequence), ("term", term)],
+    )
+
+
+def translate(exc: sqlite3.Error, path: Path, doing: str) -> StorageError:
+    """Our error for a ``sqlite3`` error met while ``doing`` something with ``path``."""
+    name = getattr(exc, "sqlite_errorname", "")
+    text = str(exc)
+    if (
+        name.startswith(("SQLITE_NOTADB", "SQLITE_CORRUPT"))
+        or "malformed" in text
+        or "not a database" in text
+    ):
+        return DataDirCorrupt(
+            f"{path} is damaged or not a database ({exc}) while {doing}: {RESTORE_HINT}"
+        )
+    if name == "SQLITE_FULL":
+        return StorageError(f"the disk holding {path} is full ({exc}) while {doing}: free space")
+    return StorageError(f"{doing} {path} failed: {exc} ({name or type(exc).__name__})")
+
+
+def precheck_file(path: Path) -> None:
+    """Refuse, before SQLite sees it, a file that cannot be a database at all.
+
+    SQLite treats an empty file as a new empty database; for us an existing but
+    empty ``clone.db`` means lost data, never a fresh start.
+    """
+    try:
+        with open(path, "rb") as f:
+            header = f.read(_HEADER_SIZE)
+    except FileNotFoundError:
+        raise StorageError(f"{path} does not exist") from None
+    except IsADirectoryError:
+        raise StorageError(f"{path} is a directory, not a database file") from None
+    except OSError as exc:
+        raise StorageError(
+            f"cannot read {path}: {exc.strerror}; check its owner and mode"
+        ) from exc
+    if len(header) < _HEADER_SIZE or not header.startswith(_SQLITE_MAGIC):
+        size = os.path.getsize(path)
+        raise DataDirCorrupt(
+            f"{path} is not a database ({size} bytes, no SQLite header): {RESTORE_HINT}"
+        )
+
+
+def verify(conn: sqlite3.Connection, path: Path) -> None:
+    """Check the header marks, the tables and ``quick_check``; raise our errors."""
+    try:
+        app = conn.execute("PRAGMA application_id").fetchone()[0]
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+        if app != APPLICATION_ID:
+            raise DataDirIncompatible(
+                f"{path} is not a Clone data directory's database (application_id "
+                f"{app:#x}, expected {APPLICATION_ID:#x}): point the server at its own "
+                "data directory, or move this file aside"
+            )
+        if version != FORMAT_VERSION:
+            raise DataDirIncompatible(
+                f"{path} has format version {version}, this Clone reads version "
+                f"{FORMAT_VERSION}: run the Clone release that wrote it, or {RESTORE_HINT}"
+            )
+        problems = [row[0] for row in conn.execute("PRAGMA quick_check")]
+        if problems != ["ok"]:
+            raise DataDirCorrupt(
+                f"{path} failed its integrity check ({'; '.join(problems[:3])}): {RESTORE_HINT}"
+            )
+        tables = {
+            row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
+        }
+        missing = {"kv", "log", "meta"} - tables
+        if missing:
+            raise DataDirCorrupt(
+                f"{path} lacks the table(s) {', '.join(sorted(missing))}: {RESTORE_HINT}"
+            )
+        read_position(conn, path)
+    except sqlite3.Error as exc:
+        raise translate(exc, path, "checking") from exc
+
+
+def read_position(conn: sqlite3.Connection, path: Path) -> tuple[int, int]:
+    """The (sequence, term) recorded in ``meta``."""
+    meta = dict(conn.execute("SELECT name, value FROM meta WHERE name IN ('sequence', 'term')"))
+    sequence, term = meta.get("sequence"), meta.get("term")
+    if not isinstance(sequence, int) or not isinstance(term, int):
+        raise DataDirCorrupt(
+            f"{path} has no valid sequence/term in its meta table "
+            f"(sequence={sequence!r}, term={term!r}): {RESTORE_HINT}"
+        )
+    return sequence, term
+
+
+def connect_readonly(path: Path) -> sqlite3.Connection:
+    """A read-only connection to ``path`` (a check or a copy never writes to it)."""
+    precheck_file(path)
+    try:
+        return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True,
+                               isolation_level=None)
+    except sqlite3.Error as exc:
+        raise translate(exc, path, "opening") from exc
