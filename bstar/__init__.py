@@ -6,7 +6,8 @@ by sending it requests; a passive server takes over only when its peer has gone
 silent *and* a client asks it to. See ``docs/failover.md`` for the rules.
 
 * :mod:`bstar.fsm` holds the decisions (no I/O, explicit ``now``);
-* :mod:`bstar.wire` the state message format (state and election epoch);
+* :mod:`bstar.wire` the state message format (state, election epoch and, for a
+  server that keeps its data on disk, the data rank);
 * :mod:`bstar.reactor` the sockets and timers on a tornado IOLoop.
 """
 
@@ -17,25 +18,31 @@ from bstar.errors import (
     RoleConflictError,
 )
 from bstar.fsm import (
+    NO_RANK,
     TRANSITIONS,
     BinaryStarFSM,
     Conflict,
     Event,
     FsmCounters,
     Outcome,
+    Rank,
     Rule,
     State,
     TieBreak,
     Vote,
     VotePolicy,
+    check_rank,
     peer_event,
+    yields_on_rank,
     yields_to_peer,
 )
 from bstar.reactor import BinaryStar, BinaryStarCounters, StateCallback, VoteHandler
-from bstar.wire import MAX_EPOCH, PeerReport, decode_state, encode_state
+from bstar.wire import MAX_EPOCH, MAX_RANK_PART, PeerReport, decode_state, encode_state
 
 __all__ = [
     "MAX_EPOCH",
+    "MAX_RANK_PART",
+    "NO_RANK",
     "TRANSITIONS",
     "BinaryStar",
     "BinaryStarCounters",
@@ -48,6 +55,7 @@ __all__ = [
     "Outcome",
     "PeerReport",
     "PeerStateError",
+    "Rank",
     "RoleConflictError",
     "Rule",
     "State",
@@ -56,8 +64,10 @@ __all__ = [
     "Vote",
     "VoteHandler",
     "VotePolicy",
+    "check_rank",
     "decode_state",
     "encode_state",
     "peer_event",
+    "yields_on_rank",
     "yields_to_peer",
 ]

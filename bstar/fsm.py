@@ -15,11 +15,13 @@ The rules live in :data:`TRANSITIONS`, a table keyed by ``(state, event)``. A ru
 names the next state, how to answer a vote, and whether the pair is in conflict
 (both active: *split brain*; both passive: nobody serves). Conflicts are symmetric,
 so the rule also names where the side that *yields* goes (``yield_state``) and how
-the yielding side is picked (``tie_break``). A pair missing from the table raises
+the yielding side is picked (``tie_break``); the start-up rows that compare data
+ranks (below) use the same two fields. A pair missing from the table raises
 :class:`~bstar.errors.IllegalTransitionError` and leaves the machine untouched.
 
 Epochs settle split brain. Each server holds an election *epoch* (a term number,
-as in Raft), 0 at start; whenever it becomes ``ACTIVE`` it takes
+as in Raft), 0 at start (or the last one it saved, for a server that keeps its
+data on disk); whenever it becomes ``ACTIVE`` it takes
 ``max(own epoch, highest peer epoch seen) + 1``, and it announces its epoch with
 its state. Two actives compare epochs: the lower one yields (:func:`yields_to_peer`),
 because the server elected most recently is the one the clients last voted for
@@ -37,6 +39,20 @@ server active is accepted only when ``now >= peer_expiry``. Expiry on its own ne
 changes the state: only a vote turns a silent peer into a failover, because only
 a client can tell us that it can no longer reach the other server.
 
+Ranks settle a cold start. A server that keeps its data on disk survives a
+restart with it, so the Guide's rule "the primary serves" could let an older
+primary win over a backup that took writes after it, and roll back confirmed
+writes. Each server therefore announces a *rank*, ``(term, sequence)``, saying
+how new its data is (compared lexicographically; ``(0, 0)`` means no data or
+unknown: an in-memory server or a Guide peer). The rows where neither side is
+settled yet look at the ranks: the older data yields. On equal ranks two
+starting servers fall back on the roles (the primary serves), while between a
+passive server and a restarted peer the passive one serves: it holds the data
+in memory, the restarted peer may have lost it, which is exactly the Guide's
+behaviour when both announce ``(0, 0)``. Every pair of these rows is
+complementary, so whatever the ranks and the order of the messages, exactly one
+side goes active (:func:`yields_on_rank`).
+
 A lost connection is earlier evidence of the same thing. When the peer's process
 dies, its kernel closes its TCP connections at once, and the reactor reports that
 as :meth:`BinaryStarFSM.peer_disconnected`: from then on the peer counts as expired
@@ -44,33 +60,65 @@ as :meth:`BinaryStarFSM.peer_disconnected`: from then on the peer counts as expi
 brings forward what the heartbeat would conclude ``missed * heartbeat`` later; a
 vote is still needed to fail over, so the rules and their safety are unchanged. A
 frozen peer or a partition closes nothing, so there only the heartbeat tells.
+
+A server that starts alone must not serve too early either: its peer may be
+booting and hold newer data. ``start_wait`` stretches the first expiry, before
+the peer has ever been heard, to ``start + max(missed * heartbeat, start_wait)``,
+and a lost connection does not shorten it (a peer that is not up yet refuses or
+drops connections, which says nothing about its data). After the first contact
+it plays no part.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
-from typing import Final
+from typing import Final, TypeAlias
 
 from bstar.errors import IllegalTransitionError, RoleConflictError
 
 __all__ = [
+    "NO_RANK",
     "TRANSITIONS",
     "BinaryStarFSM",
     "Conflict",
     "Event",
     "FsmCounters",
     "Outcome",
+    "Rank",
     "Rule",
     "State",
     "TieBreak",
     "Vote",
     "VotePolicy",
+    "check_rank",
     "peer_event",
+    "yields_on_rank",
     "yields_to_peer",
 ]
+
+#: How new a server's data is: ``(term, sequence)``, compared lexicographically.
+Rank: TypeAlias = tuple[int, int]
+#: The rank of a server with no data, or that does not say (in memory, a Guide peer).
+NO_RANK: Final[Rank] = (0, 0)
+
+
+def check_rank(rank: object, what: str = "rank") -> Rank:
+    """Return ``rank`` as a :data:`Rank` or raise ``TypeError``/``ValueError``.
+
+    A pair of non-negative ints; anything else is a bug in the caller.
+    """
+    if not isinstance(rank, tuple) or len(rank) != 2:
+        raise TypeError(f"{what} must be a (term, sequence) tuple, got {rank!r}")
+    for part in rank:
+        if isinstance(part, bool) or not isinstance(part, int):
+            raise TypeError(f"{what} must hold two ints, got {rank!r}")
+        if part < 0:
+            raise ValueError(f"{what} must hold two non-negative ints, got {rank!r}")
+    return (rank[0], rank[1])
 
 
 class State(Enum):
@@ -134,6 +182,11 @@ class TieBreak(Enum):
 
     ROLE = "the backup yields"
     EPOCH = "the lower epoch yields; on equal epochs the backup yields"
+    RANK = "the older data yields; on equal rank the backup yields"
+    #: A starting server facing a passive peer: it serves only with newer data.
+    RANK_NEEDS_NEWER = "go ahead only with strictly newer data; on equal rank yield"
+    #: A passive server facing a restarted peer: only newer data displaces it.
+    RANK_YIELDS_TO_NEWER = "yield only to strictly newer data; on equal rank go ahead"
 
 
 def yields_to_peer(own_epoch: int, peer_epoch: int, primary: bool) -> bool:
@@ -147,6 +200,21 @@ def yields_to_peer(own_epoch: int, peer_epoch: int, primary: bool) -> bool:
     """
     if own_epoch != peer_epoch:
         return own_epoch < peer_epoch
+    return not primary
+
+
+def yields_on_rank(own_rank: Rank, peer_rank: Rank, primary: bool) -> bool:
+    """Whether a starting server with data at ``own_rank`` gives way to a starting
+    peer at ``peer_rank``.
+
+    Older data yields, so that a confirmed write (which only the newer side has)
+    is never rolled back. Equal ranks (including two servers without data) fall
+    back on the roles, as the Guide does: the primary serves. As for epochs,
+    exactly one of ``yields_on_rank(a, b, True)`` and ``yields_on_rank(b, a, False)``
+    is true.
+    """
+    if own_rank != peer_rank:
+        return own_rank < peer_rank
     return not primary
 
 
@@ -168,17 +236,40 @@ class Rule:
     yield_state: State | None = None
     tie_break: TieBreak = TieBreak.ROLE
 
-    def yields(self, primary: bool, own_epoch: int = 0, peer_epoch: int = 0) -> bool:
-        """Whether a server of this role and epoch gives way to the peer under this rule."""
+    def yields(
+        self,
+        primary: bool,
+        own_epoch: int = 0,
+        peer_epoch: int = 0,
+        own_rank: Rank = NO_RANK,
+        peer_rank: Rank = NO_RANK,
+    ) -> bool:
+        """Whether a server of this role, epoch and rank gives way to the peer
+        under this rule."""
         if self.yield_state is None:
             return False
         if self.tie_break is TieBreak.EPOCH:
             return yields_to_peer(own_epoch, peer_epoch, primary)
+        if self.tie_break is TieBreak.RANK:
+            return yields_on_rank(own_rank, peer_rank, primary)
+        if self.tie_break is TieBreak.RANK_NEEDS_NEWER:
+            return own_rank <= peer_rank
+        if self.tie_break is TieBreak.RANK_YIELDS_TO_NEWER:
+            return own_rank < peer_rank
         return not primary
 
-    def target(self, primary: bool, own_epoch: int = 0, peer_epoch: int = 0) -> State:
-        """Where a server of the given role and epoch goes under this rule."""
-        if self.yield_state is not None and self.yields(primary, own_epoch, peer_epoch):
+    def target(
+        self,
+        primary: bool,
+        own_epoch: int = 0,
+        peer_epoch: int = 0,
+        own_rank: Rank = NO_RANK,
+        peer_rank: Rank = NO_RANK,
+    ) -> State:
+        """Where a server of the given role, epoch and rank goes under this rule."""
+        if self.yield_state is not None and self.yields(
+            primary, own_epoch, peer_epoch, own_rank, peer_rank
+        ):
             return self.yield_state
         return self.next_state
 
@@ -192,10 +283,19 @@ _P, _B, _A, _S = State.PRIMARY, State.BACKUP, State.ACTIVE, State.PASSIVE
 TRANSITIONS: Final[Mapping[tuple[State, Event], Rule]] = MappingProxyType(
     {
         # PRIMARY: configured primary, peer not heard yet.
-        (_P, Event.PEER_BACKUP): Rule(_A, "backup is up and waiting, so the primary serves"),
+        (_P, Event.PEER_BACKUP): Rule(
+            _A,
+            "both starting: the newer data serves; on equal data the primary",
+            yield_state=_S,
+            tie_break=TieBreak.RANK,
+        ),
         (_P, Event.PEER_ACTIVE): Rule(_S, "backup is already active (failback), so stand by"),
         (_P, Event.PEER_PASSIVE): Rule(
-            _P, "peer still reports a state from before our restart; wait for news"
+            _A,
+            "our restarted data is newer than the passive backup's, so serve; otherwise"
+            " it takes over from us: wait for news",
+            yield_state=_P,
+            tie_break=TieBreak.RANK_NEEDS_NEWER,
         ),
         (_P, Event.CLIENT_REQUEST): Rule(
             _A,
@@ -203,10 +303,19 @@ TRANSITIONS: Final[Mapping[tuple[State, Event], Rule]] = MappingProxyType(
             vote=VotePolicy.ACCEPT_IF_PEER_DEAD,
         ),
         # BACKUP: configured backup, peer not heard yet.
-        (_B, Event.PEER_PRIMARY): Rule(_B, "primary is starting and goes active on seeing us"),
+        (_B, Event.PEER_PRIMARY): Rule(
+            _A,
+            "both starting: the newer data serves; on equal data the primary, so wait for it",
+            yield_state=_B,
+            tie_break=TieBreak.RANK,
+        ),
         (_B, Event.PEER_ACTIVE): Rule(_S, "primary is active, so stand by"),
         (_B, Event.PEER_PASSIVE): Rule(
-            _B, "primary goes active when it sees us restarting; wait for it"
+            _A,
+            "our data is newer than the passive primary's, so serve; otherwise it"
+            " takes over from us: wait for it",
+            yield_state=_B,
+            tie_break=TieBreak.RANK_NEEDS_NEWER,
         ),
         (_B, Event.CLIENT_REQUEST): Rule(
             _B, "a backup serves only after it has seen the primary", vote=VotePolicy.REFUSE
@@ -225,8 +334,18 @@ TRANSITIONS: Final[Mapping[tuple[State, Event], Rule]] = MappingProxyType(
         (_A, Event.PEER_PASSIVE): Rule(_A, "normal operation"),
         (_A, Event.CLIENT_REQUEST): Rule(_A, "we serve", vote=VotePolicy.ACCEPT),
         # PASSIVE: standing by while the peer serves.
-        (_S, Event.PEER_PRIMARY): Rule(_A, "active peer restarted and lost its state; take over"),
-        (_S, Event.PEER_BACKUP): Rule(_A, "active peer restarted and lost its state; take over"),
+        (_S, Event.PEER_PRIMARY): Rule(
+            _A,
+            "active peer restarted; take over unless its data is newer than ours",
+            yield_state=_S,
+            tie_break=TieBreak.RANK_YIELDS_TO_NEWER,
+        ),
+        (_S, Event.PEER_BACKUP): Rule(
+            _A,
+            "active peer restarted; take over unless its data is newer than ours",
+            yield_state=_S,
+            tie_break=TieBreak.RANK_YIELDS_TO_NEWER,
+        ),
         (_S, Event.PEER_ACTIVE): Rule(_S, "normal operation"),
         (_S, Event.PEER_PASSIVE): Rule(
             _A,
@@ -252,7 +371,9 @@ class Outcome:
     episode (the first time the peer is seen in our own settled state), so an
     application alerting on it is not flooded by every heartbeat. ``epoch`` is our
     epoch after the input; ``peer_epoch`` the one the peer announced with this
-    input (None for a client request).
+    input (None for a client request). ``rank`` and ``peer_rank`` are the ranks
+    compared (``peer_rank`` None for a client request); ``tie_break`` is set when
+    the rule could send us to its yield state, and ``yielded`` says whether it did.
     """
 
     event: Event
@@ -263,6 +384,10 @@ class Outcome:
     conflict: Conflict | None = None
     epoch: int = 0
     peer_epoch: int | None = None
+    rank: Rank = NO_RANK
+    peer_rank: Rank | None = None
+    tie_break: TieBreak | None = None
+    yielded: bool = False
 
     @property
     def changed(self) -> bool:
@@ -308,10 +433,24 @@ class BinaryStarFSM:
 
     Not thread-safe; meant to be owned by one reactor. ``primary`` is the
     configured role, which never changes: it picks the start state and breaks ties.
+
+    ``epoch`` is the epoch to start from: a server that keeps its data on disk
+    passes the last one it saved, so that its next election outbids it.
+    ``start_wait`` is how long, at least, a server that has never heard its peer
+    waits before it may accept a vote (see the module docstring). ``rank`` is how
+    new our data is; the application keeps it current with :meth:`set_rank`.
     """
 
     def __init__(
-        self, primary: bool, now: float, *, heartbeat: float = 1.0, missed: int = 2
+        self,
+        primary: bool,
+        now: float,
+        *,
+        heartbeat: float = 1.0,
+        missed: int = 2,
+        epoch: int = 0,
+        start_wait: float = 0.0,
+        rank: Rank = NO_RANK,
     ) -> None:
         if not isinstance(primary, bool):
             raise TypeError(f"primary must be a bool, got {type(primary).__name__}")
@@ -319,6 +458,17 @@ class BinaryStarFSM:
             raise ValueError(f"heartbeat must be a positive number of seconds, got {heartbeat!r}")
         if isinstance(missed, bool) or not isinstance(missed, int) or missed < 1:
             raise ValueError(f"missed must be an integer >= 1, got {missed!r}")
+        if isinstance(epoch, bool) or not isinstance(epoch, int):
+            raise TypeError(f"epoch must be an int, got {type(epoch).__name__}")
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if isinstance(start_wait, bool) or not isinstance(start_wait, (int, float)):
+            raise TypeError(f"start_wait must be a number, got {type(start_wait).__name__}")
+        if not (start_wait >= 0 and math.isfinite(start_wait)):
+            raise ValueError(f"start_wait must be a finite number >= 0, got {start_wait!r}")
+        self._rank = check_rank(rank)
+        self._peer_rank = NO_RANK
+        self._start_wait = float(start_wait)
         self._primary = primary
         self._heartbeat = float(heartbeat)
         self._missed = missed
@@ -328,7 +478,7 @@ class BinaryStarFSM:
         self._last_peer_contact: float | None = None
         # When the connection to the peer was lost, if it has not been heard since.
         self._peer_lost_at: float | None = None
-        self._epoch = 0
+        self._epoch = epoch
         self._peer_epoch = 0
         # Whether the peer's expiry has been reported yet, so it is reported once.
         self._expiry_reported = False
@@ -381,6 +531,31 @@ class BinaryStarFSM:
         return self._peer_epoch
 
     @property
+    def rank(self) -> Rank:
+        """How new our data is, as last set (``(0, 0)``: no data, or not said)."""
+        return self._rank
+
+    def set_rank(self, rank: Rank) -> None:
+        """Our data changed: ``rank`` is how new it is now. Changes no state by itself."""
+        self._rank = check_rank(rank)
+
+    @property
+    def peer_rank(self) -> Rank:
+        """The rank carried by the peer's last message (``(0, 0)`` if none, or a
+        peer that does not announce one)."""
+        return self._peer_rank
+
+    @property
+    def start_wait(self) -> float:
+        """The least time a server that has never heard its peer waits before serving."""
+        return self._start_wait
+
+    @property
+    def heard_peer(self) -> bool:
+        """Whether the peer has ever been heard."""
+        return self._last_peer_contact is not None
+
+    @property
     def last_peer_contact(self) -> float | None:
         """When the peer was last heard, or None if never."""
         return self._last_peer_contact
@@ -396,12 +571,16 @@ class BinaryStarFSM:
         """The moment from which the peer counts as dead, unless heard again.
 
         Normally ``missed`` heartbeats after the last contact; after a lost
-        connection, the moment it was lost, if that is earlier.
+        connection, the moment it was lost, if that is earlier. Before the first
+        contact, never earlier than ``start_wait`` after the start, lost
+        connection or not.
         """
         base = self._started_at if self._last_peer_contact is None else self._last_peer_contact
         expiry = base + self._missed * self._heartbeat
         if self._peer_lost_at is not None:
-            return min(expiry, self._peer_lost_at)
+            expiry = min(expiry, self._peer_lost_at)
+        if self._last_peer_contact is None:
+            expiry = max(expiry, self._started_at + self._start_wait)
         return expiry
 
     def peer_alive(self, now: float) -> bool:
@@ -422,9 +601,12 @@ class BinaryStarFSM:
 
     # -- inputs ----------------------------------------------------------------
 
-    def receive_peer_state(self, peer: State, now: float, epoch: int = 0) -> Outcome:
-        """The peer reported ``peer`` with its ``epoch`` (0 from a Guide peer) at ``now``."""
-        return self.handle(peer_event(peer), now, epoch)
+    def receive_peer_state(
+        self, peer: State, now: float, epoch: int = 0, rank: Rank = NO_RANK
+    ) -> Outcome:
+        """The peer reported ``peer`` with its ``epoch`` and ``rank`` at ``now``
+        (0 and ``(0, 0)`` from a Guide peer)."""
+        return self.handle(peer_event(peer), now, epoch, rank)
 
     def client_request(self, now: float) -> Outcome:
         """A client asked us to serve it; ``outcome.accepted`` says whether we may."""
@@ -475,18 +657,19 @@ class BinaryStarFSM:
         self._expirations += 1
         return True
 
-    def handle(self, event: Event, now: float, epoch: int = 0) -> Outcome:
+    def handle(self, event: Event, now: float, epoch: int = 0, rank: Rank = NO_RANK) -> Outcome:
         """Apply one event. Raises IllegalTransitionError and changes nothing if illegal.
 
-        ``epoch`` is the one the peer announced with a ``PEER_*`` event; it is
-        ignored for a client request.
+        ``epoch`` and ``rank`` are the ones the peer announced with a ``PEER_*``
+        event; they are ignored for a client request.
         """
         if event is Event.CLIENT_REQUEST:
-            return self._apply(event, self._rule(event), now, None)
+            return self._apply(event, self._rule(event), now, None, None)
         if isinstance(epoch, bool) or not isinstance(epoch, int):
             raise TypeError(f"epoch must be an int, got {type(epoch).__name__}")
         if epoch < 0:
             raise ValueError(f"epoch must be >= 0, got {epoch}")
+        rank = check_rank(rank, "peer rank")
         reported = State(event.value)
         if not self.peer_alive(now):
             # A peer back from silence starts a new story, conflicts included.
@@ -495,6 +678,7 @@ class BinaryStarFSM:
         # treating a live but misconfigured peer as dead could let us grab votes.
         self._peer_state = reported
         self._peer_epoch = max(self._peer_epoch, epoch)
+        self._peer_rank = rank
         self._last_peer_contact = now
         self._peer_lost_at = None  # heard again: back to heartbeat expiry
         self._expiry_reported = False
@@ -502,7 +686,7 @@ class BinaryStarFSM:
             self._illegal += 1
             role = "primary" if self._primary else "backup"
             raise RoleConflictError(self._state, event, f"both servers are configured as {role}")
-        return self._apply(event, self._rule(event), now, epoch)
+        return self._apply(event, self._rule(event), now, epoch, rank)
 
     # -- internals -------------------------------------------------------------
 
@@ -515,12 +699,26 @@ class BinaryStarFSM:
                 self._state, event, "no rule in the Binary Star table"
             ) from None
 
-    def _apply(self, event: Event, rule: Rule, now: float, peer_epoch: int | None) -> Outcome:
+    def _apply(
+        self,
+        event: Event,
+        rule: Rule,
+        now: float,
+        peer_epoch: int | None,
+        peer_rank: Rank | None,
+    ) -> Outcome:
         previous = self._state
         # Compare with the epoch of this very message, not the highest ever seen: a
         # peer that restarted and was elected while cut off from us really is at a
         # lower epoch, and both sides must reach the same verdict.
-        target = rule.target(self._primary, self._epoch, 0 if peer_epoch is None else peer_epoch)
+        yielded = rule.yields(
+            self._primary,
+            self._epoch,
+            0 if peer_epoch is None else peer_epoch,
+            self._rank,
+            NO_RANK if peer_rank is None else peer_rank,
+        )
+        target = rule.yield_state if yielded and rule.yield_state is not None else rule.next_state
         vote: Vote | None = None
         if rule.vote is not None:
             if rule.vote is VotePolicy.ACCEPT:
@@ -559,4 +757,8 @@ class BinaryStarFSM:
             conflict=conflict,
             epoch=self._epoch,
             peer_epoch=peer_epoch,
+            rank=self._rank,
+            peer_rank=peer_rank,
+            tie_break=rule.tie_break if rule.yield_state is not None else None,
+            yielded=yielded,
         )
