@@ -12,6 +12,13 @@ happens at once when the peer's process dies, the state machine is told
 (:meth:`~bstar.fsm.BinaryStarFSM.peer_disconnected`) and the next client vote may
 fail over without waiting for ``missed`` heartbeats.
 
+A server that keeps its data on disk passes ``rank``, a function returning how
+new its data is, ``(term, sequence)``: it is read before every input to the
+state machine and every time we publish, and announced with our state, so that
+on a cold start of both servers the newer data serves (see :mod:`bstar.fsm`).
+``epoch`` (the last saved election epoch) and ``start_wait`` (how long a lone
+server waits for its peer before it may serve) go with it.
+
 All methods must be called on the loop's thread (from another thread, go through
 ``loop.add_callback``). Nothing here blocks, and nothing looks up a global loop or
 context: both are passed in, so several instances can share one process, which is
@@ -31,10 +38,19 @@ from zmq.eventloop.zmqstream import ZMQStream
 from zmq.utils.monitor import parse_monitor_message
 
 from bstar.errors import BinaryStarError, PeerStateError
-from bstar.fsm import BinaryStarFSM, Conflict, FsmCounters, Outcome, State
-from bstar.wire import decode_state, encode_state
+from bstar.fsm import (
+    NO_RANK,
+    BinaryStarFSM,
+    Conflict,
+    FsmCounters,
+    Outcome,
+    Rank,
+    State,
+    TieBreak,
+)
+from bstar.wire import check_wire_rank, decode_state, encode_state
 
-__all__ = ["BinaryStar", "BinaryStarCounters", "StateCallback", "VoteHandler"]
+__all__ = ["BinaryStar", "BinaryStarCounters", "RankSource", "StateCallback", "VoteHandler"]
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +60,8 @@ StateCallback = Callable[[], object]
 #: Called with the voter stream and the received frames when a vote is accepted;
 #: reply on the stream if the protocol needs a reply.
 VoteHandler = Callable[[ZMQStream, list[bytes]], object]
+#: Returns how new the application's data is now: ``(term, sequence)``.
+RankSource = Callable[[], Rank]
 
 #: Bad input from the network is logged at most once per this many seconds.
 _LOG_INTERVAL = 10.0
@@ -55,6 +73,33 @@ _AFTER_EXPIRY = {
     State.ACTIVE: "still serving",
     State.PASSIVE: "the next client vote fails over",
 }
+
+
+#: The tie-breaks that compare data ranks, for the log line that explains them.
+_RANK_TIE_BREAKS = frozenset(
+    {TieBreak.RANK, TieBreak.RANK_NEEDS_NEWER, TieBreak.RANK_YIELDS_TO_NEWER}
+)
+
+
+def _describe_rank(rank: Rank) -> str:
+    return "no data" if rank == NO_RANK else f"term {rank[0]}, sequence {rank[1]}"
+
+
+def _rank_verdict(outcome: Outcome) -> str | None:
+    """Why the ranks made us yield or go ahead, for an operator; None if they did not."""
+    peer = outcome.peer_rank
+    if outcome.tie_break not in _RANK_TIE_BREAKS or peer is None:
+        return None
+    if outcome.rank == peer == NO_RANK:  # in-memory servers: the Guide's rules, nothing to say
+        return None
+    ours, theirs = _describe_rank(outcome.rank), _describe_rank(peer)
+    if outcome.yielded:
+        if outcome.rank < peer:
+            return f"yielding: peer's data ({theirs}) is newer than ours ({ours})"
+        return f"yielding: peer's data ({theirs}) is as new as ours ({ours})"
+    if outcome.rank > peer:
+        return f"going ahead: our data ({ours}) is newer than the peer's ({theirs})"
+    return f"going ahead: our data ({ours}) is as new as the peer's ({theirs})"
 
 
 #: Socket monitor events that matter for fast failover.
@@ -90,7 +135,7 @@ class _RateLimitedLog:
         self._last: float | None = None
         self._suppressed = 0
 
-    def log(self, level: int, msg: str, *args: object) -> None:
+    def log(self, level: int, msg: str, *args: object, exc_info: bool = False) -> None:
         now = self._clock()
         if self._last is not None and now - self._last < self._interval:
             self._suppressed += 1
@@ -98,7 +143,7 @@ class _RateLimitedLog:
         if self._suppressed:
             msg += " (%d similar messages suppressed)"
             args = (*args, self._suppressed)
-        self._logger.log(level, msg, *args)
+        self._logger.log(level, msg, *args, exc_info=exc_info)
         self._last = now
         self._suppressed = 0
 
@@ -118,6 +163,13 @@ class BinaryStar:
     frozen peer or a network partition closes no connection; those are still
     detected by the heartbeat alone. Pass False for the heartbeat-only behaviour.
 
+    ``epoch`` is the election epoch to start from (the last one a durable server
+    saved). ``start_wait`` is how long, at least, a server that has not heard its
+    peer since it started waits before a vote may make it active. ``rank``, if
+    given, returns how new our data is; our state messages then carry it and the
+    start-up rules compare it with the peer's. Without it we announce no rank,
+    which the peer reads as ``(0, 0)``, and the Guide's rules apply unchanged.
+
     Create it, register callbacks and voters, then :meth:`start`; :meth:`stop`
     closes everything. An instance is started at most once: a restarted server
     is a new instance, just as it would be a new process.
@@ -135,6 +187,9 @@ class BinaryStar:
         missed: int = 2,
         clock: Callable[[], float] = time.monotonic,
         fast_failover: bool = True,
+        epoch: int = 0,
+        start_wait: float = 0.0,
+        rank: RankSource | None = None,
     ) -> None:
         if not isinstance(ctx, zmq.Context):
             raise TypeError(f"ctx must be a zmq.Context, got {type(ctx).__name__}")
@@ -148,15 +203,25 @@ class BinaryStar:
             raise ValueError(f"local and peer endpoints are both {local_endpoint!r}")
         if not isinstance(fast_failover, bool):
             raise TypeError(f"fast_failover must be a bool, got {type(fast_failover).__name__}")
+        if rank is not None and not callable(rank):
+            raise TypeError(f"rank must be a callable or None, got {type(rank).__name__}")
         self._ctx = ctx
         self._loop = loop
         self._local_endpoint = local_endpoint
         self._peer_endpoint = peer_endpoint
         self._clock = clock
         self._fast_failover = fast_failover
-        # Validates primary/heartbeat/missed; replaced at start() so that the
-        # start-up grace period counts from the moment we begin listening.
-        self._fsm = BinaryStarFSM(primary, clock(), heartbeat=heartbeat, missed=missed)
+        self._rank_source = rank
+        # Validates primary/heartbeat/missed/epoch/start_wait; replaced at start()
+        # so that the start-up grace period counts from the moment we begin listening.
+        self._fsm = BinaryStarFSM(
+            primary,
+            clock(),
+            heartbeat=heartbeat,
+            missed=missed,
+            epoch=epoch,
+            start_wait=start_wait,
+        )
         self._on_active: list[StateCallback] = []
         self._on_passive: list[StateCallback] = []
         self._on_split_brain: list[StateCallback] = []
@@ -176,6 +241,7 @@ class BinaryStar:
         self._disconnects = 0
         self._connects = 0
         self._bad_input_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
+        self._rank_error_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
 
     def __repr__(self) -> str:
         role = "primary" if self.primary else "backup"
@@ -208,6 +274,26 @@ class BinaryStar:
     def peer_epoch(self) -> int:
         """The highest epoch the peer has announced (0 if never, or a Guide peer)."""
         return self._fsm.peer_epoch
+
+    @property
+    def rank(self) -> Rank:
+        """Our data rank as last read from the ``rank`` callable (``(0, 0)`` without one)."""
+        return self._fsm.rank
+
+    @property
+    def peer_rank(self) -> Rank:
+        """The rank in the peer's last state message (``(0, 0)`` if none)."""
+        return self._fsm.peer_rank
+
+    @property
+    def heard_peer(self) -> bool:
+        """Whether the peer has been heard since we started. A server that becomes
+        active without it served on ``start_wait`` alone: its data may be older."""
+        return self._fsm.heard_peer
+
+    @property
+    def start_wait(self) -> float:
+        return self._fsm.start_wait
 
     @property
     def last_peer_contact(self) -> float | None:
@@ -324,6 +410,7 @@ class BinaryStar:
         """
         if not self.running:
             return False
+        self._refresh_rank()
         outcome = self._fsm.client_request(self._clock() if now is None else now)
         self._react(outcome)
         return outcome.accepted
@@ -337,9 +424,16 @@ class BinaryStar:
                 raise RuntimeError("a stopped BinaryStar cannot be restarted; create a new one")
             return
         self._started = True
+        old = self._fsm
         self._fsm = BinaryStarFSM(
-            self._fsm.primary, self._clock(), heartbeat=self._fsm.heartbeat, missed=self._fsm.missed
+            old.primary,
+            self._clock(),
+            heartbeat=old.heartbeat,
+            missed=old.missed,
+            epoch=old.epoch,
+            start_wait=old.start_wait,
         )
+        self._refresh_rank()
         try:
             pub = self._ctx.socket(zmq.PUB)
             self._pub = pub
@@ -363,13 +457,17 @@ class BinaryStar:
         if self._monitor is not None:
             self._monitor.on_recv(self._on_monitor_event)
         log.info(
-            "binary star %s starting: publishing at %s, peer at %s, heartbeat %.3f s x %d%s",
+            "binary star %s starting: publishing at %s, peer at %s, heartbeat %.3f s x %d%s,"
+            " epoch %d, %s, waiting at least %.3f s for the peer",
             "primary" if self.primary else "backup",
             self._local_endpoint,
             self._peer_endpoint,
             self.heartbeat,
             self.missed,
             ", fast failover on a lost connection" if self._fast_failover else "",
+            self.epoch,
+            "no data rank" if self._rank_source is None else _describe_rank(self.rank),
+            max(self.start_wait, self.heartbeat * self.missed),
         )
         self._publish()
         self._next_tick = self._loop.time() + self.heartbeat
@@ -440,20 +538,23 @@ class BinaryStar:
             self._malformed += 1
             self._bad_input_log.log(logging.WARNING, "dropped state message: %s", exc)
             return
+        self._refresh_rank()
         now = self._clock()
         was_silent = self._fsm.peer_state is None or not self._fsm.peer_alive(now)
         try:
-            outcome = self._fsm.receive_peer_state(report.state, now, report.epoch)
+            outcome = self._fsm.receive_peer_state(report.state, now, report.epoch, report.rank)
         except BinaryStarError as exc:
             self._rejected += 1
             self._bad_input_log.log(logging.ERROR, "rejected peer state: %s", exc)
             return
         if was_silent:
             log.info(
-                "peer at %s heard (%s, epoch %d)",
+                "peer at %s heard (%s, epoch %d, %s; ours: %s)",
                 self._peer_endpoint,
                 report.state.name,
                 report.epoch,
+                _describe_rank(report.rank),
+                _describe_rank(self.rank),
             )
         self._react(outcome)
 
@@ -511,12 +612,14 @@ class BinaryStar:
             )
         if not outcome.changed:
             return
+        verdict = _rank_verdict(outcome)
         log.info(
-            "%s -> %s on %s (epoch %d): %s",
+            "%s -> %s on %s (epoch %d): %s%s",
             outcome.previous.name,
             outcome.state.name,
             outcome.event.name,
             outcome.epoch,
+            verdict + "; " if verdict is not None else "",
             outcome.why,
         )
         # Tell the peer now instead of at the next tick: it settles faster.
@@ -526,11 +629,30 @@ class BinaryStar:
         elif outcome.became_passive:
             self._fire(self._on_passive, "on_passive")
 
+    def _refresh_rank(self) -> None:
+        """Read the application's rank into the state machine, before an input or
+        a publication. A failing or bad rank source keeps the last good rank."""
+        if self._rank_source is None:
+            return
+        try:
+            self._fsm.set_rank(check_wire_rank(self._rank_source()))
+        except Exception:
+            self._callback_errors += 1
+            self._rank_error_log.log(
+                logging.ERROR,
+                "rank callback %r failed; keeping %s",
+                self._rank_source,
+                _describe_rank(self.rank),
+                exc_info=True,
+            )
+
     def _publish(self) -> None:
         if self._pub is None:
             return
+        self._refresh_rank()
+        rank = None if self._rank_source is None else self.rank
         try:
-            self._pub.send_multipart(encode_state(self.state, self.epoch), zmq.NOBLOCK)
+            self._pub.send_multipart(encode_state(self.state, self.epoch, rank), zmq.NOBLOCK)
         except zmq.Again:
             # PUB drops rather than blocks; nothing to do until the next tick.
             return
