@@ -169,10 +169,20 @@ def read_position(conn: sqlite3.Connection, path: Path) -> tuple[int, int]:
 
 
 def connect_readonly(path: Path) -> sqlite3.Connection:
-    """A read-only connection to ``path`` (a check or a copy never writes to it)."""
+    """A connection to ``path`` that never writes to it (a check or a copy).
+
+    Not ``mode=ro``: a read-only connection to a WAL-mode file leaves behind the
+    ``-wal``/``-shm`` files it had to create; ``query_only`` stops our writes
+    while SQLite may still tidy those away on close.
+    """
     precheck_file(path)
     try:
-        return sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True,
-                               isolation_level=None)
+        conn = sqlite3.connect(path, isolation_level=None)
     except sqlite3.Error as exc:
         raise translate(exc, path, "opening") from exc
+    try:
+        conn.execute("PRAGMA query_only = 1")
+    except sqlite3.Error as exc:
+        conn.close()
+        raise translate(exc, path, "opening") from exc
+    return conn
