@@ -619,8 +619,9 @@ class BinaryStarFSM:
         connections at once, long before ``missed`` heartbeats have gone by. The
         peer counts as dead from ``now`` until it is heard again (or the
         connection is back, see :meth:`peer_connected`); the state does not change,
-        a vote is still needed to fail over. Returns True if this made a live peer
-        count as dead. A disconnect older than the last message heard is stale
+        a vote is still needed to fail over (and before the peer was ever heard,
+        not before ``start_wait``). Returns True if this made a live peer count
+        as dead. A disconnect older than the last message heard is stale
         news and is ignored.
         """
         contact = self._last_peer_contact
@@ -629,7 +630,8 @@ class BinaryStarFSM:
         was_alive = self.peer_alive(now)
         if self._peer_lost_at is None or now < self._peer_lost_at:
             self._peer_lost_at = now
-        return was_alive
+        # Before the first contact the start wait still holds the peer alive.
+        return was_alive and not self.peer_alive(now)
 
     def peer_connected(self, now: float) -> None:
         """A connection to the peer endpoint was (re)established at ``now``.

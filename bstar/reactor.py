@@ -586,6 +586,15 @@ class BinaryStar:
             return
         now = self._clock()
         self._fsm.peer_disconnected(now)
+        if self._fsm.peer_alive(now):
+            # Never heard and still within the start wait: the peer may be booting.
+            log.info(
+                "peer connection lost: %s closed before the peer was heard; waiting for it"
+                " until the start wait ends in %.3f s",
+                self._peer_endpoint,
+                self._fsm.peer_expiry - now,
+            )
+            return
         self._fsm.check_expiry(now)  # counted now; the heartbeat must not log it again
         log.info(
             "peer connection lost: %s closed; presumed dead; in state %s, %s",
