@@ -17,6 +17,7 @@ The methods are meant for one thread (the reactor's), except
 from __future__ import annotations
 
 import enum
+import gc
 import logging
 import os
 import sqlite3
@@ -193,10 +194,16 @@ class Storage:
     def load(self) -> Loaded:
         """Read the whole state and log (once, at start)."""
         conn = self._live()
+        # A million new tuples are each tracked by the garbage collector until a
+        # collection looks at them; the collections those allocations trigger
+        # walk the growing dict again and again, which doubled the load time.
+        # One load at start: pause the collector for it (the next collection
+        # untracks the tuples, as they hold only bytes).
+        collecting = gc.isenabled()
+        gc.disable()
         try:
             cur = conn.cursor()
             cur.row_factory = None
-            cur.arraysize = 4096
             # Straight from the cursor: no intermediate list of a million rows.
             entries: dict[bytes, Entry] = {
                 key: (seq, uuid, props, body)
@@ -211,6 +218,9 @@ class Storage:
             sequence, term = read_position(conn, self._db_path)
         except sqlite3.Error as exc:
             raise translate(exc, self._db_path, "loading") from exc
+        finally:
+            if collecting:
+                gc.enable()
         return Loaded(entries, sequence, term, history)
 
     # -- writing -------------------------------------------------------------
