@@ -305,7 +305,7 @@ TRANSITIONS: Final[Mapping[tuple[State, Event], Rule]] = MappingProxyType(
         # BACKUP: configured backup, peer not heard yet.
         (_B, Event.PEER_PRIMARY): Rule(
             _A,
-            "both starting: the newer data serves; on equal data the primary, so wait for it",
+            "both starting: the newer data serves; on equal data the primary",
             yield_state=_B,
             tie_break=TieBreak.RANK,
         ),

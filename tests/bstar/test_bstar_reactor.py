@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 import zmq
@@ -49,6 +50,7 @@ class Node:
         local: str,
         peer: str,
         fast_failover: bool = True,
+        **options: Any,
     ) -> None:
         self.name = "primary" if primary else "backup"
         self.star = BinaryStar(
@@ -60,6 +62,7 @@ class Node:
             heartbeat=HEARTBEAT,
             missed=MISSED,
             fast_failover=fast_failover,
+            **options,
         )
         self.fired: list[str] = []
         self.star.on_active(lambda: self.fired.append("active"))
@@ -84,9 +87,15 @@ class Cluster:
         self.streams: list[ZMQStream] = []
 
     def node(
-        self, primary: bool, local: str, peer: str, start: bool = True, fast_failover: bool = True
+        self,
+        primary: bool,
+        local: str,
+        peer: str,
+        start: bool = True,
+        fast_failover: bool = True,
+        **options: Any,
     ) -> Node:
-        node = Node(self.ctx, self.loop, primary, local, peer, fast_failover)
+        node = Node(self.ctx, self.loop, primary, local, peer, fast_failover, **options)
         self.nodes.append(node)
         if start:
             node.star.start()
@@ -190,6 +199,81 @@ def test_pair_comes_up_primary_active_backup_passive(ctx: zmq.Context, loop: IOL
             assert primary.star.peer_state is S and backup.star.peer_state is A
             assert (primary.star.epoch, backup.star.epoch) == (1, 0)
             assert (primary.star.peer_epoch, backup.star.peer_epoch) == (0, 1)
+        finally:
+            cluster.close()
+
+    run(loop, scenario)
+
+
+def test_cold_start_backup_with_newer_data_serves(ctx: zmq.Context, loop: IOLoop) -> None:
+    """Both restart together from disk; the backup's data is newer, so it serves
+    and the primary stands by, whatever the configured roles say."""
+    pa, pb = (_endpoint(p) for p in free_ports(2))
+    ranks = {"primary": (5, 120), "backup": (6, 3)}
+    reads = {"primary": 0, "backup": 0}
+
+    def source(name: str) -> Callable[[], tuple[int, int]]:
+        def rank() -> tuple[int, int]:
+            reads[name] += 1
+            return ranks[name]
+
+        return rank
+
+    async def scenario() -> None:
+        cluster = Cluster(ctx, loop)
+        try:
+            primary = cluster.node(
+                True, pa, pb, start=False, epoch=5, start_wait=2.0, rank=source("primary")
+            )
+            backup = cluster.node(
+                False, pb, pa, start=False, epoch=6, start_wait=2.0, rank=source("backup")
+            )
+            primary.star.start()
+            backup.star.start()
+            await cluster.wait_until(
+                lambda: (primary.star.state, backup.star.state) == (S, A),
+                "backup ACTIVE, primary PASSIVE",
+            )
+            await cluster.settle()
+            assert (primary.star.state, backup.star.state) == (S, A)
+            assert primary.fired == ["passive"]
+            assert backup.fired == ["active"]
+            assert backup.star.epoch == 7, "the new election outbids the saved epochs"
+            assert primary.star.peer_rank == (6, 3) and backup.star.peer_rank == (5, 120)
+            assert primary.star.rank == (5, 120) and backup.star.rank == (6, 3)
+            assert primary.star.heard_peer and backup.star.heard_peer
+            assert reads["primary"] > 1 and reads["backup"] > 1, "read at every publication"
+            for node in (primary, backup):
+                assert node.star.counters.fsm.split_brain_count == 0
+                assert node.star.counters.callback_errors == 0
+        finally:
+            cluster.close()
+
+    run(loop, scenario)
+
+
+def test_lone_primary_waits_out_the_start_wait_although_the_peer_is_down(
+    ctx: zmq.Context, loop: IOLoop
+) -> None:
+    """Nobody listens at the peer endpoint: the primary still refuses votes for
+    the whole start wait (the peer may be booting with newer data), then serves."""
+    pa, pb = (_endpoint(p) for p in free_ports(2))
+    start_wait = 8 * HEARTBEAT  # well past the heartbeat expiry (3 heartbeats)
+
+    async def scenario() -> None:
+        cluster = Cluster(ctx, loop)
+        try:
+            primary = cluster.node(True, pa, pb, start_wait=start_wait, rank=lambda: (2, 9))
+            started = time.monotonic()
+            await asyncio.sleep(HEARTBEAT * MISSED * 2)
+            assert not primary.star.accept_vote(), "accepted before the start wait ended"
+            assert primary.star.state is P and not primary.star.heard_peer
+            await cluster.wait_until(
+                lambda: primary.star.accept_vote(), "a vote accepted after the start wait"
+            )
+            assert time.monotonic() - started >= start_wait
+            assert primary.star.state is A and primary.fired == ["active"]
+            assert not primary.star.heard_peer
         finally:
             cluster.close()
 
