@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from clone.wire.protocol import COLLECTOR_OFFSET
 
 __all__ = [
+    "non_negative_float",
     "non_negative_int",
     "normalize_endpoint",
     "normalize_endpoints",
@@ -43,6 +44,13 @@ def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 
 

@@ -25,6 +25,7 @@ from zmq.eventloop.zmqstream import ZMQStream
 from clone.ratelimit import Throttle
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import ServerCore
+from clone.server.delta import DeltaStream
 from clone.server.snapshot import SnapshotStream
 from clone.server.votes import DeferredVotes
 from clone.wire.frames import cap_message_size
@@ -32,8 +33,12 @@ from clone.wire.protocol import MAX_HEARTBEAT_MS
 
 if TYPE_CHECKING:
     from bstar.reactor import BinaryStar
+    from clone.storage import Storage
 
-__all__ = ["ServerBase"]
+__all__ = ["AnyStream", "ServerBase"]
+
+#: A reply being streamed from the snapshot port: the state, or a catch-up.
+AnyStream = SnapshotStream | DeltaStream
 
 # One logger for the whole reactor, whichever module a line comes from: operators
 # filter on it, and the tests read its lines.
@@ -73,7 +78,15 @@ class ServerBase:
         self._ctx: zmq.Context = ctx if ctx is not None else zmq.Context()
         self._clock = clock
         self._wallclock = wallclock
-        self.core = ServerCore(config.core, standalone=config.mode is ServerMode.STANDALONE)
+        self.core = ServerCore(
+            config.core,
+            standalone=config.mode is ServerMode.STANDALONE,
+            durable=config.data_dir is not None,
+        )
+        # The data directory (clone.server.durability), open while serving.
+        self._storage: Storage | None = None
+        self._data_term = 0  # the term our stored data was last written under
+        self._storage_error: BaseException | None = None  # set once: fail-stop
         self._loop: IOLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -85,16 +98,16 @@ class ServerBase:
         self._pub: zmq.Socket | None = None
         self._collector: zmq.Socket | None = None
         self._ha: BinaryStar | None = None  # when paired
-        self._snapshots: dict[SnapshotStream, float] = {}  # stream -> last progress
+        self._snapshots: dict[AnyStream, float] = {}  # stream -> last progress
         # Batched streams: a tracker per KVBATCH that libzmq has not yet written
         # to the connection, oldest first (see _BATCHES_IN_FLIGHT).
-        self._in_flight: dict[SnapshotStream, deque[zmq.MessageTracker]] = {}
+        self._in_flight: dict[AnyStream, deque[zmq.MessageTracker]] = {}
         # Snapshot requests held for a later vote (the policy: clone.server.votes).
         self._deferred = DeferredVotes(
             config.max_deferred_votes, config.effective_deferred_vote_max_age
         )
         self._deferred_timer: object | None = None
-        self._deferred_streams: set[SnapshotStream] = set()  # served from _deferred
+        self._deferred_streams: set[AnyStream] = set()  # served from _deferred
         self._outq: deque[list[bytes]] = deque()
         self._outq_scheduled = False
         self._peer_sub: ZMQStream | None = None
@@ -124,6 +137,8 @@ class ServerBase:
                 "outq_dropped",
                 "sync_timeouts",
                 "internal_errors",
+                "storage_errors",
+                "catchups_served",
             ),
             0,
         )
@@ -176,12 +191,20 @@ class ServerBase:
 
         def _publish(self, frames: list[bytes]) -> None: ...
 
+        def _commit(self) -> list[list[bytes]]: ...
+
+        def _commit_and_publish(self) -> None: ...
+
+        def _record_term(self) -> None: ...
+
+        def request_stop(self) -> None: ...
+
         def _publish_bulk(self, batch: list[list[bytes]]) -> None: ...
 
         def _on_became_active(self) -> None: ...
 
         def _abort_snapshot(
-            self, stream: SnapshotStream, why: str, *, gone: bool = False
+            self, stream: AnyStream, why: str, *, gone: bool = False
         ) -> None: ...
 
         def _recheck_deferred_soon(self) -> None: ...

@@ -16,9 +16,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from clone.argtypes import non_negative_int, positive_float, positive_int
+from clone.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
 from clone.errors import CloneError
-from clone.server.config import ServerConfig, ServerMode
+from clone.server.config import FSYNC_POLICIES, PEER_WAIT_DEFAULT, ServerConfig, ServerMode
 from clone.server.core import CoreSettings
 from clone.server.reactor import CloneServer
 from clone.wire.protocol import (
@@ -153,6 +153,57 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="log a stats line this often at DEBUG (with --verbose); 0 disables",
     )
+    durability = p.add_argument_group(
+        "durability", "the data directory (docs/operations.md, 'Durability')"
+    )
+    where = durability.add_mutually_exclusive_group()
+    where.add_argument(
+        "--data-dir",
+        metavar="DIR",
+        help="keep the state here (default: ./primary.clone, ./backup.clone or"
+        " ./standalone.clone, after the role); two servers must not share one",
+    )
+    where.add_argument(
+        "--in-memory",
+        action="store_true",
+        help="keep nothing on disk: the state is lost when both servers stop",
+    )
+    durability.add_argument(
+        "--fsync",
+        choices=FSYNC_POLICIES,
+        default="batch",
+        help="batch: one fsync per group of updates (default); always: one per update;"
+        " off: none (survives a killed process, not a power cut)",
+    )
+    durability.add_argument(
+        "--history",
+        type=positive_int,
+        default=100_000,
+        metavar="N",
+        help="updates kept for a restarted peer's catch-up (default 100000)",
+    )
+    durability.add_argument(
+        "--history-bytes",
+        type=positive_int,
+        default=64 * 1024 * 1024,
+        metavar="BYTES",
+        help="... and at most this many bytes of them (default 67108864, 64 MiB)",
+    )
+    durability.add_argument(
+        "--peer-wait",
+        type=non_negative_float,
+        default=None,
+        metavar="SECONDS",
+        help="a paired server that has never heard its peer waits this long before it"
+        f" serves its own, possibly older, state (default {PEER_WAIT_DEFAULT:g} with a data"
+        " directory, 0 in memory)",
+    )
+    durability.add_argument(
+        "--restore",
+        metavar="FILE",
+        help="start from a backup written by 'clone backup': it replaces the data"
+        " directory's state (which is moved aside, not deleted)",
+    )
     p.add_argument("--log-file", help="log here instead of stderr")
     p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
     return p
@@ -164,6 +215,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         dedup_window=args.dedup_window,
         pending_max=args.pending_max,
         pending_max_age=args.pending_max_age,
+        history_max=args.history,
+        history_bytes=args.history_bytes,
     )
     common = dict(
         bind=args.bind,
@@ -175,7 +228,18 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         snapshot_chunk=args.snapshot_chunk,
         stats_interval=args.stats_interval,
         core=core,
+        fsync=args.fsync,
+        peer_wait=args.peer_wait,
+        restore=args.restore,
     )
+    role = "standalone" if args.standalone else "primary" if args.primary else "backup"
+    if args.in_memory:
+        if args.restore:
+            raise ValueError("--restore needs a data directory; it cannot go with --in-memory")
+        data_dir = None
+    else:
+        data_dir = args.data_dir or f"{role}.clone"
+    common["data_dir"] = data_dir
     if args.standalone:
         return ServerConfig(
             port=DEFAULT_PRIMARY_PORT if args.port is None else args.port,
@@ -222,6 +286,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.run(handle_signals=True)
     except (CloneError, OSError) as exc:
         log.error("%s", exc)
+        return 1
+    if server.failed is not None:
         return 1
     return 0
 

@@ -13,7 +13,13 @@ from dataclasses import dataclass, field
 from clone.server.core import CoreSettings
 from clone.wire.protocol import DEFAULT_HEARTBEAT_MS, DEFAULT_MISSED_HEARTBEATS
 
-__all__ = ["ServerConfig", "ServerMode"]
+__all__ = ["FSYNC_POLICIES", "PEER_WAIT_DEFAULT", "ServerConfig", "ServerMode"]
+
+#: The ``--fsync`` choices, as clone.storage.FsyncPolicy values.
+FSYNC_POLICIES = ("always", "batch", "off")
+#: Seconds a durable server that has never heard its peer waits before it may
+#: serve its own state (docs/operations.md, "Cold start").
+PEER_WAIT_DEFAULT = 10.0
 
 
 class ServerMode(enum.Enum):
@@ -52,6 +58,16 @@ class ServerConfig:
     deferred_vote_max_age: float = 0.0  # 0: 2 * ha_missed * heartbeat
     stats_interval: float = 60.0
     core: CoreSettings = field(default_factory=CoreSettings)
+    #: Where the state is kept (docs/operations.md, "Durability"); None: in memory only.
+    data_dir: str | None = None
+    #: ``always`` (a commit per update), ``batch`` (one per loop turn) or ``off`` (no fsync).
+    fsync: str = "batch"
+    #: How long a paired server that has never heard its peer waits before it
+    #: may serve its own, possibly older, state.  None: PEER_WAIT_DEFAULT with
+    #: a data directory, 0 (the heartbeat expiry only) without.
+    peer_wait: float | None = None
+    #: A backup file (``clone backup``) to start from; it replaces the data directory's state.
+    restore: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.port <= 65535 - 2:
@@ -68,10 +84,23 @@ class ServerConfig:
         for name in ("snapshot_chunk", "collector_batch", "max_snapshots"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
+        if self.fsync not in FSYNC_POLICIES:
+            choices = ", ".join(FSYNC_POLICIES)
+            raise ValueError(f"fsync must be one of {choices}, not {self.fsync!r}")
+        if self.peer_wait is not None and self.peer_wait < 0:
+            raise ValueError(f"peer_wait must be >= 0, not {self.peer_wait}")
+        if self.restore is not None and self.data_dir is None:
+            raise ValueError("restore needs a data directory (it replaces that directory's state)")
         if self.mode is not ServerMode.STANDALONE:
             missing = [n for n in ("peer", "ha_port", "peer_ha") if getattr(self, n) is None]
             if missing:
                 raise ValueError(f"a {self.mode.value} server needs {', '.join(missing)}")
+
+    @property
+    def effective_peer_wait(self) -> float:
+        if self.peer_wait is not None:
+            return self.peer_wait
+        return PEER_WAIT_DEFAULT if self.data_dir is not None else 0.0
 
     @property
     def effective_sync_timeout(self) -> float:

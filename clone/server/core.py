@@ -36,6 +36,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from clone.errors import IllegalSyncTransition, ProtocolError
+from clone.server.delta import DeltaStream, open_catch_up
+from clone.server.history import History
+from clone.server.journal import Journal
 from clone.server.pending import PendingList, PendingUpdate, UuidWindow, update_id
 from clone.server.snapshot import SnapshotStream
 from clone.server.store import Entry, Store
@@ -53,6 +56,7 @@ from clone.wire.codec import (
     encode_hugz,
     encode_kv,
 )
+from clone.wire.delta import SinceRequest, decode_kvdelta, is_kvdelta, update_digest
 from clone.wire.protocol import TTL_PROPERTY
 
 __all__ = [
@@ -135,6 +139,9 @@ COUNTERS = (
     "sync_buffer_overflow",
     "syncs_started",
     "syncs_completed",
+    "syncs_full",
+    "syncs_catchup",
+    "catchup_updates_received",
     "snapshot_entries_received",
     "pending_applied",
     "pending_skipped",
@@ -156,9 +163,19 @@ class CoreSettings:
     pending_max_age: float = 30.0
     sync_buffer_max: int = 200_000
     expiry_batch: int = 10_000
+    #: The update history kept for catch-up (docs/operations.md, "Durability").
+    history_max: int = 100_000
+    history_bytes: int = 64 * 1024 * 1024
 
     def __post_init__(self) -> None:
-        for name in ("dedup_window", "pending_max", "sync_buffer_max", "expiry_batch"):
+        for name in (
+            "dedup_window",
+            "pending_max",
+            "sync_buffer_max",
+            "expiry_batch",
+            "history_max",
+            "history_bytes",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
         if self.pending_max_age <= 0:
@@ -168,9 +185,23 @@ class CoreSettings:
 class ServerCore:
     """One server's state and rules.  Not thread-safe: one reactor drives it."""
 
-    def __init__(self, settings: CoreSettings | None = None, *, standalone: bool = False) -> None:
+    def __init__(
+        self,
+        settings: CoreSettings | None = None,
+        *,
+        standalone: bool = False,
+        durable: bool = False,
+    ) -> None:
         self.settings = settings or CoreSettings()
         self.store = Store()
+        #: Every change to the state since the reactor last committed it, in
+        #: order (snapshot staging only when ``durable``: there is a database).
+        self.journal = Journal(stage=durable)
+        #: The most recent updates, for a peer's catch-up (clone.server.delta).
+        self.history = History(self.settings.history_max, self.settings.history_bytes)
+        #: The term (Binary Star epoch) updates are recorded under; the reactor
+        #: sets it on every role change.
+        self.term = 0
         self.window = UuidWindow(self.settings.dedup_window)
         self.pending = PendingList(self.settings.pending_max, self.settings.pending_max_age)
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
@@ -179,8 +210,14 @@ class ServerCore:
         #: The highest sequence seen anywhere (own store, peer KVPUB/HUGZ/KTHXBAI).
         self.highest_seen = 0
         self._staging: dict[bytes, Entry] = {}
-        self._buffer: list[KVMsg] = []
+        self._buffer: list[tuple[KVMsg, Sequence[bytes]]] = []
         self._buffer_overflowed = False
+        # This sync: a catch-up (KVDELTA came first) rather than a full
+        # snapshot; and whether the database's staging area was emptied yet.
+        self._delta = False
+        self._staging_begun = False
+        #: What the last completed sync was: "full" (a snapshot) or "catch-up".
+        self.last_sync = ""
         # The ids the active said it applied up to this sync's snapshot, and the
         # arrival time before which a pending update may predate that list;
         # None until a KVAPPLIED of the current sync arrives.
@@ -217,6 +254,7 @@ class ServerCore:
             if uuid:
                 self.window.add(uuid, now)
             c["kvpub_published"] += 1
+            self._record(out)
             return out
         # Passive or starting: validate now, so promotion cannot fail on it.
         if msg.properties:
@@ -256,12 +294,15 @@ class ServerCore:
         batch: bool = False,
         applied: bool = False,
         now: float = 0.0,
-    ) -> SnapshotStream:
+        since: SinceRequest | None = None,
+    ) -> SnapshotStream | DeltaStream:
         """Start streaming the current state under ``subtree`` to ``identity``.
 
         ``batch``: the requester negotiated KVBATCH (:mod:`clone.wire.batch`).
         ``applied``: it asked for the applied-update list (:mod:`clone.wire.applied`),
-        which then goes first, as of ``now``.
+        which then goes first, as of ``now``.  ``since``: it holds our state
+        up to a sequence and asks only for what followed (:mod:`clone.wire.delta`);
+        it gets that if the history still reaches back to it, else the whole state.
         """
         preamble: list[list[bytes]] = []
         if applied:
@@ -269,6 +310,10 @@ class ServerCore:
             preamble = encode_kvapplied(
                 self.store.sequence, uuid_ids(window.ids()), window.span(now)
             )
+        if since is not None and not subtree:
+            delta = open_catch_up(self.history, since, identity, self.store.sequence, preamble)
+            if delta is not None:
+                return delta
         return SnapshotStream(identity, subtree, self.store, batch=batch, preamble=preamble)
 
     def hugz(self, heartbeat_ms: int | None = None) -> list[bytes]:
@@ -311,6 +356,7 @@ class ServerCore:
                 continue
             if msg.uuid:
                 self.window.add(msg.uuid, now)
+            self._record(pub)
             out.append(pub)
         c["pending_applied"] += len(out)
         c["kvpub_published"] += len(out)
@@ -332,7 +378,26 @@ class ServerCore:
         self._staging = {}
         self._buffer = []
         self._buffer_overflowed = False
+        self._delta = False
+        self._staging_begun = False
         self._forget_peer_applied()
+
+    def catch_up_request(self) -> SinceRequest | None:
+        """What to ask the active for instead of a full snapshot, if anything.
+
+        Our state up to our sequence, named by the digest of its last update
+        (:mod:`clone.wire.delta`): the active sends only what follows, if its
+        history reaches back to it and holds the same update there.  None (a
+        full snapshot) when we hold nothing, or not the last update itself
+        (after a full snapshot, until the next update).
+        """
+        seq = self.store.sequence
+        if seq == 0:
+            return None
+        held = self.history.entry(seq)
+        if held is None:
+            return None
+        return SinceRequest(seq, update_digest(held[0]))
 
     def on_peer_update(self, frames: Sequence[bytes], now: float) -> FollowOutcome:
         """A KVPUB or HUGZ from the active peer's publisher, received at ``now``."""
@@ -363,7 +428,7 @@ class ServerCore:
             return self._follow(msg, now, frames)
         if state is SyncState.SYNCING:
             if len(self._buffer) < self.settings.sync_buffer_max:
-                self._buffer.append(msg)
+                self._buffer.append((msg, frames))
             elif not self._buffer_overflowed:
                 # The replay will hit a gap and resync; better than unbounded memory.
                 self._buffer_overflowed = True
@@ -378,11 +443,16 @@ class ServerCore:
             c["peer_ignored"] += 1
             return FollowOutcome.OK
         if is_kvbatch(frames):
+            if self._delta:
+                c["peer_invalid"] += 1
+                raise ProtocolError("KVBATCH in a catch-up (KVDELTA) reply")
             self._stage_batch(frames)
             return FollowOutcome.OK
         if is_kvapplied(frames):
             self._note_peer_applied(frames, now)
             return FollowOutcome.OK
+        if is_kvdelta(frames):
+            return self._begin_delta(frames)
         try:
             msg = decode_snapshot_reply(frames)
         except ProtocolError:
@@ -392,25 +462,85 @@ class ServerCore:
             if msg.subtree:
                 c["peer_invalid"] += 1
                 raise ProtocolError(f"KTHXBAI for subtree {msg.subtree!r}, we asked for all")
-            self.store.replace(self._staging, msg.sequence)
-            self._staging = {}
-            if msg.sequence > self.highest_seen:
-                self.highest_seen = msg.sequence
-            if not self._replay_buffer(msg.sequence, now):
-                c["peer_gaps"] += 1
-                return FollowOutcome.RESYNC
-            self._reconcile_pending(now)
-            self._sync(SyncEvent.SNAPSHOT_DONE)
-            c["syncs_completed"] += 1
-            return FollowOutcome.SYNCED
+            return self._end_sync(msg.sequence, now)
+        if self._delta:
+            return self._catch_up(msg, frames, now)
         c["snapshot_entries_received"] += 1
         if msg.body:
             # Stored as received (decoded once, to validate): see clone.server.store.
-            self._staging[frames[0]] = (frames[1], frames[2], frames[3], frames[4])
+            entry = (frames[1], frames[2], frames[3], frames[4])
+            self._staging[frames[0]] = entry
+            if self.journal.stages:
+                self._begin_staging()
+                self.journal.stage(((frames[0], entry),))
         if msg.uuid:
             # The active applied it: the client's direct copy is no longer pending.
             self.pending.confirm(msg.uuid)
         return FollowOutcome.OK
+
+    def _begin_staging(self) -> None:
+        """The first entry of a full snapshot: the database empties its staging area."""
+        if not self._staging_begun:
+            self._staging_begun = True
+            self.journal.begin_replace()
+
+    def _begin_delta(self, frames: Sequence[bytes]) -> FollowOutcome:
+        """KVDELTA: the active sends only what follows our sequence (a catch-up)."""
+        c = self.counters
+        try:
+            after = decode_kvdelta(frames)
+        except ProtocolError:
+            c["peer_invalid"] += 1
+            raise
+        if self._delta or self._staging or self._staging_begun:
+            c["peer_invalid"] += 1
+            raise ProtocolError("KVDELTA after the snapshot's first entry")
+        if after != self.store.sequence:
+            # Not what we asked for: start over with a plain request.
+            c["peer_gaps"] += 1
+            return FollowOutcome.RESYNC
+        self._delta = True
+        return FollowOutcome.OK
+
+    def _catch_up(self, msg: KVMsg, frames: Sequence[bytes], now: float) -> FollowOutcome:
+        """One update of a catch-up: applied in place, in strict order, like a KVPUB.
+
+        Our state stays a prefix of the active's history after every one, so a
+        catch-up cut short leaves a whole (older) state, not a mix.
+        """
+        self.counters["catchup_updates_received"] += 1
+        if msg.sequence > self.highest_seen:
+            self.highest_seen = msg.sequence
+        return self._follow(msg, now, frames)
+
+    def _end_sync(self, sequence: int, now: float) -> FollowOutcome:
+        """KTHXBAI: swap in the snapshot (or finish the catch-up), replay the buffer."""
+        c = self.counters
+        if self._delta:
+            if self.store.sequence != sequence:
+                c["peer_gaps"] += 1
+                return FollowOutcome.RESYNC
+            c["syncs_catchup"] += 1
+            self.last_sync = "catch-up"
+        else:
+            self.store.replace(self._staging, sequence)
+            self._staging = {}
+            self.history.reset(sequence)
+            if self.journal.stages:
+                self._begin_staging()  # an empty snapshot stages nothing
+            self.journal.replace(sequence)
+            c["syncs_full"] += 1
+            self.last_sync = "full"
+        self._delta = False
+        if sequence > self.highest_seen:
+            self.highest_seen = sequence
+        if not self._replay_buffer(sequence, now):
+            c["peer_gaps"] += 1
+            return FollowOutcome.RESYNC
+        self._reconcile_pending(now)
+        self._sync(SyncEvent.SNAPSHOT_DONE)
+        c["syncs_completed"] += 1
+        return FollowOutcome.SYNCED
 
     def _stage_batch(self, frames: Sequence[bytes]) -> None:
         """A KVBATCH of the snapshot we asked for: stage its entries as KVSYNCs."""
@@ -425,7 +555,13 @@ class ServerCore:
             batch.sequence_frames(), batch.uuids, batch.raw_properties, batch.bodies, strict=True
         )
         entries = zip(batch.raw_keys, values, strict=True)
-        if all(batch.bodies):
+        if self.journal.stages:
+            # The database stages the same entries (an in-memory server skips this list).
+            kept = [kv for kv in entries if kv[1][3]]
+            self._staging.update(kept)
+            self._begin_staging()
+            self.journal.stage(kept)
+        elif all(batch.bodies):
             self._staging.update(entries)
         else:
             self._staging.update(kv for kv in entries if kv[1][3])
@@ -511,7 +647,10 @@ class ServerCore:
         self.counters["expired"] += len(deletes)
         self.counters["kvpub_published"] += len(deletes)
         self.highest_seen = self.store.sequence
-        return [encode_kv(m) for m in deletes]
+        out = [encode_kv(m) for m in deletes]
+        for frames in out:
+            self._record(frames)
+        return out
 
     def expiry_due(self, now: float) -> bool:
         deadline = self.store.next_deadline()
@@ -546,9 +685,7 @@ class ServerCore:
                 f"sync event {event.name} is not allowed in state {self.sync_state.name}"
             ) from None
 
-    def _follow(
-        self, msg: KVMsg, now: float, frames: Sequence[bytes] | None = None
-    ) -> FollowOutcome:
+    def _follow(self, msg: KVMsg, now: float, frames: Sequence[bytes]) -> FollowOutcome:
         store = self.store
         expected = store.sequence + 1
         if msg.sequence < expected:
@@ -558,6 +695,7 @@ class ServerCore:
             self.counters["peer_gaps"] += 1
             return FollowOutcome.RESYNC
         store.apply_published(msg, frames)
+        self._record(list(frames))
         uid = update_id(msg)
         self.pending.confirm(uid)
         if msg.uuid:
@@ -569,7 +707,7 @@ class ServerCore:
         buffered, self._buffer = self._buffer, []
         overflowed, self._buffer_overflowed = self._buffer_overflowed, False
         store = self.store
-        for msg in buffered:
+        for msg, frames in buffered:
             if msg.sequence <= after:
                 # Already in the snapshot, but it still confirms a pending update.
                 self.pending.confirm(update_id(msg))
@@ -578,5 +716,38 @@ class ServerCore:
                 continue
             if msg.sequence != store.sequence + 1:
                 return False
-            self._follow(msg, now)
+            self._follow(msg, now, frames)
         return not overflowed
+
+    def _record(self, frames: list[bytes]) -> None:
+        """An update was applied: into the history and the journal."""
+        self.history.append(frames, self.term)
+        self.journal.update(frames)
+
+    # -- a restart -----------------------------------------------------------
+
+    def load(
+        self,
+        entries: dict[bytes, Entry],
+        sequence: int,
+        history: Sequence[tuple[list[bytes], int, float]],
+    ) -> None:
+        """Start from the state a data directory held (before serving anything).
+
+        The update log becomes the history (what a peer's catch-up is served
+        from) and its ids the deduplication window, so a client's resend of
+        a write confirmed before the restart is still recognised.
+        """
+        self.store.replace(entries, sequence)
+        if history:
+            self.history.reset(int.from_bytes(history[0][0][1], "big") - 1)
+            self.history.load(history)
+        if self.history.last != sequence:
+            # A log that does not end at the state's sequence describes some
+            # other state: serve no catch-up from it.
+            self.history.reset(sequence)
+        window = self.window
+        for frames, _term, at in history:
+            if frames[2]:
+                window.add(frames[2], at)
+        self.highest_seen = max(self.highest_seen, sequence)

@@ -22,6 +22,7 @@ from clone.server.base import TURN_BUDGET, ServerBase, log
 from clone.server.core import FollowOutcome, Role, SyncState
 from clone.wire.batch import is_kvbatch
 from clone.wire.codec import encode_icanhaz
+from clone.wire.delta import since_metadata
 from clone.wire.frames import MAX_SYNC_FRAME_BYTES, cap_message_size, recv_frames
 from clone.wire.protocol import (
     APPLIED_METADATA,
@@ -50,10 +51,25 @@ class FollowingMixin(ServerBase):
         was = core.role
         taken = self._take_peer_backlog()
         self._take_collector_backlog()
+        # What the old active sent is written under its term, before ours starts.
+        self._commit()
         pending = len(core.pending)
-        batch = core.become_active(self._wallclock())
+        assert self._ha is not None
+        heard = self._ha.heard_peer
+        core.term = self._ha.epoch
+        core.become_active(self._wallclock())
+        self._record_term()
+        batch = self._commit()
         self._close_peer()
         self._publish_bulk(batch)
+        if not heard:
+            log.warning(
+                "serving without having heard the peer since we started (%.1f s of"
+                " --peer-wait): our state (term %d, sequence %d) may be older than the peer's",
+                self.config.effective_peer_wait,
+                self._data_term,
+                core.store.sequence,
+            )
         log.warning(
             "now ACTIVE (was %s): serving at sequence %d, %d keys; published %d of %d "
             "pending updates; took %d updates the old active had sent",
@@ -128,6 +144,8 @@ class FollowingMixin(ServerBase):
         core = self.core
         was = core.role
         core.become_passive()
+        if self._ha is not None:
+            core.term = self._ha.peer_epoch
         for stream in list(self._snapshots):
             self._abort_snapshot(stream, "server became passive")
         if self._outq:
@@ -164,6 +182,10 @@ class FollowingMixin(ServerBase):
             dealer.setsockopt(zmq.METADATA, BATCH_METADATA)
             # ... and for the ids it applied, to reconcile our pending list.
             dealer.setsockopt(zmq.METADATA, APPLIED_METADATA)
+            # ... and, holding a state, only for what followed it (a catch-up).
+            since = self.core.catch_up_request()
+            if since is not None:
+                dealer.setsockopt(zmq.METADATA, since_metadata(since.sequence, since.digest))
             cap_message_size(dealer, MAX_SYNC_FRAME_BYTES)
         except zmq.ZMQError:  # a libzmq older than 4.3: the standard stream
             log.debug("this libzmq cannot send ZMTP metadata; syncing without KVBATCH")
@@ -195,7 +217,16 @@ class FollowingMixin(ServerBase):
         self._request_snapshot()
 
     def _on_peer_update(self, frames: list[bytes]) -> None:
+        """KVPUBs from the active: apply in order, then journal them in one commit."""
+        try:
+            self._follow_updates(frames)
+        finally:
+            self._commit()
+
+    def _follow_updates(self, frames: list[bytes]) -> None:
         sub = self._peer_sub
+        if self._ha is not None:
+            self.core.term = self._ha.peer_epoch
         core = self.core
         stop_at = self._clock() + TURN_BUDGET
         now = self._wallclock()
@@ -230,7 +261,16 @@ class FollowingMixin(ServerBase):
                 return
 
     def _on_sync_reply(self, frames: list[bytes]) -> None:
+        """A turn of the snapshot (or catch-up) we asked for, then its commit."""
+        try:
+            self._take_sync_reply(frames)
+        finally:
+            self._commit()
+
+    def _take_sync_reply(self, frames: list[bytes]) -> None:
         dealer = self._peer_dealer
+        if self._ha is not None:
+            self.core.term = self._ha.peer_epoch
         core = self.core
         self._sync_progress = stop_at = self._clock()
         stop_at += TURN_BUDGET
@@ -246,8 +286,9 @@ class FollowingMixin(ServerBase):
                 outcome = FollowOutcome.OK
             if outcome is FollowOutcome.SYNCED:
                 log.info(
-                    "synced from %s: %d keys at sequence %d in %.2f s",
+                    "synced from %s (%s): %d keys at sequence %d in %.2f s",
                     self.config.peer,
+                    core.last_sync,
                     len(core.store),
                     core.store.sequence,
                     self._clock() - self._sync_started,

@@ -35,6 +35,7 @@ from clone.errors import ProtocolError, ServerStartError
 from clone.server.base import TURN_BUDGET, log
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import Role
+from clone.server.durability import DurabilityMixin
 from clone.server.following import FollowingMixin
 from clone.server.publishing import PublishingMixin
 from clone.server.serving import ServingMixin
@@ -52,7 +53,7 @@ def _tcp(host_port: str) -> str:
     return host_port if "://" in host_port else f"tcp://{host_port}"
 
 
-class CloneServer(ServingMixin, FollowingMixin, PublishingMixin):
+class CloneServer(ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin):
     """One member of a Clone server pair (or a standalone server).
 
     ``run()`` serves in the calling thread until :meth:`stop`; ``start()`` runs
@@ -83,6 +84,7 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin):
         loop = IOLoop(make_current=False)
         self._loop = loop
         try:
+            self._open_storage()
             self._setup()
         except BaseException as exc:
             self._start_error = exc
@@ -109,6 +111,12 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin):
             if self._own_ctx:
                 self._ctx.term()
             log.info("server stopped")
+
+    @property
+    def failed(self) -> BaseException | None:
+        """Why the server stopped on its own (a write to the data directory
+        failed), or None."""
+        return self._storage_error
 
     def start(self, timeout: float = 10.0) -> None:
         """Run in a background thread; return once bound (or raise why not)."""
@@ -211,6 +219,9 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin):
                 heartbeat=cfg.heartbeat,
                 missed=cfg.ha_missed,
                 clock=self._clock,
+                epoch=self._data_term,
+                start_wait=cfg.effective_peer_wait,
+                rank=self._rank if cfg.data_dir is not None else None,
             )
             ha.on_active(self._on_became_active)
             ha.on_passive(self._on_became_passive)
@@ -274,6 +285,7 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin):
         for sock in (self._router, self._pub, self._collector):
             if sock is not None and not sock.closed:
                 sock.close(linger=0)
+        self._close_storage()
 
     # -- timers --------------------------------------------------------------
 
@@ -309,8 +321,8 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin):
         delay = _HOUSEKEEPING
         try:
             now = self._wallclock()
-            for frames in self.core.tick(now):
-                self._publish(frames)
+            self.core.tick(now)
+            self._commit_and_publish()
             if self.core.expiry_due(now):
                 delay = 0.0  # more due than one batch: continue next turn
             self._check_sync_timeout()
@@ -338,22 +350,25 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin):
     # -- the collector: client updates ---------------------------------------
 
     def _on_collector(self, frames: list[bytes]) -> None:
+        """A batch of client updates: apply, commit them in one transaction, publish."""
+        try:
+            self._drain_collector(frames)
+        finally:
+            self._commit_and_publish()
+
+    def _drain_collector(self, frames: list[bytes]) -> None:
         core = self.core
         sock = self._collector
         assert sock is not None
         wallclock = self._wallclock
-        publish = self._publish
         clock = self._clock
         stop_at = clock() + TURN_BUDGET
         batch = self.config.collector_batch
         while True:
             try:
-                out = core.on_kvset(frames, wallclock())
+                core.on_kvset(frames, wallclock())
             except ProtocolError as exc:
                 self._throttle.log("kvset", logging.WARNING, "dropped a client update: %s", exc)
-            else:
-                if out is not None:
-                    publish(out)
             batch -= 1
             if self._turn_over(batch, stop_at):
                 return

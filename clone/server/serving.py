@@ -24,9 +24,10 @@ from collections import deque
 import zmq
 
 from clone.errors import ProtocolError
-from clone.server.base import CLOCK_EVERY, TURN_BUDGET, ServerBase, log, who
+from clone.server.base import CLOCK_EVERY, TURN_BUDGET, AnyStream, ServerBase, log, who
 from clone.server.core import Role
-from clone.server.snapshot import SnapshotStream
+from clone.server.delta import DeltaStream
+from clone.wire.delta import SINCE_PROPERTY, SinceRequest, parse_since
 from clone.wire.frames import NOBLOCK, POLLIN, send_frames, send_tracked
 from clone.wire.protocol import (
     APPLIED_PROPERTY,
@@ -64,6 +65,18 @@ def _wants_batches(frame: zmq.Frame) -> bool:
     return _has_metadata(frame, BATCH_PROPERTY, BATCH_VERSION)
 
 
+def _since(frame: zmq.Frame) -> SinceRequest | None:
+    """The requester's catch-up request (:mod:`clone.wire.delta`), if it made one.
+
+    Raises ProtocolError for a malformed one (the caller serves the whole state).
+    """
+    try:
+        value = frame.get(SINCE_PROPERTY)
+    except zmq.ZMQError:
+        return None
+    return parse_since(str(value))
+
+
 def _wants_applied(frame: zmq.Frame) -> bool:
     """The applied-update list first: a peer server's sync (:mod:`clone.wire.applied`)."""
     return _has_metadata(frame, APPLIED_PROPERTY, APPLIED_VERSION)
@@ -78,6 +91,14 @@ class ServingMixin(ServerBase):
         identity = parts[0].bytes
         batch = len(parts) > 1 and _wants_batches(parts[1])
         applied = len(parts) > 1 and _wants_applied(parts[1])
+        since: SinceRequest | None = None
+        if len(parts) > 1:
+            try:
+                since = _since(parts[1])
+            except ProtocolError as exc:
+                self._throttle.log(
+                    "since", logging.WARNING, "ignored a bad catch-up request: %s", exc
+                )
         frames = [part.bytes for part in parts[1:]]
         try:
             subtree = self.core.snapshot_request(frames)
@@ -98,7 +119,7 @@ class ServingMixin(ServerBase):
             return
         # Served now: a held copy of the same request must not be served again.
         self._deferred.discard(identity, subtree)
-        self._serve(identity, subtree, batch=batch, applied=applied)
+        self._serve(identity, subtree, batch=batch, applied=applied, since=since)
 
     def _serve(
         self,
@@ -108,9 +129,13 @@ class ServingMixin(ServerBase):
         deferred: bool = False,
         batch: bool = False,
         applied: bool = False,
+        since: SinceRequest | None = None,
     ) -> None:
         """Stream a snapshot for an accepted vote (in KVBATCHes if ``batch``,
-        after the applied-update list if ``applied``)."""
+        after the applied-update list if ``applied``), or only the updates
+        after ``since`` when the history still holds them.  A held (deferred)
+        request is served whole: only a peer server asks for a catch-up, and
+        it asks the active one, which never holds a vote."""
         if self.core.role is not Role.ACTIVE:
             # The vote was accepted; make sure the promotion happened first.
             self._on_became_active()
@@ -125,8 +150,10 @@ class ServingMixin(ServerBase):
             )
             return
         stream = self.core.open_snapshot(
-            identity, subtree, batch=batch, applied=applied, now=self._wallclock()
+            identity, subtree, batch=batch, applied=applied, now=self._wallclock(), since=since
         )
+        if isinstance(stream, DeltaStream):
+            self.counters["catchups_served"] += 1
         self._snapshots[stream] = self._clock()
         if batch:
             self._in_flight[stream] = deque()
@@ -142,7 +169,7 @@ class ServingMixin(ServerBase):
         )
         self._pump(stream)
 
-    def _pump(self, stream: SnapshotStream) -> None:
+    def _pump(self, stream: AnyStream) -> None:
         """Send one chunk of ``stream``, then yield to the loop."""
         if stream not in self._snapshots or self._loop is None:
             return  # aborted meanwhile
@@ -233,18 +260,18 @@ class ServingMixin(ServerBase):
                 return
             self._on_router_guarded(parts)
 
-    def _stall(self, stream: SnapshotStream, sent_before: int) -> None:
+    def _stall(self, stream: AnyStream, sent_before: int) -> None:
         """The requester is not keeping up: try again shortly, drop nothing."""
         assert self._loop is not None
         self.counters["snapshot_stalls"] += 1
         self._note_progress(stream, sent_before)
         self._loop.call_later(_STALL_RETRY, self._pump, stream)
 
-    def _note_progress(self, stream: SnapshotStream, sent_before: int) -> None:
+    def _note_progress(self, stream: AnyStream, sent_before: int) -> None:
         if stream.sent != sent_before and stream in self._snapshots:
             self._snapshots[stream] = self._clock()
 
-    def _abort_snapshot(self, stream: SnapshotStream, why: str, *, gone: bool = False) -> None:
+    def _abort_snapshot(self, stream: AnyStream, why: str, *, gone: bool = False) -> None:
         if self._snapshots.pop(stream, None) is None:
             return
         self._in_flight.pop(stream, None)

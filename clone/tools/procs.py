@@ -146,9 +146,13 @@ def server_argv(
     peer: ServerAddress | None = None,
     *,
     heartbeat_ms: int | None = None,
+    data_dir: Path | None = None,
     extra: Sequence[str] = (),
 ) -> list[str]:
-    """The command line of one ``clone-server`` (role: standalone, primary, backup)."""
+    """The command line of one ``clone-server`` (role: standalone, primary, backup).
+
+    ``data_dir``: where it keeps its state; None runs it ``--in-memory``.
+    """
     if role not in ("standalone", "primary", "backup"):
         raise ValueError(f"unknown server role {role!r}")
     argv = [*_server_command(), f"--{role}", "--port", str(me.port), "--bind", "127.0.0.1"]
@@ -165,6 +169,7 @@ def server_argv(
         ]
     if heartbeat_ms is not None:
         argv += ["--heartbeat", str(heartbeat_ms)]
+    argv += ["--in-memory"] if data_dir is None else ["--data-dir", str(data_dir)]
     argv += list(extra)
     return argv
 

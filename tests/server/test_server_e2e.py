@@ -671,12 +671,15 @@ def test_a_batched_requester_that_stops_reading_pins_few_batches_and_is_aborted_
     assert stats["snapshots_batched"] == 1 and stats["snapshots_aborted"] == 1, stats
 
 
+@pytest.mark.parametrize("durable", [False, True], ids=["in-memory", "durable"])
 def test_a_restarted_passive_resyncs_through_kvbatches(
-    servers: Servers, ctx: zmq.Context, peers: list[ChpPeer]
+    servers: Servers, ctx: zmq.Context, peers: list[ChpPeer], durable: bool
 ) -> None:
-    """The backup asks its peer for batches; after the primary dies it serves
-    exactly the state the primary served, properties and expiry included."""
-    primary, backup = servers.pair()
+    """In memory, the restarted backup asks its peer for batches; with a data
+    directory it catches up from its own state instead.  Either way, after the
+    primary dies it serves exactly the state the primary served, properties
+    and expiry included."""
+    primary, backup = servers.pair(*(() if durable else ("--in-memory",)))
     peer = _peer(ctx, peers, primary, backup.port)
     n = 20_000
     for i in range(n):
@@ -686,8 +689,11 @@ def test_a_restarted_passive_resyncs_through_kvbatches(
     pmark, bmark = primary.log_size(), backup.log_size()
     backup.kill9()
     backup.restart()
-    backup.wait_log("synced from", after=bmark, timeout=30)
-    primary.wait_log(", batched", after=pmark)
+    if durable:
+        backup.wait_log("(catch-up)", after=bmark, timeout=30)
+    else:
+        backup.wait_log("synced from", after=bmark, timeout=30)
+        primary.wait_log(", batched", after=pmark)
     _caught_up(backup, n)
     primary.kill9()
     deadline = time.monotonic() + 10
@@ -698,4 +704,7 @@ def test_a_restarted_passive_resyncs_through_kvbatches(
         except TimeoutError:
             assert time.monotonic() < deadline, "the backup never served"
     assert len(after) == n + 1
-    assert after == before  # byte for byte, expires included
+    # Byte for byte, expires included.  The order of a snapshot's entries is
+    # not part of CHP: a server that loaded its state lists keys in the
+    # database's order.
+    assert sorted(after) == sorted(before)

@@ -31,6 +31,11 @@ every server's log (pytest shows it under "Captured stderr teardown").
   command line (e.g. a server paired with a fake peer), tracked for teardown.
 * ``servers.heartbeat_ms`` -- the ``--heartbeat`` given to every server (default
   100, so failover tests take a fraction of a second per heartbeat).
+* Durable by default, as ``clone-server`` is: each server of ``standalone()`` and
+  ``pair()`` keeps its state in ``<tmp>/<name>.data`` (kept across ``restart()``)
+  and waits ``--peer-wait 0.5`` for a peer it has never heard; pass
+  ``--in-memory`` or your own ``--data-dir``/``--peer-wait`` in ``extra`` to change
+  that.  ``servers.data_dir(name)`` is where a server's state lives.
 
 :class:`ServerProcess`:
 
@@ -199,9 +204,23 @@ class Servers:
     def _common(self) -> list[str]:
         return ["--bind", "127.0.0.1", "--heartbeat", str(self.heartbeat_ms), "--verbose"]
 
+    def data_dir(self, name: str) -> Path:
+        """Where the server called ``name`` keeps its state (durable mode)."""
+        return self.log_dir / f"{name}.data"
+
+    def _durable(self, name: str, extra: tuple[str, ...]) -> list[str]:
+        """The data directory and start wait, unless ``extra`` says otherwise."""
+        out: list[str] = []
+        if "--in-memory" not in extra and "--data-dir" not in extra:
+            out += ["--data-dir", str(self.data_dir(name))]
+        if "--peer-wait" not in extra:
+            out += ["--peer-wait", "0.5"]
+        return out
+
     def standalone(self, *extra: str, name: str = "standalone", wait: bool = True) -> ServerProcess:
         port = free_base_port()
-        args = ["--standalone", "--port", str(port), *self._common(), *extra]
+        args = ["--standalone", "--port", str(port), *self._common(), *self._durable(name, extra)]
+        args += extra
         server = self.spawn(name, args, port, None)
         if wait:
             server.wait_serving()
@@ -220,6 +239,7 @@ class Servers:
                 "--ha-port", str(ha),
                 "--peer-ha", f"127.0.0.1:{peer_ha}",
                 *self._common(),
+                *self._durable(role, extra),
                 *extra,
             ]  # fmt: skip
 

@@ -62,7 +62,11 @@ class PairRun:
     def start_server(self, name: str) -> ManagedProcess:
         other = "backup" if name == "primary" else "primary"
         argv = server_argv(
-            name, self.servers[name], self.servers[other], heartbeat_ms=self.cfg.heartbeat_ms
+            name,
+            self.servers[name],
+            self.servers[other],
+            heartbeat_ms=self.cfg.heartbeat_ms,
+            data_dir=self.out / "data" / name,
         )
         if name in self.group.procs:
             proc = self.group[name]

@@ -1,0 +1,175 @@
+"""The data directory: load it at start, commit every loop turn's changes to it.
+
+How this works: the core records every change it makes in its journal
+(:mod:`.journal`).  At the end of each handler -- a drained batch of client
+updates, an expiry pass, a promotion, a turn of following the peer -- the
+reactor takes that record and writes it to the database (:mod:`clone.storage`)
+in one transaction: a *group commit*.  Only then are the updates published.
+A KVPUB is what confirms a write to its client, so a confirmed write is on
+the active server's disk (with ``--fsync batch`` or ``always``, fsynced).  The
+passive journals what it applies from the active the same way, so either
+server can be the one that survives.
+
+Each commit also records the *term* it was written under (the Binary Star
+epoch of the active server that sequenced it) and the sequence.  Binary Star
+announces ``(term, sequence)`` as this server's rank, and when both servers
+start together the one with the newer data becomes active (docs/failover.md,
+"Cold start").
+
+A write that fails (disk full, I/O error) stops the server: its memory now
+holds updates it could not make durable, and it must not confirm them.  The
+peer takes over, as after a crash.  Without a data directory (``--in-memory``)
+the journal is still taken each turn, for publishing, and nothing is written.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+
+from clone.errors import StorageError
+from clone.server.base import ServerBase, log
+from clone.server.core import Role
+from clone.server.journal import OpKind
+from clone.storage import FsyncPolicy, Storage, restore_into
+
+__all__ = ["DurabilityMixin"]
+
+
+class DurabilityMixin(ServerBase):
+    """Open, load, commit and close the data directory."""
+
+    # -- start and stop ------------------------------------------------------
+
+    def _open_storage(self) -> None:
+        """Open the data directory (restoring a backup into it first, if asked)
+        and load its state into the core.  Raises StorageError with a message
+        an operator can act on; the server then does not start."""
+        cfg = self.config
+        if cfg.data_dir is None:
+            log.warning(
+                "in-memory mode: nothing is written to disk; the state is lost when both "
+                "servers stop"
+            )
+            return
+        if cfg.restore is not None:
+            moved = restore_into(cfg.data_dir, cfg.restore)
+            log.warning(
+                "restored %s into %s%s",
+                cfg.restore,
+                cfg.data_dir,
+                f"; the previous state was moved to {moved}" if moved else "",
+            )
+        started = time.monotonic()
+        storage = Storage.open(cfg.data_dir, fsync=FsyncPolicy(cfg.fsync))
+        try:
+            loaded = storage.load()
+            self.core.load(loaded.entries, loaded.sequence, loaded.history)
+        except BaseException:
+            storage.close()
+            raise
+        self._storage = storage
+        self._data_term = loaded.term
+        self.core.term = loaded.term
+        log.info(
+            "data directory %s: %d keys at sequence %d (term %d), %d updates of history,"
+            " loaded in %.2f s; fsync %s",
+            cfg.data_dir,
+            len(self.core.store),
+            loaded.sequence,
+            loaded.term,
+            len(loaded.history),
+            time.monotonic() - started,
+            cfg.fsync,
+        )
+
+    def _close_storage(self) -> None:
+        storage, self._storage = self._storage, None
+        if storage is not None:
+            try:
+                storage.close()
+            except (sqlite3.Error, OSError) as exc:
+                log.error("closing the data directory failed: %s", exc)
+
+    # -- the rank Binary Star announces ----------------------------------------
+
+    def _rank(self) -> tuple[int, int]:
+        """How new our data is: (term of the last write, sequence)."""
+        return (self._data_term, self.core.store.sequence)
+
+    def _current_term(self) -> int:
+        """The term new writes are recorded under: our epoch while active,
+        the active peer's while we follow it."""
+        ha = self._ha
+        if ha is None:
+            return self._data_term
+        return ha.epoch if self.core.role is Role.ACTIVE else ha.peer_epoch
+
+    # -- group commit --------------------------------------------------------
+
+    def _commit(self) -> list[list[bytes]]:
+        """Write this turn's changes in one transaction; return the updates,
+        in order, which may now be published.  Nothing on a write failure."""
+        ops = self.core.journal.take()
+        if not ops:
+            return []
+        if len(ops) == 1 and ops[0].kind is OpKind.UPDATES:
+            updates = ops[0].updates
+        else:
+            updates = [frames for op in ops if op.kind is OpKind.UPDATES for frames in op.updates]
+        storage = self._storage
+        if storage is None or self._storage_error is not None:
+            return updates if self._storage_error is None else []
+        term = self._current_term()
+        try:
+            for op in ops:
+                kind = op.kind
+                if kind is OpKind.UPDATES:
+                    storage.append(
+                        op.updates,
+                        term=term,
+                        at=self._wallclock(),
+                        keep_from=self.core.history.keep_from,
+                    )
+                elif kind is OpKind.STAGE:
+                    storage.stage(op.staged)
+                elif kind is OpKind.BEGIN_REPLACE:
+                    storage.begin_replace()
+                else:
+                    storage.finish_replace(op.sequence, term)
+        except (sqlite3.Error, OSError, StorageError) as exc:
+            self._storage_failed(exc)
+            return []
+        self._data_term = term
+        return updates
+
+    def _commit_and_publish(self) -> None:
+        publish = self._publish
+        for frames in self._commit():
+            publish(frames)
+
+    def _record_term(self) -> None:
+        """A promotion: later writes carry our new epoch; record it even
+        before the first one, so our rank says we were elected after the peer."""
+        storage = self._storage
+        term = self._current_term()
+        if storage is None or term == self._data_term or self._storage_error is not None:
+            return
+        try:
+            storage.set_position(self.core.store.sequence, term)
+        except (sqlite3.Error, OSError, StorageError) as exc:
+            self._storage_failed(exc)
+            return
+        self._data_term = term
+
+    def _storage_failed(self, exc: BaseException) -> None:
+        """Fail-stop: what is in memory can no longer be made durable."""
+        self._storage_error = exc
+        self.counters["storage_errors"] += 1
+        log.critical(
+            "cannot write to the data directory %s: %s; stopping so that nothing"
+            " unwritten is confirmed (the peer takes over). Fix the disk, then restart.",
+            self.config.data_dir,
+            exc,
+        )
+        self.request_stop()
