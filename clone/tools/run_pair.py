@@ -40,6 +40,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FrameType
 
 from clone.wire.protocol import (
@@ -73,7 +74,16 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
 # Flags the supervisor sets itself for each server; passing them through would
 # give both servers the same role or the same ports.
-_OWN_FLAGS = ("--primary", "--backup", "--standalone", "--peer", "--peer-ha", "--ha-port")
+# --data-dir too: two servers must not share one (--data-root moves both).
+_OWN_FLAGS = (
+    "--primary",
+    "--backup",
+    "--standalone",
+    "--peer",
+    "--peer-ha",
+    "--ha-port",
+    "--data-dir",
+)
 
 _LOG_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)-7s %(name)s: %(message)s"
 _DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -115,13 +125,23 @@ class PairPorts:
         }
 
 
-def server_argvs(ports: PairPorts, bind: str, extra: Sequence[str] = ()) -> dict[str, list[str]]:
+def server_argvs(
+    ports: PairPorts, bind: str, extra: Sequence[str] = (), data_root: Path | None = None
+) -> dict[str, list[str]]:
     """The ``clone-server`` arguments (without the program) of each server.
 
-    Each names its peer on ``localhost``: both run on this host.
+    Each names its peer on ``localhost``: both run on this host.  With
+    ``data_root`` (and without ``--in-memory`` in ``extra``) each keeps its
+    state in ``data_root/<role>-<port>``: a pair moved with ``--port`` gets its
+    own directories, and a restart of the same pair finds its keys again.
     """
 
     def one(role: str, port: int, ha: int, peer: int, peer_ha: int) -> list[str]:
+        durable = (
+            ["--data-dir", str(data_root / f"{role}-{port}")]
+            if data_root is not None and "--in-memory" not in extra
+            else []
+        )
         return [
             f"--{role}",
             "--port", str(port),
@@ -129,6 +149,7 @@ def server_argvs(ports: PairPorts, bind: str, extra: Sequence[str] = ()) -> dict
             "--peer", f"localhost:{peer}",
             "--peer-ha", f"localhost:{peer_ha}",
             "--bind", bind,
+            *durable,
             *extra,
         ]  # fmt: skip
 
@@ -380,6 +401,14 @@ def _parser() -> argparse.ArgumentParser:
         "P+10..P+12 and Binary Star P+13 (default: the Guide's 5556/5003 and 5566/5004)",
     )
     p.add_argument("--bind", default="*", help="interface both servers bind (default '*')")
+    p.add_argument(
+        "--data-root",
+        type=Path,
+        default=Path("clone-data"),
+        metavar="DIR",
+        help="each server keeps its state in DIR/<role>-<port> (default ./clone-data;"
+        " scripts/run uses the checkout's git-ignored clone-data/); --in-memory keeps none",
+    )
     return p
 
 
@@ -409,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ports = PairPorts.for_base(args.port)
     except ValueError as exc:
         parser.error(str(exc))
-    argvs = server_argvs(ports, args.bind, extra)
+    argvs = server_argvs(ports, args.bind, extra, args.data_root.resolve())
     _check_server_flags(parser, argvs)
     logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT, datefmt=_DATE_FORMAT)
 

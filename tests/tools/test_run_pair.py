@@ -12,6 +12,7 @@ import logging
 import signal
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -68,6 +69,24 @@ def test_each_server_names_the_other_as_its_peer() -> None:
     assert (backup.peer, backup.peer_ha) == ("localhost:20000", "localhost:20003")
     assert primary.bind == backup.bind == "127.0.0.1"
     assert primary.heartbeat == backup.heartbeat == 0.1  # extra flags go to both
+
+
+def test_each_server_keeps_its_state_in_its_own_directory(tmp_path: Path) -> None:
+    ports = PairPorts.for_base(20000)
+    argvs = server_argvs(ports, "127.0.0.1", [], tmp_path)
+    primary = config_from_args(build_parser().parse_args(argvs["primary"]))
+    backup = config_from_args(build_parser().parse_args(argvs["backup"]))
+    assert primary.data_dir == str(tmp_path / "primary-20000")
+    assert backup.data_dir == str(tmp_path / "backup-20010")
+    memory = server_argvs(ports, "127.0.0.1", ["--in-memory"], tmp_path)
+    assert config_from_args(build_parser().parse_args(memory["primary"])).data_dir is None
+
+
+def test_one_data_dir_for_both_servers_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--data-dir", "/tmp/x"])
+    assert exited.value.code == 2
+    assert "--data-dir is set by this script" in capsys.readouterr().err
 
 
 # -- the back-off ---------------------------------------------------------------

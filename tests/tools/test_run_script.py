@@ -116,7 +116,8 @@ def run_factory() -> Iterator[list[RunScript]]:
 
 
 def _start(runs: list[RunScript], tmp_path: Path, *args: str) -> RunScript:
-    run = RunScript(tmp_path / f"run{len(runs)}.log", *args)
+    """scripts/run with its state under ``tmp_path/data`` (not the checkout's clone-data/)."""
+    run = RunScript(tmp_path / f"run{len(runs)}.log", "--data-root", str(tmp_path / "data"), *args)
     runs.append(run)
     return run
 
@@ -198,3 +199,28 @@ def test_run_restarts_a_killed_server_while_the_other_keeps_serving(
     assert f"backup (pid {victim.pid}) died (killed by SIGKILL)" in text, text
     assert "restarting it in 0.5 s" in text, text
     assert run.stop() == 0
+
+
+@pytest.mark.timeout(150)
+def test_the_pair_keeps_its_keys_across_a_restart_of_the_script(
+    tmp_path: Path, base_port: int, run_factory: list[RunScript]
+) -> None:
+    """The README's run command is durable: stop it, start it again, the keys are there."""
+    p = base_port
+    args = ("--port", str(p), "--bind", "127.0.0.1", "--heartbeat", "100")
+    servers = [f"tcp://127.0.0.1:{p}", f"tcp://127.0.0.1:{p + 10}"]
+    run = _start(run_factory, tmp_path, *args)
+    with Clone(servers, heartbeat=0.1) as client:
+        client.wait_synced(60)
+        for i in range(50):
+            client.set(f"/kept/{i}", b"v%d" % i, wait=True, timeout=10)
+    assert run.stop() == 0
+    assert (tmp_path / "data" / f"primary-{p}" / "clone.db").exists()
+    assert (tmp_path / "data" / f"backup-{p + 10}" / "clone.db").exists()
+    again = _start(run_factory, tmp_path, *args)
+    with Clone(servers, heartbeat=0.1) as client:
+        client.wait_synced(60)
+        assert {k: client.get(k) for k in (f"/kept/{i}" for i in range(50))} == {
+            f"/kept/{i}": b"v%d" % i for i in range(50)
+        }
+    assert again.stop() == 0
