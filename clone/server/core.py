@@ -216,6 +216,8 @@ class ServerCore:
         # snapshot; and whether the database's staging area was emptied yet.
         self._delta = False
         self._staging_begun = False
+        # The peer answered our last catch-up request wrongly: ask plainly once.
+        self._plain_sync_next = False
         #: What the last completed sync was: "full" (a snapshot) or "catch-up".
         self.last_sync = ""
         # The ids the active said it applied up to this sync's snapshot, and the
@@ -392,6 +394,9 @@ class ServerCore:
         (after a full snapshot, until the next update).
         """
         seq = self.store.sequence
+        if self._plain_sync_next:
+            self._plain_sync_next = False
+            return None
         if seq == 0:
             return None
         held = self.history.entry(seq)
@@ -488,16 +493,20 @@ class ServerCore:
         """KVDELTA: the active sends only what follows our sequence (a catch-up)."""
         c = self.counters
         try:
-            after = decode_kvdelta(frames)
+            after: int | None = decode_kvdelta(frames)
         except ProtocolError:
+            after = None
+        if (
+            after != self.store.sequence
+            or self._delta
+            or self._staging
+            or self._staging_begun
+        ):
+            # Malformed, not what we asked for, or not first: what follows
+            # cannot be trusted either way (read as a snapshot it would replace
+            # our state with a few updates).  Start over with a plain request.
             c["peer_invalid"] += 1
-            raise
-        if self._delta or self._staging or self._staging_begun:
-            c["peer_invalid"] += 1
-            raise ProtocolError("KVDELTA after the snapshot's first entry")
-        if after != self.store.sequence:
-            # Not what we asked for: start over with a plain request.
-            c["peer_gaps"] += 1
+            self._plain_sync_next = True
             return FollowOutcome.RESYNC
         self._delta = True
         return FollowOutcome.OK

@@ -142,8 +142,13 @@ def encode_kvdelta(from_sequence: int) -> list[bytes]:
 
 
 def is_kvdelta(frames: Sequence[bytes]) -> bool:
-    """Whether ``frames`` claim to be a KVDELTA (decode to know if it is one)."""
-    return len(frames) == DELTA_FRAMES and frames[0] == KVDELTA
+    """Whether ``frames`` claim to be a KVDELTA (decode to know if it is one).
+
+    Any message headed KVDELTA that is not five frames long: a KVSYNC for the
+    key ``KVDELTA`` has five, and a malformed KVDELTA must still be taken for
+    one (and refused), never for a snapshot entry.
+    """
+    return frames[0] == KVDELTA and len(frames) != 5
 
 
 def decode_kvdelta(frames: Sequence[bytes]) -> int:

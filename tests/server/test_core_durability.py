@@ -155,6 +155,20 @@ def test_a_kvdelta_for_another_sequence_asks_for_a_resync() -> None:
     _, passive = _pair_in_step(3)
     passive.start_sync()
     assert passive.on_snapshot_reply(encode_kvdelta(2), 0.0) is FollowOutcome.RESYNC
+    # ... and the next request is a plain one: a broken catch-up is not asked for again.
+    assert passive.catch_up_request() is None
+    assert passive.catch_up_request() is not None
+
+
+def test_a_malformed_or_late_kvdelta_never_passes_for_a_snapshot() -> None:
+    _, passive = _pair_in_step(3)
+    before = passive.store.sequence
+    passive.start_sync()
+    assert passive.on_snapshot_reply([b"KVDELTA", b"\x01"], 0.0) is FollowOutcome.RESYNC
+    passive.start_sync()
+    passive.on_snapshot_reply([b"k9", (9).to_bytes(8, "big"), b"", b"", b"x"], 0.0)
+    assert passive.on_snapshot_reply(encode_kvdelta(3), 0.0) is FollowOutcome.RESYNC
+    assert passive.store.sequence == before and passive.counters["peer_invalid"] == 2
 
 
 def test_load_restores_state_history_and_dedup_window() -> None:

@@ -182,7 +182,10 @@ def test_malformed_kvdelta_is_rejected_with_its_reason(frames: list[bytes], why:
 
 
 def test_is_kvdelta_is_a_cheap_claim() -> None:
-    assert not is_kvdelta([KVDELTA, b""])
+    # A malformed KVDELTA still claims to be one (and is refused when decoded),
+    # never a snapshot entry; a KVSYNC for the key "KVDELTA" has five frames.
+    assert is_kvdelta([KVDELTA, b""])
+    assert not is_kvdelta([KVDELTA, b"", b"", b"", b"v"])
     assert not is_kvdelta([b"KTHXBAI", b"", b""])
     assert is_kvdelta([KVDELTA, b"bad", b"bad"])  # decode to know
 
