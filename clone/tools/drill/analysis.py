@@ -56,6 +56,7 @@ __all__ = [
     "analyse",
     "applied_before",
     "find_reverts",
+    "highest_sequence_before",
     "nearest_rank",
     "percentile",
     "revert_detail",
@@ -389,6 +390,21 @@ def analyse(
     }
     summary.update(shared)
     return summary
+
+
+def highest_sequence_before(
+    streams: Mapping[str, Sequence[Mapping[str, Any]]], ts: float
+) -> int | None:
+    """The highest sequence any client applied before ``ts``, None if none did.
+
+    Every update a client applies carries the sequence the server gave it, so
+    a pair that serves a lower sequence after ``ts`` went back: it would hand
+    out those sequences again, for other updates.
+    """
+    seqs = [int(ev["seq"]) for events in streams.values() for ev in events
+            if ev.get("event") == "update" and isinstance(ev.get("seq"), int)
+            and float(ev["ts"]) < ts]
+    return max(seqs, default=None)
 
 
 def _example(ex: Mapping[str, Any], where: str) -> str:

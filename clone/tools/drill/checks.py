@@ -96,6 +96,20 @@ def run_checks(
               f"{len(took)} of {len(rounds)} rounds, takeover in "
               f"{[r.get('takeover_s') for r in rounds]} s, pending at takeover "
               f"{[r.get('pending_at_takeover') for r in rounds]}")
+    if sc == "both-crash" and "crash" in s:
+        crash = s["crash"]
+        check("the pair came back after both crashed", crash.get("served_by") is not None,
+              f"{crash.get('served_by') or 'no server'} served after "
+              f"{crash.get('recovery_s')} s; kills "
+              + ", ".join(f"{k['server']} ({k['role']})" for k in crash["kills"]))
+        before, served = crash.get("seq_seen_before"), crash.get("served_seq")
+        # The restarted pair must go on from at least the highest sequence a
+        # client saw before the crash: a lower one means it lost updates and
+        # would hand their sequences out again.
+        check("sequence never went backwards across the restart",
+              served is not None and (before is None or served >= before),
+              f"clients saw up to {before} before the crash; the pair served {served} after; "
+              f"loaded {crash.get('loaded')}")
     if sc == "client-restart":
         check("every client has a final state",
               None not in s["final_client_hashes"].values(), "")

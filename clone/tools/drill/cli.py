@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from clone.tools.drill.client import DEFAULT_SHARED_KEYS
-from clone.tools.drill.config import SCENARIOS, DrillConfig
+from clone.tools.drill.config import CRASH_ORDERS, SCENARIOS, DrillConfig
 from clone.tools.drill.harness import run_drill
 from clone.wire.protocol import DEFAULT_HEARTBEAT_MS
 
@@ -43,6 +43,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-keys", type=int, default=DEFAULT_SHARED_KEYS,
                    help="keys every client also overwrites, one write per tick, so that a "
                    f"revert to an older value shows (default {DEFAULT_SHARED_KEYS}; 0: none)")
+    crash = p.add_argument_group("both-crash")
+    crash.add_argument("--crash-order", choices=CRASH_ORDERS, default="primary-first",
+                       help="which server is killed first (default primary-first)")
+    crash.add_argument("--crash-gap", type=float, default=None, metavar="S",
+                       help="seconds between the two kills (default 3 heartbeats)")
+    crash.add_argument("--down-time", type=float, default=1.0, metavar="S",
+                       help="seconds both stay down before the restart (default 1)")
+    crash.add_argument("--restart-stagger", type=float, default=0.0, metavar="S",
+                       help="seconds between the two restarts (default 0: together); "
+                       "under the servers' --peer-wait")
+    # Diagnostic: servers without a data directory, to see the drill fail.
+    p.add_argument("--in-memory", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true")
     return p
 
@@ -63,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed, fault_at=args.fault_at, ttl_per_tick=args.ttl_per_tick,
             ttl_min=args.ttl_min, ttl_max=args.ttl_max, confirm_timeout=args.confirm_timeout,
             preload=args.preload, shared_keys=args.shared_keys,
+            crash_order=args.crash_order, crash_gap=args.crash_gap, down_time=args.down_time,
+            restart_stagger=args.restart_stagger, in_memory=args.in_memory,
         )
     except ValueError as exc:
         print(f"drill: {exc}", file=sys.stderr)

@@ -6,10 +6,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from clone.server.config import PEER_WAIT_DEFAULT
 from clone.tools.drill.client import DEFAULT_SHARED_KEYS
 from clone.wire.protocol import DEFAULT_HEARTBEAT_MS, DEFAULT_MISSED_HEARTBEATS
 
-__all__ = ["SCENARIOS", "DrillConfig", "Say"]
+__all__ = ["CRASH_ORDERS", "SCENARIOS", "DrillConfig", "Say"]
 
 SCENARIOS: tuple[str, ...] = (
     "kill-active",
@@ -18,7 +19,11 @@ SCENARIOS: tuple[str, ...] = (
     "client-restart",
     "ttl-storm",
     "rolling-restart",
+    "both-crash",
 )
+#: both-crash: which server is killed first (by name; the primary is normally the
+#: active one), or both at once.
+CRASH_ORDERS: tuple[str, ...] = ("primary-first", "backup-first", "together")
 Say = Callable[[str], None]
 
 
@@ -43,6 +48,17 @@ class DrillConfig:
     preload: int = 0
     # Keys every client overwrites (one write per tick): what can show a revert.
     shared_keys: int = DEFAULT_SHARED_KEYS
+    # both-crash: the order of the two kills, the time between them (None: 3
+    # heartbeats, time enough for the survivor to act on the first death, which
+    # the clients notice at once by its closed connections: so the order
+    # matters), how long both stay down, and the time between the two restarts.
+    crash_order: str = "primary-first"
+    crash_gap: float | None = None
+    down_time: float = 1.0
+    restart_stagger: float = 0.0
+    # Diagnostic: run the servers --in-memory instead of with a data directory,
+    # to show that the drill sees the state lost when both crash.
+    in_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -53,6 +69,29 @@ class DrillConfig:
             raise ValueError("duration and rate must be > 0")
         if self.shared_keys < 0:
             raise ValueError("shared_keys must be >= 0")
+        if self.crash_order not in CRASH_ORDERS:
+            raise ValueError(f"unknown crash order {self.crash_order!r}; "
+                             f"one of {', '.join(CRASH_ORDERS)}")
+        if (self.crash_gap is not None and self.crash_gap < 0) or self.down_time < 0:
+            raise ValueError("crash_gap and down_time must be >= 0")
+        # A server restarted alone waits --peer-wait for its peer; a stagger that
+        # long would make the first one serve alone, which is another scenario.
+        if not 0 <= self.restart_stagger < PEER_WAIT_DEFAULT:
+            raise ValueError(f"restart_stagger must be in [0, {PEER_WAIT_DEFAULT:g}) s "
+                             "(under the servers' --peer-wait)")
+
+    @property
+    def crash_sequence(self) -> tuple[str, str]:
+        """both-crash: the server killed (and restarted) first, then the other."""
+        return ("backup", "primary") if self.crash_order == "backup-first" else (
+            "primary", "backup")
+
+    @property
+    def crash_interval(self) -> float:
+        """both-crash: seconds between the two kills."""
+        if self.crash_order == "together":
+            return 0.0
+        return 3 * self.heartbeat if self.crash_gap is None else self.crash_gap
 
     @property
     def heartbeat(self) -> float:
@@ -80,4 +119,7 @@ class DrillConfig:
             # The last takeover comes after the writes, and a passive takes over
             # only when a client asks it to: the clients must still be there.
             extra = 2 * self.failover_budget
+        elif self.scenario == "both-crash":
+            # The pair may come back late in the run; the clients then resync.
+            extra = self.failover_budget
         return max(3.0, 3 * self.heartbeat) + extra

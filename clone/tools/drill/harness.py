@@ -37,6 +37,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import shutil
 import time
 from collections import Counter
 from dataclasses import asdict
@@ -45,7 +46,7 @@ from typing import Any
 
 import zmq
 
-from clone.tools.drill.analysis import analyse
+from clone.tools.drill.analysis import analyse, highest_sequence_before
 from clone.tools.drill.checks import judge_restarts, run_checks
 from clone.tools.drill.client import DRILL_PREFIX
 from clone.tools.drill.config import DrillConfig, Say
@@ -69,6 +70,8 @@ class Drill(Scenarios):
         self.clients_dir.mkdir(parents=True, exist_ok=True)
         for stale in [*self.clients_dir.glob("*"), self.out / "events.jsonl"]:
             stale.unlink(missing_ok=True)
+        # A drill starts from an empty pair, also when --out is reused.
+        shutil.rmtree(self.out / "data", ignore_errors=True)
         with self.group:
             try:
                 return self._run()
@@ -211,6 +214,10 @@ class Drill(Scenarios):
         if cfg.scenario == "rolling-restart":
             summary["rounds"] = self.rounds
             summary["restarts"] = judge_restarts(self)
+        if cfg.scenario == "both-crash" and "crash" in self.notes:
+            crash = summary["crash"] = dict(self.notes["crash"])
+            crash["seq_seen_before"] = highest_sequence_before(
+                streams, crash.get("down_ts", float("inf")))
         summary["checks"] = run_checks(self, summary, end_active)
         summary["ok"] = all(c["ok"] for c in summary["checks"].values())
         summary["config"] = {k: str(v) if isinstance(v, Path) else v

@@ -66,7 +66,7 @@ class PairRun:
             self.servers[name],
             self.servers[other],
             heartbeat_ms=self.cfg.heartbeat_ms,
-            data_dir=self.out / "data" / name,
+            data_dir=None if self.cfg.in_memory else self.out / "data" / name,
         )
         if name in self.group.procs:
             proc = self.group[name]

@@ -10,12 +10,17 @@ The actions note what they did (``notes``, ``rounds``, ``restarts``) for
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from clone.server.config import PEER_WAIT_DEFAULT
 from clone.tools.drill.pair import PairRun
-from clone.tools.drill.watch import server_stats
+from clone.tools.drill.watch import served_sequence, server_stats
+
+# What a server with a data directory says it loaded when it starts.
+_LOADED_RE = re.compile(rb"data directory .*?: (\d+) keys at sequence (\d+) \(term (\d+)\)")
 
 __all__ = ["Scenarios"]
 
@@ -31,6 +36,9 @@ class Scenarios(PairRun):
         if sc == "rolling-restart":
             steps = self._rolling_restart(t_fault)
             return [(t_fault, lambda: next(steps, None))]
+        if sc == "both-crash":
+            crash = self._both_crash()
+            return [(t_fault, lambda: next(crash, None))]
         if sc in ("kill-active", "ttl-storm"):
             return [(t_fault, lambda: self._kill("active")),
                     (t_fault + recover, self._restart_killed)]
@@ -193,3 +201,87 @@ class Scenarios(PairRun):
                 break
             yield time.time() + 0.05
         rec["stats"] = server_stats(proc)
+
+    # -- both-crash ----------------------------------------------------------
+
+    def _both_crash(self) -> Iterator[float]:
+        """kill -9 both servers under load, in the configured order and gap; after
+        the down time restart both (the stagger apart), then wait until one of
+        them serves and ask it which sequence it serves.  Notes everything in
+        ``notes["crash"]`` for :mod:`.checks`."""
+        cfg = self.cfg
+        first, second = cfg.crash_sequence
+        crash: dict[str, Any] = {
+            "order": cfg.crash_order, "gap_s": cfg.crash_interval, "down_s": cfg.down_time,
+            "stagger_s": cfg.restart_stagger, "in_memory": cfg.in_memory,
+            "active_before": self.monitor.active(), "kills": [], "restarts": [],
+        }  # fmt: skip
+        self.notes["crash"] = crash
+        self.in_progress = True
+        try:
+            self._crash(first, crash)
+            if cfg.crash_interval > 0:
+                until = time.time() + cfg.crash_interval
+                while time.time() < until:
+                    yield until
+            crash["active_between"] = self.monitor.active()
+            self._crash(second, crash)
+            self.notes["fault_ts"] = crash["down_ts"] = time.time()
+            until = crash["down_ts"] + cfg.down_time
+            while time.time() < until:
+                yield until
+            offsets = {}
+            for i, name in enumerate((first, second)):
+                if i and cfg.restart_stagger > 0:
+                    until = time.time() + cfg.restart_stagger
+                    while time.time() < until:
+                        yield until
+                path = self.group[name].log_path
+                offsets[name] = path.stat().st_size if path.exists() else 0
+                self.start_server(name)
+                crash["restarts"].append({"server": name, "ts": time.time()})
+                self.event("restart", target=name)
+                self.say(f"restarted {name}")
+            restarted = crash["restart_ts"] = time.time()
+            yield from self._wait_serving(crash, restarted)
+            crash["loaded"] = {n: self._loaded(n, off) for n, off in offsets.items()}
+        finally:
+            self.in_progress = False
+
+    def _crash(self, name: str, crash: dict[str, Any]) -> None:
+        role = "active" if name in self.monitor.active() else "passive"
+        self.group[name].kill9()
+        crash["kills"].append({"server": name, "role": role, "ts": time.time()})
+        self.event("fault", kind="kill-9", target=name)
+        self.fault_text = "kill -9 " + " then ".join(k["server"] for k in crash["kills"])
+        self.say(f"FAULT: kill -9 {name} ({role})")
+
+    def _wait_serving(self, crash: dict[str, Any], since: float) -> Iterator[float]:
+        """Until a restarted server sends HUGZ (it serves) and answers a snapshot
+        request with the sequence it serves; a lone server may wait its whole
+        --peer-wait, so the deadline allows for that."""
+        deadline = since + PEER_WAIT_DEFAULT + 2 * self.cfg.failover_budget
+        crash.update(served_by=None, served_seq=None, recovery_s=None)
+        while time.time() < deadline:
+            serving = [n for n in self.servers if self.monitor.hugz_after(n, since)]
+            if len(serving) == 1:
+                name = serving[0]
+                if crash["recovery_s"] is None:
+                    crash["recovery_s"] = round(time.time() - since, 3)
+                seq = served_sequence(self.servers[name].endpoint, 1.0)
+                if seq is not None:
+                    crash.update(served_by=name, served_seq=seq)
+                    self.say(f"{name} serves again after {crash['recovery_s']} s, "
+                             f"at sequence {seq}")
+                    return
+            yield time.time() + 0.05
+        self.say(f"no single server serves after the restart: {self.monitor.active()}")
+
+    def _loaded(self, name: str, offset: int) -> dict[str, int] | None:
+        """What ``name`` loaded from its data directory at this start, from its log."""
+        with open(self.group[name].log_path, "rb") as f:
+            f.seek(offset)
+            m = _LOADED_RE.search(f.read())
+        if m is None:
+            return None
+        return {"keys": int(m[1]), "sequence": int(m[2]), "term": int(m[3])}

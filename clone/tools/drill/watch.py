@@ -23,7 +23,10 @@ import zmq
 from clone.tools.procs import ManagedProcess
 from clone.wire.protocol import DEFAULT_MISSED_HEARTBEATS, HUGZ, KTHXBAI
 
-__all__ = ["HugzMonitor", "raw_snapshot", "server_stats"]
+__all__ = ["HugzMonitor", "raw_snapshot", "served_sequence", "server_stats"]
+
+#: A subtree that holds no key: asking for it returns just the KTHXBAI.
+_EMPTY_SUBTREE = "/drill-probe/nothing/"
 
 
 
@@ -115,6 +118,27 @@ def raw_snapshot(endpoint: str, subtree: str, timeout: float) -> dict[str, bytes
                 return items
             if len(frames) == 5 and frames[4]:
                 items[frames[0].decode()] = frames[4]
+    finally:
+        ctx.destroy(linger=0)
+
+
+def served_sequence(endpoint: str, timeout: float) -> int | None:
+    """The sequence a server serves now (its KTHXBAI to a snapshot of nothing),
+    or None if it does not answer (a passive does not)."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.linger = 0
+        dealer.connect(endpoint)
+        dealer.send_multipart([b"ICANHAZ?", _EMPTY_SUBTREE.encode()])
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not dealer.poll(int(remaining * 1000) + 1):
+                return None
+            frames = dealer.recv_multipart()
+            if frames[0] == KTHXBAI and len(frames) > 1:
+                return int.from_bytes(frames[1], "big")
     finally:
         ctx.destroy(linger=0)
 
