@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Sequence
 
 from clone.argtypes import normalize_endpoints
@@ -84,6 +85,22 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--json", action="store_true", help="one JSON object per line")
     watch.add_argument(
         "--duration", type=float, default=None, metavar="S", help="stop after S seconds"
+    )
+
+    backup = sub.add_parser(
+        "backup",
+        help="write a consistent copy of the active server's state to FILE, "
+        "for clone-server --restore",
+    )
+    backup.add_argument("file", metavar="FILE", help="the state file to write (replaced whole)")
+    backup.add_argument(
+        "--timeout",
+        dest="backup_timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds the whole backup may take, failovers included "
+        "(default: the global --timeout if given, else 10)",
     )
     return p
 
@@ -158,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.timeout <= 0 or args.heartbeat <= 0:
         print("clone: --timeout and --heartbeat must be > 0", file=sys.stderr)
         return EXIT_UNREACHABLE
+    if args.command == "backup":
+        return _backup(args, argv)
     try:
         servers = normalize_endpoints(args.servers or default_servers())
         client = Clone(servers, args.subtree, heartbeat=args.heartbeat)
@@ -182,6 +201,48 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK if args.command == "watch" else 130
     finally:
         _close_uninterrupted(client)
+
+
+BACKUP_TIMEOUT = 10.0
+
+
+def _backup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``clone backup FILE``: its own sockets (:mod:`clone.client.backup`), not a
+    :class:`Clone`, which keeps decoded values rather than the frames a
+    restored server must serve byte for byte."""
+    from clone.client.backup import check_writable, take_backup, write_backup
+
+    timeout = args.backup_timeout
+    if timeout is None:
+        given = sys.argv[1:] if argv is None else list(argv)
+        global_given = any(a == "--timeout" or a.startswith("--timeout=") for a in given)
+        timeout = args.timeout if global_given else BACKUP_TIMEOUT
+    if not timeout > 0:
+        print("clone: --timeout must be > 0", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    start = time.monotonic()
+    try:
+        servers = normalize_endpoints(args.servers or default_servers())
+        check_writable(args.file)
+        copy = take_backup(servers, timeout=timeout, silence=2.5 * args.heartbeat)
+        write_backup(args.file, copy)
+    except (ValueError, TypeError) as exc:
+        print(f"clone: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except NotSynced as exc:
+        print(f"clone: backup failed: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except CloneError as exc:
+        print(f"clone: backup to {args.file} failed: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        return 130
+    elapsed = time.monotonic() - start
+    _emit(
+        f"wrote {len(copy.entries)} keys at sequence {copy.sequence} to {args.file} "
+        f"in {elapsed:.2f} s"
+    )
+    return EXIT_OK
 
 
 def _discard_stdout() -> None:
