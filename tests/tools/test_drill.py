@@ -17,7 +17,7 @@ import pytest
 
 from clone.tools import drill, report
 from clone.tools.drill import DrillConfig, analyse, percentile, run_drill
-from clone.tools.drill.analysis import nearest_rank
+from clone.tools.drill.analysis import highest_sequence_before, nearest_rank
 from clone.tools.drill.client import make_value, parse_value, shared_key, state_hash, write_key
 
 # --------------------------------------------------------------------------
@@ -274,6 +274,30 @@ def test_overwritten_keys_keep_the_per_write_checks_honest() -> None:
     assert s["writes_sent"] == 0 and s["confirmed_writes"] == 0 and s["confirmed_lost"] == 0
 
 
+def test_highest_sequence_before_a_moment() -> None:
+    streams = {
+        "c0": [_update("c0", "c1", 0, "u0", 3), _update("c0", "c1", 1, "u1", 9)],
+        "c1": [_update("c1", "c1", 0, "u0", 3), *_write("c1", 2, "u2", True)],
+    }
+    assert highest_sequence_before(streams, 9.5) == 9
+    assert highest_sequence_before(streams, 9) == 3  # strictly before
+    assert highest_sequence_before(streams, 1) is None
+
+
+def test_both_crash_timings() -> None:
+    cfg = DrillConfig(scenario="both-crash", heartbeat_ms=200)
+    assert cfg.crash_sequence == ("primary", "backup")
+    assert cfg.crash_interval == pytest.approx(0.6)  # 3 heartbeats
+    cfg = DrillConfig(scenario="both-crash", crash_order="backup-first", crash_gap=2.0)
+    assert cfg.crash_sequence == ("backup", "primary") and cfg.crash_interval == 2.0
+    assert DrillConfig(scenario="both-crash", crash_order="together",
+                       crash_gap=2.0).crash_interval == 0.0
+    for bad in ({"crash_order": "sideways"}, {"crash_gap": -1.0}, {"down_time": -1.0},
+                {"restart_stagger": 10.0}):
+        with pytest.raises(ValueError):
+            DrillConfig(scenario="both-crash", **bad)
+
+
 def test_config_rejects_nonsense() -> None:
     with pytest.raises(ValueError):
         DrillConfig(scenario="meteor-strike")
@@ -417,3 +441,48 @@ def test_drill_rolling_restart(tmp_path: Path) -> None:
     # bring no update to measure the gap by.
     assert summary["failovers_observed"] >= summary["clients"] * (len(rounds) - 1)
 
+
+
+def _crash_report(summary: dict[str, Any]) -> dict[str, Any]:
+    crash = summary["crash"]
+    assert len(crash["kills"]) == 2 and len(crash["restarts"]) == 2
+    assert {k["server"] for k in crash["kills"]} == {"primary", "backup"}
+    assert crash["seq_seen_before"] is not None
+    return crash
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("order, stagger", [("primary-first", 0.0), ("backup-first", 0.5)])
+def test_drill_both_crash(order: str, stagger: float, tmp_path: Path) -> None:
+    summary = run_drill(_small("both-crash", tmp_path, crash_order=order,
+                               restart_stagger=stagger))
+    events = _check_outputs(tmp_path, summary, "both-crash")
+    _assert_guarantees(summary)
+    crash = _crash_report(summary)
+    first = order.split("-")[0]
+    assert crash["kills"][0]["server"] == first and crash["restarts"][0]["server"] == first
+    assert crash["served_seq"] >= crash["seq_seen_before"]
+    # Both came back from their data directories.
+    assert all(v is not None and v["sequence"] > 0 for v in crash["loaded"].values())
+    for name in ("the pair came back after both crashed",
+                 "sequence never went backwards across the restart"):
+        assert summary["checks"][name]["ok"] is True
+    assert sum(e["event"] == "restart" for e in events) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_drill_both_crash_in_memory_loses_writes(tmp_path: Path) -> None:
+    # The drill must be able to fail: servers without a data directory lose
+    # everything when both crash, and the verdict says so.
+    summary = run_drill(_small("both-crash", tmp_path, in_memory=True))
+    _check_outputs(tmp_path, summary, "both-crash")
+    crash = _crash_report(summary)
+    assert crash["in_memory"] is True
+    assert not (tmp_path / "data").exists()
+    assert summary["ok"] is False
+    assert summary["confirmed_lost"] > 0
+    assert summary["checks"]["no confirmed write lost"]["ok"] is False
+    assert summary["checks"]["sequence never went backwards across the restart"]["ok"] is False
+    assert crash["served_seq"] < crash["seq_seen_before"]
