@@ -11,7 +11,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from clone.tools.bench.config import SECTIONS, BenchConfig
+from clone.tools.bench.config import DEFAULT_SECTIONS, SECTIONS, BenchConfig
+from clone.tools.bench.durability import durability_tables
 from clone.tools.bench.run import run_benchmarks
 
 __all__ = ["config_from_args", "main"]
@@ -27,7 +28,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Benchmark clone-server against libzmq's C proxy and a raw pyzmq forwarder.",
     )
     p.add_argument("sections", nargs="*", metavar="SECTION",
-                   help=f"sections to run (default: all of {', '.join(SECTIONS)})")
+                   help=f"sections to run, of {', '.join(SECTIONS)}"
+                   f" (default: {', '.join(DEFAULT_SECTIONS)})")
     p.add_argument("--quick", action="store_true", help="tiny sizes, seconds per section")
     p.add_argument("--out", type=Path, default=Path("results/bench.json"), help="JSON results")
     p.add_argument("--plot", type=Path, default=None, help="PNG of latency against rate")
@@ -44,6 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rate-seconds", type=float, help="latency: seconds per rate")
     p.add_argument("--snapshot-sizes", type=_ints, help="snapshot: key counts, e.g. 10000,100000")
     p.add_argument("--memory-keys", type=int, help="memory: keys to load")
+    p.add_argument("--durability-keys", type=int,
+                   help="durability: keys in the restart and catch-up data directories (1M)")
+    p.add_argument("--durability-messages", type=int,
+                   help="durability: messages per throughput run (20000)")
+    p.add_argument("--durability-dir", type=Path,
+                   help="durability: where durable servers keep their data (default: in the"
+                   " log directory; use a real disk, not tmpfs)")
     p.add_argument("--repeats", type=int,
                    help="throughput/latency: runs of each case, median reported (default 3)")
     p.add_argument("--probes", type=int,
@@ -63,6 +72,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         ("rate_seconds", "rate_seconds"),
         ("snapshot_sizes", "snapshot_sizes"),
         ("memory_keys", "memory_keys"),
+        ("durability_keys", "durability_keys"),
+        ("durability_messages", "durability_messages"),
+        ("durability_dir", "durability_dir"),
         ("probes", "probes"),
         ("repeats", "repeats"),
     ]:
@@ -95,12 +107,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     print()
     print(report.bench_text(results))
+    durability = results["sections"].get("durability")
+    if durability is not None:
+        for title, body in durability_tables(durability):
+            print(f"\n{title}\n{body}")
     print(f"\nresults: {args.out}")
     if args.plot is not None and "latency" in results["sections"]:
         report.plot_latency(results, args.plot)
         print(f"plot: {args.plot}")
     if args.md is not None:
-        report.update_markdown(args.md, report.bench_markdown(results))
+        generated = report.bench_markdown(results)
+        if durability is not None:
+            generated += "".join(
+                f"\n#### {title}\n\n{body}\n"
+                for title, body in durability_tables(durability, markdown=True)
+            )
+        report.update_markdown(args.md, generated)
         print(f"markdown: {args.md}")
     if results.get("errors"):
         print(f"FAILED sections: {', '.join(results['errors'])}", file=sys.stderr)

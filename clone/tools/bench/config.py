@@ -7,9 +7,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["SECTIONS", "TARGETS", "BenchConfig", "Say"]
+__all__ = ["DEFAULT_SECTIONS", "SECTIONS", "TARGETS", "BenchConfig", "Say"]
 
-SECTIONS: tuple[str, ...] = ("throughput", "latency", "snapshot", "memory")
+SECTIONS: tuple[str, ...] = ("throughput", "latency", "snapshot", "memory", "durability")
+#: What runs without naming sections: durability takes minutes (1M-key data directories).
+DEFAULT_SECTIONS: tuple[str, ...] = ("throughput", "latency", "snapshot", "memory")
 TARGETS: tuple[str, ...] = ("clone", "c-proxy", "py-forwarder")
 
 Say = Callable[[str], None]
@@ -19,7 +21,7 @@ Say = Callable[[str], None]
 class BenchConfig:
     """What to run and how big: the defaults are the full run, :meth:`quick` the small preset."""
 
-    sections: tuple[str, ...] = SECTIONS
+    sections: tuple[str, ...] = DEFAULT_SECTIONS
     value_size: int = 100
     throughput_messages: int = 100_000
     subscriber_counts: tuple[int, ...] = (1, 10)
@@ -33,6 +35,18 @@ class BenchConfig:
     snapshot_repeats: int = 3
     snapshot_heartbeat_ms: int = 200
     memory_keys: int = 100_000
+    # durability: in memory against --fsync modes, restart and catch-up (issue 13).
+    durability_fsyncs: tuple[str, ...] = ("batch", "always", "off")
+    # Fewer than throughput_messages: --fsync always commits ~1.5k updates/s here.
+    durability_messages: int = 20_000
+    durability_rate: int = 2_000
+    durability_latency_fsyncs: tuple[str, ...] = ("batch", "off")
+    durability_keys: int = 1_000_000
+    durability_missed: int = 1_000
+    durability_restarts: int = 2
+    engine_groups: int = 1_000
+    # Where durable servers keep their data (a real disk, not tmpfs); removed after.
+    durability_dir: Path | None = None
     # Subscribers measured by a Python watcher process each; the others are C sinks.
     probes: int = 1
     # Throughput and latency runs are repeated, interleaved; the median is reported.
@@ -54,6 +68,11 @@ class BenchConfig:
             snapshot_sizes=(2_000,),
             snapshot_repeats=1,
             memory_keys=5_000,
+            durability_messages=3_000,
+            durability_keys=10_000,
+            durability_missed=100,
+            durability_restarts=1,
+            engine_groups=50,
             repeats=1,
         )
         return replace(base, **changes)

@@ -6,20 +6,27 @@ from typing import Any
 
 from clone.tools.bench.config import BenchConfig, Say
 from clone.tools.bench.profiling import Profiler
-from clone.tools.bench.targets import running_target, traffic
+from clone.tools.bench.targets import ServerOptions, running_target, traffic
 from clone.tools.drill.analysis import nearest_rank
 from clone.tools.histogram import LatencyHistogram
 from clone.tools.procs import ProcessGroup
 
-__all__ = ["run_latency"]
+__all__ = ["latency_once", "run_latency"]
 
 
-def _latency_once(
-    cfg: BenchConfig, group: ProcessGroup, kind: str, rate: int, subs: int, rep: int
+def latency_once(
+    cfg: BenchConfig,
+    group: ProcessGroup,
+    kind: str,
+    rate: int,
+    subs: int,
+    rep: int,
+    server: ServerOptions | None = None,
 ) -> dict[str, Any]:
-    with running_target(kind, group, cfg.server_heartbeat_ms) as target:
-        label = f"latency-{kind}-{rate}-{subs}sub"
-        profiled = kind == "clone" and rate == max(cfg.rates) and rep == 0
+    """One run at ``rate`` through a fresh target (``server``: how a clone keeps its state)."""
+    with running_target(kind, group, cfg.server_heartbeat_ms, server) as target:
+        label = f"latency-{kind}-{rate}-{subs}sub" + (f"-{server.label}" if server else "")
+        profiled = kind == "clone" and (rate == max(cfg.rates) or server is not None) and rep == 0
         with Profiler(cfg.profile_dir if profiled else None, label, target.pid) as prof:
             count = max(1, int(rate * cfg.rate_seconds))
             writer, watchers = traffic(
@@ -68,7 +75,7 @@ def run_latency(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, An
     reps: dict[tuple[str, int, int], list[dict[str, Any]]] = {p: [] for p in plan}
     for rep in range(cfg.repeats):
         for kind, rate, subs in plan:
-            one = _latency_once(cfg, group, kind, rate, subs, rep)
+            one = latency_once(cfg, group, kind, rate, subs, rep)
             reps[(kind, rate, subs)].append(one)
             lat = one["latency"]
             say(

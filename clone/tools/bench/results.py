@@ -93,4 +93,28 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 add("1M client sync s", sync, "<= 5", sync is not None and sync <= 5)
                 add("1M no heartbeat missed", run["hugz_max_gap_s"], "gap <= 1.5 hb",
                     not run["hugz_missed"])
+    if "durability" in s:
+        _durability_targets(s["durability"], add)
     return out
+
+
+def _durability_targets(d: dict[str, Any], add: Any) -> None:
+    """Issue 13's targets: batch keeps 60% of the in-memory throughput and the latency
+    targets; a restart serves within 10 s; a missed 1,000 updates take < 0.5 s."""
+    ratio = d["throughput"]["ratios"].get("batch_vs_in-memory")
+    if ratio is not None:
+        add("durability: fsync batch throughput / in-memory", ratio, ">= 0.6", ratio >= 0.6)
+    for run in d["latency"]:
+        if run["mode"] == "batch":
+            lat, rate = run["latency"], f"{run['rate'] // 1000}k/s"
+            add(f"durability: batch {rate} p99 ms", lat["p99_ms"], "<= 2", lat["p99_ms"] <= 2)
+            add(f"durability: batch {rate} p99.9 ms", lat["p99_9_ms"], "<= 5",
+                lat["p99_9_ms"] <= 5)
+    rs = d["restart"]
+    add(f"durability: {rs['keys']:,}-key restart serving s", rs["serving_max_s"], "<= 10",
+        rs["serving_max_s"] <= 10)
+    cu = d["catch_up"]
+    add(f"durability: catch-up of {cu['missed_updates']:,} updates s", cu["catch_up_s"], "< 0.5",
+        cu["catch_up_s"] < 0.5)
+    add("durability: restarted passive caught up, no full sync", cu["kind"], "catch-up",
+        cu["was_catch_up"])

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from clone.tools.bench.config import BenchConfig, Say
+from clone.tools.bench.durability import run_durability
 from clone.tools.bench.latency import run_latency
 from clone.tools.bench.memory import run_memory
 from clone.tools.bench.results import cpu_pressure, evaluate_targets, machine_info
@@ -28,6 +29,7 @@ _RUNNERS: dict[str, Callable[[BenchConfig, ProcessGroup, Say], dict[str, Any]]] 
     "latency": run_latency,
     "snapshot": run_snapshot,
     "memory": run_memory,
+    "durability": run_durability,
 }
 
 

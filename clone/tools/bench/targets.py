@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import shutil
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -40,7 +42,7 @@ from clone.tools.procs import (
 from clone.wire.frames import cap_message_size, recv_frames
 from clone.wire.protocol import COLLECTOR_OFFSET, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
 
-__all__ = ["Target", "load_keys", "rss", "running_target", "traffic"]
+__all__ = ["ServerOptions", "Target", "load_keys", "rss", "running_target", "traffic"]
 
 
 @dataclass
@@ -54,17 +56,49 @@ class Target:
     snapshot_endpoint: str = ""
 
 
+@dataclass(frozen=True)
+class ServerOptions:
+    """How a ``clone`` target keeps its state: in memory (the default) or in ``data_dir``."""
+
+    data_dir: Path | None = None
+    extra: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        if self.data_dir is None:
+            return "in-memory"
+        fsync = self.extra[self.extra.index("--fsync") + 1] if "--fsync" in self.extra else ""
+        return f"fsync-{fsync or 'batch'}"
+
+
 @contextlib.contextmanager
 def running_target(
-    kind: str, group: ProcessGroup, heartbeat_ms: int | None = None
+    kind: str,
+    group: ProcessGroup,
+    heartbeat_ms: int | None = None,
+    server: ServerOptions | None = None,
 ) -> Iterator[Target]:
-    """A fresh target of ``kind`` for the ``with`` block, stopped after it."""
+    """A fresh target of ``kind`` for the ``with`` block, stopped after it.
+
+    ``server`` applies to ``clone`` only: a durable server gets a fresh, empty
+    ``data_dir`` (removed first if it exists).
+    """
     deadline = time.monotonic() + 15
     if kind == "clone":
+        opts = server or ServerOptions()
+        if opts.data_dir is not None:
+            shutil.rmtree(opts.data_dir, ignore_errors=True)
         base = free_base_port(3)
         name = f"clone-server-{len(group.procs)}"
         proc = group.add(
-            name, server_argv("standalone", ServerAddress(name, base), heartbeat_ms=heartbeat_ms)
+            name,
+            server_argv(
+                "standalone",
+                ServerAddress(name, base),
+                heartbeat_ms=heartbeat_ms,
+                data_dir=opts.data_dir,
+                extra=opts.extra,
+            ),
         )
         try:
             for off in (SNAPSHOT_OFFSET, PUBLISHER_OFFSET, COLLECTOR_OFFSET):
@@ -81,6 +115,8 @@ def running_target(
             )
         finally:
             proc.stop()
+            if opts.data_dir is not None:
+                shutil.rmtree(opts.data_dir, ignore_errors=True)
         return
     if kind not in TARGETS:
         raise ValueError(f"unknown target {kind!r}")

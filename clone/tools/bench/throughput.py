@@ -7,18 +7,25 @@ from typing import Any
 
 from clone.tools.bench.config import BenchConfig, Say
 from clone.tools.bench.profiling import Profiler
-from clone.tools.bench.targets import running_target, traffic
+from clone.tools.bench.targets import ServerOptions, running_target, traffic
 from clone.tools.procs import ProcessGroup
 
-__all__ = ["run_throughput"]
+__all__ = ["run_throughput", "throughput_once"]
 
 
-def _throughput_once(
-    cfg: BenchConfig, group: ProcessGroup, kind: str, subs: int, rep: int
+def throughput_once(
+    cfg: BenchConfig,
+    group: ProcessGroup,
+    kind: str,
+    subs: int,
+    rep: int,
+    server: ServerOptions | None = None,
+    messages: int | None = None,
 ) -> dict[str, Any]:
-    n = cfg.throughput_messages
-    with running_target(kind, group, cfg.server_heartbeat_ms) as target:
-        label = f"throughput-{kind}-{subs}sub"
+    """One throughput run through a fresh target (``server``: how a clone keeps its state)."""
+    n = messages or cfg.throughput_messages
+    with running_target(kind, group, cfg.server_heartbeat_ms, server) as target:
+        label = f"throughput-{kind}-{subs}sub" + (f"-{server.label}" if server else "")
         profile_dir = cfg.profile_dir if kind == "clone" and rep == 0 else None
         with Profiler(profile_dir, label, target.pid) as prof:
             writer, watchers = traffic(
@@ -57,7 +64,7 @@ def run_throughput(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str,
     reps: dict[tuple[str, int], list[dict[str, Any]]] = {c: [] for c in combos}
     for rep in range(cfg.repeats):
         for kind, subs in combos:
-            one = _throughput_once(cfg, group, kind, subs, rep)
+            one = throughput_once(cfg, group, kind, subs, rep)
             reps[(kind, subs)].append(one)
             say(
                 f"  throughput {kind:>12} {subs:>2} sub: {one['rate']:>8,} msg/s per subscriber"
