@@ -177,3 +177,49 @@ def test_snapshot_and_memory_sections_through_the_cli(
     mem = results["sections"]["memory"]
     assert mem["keys"] == 2000 and mem["rss_empty"] > 0 and mem["rss_loaded"] > 0
     assert "| keys |" in md.read_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_durability_section_through_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every part present and sane at 5k keys: a catch-up (not a full sync), modes in order."""
+    out = tmp_path / "bench.json"
+    rc = cli.main(["--quick", "durability", "--durability-keys", "5000",
+                   "--durability-messages", "2000", "--rate-seconds", "0.5",
+                   "--out", str(out), "--log-dir", str(tmp_path / "logs")])
+    printed = capsys.readouterr().out
+    results = json.loads(out.read_text())
+    assert rc == 0, results.get("errors")
+    assert "Durability: restart and catch-up" in printed and "storage engines" in printed
+    d = results["sections"]["durability"]
+    tput = {r["mode"]: r for r in d["throughput"]["runs"]}
+    assert set(tput) == {"in-memory", "batch", "always", "off"}
+    for r in tput.values():  # the server's publisher never drops
+        assert r["rate_median"] > 0 and r["delivered"] == 1.0
+    modes = ("batch", "always", "off")
+    assert set(d["throughput"]["ratios"]) == {f"{m}_vs_in-memory" for m in modes}
+    assert [r["mode"] for r in d["latency"]] == ["in-memory", "batch", "off"]
+    for r in d["latency"]:
+        lat = r["latency"]
+        assert r["lost"] == 0 and lat["count"] == 1000
+        assert 0 < lat["p50_ms"] <= lat["p99_ms"] <= lat["p99_9_ms"] <= lat["max_ms"]
+    (restart,) = d["restart"]["runs"]
+    assert restart["keys"] == restart["sequence"] == 5000
+    assert 0 <= restart["load_s"] <= restart["serving_s"]
+    cu = d["catch_up"]
+    assert cu["was_catch_up"] and cu["kind"] == "catch-up"
+    assert cu["syncs_full"] == 0 and cu["syncs_catchup"] == 1
+    assert cu["missed_updates"] >= 100 and cu["keys_after"] >= 5000
+    assert 0 <= cu["catch_up_s"] <= cu["start_to_synced_s"]
+    for name in ("sqlite", "lmdb"):
+        eng = d["engines"]["engines"][name]
+        assert [c["group"] for c in eng["commits"]] == [1, 10, 100]
+        for c in eng["commits"]:
+            assert 0 < c["p50_ms"] <= c["p99_ms"] <= c["p99_9_ms"] and c["updates_per_s"] > 0
+        assert eng["load"]["keys"] == 5000 and eng["load"]["read_s"] > 0
+    names = {t["target"] for t in results["targets"]}
+    assert "durability: fsync batch throughput / in-memory" in names
+    assert "durability: restarted passive caught up, no full sync" in names
+    assert not (tmp_path / "logs" / "durability-data").exists()  # data dirs removed

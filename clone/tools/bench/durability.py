@@ -68,8 +68,10 @@ def _throughput(cfg: BenchConfig, group: ProcessGroup, base: Path, say: Say) -> 
     delivered: dict[str, list[float]] = {m: [] for m in modes}
     for rep in range(cfg.repeats):
         for mode in modes:
+            # --fsync always commits a whole turn's updates one by one before it
+            # publishes any: seconds of silence, then a burst; the watcher waits.
             one = throughput_once(cfg, group, "clone", 1, rep, _options(base, mode),
-                                  messages=cfg.durability_messages)
+                                  messages=cfg.durability_messages, idle_s=30.0)
             rates[mode].append(one["rate"])
             delivered[mode].append(one["delivered"])
             say(f"  throughput {mode:>12}: {one['rate']:>8,} msg/s (delivered "

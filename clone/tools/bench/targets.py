@@ -142,18 +142,22 @@ def traffic(
     params: dict[str, Any],
     deadline_s: float,
     probes: int,
+    idle_s: float | None = None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run a writer and ``subscribers`` subscribers through ``target``.
 
     ``probes`` of the subscribers are measuring watchers (one process each); the
-    rest are C-level sinks in one more process (see :func:`sink_main`).
+    rest are C-level sinks in one more process (see :func:`sink_main`).  A
+    watcher stops after ``idle_s`` seconds without a message (default 3 s for
+    latency, 1.5 s for throughput).
     """
     sinks = max(0, subscribers - probes)
     subscribers -= sinks
     ready = MP.Queue()
     results = MP.Queue()
     go, stop = MP.Event(), MP.Event()
-    idle_s = 3.0 if mode == "latency" else 1.5
+    if idle_s is None:
+        idle_s = 3.0 if mode == "latency" else 1.5
     watchers = [
         MP.Process(
             target=watcher_main,

@@ -21,8 +21,12 @@ def throughput_once(
     rep: int,
     server: ServerOptions | None = None,
     messages: int | None = None,
+    idle_s: float | None = None,
 ) -> dict[str, Any]:
-    """One throughput run through a fresh target (``server``: how a clone keeps its state)."""
+    """One throughput run through a fresh target (``server``: how a clone keeps its state).
+
+    ``idle_s``: how long a watcher waits for the next message (see :func:`traffic`).
+    """
     n = messages or cfg.throughput_messages
     with running_target(kind, group, cfg.server_heartbeat_ms, server) as target:
         label = f"throughput-{kind}-{subs}sub" + (f"-{server.label}" if server else "")
@@ -36,6 +40,7 @@ def throughput_once(
                 {"messages": n, "value_size": cfg.value_size},
                 deadline_s=60 + n / 1000,
                 probes=cfg.probes,
+                idle_s=idle_s,
             )
     rates = [
         w["received"] / (w["last"] - writer["t_start"])
