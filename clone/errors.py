@@ -21,6 +21,7 @@ __all__ = [
     "DataDirLocked",
     "DataDirCorrupt",
     "DataDirIncompatible",
+    "SecurityError",
 ]
 
 
@@ -87,3 +88,13 @@ class DataDirCorrupt(StorageError):
 
 class DataDirIncompatible(StorageError):
     """The data directory was written by another format version, or is not Clone's."""
+
+
+class SecurityError(CloneError):
+    """A certificate, the clients directory or the ACL cannot be used as given.
+
+    The message names the file (and the table and key for the ACL) and says what
+    to do.  Security fails closed: a server that meets one at start refuses to
+    start, and on a reload it keeps what it had; it never falls back to
+    admitting everyone.
+    """

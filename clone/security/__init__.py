@@ -1,0 +1,62 @@
+"""CURVE security for Clone (issue 14): certificates, the ZAP handler, the ACL.
+
+Who may connect is decided by :class:`Gatekeeper` (the ZAP handler: the pair's
+own key and the public certificates of the clients directory); what a
+connected client may read and write is decided by :class:`Acl`, keyed by the
+name the Gatekeeper gives the connection (``frame.get("User-Id")``).  Every
+doubt fails closed: an unknown key, a missing ACL table or an unreadable
+certificate means no access, never full access.
+
+May import: :mod:`clone.errors`, :mod:`clone.ratelimit` and zmq.  Never
+tornado, :mod:`clone.server` or :mod:`clone.client`.
+
+Modules: :mod:`.names` (client names, the reserved peer name), :mod:`.certs`
+(certificate files, the clients directory), :mod:`.acl` (the ACL, pure),
+:mod:`.zap` (the Gatekeeper and socket setup).
+"""
+
+from __future__ import annotations
+
+from clone.security.acl import FULL, NOTHING, Acl, Rights
+from clone.security.certs import (
+    PUBLIC_SUFFIX,
+    SECRET_SUFFIX,
+    ClientKeys,
+    KeyPair,
+    fingerprint,
+    keygen,
+    load_client_keys,
+    load_public,
+    load_secret,
+)
+from clone.security.names import PEER_USER, name_problem
+from clone.security.zap import (
+    ZAP_DOMAIN,
+    ZAP_ENDPOINT,
+    Gatekeeper,
+    configure_client_socket,
+    configure_server_socket,
+)
+
+__all__ = [
+    "FULL",
+    "NOTHING",
+    "PEER_USER",
+    "PUBLIC_SUFFIX",
+    "SECRET_SUFFIX",
+    "ZAP_DOMAIN",
+    "ZAP_ENDPOINT",
+    "Acl",
+    "ClientKeys",
+    "Gatekeeper",
+    "KeyPair",
+    "Rights",
+    "configure_client_socket",
+    "configure_server_socket",
+    "fingerprint",
+    "keygen",
+    "load_client_keys",
+    "load_public",
+    "load_secret",
+    "name_problem",
+]
