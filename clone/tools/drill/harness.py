@@ -7,7 +7,8 @@ are: :mod:`clone.tools.drill.watch`), and N :mod:`clone.tools.drill.client`
 processes.  The clients sync, start writing together at ``start_at`` and stop
 after ``duration`` seconds; the fault is injected at 35% of the run
 (``rolling-restart``: rounds of restarts from then on, the scenario's own
-timeline).  Each client logs its events to its own file (``clients/<id>.jsonl``)
+timeline; ``both-crash``: both servers killed, then restarted together from
+their data directories).  Each client logs its events to its own file (``clients/<id>.jsonl``)
 and its final state to ``clients/<id>.state.json``.  Once everyone has settled,
 the drill takes a snapshot of ``/drill/`` from the active server, asks both
 servers for a stats line (SIGUSR1), stops everything, merges all events into
@@ -23,7 +24,9 @@ servers for a stats line (SIGUSR1), stops everything, merges all events into
 * the passive ends in step with the active: same sequence and key count, and
   nothing left in its pending list;
 * the scenario's own checks: a restarted server came back passive, a thawed
-  server did not go on as a second active, no ephemeral key outlived its ttl.
+  server did not go on as a second active, no ephemeral key outlived its ttl,
+  a pair restarted after both crashed serves no lower sequence than the
+  clients saw before.
 
 The result is ``summary.json``; :func:`.cli.main` prints a table and exits 1 when a
 guarantee is broken.  ``docs/drills.md`` describes the scenarios and the schema.
