@@ -66,9 +66,7 @@ class Rights:
     def __post_init__(self) -> None:
         for which in _LISTS:
             value = getattr(self, which)
-            if isinstance(value, (bytes, str)) or not all(
-                isinstance(p, bytes) for p in value
-            ):
+            if isinstance(value, (bytes, str)) or not all(isinstance(p, bytes) for p in value):
                 raise TypeError(f"Rights.{which} must be a tuple of bytes prefixes")
             object.__setattr__(self, which, _normalize(value))
 
@@ -153,8 +151,7 @@ class Acl:
                 )
             if not isinstance(table, dict):
                 raise SecurityError(
-                    f"{where}: must be a table with read/write lists, "
-                    f"not a {type(table).__name__}"
+                    f"{where}: must be a table with read/write lists, not a {type(table).__name__}"
                 )
             unknown = sorted(k for k in table if k not in _LISTS)
             if unknown:
@@ -168,13 +165,13 @@ class Acl:
                 if not isinstance(value, list):
                     raise SecurityError(
                         f"{where}, key {which!r}: must be a list of prefix strings, "
-                        f"e.g. {which} = [\"/public/\"], not a {type(value).__name__}"
+                        f'e.g. {which} = ["/public/"], not a {type(value).__name__}'
                     )
                 for item in value:
                     if not isinstance(item, str):
                         raise SecurityError(
                             f"{where}, key {which!r}: {item!r} is not a string; "
-                            f"prefixes are strings (\"\" means every key)"
+                            f'prefixes are strings ("" means every key)'
                         )
                 lists[which] = tuple(p.encode("utf-8") for p in value)
             clients[name] = Rights(read=lists["read"], write=lists["write"])

@@ -111,8 +111,7 @@ def _read_certificate(path: Path) -> tuple[bytes, bytes | None]:
         public, secret = zmq.auth.load_certificate(path)
     except OSError as e:
         raise SecurityError(
-            f"{path}: cannot read the certificate: {e.strerror or e}; "
-            f"check its owner and mode"
+            f"{path}: cannot read the certificate: {e.strerror or e}; check its owner and mode"
         ) from None
     except ValueError:
         raise SecurityError(
@@ -316,6 +315,4 @@ def load_client_keys(directory: str | os.PathLike[str]) -> ClientKeys:
             )
             continue
         names[public] = stems[0]
-    return ClientKeys(
-        directory=directory, names=MappingProxyType(names), problems=tuple(problems)
-    )
+    return ClientKeys(directory=directory, names=MappingProxyType(names), problems=tuple(problems))

@@ -30,6 +30,7 @@ from types import TracebackType
 from typing import Any
 
 import zmq
+from zmq.auth.base import Authenticator
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils import z85
 
@@ -50,7 +51,25 @@ ZAP_DOMAIN = b"clone"
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
 
 
-class _CloneAuthenticator(ThreadAuthenticator):
+class _ReleasingAuthenticator(Authenticator):
+    """Unbinds the ZAP endpoint before closing, so that it is free at once.
+
+    ``close`` alone releases an inproc endpoint only when libzmq reaps the
+    socket, later; a Gatekeeper restarted in the same context would meet
+    "address in use".  Placed after ThreadAuthenticator in the MRO, this runs
+    once the ZAP thread has been joined, when the socket is ours to touch.
+    """
+
+    def stop(self) -> None:
+        if self.zap_socket is not None and not self.zap_socket.closed:
+            try:
+                self.zap_socket.unbind(ZAP_ENDPOINT)
+            except zmq.ZMQError:
+                pass
+        super().stop()
+
+
+class _CloneAuthenticator(ThreadAuthenticator, _ReleasingAuthenticator):
     """pyzmq's ZAP thread, refusing everything but CURVE and naming users.
 
     Everything here runs in the authenticator's thread, one request at a time,
@@ -288,9 +307,7 @@ def configure_server_socket(sock: zmq.Socket[Any], keypair: KeyPair) -> None:
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
 
 
-def configure_client_socket(
-    sock: zmq.Socket[Any], keypair: KeyPair, server_public: bytes
-) -> None:
+def configure_client_socket(sock: zmq.Socket[Any], keypair: KeyPair, server_public: bytes) -> None:
     """Make ``sock`` a CURVE client of the server holding ``server_public``; before ``connect``."""
     if sock.get(zmq.LAST_ENDPOINT):
         raise ValueError("configure_client_socket must be called before connect/bind")
