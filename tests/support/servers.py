@@ -51,12 +51,22 @@ every server's log (pytest shows it under "Captured stderr teardown").
   past the match); ``log_text()``; ``log_size()``.  Each start appends a
   ``=== HH:MM:SS start #N: <command line>`` line to the log.
 
+Durability helpers (module functions):
+
+* ``read_stats(server) -> dict`` -- SIGUSR1, then the parsed ``stats: {json}`` line;
+* ``log_line(server, text, after=0) -> str`` -- the first log line with ``text``;
+* ``set_arg(server, flag, value)`` -- change a flag for the next ``start()``;
+* ``start_both(a, b) -> (active, passive)`` -- start two stopped servers of a
+  pair together; back once one is ACTIVE and the other has synced from it.
+
 Every wait has a deadline and raises ``TimeoutError`` with the log tail.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -71,7 +81,18 @@ import zmq
 from clone.tools.procs import ManagedProcess, python_module_argv
 from tests.support.ports import free_base_port, free_port
 
-__all__ = ["ROOT", "ServerProcess", "Servers", "answers_icanhaz", "server_pool", "servers"]
+__all__ = [
+    "ROOT",
+    "ServerProcess",
+    "Servers",
+    "answers_icanhaz",
+    "log_line",
+    "read_stats",
+    "server_pool",
+    "servers",
+    "set_arg",
+    "start_both",
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_HEARTBEAT_MS = 100
@@ -316,3 +337,79 @@ def answers_icanhaz(
         return False
     finally:
         ctx.term()
+
+
+# -- durability helpers (issue 13) ---------------------------------------------
+
+
+def read_stats(server: ServerProcess, timeout: float = 10.0) -> dict[str, object]:
+    """The server's counters: SIGUSR1 makes it log a ``stats: {json}`` line."""
+    offset = server.log_size()
+    server.signal(signal.SIGUSR1)
+    start = server.wait_log("stats: ", timeout, after=offset)
+    deadline = time.monotonic() + timeout
+    while True:
+        with open(server.log_path, "rb") as f:
+            f.seek(start)
+            rest = f.read()
+        end = rest.find(b"\n")
+        if end >= 0:
+            stats: dict[str, object] = json.loads(rest[:end])
+            return stats
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{server.name}: a truncated stats line: {rest[:200]!r}")
+        time.sleep(0.01)
+
+
+def log_line(server: ServerProcess, text: str, *, after: int = 0) -> str:
+    """The first whole log line at or past ``after`` that contains ``text``."""
+    with open(server.log_path, "rb") as f:
+        f.seek(after)
+        for raw in f:
+            line = raw.decode(errors="replace")
+            if text in line:
+                return line.rstrip("\n")
+    raise AssertionError(f"{server.name}: no line with {text!r} past offset {after}")
+
+
+def set_arg(server: ServerProcess, flag: str, value: str) -> None:
+    """Set ``flag value`` in the server's command line for its next start."""
+    if flag in server.args:
+        server.args[server.args.index(flag) + 1] = value
+    else:
+        server.args += [flag, value]
+
+
+def start_both(
+    a: ServerProcess, b: ServerProcess, timeout: float = 15.0
+) -> tuple[ServerProcess, ServerProcess]:
+    """Start two stopped servers of a pair together; ``(active, passive)`` once
+    one of them is ACTIVE and the other has synced from it."""
+    offsets = {a.name: a.log_size(), b.name: b.log_size()}
+    a.start()
+    b.start()
+    deadline = time.monotonic() + timeout
+    while True:
+        active = [s for s in (a, b) if b"now ACTIVE" in _log_from(s, offsets[s.name])]
+        if len(active) == 1:
+            break
+        if len(active) == 2:
+            raise AssertionError("both servers of the pair became ACTIVE")
+        for s in (a, b):
+            if not s.alive:
+                raise RuntimeError(f"{s.name} exited:\n{s.log_text()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no server ACTIVE after {timeout} s")
+        time.sleep(0.02)
+    passive = b if active[0] is a else a
+    passive.wait_log("synced from", timeout, after=offsets[passive.name])
+    return active[0], passive
+
+
+def _log_from(server: ServerProcess, offset: int) -> bytes:
+    try:
+        with open(server.log_path, "rb") as f:
+            f.seek(offset)
+            return f.read()
+    except FileNotFoundError:
+        return b""

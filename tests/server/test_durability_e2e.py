@@ -1,0 +1,454 @@
+"""Durability end to end (issue 13): real ``clone-server`` pairs on data directories.
+
+What a data directory must guarantee, with processes killed by SIGKILL:
+
+* a confirmed write survives the loss of both servers, whichever dies first, at
+  every ``--fsync`` policy, and the sequence never goes back;
+* when both start, the newer data serves (whatever the roles), and the other
+  server follows it, by catch-up from its own sequence when the active's history
+  reaches back that far, by a full snapshot when it does not;
+* a lone server waits ``--peer-wait`` for its peer before it serves its own,
+  possibly older, state;
+* a data directory that is locked, corrupt or of another version is refused
+  with a message naming it, and left as it was;
+* ``--in-memory`` keeps nothing (so the other tests really test the disk).
+
+A check of the passive's copy goes through a failover: the passive does not
+answer snapshot requests, so the active is killed and the passive, promoted by
+a client vote, is asked.
+"""
+
+from __future__ import annotations
+
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import zmq
+
+from clone import Clone
+from clone.errors import CloneError
+from tests.support.chp_peer import ChpPeer
+from tests.support.servers import (
+    ServerProcess,
+    Servers,
+    log_line,
+    read_stats,
+    set_arg,
+    start_both,
+)
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.slow
+
+HB = 0.1
+KEYS = 30
+PREFIX = "/d/"
+
+
+def endpoint(server: ServerProcess) -> str:
+    return f"tcp://127.0.0.1:{server.port}"
+
+
+@contextmanager
+def _client(*srv: ServerProcess) -> Iterator[Clone]:
+    c = Clone([endpoint(s) for s in srv], heartbeat=HB, server_timeout=0.5)
+    try:
+        c.wait_synced(10)
+        yield c
+    finally:
+        c.close()
+
+
+@contextmanager
+def _peer() -> Iterator[ChpPeer]:
+    ctx = zmq.Context()
+    peer = ChpPeer(ctx)
+    try:
+        yield peer
+    finally:
+        peer.close()
+        ctx.term()
+
+
+class _Writer:
+    """Overwrites ``/d/0`` .. ``/d/{KEYS-1}`` with confirmed writes ``v<n>``, round
+    robin; remembers the last confirmed ``n`` of every key and the highest
+    sequence the client saw."""
+
+    def __init__(self, c: Clone) -> None:
+        self.client = c
+        self.confirmed: dict[str, int] = {}
+        self.count = 0  # confirmed writes
+        self.written = 0  # writes sent, confirmed or not: no value is >= this
+        self.max_sequence = 0
+        self._stop = threading.Event()
+        self._go = threading.Event()
+        self._go.set()
+        self._idle = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="writer", daemon=True)
+
+    def _run(self) -> None:
+        n = 0
+        while not self._stop.is_set():
+            if not self._go.is_set():
+                self._idle.set()
+                self._go.wait(0.1)
+                continue
+            self._idle.clear()
+            key = f"{PREFIX}{n % KEYS}"
+            self.written = n + 1
+            try:
+                self.client.set(key, f"v{n}", wait=True, timeout=1.0)
+                entry = self.client.entry(key)
+            except CloneError:
+                pass  # not confirmed (a takeover, or nobody up): written again next round
+            else:
+                self.confirmed[key] = n
+                self.count += 1
+                if entry is not None:
+                    self.max_sequence = max(self.max_sequence, entry.sequence)
+            n += 1
+
+    def flow(self, count: int = 100, timeout: float = 15.0) -> None:
+        """Until ``count`` more writes were confirmed."""
+        start = self.count
+        eventually(lambda: self.count - start >= count, timeout, f"{count} confirmed writes")
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """No write in flight inside the block."""
+        self._idle.clear()
+        self._go.clear()
+        try:
+            assert self._idle.wait(10), "the writer did not pause"
+            yield
+        finally:
+            self._go.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._go.set()
+        self.thread.join(10)
+        assert not self.thread.is_alive(), "the writer did not stop"
+
+    def __enter__(self) -> _Writer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _snapshot(
+    server: ServerProcess, subtree: bytes, timeout: float = 10.0
+) -> tuple[dict[bytes, bytes], int]:
+    """``(key -> value, sequence)`` from a raw ICANHAZ? to ``server``."""
+    with _peer() as peer:
+        peer.use_snapshot_server(server.port)
+        snap = peer.snapshot(subtree, timeout=timeout)
+    return {k: v.body for k, v in snap.entries.items()}, snap.sequence
+
+
+def _counters(server: ServerProcess) -> dict[str, int]:
+    """The writer's keys the server serves, as their write counters."""
+    values, _ = _snapshot(server, PREFIX.encode())
+    return {k.decode(): int(v.decode().removeprefix("v")) for k, v in values.items()}
+
+
+def _assert_kept(w: _Writer, server: ServerProcess) -> None:
+    """Every confirmed write there (its value or a later one's) and the served
+    sequence not behind what the client saw."""
+    assert w.confirmed, "no write was ever confirmed"
+    final = _counters(server)
+    lost = {k: (final.get(k), n) for k, n in w.confirmed.items() if final.get(k, -1) < n}
+    assert not lost, f"confirmed writes lost on {server.name} (key: (held, confirmed)): {lost}"
+    bogus = {k: n for k, n in final.items() if n >= w.written}
+    assert not bogus, f"values nobody wrote: {bogus}"
+    _, sequence = _snapshot(server, b"/--none--/")
+    assert sequence >= w.max_sequence, (
+        f"{server.name} serves sequence {sequence}, a client saw {w.max_sequence}"
+    )
+
+
+def _assert_one_active(active: ServerProcess, passive: ServerProcess) -> None:
+    roles = {s.name: read_stats(s)["role"] for s in (active, passive)}
+    assert roles == {active.name: "active", passive.name: "passive"}, roles
+
+
+def _kill_both(w: _Writer, first: ServerProcess, second: ServerProcess) -> None:
+    """SIGKILL both servers while the writer writes, then stop the writer."""
+    w.flow(100)
+    first.kill9()
+    second.kill9()
+    w.stop()
+
+
+def _loaded_term(server: ServerProcess, offset: int) -> int:
+    """The term of the data the server loaded at its start past ``offset``."""
+    line = log_line(server, "data directory ", after=offset)
+    return int(re.search(r"\(term (\d+)\)", line).group(1))  # type: ignore[union-attr]
+
+
+def _start_both(a: ServerProcess, b: ServerProcess) -> tuple[ServerProcess, ServerProcess]:
+    """Restart both stopped servers; ``(active, passive)``.  A long ``--peer-wait``
+    so that they meet and the data ranks decide, however slowly one starts."""
+    offsets = [s.log_size() for s in (a, b)]
+    for s in (a, b):
+        set_arg(s, "--peer-wait", "10")
+    active, passive = start_both(a, b)
+    for s, offset in zip((a, b), offsets, strict=True):
+        assert b"serving without having heard the peer" not in s.log_path.read_bytes()[offset:]
+    return active, passive
+
+
+def _take_over(survivor: ServerProcess, offset: int) -> None:
+    """A client vote (a raw ICANHAZ?) promotes ``survivor``, whose peer is dead."""
+    survivor.wait_serving(15)
+    survivor.wait_log("now ACTIVE", 15, after=offset)
+
+
+def _check_through_failover(w: _Writer, active: ServerProcess, passive: ServerProcess) -> None:
+    """The passive's copy too: kill the active, promote the passive, read it."""
+    offset = passive.log_size()
+    active.kill9()
+    _take_over(passive, offset)
+    _assert_kept(w, passive)
+
+
+# -- 1. both killed, in either order ------------------------------------------
+
+
+@pytest.mark.parametrize("primary_first", [True, False], ids=["primary-first", "backup-first"])
+def test_kill9_of_both_keeps_every_confirmed_write(servers: Servers, primary_first: bool) -> None:
+    primary, backup = servers.pair()
+    with _client(primary, backup) as c, _Writer(c) as w:
+        order = (primary, backup) if primary_first else (backup, primary)
+        _kill_both(w, *order)
+    active, passive = _start_both(primary, backup)
+    _assert_one_active(active, passive)
+    _assert_kept(w, active)
+    _check_through_failover(w, active, passive)
+
+
+# -- 2. the newer data serves, whatever the roles -----------------------------
+
+
+@pytest.mark.parametrize("newer", ["backup", "primary"])
+def test_cold_start_of_both_picks_the_newer_data(servers: Servers, newer: str) -> None:
+    primary, backup = servers.pair()
+    with _client(primary, backup) as c, _Writer(c) as w:
+        w.flow(100)
+        if newer == "primary":
+            # First make the backup the active one and the primary its follower.
+            offset = backup.log_size()
+            primary.kill9()
+            _take_over(backup, offset)
+            w.flow(50)
+            offset = primary.log_size()
+            primary.start()
+            primary.wait_log("synced from", 15, after=offset)
+            w.flow(50)
+            old, new = backup, primary
+        else:
+            old, new = primary, backup
+        offset = new.log_size()
+        with w.paused():
+            # Nothing in flight: the old active's data is a prefix of the new
+            # one's, so that it can catch up when it follows.
+            top = read_stats(old)["sequence"]
+            eventually(lambda: read_stats(new)["sequence"] == top, 10, "the passive to follow")
+            old.kill9()
+        # The writer's next snapshot request is the client vote that fails over.
+        new.wait_log("now ACTIVE", 15, after=offset)
+        w.flow(100)
+        new.kill9()
+    offsets = {s.name: s.log_size() for s in (primary, backup)}
+    active, passive = _start_both(primary, backup)
+    assert active is new, f"{active.name} serves, but {new.name} has the newer data"
+    terms = {s.name: _loaded_term(s, offsets[s.name]) for s in (primary, backup)}
+    assert terms[new.name] > terms[old.name], terms
+    _assert_one_active(active, passive)
+    synced = log_line(passive, "synced from", after=offsets[passive.name])
+    assert f":{active.port} (catch-up)" in synced, synced
+    _assert_kept(w, active)
+    _check_through_failover(w, active, passive)
+
+
+# -- 3. a lone server waits for its peer --------------------------------------
+
+
+def test_a_lone_server_waits_for_its_peer_then_serves_its_state(servers: Servers) -> None:
+    primary, backup = servers.pair()
+    with _client(primary, backup) as c:
+        for i in range(KEYS):
+            c.set(f"{PREFIX}{i}", f"v{i}", wait=True, timeout=5.0)
+    before, sequence = _snapshot(primary, PREFIX.encode())
+    backup.terminate()
+    primary.terminate()
+
+    set_arg(primary, "--peer-wait", "2")
+    offset = primary.log_size()
+    started = time.monotonic()
+    primary.start()
+    with _peer() as peer:
+        peer.use_snapshot_server(primary.port)
+        assert peer.no_snapshot_reply(1.0), "served before its --peer-wait was over"
+    primary.wait_serving(10)
+    waited = time.monotonic() - started
+    line = log_line(primary, "serving without having heard the peer", after=offset)
+    assert "2.0 s of --peer-wait" in line, line
+    assert waited >= 2.0, f"served after {waited:.2f} s"
+    assert _snapshot(primary, PREFIX.encode()) == (before, sequence)
+
+    offset = backup.log_size()
+    backup.start()
+    backup.wait_log("now PASSIVE", 15, after=offset)
+    backup.wait_log("synced from", 15, after=offset)
+    synced = log_line(backup, "synced from", after=offset)
+    assert f":{primary.port} " in synced, synced
+    _assert_one_active(primary, backup)
+
+
+# -- 4. catch-up from the passive's sequence, or a full snapshot --------------
+
+
+def _write_raw(server: ServerProcess, keys: range, value: bytes, marker: bytes) -> None:
+    """KVSETs straight to ``server``'s collector; back once all are applied."""
+    with _peer() as peer:
+        peer.connect(server.port, collectors=[server.port])
+        for i in keys:
+            peer.kvset(b"/big/%d" % i, value)
+        peer.kvset(b"/marker/" + marker, b"1")  # the collector applies in order
+        eventually(
+            lambda: b"/marker/" + marker in peer.snapshot(b"/marker/", timeout=10.0).entries,
+            20,
+            f"the writes up to marker {marker!r}",
+        )
+
+
+@pytest.mark.parametrize("history", [None, 100], ids=["catch-up", "history-too-short"])
+def test_a_restarted_passive_catches_up_from_its_sequence(
+    servers: Servers, history: int | None
+) -> None:
+    extra = () if history is None else ("--history", str(history))
+    primary, backup = servers.pair(*extra)
+    _write_raw(primary, range(3000), b"x" * 32, b"preload")
+    _write_raw(primary, range(10), b"followed", b"followed")
+    top = _snapshot(primary, b"/--none--/")[1]
+    eventually(lambda: read_stats(backup)["sequence"] == top, 10, "the backup to follow")
+    served_before = read_stats(primary)["catchups_served"]
+    assert isinstance(served_before, int)
+
+    backup.kill9()
+    _write_raw(primary, range(1000), b"y" * 32, b"missed")
+    offset = backup.log_size()
+    backup.start()
+    backup.wait_log("synced from", 15, after=offset)
+    synced = log_line(backup, "synced from", after=offset)
+    stats = read_stats(backup)
+    served = read_stats(primary)["catchups_served"]
+    assert isinstance(served, int)
+    if history is None:
+        assert "(catch-up)" in synced, synced
+        assert served > served_before
+        assert (stats["syncs_full"], stats["syncs_catchup"]) == (0, 1), stats
+        catchup = stats["catchup_updates_received"]
+        assert isinstance(catchup, int) and catchup >= 1001, catchup
+    else:
+        assert "(full)" in synced, synced
+        assert served == served_before
+        assert (stats["syncs_full"], stats["syncs_catchup"]) == (1, 0), stats
+
+    state = _snapshot(primary, b"")
+    assert len(state[0]) == 3000 + 3
+    offset = backup.log_size()
+    primary.kill9()
+    _take_over(backup, offset)
+    assert _snapshot(backup, b"") == state
+
+
+# -- 5. data directories that are refused -------------------------------------
+
+
+def _refused(server: ServerProcess) -> str:
+    """The exit code is non-zero; the log of this (only) start."""
+    code = server.process.wait(15)
+    assert code is not None, f"{server.name} is still running"
+    assert code != 0, f"{server.name} exited with 0"
+    return server.log_text()
+
+
+def test_a_data_dir_in_use_is_refused(servers: Servers) -> None:
+    first = servers.standalone(name="first")
+    second = servers.standalone(
+        "--data-dir", str(servers.data_dir("first")), name="second", wait=False
+    )
+    log = _refused(second)
+    assert "lock" in log.lower() and str(first.pid) in log, log[-2000:]
+    first.wait_serving(5)  # the first one carries on
+
+
+def test_a_garbage_database_is_refused_and_left_alone(servers: Servers, tmp_path: Path) -> None:
+    data = tmp_path / "garbage.data"
+    data.mkdir()
+    db = data / "clone.db"
+    garbage = b"this is not a database\n" * 500
+    db.write_bytes(garbage)
+    stamp = db.stat().st_mtime_ns
+    log = _refused(servers.standalone("--data-dir", str(data), name="garbage", wait=False))
+    assert str(db) in log, log[-2000:]
+    assert db.read_bytes() == garbage and db.stat().st_mtime_ns == stamp
+    assert sorted(p.name for p in data.iterdir() if p.name != "LOCK") == ["clone.db"]
+
+
+def test_a_data_dir_of_another_version_is_refused(servers: Servers) -> None:
+    server = servers.standalone(name="versioned")
+    assert server.terminate() == 0
+    db = servers.data_dir("versioned") / "clone.db"
+    with sqlite3.connect(db) as conn:
+        conn.execute("PRAGMA user_version = 999")
+    conn.close()
+    offset = server.log_size()
+    server.start()
+    _refused(server)
+    log = server.log_text()[offset:]
+    assert "version 999" in log, log[-2000:]
+
+
+# -- 6. every fsync policy survives a killed process --------------------------
+
+
+@pytest.mark.parametrize("fsync", ["always", "off"])
+def test_every_fsync_policy_keeps_confirmed_writes_across_kill9(
+    servers: Servers, fsync: str
+) -> None:
+    primary, backup = servers.pair("--fsync", fsync)
+    with _client(primary, backup) as c, _Writer(c) as w:
+        w.flow(100)
+        backup.kill9()
+        # The last writes are only in the primary's data directory.
+        _kill_both(w, primary, backup)
+    offset = primary.log_size()
+    active, passive = _start_both(primary, backup)
+    assert log_line(primary, "data directory ", after=offset).endswith(f"fsync {fsync}")
+    _assert_kept(w, active)
+    _check_through_failover(w, active, passive)
+
+
+# -- 7. in memory, nothing survives -------------------------------------------
+
+
+def test_in_memory_servers_forget_everything_when_both_die(servers: Servers) -> None:
+    primary, backup = servers.pair("--in-memory")
+    with _client(primary, backup) as c, _Writer(c) as w:
+        _kill_both(w, primary, backup)
+    assert w.confirmed
+    active, _ = start_both(primary, backup)
+    assert _snapshot(active, b"") == ({}, 0)
+    assert not servers.data_dir("primary").exists() and not servers.data_dir("backup").exists()
