@@ -50,13 +50,22 @@ from bstar.fsm import (
 )
 from bstar.wire import check_wire_rank, decode_state, encode_state
 
-__all__ = ["BinaryStar", "BinaryStarCounters", "RankSource", "StateCallback", "VoteHandler"]
+__all__ = [
+    "BinaryStar",
+    "BinaryStarCounters",
+    "RankSource",
+    "SocketSetup",
+    "StateCallback",
+    "VoteHandler",
+]
 
 log = logging.getLogger(__name__)
 
 #: Called with no arguments when the server becomes active, passive, or detects
 #: split brain.
 StateCallback = Callable[[], object]
+#: Called with a socket before it binds (True) or connects (False): see BinaryStar.
+SocketSetup = Callable[[zmq.Socket, bool], object]
 #: Called with the voter stream and the received frames when a vote is accepted;
 #: reply on the stream if the protocol needs a reply.
 VoteHandler = Callable[[ZMQStream, list[bytes]], object]
@@ -170,6 +179,11 @@ class BinaryStar:
     start-up rules compare it with the peer's. Without it we announce no rank,
     which the peer reads as ``(0, 0)``, and the Guide's rules apply unchanged.
 
+    ``secure_socket``, if given, is called with each socket before it binds
+    (``bound=True``: our publisher) or connects (``bound=False``: the SUB on the
+    peer's publisher), so that the application can apply its security (CURVE
+    keys, a ZAP domain) to the Binary Star link as to its other sockets.
+
     Create it, register callbacks and voters, then :meth:`start`; :meth:`stop`
     closes everything. An instance is started at most once: a restarted server
     is a new instance, just as it would be a new process.
@@ -190,6 +204,7 @@ class BinaryStar:
         epoch: int = 0,
         start_wait: float = 0.0,
         rank: RankSource | None = None,
+        secure_socket: SocketSetup | None = None,
     ) -> None:
         if not isinstance(ctx, zmq.Context):
             raise TypeError(f"ctx must be a zmq.Context, got {type(ctx).__name__}")
@@ -212,6 +227,7 @@ class BinaryStar:
         self._clock = clock
         self._fast_failover = fast_failover
         self._rank_source = rank
+        self._secure_socket = secure_socket
         # Validates primary/heartbeat/missed/epoch/start_wait; replaced at start()
         # so that the start-up grace period counts from the moment we begin listening.
         self._fsm = BinaryStarFSM(
@@ -438,9 +454,13 @@ class BinaryStar:
             pub = self._ctx.socket(zmq.PUB)
             self._pub = pub
             pub.setsockopt(zmq.LINGER, 0)
+            if self._secure_socket is not None:
+                self._secure_socket(pub, True)
             pub.bind(self._local_endpoint)
             sub = self._ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
+            if self._secure_socket is not None:
+                self._secure_socket(sub, False)
             self._sub = ZMQStream(sub, self._loop)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
             if self._fast_failover:

@@ -598,3 +598,40 @@ def test_constructor_rejects_misuse(ctx: zmq.Context, loop: IOLoop) -> None:
     with pytest.raises(TypeError):
         star.register_voter(object(), lambda stream, frames: None)  # type: ignore[arg-type]
     assert star.state is B and not star.running
+
+
+def test_the_link_runs_over_curve_and_a_plain_peer_is_not_heard(
+    ctx: zmq.Context, loop: IOLoop
+) -> None:
+    """secure_socket puts the Binary Star link on CURVE: the pair settles as
+    usual, and a peer speaking plain ZMTP to a CURVE publisher hears nothing."""
+    pa, pb, pc = (_endpoint(p) for p in free_ports(3))
+    public, secret = zmq.curve_keypair()
+    configured: list[bool] = []
+
+    def secure(sock: zmq.Socket, bound: bool) -> None:
+        configured.append(bound)
+        sock.curve_secretkey = secret
+        sock.curve_publickey = public
+        if bound:
+            sock.curve_server = True
+        else:
+            sock.curve_serverkey = public
+
+    async def scenario() -> None:
+        cluster = Cluster(ctx, loop)
+        try:
+            primary = cluster.node(True, pa, pb, secure_socket=secure)
+            backup = cluster.node(False, pb, pa, secure_socket=secure)
+            await cluster.wait_until(
+                lambda: (primary.star.state, backup.star.state) == (A, S), "primary ACTIVE"
+            )
+            assert sorted(configured) == [False, False, True, True]
+            # A backup without CURVE pointed at the primary's publisher: never hears it.
+            plain = cluster.node(False, pc, pa)
+            await asyncio.sleep(5 * HEARTBEAT)
+            assert plain.star.peer_state is None and plain.star.state is State.BACKUP
+        finally:
+            cluster.close()
+
+    run(loop, scenario)
