@@ -34,6 +34,9 @@ from clone.wire.protocol import (
     MAX_PROPERTIES_BYTES,
     MAX_SUBTREE_BYTES,
     MAX_VALUE_BYTES,
+    VIEW_COUNT_PROPERTY,
+    VIEW_ID_CHARS,
+    VIEW_PROPERTY,
 )
 
 __all__ = [
@@ -66,6 +69,9 @@ RESERVED_KEYS = frozenset({KTHXBAI.decode(), HUGZ.decode()})
 _SEQ_MAX = (1 << 64) - 1
 _ZERO_SEQ = bytes(8)
 _RESERVED_RAW = frozenset(k.encode() for k in RESERVED_KEYS)
+# Keys beginning with NUL are control topics (clone.wire.control), never data.
+_CONTROL_BYTE = b"\x00"
+_HEX = frozenset("0123456789abcdef")
 _KV_FRAMES = 5
 _SEQ_BYTES = 8
 _UUID_SIZES = (0, 16)
@@ -159,10 +165,27 @@ class SnapshotRequest:
 
 @dataclass(frozen=True, slots=True)
 class SnapshotEnd:
-    """KTHXBAI: the snapshot is complete up to ``sequence``."""
+    """KTHXBAI: the snapshot is complete up to ``sequence``.
+
+    ``properties`` are empty from the Guide's servers; ours give a restricted
+    requester its ``view`` (id) and ``view_count`` (updates published in the
+    view up to ``sequence``), checked when decoded: see :mod:`clone.wire.control`.
+    """
 
     sequence: int
     subtree: str = ""
+    properties: Properties = ()
+
+    @property
+    def view(self) -> str | None:
+        """The requester's view id if it is restricted, else None."""
+        return _prop(self.properties, VIEW_PROPERTY)
+
+    @property
+    def view_count(self) -> int | None:
+        """Updates in the view up to ``sequence``, if the requester is restricted."""
+        value = _prop(self.properties, VIEW_COUNT_PROPERTY)
+        return None if value is None else int(value)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,9 +231,19 @@ def encode_icanhaz(subtree: str = "") -> list[bytes]:
     return [ICANHAZ, raw]
 
 
-def encode_kthxbai(sequence: int, subtree: str = "") -> list[bytes]:
-    """The five frames that end a snapshot."""
-    return [KTHXBAI, sequence.to_bytes(8, "big"), b"", b"", subtree.encode("utf-8")]
+def encode_kthxbai(
+    sequence: int, subtree: str = "", properties: Properties | dict[str, str] = ()
+) -> list[bytes]:
+    """The five frames that end a snapshot (``properties``: the view of a
+    restricted requester; none, as in the spec, by default)."""
+    props = tuple(properties.items()) if isinstance(properties, dict) else tuple(properties)
+    return [
+        KTHXBAI,
+        sequence.to_bytes(8, "big"),
+        b"",
+        encode_properties(props),
+        subtree.encode("utf-8"),
+    ]
 
 
 def encode_hugz(sequence: int = 0, heartbeat_ms: int | None = None) -> list[bytes]:
@@ -238,8 +271,13 @@ def validate_key(raw: bytes, *, reserved_ok: bool = True) -> str:
         key = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ProtocolError(f"key is not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    if not reserved_ok and key in RESERVED_KEYS:
-        raise ProtocolError(f"key {key!r} is reserved for protocol commands")
+    if not reserved_ok:
+        if key in RESERVED_KEYS:
+            raise ProtocolError(f"key {key!r} is reserved for protocol commands")
+        if raw[:1] == _CONTROL_BYTE:
+            raise ProtocolError(
+                f"key {key[:40]!r}: keys beginning with NUL are reserved for control topics"
+            )
     return key
 
 
@@ -296,6 +334,28 @@ def decode_properties(raw: bytes) -> Properties:
         seen.add(name)
         props.append((name, value))
     return tuple(props)
+
+
+def _prop(props: Properties, name: str) -> str | None:
+    for pname, value in props:
+        if pname == name:
+            return value
+    return None
+
+
+def _check_kthxbai_properties(props: Properties) -> None:
+    """A view and its count come together, well formed, so that the accessors
+    of :class:`SnapshotEnd` never fail."""
+    view = _prop(props, VIEW_PROPERTY)
+    count = _prop(props, VIEW_COUNT_PROPERTY)
+    if view is None and count is None:
+        return
+    if view is None or count is None:
+        raise ProtocolError("KTHXBAI has one of view and view_count without the other")
+    if len(view) != VIEW_ID_CHARS or not set(view) <= _HEX:
+        raise ProtocolError(f"KTHXBAI view {view[:40]!r} is not {VIEW_ID_CHARS} lowercase hex")
+    if not (count.isascii() and count.isdigit()) or int(count) > _SEQ_MAX:
+        raise ProtocolError(f"KTHXBAI view_count {count[:20]!r} is not a whole number")
 
 
 def _check_frames(frames: Sequence[bytes], count: int, what: str) -> None:
@@ -366,7 +426,11 @@ def decode_snapshot_reply(frames: Sequence[bytes]) -> KVMsg | SnapshotEnd:
     """What a snapshot requester receives: a KVSYNC or the closing KTHXBAI."""
     if frames and frames[0] == KTHXBAI:
         _check_frames(frames, 5, "KTHXBAI")
-        return SnapshotEnd(_decode_sequence(frames[1]), validate_subtree(bytes(frames[4])))
+        sequence = _decode_sequence(frames[1])
+        subtree = validate_subtree(bytes(frames[4]))
+        props = decode_properties(bytes(frames[3])) if frames[3] else ()
+        _check_kthxbai_properties(props)
+        return SnapshotEnd(sequence, subtree, props)
     return _decode_kv(frames, "KVSYNC", reserved_ok=False)
 
 
@@ -391,6 +455,7 @@ def fast_kvsync_entry(
         or len(uuid) not in _UUID_SIZES
         or len(body) > MAX_VALUE_BYTES
         or key_raw in _RESERVED_RAW
+        or key_raw[:1] == _CONTROL_BYTE
     ):
         return None
     try:

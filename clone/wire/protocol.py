@@ -45,6 +45,14 @@ __all__ = [
     "KVDELTA",
     "SINCE_PROPERTY",
     "SINCE_DIGEST_BYTES",
+    "CONTROL_PREFIX",
+    "VIEW_TAG",
+    "REFUSAL_TAG",
+    "VIEW_PROPERTY",
+    "VIEW_COUNT_PROPERTY",
+    "REASON_PROPERTY",
+    "REFUSAL_REASONS",
+    "VIEW_ID_CHARS",
 ]
 
 # Command words as they appear in frame 0.
@@ -129,3 +137,22 @@ KVDELTA: Final = b"KVDELTA"
 SINCE_PROPERTY: Final = "X-CHP-Since"
 # Bytes of an update's digest (blake2b), 16 hex characters in the metadata.
 SINCE_DIGEST_BYTES: Final = 8
+
+# Extension (ours): control topics, docs/protocol.md "Security: CURVE, ACLs and
+# filtered streams".  A key may not begin with NUL: topics that do carry the
+# server's notices to one client, on the update stream, where the server (an
+# XPUB_MANUAL socket) alone decides who is subscribed to them.
+CONTROL_PREFIX: Final = b"\x00"
+# A view heartbeat, ``\x00V<view id>\x00``: the heartbeat of a restricted
+# client's filtered stream, with how many updates the view has had.
+VIEW_TAG: Final = b"\x00V"
+# A refusal notice, ``\x00R<client name>\x00``: a write of that client refused.
+REFUSAL_TAG: Final = b"\x00R"
+# KTHXBAI (restricted requester) and view heartbeat properties.
+VIEW_PROPERTY: Final = "view"
+VIEW_COUNT_PROPERTY: Final = "view_count"
+# Refusal notice property, and the reasons a server may give.
+REASON_PROPERTY: Final = "reason"
+REFUSAL_REASONS: Final = frozenset({"acl", "full", "size"})
+# A view id: this many hex characters of a SHA-256 (48 bits: views are few).
+VIEW_ID_CHARS: Final = 12

@@ -218,7 +218,9 @@ def test_key_in_subtree_is_a_prefix_match() -> None:
 # --------------------------------------------------------------------------
 # Round trips and totality (hypothesis)
 
-keys = st.text(min_size=1, max_size=64).filter(lambda k: k not in codec.RESERVED_KEYS)
+keys = st.text(min_size=1, max_size=64).filter(
+    lambda k: k not in codec.RESERVED_KEYS and not k.startswith("\x00")
+)
 prop_names = st.text(min_size=1, max_size=12).filter(
     lambda s: "=" not in s and "\n" not in s and "\r" not in s
 )
@@ -280,7 +282,16 @@ def test_decoders_are_total(frames: list[bytes]) -> None:
 
 
 kvsync_frame = frame | st.sampled_from(
-    [bytes(8), bytes(16), b"\xff", b"a=1\na=2\n", b"k" * (MAX_KEY_BYTES + 1), b"k" * MAX_KEY_BYTES]
+    [
+        bytes(8),
+        bytes(16),
+        b"\xff",
+        b"\x00",
+        b"\x00Vabc\x00",
+        b"a=1\na=2\n",
+        b"k" * (MAX_KEY_BYTES + 1),
+        b"k" * MAX_KEY_BYTES,
+    ]
 )
 
 
@@ -317,3 +328,76 @@ def test_properties_decoder_is_total(raw: bytes) -> None:
     except ProtocolError:
         return
     assert codec.encode_properties(parsed) == raw
+
+
+# --------------------------------------------------------------------------
+# Issue 14: KTHXBAI properties (the view of a restricted requester), NUL keys
+
+
+def test_kthxbai_without_properties_is_byte_identical() -> None:
+    assert codec.encode_kthxbai(5, "/s/") == codec.encode_kthxbai(5, "/s/", ())
+    assert codec.encode_kthxbai(5, "/s/", {}) == [b"KTHXBAI", seq(5), b"", b"", b"/s/"]
+
+
+def test_kthxbai_carries_the_view_of_a_restricted_requester() -> None:
+    frames = codec.encode_kthxbai(9, "", {"view": "0123456789ab", "view_count": "4"})
+    assert frames[3] == b"view=0123456789ab\nview_count=4\n"
+    end = codec.decode_snapshot_reply(frames)
+    assert isinstance(end, SnapshotEnd)
+    assert (end.sequence, end.view, end.view_count) == (9, "0123456789ab", 4)
+
+
+def test_kthxbai_of_an_unrestricted_requester_has_no_view() -> None:
+    end = codec.decode_snapshot_reply(codec.encode_kthxbai(9))
+    assert isinstance(end, SnapshotEnd)
+    assert end.view is None and end.view_count is None and end.properties == ()
+    other = codec.decode_snapshot_reply(codec.encode_kthxbai(9, "", {"x": "y"}))
+    assert isinstance(other, SnapshotEnd) and other.view is None
+
+
+@pytest.mark.parametrize(
+    "props",
+    [
+        b"view=0123456789ab\n",  # no count
+        b"view_count=3\n",  # no view
+        b"view=XYZ\nview_count=3\n",  # not an id
+        b"view=0123456789ab\nview_count=-1\n",
+        b"view=0123456789ab\nview_count=three\n",
+        b"view=0123456789ab\nview_count=%d\n" % 2**64,
+        b"no newline",
+    ],
+)
+def test_kthxbai_with_a_bad_view_is_malformed(props: bytes) -> None:
+    with pytest.raises(ProtocolError):
+        codec.decode_snapshot_reply([b"KTHXBAI", seq(1), b"", props, b""])
+
+
+@pytest.mark.parametrize("key", [b"\x00", b"\x00Vabc\x00", b"\x00R" + b"x" * 10])
+def test_keys_beginning_with_nul_are_reserved(key: bytes) -> None:
+    frames = [key, seq(1), b"", b"", b"v"]
+    for decode in (codec.decode_kvset, codec.decode_update, codec.decode_snapshot_reply):
+        with pytest.raises(ProtocolError, match="reserved for control topics"):
+            decode(frames)
+    assert codec.fast_kvsync_entry(frames) is None
+    with pytest.raises(ProtocolError, match="reserved for control topics"):
+        KVMsg.build(key.decode(), b"v", uuid=b"")
+    # A NUL elsewhere in a key is only a byte.
+    assert codec.decode_kvset([b"/a\x00", seq(1), b"", b"", b"v"]).key == "/a\x00"
+
+
+@given(
+    st.integers(0, 2**64 - 1),
+    subtrees,
+    st.text(alphabet="0123456789abcdef", min_size=12, max_size=12),
+    st.integers(0, 2**64 - 1),
+)
+def test_kthxbai_view_round_trip(sequence: int, subtree: str, view: str, count: int) -> None:
+    props = {"view": view, "view_count": str(count)}
+    end = codec.decode_snapshot_reply(codec.encode_kthxbai(sequence, subtree, props))
+    assert isinstance(end, SnapshotEnd)
+    assert (end.sequence, end.subtree, end.view, end.view_count) == (
+        sequence,
+        subtree,
+        view,
+        count,
+    )
