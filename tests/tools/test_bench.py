@@ -194,6 +194,7 @@ def test_durability_section_through_the_cli(
     assert rc == 0, results.get("errors")
     assert "Durability: restart and catch-up" in printed and "storage engines" in printed
     d = results["sections"]["durability"]
+    assert "errors" not in d, d.get("errors")
     tput = {r["mode"]: r for r in d["throughput"]["runs"]}
     assert set(tput) == {"in-memory", "batch", "always", "off"}
     for r in tput.values():  # the server's publisher never drops

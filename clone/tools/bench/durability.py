@@ -20,12 +20,13 @@ Side by side in one run, so that the machine's mood hits every mode alike:
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 import signal
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,8 @@ from clone.tools.procs import (
 from clone.wire.protocol import COLLECTOR_OFFSET, KTHXBAI, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
 
 __all__ = ["durability_tables", "run_durability"]
+
+log = logging.getLogger(__name__)
 
 IN_MEMORY = "in-memory"
 _LOADED = re.compile(rb"data directory .*?: (\d+) keys at sequence (\d+).*? loaded in ([\d.]+) s")
@@ -294,22 +297,35 @@ def _catch_up(cfg: BenchConfig, group: ProcessGroup, base: Path, say: Say) -> di
 
 
 def run_durability(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]:
-    """Throughput, latency, restart, catch-up and the engine comparison; see the module."""
+    """Throughput, latency, restart, catch-up and the engine comparison; see the module.
+
+    A part that fails is recorded under ``errors`` (and as a missed target);
+    the parts after it still run.
+    """
     base = cfg.durability_dir or cfg.log_dir / "durability-data"
     base.mkdir(parents=True, exist_ok=True)
-    try:
-        out: dict[str, Any] = {"data_dir": str(base.resolve())}
-        out["throughput"] = _throughput(cfg, group, base, say)
-        out["latency"] = _latency(cfg, group, base, say)
-        out["restart"] = _restart(cfg, group, base, say)
-        out["catch_up"] = _catch_up(cfg, group, base, say)
-        out["engines"] = compare_engines(
+    parts: dict[str, Callable[[], Any]] = {
+        "throughput": lambda: _throughput(cfg, group, base, say),
+        "latency": lambda: _latency(cfg, group, base, say),
+        "restart": lambda: _restart(cfg, group, base, say),
+        "catch_up": lambda: _catch_up(cfg, group, base, say),
+        "engines": lambda: compare_engines(
             base / "engines",
             groups=cfg.engine_groups,
             load_keys=cfg.durability_keys,
             value_size=cfg.value_size,
             say=say,
-        )
+        ),
+    }
+    out: dict[str, Any] = {"data_dir": str(base.resolve())}
+    try:
+        for name, part in parts.items():
+            try:
+                out[name] = part()
+            except Exception as exc:
+                log.exception("durability: %s failed", name)
+                say(f"  {name} FAILED: {exc}")
+                out.setdefault("errors", {})[name] = repr(exc)[:2000]
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return out
@@ -320,7 +336,23 @@ def durability_tables(section: dict[str, Any], *, markdown: bool = False) -> lis
     from clone.tools.report import table
 
     out: list[tuple[str, str]] = []
-    tput = section["throughput"]
+    if "throughput" in section:
+        out.append(_throughput_table(section["throughput"], table, markdown))
+    if "latency" in section:
+        out.append(_latency_table(section["latency"], table, markdown))
+    if "restart" in section or "catch_up" in section:
+        out.append(_recovery_table(section, table, markdown))
+    if "engines" in section:
+        out.append(_engines_table(section["engines"], table, markdown))
+    for name, error in section.get("errors", {}).items():
+        out.append((f"Durability: {name} FAILED", error))
+    return out
+
+
+_Table = Callable[..., str]
+
+
+def _throughput_table(tput: dict[str, Any], table: _Table, markdown: bool) -> tuple[str, str]:
     text = table(
         ["server", "messages", "msg/s (median)", "each repeat", "delivered"],
         [[r["mode"], r["messages"], r["rate_median"], " / ".join(f"{x:,}" for x in r["rates"]),
@@ -330,33 +362,40 @@ def durability_tables(section: dict[str, Any], *, markdown: bool = False) -> lis
     if tput["ratios"]:
         text += "\n\nas a fraction of in-memory: " + ", ".join(
             f"{k.removesuffix('_vs_in-memory')} = {v:.0%}" for k, v in tput["ratios"].items())
-    out.append(("Durability: throughput (1 subscriber)", text))
-    out.append((
-        f"Durability: latency at {section['latency'][0]['rate']:,} updates/s (ms)",
+    return ("Durability: throughput (1 subscriber)", text)
+
+
+def _latency_table(runs: list[dict[str, Any]], table: _Table, markdown: bool) -> tuple[str, str]:
+    return (
+        f"Durability: latency at {runs[0]['rate']:,} updates/s (ms)",
         table(
             ["server", "p50", "p99", "p99.9", "max", "lost", "writer lag p99",
              "p99 of each repeat"],
             [[r["mode"], r["latency"]["p50_ms"], r["latency"]["p99_ms"], r["latency"]["p99_9_ms"],
               r["latency"]["max_ms"], r["lost"], r["writer_lag_p99_ms"],
-              " / ".join(f"{x['p99_ms']:.2f}" for x in r["repeats"])] for r in section["latency"]],
+              " / ".join(f"{x['p99_ms']:.2f}" for x in r["repeats"])] for r in runs],
             markdown=markdown,
         ),
-    ))
-    rs, cu = section["restart"], section["catch_up"]
-    out.append((
-        "Durability: restart and catch-up",
-        table(
-            ["case", "keys", "measured s", "detail"],
-            [*[[f"restart #{r['start']}: start -> answers ICANHAZ?", rs["keys"], r["serving_s"],
-                f"load {r.get('load_s', '?')} s by its log"] for r in rs["runs"]],
-             [f"catch-up of {cu['missed_updates']:,} missed updates", cu["keys"], cu["catch_up_s"],
-              f"{cu['kind']}; start -> synced {cu['start_to_synced_s']} s (load "
-              f"{cu['backup_load_s']} s); syncs_full {cu['syncs_full']}, "
-              f"syncs_catchup {cu['syncs_catchup']}"]],
-            markdown=markdown,
-        ),
-    ))
-    eng = section["engines"]
+    )
+
+
+def _recovery_table(section: dict[str, Any], table: _Table, markdown: bool) -> tuple[str, str]:
+    rows: list[list[Any]] = []
+    if "restart" in section:
+        rs = section["restart"]
+        rows += [[f"restart #{r['start']}: start -> answers ICANHAZ?", rs["keys"], r["serving_s"],
+                  f"load {r.get('load_s', '?')} s by its log"] for r in rs["runs"]]
+    if "catch_up" in section:
+        cu = section["catch_up"]
+        rows.append([f"catch-up of {cu['missed_updates']:,} missed updates", cu["keys"],
+                     cu["catch_up_s"], f"{cu['kind']}; start -> synced {cu['start_to_synced_s']} s"
+                     f" (load {cu['backup_load_s']} s); syncs_full {cu['syncs_full']}, "
+                     f"syncs_catchup {cu['syncs_catchup']}"])
+    return ("Durability: restart and catch-up",
+            table(["case", "keys", "measured s", "detail"], rows, markdown=markdown))
+
+
+def _engines_table(eng: dict[str, Any], table: _Table, markdown: bool) -> tuple[str, str]:
     rows = []
     for name, res in eng["engines"].items():
         for c in res["commits"]:
@@ -370,5 +409,4 @@ def durability_tables(section: dict[str, Any], *, markdown: bool = False) -> lis
          for n, r in eng["engines"].items()],
         markdown=markdown,
     )
-    out.append(("Durability: storage engines, group commit with an fsync per group", text))
-    return out
+    return ("Durability: storage engines, group commit with an fsync per group", text)
