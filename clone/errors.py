@@ -17,11 +17,13 @@ __all__ = [
     "IllegalSyncTransition",
     "ServerStartError",
     "IllegalTransition",
+    "StoreFull",
     "StorageError",
     "DataDirLocked",
     "DataDirCorrupt",
     "DataDirIncompatible",
     "SecurityError",
+    "WriteRefused",
 ]
 
 
@@ -39,6 +41,10 @@ class ProtocolError(CloneError):
 
 class LimitExceeded(ProtocolError):
     """A key, value or properties frame is larger than the documented limit."""
+
+
+class StoreFull(LimitExceeded):
+    """The store is at its ``--max-keys`` or ``--max-bytes`` limit: the write is refused."""
 
 
 class ConfirmTimeout(CloneError, TimeoutError):
@@ -98,3 +104,34 @@ class SecurityError(CloneError):
     start, and on a reload it keeps what it had; it never falls back to
     admitting everyone.
     """
+
+
+_REFUSAL_ADVICE = {
+    "acl": "the server's ACL does not let this client write {key}; ask the operator "
+    "for write access to a prefix of it",
+    "full": "the server's store is full (its --max-keys or --max-bytes limit); delete "
+    "keys you no longer need, or ask the operator to raise the limit",
+    "size": "the write to {key} is larger than the server accepts; write a smaller value",
+}
+
+
+class WriteRefused(CloneError):
+    """The server refused a confirmed write and said so (a refusal notice).
+
+    ``reason`` is the server's (``acl``, ``full`` or ``size``; another from a
+    newer server) and ``key`` the key written.  Raised at once instead of a
+    :class:`ConfirmTimeout`: the write will never be applied, resending is useless.
+    """
+
+    def __init__(self, reason: str, key: str) -> None:
+        self.reason = reason
+        self.key = key
+        advice = _REFUSAL_ADVICE.get(reason)
+        if advice is None:
+            text = f"the server refused the write to {key!r} (reason {reason!r})"
+        else:
+            text = advice.format(key=repr(key))
+        super().__init__(text)
+
+    def __reduce__(self) -> tuple[type[WriteRefused], tuple[str, str]]:
+        return (type(self), (self.reason, self.key))

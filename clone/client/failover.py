@@ -14,6 +14,7 @@ from typing import Any
 
 from clone.client.state import Action, AgentState
 from clone.wire.codec import Hugz, KVMsg
+from clone.wire.control import ViewHeartbeat
 
 __all__ = ["Failover"]
 
@@ -23,7 +24,9 @@ log = logging.getLogger(__name__)
 class Failover(AgentState):
     """The SILENCE, REASK, SERVER_DISCONNECTED and ACTIVE_ELSEWHERE handlers."""
 
-    def _switch_to_active(self, server: int, msg: KVMsg | Hugz, now: float) -> list[Action]:
+    def _switch_to_active(
+        self, server: int, msg: KVMsg | Hugz | ViewHeartbeat, now: float
+    ) -> list[Action]:
         """Syncing: ``server`` showed itself active; ask it if the current one
         has not answered and has not shown itself active too (no flapping)."""
         if server == self.current or self._answered or self._shown_active:
@@ -32,7 +35,7 @@ class Failover(AgentState):
         log.info(
             "%s is active (%s) and %s has not answered; asking %s",
             self.servers[server],
-            "HUGZ" if isinstance(msg, Hugz) else "KVPUB",
+            type(msg).__name__,
             self.servers[self.current],
             self.servers[server],
         )
@@ -41,7 +44,7 @@ class Failover(AgentState):
         # It has shown itself: no other server takes us from it this round.
         self._shown_active = True
         self._heard_at = now
-        if isinstance(msg, Hugz):
+        if isinstance(msg, Hugz | ViewHeartbeat):
             self._note_heartbeat(server, msg)
         else:  # published before our request: in the snapshot, and harmless here
             self._buffer.append(msg)

@@ -74,6 +74,15 @@ What we do differently from the Guide's client, on purpose:
 * Sequences are checked: a KVPUB more than one ahead of the last applied, or a HUGZ
   whose sequence is ahead of it, means we lost updates; we count it and resync
   instead of silently diverging.  HUGZ is never an update.
+* Restricted mode (issue 14): a client whose read rights are limited gets a
+  filtered stream, with holes in the sequence by design, and its KTHXBAI says
+  its view (id) and how many updates that view had up to the snapshot.  It
+  then takes any higher sequence, counts the updates it applies, and checks
+  ``snapshot count + applied`` against each view heartbeat (VIEW_HEARTBEAT,
+  which is also its server's heartbeat); a difference, or a heartbeat for
+  another view, resyncs, as a gap does.  Refusal notices fail the confirmed
+  write they name (``refused``, not a table row: it is about a write).
+  Control messages never reach the map or the change stream.
 * Only messages from the current server are acted upon; the others are dropped.
 * Snapshot replies come in batches of raw frames (SNAPSHOT_BATCH: one event for
   thousands of KVSYNCs), each taken by :func:`clone.wire.codec.fast_kvsync_entry`,
@@ -94,7 +103,7 @@ read-only table keyed by (state, event), plus the handlers of the INITIAL and
 ACTIVE states; the rules of a sync are in :mod:`clone.client.sync`, of failing
 over in :mod:`clone.client.failover`, of writes in :mod:`clone.client.writes`,
 and the state they share in :mod:`clone.client.state`.  Not every decision is a
-table row: writes (``write``/``forget``: commands, the same in every state),
+table row: writes (``write``/``forget``/``refused``: the same in every state),
 the resends and expiries of confirmed writes in ``tick`` (a timer, the same in
 every state), dropping messages from a server that is not the current one
 (before the table, in ``handle``/``update``/``snapshot_batch``), counting
@@ -117,6 +126,7 @@ from clone.client.state import (
     Confirmed,
     Event,
     Malformed,
+    Refused,
     RequestSnapshot,
     SendUpdate,
     State,
@@ -130,6 +140,7 @@ from clone.client.sync import SnapshotSync
 from clone.client.writes import Writes
 from clone.errors import IllegalTransition
 from clone.wire.codec import Hugz, KVMsg
+from clone.wire.control import Refusal, ViewHeartbeat
 
 __all__ = [
     "State",
@@ -145,6 +156,7 @@ __all__ = [
     "Confirmed",
     "StateChanged",
     "Malformed",
+    "Refused",
     "Action",
     "normalize_subtrees",
 ]
@@ -193,12 +205,20 @@ class AgentFSM(SnapshotSync, Failover, Writes):
             return []
         return self.handle(Event.SNAPSHOT_BATCH, server, batch, now)
 
-    def update(self, server: int, msg: KVMsg | Hugz, now: float) -> list[Action]:
+    def update(
+        self, server: int, msg: KVMsg | Hugz | ViewHeartbeat | Refusal, now: float
+    ) -> list[Action]:
+        """What arrived on a server's subscription: a KVPUB, a HUGZ, or a control
+        message (:mod:`clone.wire.control`), which never reaches the map."""
+        if isinstance(msg, Refusal):  # about a write, not the server: not a table row
+            return self.refused(server, msg, now)
         if server != self.current and _shows_active(msg):
             self.counters.foreign += 1  # still not acted upon as an update
             return self.handle(Event.ACTIVE_ELSEWHERE, server, msg, now)
         if isinstance(msg, Hugz):
             return self.handle(Event.HEARTBEAT, server, msg, now)
+        if isinstance(msg, ViewHeartbeat):
+            return self.handle(Event.VIEW_HEARTBEAT, server, msg, now)
         return self.handle(Event.UPDATE, server, msg, now)
 
     def server_disconnected(self, server: int, now: float) -> list[Action]:
@@ -239,7 +259,11 @@ class AgentFSM(SnapshotSync, Failover, Writes):
         if msg.sequence <= self.last_sequence:
             self.counters.stale += 1
             return self._confirm_if_pending(msg.uuid)
-        if msg.sequence != self.last_sequence + 1:
+        if self.view is not None:
+            # Restricted: a filtered stream has holes by design; the view
+            # heartbeat checks that none of ours was lost.
+            self.view_applied += 1
+        elif msg.sequence != self.last_sequence + 1:
             self.counters.gaps += 1
             log.warning(
                 "sequence gap from %s: got %d after %d; resyncing",
@@ -267,7 +291,9 @@ class AgentFSM(SnapshotSync, Failover, Writes):
     def _check_heartbeat(self, server: int, hugz: Hugz, now: float) -> list[Action]:
         self._note_heartbeat(server, hugz)
         self._alive(now)
-        if hugz.sequence > self.last_sequence:
+        # A restricted client's stream has holes by design: HUGZ (not sent to it
+        # by our servers) cannot tell it anything about lost updates.
+        if self.view is None and hugz.sequence > self.last_sequence:
             self.counters.gaps += 1
             log.warning(
                 "HUGZ from %s at sequence %d but we applied only up to %d; resyncing",
@@ -278,11 +304,40 @@ class AgentFSM(SnapshotSync, Failover, Writes):
             return self._start_sync(server, now)
         return []
 
+    def _check_view_heartbeat(self, server: int, beat: ViewHeartbeat, now: float) -> list[Action]:
+        """Restricted mode's gap rule: the updates the server published in our
+        view up to now must be those in our snapshot plus those we applied."""
+        self._note_heartbeat(server, beat)
+        self._alive(now)
+        if beat.view != self.view:
+            # The server now sees us with other read rights (an ACL reload):
+            # only a fresh snapshot says what we may hold, and which count.
+            self.counters.view_changes += 1
+            log.warning(
+                "view heartbeat from %s for view %s, but our snapshot is of view %s; resyncing",
+                self.servers[server],
+                beat.view,
+                self.view or "(unrestricted)",
+            )
+            return self._start_sync(server, now)
+        expected = self.view_count + self.view_applied
+        if beat.count != expected:
+            self.counters.gaps += 1
+            self.counters.view_gaps += 1
+            log.warning(
+                "view heartbeat from %s counts %d updates in our view, we hold %d; resyncing",
+                self.servers[server],
+                beat.count,
+                expected,
+            )
+            return self._start_sync(server, now)
+        return []
+
 
 # Events about a server that need not be the current one.
 _ANY_SERVER = frozenset((Event.CONNECT, Event.ACTIVE_ELSEWHERE))
 # Events that are messages from the server: they prove it alive.
-_MESSAGES = frozenset((Event.SNAPSHOT_BATCH, Event.UPDATE, Event.HEARTBEAT))
+_MESSAGES = frozenset((Event.SNAPSHOT_BATCH, Event.UPDATE, Event.HEARTBEAT, Event.VIEW_HEARTBEAT))
 
 _S, _E = State, Event
 TRANSITIONS: Final[Mapping[tuple[State, Event], _Handler]] = MappingProxyType(
@@ -291,6 +346,7 @@ TRANSITIONS: Final[Mapping[tuple[State, Event], _Handler]] = MappingProxyType(
         (_S.INITIAL, _E.SNAPSHOT_BATCH): AgentFSM._ignore,
         (_S.INITIAL, _E.UPDATE): AgentFSM._ignore,
         (_S.INITIAL, _E.HEARTBEAT): AgentFSM._ignore,
+        (_S.INITIAL, _E.VIEW_HEARTBEAT): AgentFSM._ignore,
         (_S.INITIAL, _E.SILENCE): AgentFSM._ignore,
         (_S.INITIAL, _E.REASK): AgentFSM._ignore,
         (_S.INITIAL, _E.SERVER_DISCONNECTED): AgentFSM._ignore,
@@ -299,6 +355,8 @@ TRANSITIONS: Final[Mapping[tuple[State, Event], _Handler]] = MappingProxyType(
         (_S.SYNCING, _E.SNAPSHOT_BATCH): AgentFSM._store_batch,
         (_S.SYNCING, _E.UPDATE): AgentFSM._buffer_update,
         (_S.SYNCING, _E.HEARTBEAT): AgentFSM._heartbeat_while_syncing,
+        # Checked once the snapshot is in: its count is not known before.
+        (_S.SYNCING, _E.VIEW_HEARTBEAT): AgentFSM._heartbeat_while_syncing,
         (_S.SYNCING, _E.SILENCE): AgentFSM._silent_while_syncing,
         (_S.SYNCING, _E.REASK): AgentFSM._reask,
         (_S.SYNCING, _E.SERVER_DISCONNECTED): AgentFSM._lost_server,
@@ -307,6 +365,7 @@ TRANSITIONS: Final[Mapping[tuple[State, Event], _Handler]] = MappingProxyType(
         (_S.ACTIVE, _E.SNAPSHOT_BATCH): AgentFSM._late_replies,
         (_S.ACTIVE, _E.UPDATE): AgentFSM._apply_update,
         (_S.ACTIVE, _E.HEARTBEAT): AgentFSM._check_heartbeat,
+        (_S.ACTIVE, _E.VIEW_HEARTBEAT): AgentFSM._check_view_heartbeat,
         (_S.ACTIVE, _E.SILENCE): AgentFSM._silent_active,
         (_S.ACTIVE, _E.REASK): AgentFSM._ignore,  # a stale timer: the snapshot completed
         (_S.ACTIVE, _E.SERVER_DISCONNECTED): AgentFSM._lost_server,

@@ -20,6 +20,7 @@ from typing import Any
 
 from clone.errors import ProtocolError
 from clone.wire.codec import Hugz, KVMsg, Properties, key_in_subtree, validate_subtree
+from clone.wire.control import ViewHeartbeat
 from clone.wire.protocol import DEFAULT_MISSED_HEARTBEATS
 
 __all__ = [
@@ -54,6 +55,9 @@ class Event(enum.Enum):
     SNAPSHOT_BATCH = "snapshot_batch"
     UPDATE = "update"  # KVPUB
     HEARTBEAT = "heartbeat"  # HUGZ
+    # The heartbeat of a restricted client's filtered stream (clone.wire.control):
+    # liveness, like HUGZ, and the count that replaces the "+1" rule.
+    VIEW_HEARTBEAT = "view_heartbeat"
     SILENCE = "silence"  # the current server said nothing for server_timeout
     REASK = "reask"  # syncing, no snapshot data yet, reask_interval passed
     SERVER_DISCONNECTED = "server_disconnected"  # TCP connection to its publisher lost
@@ -119,7 +123,17 @@ class Malformed:
     error: str
 
 
-Action = RequestSnapshot | SendUpdate | Changed | Confirmed | StateChanged | Malformed
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """The server refused the confirmed write ``uuid`` to ``key`` (a refusal
+    notice): fail it now with ``reason``, it will never be applied."""
+
+    uuid: bytes
+    reason: str
+    key: str
+
+
+Action = RequestSnapshot | SendUpdate | Changed | Confirmed | StateChanged | Malformed | Refused
 
 # What the maps hold per key: (sequence, uuid, properties, body), body never empty.
 # A tuple, not a KVMsg: building a frozen dataclass per snapshot entry cost as
@@ -217,6 +231,12 @@ class AgentCounters:
     foreign: int = 0  # messages from a server that is not the current one
     resent: int = 0  # confirmed writes sent again
     expired_writes: int = 0  # confirmed writes given up on
+    refusals: int = 0  # refusal notices received (for any write of ours)
+    refused_writes: int = 0  # confirmed writes failed by a refusal notice
+    # Restricted mode: view heartbeats whose count differed from ours (a resync),
+    # and those for a view that is not ours (our rights changed: a resync).
+    view_gaps: int = 0
+    view_changes: int = 0
     # A gauge, not a counter: ms from the last message of the server we left to
     # the end of the first snapshot from the next one, for the last failover.
     last_failover_gap_ms: int = 0
@@ -297,6 +317,13 @@ class AgentState:
         self._held: list[KVMsg] = []  # writes made before the first snapshot
         # Silence allowed while active, per server that said its heartbeat.
         self._advertised_timeout: dict[int, float] = {}
+        # Restricted mode (docs/protocol.md, "Detecting lost updates in a filtered
+        # stream"): our view's id, how many updates it had up to the snapshot's
+        # sequence, and how many we applied since.  ``view`` None: unrestricted.
+        self.view: str | None = None
+        self.view_count = 0
+        self.view_applied = 0
+        self._end_views: dict[str, tuple[str, int]] = {}  # per subtree's KTHXBAI
 
     # ----------------------------------------------------------------------
     # Reading
@@ -361,7 +388,7 @@ class AgentState:
             return self._advertised_timeout.get(self.current, self.config.server_timeout)
         return self.config.server_timeout
 
-    def _note_heartbeat(self, server: int, hugz: Hugz) -> None:
+    def _note_heartbeat(self, server: int, hugz: Hugz | ViewHeartbeat) -> None:
         missed = self.config.missed_heartbeats
         if hugz.heartbeat is not None and missed is not None:
             self._advertised_timeout[server] = missed * hugz.heartbeat
@@ -408,6 +435,7 @@ class AgentState:
         self._side = {}
         self._buffer = []
         self._ends = {}
+        self._end_views = {}
         self._requests += 1
         self._request_id += 1
         self._answered = False
@@ -426,7 +454,8 @@ class AgentState:
         return []
 
 
-def _shows_active(msg: KVMsg | Hugz) -> bool:
+def _shows_active(msg: KVMsg | Hugz | ViewHeartbeat) -> bool:
     """Only an active server publishes updates, and only ours (active) say
-    their heartbeat in HUGZ; the Guide's passive servers send bare HUGZ too."""
-    return not isinstance(msg, Hugz) or msg.heartbeat is not None
+    their heartbeat in HUGZ and view heartbeats; the Guide's passive servers
+    send bare HUGZ too."""
+    return not isinstance(msg, Hugz | ViewHeartbeat) or msg.heartbeat is not None

@@ -33,8 +33,9 @@ from clone.client.state import (
 from clone.errors import ProtocolError
 from clone.wire.batch import KVBatch, decode_kvbatch, is_kvbatch
 from clone.wire.codec import Hugz, KVMsg, SnapshotEnd, decode_snapshot_reply, fast_kvsync_entry
+from clone.wire.control import ViewHeartbeat
 
-__all__ = ["SnapshotSync"]
+__all__ = ["SnapshotSync", "restricted_view"]
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +127,9 @@ class SnapshotSync(AgentState):
             log.warning("KTHXBAI for subtree %r that we are not waiting for", end.subtree)
             return []
         self._ends[subtree] = end.sequence
+        view, count = end.view, end.view_count
+        if view is not None and count is not None:
+            self._end_views[subtree] = (view, count)
         if len(self._ends) < len(self.subtrees):
             return []
         return self._swap(now)
@@ -153,7 +157,9 @@ class SnapshotSync(AgentState):
         self._buffer.append(msg)
         return []
 
-    def _heartbeat_while_syncing(self, server: int, hugz: Hugz, now: float) -> list[Action]:
+    def _heartbeat_while_syncing(
+        self, server: int, hugz: Hugz | ViewHeartbeat, now: float
+    ) -> list[Action]:
         self._note_heartbeat(server, hugz)
         if _shows_active(hugz):
             self._shown_active = True
@@ -161,14 +167,24 @@ class SnapshotSync(AgentState):
         return []
 
     def _swap(self, now: float) -> list[Action]:
-        """Replay the buffered updates over the side map, then make it the map."""
+        """Replay the buffered updates over the side map, then make it the map.
+
+        A restricted requester (its KTHXBAI says its view) is fed a filtered
+        stream, with holes in the sequence by design: it takes any higher
+        sequence and counts what it applies, for the view heartbeats to check
+        (:func:`restricted_view`).
+        """
         side = self._side
         last = min(self._ends.values())
+        view = restricted_view(self._ends, self._end_views)
+        applied = 0
         for msg in self._buffer:
             self._mark_published(msg.uuid)
             if msg.sequence <= last:
                 continue
-            if msg.sequence != last + 1:
+            if view is not None:
+                applied += 1  # holes are expected: the view heartbeat checks the count
+            elif msg.sequence != last + 1:
                 self.counters.gaps += 1
                 assert self.current is not None
                 log.warning(
@@ -190,7 +206,9 @@ class SnapshotSync(AgentState):
             else:
                 side.pop(msg.key, None)
         old, self._map = self._map, side
-        self._side, self._buffer, self._ends = {}, [], {}
+        self._side, self._buffer, self._ends, self._end_views = {}, [], {}, {}
+        self.view, self.view_count = view if view is not None else (None, 0)
+        self.view_applied = applied
         self._reask_at = None
         self.last_sequence = last
         self.counters.snapshots += 1
@@ -220,6 +238,26 @@ class SnapshotSync(AgentState):
                 self.counters.resent += 1
                 actions.append(SendUpdate(p.msg))
         return actions
+
+
+def restricted_view(
+    ends: dict[str, int], views: dict[str, tuple[str, int]]
+) -> tuple[str, int] | None:
+    """The view id and count a completed snapshot starts from, or None if the
+    requester is not restricted.
+
+    With several subtrees there are several KTHXBAIs, each with the view's
+    count at its own sequence; updates are replayed from the lowest of those
+    sequences, so that KTHXBAI's count is the one to add them to.  A requester
+    is restricted if any KTHXBAI says so; if the lowest one does not, its count
+    is unknown: -1, which no view heartbeat matches, so the first one resyncs.
+    """
+    if not views:
+        return None
+    lowest = min(ends, key=ends.__getitem__)
+    if lowest in views:
+        return views[lowest]
+    return next(iter(views.values()))[0], -1
 
 
 def _diff(old: dict[str, _Stored], new: dict[str, _Stored]) -> list[Action]:

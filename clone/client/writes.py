@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import logging
 
-from clone.client.state import _NEVER, Action, AgentState, SendUpdate, _Pending
+from clone.client.state import _NEVER, Action, AgentState, Refused, SendUpdate, _Pending
 from clone.wire.codec import KVMsg
+from clone.wire.control import Refusal
 
 __all__ = ["Writes"]
 
@@ -39,6 +40,24 @@ class Writes(AgentState):
             self._held.append(msg)
             return []
         return [SendUpdate(msg)]
+
+    def refused(self, server: int, refusal: Refusal, now: float) -> list[Action]:
+        """A refusal notice: fail the confirmed write it names at once.
+
+        Only the current server's notices count (the one whose republication
+        would have confirmed the write); a fire-and-forget write, or one we
+        gave up on, has nobody waiting: the notice is only counted.
+        """
+        self.counters.refusals += 1
+        if server != self.current:
+            self.counters.foreign += 1
+            return []
+        pending = self._pending.pop(refusal.uuid, None) if refusal.uuid else None
+        if pending is None:
+            log.debug("server refused a write we do not wait on (%s)", refusal.reason)
+            return []
+        self.counters.refused_writes += 1
+        return [Refused(refusal.uuid, refusal.reason, pending.msg.key)]
 
     def forget(self, uuid: bytes) -> None:
         """The application gave up waiting for this write."""

@@ -24,6 +24,7 @@ from clone.client.fsm import (
     Event,
     IllegalTransition,
     Malformed,
+    Refused,
     RequestSnapshot,
     SendUpdate,
     State,
@@ -42,8 +43,9 @@ from clone.wire.codec import (
     encode_kv,
     new_uuid,
 )
+from clone.wire.control import ViewHeartbeat
 
-ACTION_TYPES = (RequestSnapshot, SendUpdate, Changed, Confirmed, StateChanged, Malformed)
+ACTION_TYPES = (RequestSnapshot, SendUpdate, Changed, Confirmed, StateChanged, Malformed, Refused)
 CFG = AgentConfig(heartbeat=1.0, server_timeout=2.5, resend_interval=0.5)
 
 
@@ -134,6 +136,7 @@ def test_every_transition_runs(state: State, event: Event) -> None:
         Event.SNAPSHOT_BATCH: [encode_kv(KVMsg("k", 1, b"", (), b"v")), [b"bad"]],
         Event.UPDATE: KVMsg("k", 1, b"", (), b"v"),
         Event.HEARTBEAT: Hugz(0),
+        Event.VIEW_HEARTBEAT: ViewHeartbeat("0123456789ab", 0, 0.25, 0),
         Event.SILENCE: None,
         Event.REASK: None,
         Event.SERVER_DISCONNECTED: None,
@@ -146,6 +149,8 @@ def test_every_transition_runs(state: State, event: Event) -> None:
     assert all(isinstance(a, ACTION_TYPES) for a in actions), actions
     leaves = {(State.INITIAL, Event.CONNECT), (State.ACTIVE, Event.SILENCE)}
     leaves.add((State.ACTIVE, Event.SERVER_DISCONNECTED))
+    # An unrestricted client that gets a view heartbeat: its rights changed.
+    leaves.add((State.ACTIVE, Event.VIEW_HEARTBEAT))
     expected = State.SYNCING if (state, event) in leaves else state
     assert fsm.state is expected
     # A state change is announced, once, and only a change.
