@@ -33,6 +33,7 @@ from clone.wire.protocol import MAX_HEARTBEAT_MS
 
 if TYPE_CHECKING:
     from bstar.reactor import BinaryStar
+    from clone.security import Acl, Gatekeeper, KeyPair, Rights
     from clone.storage import Storage
 
 __all__ = ["AnyStream", "ServerBase"]
@@ -87,6 +88,15 @@ class ServerBase:
         self._storage: Storage | None = None
         self._data_term = 0  # the term our stored data was last written under
         self._storage_error: BaseException | None = None  # set once: fail-stop
+        # Security (clone.server.security): all None / empty without --curve-secret.
+        self._keypair: KeyPair | None = None
+        self._gatekeeper: Gatekeeper | None = None
+        self._acl: Acl | None = None
+        self._admitted: set[str] = set()  # names whose connections count
+        self._rights: dict[str, Rights] = {}
+        self._views: dict[str, tuple[bytes, ...]] = {}  # view id -> read prefixes
+        self._view_counts: dict[str, int] = {}  # view id -> updates published in it
+        self._view_prefixes: list[tuple[str, tuple[bytes, ...]]] = []
         self._loop: IOLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -110,6 +120,8 @@ class ServerBase:
         self._deferred_streams: set[AnyStream] = set()  # served from _deferred
         self._outq: deque[list[bytes]] = deque()
         self._outq_scheduled = False
+        self._outq_hold = False  # the publisher is being bound again: queue everything
+        self._pub_stream: ZMQStream | None = None  # the XPUB's (CURVE) subscriptions
         self._peer_sub: ZMQStream | None = None
         self._peer_dealer: ZMQStream | None = None
         self._sync_progress = 0.0
@@ -139,15 +151,24 @@ class ServerBase:
                 "internal_errors",
                 "storage_errors",
                 "catchups_served",
+                "kvset_refused_acl",
+                "subscriptions",
+                "subscriptions_refused",
+                "security_reloads",
+                "security_reload_errors",
+                "publisher_rebinds",
             ),
             0,
         )
 
-    def _socket(self, kind: int) -> zmq.Socket:
+    def _socket(self, kind: int, *, bound: bool = False) -> zmq.Socket:
+        """A socket with our defaults; with CURVE on, set up as a server if
+        ``bound``, else as a client of the peer (clone.server.security)."""
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        if kind != zmq.PUB:
+        if kind not in (zmq.PUB, zmq.XPUB):
             cap_message_size(sock)
+        self._secure(sock, bound=bound)
         return sock
 
     def _stream(
@@ -198,6 +219,14 @@ class ServerBase:
         def _record_term(self) -> None: ...
 
         def request_stop(self) -> None: ...
+
+        def _secure(self, sock: zmq.Socket, *, bound: bool) -> None: ...
+
+        def _rights_of(self, name: str | None) -> Rights: ...
+
+        def _count_views(self, updates: list[list[bytes]]) -> None: ...
+
+        def _bind_publisher(self, *, rebind: bool = False) -> None: ...
 
         def _publish_bulk(self, batch: list[list[bytes]]) -> None: ...
 

@@ -204,6 +204,52 @@ def build_parser() -> argparse.ArgumentParser:
         help="start from a backup written by 'clone backup': it replaces the data"
         " directory's state (which is moved aside, not deleted)",
     )
+    security = p.add_argument_group(
+        "security", "CURVE and access control (docs/operations.md, 'Securing a pair')"
+    )
+    security.add_argument(
+        "--curve-secret",
+        metavar="FILE",
+        help="the pair's secret certificate (clone keygen); both servers use the same one;"
+        " every socket then uses CURVE",
+    )
+    security.add_argument(
+        "--clients",
+        metavar="DIR",
+        help="directory of the public certificates (NAME.key) of the clients admitted;"
+        " reloaded on SIGHUP",
+    )
+    security.add_argument(
+        "--acl",
+        metavar="FILE",
+        help="TOML: [client.NAME] read = [prefixes], write = [prefixes]; a client without a"
+        " table may do nothing (default: every admitted client reads and writes all);"
+        " reloaded on SIGHUP",
+    )
+    limits = p.add_argument_group("limits", "what hostile or broken clients may cost")
+    limits.add_argument(
+        "--max-keys",
+        type=non_negative_int,
+        default=10_000_000,
+        metavar="N",
+        help="most keys the store holds; a write of a new key beyond it is refused"
+        " (default 10000000; 0: no limit)",
+    )
+    limits.add_argument(
+        "--max-bytes",
+        type=non_negative_int,
+        default=4 * 1024**3,
+        metavar="BYTES",
+        help="most bytes of keys, values and properties the store holds (default"
+        " 4294967296, 4 GiB; 0: no limit)",
+    )
+    limits.add_argument(
+        "--max-snapshots",
+        type=positive_int,
+        default=64,
+        metavar="N",
+        help="snapshot streams in flight at once; more requests are not answered (default 64)",
+    )
     p.add_argument("--log-file", help="log here instead of stderr")
     p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
     return p
@@ -217,6 +263,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         pending_max_age=args.pending_max_age,
         history_max=args.history,
         history_bytes=args.history_bytes,
+        max_keys=args.max_keys,
+        max_bytes=args.max_bytes,
     )
     common = dict(
         bind=args.bind,
@@ -231,6 +279,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         fsync=args.fsync,
         peer_wait=args.peer_wait,
         restore=args.restore,
+        curve_secret=args.curve_secret,
+        clients_dir=args.clients,
+        acl=args.acl,
+        max_snapshots=args.max_snapshots,
     )
     role = "standalone" if args.standalone else "primary" if args.primary else "backup"
     if args.in_memory:

@@ -68,6 +68,12 @@ class ServerConfig:
     peer_wait: float | None = None
     #: A backup file (``clone backup``) to start from; it replaces the data directory's state.
     restore: str | None = None
+    #: CURVE (docs/operations.md, "Securing a pair"): the pair's secret
+    #: certificate, the directory of admitted clients' public certificates,
+    #: and the ACL (None: every admitted client reads and writes everything).
+    curve_secret: str | None = None
+    clients_dir: str | None = None
+    acl: str | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.port <= 65535 - 2:
@@ -89,6 +95,16 @@ class ServerConfig:
             raise ValueError(f"fsync must be one of {choices}, not {self.fsync!r}")
         if self.peer_wait is not None and self.peer_wait < 0:
             raise ValueError(f"peer_wait must be >= 0, not {self.peer_wait}")
+        if (self.curve_secret is None) != (self.clients_dir is None):
+            raise ValueError(
+                "--curve-secret and --clients go together: the pair's certificate and the"
+                " directory of the clients it admits"
+            )
+        if self.acl is not None and self.curve_secret is None:
+            raise ValueError(
+                "--acl needs --curve-secret and --clients: without CURVE no client has a"
+                " name to look up, so an ACL would protect nothing"
+            )
         if self.restore is not None and self.data_dir is None:
             raise ValueError("restore needs a data directory (it replaces that directory's state)")
         if self.mode is not ServerMode.STANDALONE:

@@ -35,7 +35,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from clone.errors import IllegalSyncTransition, ProtocolError
+from clone.errors import IllegalSyncTransition, ProtocolError, StoreFull
 from clone.server.delta import DeltaStream, open_catch_up
 from clone.server.history import History
 from clone.server.journal import Journal
@@ -48,6 +48,7 @@ from clone.wire.batch import decode_kvbatch, is_kvbatch
 from clone.wire.codec import (
     Hugz,
     KVMsg,
+    Properties,
     SnapshotEnd,
     decode_icanhaz,
     decode_kvset,
@@ -127,6 +128,7 @@ COUNTERS = (
     "kvset_duplicate",
     "kvset_pending",
     "kvset_already_applied",
+    "kvset_refused_full",
     "kvpub_published",
     "expired",
     "snapshot_requests",
@@ -166,6 +168,10 @@ class CoreSettings:
     #: The update history kept for catch-up (docs/operations.md, "Durability").
     history_max: int = 100_000
     history_bytes: int = 64 * 1024 * 1024
+    #: The most keys and bytes (keys, values, properties) the store holds; a
+    #: write beyond them is refused (docs/operations.md, "Limits").  0: no limit.
+    max_keys: int = 10_000_000
+    max_bytes: int = 4 * 1024**3
 
     def __post_init__(self) -> None:
         for name in (
@@ -193,7 +199,7 @@ class ServerCore:
         durable: bool = False,
     ) -> None:
         self.settings = settings or CoreSettings()
-        self.store = Store()
+        self.store = Store(max_keys=self.settings.max_keys, max_bytes=self.settings.max_bytes)
         #: Every change to the state since the reactor last committed it, in
         #: order (snapshot staging only when ``durable``: there is a database).
         self.journal = Journal(stage=durable)
@@ -250,6 +256,9 @@ class ServerCore:
                 # The received frames are reused: stored and published as they
                 # are, with the new sequence (and expires, if any).
                 out = self.store.apply(msg, now, frames)
+            except StoreFull:
+                c["kvset_refused_full"] += 1
+                raise
             except ProtocolError:
                 c["kvset_invalid"] += 1
                 raise
@@ -297,6 +306,8 @@ class ServerCore:
         applied: bool = False,
         now: float = 0.0,
         since: SinceRequest | None = None,
+        allowed: Sequence[bytes] | None = None,
+        end_properties: Properties = (),
     ) -> SnapshotStream | DeltaStream:
         """Start streaming the current state under ``subtree`` to ``identity``.
 
@@ -305,6 +316,8 @@ class ServerCore:
         which then goes first, as of ``now``.  ``since``: it holds our state
         up to a sequence and asks only for what followed (:mod:`clone.wire.delta`);
         it gets that if the history still reaches back to it, else the whole state.
+        ``allowed``: the requester may read only keys under these prefixes
+        (clone.server.security); ``end_properties`` go into its KTHXBAI.
         """
         preamble: list[list[bytes]] = []
         if applied:
@@ -316,7 +329,15 @@ class ServerCore:
             delta = open_catch_up(self.history, since, identity, self.store.sequence, preamble)
             if delta is not None:
                 return delta
-        return SnapshotStream(identity, subtree, self.store, batch=batch, preamble=preamble)
+        return SnapshotStream(
+            identity,
+            subtree,
+            self.store,
+            batch=batch,
+            preamble=preamble,
+            allowed=allowed,
+            end_properties=end_properties,
+        )
 
     def hugz(self, heartbeat_ms: int | None = None) -> list[bytes]:
         """A heartbeat carrying the current highest sequence and, given
@@ -676,6 +697,7 @@ class ServerCore:
             sequence=self.store.sequence,
             highest_seen=self.highest_seen,
             keys=len(self.store),
+            store_bytes=self.store.nbytes,
             ephemeral_keys=self.store.ephemeral_count,
             pending=len(self.pending),
             pending_dropped=self.pending.dropped,

@@ -119,7 +119,11 @@ class DurabilityMixin(ServerBase):
             updates = [frames for op in ops if op.kind is OpKind.UPDATES for frames in op.updates]
         storage = self._storage
         if storage is None or self._storage_error is not None:
-            return updates if self._storage_error is None else []
+            if self._storage_error is not None:
+                return []
+            if self._view_prefixes:
+                self._count_views(updates)
+            return updates
         term = self._current_term()
         try:
             for op in ops:
@@ -141,6 +145,8 @@ class DurabilityMixin(ServerBase):
             self._storage_failed(exc)
             return []
         self._data_term = term
+        if self._view_prefixes:
+            self._count_views(updates)
         return updates
 
     def _commit_and_publish(self) -> None:

@@ -20,7 +20,7 @@ class PublishingMixin(ServerBase):
 
     def _publish(self, frames: list[bytes]) -> None:
         """Publish in order: behind the bulk queue if it is not empty."""
-        if self._outq:
+        if self._outq or self._outq_hold:
             self._outq.append(frames)
         else:
             assert self._pub is not None
@@ -40,7 +40,7 @@ class PublishingMixin(ServerBase):
     def _drain_outq(self) -> None:
         self._outq_scheduled = False
         pub = self._pub
-        if pub is None or pub.closed:
+        if pub is None or pub.closed or self._outq_hold:
             return
         q = self._outq
         for _ in range(self.config.snapshot_chunk):

@@ -27,17 +27,19 @@ import json
 import logging
 import signal
 import threading
+from collections.abc import Callable
 
 import zmq
 from tornado.ioloop import IOLoop
 
-from clone.errors import ProtocolError, ServerStartError
+from clone.errors import LimitExceeded, ProtocolError, ServerStartError, StoreFull
 from clone.server.base import TURN_BUDGET, log
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import Role
 from clone.server.durability import DurabilityMixin
 from clone.server.following import FollowingMixin
 from clone.server.publishing import PublishingMixin
+from clone.server.security import SecurityMixin
 from clone.server.serving import ServingMixin
 from clone.wire.frames import recv_frames
 from clone.wire.protocol import COLLECTOR_OFFSET, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
@@ -53,7 +55,7 @@ def _tcp(host_port: str) -> str:
     return host_port if "://" in host_port else f"tcp://{host_port}"
 
 
-class CloneServer(ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin):
+class CloneServer(ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin, SecurityMixin):
     """One member of a Clone server pair (or a standalone server).
 
     ``run()`` serves in the calling thread until :meth:`stop`; ``start()`` runs
@@ -85,6 +87,7 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin
         self._loop = loop
         try:
             self._open_storage()
+            self._open_security()
             self._setup()
         except BaseException as exc:
             self._start_error = exc
@@ -99,12 +102,13 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin
             aio.add_signal_handler(signal.SIGINT, self._on_signal, "SIGINT")
             aio.add_signal_handler(signal.SIGTERM, self._on_signal, "SIGTERM")
             aio.add_signal_handler(signal.SIGUSR1, self.log_stats, logging.INFO)
+            aio.add_signal_handler(signal.SIGHUP, self._guard_call, self._reload_security)
         self._ready.set()
         try:
             loop.start()
         finally:
             if handle_signals:
-                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+                for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGHUP):
                     loop.asyncio_loop.remove_signal_handler(sig)
             self._close_all()
             loop.close(all_fds=False)
@@ -188,16 +192,13 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin
         loop = self._loop
         assert loop is not None
         base = f"tcp://{cfg.bind}"
-        router = self._socket(zmq.ROUTER)
+        router = self._socket(zmq.ROUTER, bound=True)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDHWM, cfg.snapshot_hwm)
         router.bind(f"{base}:{cfg.port + SNAPSHOT_OFFSET}")
         self._router = router
-        pub = self._socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, cfg.pub_hwm)
-        pub.bind(f"{base}:{cfg.port + PUBLISHER_OFFSET}")
-        self._pub = pub
-        collector = self._socket(zmq.SUB)
+        self._bind_publisher()
+        collector = self._socket(zmq.SUB, bound=True)
         collector.setsockopt(zmq.RCVHWM, cfg.collector_hwm)
         collector.setsockopt(zmq.SUBSCRIBE, b"")
         collector.bind(f"{base}:{cfg.port + COLLECTOR_OFFSET}")
@@ -205,7 +206,11 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin
         # Zero-copy frames: only a Frame can tell the requester's ZMTP metadata.
         self._on_router_guarded = self._guard(self._on_router)
         self._stream(router, self._on_router, copy=False)
-        self._stream(collector, self._on_collector)
+        if self._keypair is not None:
+            # The sender's User-Id (metadata) decides whether it may write.
+            self._stream(collector, self._on_collector_secure, copy=False)
+        else:
+            self._stream(collector, self._on_collector)
         if cfg.mode is not ServerMode.STANDALONE:
             from bstar.reactor import BinaryStar  # only paired servers need it
 
@@ -222,6 +227,7 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin
                 epoch=self._data_term,
                 start_wait=cfg.effective_peer_wait,
                 rank=self._rank if cfg.data_dir is not None else None,
+                secure_socket=self._secure_bstar if self._keypair is not None else None,
             )
             ha.on_active(self._on_became_active)
             ha.on_passive(self._on_became_passive)
@@ -285,6 +291,9 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin
         for sock in (self._router, self._pub, self._collector):
             if sock is not None and not sock.closed:
                 sock.close(linger=0)
+        self._pub_stream = None
+        # Only now: a CURVE socket must never outlive its ZAP handler.
+        self._close_security()
         self._close_storage()
 
     # -- timers --------------------------------------------------------------
@@ -304,6 +313,9 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin
             if self.core.role is Role.ACTIVE:
                 self._publish(self.core.hugz(self._heartbeat_ms))
                 self.counters["hugz_sent"] += 1
+                if self._view_counts:
+                    for frames in self._view_heartbeats():
+                        self._publish(frames)
         except Exception:
             self.counters["internal_errors"] += 1
             log.exception("internal error in heartbeat")
@@ -347,6 +359,67 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin
         log.info("%s received", name)
         self.request_stop()
 
+    def _guard_call(self, fn: Callable[[], object]) -> None:
+        """Run a signal's handler on the loop; a bug is logged, never fatal."""
+        try:
+            fn()
+        except Exception:
+            self.counters["internal_errors"] += 1
+            log.exception("internal error in %s", getattr(fn, "__name__", fn))
+
+    # -- the publisher -------------------------------------------------------
+
+    def _bind_publisher(self, *, rebind: bool = False) -> None:
+        """Bind the publisher (P+1): a PUB, or with CURVE an XPUB in manual
+        mode whose subscriptions clone.server.security decides.
+
+        ``rebind`` closes the current one first (SIGHUP took rights away);
+        until the port is free again, publications wait in the ordered output
+        queue, so none is lost for the subscribers that come back.
+        """
+        cfg = self.config
+        old_stream, self._pub_stream = self._pub_stream, None
+        old, self._pub = self._pub, None
+        endpoint = f"tcp://{cfg.bind}:{cfg.port + PUBLISHER_OFFSET}"
+        if old_stream is not None:
+            self._forget(old_stream)
+        elif old is not None and not old.closed:
+            old.close(linger=0)
+        secure = self._keypair is not None
+        pub = self._socket(zmq.XPUB if secure else zmq.PUB, bound=True)
+        pub.setsockopt(zmq.SNDHWM, cfg.pub_hwm)
+        if secure:
+            pub.setsockopt(zmq.XPUB_MANUAL, 1)
+        if not rebind:
+            pub.bind(endpoint)
+            self._install_publisher(pub)
+            return
+        self._outq_hold = True  # _publish queues until the new socket is bound
+        self._retry_bind(pub, endpoint, 0)
+
+    def _retry_bind(self, pub: zmq.Socket, endpoint: str, attempt: int) -> None:
+        try:
+            pub.bind(endpoint)
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EADDRINUSE or attempt >= 200 or self._loop is None:
+                pub.close(linger=0)
+                log.critical("cannot bind the publisher again at %s: %s; stopping", endpoint, exc)
+                self.request_stop()
+                return
+            # The old socket's port is released by libzmq's I/O thread shortly.
+            self._loop.call_later(0.01, self._retry_bind, pub, endpoint, attempt + 1)
+            return
+        self._install_publisher(pub)
+        self._outq_hold = False
+        log.info("publisher bound again at %s: subscribers reconnect under the new rules", endpoint)
+        if self._outq:
+            self._schedule_outq()
+
+    def _install_publisher(self, pub: zmq.Socket) -> None:
+        self._pub = pub
+        if pub.socket_type == zmq.XPUB:
+            self._pub_stream = self._stream(pub, self._on_subscription, copy=False)
+
     # -- the collector: client updates ---------------------------------------
 
     def _on_collector(self, frames: list[bytes]) -> None:
@@ -376,3 +449,61 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin
                 frames = recv_frames(sock)
             except zmq.Again:
                 return
+
+    def _on_collector_secure(self, parts: list[zmq.Frame]) -> None:
+        """CURVE: as :meth:`_on_collector`, each update checked against its
+        sender's write prefixes first (its ZAP User-Id is on the message)."""
+        try:
+            self._drain_collector_secure(parts)
+        finally:
+            self._commit_and_publish()
+
+    def _drain_collector_secure(self, parts: list[zmq.Frame]) -> None:
+        sock = self._collector
+        assert sock is not None
+        stop_at = self._clock() + TURN_BUDGET
+        batch = self.config.collector_batch
+        while True:
+            self._take_secure_kvset(parts)
+            batch -= 1
+            if self._turn_over(batch, stop_at):
+                return
+            try:
+                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+
+    def _take_secure_kvset(self, parts: list[zmq.Frame]) -> None:
+        core = self.core
+        try:
+            user: str | None = str(parts[0].get("User-Id"))
+        except zmq.ZMQError:
+            user = None
+        frames = [part.bytes for part in parts]
+        active = core.role is Role.ACTIVE
+        if user not in self._admitted or not self._rights_of(user).can_write(frames[0]):
+            self.counters["kvset_refused_acl"] += 1
+            self._throttle.log(
+                "kvset_acl",
+                logging.WARNING,
+                "refused a write by %s to %r: not under its write prefixes",
+                user,
+                frames[0][:80],
+            )
+            if active and len(frames) == 5:
+                self._refusal(user, frames[2], "acl")
+            return
+        try:
+            core.on_kvset(frames, self._wallclock())
+        except StoreFull as exc:
+            self._throttle.log(
+                "kvset_full", logging.WARNING, "refused a write by %s: %s", user, exc
+            )
+            if active:
+                self._refusal(user, frames[2], "full")
+        except LimitExceeded as exc:
+            self._throttle.log("kvset", logging.WARNING, "dropped a client update: %s", exc)
+            if active and len(frames) == 5:
+                self._refusal(user, frames[2], "size")
+        except ProtocolError as exc:
+            self._throttle.log("kvset", logging.WARNING, "dropped a client update: %s", exc)

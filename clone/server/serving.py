@@ -24,9 +24,11 @@ from collections import deque
 import zmq
 
 from clone.errors import ProtocolError
+from clone.security import PEER_USER
 from clone.server.base import CLOCK_EVERY, TURN_BUDGET, AnyStream, ServerBase, log, who
 from clone.server.core import Role
 from clone.server.delta import DeltaStream
+from clone.wire.control import view_id
 from clone.wire.delta import SINCE_PROPERTY, SinceRequest, parse_since
 from clone.wire.frames import NOBLOCK, POLLIN, send_frames, send_tracked
 from clone.wire.protocol import (
@@ -77,6 +79,14 @@ def _since(frame: zmq.Frame) -> SinceRequest | None:
     return parse_since(str(value))
 
 
+def _user_id(frame: zmq.Frame) -> str | None:
+    """The ZAP User-Id of the connection a message came on (CURVE), or None."""
+    try:
+        return str(frame.get("User-Id"))
+    except zmq.ZMQError:
+        return None
+
+
 def _wants_applied(frame: zmq.Frame) -> bool:
     """The applied-update list first: a peer server's sync (:mod:`clone.wire.applied`)."""
     return _has_metadata(frame, APPLIED_PROPERTY, APPLIED_VERSION)
@@ -99,6 +109,7 @@ class ServingMixin(ServerBase):
                 self._throttle.log(
                     "since", logging.WARNING, "ignored a bad catch-up request: %s", exc
                 )
+        user = _user_id(parts[1]) if len(parts) > 1 and self._keypair is not None else None
         frames = [part.bytes for part in parts[1:]]
         try:
             subtree = self.core.snapshot_request(frames)
@@ -113,13 +124,13 @@ class ServingMixin(ServerBase):
             # the peer's not-yet-expired heartbeat stands in the way, hold the
             # request and vote again when it expires; otherwise the client
             # times out and fails over to the other server.
-            if not self._defer_vote(identity, subtree, batch, applied):
+            if not self._defer_vote(identity, subtree, batch, applied, user, since):
                 self.counters["snapshots_refused"] += 1
                 log.debug("snapshot request from %s not served (%s)", who(identity), ha.state.name)
             return
         # Served now: a held copy of the same request must not be served again.
         self._deferred.discard(identity, subtree)
-        self._serve(identity, subtree, batch=batch, applied=applied, since=since)
+        self._serve(identity, subtree, batch=batch, applied=applied, since=since, user=user)
 
     def _serve(
         self,
@@ -130,12 +141,11 @@ class ServingMixin(ServerBase):
         batch: bool = False,
         applied: bool = False,
         since: SinceRequest | None = None,
+        user: str | None = None,
     ) -> None:
         """Stream a snapshot for an accepted vote (in KVBATCHes if ``batch``,
         after the applied-update list if ``applied``), or only the updates
-        after ``since`` when the history still holds them.  A held (deferred)
-        request is served whole: only a peer server asks for a catch-up, and
-        it asks the active one, which never holds a vote."""
+        after ``since`` when the history still holds them."""
         if self.core.role is not Role.ACTIVE:
             # The vote was accepted; make sure the promotion happened first.
             self._on_became_active()
@@ -149,8 +159,28 @@ class ServingMixin(ServerBase):
                 who(identity),
             )
             return
+        allowed: tuple[bytes, ...] | None = None
+        end_properties: tuple[tuple[str, str], ...] = ()
+        if self._keypair is not None:
+            # CURVE: the requester's rights decide what the snapshot holds;
+            # the peer-only extensions are for the pair's own key alone.
+            rights = self._rights_of(user if user in self._admitted else None)
+            if user != PEER_USER:
+                applied, since = False, None
+            if not rights.read_all:
+                allowed = rights.read
+                vid = view_id(rights.read)
+                count = self._view_counts.get(vid, 0)
+                end_properties = (("view", vid), ("view_count", str(count)))
         stream = self.core.open_snapshot(
-            identity, subtree, batch=batch, applied=applied, now=self._wallclock(), since=since
+            identity,
+            subtree,
+            batch=batch,
+            applied=applied,
+            now=self._wallclock(),
+            since=since,
+            allowed=allowed,
+            end_properties=end_properties,
         )
         if isinstance(stream, DeltaStream):
             self.counters["catchups_served"] += 1
@@ -303,7 +333,15 @@ class ServingMixin(ServerBase):
 
     # -- deferred votes --------------------------------------------------------
 
-    def _defer_vote(self, identity: bytes, subtree: str, batch: bool, applied: bool) -> bool:
+    def _defer_vote(
+        self,
+        identity: bytes,
+        subtree: str,
+        batch: bool,
+        applied: bool,
+        user: str | None = None,
+        since: SinceRequest | None = None,
+    ) -> bool:
         """Hold a refused vote if it may be accepted once the peer expires."""
         ha = self._ha
         votes = self._deferred
@@ -314,10 +352,15 @@ class ServingMixin(ServerBase):
 
         # The states in which a refused vote may be accepted later, once the
         # peer expires ("vote if expired" in docs/failover.md).
-        if ha.state not in (State.PASSIVE, State.PRIMARY):
+        # A backup joins them with data ranks: it takes over from a primary
+        # whose data is older (failover.md, "Cold start and ranks"), and that
+        # primary, now passive, asks it for a snapshot a moment before.
+        if ha.state not in (State.PASSIVE, State.PRIMARY, State.BACKUP):
             return False
         now = self._clock()
-        hold = votes.hold(identity, subtree, now, batch=batch, applied=applied)
+        hold = votes.hold(
+            identity, subtree, now, batch=batch, applied=applied, user=user, since=since
+        )
         if not hold.new:
             return True  # the same request again (a Guide client re-asks so)
         if hold.dropped is not None:
@@ -405,7 +448,13 @@ class ServingMixin(ServerBase):
             self.counters["votes_deferred_served"] += 1
             log.debug("serving the held snapshot request from %s", who(vote.identity))
             self._serve(
-                vote.identity, vote.subtree, deferred=True, batch=vote.batch, applied=vote.applied
+                vote.identity,
+                vote.subtree,
+                deferred=True,
+                batch=vote.batch,
+                applied=vote.applied,
+                user=vote.user,
+                since=vote.since,
             )
             if votes and self._clock() > stop_at:
                 # Each serve sends a first chunk; yield to the loop between turns.

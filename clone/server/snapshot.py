@@ -23,6 +23,13 @@ filtered by prefix with ``compress``, looked up with ``map``, and keys deleted
 since are dropped.  Keys that did not fit under the batch's byte target are
 carried into the next batch and looked up again then.
 
+With ``allowed`` (the read prefixes of a restricted requester, see
+:mod:`clone.server.security`) a key must lie under the subtree *and* under
+one of them: both are folded into one tuple of prefixes at the start
+(:func:`effective_prefixes`), and a key is tested with one C-level
+``bytes.startswith(tuple)``.  ``end_properties`` go into the KTHXBAI (the
+requester's view and its count).
+
 A ``preamble`` of whole messages goes out before the first entry: a peer
 server's sync gets the KVAPPLIED list there (:mod:`clone.wire.applied`), built when
 the stream starts so that it is consistent with the recorded sequence.
@@ -36,14 +43,31 @@ from typing import cast
 
 from clone.server.store import Entry, Store
 from clone.wire.batch import batch_size, encode_kvbatch
-from clone.wire.codec import encode_kthxbai
+from clone.wire.codec import Properties, encode_kthxbai
 from clone.wire.protocol import BATCH_TARGET_BYTES, MAX_BATCH_ENTRIES
 
-__all__ = ["SnapshotStream"]
+__all__ = ["SnapshotStream", "effective_prefixes"]
 
 # How many keys outside the subtree one peek() may skip before giving the
 # reactor back; bounds the work of a turn for a sparse subtree.
 SCAN_BUDGET = 10_000
+
+
+def effective_prefixes(subtree: bytes, allowed: Sequence[bytes] | None) -> tuple[bytes, ...]:
+    """The prefixes a key must start with (one of them) to be in the snapshot.
+
+    ``(b"",)`` is everything; ``()`` nothing (the requester may read none of
+    the subtree).
+    """
+    if allowed is None:
+        return (subtree,)
+    out: list[bytes] = []
+    for prefix in allowed:
+        if subtree.startswith(prefix):
+            return (subtree,)  # the whole subtree lies under one allowed prefix
+        if prefix.startswith(subtree):
+            out.append(prefix)
+    return tuple(out)
 
 
 class SnapshotStream:
@@ -54,6 +78,7 @@ class SnapshotStream:
         "_current",
         "_current_entries",
         "_done",
+        "_end_properties",
         "_ended",
         "_index",
         "_keys",
@@ -61,6 +86,7 @@ class SnapshotStream:
         "_lookup_many",
         "_preamble",
         "_prefix",
+        "_prefixes",
         "_total",
         "batch",
         "batches_sent",
@@ -78,6 +104,8 @@ class SnapshotStream:
         *,
         batch: bool = False,
         preamble: Sequence[Sequence[bytes]] = (),
+        allowed: Sequence[bytes] | None = None,
+        end_properties: Properties = (),
     ) -> None:
         self.identity = identity
         # Reversed, so the next one is popped off the end.
@@ -86,7 +114,10 @@ class SnapshotStream:
         self.batch = batch
         self.subtree = subtree
         self.sequence = store.sequence
-        self._prefix = subtree.encode("utf-8")
+        self._prefixes = effective_prefixes(subtree.encode("utf-8"), allowed)
+        # One prefix (the common case): tested as before; b"" = every key.
+        self._prefix = self._prefixes[0] if len(self._prefixes) == 1 else None
+        self._end_properties = end_properties
         self._lookup = store.entry
         self._lookup_many = store.entries
         self._keys = store.raw_keys()
@@ -133,14 +164,14 @@ class SnapshotStream:
             return self._peek_batch()
         keys = self._keys
         lookup = self._lookup
-        prefix = self._prefix
+        prefix = self._prefix if self._prefix is not None else self._prefixes
         index = self._index
         end = len(keys)
         scanned = 0
         while index < end:
             key = keys[index]
             index += 1
-            if prefix and not key.startswith(prefix):
+            if prefix != b"" and not key.startswith(prefix):
                 scanned += 1
                 if scanned >= SCAN_BUDGET:
                     self._index = index
@@ -160,12 +191,15 @@ class SnapshotStream:
         self._keys = []  # free the copy as soon as it is no longer needed
         self._ended = True
         self._current_entries = 0
-        self._current = [self.identity, *encode_kthxbai(self.sequence, self.subtree)]
+        self._current = [
+            self.identity,
+            *encode_kthxbai(self.sequence, self.subtree, self._end_properties),
+        ]
         return self._current
 
     def _peek_batch(self) -> Sequence[bytes] | None:
         keys = self._keys
-        prefix = self._prefix
+        prefix = self._prefix if self._prefix is not None else self._prefixes
         index = self._index
         end = len(keys)
         picked, self._carry = self._carry, []
@@ -176,7 +210,7 @@ class SnapshotStream:
             window = keys[index : index + MAX_BATCH_ENTRIES]
             index += len(window)
             scanned += len(window)
-            if prefix:
+            if prefix != b"":
                 window = list(compress(window, map(bytes.startswith, window, repeat(prefix))))
             picked += window
         self._index = index

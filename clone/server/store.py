@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from clone.errors import LimitExceeded
+from clone.errors import LimitExceeded, StoreFull
 from clone.server.ttl import ExpiryHeap, format_expires, parse_expires, parse_ttl
 from clone.wire.codec import KVMsg, Properties, decode_properties, encode_properties
 from clone.wire.protocol import EXPIRES_PROPERTY, MAX_PROPERTIES_BYTES, TTL_PROPERTY
@@ -67,14 +67,20 @@ def _expires_of(props: bytes) -> str | None:
 class Store:
     """A hashmap of key -> latest message, plus the highest sequence applied."""
 
-    __slots__ = ("_expiry", "_map", "bad_expires", "sequence")
+    __slots__ = ("_expiry", "_map", "bad_expires", "max_bytes", "max_keys", "nbytes", "sequence")
 
-    def __init__(self, sequence: int = 0) -> None:
+    def __init__(self, sequence: int = 0, *, max_keys: int = 0, max_bytes: int = 0) -> None:
         self._map: dict[bytes, Entry] = {}
         self._expiry: ExpiryHeap[bytes] = ExpiryHeap()
         self.sequence = sequence
         #: KVPUBs from the peer whose ``expires`` could not be parsed.
         self.bad_expires = 0
+        #: The limits :meth:`apply` enforces (0: none).  Only the active
+        #: server's writes are refused: a follower stores what it is sent.
+        self.max_keys = max_keys
+        self.max_bytes = max_bytes
+        #: Bytes held: key, sequence, uuid, properties and value of every entry.
+        self.nbytes = 0
 
     # -- reading -------------------------------------------------------------
 
@@ -150,8 +156,6 @@ class Store:
             elif _has_prop(props, EXPIRES_PROPERTY) is not None:
                 # Only the server sets expires; a client's copy means nothing.
                 props_raw = encode_properties(msg.with_props(**{EXPIRES_PROPERTY: None}))
-        self.sequence += 1
-        seq = self.sequence.to_bytes(8, "big")
         if frames is not None:
             key_raw, uuid, body = frames[0], frames[2], frames[4]
             if props_raw is None:
@@ -160,6 +164,10 @@ class Store:
             key_raw, uuid, body = msg.key.encode("utf-8"), msg.uuid, msg.body
             if props_raw is None:
                 props_raw = encode_properties(props)
+        if body and (self.max_keys or self.max_bytes):
+            self._check_room(key_raw, 8 + len(key_raw) + len(uuid) + len(props_raw) + len(body))
+        self.sequence += 1
+        seq = self.sequence.to_bytes(8, "big")
         self._put(key_raw, (seq, uuid, props_raw, body), deadline)
         return [key_raw, seq, uuid, props_raw, body]
 
@@ -184,6 +192,24 @@ class Store:
         if msg.sequence > self.sequence:
             self.sequence = msg.sequence
 
+    def _check_room(self, key: bytes, size: int) -> None:
+        """Raise StoreFull if storing ``size`` bytes under ``key`` breaks a limit."""
+        old = self._map.get(key)
+        if old is None:
+            if self.max_keys and len(self._map) >= self.max_keys:
+                raise StoreFull(
+                    f"the store holds {len(self._map)} keys, its --max-keys limit;"
+                    f" key {key[:80]!r} not added"
+                )
+            grows = size
+        else:
+            grows = size - (len(key) + sum(map(len, old)))
+        if self.max_bytes and grows > 0 and self.nbytes + grows > self.max_bytes:
+            raise StoreFull(
+                f"the store holds {self.nbytes} bytes; {grows} more for key {key[:80]!r}"
+                f" would pass its --max-bytes limit of {self.max_bytes}"
+            )
+
     def expire(self, now: float, limit: int | None = None) -> list[KVMsg]:
         """Delete keys due at ``now``; return the delete KVPUBs to publish.
 
@@ -192,8 +218,10 @@ class Store:
         """
         out: list[KVMsg] = []
         for key in self._expiry.due(now, limit):
-            if self._map.pop(key, None) is None:
+            old = self._map.pop(key, None)
+            if old is None:
                 continue
+            self.nbytes -= len(key) + sum(map(len, old))
             self.sequence += 1
             out.append(KVMsg(key.decode("utf-8"), self.sequence))
         return out
@@ -206,6 +234,9 @@ class Store:
         """
         self._map = entries
         self.sequence = sequence
+        self.nbytes = sum(map(len, entries)) + sum(
+            len(a) + len(b) + len(c) + len(d) for a, b, c, d in entries.values()
+        )
         deadlines: dict[bytes, float] = {}
         for key, entry in entries.items():
             if entry[2]:
@@ -219,7 +250,11 @@ class Store:
         self._expiry.rebuild(deadlines)
 
     def _put(self, key: bytes, entry: Entry, deadline: float | None) -> None:
+        old = self._map.get(key)
+        if old is not None:
+            self.nbytes -= len(key) + len(old[0]) + len(old[1]) + len(old[2]) + len(old[3])
         if entry[3]:
+            self.nbytes += len(key) + len(entry[0]) + len(entry[1]) + len(entry[2]) + len(entry[3])
             self._map[key] = entry
             if deadline is not None:
                 self._expiry.schedule(key, deadline)

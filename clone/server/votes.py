@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from clone.wire.delta import SinceRequest
+
 __all__ = ["DeferredVote", "DeferredVotes", "Hold"]
 
 
@@ -29,6 +31,8 @@ class DeferredVote:
     expires_at: float  # on the server's monotonic clock
     batch: bool  # the requester negotiated KVBATCH
     applied: bool  # the requester (a peer server) asked for KVAPPLIED
+    user: str | None = None  # its ZAP User-Id (CURVE): its rights are read when served
+    since: SinceRequest | None = None  # a peer server's catch-up request
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,7 +64,15 @@ class DeferredVotes:
         return self.limit > 0
 
     def hold(
-        self, identity: bytes, subtree: str, now: float, *, batch: bool, applied: bool
+        self,
+        identity: bytes,
+        subtree: str,
+        now: float,
+        *,
+        batch: bool,
+        applied: bool,
+        user: str | None = None,
+        since: SinceRequest | None = None,
     ) -> Hold:
         """Hold a refused request until ``now + max_age``; drop the oldest if full."""
         key = (identity, subtree)
@@ -70,7 +82,9 @@ class DeferredVotes:
         if len(self._held) >= self.limit:
             oldest = next(iter(self._held))
             dropped = self._held.pop(oldest)
-        self._held[key] = DeferredVote(identity, subtree, now + self.max_age, batch, applied)
+        self._held[key] = DeferredVote(
+            identity, subtree, now + self.max_age, batch, applied, user, since
+        )
         return Hold(new=True, dropped=dropped)
 
     def discard(self, identity: bytes, subtree: str) -> None:

@@ -1,0 +1,259 @@
+"""CURVE, the ZAP handler and the ACL: who may connect, read and write.
+
+How this works: with ``--curve-secret`` the server loads its key pair, the
+client certificates of ``--clients`` and the ``--acl`` file (clone.security),
+and starts the ZAP handler (:class:`~clone.security.zap.Gatekeeper`) *before*
+any socket binds: every socket it binds is then a CURVE server that the
+handler guards, and every socket it connects to the peer is a CURVE client
+holding the pair's own key (the peer admits it as ``clone/peer``).
+
+The access decisions, each from a connection's ZAP User-Id (a client's
+certificate name) and its :class:`~clone.security.acl.Rights`:
+
+* **Writes** (the collector): a KVSET outside the sender's write prefixes, or
+  from a name no longer admitted (its certificate was removed and SIGHUP
+  reloaded), is refused, counted and answered with a refusal notice on the
+  sender's own topic.
+* **Snapshots** (the snapshot port): only keys under the requester's read
+  prefixes; a restricted requester's KTHXBAI carries its view id and count.
+* **The update stream**: the publisher is an XPUB in manual mode, and
+  :meth:`SecurityMixin._on_subscription` maps what a connection asks for to
+  what it may receive (docs/protocol.md, "Security"); each view of restricted
+  readers gets its own heartbeat with the count of updates published in it.
+
+SIGHUP reloads the clients directory and the ACL.  A file that does not load
+keeps the old one (logged).  New certificates are admitted at once; if a key
+was removed or anyone's read rights changed, the publisher is bound again so
+that every subscriber reconnects and its subscriptions are decided afresh
+(clients see a short gap and resync): libzmq cannot drop one subscriber.
+
+Fail closed everywhere: an unknown name, a missing ACL table or a name the
+reload removed means no access.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zmq
+
+from clone.errors import SecurityError
+from clone.security import (
+    NOTHING,
+    PEER_USER,
+    Acl,
+    ClientKeys,
+    Gatekeeper,
+    Rights,
+    configure_client_socket,
+    configure_server_socket,
+    load_client_keys,
+    load_secret,
+)
+from clone.server.base import ServerBase, log
+from clone.wire.control import (
+    encode_refusal,
+    encode_view_heartbeat,
+    refusal_topic,
+    view_id,
+    view_topic,
+)
+
+__all__ = ["SecurityMixin", "subscription_topics"]
+
+# Every first byte but NUL: a reader of everything gets keys and HUGZ, never
+# another user's control topic.
+_ALL_BUT_CONTROL = [bytes([b]) for b in range(1, 256)]
+
+
+def subscription_topics(topic: bytes, rights: Rights, name: str) -> list[bytes]:
+    """What a connection of ``name`` asking for ``topic`` is subscribed to.
+
+    The table of docs/protocol.md, "Security": pure, so that it is tested
+    on its own.  Topics starting with NUL are ours to hand out, never asked for.
+    """
+    if topic[:1] == b"\x00":
+        return []
+    out: list[bytes]
+    if rights.read_all:
+        out = list(_ALL_BUT_CONTROL) if not topic else [topic]
+    else:
+        out = []
+        for prefix in rights.read:
+            if topic.startswith(prefix):
+                out = [topic]
+                break
+            if prefix.startswith(topic):
+                out.append(prefix)
+        if not topic:
+            out.append(view_topic(view_id(rights.read)))
+    if not topic and name != PEER_USER:
+        out.append(refusal_topic(name))
+    return out
+
+
+class SecurityMixin(ServerBase):
+    """Keys, the ZAP handler, the ACL and the filtered update stream."""
+
+    # -- start, reload, stop ---------------------------------------------------
+
+    def _open_security(self) -> None:
+        """Load the keys and the ACL and start the ZAP handler (before any bind)."""
+        cfg = self.config
+        if cfg.curve_secret is None:
+            log.warning(
+                "no --curve-secret: anyone who can reach the ports reads and writes every"
+                " key, in clear text (docs/operations.md, 'Securing a pair')"
+            )
+            return
+        assert cfg.clients_dir is not None
+        keypair = load_secret(cfg.curve_secret)
+        keys = load_client_keys(cfg.clients_dir)
+        acl = Acl.load(cfg.acl) if cfg.acl is not None else Acl.allow_all()
+        self._report_keys(keys, acl)
+        gatekeeper = Gatekeeper(self._ctx, keypair.public, keys, log=log)
+        gatekeeper.start()
+        self._keypair = keypair
+        self._gatekeeper = gatekeeper
+        self._install_acl(keys, acl)
+        log.info(
+            "CURVE on every socket: %d client certificates from %s; %s",
+            len(keys),
+            cfg.clients_dir,
+            f"ACL {cfg.acl}" if cfg.acl else "no --acl: every admitted client reads and writes all",
+        )
+
+    def _close_security(self) -> None:
+        """Stop the ZAP handler: only once every CURVE socket is closed."""
+        gatekeeper, self._gatekeeper = self._gatekeeper, None
+        if gatekeeper is not None:
+            gatekeeper.stop()
+
+    def _reload_security(self) -> None:
+        """SIGHUP: read the clients directory and the ACL again."""
+        cfg = self.config
+        gatekeeper = self._gatekeeper
+        if gatekeeper is None:
+            log.info("SIGHUP: no --curve-secret, nothing to reload")
+            return
+        assert cfg.clients_dir is not None
+        try:
+            keys = load_client_keys(cfg.clients_dir)
+            acl = Acl.load(cfg.acl) if cfg.acl is not None else Acl.allow_all()
+        except SecurityError as exc:
+            self.counters["security_reload_errors"] += 1
+            log.error("SIGHUP: %s; keeping the clients and ACL loaded before", exc)
+            return
+        self._report_keys(keys, acl)
+        old_names = set(self._admitted)
+        old_rights = {name: self._rights_of(name) for name in old_names}
+        gatekeeper.replace_keys(keys)
+        self._install_acl(keys, acl)
+        removed = old_names - set(self._admitted)
+        narrowed = [
+            name
+            for name in old_names - removed
+            if self._rights_of(name).read != old_rights[name].read
+        ]
+        self.counters["security_reloads"] += 1
+        log.warning(
+            "SIGHUP: %d client certificates, %s; removed %s, read rights changed for %s",
+            len(keys),
+            f"ACL {cfg.acl}" if cfg.acl else "no ACL",
+            sorted(removed) or "none",
+            sorted(narrowed) or "none",
+        )
+        if removed or narrowed:
+            self._rebind_publisher()
+
+    def _report_keys(self, keys: ClientKeys, acl: Acl) -> None:
+        for problem in keys.problems:
+            log.error("clients directory: %s (that client is not admitted)", problem)
+        names = set(keys.names.values())
+        for name in sorted(acl.names - names):
+            log.warning("ACL table [client.%s] has no certificate in the clients directory", name)
+
+    def _install_acl(self, keys: ClientKeys, acl: Acl) -> None:
+        self._acl = acl
+        self._admitted = {*keys.names.values(), PEER_USER}
+        self._rights = {name: acl.rights(name) for name in self._admitted}
+        views = {view_id(prefixes): prefixes for prefixes in acl.views()}
+        # Keep the counts of views that stay: their subscribers' bases stay valid.
+        self._view_counts = {vid: self._view_counts.get(vid, 0) for vid in views}
+        self._views = views
+        self._view_prefixes = [(vid, prefixes) for vid, prefixes in views.items() if prefixes]
+
+    def _rights_of(self, name: str | None) -> Rights:
+        """A connection's rights: nothing for an unknown or removed name."""
+        if name is None:
+            return NOTHING
+        return self._rights.get(name, NOTHING)
+
+    # -- sockets -------------------------------------------------------------
+
+    def _secure(self, sock: zmq.Socket[Any], *, bound: bool) -> None:
+        """CURVE for one socket, before it binds (server) or connects to the peer."""
+        keypair = self._keypair
+        if keypair is None:
+            return
+        if bound:
+            configure_server_socket(sock, keypair)
+        else:
+            configure_client_socket(sock, keypair, keypair.public)
+
+    def _secure_bstar(self, sock: zmq.Socket[Any], bound: bool) -> None:
+        self._secure(sock, bound=bound)
+
+    # -- the update stream ---------------------------------------------------
+
+    def _on_subscription(self, parts: list[zmq.Frame]) -> None:
+        """XPUB_MANUAL: decide what this connection receives (one message each)."""
+        sock = self._pub
+        assert sock is not None
+        frame = parts[0]
+        raw = frame.bytes
+        if not raw or raw[0] not in (0, 1):
+            return
+        try:
+            name: str | None = str(frame.get("User-Id"))
+        except zmq.ZMQError:
+            name = None
+        option = zmq.SUBSCRIBE if raw[0] == 1 else zmq.UNSUBSCRIBE
+        if name is None or name not in self._admitted:
+            self.counters["subscriptions_refused"] += 1
+            return
+        for topic in subscription_topics(raw[1:], self._rights_of(name), name):
+            sock.setsockopt(option, topic)
+        self.counters["subscriptions"] += 1
+
+    def _count_views(self, updates: list[list[bytes]]) -> None:
+        """Count the published updates of each view (for its heartbeat)."""
+        counts = self._view_counts
+        for vid, prefixes in self._view_prefixes:
+            n = 0
+            for frames in updates:
+                if frames[0].startswith(prefixes):
+                    n += 1
+            if n:
+                counts[vid] += n
+
+    def _view_heartbeats(self) -> list[list[bytes]]:
+        sequence = self.core.store.sequence
+        return [
+            encode_view_heartbeat(vid, sequence, self._heartbeat_ms, count)
+            for vid, count in self._view_counts.items()
+        ]
+
+    def _refusal(self, name: str | None, uuid: bytes, reason: str) -> None:
+        """Tell the writer its update was refused (best effort)."""
+        if name is None or name == PEER_USER or name not in self._admitted:
+            return
+        self._publish(encode_refusal(name, uuid, reason))
+
+    def _rebind_publisher(self) -> None:
+        """Close and bind the publisher again: every subscriber re-subscribes
+        and is decided under the new rules."""
+        if self._pub is None:
+            return
+        self.counters["publisher_rebinds"] += 1
+        self._bind_publisher(rebind=True)
