@@ -7,6 +7,7 @@ in :mod:`.sync`, of failing over in :mod:`.failover` and of writes in
 :mod:`.writes`), and the command line (:mod:`.cli`).  The public API is re-exported
 by :mod:`clone` itself (``from clone import Clone, clone_set, clone_get``).
 
-May import: :mod:`clone.wire`, :mod:`clone.errors`, :mod:`clone.ratelimit` and
-:mod:`clone.argtypes`.  Never the server or the tools.
+May import: :mod:`clone.wire`, :mod:`clone.errors`, :mod:`clone.ratelimit`,
+:mod:`clone.argtypes` and :mod:`clone.security` (certificates and CURVE socket
+setup, for ``curve_secret``/``server_key``).  Never the server or the tools.
 """

@@ -21,6 +21,14 @@ so that sequence holes can be seen even with subtrees: see docs/client.md), and 
 DEALER on P opened afresh for every snapshot request.  One PUB is connected to
 every server's collector (P+2), so both servers of a pair see every update.
 
+With CURVE (``Clone(curve_secret=..., server_key=...)``) every socket that
+talks to a server, SUB, DEALER and PUB alike, is made a CURVE client with
+:func:`clone.security.configure_client_socket` before it connects; a server
+that refuses our key at the handshake is logged (rate-limited) from the socket
+monitor, as nothing else would ever say so.  Control messages on a SUB
+(:mod:`clone.wire.control`: view heartbeats, refusal notices) go to the state
+machine like updates, and never to the application's map.
+
 Each SUB also has a zmq socket monitor (a PAIR on an inproc endpoint, polled
 with the rest) reporting ``EVENT_DISCONNECTED``: a server process that dies has
 its connections closed by its kernel at once, and the state machine fails over
@@ -43,7 +51,8 @@ The pipe protocol, all frames bytes:
   than the command timeout; the frame never leaves the process (inproc), so
   marshal's lack of checks against hostile input does not matter.
 * agent -> frontend, on the separate event pipe: ``STARTED``, ``CONFIRMED uuid``,
-  ``FAILED uuid text``, ``STATE state endpoint``, ``CHANGE key seq uuid props body``
+  ``FAILED uuid text``, ``REFUSED uuid reason key`` (the server refused a
+  confirmed write), ``STATE state endpoint``, ``CHANGE key seq uuid props body``
   (empty body: deleted), ``STOPPED``.
 """
 
@@ -65,12 +74,14 @@ from clone.client.fsm import (
     Changed,
     Confirmed,
     Malformed,
+    Refused,
     RequestSnapshot,
     SendUpdate,
     StateChanged,
 )
 from clone.errors import ProtocolError
 from clone.ratelimit import Throttle
+from clone.security import KeyPair, configure_client_socket
 from clone.wire.batch import announced_entries, is_kvbatch
 from clone.wire.codec import (
     KVMsg,
@@ -79,6 +90,7 @@ from clone.wire.codec import (
     encode_icanhaz,
     encode_kv,
 )
+from clone.wire.control import decode_control, is_control
 from clone.wire.frames import (
     MAX_FRAME_BYTES,
     MAX_SYNC_FRAME_BYTES,
@@ -109,8 +121,19 @@ _SNAPSHOT_BATCH = 4096
 _SNAPSHOT_BATCH_ENTRIES = 4 * _SNAPSHOT_BATCH
 # Upper bound on one poll, so a wrong deadline can never freeze the loop.
 _MAX_POLL = 1.0
-# Socket monitor events we act on.
-_MONITORED = zmq.EVENT_DISCONNECTED
+# Socket monitor events we act on: a lost connection, and a handshake the
+# server refused (CURVE: our key is not admitted, or one side is not CURVE).
+_HANDSHAKE_FAILED: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused our key",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "failed the handshake",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "failed the handshake",
+}
+_MONITORED = (
+    zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 # Pipe commands and replies.
 CONNECT, SET, GET, ITEMS, STATUS, WATCH, TERMINATE = (
@@ -123,10 +146,11 @@ CONNECT, SET, GET, ITEMS, STATUS, WATCH, TERMINATE = (
     b"TERMINATE",
 )
 OK, ERROR = b"OK", b"ERROR"
-STARTED, CONFIRMED, FAILED, STATE, CHANGE, STOPPED = (
+STARTED, CONFIRMED, FAILED, REFUSED, STATE, CHANGE, STOPPED = (
     b"STARTED",
     b"CONFIRMED",
     b"FAILED",
+    b"REFUSED",
     b"STATE",
     b"CHANGE",
     b"STOPPED",
@@ -169,8 +193,12 @@ class Agent:
         fsm: AgentFSM,
         *,
         clock: Callable[[], float] = time.monotonic,
+        curve: tuple[KeyPair, bytes] | None = None,
     ) -> None:
+        """``curve``: our key pair and the servers' public key (both servers of
+        a pair share one certificate), or None for plain connections."""
         self._ctx = ctx
+        self._curve = curve
         self._commands = commands
         self._events = events
         self._fsm = fsm
@@ -188,8 +216,7 @@ class Agent:
     def run(self) -> None:
         """Serve until TERMINATE; always close our sockets and say STOPPED."""
         try:
-            self._pub = self._ctx.socket(zmq.PUB)
-            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub = self._socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, SUBSCRIBER_HWM)
             self._poller.register(self._commands, zmq.POLLIN)
             self._running = True
@@ -205,6 +232,15 @@ class Agent:
                 pass
             self._commands.close(linger=0)
             self._events.close(linger=0)
+
+    def _socket(self, kind: int) -> zmq.Socket[bytes]:
+        """A socket to talk to servers: linger 0, and CURVE if configured
+        (before any connect, as libzmq requires)."""
+        sock = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            configure_client_socket(sock, *self._curve)
+        return sock
 
     def _loop(self) -> None:
         while self._running:
@@ -243,10 +279,11 @@ class Agent:
                 frames = recv_frames(sub)
             except zmq.Again:
                 return
+            control = is_control(frames)
             try:
-                msg = decode_update(frames)
+                msg = decode_control(frames) if control else decode_update(frames)
             except ProtocolError as exc:
-                self._malformed(index, "update", exc)
+                self._malformed(index, "control message" if control else "update", exc)
                 continue
             self._execute(self._fsm.update(index, msg, self._clock()))
 
@@ -288,6 +325,21 @@ class Agent:
                 )
                 continue
             assert isinstance(event, dict)
+            failed = _HANDSHAKE_FAILED.get(event["event"])
+            if failed is not None:
+                self._bad.log(
+                    "handshake",
+                    logging.WARNING,
+                    "server %s %s (event value %s): %s",
+                    server.endpoint,
+                    failed,
+                    event.get("value"),
+                    "check --curve-secret and --server-key, and that the server's clients "
+                    "directory holds our public key"
+                    if self._curve is not None
+                    else "the server may require CURVE: pass --curve-secret and --server-key",
+                )
+                continue
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             # libzmq queues what the server sent before it reports the loss;
@@ -320,6 +372,10 @@ class Agent:
                 self._events.send_multipart([CHANGE, *encode_kv(entry)])
             elif isinstance(action, Confirmed):
                 self._events.send_multipart([CONFIRMED, action.uuid])
+            elif isinstance(action, Refused):
+                self._events.send_multipart(
+                    [REFUSED, action.uuid, action.reason.encode(), action.key.encode()]
+                )
             elif isinstance(action, Malformed):
                 self._bad.log(
                     action.what,
@@ -341,8 +397,7 @@ class Agent:
         if server.dealer is not None:
             self._poller.unregister(server.dealer)
             server.dealer.close(linger=0)
-        dealer = self._ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
+        dealer = self._socket(zmq.DEALER)
         dealer.setsockopt(zmq.RCVHWM, SUBSCRIBER_HWM)
         # A KVBATCH frame may be far larger than a value (see clone.wire.frames).
         cap_message_size(dealer, MAX_SYNC_FRAME_BYTES)
@@ -361,8 +416,7 @@ class Agent:
 
     def _add_server(self, endpoint: str) -> None:
         split_endpoint(endpoint)
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
+        sub = self._socket(zmq.SUB)
         sub.setsockopt(zmq.RCVHWM, SUBSCRIBER_HWM)
         cap_message_size(sub, MAX_FRAME_BYTES)
         # Everything, not just our subtrees: sequences are global, so only a

@@ -39,7 +39,8 @@ from pathlib import Path
 import zmq
 
 from clone.client.agent import split_endpoint
-from clone.errors import NotSynced, ProtocolError, StorageError
+from clone.errors import NotSynced, ProtocolError, SecurityError, StorageError
+from clone.security import KeyPair, configure_client_socket
 from clone.storage import Entry, write_state_file
 from clone.wire.batch import decode_kvbatch, is_kvbatch
 from clone.wire.codec import (
@@ -50,6 +51,7 @@ from clone.wire.codec import (
     encode_icanhaz,
     fast_kvsync_entry,
 )
+from clone.wire.control import is_control
 from clone.wire.frames import (
     MAX_FRAME_BYTES,
     MAX_SYNC_FRAME_BYTES,
@@ -136,6 +138,13 @@ class StateCopy:
         msg = decode_snapshot_reply(frames)
         if not isinstance(msg, SnapshotEnd):
             return False
+        if msg.view is not None:
+            # A filtered snapshot and stream: not the server's state, and its
+            # holes would look like lost updates for ever.
+            raise SecurityError(
+                f"the server restricts what this client may read (view {msg.view}): a "
+                f'backup needs every key; give its certificate read = [""] in the ACL'
+            )
         if self.phase == "snapshot" and msg.subtree == "":
             self.sequence = msg.sequence
             self.phase = "fence"
@@ -161,7 +170,11 @@ class StateCopy:
         """A message on the SUB: a KVPUB buffered or applied, or a HUGZ.
 
         Raises :class:`CopyRestart` on a hole, ProtocolError on a malformed KVPUB.
+        Control messages (our own refusal notices: a backup writes nothing) are
+        not the state's.
         """
+        if is_control(frames):
+            return
         msg = decode_update(frames)
         if isinstance(msg, Hugz):
             # Our servers put their sequence in HUGZ, after every KVPUB up to
@@ -206,6 +219,7 @@ def take_backup(
     silence: float,
     ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
     clock: Callable[[], float] = time.monotonic,
+    curve: tuple[KeyPair, bytes] | None = None,
 ) -> Backup:
     """A consistent copy of the active server's state, from the first of
     ``servers`` that gives one.
@@ -213,6 +227,8 @@ def take_backup(
     A server that stays silent for ``silence`` seconds (no HUGZ, no snapshot
     reply, no update while one is due) is given up for the next one, round
     robin, until ``timeout`` seconds have passed: then :class:`NotSynced`.
+    ``curve`` (our key pair, the server's public key) makes every socket a
+    CURVE client, as :class:`~clone.client.frontend.Clone` does.
     """
     if not servers:
         raise ValueError("no servers to back up from")
@@ -227,7 +243,7 @@ def take_backup(
         while clock() < deadline:
             endpoint = servers[attempt % len(servers)]
             try:
-                return _copy_from(context, endpoint, deadline, silence, clock)
+                return _copy_from(context, endpoint, deadline, silence, clock, curve)
             except CopyRestart as exc:  # the server answers: try it again
                 reasons[endpoint] = str(exc)
                 log.warning("backup from %s starts over: %s", endpoint, exc)
@@ -255,6 +271,7 @@ def _copy_from(
     deadline: float,
     silence: float,
     clock: Callable[[], float],
+    curve: tuple[KeyPair, bytes] | None = None,
 ) -> Backup:
     host, base = split_endpoint(endpoint)
     sub = ctx.socket(zmq.SUB)
@@ -263,6 +280,8 @@ def _copy_from(
         for sock in (sub, dealer):
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, _RCVHWM)
+            if curve is not None:
+                configure_client_socket(sock, *curve)
         cap_message_size(sub, MAX_FRAME_BYTES)
         cap_message_size(dealer, MAX_SYNC_FRAME_BYTES)
         try:
@@ -313,12 +332,17 @@ def _copy_from(
                         break
                     heard = clock()
                     if copy.snapshot_reply(frames):
-                        log.info("snapshot from %s ends at %d with %d keys; fencing",
-                                 endpoint, copy.sequence, len(copy.entries))
+                        log.info(
+                            "snapshot from %s ends at %d with %d keys; fencing",
+                            endpoint,
+                            copy.sequence,
+                            len(copy.entries),
+                        )
                         dealer.send_multipart(encode_icanhaz(copy.fence_subtree))
                 copy.check_done()
-        log.info("copy from %s consistent at %d: %d keys", endpoint, copy.sequence,
-                 len(copy.entries))
+        log.info(
+            "copy from %s consistent at %d: %d keys", endpoint, copy.sequence, len(copy.entries)
+        )
         return Backup(copy.entries, copy.sequence, endpoint)
     finally:
         sub.close(linger=0)

@@ -22,8 +22,14 @@ import time
 from collections.abc import Sequence
 
 from clone.argtypes import normalize_endpoints
-from clone.client.frontend import Clone, Entry, default_servers
-from clone.errors import CloneError, ConfirmTimeout, NotSynced
+from clone.client.frontend import (
+    Clone,
+    Entry,
+    default_curve_files,
+    default_servers,
+    load_curve_keys,
+)
+from clone.errors import CloneError, ConfirmTimeout, NotSynced, SecurityError
 
 __all__ = ["main"]
 
@@ -62,6 +68,18 @@ def _parser() -> argparse.ArgumentParser:
         help="heartbeat to assume of servers that do not advertise theirs (the Guide's), "
         "in seconds; failover after 2.5 of them (default 1). Ours advertise theirs",
     )
+    p.add_argument(
+        "--curve-secret",
+        metavar="FILE",
+        help="this client's secret certificate (NAME.key_secret, from `clone keygen`): "
+        "connect with CURVE (default: $CLONE_CURVE_SECRET); needs --server-key",
+    )
+    p.add_argument(
+        "--server-key",
+        metavar="FILE",
+        help="the server pair's public certificate (default: $CLONE_SERVER_KEY); "
+        "needs --curve-secret",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log what the client does")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -85,6 +103,16 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument("--json", action="store_true", help="one JSON object per line")
     watch.add_argument(
         "--duration", type=float, default=None, metavar="S", help="stop after S seconds"
+    )
+
+    keygen = sub.add_parser(
+        "keygen",
+        help="write a CURVE key pair: DIR/NAME.key (public, for the server's clients "
+        "directory) and DIR/NAME.key_secret (secret, mode 0600, for --curve-secret)",
+    )
+    keygen.add_argument("name", metavar="NAME", help="the client's name (the file stem)")
+    keygen.add_argument(
+        "--dir", required=True, metavar="DIR", help="where to write (created 0700 if missing)"
     )
 
     backup = sub.add_parser(
@@ -175,12 +203,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.timeout <= 0 or args.heartbeat <= 0:
         print("clone: --timeout and --heartbeat must be > 0", file=sys.stderr)
         return EXIT_UNREACHABLE
+    if args.command == "keygen":
+        return _keygen(args)
     if args.command == "backup":
         return _backup(args, argv)
     try:
         servers = normalize_endpoints(args.servers or default_servers())
-        client = Clone(servers, args.subtree, heartbeat=args.heartbeat)
-    except (ValueError, TypeError) as exc:
+        secret, server_key = _curve_files(args)
+        client = Clone(
+            servers,
+            args.subtree,
+            heartbeat=args.heartbeat,
+            curve_secret=secret,
+            server_key=server_key,
+        )
+    except (ValueError, TypeError, SecurityError) as exc:
         print(f"clone: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     try:
@@ -203,6 +240,28 @@ def main(argv: Sequence[str] | None = None) -> int:
         _close_uninterrupted(client)
 
 
+def _curve_files(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """The flags, else the environment, as for --servers: the pair is taken
+    from one place, so a flag never mixes with a stale variable."""
+    if args.curve_secret is not None or args.server_key is not None:
+        return args.curve_secret, args.server_key
+    return default_curve_files()
+
+
+def _keygen(args: argparse.Namespace) -> int:
+    """``clone keygen --dir DIR NAME``: :func:`clone.security.keygen`."""
+    from clone.security import keygen
+
+    try:
+        public, secret = keygen(args.dir, args.name)
+    except SecurityError as exc:
+        print(f"clone: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    _emit(str(public))
+    _emit(str(secret))
+    return EXIT_OK
+
+
 BACKUP_TIMEOUT = 10.0
 
 
@@ -223,10 +282,11 @@ def _backup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
     start = time.monotonic()
     try:
         servers = normalize_endpoints(args.servers or default_servers())
+        curve = load_curve_keys(*_curve_files(args))
         check_writable(args.file)
-        copy = take_backup(servers, timeout=timeout, silence=2.5 * args.heartbeat)
+        copy = take_backup(servers, timeout=timeout, silence=2.5 * args.heartbeat, curve=curve)
         write_backup(args.file, copy)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, SecurityError) as exc:
         print(f"clone: {exc}", file=sys.stderr)
         return EXIT_UNREACHABLE
     except NotSynced as exc:

@@ -41,7 +41,9 @@ from clone.errors import (
     LimitExceeded,
     NotSynced,
     ProtocolError,
+    WriteRefused,
 )
+from clone.security import KeyPair, load_public, load_secret
 from clone.wire.codec import KVMsg, Properties, decode_kvset, encode_kv, new_uuid
 from clone.wire.protocol import (
     DEFAULT_BACKUP_PORT,
@@ -58,6 +60,8 @@ __all__ = [
     "clone_set",
     "clone_get",
     "default_servers",
+    "default_curve_files",
+    "load_curve_keys",
     "DEFAULT_SERVERS",
 ]
 
@@ -79,6 +83,38 @@ def default_servers() -> list[str]:
     env = os.environ.get("CLONE_SERVERS", "")
     servers = [s.strip() for s in env.split(",") if s.strip()]
     return servers or list(DEFAULT_SERVERS)
+
+
+def default_curve_files() -> tuple[str | None, str | None]:
+    """``($CLONE_CURVE_SECRET, $CLONE_SERVER_KEY)``, each None if unset or empty.
+
+    Set both for CURVE (our secret certificate, the server's public one), or
+    neither; one alone is refused by :class:`Clone`, as the arguments are.
+    """
+    secret = os.environ.get("CLONE_CURVE_SECRET", "").strip() or None
+    server = os.environ.get("CLONE_SERVER_KEY", "").strip() or None
+    return secret, server
+
+
+def load_curve_keys(
+    curve_secret: str | os.PathLike[str] | None,
+    server_key: str | os.PathLike[str] | None,
+) -> tuple[KeyPair, bytes] | None:
+    """Our key pair and the server's public key, read once, here: a bad file
+    is the caller's error now, not a handshake that silently never completes."""
+    if curve_secret is None and server_key is None:
+        return None
+    if curve_secret is None or server_key is None:
+        given, missing = (
+            ("curve_secret", "server_key") if server_key is None else ("server_key", "curve_secret")
+        )
+        raise ValueError(
+            f"{given} was given without {missing}: CURVE needs both this client's secret "
+            f"certificate (curve_secret, $CLONE_CURVE_SECRET) and the server's public "
+            f"certificate (server_key, $CLONE_SERVER_KEY); pass both, or neither for a "
+            f"plain connection"
+        )
+    return load_secret(curve_secret), load_public(server_key)
 
 
 def _as_bytes(value: bytes | bytearray | memoryview | str) -> bytes:
@@ -125,6 +161,14 @@ class Clone:
     declared dead after 4 of its own heartbeats of silence, unless
     ``server_timeout`` is given: then that applies to every server.  Use it as a context
     manager, or call :meth:`close`.  Methods may be called from any thread.
+
+    ``curve_secret`` (this client's ``NAME.key_secret``) and ``server_key`` (the
+    server pair's public certificate) make every connection CURVE-encrypted and
+    authenticated; both or neither.  They are read here, once: a missing or bad
+    file raises :class:`~clone.errors.SecurityError` from the constructor.  A
+    server that limits what this client may read sends it a filtered stream
+    (restricted mode, docs/client.md); one that refuses a confirmed write makes
+    it raise :class:`~clone.errors.WriteRefused`.
     """
 
     def __init__(
@@ -136,7 +180,10 @@ class Clone:
         server_timeout: float | None = None,
         confirm_timeout: float = 10.0,
         command_timeout: float = 5.0,
+        curve_secret: str | os.PathLike[str] | None = None,
+        server_key: str | os.PathLike[str] | None = None,
     ) -> None:
+        curve = load_curve_keys(curve_secret, server_key)
         # An explicit server_timeout is the application's word for every server,
         # whatever heartbeat a server advertises.
         overrides: dict[str, Any] = (
@@ -180,7 +227,7 @@ class Clone:
             agent_cmd, agent_evt = self._cmd[1], self._evt[1]
             # Events must never block the agent; the dispatcher keeps up.
             fsm = AgentFSM(subtrees, config, now=time.monotonic())
-            agent = Agent(self._ctx, agent_cmd, agent_evt, fsm)
+            agent = Agent(self._ctx, agent_cmd, agent_evt, fsm, curve=curve)
             self._agent_thread = threading.Thread(
                 target=agent.run, name=f"clone-agent-{number}", daemon=True
             )
@@ -346,8 +393,10 @@ class Clone:
         With ``wait=True`` return only when the active server has republished
         this very update (so a following :meth:`get` sees it), or raise
         :class:`~clone.errors.ConfirmTimeout` after ``timeout`` (default
-        ``confirm_timeout``).  Without it, the write is fire-and-forget and shows
-        up in :meth:`get` when the server's update arrives.
+        ``confirm_timeout``), or :class:`~clone.errors.WriteRefused` as soon as
+        the server says it refused the write (its ACL, a full store).  Without
+        it, the write is fire-and-forget and shows up in :meth:`get` when the
+        server's update arrives.
         """
         body = _as_bytes(value)
         if not body:
@@ -364,7 +413,8 @@ class Clone:
         self, key: str, value: bytes | str, ttl: float = 0, *, timeout: float | None = None
     ) -> Future[None]:
         """A confirmed write that does not block: the future resolves when the active
-        server has republished it, or fails with ConfirmTimeout after ``timeout``.
+        server has republished it, or fails with ConfirmTimeout after ``timeout``
+        (WriteRefused at once if the server refuses it).
 
         This is how a bulk loader keeps many writes in flight from one thread.
         """
@@ -392,7 +442,7 @@ class Clone:
             with self._shared:
                 self._waiters.pop(msg.uuid, None)
             raise ConfirmTimeout(self._timeout_text(msg.key, limit))
-        fut.result()  # raises ConfirmTimeout or ClosedError
+        fut.result()  # raises ConfirmTimeout, WriteRefused or ClosedError
 
     def _write_async(self, msg: KVMsg, timeout: float | None) -> Future[None]:
         timeout = self.confirm_timeout if timeout is None else timeout
@@ -574,6 +624,12 @@ class Clone:
                     waiter.set_exception(CloneError(f"client agent refused the write: {text}"))
                 else:
                     log.warning("client agent refused a write: %s", text)
+            elif kind == _agent.REFUSED:
+                reason, key = (f.decode("utf-8", "replace") for f in frames[2:4])
+                with self._shared:
+                    waiter = self._waiters.pop(frames[1], None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_exception(WriteRefused(reason, key))
             elif kind == _agent.CHANGE:
                 change = _entry(frames[1:])
                 with self._shared:
@@ -619,7 +675,8 @@ def _default_client() -> Clone:
     global _default
     with _default_lock:
         if _default is None or _default.closed:
-            _default = Clone(default_servers())
+            secret, server_key = default_curve_files()
+            _default = Clone(default_servers(), curve_secret=secret, server_key=server_key)
         return _default
 
 
@@ -635,13 +692,15 @@ atexit.register(_close_default)
 
 
 def clone_set(key: str, value: bytes | str, ttl: float = 0, *, timeout: float = 10.0) -> None:
-    """A confirmed write through the default client (``$CLONE_SERVERS``)."""
+    """A confirmed write through the default client (``$CLONE_SERVERS``, and
+    ``$CLONE_CURVE_SECRET`` / ``$CLONE_SERVER_KEY`` for CURVE)."""
     client = _default_client()
     client.set(key, value, ttl, wait=True, timeout=timeout)
 
 
 def clone_get(key: str, default: bytes | None = None, *, timeout: float = 10.0) -> bytes | None:
-    """Read ``key`` from the default client, waiting up to ``timeout`` for its first sync."""
+    """Read ``key`` from the default client (configured as for :func:`clone_set`),
+    waiting up to ``timeout`` for its first sync."""
     client = _default_client()
     client.wait_synced(timeout)
     return client.get(key, default)

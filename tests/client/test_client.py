@@ -594,7 +594,9 @@ def test_public_api() -> None:
         "Status",
         "clone_get",
         "clone_set",
+        "default_curve_files",
         "default_servers",
+        "load_curve_keys",
     ]
     for name in client_mod.__all__:
         assert hasattr(client_mod, name), name
