@@ -6,7 +6,7 @@ imported by ``import clone``.
 
 from clone import errors
 from clone.client.frontend import Clone, Entry, Status, clone_get, clone_set
-from clone.errors import CloneError, ClosedError, ConfirmTimeout, NotSynced
+from clone.errors import CloneError, ClosedError, ConfirmTimeout, NotSynced, WriteRefused
 
 __all__ = [
     "Clone",
@@ -16,6 +16,7 @@ __all__ = [
     "Entry",
     "NotSynced",
     "Status",
+    "WriteRefused",
     "clone_get",
     "clone_set",
     "errors",

@@ -333,6 +333,11 @@ def decode_kvbatch(frames: Sequence[bytes]) -> KVBatch:
     raw_props = _split(props_lens, bytes(props_data), "properties")
     bodies = _split(body_lens, bytes(body_data), "body")
     keys = _decode_keys(raw_keys)
+    if any(raw[:1] == b"\x00" for raw in raw_keys):
+        index = next(i for i, raw in enumerate(raw_keys) if raw[:1] == b"\x00")
+        raise ProtocolError(
+            f"KVBATCH entry {index}: keys beginning with NUL are reserved for control topics"
+        )
     if not RESERVED_KEYS.isdisjoint(keys):
         key = next(k for k in keys if k in RESERVED_KEYS)
         raise ProtocolError(

@@ -262,6 +262,10 @@ BAD: list[tuple[list[bytes], str]] = [
     (by_hand([*one, (b"\xff\xfe", 1, UUID, b"", b"v")]), "entry 1: key is not UTF-8"),
     (by_hand([*one, *one, (b"KTHXBAI", 1, UUID, b"", b"v")]), "entry 2: key 'KTHXBAI' is reserved"),
     (by_hand([(b"HUGZ", 1, UUID, b"", b"v")]), "key 'HUGZ' is reserved"),
+    (
+        by_hand([*one, (b"\x00Vabc", 1, UUID, b"", b"v")]),
+        "entry 1: keys beginning with NUL are reserved",
+    ),
     (by_hand([*one, (b"k", 1, b"\x01" * 15, b"", b"v")]), "entry 1: uuid must be 0 or 16 bytes"),
     (by_hand([*one, (b"k", 1, b"", b"novalue\n", b"v")]), "entry 1: property 'novalue' has no '='"),
     (by_hand([(b"k", 1, b"", b"a=\xff\n", b"v")]), "entry 0: properties are not UTF-8"),
