@@ -55,6 +55,8 @@ def latency_once(
         "writer_lag": lag.summary(),
         "distribution": merged.distribution(),
     }
+    if target.restricted is not None:
+        run["restricted_reader"] = target.restricted
     if prof.summary:
         run["profile"] = prof.summary
     return run

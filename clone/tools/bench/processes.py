@@ -12,12 +12,14 @@ import multiprocessing
 import struct
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from multiprocessing.context import SpawnContext, SpawnProcess
 from multiprocessing.synchronize import Event as MpEvent
 from typing import Any
 
 import zmq
 
+from clone.security import KeyPair, configure_client_socket
 from clone.tools.histogram import LatencyHistogram
 from clone.wire.frames import cap_message_size, recv_frames
 from clone.wire.protocol import HUGZ
@@ -25,11 +27,14 @@ from clone.wire.protocol import HUGZ
 __all__ = [
     "DONE_PREFIX",
     "MP",
+    "ClientCurve",
     "SNAP_SUBTREE",
     "ZERO_SEQ",
     "kvset",
     "proxy_main",
     "reap",
+    "reader_main",
+    "secure",
     "sink_main",
     "uuid",
     "watcher_main",
@@ -44,6 +49,24 @@ _WARM_KEY = b"/bench/warm"
 _TPUT_PREFIX = b"/bench/t/"
 _LAT_PREFIX = b"/bench/l/"
 _PR_SET_TIMERSLACK = 29
+
+
+@dataclass(frozen=True)
+class ClientCurve:
+    """What a load generator needs to be a CURVE client: its key pair, the server's key.
+
+    Plain bytes (Z85), so that it pickles into a spawned process.
+    """
+
+    public: bytes
+    secret: bytes = field(repr=False)
+    server_public: bytes = b""
+
+
+def secure(sock: zmq.Socket[Any], curve: ClientCurve | None) -> None:
+    """Make ``sock`` a CURVE client if ``curve`` is given; before ``connect``."""
+    if curve is not None:
+        configure_client_socket(sock, KeyPair(curve.public, curve.secret), curve.server_public)
 
 
 def uuid(i: int) -> bytes:
@@ -94,7 +117,7 @@ def proxy_main(kind: str, in_port: int, out_port: int) -> None:
         send(recv())
 
 
-def sink_main(out_endpoint: str, count: int) -> None:
+def sink_main(out_endpoint: str, count: int, curve: ClientCurve | None = None) -> None:
     """``count`` subscribers that drain everything at C speed, until killed.
 
     Each is ``zmq.proxy(SUB, PUB)`` in its own thread, the PUB bound to nowhere, so
@@ -110,6 +133,7 @@ def sink_main(out_endpoint: str, count: int) -> None:
         sub = ctx.socket(zmq.SUB)
         sub.rcvhwm = 0
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        secure(sub, curve)
         sub.connect(out_endpoint)
         void = ctx.socket(zmq.PUB)
         void.bind(f"inproc://void-{i}")
@@ -124,7 +148,12 @@ def sink_main(out_endpoint: str, count: int) -> None:
 
 
 def writer_main(
-    in_endpoint: str, mode: str, params: dict[str, Any], go: MpEvent, results: Any
+    in_endpoint: str,
+    mode: str,
+    params: dict[str, Any],
+    go: MpEvent,
+    results: Any,
+    curve: ClientCurve | None = None,
 ) -> None:
     """Build every message, warm up until ``go``, then send (as fast as possible or
     on schedule) and report timings."""
@@ -132,6 +161,7 @@ def writer_main(
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.sndhwm = 0  # never drop in the writer: TCP back-pressure paces it instead
+    secure(pub, curve)
     pub.connect(in_endpoint)
     size = int(params["value_size"])
     if mode == "throughput":
@@ -192,6 +222,7 @@ def watcher_main(
     ready: Any,
     results: Any,
     stop: MpEvent,
+    curve: ClientCurve | None = None,
 ) -> None:
     """Subscribe, announce readiness at the first warm-up (or HUGZ), then measure."""
     ctx = zmq.Context()
@@ -199,6 +230,7 @@ def watcher_main(
     sub.rcvhwm = 0
     sub.setsockopt(zmq.SUBSCRIBE, HUGZ if mode == "hugz" else b"")
     cap_message_size(sub)
+    secure(sub, curve)
     sub.connect(out_endpoint)
     poller = zmq.Poller()
     poller.register(sub, zmq.POLLIN)
@@ -255,6 +287,69 @@ def watcher_main(
             "hugz": hugz,
         }
     )
+    sub.close(linger=0)
+    ctx.term()
+
+
+def reader_main(
+    out_endpoint: str,
+    curve: ClientCurve,
+    prefixes: tuple[bytes, ...],
+    ready: MpEvent,
+    stop: MpEvent,
+    results: Any,
+) -> None:
+    """A restricted subscriber: what the server's filtering and per-view counting serve.
+
+    Subscribes to everything (the server narrows it to the reader's view), says
+    ``ready`` once its CURVE handshake is done, then counts until ``stop``: the
+    updates under ``prefixes``, anything else that is not a control topic (the
+    filter failing), and at each view heartbeat whether the updates it received
+    match the server's ``view_count`` (they do unless the stream dropped some).
+    """
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.rcvhwm = 0
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    cap_message_size(sub)
+    secure(sub, curve)
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sub.connect(out_endpoint)
+    if monitor.poll(10_000):
+        monitor.recv_multipart()
+        ready.set()
+    received = outside = 0
+    checks: list[tuple[int, int]] = []  # (view_count, received) at each view heartbeat
+    last = time.monotonic()
+    while True:
+        if not sub.poll(100):
+            if stop.is_set() and time.monotonic() - last > 0.2:
+                break
+            continue
+        frames = recv_frames(sub)
+        last = time.monotonic()
+        key = frames[0]
+        if key.startswith(b"\x00V"):
+            props = dict(
+                line.split(b"=", 1) for line in frames[3].split(b"\n") if b"=" in line
+            )
+            if b"view_count" in props:
+                checks.append((int(props[b"view_count"]), received))
+        elif key.startswith(prefixes):
+            received += 1
+        elif not key.startswith(b"\x00"):
+            outside += 1
+    results.put(
+        {
+            "received": received,
+            "outside_view": outside,
+            "view_heartbeats": len(checks),
+            "view_count_last": checks[-1][0] if checks else None,
+            "view_count_mismatches": sum(1 for n, got in checks if n != got),
+        }
+    )
+    sub.disable_monitor()
+    monitor.close(linger=0)
     sub.close(linger=0)
     ctx.term()
 

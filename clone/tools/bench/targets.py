@@ -11,7 +11,7 @@ import contextlib
 import queue
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,10 @@ from clone.tools.bench.processes import (
     MP,
     SNAP_SUBTREE,
     ZERO_SEQ,
+    ClientCurve,
     kvset,
     proxy_main,
+    reader_main,
     reap,
     sink_main,
     uuid,
@@ -42,7 +44,15 @@ from clone.tools.procs import (
 from clone.wire.frames import cap_message_size, recv_frames
 from clone.wire.protocol import COLLECTOR_OFFSET, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
 
-__all__ = ["ServerOptions", "Target", "load_keys", "rss", "running_target", "traffic"]
+__all__ = [
+    "CurveOptions",
+    "ServerOptions",
+    "Target",
+    "load_keys",
+    "rss",
+    "running_target",
+    "traffic",
+]
 
 
 @dataclass
@@ -54,21 +64,56 @@ class Target:
     out_endpoint: str
     pid: int
     snapshot_endpoint: str = ""
+    #: How the writer, watchers and sinks connect: CURVE, or plain when None.
+    curve: ClientCurve | None = None
+    #: What the restricted reader (:attr:`CurveOptions.restricted`) counted, once stopped.
+    restricted: dict[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class CurveOptions:
+    """A ``clone`` target with CURVE on every socket (issue 14).
+
+    The server gets ``--curve-secret``/``--clients`` (and ``--acl`` if given);
+    the load generators connect as ``client``.  With ``restricted``, one more
+    subscriber connects with that key for the target's whole life (its ACL
+    lets it read ``restricted_read`` only), so that the server filters the
+    stream and counts a view while the traffic runs.
+    """
+
+    server_secret: Path
+    clients_dir: Path
+    client: ClientCurve
+    acl: Path | None = None
+    restricted: ClientCurve | None = None
+    restricted_read: tuple[bytes, ...] = ()
+
+    @property
+    def argv(self) -> tuple[str, ...]:
+        acl = ("--acl", str(self.acl)) if self.acl is not None else ()
+        return ("--curve-secret", str(self.server_secret), "--clients", str(self.clients_dir),
+                *acl)
 
 
 @dataclass(frozen=True)
 class ServerOptions:
-    """How a ``clone`` target keeps its state: in memory (the default) or in ``data_dir``."""
+    """How a ``clone`` target keeps its state (in memory by default, or in ``data_dir``)
+    and whether it speaks CURVE."""
 
     data_dir: Path | None = None
     extra: tuple[str, ...] = ()
+    curve: CurveOptions | None = None
 
     @property
     def label(self) -> str:
         if self.data_dir is None:
-            return "in-memory"
-        fsync = self.extra[self.extra.index("--fsync") + 1] if "--fsync" in self.extra else ""
-        return f"fsync-{fsync or 'batch'}"
+            label = "in-memory"
+        else:
+            fsync = self.extra[self.extra.index("--fsync") + 1] if "--fsync" in self.extra else ""
+            label = f"fsync-{fsync or 'batch'}"
+        if self.curve is not None:
+            label += "-curve-acl" if self.curve.acl is not None else "-curve"
+        return label
 
 
 @contextlib.contextmanager
@@ -97,8 +142,16 @@ def running_target(
                 ServerAddress(name, base),
                 heartbeat_ms=heartbeat_ms,
                 data_dir=opts.data_dir,
-                extra=opts.extra,
+                extra=(*opts.extra, *(opts.curve.argv if opts.curve else ())),
             ),
+        )
+        target = Target(
+            kind,
+            f"tcp://127.0.0.1:{base + COLLECTOR_OFFSET}",
+            f"tcp://127.0.0.1:{base + PUBLISHER_OFFSET}",
+            proc.pid,
+            f"tcp://127.0.0.1:{base + SNAPSHOT_OFFSET}",
+            curve=opts.curve.client if opts.curve else None,
         )
         try:
             for off in (SNAPSHOT_OFFSET, PUBLISHER_OFFSET, COLLECTOR_OFFSET):
@@ -106,13 +159,11 @@ def running_target(
                     raise RuntimeError(
                         f"clone-server did not listen on {base + off}:\n{proc.log_tail()}"
                     )
-            yield Target(
-                kind,
-                f"tcp://127.0.0.1:{base + COLLECTOR_OFFSET}",
-                f"tcp://127.0.0.1:{base + PUBLISHER_OFFSET}",
-                proc.pid,
-                f"tcp://127.0.0.1:{base + SNAPSHOT_OFFSET}",
-            )
+            if opts.curve is not None and opts.curve.restricted is not None:
+                with _restricted_reader(target, opts.curve, proc.log_tail):
+                    yield target
+            else:
+                yield target
         finally:
             proc.stop()
             if opts.data_dir is not None:
@@ -132,6 +183,31 @@ def running_target(
     finally:
         reap([p], 0.0)
 
+
+
+@contextlib.contextmanager
+def _restricted_reader(
+    target: Target, curve: CurveOptions, log_tail: Callable[[], str]
+) -> Iterator[None]:
+    """Run :func:`reader_main` through the block; its counts into ``target.restricted``."""
+    assert curve.restricted is not None
+    ready, stop, results = MP.Event(), MP.Event(), MP.Queue()
+    p = MP.Process(
+        target=reader_main,
+        args=(target.out_endpoint, curve.restricted, curve.restricted_read, ready, stop, results),
+        daemon=True,
+    )
+    p.start()
+    try:
+        if not ready.wait(15):
+            raise RuntimeError(f"the restricted reader's CURVE handshake failed:\n{log_tail()}")
+        time.sleep(0.1)  # its subscription reaches the server before the traffic starts
+        yield
+        stop.set()
+        target.restricted = results.get(timeout=10)
+    finally:
+        stop.set()
+        reap([p])
 
 
 def traffic(
@@ -161,17 +237,22 @@ def traffic(
     watchers = [
         MP.Process(
             target=watcher_main,
-            args=(i, target.out_endpoint, mode, expected, idle_s, ready, results, stop),
+            args=(i, target.out_endpoint, mode, expected, idle_s, ready, results, stop,
+                  target.curve),
             daemon=True,
         )
         for i in range(subscribers)
     ]
     writer = MP.Process(
-        target=writer_main, args=(target.in_endpoint, mode, params, go, results), daemon=True
+        target=writer_main,
+        args=(target.in_endpoint, mode, params, go, results, target.curve),
+        daemon=True,
     )
     procs = [*watchers, writer]
     if sinks:
-        sink = MP.Process(target=sink_main, args=(target.out_endpoint, sinks), daemon=True)
+        sink = MP.Process(
+            target=sink_main, args=(target.out_endpoint, sinks, target.curve), daemon=True
+        )
         sink.start()
         time.sleep(0.5)  # connected and subscribed before the measurement starts
         procs.append(sink)

@@ -54,6 +54,8 @@ def throughput_once(
         "rate": round(min(rates)) if rates else 0,
         "writer_enqueue_rate": round(n / max(1e-9, writer["t_enqueued"] - writer["t_start"])),
     }
+    if target.restricted is not None:
+        run["restricted_reader"] = target.restricted
     if prof.summary:
         run["profile"] = prof.summary
     return run
