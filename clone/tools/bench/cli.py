@@ -14,8 +14,13 @@ from typing import Any
 from clone.tools.bench.config import DEFAULT_SECTIONS, SECTIONS, BenchConfig
 from clone.tools.bench.durability import durability_tables
 from clone.tools.bench.run import run_benchmarks
+from clone.tools.bench.security import security_tables
 
 __all__ = ["config_from_args", "main"]
+
+
+#: Sections whose tables the report module does not know: printed after its text.
+_TABLES = {"durability": durability_tables, "security": security_tables}
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -53,6 +58,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--durability-dir", type=Path,
                    help="durability: where durable servers keep their data (default: in the"
                    " log directory; use a real disk, not tmpfs)")
+    p.add_argument("--security-messages", type=int,
+                   help="security: messages per throughput run (50000)")
+    p.add_argument("--security-rate", type=int,
+                   help="security: offered rate of the latency runs, updates/s (2000)")
     p.add_argument("--repeats", type=int,
                    help="throughput/latency: runs of each case, median reported (default 3)")
     p.add_argument("--probes", type=int,
@@ -75,6 +84,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         ("durability_keys", "durability_keys"),
         ("durability_messages", "durability_messages"),
         ("durability_dir", "durability_dir"),
+        ("security_messages", "security_messages"),
+        ("security_rate", "security_rate"),
         ("probes", "probes"),
         ("repeats", "repeats"),
     ]:
@@ -107,9 +118,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.write_text(json.dumps(results, indent=1) + "\n")
     print()
     print(report.bench_text(results))
-    durability = results["sections"].get("durability")
-    if durability is not None:
-        for title, body in durability_tables(durability):
+    extra = [(tables, results["sections"][name]) for name, tables in _TABLES.items()
+             if name in results["sections"]]
+    for tables, section in extra:
+        for title, body in tables(section):
             print(f"\n{title}\n{body}")
     print(f"\nresults: {args.out}")
     if args.plot is not None and "latency" in results["sections"]:
@@ -117,10 +129,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"plot: {args.plot}")
     if args.md is not None:
         generated = report.bench_markdown(results)
-        if durability is not None:
+        for tables, section in extra:
             generated += "".join(
                 f"\n#### {title}\n\n{body}\n"
-                for title, body in durability_tables(durability, markdown=True)
+                for title, body in tables(section, markdown=True)
             )
         report.update_markdown(args.md, generated)
         print(f"markdown: {args.md}")

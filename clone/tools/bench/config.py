@@ -9,8 +9,11 @@ from typing import Any
 
 __all__ = ["DEFAULT_SECTIONS", "SECTIONS", "TARGETS", "BenchConfig", "Say"]
 
-SECTIONS: tuple[str, ...] = ("throughput", "latency", "snapshot", "memory", "durability")
-#: What runs without naming sections: durability takes minutes (1M-key data directories).
+SECTIONS: tuple[str, ...] = (
+    "throughput", "latency", "snapshot", "memory", "durability", "security"
+)
+#: What runs without naming sections: durability takes minutes (1M-key data
+#: directories), security about two (three servers, repeated, interleaved).
 DEFAULT_SECTIONS: tuple[str, ...] = ("throughput", "latency", "snapshot", "memory")
 TARGETS: tuple[str, ...] = ("clone", "c-proxy", "py-forwarder")
 
@@ -47,6 +50,9 @@ class BenchConfig:
     engine_groups: int = 1_000
     # Where durable servers keep their data (a real disk, not tmpfs); removed after.
     durability_dir: Path | None = None
+    # security: plain against CURVE and CURVE + ACL, in memory (issue 14).
+    security_messages: int = 50_000
+    security_rate: int = 2_000
     # Subscribers measured by a Python watcher process each; the others are C sinks.
     probes: int = 1
     # Throughput and latency runs are repeated, interleaved; the median is reported.
@@ -73,6 +79,7 @@ class BenchConfig:
             durability_missed=100,
             durability_restarts=1,
             engine_groups=50,
+            security_messages=3_000,
             repeats=1,
         )
         return replace(base, **changes)

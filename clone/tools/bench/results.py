@@ -11,6 +11,8 @@ from typing import Any
 
 import zmq
 
+from clone.tools.bench.security import reader_ok
+
 __all__ = ["cpu_pressure", "evaluate_targets", "machine_info"]
 
 
@@ -95,7 +97,30 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                     not run["hugz_missed"])
     if "durability" in s:
         _durability_targets(s["durability"], add)
+    if "security" in s:
+        _security_targets(s["security"], add)
     return out
+
+
+def _security_targets(d: dict[str, Any], add: Any) -> None:
+    """Issue 14's targets: with CURVE, >= 50% of the plain throughput and p99 <= 2 ms at
+    2k/s; and the restricted reader of the ACL run saw its view only, counts equal."""
+    for part in d.get("errors", {}):
+        add(f"security: {part} ran", d["errors"][part][:60], "no error", False)
+    if "throughput" in d:
+        for key, ratio in d["throughput"]["ratios"].items():
+            mode = key.removesuffix("_vs_plain")
+            add(f"security: {mode} throughput / plain", ratio, ">= 0.5", ratio >= 0.5)
+    for run in d.get("latency", []):
+        if run["mode"] != "plain":
+            lat, rate = run["latency"], f"{run['rate'] / 1000:g}k/s"
+            add(f"security: {run['mode']} {rate} p99 ms", lat["p99_ms"], "<= 2",
+                lat["p99_ms"] <= 2)
+    readers = [r for part in (d.get("throughput", {}).get("runs", []), d.get("latency", []))
+               for run in part for r in run.get("restricted_reader", [])]
+    if readers:
+        add("security: restricted reader filtered, view counts equal",
+            f"{len(readers)} runs", "all", reader_ok(readers))
 
 
 def _durability_targets(d: dict[str, Any], add: Any) -> None:
