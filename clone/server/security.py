@@ -220,7 +220,11 @@ class SecurityMixin(ServerBase):
             name = None
         option = zmq.SUBSCRIBE if raw[0] == 1 else zmq.UNSUBSCRIBE
         if name is None or name not in self._admitted:
-            self.counters["subscriptions_refused"] += 1
+            # libzmq drops a closed connection's subscriptions itself (the
+            # unsubscriptions it reports then carry no name): only a refused
+            # subscription counts.
+            if option == zmq.SUBSCRIBE:
+                self.counters["subscriptions_refused"] += 1
             return
         for topic in subscription_topics(raw[1:], self._rights_of(name), name):
             sock.setsockopt(option, topic)
