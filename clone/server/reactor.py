@@ -159,7 +159,14 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin
         out["snapshots_in_flight"] = len(self._snapshots)
         out["votes_deferred_held"] = len(self._deferred)
         out["outq"] = len(self._outq)
+        subscribers = self.subscribers
+        if subscribers is not None:
+            out["subscribers"] = subscribers
         out["mode"] = self.config.mode.value
+        gatekeeper = self._gatekeeper
+        if gatekeeper is not None:
+            out["zap_admitted"] = gatekeeper.admitted
+            out["zap_refused"] = gatekeeper.refused
         ha = self._ha
         if ha is not None:
             out["ha_state"] = ha.state.name.lower()
