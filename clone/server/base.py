@@ -26,6 +26,7 @@ from clone.ratelimit import Throttle
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import ServerCore
 from clone.server.delta import DeltaStream
+from clone.server.metrics import DurationHistogram, SubscriberCount
 from clone.server.snapshot import SnapshotStream
 from clone.server.votes import DeferredVotes
 from clone.wire.frames import cap_message_size
@@ -52,6 +53,10 @@ _F = TypeVar("_F", bytes, zmq.Frame)
 # batch of 1000 took up to 190 ms of wall time, and timers (HUGZ) waited for it.
 TURN_BUDGET = 0.01
 CLOCK_EVERY = 64  # a draining handler reads the clock once per this many messages
+# The monitoring rings (clone.server.http): the last changed keys (never
+# values) and the last role changes, for the status page.
+RECENT_CHANGES = 50
+ROLE_CHANGES = 20
 
 
 def who(identity: bytes) -> str:
@@ -130,6 +135,14 @@ class ServerBase:
         self._house_timer: object | None = None
         self._stats_timer: object | None = None
         self._next_hugz = 0.0
+        # Monitoring (clone.server.http, clone.server.metrics): cheap records
+        # of what the counters do not hold.
+        self.snapshot_seconds = DurationHistogram()
+        self._snapshot_started: dict[AnyStream, float] = {}
+        self.recent_changes: deque[tuple[int, bytes]] = deque(maxlen=RECENT_CHANGES)
+        # (Unix time, from role, to role), oldest first.
+        self.role_changes: deque[tuple[float, str, str]] = deque(maxlen=ROLE_CHANGES)
+        self._subscriber_count: SubscriberCount | None = None
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "snapshots_served",
@@ -157,6 +170,7 @@ class ServerBase:
                 "security_reloads",
                 "security_reload_errors",
                 "publisher_rebinds",
+                "failovers",
             ),
             0,
         )
@@ -197,6 +211,19 @@ class ServerBase:
         if stream in self._streams:
             self._streams.remove(stream)
         stream.close(linger=0)
+
+    def _note_changes(self, updates: list[list[bytes]]) -> None:
+        """Remember the keys (never the values) of the last updates of a commit."""
+        if not updates:
+            return
+        ring = self.recent_changes
+        for frames in updates[-RECENT_CHANGES:]:
+            seq = frames[1]
+            ring.append((int.from_bytes(seq, "big") if len(seq) == 8 else 0, frames[0]))
+
+    def _note_role(self, was: str, now: str) -> None:
+        """A promotion or demotion, for the failover history."""
+        self.role_changes.append((self._wallclock(), was, now))
 
     def _turn_over(self, budget: int, stop_at: float) -> bool:
         """Whether a draining handler should give the loop back now.

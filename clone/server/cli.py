@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from clone.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
 from clone.errors import CloneError
+from clone.logformat import LOG_FORMATS, formatter
 from clone.server.config import FSYNC_POLICIES, PEER_WAIT_DEFAULT, ServerConfig, ServerMode
 from clone.server.core import CoreSettings
 from clone.server.reactor import CloneServer
@@ -34,9 +35,6 @@ from clone.wire.protocol import (
 __all__ = ["build_parser", "config_from_args", "main"]
 
 log = logging.getLogger("clone.server.cli")
-
-_LOG_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)-7s %(name)s: %(message)s"
-_DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 
 
 def _host_port(text: str) -> str:
@@ -250,7 +248,23 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="snapshot streams in flight at once; more requests are not answered (default 64)",
     )
+    monitoring = p.add_argument_group(
+        "monitoring", "metrics, health and the status page (docs/operations.md, 'Monitoring')"
+    )
+    monitoring.add_argument(
+        "--http-port",
+        type=_port,
+        metavar="N",
+        help="serve /metrics (Prometheus), /healthz, /readyz and a live status page on"
+        " this port, bound to --bind (default: off)",
+    )
     p.add_argument("--log-file", help="log here instead of stderr")
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text (default) or json: one JSON object per line, for log shippers",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
     return p
 
@@ -283,6 +297,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         clients_dir=args.clients,
         acl=args.acl,
         max_snapshots=args.max_snapshots,
+        http_port=args.http_port,
     )
     role = "standalone" if args.standalone else "primary" if args.primary else "backup"
     if args.in_memory:
@@ -322,12 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler: logging.Handler = (
         logging.FileHandler(args.log_file) if args.log_file else logging.StreamHandler(sys.stderr)
     )
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format=_LOG_FORMAT,
-        datefmt=_DATE_FORMAT,
-        handlers=[handler],
-    )
+    handler.setFormatter(formatter(args.log_format))
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
     logging.getLogger("asyncio").setLevel(logging.INFO)  # its DEBUG is noise to operators
     try:
         config = config_from_args(args)

@@ -74,10 +74,15 @@ class ServerConfig:
     curve_secret: str | None = None
     clients_dir: str | None = None
     acl: str | None = None
+    #: The HTTP port (docs/operations.md, "Monitoring"): /metrics, /healthz,
+    #: /readyz and the status page, bound to ``bind``; None: off.
+    http_port: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 < self.port <= 65535 - 2:
             raise ValueError(f"port {self.port} leaves no room for P+1 and P+2")
+        if self.http_port is not None and not 0 < self.http_port <= 65535:
+            raise ValueError(f"http_port must be in 1..65535, not {self.http_port}")
         if self.heartbeat <= 0:
             raise ValueError(f"heartbeat must be positive, not {self.heartbeat}")
         for name in ("pub_hwm", "collector_hwm", "snapshot_hwm"):

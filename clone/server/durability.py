@@ -123,6 +123,7 @@ class DurabilityMixin(ServerBase):
                 return []
             if self._view_prefixes:
                 self._count_views(updates)
+            self._note_changes(updates)
             return updates
         term = self._current_term()
         try:
@@ -147,6 +148,7 @@ class DurabilityMixin(ServerBase):
         self._data_term = term
         if self._view_prefixes:
             self._count_views(updates)
+        self._note_changes(updates)
         return updates
 
     def _commit_and_publish(self) -> None:

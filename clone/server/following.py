@@ -58,6 +58,9 @@ class FollowingMixin(ServerBase):
         heard = self._ha.heard_peer
         core.term = self._ha.epoch
         core.become_active(self._wallclock())
+        self._note_role(was.value, core.role.value)
+        if was is Role.PASSIVE:
+            self.counters["failovers"] += 1
         self._record_term()
         batch = self._commit()
         self._close_peer()
@@ -144,6 +147,8 @@ class FollowingMixin(ServerBase):
         core = self.core
         was = core.role
         core.become_passive()
+        if was is not Role.PASSIVE:
+            self._note_role(was.value, core.role.value)
         if self._ha is not None:
             core.term = self._ha.peer_epoch
         for stream in list(self._snapshots):

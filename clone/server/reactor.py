@@ -38,6 +38,7 @@ from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import Role
 from clone.server.durability import DurabilityMixin
 from clone.server.following import FollowingMixin
+from clone.server.http import HttpMixin
 from clone.server.publishing import PublishingMixin
 from clone.server.security import SecurityMixin
 from clone.server.serving import ServingMixin
@@ -55,7 +56,9 @@ def _tcp(host_port: str) -> str:
     return host_port if "://" in host_port else f"tcp://{host_port}"
 
 
-class CloneServer(ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin, SecurityMixin):
+class CloneServer(
+    ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin, SecurityMixin, HttpMixin
+):
     """One member of a Clone server pair (or a standalone server).
 
     ``run()`` serves in the calling thread until :meth:`stop`; ``start()`` runs
@@ -264,6 +267,7 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin
         )
         if cfg.mode is ServerMode.STANDALONE:
             log.info("standalone: active at once")
+        self._open_http()
 
     def _shutdown(self) -> None:
         if self._stopping:
@@ -286,6 +290,7 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin
         self._deferred_timer = None
         self._deferred.clear()
         self._deferred_streams.clear()
+        self._close_http()
         if self._ha is not None:
             self._ha.stop()
         self._close_peer()
@@ -424,6 +429,7 @@ class CloneServer(ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin
 
     def _install_publisher(self, pub: zmq.Socket) -> None:
         self._pub = pub
+        self._watch_subscribers(pub)
         if pub.socket_type == zmq.XPUB:
             self._pub_stream = self._stream(pub, self._on_subscription, copy=False)
 

@@ -184,7 +184,7 @@ class ServingMixin(ServerBase):
         )
         if isinstance(stream, DeltaStream):
             self.counters["catchups_served"] += 1
-        self._snapshots[stream] = self._clock()
+        self._snapshots[stream] = self._snapshot_started[stream] = self._clock()
         if batch:
             self._in_flight[stream] = deque()
         if deferred:
@@ -251,6 +251,9 @@ class ServingMixin(ServerBase):
         self._take_router_backlog()
         if stream.done:
             del self._snapshots[stream]
+            started = self._snapshot_started.pop(stream, None)
+            if started is not None:
+                self.snapshot_seconds.observe(self._clock() - started)
             self._in_flight.pop(stream, None)
             self._deferred_streams.discard(stream)
             c = self.counters
@@ -302,6 +305,7 @@ class ServingMixin(ServerBase):
             self._snapshots[stream] = self._clock()
 
     def _abort_snapshot(self, stream: AnyStream, why: str, *, gone: bool = False) -> None:
+        self._snapshot_started.pop(stream, None)
         if self._snapshots.pop(stream, None) is None:
             return
         self._in_flight.pop(stream, None)

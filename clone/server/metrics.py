@@ -1,0 +1,265 @@
+"""The Prometheus side of a server: its metrics, read from its own state.
+
+How this works: nothing here counts on the hot paths.  The server already keeps
+counters (``CloneServer.stats()``) and gauges (the store, the pending list,
+Binary Star); :class:`CloneCollector` turns them into metric families each time
+``/metrics`` is scraped, on the server's loop, so a scrape sees one consistent
+turn.  Each server has its own :class:`~prometheus_client.CollectorRegistry`
+(:func:`build_registry`), never the global one: tests run several servers in
+one process.
+
+Two small pure helpers hold what the counters did not: :class:`DurationHistogram`
+(the snapshot durations, observed where a stream completes) and
+:class:`SubscriberCount` (connections to the publisher, from socket-monitor
+events; docs/operations.md, "Monitoring", says how it is counted).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Protocol
+
+import zmq
+from prometheus_client import CollectorRegistry, ProcessCollector
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from clone.server.config import ServerConfig
+
+__all__ = [
+    "PROTOCOL_ERRORS",
+    "REFUSALS",
+    "ROLES",
+    "SNAPSHOT_BUCKETS",
+    "CloneCollector",
+    "DurationHistogram",
+    "MonitoredServer",
+    "SubscriberCount",
+    "build_registry",
+]
+
+#: Upper bounds (seconds) of the snapshot-duration buckets: a small subtree in a
+#: millisecond up to a million keys in tens of seconds.
+SNAPSHOT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
+
+#: Every value of ``clone_role``'s label; the current one is 1, the others 0.
+ROLES = ("active", "passive", "starting")
+
+#: ``clone_updates_refused_total{reason}``: the stats counter behind each reason.
+#: A write over a size limit is counted as ``invalid`` (the core counts it so).
+REFUSALS: Mapping[str, str] = {
+    "acl": "kvset_refused_acl",
+    "full": "kvset_refused_full",
+    "invalid": "kvset_invalid",
+    "duplicate": "kvset_duplicate",
+}
+
+#: ``clone_protocol_errors_total{socket}``: the stats counter behind each socket.
+PROTOCOL_ERRORS: Mapping[str, str] = {
+    "collector": "kvset_invalid",
+    "snapshot": "snapshot_invalid",
+    "peer": "peer_invalid",
+    "binary_star": "ha_malformed_messages",
+}
+
+
+class DurationHistogram:
+    """Cumulative bucket counts, a sum and a count: a Prometheus histogram's state."""
+
+    __slots__ = ("bounds", "count", "counts", "total")
+
+    def __init__(self, bounds: tuple[float, ...] = SNAPSHOT_BUCKETS) -> None:
+        if list(bounds) != sorted(bounds) or not bounds:
+            raise ValueError("bucket bounds must be increasing and not empty")
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
+        self.count = 0
+        self.total = 0.0
+
+    def observe(self, seconds: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
+        self.count += 1
+        self.total += seconds
+
+    def buckets(self) -> list[tuple[str, float]]:
+        """(le, cumulative count) pairs, ending with ``+Inf``."""
+        out: list[tuple[str, float]] = []
+        running = 0
+        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
+            running += n
+            out.append((bound, running))
+        return out
+
+
+class SubscriberCount:
+    """Connections to the publisher, from its socket monitor's events.
+
+    A plain PUB never hears from its subscribers, but its monitor reports each
+    TCP connection accepted and each one closed: ``ACCEPTED - DISCONNECTED``.
+    With CURVE a connection counts only once its handshake succeeded, and
+    every connection ends in ``DISCONNECTED`` whether or not it got that far
+    (a failed one is reported as failed first), so the count is ``succeeded -
+    (disconnected - failed)``.
+    """
+
+    __slots__ = ("_failed", "_secure", "_succeeded", "accepted", "disconnected")
+
+    _FAILURES = frozenset(
+        getattr(zmq, name)
+        for name in (
+            "EVENT_HANDSHAKE_FAILED_NO_DETAIL",
+            "EVENT_HANDSHAKE_FAILED_PROTOCOL",
+            "EVENT_HANDSHAKE_FAILED_AUTH",
+        )
+        if hasattr(zmq, name)
+    )
+
+    def __init__(self, *, secure: bool) -> None:
+        self._secure = secure
+        self.accepted = 0
+        self.disconnected = 0
+        self._succeeded = 0
+        self._failed = 0
+
+    def on_event(self, event: int) -> None:
+        if event == zmq.EVENT_ACCEPTED:
+            self.accepted += 1
+        elif event == zmq.EVENT_DISCONNECTED:
+            self.disconnected += 1
+        elif event == getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", None):
+            self._succeeded += 1
+        elif event in self._FAILURES:
+            self._failed += 1
+
+    @property
+    def value(self) -> int:
+        if self._secure:
+            return max(0, self._succeeded - (self.disconnected - self._failed))
+        return max(0, self.accepted - self.disconnected)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+class MonitoredServer(Protocol):
+    """What the collector reads of a server (a :class:`CloneServer`)."""
+
+    config: ServerConfig
+    snapshot_seconds: DurationHistogram
+
+    def stats(self) -> dict[str, int | float | str]: ...
+
+    @property
+    def subscribers(self) -> int | None: ...
+
+    @property
+    def peer_alive(self) -> bool: ...
+
+    def readiness(self) -> tuple[bool, str]: ...
+
+
+class CloneCollector(Collector):
+    """Metric families from one server's state, built at each scrape."""
+
+    def __init__(self, server: MonitoredServer) -> None:
+        self._server = server
+
+    def collect(self) -> Iterator[Metric]:
+        server = self._server
+        stats = server.stats()
+
+        def num(name: str) -> float:
+            value = stats.get(name, 0)
+            return float(value) if isinstance(value, int | float) else 0.0
+
+        yield _gauge("clone_sequence", "Highest sequence number applied.", num("sequence"))
+        yield _gauge("clone_keys", "Keys in the store.", num("keys"))
+        yield _gauge(
+            "clone_store_bytes",
+            "Bytes of keys, properties and values held in the store.",
+            num("store_bytes"),
+        )
+        role = GaugeMetricFamily(
+            "clone_role", "The server's role: 1 for the current one.", labels=["role"]
+        )
+        current = str(stats.get("role", ""))
+        for name in ROLES:
+            role.add_metric([name], 1.0 if name == current else 0.0)
+        yield role
+        yield _counter(
+            "clone_updates",
+            "Client updates this server sequenced and published as active.",
+            num("kvpub_published"),
+        )
+        refused = CounterMetricFamily(
+            "clone_updates_refused", "Client updates refused, by reason.", labels=["reason"]
+        )
+        for reason, key in REFUSALS.items():
+            refused.add_metric([reason], num(key))
+        yield refused
+        yield _counter(
+            "clone_snapshots", "Snapshots (and catch-ups) served.", num("snapshots_served")
+        )
+        hist = server.snapshot_seconds
+        yield HistogramMetricFamily(
+            "clone_snapshot_seconds",
+            "Time from accepting a snapshot request to sending its last message.",
+            buckets=hist.buckets(),
+            sum_value=hist.total,
+        )
+        subscribers = server.subscribers
+        if subscribers is not None:
+            yield _gauge(
+                "clone_subscribers",
+                "Connections to the update publisher (see docs/operations.md, Monitoring).",
+                subscribers,
+            )
+        yield _counter(
+            "clone_failovers",
+            "Times this server took over as active from a passive role.",
+            num("failovers"),
+        )
+        yield _gauge("clone_pending", "Client updates parked until promotion.", num("pending"))
+        errors = CounterMetricFamily(
+            "clone_protocol_errors", "Malformed messages dropped, by socket.", labels=["socket"]
+        )
+        for socket, key in PROTOCOL_ERRORS.items():
+            errors.add_metric([socket], num(key))
+        yield errors
+        if server.config.peer is not None:
+            yield _gauge(
+                "clone_peer_up",
+                "1 while the Binary Star peer is heard within its heartbeat window.",
+                1.0 if server.peer_alive else 0.0,
+            )
+        yield _gauge(
+            "clone_in_step",
+            "1 on an active server, or a passive one synced with nothing pending.",
+            1.0 if server.readiness()[0] else 0.0,
+        )
+        yield _counter(
+            "clone_internal_errors",
+            "Unexpected exceptions logged by handlers.",
+            num("internal_errors"),
+        )
+
+
+def build_registry(server: MonitoredServer, *, process: bool = True) -> CollectorRegistry:
+    """A registry of this server's metrics (and the process's, unless ``process`` is false)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(CloneCollector(server))
+    if process:
+        ProcessCollector(registry=registry)
+    return registry
