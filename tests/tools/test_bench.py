@@ -224,3 +224,45 @@ def test_durability_section_through_the_cli(
     assert "durability: fsync batch throughput / in-memory" in names
     assert "durability: restarted passive caught up, no full sync" in names
     assert not (tmp_path / "logs" / "durability-data").exists()  # data dirs removed
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_security_section_through_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Plain, CURVE and CURVE + ACL all measured, nothing lost, the restricted reader
+    served its view only and its view counts agree."""
+    out = tmp_path / "bench.json"
+    rc = cli.main(["--quick", "security", "--security-messages", "2000", "--rate-seconds", "0.5",
+                   "--security-rate", "1000", "--out", str(out),
+                   "--log-dir", str(tmp_path / "logs")])
+    printed = capsys.readouterr().out
+    results = json.loads(out.read_text())
+    assert rc == 0, results.get("errors")
+    assert "Security: throughput" in printed and "Security: latency" in printed
+    d = results["sections"]["security"]
+    assert "errors" not in d, d.get("errors")
+    tput = {r["mode"]: r for r in d["throughput"]["runs"]}
+    assert list(tput) == ["plain", "curve", "curve-acl"]
+    for r in tput.values():  # the server's publisher never drops, with or without CURVE
+        assert r["rate_median"] > 0 and r["delivered"] == 1.0
+    assert set(d["throughput"]["ratios"]) == {"curve_vs_plain", "curve-acl_vs_plain"}
+    assert [r["mode"] for r in d["latency"]] == ["plain", "curve", "curve-acl"]
+    for r in d["latency"]:
+        lat = r["latency"]
+        assert r["sent"] == 500 and r["lost"] == 0 and lat["count"] == 500
+        assert 0 < lat["p50_ms"] <= lat["p99_ms"] <= lat["p99_9_ms"] <= lat["max_ms"]
+    # Only the ACL run has a restricted reader; it got keys of its view and nothing else.
+    assert "restricted_reader" not in tput["curve"]
+    for run in (tput["curve-acl"], d["latency"][2]):
+        (reader,) = run["restricted_reader"]
+        assert reader["received"] > 0 and reader["outside_view"] == 0
+        assert reader["view_count_mismatches"] == 0
+    # /bench/t/<i % 10000> starting with "1": 1, 10-19, 100-199, 1000-1999 of 0..1999
+    assert tput["curve-acl"]["restricted_reader"][0]["received"] == 1111
+    targets = {t["target"]: t for t in results["targets"]}
+    assert {"security: curve throughput / plain", "security: curve-acl throughput / plain",
+            "security: curve 1k/s p99 ms", "security: curve-acl 1k/s p99 ms"} <= set(targets)
+    assert targets["security: restricted reader filtered, view counts equal"]["met"] is True
+    assert not (tmp_path / "logs" / "security-keys").exists()  # keys removed
