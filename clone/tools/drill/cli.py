@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from clone.progress import LOGGER_NAME as PROGRESS_LOGGER
 from clone.tools.drill.client import DEFAULT_SHARED_KEYS
 from clone.tools.drill.config import CRASH_ORDERS, SCENARIOS, DrillConfig
 from clone.tools.drill.harness import run_drill
@@ -65,6 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # The run's progress: a bar on a terminal, else a line every few seconds.
+    logging.getLogger(PROGRESS_LOGGER).setLevel(logging.INFO)
     from clone.tools import report
 
     out = args.out or Path("results") / f"drill-{args.scenario}-{time.strftime('%Y%m%d-%H%M%S')}"

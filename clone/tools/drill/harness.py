@@ -49,6 +49,7 @@ from typing import Any
 
 import zmq
 
+from clone.progress import Progress
 from clone.tools.drill.analysis import analyse, highest_sequence_before
 from clone.tools.drill.checks import judge_restarts, run_checks
 from clone.tools.drill.client import DRILL_PREFIX
@@ -114,22 +115,25 @@ class Drill(Scenarios):
         actions = self._plan(start_at)
         tail = EventTail(self.clients_dir)
         next_report = start_at
-        while (time.time() < final_at or self.in_progress
-               or any(p.alive for p in self.group if p.name not in self.servers)):
-            now = time.time()
-            while actions and actions[0][0] <= now:
-                _, action = actions.pop(0)
-                again = action()  # a step of a longer action says when to go on
-                if again is not None:
-                    bisect.insort(actions, (again, action), key=lambda a: a[0])
-            if now >= next_report:
-                tail.poll()
-                self._progress(now - start_at, tail.counts)
-                next_report += 1.0
-            if now > final_at + 30:
-                self.say("clients or faults did not finish in time; stopping them")
-                break
-            time.sleep(0.05)
+        run_s = cfg.duration + cfg.settle
+        with Progress(f"drill {cfg.scenario}", run_s, unit="s", rate=False) as bar:
+            while (time.time() < final_at or self.in_progress
+                   or any(p.alive for p in self.group if p.name not in self.servers)):
+                now = time.time()
+                while actions and actions[0][0] <= now:
+                    _, action = actions.pop(0)
+                    again = action()  # a step of a longer action says when to go on
+                    if again is not None:
+                        bisect.insort(actions, (again, action), key=lambda a: a[0])
+                if now >= next_report:
+                    tail.poll()
+                    elapsed = min(max(0.0, now - start_at), run_s)
+                    bar.update(elapsed, status=self._status(tail.counts))
+                    next_report += 1.0
+                if now > final_at + 30:
+                    self.say("clients or faults did not finish in time; stopping them")
+                    break
+                time.sleep(0.05)
         return self._finish(start_at, client_ids)
 
     def _preload(self, n: int) -> None:
@@ -146,13 +150,14 @@ class Drill(Scenarios):
             ctx.term()
         self.say(f"preloaded {n} keys (outside {DRILL_PREFIX}) in {seconds:.1f} s")
 
-    def _progress(self, t: float, counts: Counter[str]) -> None:
+    def _status(self, counts: Counter[str]) -> str:
+        """The run so far, as the progress bar's status."""
         active = self.monitor.active()
         shown = "+".join(active) if active else "none"
         if len(active) > 1:
             shown += " (BOTH ACTIVE)"
-        self.say(
-            f"t={t:+6.1f}s writes={counts['write_sent']} confirmed={counts['write_confirmed']} "
+        return (
+            f"writes={counts['write_sent']} confirmed={counts['write_confirmed']} "
             f"timeouts={counts['write_timeout']} updates={counts['update']} "
             f"failovers={counts['failover_done']} active={shown}"
             + (f"  [{self.fault_text}]" if self.fault_text else "")
