@@ -16,8 +16,11 @@ three standalone servers ``--in-memory`` (no disk in the numbers):
 For each mode the **throughput** and the **latency** at ``security_rate``
 updates/s are measured exactly as the throughput and latency sections
 measure (their :func:`throughput_once` / :func:`latency_once`), the modes
-interleaved in each repeat.  The keys are made fresh in the run's log
-directory and removed after it.
+interleaved in each repeat.  The throughput runs also record the server's CPU
+time per message, its main thread (the Python loop: the ACL checks, the
+view counts) apart from its libzmq I/O threads (where CURVE encrypts): unlike
+the rates and the percentiles, that barely moves when others load the machine.
+The keys are made fresh in the run's log directory and removed after it.
 """
 
 from __future__ import annotations
@@ -108,14 +111,20 @@ def _throughput(cfg: BenchConfig, group: ProcessGroup, options: dict[str, Server
         for mode in MODES:
             one = throughput_once(cfg, group, "clone", 1, rep, options[mode], messages=n)
             ones[mode].append(one)
+            cpu = one.get("server_cpu_us_per_msg", {})
             say(f"  throughput {mode:>9}: {one['rate']:>8,} msg/s (delivered "
-                f"{one['delivered']:.1%}){_reader(one)}{_repeat(cfg, rep)}")
+                f"{one['delivered']:.1%}; server CPU us/msg: main {cpu.get('main_thread')}, "
+                f"io {cpu.get('io_threads')}){_reader(one)}{_repeat(cfg, rep)}")
     runs: list[dict[str, Any]] = []
     for mode, reps in ones.items():
         rates = [o["rate"] for o in reps]
         run: dict[str, Any] = {"mode": mode, "messages": n,
                                "rate_median": round(statistics.median(rates)), "rates": rates,
                                "delivered": min(o["delivered"] for o in reps)}
+        cpus = [o["server_cpu_us_per_msg"] for o in reps if "server_cpu_us_per_msg" in o]
+        if cpus:
+            run["server_cpu_us_per_msg"] = {
+                k: round(statistics.median(c[k] for c in cpus), 2) for k in cpus[0]}
         readers = [o["restricted_reader"] for o in reps if "restricted_reader" in o]
         if readers:
             run["restricted_reader"] = readers
@@ -208,9 +217,9 @@ def security_tables(section: dict[str, Any], *, markdown: bool = False) -> list[
         tput = section["throughput"]
         text = table(
             ["server", "messages", "msg/s (median)", "each repeat", "delivered",
-             "restricted reader"],
+             "server CPU us/msg: main thread", "I/O threads", "restricted reader"],
             [[r["mode"], r["messages"], r["rate_median"], " / ".join(f"{x:,}" for x in r["rates"]),
-              f"{r['delivered']:.1%}", _reader_cell(r)] for r in tput["runs"]],
+              f"{r['delivered']:.1%}", *_cpu_cells(r), _reader_cell(r)] for r in tput["runs"]],
             markdown=markdown,
         )
         if tput["ratios"]:
@@ -234,6 +243,11 @@ def security_tables(section: dict[str, Any], *, markdown: bool = False) -> list[
     for name, error in section.get("errors", {}).items():
         out.append((f"Security: {name} FAILED", error))
     return out
+
+
+def _cpu_cells(run: dict[str, Any]) -> list[Any]:
+    cpu = run.get("server_cpu_us_per_msg")
+    return [cpu["main_thread"], cpu["io_threads"]] if cpu else ["-", "-"]
 
 
 def _reader_cell(run: dict[str, Any]) -> str:

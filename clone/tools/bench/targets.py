@@ -48,6 +48,7 @@ __all__ = [
     "CurveOptions",
     "ServerOptions",
     "Target",
+    "cpu_seconds",
     "load_keys",
     "rss",
     "running_target",
@@ -291,6 +292,23 @@ def traffic(
         raise RuntimeError(f"{target.name}: the writer did not report")
     return writer_res, sorted((r for r in got if r["role"] == "watcher"), key=lambda r: r["idx"])
 
+
+
+def cpu_seconds(pid: int) -> tuple[float, float]:
+    """CPU seconds (user + system) ``pid`` has used: its main thread's, its other threads'.
+
+    For a clone-server the main thread runs the Python loop and the others are
+    libzmq's I/O threads (framing, TCP, and CURVE's encryption).
+    """
+    import psutil
+
+    main = other = 0.0
+    for t in psutil.Process(pid).threads():
+        if t.id == pid:
+            main += t.user_time + t.system_time
+        else:
+            other += t.user_time + t.system_time
+    return main, other
 
 
 def rss(pid: int) -> int:

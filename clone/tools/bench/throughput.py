@@ -7,7 +7,7 @@ from typing import Any
 
 from clone.tools.bench.config import BenchConfig, Say
 from clone.tools.bench.profiling import Profiler
-from clone.tools.bench.targets import ServerOptions, running_target, traffic
+from clone.tools.bench.targets import ServerOptions, cpu_seconds, running_target, traffic
 from clone.tools.procs import ProcessGroup
 
 __all__ = ["run_throughput", "throughput_once"]
@@ -31,6 +31,7 @@ def throughput_once(
     with running_target(kind, group, cfg.server_heartbeat_ms, server) as target:
         label = f"throughput-{kind}-{subs}sub" + (f"-{server.label}" if server else "")
         profile_dir = cfg.profile_dir if kind == "clone" and rep == 0 else None
+        cpu0 = cpu_seconds(target.pid) if kind == "clone" else None
         with Profiler(profile_dir, label, target.pid) as prof:
             writer, watchers = traffic(
                 target,
@@ -42,6 +43,7 @@ def throughput_once(
                 probes=cfg.probes,
                 idle_s=idle_s,
             )
+        cpu1 = cpu_seconds(target.pid) if cpu0 is not None else None
     rates = [
         w["received"] / (w["last"] - writer["t_start"])
         for w in watchers
@@ -54,6 +56,12 @@ def throughput_once(
         "rate": round(min(rates)) if rates else 0,
         "writer_enqueue_rate": round(n / max(1e-9, writer["t_enqueued"] - writer["t_start"])),
     }
+    if cpu0 is not None and cpu1 is not None:
+        # Includes the warm-up (a message per 50 ms) and the watchers' idle wait: small.
+        run["server_cpu_us_per_msg"] = {
+            "main_thread": round((cpu1[0] - cpu0[0]) / n * 1e6, 2),
+            "io_threads": round((cpu1[1] - cpu0[1]) / n * 1e6, 2),
+        }
     if target.restricted is not None:
         run["restricted_reader"] = target.restricted
     if prof.summary:
