@@ -1,11 +1,11 @@
 """``clone``: read, write and watch a Clone server pair from the shell.
 
 Argument parsing and printing only; the work is :class:`clone.Clone`.  Exit codes:
-0 success, 1 key not found, 2 no server answered (or bad usage), 3 a write was
-not confirmed in time, 4 any other Clone error, 141 the reader of our output went
-away (``clone dump | head``): 128 + SIGPIPE, what a shell reports for ``cat`` in
-the same place, quietly, so ``set -o pipefail`` scripts see that the output was
-cut short.
+0 success, 1 key not found, 2 no server answered (or bad usage; for ``clone
+status``: any server did not answer), 3 a write was not confirmed in time, 4 any
+other Clone error, 141 the reader of our output went away (``clone dump | head``):
+128 + SIGPIPE, what a shell reports for ``cat`` in the same place, quietly, so
+``set -o pipefail`` scripts see that the output was cut short.
 """
 
 from __future__ import annotations
@@ -130,6 +130,21 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds the whole backup may take, failovers included "
         "(default: the global --timeout if given, else 10)",
     )
+    status = sub.add_parser(
+        "status",
+        help="print every server's role, sequence, keys, peer state, uptime and version "
+        "(exit 2 if any server does not answer)",
+    )
+    status.add_argument("--json", action="store_true", help="a JSON list, one object per server")
+    status.add_argument(
+        "--timeout",
+        dest="status_timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds to wait for the answers, all servers at once "
+        "(default: the global --timeout if given, else 2)",
+    )
     return p
 
 
@@ -207,6 +222,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _keygen(args)
     if args.command == "backup":
         return _backup(args, argv)
+    if args.command == "status":
+        return _status(args, argv)
     try:
         servers = normalize_endpoints(args.servers or default_servers())
         secret, server_key = _curve_files(args)
@@ -303,6 +320,52 @@ def _backup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         f"in {elapsed:.2f} s"
     )
     return EXIT_OK
+
+
+STATUS_TIMEOUT = 2.0
+
+
+def _global_timeout_given(argv: Sequence[str] | None) -> bool:
+    given = sys.argv[1:] if argv is None else list(argv)
+    return any(a == "--timeout" or a.startswith("--timeout=") for a in given)
+
+
+def _status(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """``clone status [--json]``: STATUS? to every server (:mod:`clone.client.status`).
+
+    Exit 0 when every server answered, 2 when any did not (each is still
+    reported, as unreachable), like ``etcdctl endpoint status``.
+    """
+    from clone.client.status import query_status, status_table
+
+    timeout = args.status_timeout
+    if timeout is None:
+        timeout = args.timeout if _global_timeout_given(argv) else STATUS_TIMEOUT
+    if not timeout > 0:
+        print("clone: --timeout must be > 0", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    try:
+        servers = normalize_endpoints(args.servers or default_servers())
+        curve = load_curve_keys(*_curve_files(args))
+        statuses = query_status(servers, timeout, curve=curve)
+    except (ValueError, TypeError, SecurityError) as exc:
+        print(f"clone: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except KeyboardInterrupt:
+        return 130
+    try:
+        if args.json:
+            _emit(json.dumps(statuses, ensure_ascii=False))
+        else:
+            for line in status_table(statuses):
+                _emit(line)
+    except BrokenPipeError:
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
+    down = [s["endpoint"] for s in statuses if not s["reachable"]]
+    for endpoint in down:
+        print(f"clone: {endpoint} did not answer within {timeout:g} s", file=sys.stderr)
+    return EXIT_UNREACHABLE if down else EXIT_OK
 
 
 def _discard_stdout() -> None:

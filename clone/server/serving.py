@@ -14,12 +14,17 @@ A client that noticed the active server's crash before we did is then served
 the moment we notice it too, instead of after its own retry.  Which requests
 are held, for how long and when to vote again is :mod:`.votes` (sans-IO); this
 module keeps the timer, the vote and the sockets.
+
+STATUS? **[extension: status]** is answered here too, before any of that: at
+once, by an active or a passive server alike (it is no vote), rate-limited by a
+token bucket, with :func:`~clone.server.status.server_status`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import Any
 
 import zmq
 
@@ -28,6 +33,7 @@ from clone.security import PEER_USER
 from clone.server.base import CLOCK_EVERY, TURN_BUDGET, AnyStream, ServerBase, log, who
 from clone.server.core import Role
 from clone.server.delta import DeltaStream
+from clone.server.status import PeerView, StatusLimiter, clone_version, server_status
 from clone.wire.control import view_id
 from clone.wire.delta import SINCE_PROPERTY, SinceRequest, parse_since
 from clone.wire.frames import NOBLOCK, POLLIN, send_frames, send_tracked
@@ -36,7 +42,9 @@ from clone.wire.protocol import (
     APPLIED_VERSION,
     BATCH_PROPERTY,
     BATCH_VERSION,
+    STATUS_REQUEST,
 )
+from clone.wire.status import encode_status
 
 __all__ = ["ServingMixin"]
 
@@ -48,6 +56,10 @@ _STALL_RETRY = 0.005  # seconds before retrying a snapshot send that hit the HWM
 _BATCHES_IN_FLIGHT = 4
 # Snapshot requests handled after one pump turn at most (see _take_router_backlog).
 _ROUTER_BACKLOG_BATCH = 100
+# STATUS? answers per second, and at once: enough for every monitor of a pair,
+# too few for a flood to take the loop from clients and the peer.
+_STATUS_RATE = 20.0
+_STATUS_BURST = 40
 
 
 def _has_metadata(frame: zmq.Frame, name: str, value: str) -> bool:
@@ -95,10 +107,21 @@ def _wants_applied(frame: zmq.Frame) -> bool:
 class ServingMixin(ServerBase):
     """Answer snapshot requests: vote, hold, stream, stall and abort."""
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._started_at = self._clock()  # for the status's uptime
+        self._status_limiter = StatusLimiter(_STATUS_RATE, _STATUS_BURST, self._started_at)
+        self._last_failover: float | None = None  # Unix time
+        self._version = clone_version()
+        self.counters.update(status_requests=0, status_dropped=0)
+
     # -- the snapshot port ---------------------------------------------------
 
     def _on_router(self, parts: list[zmq.Frame]) -> None:
         identity = parts[0].bytes
+        if len(parts) == 2 and parts[1].bytes == STATUS_REQUEST:
+            self._answer_status(identity, parts[1])
+            return
         batch = len(parts) > 1 and _wants_batches(parts[1])
         applied = len(parts) > 1 and _wants_applied(parts[1])
         since: SinceRequest | None = None
@@ -334,6 +357,87 @@ class ServingMixin(ServerBase):
         for stream, last in list(self._snapshots.items()):
             if last < cutoff:
                 self._abort_snapshot(stream, "requester stopped reading")
+
+    # -- status [extension] ----------------------------------------------------
+
+    def _answer_status(self, identity: bytes, frame: zmq.Frame) -> None:
+        """STATUS?: answer at once, never vote; drop when over the rate or gone."""
+        c = self.counters
+        c["status_requests"] += 1
+        if self._keypair is not None and _user_id(frame) not in self._admitted:
+            c["status_dropped"] += 1  # ZAP let it in, but its name was removed
+            return
+        if not self._status_limiter.allow(self._clock()):
+            c["status_dropped"] += 1
+            self._throttle.log(
+                "status_rate", logging.INFO, "STATUS? requests over the rate limit dropped"
+            )
+            return
+        sock = self._router
+        assert sock is not None
+        try:
+            send_frames(sock, [identity, *encode_status(self._status())], NOBLOCK)
+        except zmq.Again:
+            c["status_dropped"] += 1  # its pipe is full: it will time out
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            c["status_dropped"] += 1  # gone before the answer
+
+    def _status(self) -> dict[str, Any]:
+        """This server's status (:mod:`clone.server.status`): gathered here, built there."""
+        core = self.core
+        cfg = self.config
+        now = self._clock()
+        peer: PeerView | None = None
+        ha = self._ha
+        if ha is not None:
+            contact = ha.last_peer_contact
+            peer_state = ha.peer_state
+            peer = PeerView(
+                endpoint=cfg.peer,
+                ha_state=ha.state.name.lower(),
+                epoch=ha.epoch,
+                peer_state=None if peer_state is None else peer_state.name.lower(),
+                peer_alive=ha.peer_alive,
+                last_contact_age=None if contact is None else now - contact,
+            )
+        return server_status(
+            role=core.role.value,
+            mode=cfg.mode.value,
+            sequence=core.store.sequence,
+            keys=len(core.store),
+            store_bytes=core.store.nbytes,
+            pending=len(core.pending),
+            sync_state=core.sync_state.value,
+            term=core.term,
+            uptime=now - self._started_at,
+            version=self._version,
+            data_dir=cfg.data_dir,
+            curve=self._keypair is not None,
+            failovers=self._failover_count(),
+            last_failover=self._last_failover,
+            peer=peer,
+        )
+
+    def _failover_count(self) -> int:
+        c = self.core.counters
+        return c["promotions"] + c["demotions"]
+
+    # Role changes, for the status's last_failover: the roles themselves are
+    # FollowingMixin's (after us in CloneServer's bases); we only note the time.
+
+    def _on_became_active(self) -> None:
+        before = self._failover_count()
+        super()._on_became_active()
+        if self._failover_count() != before:
+            self._last_failover = self._wallclock()
+
+    def _on_became_passive(self) -> None:
+        before = self._failover_count()
+        super()._on_became_passive()  # type: ignore[misc]
+        if self._failover_count() != before:
+            self._last_failover = self._wallclock()
 
     # -- deferred votes --------------------------------------------------------
 

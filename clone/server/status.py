@@ -59,7 +59,8 @@ Fields (every one always present; ``null`` where it does not apply):
 ``last_failover``
     float, Unix time of the last promotion or demotion of this process, or ``null``.
 ``failovers``
-    int, promotions plus demotions of this process.
+    int, promotions plus demotions of this process (the first promotion at
+    start counts: a server that came up active shows 1).
 ``subscribers``
     int, connected update subscribers when the server knows it, else ``null``.
 """
@@ -69,7 +70,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["STATUS_FORMAT", "PeerView", "clone_version", "server_status"]
+__all__ = ["STATUS_FORMAT", "PeerView", "StatusLimiter", "clone_version", "server_status"]
 
 #: The layout version in every status (``format``).
 STATUS_FORMAT = 1
@@ -153,3 +154,31 @@ def server_status(
         "failovers": failovers,
         "subscribers": subscribers,
     }
+
+
+class StatusLimiter:
+    """A token bucket: at most ``rate`` STATUS? answers a second, ``burst`` at once.
+
+    Pure: the caller passes ``now`` (monotonic seconds).  A status is cheap, but
+    a flood of requests must not take the loop from clients and the peer.
+    """
+
+    __slots__ = ("_at", "_tokens", "burst", "rate")
+
+    def __init__(self, rate: float, burst: int, now: float) -> None:
+        if rate <= 0 or burst < 1:
+            raise ValueError(f"need rate > 0 and burst >= 1, got {rate} and {burst}")
+        self.rate = float(rate)
+        self.burst = burst
+        self._tokens = float(burst)
+        self._at = now
+
+    def allow(self, now: float) -> bool:
+        """Take a token if one is left at ``now``; False means drop the request."""
+        if now > self._at:
+            self._tokens = min(float(self.burst), self._tokens + (now - self._at) * self.rate)
+            self._at = now
+        if self._tokens >= 1.0:
+            self._tokens -= 1.0
+            return True
+        return False

@@ -53,6 +53,9 @@ __all__ = [
     "REASON_PROPERTY",
     "REFUSAL_REASONS",
     "VIEW_ID_CHARS",
+    "STATUS_REQUEST",
+    "STATUS_REPLY",
+    "MAX_STATUS_BYTES",
 ]
 
 # Command words as they appear in frame 0.
@@ -156,3 +159,12 @@ REASON_PROPERTY: Final = "reason"
 REFUSAL_REASONS: Final = frozenset({"acl", "full", "size"})
 # A view id: this many hex characters of a SHA-256 (48 bits: views are few).
 VIEW_ID_CHARS: Final = 12
+
+# Extension (ours): a server's status, docs/protocol.md "STATUS?".  A one-frame
+# request on the snapshot port, answered at once with one JSON object.  It is
+# not a Binary Star vote: a passive server answers it too.  Guide peers never
+# send it.
+STATUS_REQUEST: Final = b"STATUS?"
+STATUS_REPLY: Final = b"STATUS"
+# The reply's JSON body, in bytes: a status is a few hundred.
+MAX_STATUS_BYTES: Final = 64 * 1024
