@@ -94,7 +94,7 @@ def load_table(
     """
     from pyspark import StorageLevel
 
-    from clone.pipeline.progress import ProgressLog
+    from clone.pipeline.progress import stage_progress
     from clone.pipeline.snapshot import find_active
     from clone.pipeline.sources import read_table
     from clone.pipeline.transforms import (
@@ -115,7 +115,7 @@ def load_table(
 
     checked = checked.persist(StorageLevel.MEMORY_AND_DISK)
     try:
-        with ProgressLog(spark, "validate"):
+        with stage_progress(spark, "validate"):
             counts = checked.groupBy(REJECT_REASON).count().collect()
         reasons = sorted(
             ((r[REJECT_REASON], int(r["count"])) for r in counts if r[REJECT_REASON] is not None),
@@ -143,7 +143,7 @@ def load_table(
         log.info("writing %d rows in %d partitions", to_write, partitions)
         records = write_records(checked).repartition(partitions)
         write_started = time.monotonic()
-        with ProgressLog(spark, "load"):
+        with stage_progress(spark, f"load {to_write:,} rows"):
             results = records.mapInArrow(arrow_partition_writer(config), RESULT_SCHEMA).collect()
         write_seconds = time.monotonic() - write_started
     finally:
@@ -316,10 +316,14 @@ def export_snapshot(
 ) -> ExportMeta:
     """Write a consistent snapshot of the store (or ``subtree``) to ``output``
     as Parquet, with ``_clone_snapshot.json`` recording its sequence."""
+    from clone.pipeline.progress import stage_progress
     from clone.pipeline.snapshot import take_snapshot
+    from clone.progress import Progress
 
     started = time.time()
-    snap = take_snapshot(servers, subtree, timeout=timeout)
+    with Progress("export: snapshot", unit="keys", show_after=1.0, transient=True) as bar:
+        snap = take_snapshot(servers, subtree, timeout=timeout,
+                             progress=lambda keys: bar.update(keys))
     log.info(
         "snapshot of %d keys at sequence %d from %s in %.2fs",
         len(snap.entries),
@@ -330,7 +334,8 @@ def export_snapshot(
     df = snapshot_dataframe(spark, snap)
     files = max(1, -(-len(snap.entries) // _ROWS_PER_FILE))
     try:
-        df.coalesce(files).write.mode("overwrite").parquet(output)
+        with stage_progress(spark, f"export {len(snap.entries):,} keys"):
+            df.coalesce(files).write.mode("overwrite").parquet(output)
     except Exception as exc:
         if type(exc).__name__ in ("AnalysisException", "Py4JJavaError"):
             first = str(exc).strip().splitlines()[0]

@@ -1,84 +1,57 @@
-"""Progress lines for long Spark jobs.
+"""Progress of long Spark jobs, in tasks, through :mod:`clone.progress`.
 
-Spark's own console progress bar redraws one terminal line, which turns into
-noise in a log file.  :class:`ProgressLog` instead polls the driver's status
-tracker from a daemon thread and logs one line whenever the running stages
-have moved on, at most every ``interval`` seconds, plus whatever the job adds
-(rows written so far, from an accumulator).
+Spark's own console bar is off (``spark.ui.showConsoleProgress``): it redraws a
+line even in a log file.  :func:`stage_progress` instead polls the driver's
+status tracker from the progress thread and counts tasks over every stage the
+job has run so far (a stage that left the active list counts as done), so the
+bar or the log line shows done/total tasks, rate and ETA, and the running
+stages as the status.
 """
 
 from __future__ import annotations
 
-import logging
-import threading
-from collections.abc import Callable
-from types import TracebackType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from clone.progress import Progress
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["ProgressLog"]
-
-log = logging.getLogger(__name__)
+__all__ = ["StageTasks", "stage_progress"]
 
 
-class ProgressLog:
-    """Log the progress of running stages while the ``with`` block runs."""
+class StageTasks:
+    """Tasks done and to do over the stages seen by successive polls."""
 
-    def __init__(
-        self,
-        spark: SparkSession,
-        what: str,
-        *,
-        interval: float = 5.0,
-        extra: Callable[[], str] | None = None,
-    ) -> None:
-        self._tracker = spark.sparkContext.statusTracker()
-        self._what = what
-        self._interval = interval
-        self._extra = extra
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name=f"progress-{what}", daemon=True)
-        self._last = ""
+    def __init__(self, tracker: Any) -> None:
+        self._tracker = tracker
+        self._stages: dict[int, tuple[int, int]] = {}  # stage id -> (done, total)
 
-    def __enter__(self) -> ProgressLog:
-        self._thread.start()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._stop.set()
-        self._thread.join(timeout=self._interval + 1.0)
-
-    def line(self) -> str:
-        """The current progress as one line ('' when no stage is running)."""
-        parts = []
-        for stage_id in sorted(self._tracker.getActiveStageIds()):
+    def __call__(self, progress: Progress) -> None:
+        active = sorted(self._tracker.getActiveStageIds())
+        for stage_id, (_, total) in list(self._stages.items()):
+            if stage_id not in active:
+                self._stages[stage_id] = (total, total)
+        running = []
+        for stage_id in active:
             info = self._tracker.getStageInfo(stage_id)
             if info is None:
                 continue
-            parts.append(
-                f"stage {stage_id}: {info.numCompletedTasks}/{info.numTasks} tasks done, "
-                f"{info.numActiveTasks} running"
+            self._stages[stage_id] = (info.numCompletedTasks, info.numTasks)
+            running.append(
+                f"stage {stage_id} {info.numCompletedTasks}/{info.numTasks}"
+                f" ({info.numActiveTasks} running)"
             )
-        if not parts:
-            return ""
-        if self._extra is not None:
-            parts.append(self._extra())
-        return "; ".join(parts)
+        if self._stages:
+            progress.update(
+                sum(d for d, _ in self._stages.values()),
+                total=sum(t for _, t in self._stages.values()),
+                status=", ".join(running),
+            )
 
-    def _run(self) -> None:
-        while not self._stop.wait(self._interval):
-            try:
-                line = self.line()
-            except Exception:  # the JVM may be shutting down under us
-                log.debug("progress poll failed", exc_info=True)
-                return
-            if line and line != self._last:
-                log.info("%s: %s", self._what, line)
-                self._last = line
+
+def stage_progress(spark: SparkSession, what: str, **kwargs: Any) -> Progress:
+    """A :class:`~clone.progress.Progress` of ``what`` fed by Spark's status tracker."""
+    return Progress(
+        what, unit="tasks", poll=StageTasks(spark.sparkContext.statusTracker()), **kwargs
+    )

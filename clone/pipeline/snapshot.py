@@ -165,6 +165,7 @@ def _snapshot_from(
     subtree: str,
     timeout: float,
     clock: Clock,
+    progress: Callable[[int], None] | None,
 ) -> Snapshot:
     sub = subs.sockets[index]
     dealer = ctx.socket(zmq.DEALER)
@@ -217,6 +218,8 @@ def _snapshot_from(
                     else:
                         entries[reply.key] = reply
                         highest = max(highest, reply.sequence)
+            if progress is not None:
+                progress(len(entries))
     finally:
         dealer.close(linger=0)
 
@@ -245,10 +248,11 @@ def take_snapshot(
     timeout: float = 5.0,
     context: zmq.Context[zmq.Socket[bytes]] | None = None,
     clock: Clock = time.monotonic,
+    progress: Callable[[int], None] | None = None,
 ) -> Snapshot:
     """The store (or ``subtree``) exactly as of one sequence, from the active
     server of ``servers``; tries each server in turn within ``len(servers) + 1``
-    rounds of ``timeout``."""
+    rounds of ``timeout``.  ``progress(keys)`` is told the keys received so far."""
     try:
         validate_subtree(subtree.encode("utf-8"))
     except ProtocolError as exc:
@@ -264,7 +268,9 @@ def take_snapshot(
                 server = servers[index]
                 log.info("taking a snapshot of %r from %s", subtree or "/", server)
                 try:
-                    return _snapshot_from(ctx, subs, index, server, subtree, timeout, clock)
+                    return _snapshot_from(
+                        ctx, subs, index, server, subtree, timeout, clock, progress
+                    )
                 except (TimeoutError, ProtocolError) as exc:
                     log.warning("snapshot attempt %d failed: %s", attempt + 1, exc)
             finally:
