@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from clone.argtypes import normalize_endpoints
 from clone.client.frontend import (
@@ -30,6 +30,7 @@ from clone.client.frontend import (
     load_curve_keys,
 )
 from clone.errors import CloneError, ConfirmTimeout, NotSynced, SecurityError
+from clone.progress import Progress
 
 __all__ = ["main"]
 
@@ -183,8 +184,28 @@ def _emit(line: str) -> None:
     sys.stdout.flush()
 
 
+def _waiting(what: str, timeout: float, status: Callable[[], str] | None = None) -> Progress:
+    """The progress of a wait of up to ``timeout`` s: on a terminal, a bar of
+    the time spent (drawn only after a second, gone at the end); elsewhere an
+    INFO line every few seconds, shown with --verbose.  The agent's status does
+    not count a snapshot's keys before it is complete, so time is what we show."""
+    started = time.monotonic()
+
+    def poll(bar: Progress) -> None:
+        bar.update(min(time.monotonic() - started, timeout),
+                   status=status() if status is not None else None)
+
+    return Progress(what, timeout, unit="s", rate=False, poll=poll, poll_every=0.2,
+                    show_after=1.0, transient=True)
+
+
 def _run(args: argparse.Namespace, client: Clone) -> int:
-    client.wait_synced(args.timeout)
+    def sync_status() -> str:
+        now = client.status()
+        return f"{now.state} from {now.server}" if now.server else now.state
+
+    with _waiting("sync", args.timeout, sync_status):
+        client.wait_synced(args.timeout)
     if args.command == "get":
         value = client.get(args.key)
         if value is None:
@@ -301,7 +322,9 @@ def _backup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
         servers = normalize_endpoints(args.servers or default_servers())
         curve = load_curve_keys(*_curve_files(args))
         check_writable(args.file)
-        copy = take_backup(servers, timeout=timeout, silence=2.5 * args.heartbeat, curve=curve)
+        with _waiting("backup", timeout):
+            copy = take_backup(servers, timeout=timeout, silence=2.5 * args.heartbeat,
+                               curve=curve)
         write_backup(args.file, copy)
     except (ValueError, TypeError, SecurityError) as exc:
         print(f"clone: {exc}", file=sys.stderr)
