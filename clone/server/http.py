@@ -24,6 +24,7 @@ The publisher's connections are counted here too, from a socket monitor
 from __future__ import annotations
 
 import json
+import logging
 from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -195,6 +196,23 @@ def make_app(server: HttpMixin) -> Application:
             (r"/(.*)", StaticFileHandler, {"path": str(WEB_DIR), "default_filename": "index.html"}),
         ],
         websocket_max_message_size=4096,
+        log_function=_log_request,
+    )
+
+
+def _log_request(handler: RequestHandler) -> None:
+    """Requests at DEBUG (a scrape every few seconds is no news); errors louder."""
+    status = handler.get_status()
+    level = logging.DEBUG if status < 500 else logging.WARNING
+    request = handler.request
+    log.log(
+        level,
+        "HTTP %d %s %s (%s) %.1f ms",
+        status,
+        request.method,
+        request.uri,
+        request.remote_ip,
+        1000.0 * request.request_time(),
     )
 
 
