@@ -11,6 +11,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from clone.progress import LOGGER_NAME as PROGRESS_LOGGER
 from clone.tools.bench.config import DEFAULT_SECTIONS, SECTIONS, BenchConfig
 from clone.tools.bench.durability import durability_tables
 from clone.tools.bench.run import run_benchmarks
@@ -107,6 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    # The run's progress: a bar on a terminal, else a line every few seconds.
+    logging.getLogger(PROGRESS_LOGGER).setLevel(logging.INFO)
     from clone.tools import report
 
     cfg = config_from_args(args)

@@ -10,6 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from clone.progress import Progress
 from clone.tools.bench.config import BenchConfig, Say
 from clone.tools.bench.durability import run_durability
 from clone.tools.bench.latency import run_latency
@@ -47,16 +48,28 @@ def run_benchmarks(
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()},
         "sections": {},
     }
-    with ProcessGroup(cfg.log_dir) as group:
+    with ProcessGroup(cfg.log_dir) as group, Progress(
+        # Polled so that a long section still gets a line every interval.
+        "bench", len(cfg.sections), unit="sections", rate=False, interval=10.0,
+        poll=lambda p: p.update(),
+    ) as bar:
+
+        def step(line: str) -> None:
+            """A section's result line: said, and the bar's status."""
+            say(line)
+            bar.update(status=f"{section}: {line.strip()[:60]}")
+
         for section in cfg.sections:
             say(f"[{section}]")
+            bar.update(status=section)
             t0 = time.monotonic()
             try:
-                results["sections"][section] = _RUNNERS[section](cfg, group, say)
+                results["sections"][section] = _RUNNERS[section](cfg, group, step)
             except Exception as exc:  # one broken section must not lose the others
                 log.exception("section %s failed", section)
                 say(f"  {section} FAILED: {exc}")
                 results.setdefault("errors", {})[section] = repr(exc)
+                bar.advance()
                 continue
             results["sections"][section]["elapsed_s"] = round(time.monotonic() - t0, 1)
             # CPU pressure includes our own processes; far above what the section
@@ -65,5 +78,6 @@ def run_benchmarks(
             results["sections"][section]["loadavg_at_end"] = [
                 round(x, 2) for x in os.getloadavg()
             ]
+            bar.advance()
     results["targets"] = evaluate_targets(results)
     return results
