@@ -1,0 +1,126 @@
+"""``clone status`` without a server (issue 16): the table, unreachable servers,
+usage errors, and a fake server that answers STATUS? (or garbage)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from clone.client.cli import EXIT_OK, EXIT_UNREACHABLE, main
+from clone.client.status import STATUS_COLUMNS, query_status, status_table
+from clone.wire.status import encode_status, is_status_request
+from tests.support.ports import free_base_port
+
+
+class _Answerer:
+    """A ROUTER on a free base port answering each STATUS? with ``reply``."""
+
+    def __init__(self, reply: list[bytes]) -> None:
+        self.port = free_base_port()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.bind(f"tcp://127.0.0.1:{self.port}")
+        self._reply = reply
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._sock.poll(20):
+                identity, *frames = self._sock.recv_multipart()
+                if is_status_request(frames):
+                    self._sock.send_multipart([identity, *self._reply])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+
+@pytest.fixture
+def answerer() -> Iterator[_Answerer]:
+    server = _Answerer(encode_status({"role": "active", "sequence": 5, "keys": 2,
+                                      "endpoint": "lies", "reachable": False}))  # fmt: skip
+    yield server
+    server.close()
+
+
+def _dead() -> str:
+    return f"tcp://127.0.0.1:{free_base_port()}"
+
+
+def test_an_answer_and_a_silence(answerer: _Answerer) -> None:
+    up = f"tcp://127.0.0.1:{answerer.port}"
+    down = _dead()
+    got = query_status([up, down], 0.5)
+    assert got[0] == {"endpoint": up, "reachable": True, "role": "active", "sequence": 5,
+                      "keys": 2}  # fmt: skip
+    assert got[1]["endpoint"] == down and got[1]["reachable"] is False
+    assert all(got[1][c] is None for c in STATUS_COLUMNS)
+    assert "no answer within 0.5 s" in got[1]["error"]
+
+
+def test_a_bad_reply_is_unreachable() -> None:
+    server = _Answerer([b"STATUS", b"[]"])
+    try:
+        (got,) = query_status([f"tcp://127.0.0.1:{server.port}"], 1.0)
+    finally:
+        server.close()
+    assert got["reachable"] is False and "bad reply" in got["error"]
+
+
+def test_query_refuses_bad_arguments() -> None:
+    with pytest.raises(ValueError):
+        query_status(["tcp://127.0.0.1:5556"], 0)
+    with pytest.raises(ValueError):
+        query_status(["nohost"], 1.0)
+
+
+def test_table() -> None:
+    lines = status_table(
+        [
+            {"endpoint": "tcp://a:1", "reachable": True, "role": "active", "sequence": 10,
+             "keys": 4, "peer_state": {"state": "passive", "alive": True},
+             "uptime": 3725.2, "version": "0.1.0"},
+            {"endpoint": "tcp://b:1", "reachable": False, "role": None, "sequence": None,
+             "keys": None, "peer_state": None, "uptime": None, "version": None},
+        ]
+    )  # fmt: skip
+    assert lines[0].split() == [
+        "ENDPOINT", "REACHABLE", "ROLE", "SEQUENCE", "KEYS", "PEER", "UPTIME", "VERSION",
+    ]  # fmt: skip
+    assert lines[1].split() == [
+        "tcp://a:1", "yes", "active", "10", "4", "passive", "(alive)", "1h02m05s", "0.1.0",
+    ]  # fmt: skip
+    assert lines[2].split() == ["tcp://b:1", "NO", "-", "-", "-", "-", "-", "-"]
+    assert len({line.index("ROLE") for line in lines[:1]}) == 1
+
+
+def test_cli_json_and_exit_codes(answerer: _Answerer, capsys: pytest.CaptureFixture[str]) -> None:
+    up = f"tcp://127.0.0.1:{answerer.port}"
+    assert main(["--servers", up, "status", "--json", "--timeout", "1"]) == EXIT_OK
+    (one,) = json.loads(capsys.readouterr().out)
+    assert one["reachable"] is True and one["role"] == "active"
+    down = _dead()
+    code = main(["--servers", f"{up},{down}", "--timeout", "0.3", "status", "--json"])
+    assert code == EXIT_UNREACHABLE
+    out, err = capsys.readouterr()
+    assert [s["reachable"] for s in json.loads(out)] == [True, False]
+    assert f"{down} did not answer within 0.3 s" in err
+
+
+def test_cli_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--servers", "nohost", "status"]) == EXIT_UNREACHABLE
+    assert "nohost" in capsys.readouterr().err
+    assert main(["--servers", "127.0.0.1:1", "status", "--timeout", "0"]) == EXIT_UNREACHABLE
+    assert "--timeout" in capsys.readouterr().err
+    code = main(["--servers", "127.0.0.1:1", "--curve-secret", "/nonexistent", "status"])
+    assert code == EXIT_UNREACHABLE
+    assert "server_key" in capsys.readouterr().err
