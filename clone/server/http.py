@@ -384,7 +384,7 @@ class HttpMixin(ServerBase):
         old, self._monitor_stream = self._monitor_stream, None
         if old is not None:
             self._forget(old)
-        secure = pub.socket_type == zmq.XPUB
+        secure = pub.type == zmq.XPUB
         events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
         if secure:
             for name in (

@@ -1,0 +1,187 @@
+"""The monitoring pieces without processes: the histogram and subscriber count
+behind /metrics, the status hub's lag rule, --http-port and --log-format, and an
+in-process server's HTTP port (metrics parsed, health, a plain PUB's
+connections counted from its monitor)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+import zmq
+from prometheus_client.parser import text_string_to_metric_families
+
+from clone.logformat import JsonFormatter, formatter
+from clone.server.cli import build_parser, config_from_args
+from clone.server.config import ServerConfig
+from clone.server.http import StatusHub
+from clone.server.metrics import DurationHistogram, SubscriberCount
+from clone.server.reactor import CloneServer
+from tests.support.ports import free_base_port, free_port
+from tests.support.waiting import eventually
+
+
+def test_histogram_buckets_are_cumulative() -> None:
+    h = DurationHistogram((0.1, 1.0))
+    for seconds in (0.05, 0.1, 0.5, 3.0):
+        h.observe(seconds)
+    assert h.buckets() == [("0.1", 2), ("1.0", 3), ("+Inf", 4)]
+    assert h.count == 4 and h.total == pytest.approx(3.65)
+    with pytest.raises(ValueError):
+        DurationHistogram((1.0, 0.5))
+
+
+@pytest.mark.parametrize(
+    ("secure", "events", "expected"),
+    [
+        (False, [zmq.EVENT_ACCEPTED, zmq.EVENT_ACCEPTED, zmq.EVENT_DISCONNECTED], 1),
+        (False, [zmq.EVENT_DISCONNECTED], 0),  # never below zero
+        # CURVE: one admitted, one refused by ZAP; both end disconnected later.
+        (
+            True,
+            [
+                zmq.EVENT_ACCEPTED,
+                zmq.EVENT_HANDSHAKE_SUCCEEDED,
+                zmq.EVENT_ACCEPTED,
+                zmq.EVENT_HANDSHAKE_FAILED_AUTH,
+                zmq.EVENT_DISCONNECTED,
+            ],
+            1,
+        ),
+        (True, [zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED], 0),
+    ],
+)
+def test_subscriber_count(secure: bool, events: list[int], expected: int) -> None:
+    count = SubscriberCount(secure=secure)
+    for event in events:
+        count.on_event(event)
+    assert count.value == expected
+
+
+class _Future:
+    def __init__(self) -> None:
+        self.finished = False
+
+    def done(self) -> bool:
+        return self.finished
+
+
+class _FakeSocket:
+    def __init__(self) -> None:
+        self.sent: list[str] = []
+        self.last = _Future()
+
+    def write_message(self, text: str) -> _Future:
+        self.sent.append(text)
+        self.last = _Future()
+        return self.last
+
+
+def test_status_hub_skips_a_lagging_client_and_is_bounded() -> None:
+    hub = StatusHub(limit=2)
+    fast, slow, extra = _FakeSocket(), _FakeSocket(), _FakeSocket()
+    assert hub.admit(fast) and hub.admit(slow)  # type: ignore[arg-type]
+    assert not hub.admit(extra)  # type: ignore[arg-type]
+    for n in range(3):
+        hub.broadcast(str(n))
+        fast.last.finished = True  # the fast one keeps up; the slow one never does
+    assert fast.sent == ["0", "1", "2"]
+    assert slow.sent == ["0"]
+    assert hub.skipped == 2 and hub.refused == 1
+
+
+def test_http_port_flag() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["--standalone", "--in-memory", "--http-port", "9100"])
+    assert config_from_args(args).http_port == 9100
+    assert config_from_args(parser.parse_args(["--standalone", "--in-memory"])).http_port is None
+    for bad in ("0", "70000", "x"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--standalone", "--http-port", bad])
+    with pytest.raises(ValueError):
+        ServerConfig(port=5556, http_port=0)
+
+
+def _record(msg: str, *args: object, exc: bool = False) -> logging.LogRecord:
+    exc_info = None
+    if exc:
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError:
+            exc_info = sys.exc_info()
+    return logging.LogRecord("clone.x", logging.WARNING, __file__, 1, msg, args, exc_info)
+
+
+def test_json_log_format_is_one_object_per_line() -> None:
+    fmt = JsonFormatter()
+    line = fmt.format(_record("hello %s, %d", "you", 3))
+    obj = json.loads(line)
+    assert obj["level"] == "WARNING" and obj["logger"] == "clone.x"
+    assert obj["message"] == "hello you, 3"
+    assert "T" in obj["time"] and obj["time"][-6] in "+-"  # ISO 8601 with the offset
+    line = fmt.format(_record("failed", exc=True))
+    assert "\n" not in line
+    obj = json.loads(line)
+    assert "RuntimeError: boom" in obj["exc_info"] and "Traceback" in obj["exc_info"]
+    assert isinstance(formatter("json"), JsonFormatter)
+    assert not isinstance(formatter("text"), JsonFormatter)
+    with pytest.raises(ValueError):
+        formatter("xml")
+    assert build_parser().parse_args(["--standalone", "--log-format", "json"]).log_format == "json"
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[CloneServer, int]]:
+    http = free_port()
+    srv = CloneServer(ServerConfig(port=free_base_port(), bind="127.0.0.1", http_port=http))
+    srv.start()
+    yield srv, http
+    srv.stop()
+
+
+def _get(port: int, path: str) -> tuple[int, bytes]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as reply:
+        return reply.status, reply.read()
+
+
+def test_in_process_http_port(server: tuple[CloneServer, int]) -> None:
+    srv, http = server
+    code, body = _get(http, "/metrics")
+    assert code == 200
+    names = {f.name for f in text_string_to_metric_families(body.decode())}
+    assert {"clone_sequence", "clone_role", "clone_subscribers", "clone_snapshot_seconds"} <= names
+    assert "clone_peer_up" not in names  # standalone: no peer
+    assert json.loads(_get(http, "/healthz")[1]) == {"role": "active", "sequence": 0}
+    assert _get(http, "/")[1].startswith(b"<!doctype html>")
+    assert b"WebSocket" in _get(http, "/status.js")[1]
+
+    # A plain PUB: its connections are counted from the socket monitor.
+    ctx = zmq.Context()
+    try:
+        subs = []
+        for _ in range(2):
+            sub = ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.connect(f"tcp://127.0.0.1:{srv.config.port + 1}")
+            subs.append(sub)
+        eventually(lambda: srv.subscribers == 2, 5, "two subscribers")
+        subs.pop().close()
+        eventually(lambda: srv.subscribers == 1, 5, "one subscriber left")
+    finally:
+        ctx.destroy(linger=0)
+
+
+def test_http_port_in_use_stops_the_start() -> None:
+    http = free_port()
+    first = CloneServer(ServerConfig(port=free_base_port(), bind="127.0.0.1", http_port=http))
+    first.start()
+    try:
+        second = CloneServer(ServerConfig(port=free_base_port(), bind="127.0.0.1", http_port=http))
+        with pytest.raises(Exception, match="HTTP port"):
+            second.start()
+    finally:
+        first.stop()
