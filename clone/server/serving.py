@@ -418,6 +418,8 @@ class ServingMixin(ServerBase):
             failovers=self._failover_count(),
             last_failover=self._last_failover,
             peer=peer,
+            # Counted by the HTTP part (clone.server.http) when it watches the publisher.
+            subscribers=getattr(self, "subscribers", None),
         )
 
     def _failover_count(self) -> int:
