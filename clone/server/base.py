@@ -28,6 +28,7 @@ from clone.server.core import ServerCore
 from clone.server.delta import DeltaStream
 from clone.server.metrics import DurationHistogram, SubscriberCount
 from clone.server.snapshot import SnapshotStream
+from clone.server.status import StatusLimiter, clone_version
 from clone.server.votes import DeferredVotes
 from clone.wire.frames import cap_message_size
 from clone.wire.protocol import MAX_HEARTBEAT_MS
@@ -38,6 +39,11 @@ if TYPE_CHECKING:
     from clone.storage import Storage
 
 __all__ = ["AnyStream", "ServerBase"]
+
+# STATUS? answers per second, and at once: enough for every monitor of a pair,
+# too few for a flood to take the loop from clients and the peer.
+_STATUS_RATE = 20.0
+_STATUS_BURST = 40
 
 #: A reply being streamed from the snapshot port: the state, or a catch-up.
 AnyStream = SnapshotStream | DeltaStream
@@ -142,6 +148,12 @@ class ServerBase:
         self.recent_changes: deque[tuple[int, bytes]] = deque(maxlen=RECENT_CHANGES)
         # (Unix time, from role, to role), oldest first.
         self.role_changes: deque[tuple[float, str, str]] = deque(maxlen=ROLE_CHANGES)
+        # For STATUS? (clone.server.status): uptime, its rate limit, the last
+        # takeover (Unix time; counted in counters["failovers"]) and our version.
+        self._started_at = clock()
+        self._status_limiter = StatusLimiter(_STATUS_RATE, _STATUS_BURST, self._started_at)
+        self._last_failover: float | None = None
+        self._version = clone_version()
         self._subscriber_count: SubscriberCount | None = None
         self.counters: dict[str, int] = dict.fromkeys(
             (
@@ -171,6 +183,8 @@ class ServerBase:
                 "security_reload_errors",
                 "publisher_rebinds",
                 "failovers",
+                "status_requests",
+                "status_dropped",
             ),
             0,
         )

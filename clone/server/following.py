@@ -61,6 +61,7 @@ class FollowingMixin(ServerBase):
         self._note_role(was.value, core.role.value)
         if was is Role.PASSIVE:
             self.counters["failovers"] += 1
+            self._last_failover = self._wallclock()
         self._record_term()
         batch = self._commit()
         self._close_peer()

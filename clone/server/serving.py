@@ -33,7 +33,7 @@ from clone.security import PEER_USER
 from clone.server.base import CLOCK_EVERY, TURN_BUDGET, AnyStream, ServerBase, log, who
 from clone.server.core import Role
 from clone.server.delta import DeltaStream
-from clone.server.status import PeerView, StatusLimiter, clone_version, server_status
+from clone.server.status import PeerView, server_status
 from clone.wire.control import view_id
 from clone.wire.delta import SINCE_PROPERTY, SinceRequest, parse_since
 from clone.wire.frames import NOBLOCK, POLLIN, send_frames, send_tracked
@@ -56,10 +56,6 @@ _STALL_RETRY = 0.005  # seconds before retrying a snapshot send that hit the HWM
 _BATCHES_IN_FLIGHT = 4
 # Snapshot requests handled after one pump turn at most (see _take_router_backlog).
 _ROUTER_BACKLOG_BATCH = 100
-# STATUS? answers per second, and at once: enough for every monitor of a pair,
-# too few for a flood to take the loop from clients and the peer.
-_STATUS_RATE = 20.0
-_STATUS_BURST = 40
 
 
 def _has_metadata(frame: zmq.Frame, name: str, value: str) -> bool:
@@ -106,14 +102,6 @@ def _wants_applied(frame: zmq.Frame) -> bool:
 
 class ServingMixin(ServerBase):
     """Answer snapshot requests: vote, hold, stream, stall and abort."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._started_at = self._clock()  # for the status's uptime
-        self._status_limiter = StatusLimiter(_STATUS_RATE, _STATUS_BURST, self._started_at)
-        self._last_failover: float | None = None  # Unix time
-        self._version = clone_version()
-        self.counters.update(status_requests=0, status_dropped=0)
 
     # -- the snapshot port ---------------------------------------------------
 
@@ -415,31 +403,12 @@ class ServingMixin(ServerBase):
             version=self._version,
             data_dir=cfg.data_dir,
             curve=self._keypair is not None,
-            failovers=self._failover_count(),
+            failovers=self.counters["failovers"],
             last_failover=self._last_failover,
             peer=peer,
             # Counted by the HTTP part (clone.server.http) when it watches the publisher.
             subscribers=getattr(self, "subscribers", None),
         )
-
-    def _failover_count(self) -> int:
-        c = self.core.counters
-        return c["promotions"] + c["demotions"]
-
-    # Role changes, for the status's last_failover: the roles themselves are
-    # FollowingMixin's (after us in CloneServer's bases); we only note the time.
-
-    def _on_became_active(self) -> None:
-        before = self._failover_count()
-        super()._on_became_active()
-        if self._failover_count() != before:
-            self._last_failover = self._wallclock()
-
-    def _on_became_passive(self) -> None:
-        before = self._failover_count()
-        super()._on_became_passive()  # type: ignore[misc]
-        if self._failover_count() != before:
-            self._last_failover = self._wallclock()
 
     # -- deferred votes --------------------------------------------------------
 

@@ -57,10 +57,12 @@ Fields (every one always present; ``null`` where it does not apply):
 ``curve``
     bool, whether CURVE (and the ACL) is on.
 ``last_failover``
-    float, Unix time of the last promotion or demotion of this process, or ``null``.
+    float, Unix time this process last took over from its peer (passive to
+    active), or ``null``.
 ``failovers``
-    int, promotions plus demotions of this process (the first promotion at
-    start counts: a server that came up active shows 1).
+    int, how often this process took over from its peer: the same count as
+    the ``clone_failovers_total`` metric (the first promotion at start is not
+    one).
 ``subscribers``
     int, connected update subscribers when the server knows it, else ``null``.
 """
