@@ -578,6 +578,7 @@ def test_public_api() -> None:
         "Entry",
         "NotSynced",
         "Status",
+        "WriteRefused",
         "clone_get",
         "clone_set",
         "errors",
