@@ -288,15 +288,18 @@ def _curve_files(args: argparse.Namespace) -> tuple[str | None, str | None]:
 
 def _keygen(args: argparse.Namespace) -> int:
     """``clone keygen --dir DIR NAME``: :func:`clone.security.keygen`."""
-    from clone.security import keygen
+    from clone.security import fingerprint, keygen, load_public
 
     try:
         public, secret = keygen(args.dir, args.name)
+        # What the server logs for this key, to tell it apart from others there.
+        print_ = fingerprint(load_public(public))
     except SecurityError as exc:
         print(f"clone: {exc}", file=sys.stderr)
         return EXIT_ERROR
     _emit(str(public))
     _emit(str(secret))
+    _emit(f"fingerprint {print_}")
     return EXIT_OK
 
 

@@ -29,8 +29,10 @@ from clone.errors import NotSynced, SecurityError, WriteRefused
 from clone.security import (
     Gatekeeper,
     configure_server_socket,
+    fingerprint,
     keygen,
     load_client_keys,
+    load_public,
     load_secret,
 )
 from clone.wire.codec import (
@@ -255,8 +257,10 @@ def test_environment_gives_the_curve_files(monkeypatch: pytest.MonkeyPatch) -> N
 def test_cli_keygen_prints_both_paths(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     target = tmp_path / "k"
     assert cli.main(["keygen", "--dir", str(target), "bob"]) == 0
-    out = capsys.readouterr().out.split()
-    assert out == [str(target / "bob.key"), str(target / "bob.key_secret")]
+    out = capsys.readouterr().out.splitlines()
+    assert out[:2] == [str(target / "bob.key"), str(target / "bob.key_secret")]
+    # The fingerprint the server logs for this key (never the key itself).
+    assert out[2] == f"fingerprint {fingerprint(load_public(target / 'bob.key'))}"
     assert (target / "bob.key_secret").stat().st_mode & 0o777 == 0o600
     assert cli.main(["keygen", "--dir", str(target), "bob"]) == cli.EXIT_ERROR
     assert "refusing to overwrite" in capsys.readouterr().err
