@@ -6,7 +6,14 @@ imported by ``import clone``.
 
 from clone import errors
 from clone.client.frontend import Clone, Entry, Status, clone_get, clone_set
-from clone.errors import CloneError, ClosedError, ConfirmTimeout, NotSynced, WriteRefused
+from clone.errors import (
+    CloneError,
+    ClosedError,
+    ConfirmTimeout,
+    HistoryCompacted,
+    NotSynced,
+    WriteRefused,
+)
 
 __all__ = [
     "Clone",
@@ -14,6 +21,7 @@ __all__ = [
     "ClosedError",
     "ConfirmTimeout",
     "Entry",
+    "HistoryCompacted",
     "NotSynced",
     "Status",
     "WriteRefused",

@@ -24,6 +24,7 @@ __all__ = [
     "DataDirIncompatible",
     "SecurityError",
     "WriteRefused",
+    "HistoryCompacted",
 ]
 
 
@@ -135,3 +136,24 @@ class WriteRefused(CloneError):
 
     def __reduce__(self) -> tuple[type[WriteRefused], tuple[str, str]]:
         return (type(self), (self.reason, self.key))
+
+
+class HistoryCompacted(CloneError):
+    """The server's update history no longer reaches back to the sequence asked for.
+
+    Raised by ``changes(since=N)`` and ``clone watch --since N``: ``requested``
+    is N, ``oldest`` the oldest sequence the history still holds (the changes
+    from ``oldest`` on can be replayed; those from N+1 to ``oldest - 1`` cannot).
+    """
+
+    def __init__(self, requested: int, oldest: int) -> None:
+        self.requested = requested
+        self.oldest = oldest
+        super().__init__(
+            f"cannot replay the changes after sequence {requested}: the server's history "
+            f"starts at sequence {oldest}; ask for a later sequence (since={oldest - 1} or "
+            f"more) or take a snapshot (clone dump)"
+        )
+
+    def __reduce__(self) -> tuple[type[HistoryCompacted], tuple[int, int]]:
+        return (type(self), (self.requested, self.oldest))

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from clone.errors import IllegalSyncTransition, ProtocolError, StoreFull
-from clone.server.delta import DeltaStream, open_catch_up
+from clone.server.delta import DeltaStream, open_catch_up, open_history
 from clone.server.history import History
 from clone.server.journal import Journal
 from clone.server.pending import PendingList, PendingUpdate, UuidWindow, update_id
@@ -316,6 +316,8 @@ class ServerCore:
         which then goes first, as of ``now``.  ``since``: it holds our state
         up to a sequence and asks only for what followed (:mod:`clone.wire.delta`);
         it gets that if the history still reaches back to it, else the whole state.
+        A history request (``since`` without a digest, a client's) always gets
+        a delta, filtered by ``subtree`` and ``allowed``, or a compacted reply.
         ``allowed``: the requester may read only keys under these prefixes
         (clone.server.security); ``end_properties`` go into its KTHXBAI.
         """
@@ -325,7 +327,20 @@ class ServerCore:
             preamble = encode_kvapplied(
                 self.store.sequence, uuid_ids(window.ids()), window.span(now)
             )
-        if since is not None and not subtree:
+        if since is not None and since.history:
+            # A client's history request: the updates it asked for, or why not;
+            # never a snapshot.
+            return open_history(
+                self.history,
+                since,
+                identity,
+                self.store.sequence,
+                preamble,
+                subtree=subtree,
+                allowed=allowed,
+                end_properties=end_properties,
+            )
+        if since is not None and not subtree and allowed is None:
             delta = open_catch_up(self.history, since, identity, self.store.sequence, preamble)
             if delta is not None:
                 return delta

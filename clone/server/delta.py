@@ -21,6 +21,13 @@ sequence of the last one.  Sans-IO: no sockets, no clock.
 
 When :func:`open_catch_up` returns None the requester gets a full snapshot;
 the rules are in :mod:`clone.wire.delta`.
+
+A client's *history request* (no digest, ``changes(since=N)``) is answered by
+:func:`open_history`, which always returns a stream: the updates after N under
+the requested subtree and, for a restricted requester, under its read
+prefixes (so the delta may skip sequences: it is exact within that filter),
+or -- when the history no longer reaches back to N -- a KVDELTA saying
+``compacted=<oldest held>`` followed directly by KTHXBAI.
 """
 
 from __future__ import annotations
@@ -28,10 +35,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from clone.server.history import History
-from clone.wire.codec import encode_kthxbai
+from clone.server.snapshot import effective_prefixes
+from clone.wire.codec import Properties, encode_kthxbai
 from clone.wire.delta import SinceRequest, encode_kvdelta, update_digest
 
-__all__ = ["DeltaStream", "open_catch_up"]
+__all__ = ["DeltaStream", "open_catch_up", "open_history"]
 
 
 class DeltaStream:
@@ -40,19 +48,20 @@ class DeltaStream:
     __slots__ = (
         "_current",
         "_done",
+        "_end_properties",
         "_ended",
         "_head",
         "_index",
         "_preamble",
         "_updates",
+        "compacted",
         "from_sequence",
         "identity",
         "sent",
         "sequence",
+        "subtree",
     )
 
-    #: The whole store: a delta is never for a subtree.
-    subtree = ""
     #: Never batched: updates go out as KVSYNCs (for the pump's bookkeeping).
     batch = False
     #: KVBATCH messages sent: always none.
@@ -66,20 +75,34 @@ class DeltaStream:
         sequence: int,
         *,
         preamble: Sequence[Sequence[bytes]] = (),
+        subtree: str = "",
+        filtered: bool = False,
+        compacted: int | None = None,
+        end_properties: Properties = (),
     ) -> None:
-        if sequence - from_sequence != len(updates):
+        if not filtered and compacted is None and sequence - from_sequence != len(updates):
             # The updates must be exactly from_sequence+1 .. sequence, or the
-            # requester would end up with a gap or a stale sequence.
+            # requester would end up with a gap or a stale sequence.  A
+            # filtered delta (a history request's subtree or read prefixes)
+            # skips the others by design.
             raise ValueError(
                 f"{len(updates)} updates do not lead from {from_sequence} to {sequence}"
             )
+        if compacted is not None and updates:
+            raise ValueError("a compacted reply carries no update")
         self.identity = identity
         self.from_sequence = from_sequence
-        #: What KTHXBAI carries: the sequence of the last update sent.
+        #: What KTHXBAI carries: the store's sequence when the stream opened
+        #: (that of the last update held).
         self.sequence = sequence
+        #: The subtree KTHXBAI names ("" but for a history request).
+        self.subtree = subtree
+        #: The oldest sequence held, when the history request cannot be answered.
+        self.compacted = compacted
+        self._end_properties = end_properties
         # Reversed, so the next one is popped off the end.
         self._preamble = [[identity, *frames] for frames in reversed(preamble)]
-        self._head: list[bytes] | None = [identity, *encode_kvdelta(from_sequence)]
+        self._head: list[bytes] | None = [identity, *encode_kvdelta(from_sequence, compacted)]
         self._updates = updates
         self._index = 0
         self._current: list[bytes] | None = None
@@ -113,7 +136,10 @@ class DeltaStream:
         else:
             self._updates = []  # free the references as soon as possible
             self._ended = True
-            self._current = [self.identity, *encode_kthxbai(self.sequence, "")]
+            self._current = [
+                self.identity,
+                *encode_kthxbai(self.sequence, self.subtree, self._end_properties),
+            ]
         return self._current
 
     def advance(self) -> None:
@@ -159,3 +185,49 @@ def open_catch_up(
     if held is None or update_digest(held[0]) != request.digest:
         return None
     return DeltaStream(identity, history.since(since), since, sequence, preamble=preamble)
+
+
+def open_history(
+    history: History,
+    request: SinceRequest,
+    identity: bytes,
+    sequence: int,
+    preamble: Sequence[Sequence[bytes]] = (),
+    *,
+    subtree: str = "",
+    allowed: Sequence[bytes] | None = None,
+    end_properties: Properties = (),
+) -> DeltaStream:
+    """The reply to a client's history request: every update after
+    ``request.sequence`` under ``subtree`` and the ``allowed`` read prefixes
+    (None: all), or a compacted reply when the history does not reach back.
+
+    ``sequence`` is the store's.  A request at or beyond it has nothing to
+    replay: an empty delta (KTHXBAI then carries ``sequence``, which may be
+    below ``from_sequence``; the requester goes live from its own).  Otherwise
+    the history must end at ``sequence`` and cover the request, or the reply
+    is compacted, naming the oldest sequence still held (``sequence + 1``
+    when none is: only updates from now on can be replayed).
+    """
+    since = request.sequence
+    prefixes = effective_prefixes(subtree.encode("utf-8"), allowed)
+    filtered = prefixes != (b"",)
+    if since >= sequence:
+        return DeltaStream(
+            identity, [], since, sequence, preamble=preamble, subtree=subtree,
+            filtered=True, end_properties=end_properties,
+        )
+    last = history.base + len(history)
+    if last != sequence or not history.covers(since):
+        oldest = history.base + 1 if last == sequence else sequence + 1
+        return DeltaStream(
+            identity, [], since, sequence, preamble=preamble, subtree=subtree,
+            compacted=oldest, end_properties=end_properties,
+        )
+    updates = history.since(since)
+    if filtered:
+        updates = [frames for frames in updates if frames[0].startswith(prefixes)]
+    return DeltaStream(
+        identity, updates, since, sequence, preamble=preamble, subtree=subtree,
+        filtered=filtered, end_properties=end_properties,
+    )

@@ -76,7 +76,7 @@ def _wants_batches(frame: zmq.Frame) -> bool:
 
 
 def _since(frame: zmq.Frame) -> SinceRequest | None:
-    """The requester's catch-up request (:mod:`clone.wire.delta`), if it made one.
+    """The requester's catch-up or history request (:mod:`clone.wire.delta`), if any.
 
     Raises ProtocolError for a malformed one (the caller serves the whole state).
     """
@@ -156,7 +156,8 @@ class ServingMixin(ServerBase):
     ) -> None:
         """Stream a snapshot for an accepted vote (in KVBATCHes if ``batch``,
         after the applied-update list if ``applied``), or only the updates
-        after ``since`` when the history still holds them."""
+        after ``since`` when the history still holds them (a client's history
+        request: those or a compacted reply, never a snapshot)."""
         if self.core.role is not Role.ACTIVE:
             # The vote was accepted; make sure the promotion happened first.
             self._on_became_active()
@@ -177,7 +178,11 @@ class ServingMixin(ServerBase):
             # the peer-only extensions are for the pair's own key alone.
             rights = self._rights_of(user if user in self._admitted else None)
             if user != PEER_USER:
-                applied, since = False, None
+                # A client's history request stays, filtered by its read
+                # prefixes below; a digest catch-up is for the peer alone.
+                applied = False
+                if since is not None and not since.history:
+                    since = None
             if not rights.read_all:
                 allowed = rights.read
                 vid = view_id(rights.read)
@@ -193,8 +198,8 @@ class ServingMixin(ServerBase):
             allowed=allowed,
             end_properties=end_properties,
         )
-        if isinstance(stream, DeltaStream):
-            self.counters["catchups_served"] += 1
+        if isinstance(stream, DeltaStream) and since is not None and not since.history:
+            self.counters["catchups_served"] += 1  # a peer's; not a client's history
         self._snapshots[stream] = self._snapshot_started[stream] = self._clock()
         if batch:
             self._in_flight[stream] = deque()

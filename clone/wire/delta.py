@@ -39,6 +39,17 @@ first, then KVDELTA.
 
 Guide peers never set the metadata and so never see KVDELTA.
 
+**History request** (a client's ``changes(since=N)``, :mod:`clone.client.history`):
+the same metadata *without* a digest, ``X-CHP-Since: <sequence>``, means "I hold
+no state; send me every update after ``sequence``".  No digest is compared and
+``sequence`` 0 is allowed (when the history still starts at 0).  The reply is
+the KVDELTA stream above when the history covers ``sequence`` -- filtered by
+the request's subtree and a restricted requester's read prefixes, so it may
+skip sequences -- and otherwise a KVDELTA whose properties say
+``compacted=<oldest sequence still held>``, followed directly by KTHXBAI: the
+history no longer reaches back to ``sequence``.  A history request never gets
+a full snapshot.
+
 Like :mod:`clone.wire.codec`, the decoders are total: they return a value or
 raise :class:`~clone.errors.ProtocolError`.
 """
@@ -50,13 +61,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from clone.errors import ProtocolError
-from clone.wire.codec import decode_properties
+from clone.wire.codec import decode_properties, encode_properties
 from clone.wire.protocol import KVDELTA, SINCE_DIGEST_BYTES, SINCE_PROPERTY
 
 __all__ = [
+    "COMPACTED_PROPERTY",
     "DELTA_FRAMES",
+    "DeltaHead",
     "SinceRequest",
     "decode_kvdelta",
+    "decode_kvdelta_head",
     "encode_kvdelta",
     "is_kvdelta",
     "parse_since",
@@ -72,14 +86,39 @@ _MAX_SEQUENCE = 2**64 - 1
 # Decimal digits of 2**64-1: a longer number is refused before int() parses it.
 _MAX_SEQUENCE_DIGITS = len(str(_MAX_SEQUENCE))
 _HEX = frozenset("0123456789abcdefABCDEF")
+#: The KVDELTA property of a history reply that cannot be given: the oldest
+#: sequence the server's history still holds.
+COMPACTED_PROPERTY = "compacted"
 
 
 @dataclass(frozen=True, slots=True)
 class SinceRequest:
-    """A requester's ``X-CHP-Since``: the sequence and digest of its last update."""
+    """A requester's ``X-CHP-Since``: the sequence and digest of its last update.
+
+    ``digest`` None is a history request: a client that holds no state and
+    wants every update after ``sequence``.
+    """
 
     sequence: int
-    digest: bytes
+    digest: bytes | None = None
+
+    @property
+    def history(self) -> bool:
+        """Whether this is a history request (no digest), not a peer's catch-up."""
+        return self.digest is None
+
+
+@dataclass(frozen=True, slots=True)
+class DeltaHead:
+    """A decoded KVDELTA: the updates that follow come after ``from_sequence``.
+
+    ``compacted`` is set on the reply to a history request that the server's
+    history no longer reaches: the oldest sequence it still holds.  No update
+    follows then, only KTHXBAI.
+    """
+
+    from_sequence: int
+    compacted: int | None = None
 
 
 def _check_sequence(sequence: int) -> None:
@@ -87,9 +126,14 @@ def _check_sequence(sequence: int) -> None:
         raise ValueError(f"sequence {sequence} is outside 0..2**64-1")
 
 
-def since_metadata(sequence: int, digest: bytes) -> bytes:
-    """The ``ZMQ_METADATA`` option value that asks for a delta after ``sequence``."""
+def since_metadata(sequence: int, digest: bytes | None = None) -> bytes:
+    """The ``ZMQ_METADATA`` option value that asks for a delta after ``sequence``.
+
+    Without ``digest``: a history request (every update after ``sequence``).
+    """
     _check_sequence(sequence)
+    if digest is None:
+        return f"{SINCE_PROPERTY}:{sequence}".encode()
     if len(digest) != SINCE_DIGEST_BYTES:
         raise ValueError(f"digest of {len(digest)} bytes, expected {SINCE_DIGEST_BYTES}")
     return f"{SINCE_PROPERTY}:{sequence},{digest.hex()}".encode()
@@ -99,18 +143,24 @@ def parse_since(value: str) -> SinceRequest:
     """Parse an ``X-CHP-Since`` metadata value; ProtocolError if malformed.
 
     Strict, because a misread sequence would silently skip updates: one
-    decimal sequence in 0..2**64-1, one comma, exactly 16 hex digits.
+    decimal sequence in 0..2**64-1, then either nothing (a history request)
+    or one comma and exactly 16 hex digits.
     """
     parts = value.split(",")
-    if len(parts) != 2:
-        raise ProtocolError(f"{SINCE_PROPERTY} {value[:60]!r} is not '<sequence>,<digest>'")
-    seq_text, hex_text = parts
+    if len(parts) > 2:
+        raise ProtocolError(
+            f"{SINCE_PROPERTY} {value[:60]!r} is not '<sequence>[,<digest>]'"
+        )
+    seq_text = parts[0]
     # isascii() first: str.isdigit() accepts digits of other scripts.
     if not (seq_text.isascii() and seq_text.isdigit()) or len(seq_text) > _MAX_SEQUENCE_DIGITS:
         raise ProtocolError(f"{SINCE_PROPERTY} sequence {seq_text[:30]!r} is not a decimal number")
     sequence = int(seq_text)
     if sequence > _MAX_SEQUENCE:
         raise ProtocolError(f"{SINCE_PROPERTY} sequence {sequence} is over 2**64-1")
+    if len(parts) == 1:
+        return SinceRequest(sequence)
+    hex_text = parts[1]
     # Checked by hand: bytes.fromhex() would skip whitespace.
     if len(hex_text) != 2 * SINCE_DIGEST_BYTES or not _HEX.issuperset(hex_text):
         raise ProtocolError(
@@ -135,10 +185,18 @@ def update_digest(frames: Sequence[bytes]) -> bytes:
     return h.digest()
 
 
-def encode_kvdelta(from_sequence: int) -> list[bytes]:
-    """The KVDELTA that announces the updates after ``from_sequence``."""
+def encode_kvdelta(from_sequence: int, compacted: int | None = None) -> list[bytes]:
+    """The KVDELTA that announces the updates after ``from_sequence``.
+
+    ``compacted``: the history request cannot be answered; this is the oldest
+    sequence the history still holds.
+    """
     _check_sequence(from_sequence)
-    return [KVDELTA, from_sequence.to_bytes(8, "big"), b""]
+    if compacted is None:
+        return [KVDELTA, from_sequence.to_bytes(8, "big"), b""]
+    _check_sequence(compacted)
+    props = encode_properties(((COMPACTED_PROPERTY, str(compacted)),))
+    return [KVDELTA, from_sequence.to_bytes(8, "big"), props]
 
 
 def is_kvdelta(frames: Sequence[bytes]) -> bool:
@@ -153,10 +211,28 @@ def is_kvdelta(frames: Sequence[bytes]) -> bool:
 
 def decode_kvdelta(frames: Sequence[bytes]) -> int:
     """The ``from_sequence`` of a KVDELTA; ProtocolError on anything else."""
+    return decode_kvdelta_head(frames).from_sequence
+
+
+def decode_kvdelta_head(frames: Sequence[bytes]) -> DeltaHead:
+    """A KVDELTA with its properties; ProtocolError on anything else.
+
+    Unknown properties are ignored; ``compacted`` must be a decimal sequence.
+    """
     if len(frames) != DELTA_FRAMES or frames[0] != KVDELTA:
         raise ProtocolError(f"not a KVDELTA: {len(frames)} frames")
     _, seq, props = frames
     if len(seq) != 8:
         raise ProtocolError(f"KVDELTA sequence frame of {len(seq)} bytes, expected 8")
-    decode_properties(bytes(props))  # checked; none has a meaning yet
-    return int.from_bytes(seq, "big")
+    compacted: int | None = None
+    for name, value in decode_properties(bytes(props)):
+        if name != COMPACTED_PROPERTY:
+            continue
+        if (
+            not (value.isascii() and value.isdigit())
+            or len(value) > _MAX_SEQUENCE_DIGITS
+            or int(value) > _MAX_SEQUENCE
+        ):
+            raise ProtocolError(f"KVDELTA {COMPACTED_PROPERTY}={value[:30]!r} is not a sequence")
+        compacted = int(value)
+    return DeltaHead(int.from_bytes(seq, "big"), compacted)

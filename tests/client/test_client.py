@@ -576,6 +576,7 @@ def test_public_api() -> None:
         "ClosedError",
         "ConfirmTimeout",
         "Entry",
+        "HistoryCompacted",
         "NotSynced",
         "Status",
         "WriteRefused",
