@@ -214,20 +214,38 @@ def open_history(
     filtered = prefixes != (b"",)
     if since >= sequence:
         return DeltaStream(
-            identity, [], since, sequence, preamble=preamble, subtree=subtree,
-            filtered=True, end_properties=end_properties,
+            identity,
+            [],
+            since,
+            sequence,
+            preamble=preamble,
+            subtree=subtree,
+            filtered=True,
+            end_properties=end_properties,
         )
     last = history.base + len(history)
     if last != sequence or not history.covers(since):
         oldest = history.base + 1 if last == sequence else sequence + 1
         return DeltaStream(
-            identity, [], since, sequence, preamble=preamble, subtree=subtree,
-            compacted=oldest, end_properties=end_properties,
+            identity,
+            [],
+            since,
+            sequence,
+            preamble=preamble,
+            subtree=subtree,
+            compacted=oldest,
+            end_properties=end_properties,
         )
     updates = history.since(since)
     if filtered:
         updates = [frames for frames in updates if frames[0].startswith(prefixes)]
     return DeltaStream(
-        identity, updates, since, sequence, preamble=preamble, subtree=subtree,
-        filtered=filtered, end_properties=end_properties,
+        identity,
+        updates,
+        since,
+        sequence,
+        preamble=preamble,
+        subtree=subtree,
+        filtered=filtered,
+        end_properties=end_properties,
     )

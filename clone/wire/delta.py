@@ -148,9 +148,7 @@ def parse_since(value: str) -> SinceRequest:
     """
     parts = value.split(",")
     if len(parts) > 2:
-        raise ProtocolError(
-            f"{SINCE_PROPERTY} {value[:60]!r} is not '<sequence>[,<digest>]'"
-        )
+        raise ProtocolError(f"{SINCE_PROPERTY} {value[:60]!r} is not '<sequence>[,<digest>]'")
     seq_text = parts[0]
     # isascii() first: str.isdigit() accepts digits of other scripts.
     if not (seq_text.isascii() and seq_text.isdigit()) or len(seq_text) > _MAX_SEQUENCE_DIGITS:

@@ -12,8 +12,10 @@ from hypothesis import strategies as st
 
 from clone.errors import ProtocolError
 from clone.wire.delta import (
+    DeltaHead,
     SinceRequest,
     decode_kvdelta,
+    decode_kvdelta_head,
     encode_kvdelta,
     is_kvdelta,
     parse_since,
@@ -59,7 +61,6 @@ def test_since_accepts_upper_case_hex() -> None:
     [
         "",
         ",",
-        "42",
         "0123456789abcdef",
         "42,0123456789abcdef,",
         "42,0123456789abcdef,1",
@@ -106,7 +107,8 @@ def test_parse_since_is_total(value: str) -> None:
         request = parse_since(value)
     except ProtocolError:
         return
-    assert 0 <= request.sequence < 2**64 and len(request.digest) == 8
+    assert 0 <= request.sequence < 2**64
+    assert request.digest is None or len(request.digest) == 8
 
 
 # --------------------------------------------------------------------------
@@ -206,3 +208,56 @@ def test_decode_kvdelta_is_total(frames: list[bytes], as_delta: bool) -> None:
         assert 0 <= decode_kvdelta(frames) < 2**64
     except ProtocolError:
         pass
+
+
+# --------------------------------------------------------------------------
+# History requests: X-CHP-Since without a digest, and the compacted reply
+
+
+def test_history_request_is_the_sequence_alone() -> None:
+    assert since_metadata(20) == b"X-CHP-Since:20"
+    assert parse_since("20") == SinceRequest(20, None)
+    assert parse_since("20").history and not parse_since(f"20,{DIGEST.hex()}").history
+    assert parse_since("0") == SinceRequest(0)
+
+
+@given(st.integers(0, 2**64 - 1))
+def test_history_request_round_trip(seq: int) -> None:
+    _, _, value = since_metadata(seq).decode().partition(":")
+    assert parse_since(value) == SinceRequest(seq)
+
+
+@pytest.mark.parametrize("value", ["", "-1", "+1", " 1", "1 ", "0x10", "\u0661", f"{2**64}"])
+def test_history_request_is_as_strict_as_a_catch_up(value: str) -> None:
+    with pytest.raises(ProtocolError):
+        parse_since(value)
+
+
+def test_compacted_kvdelta_frames_by_hand() -> None:
+    assert encode_kvdelta(20, compacted=41) == [KVDELTA, struct.pack("!Q", 20), b"compacted=41\n"]
+    assert decode_kvdelta_head(encode_kvdelta(20, 41)) == DeltaHead(20, 41)
+    assert decode_kvdelta_head(encode_kvdelta(20)) == DeltaHead(20, None)
+    assert decode_kvdelta(encode_kvdelta(20, 41)) == 20
+
+
+@pytest.mark.parametrize("value", [b"", b"x", b"-1", b"1.5", str(2**64).encode(), b"9" * 30])
+def test_compacted_must_be_a_sequence(value: bytes) -> None:
+    with pytest.raises(ProtocolError, match="compacted"):
+        decode_kvdelta_head([KVDELTA, struct.pack("!Q", 1), b"compacted=" + value + b"\n"])
+
+
+@settings(max_examples=500)
+@given(
+    st.lists(frame, max_size=4),
+    st.one_of(st.text(max_size=25), st.integers(-3, 2**65).map(str)),
+)
+def test_decode_kvdelta_head_is_total(frames: list[bytes], compacted: str) -> None:
+    """For any input decode_kvdelta_head returns a head or raises ProtocolError."""
+    candidates = [frames, [KVDELTA, struct.pack("!Q", 2), f"compacted={compacted}\n".encode()]]
+    for candidate in candidates:
+        try:
+            head = decode_kvdelta_head(candidate)
+        except ProtocolError:
+            continue
+        assert 0 <= head.from_sequence < 2**64
+        assert head.compacted is None or 0 <= head.compacted < 2**64
