@@ -105,6 +105,7 @@ class ServerBase:
         self._acl: Acl | None = None
         self._admitted: set[str] = set()  # names whose connections count
         self._rights: dict[str, Rights] = {}
+        self._write_all: set[str] = set()  # names whose write prefixes include b""
         self._views: dict[str, tuple[bytes, ...]] = {}  # view id -> read prefixes
         self._view_counts: dict[str, int] = {}  # view id -> updates published in it
         self._view_prefixes: list[tuple[str, tuple[bytes, ...]]] = []

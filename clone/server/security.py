@@ -177,6 +177,8 @@ class SecurityMixin(ServerBase):
         self._acl = acl
         self._admitted = {*keys.names.values(), PEER_USER}
         self._rights = {name: acl.rights(name) for name in self._admitted}
+        # Who may write every key: their writes skip the prefix check (hot path).
+        self._write_all = {name for name, r in self._rights.items() if b"" in r.write}
         views = {view_id(prefixes): prefixes for prefixes in acl.views()}
         # Keep the counts of views that stay: their subscribers' bases stay valid.
         self._view_counts = {vid: self._view_counts.get(vid, 0) for vid in views}

@@ -33,6 +33,7 @@ __all__ = [
     "POLLIN",
     "cap_message_size",
     "recv_frames",
+    "recv_frames_and_first",
     "send_frames",
     "send_tracked",
 ]
@@ -77,6 +78,20 @@ def send_tracked(sock: zmq.Socket, frames: Sequence[bytes], flags: int) -> zmq.M
         _raw_send(sock, frame, more)
     tracker: zmq.MessageTracker = _raw_send(sock, frames[-1], flags, copy=False, track=True)
     return tracker
+
+
+def recv_frames_and_first(
+    sock: zmq.Socket, flags: int = NOBLOCK
+) -> tuple[zmq.Frame, list[bytes]]:
+    """As :func:`recv_frames`, and the first frame itself, whose connection
+    metadata (a CURVE client's ``User-Id``) only a frame can tell."""
+    first = frame = _raw_recv(sock, flags, False)
+    parts: list[bytes] = [frame.bytes]
+    while frame.more:
+        frame = _raw_recv(sock, flags, False)
+        if len(parts) < MAX_FRAMES:
+            parts.append(frame.bytes)
+    return first, parts
 
 
 def recv_frames(sock: zmq.Socket, flags: int = NOBLOCK) -> list[bytes]:
