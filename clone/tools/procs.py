@@ -119,15 +119,18 @@ def python_module_argv(module: str, *args: str) -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class ServerAddress:
-    """Where one server of a pair listens: CHP base port and Binary Star port."""
+    """Where one server of a pair listens: CHP base port, Binary Star port, and the
+    address it binds (the peer reaches it there too; loopback unless the server
+    runs in a network namespace of its own)."""
 
     name: str
     port: int
     ha_port: int = 0
+    host: str = "127.0.0.1"
 
     @property
     def endpoint(self) -> str:
-        return f"tcp://127.0.0.1:{self.port}"
+        return f"tcp://{self.host}:{self.port}"
 
 
 def _server_command() -> list[str]:
@@ -151,21 +154,22 @@ def server_argv(
 ) -> list[str]:
     """The command line of one ``clone-server`` (role: standalone, primary, backup).
 
-    ``data_dir``: where it keeps its state; None runs it ``--in-memory``.
+    ``data_dir``: where it keeps its state; None runs it ``--in-memory``.  It binds
+    ``me.host`` and reaches its peer at ``peer.host`` (both loopback by default).
     """
     if role not in ("standalone", "primary", "backup"):
         raise ValueError(f"unknown server role {role!r}")
-    argv = [*_server_command(), f"--{role}", "--port", str(me.port), "--bind", "127.0.0.1"]
+    argv = [*_server_command(), f"--{role}", "--port", str(me.port), "--bind", me.host]
     if role != "standalone":
         if peer is None:
             raise ValueError(f"a {role} server needs a peer")
         argv += [
             "--peer",
-            f"127.0.0.1:{peer.port}",
+            f"{peer.host}:{peer.port}",
             "--ha-port",
             str(me.ha_port),
             "--peer-ha",
-            f"127.0.0.1:{peer.ha_port}",
+            f"{peer.host}:{peer.ha_port}",
         ]
     if heartbeat_ms is not None:
         argv += ["--heartbeat", str(heartbeat_ms)]

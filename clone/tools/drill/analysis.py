@@ -57,6 +57,8 @@ __all__ = [
     "applied_before",
     "find_reverts",
     "highest_sequence_before",
+    "split_brain_lines",
+    "stepped_down_writes",
     "nearest_rank",
     "percentile",
     "revert_detail",
@@ -405,6 +407,63 @@ def highest_sequence_before(
             if ev.get("event") == "update" and isinstance(ev.get("seq"), int)
             and float(ev["ts"]) < ts]
     return max(seqs, default=None)
+
+
+def split_brain_lines(log_text: str) -> list[str]:
+    """A server log's ``split brain`` lines (Binary Star logs one per episode, on
+    each side, saying whether this side steps down or keeps serving)."""
+    return [line.strip() for line in log_text.splitlines() if "split brain" in line]
+
+
+def stepped_down_writes(
+    streams: Mapping[str, Sequence[Mapping[str, Any]]],
+    server_state: Mapping[str, bytes] | None,
+    server: str,
+) -> dict[str, Any]:
+    """What became of the writes a server took before it stepped down.
+
+    Over the clients' own keys (each written once, so present or lost):
+    ``confirmed_by`` counts the confirmed writes a client saw confirmed while
+    synced from ``server`` (``write_confirmed.server``), ``confirmed_by_lost``
+    lists those missing from the final state (must be none); ``seen_applied``
+    counts the writes a client applied from ``server`` (``update.server``),
+    and ``applied_missing_confirmed`` lists those missing from the final state
+    although confirmed (must be none: a write the server applied and then lost
+    with its step-down must never have been confirmed).  ``applied_missing``
+    counts all applied-then-missing ones, confirmed or not.
+    """
+    sent: dict[str, str | None] = {}
+    confirmed: set[str] = set()
+    confirmed_by: set[str] = set()
+    applied: set[str] = set()
+    for events in streams.values():
+        for ev in events:
+            key = str(ev.get("key", ""))
+            if key.startswith(SHARED_PREFIX) or "/ttl/" in key or not _KEY_RE.match(key):
+                continue
+            kind = ev.get("event")
+            if kind == "write_sent":
+                sent[key] = ev.get("uuid")
+            elif kind == "write_confirmed":
+                confirmed.add(key)
+                if ev.get("server") == server:
+                    confirmed_by.add(key)
+            elif kind == "update" and ev.get("server") == server and ev.get("uuid"):
+                applied.add(key)
+    final = {k: parse_value(v) for k, v in (server_state or {}).items()}
+
+    def present(key: str) -> bool:
+        return key in sent and final.get(key) == sent[key]
+
+    missing = sorted(k for k in applied if not present(k))
+    return {
+        "server": server,
+        "confirmed_by": len(confirmed_by),
+        "confirmed_by_lost": sorted(k for k in confirmed_by if not present(k))[:20],
+        "seen_applied": len(applied),
+        "applied_missing": len(missing),
+        "applied_missing_confirmed": [k for k in missing if k in confirmed][:20],
+    }
 
 
 def _example(ex: Mapping[str, Any], where: str) -> str:

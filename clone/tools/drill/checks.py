@@ -6,12 +6,53 @@ run noted (its config, faults, restarts and the HUGZ monitor's history).
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-from clone.tools.drill.analysis import revert_detail, seen_revert_detail
+from clone.tools.drill.analysis import (
+    revert_detail,
+    seen_revert_detail,
+    split_brain_lines,
+    stepped_down_writes,
+)
 from clone.tools.drill.pair import PairRun
 
-__all__ = ["judge_restarts", "run_checks"]
+__all__ = ["judge_partition", "judge_restarts", "run_checks"]
+
+
+def _log_since(run: PairRun, name: str, offset: int) -> str:
+    with open(run.group[name].log_path, "rb") as f:
+        f.seek(offset)
+        return f.read().decode(errors="replace")
+
+
+def judge_partition(
+    run: PairRun,
+    streams: Mapping[str, Sequence[Mapping[str, Any]]],
+    server_state: Mapping[str, bytes] | None,
+) -> dict[str, Any]:
+    """partition-*: what the pair did about the cut, from the servers' logs
+    since the cut and the HUGZ monitor, and what became of the writes of any
+    server that stepped down (:func:`.analysis.stepped_down_writes`)."""
+    part = dict(run.notes["partition"])
+    offsets = part.pop("log_offsets")
+    part.pop("heal_offsets", None)
+    heal = part.get("heal_ts")
+    logs = {n: _log_since(run, n, offsets[n]) for n in run.servers}
+    part["presumed_dead"] = {n: "presumed dead" in text for n, text in logs.items()}
+    part["split_brain"] = {n: split_brain_lines(text) for n, text in logs.items()}
+    part["stepped_down"] = [n for n, lines in part["split_brain"].items()
+                            if any("we step down" in line for line in lines)]
+    part["became_active"] = {n: "now ACTIVE" in text for n, text in logs.items()}
+    passive = part["passive"]
+    part["passive_hugz_during_cut"] = len(run.monitor.hugz_after(
+        passive, part["ts"], heal if heal is not None else float("inf")))
+    part["passive_hugz_after_cut"] = len(run.monitor.hugz_after(passive, part["ts"]))
+    if heal is not None:
+        part["dual_active_after_heal_s"] = round(run.monitor.dual_active_seconds(heal), 3)
+    part["writes_of_stepped_down"] = [stepped_down_writes(streams, server_state, n)
+                                      for n in part["stepped_down"]]
+    return part
 
 
 def judge_restarts(run: PairRun) -> list[dict[str, Any]]:
@@ -110,7 +151,53 @@ def run_checks(
               served is not None and (before is None or served >= before),
               f"clients saw up to {before} before the crash; the pair served {served} after; "
               f"loaded {crash.get('loaded')}")
+    if sc in ("partition-pair", "partition-active") and "partition" in s:
+        _partition_checks(s, end_active, check)
     if sc == "client-restart":
         check("every client has a final state",
               None not in s["final_client_hashes"].values(), "")
     return checks
+
+
+def _partition_checks(s: dict[str, Any], end_active: list[str], check: Any) -> None:
+    part = s["partition"]
+    active, passive = part["active"], part["passive"]
+    brain = {n: lines for n, lines in part["split_brain"].items() if lines}
+    if part["kind"] == "partition-pair":
+        # Both servers lose each other's heartbeat, but every client still hears
+        # the active: nobody votes for the passive, and Binary Star never fails
+        # over on silence alone.  So: no takeover, no split brain.
+        check("the pair noticed the cut (peer presumed dead)", all(part["presumed_dead"].values()),
+              f"{part['presumed_dead']}; rules: {len(part['rules'])} DROP on the HA ports")
+        took = part["passive_hugz_after_cut"] or part["became_active"][passive] or brain
+        check("no takeover without a client vote", not took and s["failovers_observed"] == 0
+              and end_active == [active],
+              f"{passive} sent {part['passive_hugz_after_cut']} HUGZ after the cut, "
+              f"became active: {part['became_active'][passive]}; split brain logged: "
+              f"{sorted(brain) or 'no'}; client failovers {s['failovers_observed']}; "
+              f"active at end {','.join(end_active) or 'none'} (was {active})")
+    else:
+        check("clients failed over during the cut",
+              part["passive_hugz_during_cut"] > 0 and s["failovers_observed"] > 0,
+              f"{passive} sent {part['passive_hugz_during_cut']} HUGZ during the cut; "
+              f"{s['failovers_observed']} client failovers")
+        resolved = (active in part["stepped_down"] and len(end_active) == 1
+                    and bool(brain))
+        first = next(iter(brain.values()), [""])[0]
+        first = first[first.find("split brain"):][:120]
+        check("split brain detected and resolved", resolved,
+              f"logged by {sorted(brain) or 'nobody'}, stepped down: "
+              f"{part['stepped_down'] or 'nobody'} (isolated: {active}); both active for "
+              f"{part.get('dual_active_after_heal_s')} s after the heal; active at end "
+              f"{','.join(end_active) or 'none'}" + (f"; {first}" if first else ""))
+    stepped = part["writes_of_stepped_down"]
+    bad = [w for w in stepped if w["confirmed_by_lost"] or w["applied_missing_confirmed"]]
+    check("writes of a server that stepped down: applied everywhere or never confirmed",
+          not bad,
+          "; ".join(f"{w['server']}: {w['confirmed_by']} confirmed by it, "
+                    f"{len(w['confirmed_by_lost'])} of them lost; {w['seen_applied']} applied "
+                    f"by it as clients saw, {w['applied_missing']} missing at the end, "
+                    f"{len(w['applied_missing_confirmed'])} of those confirmed"
+                    + (f" {w['confirmed_by_lost'][:3] or w['applied_missing_confirmed'][:3]}"
+                       if w in bad else "")
+                    for w in stepped) or "no server stepped down")

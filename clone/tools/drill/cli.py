@@ -11,8 +11,14 @@ from pathlib import Path
 
 from clone.progress import LOGGER_NAME as PROGRESS_LOGGER
 from clone.tools.drill.client import DEFAULT_SHARED_KEYS
-from clone.tools.drill.config import CRASH_ORDERS, SCENARIOS, DrillConfig
+from clone.tools.drill.config import (
+    CRASH_ORDERS,
+    PARTITION_SCENARIOS,
+    SCENARIOS,
+    DrillConfig,
+)
 from clone.tools.drill.harness import run_drill
+from clone.tools.drill.netns import NetnsUnavailable, preflight
 from clone.wire.protocol import DEFAULT_HEARTBEAT_MS
 
 __all__ = ["main"]
@@ -54,6 +60,10 @@ def _parser() -> argparse.ArgumentParser:
     crash.add_argument("--restart-stagger", type=float, default=0.0, metavar="S",
                        help="seconds between the two restarts (default 0: together); "
                        "under the servers' --peer-wait")
+    part = p.add_argument_group("partition-pair, partition-active (root: network namespaces)")
+    part.add_argument("--partition-time", type=float, default=None, metavar="S",
+                      help="seconds the cut lasts before it heals (default max(25%% of the "
+                      "duration, one failover budget))")
     # Diagnostic: servers without a data directory, to see the drill fail.
     p.add_argument("--in-memory", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -80,11 +90,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             preload=args.preload, shared_keys=args.shared_keys,
             crash_order=args.crash_order, crash_gap=args.crash_gap, down_time=args.down_time,
             restart_stagger=args.restart_stagger, in_memory=args.in_memory,
+            partition_time=args.partition_time,
         )
     except ValueError as exc:
         print(f"drill: {exc}", file=sys.stderr)
         return 2
-    summary = run_drill(cfg, say=lambda line: print(line, flush=True))
+    try:
+        if cfg.scenario in PARTITION_SCENARIOS:
+            preflight()
+        summary = run_drill(cfg, say=lambda line: print(line, flush=True))
+    except NetnsUnavailable as exc:
+        print(f"drill: {cfg.scenario} cannot run here: {exc}", file=sys.stderr)
+        return 2
     print()
     print(report.drill_text(summary))
     print(f"\nevents: {out / 'events.jsonl'}\nsummary: {out / 'summary.json'}")

@@ -22,7 +22,8 @@ the same form, ``<id>|g<gen>|<m>|<write id>|`` with ``m`` counting the client's
 shared writes, so the drill can tell which write a final value came from.
 
 Every change the client applies is logged as an ``update`` (key, sequence, write
-id).  A thread polls ``status()`` every 20 ms: when the server the client is
+id, and the server it was synced from); a ``write_confirmed`` names that server
+too.  A thread polls ``status()`` every 20 ms: when the server the client is
 active on changes, it logs ``failover_detected`` and then ``failover_done`` with
 ``gap_s``, the longest silence between two updates around the failover -- from
 the last update the old server delivered to the first one from the new server
@@ -132,6 +133,9 @@ class _UpdateTracker:
 
     def __init__(self, events: EventLog) -> None:
         self.events = events
+        # The server the client is synced from, as the failover watch last saw it
+        # (20 ms polls): which server an update came from, for the partition drills.
+        self.server: str | None = None
         self.lock = threading.Lock()
         self.times: list[float] = []
         self.count = 0
@@ -143,7 +147,8 @@ class _UpdateTracker:
         with self.lock:
             self.times.append(now)
             self.count += 1
-        self.events.emit("update", key=entry.key, seq=entry.sequence, uuid=uid)
+        self.events.emit("update", key=entry.key, seq=entry.sequence, uuid=uid,
+                         server=self.server)
 
     def last_before(self, t: float) -> float | None:
         with self.lock:
@@ -189,6 +194,7 @@ class _FailoverWatch(threading.Thread):
                 continue
             now = time.time()
             server = None if st.server is None else self.names.get(st.server, st.server)
+            self.tracker.server = server
             if waiting is not None and self._finish(waiting, now):
                 waiting = None
             if self.active_server is None:
@@ -253,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
             watch = _FailoverWatch(client, tracker, events, names)
             watch.start()
             _sleep_until(args.start_at)
-            _write_loop(client, events, args, rng)
+            _write_loop(client, events, args, rng, names)
             _sleep_until(args.final_at)
             watch.stop.set()
             watch.join(2)
@@ -276,7 +282,11 @@ def _status_dict(client: Clone) -> dict[str, Any]:
 
 
 def _write_loop(
-    client: Clone, events: EventLog, args: argparse.Namespace, rng: random.Random
+    client: Clone,
+    events: EventLog,
+    args: argparse.Namespace,
+    rng: random.Random,
+    names: dict[str, str],
 ) -> None:
     interval = 1.0 / args.rate
     next_t = time.time()
@@ -294,12 +304,13 @@ def _write_loop(
         # Keep a steady rate, but do not burst to catch up after a long stall.
         next_t = max(next_t + interval, now - 0.5)
         confirmed = args.confirm_every > 0 and n % args.confirm_every == 0
-        _one_write(client, events, args, write_key(args.id, args.gen, n), n, confirmed)
+        _one_write(client, events, args, write_key(args.id, args.gen, n), n, confirmed,
+                   names=names)
         n += 1
         if args.shared_keys > 0:
             key = shared_key(pick.randrange(args.shared_keys))
             confirmed = args.confirm_every > 0 and shared_n % args.confirm_every == 0
-            _one_write(client, events, args, key, shared_n, confirmed)
+            _one_write(client, events, args, key, shared_n, confirmed, names=names)
             shared_n += 1
         for _ in range(args.ttl_per_tick):
             ttl = round(rng.uniform(args.ttl_min, args.ttl_max), 3)
@@ -316,6 +327,7 @@ def _one_write(
     n: int,
     confirmed: bool,
     ttl: float = 0,
+    names: dict[str, str] | None = None,
 ) -> None:
     write_id = new_uuid().hex()
     value = make_value(args.id, args.gen, n, write_id, args.value_size)
@@ -330,7 +342,14 @@ def _one_write(
         events.emit("write_timeout", key=key, uuid=write_id, confirmed=False)
         return
     if confirmed:
-        events.emit("write_confirmed", key=key, uuid=write_id, confirmed=True)
+        # Whose KVPUB confirmed it: the server the client is synced from (a
+        # failover in between can blur it by a poll; the partition drills use it).
+        try:
+            where = client.status().server
+        except CloneError:
+            where = None
+        server = None if where is None else (names or {}).get(where, where)
+        events.emit("write_confirmed", key=key, uuid=write_id, confirmed=True, server=server)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ from clone.server.config import PEER_WAIT_DEFAULT
 from clone.tools.drill.client import DEFAULT_SHARED_KEYS
 from clone.wire.protocol import DEFAULT_HEARTBEAT_MS, DEFAULT_MISSED_HEARTBEATS
 
-__all__ = ["CRASH_ORDERS", "SCENARIOS", "DrillConfig", "Say"]
+__all__ = ["CRASH_ORDERS", "PARTITION_SCENARIOS", "SCENARIOS", "DrillConfig", "Say"]
 
 SCENARIOS: tuple[str, ...] = (
     "kill-active",
@@ -20,7 +20,12 @@ SCENARIOS: tuple[str, ...] = (
     "ttl-storm",
     "rolling-restart",
     "both-crash",
+    "partition-pair",
+    "partition-active",
 )
+#: The scenarios that run each server in a network namespace of its own and cut
+#: links with iptables (root only: :mod:`.netns`).
+PARTITION_SCENARIOS: tuple[str, ...] = ("partition-pair", "partition-active")
 #: both-crash: which server is killed first (by name; the primary is normally the
 #: active one), or both at once.
 CRASH_ORDERS: tuple[str, ...] = ("primary-first", "backup-first", "together")
@@ -59,6 +64,10 @@ class DrillConfig:
     # Diagnostic: run the servers --in-memory instead of with a data directory,
     # to show that the drill sees the state lost when both crash.
     in_memory: bool = False
+    # partition-pair / partition-active: how long the cut lasts (None: as long
+    # as kill-active's server stays down, max(25% of the duration, one failover
+    # budget), so that the clients can fail over in partition-active).
+    partition_time: float | None = None
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -76,9 +85,18 @@ class DrillConfig:
             raise ValueError("crash_gap and down_time must be >= 0")
         # A server restarted alone waits --peer-wait for its peer; a stagger that
         # long would make the first one serve alone, which is another scenario.
+        if self.partition_time is not None and self.partition_time <= 0:
+            raise ValueError("partition_time must be > 0")
         if not 0 <= self.restart_stagger < PEER_WAIT_DEFAULT:
             raise ValueError(f"restart_stagger must be in [0, {PEER_WAIT_DEFAULT:g}) s "
                              "(under the servers' --peer-wait)")
+
+    @property
+    def partition_seconds(self) -> float:
+        """partition-*: seconds from the cut to the heal."""
+        if self.partition_time is not None:
+            return self.partition_time
+        return max(0.25 * self.duration, self.failover_budget)
 
     @property
     def crash_sequence(self) -> tuple[str, str]:
@@ -122,4 +140,9 @@ class DrillConfig:
         elif self.scenario == "both-crash":
             # The pair may come back late in the run; the clients then resync.
             extra = self.failover_budget
+        elif self.scenario in PARTITION_SCENARIOS:
+            # After the heal, TCP retransmits on its backed-off timers (up to about
+            # the cut's length), then the pair settles its split brain and the loser
+            # resyncs; the clients must see all that.
+            extra = self.failover_budget + min(self.partition_seconds, 10.0)
         return max(3.0, 3 * self.heartbeat) + extra

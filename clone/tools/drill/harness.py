@@ -51,7 +51,7 @@ import zmq
 
 from clone.progress import Progress
 from clone.tools.drill.analysis import analyse, highest_sequence_before
-from clone.tools.drill.checks import judge_restarts, run_checks
+from clone.tools.drill.checks import judge_partition, judge_restarts, run_checks
 from clone.tools.drill.client import DRILL_PREFIX
 from clone.tools.drill.config import DrillConfig, Say
 from clone.tools.drill.events import EventTail, read_events
@@ -76,11 +76,17 @@ class Drill(Scenarios):
             stale.unlink(missing_ok=True)
         # A drill starts from an empty pair, also when --out is reused.
         shutil.rmtree(self.out / "data", ignore_errors=True)
-        with self.group:
-            try:
-                return self._run()
-            finally:
-                self.monitor.stop()
+        try:
+            self.make_network()  # partition drills: the namespaces; else nothing
+            with self.group:
+                try:
+                    return self._run()
+                finally:
+                    self.monitor.stop()
+        finally:
+            # After the processes are gone (also on failure or Ctrl-C): the
+            # namespaces, links and iptables rules this run made.
+            self.remove_network()
 
     def _run(self) -> dict[str, Any]:
         cfg = self.cfg
@@ -93,7 +99,7 @@ class Drill(Scenarios):
         deadline = time.monotonic() + 15
         for name, addr in self.servers.items():
             for port in (addr.port, addr.port + 1, addr.port + 2):
-                if not wait_listening(port, deadline):
+                if not wait_listening(port, deadline, addr.host):
                     raise RuntimeError(f"{name} not listening:\n{self.group[name].log_tail()}")
         self.monitor.start()
         deadline = time.monotonic() + 10 + 5 * cfg.heartbeat
@@ -141,8 +147,8 @@ class Drill(Scenarios):
 
         name = self.active_server() or "primary"
         addr = self.servers[name]
-        target = Target(name, f"tcp://127.0.0.1:{addr.port + 2}",
-                        f"tcp://127.0.0.1:{addr.port + PUBLISHER_OFFSET}", self.group[name].pid)
+        target = Target(name, f"tcp://{addr.host}:{addr.port + 2}",
+                        f"tcp://{addr.host}:{addr.port + PUBLISHER_OFFSET}", self.group[name].pid)
         ctx: zmq.Context[Any] = zmq.Context()
         try:
             seconds = load_keys(ctx, target, n, self.cfg.value_size)
@@ -226,6 +232,8 @@ class Drill(Scenarios):
             crash = summary["crash"] = dict(self.notes["crash"])
             crash["seq_seen_before"] = highest_sequence_before(
                 streams, crash.get("down_ts", float("inf")))
+        if "partition" in self.notes:
+            summary["partition"] = judge_partition(self, streams, server_state)
         summary["checks"] = run_checks(self, summary, end_active)
         summary["ok"] = all(c["ok"] for c in summary["checks"].values())
         summary["config"] = {k: str(v) if isinstance(v, Path) else v

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from clone.tools.drill.config import DrillConfig, Say
+from clone.tools.drill.config import PARTITION_SCENARIOS, DrillConfig, Say
+from clone.tools.drill.netns import Topology
 from clone.tools.drill.watch import HugzMonitor
 from clone.tools.procs import (
     ManagedProcess,
@@ -32,15 +34,12 @@ class PairRun:
         self.out = Path(cfg.out)
         self.clients_dir = self.out / "clients"
         self.group = ProcessGroup(self.out / "logs")
-        p1, p2 = free_base_port(3), free_base_port(3)
-        self.servers = {
-            "primary": ServerAddress("primary", p1, free_port()),
-            "backup": ServerAddress("backup", p2, free_port()),
-        }
-        self.monitor = HugzMonitor(
-            {n: f"tcp://127.0.0.1:{a.port + PUBLISHER_OFFSET}" for n, a in self.servers.items()},
-            cfg.heartbeat,
-        )
+        # The partition drills run each server in a network namespace of its own
+        # (made by :meth:`make_network`); the others on loopback.
+        self.topology = Topology() if cfg.scenario in PARTITION_SCENARIOS else None
+        self._ports = {"primary": (free_base_port(3), free_port()),
+                       "backup": (free_base_port(3), free_port())}
+        self._place_servers(lambda name: "127.0.0.1")
         self.harness_events: list[dict[str, Any]] = []
         self.generations: dict[str, int] = {}
         self.notes: dict[str, Any] = {}
@@ -51,6 +50,29 @@ class PairRun:
         self.in_progress = False  # a multi-step action is under way: do not end yet
         self.t0 = 0.0  # when the clients start writing
         self.write_end = 0.0  # when they stop (set once the run starts)
+
+    def _place_servers(self, host: Callable[[str], str]) -> None:
+        self.servers = {n: ServerAddress(n, port, ha, host(n))
+                        for n, (port, ha) in self._ports.items()}
+        self.monitor = HugzMonitor(
+            {n: f"tcp://{a.host}:{a.port + PUBLISHER_OFFSET}" for n, a in self.servers.items()},
+            self.cfg.heartbeat,
+        )
+
+    def make_network(self) -> None:
+        """Partition drills: create the namespaces and put the servers in them
+        (before any process starts; :meth:`remove_network` undoes it)."""
+        if self.topology is None:
+            return
+        self.topology.create()
+        topo = self.topology
+        self._place_servers(topo.address)
+        where = ", ".join(f"{n} {topo.address(n)} in {topo.namespace(n)}" for n in self.servers)
+        self.say(f"network: {where}, clients {topo.host_address} on bridge {topo.bridge}")
+
+    def remove_network(self) -> None:
+        if self.topology is not None:
+            self.topology.destroy()
 
     # -- events and processes ---------------------------------------------
 
@@ -68,6 +90,8 @@ class PairRun:
             heartbeat_ms=self.cfg.heartbeat_ms,
             data_dir=None if self.cfg.in_memory else self.out / "data" / name,
         )
+        if self.topology is not None:
+            argv = self.topology.prefix(name) + argv
         if name in self.group.procs:
             proc = self.group[name]
             proc.start()

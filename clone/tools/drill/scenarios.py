@@ -45,6 +45,8 @@ class Scenarios(PairRun):
         if sc == "kill-passive":
             return [(t_fault, lambda: self._kill("passive")),
                     (t_fault + recover, self._restart_killed)]
+        if sc in ("partition-pair", "partition-active"):
+            return [(t_fault, self._partition), (t_fault + cfg.partition_seconds, self._heal)]
         if sc == "freeze-active":
             return [(t_fault, self._freeze), (t_fault + recover, self._thaw)]
         victim = f"c{cfg.clients - 1}"
@@ -81,6 +83,48 @@ class Scenarios(PairRun):
         self.notes["thaw_ts"] = time.time()
         self.event("fault", kind="sigcont", target=name)
         self.say(f"SIGCONT {name}: it must not go on as a second active")
+
+    # -- partition-pair, partition-active ----------------------------------
+
+    def _log_offsets(self) -> dict[str, int]:
+        return {n: self.group[n].log_size() for n in self.servers}
+
+    def _partition(self) -> None:
+        """Cut the Binary Star link (partition-pair) or the active server from
+        everyone (partition-active), with DROP rules in the namespaces."""
+        topo = self.topology
+        assert topo is not None
+        active = self._pick("active")
+        passive = self._pick("passive")
+        if self.cfg.scenario == "partition-pair":
+            topo.cut_pair_link({n: a.ha_port for n, a in self.servers.items()})
+            target, what = "pair-link", "cut the Binary Star link between the servers"
+        else:
+            topo.isolate(active)
+            target, what = active, f"cut the active server ({active}) from everyone"
+        self.notes["partition"] = {
+            "kind": self.cfg.scenario, "active": active, "passive": passive,
+            "ts": time.time(), "seconds": self.cfg.partition_seconds,
+            "rules": list(topo.cuts), "log_offsets": self._log_offsets(),
+        }
+        self.notes["fault_ts"] = self.notes["partition"]["ts"]
+        self.event("fault", kind="partition", target=target)
+        self.fault_text = f"partition: {target}"
+        self.say(f"FAULT: {what} for {self.cfg.partition_seconds:g} s "
+                 f"({len(topo.cuts)} iptables DROP rules)")
+
+    def _heal(self) -> None:
+        topo = self.topology
+        assert topo is not None
+        topo.heal()
+        part = self.notes["partition"]
+        part["heal_ts"] = time.time()
+        part["heal_offsets"] = self._log_offsets()
+        part["active_before_heal"] = self.monitor.active()
+        self.event("fault", kind="heal", target=self.notes["partition"]["active"]
+                   if self.cfg.scenario == "partition-active" else "pair-link")
+        self.fault_text = ""
+        self.say(f"healed; active before the heal: {part['active_before_heal'] or 'none'}")
 
     def _kill_client(self, cid: str) -> None:
         stem = cid if self.generations[cid] == 0 else f"{cid}.g{self.generations[cid]}"
