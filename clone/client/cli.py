@@ -105,6 +105,14 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument(
         "--duration", type=float, default=None, metavar="S", help="stop after S seconds"
     )
+    watch.add_argument(
+        "--since",
+        type=_sequence,
+        default=None,
+        metavar="N",
+        help="first print every change after sequence N from the active server's history, "
+        "then the live ones (exit 4 if the history no longer reaches back to N)",
+    )
 
     keygen = sub.add_parser(
         "keygen",
@@ -179,6 +187,17 @@ def _plain_line(entry: Entry) -> str:
     return f"{entry.key}={_text(entry.value)}"
 
 
+def _sequence(text: str) -> int:
+    """A sequence number argument: a whole number in 0..2**64-1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a sequence number") from None
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"{value} is not a sequence number (0..2**64-1)")
+    return value
+
+
 def _emit(line: str) -> None:
     sys.stdout.write(line + "\n")
     sys.stdout.flush()
@@ -222,7 +241,8 @@ def _run(args: argparse.Namespace, client: Clone) -> int:
             _emit(_json_line(entry) if args.json else _plain_line(entry))
     elif args.command == "watch":
         try:
-            for entry in client.changes(timeout=args.duration, prefix=args.prefix):
+            changes = client.changes(timeout=args.duration, prefix=args.prefix, since=args.since)
+            for entry in changes:
                 _emit(_json_line(entry) if args.json else _plain_line(entry))
         except KeyboardInterrupt:
             pass

@@ -33,6 +33,7 @@ from clone.argtypes import normalize_endpoint
 from clone.client import agent as _agent
 from clone.client.agent import Agent, split_endpoint
 from clone.client.fsm import AgentConfig, AgentFSM, normalize_subtrees
+from clone.client.history import HistoryFeed
 from clone.client.results import STOP, ChangeStream, Entry, Status, Watcher
 from clone.errors import (
     CloneError,
@@ -44,7 +45,14 @@ from clone.errors import (
     WriteRefused,
 )
 from clone.security import KeyPair, load_public, load_secret
-from clone.wire.codec import KVMsg, Properties, decode_kvset, encode_kv, new_uuid
+from clone.wire.codec import (
+    KVMsg,
+    Properties,
+    decode_kvset,
+    encode_kv,
+    new_uuid,
+    validate_subtree,
+)
 from clone.wire.protocol import (
     DEFAULT_BACKUP_PORT,
     DEFAULT_PRIMARY_PORT,
@@ -145,6 +153,16 @@ def _build(key: str, body: bytes, props: dict[str, str]) -> KVMsg:
         raise ValueError(str(exc)) from None
 
 
+def _history_subtree(prefix: str, subtrees: Sequence[str]) -> str:
+    """The subtree to ask the server's history for: ``prefix`` when it is one
+    (the delta then holds only its keys), else our only subtree, else all."""
+    try:
+        validate_subtree(prefix.encode("utf-8"))
+    except ProtocolError:
+        return subtrees[0] if len(subtrees) == 1 else ""
+    return prefix
+
+
 def _entry(frames: Sequence[bytes]) -> Entry:
     msg = decode_kvset(frames)
     return Entry(msg.key, msg.body or None, msg.sequence, msg.properties)
@@ -198,6 +216,11 @@ class Clone:
             raise ValueError(str(exc)) from None
         self.confirm_timeout = confirm_timeout
         self.command_timeout = command_timeout
+        # For changes(since=N), whose reader has sockets of its own.
+        self._curve = curve
+        self._subtrees = subtrees
+        self._silence = config.server_timeout
+        self._feeds: list[HistoryFeed] = []
         self._servers: list[str] = []
         self._closed = False
         self._lock = threading.Lock()  # the command pipe, one caller at a time
@@ -296,6 +319,9 @@ class Clone:
             self._waiters.clear()
             for watcher in self._watchers:
                 watcher.queue.put(STOP)
+            feeds, self._feeds = self._feeds, []
+        for feed in feeds:
+            feed.close(self.command_timeout)
             if self._callback_queue is not None:
                 self._callback_queue.put(STOP)
         for fut in waiters:
@@ -566,15 +592,46 @@ class Clone:
                 self._callback_thread.start()
         self._watch()
 
-    def changes(self, timeout: float | None = None, prefix: str = "") -> ChangeStream:
+    def changes(
+        self, timeout: float | None = None, prefix: str = "", *, since: int | None = None
+    ) -> ChangeStream:
         """An iterator over changes (deleted keys have ``value`` None) as they happen.
 
         It is registered when this call returns, so a change that arrives before
         the first ``next()`` is not lost.  It ends ``timeout`` seconds after this
         call (None: when the client closes) or when closed; close it (or use it
         as a context manager) to stop queueing changes for it.
+
+        ``since=N`` first replays every change after sequence N from the active
+        server's update history, then goes on with the live ones, with no gap
+        and no duplicate (a reader with its own sockets: :mod:`clone.client.history`).
+        Iterating raises :class:`~clone.errors.HistoryCompacted` if the history
+        no longer reaches back to N.
         """
-        return ChangeStream(self, timeout, prefix)
+        if since is None:
+            return ChangeStream(self, timeout, prefix)
+        if isinstance(since, bool) or not isinstance(since, int):
+            raise TypeError(f"since must be an int sequence, not {type(since).__name__}")
+        if not 0 <= since < 2**64:
+            raise ValueError(f"since must be a sequence in 0..2**64-1, not {since}")
+        with self._shared:
+            if self._closed:
+                raise ClosedError("this Clone client is closed")
+            servers = list(self._servers)
+        if not servers:
+            raise ValueError("changes(since=...) needs a server: connect() one first")
+        feed = HistoryFeed(
+            servers,
+            since,
+            subtree=_history_subtree(prefix, self._subtrees),
+            prefixes=self._subtrees,
+            silence=self._silence,
+            curve=self._curve,
+        )
+        with self._shared:
+            self._feeds = [f for f in self._feeds if not f.stopped]
+            self._feeds.append(feed)
+        return ChangeStream(feed, timeout, prefix)
 
     def _add_watcher(self, watcher: Watcher) -> None:
         with self._shared:

@@ -101,7 +101,8 @@ class ChangeStream(Iterator[Entry]):
 
     Iterating blocks until the next change under ``prefix`` and stops at the
     deadline, when the client closes or after :meth:`close`.  Dropping the last
-    reference unregisters it too.
+    reference unregisters it too.  An error its feed queues (``changes(since=N)``'s
+    :class:`~clone.errors.HistoryCompacted`) is raised by ``next()`` and ends it.
     """
 
     def __init__(self, client: WatcherRegistry, timeout: float | None, prefix: str) -> None:
@@ -128,6 +129,10 @@ class ChangeStream(Iterator[Entry]):
                 continue
             if item is STOP:
                 break
+            if isinstance(item, Exception):
+                # Its feed failed (changes(since=N): HistoryCompacted, say).
+                self.close()
+                raise item
             assert isinstance(item, Entry)
             if item.key.startswith(self._prefix):
                 return item
