@@ -534,6 +534,16 @@ def test_split_brain_lines() -> None:
     assert split_brain_lines("nothing\n") == []
 
 
+def test_log_line_time_reads_the_servers_stamp() -> None:
+    from datetime import datetime
+
+    from clone.tools.drill.analysis import log_line_time
+
+    t = log_line_time("2026-11-24 07:14:08.771 WARNING bstar.reactor: split brain")
+    assert t == datetime(2026, 11, 24, 7, 14, 8, 771000).timestamp()
+    assert log_line_time("=== 07:11:00 start #1") is None
+
+
 def test_partition_config_and_names() -> None:
     from clone.tools.drill.netns import Topology
 

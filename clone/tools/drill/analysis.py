@@ -45,6 +45,7 @@ import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from clone.tools.drill.client import SHARED_PREFIX, parse_value, state_hash
@@ -57,6 +58,7 @@ __all__ = [
     "applied_before",
     "find_reverts",
     "highest_sequence_before",
+    "log_line_time",
     "split_brain_lines",
     "stepped_down_writes",
     "nearest_rank",
@@ -413,6 +415,15 @@ def split_brain_lines(log_text: str) -> list[str]:
     """A server log's ``split brain`` lines (Binary Star logs one per episode, on
     each side, saying whether this side steps down or keeps serving)."""
     return [line.strip() for line in log_text.splitlines() if "split brain" in line]
+
+
+def log_line_time(line: str) -> float | None:
+    """The Unix time of a server log line (``YYYY-MM-DD HH:MM:SS.mmm``, local
+    time, as the server's logging writes it), or None."""
+    try:
+        return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S.%f").timestamp()
+    except ValueError:
+        return None
 
 
 def stepped_down_writes(

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from clone.tools.drill.analysis import (
+    log_line_time,
     revert_detail,
     seen_revert_detail,
     split_brain_lines,
@@ -43,6 +44,12 @@ def judge_partition(
     part["split_brain"] = {n: split_brain_lines(text) for n, text in logs.items()}
     part["stepped_down"] = [n for n, lines in part["split_brain"].items()
                             if any("we step down" in line for line in lines)]
+    # How long after the heal each side logged the split brain: both sides must
+    # hear each other, and a link that was cut resumes only when TCP retransmits.
+    if heal is not None:
+        part["split_brain_after_heal_s"] = {
+            n: round(t - heal, 3) for n, lines in part["split_brain"].items()
+            if lines and (t := log_line_time(lines[0])) is not None}
     part["became_active"] = {n: "now ACTIVE" in text for n, text in logs.items()}
     passive = part["passive"]
     part["passive_hugz_during_cut"] = len(run.monitor.hugz_after(
@@ -187,8 +194,9 @@ def _partition_checks(s: dict[str, Any], end_active: list[str], check: Any) -> N
         first = first[first.find("split brain"):][:120]
         check("split brain detected and resolved", resolved,
               f"logged by {sorted(brain) or 'nobody'}, stepped down: "
-              f"{part['stepped_down'] or 'nobody'} (isolated: {active}); both active for "
-              f"{part.get('dual_active_after_heal_s')} s after the heal; active at end "
+              f"{part['stepped_down'] or 'nobody'} (isolated: {active}), logged "
+              f"{part.get('split_brain_after_heal_s')} s after the heal; both sent HUGZ for "
+              f"{part.get('dual_active_after_heal_s')} s after it; active at end "
               f"{','.join(end_active) or 'none'}" + (f"; {first}" if first else ""))
     stepped = part["writes_of_stepped_down"]
     bad = [w for w in stepped if w["confirmed_by_lost"] or w["applied_missing_confirmed"]]
