@@ -39,8 +39,9 @@ from pathlib import Path
 import zmq
 
 from clone.client.agent import split_endpoint
+from clone.client.direct import server_sockets
 from clone.errors import NotSynced, ProtocolError, SecurityError, StorageError
-from clone.security import KeyPair, configure_client_socket
+from clone.security import KeyPair
 from clone.storage import Entry, write_state_file
 from clone.wire.batch import decode_kvbatch, is_kvbatch
 from clone.wire.codec import (
@@ -53,15 +54,10 @@ from clone.wire.codec import (
 )
 from clone.wire.control import is_control
 from clone.wire.frames import (
-    MAX_FRAME_BYTES,
-    MAX_SYNC_FRAME_BYTES,
-    cap_message_size,
     recv_frames,
 )
 from clone.wire.protocol import (
     BATCH_METADATA,
-    PUBLISHER_OFFSET,
-    SNAPSHOT_OFFSET,
 )
 
 __all__ = [
@@ -75,7 +71,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_RCVHWM = 1_000_000  # updates buffered while a big snapshot streams
 _MAX_POLL = 0.1  # seconds; the loop re-checks its deadlines at least this often
 
 
@@ -273,27 +268,9 @@ def _copy_from(
     clock: Callable[[], float],
     curve: tuple[KeyPair, bytes] | None = None,
 ) -> Backup:
-    host, base = split_endpoint(endpoint)
-    sub = ctx.socket(zmq.SUB)
-    dealer = ctx.socket(zmq.DEALER)
-    try:
-        for sock in (sub, dealer):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, _RCVHWM)
-            if curve is not None:
-                configure_client_socket(sock, *curve)
-        cap_message_size(sub, MAX_FRAME_BYTES)
-        cap_message_size(dealer, MAX_SYNC_FRAME_BYTES)
-        try:
-            dealer.setsockopt(zmq.METADATA, BATCH_METADATA)
-        except zmq.ZMQError:  # a libzmq older than 4.3: the standard stream
-            log.debug("this libzmq cannot send ZMTP metadata; asking without KVBATCH")
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(f"{host}:{base + PUBLISHER_OFFSET}")
-        dealer.connect(f"{host}:{base + SNAPSHOT_OFFSET}")
-        poller = zmq.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(dealer, zmq.POLLIN)
+    with server_sockets(
+        ctx, endpoint, curve=curve, optional_metadata=(BATCH_METADATA,)
+    ) as (sub, dealer, poller):
         copy = StateCopy(f"/clone-backup-fence-{uuidlib.uuid4().hex}/")
         subscribed = False
         heard = clock()
@@ -344,9 +321,6 @@ def _copy_from(
             "copy from %s consistent at %d: %d keys", endpoint, copy.sequence, len(copy.entries)
         )
         return Backup(copy.entries, copy.sequence, endpoint)
-    finally:
-        sub.close(linger=0)
-        dealer.close(linger=0)
 
 
 def check_writable(path: str | os.PathLike[str]) -> None:

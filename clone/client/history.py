@@ -36,9 +36,10 @@ from collections.abc import Callable, Sequence
 import zmq
 
 from clone.client.agent import split_endpoint
+from clone.client.direct import server_sockets
 from clone.client.results import STOP, Entry, Watcher
 from clone.errors import HistoryCompacted, ProtocolError
-from clone.security import KeyPair, configure_client_socket
+from clone.security import KeyPair
 from clone.wire.codec import (
     Hugz,
     KVMsg,
@@ -49,14 +50,12 @@ from clone.wire.codec import (
 )
 from clone.wire.control import ViewHeartbeat, decode_control, is_control
 from clone.wire.delta import decode_kvdelta_head, is_kvdelta, since_metadata
-from clone.wire.frames import MAX_FRAME_BYTES, MAX_SYNC_FRAME_BYTES, cap_message_size, recv_frames
-from clone.wire.protocol import PUBLISHER_OFFSET, SNAPSHOT_OFFSET
+from clone.wire.frames import recv_frames
 
 __all__ = ["HistoryFeed", "HistoryReplay", "ReplayRestart", "read_history"]
 
 log = logging.getLogger(__name__)
 
-_RCVHWM = 1_000_000  # live updates buffered while a long delta streams
 _MAX_POLL = 0.1  # seconds; the loop re-checks its deadlines and stop flag this often
 
 
@@ -248,26 +247,11 @@ def _read_from(
     clock: Callable[[], float],
     curve: tuple[KeyPair, bytes] | None,
 ) -> None:
-    host, base = split_endpoint(endpoint)
-    sub = ctx.socket(zmq.SUB)
-    dealer = ctx.socket(zmq.DEALER)
-    try:
-        for sock in (sub, dealer):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, _RCVHWM)
-            if curve is not None:
-                configure_client_socket(sock, *curve)
-        cap_message_size(sub, MAX_FRAME_BYTES)
-        cap_message_size(dealer, MAX_SYNC_FRAME_BYTES)
-        # The history request; a libzmq that cannot send it fails here, loudly.
-        dealer.setsockopt(zmq.METADATA, since_metadata(replay.last))
-        # Everything, not the subtree: the "+1" rule needs every sequence.
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.connect(f"{host}:{base + PUBLISHER_OFFSET}")
-        dealer.connect(f"{host}:{base + SNAPSHOT_OFFSET}")
-        poller = zmq.Poller()
-        poller.register(sub, zmq.POLLIN)
-        poller.register(dealer, zmq.POLLIN)
+    # The history request (a libzmq that cannot send it fails here, loudly);
+    # the SUB takes everything, not the subtree: the "+1" rule needs every sequence.
+    with server_sockets(
+        ctx, endpoint, curve=curve, metadata=(since_metadata(replay.last),)
+    ) as (sub, dealer, poller):
         asked = False
         heard = clock()
         while not stop():
@@ -305,9 +289,6 @@ def _read_from(
                         heard = clock()  # only the active's messages count from here
                     for entry in replay.update(frames):
                         emit(entry)
-    finally:
-        sub.close(linger=0)
-        dealer.close(linger=0)
 
 
 class HistoryFeed:
