@@ -43,7 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     def common(p: argparse.ArgumentParser) -> None:
         p.add_argument(
-            "--master", default=DEFAULT_MASTER, help=f"Spark master URL (default {DEFAULT_MASTER})"
+            "--master",
+            default=None,
+            help="Spark master URL: local[N], local-cluster[N,C,MB], spark://host:port, yarn, "
+            f"k8s://https://host:port (default {DEFAULT_MASTER}; under spark-submit, "
+            "spark-submit's master wins)",
+        )
+        p.add_argument(
+            "--conf",
+            action="append",
+            type=_spark_conf,
+            default=[],
+            metavar="spark.KEY=VALUE",
+            help="a Spark setting, repeatable; over our defaults and spark-submit's",
         )
         # Before or after the subcommand, as docs/pipeline.md promises; SUPPRESS
         # keeps a subcommand that was not given -q from undoing a -q before it.
@@ -98,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     common(export)
 
+    package = sub.add_parser(
+        "package", help="write clone.zip (for spark-submit --py-files) and the driver script"
+    )
+    package.add_argument("--output", required=True, help="directory to write them to")
+    _verbosity(package, default=argparse.SUPPRESS)
+
     report = sub.add_parser("drill-report", help="analyse the event logs of drill runs")
     report.add_argument("--input", required=True, nargs="+", help="drill run directories")
     report.add_argument("--output", required=True, help="directory for report.md and report.png")
@@ -110,6 +128,15 @@ def _verbosity(p: argparse.ArgumentParser, *, default: object) -> None:
     p.add_argument(
         "-q", "--quiet", action="store_true", default=default, help="warnings and errors only"
     )
+
+
+def _spark_conf(item: str) -> tuple[str, str]:
+    from clone.pipeline.session import parse_conf
+
+    try:
+        return parse_conf(item)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _configure_logging(args: argparse.Namespace) -> None:
@@ -125,13 +152,13 @@ def _configure_logging(args: argparse.Namespace) -> None:
 
 def _drill_report(args: argparse.Namespace) -> int:
     from clone.pipeline import jobs
-    from clone.pipeline.session import build_session
+    from clone.pipeline.session import spark_session
     from clone.pipeline.sources import read_drill_summaries
 
     started = time.monotonic()
     runs = read_drill_summaries(args.input)  # fails fast, before Spark starts
-    spark = build_session(args.master, "clone-pipeline drill-report")
-    result = jobs.drill_report(spark, runs, args.output)
+    with spark_session(args.master, "clone-pipeline drill-report", dict(args.conf)) as spark:
+        result = jobs.drill_report(spark, runs, args.output)
     print(f"{result.runs} run(s) analysed in {time.monotonic() - started:.1f}s")
     print(f"report: {result.markdown}")
     print(f"plot:   {result.plot}")
@@ -147,15 +174,15 @@ def _drill_report(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from clone.pipeline import jobs
-    from clone.pipeline.session import build_session
+    from clone.pipeline.session import spark_session
     from clone.pipeline.snapshot import parse_servers
 
     started = time.monotonic()
     servers = parse_servers(args.servers)
-    spark = build_session(args.master, "clone-pipeline export")
-    meta = jobs.export_snapshot(
-        spark, servers, args.output, subtree=args.subtree, timeout=args.timeout
-    )
+    with spark_session(args.master, "clone-pipeline export", dict(args.conf)) as spark:
+        meta = jobs.export_snapshot(
+            spark, servers, args.output, subtree=args.subtree, timeout=args.timeout
+        )
     print(
         f"exported {meta.rows} keys at sequence {meta.sequence} from {meta.server} "
         f"to {args.output} in {time.monotonic() - started:.1f}s"
@@ -165,7 +192,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _load(args: argparse.Namespace) -> int:
     from clone.pipeline import jobs
-    from clone.pipeline.session import build_session
+    from clone.pipeline.session import spark_session
     from clone.pipeline.snapshot import find_active, parse_servers
     from clone.pipeline.sources import require_exists
     from clone.pipeline.transforms import LoadColumns
@@ -174,18 +201,18 @@ def _load(args: argparse.Namespace) -> int:
     servers = parse_servers(args.servers)
     require_exists(args.input, "input")  # fail fast, before Spark starts
     find_active(servers, timeout=max(1.0, 3 * args.heartbeat))
-    spark = build_session(args.master, "clone-pipeline load")
-    result = jobs.load_table(
-        spark,
-        servers,
-        args.input,
-        fmt=args.format,
-        columns=LoadColumns(args.key_col, args.value_col, args.ttl_col, args.subtree),
-        rejects=args.rejects,
-        max_in_flight=args.max_in_flight,
-        confirm_timeout=args.confirm_timeout,
-        heartbeat=args.heartbeat,
-    )
+    with spark_session(args.master, "clone-pipeline load", dict(args.conf)) as spark:
+        result = jobs.load_table(
+            spark,
+            servers,
+            args.input,
+            fmt=args.format,
+            columns=LoadColumns(args.key_col, args.value_col, args.ttl_col, args.subtree),
+            rejects=args.rejects,
+            max_in_flight=args.max_in_flight,
+            confirm_timeout=args.confirm_timeout,
+            heartbeat=args.heartbeat,
+        )
     elapsed = time.monotonic() - started
     print(f"rows written:  {result.written}")
     print(f"rows rejected: {result.rejected}")
@@ -201,7 +228,25 @@ def _load(args: argparse.Namespace) -> int:
     return EXIT_REJECTED if result.rejected else EXIT_OK
 
 
-_COMMANDS = {"load": _load, "export": _export, "drill-report": _drill_report}
+def _package(args: argparse.Namespace) -> int:
+    from clone.pipeline.packaging import write_package
+
+    built = write_package(args.output)
+    print(f"package: {built.zip_path} ({built.modules} modules)")
+    print(f"driver:  {built.driver_path}")
+    print(
+        "run:     spark-submit --master URL --py-files "
+        f"{built.zip_path} {built.driver_path} export|load|drill-report ..."
+    )
+    return EXIT_OK
+
+
+_COMMANDS = {
+    "load": _load,
+    "export": _export,
+    "drill-report": _drill_report,
+    "package": _package,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
