@@ -29,11 +29,10 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import zmq
 
 from clone import Clone
 from clone.errors import CloneError
-from tests.support.chp_peer import ChpPeer
+from tests.support.clients import raw_peer, synced_client
 from tests.support.servers import (
     ServerProcess,
     Servers,
@@ -51,29 +50,7 @@ KEYS = 30
 PREFIX = "/d/"
 
 
-def endpoint(server: ServerProcess) -> str:
-    return f"tcp://127.0.0.1:{server.port}"
 
-
-@contextmanager
-def _client(*srv: ServerProcess) -> Iterator[Clone]:
-    c = Clone([endpoint(s) for s in srv], heartbeat=HB, server_timeout=0.5)
-    try:
-        c.wait_synced(10)
-        yield c
-    finally:
-        c.close()
-
-
-@contextmanager
-def _peer() -> Iterator[ChpPeer]:
-    ctx = zmq.Context()
-    peer = ChpPeer(ctx)
-    try:
-        yield peer
-    finally:
-        peer.close()
-        ctx.term()
 
 
 class _Writer:
@@ -149,7 +126,7 @@ def _snapshot(
     server: ServerProcess, subtree: bytes, timeout: float = 10.0
 ) -> tuple[dict[bytes, bytes], int]:
     """``(key -> value, sequence)`` from a raw ICANHAZ? to ``server``."""
-    with _peer() as peer:
+    with raw_peer() as peer:
         peer.use_snapshot_server(server.port)
         snap = peer.snapshot(subtree, timeout=timeout)
     return {k: v.body for k, v in snap.entries.items()}, snap.sequence
@@ -227,7 +204,7 @@ def _check_through_failover(w: _Writer, active: ServerProcess, passive: ServerPr
 @pytest.mark.parametrize("primary_first", [True, False], ids=["primary-first", "backup-first"])
 def test_kill9_of_both_keeps_every_confirmed_write(servers: Servers, primary_first: bool) -> None:
     primary, backup = servers.pair()
-    with _client(primary, backup) as c, _Writer(c) as w:
+    with synced_client(primary, backup, heartbeat=HB) as c, _Writer(c) as w:
         order = (primary, backup) if primary_first else (backup, primary)
         _kill_both(w, *order)
     active, passive = _start_both(primary, backup)
@@ -242,7 +219,7 @@ def test_kill9_of_both_keeps_every_confirmed_write(servers: Servers, primary_fir
 @pytest.mark.parametrize("newer", ["backup", "primary"])
 def test_cold_start_of_both_picks_the_newer_data(servers: Servers, newer: str) -> None:
     primary, backup = servers.pair()
-    with _client(primary, backup) as c, _Writer(c) as w:
+    with synced_client(primary, backup, heartbeat=HB) as c, _Writer(c) as w:
         w.flow(100)
         if newer == "primary":
             # First make the backup the active one and the primary its follower.
@@ -285,7 +262,7 @@ def test_cold_start_of_both_picks_the_newer_data(servers: Servers, newer: str) -
 
 def test_a_lone_server_waits_for_its_peer_then_serves_its_state(servers: Servers) -> None:
     primary, backup = servers.pair()
-    with _client(primary, backup) as c:
+    with synced_client(primary, backup, heartbeat=HB) as c:
         for i in range(KEYS):
             c.set(f"{PREFIX}{i}", f"v{i}", wait=True, timeout=5.0)
     before, sequence = _snapshot(primary, PREFIX.encode())
@@ -296,7 +273,7 @@ def test_a_lone_server_waits_for_its_peer_then_serves_its_state(servers: Servers
     offset = primary.log_size()
     started = time.monotonic()
     primary.start()
-    with _peer() as peer:
+    with raw_peer() as peer:
         peer.use_snapshot_server(primary.port)
         assert peer.no_snapshot_reply(1.0), "served before its --peer-wait was over"
     primary.wait_serving(10)
@@ -320,7 +297,7 @@ def test_a_lone_server_waits_for_its_peer_then_serves_its_state(servers: Servers
 
 def _write_raw(server: ServerProcess, keys: range, value: bytes, marker: bytes) -> None:
     """KVSETs straight to ``server``'s collector; back once all are applied."""
-    with _peer() as peer:
+    with raw_peer() as peer:
         peer.connect(server.port, collectors=[server.port])
         for i in keys:
             peer.kvset(b"/big/%d" % i, value)
@@ -429,7 +406,7 @@ def test_every_fsync_policy_keeps_confirmed_writes_across_kill9(
     servers: Servers, fsync: str
 ) -> None:
     primary, backup = servers.pair("--fsync", fsync)
-    with _client(primary, backup) as c, _Writer(c) as w:
+    with synced_client(primary, backup, heartbeat=HB) as c, _Writer(c) as w:
         w.flow(100)
         backup.kill9()
         # The last writes are only in the primary's data directory.
@@ -446,7 +423,7 @@ def test_every_fsync_policy_keeps_confirmed_writes_across_kill9(
 
 def test_in_memory_servers_forget_everything_when_both_die(servers: Servers) -> None:
     primary, backup = servers.pair("--in-memory")
-    with _client(primary, backup) as c, _Writer(c) as w:
+    with synced_client(primary, backup, heartbeat=HB) as c, _Writer(c) as w:
         _kill_both(w, primary, backup)
     assert w.confirmed
     active, _ = start_both(primary, backup)

@@ -13,15 +13,12 @@ from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
-import zmq
 
 from clone import Clone
 from clone.errors import CloneError
-from tests.support.chp_peer import ChpPeer
+from tests.support.clients import raw_peer, synced_client
 from tests.support.servers import ServerProcess, Servers
 from tests.support.waiting import eventually
 
@@ -30,9 +27,6 @@ pytestmark = pytest.mark.slow
 HB = 0.1
 KEYS = 20
 
-
-def endpoint(server: ServerProcess) -> str:
-    return f"tcp://127.0.0.1:{server.port}"
 
 
 class _Overwriter:
@@ -69,30 +63,11 @@ class _Overwriter:
         assert not self.thread.is_alive(), "the writer did not stop"
 
 
-@contextmanager
-def _client(*srv: ServerProcess) -> Iterator[Clone]:
-    c = Clone([endpoint(s) for s in srv], heartbeat=HB, server_timeout=0.5)
-    try:
-        c.wait_synced(10)
-        yield c
-    finally:
-        c.close()
-
-
-@contextmanager
-def _peer() -> Iterator[ChpPeer]:
-    ctx = zmq.Context()
-    peer = ChpPeer(ctx)
-    try:
-        yield peer
-    finally:
-        peer.close()
-        ctx.term()
 
 
 def _values(server: ServerProcess) -> dict[str, int]:
     """The ``/r/`` keys the server holds, as their write counters."""
-    with _peer() as peer:
+    with raw_peer() as peer:
         peer.use_snapshot_server(server.port)
         snap = peer.snapshot(b"/r/", timeout=10.0)
     return {k.decode(): int(v.body.decode().removeprefix("v")) for k, v in snap.entries.items()}
@@ -100,7 +75,7 @@ def _values(server: ServerProcess) -> dict[str, int]:
 
 def _preload(server: ServerProcess, count: int) -> None:
     """``count`` keys under ``/big/``, so that a sync takes a while."""
-    with _peer() as peer:
+    with raw_peer() as peer:
         peer.connect(server.port, collectors=[server.port])
         for i in range(count):
             peer.kvset(b"/big/%d" % i, b"x" * 32)
@@ -168,7 +143,7 @@ def test_restart_passive_then_stop_active_keeps_confirmed_values(
     servers: Servers, sig: int
 ) -> None:
     primary, backup = servers.pair()
-    with _client(primary, backup) as c, _Overwriter(c) as w:
+    with synced_client(primary, backup, heartbeat=HB) as c, _Overwriter(c) as w:
         _let_writes_flow(w)
         # 1. restart the passive under load
         _restart(backup, sig)
@@ -188,7 +163,7 @@ def test_restart_passive_during_a_large_snapshot_keeps_confirmed_values(
 ) -> None:
     primary, backup = servers.pair()
     _preload(primary, 200_000)
-    with _client(primary, backup) as c, _Overwriter(c) as w:
+    with synced_client(primary, backup, heartbeat=HB) as c, _Overwriter(c) as w:
         _let_writes_flow(w)
         offset = backup.log_size()
         backup.kill9()
