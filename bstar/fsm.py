@@ -161,6 +161,11 @@ class VotePolicy(Enum):
     ACCEPT = "accept"
     REFUSE = "refuse"
     ACCEPT_IF_PEER_DEAD = "accept if the peer has expired"
+    #: Only a server with a start wait that has never heard its peer, once the
+    #: wait is over: a backup that starts alone (its data on disk) serves after a
+    #: bounded wait instead of never; without a start wait it refuses, as the
+    #: Guide's backup does.
+    ACCEPT_IF_WAITED_ALONE = "accept if the start wait passed without a word from the peer"
 
 
 class Vote(Enum):
@@ -318,7 +323,10 @@ TRANSITIONS: Final[Mapping[tuple[State, Event], Rule]] = MappingProxyType(
             tie_break=TieBreak.RANK_NEEDS_NEWER,
         ),
         (_B, Event.CLIENT_REQUEST): Rule(
-            _B, "a backup serves only after it has seen the primary", vote=VotePolicy.REFUSE
+            _A,
+            "a backup serves only after it has seen the primary, or once a start wait"
+            " passed without a word from it (a durable server that starts alone)",
+            vote=VotePolicy.ACCEPT_IF_WAITED_ALONE,
         ),
         # ACTIVE: serving. The only normal way out is death.
         (_A, Event.PEER_PRIMARY): Rule(_A, "peer restarted and goes passive on seeing us"),
@@ -727,6 +735,9 @@ class BinaryStarFSM:
                 vote = Vote.ACCEPTED
             elif rule.vote is VotePolicy.REFUSE:
                 vote = Vote.REFUSED
+            elif rule.vote is VotePolicy.ACCEPT_IF_WAITED_ALONE:
+                waited = self._start_wait > 0 and not self.heard_peer and not self.peer_alive(now)
+                vote = Vote.ACCEPTED if waited else Vote.REFUSED
             else:
                 vote = Vote.REFUSED if self.peer_alive(now) else Vote.ACCEPTED
             if vote is Vote.ACCEPTED:

@@ -454,11 +454,13 @@ class BinaryStar:
             pub = self._ctx.socket(zmq.PUB)
             self._pub = pub
             pub.setsockopt(zmq.LINGER, 0)
+            self._keep_alive(pub)
             if self._secure_socket is not None:
                 self._secure_socket(pub, True)
             pub.bind(self._local_endpoint)
             sub = self._ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
+            self._keep_alive(sub)
             if self._secure_socket is not None:
                 self._secure_socket(sub, False)
             self._sub = ZMQStream(sub, self._loop)
@@ -492,6 +494,21 @@ class BinaryStar:
         self._publish()
         self._next_tick = self._loop.time() + self.heartbeat
         self._timer = self._loop.call_at(self._next_tick, self._on_tick)
+
+    def _keep_alive(self, sock: zmq.Socket) -> None:
+        """ZMTP heartbeats on the link: a connection silent for ``missed``
+        heartbeats is closed and made again.
+
+        Without them a connection cut by a partition stays open through it,
+        and once healed waits for TCP's retransmission back-off (seconds, up
+        to two minutes) before anything flows: both servers stayed active
+        for about 6 s after a 7.5 s cut in the partition drill.  A fresh
+        connection carries the next state message at once.
+        """
+        interval = max(1, round(self.heartbeat * 1000))
+        sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, interval * self.missed)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, interval * self.missed)
 
     def stop(self) -> None:
         """Cancel the heartbeat and close every socket we own. Safe to call twice."""

@@ -578,3 +578,28 @@ def test_decode_is_total_for_ranked_shapes(frames: list[bytes]) -> None:
     assert 0 <= report.epoch <= MAX_RANK_PART
     term, sequence = report.rank
     assert 0 <= term <= MAX_RANK_PART and 0 <= sequence <= MAX_RANK_PART
+
+
+def test_a_backup_alone_serves_after_its_start_wait() -> None:
+    """A durable backup that starts alone does not wait forever: after its start
+    wait, with no word from the primary, a client's vote makes it active."""
+    fsm = _fsm(BAK, start_wait=10.0)
+    assert not fsm.client_request(9.9).accepted
+    assert fsm.state is State.BACKUP
+    outcome = fsm.client_request(10.0)
+    assert outcome.accepted and fsm.state is State.ACTIVE and fsm.epoch == 1
+
+
+def test_a_backup_without_a_start_wait_never_serves_alone() -> None:
+    fsm = _fsm(BAK)  # in memory: the Guide's rule
+    for now in (1.0, 100.0, 10_000.0):
+        assert not fsm.client_request(now).accepted
+    assert fsm.state is State.BACKUP
+
+
+def test_a_backup_that_heard_the_primary_keeps_the_guides_rule() -> None:
+    fsm = _fsm(BAK, start_wait=1.0)
+    fsm.receive_peer_state(State.PRIMARY, 0.5)
+    # Heard once: the primary is starting too; only it may decide.
+    assert not fsm.client_request(100.0).accepted
+    assert fsm.state is State.BACKUP
