@@ -91,6 +91,7 @@ from clone.wire.codec import (
     encode_kv,
 )
 from clone.wire.control import decode_control, is_control
+from clone.wire.delta import since_metadata
 from clone.wire.frames import (
     MAX_FRAME_BYTES,
     MAX_SYNC_FRAME_BYTES,
@@ -285,7 +286,9 @@ class Agent:
             except ProtocolError as exc:
                 self._malformed(index, "control message" if control else "update", exc)
                 continue
-            self._execute(self._fsm.update(index, msg, self._clock()))
+            # The raw frames too: the last applied update's name a catch-up.
+            raw = None if control else frames
+            self._execute(self._fsm.update(index, msg, self._clock(), raw))
 
     def _drain_snapshot(self, index: int, server: _Server) -> None:
         """Take up to a batch of replies and hand them to the state machine raw."""
@@ -405,6 +408,10 @@ class Agent:
             # Our servers then pack the snapshot into KVBATCHes; the Guide's
             # ignore the property and send KVSYNCs, which we take as well.
             dealer.setsockopt(zmq.METADATA, BATCH_METADATA)
+            if action.since is not None:
+                # Holding the map at a sequence: only what followed, if the
+                # server still has it (KVDELTA); else it sends a snapshot.
+                dealer.setsockopt(zmq.METADATA, since_metadata(*action.since))
         except zmq.ZMQError:  # a libzmq older than 4.3
             log.debug("this libzmq cannot send ZMTP metadata; asking without KVBATCH")
         dealer.connect(server.address(SNAPSHOT_OFFSET))
@@ -412,7 +419,12 @@ class Agent:
         self._poller.register(dealer, zmq.POLLIN)
         for subtree in action.subtrees:
             dealer.send_multipart(encode_icanhaz(subtree))
-        log.debug("asked %s for a snapshot of %s", server.endpoint, action.subtrees)
+        log.debug(
+            "asked %s for a %s of %s",
+            server.endpoint,
+            "snapshot" if action.since is None else f"catch-up from {action.since[0]}",
+            action.subtrees,
+        )
 
     def _add_server(self, endpoint: str) -> None:
         split_endpoint(endpoint)

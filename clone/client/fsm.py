@@ -131,9 +131,7 @@ from clone.client.state import (
     SendUpdate,
     State,
     StateChanged,
-    _differs,
     _shows_active,
-    _stored,
     normalize_subtrees,
 )
 from clone.client.sync import SnapshotSync
@@ -206,10 +204,28 @@ class AgentFSM(SnapshotSync, Failover, Writes):
         return self.handle(Event.SNAPSHOT_BATCH, server, batch, now)
 
     def update(
-        self, server: int, msg: KVMsg | Hugz | ViewHeartbeat | Refusal, now: float
+        self,
+        server: int,
+        msg: KVMsg | Hugz | ViewHeartbeat | Refusal,
+        now: float,
+        frames: list[bytes] | None = None,
     ) -> list[Action]:
         """What arrived on a server's subscription: a KVPUB, a HUGZ, or a control
-        message (:mod:`clone.wire.control`), which never reaches the map."""
+        message (:mod:`clone.wire.control`), which never reaches the map.
+
+        ``frames``: a KVPUB's raw frames, kept (not copied) as the last update's
+        for the digest of a catch-up request; without them the message is
+        encoded again when asking.
+        """
+        self._frames_in = frames
+        try:
+            return self._dispatch_update(server, msg, now)
+        finally:
+            self._frames_in = None
+
+    def _dispatch_update(
+        self, server: int, msg: KVMsg | Hugz | ViewHeartbeat | Refusal, now: float
+    ) -> list[Action]:
         if isinstance(msg, Refusal):  # about a write, not the server: not a table row
             return self.refused(server, msg, now)
         if server != self.current and _shows_active(msg):
@@ -259,34 +275,7 @@ class AgentFSM(SnapshotSync, Failover, Writes):
         if msg.sequence <= self.last_sequence:
             self.counters.stale += 1
             return self._confirm_if_pending(msg.uuid)
-        if self.view is not None:
-            # Restricted: a filtered stream has holes by design; the view
-            # heartbeat checks that none of ours was lost.
-            self.view_applied += 1
-        elif msg.sequence != self.last_sequence + 1:
-            self.counters.gaps += 1
-            log.warning(
-                "sequence gap from %s: got %d after %d; resyncing",
-                self.servers[server],
-                msg.sequence,
-                self.last_sequence,
-            )
-            self._mark_published(msg.uuid)
-            return self._start_sync(server, now)
-        self.last_sequence = msg.sequence
-        actions: list[Action] = []
-        if self._subtree_of(msg.key) is not None:
-            old = self._map.get(msg.key)
-            new = _stored(msg) if msg.body else None
-            if new is not None:
-                self._map[msg.key] = new
-            elif old is not None:
-                del self._map[msg.key]
-            if self.emit_changes and _differs(old, new):
-                # A delete keeps its message, so watchers learn its sequence.
-                actions.append(Changed(msg.key, msg))
-        actions.extend(self._confirm_if_pending(msg.uuid))
-        return actions
+        return self._apply_live(server, msg, now)
 
     def _check_heartbeat(self, server: int, hugz: Hugz, now: float) -> list[Action]:
         self._note_heartbeat(server, hugz)

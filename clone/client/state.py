@@ -19,8 +19,16 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from clone.errors import ProtocolError
-from clone.wire.codec import Hugz, KVMsg, Properties, key_in_subtree, validate_subtree
+from clone.wire.codec import (
+    Hugz,
+    KVMsg,
+    Properties,
+    encode_kv,
+    key_in_subtree,
+    validate_subtree,
+)
 from clone.wire.control import ViewHeartbeat
+from clone.wire.delta import update_digest
 from clone.wire.protocol import DEFAULT_MISSED_HEARTBEATS
 
 __all__ = [
@@ -75,11 +83,14 @@ class RequestSnapshot:
     """Send ICANHAZ? for each subtree to ``server``, on a fresh DEALER.
 
     A fresh socket per request means late replies to an earlier request cannot
-    be mistaken for this one.
+    be mistaken for this one.  ``since``: ask for a catch-up instead (our
+    KVDELTA extension): the sequence and digest of the last update we applied,
+    for the DEALER's ``X-CHP-Since`` metadata (:func:`clone.wire.delta.since_metadata`).
     """
 
     server: int
     subtrees: tuple[str, ...]
+    since: tuple[int, bytes] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +229,14 @@ class AgentCounters:
     """What happened so far; shown by ``Clone.status()``."""
 
     snapshots: int = 0  # completed snapshots
+    # Completed syncs by kind: full snapshots (the first one included) and
+    # catch-ups (KVDELTA: only the updates after our sequence), the updates
+    # those catch-ups applied, and catch-ups given up (a malformed or
+    # unexpected KVDELTA, a hole in its updates: a full snapshot follows).
+    syncs_full: int = 0
+    syncs_catchup: int = 0
+    catchup_updates: int = 0
+    catchups_abandoned: int = 0
     resyncs: int = 0  # snapshots started after the first one, for any reason
     retries: int = 0  # snapshot requests repeated to the same server (re-asks)
     failovers: int = 0  # switches to another server, for any reason
@@ -303,6 +322,8 @@ class AgentState:
         self._map: dict[str, _Stored] = {}
         self._side: dict[str, _Stored] = {}
         self._buffer: list[KVMsg] = []
+        # The raw frames of buffered updates, by sequence, where the loop gave them.
+        self._buffer_frames: dict[int, list[bytes]] = {}
         self._ends: dict[str, int] = {}
         self._requests = 0  # snapshot requests sent to the current server this round
         self._request_id = 0  # every request, ever: a batch stops when it changes
@@ -324,6 +345,16 @@ class AgentState:
         self.view_count = 0
         self.view_applied = 0
         self._end_views: dict[str, tuple[str, int]] = {}  # per subtree's KTHXBAI
+        # Catch-up (KVDELTA): the last update applied in sequence order, as
+        # its raw frames when the loop gave them (else the message, encoded
+        # when asking), for the digest a request names; None when we do not
+        # know it (after a snapshot that no live update followed).
+        self._last_update: list[bytes] | KVMsg | None = None
+        self._frames_in: list[bytes] | None = None  # of the update being handled
+        self._full_next = False  # a catch-up failed: next sync is a full one
+        self._asked_since: int | None = None  # the current request's catch-up
+        self._delta = False  # the current reply is a catch-up (KVDELTA seen)
+        self._reply_seen = False  # a reply to the current request arrived
 
     # ----------------------------------------------------------------------
     # Reading
@@ -434,14 +465,82 @@ class AgentState:
         assert self.current is not None
         self._side = {}
         self._buffer = []
+        self._buffer_frames = {}
         self._ends = {}
         self._end_views = {}
         self._requests += 1
         self._request_id += 1
         self._answered = False
+        self._delta = False
+        self._reply_seen = False
         more = self._requests < self.config.requests_per_server
         self._reask_at = now + self.config.reask_interval if more else None
-        return [RequestSnapshot(self.current, self.subtrees)]
+        since = self._catch_up_point()
+        self._asked_since = None if since is None else since[0]
+        return [RequestSnapshot(self.current, self.subtrees, since)]
+
+    def _catch_up_point(self) -> tuple[int, bytes] | None:
+        """The sequence and digest to ask a catch-up from, or None for a full snapshot.
+
+        Only for the whole map (a server never sends a subtree a delta, and
+        with several subtrees there is no single state to extend), unrestricted
+        (a restricted client's count comes from a filtered snapshot's KTHXBAI),
+        holding a state whose last update we know, and not right after a
+        catch-up that failed.
+        """
+        last = self._last_update
+        if (
+            last is None
+            or self._full_next
+            or self.last_sequence <= 0
+            or self.subtrees != ("",)
+            or self.view is not None
+        ):
+            return None
+        frames = last if isinstance(last, list) else encode_kv(last)
+        if len(frames) != 5 or int.from_bytes(frames[1], "big") != self.last_sequence:
+            return None
+        return self.last_sequence, update_digest(frames)
+
+    def _apply_live(self, server: int, msg: KVMsg, now: float) -> list[Action]:
+        """A KVPUB newer than the last applied, to the map in place (the "+1"
+        rule, or restricted mode's count); a hole resyncs.  Raw frames, if the
+        loop gave them, are in ``_frames_in``."""
+        if self.view is not None:
+            # Restricted: a filtered stream has holes by design; the view
+            # heartbeat checks that none of ours was lost.
+            self.view_applied += 1
+        elif msg.sequence != self.last_sequence + 1:
+            self.counters.gaps += 1
+            log.warning(
+                "sequence gap from %s: got %d after %d; resyncing",
+                self.servers[server],
+                msg.sequence,
+                self.last_sequence,
+            )
+            self._mark_published(msg.uuid)
+            return self._start_sync(server, now)
+        return self._apply_in_place(msg, self._frames_in)
+
+    def _apply_in_place(self, msg: KVMsg, frames: list[bytes] | None) -> list[Action]:
+        """Apply one update, whose sequence the caller checked, to the map:
+        a change event if the application's view changed, and the
+        confirmation of our write if it is one."""
+        self.last_sequence = msg.sequence
+        self._last_update = msg if frames is None else frames
+        actions: list[Action] = []
+        if self._subtree_of(msg.key) is not None:
+            old = self._map.get(msg.key)
+            new = _stored(msg) if msg.body else None
+            if new is not None:
+                self._map[msg.key] = new
+            elif old is not None:
+                del self._map[msg.key]
+            if self.emit_changes and _differs(old, new):
+                # A delete keeps its message, so watchers learn its sequence.
+                actions.append(Changed(msg.key, msg))
+        actions.extend(self._confirm_if_pending(msg.uuid))
+        return actions
 
     def _mark_published(self, uuid: bytes) -> None:
         pending = self._pending.get(uuid) if uuid else None

@@ -9,6 +9,19 @@ it is dropped.  Updates that arrive meanwhile are buffered.  On the last
 KTHXBAI, :meth:`SnapshotSync._swap` replays the buffer over the side map and
 makes it the map, so the application reads the old map until then.  A mixin
 over :class:`~clone.client.state.AgentState`; sans-IO.
+
+A catch-up (our KVDELTA extension, docs/protocol.md): a client that holds the
+whole map at some sequence, and knows the update it applied there, names both
+in its request (:meth:`AgentState._catch_up_point`).  A server whose history
+still reaches back and holds that same update answers with a KVDELTA and then
+only the updates after it, which are applied to the map in place, in strict
+"+1" order, exactly like KVPUBs (change events included); every one leaves a
+whole, older state, so a catch-up cut short costs nothing.  At its KTHXBAI
+the buffered KVPUBs are replayed as after a snapshot.  Any other reply is a
+full snapshot.  A KVDELTA that does not decode, that we did not ask for, that
+names another sequence or does not come first, or a catch-up with a hole or a
+malformed update, is given up: nothing after it is read, and the next request
+is a full snapshot (``_full_next``).
 """
 
 from __future__ import annotations
@@ -34,6 +47,7 @@ from clone.errors import ProtocolError
 from clone.wire.batch import KVBatch, decode_kvbatch, is_kvbatch
 from clone.wire.codec import Hugz, KVMsg, SnapshotEnd, decode_snapshot_reply, fast_kvsync_entry
 from clone.wire.control import ViewHeartbeat
+from clone.wire.delta import decode_kvdelta_head, is_kvdelta
 
 __all__ = ["SnapshotSync", "restricted_view"]
 
@@ -56,6 +70,8 @@ class SnapshotSync(AgentState):
         those the codec accepts); KVBATCHes are decoded whole; whatever else
         (KTHXBAI, anything odd) goes through the codec, which says what it is.
         """
+        if self._delta:
+            return self._catch_up_batch(server, batch, now)
         actions: list[Action] = []
         side = self._side
         subtrees = self.subtrees
@@ -79,6 +95,12 @@ class SnapshotSync(AgentState):
                 stored = True
                 self._store_kvbatch(kvbatch)
                 continue
+            if frames and is_kvdelta(frames):
+                first = index == 0 and not self._reply_seen
+                actions.extend(self._start_catch_up(server, frames, first, now))
+                if self._request_id == request:  # accepted: the rest is its updates
+                    actions.extend(self._catch_up_batch(server, batch[index + 1 :], now))
+                return actions
             try:
                 msg = decode_snapshot_reply(frames)
             except ProtocolError as exc:
@@ -98,6 +120,7 @@ class SnapshotSync(AgentState):
                 return actions
         if stored:
             self._got_snapshot_data(now)
+        self._reply_seen = True
         return actions
 
     def _store_kvbatch(self, batch: KVBatch) -> None:
@@ -155,7 +178,116 @@ class SnapshotSync(AgentState):
         self._shown_active = True
         self._alive_if_answered(now)
         self._buffer.append(msg)
+        if self._frames_in is not None:
+            self._buffer_frames[msg.sequence] = self._frames_in
         return []
+
+    # ----------------------------------------------------------------------
+    # Catch-up (KVDELTA)
+
+    def _start_catch_up(
+        self, server: int, frames: list[bytes], first: bool, now: float
+    ) -> list[Action]:
+        """A KVDELTA: accept it as the head of the catch-up we asked for, or
+        give the catch-up up."""
+        self._got_snapshot_data(now)
+        try:
+            head = decode_kvdelta_head(frames)
+        except ProtocolError as exc:
+            return [self._malformed(server, "KVDELTA", exc), *self._abandon_catch_up(now)]
+        why = None
+        if self._asked_since is None:
+            why = "we asked for a full snapshot"
+        elif not first:
+            why = "it came after other replies"
+        elif head.compacted is not None:
+            why = f"it says compacted={head.compacted}, the reply to a history request"
+        elif head.from_sequence != self._asked_since or head.from_sequence != self.last_sequence:
+            why = f"we asked for the updates after {self._asked_since}"
+        if why is not None:
+            error = ProtocolError(f"unexpected KVDELTA from {head.from_sequence}: {why}")
+            return [self._malformed(server, "KVDELTA", error), *self._abandon_catch_up(now)]
+        self._delta = True
+        return []
+
+    def _catch_up_batch(self, server: int, batch: list[list[bytes]], now: float) -> list[Action]:
+        """The updates of a catch-up, applied in place like KVPUBs, up to its KTHXBAI."""
+        if not batch:
+            return []
+        self._got_snapshot_data(now)
+        actions: list[Action] = []
+        for index, frames in enumerate(batch):
+            try:
+                msg = decode_snapshot_reply(frames)
+            except ProtocolError as exc:
+                # A lost update would be a hole: nothing after it can be applied.
+                actions.append(self._malformed(server, "catch-up update", exc))
+                return actions + self._abandon_catch_up(now)
+            if isinstance(msg, SnapshotEnd):
+                actions.extend(self._end_catch_up(server, msg, now))
+                if self.state is State.ACTIVE:  # the rest are late replies
+                    actions.extend(self._late_replies(server, batch[index + 1 :], now))
+                return actions
+            if msg.sequence != self.last_sequence + 1:
+                self.counters.gaps += 1
+                log.warning(
+                    "catch-up from %s: update %d after %d; asking for a full snapshot",
+                    self.servers[server],
+                    msg.sequence,
+                    self.last_sequence,
+                )
+                return actions + self._abandon_catch_up(now)
+            self.counters.catchup_updates += 1
+            actions.extend(self._apply_in_place(msg, frames))
+        return actions
+
+    def _end_catch_up(self, server: int, end: SnapshotEnd, now: float) -> list[Action]:
+        """KTHXBAI of a catch-up: it must end at the last update it sent; then
+        the buffered KVPUBs are replayed, as after a snapshot."""
+        if end.sequence != self.last_sequence or end.view is not None:
+            if end.sequence > self.last_sequence:
+                self.counters.gaps += 1
+            log.warning(
+                "catch-up from %s ended at sequence %d%s, but its updates end at %d; "
+                "asking for a full snapshot",
+                self.servers[server],
+                end.sequence,
+                "" if end.view is None else f" for view {end.view}",
+                self.last_sequence,
+            )
+            return self._abandon_catch_up(now)
+        self._delta = False
+        self.counters.syncs_catchup += 1
+        assert self.current is not None
+        log.info("caught up from %s at sequence %d", self.servers[server], end.sequence)
+        buffered, frames = self._buffer, self._buffer_frames
+        self._buffer, self._buffer_frames = [], {}
+        actions: list[Action] = []
+        request = self._request_id
+        for msg in buffered:
+            self._mark_published(msg.uuid)
+            if msg.sequence <= self.last_sequence:
+                actions.extend(self._confirm_if_pending(msg.uuid))
+                continue
+            self._frames_in = frames.get(msg.sequence)
+            try:
+                actions.extend(self._apply_live(server, msg, now))
+            finally:
+                self._frames_in = None
+            if self._request_id != request:
+                return actions  # a hole in the buffer: a new sync started
+        return actions + self._synced(now, [])
+
+    def _abandon_catch_up(self, now: float) -> list[Action]:
+        """Give a catch-up up: read nothing more of it, ask for a full snapshot."""
+        assert self.current is not None
+        self.counters.catchups_abandoned += 1
+        self._full_next = True
+        self._delta = False
+        log.warning(
+            "catch-up from %s given up; asking for a full snapshot", self.servers[self.current]
+        )
+        return self._start_sync(self.current, now)
 
     def _heartbeat_while_syncing(
         self, server: int, hugz: Hugz | ViewHeartbeat, now: float
@@ -178,6 +310,7 @@ class SnapshotSync(AgentState):
         last = min(self._ends.values())
         view = restricted_view(self._ends, self._end_views)
         applied = 0
+        last_msg: KVMsg | None = None
         for msg in self._buffer:
             self._mark_published(msg.uuid)
             if msg.sequence <= last:
@@ -195,6 +328,7 @@ class SnapshotSync(AgentState):
                 )
                 return self._start_sync(self.current, now)
             last = msg.sequence
+            last_msg = msg
             subtree = self._subtree_of(msg.key)
             if subtree is None or msg.sequence <= self._ends[subtree]:
                 continue
@@ -209,18 +343,31 @@ class SnapshotSync(AgentState):
         self._side, self._buffer, self._ends, self._end_views = {}, [], {}, {}
         self.view, self.view_count = view if view is not None else (None, 0)
         self.view_applied = applied
-        self._reask_at = None
         self.last_sequence = last
+        # The last update we know the frames of, for a later catch-up: the
+        # last one replayed (it is at ``last``), or none.
+        self._last_update = None if last_msg is None else self._buffer_frames.get(last, last_msg)
+        self._buffer_frames = {}
         self.counters.snapshots += 1
+        self.counters.syncs_full += 1
+        # A 1M-key diff costs seconds: only for watchers.
+        return self._synced(now, _diff(old, side) if self.emit_changes else [])
+
+    def _synced(self, now: float, changes: list[Action]) -> list[Action]:
+        """A sync (snapshot or catch-up) completed: ACTIVE, ``changes`` told,
+        pending writes confirmed if the map holds them, else sent again."""
+        self._reask_at = None
+        self._full_next = False
+        self._delta = False
         if self._left_at is not None:
             self.counters.last_failover_gap_ms = round(1000 * (now - self._left_at))
             self._left_at = None
         actions = self._set_state(State.ACTIVE)
-        if self.emit_changes:  # a 1M-key diff costs seconds: only for watchers
-            actions.extend(_diff(old, side))
+        actions.extend(changes)
+        current = self._map
         for uuid, p in self._pending.items():
             # A write is in the new map if its key holds its uuid (uuids are unique).
-            entry = side.get(p.msg.key)
+            entry = current.get(p.msg.key)
             if entry is not None and entry[1] == uuid:
                 p.published = True
         flushed, self._held = self._held, []
