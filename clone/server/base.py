@@ -177,6 +177,7 @@ class ServerBase:
                 "internal_errors",
                 "storage_errors",
                 "catchups_served",
+                "client_catchups_served",
                 "kvset_refused_acl",
                 "subscriptions",
                 "subscriptions_refused",

@@ -179,9 +179,12 @@ class ServingMixin(ServerBase):
             rights = self._rights_of(user if user in self._admitted else None)
             if user != PEER_USER:
                 # A client's history request stays, filtered by its read
-                # prefixes below; a digest catch-up is for the peer alone.
+                # prefixes below.  A digest catch-up extends the requester's
+                # whole map, so it is for those who may read everything: a
+                # restricted client's view count comes only from the KTHXBAI
+                # of a filtered snapshot.
                 applied = False
-                if since is not None and not since.history:
+                if since is not None and not since.history and not rights.read_all:
                     since = None
             if not rights.read_all:
                 allowed = rights.read
@@ -199,7 +202,8 @@ class ServingMixin(ServerBase):
             end_properties=end_properties,
         )
         if isinstance(stream, DeltaStream) and since is not None and not since.history:
-            self.counters["catchups_served"] += 1  # a peer's; not a client's history
+            # The peer always asks for the applied list too; a client never does.
+            self.counters["catchups_served" if applied else "client_catchups_served"] += 1
         self._snapshots[stream] = self._snapshot_started[stream] = self._clock()
         if batch:
             self._in_flight[stream] = deque()
