@@ -77,10 +77,17 @@ class HistoryReplay:
     """
 
     def __init__(
-        self, since: int, prefixes: Sequence[str] = ("",), *, requested: int | None = None
+        self,
+        since: int,
+        prefixes: Sequence[str] = ("",),
+        *,
+        requested: int | None = None,
+        until_live: bool = False,
     ) -> None:
         #: What the caller asked for first (a restart asks from ``last``).
         self.requested = since if requested is None else requested
+        #: Stop at the KTHXBAI's sequence (phase ``done``) instead of going live.
+        self.until_live = until_live
         self.last = since
         self.prefixes = tuple(prefixes)
         self.phase = "head"
@@ -89,13 +96,20 @@ class HistoryReplay:
         self._view_applied = 0
         self._buffer: list[list[bytes]] = []
 
-    def _wanted(self, msg: KVMsg) -> list[Entry]:
-        return [_entry(msg)] if msg.key.startswith(self.prefixes) else []
+    def _wanted(self, msg: KVMsg) -> list[KVMsg]:
+        return [msg] if msg.key.startswith(self.prefixes) else []
 
     # -- snapshot port ------------------------------------------------------
 
     def reply(self, frames: list[bytes]) -> list[Entry]:
         """A message on the DEALER: the changes it makes known, in order.
+
+        Raises as :meth:`reply_messages`, which it wraps.
+        """
+        return [_entry(msg) for msg in self.reply_messages(frames)]
+
+    def reply_messages(self, frames: list[bytes]) -> list[KVMsg]:
+        """:meth:`reply`, as the KVMSGs themselves (with their uuid).
 
         Raises :class:`HistoryCompacted`, :class:`ProtocolError` (a bad reply,
         or a server that answered with a snapshot: no history requests there),
@@ -126,18 +140,24 @@ class HistoryReplay:
         self.last = msg.sequence
         return self._wanted(msg)
 
-    def _go_live(self, end: SnapshotEnd) -> list[Entry]:
+    def _go_live(self, end: SnapshotEnd) -> list[KVMsg]:
         # A filtered delta skips the sequences outside it: all up to the
         # server's sequence when it opened are accounted for.
         self.last = max(self.last, end.sequence)
+        if self.until_live:
+            # Everything up to the server's sequence at the request: done.
+            # The buffered KVPUBs are after it.
+            self.phase = "done"
+            self._buffer = []
+            return []
         self.view = end.view
         if self.view is not None:
             self._view_count = int(dict(end.properties).get("view_count", "0"))
         self.phase = "live"
-        out: list[Entry] = []
+        out: list[KVMsg] = []
         buffered, self._buffer = self._buffer, []
         for frames in buffered:
-            out.extend(self.update(frames))  # ReplayRestart: the caller starts over
+            out.extend(self.update_messages(frames))  # ReplayRestart: the caller starts over
         return out
 
     # -- publisher ----------------------------------------------------------
@@ -147,6 +167,12 @@ class HistoryReplay:
 
         Raises :class:`ReplayRestart` on a hole, ProtocolError on a bad KVPUB.
         """
+        return [_entry(msg) for msg in self.update_messages(frames)]
+
+    def update_messages(self, frames: list[bytes]) -> list[KVMsg]:
+        """:meth:`update`, as the KVMSGs themselves (with their uuid)."""
+        if self.phase == "done":
+            return []
         if self.phase != "live":
             self._buffer.append(frames)
             return []
@@ -201,7 +227,9 @@ def read_history(
     ctx: zmq.Context[zmq.Socket[bytes]] | None = None,
     clock: Callable[[], float] = time.monotonic,
     curve: tuple[KeyPair, bytes] | None = None,
-) -> None:
+    until_live: bool = False,
+    on_message: Callable[[KVMsg], None] | None = None,
+) -> int:
     """Hand every change after ``since`` to ``emit``, in order, until ``stop`` is set.
 
     ``subtree`` is asked of the server (its delta holds only that); changes
@@ -210,7 +238,17 @@ def read_history(
     of ``servers``, round robin, from the last sequence handed out; a hole
     restarts from there on the same server.  Raises :class:`HistoryCompacted`
     when a server's history does not reach back far enough.
+
+    With ``until_live`` the reader returns once it has handed out every
+    change up to the server's sequence when it answered (its KTHXBAI), rather
+    than going on with the live ones (an export of the history).
+    ``on_message``, if given, receives each change as its KVMSG (uuid
+    included) instead of ``emit`` an :class:`Entry`.  Returns the sequence up
+    to which every change was handed out.
     """
+    deliver: Callable[[KVMsg], None] = (
+        on_message if on_message is not None else (lambda msg: emit(_entry(msg)))
+    )
     if not servers:
         raise ValueError("no servers to read the history from")
     for endpoint in servers:
@@ -222,25 +260,28 @@ def read_history(
     try:
         while not stop():
             endpoint = servers[attempt % len(servers)]
-            replay = HistoryReplay(last, prefixes, requested=since)
+            replay = HistoryReplay(last, prefixes, requested=since, until_live=until_live)
             try:
-                _read_from(context, endpoint, replay, emit, stop, subtree, silence, clock, curve)
+                _read_from(context, endpoint, replay, deliver, stop, subtree, silence, clock, curve)
             except ReplayRestart as exc:
                 log.warning("history from %s restarts after %d: %s", endpoint, replay.last, exc)
             except (_Silent, ProtocolError) as exc:
                 log.warning("history from %s: %s; trying the next server", endpoint, exc)
                 attempt += 1
             last = replay.last
+            if replay.phase == "done":
+                break
     finally:
         if own_ctx:
             context.destroy(linger=0)
+    return last
 
 
 def _read_from(
     ctx: zmq.Context[zmq.Socket[bytes]],
     endpoint: str,
     replay: HistoryReplay,
-    emit: Callable[[Entry], None],
+    emit: Callable[[KVMsg], None],
     stop: Callable[[], bool],
     subtree: str,
     silence: float,
@@ -254,7 +295,7 @@ def _read_from(
     ) as (sub, dealer, poller):
         asked = False
         heard = clock()
-        while not stop():
+        while not stop() and replay.phase != "done":
             now = clock()
             if now - heard >= silence:
                 what = "HUGZ" if not asked else f"message in phase {replay.phase}"
@@ -268,8 +309,11 @@ def _read_from(
                     except zmq.Again:
                         break
                     heard = clock()
-                    for entry in replay.reply(frames):
-                        emit(entry)
+                    for msg in replay.reply_messages(frames):
+                        emit(msg)
+                    if replay.phase == "done":
+                        log.info("history from %s replayed up to %d", endpoint, replay.last)
+                        return
                     if replay.phase == "live":
                         log.info("history from %s replayed up to %d; live", endpoint, replay.last)
             if sub in events:
@@ -287,8 +331,8 @@ def _read_from(
                         log.info("asked %s for the history after %d", endpoint, replay.last)
                     elif replay.phase == "live":
                         heard = clock()  # only the active's messages count from here
-                    for entry in replay.update(frames):
-                        emit(entry)
+                    for msg in replay.update_messages(frames):
+                        emit(msg)
 
 
 class HistoryFeed:
