@@ -1,4 +1,4 @@
-"""``clone-pipeline``: bulk load, export and drill reports on Spark.
+"""``clone-pipeline``: bulk load, export, history audits and drill reports on Spark.
 
 Exit status: 0 done; 1 done, but some rows were rejected (load); 2 failure
 (missing input or column, servers or Spark unreachable, writes that could not
@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Sequence
 
 from clone.argtypes import positive_float, positive_int
-from clone.pipeline.errors import PipelineError
+from clone.pipeline.errors import InputError, PipelineError
 
 __all__ = ["main", "build_parser"]
 
@@ -61,6 +61,22 @@ def build_parser() -> argparse.ArgumentParser:
         # keeps a subcommand that was not given -q from undoing a -q before it.
         _verbosity(p, default=argparse.SUPPRESS)
 
+    def curve(p: argparse.ArgumentParser) -> None:
+        p.add_argument(
+            "--curve-secret",
+            default=None,
+            metavar="FILE",
+            help="this client's secret certificate NAME.key_secret, to connect with CURVE "
+            "(default: $CLONE_CURVE_SECRET); needs --server-key",
+        )
+        p.add_argument(
+            "--server-key",
+            default=None,
+            metavar="FILE",
+            help="the pair's public certificate (default: $CLONE_SERVER_KEY); "
+            "needs --curve-secret",
+        )
+
     load = sub.add_parser("load", help="write a table into a running Clone pair")
     load.add_argument(
         "--servers", required=True, help="[tcp://]host:port[,[tcp://]host:port] of the pair"
@@ -97,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="heartbeat in seconds to assume of servers that do not advertise theirs "
         "(default 1.0), for failover detection",
     )
+    curve(load)
     common(load)
 
     export = sub.add_parser("export", help="write a consistent snapshot of the store as Parquet")
@@ -108,7 +125,50 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--timeout", type=positive_float, default=5.0, help="seconds to wait for a server"
     )
+    curve(export)
     common(export)
+
+    history = sub.add_parser(
+        "history", help="write the servers' update history after a sequence as Parquet"
+    )
+    history.add_argument(
+        "--servers", required=True, help="[tcp://]host:port[,[tcp://]host:port] of the pair"
+    )
+    history.add_argument(
+        "--since", type=int, default=0, help="the updates after this sequence (default 0: all)"
+    )
+    history.add_argument("--output", required=True, help="directory to write (replaced)")
+    history.add_argument(
+        "--timeout", type=positive_float, default=3.0, help="seconds of silence before "
+        "trying the next server (default 3)"
+    )
+    curve(history)
+    common(history)
+
+    audit = sub.add_parser(
+        "audit", help="states, changes, write rates and differences from the update history"
+    )
+    audit.add_argument(
+        "--input", required=True, nargs="+",
+        help="data directories (DIR with clone.db) and/or history exports",
+    )  # fmt: skip
+    audit.add_argument("--output", required=True, help="directory for the tables and report.md")
+    audit.add_argument(
+        "--at", type=int, default=None, help="write the state at this sequence to state_at/ "
+        "(default: the newest sequence held, if it can be reconstructed)"
+    )
+    audit.add_argument("--from", dest="from_seq", type=int, default=None,
+                       help="diff/: the state at this sequence ...")  # fmt: skip
+    audit.add_argument("--to", dest="to_seq", type=int, default=None,
+                       help="... against the state at this one")  # fmt: skip
+    audit.add_argument(
+        "--prefix-depth", type=int, default=1, help="key prefix depth of rates/ (default 1: /a/)"
+    )
+    audit.add_argument(
+        "--bucket", type=positive_int, default=1000,
+        help="sequences per row of rates/ (default 1000)",
+    )  # fmt: skip
+    common(audit)
 
     package = sub.add_parser(
         "package", help="write clone.zip (for spark-submit --py-files) and the driver script"
@@ -172,6 +232,65 @@ def _drill_report(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _curve_files(args: argparse.Namespace) -> tuple[str | None, str | None]:
+    """The flags, else the environment, as ``clone`` does: never one of each."""
+    from clone.client.frontend import default_curve_files
+
+    if args.curve_secret is not None or args.server_key is not None:
+        return args.curve_secret, args.server_key
+    return default_curve_files()
+
+
+def _history(args: argparse.Namespace) -> int:
+    from clone.pipeline import jobs
+    from clone.pipeline.session import spark_session
+    from clone.pipeline.snapshot import parse_servers
+
+    if args.since < 0:
+        raise InputError(f"--since must be >= 0, not {args.since}")
+    started = time.monotonic()
+    servers = parse_servers(args.servers)
+    curve = jobs.curve_keys(*_curve_files(args))
+    with spark_session(args.master, "clone-pipeline history", dict(args.conf)) as spark:
+        meta = jobs.export_history(
+            spark, servers, args.since, args.output, silence=args.timeout, curve=curve
+        )
+    print(
+        f"exported {meta['rows']} updates {args.since + 1}..{meta['until']} "
+        f"to {args.output} in {time.monotonic() - started:.1f}s"
+    )
+    return EXIT_OK
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from clone.pipeline import jobs
+    from clone.pipeline.session import spark_session
+    from clone.pipeline.sources import require_exists
+
+    if (args.from_seq is None) != (args.to_seq is None):
+        raise InputError("--from and --to go together")
+    if args.prefix_depth < 0:
+        raise InputError(f"--prefix-depth must be >= 0, not {args.prefix_depth}")
+    for path in args.input:
+        require_exists(path, "input")
+    diff = None if args.from_seq is None else (args.from_seq, args.to_seq)
+    with spark_session(args.master, "clone-pipeline audit", dict(args.conf)) as spark:
+        result = jobs.audit(
+            spark, args.input, args.output, at=args.at, diff=diff,
+            depth=args.prefix_depth, bucket=args.bucket,
+        )  # fmt: skip
+    print(f"held:    {result.coverage} ({result.updates} updates)")
+    if result.state_at is not None:
+        print(f"state:   {result.state_keys} keys at sequence {result.state_at}")
+    for note in result.notes:
+        print(f"note:    {note}")
+    if diff is not None:
+        print("diff:    " + ", ".join(f"{result.diff.get(k, 0)} {k}"
+                                       for k in ("added", "removed", "changed")))  # fmt: skip
+    print(f"report:  {result.markdown}")
+    return EXIT_OK
+
+
 def _export(args: argparse.Namespace) -> int:
     from clone.pipeline import jobs
     from clone.pipeline.session import spark_session
@@ -179,9 +298,10 @@ def _export(args: argparse.Namespace) -> int:
 
     started = time.monotonic()
     servers = parse_servers(args.servers)
+    curve = jobs.curve_keys(*_curve_files(args))
     with spark_session(args.master, "clone-pipeline export", dict(args.conf)) as spark:
         meta = jobs.export_snapshot(
-            spark, servers, args.output, subtree=args.subtree, timeout=args.timeout
+            spark, servers, args.output, subtree=args.subtree, timeout=args.timeout, curve=curve
         )
     print(
         f"exported {meta.rows} keys at sequence {meta.sequence} from {meta.server} "
@@ -200,7 +320,8 @@ def _load(args: argparse.Namespace) -> int:
     started = time.monotonic()
     servers = parse_servers(args.servers)
     require_exists(args.input, "input")  # fail fast, before Spark starts
-    find_active(servers, timeout=max(1.0, 3 * args.heartbeat))
+    curve_files = _curve_files(args)
+    find_active(servers, timeout=max(1.0, 3 * args.heartbeat), curve=jobs.curve_keys(*curve_files))
     with spark_session(args.master, "clone-pipeline load", dict(args.conf)) as spark:
         result = jobs.load_table(
             spark,
@@ -212,6 +333,7 @@ def _load(args: argparse.Namespace) -> int:
             max_in_flight=args.max_in_flight,
             confirm_timeout=args.confirm_timeout,
             heartbeat=args.heartbeat,
+            curve_files=curve_files,
         )
     elapsed = time.monotonic() - started
     print(f"rows written:  {result.written}")
@@ -244,6 +366,8 @@ def _package(args: argparse.Namespace) -> int:
 _COMMANDS = {
     "load": _load,
     "export": _export,
+    "history": _history,
+    "audit": _audit,
     "drill-report": _drill_report,
     "package": _package,
 }

@@ -15,6 +15,7 @@ __all__ = [
     "ServersUnreachable",
     "SparkUnavailable",
     "WriteFailed",
+    "HistoryIncomplete",
 ]
 
 
@@ -36,3 +37,7 @@ class SparkUnavailable(PipelineError):
 
 class WriteFailed(PipelineError):
     """Writes could not be confirmed by the servers, even after retries."""
+
+
+class HistoryIncomplete(PipelineError):
+    """The update history held does not reach back far enough for what was asked."""

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from clone.errors import CloneError
 from clone.pipeline import DEFAULT_REJECTS
 from clone.pipeline.errors import InputError, WriteFailed
 from clone.pipeline.sources import (
@@ -41,12 +42,27 @@ __all__ = [
     "export_snapshot",
     "snapshot_dataframe",
     "write_text_file",
+    "curve_keys",
+    "export_history",
+    "AuditResult",
+    "audit",
 ]
 
 log = logging.getLogger(__name__)
 
 # Parquet files of an export: about this many rows each.
 _ROWS_PER_FILE = 500_000
+
+
+def curve_keys(curve_secret: str | None, server_key: str | None) -> tuple[Any, bytes] | None:
+    """The CURVE key pair and server key read from their files (None: plain);
+    a missing or bad file, or one without the other, is an :class:`InputError`."""
+    from clone.client.frontend import load_curve_keys
+
+    try:
+        return load_curve_keys(curve_secret, server_key)
+    except (ValueError, OSError, CloneError) as exc:
+        raise InputError(f"CURVE keys: {exc}") from None
 
 
 # --------------------------------------------------------------------------
@@ -86,10 +102,13 @@ def load_table(
     max_in_flight: int = 64,
     confirm_timeout: float = 30.0,
     heartbeat: float = 1.0,
+    curve_files: tuple[str | None, str | None] = (None, None),
 ) -> LoadResult:
     """Validate a table, write the rejects with their reasons, and write the
     rest into the pair with confirmed writes from the executors.
 
+    ``curve_files``: the client's secret certificate and the server's public
+    one, for a secured pair (each executor opens them: :class:`WriterConfig`).
     Raises :class:`WriteFailed` when rows could not be stored.
     """
     from pyspark import StorageLevel
@@ -108,9 +127,10 @@ def load_table(
 
     cols = columns or LoadColumns()
     started = time.monotonic()
+    curve = curve_keys(*curve_files)
     df = read_table(spark, path, fmt)
     checked = with_reject_reason(df, cols)
-    active = find_active(servers, timeout=max(1.0, 3 * heartbeat))
+    active = find_active(servers, timeout=max(1.0, 3 * heartbeat), curve=curve)
     log.info("active server: %s", active)
 
     checked = checked.persist(StorageLevel.MEMORY_AND_DISK)
@@ -139,6 +159,8 @@ def load_table(
             max_in_flight=max_in_flight,
             confirm_timeout=confirm_timeout,
             heartbeat=heartbeat,
+            curve_secret=curve_files[0],
+            server_key=curve_files[1],
         )
         log.info("writing %d rows in %d partitions", to_write, partitions)
         records = write_records(checked).repartition(partitions)
@@ -313,6 +335,7 @@ def export_snapshot(
     *,
     subtree: str = "",
     timeout: float = 5.0,
+    curve: tuple[Any, bytes] | None = None,
 ) -> ExportMeta:
     """Write a consistent snapshot of the store (or ``subtree``) to ``output``
     as Parquet, with ``_clone_snapshot.json`` recording its sequence."""
@@ -322,7 +345,7 @@ def export_snapshot(
 
     started = time.time()
     with Progress("export: snapshot", unit="keys", show_after=1.0, transient=True) as bar:
-        snap = take_snapshot(servers, subtree, timeout=timeout,
+        snap = take_snapshot(servers, subtree, timeout=timeout, curve=curve,
                              progress=lambda keys: bar.update(keys))
     log.info(
         "snapshot of %d keys at sequence %d from %s in %.2fs",
@@ -354,3 +377,164 @@ def export_snapshot(
         spark, f"{output.rstrip('/')}/{SNAPSHOT_META_FILE}", json.dumps(meta.to_json(), indent=2)
     )
     return meta
+
+
+# --------------------------------------------------------------------------
+# history and audit
+
+
+def export_history(
+    spark: SparkSession,
+    servers: Sequence[str],
+    since: int,
+    output: str,
+    *,
+    silence: float = 3.0,
+    curve: tuple[Any, bytes] | None = None,
+) -> dict[str, Any]:
+    """The updates after ``since`` up to the server's sequence when it answered,
+    written to ``output`` as Parquet with ``_clone_history.json``; returns that."""
+    from clone.pipeline.history import HISTORY_META_FILE, fetch_history
+
+    fetched = fetch_history(servers, since, silence=silence, curve=curve)
+    log.info("history %d..%d: %d updates", since + 1, fetched.until, fetched.updates.num_rows)
+    df = spark.createDataFrame(fetched.updates)
+    files = max(1, -(-fetched.updates.num_rows // _ROWS_PER_FILE))
+    df.coalesce(files).write.mode("overwrite").parquet(output)
+    meta = fetched.meta()
+    write_text_file(
+        spark, f"{output.rstrip('/')}/{HISTORY_META_FILE}", json.dumps(meta, indent=2)
+    )
+    return meta
+
+
+@dataclass(slots=True)
+class AuditResult:
+    """Where the audit went, and what it could and could not reconstruct."""
+
+    markdown: str
+    plot: str
+    coverage: str
+    updates: int
+    state_at: int | None = None
+    state_keys: int | None = None
+    diff: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def _audit_inputs(spark: SparkSession, paths: Sequence[str]) -> tuple[Any, Any, list[Any]]:
+    """(updates, states by sequence, spans) of data directories and history exports."""
+    from functools import reduce
+
+    from pyspark.sql import DataFrame
+
+    from clone.pipeline.history import (
+        HISTORY_COLUMNS,
+        HistorySpan,
+        read_data_dir,
+        read_history_meta,
+    )
+    from clone.storage.schema import DATA_FILE
+
+    updates: list[DataFrame] = []
+    states: dict[int, DataFrame] = {}
+    spans: list[HistorySpan] = []
+    for path in paths:
+        if os.path.isfile(os.path.join(path, DATA_FILE)) or os.path.isfile(path):
+            held = read_data_dir(path)
+            updates.append(spark.createDataFrame(held.updates))
+            if held.state is not None and held.span.state_seq is not None:
+                states[held.span.state_seq] = spark.createDataFrame(held.state)
+            spans.append(held.span)
+            continue
+        meta = read_history_meta(path)
+        if meta is None:
+            raise InputError(
+                f"{path} is neither a data directory (no {DATA_FILE}) nor a history export "
+                "(no _clone_history.json; write one with clone-pipeline history)"
+            )
+        updates.append(spark.read.parquet(path).select(*HISTORY_COLUMNS))
+        spans.append(HistorySpan(path, int(meta["since"]) + 1, int(meta["until"])))
+    return reduce(DataFrame.unionByName, updates), states, spans
+
+
+def audit(
+    spark: SparkSession,
+    inputs: Sequence[str],
+    output: str,
+    *,
+    at: int | None = None,
+    diff: tuple[int, int] | None = None,
+    depth: int = 1,
+    bucket: int = 1000,
+) -> AuditResult:
+    """Read the update history of data directories and history exports and
+    write ``state_at/``, ``changes/``, ``rates/`` and ``diff/`` as Parquet,
+    with ``report.md`` and ``report.png``.
+
+    ``at`` (default: the newest sequence held, if that state can be
+    reconstructed) and both ends of ``diff`` must be reconstructible exactly,
+    else :class:`~clone.pipeline.errors.HistoryIncomplete`.
+    """
+    from pyspark import StorageLevel
+
+    from clone.pipeline import audit as A
+    from clone.pipeline import report
+    from clone.pipeline.errors import HistoryIncomplete
+    from clone.pipeline.history import state_arrow_schema
+
+    raw, states, spans = _audit_inputs(spark, inputs)
+    cov = A.coverage(spans)
+    updates = A.distinct_updates(raw).persist(StorageLevel.MEMORY_AND_DISK)
+    try:
+        empty_state = spark.createDataFrame(state_arrow_schema().empty_table())
+
+        def state(seq: int) -> DataFrame:
+            base_seq = A.plan_state(cov, seq)
+            base = empty_state if base_seq == 0 else states[base_seq]
+            result, unknown = A.state_at(updates, base, base_seq, seq, max(cov.first, 1))
+            missing = unknown.count()
+            if missing:
+                raise HistoryIncomplete(
+                    f"the state at {seq} cannot be reconstructed: {missing} key(s) changed "
+                    f"after it were last written before {cov.first}, the oldest update held "
+                    f"({cov.describe()}); an update does not carry the value it replaced"
+                )
+            return result
+
+        def out(name: str) -> str:
+            return os.path.join(output, name)
+
+        os.makedirs(output, exist_ok=True)
+        notes: list[str] = []
+        result = AuditResult(out("report.md"), out("report.png"), cov.describe(), updates.count())
+        if True:  # the state at --at, else at the newest sequence held if it can be
+            target = cov.last if at is None else at
+            try:
+                snapshot = state(target)
+            except HistoryIncomplete as exc:
+                if at is not None:
+                    raise
+                notes.append(f"no state_at/: {exc}")
+            else:
+                snapshot.orderBy("key").write.mode("overwrite").parquet(out("state_at"))
+                result.state_at = target
+                result.state_keys = spark.read.parquet(out("state_at")).count()
+        A.key_changes(updates).orderBy("seq").write.mode("overwrite").parquet(out("changes"))
+        rates = A.prefix_write_rates(updates, depth, bucket)
+        rates.write.mode("overwrite").parquet(out("rates"))
+        rate_rows = [r.asDict() for r in spark.read.parquet(out("rates")).collect()]
+        if diff is not None:
+            lo, hi = diff
+            A.state_diff(state(lo), state(hi)).orderBy("key").write.mode("overwrite").parquet(
+                out("diff")
+            )
+            counts = spark.read.parquet(out("diff")).groupBy("status").count().collect()
+            result.diff = {str(r["status"]): int(r["count"]) for r in counts}
+    finally:
+        updates.unpersist()
+    result.notes = notes
+    report.render_audit_plot(rate_rows, depth, bucket, result.plot)
+    with open(result.markdown, "w", encoding="utf-8") as fh:
+        fh.write(report.render_audit_markdown(result, spans, rate_rows, depth, bucket, diff))
+    return result

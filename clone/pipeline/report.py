@@ -301,3 +301,80 @@ def render_plot(data: ReportData, path: str) -> None:
 def _short(run: str) -> str:
     parts = [p for p in run.replace("\\", "/").split("/") if p]
     return parts[-1] if parts else run
+
+
+# --------------------------------------------------------------------------
+# audit
+
+
+def render_audit_plot(
+    rates: Sequence[Mapping[str, Any]], depth: int, bucket: int, path: str, top: int = 8
+) -> None:
+    """Writes per ``bucket`` sequences for the ``top`` busiest key prefixes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    totals: dict[str, int] = {}
+    for r in rates:
+        totals[str(r["prefix"])] = totals.get(str(r["prefix"]), 0) + int(r["writes"])
+    busiest = sorted(totals, key=lambda p: (-totals[p], p))[:top]
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    for prefix in busiest:
+        mine = [r for r in rates if r["prefix"] == prefix]
+        points = sorted((int(r["bucket"]), int(r["writes"])) for r in mine)
+        ax.plot([b for b, _ in points], [w for _, w in points], marker="o", ms=3,
+                label=prefix or "(root)")  # fmt: skip
+    if busiest:
+        ax.legend(fontsize=8, loc="upper left")
+    else:
+        ax.text(0.5, 0.5, "no updates held", ha="center", va="center", transform=ax.transAxes)
+    ax.set_title(f"Writes per {bucket} sequences, by key prefix (depth {depth})")
+    ax.set_xlabel("sequence (bucket start)")
+    ax.set_ylabel("writes")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def render_audit_markdown(
+    result: Any,
+    spans: Sequence[Any],
+    rates: Sequence[Mapping[str, Any]],
+    depth: int,
+    bucket: int,
+    diff: tuple[int, int] | None,
+) -> str:
+    """``report.md`` of an audit: inputs, what is held, the state, rates, the diff."""
+    lines = ["# Clone audit", "", "## Inputs", ""]
+    rows = [
+        [s.source, s.first if s.first <= s.last else "-", s.last,
+         "-" if s.state_seq is None else s.state_seq]
+        for s in spans
+    ]  # fmt: skip
+    lines += [tabulate(rows, ["input", "oldest update", "newest", "state (kv) at"], "github"), ""]
+    lines += [f"Held without a hole: {result.coverage}; {result.updates} updates.", ""]
+    lines += ["## State", ""]
+    if result.state_at is not None:
+        lines += [f"`state_at/`: {result.state_keys} keys at sequence {result.state_at}.", ""]
+    for note in result.notes:
+        lines += [f"- {note}"]
+    totals: dict[str, list[int]] = {}
+    for r in rates:
+        t = totals.setdefault(str(r["prefix"]), [0, 0])
+        t[0] += int(r["writes"])
+        t[1] += int(r["deletes"] or 0)
+    lines += ["", f"## Writes per key prefix (depth {depth})", ""]
+    ranked = sorted(totals.items(), key=lambda item: (-item[1][0], item[0]))
+    table = [[p or "(root)", w, d] for p, (w, d) in ranked[:20]]
+    lines += [tabulate(table, ["prefix", "writes", "deletes"], "github"), ""]
+    lines += [f"Per {bucket} sequences in `rates/`; every change in `changes/`.", ""]
+    lines += ["![writes per prefix](report.png)", ""]
+    if diff is not None:
+        lines += [f"## Differences between {diff[0]} and {diff[1]}", ""]
+        counts = [[k, result.diff.get(k, 0)] for k in ("added", "removed", "changed")]
+        lines += [tabulate(counts, ["status", "keys"], "github"), "", "Keys in `diff/`.", ""]
+    return "\n".join(lines).rstrip() + "\n"

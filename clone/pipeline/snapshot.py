@@ -34,6 +34,7 @@ import zmq
 from clone.argtypes import normalize_endpoints
 from clone.errors import ProtocolError
 from clone.pipeline.errors import InputError, ServersUnreachable
+from clone.security import KeyPair, configure_client_socket
 from clone.wire.batch import decode_kvbatch, is_kvbatch
 from clone.wire.codec import (
     Hugz,
@@ -51,6 +52,8 @@ __all__ = ["Snapshot", "parse_servers", "endpoint_at", "find_active", "take_snap
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+#: Our key pair and the server's public key (``load_curve_keys``), or None.
+Curve = tuple[KeyPair, bytes] | None
 
 # Messages read from one socket per poll: a snapshot arrives far faster than
 # one poll per message could take it.
@@ -91,12 +94,20 @@ def endpoint_at(endpoint: str, offset: int) -> str:
 class _Subscriptions:
     """One SUB per server, subscribed to HUGZ and the subtree."""
 
-    def __init__(self, ctx: zmq.Context[zmq.Socket[bytes]], servers: Sequence[str], subtree: str):
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        servers: Sequence[str],
+        subtree: str,
+        curve: Curve = None,
+    ):
         self.sockets: list[zmq.Socket[bytes]] = []
         self.poller = zmq.Poller()
         for server in servers:
             sub = ctx.socket(zmq.SUB)
             sub.linger = 0
+            if curve is not None:
+                configure_client_socket(sub, *curve)
             sub.rcvhwm = 0  # never drop an update while we read the snapshot
             sub.setsockopt(zmq.SUBSCRIBE, subtree.encode("utf-8"))
             if subtree:
@@ -126,13 +137,14 @@ def find_active(
     timeout: float = 5.0,
     context: zmq.Context[zmq.Socket[bytes]] | None = None,
     clock: Clock = time.monotonic,
+    curve: Curve = None,
 ) -> str:
     """The endpoint of the server that is active now (it sends HUGZ).
 
     Raises :class:`ServersUnreachable` when none does within ``timeout``.
     """
     ctx = context or zmq.Context()
-    subs = _Subscriptions(ctx, servers, "")
+    subs = _Subscriptions(ctx, servers, "", curve)
     try:
         index = _wait_for_hugz(subs, clock() + timeout, clock)
     finally:
@@ -166,10 +178,13 @@ def _snapshot_from(
     timeout: float,
     clock: Clock,
     progress: Callable[[int], None] | None,
+    curve: Curve = None,
 ) -> Snapshot:
     sub = subs.sockets[index]
     dealer = ctx.socket(zmq.DEALER)
     dealer.linger = 0
+    if curve is not None:
+        configure_client_socket(dealer, *curve)
     try:
         # Our servers then pack the snapshot into KVBATCHes (protocol.md); the
         # Guide's ignore the property and send KVSYNCs, which we take as well.
@@ -249,10 +264,12 @@ def take_snapshot(
     context: zmq.Context[zmq.Socket[bytes]] | None = None,
     clock: Clock = time.monotonic,
     progress: Callable[[int], None] | None = None,
+    curve: Curve = None,
 ) -> Snapshot:
     """The store (or ``subtree``) exactly as of one sequence, from the active
     server of ``servers``; tries each server in turn within ``len(servers) + 1``
-    rounds of ``timeout``.  ``progress(keys)`` is told the keys received so far."""
+    rounds of ``timeout``.  ``progress(keys)`` is told the keys received so far;
+    ``curve`` (our key pair and the server's public key) for a secured pair."""
     try:
         validate_subtree(subtree.encode("utf-8"))
     except ProtocolError as exc:
@@ -260,7 +277,7 @@ def take_snapshot(
     ctx = context or zmq.Context()
     try:
         for attempt in range(len(servers) + 1):
-            subs = _Subscriptions(ctx, servers, subtree)
+            subs = _Subscriptions(ctx, servers, subtree, curve)
             try:
                 index = _wait_for_hugz(subs, clock() + timeout, clock)
                 if index is None:
@@ -269,7 +286,7 @@ def take_snapshot(
                 log.info("taking a snapshot of %r from %s", subtree or "/", server)
                 try:
                     return _snapshot_from(
-                        ctx, subs, index, server, subtree, timeout, clock, progress
+                        ctx, subs, index, server, subtree, timeout, clock, progress, curve
                     )
                 except (TimeoutError, ProtocolError) as exc:
                     log.warning("snapshot attempt %d failed: %s", attempt + 1, exc)

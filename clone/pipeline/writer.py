@@ -78,6 +78,30 @@ class WriterConfig:
     max_failures: int = 10
     heartbeat: float = 1.0
     sync_timeout: float = 30.0
+    #: CURVE: the client's secret certificate and the server's public one, as
+    #: paths (never the keys themselves: they would travel inside the tasks).
+    curve_secret: str | None = None
+    server_key: str | None = None
+
+
+def executor_curve_files(config: WriterConfig) -> tuple[str | None, str | None]:
+    """The CURVE files on this executor: the driver's paths if they exist here
+    (local mode, a shared file system), else ``$CLONE_CURVE_SECRET`` and
+    ``$CLONE_SERVER_KEY`` of the executor (``spark.executorEnv.*`` pointing
+    at the copies ``--files`` put in its working directory)."""
+    import os
+
+    from clone.client.frontend import default_curve_files
+
+    given = (config.curve_secret, config.server_key)
+    if given == (None, None):
+        return given
+    if all(path is not None and os.path.exists(path) for path in given):
+        return given
+    env = default_curve_files()
+    if env != (None, None):
+        return env
+    return given  # Clone says which file is missing
 
 
 @dataclass(slots=True)
@@ -107,9 +131,12 @@ class PartitionResult:
 def _default_client(config: WriterConfig) -> ClientLike:
     from clone.client.frontend import Clone
 
+    curve_secret, server_key = executor_curve_files(config)
     return Clone(
         list(config.servers),
         subtree=config.subtree or None,
+        curve_secret=curve_secret,
+        server_key=server_key,
         heartbeat=config.heartbeat,
         # At least half a second of silence before failing over: with a fast
         # heartbeat a busy executor would otherwise fail over by accident.
