@@ -508,18 +508,18 @@ def audit(
         os.makedirs(output, exist_ok=True)
         notes: list[str] = []
         result = AuditResult(out("report.md"), out("report.png"), cov.describe(), updates.count())
-        if True:  # the state at --at, else at the newest sequence held if it can be
-            target = cov.last if at is None else at
-            try:
-                snapshot = state(target)
-            except HistoryIncomplete as exc:
-                if at is not None:
-                    raise
-                notes.append(f"no state_at/: {exc}")
-            else:
-                snapshot.orderBy("key").write.mode("overwrite").parquet(out("state_at"))
-                result.state_at = target
-                result.state_keys = spark.read.parquet(out("state_at")).count()
+        # The state at --at, else at the newest sequence held if it can be.
+        target = cov.last if at is None else at
+        try:
+            snapshot = state(target)
+        except HistoryIncomplete as exc:
+            if at is not None:
+                raise
+            notes.append(f"no state_at/: {exc}")
+        else:
+            snapshot.orderBy("key").write.mode("overwrite").parquet(out("state_at"))
+            result.state_at = target
+            result.state_keys = spark.read.parquet(out("state_at")).count()
         A.key_changes(updates).orderBy("seq").write.mode("overwrite").parquet(out("changes"))
         rates = A.prefix_write_rates(updates, depth, bucket)
         rates.write.mode("overwrite").parquet(out("rates"))
