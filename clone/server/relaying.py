@@ -161,7 +161,7 @@ class RelayMixin(ServerBase):
             self.core.store.sequence,
         )
         self._close_peer()
-        self._upstream_heard = now
+        # _upstream_heard stays: until the new upstream speaks, we are stale.
         self._sync_started = now
         self._follow()
 

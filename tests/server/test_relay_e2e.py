@@ -188,6 +188,10 @@ def test_a_relay_that_lost_the_pair_serves_its_last_state_and_says_stale(
         sub = _Sub(ctx, relay.port)
         eventually(lambda: sub.hugz().stale, timeout=10)
         assert _snapshot(relay.port)[0] == before
+        # Stale it stays, across its tries of each upstream in turn.
+        until = time.monotonic() + 2.5
+        while time.monotonic() < until:
+            assert sub.hugz().stale
         # A relay of a stale relay is stale too, and serves the same state.
         sub2 = _Sub(ctx, second.port)
         eventually(lambda: sub2.hugz().stale, timeout=10)
