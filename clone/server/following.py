@@ -188,8 +188,10 @@ class FollowingMixin(ServerBase):
         # Ask for KVBATCHes (our peer is one of us): a restart resyncs faster.
         try:
             dealer.setsockopt(zmq.METADATA, BATCH_METADATA)
-            # ... and for the ids it applied, to reconcile our pending list.
-            dealer.setsockopt(zmq.METADATA, APPLIED_METADATA)
+            # ... and for the ids it applied, to reconcile our pending list
+            # (a relay has none: it asks as a client does).
+            if self.core.role is not Role.RELAY:
+                dealer.setsockopt(zmq.METADATA, APPLIED_METADATA)
             # ... and, holding a state, only for what followed it (a catch-up).
             since = self.core.catch_up_request()
             if since is not None:
