@@ -94,6 +94,7 @@ class ServerBase:
             config.core,
             standalone=config.mode is ServerMode.STANDALONE,
             durable=config.data_dir is not None,
+            relay=config.mode is ServerMode.RELAY,
         )
         # The data directory (clone.server.durability), open while serving.
         self._storage: Storage | None = None
@@ -135,6 +136,15 @@ class ServerBase:
         self._outq_hold = False  # the publisher is being bound again: queue everything
         self._pub_stream: ZMQStream | None = None  # the XPUB's (CURVE) subscriptions
         self._peer_sub: ZMQStream | None = None
+        # The server we follow: the peer while passive; a relay's current
+        # upstream (clone.server.relaying), which changes at a failover.
+        self._followed: str | None = config.upstream[0] if config.upstream else config.peer
+        self._upstream_index = 0
+        self._upstream_heard = 0.0  # the clock when the followed server last spoke
+        self._upstream_heartbeat = config.heartbeat  # its HUGZ interval, as it says
+        self._upstream_stale = False  # it is a relay that lost its own upstream
+        self._relay_synced_once = False
+        self._upstream_pub: zmq.Socket | None = None  # to every upstream collector
         self._peer_dealer: ZMQStream | None = None
         self._sync_progress = 0.0
         self._sync_started = 0.0
@@ -185,6 +195,9 @@ class ServerBase:
                 "security_reload_errors",
                 "publisher_rebinds",
                 "failovers",
+                "upstream_switches",
+                "kvset_forwarded",
+                "kvset_forward_dropped",
                 "status_requests",
                 "status_dropped",
             ),
@@ -280,3 +293,13 @@ class ServerBase:
         ) -> None: ...
 
         def _recheck_deferred_soon(self) -> None: ...
+
+        def _request_snapshot(self) -> None: ...
+
+        def _follow(self) -> None: ...
+
+        def _close_peer(self) -> None: ...
+
+        def _heard_upstream(self, frames: list[bytes]) -> None: ...
+
+        def _relay_synced(self) -> None: ...

@@ -15,6 +15,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from clone.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
 from clone.errors import CloneError
@@ -42,6 +43,14 @@ def _host_port(text: str) -> str:
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
     return text
+
+
+def _upstream(text: str) -> tuple[str, ...]:
+    """HOST:PORT[,HOST:PORT...]: the servers a relay follows, in order."""
+    out = tuple(_host_port(part.strip()) for part in text.split(",") if part.strip())
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT[,HOST:PORT], got {text!r}")
+    return out
 
 
 def _base_port(text: str) -> int:
@@ -84,12 +93,23 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--primary", action="store_true", help="run as the primary of a pair")
     mode.add_argument("--backup", action="store_true", help="run as the backup of a pair")
     mode.add_argument("--standalone", action="store_true", help="run alone, with no peer")
+    mode.add_argument(
+        "--relay",
+        action="store_true",
+        help="relay a pair (--upstream): follow it like a client, serve its state on --port",
+    )
     p.add_argument(
         "--port", type=_base_port, help="CHP base port P (P, P+1, P+2); default 5556/5566"
     )
     p.add_argument("--peer", type=_host_port, help="the peer's CHP base port, HOST:PORT")
     p.add_argument("--ha-port", type=_port, help="our Binary Star port; default 5003/5004")
     p.add_argument("--peer-ha", type=_host_port, help="the peer's Binary Star port, HOST:PORT")
+    p.add_argument(
+        "--upstream",
+        type=_upstream,
+        help="a relay's upstream: the CHP base ports of the pair's servers (or of another"
+        " relay), HOST:PORT[,HOST:PORT]; required with --relay",
+    )
     p.add_argument("--bind", default="*", help="interface to bind (default: all, '*')")
     p.add_argument(
         "--heartbeat",
@@ -299,6 +319,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_snapshots=args.max_snapshots,
         http_port=args.http_port,
     )
+    if args.upstream and not args.relay:
+        raise ValueError("--upstream is for a relay (--relay) only")
+    if args.relay:
+        return _relay_config(args, common)
     role = "standalone" if args.standalone else "primary" if args.primary else "backup"
     if args.in_memory:
         if args.restore:
@@ -327,6 +351,24 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         peer=args.peer or f"localhost:{peer}",
         ha_port=ha_port if args.ha_port is None else args.ha_port,
         peer_ha=args.peer_ha or f"localhost:{peer_ha}",
+        **common,
+    )
+
+
+def _relay_config(args: argparse.Namespace, common: dict[str, Any]) -> ServerConfig:
+    """A relay: in memory, no Binary Star peer (docs/operations.md, "Relays")."""
+    if not args.upstream:
+        raise ValueError("--relay needs --upstream HOST:PORT[,HOST:PORT] (the pair's base ports)")
+    if args.data_dir or args.restore:
+        raise ValueError("a relay keeps its copy in memory: no --data-dir or --restore")
+    for flag in ("peer", "ha_port", "peer_ha"):
+        if getattr(args, flag) is not None:
+            name = flag.replace("_", "-")
+            raise ValueError(f"a relay has no Binary Star peer: --{name} is not for it")
+    return ServerConfig(
+        port=DEFAULT_PRIMARY_PORT if args.port is None else args.port,
+        mode=ServerMode.RELAY,
+        upstream=args.upstream,
         **common,
     )
 

@@ -23,11 +23,13 @@ PEER_WAIT_DEFAULT = 10.0
 
 
 class ServerMode(enum.Enum):
-    """Which member of a pair this server is (or none: standalone)."""
+    """Which member of a pair this server is (or none: standalone, or a relay
+    of a pair: docs/operations.md, "Relays")."""
 
     PRIMARY = "primary"
     BACKUP = "backup"
     STANDALONE = "standalone"
+    RELAY = "relay"
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,9 @@ class ServerConfig:
     #: The HTTP port (docs/operations.md, "Monitoring"): /metrics, /healthz,
     #: /readyz and the status page, bound to ``bind``; None: off.
     http_port: int | None = None
+    #: A relay's upstream: the CHP base ports (``host:port``) of the servers
+    #: it relays, in the order it tries them (a pair's two, or another relay).
+    upstream: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not 0 < self.port <= 65535 - 2:
@@ -112,10 +117,34 @@ class ServerConfig:
             )
         if self.restore is not None and self.data_dir is None:
             raise ValueError("restore needs a data directory (it replaces that directory's state)")
-        if self.mode is not ServerMode.STANDALONE:
+        if self.mode is ServerMode.RELAY:
+            self._check_relay()
+        elif self.upstream:
+            raise ValueError("--upstream is for a relay (--relay) only")
+        elif self.mode is not ServerMode.STANDALONE:
             missing = [n for n in ("peer", "ha_port", "peer_ha") if getattr(self, n) is None]
             if missing:
                 raise ValueError(f"a {self.mode.value} server needs {', '.join(missing)}")
+
+    def _check_relay(self) -> None:
+        if not self.upstream:
+            raise ValueError("a relay needs --upstream: the pair's CHP base ports, HOST:PORT,...")
+        for host_port in self.upstream:
+            host, _, port = host_port.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) <= 65535 - 2:
+                raise ValueError(f"upstream {host_port!r} is not HOST:PORT with room for P+2")
+        if self.data_dir is not None or self.restore is not None:
+            raise ValueError(
+                "a relay keeps its copy in memory (it resyncs from the pair at start):"
+                " no --data-dir or --restore"
+            )
+        if self.curve_secret is not None:
+            raise ValueError(
+                "CURVE for relays is not supported yet: a relay cannot take --curve-secret"
+                " (docs/operations.md, \"Relays\")"
+            )
+        if self.peer is not None or self.ha_port is not None or self.peer_ha is not None:
+            raise ValueError("a relay has no Binary Star peer: no --peer, --ha-port or --peer-ha")
 
     @property
     def effective_peer_wait(self) -> float:

@@ -79,6 +79,11 @@ class Role(enum.Enum):
     STARTING = "starting"  # Binary Star has not decided yet: park updates
     ACTIVE = "active"  # serve snapshots, sequence and publish updates
     PASSIVE = "passive"  # follow the active peer, park client updates
+    RELAY = "relay"  # follow the pair like a client, serve and republish its copy
+
+
+#: The roles that keep a copy of another server's state, in its sequences.
+_FOLLOWERS = frozenset((Role.PASSIVE, Role.RELAY))
 
 
 class SyncState(enum.Enum):
@@ -197,6 +202,7 @@ class ServerCore:
         *,
         standalone: bool = False,
         durable: bool = False,
+        relay: bool = False,
     ) -> None:
         self.settings = settings or CoreSettings()
         self.store = Store(max_keys=self.settings.max_keys, max_bytes=self.settings.max_bytes)
@@ -211,7 +217,7 @@ class ServerCore:
         self.window = UuidWindow(self.settings.dedup_window)
         self.pending = PendingList(self.settings.pending_max, self.settings.pending_max_age)
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
-        self.role = Role.ACTIVE if standalone else Role.STARTING
+        self.role = Role.ACTIVE if standalone else Role.RELAY if relay else Role.STARTING
         self.sync_state = SyncState.IDLE
         #: The highest sequence seen anywhere (own store, peer KVPUB/HUGZ/KTHXBAI).
         self.highest_seen = 0
@@ -443,7 +449,7 @@ class ServerCore:
     def on_peer_update(self, frames: Sequence[bytes], now: float) -> FollowOutcome:
         """A KVPUB or HUGZ from the active peer's publisher, received at ``now``."""
         c = self.counters
-        if self.role is not Role.PASSIVE:
+        if self.role not in _FOLLOWERS:
             c["peer_ignored"] += 1
             return FollowOutcome.OK
         try:
@@ -480,7 +486,7 @@ class ServerCore:
         """A KVSYNC, KVBATCH, KVAPPLIED or KTHXBAI of the snapshot we asked the
         peer for, received at ``now``."""
         c = self.counters
-        if self.sync_state is not SyncState.SYNCING or self.role is not Role.PASSIVE:
+        if self.sync_state is not SyncState.SYNCING or self.role not in _FOLLOWERS:
             c["peer_ignored"] += 1
             return FollowOutcome.OK
         if is_kvbatch(frames):

@@ -166,12 +166,13 @@ class FollowingMixin(ServerBase):
 
     def _follow(self) -> None:
         cfg = self.config
-        assert cfg.peer is not None
+        followed = self._followed
+        assert followed is not None
         if self._peer_sub is None:
             sub = self._socket(zmq.SUB)
             sub.setsockopt(zmq.RCVHWM, cfg.collector_hwm)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
-            sub.connect(_peer_base(cfg.peer, PUBLISHER_OFFSET))
+            sub.connect(_peer_base(followed, PUBLISHER_OFFSET))
             self._peer_sub = self._stream(sub, self._on_peer_update)
         self._sync_started = self._clock()
         self._request_snapshot()
@@ -179,15 +180,18 @@ class FollowingMixin(ServerBase):
     def _request_snapshot(self) -> None:
         """(Re)start a sync on a fresh DEALER, so stale replies cannot mix in."""
         cfg = self.config
-        assert cfg.peer is not None
+        followed = self._followed
+        assert followed is not None
         self._close_dealer()
         dealer = self._socket(zmq.DEALER)
         dealer.setsockopt(zmq.RCVHWM, cfg.snapshot_hwm)
         # Ask for KVBATCHes (our peer is one of us): a restart resyncs faster.
         try:
             dealer.setsockopt(zmq.METADATA, BATCH_METADATA)
-            # ... and for the ids it applied, to reconcile our pending list.
-            dealer.setsockopt(zmq.METADATA, APPLIED_METADATA)
+            # ... and for the ids it applied, to reconcile our pending list
+            # (a relay has none: it asks as a client does).
+            if self.core.role is not Role.RELAY:
+                dealer.setsockopt(zmq.METADATA, APPLIED_METADATA)
             # ... and, holding a state, only for what followed it (a catch-up).
             since = self.core.catch_up_request()
             if since is not None:
@@ -195,7 +199,7 @@ class FollowingMixin(ServerBase):
             cap_message_size(dealer, MAX_SYNC_FRAME_BYTES)
         except zmq.ZMQError:  # a libzmq older than 4.3: the standard stream
             log.debug("this libzmq cannot send ZMTP metadata; syncing without KVBATCH")
-        dealer.connect(_peer_base(cfg.peer, SNAPSHOT_OFFSET))
+        dealer.connect(_peer_base(followed, SNAPSHOT_OFFSET))
         self._peer_dealer = self._stream(dealer, self._on_sync_reply)
         self.core.start_sync()
         self._sync_progress = self._clock()
@@ -203,10 +207,12 @@ class FollowingMixin(ServerBase):
             dealer.send_multipart(encode_icanhaz(""), zmq.NOBLOCK)
         except zmq.Again:
             pass  # the sync timeout retries
-        log.debug("asked %s for a snapshot", cfg.peer)
+        log.debug("asked %s for a snapshot", followed)
 
     def _check_sync_timeout(self) -> None:
         core = self.core
+        if core.role is Role.RELAY:
+            return  # clone.server.relaying decides: it may fail over upstream
         if core.role is not Role.PASSIVE or core.sync_state is not SyncState.SYNCING:
             return
         now = self._clock()
@@ -223,10 +229,17 @@ class FollowingMixin(ServerBase):
         self._request_snapshot()
 
     def _on_peer_update(self, frames: list[bytes]) -> None:
-        """KVPUBs from the active: apply in order, then journal them in one commit."""
+        """KVPUBs from the active: apply in order, then journal them in one commit
+        (a relay publishes them instead: it has no journal)."""
         try:
             self._follow_updates(frames)
         finally:
+            self._commit_followed()
+
+    def _commit_followed(self) -> None:
+        if self.core.role is Role.RELAY:
+            self._commit_and_publish()
+        else:
             self._commit()
 
     def _follow_updates(self, frames: list[bytes]) -> None:
@@ -237,7 +250,10 @@ class FollowingMixin(ServerBase):
         stop_at = self._clock() + TURN_BUDGET
         now = self._wallclock()
         budget = self.config.collector_batch
+        relay = core.role is Role.RELAY
         while True:
+            if relay:
+                self._heard_upstream(frames)
             try:
                 outcome = core.on_peer_update(frames, now)
             except ProtocolError as exc:
@@ -249,7 +265,8 @@ class FollowingMixin(ServerBase):
                     self._throttle.log(
                         "gap",
                         logging.INFO,
-                        "missed updates from the active server (have %d, it is at %d); resyncing",
+                        "missed updates from %s (have %d, it is at %d); resyncing",
+                        self._followed,
                         core.store.sequence,
                         core.highest_seen,
                     )
@@ -271,7 +288,7 @@ class FollowingMixin(ServerBase):
         try:
             self._take_sync_reply(frames)
         finally:
-            self._commit()
+            self._commit_followed()
 
     def _take_sync_reply(self, frames: list[bytes]) -> None:
         dealer = self._peer_dealer
@@ -279,6 +296,8 @@ class FollowingMixin(ServerBase):
             self.core.term = self._ha.peer_epoch
         core = self.core
         self._sync_progress = stop_at = self._clock()
+        if core.role is Role.RELAY:
+            self._upstream_heard = stop_at
         stop_at += TURN_BUDGET
         now = self._wallclock()
         budget = self.config.collector_batch
@@ -291,9 +310,11 @@ class FollowingMixin(ServerBase):
                 )
                 outcome = FollowOutcome.OK
             if outcome is FollowOutcome.SYNCED:
+                if core.role is Role.RELAY:
+                    self._relay_synced()
                 log.info(
                     "synced from %s (%s): %d keys at sequence %d in %.2f s",
-                    self.config.peer,
+                    self._followed,
                     core.last_sync,
                     len(core.store),
                     core.store.sequence,

@@ -40,6 +40,7 @@ from clone.server.durability import DurabilityMixin
 from clone.server.following import FollowingMixin
 from clone.server.http import HttpMixin
 from clone.server.publishing import PublishingMixin
+from clone.server.relaying import RelayMixin
 from clone.server.security import SecurityMixin
 from clone.server.serving import ServingMixin
 from clone.wire.frames import recv_frames, recv_frames_and_first
@@ -57,7 +58,13 @@ def _tcp(host_port: str) -> str:
 
 
 class CloneServer(
-    ServingMixin, FollowingMixin, PublishingMixin, DurabilityMixin, SecurityMixin, HttpMixin
+    ServingMixin,
+    FollowingMixin,
+    RelayMixin,
+    PublishingMixin,
+    DurabilityMixin,
+    SecurityMixin,
+    HttpMixin,
 ):
     """One member of a Clone server pair (or a standalone server).
 
@@ -216,12 +223,17 @@ class CloneServer(
         # Zero-copy frames: only a Frame can tell the requester's ZMTP metadata.
         self._on_router_guarded = self._guard(self._on_router)
         self._stream(router, self._on_router, copy=False)
-        if self._keypair is not None:
+        if cfg.mode is ServerMode.RELAY:
+            # A relay applies nothing itself: writes go on to the pair.
+            self._stream(collector, self._on_relay_collector)
+        elif self._keypair is not None:
             # The sender's User-Id (metadata) decides whether it may write.
             self._stream(collector, self._on_collector_secure, copy=False)
         else:
             self._stream(collector, self._on_collector)
-        if cfg.mode is not ServerMode.STANDALONE:
+        if cfg.mode is ServerMode.RELAY:
+            self._start_relay()
+        elif cfg.mode is not ServerMode.STANDALONE:
             from bstar.reactor import BinaryStar  # only paired servers need it
 
             assert cfg.ha_port is not None and cfg.peer_ha is not None
@@ -250,7 +262,9 @@ class CloneServer(
             self._stats_timer = loop.call_later(cfg.stats_interval, self._on_stats_timer)
         peer = (
             f"; peer {cfg.peer}, binary star {base}:{cfg.ha_port} <-> {_tcp(cfg.peer_ha or '')}"
-            if cfg.mode is not ServerMode.STANDALONE
+            if cfg.mode not in (ServerMode.STANDALONE, ServerMode.RELAY)
+            else f"; relaying {', '.join(cfg.upstream)}"
+            if cfg.mode is ServerMode.RELAY
             else ""
         )
         log.info(
@@ -294,6 +308,7 @@ class CloneServer(
         if self._ha is not None:
             self._ha.stop()
         self._close_peer()
+        self._close_relay()
         self._snapshots.clear()
         self._in_flight.clear()
         self._outq.clear()
@@ -328,6 +343,9 @@ class CloneServer(
                 if self._view_counts:
                     for frames in self._view_heartbeats():
                         self._publish(frames)
+            elif self.core.role is Role.RELAY:
+                self._publish(self._relay_hugz())
+                self.counters["hugz_sent"] += 1
         except Exception:
             self.counters["internal_errors"] += 1
             log.exception("internal error in heartbeat")
@@ -350,6 +368,8 @@ class CloneServer(
             if self.core.expiry_due(now):
                 delay = 0.0  # more due than one batch: continue next turn
             self._check_sync_timeout()
+            if self.core.role is Role.RELAY:
+                self._check_upstream()
             self._check_stalled_snapshots()
             if self._deferred:
                 # The peer's expiry may have moved earlier (Binary Star saw its

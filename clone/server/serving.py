@@ -158,8 +158,9 @@ class ServingMixin(ServerBase):
         after the applied-update list if ``applied``), or only the updates
         after ``since`` when the history still holds them (a client's history
         request: those or a compacted reply, never a snapshot)."""
-        if self.core.role is not Role.ACTIVE:
+        if self.core.role in (Role.STARTING, Role.PASSIVE):
             # The vote was accepted; make sure the promotion happened first.
+            # (A relay serves its copy at any time: it has no vote to win.)
             self._on_became_active()
         if len(self._snapshots) >= self.config.max_snapshots:
             self.counters["snapshots_refused"] += 1

@@ -34,6 +34,7 @@ from clone.wire.protocol import (
     MAX_PROPERTIES_BYTES,
     MAX_SUBTREE_BYTES,
     MAX_VALUE_BYTES,
+    STALE_PROPERTY,
     VIEW_COUNT_PROPERTY,
     VIEW_ID_CHARS,
     VIEW_PROPERTY,
@@ -200,6 +201,9 @@ class Hugz:
 
     sequence: int = 0
     heartbeat: float | None = None
+    #: A relay that has lost the pair it relays says so (``stale=1``, our
+    #: extension): its state may be behind the pair's.
+    stale: bool = False
 
 
 # --------------------------------------------------------------------------
@@ -246,14 +250,19 @@ def encode_kthxbai(
     ]
 
 
-def encode_hugz(sequence: int = 0, heartbeat_ms: int | None = None) -> list[bytes]:
+def encode_hugz(
+    sequence: int = 0, heartbeat_ms: int | None = None, *, stale: bool = False
+) -> list[bytes]:
     """The five frames of a heartbeat.  The spec shows sequence zero and no
-    properties; ``heartbeat_ms`` adds our ``heartbeat`` property."""
+    properties; ``heartbeat_ms`` adds our ``heartbeat`` property, ``stale`` a
+    relay's ``stale=1``."""
     props = b""
     if heartbeat_ms is not None:
         if not 0 < heartbeat_ms <= MAX_HEARTBEAT_MS:
             raise ValueError(f"heartbeat of {heartbeat_ms} ms is outside 1..{MAX_HEARTBEAT_MS}")
         props = b"%s=%d\n" % (HEARTBEAT_PROPERTY.encode(), heartbeat_ms)
+    if stale:
+        props += b"%s=1\n" % STALE_PROPERTY.encode()
     return [HUGZ, sequence.to_bytes(8, "big") if sequence else _ZERO_SEQ, b"", props, b""]
 
 
@@ -369,6 +378,13 @@ def _decode_sequence(raw: bytes) -> int:
     return int.from_bytes(raw, "big")
 
 
+def _decode_stale(props_raw: bytes) -> bool:
+    """Whether a HUGZ says ``stale=1`` (a relay that lost its pair)."""
+    if not props_raw or STALE_PROPERTY.encode() not in props_raw:
+        return False
+    return any(n == STALE_PROPERTY and v == "1" for n, v in decode_properties(props_raw))
+
+
 def _decode_heartbeat(props_raw: bytes) -> float | None:
     """The ``heartbeat`` property of a HUGZ, in seconds; None if absent."""
     if not props_raw:
@@ -418,7 +434,8 @@ def decode_update(frames: Sequence[bytes]) -> KVMsg | Hugz:
     """What a subscriber receives: a KVPUB or a HUGZ."""
     if frames and frames[0] == HUGZ:
         _check_frames(frames, 5, "HUGZ")
-        return Hugz(_decode_sequence(frames[1]), _decode_heartbeat(bytes(frames[3])))
+        props = bytes(frames[3])
+        return Hugz(_decode_sequence(frames[1]), _decode_heartbeat(props), _decode_stale(props))
     return _decode_kv(frames, "KVPUB", reserved_ok=False)
 
 

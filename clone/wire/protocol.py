@@ -24,6 +24,7 @@ __all__ = [
     "MAX_TTL_SECONDS",
     "HEARTBEAT_PROPERTY",
     "MAX_HEARTBEAT_MS",
+    "STALE_PROPERTY",
     "DEFAULT_HEARTBEAT_MS",
     "DEFAULT_MISSED_HEARTBEATS",
     "DEFAULT_PRIMARY_PORT",
@@ -87,6 +88,9 @@ EXPIRES_PROPERTY: Final = "expires"
 # milliseconds, so clients judge its silence by its own rhythm.
 HEARTBEAT_PROPERTY: Final = "heartbeat"
 MAX_HEARTBEAT_MS: Final = 3_600_000
+# Extension (ours): a relay's HUGZ says ``stale=1`` while it has lost the pair
+# it relays: it still serves its last state, which may be behind.
+STALE_PROPERTY: Final = "stale"
 
 # Liveness defaults (docs/operations.md, "Heartbeats and failure detection").
 # A HUGZ and a Binary Star state message every 250 ms; a server or peer silent

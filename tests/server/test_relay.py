@@ -1,0 +1,122 @@
+"""A relay's pure rules: when to give up an upstream, when to say stale, its
+flags and config, and the ``stale`` HUGZ property (docs/operations.md, "Relays")."""
+
+from __future__ import annotations
+
+import pytest
+
+from clone.server.cli import build_parser, config_from_args
+from clone.server.config import ServerConfig, ServerMode
+from clone.server.core import FollowOutcome, Role, ServerCore, SyncState
+from clone.server.relaying import relay_stale, upstream_lost
+from clone.wire.codec import Hugz, KVMsg, decode_update, encode_hugz, encode_kv
+
+
+def _lost(now: float, *, syncing: bool) -> bool:
+    return upstream_lost(
+        now=now,
+        syncing=syncing,
+        sync_started=10.0,
+        sync_timeout=2.0,
+        heard=10.0,
+        heartbeat=0.25,
+        missed=4,
+    )
+
+
+@pytest.mark.parametrize(
+    ("now", "syncing", "lost"),
+    [
+        (10.9, False, False),  # synced: silent for less than 4 heartbeats
+        (11.0, False, True),  # synced: silent for 4 heartbeats
+        (11.5, True, False),  # syncing: the sync timeout decides, not silence
+        (12.0, True, True),  # syncing: no answer within the sync timeout
+    ],
+)
+def test_when_a_relay_gives_up_its_upstream(now: float, syncing: bool, lost: bool) -> None:
+    assert _lost(now, syncing=syncing) is lost
+
+
+@pytest.mark.parametrize(
+    ("now", "synced_once", "upstream_stale", "stale"),
+    [
+        (10.5, True, False, False),
+        (11.0, True, False, True),  # silent upstream
+        (10.5, False, False, True),  # never synced: nothing to vouch for
+        (10.5, True, True, True),  # a stale relay upstream
+    ],
+)
+def test_when_a_relay_is_stale(
+    now: float, synced_once: bool, upstream_stale: bool, stale: bool
+) -> None:
+    got = relay_stale(
+        now=now,
+        synced_once=synced_once,
+        heard=10.0,
+        heartbeat=0.25,
+        missed=4,
+        upstream_stale=upstream_stale,
+    )
+    assert got is stale
+
+
+def test_the_stale_property_round_trips() -> None:
+    assert decode_update(encode_hugz(7, 250, stale=True)) == Hugz(7, 0.25, True)
+    assert decode_update(encode_hugz(7, 250)) == Hugz(7, 0.25, False)
+    assert decode_update([b"HUGZ", (1).to_bytes(8, "big"), b"", b"stale=0\n", b""]) == Hugz(1)
+
+
+def _relay_args(*extra: str) -> ServerConfig:
+    return config_from_args(build_parser().parse_args(["--relay", *extra]))
+
+
+def test_relay_flags() -> None:
+    cfg = _relay_args("--port", "7000", "--upstream", "h1:5556, h2:5566")
+    assert cfg.mode is ServerMode.RELAY
+    assert cfg.upstream == ("h1:5556", "h2:5566")
+    assert cfg.data_dir is None  # in memory: it resyncs from the pair at start
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        (),  # no upstream
+        ("--upstream", "h:5556", "--data-dir", "x"),
+        ("--upstream", "h:5556", "--peer", "h:5566"),
+        ("--upstream", "h:5556", "--ha-port", "5003"),
+    ],
+)
+def test_relay_flags_refused(extra: tuple[str, ...]) -> None:
+    with pytest.raises(ValueError):
+        _relay_args(*extra)
+
+
+def test_upstream_without_relay_is_refused() -> None:
+    with pytest.raises(ValueError, match="relay"):
+        config_from_args(build_parser().parse_args(["--standalone", "--upstream", "h:5556"]))
+
+
+def test_relay_config_refuses_curve() -> None:
+    with pytest.raises(ValueError, match="CURVE"):
+        ServerConfig(
+            port=7000,
+            mode=ServerMode.RELAY,
+            upstream=("h:5556",),
+            curve_secret="s",
+            clients_dir="c",
+        )
+
+
+def test_relay_core_follows_and_records_what_it_applies() -> None:
+    core = ServerCore(relay=True)
+    assert core.role is Role.RELAY
+    core.start_sync()
+    end = [b"KTHXBAI", (0).to_bytes(8, "big"), b"", b"", b""]
+    assert core.on_snapshot_reply(end, 0.0) is FollowOutcome.SYNCED
+    assert core.sync_state is SyncState.SYNCED
+    core.journal.take()
+    update = encode_kv(KVMsg("/k", 1, b"", (), b"v"))
+    assert core.on_peer_update(update, 0.0) is FollowOutcome.OK
+    assert core.store.sequence == 1
+    # What it applied is in the journal: the relay publishes it as received.
+    assert [op.updates for op in core.journal.take()] == [[update]]
