@@ -269,3 +269,50 @@ def test_security_section_through_the_cli(
             "security: curve 1k/s p99 ms", "security: curve-acl 1k/s p99 ms"} <= set(targets)
     assert targets["security: restricted reader filtered, view counts equal"]["met"] is True
     assert not (tmp_path / "logs" / "security-keys").exists()  # keys removed
+
+
+def test_subscriber_slices_and_probe_positions() -> None:
+    from clone.tools.bench import subscribers
+
+    assert subscribers._split(10, 3) == [(0, 4), (4, 3), (7, 3)]
+    assert subscribers._split(2, 4) == [(0, 1), (1, 1)]
+    assert subscribers._probe_positions(10, 2) == {0, 5}
+    assert subscribers._probe_positions(1, 4) == {0}
+    assert subscribers._probe_positions(5, 0) == set()
+    assert subscribers.raise_nofile() >= 1024
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_subscribers_section_through_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """20 subscribers direct and through 2 relays, and 20 requesters resyncing through
+    the relays after a failover: every number present and sane, nothing lost."""
+    out = tmp_path / "bench.json"
+    rc = cli.main(["--quick", "subscribers", "--sub-counts", "20", "--sub-relays", "2",
+                   "--resync-clients", "20", "--resync-keys", "500", "--rate-seconds", "0.5",
+                   "--out", str(out), "--log-dir", str(tmp_path / "logs")])
+    printed = capsys.readouterr().out
+    results = json.loads(out.read_text())
+    d = results["sections"]["subscribers"]
+    assert "errors" not in d, d.get("errors")
+    assert "Subscribers: fan-out" in printed and "Subscribers: resync" in printed
+    assert [(r["subscribers"], r["topology"]) for r in d["fanout"]] == [
+        (20, "direct"), (20, "relays")]
+    for r in d["fanout"]:
+        lat = r["latency"]
+        assert r["sent"] == 500 and r["lost"] == 0 and r["received_min"] == 500
+        assert r["probes"] == 4 and lat["count"] == 4 * 500
+        assert 0 < lat["p50_ms"] <= lat["p99_ms"] <= lat["p99_9_ms"] <= lat["max_ms"]
+        assert r["probe_p99_ms"]["min"] <= r["probe_p99_ms"]["max"]
+        assert r["server_cpu_s"] >= 0 and r["rss_mib"]["server"] > 0
+    assert d["fanout"][0]["relays"] == 0 and len(d["fanout"][1]["rss_mib"]["relays"]) == 2
+    rs = d["resync"]
+    assert rs["complete"] == 20 and rs["incomplete"] == 0 and len(rs["relays_delivered_s"]) == 2
+    assert 0 < rs["new_active_published_s"] <= rs["snapshot_s"]["first"] <= rs["resync_s"]
+    targets = {t["target"]: t for t in results["targets"]}
+    assert targets["subscribers: 20 direct lost updates"]["met"] is True
+    assert targets["subscribers: 20 relays lost updates"]["met"] is True
+    assert "subscribers: resync of 20 clients (500 keys) via 2 relays s" in targets
+    assert rc == 0

@@ -16,12 +16,14 @@ from clone.tools.bench.config import DEFAULT_SECTIONS, SECTIONS, BenchConfig
 from clone.tools.bench.durability import durability_tables
 from clone.tools.bench.run import run_benchmarks
 from clone.tools.bench.security import security_tables
+from clone.tools.bench.subscribers import subscribers_tables
 
 __all__ = ["config_from_args", "main"]
 
 
 #: Sections whose tables the report module does not know: printed after its text.
-_TABLES = {"durability": durability_tables, "security": security_tables}
+_TABLES = {"durability": durability_tables, "security": security_tables,
+           "subscribers": subscribers_tables}
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -63,6 +65,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="security: messages per throughput run (50000)")
     p.add_argument("--security-rate", type=int,
                    help="security: offered rate of the latency runs, updates/s (2000)")
+    p.add_argument("--sub-counts", type=_ints,
+                   help="subscribers: subscriber counts (1000,5000)")
+    p.add_argument("--sub-relays", type=int, help="subscribers: relays (4)")
+    p.add_argument("--sub-processes", type=int,
+                   help="subscribers: processes holding the subscribers (4)")
+    p.add_argument("--resync-keys", type=int, help="subscribers: keys of the resync run (10000)")
+    p.add_argument("--resync-clients", type=int,
+                   help="subscribers: snapshot requesters of the resync run (1000)")
     p.add_argument("--repeats", type=int,
                    help="throughput/latency: runs of each case, median reported (default 3)")
     p.add_argument("--probes", type=int,
@@ -88,6 +98,11 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         ("security_messages", "security_messages"),
         ("security_rate", "security_rate"),
         ("probes", "probes"),
+        ("sub_counts", "sub_counts"),
+        ("sub_relays", "sub_relays"),
+        ("sub_processes", "sub_processes"),
+        ("resync_keys", "resync_keys"),
+        ("resync_clients", "resync_clients"),
         ("repeats", "repeats"),
     ]:
         value = getattr(args, arg)

@@ -10,7 +10,7 @@ from typing import Any
 __all__ = ["DEFAULT_SECTIONS", "SECTIONS", "TARGETS", "BenchConfig", "Say"]
 
 SECTIONS: tuple[str, ...] = (
-    "throughput", "latency", "snapshot", "memory", "durability", "security"
+    "throughput", "latency", "snapshot", "memory", "durability", "security", "subscribers"
 )
 #: What runs without naming sections: durability takes minutes (1M-key data
 #: directories), security about two (three servers, repeated, interleaved).
@@ -53,6 +53,14 @@ class BenchConfig:
     # security: plain against CURVE and CURVE + ACL, in memory (issue 14).
     security_messages: int = 50_000
     security_rate: int = 2_000
+    # subscribers: thousands of subscribers, direct and through relays (issue 17).
+    sub_counts: tuple[int, ...] = (1_000, 5_000)
+    sub_rate: int = 1_000
+    sub_relays: int = 4
+    sub_processes: int = 4
+    sub_probes: int = 4  # measuring Python subscribers per sink process; the rest are C sinks
+    resync_keys: int = 10_000
+    resync_clients: int = 1_000
     # Subscribers measured by a Python watcher process each; the others are C sinks.
     probes: int = 1
     # Throughput and latency runs are repeated, interleaved; the median is reported.
@@ -80,6 +88,12 @@ class BenchConfig:
             durability_restarts=1,
             engine_groups=50,
             security_messages=3_000,
+            sub_counts=(20,),
+            sub_relays=2,
+            sub_processes=2,
+            sub_probes=2,
+            resync_keys=500,
+            resync_clients=20,
             repeats=1,
         )
         return replace(base, **changes)

@@ -99,7 +99,28 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
         _durability_targets(s["durability"], add)
     if "security" in s:
         _security_targets(s["security"], add)
+    if "subscribers" in s:
+        _subscribers_targets(s["subscribers"], add)
     return out
+
+
+def _subscribers_targets(d: dict[str, Any], add: Any) -> None:
+    """Issue 17's targets: 1,000 direct subscribers at 1k/s with p99 <= 50 ms, no update
+    lost by any subscriber, and 1,000 clients resynced within 5 s through relays."""
+    for part in d.get("errors", {}):
+        add(f"subscribers: {part} ran", d["errors"][part][:60], "no error", False)
+    for run in d.get("fanout", []):
+        name = f"subscribers: {run['subscribers']:,} {run['topology']}"
+        add(f"{name} lost updates", run["lost"], "== 0", run["lost"] == 0)
+        if run["topology"] == "direct" and run["subscribers"] == 1000:
+            p99 = run["latency"]["p99_ms"]
+            add(f"{name} p99 ms", p99, "<= 50", p99 <= 50)
+    rs = d.get("resync")
+    if rs:
+        t = rs["resync_s"]
+        add(f"subscribers: resync of {rs['clients']:,} clients ({rs['keys']:,} keys) via "
+            f"{rs['relays']} relays s", t if t is not None else "incomplete", "<= 5",
+            t is not None and t <= 5)
 
 
 def _security_targets(d: dict[str, Any], add: Any) -> None:

@@ -18,6 +18,7 @@ from clone.tools.bench.memory import run_memory
 from clone.tools.bench.results import cpu_pressure, evaluate_targets, machine_info
 from clone.tools.bench.security import run_security
 from clone.tools.bench.snapshot import run_snapshot
+from clone.tools.bench.subscribers import run_subscribers
 from clone.tools.bench.throughput import run_throughput
 from clone.tools.procs import ProcessGroup
 
@@ -33,6 +34,7 @@ _RUNNERS: dict[str, Callable[[BenchConfig, ProcessGroup, Say], dict[str, Any]]] 
     "memory": run_memory,
     "durability": run_durability,
     "security": run_security,
+    "subscribers": run_subscribers,
 }
 
 

@@ -1,0 +1,712 @@
+"""The subscribers section: thousands of subscribers, directly and through relays (issue 17).
+
+How this works.  **Fan-out** runs, one per (subscriber count, topology):
+
+* a standalone ``clone-server --in-memory``; ``direct``: every subscriber on its
+  publisher; ``relays``: ``sub_relays`` relays (``clone-server --relay``)
+  follow it and the subscribers are spread over the relays round-robin;
+* the subscribers live in ``sub_processes`` *sink processes* (spawned), each
+  holding hundreds to thousands of SUB sockets.  Most are **C-level sinks**:
+  ``zmq.proxy_steerable(SUB, PUB to nowhere, control=PAIR)`` in a thread each,
+  so libzmq receives every update with no Python in the loop; after the run the
+  process asks each proxy for its ``STATISTICS`` (frames received), so every
+  subscriber's count, hence its lost updates, is known exactly.  A Python
+  receive loop for all of them could not keep up (1,000 subscribers at 1k
+  updates/s are a million messages a second on two cores) and would measure
+  itself.  ``sub_probes`` subscribers per process, spread over its connection
+  order (and over the relays), are **probes**: Python SUBs polled in the main
+  thread that record each update's ``arrival - intended send time`` in an HDR
+  histogram (one per probe: its p99; and merged).  Latency percentiles are
+  therefore those of the probes, a sample of the subscribers sharing the
+  same server (or relay) and the same sink processes; counts are every one's;
+* a writer process sends ``sub_rate`` updates/s for ``rate_seconds`` on a
+  schedule, each body starting with its intended send time (as the latency
+  section does: no coordinated omission).  Subscribers subscribe to the
+  latency prefix only (probes to the warm-up key too), so the warm-up that
+  precedes the schedule is counted by nobody but the probes;
+* the server's (and relays') CPU seconds (psutil ``cpu_times``) over the
+  measured window, and their RSS at its end.
+
+Every process raises its ``RLIMIT_NOFILE`` soft limit to the hard limit (a
+sink holds four sockets and an eventfd or a TCP connection each per
+subscriber), and each sink process's zmq context its ``MAX_SOCKETS``.
+
+**Resync after a failover**: a pair (in memory) holding ``resync_keys`` keys
+under ``/bench/snap/``, ``sub_relays`` relays following it, and
+``resync_clients`` raw CHP requesters (DEALERs asking for our KVBATCH
+snapshots, as our client does) spread over the relays, in a few processes.
+The active server is killed (-9); the driver writes one marker key into the
+pair (resent, with one uuid, until the new active publishes it).  Each
+requester process watches its relays' publishers for the marker; the moment
+a relay delivers it (the relay has switched to the new active and follows its
+stream) its requesters send ICANHAZ? and count entries until KTHXBAI.  The
+resync time is from the kill until the last of them holds a complete snapshot
+(every key and the marker).  That is the worst case, as if every client
+resynced from its relay after the failover; a relay whose catch-up kept its
+sequence needs no client to resync at all.  The relays get ``--max-snapshots``
+above their share of requesters (the default, 64, leaves the others
+unanswered until they retry).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import queue
+import resource
+import struct
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from multiprocessing.synchronize import Event as MpEvent
+from typing import Any
+
+import zmq
+
+from clone.tools.bench.config import BenchConfig, Say
+from clone.tools.bench.processes import MP, SNAP_SUBTREE, ZERO_SEQ, kvset, reap, uuid
+from clone.tools.bench.targets import Target, load_keys, running_target
+from clone.tools.histogram import LatencyHistogram
+from clone.tools.procs import (
+    ManagedProcess,
+    ProcessGroup,
+    ServerAddress,
+    free_base_port,
+    free_port,
+    python_module_argv,
+    server_argv,
+)
+from clone.wire.codec import Hugz, decode_update
+from clone.wire.frames import MAX_SYNC_FRAME_BYTES, cap_message_size, recv_frames
+from clone.wire.protocol import (
+    BATCH_METADATA,
+    COLLECTOR_OFFSET,
+    HUGZ,
+    KTHXBAI,
+    KVBATCH,
+    PUBLISHER_OFFSET,
+    SNAPSHOT_OFFSET,
+)
+
+__all__ = ["raise_nofile", "run_subscribers", "subscribers_tables"]
+
+log = logging.getLogger(__name__)
+
+_PREFIX = b"/bench/l/"
+_WARM = b"/bench/warm"
+_FRAMES_PER_UPDATE = 5
+_MARKER = (SNAP_SUBTREE + "failover").encode()
+
+
+def raise_nofile() -> int:
+    """Raise this process's open-file soft limit to its hard limit; the new soft limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        hard = 1 << 20
+    if soft != resource.RLIM_INFINITY and soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+    return int(soft)
+
+
+# --------------------------------------------------------------------------
+# Processes (module level: the spawn start method imports them)
+
+
+def _writer_main(in_endpoint: str, rate: float, seconds: float, value_size: int,
+                 go: MpEvent, results: Any) -> None:
+    """Warm up until ``go``, then send ``rate`` updates/s stamped with their intended time."""
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.sndhwm = 0
+    pub.connect(in_endpoint)
+    count = max(1, int(rate * seconds))
+    pad = b"p" * max(0, value_size - 8)
+    keys = [_PREFIX + str(i % 1000).encode() for i in range(count)]
+    uuids = [uuid(i) for i in range(count)]
+    warm = 0
+    while not go.wait(0.05):
+        pub.send_multipart(kvset(_WARM, b"w", 1 << 40 | warm))
+        warm += 1
+    interval = 1.0 / rate
+    t0 = time.monotonic() + 0.5
+    msgs = [[keys[i], ZERO_SEQ, uuids[i], b"", struct.pack("!d", t0 + i * interval) + pad]
+            for i in range(count)]
+    lag = LatencyHistogram()
+    mono, sleep, send = time.monotonic, time.sleep, pub.send_multipart
+    for i, m in enumerate(msgs):
+        intended = t0 + i * interval
+        delay = intended - mono()
+        if delay > 0:
+            sleep(delay)
+        send(m)
+        lag.record_seconds(mono() - intended)
+    results.put({"role": "writer", "sent": count, "t_start": t0, "t_end": mono(),
+                 "lag": lag.encode()})
+    pub.close(linger=10_000)
+    ctx.term()
+
+
+def _sink_proxy(sub: zmq.Socket[Any], void: zmq.Socket[Any], control: zmq.Socket[Any]) -> None:
+    with contextlib.suppress(zmq.ZMQError):
+        zmq.proxy_steerable(sub, void, None, control)
+
+
+def _probe_positions(count: int, probes: int) -> set[int]:
+    """Which of a process's ``count`` subscribers are probes: spread over its order."""
+    probes = min(probes, count)
+    return {i * count // probes for i in range(probes)} if probes else set()
+
+
+def _sink_process_main(idx: int, endpoints: Sequence[str], first: int, count: int, probes: int,
+                       ready: Any, stop: MpEvent, expected: Any, results: Any) -> None:
+    """``count`` subscribers (global indices ``first`` ..), round-robin over ``endpoints``.
+
+    C-level sinks except the probes (see the module); reports every
+    subscriber's count and the probes' histograms once ``stop`` is set.
+    """
+    nofile = raise_nofile()
+    threading.stack_size(256 * 1024)
+    ctx = zmq.Context()
+    ctx.max_sockets = 4 * count + 64
+    positions = _probe_positions(count, probes)
+    sinks: list[tuple[int, zmq.Socket[Any], threading.Thread]] = []
+    probe_socks: dict[zmq.Socket[Any], int] = {}
+    for k in range(count):
+        g = first + k
+        sub = ctx.socket(zmq.SUB)
+        sub.rcvhwm = 0
+        sub.linger = 0
+        sub.setsockopt(zmq.SUBSCRIBE, _PREFIX)
+        if k in positions:
+            sub.setsockopt(zmq.SUBSCRIBE, _WARM)
+            cap_message_size(sub)
+            sub.connect(endpoints[g % len(endpoints)])
+            probe_socks[sub] = g
+            continue
+        sub.connect(endpoints[g % len(endpoints)])
+        void = ctx.socket(zmq.PUB)
+        void.linger = 0
+        void.bind(f"inproc://void-{k}")
+        ctl, ctl_peer = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+        ctl.linger = ctl_peer.linger = 0
+        ctl.bind(f"inproc://ctl-{k}")
+        ctl_peer.connect(f"inproc://ctl-{k}")
+        t = threading.Thread(target=_sink_proxy, args=(sub, void, ctl_peer), daemon=True)
+        t.start()
+        sinks.append((g, ctl, t))
+    poller = zmq.Poller()
+    for s in probe_socks:
+        poller.register(s, zmq.POLLIN)
+    warmed: set[int] = set()
+    lats: dict[int, list[float]] = {g: [] for g in probe_socks.values()}
+    counts: dict[int, int] = dict.fromkeys(probe_socks.values(), 0)
+    announced = not probe_socks
+    if announced:
+        ready.put(idx)
+    mono, unpack = time.monotonic, struct.unpack_from
+    stop_seen = 0.0
+    while True:
+        for sock, _ in poller.poll(100):
+            g = probe_socks[sock]
+            while True:
+                try:
+                    frames = recv_frames(sock)
+                except zmq.Again:
+                    break
+                now = mono()
+                if frames[0].startswith(_PREFIX):
+                    counts[g] += 1
+                    lats[g].append(now - unpack("!d", frames[4])[0])
+                elif not announced:
+                    warmed.add(g)
+                    if len(warmed) == len(probe_socks):
+                        ready.put(idx)
+                        announced = True
+        if stop.is_set():
+            stop_seen = stop_seen or mono()
+            want = expected.value
+            if all(c >= want for c in counts.values()) or mono() - stop_seen > 3.0:
+                break
+    # Every C sink's count, from its proxy's statistics (frames in at the SUB).
+    received: dict[int, int] = dict(counts)
+    deadline = mono() + 3.0
+    while True:
+        for g, ctl, _ in sinks:
+            ctl.send(b"STATISTICS")
+            stats = ctl.recv_multipart()
+            received[g] = int.from_bytes(stats[0], "little") // _FRAMES_PER_UPDATE
+        if all(received[g] >= expected.value for g, _, _ in sinks) or mono() > deadline:
+            break
+        time.sleep(0.2)
+    hists: dict[int, LatencyHistogram] = {}
+    merged = LatencyHistogram()
+    for g, values in lats.items():
+        h = LatencyHistogram()
+        for v in values:
+            h.record_seconds(v)
+        hists[g] = h
+        merged.merge(h)
+    results.put({
+        "idx": idx,
+        "nofile": nofile,
+        "received": received,
+        "probes": {g: {"count": h.count, "p99_ms": round(h.percentile_ms(99.0), 3),
+                       "max_ms": round(h.max_ms(), 3)} for g, h in hists.items()},
+        "hist": merged.encode(),
+    })
+    for _, ctl, _ in sinks:
+        ctl.send(b"TERMINATE")
+    for _, _, t in sinks:
+        t.join(1.0)
+    ctx.destroy(linger=0)
+
+
+def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, count: int,
+                    subtree: bytes, marker_seq: Any, ready: Any, stop: MpEvent,
+                    results: Any) -> None:
+    """``count`` snapshot requesters (global ``first`` ..) round-robin over ``relays``
+    ((publisher, snapshot) endpoints); each asks once its relay holds the marker.
+
+    A relay holds it when it publishes the marker's KVPUB, or when its HUGZ say
+    a sequence at or past the marker's (``marker_seq``, set by the driver once
+    known): after a *full* resync a relay replaces its copy without publishing
+    the difference, and its HUGZ are what tell a client to resync.
+    """
+    raise_nofile()
+    ctx = zmq.Context()
+    ctx.max_sockets = count + len(relays) + 64
+    watch: dict[zmq.Socket[Any], int] = {}
+    for r, (pub, _) in enumerate(relays):
+        sub = ctx.socket(zmq.SUB)
+        sub.linger = 0
+        sub.setsockopt(zmq.SUBSCRIBE, _MARKER)
+        sub.setsockopt(zmq.SUBSCRIBE, HUGZ)
+        cap_message_size(sub)
+        sub.connect(pub)
+        watch[sub] = r
+    dealers: dict[zmq.Socket[Any], int] = {}
+    by_relay: dict[int, list[zmq.Socket[Any]]] = {r: [] for r in range(len(relays))}
+    for k in range(count):
+        r = (first + k) % len(relays)
+        d = ctx.socket(zmq.DEALER)
+        d.linger = 0
+        d.rcvhwm = 0
+        cap_message_size(d, MAX_SYNC_FRAME_BYTES)
+        d.setsockopt(zmq.METADATA, BATCH_METADATA)
+        d.connect(relays[r][1])
+        dealers[d] = first + k
+        by_relay[r].append(d)
+    poller = zmq.Poller()
+    for s in [*watch, *dealers]:
+        poller.register(s, zmq.POLLIN)
+    ready.put(idx)
+    mono = time.monotonic
+    marker_at: dict[int, float] = {}
+    how: dict[int, str] = {}
+    entries: dict[int, int] = {}
+    done: dict[int, float] = {}
+    while len(done) < count and not stop.is_set():
+        for sock, _ in poller.poll(100):
+            if sock in watch:
+                r = watch[sock]
+                with contextlib.suppress(zmq.Again):
+                    while True:
+                        frames = recv_frames(sock)
+                        if r in marker_at:
+                            continue
+                        if frames[0] == HUGZ:
+                            want = marker_seq.value
+                            msg = decode_update(frames)
+                            if not (want and isinstance(msg, Hugz) and msg.sequence >= want):
+                                continue
+                            how[r] = "hugz"
+                        else:
+                            how[r] = "kvpub"
+                        marker_at[r] = mono()
+                        for d in by_relay[r]:
+                            d.send_multipart([b"ICANHAZ?", subtree])
+                continue
+            g = dealers[sock]
+            with contextlib.suppress(zmq.Again):
+                while True:
+                    frames = recv_frames(sock)
+                    if frames[0] == KTHXBAI:
+                        done[g] = mono()
+                    elif frames[0] == KVBATCH and len(frames) > 1:
+                        entries[g] = entries.get(g, 0) + len(frames[1]) // 4
+                    else:
+                        entries[g] = entries.get(g, 0) + 1
+    results.put({"idx": idx, "marker_at": marker_at, "how": how, "done": done,
+                 "entries": {g: entries.get(g, 0) for g in dealers.values()}})
+    ctx.destroy(linger=0)
+
+
+# --------------------------------------------------------------------------
+# The driver
+
+
+def _base_port(target: Target) -> int:
+    return int(target.snapshot_endpoint.rsplit(":", 1)[1]) - SNAPSHOT_OFFSET
+
+
+def _start_relays(group: ProcessGroup, upstream: Sequence[int], n: int, tag: str,
+                  max_snapshots: int) -> list[tuple[ManagedProcess, int]]:
+    """``n`` relays following the servers at base ports ``upstream``, synced."""
+    relays = []
+    for r in range(n):
+        port = free_base_port(3)
+        name = f"clone-relay-{tag}-{r}-{len(group.procs)}"
+        argv = python_module_argv(
+            "clone.server.cli", "--relay", "--port", str(port), "--bind", "127.0.0.1",
+            "--upstream", ",".join(f"127.0.0.1:{p}" for p in upstream),
+            "--max-snapshots", str(max_snapshots))
+        relays.append((group.add(name, argv), port))
+    for proc, _ in relays:
+        proc.wait_log("synced from", 30)
+    return relays
+
+
+def _cpu(pids: Sequence[int]) -> float:
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        t = psutil.Process(pid).cpu_times()
+        total += t.user + t.system
+    return total
+
+
+def _rss_mib(pid: int) -> float:
+    import psutil
+
+    return round(psutil.Process(pid).memory_info().rss / 2**20, 1)
+
+
+def _split(total: int, parts: int) -> list[tuple[int, int]]:
+    """(first, count) of ``parts`` nearly equal slices of ``range(total)``."""
+    parts = max(1, min(parts, total))
+    out, first = [], 0
+    for p in range(parts):
+        n = total // parts + (1 if p < total % parts else 0)
+        out.append((first, n))
+        first += n
+    return out
+
+
+@contextlib.contextmanager
+def _reaped(procs: list[Any]) -> Iterator[list[Any]]:
+    try:
+        yield procs
+    finally:
+        reap(procs, 3.0)
+
+
+def _fanout(cfg: BenchConfig, group: ProcessGroup, subs: int, topology: str) -> dict[str, Any]:
+    """One fan-out run: ``subs`` subscribers, ``direct`` or through relays."""
+    with running_target("clone", group, cfg.server_heartbeat_ms) as target:
+        pids = [target.pid]
+        endpoints = [target.out_endpoint]
+        relays: list[tuple[ManagedProcess, int]] = []
+        if topology == "relays":
+            relays = _start_relays(group, [_base_port(target)], cfg.sub_relays, "fanout", 64)
+            pids += [p.pid for p, _ in relays]
+            endpoints = [f"tcp://127.0.0.1:{port + PUBLISHER_OFFSET}" for _, port in relays]
+        try:
+            return _fanout_traffic(cfg, target, subs, topology, pids, endpoints)
+        finally:
+            for proc, _ in relays:
+                proc.stop()
+
+
+def _fanout_traffic(cfg: BenchConfig, target: Target, subs: int, topology: str,
+                    pids: list[int], endpoints: list[str]) -> dict[str, Any]:
+    ready, results, writer_q = MP.Queue(), MP.Queue(), MP.Queue()
+    go, stop = MP.Event(), MP.Event()
+    expected = MP.Value("q", 1 << 62)
+    slices = _split(subs, cfg.sub_processes)
+    sinks = [MP.Process(target=_sink_process_main,
+                        args=(i, endpoints, first, n, cfg.sub_probes, ready, stop, expected,
+                              results), daemon=True)
+             for i, (first, n) in enumerate(slices)]
+    writer = MP.Process(target=_writer_main,
+                        args=(target.in_endpoint, cfg.sub_rate, cfg.rate_seconds,
+                              cfg.value_size, go, writer_q), daemon=True)
+    with _reaped([*sinks, writer]):
+        for p in sinks:
+            p.start()
+        writer.start()
+        seen: set[int] = set()
+        end = time.monotonic() + 60 + subs / 100
+        while len(seen) < len(sinks):
+            try:
+                seen.add(ready.get(timeout=max(0.01, end - time.monotonic())))
+            except queue.Empty:
+                raise RuntimeError(f"only {len(seen)}/{len(sinks)} sink processes ready") from None
+        time.sleep(1.0)  # every C sink's subscription reaches the server (or its relay)
+        cpu0, t0 = _cpu(pids), time.monotonic()
+        go.set()
+        w = writer_q.get(timeout=cfg.rate_seconds + 60)
+        time.sleep(0.5)
+        cpu1, t1 = _cpu(pids), time.monotonic()
+        rss: dict[str, Any] = {"server": _rss_mib(pids[0])}
+        if len(pids) > 1:
+            rss["relays"] = [_rss_mib(p) for p in pids[1:]]
+        expected.value = w["sent"]
+        stop.set()
+        got = [results.get(timeout=30) for _ in sinks]
+    received: dict[int, int] = {}
+    probes: dict[int, dict[str, Any]] = {}
+    merged = LatencyHistogram()
+    for r in got:
+        received.update({int(g): n for g, n in r["received"].items()})
+        probes.update({int(g): p for g, p in r["probes"].items()})
+        merged.merge(LatencyHistogram.decode(r["hist"]))
+    sent = int(w["sent"])
+    lost = [max(0, sent - received.get(g, 0)) for g in range(subs)]
+    p99s = sorted(p["p99_ms"] for p in probes.values())
+    return {
+        "subscribers": subs,
+        "topology": topology,
+        "relays": len(endpoints) if topology == "relays" else 0,
+        "rate": cfg.sub_rate,
+        "seconds": cfg.rate_seconds,
+        "sent": sent,
+        "sink_processes": len(sinks),
+        "probes": len(probes),
+        "latency": merged.summary(),
+        "probe_p99_ms": {"min": p99s[0], "median": p99s[len(p99s) // 2], "max": p99s[-1]}
+        if p99s else {},
+        "writer_lag": LatencyHistogram.decode(w["lag"]).summary(),
+        "lost": sum(lost),
+        "subscribers_with_loss": sum(1 for x in lost if x),
+        "received_min": min((received.get(g, 0) for g in range(subs)), default=0),
+        "server_cpu_s": round(cpu1 - cpu0, 2),
+        "server_cpu_pct": round(100 * (cpu1 - cpu0) / (t1 - t0), 1),
+        "rss_mib": rss,
+        "nofile": min(r["nofile"] for r in got),
+    }
+
+
+def _count_keys(ctx: zmq.Context[Any], port: int, subtree: bytes, timeout: float = 30) -> int:
+    """The entries of a (batched) snapshot of ``subtree`` from the server at base ``port``."""
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.linger = 0
+    cap_message_size(dealer, MAX_SYNC_FRAME_BYTES)
+    dealer.setsockopt(zmq.METADATA, BATCH_METADATA)
+    dealer.connect(f"tcp://127.0.0.1:{port + SNAPSHOT_OFFSET}")
+    count = 0
+    deadline = time.monotonic() + timeout
+    try:
+        dealer.send_multipart([b"ICANHAZ?", subtree])
+        while dealer.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+            frames = recv_frames(dealer)
+            if frames[0] == KTHXBAI:
+                return count
+            count += len(frames[1]) // 4 if frames[0] == KVBATCH else 1
+        raise TimeoutError(f"no KTHXBAI from the server at {port}")
+    finally:
+        dealer.close(linger=0)
+
+
+def _load(ctx: zmq.Context[Any], target: Target, port: int, keys: int, size: int) -> None:
+    """Load ``keys`` keys and check they are all there: a write sent on the PUB before its
+    connection is up is dropped (:func:`.targets.load_keys` waits 0.2 s, which a loaded
+    machine can exceed), so load again until the snapshot holds them all."""
+    for _ in range(3):
+        load_keys(ctx, target, keys, size)
+        got = _count_keys(ctx, port, SNAP_SUBTREE.encode())
+        if got >= keys:
+            return
+        log.warning("subscribers: the server holds %d of %d keys after loading; again",
+                    got, keys)
+    raise RuntimeError(f"could not load {keys} keys into the server at {port}")
+
+
+def _write_marker(ctx: zmq.Context[Any], ports: Sequence[int],
+                  timeout: float) -> tuple[float, int]:
+    """Send the marker to every server's collector until one publishes it:
+    when it did, and the marker's sequence."""
+    pub = ctx.socket(zmq.PUB)
+    pub.sndhwm = 0
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, _MARKER)
+    cap_message_size(sub)
+    for p in ports:
+        pub.connect(f"tcp://127.0.0.1:{p + COLLECTOR_OFFSET}")
+        sub.connect(f"tcp://127.0.0.1:{p + PUBLISHER_OFFSET}")
+    msg = kvset(_MARKER, b"after the failover", 1 << 42)  # one uuid: one update
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            pub.send_multipart(msg)
+            if sub.poll(50):
+                frames = recv_frames(sub)
+                return time.monotonic(), int.from_bytes(frames[1], "big")
+        raise TimeoutError("the marker was not published after the failover")
+    finally:
+        pub.close(linger=0)
+        sub.close(linger=0)
+
+
+def _resync(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]:
+    keys, clients, nrelays = cfg.resync_keys, cfg.resync_clients, cfg.sub_relays
+    me = ServerAddress("primary", free_base_port(3), free_port())
+    peer = ServerAddress("backup", free_base_port(3), free_port())
+    tag = len(group.procs)
+    primary = group.add(f"clone-primary-{tag}", server_argv("primary", me, peer))
+    backup = group.add(f"clone-backup-{tag}", server_argv("backup", peer, me))
+    ctx: zmq.Context[Any] = zmq.Context()
+    relays: list[tuple[ManagedProcess, int]] = []
+    try:
+        primary.wait_log("now ACTIVE", 30)
+        backup.wait_log("synced from", 30)
+        target = Target("clone-primary", f"tcp://127.0.0.1:{me.port + COLLECTOR_OFFSET}",
+                        f"tcp://127.0.0.1:{me.port + PUBLISHER_OFFSET}", primary.pid)
+        _load(ctx, target, me.port, keys, cfg.value_size)
+        per_relay = -(-clients // nrelays)
+        relays = _start_relays(group, [me.port, peer.port], nrelays, "resync", per_relay + 16)
+        endpoints = [(f"tcp://127.0.0.1:{port + PUBLISHER_OFFSET}",
+                      f"tcp://127.0.0.1:{port + SNAPSHOT_OFFSET}") for _, port in relays]
+        ready, results, stop = MP.Queue(), MP.Queue(), MP.Event()
+        marker_seq = MP.Value("q", 0)
+        slices = _split(clients, cfg.sub_processes)
+        procs = [MP.Process(target=_requester_main,
+                            args=(i, endpoints, first, n, SNAP_SUBTREE.encode(), marker_seq,
+                                  ready, stop, results), daemon=True)
+                 for i, (first, n) in enumerate(slices)]
+        with _reaped(procs):
+            for p in procs:
+                p.start()
+            for _ in procs:
+                ready.get(timeout=60)
+            time.sleep(1.0)  # connected
+            t_kill = time.monotonic()
+            primary.kill9()
+            t_marker, marker_seq.value = _write_marker(ctx, [me.port, peer.port], 30)
+            got = []
+            end = time.monotonic() + 30
+            with contextlib.suppress(queue.Empty):
+                for _ in procs:
+                    got.append(results.get(timeout=max(0.01, end - time.monotonic())))
+            stop.set()
+            with contextlib.suppress(queue.Empty):
+                while len(got) < len(procs):
+                    got.append(results.get(timeout=5))
+    finally:
+        for proc, _ in relays:
+            proc.stop()
+        backup.stop()
+        primary.stop()
+        ctx.term()
+    done = {int(g): t for r in got for g, t in r["done"].items()}
+    entries = {int(g): n for r in got for g, n in r["entries"].items()}
+    marker_at: dict[int, float] = {}
+    how: dict[int, str] = {}
+    for r in got:
+        for rel, t in r["marker_at"].items():
+            marker_at[int(rel)] = min(t, marker_at.get(int(rel), t))
+        how.update({int(rel): h for rel, h in r["how"].items()})
+    complete = [g for g in range(clients) if g in done and entries.get(g) == keys + 1]
+    result: dict[str, Any] = {
+        "keys": keys,
+        "clients": clients,
+        "relays": nrelays,
+        "new_active_published_s": round(t_marker - t_kill, 3),
+        "relays_delivered_s": sorted(round(t - t_kill, 3) for t in marker_at.values()),
+        # kvpub: the relay published the marker; hugz: its HUGZ passed the marker's
+        # sequence (a full resync, which publishes no difference).
+        "relays_told_by": sorted(set(how.values())),
+        "complete": len(complete),
+        "incomplete": clients - len(complete),
+        "snapshot_s": {},
+        "resync_s": None,
+    }
+    if complete:
+        times = sorted(done[g] - t_kill for g in complete)
+        result["snapshot_s"] = {"first": round(times[0], 3),
+                                "median": round(times[len(times) // 2], 3),
+                                "last": round(times[-1], 3)}
+    if len(complete) == clients:
+        result["resync_s"] = result["snapshot_s"]["last"]
+    say(f"  resync of {clients:,} clients ({keys:,} keys) via {nrelays} relays after kill -9: "
+        f"new active published at {result['new_active_published_s']} s, relays delivered "
+        f"{result['relays_delivered_s']} s, all complete at {result['resync_s']} s "
+        f"({len(complete)}/{clients} complete)")
+    return result
+
+
+def run_subscribers(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]:
+    """Fan-out runs and the resync after a failover; see the module."""
+    out: dict[str, Any] = {"nofile_driver": raise_nofile(), "fanout": []}
+    for subs in cfg.sub_counts:
+        for topology in ("direct", "relays"):
+            try:
+                run = _fanout(cfg, group, subs, topology)
+            except Exception as exc:
+                log.exception("subscribers: %d %s failed", subs, topology)
+                say(f"  {subs} subscribers {topology} FAILED: {exc}")
+                out.setdefault("errors", {})[f"{subs} {topology}"] = repr(exc)[:2000]
+                continue
+            out["fanout"].append(run)
+            lat = run["latency"]
+            say(f"  {subs:>5} subscribers {topology:>6} at {run['rate']}/s: p50 "
+                f"{lat['p50_ms']:.2f} p99 {lat['p99_ms']:.2f} p99.9 {lat['p99_9_ms']:.2f} max "
+                f"{lat['max_ms']:.2f} ms ({run['probes']} probes); lost {run['lost']} "
+                f"({run['subscribers_with_loss']} subscribers); server CPU "
+                f"{run['server_cpu_pct']}%, RSS {run['rss_mib']} MiB")
+    try:
+        out["resync"] = _resync(cfg, group, say)
+    except Exception as exc:
+        log.exception("subscribers: resync failed")
+        say(f"  resync FAILED: {exc}")
+        out.setdefault("errors", {})["resync"] = repr(exc)[:2000]
+    return out
+
+
+def subscribers_tables(section: dict[str, Any], *,
+                       markdown: bool = False) -> list[tuple[str, str]]:
+    """(title, table) pairs for the subscribers section's results."""
+    from clone.tools.report import table
+
+    out: list[tuple[str, str]] = []
+    runs = section.get("fanout", [])
+    if runs:
+        out.append((
+            f"Subscribers: fan-out at {runs[0]['rate']:,} updates/s (latency of the probes, ms)",
+            table(
+                ["subscribers", "topology", "p50", "p99", "p99.9", "max", "probe p99s",
+                 "lost", "subs with loss", "server CPU %", "RSS MiB", "writer lag p99"],
+                [[r["subscribers"], r["topology"] + (f" ({r['relays']})" if r["relays"] else ""),
+                  r["latency"]["p50_ms"], r["latency"]["p99_ms"], r["latency"]["p99_9_ms"],
+                  r["latency"]["max_ms"],
+                  " / ".join(str(r["probe_p99_ms"].get(k)) for k in ("min", "median", "max")),
+                  r["lost"], r["subscribers_with_loss"], r["server_cpu_pct"],
+                  _rss_cell(r["rss_mib"]), r["writer_lag"]["p99_ms"]] for r in runs],
+                markdown=markdown,
+            ),
+        ))
+    rs = section.get("resync")
+    if rs:
+        out.append((
+            "Subscribers: resync after kill -9 of the active (s from the kill)",
+            table(
+                ["clients", "keys", "relays", "new active published", "relays had it (told by)",
+                 "first / median / last snapshot complete", "complete", "resync"],
+                [[rs["clients"], rs["keys"], rs["relays"], rs["new_active_published_s"],
+                  " / ".join(str(x) for x in rs["relays_delivered_s"])
+                  + f" ({', '.join(rs['relays_told_by'])})",
+                  " / ".join(str(rs["snapshot_s"].get(k)) for k in ("first", "median", "last")),
+                  f"{rs['complete']}/{rs['clients']}", rs["resync_s"]]],
+                markdown=markdown,
+            ),
+        ))
+    for name, error in section.get("errors", {}).items():
+        out.append((f"Subscribers: {name} FAILED", error))
+    return out
+
+
+def _rss_cell(rss: dict[str, Any]) -> str:
+    relays = rss.get("relays")
+    return f"{rss['server']}" + (f" + relays {'/'.join(str(x) for x in relays)}" if relays else "")
