@@ -226,6 +226,15 @@ def _start(master: str | None, app_name: str, conf: Mapping[str, str]) -> tuple[
         ) from None
     active = SparkSession.getActiveSession()
     if active is not None:  # a test run's shared session, or a notebook's
+        running = active.sparkContext.master
+        if master is not None and master != running:
+            # Asked for another master: one JVM holds one SparkContext, so say
+            # why not (an unreachable master first), never run on the wrong one.
+            check_master_reachable(master)
+            raise SparkUnavailable(
+                f"this process already runs a Spark session on {running}; --master {master}"
+                " cannot start another here: run the command in its own process"
+            )
         return active, False
     submitted = _submitted_conf()
     master = resolve_master(master, submitted.get("spark.master"))

@@ -122,6 +122,26 @@ def test_unreachable_spark_master(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 
 @pytest.mark.spark
+def test_another_master_with_a_session_running_is_refused_not_ignored(
+    spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The tests' shared session runs in this process: a command asking for
+    another master must not run on the shared one instead."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "events.jsonl").write_text(json.dumps({"ts": 1.0, "client": "c0", "event": "x"}) + "\n")
+    master = f"spark://127.0.0.1:{free_port()}"
+    code, _, err = _run(
+        capsys, "drill-report", "--input", str(run), "--output", str(tmp_path / "o"),
+        "--master", master,
+    )  # fmt: skip
+    assert code == 2
+    assert _one_line_error(err) == (
+        f"clone-pipeline drill-report: error: Spark master {master} is unreachable"
+    )
+
+
+@pytest.mark.spark
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_missing_column(
