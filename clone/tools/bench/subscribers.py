@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import resource
 import struct
@@ -95,6 +96,7 @@ log = logging.getLogger(__name__)
 _PREFIX = b"/bench/l/"
 _WARM = b"/bench/warm"
 _FRAMES_PER_UPDATE = 5
+_RETRY_S = 2.0  # a resync requester that heard nothing for this long asks again
 _IDLE_S = 3.0  # a subscriber that got nothing for this long after the writer is done
 _MARKER = (SNAP_SUBTREE + "failover").encode()
 
@@ -259,6 +261,7 @@ def _sink_process_main(idx: int, endpoints: Sequence[str], first: int, count: in
     results.put({
         "idx": idx,
         "nofile": nofile,
+        "cpu_s": _cpu([os.getpid()]),
         "received": received,
         "probes": {g: {"count": h.count, "p99_ms": round(h.percentile_ms(99.0), 3),
                        "max_ms": round(h.max_ms(), 3)} for g, h in hists.items()},
@@ -284,7 +287,7 @@ def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, cou
     """
     raise_nofile()
     ctx = zmq.Context()
-    ctx.max_sockets = count + len(relays) + 64
+    ctx.max_sockets = 2 * count + len(relays) + 64
     watch: dict[zmq.Socket[Any], int] = {}
     for r, (pub, _) in enumerate(relays):
         sub = ctx.socket(zmq.SUB)
@@ -294,27 +297,37 @@ def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, cou
         cap_message_size(sub)
         sub.connect(pub)
         watch[sub] = r
+    poller = zmq.Poller()
+    for s in watch:
+        poller.register(s, zmq.POLLIN)
     dealers: dict[zmq.Socket[Any], int] = {}
-    by_relay: dict[int, list[zmq.Socket[Any]]] = {r: [] for r in range(len(relays))}
-    for k in range(count):
-        r = (first + k) % len(relays)
+    sock_of: dict[int, zmq.Socket[Any]] = {}
+
+    def dealer(g: int) -> zmq.Socket[Any]:
+        """A fresh DEALER for requester ``g`` (a retry must not read the old stream)."""
         d = ctx.socket(zmq.DEALER)
         d.linger = 0
         d.rcvhwm = 0
         cap_message_size(d, MAX_SYNC_FRAME_BYTES)
         d.setsockopt(zmq.METADATA, BATCH_METADATA)
-        d.connect(relays[r][1])
-        dealers[d] = first + k
-        by_relay[r].append(d)
-    poller = zmq.Poller()
-    for s in [*watch, *dealers]:
-        poller.register(s, zmq.POLLIN)
+        d.connect(relays[g % len(relays)][1])
+        dealers[d] = g
+        sock_of[g] = d
+        poller.register(d, zmq.POLLIN)
+        return d
+
+    by_relay: dict[int, list[int]] = {r: [] for r in range(len(relays))}
+    for g in range(first, first + count):
+        dealer(g)
+        by_relay[g % len(relays)].append(g)
     ready.put(idx)
     mono = time.monotonic
     marker_at: dict[int, float] = {}
     how: dict[int, str] = {}
     entries: dict[int, int] = {}
     done: dict[int, float] = {}
+    asked: dict[int, float] = {}
+    retries = 0
     while len(done) < count and not stop.is_set():
         for sock, _ in poller.poll(100):
             if sock in watch:
@@ -332,9 +345,10 @@ def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, cou
                             how[r] = "hugz"
                         else:
                             how[r] = "kvpub"
-                        marker_at[r] = mono()
-                        for d in by_relay[r]:
-                            d.send_multipart([b"ICANHAZ?", subtree])
+                        marker_at[r] = now = mono()
+                        for g in by_relay[r]:
+                            sock_of[g].send_multipart([b"ICANHAZ?", subtree])
+                            asked[g] = now
                 continue
             g = dealers[sock]
             with contextlib.suppress(zmq.Again):
@@ -346,7 +360,20 @@ def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, cou
                         entries[g] = entries.get(g, 0) + len(frames[1]) // 4
                     else:
                         entries[g] = entries.get(g, 0) + 1
+        # A requester that heard nothing for _RETRY_S asks again on a fresh DEALER,
+        # as a client does after its silence timeout.
+        now = mono()
+        for g, t in list(asked.items()):
+            if g not in done and now - t > _RETRY_S and not entries.get(g):
+                old = sock_of[g]
+                poller.unregister(old)
+                del dealers[old]
+                old.close(linger=0)
+                dealer(g).send_multipart([b"ICANHAZ?", subtree])
+                asked[g] = now
+                retries += 1
     results.put({"idx": idx, "marker_at": marker_at, "how": how, "done": done,
+                 "retries": retries,
                  "entries": {g: entries.get(g, 0) for g in dealers.values()}})
     ctx.destroy(linger=0)
 
@@ -454,6 +481,7 @@ def _fanout_traffic(cfg: BenchConfig, target: Target, subs: int, topology: str,
                 raise RuntimeError(f"only {len(seen)}/{len(sinks)} sink processes ready") from None
         time.sleep(1.0)  # every C sink's subscription reaches the server (or its relay)
         cpu0, t0 = _cpu(pids), time.monotonic()
+        sinks_cpu0 = _cpu([p.pid for p in sinks if p.pid is not None])
         go.set()
         w = writer_q.get(timeout=cfg.rate_seconds + 60)
         # At the writer's end, where queues behind a slow server are longest.
@@ -494,6 +522,10 @@ def _fanout_traffic(cfg: BenchConfig, target: Target, subs: int, topology: str,
         "received_min": min((received.get(g, 0) for g in range(subs)), default=0),
         "server_cpu_s": round(cpu1 - cpu0, 2),
         "server_cpu_pct": round(100 * (cpu1 - cpu0) / (t1 - t0), 1),
+        # The subscribers' own processes (their libzmq I/O threads receive every
+        # update), over the same window: on a small machine they compete with the server.
+        "sinks_cpu_pct": round(100 * (sum(r["cpu_s"] for r in got) - sinks_cpu0) / (t1 - t0), 1),
+        "delivery_s": round(t1 - t0, 2),
         "rss_mib": rss,
         "nofile": min(r["nofile"] for r in got),
     }
@@ -628,6 +660,7 @@ def _resync(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]:
         # kvpub: the relay published the marker; hugz: its HUGZ passed the marker's
         # sequence (a full resync, which publishes no difference).
         "relays_told_by": sorted(set(how.values())),
+        "retries": sum(int(r.get("retries", 0)) for r in got),
         "complete": len(complete),
         "incomplete": clients - len(complete),
         "snapshot_s": {},
@@ -643,7 +676,7 @@ def _resync(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]:
     say(f"  resync of {clients:,} clients ({keys:,} keys) via {nrelays} relays after kill -9: "
         f"new active published at {result['new_active_published_s']} s, relays delivered "
         f"{result['relays_delivered_s']} s, all complete at {result['resync_s']} s "
-        f"({len(complete)}/{clients} complete)")
+        f"({len(complete)}/{clients} complete, {result['retries']} retries)")
     return result
 
 
@@ -687,13 +720,14 @@ def subscribers_tables(section: dict[str, Any], *,
             f"Subscribers: fan-out at {runs[0]['rate']:,} updates/s (latency of the probes, ms)",
             table(
                 ["subscribers", "topology", "p50", "p99", "p99.9", "max", "probe p99s",
-                 "lost", "subs with loss", "server CPU %", "RSS MiB", "writer lag p99"],
+                 "lost", "subs with loss", "server CPU %", "subscribers' CPU %", "delivery s",
+                 "RSS MiB", "writer lag p99"],
                 [[r["subscribers"], r["topology"] + (f" ({r['relays']})" if r["relays"] else ""),
                   r["latency"]["p50_ms"], r["latency"]["p99_ms"], r["latency"]["p99_9_ms"],
                   r["latency"]["max_ms"],
                   " / ".join(str(r["probe_p99_ms"].get(k)) for k in ("min", "median", "max")),
                   r["lost"], r["subscribers_with_loss"], r["server_cpu_pct"],
-                  _rss_cell(r["rss_mib"]), r["writer_lag"]["p99_ms"]] for r in runs],
+                  r.get("sinks_cpu_pct", "-"), r.get("delivery_s", "-"), _rss_cell(r["rss_mib"]), r["writer_lag"]["p99_ms"]] for r in runs],
                 markdown=markdown,
             ),
         ))
@@ -703,12 +737,12 @@ def subscribers_tables(section: dict[str, Any], *,
             "Subscribers: resync after kill -9 of the active (s from the kill)",
             table(
                 ["clients", "keys", "relays", "new active published", "relays had it (told by)",
-                 "first / median / last snapshot complete", "complete", "resync"],
+                 "first / median / last snapshot complete", "complete", "retries", "resync"],
                 [[rs["clients"], rs["keys"], rs["relays"], rs["new_active_published_s"],
                   " / ".join(str(x) for x in rs["relays_delivered_s"])
                   + f" ({', '.join(rs['relays_told_by'])})",
                   " / ".join(str(rs["snapshot_s"].get(k)) for k in ("first", "median", "last")),
-                  f"{rs['complete']}/{rs['clients']}", rs["resync_s"]]],
+                  f"{rs['complete']}/{rs['clients']}", rs.get("retries", "-"), rs["resync_s"]]],
                 markdown=markdown,
             ),
         ))
