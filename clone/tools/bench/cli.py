@@ -67,6 +67,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="security: offered rate of the latency runs, updates/s (2000)")
     p.add_argument("--sub-counts", type=_ints,
                    help="subscribers: subscriber counts (1000,5000)")
+    p.add_argument("--sub-rate", type=int, help="subscribers: updates/s of the fan-out runs (1000)")
     p.add_argument("--sub-relays", type=int, help="subscribers: relays (4)")
     p.add_argument("--sub-processes", type=int,
                    help="subscribers: processes holding the subscribers (4)")
@@ -99,6 +100,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         ("security_rate", "security_rate"),
         ("probes", "probes"),
         ("sub_counts", "sub_counts"),
+        ("sub_rate", "sub_rate"),
         ("sub_relays", "sub_relays"),
         ("sub_processes", "sub_processes"),
         ("resync_keys", "resync_keys"),
