@@ -307,6 +307,7 @@ def test_subscribers_section_through_the_cli(
         assert 0 < lat["p50_ms"] <= lat["p99_ms"] <= lat["p99_9_ms"] <= lat["max_ms"]
         assert r["probe_p99_ms"]["min"] <= r["probe_p99_ms"]["max"]
         assert r["server_cpu_s"] >= 0 and r["rss_mib"]["server"] > 0
+        assert r["subscribers_counted"] == 20 and r["sinks_with_loss"] == 0
     assert d["fanout"][0]["relays"] == 0 and len(d["fanout"][1]["rss_mib"]["relays"]) == 2
     rs = d["resync"]
     assert rs["complete"] == 20 and rs["incomplete"] == 0 and len(rs["relays_delivered_s"]) == 2

@@ -59,6 +59,7 @@ class BenchConfig:
     sub_relays: int = 4
     sub_processes: int = 4
     sub_probes: int = 4  # measuring Python subscribers per sink process; the rest are C sinks
+    sub_per_socket: int = 50  # subscribers (TCP connections) per C sink socket
     resync_keys: int = 10_000
     resync_clients: int = 1_000
     # Subscribers measured by a Python watcher process each; the others are C sinks.
@@ -92,6 +93,7 @@ class BenchConfig:
             sub_relays=2,
             sub_processes=2,
             sub_probes=2,
+            sub_per_socket=5,
             resync_keys=500,
             resync_clients=20,
             repeats=1,

@@ -6,14 +6,20 @@ How this works.  **Fan-out** runs, one per (subscriber count, topology):
   publisher; ``relays``: ``sub_relays`` relays (``clone-server --relay``)
   follow it and the subscribers are spread over the relays round-robin;
 * the subscribers live in ``sub_processes`` *sink processes* (spawned), each
-  holding hundreds to thousands of SUB sockets.  Most are **C-level sinks**:
-  ``zmq.proxy_steerable(SUB, PUB to nowhere, control=PAIR)`` in a thread each,
-  so libzmq receives every update with no Python in the loop; after the run the
-  process asks each proxy for its ``STATISTICS`` (frames received), so every
-  subscriber's count, hence its lost updates, is known exactly.  A Python
-  receive loop for all of them could not keep up (1,000 subscribers at 1k
-  updates/s are a million messages a second on two cores) and would measure
-  itself.  ``sub_probes`` subscribers per process, spread over its connection
+  holding hundreds to thousands of subscribers.  Most are **C-level sinks**:
+  one SUB socket holds ``sub_per_socket`` subscribers (each its own TCP
+  connection, from a source address of its own, so the server has a
+  connection and a pipe per subscriber, as with separate clients), drained by
+  ``zmq.proxy_steerable(SUB, PUB to nowhere, control=PAIR)`` in a thread, so
+  libzmq receives every update with no Python in the loop (a thread per
+  subscriber cost more CPU than the server: a thread wake-up per update).
+  After the run the process asks each proxy for its ``STATISTICS`` (frames
+  received): each connection delivers an update at most once, so a sink that
+  received ``held x sent`` lost nothing on any of its subscribers, and the lost
+  updates are counted exactly.  A Python receive loop for all of them could
+  not keep up (1,000 subscribers at 1k updates/s are a million messages a
+  second on two cores) and would measure itself.  ``sub_probes`` subscribers
+  per process, spread over its
   order (and over the relays), are **probes**: Python SUBs polled in the main
   thread that record each update's ``arrival - intended send time`` in an HDR
   histogram (one per probe: its p99; and merged).  Latency percentiles are
@@ -162,12 +168,22 @@ def _probe_positions(count: int, probes: int) -> set[int]:
     return {i * count // probes for i in range(probes)} if probes else set()
 
 
+def _connection(endpoint: str, g: int) -> str:
+    """Subscriber ``g``'s connection to ``endpoint`` (``tcp://host:port``), from a source
+    address of its own: libzmq makes one connection per distinct endpoint string, so one
+    SUB socket can hold many subscribers, each a TCP connection and a pipe of the server."""
+    return f"tcp://127.1.{g // 250}.{1 + g % 250}:0;{endpoint.removeprefix('tcp://')}"
+
+
 def _sink_process_main(idx: int, endpoints: Sequence[str], first: int, count: int, probes: int,
-                       ready: Any, stop: MpEvent, expected: Any, results: Any) -> None:
+                       per_socket: int, ready: Any, stop: MpEvent, expected: Any,
+                       results: Any) -> None:
     """``count`` subscribers (global indices ``first`` ..), round-robin over ``endpoints``.
 
-    C-level sinks except the probes (see the module); reports every
-    subscriber's count and the probes' histograms once ``stop`` is set.
+    C-level sinks except the probes (see the module): each sink is one SUB
+    socket holding ``per_socket`` subscribers (connections) drained by a proxy
+    thread; reports each sink's count (and how many subscribers it holds) and
+    the probes' histograms once ``stop`` is set.
     """
     nofile = raise_nofile()
     threading.stack_size(256 * 1024)
@@ -175,30 +191,38 @@ def _sink_process_main(idx: int, endpoints: Sequence[str], first: int, count: in
     ctx.max_sockets = 4 * count + 64
     positions = _probe_positions(count, probes)
     sinks: list[tuple[int, zmq.Socket[Any], threading.Thread]] = []
+    held: dict[int, int] = {}  # a sink (by its first subscriber) -> subscribers it holds
     probe_socks: dict[zmq.Socket[Any], int] = {}
-    for k in range(count):
+    plain = [first + k for k in range(count) if k not in positions]
+    for k in sorted(positions):
         g = first + k
         sub = ctx.socket(zmq.SUB)
         sub.rcvhwm = 0
         sub.linger = 0
         sub.setsockopt(zmq.SUBSCRIBE, _PREFIX)
-        if k in positions:
-            sub.setsockopt(zmq.SUBSCRIBE, _WARM)
-            cap_message_size(sub)
-            sub.connect(endpoints[g % len(endpoints)])
-            probe_socks[sub] = g
-            continue
+        sub.setsockopt(zmq.SUBSCRIBE, _WARM)
+        cap_message_size(sub)
         sub.connect(endpoints[g % len(endpoints)])
+        probe_socks[sub] = g
+    for j in range(0, len(plain), max(1, per_socket)):
+        group = plain[j:j + max(1, per_socket)]
+        sub = ctx.socket(zmq.SUB)
+        sub.rcvhwm = 0
+        sub.linger = 0
+        sub.setsockopt(zmq.SUBSCRIBE, _PREFIX)
+        for g in group:
+            sub.connect(_connection(endpoints[g % len(endpoints)], g))
         void = ctx.socket(zmq.PUB)
         void.linger = 0
-        void.bind(f"inproc://void-{k}")
+        void.bind(f"inproc://void-{j}")
         ctl, ctl_peer = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
         ctl.linger = ctl_peer.linger = 0
-        ctl.bind(f"inproc://ctl-{k}")
-        ctl_peer.connect(f"inproc://ctl-{k}")
+        ctl.bind(f"inproc://ctl-{j}")
+        ctl_peer.connect(f"inproc://ctl-{j}")
         t = threading.Thread(target=_sink_proxy, args=(sub, void, ctl_peer), daemon=True)
         t.start()
-        sinks.append((g, ctl, t))
+        sinks.append((group[0], ctl, t))
+        held[group[0]] = len(group)
     poller = zmq.Poller()
     for s in probe_socks:
         poller.register(s, zmq.POLLIN)
@@ -242,7 +266,7 @@ def _sink_process_main(idx: int, endpoints: Sequence[str], first: int, count: in
             ctl.send(b"STATISTICS")
             stats = ctl.recv_multipart()
             received[g] = int.from_bytes(stats[0], "little") // _FRAMES_PER_UPDATE
-        if all(received[g] >= expected.value for g, _, _ in sinks):
+        if all(received[g] >= held[g] * expected.value for g, _, _ in sinks):
             break
         now_total = sum(received.values())
         if now_total != total:
@@ -263,6 +287,7 @@ def _sink_process_main(idx: int, endpoints: Sequence[str], first: int, count: in
         "nofile": nofile,
         "cpu_s": _cpu([os.getpid()]),
         "received": received,
+        "held": held,
         "probes": {g: {"count": h.count, "p99_ms": round(h.percentile_ms(99.0), 3),
                        "max_ms": round(h.max_ms(), 3)} for g, h in hists.items()},
         "hist": merged.encode(),
@@ -462,8 +487,8 @@ def _fanout_traffic(cfg: BenchConfig, target: Target, subs: int, topology: str,
     expected = MP.Value("q", 1 << 62)
     slices = _split(subs, cfg.sub_processes)
     sinks = [MP.Process(target=_sink_process_main,
-                        args=(i, endpoints, first, n, cfg.sub_probes, ready, stop, expected,
-                              results), daemon=True)
+                        args=(i, endpoints, first, n, cfg.sub_probes, cfg.sub_per_socket,
+                              ready, stop, expected, results), daemon=True)
              for i, (first, n) in enumerate(slices)]
     writer = MP.Process(target=_writer_main,
                         args=(target.in_endpoint, cfg.sub_rate, cfg.rate_seconds,
@@ -495,14 +520,18 @@ def _fanout_traffic(cfg: BenchConfig, target: Target, subs: int, topology: str,
         # subscribers' idle wait when some did not).
         cpu1, t1 = _cpu(pids), time.monotonic()
     received: dict[int, int] = {}
+    held: dict[int, int] = {}
     probes: dict[int, dict[str, Any]] = {}
     merged = LatencyHistogram()
     for r in got:
         received.update({int(g): n for g, n in r["received"].items()})
+        held.update({int(g): n for g, n in r["held"].items()})
         probes.update({int(g): p for g, p in r["probes"].items()})
         merged.merge(LatencyHistogram.decode(r["hist"]))
     sent = int(w["sent"])
-    lost = [max(0, sent - received.get(g, 0)) for g in range(subs)]
+    # A sink's connections each deliver every update at most once, so a sink
+    # that received held x sent lost nothing on any of its subscribers.
+    lost = {g: max(0, held.get(g, 1) * sent - n) for g, n in received.items()}
     p99s = sorted(p["p99_ms"] for p in probes.values())
     return {
         "subscribers": subs,
@@ -517,9 +546,12 @@ def _fanout_traffic(cfg: BenchConfig, target: Target, subs: int, topology: str,
         "probe_p99_ms": {"min": p99s[0], "median": p99s[len(p99s) // 2], "max": p99s[-1]}
         if p99s else {},
         "writer_lag": LatencyHistogram.decode(w["lag"]).summary(),
-        "lost": sum(lost),
-        "subscribers_with_loss": sum(1 for x in lost if x),
-        "received_min": min((received.get(g, 0) for g in range(subs)), default=0),
+        "lost": sum(lost.values()),
+        # Probes, and sinks of ``sub_per_socket`` subscribers, that lost any update.
+        "sinks_with_loss": sum(1 for x in lost.values() if x),
+        "per_socket": cfg.sub_per_socket,
+        "subscribers_counted": sum(held.get(g, 1) for g in received),
+        "received_min": min((n // held.get(g, 1) for g, n in received.items()), default=0),
         "server_cpu_s": round(cpu1 - cpu0, 2),
         "server_cpu_pct": round(100 * (cpu1 - cpu0) / (t1 - t0), 1),
         # The subscribers' own processes (their libzmq I/O threads receive every
@@ -697,7 +729,7 @@ def run_subscribers(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str
             say(f"  {subs:>5} subscribers {topology:>6} at {run['rate']}/s: p50 "
                 f"{lat['p50_ms']:.2f} p99 {lat['p99_ms']:.2f} p99.9 {lat['p99_9_ms']:.2f} max "
                 f"{lat['max_ms']:.2f} ms ({run['probes']} probes); lost {run['lost']} "
-                f"({run['subscribers_with_loss']} subscribers); server CPU "
+                f"({run['sinks_with_loss']} sinks); server CPU "
                 f"{run['server_cpu_pct']}%, RSS {run['rss_mib']} MiB")
     try:
         out["resync"] = _resync(cfg, group, say)
@@ -720,13 +752,13 @@ def subscribers_tables(section: dict[str, Any], *,
             f"Subscribers: fan-out at {runs[0]['rate']:,} updates/s (latency of the probes, ms)",
             table(
                 ["subscribers", "topology", "p50", "p99", "p99.9", "max", "probe p99s",
-                 "lost", "subs with loss", "server CPU %", "subscribers' CPU %", "delivery s",
+                 "lost", "sinks with loss", "server CPU %", "subscribers' CPU %", "delivery s",
                  "RSS MiB", "writer lag p99"],
                 [[r["subscribers"], r["topology"] + (f" ({r['relays']})" if r["relays"] else ""),
                   r["latency"]["p50_ms"], r["latency"]["p99_ms"], r["latency"]["p99_9_ms"],
                   r["latency"]["max_ms"],
                   " / ".join(str(r["probe_p99_ms"].get(k)) for k in ("min", "median", "max")),
-                  r["lost"], r["subscribers_with_loss"], r["server_cpu_pct"],
+                  r["lost"], r["sinks_with_loss"], r["server_cpu_pct"],
                   r.get("sinks_cpu_pct", "-"), r.get("delivery_s", "-"), _rss_cell(r["rss_mib"]),
                   r["writer_lag"]["p99_ms"]] for r in runs],
                 markdown=markdown,
