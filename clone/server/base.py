@@ -134,6 +134,7 @@ class ServerBase:
         self._outq: deque[list[bytes]] = deque()
         self._outq_scheduled = False
         self._outq_hold = False  # the publisher is being bound again: queue everything
+        self._taking_backlog = False  # inside _take_router_backlog (no re-entry)
         self._pub_stream: ZMQStream | None = None  # the XPUB's (CURVE) subscriptions
         self._peer_sub: ZMQStream | None = None
         # The server we follow: the peer while passive; a relay's current

@@ -303,16 +303,27 @@ class ServingMixin(ServerBase):
         (seen: 10 s).  So after sending we ask the socket itself.
         """
         sock = self._router
-        if sock is None or sock.closed:
+        if sock is None or sock.closed or self._taking_backlog:
+            # Already taking it, further up this very stack: a request served
+            # from here pumps its first chunk, which would come back here, one
+            # level deeper per request (a failover's storm of requests hit
+            # Python's recursion limit).  The outer loop goes on instead.
             return
-        for _ in range(_ROUTER_BACKLOG_BATCH):
-            if not sock.poll(0, POLLIN):
-                return
-            try:
-                parts = sock.recv_multipart(NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._on_router_guarded(parts)
+        self._taking_backlog = True
+        try:
+            for _ in range(_ROUTER_BACKLOG_BATCH):
+                if not sock.poll(0, POLLIN):
+                    return
+                try:
+                    parts = sock.recv_multipart(NOBLOCK, copy=False)
+                except zmq.Again:
+                    return
+                self._on_router_guarded(parts)
+            # A full batch: more may be waiting; look again next turn.
+            if self._loop is not None:
+                self._loop.add_callback(self._take_router_backlog)
+        finally:
+            self._taking_backlog = False
 
     def _stall(self, stream: AnyStream, sent_before: int) -> None:
         """The requester is not keeping up: try again shortly, drop nothing."""
