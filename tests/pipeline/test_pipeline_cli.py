@@ -106,7 +106,8 @@ def test_unreachable_servers(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert "no active Clone server at tcp://" in _one_line_error(err)
 
 
-def test_unreachable_spark_master(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def _assert_unreachable_master_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """drill-report with --master on a port nobody listens on: exit 2, one line."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "events.jsonl").write_text(json.dumps({"ts": 1.0, "client": "c0", "event": "x"}) + "\n")
@@ -119,6 +120,10 @@ def test_unreachable_spark_master(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert _one_line_error(err) == (
         f"clone-pipeline drill-report: error: Spark master {master} is unreachable"
     )
+
+
+def test_unreachable_spark_master(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _assert_unreachable_master_refused(tmp_path, capsys)
 
 
 @pytest.mark.spark
@@ -127,18 +132,7 @@ def test_another_master_with_a_session_running_is_refused_not_ignored(
 ) -> None:
     """The tests' shared session runs in this process: a command asking for
     another master must not run on the shared one instead."""
-    run = tmp_path / "run"
-    run.mkdir()
-    (run / "events.jsonl").write_text(json.dumps({"ts": 1.0, "client": "c0", "event": "x"}) + "\n")
-    master = f"spark://127.0.0.1:{free_port()}"
-    code, _, err = _run(
-        capsys, "drill-report", "--input", str(run), "--output", str(tmp_path / "o"),
-        "--master", master,
-    )  # fmt: skip
-    assert code == 2
-    assert _one_line_error(err) == (
-        f"clone-pipeline drill-report: error: Spark master {master} is unreachable"
-    )
+    _assert_unreachable_master_refused(tmp_path, capsys)
 
 
 @pytest.mark.spark
