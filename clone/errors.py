@@ -25,6 +25,9 @@ __all__ = [
     "SecurityError",
     "WriteRefused",
     "HistoryCompacted",
+    "Conflict",
+    "LeaseLost",
+    "NotActive",
 ]
 
 
@@ -157,3 +160,48 @@ class HistoryCompacted(CloneError):
 
     def __reduce__(self) -> tuple[type[HistoryCompacted], tuple[int, int]]:
         return (type(self), (self.requested, self.oldest))
+
+
+class Conflict(CloneError):
+    """A compare-and-set found the key changed: nothing was written.
+
+    ``key`` is the key, ``expected`` the ``if_sequence`` asked for and
+    ``current`` the key's sequence on the active server when it refused (0: the
+    key is absent).  Read the key again and decide anew.
+    """
+
+    def __init__(self, key: str, expected: int, current: int) -> None:
+        self.key = key
+        self.expected = expected
+        self.current = current
+        now = "absent" if current == 0 else f"at sequence {current}"
+        wanted = "absent" if expected == 0 else f"at sequence {expected}"
+        super().__init__(
+            f"{key!r} is {now}, not {wanted}: someone else wrote it since you read it;"
+            " read it again and retry"
+        )
+
+    def __reduce__(self) -> tuple[type[Conflict], tuple[str, int, int]]:
+        return (type(self), (self.key, self.expected, self.current))
+
+
+class LeaseLost(CloneError):
+    """A lease no longer exists on the servers: it expired (its keepalives did
+    not arrive within its ttl), was revoked, or was never granted.  Its keys are
+    gone; take a new lease and register again."""
+
+    def __init__(self, lease_id: str, why: str = "") -> None:
+        self.lease_id = lease_id
+        self.why = why
+        super().__init__(
+            f"lease {lease_id} is gone from the servers{': ' + why if why else ''};"
+            " its keys were deleted; take a new lease and write them again"
+        )
+
+    def __reduce__(self) -> tuple[type[LeaseLost], tuple[str, str]]:
+        return (type(self), (self.lease_id, self.why))
+
+
+class NotActive(CloneError, TimeoutError):
+    """No active server answered a call (a compare-and-set or lease operation)
+    in time: both servers are down, passive, or unreachable."""

@@ -1,0 +1,355 @@
+"""CALL? and REPLY, our extension of CHP: writes and lease operations with an answer.
+
+How this works: CHP's writes are fire-and-forget (a KVSET to the collector), so
+a server cannot tell a writer "no".  Compare-and-set and leases need that, so a
+client may instead send a *call* on a DEALER to the snapshot port (ROUTER, P)
+and get exactly one *reply* from an active server (docs/protocol.md, "CALL?")::
+
+    CALL?   [b"CALL?", op, uuid, key, properties, body]        6 frames
+    REPLY   [b"REPLY", uuid, sequence, properties]             4 frames
+
+* ``op``: ``set`` (a write; an empty body deletes), ``lease-grant``,
+  ``lease-keepalive`` or ``lease-revoke``.
+* ``uuid``: 16 bytes, the caller's id for the call (a UUIDv7).  The server
+  deduplicates ``set`` and ``lease-grant`` by it, as it deduplicates KVSETs, so a
+  call retried after a failover is never applied twice; the reply to a retry
+  says what the first one did.
+* ``key``/``body``: a ``set``'s key and value; empty for lease operations.
+* ``properties`` of a ``set``: ``ttl`` (as on KVSET), ``lease=<id>`` (bind the
+  key to a lease) and ``if_sequence=<n>`` (apply only if the key's sequence is
+  ``n``; 0: only if the key is absent).  Of ``lease-grant``: ``ttl=<seconds>``.
+  Of ``lease-keepalive`` and ``lease-revoke``: ``lease=<id>``.
+* The reply's ``sequence``: what the server assigned (a ``set``; a grant's or a
+  revoke's own update), else 0.  Its properties: ``status=ok|conflict|refused``;
+  ``current=<n>`` with a conflict (the key's sequence now, 0 if absent);
+  ``reason=<word>`` and ``detail=<text>`` with a refusal (:data:`REASONS`);
+  ``lease=<id>`` and ``ttl=<seconds>`` answering a lease operation.
+
+The decoders are total, as in :mod:`clone.wire.codec`.  :func:`decode_call`
+checks the call's *shape*; what a well-shaped call asks for (an ``if_sequence``
+that is not a number, a lease id of the wrong form, a ttl out of range) is
+judged by :func:`check_call`, so that the server can answer it with a specific
+reason instead of dropping it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+from clone.errors import LimitExceeded, ProtocolError
+from clone.wire.codec import (
+    KVMsg,
+    Properties,
+    decode_properties,
+    encode_properties,
+    validate_key,
+)
+from clone.wire.protocol import MAX_TTL_SECONDS, MAX_VALUE_BYTES, TTL_PROPERTY
+
+__all__ = [
+    "CALL",
+    "REPLY",
+    "OPS",
+    "OP_SET",
+    "OP_LEASE_GRANT",
+    "OP_LEASE_KEEPALIVE",
+    "OP_LEASE_REVOKE",
+    "LEASE_PROPERTY",
+    "IF_SEQUENCE_PROPERTY",
+    "LEASE_PREFIX",
+    "REASONS",
+    "Call",
+    "Reply",
+    "check_call",
+    "call_uuid",
+    "decode_call",
+    "decode_reply",
+    "encode_call",
+    "encode_reply",
+    "is_call",
+    "lease_id_of",
+    "lease_key",
+    "parse_lease_ttl",
+    "valid_lease_id",
+]
+
+CALL: Final = b"CALL?"
+REPLY: Final = b"REPLY"
+
+OP_SET: Final = "set"
+OP_LEASE_GRANT: Final = "lease-grant"
+OP_LEASE_KEEPALIVE: Final = "lease-keepalive"
+OP_LEASE_REVOKE: Final = "lease-revoke"
+OPS: Final = frozenset({OP_SET, OP_LEASE_GRANT, OP_LEASE_KEEPALIVE, OP_LEASE_REVOKE})
+
+#: A key's property naming the lease it is bound to (kept on the stored entry,
+#: so every reader sees it), and a call's property naming a lease.
+LEASE_PROPERTY: Final = "lease"
+#: A ``set`` call's condition; never stored.
+IF_SEQUENCE_PROPERTY: Final = "if_sequence"
+#: Where a server keeps its leases: one key per lease, ``<prefix><id>``, whose
+#: value says its ttl.  Replicated, durable and snapshotted like any key;
+#: clients may read it but never write under it.
+LEASE_PREFIX: Final = "/_clone/lease/"
+
+#: Why a server refuses a call (``reason=``).
+REASONS: Final = frozenset(
+    {
+        "not-active",  # a passive, starting or relay-without-upstream server
+        "acl",  # the caller may not write that key (CURVE + ACL)
+        "full",  # --max-keys / --max-bytes
+        "size",  # a key, value or properties over a limit
+        "malformed",  # the call does not decode
+        "bad-if-sequence",  # if_sequence is not a whole number >= 0
+        "bad-lease",  # a lease id that is not 32 hex digits
+        "bad-ttl",  # a lease ttl that is not a number in range
+        "unknown-lease",  # no such lease (never granted, expired or revoked)
+        "reserved",  # a key under LEASE_PREFIX
+        "busy",  # the server has too many leases (--max-leases)
+    }
+)
+
+_STATUSES = frozenset({"ok", "conflict", "refused"})
+_LEASE_ID_RE = re.compile(r"[0-9a-f]{32}")
+_UINT_RE = re.compile(r"[0-9]{1,20}")
+_SEQ_MAX = 2**64 - 1
+#: A lease lives at least this long: a keepalive every third of it must be
+#: possible over a real network, and a shorter one is a unit mistake (ms for s).
+MIN_LEASE_TTL: Final = 0.3
+_DETAIL_MAX = 200
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One CALL? as decoded (its shape checked; see :func:`check_call`)."""
+
+    op: str
+    uuid: bytes
+    key: str = ""
+    properties: Properties = ()
+    body: bytes = b""
+
+    def prop(self, name: str) -> str | None:
+        for pname, value in self.properties:
+            if pname == name:
+                return value
+        return None
+
+    @property
+    def lease(self) -> str | None:
+        return self.prop(LEASE_PROPERTY)
+
+    @property
+    def if_sequence(self) -> int | None:
+        """The condition of a ``set`` (call :func:`check_call` first), or None."""
+        text = self.prop(IF_SEQUENCE_PROPERTY)
+        return None if text is None else int(text)
+
+    def stored_properties(self) -> Properties:
+        """What a ``set`` stores: its properties without the condition."""
+        return tuple((n, v) for n, v in self.properties if n != IF_SEQUENCE_PROPERTY)
+
+    def as_kvmsg(self) -> KVMsg:
+        """A ``set`` as the KVSET it stands for (uuid, stored properties, body)."""
+        return KVMsg(self.key, 0, self.uuid, self.stored_properties(), self.body)
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """One REPLY."""
+
+    uuid: bytes
+    status: str
+    sequence: int = 0
+    reason: str = ""
+    detail: str = ""
+    current: int | None = None
+    lease: str = ""
+    ttl: float | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+
+def lease_key(lease_id: str) -> str:
+    """The key that holds lease ``lease_id`` on the servers."""
+    return LEASE_PREFIX + lease_id
+
+
+def lease_id_of(uuid: bytes) -> str:
+    """The id of the lease a ``lease-grant`` call with ``uuid`` creates."""
+    return uuid.hex()
+
+
+def valid_lease_id(text: str) -> bool:
+    return _LEASE_ID_RE.fullmatch(text) is not None
+
+
+def parse_lease_ttl(text: str | None) -> float:
+    """A lease's ttl in seconds; ValueError saying why not."""
+    if text is None:
+        raise ValueError("a lease needs ttl=<seconds>")
+    try:
+        ttl = float(text)
+    except ValueError:
+        raise ValueError(f"lease ttl {text[:40]!r} is not a number") from None
+    if not MIN_LEASE_TTL <= ttl <= MAX_TTL_SECONDS:  # also false for nan
+        raise ValueError(
+            f"lease ttl {text[:40]!r} is out of range ({MIN_LEASE_TTL:g} to {MAX_TTL_SECONDS:g} s)"
+        )
+    return ttl
+
+
+def encode_call(
+    op: str, uuid: bytes, key: str = "", properties: Properties = (), body: bytes = b""
+) -> list[bytes]:
+    """A CALL?'s frames (a DEALER sends them; the ROUTER adds the identity)."""
+    if op not in OPS:
+        raise ValueError(f"unknown call {op!r}")
+    if len(uuid) != 16:
+        raise ValueError(f"a call's uuid is 16 bytes, not {len(uuid)}")
+    return [CALL, op.encode(), uuid, key.encode("utf-8"), encode_properties(properties), body]
+
+
+def is_call(frames: Sequence[bytes]) -> bool:
+    """Whether ``frames`` (without the ROUTER identity) are meant as a CALL?."""
+    return len(frames) > 0 and frames[0] == CALL
+
+
+def call_uuid(frames: Sequence[bytes]) -> bytes | None:
+    """The uuid of a call that may not decode, to answer it "malformed"."""
+    if len(frames) >= 3 and len(frames[2]) == 16:
+        return bytes(frames[2])
+    return None
+
+
+def decode_call(frames: Sequence[bytes]) -> Call:
+    """The shape of a CALL?: frame count, op, uuid, key, properties, body sizes."""
+    if len(frames) != 6:
+        raise ProtocolError(f"CALL? has {len(frames)} frames, expected 6")
+    if frames[0] != CALL:
+        raise ProtocolError(f"expected CALL?, got {bytes(frames[0][:16])!r}")
+    try:
+        op = bytes(frames[1]).decode("ascii")
+    except UnicodeDecodeError:
+        raise ProtocolError("CALL? operation is not ASCII") from None
+    if op not in OPS:
+        raise ProtocolError(f"unknown CALL? operation {op[:40]!r}")
+    uuid = bytes(frames[2])
+    if len(uuid) != 16:
+        raise ProtocolError(f"CALL? uuid is {len(uuid)} bytes, expected 16")
+    props = decode_properties(bytes(frames[4]))
+    body = bytes(frames[5])
+    if op == OP_SET:
+        key = validate_key(bytes(frames[3]), reserved_ok=False)
+        if len(body) > MAX_VALUE_BYTES:
+            raise LimitExceeded(
+                f"value of {len(body)} bytes for key {key[:80]!r} is over the "
+                f"{MAX_VALUE_BYTES}-byte limit"
+            )
+    else:
+        if frames[3] or body:
+            raise ProtocolError(f"CALL? {op} takes no key and no body")
+        key = ""
+    return Call(op, uuid, key, props, body)
+
+
+def check_call(call: Call) -> tuple[str, str] | None:
+    """What is wrong with what a well-shaped call asks for, as (reason, detail)."""
+    if call.op == OP_SET:
+        text = call.prop(IF_SEQUENCE_PROPERTY)
+        if text is not None and (_UINT_RE.fullmatch(text) is None or int(text) > _SEQ_MAX):
+            return (
+                "bad-if-sequence",
+                f"if_sequence {text[:40]!r} is not a whole number from 0 to 2^64-1",
+            )
+        lease = call.lease
+        if lease is not None and not valid_lease_id(lease):
+            return ("bad-lease", f"lease id {lease[:40]!r} is not 32 lowercase hex digits")
+        if call.key.startswith(LEASE_PREFIX):
+            return ("reserved", f"keys under {LEASE_PREFIX} are the server's leases")
+        return None
+    if call.op == OP_LEASE_GRANT:
+        try:
+            parse_lease_ttl(call.prop(TTL_PROPERTY))
+        except ValueError as exc:
+            return ("bad-ttl", str(exc))
+        return None
+    lease = call.lease
+    if lease is None or not valid_lease_id(lease):
+        return ("bad-lease", f"lease id {str(lease)[:40]!r} is not 32 lowercase hex digits")
+    return None
+
+
+def _detail(text: str) -> str:
+    return " ".join(text.split())[:_DETAIL_MAX]
+
+
+def encode_reply(reply: Reply) -> list[bytes]:
+    """A REPLY's frames (the ROUTER sends them after the requester's identity)."""
+    if reply.status not in _STATUSES:
+        raise ValueError(f"unknown reply status {reply.status!r}")
+    props: list[tuple[str, str]] = [("status", reply.status)]
+    if reply.reason:
+        props.append(("reason", reply.reason))
+    if reply.detail:
+        props.append(("detail", _detail(reply.detail)))
+    if reply.current is not None:
+        props.append(("current", str(reply.current)))
+    if reply.lease:
+        props.append((LEASE_PROPERTY, reply.lease))
+    if reply.ttl is not None:
+        props.append((TTL_PROPERTY, repr(float(reply.ttl))))
+    return [REPLY, reply.uuid, reply.sequence.to_bytes(8, "big"), encode_properties(tuple(props))]
+
+
+def decode_reply(frames: Sequence[bytes]) -> Reply:
+    """A REPLY, or ProtocolError saying what was wrong."""
+    if len(frames) != 4:
+        raise ProtocolError(f"REPLY has {len(frames)} frames, expected 4")
+    if frames[0] != REPLY:
+        raise ProtocolError(f"expected REPLY, got {bytes(frames[0][:16])!r}")
+    uuid = bytes(frames[1])
+    if len(uuid) != 16:
+        raise ProtocolError(f"REPLY uuid is {len(uuid)} bytes, expected 16")
+    if len(frames[2]) != 8:
+        raise ProtocolError(f"REPLY sequence is {len(frames[2])} bytes, expected 8")
+    sequence = int.from_bytes(frames[2], "big")
+    props = dict(decode_properties(bytes(frames[3])))
+    status = props.get("status", "")
+    if status not in _STATUSES:
+        raise ProtocolError(f"REPLY status {status[:40]!r} is not ok, conflict or refused")
+    current: int | None = None
+    if "current" in props:
+        text = props["current"]
+        if _UINT_RE.fullmatch(text) is None or int(text) > _SEQ_MAX:
+            raise ProtocolError(f"REPLY current {text[:40]!r} is not a sequence")
+        current = int(text)
+    if status == "conflict" and current is None:
+        raise ProtocolError("a conflict REPLY without current=")
+    reason = props.get("reason", "")
+    if status == "refused" and not reason:
+        raise ProtocolError("a refused REPLY without reason=")
+    lease = props.get(LEASE_PROPERTY, "")
+    if lease and not valid_lease_id(lease):
+        raise ProtocolError(f"REPLY lease {lease[:40]!r} is not a lease id")
+    ttl: float | None = None
+    if TTL_PROPERTY in props:
+        try:
+            ttl = parse_lease_ttl(props[TTL_PROPERTY])
+        except ValueError as exc:
+            raise ProtocolError(f"REPLY {exc}") from None
+    return Reply(
+        uuid,
+        status,
+        sequence,
+        reason=reason,
+        detail=props.get("detail", ""),
+        current=current,
+        lease=lease,
+        ttl=ttl,
+    )
