@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from bstar.reactor import BinaryStar
     from clone.security import Acl, Gatekeeper, KeyPair, Rights
     from clone.storage import Storage
+    from clone.wire.calls import Reply
 
 __all__ = ["AnyStream", "ServerBase"]
 
@@ -135,6 +136,9 @@ class ServerBase:
         self._outq_scheduled = False
         self._outq_hold = False  # the publisher is being bound again: queue everything
         self._taking_backlog = False  # inside _take_router_backlog (no re-entry)
+        # Call replies that wait for this turn's commit (clone.server.calling).
+        self._replies: list[tuple[bytes, Reply]] = []
+        self._replies_scheduled = False
         self._pub_stream: ZMQStream | None = None  # the XPUB's (CURVE) subscriptions
         self._peer_sub: ZMQStream | None = None
         # The server we follow: the peer while passive; a relay's current
@@ -201,6 +205,7 @@ class ServerBase:
                 "kvset_forward_dropped",
                 "status_requests",
                 "status_dropped",
+                "call_replies_dropped",
             ),
             0,
         )
@@ -304,3 +309,9 @@ class ServerBase:
         def _heard_upstream(self, frames: list[bytes]) -> None: ...
 
         def _relay_synced(self) -> None: ...
+
+        def _on_call(self, identity: bytes, parts: list[zmq.Frame]) -> None: ...
+
+        def _forward_call(self, identity: bytes, frames: list[bytes]) -> None: ...
+
+        def _send_reply(self, identity: bytes, reply: Reply) -> None: ...

@@ -262,6 +262,14 @@ def build_parser() -> argparse.ArgumentParser:
         " 4294967296, 4 GiB; 0: no limit)",
     )
     limits.add_argument(
+        "--max-leases",
+        type=positive_int,
+        default=100_000,
+        metavar="N",
+        help="most leases the active server holds; a grant beyond is refused, reason busy"
+        " (default 100000)",
+    )
+    limits.add_argument(
         "--max-snapshots",
         type=positive_int,
         default=64,
@@ -299,6 +307,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         history_bytes=args.history_bytes,
         max_keys=args.max_keys,
         max_bytes=args.max_bytes,
+        max_leases=args.max_leases,
     )
     common = dict(
         bind=args.bind,

@@ -32,19 +32,36 @@ it has been counted; the caller logs it and carries on.
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from clone.errors import IllegalSyncTransition, ProtocolError, StoreFull
+from clone.errors import IllegalSyncTransition, LimitExceeded, ProtocolError, StoreFull
 from clone.server.delta import DeltaStream, open_catch_up, open_history
 from clone.server.history import History
 from clone.server.journal import Journal
+from clone.server.leases import LeaseTable, bound_lease, format_lease_value, parse_lease_value
 from clone.server.pending import PendingList, PendingUpdate, UuidWindow, update_id
 from clone.server.snapshot import SnapshotStream
 from clone.server.store import Entry, Store
 from clone.server.ttl import parse_ttl
 from clone.wire.applied import decode_kvapplied, encode_kvapplied, is_kvapplied, uuid_ids
 from clone.wire.batch import decode_kvbatch, is_kvbatch
+from clone.wire.calls import (
+    IF_SEQUENCE_PROPERTY,
+    LEASE_PREFIX,
+    LEASE_PROPERTY,
+    OP_LEASE_GRANT,
+    OP_LEASE_KEEPALIVE,
+    OP_SET,
+    Call,
+    Reply,
+    call_uuid,
+    check_call,
+    decode_call,
+    lease_id_of,
+    lease_key,
+    parse_lease_ttl,
+)
 from clone.wire.codec import (
     Hugz,
     KVMsg,
@@ -158,6 +175,28 @@ COUNTERS = (
     "pending_unverifiable",
     "promotions",
     "demotions",
+    # Calls (CALL?/REPLY) and leases: docs/protocol.md, "CALL? / REPLY".
+    "calls_received",
+    "calls_ok",
+    "calls_duplicate",
+    "calls_conflict",
+    "calls_invalid",
+    "calls_not_active",
+    "calls_unknown_lease",
+    "calls_refused_full",
+    "calls_refused_size",
+    "calls_refused_busy",
+    "calls_refused_acl",
+    "calls_reserved",
+    "kvset_conflict",
+    "kvset_unknown_lease",
+    "kvset_reserved",
+    "leases_granted",
+    "leases_revoked",
+    "leases_expired",
+    "lease_keepalives",
+    "lease_keys_deleted",
+    "lease_orphans_deleted",
 )
 
 
@@ -177,6 +216,8 @@ class CoreSettings:
     #: write beyond them is refused (docs/operations.md, "Limits").  0: no limit.
     max_keys: int = 10_000_000
     max_bytes: int = 4 * 1024**3
+    #: The most leases the active server holds; a grant beyond is refused (busy).
+    max_leases: int = 100_000
 
     def __post_init__(self) -> None:
         for name in (
@@ -186,11 +227,28 @@ class CoreSettings:
             "expiry_batch",
             "history_max",
             "history_bytes",
+            "max_leases",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
         if self.pending_max_age <= 0:
             raise ValueError(f"pending_max_age must be positive, not {self.pending_max_age}")
+
+
+_LEASE_PREFIX_RAW = LEASE_PREFIX.encode()
+
+
+def _check_condition_syntax(msg: KVMsg) -> None:
+    """A KVSET's ``if_sequence``/``lease`` must be well-formed (as a call's)."""
+    if msg.prop(IF_SEQUENCE_PROPERTY) is None and msg.prop(LEASE_PROPERTY) is None:
+        return
+    problem = check_call(Call(OP_SET, b"", msg.key, msg.properties, msg.body))
+    if problem is not None:
+        raise ProtocolError(problem[1])
+
+
+def _refused(uuid: bytes, reason: str, detail: str) -> Reply:
+    return Reply(uuid, "refused", reason=reason, detail=detail)
 
 
 class ServerCore:
@@ -216,6 +274,9 @@ class ServerCore:
         self.term = 0
         self.window = UuidWindow(self.settings.dedup_window)
         self.pending = PendingList(self.settings.pending_max, self.settings.pending_max_age)
+        #: The leases, their deadlines and keys: meaningful on the active
+        #: server only, rebuilt from the store when it becomes active.
+        self.leases = LeaseTable(self.settings.max_leases)
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.role = Role.ACTIVE if standalone else Role.RELAY if relay else Role.STARTING
         self.sync_state = SyncState.IDLE
@@ -258,10 +319,15 @@ class ServerCore:
             if uuid and uuid in self.window:
                 c["kvset_duplicate"] += 1
                 return None
+            reuse: Sequence[bytes] | None = frames
+            if frames[0].startswith(_LEASE_PREFIX_RAW) or msg.properties:
+                plain = self._check_kvset(msg, frames[0])
+                if plain is not msg:
+                    msg, reuse = plain, None
             try:
                 # The received frames are reused: stored and published as they
                 # are, with the new sequence (and expires, if any).
-                out = self.store.apply(msg, now, frames)
+                out = self.store.apply(msg, now, reuse)
             except StoreFull:
                 c["kvset_refused_full"] += 1
                 raise
@@ -270,13 +336,19 @@ class ServerCore:
                 raise
             if uuid:
                 self.window.add(uuid, now)
+            if msg.properties:
+                self._bind_if_leased(msg, frames[0])
             c["kvpub_published"] += 1
             self._record(out)
             return out
         # Passive or starting: validate now, so promotion cannot fail on it.
+        if frames[0].startswith(_LEASE_PREFIX_RAW):
+            c["kvset_reserved"] += 1
+            raise ProtocolError(f"key {msg.key[:80]!r}: keys under {LEASE_PREFIX} are the server's")
         if msg.properties:
             try:
                 parse_ttl(msg.prop(TTL_PROPERTY))
+                _check_condition_syntax(msg)
             except ProtocolError:
                 c["kvset_invalid"] += 1
                 raise
@@ -386,13 +458,17 @@ class ServerCore:
         self.role = Role.ACTIVE
         store = self.store
         store.sequence = max(store.sequence, self.highest_seen)
-        out: list[list[bytes]] = []
+        out = self._rebuild_leases(now)
+        applied = 0
         for parked in self.pending.drain():
             msg = parked.msg
             if msg.uuid and msg.uuid in self.window:
                 c["pending_skipped"] += 1
                 continue
+            raw_key = msg.key.encode("utf-8")
             try:
+                if msg.properties:
+                    msg = self._check_kvset(msg, raw_key)
                 # ttl counts from when the client sent it, not from now.
                 pub = store.apply(msg, parked.arrived)
             except ProtocolError:
@@ -400,10 +476,12 @@ class ServerCore:
                 continue
             if msg.uuid:
                 self.window.add(msg.uuid, now)
+            self._bind_if_leased(msg, raw_key)
             self._record(pub)
             out.append(pub)
-        c["pending_applied"] += len(out)
-        c["kvpub_published"] += len(out)
+            applied += 1
+        c["pending_applied"] += applied
+        c["kvpub_published"] += applied
         self.highest_seen = store.sequence
         return out
 
@@ -412,6 +490,8 @@ class ServerCore:
         if self.role is Role.ACTIVE:
             self.counters["demotions"] += 1
         self.role = Role.PASSIVE
+        # Only the active server keeps time for leases; a new one rebuilds them.
+        self.leases.clear()
 
     # -- following the active peer -------------------------------------------
 
@@ -681,6 +761,245 @@ class ServerCore:
         c["pending_already_applied"] += gone_applied
         c["pending_unverifiable"] += gone - gone_applied
 
+    # -- calls and leases (docs/protocol.md, "CALL? / REPLY") ------------------
+
+    def on_call(
+        self,
+        frames: Sequence[bytes],
+        now: float,
+        *,
+        can_write: Callable[[bytes], bool] | None = None,
+        may_lease: bool = True,
+    ) -> tuple[Reply | None, bool]:
+        """A CALL? (without its identity frame); returns the reply and whether
+        it must wait for this turn's commit (it changed the state).
+
+        The reply is None only for a call too broken to answer (no uuid).
+        ``can_write``: the caller's write ACL for a ``set`` (CURVE), None for
+        no ACL; ``may_lease``: whether it may hold leases at all (under an ACL,
+        a client that may write somewhere).
+        """
+        c = self.counters
+        c["calls_received"] += 1
+        try:
+            call = decode_call(frames)
+        except ProtocolError as exc:
+            c["calls_invalid"] += 1
+            uuid = call_uuid(frames)
+            if uuid is None:
+                return None, False
+            reason = "size" if isinstance(exc, LimitExceeded) else "malformed"
+            return _refused(uuid, reason, str(exc)), False
+        problem = check_call(call)
+        if problem is not None:
+            c["calls_reserved" if problem[0] == "reserved" else "calls_invalid"] += 1
+            return _refused(call.uuid, *problem), False
+        if call.op == OP_SET:
+            if can_write is not None and not can_write(call.key.encode("utf-8")):
+                c["calls_refused_acl"] += 1
+                why = f"the ACL does not let you write {call.key!r}"
+                return _refused(call.uuid, "acl", why), False
+        elif not may_lease:
+            c["calls_refused_acl"] += 1
+            return _refused(call.uuid, "acl", "the ACL lets this client write nothing"), False
+        if self.role is not Role.ACTIVE:
+            c["calls_not_active"] += 1
+            return _refused(call.uuid, "not-active", f"this server is {self.role.value}"), False
+        if call.op == OP_SET:
+            return self._call_set(call, now)
+        if call.op == OP_LEASE_GRANT:
+            return self._call_grant(call, now)
+        lease_id = call.lease
+        assert lease_id is not None  # check_call
+        if call.op == OP_LEASE_KEEPALIVE:
+            lease = self.leases.keepalive(lease_id, now)
+            if lease is None:
+                c["calls_unknown_lease"] += 1
+                return _refused(call.uuid, "unknown-lease", f"no lease {lease_id}"), False
+            c["lease_keepalives"] += 1
+            c["calls_ok"] += 1
+            return Reply(call.uuid, "ok", lease=lease_id, ttl=lease.ttl), False
+        # lease-revoke
+        held = self.leases.get(lease_id)
+        if held is None:
+            c["calls_unknown_lease"] += 1
+            return _refused(call.uuid, "unknown-lease", f"no lease {lease_id}"), False
+        self._end_lease(lease_id, now)
+        c["leases_revoked"] += 1
+        c["calls_ok"] += 1
+        return Reply(call.uuid, "ok", self.store.sequence, lease=lease_id, ttl=held.ttl), True
+
+    def _call_set(self, call: Call, now: float) -> tuple[Reply, bool]:
+        c = self.counters
+        raw_key = call.key.encode("utf-8")
+        uuid = call.uuid
+        if uuid in self.window:
+            # A retry of a write we applied: say what the first one got.
+            c["calls_duplicate"] += 1
+            c["calls_ok"] += 1
+            return Reply(uuid, "ok", self._applied_sequence(uuid, raw_key)), False
+        lease_id = call.lease
+        if lease_id is not None and lease_id not in self.leases:
+            c["calls_unknown_lease"] += 1
+            return _refused(uuid, "unknown-lease", f"no lease {lease_id}"), False
+        expected = call.if_sequence
+        if expected is not None:
+            current = self._key_sequence(raw_key)
+            if current != expected:
+                c["calls_conflict"] += 1
+                return Reply(uuid, "conflict", current=current), False
+        try:
+            out = self.store.apply(call.as_kvmsg(), now)
+        except StoreFull as exc:
+            c["calls_refused_full"] += 1
+            return _refused(uuid, "full", str(exc)), False
+        except LimitExceeded as exc:
+            c["calls_refused_size"] += 1
+            return _refused(uuid, "size", str(exc)), False
+        except ProtocolError as exc:
+            c["calls_invalid"] += 1
+            return _refused(uuid, "malformed", str(exc)), False
+        self.window.add(uuid, now)
+        if lease_id is not None:
+            self.leases.bind(lease_id, raw_key)
+        c["kvpub_published"] += 1
+        c["calls_ok"] += 1
+        self._record(out)
+        return Reply(uuid, "ok", self.store.sequence), True
+
+    def _call_grant(self, call: Call, now: float) -> tuple[Reply, bool]:
+        c = self.counters
+        uuid = call.uuid
+        lease_id = lease_id_of(uuid)
+        held = self.leases.get(lease_id)
+        if held is not None:
+            c["calls_duplicate"] += 1
+            c["calls_ok"] += 1
+            seq = self._key_sequence(lease_key(lease_id).encode())
+            return Reply(uuid, "ok", seq, lease=lease_id, ttl=held.ttl), False
+        if uuid in self.window:
+            # Granted once, and gone since (expired or revoked).
+            c["calls_unknown_lease"] += 1
+            why = f"lease {lease_id} expired or was revoked"
+            return _refused(uuid, "unknown-lease", why), False
+        if self.leases.full:
+            c["calls_refused_busy"] += 1
+            return _refused(
+                uuid, "busy", f"the server holds {len(self.leases)} leases, its --max-leases"
+            ), False
+        ttl = parse_lease_ttl(call.prop(TTL_PROPERTY))
+        msg = KVMsg(lease_key(lease_id), 0, uuid, (), format_lease_value(ttl))
+        try:
+            out = self.store.apply(msg, now)
+        except StoreFull as exc:
+            c["calls_refused_full"] += 1
+            return _refused(uuid, "full", str(exc)), False
+        self.window.add(uuid, now)
+        self.leases.grant(lease_id, ttl, now)
+        c["leases_granted"] += 1
+        c["kvpub_published"] += 1
+        c["calls_ok"] += 1
+        self._record(out)
+        return Reply(uuid, "ok", self.store.sequence, lease=lease_id, ttl=ttl), True
+
+    def _check_kvset(self, msg: KVMsg, raw_key: bytes) -> KVMsg:
+        """The call rules for a KVSET applied as active (or at a promotion).
+
+        Returns the message to store: ``msg``, or a copy without its
+        ``if_sequence`` (a condition is never stored).  Raises ProtocolError
+        (counted) when it may not be applied.
+        """
+        c = self.counters
+        if raw_key.startswith(_LEASE_PREFIX_RAW):
+            c["kvset_reserved"] += 1
+            raise ProtocolError(f"key {msg.key[:80]!r}: keys under {LEASE_PREFIX} are the server's")
+        expected_text = msg.prop(IF_SEQUENCE_PROPERTY)
+        lease_id = msg.prop(LEASE_PROPERTY)
+        if expected_text is None and lease_id is None:
+            return msg
+        try:
+            _check_condition_syntax(msg)
+        except ProtocolError:
+            c["kvset_invalid"] += 1
+            raise
+        if lease_id is not None and lease_id not in self.leases:
+            c["kvset_unknown_lease"] += 1
+            raise ProtocolError(f"write to {msg.key[:80]!r} names lease {lease_id}, which is gone")
+        if expected_text is None:
+            return msg
+        current = self._key_sequence(raw_key)
+        if current != int(expected_text):
+            c["kvset_conflict"] += 1
+            raise ProtocolError(
+                f"write to {msg.key[:80]!r} expected sequence {expected_text},"
+                f" the key is at {current}"
+            )
+        return KVMsg(msg.key, 0, msg.uuid, msg.with_props(**{IF_SEQUENCE_PROPERTY: None}), msg.body)
+
+    def _bind_if_leased(self, msg: KVMsg, raw_key: bytes) -> None:
+        lease_id = msg.prop(LEASE_PROPERTY)
+        if lease_id is not None:
+            self.leases.bind(lease_id, raw_key)
+
+    def _key_sequence(self, raw_key: bytes) -> int:
+        """A key's sequence as a compare-and-set sees it: 0 when absent."""
+        entry = self.store.entry(raw_key)
+        return 0 if entry is None else int.from_bytes(entry[0], "big")
+
+    def _applied_sequence(self, uuid: bytes, raw_key: bytes) -> int:
+        """The sequence the update with ``uuid`` got (0 if no longer known)."""
+        entry = self.store.entry(raw_key)
+        if entry is not None and entry[1] == uuid:
+            return int.from_bytes(entry[0], "big")
+        return self.history.sequence_of(uuid) or 0
+
+    def _end_lease(self, lease_id: str, now: float) -> list[list[bytes]]:
+        """Revoke or expire a lease: delete its keys, then its own key (published)."""
+        lease = self.leases.pop(lease_id)
+        if lease is None:
+            return []
+        store = self.store
+        out: list[list[bytes]] = []
+        for raw_key in sorted(lease.keys):
+            entry = store.entry(raw_key)
+            if entry is not None and bound_lease(entry[2]) == lease_id:
+                out.append(self._delete(raw_key, now))
+        self.counters["lease_keys_deleted"] += len(out)
+        own = lease_key(lease_id).encode()
+        if store.entry(own) is not None:
+            out.append(self._delete(own, now))
+        return out
+
+    def _delete(self, raw_key: bytes, now: float) -> list[bytes]:
+        """A server-made delete (no uuid), recorded for commit and publication."""
+        frames = self.store.apply(KVMsg(raw_key.decode("utf-8"), 0), now)
+        self.counters["kvpub_published"] += 1
+        self._record(frames)
+        return frames
+
+    def _rebuild_leases(self, now: float) -> list[list[bytes]]:
+        """Becoming active: every stored lease gets a full ttl from ``now``;
+        keys bound to a lease that no longer exists are deleted (returned)."""
+        leases: list[tuple[str, float]] = []
+        bindings: list[tuple[str, bytes]] = []
+        broken: list[bytes] = []
+        for raw_key, entry in self.store.entries_with_properties_or_prefix(_LEASE_PREFIX_RAW):
+            if raw_key.startswith(_LEASE_PREFIX_RAW):
+                ttl = parse_lease_value(entry[3])
+                lease_id = raw_key[len(_LEASE_PREFIX_RAW) :].decode("utf-8", "replace")
+                if ttl is None:
+                    broken.append(raw_key)
+                else:
+                    leases.append((lease_id, ttl))
+                continue
+            bound = bound_lease(entry[2])
+            if bound is not None:
+                bindings.append((bound, raw_key))
+        orphans = self.leases.rebuild(leases, bindings, now)
+        out = [self._delete(raw_key, now) for raw_key in broken + orphans]
+        self.counters["lease_orphans_deleted"] += len(out)
+        return out
+
     # -- time ----------------------------------------------------------------
 
     def tick(self, now: float) -> list[list[bytes]]:
@@ -692,20 +1011,27 @@ class ServerCore:
         self.pending.expire(now)
         if self.role is not Role.ACTIVE:
             return []
+        out: list[list[bytes]] = []
+        for lease_id in self.leases.due(now, self.settings.expiry_batch):
+            self.counters["leases_expired"] += 1
+            out += self._end_lease(lease_id, now)
         deletes = self.store.expire(now, self.settings.expiry_batch)
-        if not deletes:
-            return []
-        self.counters["expired"] += len(deletes)
-        self.counters["kvpub_published"] += len(deletes)
+        if deletes:
+            self.counters["expired"] += len(deletes)
+            self.counters["kvpub_published"] += len(deletes)
+            for m in deletes:
+                frames = encode_kv(m)
+                self._record(frames)
+                out.append(frames)
         self.highest_seen = self.store.sequence
-        out = [encode_kv(m) for m in deletes]
-        for frames in out:
-            self._record(frames)
         return out
 
     def expiry_due(self, now: float) -> bool:
         deadline = self.store.next_deadline()
-        return deadline is not None and deadline <= now
+        if deadline is not None and deadline <= now:
+            return True
+        lease_deadline = self.leases.next_deadline()
+        return self.role is Role.ACTIVE and lease_deadline is not None and lease_deadline <= now
 
     # -- introspection -------------------------------------------------------
 
@@ -724,6 +1050,7 @@ class ServerCore:
             pending_dropped=self.pending.dropped,
             dedup_window_used=len(self.window),
             bad_expires=self.store.bad_expires,
+            leases=len(self.leases),
         )
         return out
 
@@ -783,6 +1110,7 @@ class ServerCore:
         entries: dict[bytes, Entry],
         sequence: int,
         history: Sequence[tuple[list[bytes], int, float]],
+        now: float = 0.0,
     ) -> None:
         """Start from the state a data directory held (before serving anything).
 
@@ -803,3 +1131,6 @@ class ServerCore:
             if frames[2]:
                 window.add(frames[2], at)
         self.highest_seen = max(self.highest_seen, sequence)
+        if self.role is Role.ACTIVE:
+            # A standalone server serves at once: its leases start a full ttl now.
+            self._rebuild_leases(now)

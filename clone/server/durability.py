@@ -64,7 +64,9 @@ class DurabilityMixin(ServerBase):
         storage = Storage.open(cfg.data_dir, fsync=FsyncPolicy(cfg.fsync))
         try:
             loaded = storage.load()
-            self.core.load(loaded.entries, loaded.sequence, loaded.history)
+            self.core.load(
+                loaded.entries, loaded.sequence, loaded.history, self._wallclock()
+            )
         except BaseException:
             storage.close()
             raise

@@ -37,6 +37,9 @@ def _size(frames: Sequence[bytes]) -> int:
     return len(frames[0]) + len(frames[1]) + len(frames[2]) + len(frames[3]) + len(frames[4])
 
 
+_Uuid = bytes  # the class below has a property named bytes
+
+
 class History:
     """The most recent updates, contiguous in sequence, bounded in count and bytes."""
 
@@ -164,6 +167,17 @@ class History:
         out = [frames for frames, _ in islice(reversed(self._updates), count)]
         out.reverse()
         return out
+
+    def sequence_of(self, uuid: _Uuid) -> int | None:
+        """The sequence of the held update with ``uuid`` (newest first), if any.
+
+        A linear scan: for the rare retry of a call whose key was rewritten since.
+        """
+        base = self._base
+        for offset in range(len(self._updates) - 1, -1, -1):
+            if self._updates[offset][0][2] == uuid:
+                return base + offset + 1
+        return None
 
     def entry(self, seq: int) -> _Entry | None:
         """The update at ``seq`` and its term, or None if not held."""

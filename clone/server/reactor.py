@@ -34,6 +34,7 @@ from tornado.ioloop import IOLoop
 
 from clone.errors import LimitExceeded, ProtocolError, ServerStartError, StoreFull
 from clone.server.base import TURN_BUDGET, log
+from clone.server.calling import CallingMixin
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import Role
 from clone.server.durability import DurabilityMixin
@@ -58,6 +59,7 @@ def _tcp(host_port: str) -> str:
 
 
 class CloneServer(
+    CallingMixin,
     ServingMixin,
     FollowingMixin,
     RelayMixin,

@@ -35,6 +35,7 @@ import zmq
 from clone.errors import ProtocolError
 from clone.server.base import ServerBase, log
 from clone.server.core import SyncState
+from clone.wire.calls import Reply, call_uuid
 from clone.wire.codec import Hugz, decode_update, encode_hugz
 from clone.wire.frames import recv_frames
 from clone.wire.protocol import COLLECTOR_OFFSET, HUGZ
@@ -99,6 +100,15 @@ class RelayMixin(ServerBase):
         log.info("relay of %s: following %s", ", ".join(cfg.upstream), self._followed)
         self._sync_started = self._clock()
         self._follow()
+
+    def _forward_call(self, identity: bytes, frames: list[bytes]) -> None:
+        """A relay does not decide calls; until it forwards them, it says so."""
+        uuid = call_uuid(frames)
+        if uuid is not None:
+            self._send_reply(
+                identity,
+                Reply(uuid, "refused", reason="not-active", detail="a relay does not take calls"),
+            )
 
     def _close_relay(self) -> None:
         pub, self._upstream_pub = self._upstream_pub, None

@@ -34,6 +34,7 @@ from clone.server.base import CLOCK_EVERY, TURN_BUDGET, AnyStream, ServerBase, l
 from clone.server.core import Role
 from clone.server.delta import DeltaStream
 from clone.server.status import PeerView, server_status
+from clone.wire.calls import CALL
 from clone.wire.control import view_id
 from clone.wire.delta import SINCE_PROPERTY, SinceRequest, parse_since
 from clone.wire.frames import NOBLOCK, POLLIN, send_frames, send_tracked
@@ -109,6 +110,9 @@ class ServingMixin(ServerBase):
         identity = parts[0].bytes
         if len(parts) == 2 and parts[1].bytes == STATUS_REQUEST:
             self._answer_status(identity, parts[1])
+            return
+        if len(parts) > 1 and parts[1].bytes == CALL:
+            self._on_call(identity, parts)
             return
         batch = len(parts) > 1 and _wants_batches(parts[1])
         applied = len(parts) > 1 and _wants_applied(parts[1])

@@ -115,6 +115,16 @@ class Store:
         a fuzzy snapshot needs."""
         return list(self._map)
 
+    def entries_with_properties_or_prefix(self, prefix: bytes) -> list[tuple[bytes, Entry]]:
+        """The entries with properties, or whose key starts with ``prefix``: a
+        promotion's scan for leases and the keys bound to them (one pass in C
+        over the map; most entries have no properties)."""
+        return [
+            (key, entry)
+            for key, entry in self._map.items()
+            if entry[2] or key.startswith(prefix)
+        ]
+
     def deadline(self, key: str) -> float | None:
         """When ``key`` expires (Unix seconds), if it is ephemeral."""
         return self._expiry.deadline(key.encode("utf-8"))

@@ -1,0 +1,108 @@
+"""CALL? on the snapshot port: answer writes and lease operations (I/O side).
+
+How this works: :meth:`ServerCore.on_call` decides (sans-IO); this part reads
+the caller's rights from its connection (CURVE), sends the reply, and holds back
+a reply that reports a change until that change is on disk: such replies wait
+in a list that one callback per loop turn flushes after a single commit, the
+same group commit the collector's updates get (docs/protocol.md, "CALL? /
+REPLY").  A reply never blocks the reactor: it is sent without waiting, and
+dropped if the caller has gone or its pipe is full (the caller retries with the
+same uuid, which the server deduplicates).  A relay does not decide calls: it
+forwards them to the pair (:mod:`.relaying`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import zmq
+
+from clone.security import PEER_USER
+from clone.server.base import ServerBase, who
+from clone.server.core import Role
+from clone.wire.calls import Reply, encode_reply
+from clone.wire.frames import NOBLOCK, send_frames
+
+__all__ = ["CallingMixin"]
+
+#: Refusals that say something about the caller, worth a (rate-limited) line.
+_LOGGED_REASONS = frozenset(
+    {"malformed", "bad-if-sequence", "bad-lease", "bad-ttl", "reserved", "acl", "size", "busy"}
+)
+
+
+class CallingMixin(ServerBase):
+    """Answer CALL?s; commit before confirming."""
+
+    def _on_call(self, identity: bytes, parts: list[zmq.Frame]) -> None:
+        frames = [part.bytes for part in parts[1:]]
+        if self.core.role is Role.RELAY:
+            self._forward_call(identity, frames)
+            return
+        can_write: Callable[[bytes], bool] | None = None
+        may_lease = True
+        if self._keypair is not None:
+            try:
+                user: str | None = str(parts[1].get("User-Id"))
+            except zmq.ZMQError:
+                user = None
+            if user != PEER_USER and user not in self._write_all:
+                if user in self._admitted:
+                    rights = self._rights_of(user)
+                    can_write, may_lease = rights.can_write, bool(rights.write)
+                else:
+                    can_write, may_lease = _nothing, False
+        reply, after_commit = self.core.on_call(
+            frames, self._wallclock(), can_write=can_write, may_lease=may_lease
+        )
+        if reply is None:
+            self._throttle.log(
+                "call", logging.WARNING, "dropped a CALL? from %s: no uuid", who(identity)
+            )
+            return
+        if reply.reason in _LOGGED_REASONS:
+            self._throttle.log(
+                "call_" + reply.reason,
+                logging.WARNING,
+                "refused a call from %s (%s): %s",
+                who(identity),
+                reply.reason,
+                reply.detail,
+            )
+        if not after_commit:
+            self._send_reply(identity, reply)
+            return
+        self._replies.append((identity, reply))
+        if not self._replies_scheduled and self._loop is not None:
+            self._replies_scheduled = True
+            self._loop.add_callback(self._flush_replies)
+
+    def _flush_replies(self) -> None:
+        """Once per turn: commit what the calls changed, then confirm them."""
+        self._replies_scheduled = False
+        replies, self._replies = self._replies, []
+        if self._stopping:
+            return
+        self._commit_and_publish()
+        if self._storage_error is not None:
+            return  # fail-stop: nothing unwritten is confirmed
+        for identity, reply in replies:
+            self._send_reply(identity, reply)
+
+    def _send_reply(self, identity: bytes, reply: Reply) -> None:
+        sock = self._router
+        if sock is None or sock.closed:
+            return
+        try:
+            send_frames(sock, [identity, *encode_reply(reply)], NOBLOCK)
+        except zmq.Again:
+            self.counters["call_replies_dropped"] += 1
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self.counters["call_replies_dropped"] += 1
+
+
+def _nothing(key: bytes) -> bool:
+    return False

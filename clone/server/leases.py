@@ -1,0 +1,175 @@
+"""Leases: which exist, when each runs out, and which keys each holds.
+
+How this works: a lease is granted by a client's ``lease-grant`` call and
+stored as an ordinary key, ``/_clone/lease/<id>`` (:mod:`clone.wire.calls`),
+so the passive server, the data directory and every snapshot hold it without a
+mechanism of their own.  What is *not* replicated is when a lease runs out:
+keepalives arrive only at the active server and are not updates (publishing
+one would send every node a change per keepalive).  So this table lives on the
+active server only, and is rebuilt from the store whenever a server becomes
+active (or starts active from its data directory), giving every lease a full
+ttl from that moment: a holder that is alive keeps it across the failover, a
+dead one loses it one ttl later.
+
+A key bound to a lease carries ``lease=<id>`` in its properties.  The table
+remembers the keys written under each lease (a superset: a key rewritten
+without the lease, or deleted, stays listed), and the core checks each one's
+stored properties before deleting it.  Deadlines sit in a heap with lazy
+deletion (a keepalive pushes a new deadline; the old one is skipped when it
+surfaces), compacted when stale entries outnumber live ones.
+
+Sans-IO: every ``now`` is passed in (the wall clock, like key expiry).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from clone.wire.calls import LEASE_PROPERTY, parse_lease_ttl
+
+__all__ = ["Lease", "LeaseTable", "bound_lease", "format_lease_value", "parse_lease_value"]
+
+_TOKEN = f"{LEASE_PROPERTY}=".encode()
+
+
+@dataclass(slots=True)
+class Lease:
+    """One live lease on the active server."""
+
+    id: str
+    ttl: float
+    deadline: float
+    #: Keys written under this lease (possibly since rewritten or deleted).
+    keys: set[bytes] = field(default_factory=set)
+
+
+def format_lease_value(ttl: float) -> bytes:
+    """The value of a lease's key: its ttl, so a new active server knows it."""
+    return f"ttl={ttl!r}".encode()
+
+
+def parse_lease_value(body: bytes) -> float | None:
+    """The ttl a lease key's value holds, or None if it is not one of ours."""
+    try:
+        text = body.decode("ascii")
+    except UnicodeDecodeError:
+        return None
+    name, eq, value = text.partition("=")
+    if name != "ttl" or not eq:
+        return None
+    try:
+        return parse_lease_ttl(value)
+    except ValueError:
+        return None
+
+
+def bound_lease(props: bytes) -> str | None:
+    """The lease a stored entry's raw properties bind it to, if any."""
+    if not props or _TOKEN not in props:
+        return None
+    for line in props.split(b"\n"):
+        if line.startswith(_TOKEN):
+            try:
+                return line[len(_TOKEN) :].decode("ascii")
+            except UnicodeDecodeError:
+                return None
+    return None
+
+
+class LeaseTable:
+    """The live leases, their deadlines and their keys.  Not thread-safe."""
+
+    __slots__ = ("_heap", "_leases", "max_leases")
+
+    def __init__(self, max_leases: int) -> None:
+        if max_leases < 1:
+            raise ValueError(f"max_leases must be at least 1, not {max_leases}")
+        self.max_leases = max_leases
+        self._leases: dict[str, Lease] = {}
+        self._heap: list[tuple[float, str]] = []
+
+    def __len__(self) -> int:
+        return len(self._leases)
+
+    def __contains__(self, lease_id: object) -> bool:
+        return lease_id in self._leases
+
+    def get(self, lease_id: str) -> Lease | None:
+        return self._leases.get(lease_id)
+
+    @property
+    def full(self) -> bool:
+        return len(self._leases) >= self.max_leases
+
+    def grant(self, lease_id: str, ttl: float, now: float) -> Lease:
+        """A new lease running out at ``now + ttl`` (the caller checked :attr:`full`)."""
+        lease = Lease(lease_id, ttl, now + ttl)
+        self._leases[lease_id] = lease
+        self._push(lease)
+        return lease
+
+    def keepalive(self, lease_id: str, now: float) -> Lease | None:
+        """Restart the lease's clock; None if there is no such lease."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return None
+        lease.deadline = now + lease.ttl
+        self._push(lease)
+        return lease
+
+    def bind(self, lease_id: str, key: bytes) -> None:
+        lease = self._leases.get(lease_id)
+        if lease is not None:
+            lease.keys.add(key)
+
+    def pop(self, lease_id: str) -> Lease | None:
+        """Forget the lease (revoked or expired); its stale heap entries are skipped later."""
+        return self._leases.pop(lease_id, None)
+
+    def due(self, now: float, limit: int) -> list[str]:
+        """Ids of leases whose deadline is at or before ``now`` (at most ``limit``)."""
+        heap, leases = self._heap, self._leases
+        out: list[str] = []
+        while heap and heap[0][0] <= now and len(out) < limit:
+            deadline, lease_id = heapq.heappop(heap)
+            lease = leases.get(lease_id)
+            if lease is not None and lease.deadline == deadline and lease_id not in out:
+                out.append(lease_id)
+        return out
+
+    def next_deadline(self) -> float | None:
+        """The earliest heap entry (may be a stale one: an early wake-up is harmless)."""
+        return self._heap[0][0] if self._heap else None
+
+    def rebuild(
+        self, leases: Iterable[tuple[str, float]], bindings: Iterable[tuple[str, bytes]], now: float
+    ) -> list[bytes]:
+        """Start over from the store: every lease gets a full ttl from ``now``.
+
+        Returns the keys bound to a lease that does not exist (to delete).
+        """
+        self._leases = {}
+        self._heap = []
+        for lease_id, ttl in leases:
+            self.grant(lease_id, ttl, now)
+        orphans: list[bytes] = []
+        for lease_id, key in bindings:
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                orphans.append(key)
+            else:
+                lease.keys.add(key)
+        return orphans
+
+    def clear(self) -> None:
+        self._leases = {}
+        self._heap = []
+
+    def _push(self, lease: Lease) -> None:
+        heapq.heappush(self._heap, (lease.deadline, lease.id))
+        if len(self._heap) > 4 * len(self._leases) + 64:
+            # Keepalives leave a stale entry each: drop them all at once.
+            self._heap = [(le.deadline, le.id) for le in self._leases.values()]
+            heapq.heapify(self._heap)
