@@ -1,0 +1,277 @@
+"""Leases and compare-and-set in the server core (issue 15), with explicit times.
+
+The core is driven by raw CALL? frames; an active core's journal is what would
+be published, and a passive core follows it the way the sockets would.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from clone.server.core import CoreSettings, Role, ServerCore
+from clone.server.leases import LeaseTable, bound_lease, parse_lease_value
+from clone.wire.calls import (
+    LEASE_PREFIX,
+    OP_LEASE_GRANT,
+    OP_LEASE_KEEPALIVE,
+    OP_LEASE_REVOKE,
+    OP_SET,
+    Reply,
+    encode_call,
+    lease_id_of,
+)
+from clone.wire.codec import KVMsg, decode_update
+from tests.server.test_server_core import _snapshot_of
+
+
+def _uuid(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+class Calls:
+    """A core and a counter of call uuids."""
+
+    def __init__(self, core: ServerCore) -> None:
+        self.core = core
+        self.n = 0
+
+    def call(
+        self,
+        op: str,
+        now: float,
+        key: str = "",
+        body: bytes = b"",
+        uuid: bytes | None = None,
+        **props: str,
+    ) -> tuple[Reply, bool]:
+        self.n += 1
+        uuid = uuid or _uuid(1000 + self.n)
+        reply, commit = self.core.on_call(
+            encode_call(op, uuid, key, tuple(props.items()), body), now
+        )
+        assert reply is not None
+        return reply, commit
+
+    def grant(self, ttl: float, now: float) -> str:
+        reply, commit = self.call(OP_LEASE_GRANT, now, ttl=repr(ttl))
+        assert reply.ok and commit
+        return reply.lease
+
+    def set(self, key: str, body: bytes, now: float, **props: str) -> Reply:
+        return self.call(OP_SET, now, key, body, **props)[0]
+
+
+def published(core: ServerCore) -> list[KVMsg]:
+    """What the reactor would publish after this turn's commit."""
+    out = []
+    for op in core.journal.take():
+        for frames in op.updates:
+            msg = decode_update(frames)
+            assert isinstance(msg, KVMsg)
+            out.append(msg)
+    return out
+
+
+@pytest.fixture
+def active() -> Calls:
+    return Calls(ServerCore(standalone=True))
+
+
+# -- compare-and-set ----------------------------------------------------------
+
+
+def test_cas_applies_only_at_the_expected_sequence(active: Calls) -> None:
+    created = active.set("/k", b"1", 0.0, if_sequence="0")
+    assert created.ok and created.sequence == 1
+    again = active.set("/k", b"x", 0.0, if_sequence="0")
+    assert again.status == "conflict" and again.current == 1
+    stale = active.set("/k", b"x", 0.0, if_sequence="7")
+    assert stale.status == "conflict" and stale.current == 1
+    ok = active.set("/k", b"2", 0.0, if_sequence="1")
+    assert ok.ok and ok.sequence == 2
+    assert active.core.store.get("/k") == KVMsg("/k", 2, ok_uuid(active), (), b"2")
+    # A condition is never stored or published.
+    assert [m.properties for m in published(active.core)] == [(), ()]
+    c = active.core.counters
+    assert c["calls_conflict"] == 2 and c["calls_ok"] == 2
+
+
+def ok_uuid(calls: Calls) -> bytes:
+    return _uuid(1000 + calls.n)
+
+
+def test_cas_delete_and_absent_key(active: Calls) -> None:
+    assert active.set("/k", b"", 0.0, if_sequence="1").current == 0
+    assert active.set("/k", b"v", 0.0).ok
+    deleted = active.set("/k", b"", 0.0, if_sequence="1")
+    assert deleted.ok and "/k" not in active.core.store
+
+
+def test_a_retried_call_is_not_applied_twice(active: Calls) -> None:
+    uuid = _uuid(5)
+    first, commit = active.call(OP_SET, 0.0, "/k", b"v", uuid=uuid, if_sequence="0")
+    assert first.ok and commit
+    # The same call again (its reply was lost): the first one's answer, no change.
+    second, commit = active.call(OP_SET, 0.0, "/k", b"v", uuid=uuid, if_sequence="0")
+    assert second.ok and second.sequence == first.sequence and not commit
+    assert active.core.store.sequence == 1
+    assert active.core.counters["calls_duplicate"] == 1
+
+
+@pytest.mark.parametrize(
+    ("props", "reason"),
+    [
+        ({"if_sequence": "-1"}, "bad-if-sequence"),
+        ({"if_sequence": "one"}, "bad-if-sequence"),
+        ({"lease": "abc"}, "bad-lease"),
+        ({"lease": "0" * 32}, "unknown-lease"),
+    ],
+)
+def test_bad_calls_get_a_specific_reason_and_change_nothing(
+    active: Calls, props: dict[str, str], reason: str
+) -> None:
+    reply = active.set("/k", b"v", 0.0, **props)
+    assert reply.status == "refused" and reply.reason == reason and reply.detail
+    assert active.core.store.sequence == 0
+    assert not published(active.core)
+
+
+def test_server_keys_and_other_refusals(active: Calls) -> None:
+    assert active.set(LEASE_PREFIX + "x", b"v", 0.0).reason == "reserved"
+    broken, _ = active.core.on_call([b"CALL?", b"set", _uuid(1), b"", b"", b""], 0.0)
+    assert broken is not None and broken.reason == "malformed"
+    assert active.core.on_call([b"CALL?", b"set"], 0.0) == (None, False)
+    refused, _ = active.core.on_call(
+        encode_call(OP_SET, _uuid(2), "/k", (), b"v"), 0.0, can_write=lambda key: False
+    )
+    assert refused is not None and refused.reason == "acl"
+    c = active.core.counters
+    assert c["calls_reserved"] == 1 and c["calls_invalid"] == 2 and c["calls_refused_acl"] == 1
+
+
+def test_a_passive_server_says_it_is_not_active() -> None:
+    passive = Calls(ServerCore())
+    passive.core.become_passive()
+    reply = passive.set("/k", b"v", 0.0, if_sequence="0")
+    assert reply.reason == "not-active"
+    assert passive.core.counters["calls_not_active"] == 1
+
+
+def test_kvset_path_keeps_the_same_rules(active: Calls) -> None:
+    core = active.core
+    core.on_kvset([b"/k", bytes(8), _uuid(1), b"", b"v"], 0.0)
+    with pytest.raises(Exception, match="expected sequence 0"):
+        core.on_kvset([b"/k", bytes(8), _uuid(2), b"if_sequence=0\n", b"w"], 0.0)
+    core.on_kvset([b"/k", bytes(8), _uuid(3), b"if_sequence=1\n", b"w"], 0.0)
+    assert core.store.get("/k") == KVMsg("/k", 2, _uuid(3), (), b"w")
+    with pytest.raises(Exception, match="lease"):
+        core.on_kvset([b"/j", bytes(8), _uuid(4), f"lease={'0' * 32}\n".encode(), b"w"], 0.0)
+    with pytest.raises(Exception, match="server's"):
+        core.on_kvset([LEASE_PREFIX.encode() + b"x", bytes(8), _uuid(5), b"", b"w"], 0.0)
+    c = core.counters
+    assert (c["kvset_conflict"], c["kvset_unknown_lease"], c["kvset_reserved"]) == (1, 1, 1)
+
+
+# -- leases ---------------------------------------------------------------------
+
+
+def test_grant_bind_and_expire(active: Calls) -> None:
+    core = active.core
+    lease = active.grant(2.0, now=100.0)
+    assert lease == lease_id_of(ok_uuid(active))
+    assert parse_lease_value(core.store.get(LEASE_PREFIX + lease).body) == 2.0
+    reply = active.set("/svc/a", b"up", 100.0, lease=lease)
+    assert reply.ok
+    entry = core.store.entry(b"/svc/a")
+    assert entry is not None and bound_lease(entry[2]) == lease
+    published(core)
+    # Keepalives move the deadline and publish nothing.
+    for t in (100.6, 101.2, 101.8):
+        ka, commit = active.call(OP_LEASE_KEEPALIVE, t, lease=lease)
+        assert ka.ok and ka.ttl == 2.0 and not commit
+        assert core.tick(t) == []
+    assert not published(core)
+    assert core.tick(103.7) == []  # 1.8 + 2.0 = 3.8
+    gone = core.tick(103.8)
+    assert [decode_update(f).key for f in gone] == ["/svc/a", LEASE_PREFIX + lease]
+    assert "/svc/a" not in core.store and len(core.leases) == 0
+    assert core.counters["leases_expired"] == 1 and core.counters["lease_keys_deleted"] == 1
+    late, _ = active.call(OP_LEASE_KEEPALIVE, 104.0, lease=lease)
+    assert late.reason == "unknown-lease"
+    assert active.set("/svc/b", b"x", 104.0, lease=lease).reason == "unknown-lease"
+
+
+def test_revoke_deletes_only_keys_still_bound(active: Calls) -> None:
+    core = active.core
+    lease = active.grant(5.0, now=0.0)
+    active.set("/a", b"1", 0.0, lease=lease)
+    active.set("/b", b"1", 0.0, lease=lease)
+    active.set("/b", b"2", 0.0)  # rewritten without the lease: no longer bound
+    published(core)
+    reply, commit = active.call(OP_LEASE_REVOKE, 1.0, lease=lease)
+    assert reply.ok and commit and reply.sequence == core.store.sequence
+    assert [m.key for m in published(core)] == ["/a", LEASE_PREFIX + lease]
+    assert core.store.get("/b") is not None
+    again, _ = active.call(OP_LEASE_REVOKE, 1.0, lease=lease)
+    assert again.reason == "unknown-lease"
+
+
+def test_grant_is_idempotent_and_bounded() -> None:
+    calls = Calls(ServerCore(CoreSettings(max_leases=1), standalone=True))
+    uuid = _uuid(9)
+    first, _ = calls.call(OP_LEASE_GRANT, 0.0, uuid=uuid, ttl="1")
+    second, commit = calls.call(OP_LEASE_GRANT, 0.0, uuid=uuid, ttl="1")
+    assert second.lease == first.lease and second.sequence == first.sequence and not commit
+    busy, _ = calls.call(OP_LEASE_GRANT, 0.0, ttl="1")
+    assert busy.reason == "busy"
+    bad, _ = calls.call(OP_LEASE_GRANT, 0.0, ttl="0.01")
+    assert bad.reason == "bad-ttl"
+
+
+def test_leases_survive_a_failover_with_a_fresh_ttl() -> None:
+    """The passive follows the lease keys; promoted, it gives each a full ttl,
+    keeps the ones kept alive and expires the others."""
+    old = Calls(ServerCore(standalone=True))
+    kept = old.grant(2.0, now=0.0)
+    dead = old.grant(2.0, now=0.0)
+    old.set("/kept", b"1", 0.0, lease=kept)
+    old.set("/dead", b"1", 0.0, lease=dead)
+    new = ServerCore()
+    new.become_passive()
+    new.start_sync()
+    for frames in _snapshot_of(old.core):
+        new.on_snapshot_reply(frames, 0.0)
+    assert len(new.leases) == 0  # a passive keeps no time
+    # The active dies at t=1; the passive takes over at t=3.
+    assert new.become_active(3.0) == []
+    assert new.role is Role.ACTIVE and len(new.leases) == 2
+    calls = Calls(new)
+    for t in (3.6, 4.2, 4.8):
+        assert calls.call(OP_LEASE_KEEPALIVE, t, lease=kept)[0].ok
+    assert new.tick(4.99) == []
+    gone = [decode_update(f).key for f in new.tick(5.0)]
+    assert gone == ["/dead", LEASE_PREFIX + dead]
+    assert new.store.get("/kept") is not None
+
+
+def test_promotion_deletes_keys_of_a_lease_that_is_gone() -> None:
+    core = ServerCore()
+    core.become_passive()
+    core.start_sync()
+    core.on_snapshot_reply(
+        [b"/orphan", (1).to_bytes(8, "big"), b"", f"lease={'a' * 32}\n".encode(), b"v"], 0.0
+    )
+    core.on_snapshot_reply([b"KTHXBAI", (1).to_bytes(8, "big"), b"", b"", b""], 0.0)
+    out = core.become_active(1.0)
+    assert [decode_update(f).key for f in out] == ["/orphan"]
+    assert core.counters["lease_orphans_deleted"] == 1
+
+
+def test_lease_table_heap_stays_bounded() -> None:
+    table = LeaseTable(10)
+    table.grant("a" * 32, 1.0, 0.0)
+    for i in range(1000):
+        table.keepalive("a" * 32, i * 0.1)
+    assert len(table._heap) <= 4 * len(table) + 65
+    assert table.due(100.0, 10) == []
+    assert table.due(100.9, 10) == ["a" * 32]
