@@ -1,0 +1,172 @@
+"""CALL?/REPLY and leases on real ``clone-server`` processes (issue 15), asked
+by a raw DEALER, so these tests hold the server to the wire contract of
+docs/protocol.md whatever the client library does.
+
+Heartbeats are 100 ms (``tests.support.servers``); every wait has a deadline and
+the fixtures stop every process.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import zmq
+
+from clone.wire.calls import (
+    LEASE_PREFIX,
+    OP_LEASE_GRANT,
+    OP_LEASE_KEEPALIVE,
+    OP_LEASE_REVOKE,
+    OP_SET,
+    Reply,
+    decode_reply,
+    encode_call,
+)
+from clone.wire.codec import KVMsg, decode_update, new_uuid
+from tests.support.servers import ServerProcess, Servers, answers_icanhaz, read_stats
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def ctx() -> Iterator[zmq.Context]:
+    context = zmq.Context()
+    yield context
+    context.destroy(linger=0)
+
+
+def call(
+    ctx: zmq.Context,
+    server: ServerProcess,
+    op: str,
+    key: str = "",
+    body: bytes = b"",
+    *,
+    uuid: bytes | None = None,
+    timeout: float = 5.0,
+    **props: str,
+) -> Reply:
+    """One call on a fresh DEALER; the reply, or a failed test after ``timeout``."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.linger = 0
+    sock.connect(f"tcp://127.0.0.1:{server.port}")
+    try:
+        sock.send_multipart(encode_call(op, uuid or new_uuid(), key, tuple(props.items()), body))
+        if not sock.poll(int(timeout * 1000)):
+            pytest.fail(f"no REPLY from {server.name} within {timeout} s")
+        return decode_reply(sock.recv_multipart())
+    finally:
+        sock.close()
+
+
+class Watcher:
+    """A SUB on a server's publisher: every KVPUB it sends (HUGZ dropped)."""
+
+    def __init__(self, ctx: zmq.Context, server: ServerProcess) -> None:
+        self.sock = ctx.socket(zmq.SUB)
+        self.sock.linger = 0
+        self.sock.subscribe(b"")
+        self.sock.connect(f"tcp://127.0.0.1:{server.port + 1}")
+        eventually(lambda: self.sock.poll(100) != 0, 5, "the publisher's first HUGZ")
+
+    def drain(self, seconds: float, count: int | None = None) -> list[KVMsg]:
+        """The KVPUBs within ``seconds`` (or as soon as ``count`` arrived)."""
+        out: list[KVMsg] = []
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0 and len(out) != count:
+            if not self.sock.poll(int(left * 1000) + 1):
+                break
+            msg = decode_update(self.sock.recv_multipart())
+            if isinstance(msg, KVMsg):
+                out.append(msg)
+        return out
+
+
+def test_compare_and_set_on_a_real_server(servers: Servers, ctx: zmq.Context) -> None:
+    server = servers.standalone()
+    created = call(ctx, server, OP_SET, "/cas", b"1", if_sequence="0")
+    assert created.ok and created.sequence >= 1
+    conflict = call(ctx, server, OP_SET, "/cas", b"2", if_sequence="0")
+    assert conflict.status == "conflict" and conflict.current == created.sequence
+    updated = call(ctx, server, OP_SET, "/cas", b"2", if_sequence=str(created.sequence))
+    assert updated.ok and updated.sequence == created.sequence + 1
+    bad = call(ctx, server, OP_SET, "/cas", b"3", if_sequence="-4")
+    assert bad.reason == "bad-if-sequence"
+    # A retried call gets the first answer and changes nothing.
+    uuid = new_uuid()
+    first = call(ctx, server, OP_SET, "/retry", b"x", uuid=uuid, if_sequence="0")
+    again = call(ctx, server, OP_SET, "/retry", b"x", uuid=uuid, if_sequence="0")
+    assert first.ok and again.ok and again.sequence == first.sequence
+    stats = read_stats(server)
+    assert stats["calls_conflict"] == 1
+    assert stats["calls_invalid"] == 1
+    assert stats["calls_duplicate"] == 1
+
+
+def test_a_lease_expires_unless_kept_alive_and_keepalives_are_not_published(
+    servers: Servers, ctx: zmq.Context
+) -> None:
+    server = servers.standalone()
+    watcher = Watcher(ctx, server)
+    grant = call(ctx, server, OP_LEASE_GRANT, ttl="1.0")
+    assert grant.ok and grant.lease and grant.ttl == 1.0
+    lease = grant.lease
+    assert call(ctx, server, OP_SET, "/nodes/a", b"up", lease=lease).ok
+    assert [m.key for m in watcher.drain(0.3)] == [LEASE_PREFIX + lease, "/nodes/a"]
+    # Kept alive for 2 s (twice the ttl): the key stays, and nothing is published.
+    for _ in range(6):
+        assert call(ctx, server, OP_LEASE_KEEPALIVE, lease=lease).ok
+        time.sleep(0.33)
+    assert watcher.drain(0.01) == []
+    # Then stopped: the key and the lease are deleted within ttl + a heartbeat.
+    stopped = time.monotonic()
+    deletes = watcher.drain(1.0 + 0.1 + 0.3, count=2)
+    assert [(m.key, m.body) for m in deletes] == [
+        ("/nodes/a", b""),
+        (LEASE_PREFIX + lease, b""),
+    ]
+    assert time.monotonic() - stopped < 1.0 + 0.1 + 0.3
+    late = call(ctx, server, OP_LEASE_KEEPALIVE, lease=lease)
+    assert late.reason == "unknown-lease"
+    assert read_stats(server)["leases_expired"] == 1
+
+
+def test_revoke_and_a_lease_that_survives_a_restart(servers: Servers, ctx: zmq.Context) -> None:
+    server = servers.standalone()
+    lease = call(ctx, server, OP_LEASE_GRANT, ttl="30").lease
+    other = call(ctx, server, OP_LEASE_GRANT, ttl="30").lease
+    assert call(ctx, server, OP_SET, "/a", b"1", lease=lease).ok
+    assert call(ctx, server, OP_SET, "/b", b"1", lease=other).ok
+    revoked = call(ctx, server, OP_LEASE_REVOKE, lease=other)
+    assert revoked.ok
+    assert call(ctx, server, OP_LEASE_REVOKE, lease=other).reason == "unknown-lease"
+    # The data directory holds the lease: after a restart it is known again.
+    server.terminate()
+    server.start()
+    server.wait_serving()
+    assert call(ctx, server, OP_LEASE_KEEPALIVE, lease=lease).ok
+    assert call(ctx, server, OP_LEASE_KEEPALIVE, lease=other).reason == "unknown-lease"
+    assert call(ctx, server, OP_SET, "/c", b"1", lease=other).reason == "unknown-lease"
+
+
+def test_the_passive_refuses_and_the_new_active_knows_the_lease(
+    servers: Servers, ctx: zmq.Context
+) -> None:
+    primary, backup = servers.pair()
+    lease = call(ctx, primary, OP_LEASE_GRANT, ttl="1.5").lease
+    assert call(ctx, primary, OP_SET, "/svc/x", b"1", lease=lease).ok
+    refused = call(ctx, backup, OP_SET, "/svc/y", b"1", if_sequence="0")
+    assert refused.reason == "not-active"
+    primary.kill9()
+    # The backup takes over when a client votes for it (a snapshot request).
+    assert answers_icanhaz(backup.port, 10.0, b"")
+    assert call(ctx, backup, OP_LEASE_KEEPALIVE, lease=lease).ok
+    # Kept alive past its ttl on the new active: the key is still there.
+    for _ in range(6):
+        assert call(ctx, backup, OP_LEASE_KEEPALIVE, lease=lease).ok
+        time.sleep(0.4)
+    conflict = call(ctx, backup, OP_SET, "/svc/x", b"2", if_sequence="0")
+    assert conflict.status == "conflict" and conflict.current > 0
