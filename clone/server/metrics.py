@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from clone.server.config import ServerConfig
 
 __all__ = [
+    "CALL_RESULTS",
     "PROTOCOL_ERRORS",
     "REFUSALS",
     "ROLES",
@@ -48,6 +49,22 @@ __all__ = [
 #: Upper bounds (seconds) of the snapshot-duration buckets: a small subtree in a
 #: millisecond up to a million keys in tens of seconds.
 SNAPSHOT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
+
+#: ``clone_calls_total{result}``: the stats counter behind each result of a
+#: CALL? (docs/protocol.md, "CALL? / REPLY").  ``invalid`` covers malformed
+#: calls and the bad-if-sequence, bad-lease and bad-ttl refusals.
+CALL_RESULTS: Mapping[str, str] = {
+    "ok": "calls_ok",
+    "conflict": "calls_conflict",
+    "not_active": "calls_not_active",
+    "unknown_lease": "calls_unknown_lease",
+    "invalid": "calls_invalid",
+    "reserved": "calls_reserved",
+    "acl": "calls_refused_acl",
+    "full": "calls_refused_full",
+    "size": "calls_refused_size",
+    "busy": "calls_refused_busy",
+}
 
 #: Every value of ``clone_role``'s label; the current one is 1, the others 0.
 ROLES = ("active", "passive", "starting")
@@ -248,6 +265,25 @@ class CloneCollector(Collector):
             "clone_in_step",
             "1 on an active server, or a passive one synced with nothing pending.",
             1.0 if server.readiness()[0] else 0.0,
+        )
+        calls = CounterMetricFamily(
+            "clone_calls",
+            "CALL?s (compare-and-set writes, lease operations) answered, by result.",
+            labels=["result"],
+        )
+        for result, key in CALL_RESULTS.items():
+            calls.add_metric([result], num(key))
+        yield calls
+        yield _gauge("clone_leases", "Live leases (on the active server).", num("leases"))
+        yield _counter(
+            "clone_leases_expired",
+            "Leases deleted because their keepalives stopped.",
+            num("leases_expired"),
+        )
+        yield _counter(
+            "clone_lease_keepalives",
+            "Lease keepalives accepted (never published).",
+            num("lease_keepalives"),
         )
         yield _counter(
             "clone_internal_errors",
