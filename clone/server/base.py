@@ -26,6 +26,7 @@ from clone.ratelimit import Throttle
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import ServerCore
 from clone.server.delta import DeltaStream
+from clone.server.inflight import InFlight
 from clone.server.metrics import DurationHistogram, SubscriberCount
 from clone.server.snapshot import SnapshotStream
 from clone.server.status import StatusLimiter, clone_version
@@ -66,6 +67,15 @@ RECENT_CHANGES = 50
 ROLE_CHANGES = 20
 
 
+# What a relay remembers of what it forwarded (clone.server.inflight): calls
+# until their REPLY (a client's call times out well before), writes until a
+# refusal notice could still come back (the pair answers within a turn).
+RELAY_CALLS_MAX = 10_000
+RELAY_CALL_TTL = 30.0
+RELAY_WRITES_MAX = 65_536
+RELAY_WRITE_TTL = 10.0
+
+
 def who(identity: bytes) -> str:
     return identity.hex() if identity else "?"
 
@@ -104,6 +114,10 @@ class ServerBase:
         # Security (clone.server.security): all None / empty without --curve-secret.
         self._keypair: KeyPair | None = None
         self._gatekeeper: Gatekeeper | None = None
+        # A relay's CURVE towards its upstream (its own client key pair, the
+        # upstream's public key); None: it follows in clear text.
+        self._upstream_keypair: KeyPair | None = None
+        self._upstream_server_key: bytes | None = None
         self._acl: Acl | None = None
         self._admitted: set[str] = set()  # names whose connections count
         self._rights: dict[str, Rights] = {}
@@ -150,6 +164,16 @@ class ServerBase:
         self._upstream_stale = False  # it is a relay that lost its own upstream
         self._relay_synced_once = False
         self._upstream_pub: zmq.Socket | None = None  # to every upstream collector
+        # A relay's upstream SUB's socket monitor: says why a handshake failed.
+        self._upstream_monitor: ZMQStream | None = None
+        # A relay's calls (clone.server.relaying): a DEALER on the snapshot port
+        # of the upstream it synced from, and who asked each call it forwarded.
+        self._call_dealer: ZMQStream | None = None
+        self._call_upstream: str | None = None
+        self._relay_calls: InFlight[bytes] = InFlight(RELAY_CALLS_MAX, RELAY_CALL_TTL)
+        # ... and, serving over CURVE, who wrote each KVSET it forwarded, so that
+        # the pair's refusal notice (to the relay's key) reaches the writer.
+        self._relay_writers: InFlight[str] = InFlight(RELAY_WRITES_MAX, RELAY_WRITE_TTL)
         self._peer_dealer: ZMQStream | None = None
         self._sync_progress = 0.0
         self._sync_started = 0.0
@@ -206,6 +230,14 @@ class ServerBase:
                 "status_requests",
                 "status_dropped",
                 "call_replies_dropped",
+                "calls_forwarded",
+                "calls_forward_dropped",
+                "calls_forward_not_synced",
+                "calls_forward_refused_acl",
+                "call_replies_forwarded",
+                "call_replies_unmatched",
+                "kvset_refused_upstream",
+                "upstream_handshake_failures",
             ),
             0,
         )
@@ -310,8 +342,16 @@ class ServerBase:
 
         def _relay_synced(self) -> None: ...
 
+        def _on_upstream_control(self, frames: list[bytes]) -> None: ...
+
+        def _refusal(self, name: str | None, uuid: bytes, reason: str) -> None: ...
+
+        def _view_heartbeats(self) -> list[list[bytes]]: ...
+
         def _on_call(self, identity: bytes, parts: list[zmq.Frame]) -> None: ...
 
-        def _forward_call(self, identity: bytes, frames: list[bytes]) -> None: ...
+        def _forward_call(
+            self, identity: bytes, frames: list[bytes], user: str | None = None
+        ) -> None: ...
 
         def _send_reply(self, identity: bytes, reply: Reply) -> None: ...

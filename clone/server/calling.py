@@ -37,16 +37,19 @@ class CallingMixin(ServerBase):
 
     def _on_call(self, identity: bytes, parts: list[zmq.Frame]) -> None:
         frames = [part.bytes for part in parts[1:]]
+        user: str | None = None
+        if self._keypair is not None:
+            try:
+                user = str(parts[1].get("User-Id"))
+            except zmq.ZMQError:
+                user = None
         if self.core.role is Role.RELAY:
-            self._forward_call(identity, frames)
+            # The relay checks its own client's rights; the pair, the relay's.
+            self._forward_call(identity, frames, user)
             return
         can_write: Callable[[bytes], bool] | None = None
         may_lease = True
         if self._keypair is not None:
-            try:
-                user: str | None = str(parts[1].get("User-Id"))
-            except zmq.ZMQError:
-                user = None
             if user != PEER_USER and user not in self._write_all:
                 if user in self._admitted:
                     rights = self._rights_of(user)

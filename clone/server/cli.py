@@ -228,8 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
     security.add_argument(
         "--curve-secret",
         metavar="FILE",
-        help="the pair's secret certificate (clone keygen); both servers use the same one;"
-        " every socket then uses CURVE",
+        help="the server's secret certificate (clone keygen): the pair's, the same on both"
+        " servers (every socket then uses CURVE), or a relay's own (its three ports use"
+        " CURVE; see --upstream-curve-secret for its upstream)",
     )
     security.add_argument(
         "--clients",
@@ -243,6 +244,19 @@ def build_parser() -> argparse.ArgumentParser:
         help="TOML: [client.NAME] read = [prefixes], write = [prefixes]; a client without a"
         " table may do nothing (default: every admitted client reads and writes all);"
         " reloaded on SIGHUP",
+    )
+    security.add_argument(
+        "--upstream-curve-secret",
+        metavar="FILE",
+        help="a relay's own client secret certificate (clone keygen), to follow its"
+        " upstream over CURVE; its .key goes in the upstream's clients directory;"
+        " needs --upstream-server-key",
+    )
+    security.add_argument(
+        "--upstream-server-key",
+        metavar="FILE",
+        help="a relay's upstream's public certificate: the pair's (pair.key), or an"
+        " upstream relay's own server certificate",
     )
     limits = p.add_argument_group("limits", "what hostile or broken clients may cost")
     limits.add_argument(
@@ -330,6 +344,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
     if args.upstream and not args.relay:
         raise ValueError("--upstream is for a relay (--relay) only")
+    if (args.upstream_curve_secret or args.upstream_server_key) and not args.relay:
+        raise ValueError(
+            "--upstream-curve-secret and --upstream-server-key are for a relay (--relay) only"
+        )
     if args.relay:
         return _relay_config(args, common)
     role = "standalone" if args.standalone else "primary" if args.primary else "backup"
@@ -378,6 +396,8 @@ def _relay_config(args: argparse.Namespace, common: dict[str, Any]) -> ServerCon
         port=DEFAULT_PRIMARY_PORT if args.port is None else args.port,
         mode=ServerMode.RELAY,
         upstream=args.upstream,
+        upstream_curve_secret=args.upstream_curve_secret,
+        upstream_server_key=args.upstream_server_key,
         **common,
     )
 

@@ -76,6 +76,12 @@ class ServerConfig:
     curve_secret: str | None = None
     clients_dir: str | None = None
     acl: str | None = None
+    #: A relay's CURVE towards its upstream (docs/operations.md, "Relays"): its
+    #: own client secret certificate, and the upstream's public certificate
+    #: (the pair's, or an upstream relay's server certificate).  Independent
+    #: of ``curve_secret``, which is what the relay serves its own clients with.
+    upstream_curve_secret: str | None = None
+    upstream_server_key: str | None = None
     #: The HTTP port (docs/operations.md, "Monitoring"): /metrics, /healthz,
     #: /readyz and the status page, bound to ``bind``; None: off.
     http_port: int | None = None
@@ -121,6 +127,11 @@ class ServerConfig:
             self._check_relay()
         elif self.upstream:
             raise ValueError("--upstream is for a relay (--relay) only")
+        elif self.upstream_curve_secret is not None or self.upstream_server_key is not None:
+            raise ValueError(
+                "--upstream-curve-secret and --upstream-server-key are for a relay (--relay)"
+                " only: a server of the pair connects to its peer with --curve-secret"
+            )
         elif self.mode is not ServerMode.STANDALONE:
             missing = [n for n in ("peer", "ha_port", "peer_ha") if getattr(self, n) is None]
             if missing:
@@ -138,9 +149,10 @@ class ServerConfig:
                 "a relay keeps its copy in memory (it resyncs from the pair at start):"
                 " no --data-dir or --restore"
             )
-        if self.curve_secret is not None:
+        if (self.upstream_curve_secret is None) != (self.upstream_server_key is None):
             raise ValueError(
-                "CURVE for relays is not supported yet: a relay cannot take --curve-secret"
+                "--upstream-curve-secret and --upstream-server-key go together: the relay's"
+                " own client certificate and its upstream's public certificate"
                 " (docs/operations.md, \"Relays\")"
             )
         if self.peer is not None or self.ha_port is not None or self.peer_ha is not None:

@@ -22,6 +22,7 @@ from clone.server.base import TURN_BUDGET, ServerBase, log
 from clone.server.core import FollowOutcome, Role, SyncState
 from clone.wire.batch import is_kvbatch
 from clone.wire.codec import encode_icanhaz
+from clone.wire.control import is_control
 from clone.wire.delta import since_metadata
 from clone.wire.frames import MAX_SYNC_FRAME_BYTES, cap_message_size, recv_frames
 from clone.wire.protocol import (
@@ -252,15 +253,19 @@ class FollowingMixin(ServerBase):
         budget = self.config.collector_batch
         relay = core.role is Role.RELAY
         while True:
+            outcome = FollowOutcome.OK
             if relay:
                 self._heard_upstream(frames)
-            try:
-                outcome = core.on_peer_update(frames, now)
-            except ProtocolError as exc:
-                self._throttle.log(
-                    "peer_update", logging.WARNING, "dropped a message from the peer: %s", exc
-                )
+            if relay and is_control(frames):
+                # The upstream's notices to our own key (CURVE): not updates.
+                self._on_upstream_control(frames)
             else:
+                try:
+                    outcome = core.on_peer_update(frames, now)
+                except ProtocolError as exc:
+                    self._throttle.log(
+                        "peer_update", logging.WARNING, "dropped a message from the peer: %s", exc
+                    )
                 if outcome is FollowOutcome.RESYNC:
                     self._throttle.log(
                         "gap",

@@ -226,8 +226,12 @@ class CloneServer(
         self._on_router_guarded = self._guard(self._on_router)
         self._stream(router, self._on_router, copy=False)
         if cfg.mode is ServerMode.RELAY:
-            # A relay applies nothing itself: writes go on to the pair.
-            self._stream(collector, self._on_relay_collector)
+            # A relay applies nothing itself: writes go on to the pair (over
+            # CURVE, those its ACL allows: the User-Id is on the message).
+            if self._keypair is not None:
+                self._stream(collector, self._on_relay_collector_secure, copy=False)
+            else:
+                self._stream(collector, self._on_relay_collector)
         elif self._keypair is not None:
             # The sender's User-Id (metadata) decides whether it may write.
             self._stream(collector, self._on_collector_secure, copy=False)
@@ -348,6 +352,9 @@ class CloneServer(
             elif self.core.role is Role.RELAY:
                 self._publish(self._relay_hugz())
                 self.counters["hugz_sent"] += 1
+                if self._view_counts:
+                    for frames in self._view_heartbeats():
+                        self._publish(frames)
         except Exception:
             self.counters["internal_errors"] += 1
             log.exception("internal error in heartbeat")

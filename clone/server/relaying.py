@@ -22,6 +22,21 @@ upstream collector, from one PUB, the way a client sends them: the pair
 deduplicates them by uuid, and the write's KVPUB comes back through the
 relay's stream, which is what confirms it to the writer.
 
+Client calls (CALL? on its snapshot port) are forwarded on a DEALER to the
+snapshot port of the upstream it synced from (a new one when it moves to
+another upstream); each REPLY goes back to the caller whose uuid it answers
+(:class:`~clone.server.inflight.InFlight`), without blocking.  A relay that
+has not synced answers ``not-active`` itself.
+
+Over CURVE (:mod:`.security`) the two sides are independent: its clients
+connect with the relay's own server key and are judged by its own clients
+directory and ACL (a write or call they may not make is refused here, with the
+pair's refusal notice or REPLY); upstream it is a client with its own key,
+which the pair admits and judges by the pair's ACL like any client's.  A
+refusal notice the pair sends the relay for a forwarded write is passed on to
+the client that wrote it.  A handshake its upstream refuses is logged
+(rate-limited) from a monitor on the upstream SUB; the relay stays stale.
+
 The decisions (when an upstream counts as lost, whether the relay is stale)
 are small pure functions here, tested with explicit times.
 """
@@ -29,16 +44,20 @@ are small pure functions here, tested with explicit times.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from clone.errors import ProtocolError
-from clone.server.base import ServerBase, log
+from clone.security import PEER_USER, fingerprint
+from clone.server.base import ServerBase, log, who
 from clone.server.core import SyncState
-from clone.wire.calls import Reply, call_uuid
+from clone.wire.calls import OP_SET, REPLY, Reply, call_uuid, check_call, decode_call
 from clone.wire.codec import Hugz, decode_update, encode_hugz
-from clone.wire.frames import recv_frames
-from clone.wire.protocol import COLLECTOR_OFFSET, HUGZ
+from clone.wire.control import Refusal, ViewHeartbeat, decode_control
+from clone.wire.frames import NOBLOCK, recv_frames, recv_frames_and_first, send_frames
+from clone.wire.protocol import COLLECTOR_OFFSET, HUGZ, REFUSAL_REASONS, SNAPSHOT_OFFSET
 
 __all__ = ["RelayMixin", "relay_stale", "upstream_lost"]
 
@@ -81,9 +100,27 @@ def relay_stale(
     return not synced_once or upstream_stale or now - heard >= heartbeat * missed
 
 
-def _collector(host_port: str) -> str:
+def _endpoint(host_port: str, offset: int) -> str:
     host, _, port = host_port.rpartition(":")
-    return f"tcp://{host}:{int(port) + COLLECTOR_OFFSET}"
+    return f"tcp://{host}:{int(port) + offset}"
+
+
+def _collector(host_port: str) -> str:
+    return _endpoint(host_port, COLLECTOR_OFFSET)
+
+
+# Handshake failures on the upstream SUB worth an operator's attention.  The
+# value of an AUTH failure is the ZAP status code (400: key not admitted).
+_HANDSHAKE_FAILED: dict[int, str] = {
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused our key",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "failed the handshake",
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "failed the handshake",
+}
+_MONITORED = (
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
 
 
 class RelayMixin(ServerBase):
@@ -99,21 +136,82 @@ class RelayMixin(ServerBase):
         self._upstream_heard = self._clock()
         log.info("relay of %s: following %s", ", ".join(cfg.upstream), self._followed)
         self._sync_started = self._clock()
-        self._follow()
+        self._follow_upstream()
 
-    def _forward_call(self, identity: bytes, frames: list[bytes]) -> None:
-        """A relay does not decide calls; until it forwards them, it says so."""
-        uuid = call_uuid(frames)
-        if uuid is not None:
-            self._send_reply(
-                identity,
-                Reply(uuid, "refused", reason="not-active", detail="a relay does not take calls"),
-            )
+    def _follow_upstream(self) -> None:
+        """Follow ``_followed``, watching its SUB's handshakes."""
+        fresh = self._peer_sub is None
+        self._follow()
+        sub = self._peer_sub
+        if fresh and sub is not None:
+            self._watch_upstream(sub.socket)
 
     def _close_relay(self) -> None:
+        self._close_upstream_monitor()
+        self._close_call_dealer()
+        self._relay_calls.clear()
+        self._relay_writers.clear()
         pub, self._upstream_pub = self._upstream_pub, None
         if pub is not None and not pub.closed:
             pub.close(linger=0)
+
+    # -- why the upstream does not answer ---------------------------------------
+
+    def _watch_upstream(self, sock: zmq.Socket[Any]) -> None:
+        """A socket monitor on the upstream SUB: a refused key is otherwise
+        only silence.  Diagnosis only: without a monitor the relay works."""
+        self._close_upstream_monitor()
+        try:
+            monitor = sock.get_monitor_socket(_MONITORED)
+        except zmq.ZMQError as exc:
+            log.debug("no socket monitor on the upstream SUB: %s", exc)
+            return
+        monitor.setsockopt(zmq.LINGER, 0)
+        self._upstream_monitor = self._stream(monitor, self._on_upstream_monitor)
+
+    def _close_upstream_monitor(self) -> None:
+        stream, self._upstream_monitor = self._upstream_monitor, None
+        if stream is None:
+            return
+        sub = self._peer_sub
+        if sub is not None and not sub.closed():
+            try:
+                sub.socket.disable_monitor()
+            except zmq.ZMQError:
+                pass
+        self._forget(stream)
+
+    def _on_upstream_monitor(self, frames: list[bytes]) -> None:
+        try:
+            event = parse_monitor_message(frames)
+        except (ValueError, RuntimeError):  # a libzmq we do not understand
+            return
+        failed = _HANDSHAKE_FAILED.get(int(event["event"]))
+        if failed is None:
+            return
+        self.counters["upstream_handshake_failures"] += 1
+        keypair = self._upstream_keypair
+        if keypair is None:
+            hint = (
+                "the upstream may require CURVE: pass --upstream-curve-secret and"
+                " --upstream-server-key"
+            )
+        else:
+            hint = (
+                f"our key {fingerprint(keypair.public)} (--upstream-curve-secret"
+                f" {self.config.upstream_curve_secret}) must be in the upstream's clients"
+                " directory (then SIGHUP it), and --upstream-server-key must be its"
+                " public certificate"
+            )
+        self._throttle.log(
+            "upstream_handshake",
+            logging.WARNING,
+            "upstream %s %s (event value %s); we stay stale: %s",
+            self._followed,
+            failed,
+            event.get("value"),
+            hint,
+        )
 
     # -- the upstream ----------------------------------------------------------
 
@@ -139,11 +237,21 @@ class RelayMixin(ServerBase):
         if not self._relay_synced_once:
             self._relay_synced_once = True
         self._upstream_heard = self._clock()
+        if self.core.last_sync == "full" and self._view_counts:
+            # The copy was replaced without publishing the difference.  Plain
+            # clients see our sequence jump; restricted ones only compare
+            # counts, so each view's moves on by one: its clients resync.
+            for vid in self._view_counts:
+                self._view_counts[vid] += 1
+        self._open_call_dealer()
 
     def _check_upstream(self) -> None:
-        """Housekeeping: give up a silent (or unanswering) upstream for the next."""
+        """Housekeeping: forget old requests; give up a silent (or
+        unanswering) upstream for the next."""
         cfg = self.config
         now = self._clock()
+        self._relay_calls.expire(now)
+        self._relay_writers.expire(now)
         if not upstream_lost(
             now=now,
             syncing=self.core.sync_state is SyncState.SYNCING,
@@ -170,10 +278,12 @@ class RelayMixin(ServerBase):
             self._followed,
             self.core.store.sequence,
         )
+        self._close_upstream_monitor()
+        self._close_call_dealer()
         self._close_peer()
         # _upstream_heard stays: until the new upstream speaks, we are stale.
         self._sync_started = now
-        self._follow()
+        self._follow_upstream()
 
     def _relay_stale(self) -> bool:
         cfg = self.config
@@ -188,6 +298,171 @@ class RelayMixin(ServerBase):
 
     def _relay_hugz(self) -> list[bytes]:
         return encode_hugz(self.core.store.sequence, self._heartbeat_ms, stale=self._relay_stale())
+
+    def _on_upstream_control(self, frames: list[bytes]) -> None:
+        """A control message from the upstream's CURVE publisher, to our key.
+
+        A refusal notice answers a write we forwarded: it goes on to the
+        client that wrote it.  A view heartbeat means the upstream gives our
+        key restricted read rights: a relay's copy must be whole, so say so.
+        """
+        try:
+            msg = decode_control(frames)
+        except ProtocolError as exc:
+            self._throttle.log(
+                "upstream_control", logging.WARNING, "dropped a control message: %s", exc
+            )
+            return
+        if isinstance(msg, Refusal):
+            self.counters["kvset_refused_upstream"] += 1
+            writer = self._relay_writers.take(msg.uuid, self._clock())
+            self._throttle.log(
+                "kvset_refused_upstream",
+                logging.WARNING,
+                "upstream %s refused a write we forwarded%s (%s)%s",
+                self._followed,
+                f" for {writer}" if writer else "",
+                msg.reason,
+                ": its ACL judges our key's write prefixes" if msg.reason == "acl" else "",
+            )
+            if writer is not None and msg.reason in REFUSAL_REASONS:
+                self._refusal(writer, msg.uuid, msg.reason)
+        elif isinstance(msg, ViewHeartbeat):
+            self._throttle.log(
+                "upstream_view",
+                logging.ERROR,
+                "upstream %s gives our key restricted read rights (view %s): a relay"
+                " needs read = [\"\"] in its ACL, or its copy has holes and it keeps"
+                " resyncing",
+                self._followed,
+                msg.view,
+            )
+
+    # -- client calls ------------------------------------------------------------
+
+    def _open_call_dealer(self) -> None:
+        """A DEALER on the snapshot port of the upstream we synced from
+        (kept while we follow it: calls are answered by the active server)."""
+        followed = self._followed
+        if self._call_dealer is not None and self._call_upstream == followed:
+            return
+        self._close_call_dealer()
+        assert followed is not None
+        dealer = self._socket(zmq.DEALER)
+        dealer.setsockopt(zmq.SNDHWM, self.config.snapshot_hwm)
+        dealer.connect(_endpoint(followed, SNAPSHOT_OFFSET))
+        self._call_dealer = self._stream(dealer, self._on_call_reply)
+        self._call_upstream = followed
+
+    def _close_call_dealer(self) -> None:
+        """Calls in flight on it get no reply; their callers retry (same uuid)."""
+        stream, self._call_dealer = self._call_dealer, None
+        self._call_upstream = None
+        if stream is not None:
+            self._forget(stream)
+
+    def _forward_call(self, identity: bytes, frames: list[bytes], user: str | None = None) -> None:
+        """A client's CALL? (``frames`` from b"CALL?" on): to the upstream.
+
+        ``user`` is the caller's name when we serve over CURVE: our ACL is
+        checked first, as the pair checks it.  A call we cannot forward now
+        is answered ``not-active`` (the caller retries) or dropped (it times
+        out and retries); never held.
+        """
+        uuid = call_uuid(frames)
+        if uuid is None:
+            self._throttle.log(
+                "call", logging.WARNING, "dropped a CALL? from %s: no uuid", who(identity)
+            )
+            return
+        if self._keypair is not None:
+            why = self._call_refusal(frames, user)
+            if why is not None:
+                self.counters["calls_forward_refused_acl"] += 1
+                self._throttle.log(
+                    "call_acl", logging.WARNING, "refused a call from %s: %s", user, why
+                )
+                self._send_reply(identity, Reply(uuid, "refused", reason="acl", detail=why))
+                return
+        stream = self._call_dealer
+        if stream is None or stream.closed():
+            self.counters["calls_forward_not_synced"] += 1
+            self._send_reply(
+                identity,
+                Reply(
+                    uuid,
+                    "refused",
+                    reason="not-active",
+                    detail="relay has not synced with the pair",
+                ),
+            )
+            return
+        try:
+            send_frames(stream.socket, frames, NOBLOCK)
+        except zmq.Again:
+            self.counters["calls_forward_dropped"] += 1
+            return
+        self.counters["calls_forwarded"] += 1
+        if self._relay_calls.add(uuid, identity, self._clock()):
+            self._throttle.log(
+                "calls_in_flight",
+                logging.WARNING,
+                "%d calls in flight upstream: forgot the oldest (its caller retries)",
+                self._relay_calls.limit,
+            )
+
+    def _call_refusal(self, frames: list[bytes], user: str | None) -> str | None:
+        """Why our ACL refuses this call to ``user``, or None to forward it.
+
+        A call that does not decode, or asks for something malformed, is
+        forwarded as it is: the pair says precisely what is wrong with it.
+        """
+        if user == PEER_USER or user in self._write_all:
+            return None
+        if user is None or user not in self._admitted:
+            return "this client is no longer admitted"
+        rights = self._rights_of(user)
+        try:
+            call = decode_call(frames)
+        except ProtocolError:
+            return None
+        if check_call(call) is not None:
+            return None
+        if call.op == OP_SET:
+            if not rights.can_write(call.key.encode("utf-8")):
+                return f"the ACL does not let you write {call.key!r}"
+        elif not rights.write:
+            return "the ACL lets this client write nothing"
+        return None
+
+    def _on_call_reply(self, frames: list[bytes]) -> None:
+        """A REPLY from the upstream: to the caller of its uuid, at once or never."""
+        if len(frames) != 4 or frames[0] != REPLY or len(frames[1]) != 16:
+            self._throttle.log(
+                "call_reply",
+                logging.WARNING,
+                "dropped a malformed answer to a forwarded call from %s",
+                self._call_upstream,
+            )
+            return
+        identity = self._relay_calls.take(frames[1], self._clock())
+        if identity is None:
+            self.counters["call_replies_unmatched"] += 1  # its caller gave up long ago
+            return
+        sock = self._router
+        if sock is None or sock.closed:
+            return
+        try:
+            send_frames(sock, [identity, *frames], NOBLOCK)
+        except zmq.Again:
+            self.counters["call_replies_dropped"] += 1
+            return
+        except zmq.ZMQError as exc:
+            if exc.errno != zmq.EHOSTUNREACH:
+                raise
+            self.counters["call_replies_dropped"] += 1  # the caller went away
+            return
+        self.counters["call_replies_forwarded"] += 1
 
     # -- client writes -----------------------------------------------------------
 
@@ -207,3 +482,54 @@ class RelayMixin(ServerBase):
                 frames = recv_frames(sock)
             except zmq.Again:
                 return
+
+    def _on_relay_collector_secure(self, parts: list[zmq.Frame]) -> None:
+        """As :meth:`_on_relay_collector`, serving over CURVE: each KVSET is
+        checked against its writer's rights in *our* ACL first (refused with a
+        notice, as the pair does), and its writer remembered, so that a
+        refusal by the pair reaches it too."""
+        pub = self._upstream_pub
+        sock = self._collector
+        if pub is None or sock is None:
+            return
+        first = parts[0]
+        frames = [part.bytes for part in parts]
+        now = self._clock()
+        for _ in range(self.config.collector_batch):
+            writer = self._relay_write_allowed(first, frames)
+            if writer is not None:
+                try:
+                    pub.send_multipart(frames, zmq.NOBLOCK)
+                    self.counters["kvset_forwarded"] += 1
+                    if len(frames) == 5 and len(frames[2]) == 16 and writer != PEER_USER:
+                        self._relay_writers.add(frames[2], writer, now)
+                except zmq.Again:
+                    self.counters["kvset_forward_dropped"] += 1
+            try:
+                first, frames = recv_frames_and_first(sock)
+            except zmq.Again:
+                return
+
+    def _relay_write_allowed(self, first: zmq.Frame, frames: list[bytes]) -> str | None:
+        """The writer's name if our ACL lets it write this key; else None (refused)."""
+        try:
+            user: str | None = str(first.get("User-Id"))
+        except zmq.ZMQError:
+            user = None
+        if user in self._write_all:
+            return user
+        if user is not None and user in self._admitted and frames and self._rights_of(
+            user
+        ).can_write(frames[0]):
+            return user
+        self.counters["kvset_refused_acl"] += 1
+        self._throttle.log(
+            "kvset_acl",
+            logging.WARNING,
+            "refused a write by %s to %r: not under its write prefixes",
+            user,
+            frames[0][:80] if frames else b"",
+        )
+        if len(frames) == 5 and len(frames[2]) in (0, 16):
+            self._refusal(user, frames[2], "acl")
+        return None

@@ -21,6 +21,13 @@ certificate name) and its :class:`~clone.security.acl.Rights`:
   what it may receive (docs/protocol.md, "Security"); each view of restricted
   readers gets its own heartbeat with the count of updates published in it.
 
+A relay (``--relay``, :mod:`.relaying`) does both sides independently: its
+bound sockets are CURVE servers with ``--curve-secret`` exactly as above (its
+own key, its own clients directory and ACL), and the sockets it connects to its
+upstream are CURVE clients with ``--upstream-curve-secret`` (its own client
+key, which the upstream admits by name and judges by *its* ACL) and the
+upstream's public key ``--upstream-server-key``.  Either may be absent.
+
 SIGHUP reloads the clients directory and the ACL.  A file that does not load
 keeps the old one (logged).  New certificates are admitted at once; if a key
 was removed or anyone's read rights changed, the publisher is bound again so
@@ -47,10 +54,13 @@ from clone.security import (
     Rights,
     configure_client_socket,
     configure_server_socket,
+    fingerprint,
     load_client_keys,
+    load_public,
     load_secret,
 )
 from clone.server.base import ServerBase, log
+from clone.server.config import ServerMode
 from clone.wire.control import (
     encode_refusal,
     encode_view_heartbeat,
@@ -100,6 +110,8 @@ class SecurityMixin(ServerBase):
     def _open_security(self) -> None:
         """Load the keys and the ACL and start the ZAP handler (before any bind)."""
         cfg = self.config
+        if cfg.mode is ServerMode.RELAY:
+            self._open_upstream_security()
         if cfg.curve_secret is None:
             log.warning(
                 "no --curve-secret: anyone who can reach the ports reads and writes every"
@@ -108,6 +120,12 @@ class SecurityMixin(ServerBase):
             return
         assert cfg.clients_dir is not None
         keypair = load_secret(cfg.curve_secret)
+        if keypair.public == self._upstream_server_key:
+            log.warning(
+                "--curve-secret is the pair's own certificate: whoever reads this relay's"
+                " files can act as a server of the pair; give the relay its own (clone"
+                " keygen) and its clients that public key (docs/operations.md, 'Relays')"
+            )
         keys = load_client_keys(cfg.clients_dir)
         acl = Acl.load(cfg.acl) if cfg.acl is not None else Acl.allow_all()
         self._report_keys(keys, acl)
@@ -121,6 +139,45 @@ class SecurityMixin(ServerBase):
             len(keys),
             cfg.clients_dir,
             f"ACL {cfg.acl}" if cfg.acl else "no --acl: every admitted client reads and writes all",
+        )
+
+    def _open_upstream_security(self) -> None:
+        """A relay's key pair and its upstream's public key, if it follows over CURVE.
+
+        Fail closed: a certificate that does not load stops the relay here,
+        before any socket exists, naming the flag and the file.
+        """
+        cfg = self.config
+        if cfg.upstream_curve_secret is None:
+            log.warning(
+                "no --upstream-curve-secret: following %s in clear text (a CURVE pair"
+                " admits no plain relay; docs/operations.md, 'Relays')",
+                ", ".join(cfg.upstream),
+            )
+            return
+        assert cfg.upstream_server_key is not None
+        try:
+            keypair = load_secret(cfg.upstream_curve_secret)
+        except SecurityError as exc:
+            raise SecurityError(f"--upstream-curve-secret: {exc}") from None
+        try:
+            server_key = load_public(cfg.upstream_server_key)
+        except SecurityError as exc:
+            raise SecurityError(f"--upstream-server-key: {exc}") from None
+        if keypair.public == server_key:
+            log.warning(
+                "--upstream-curve-secret is the upstream's own certificate: the upstream"
+                " admits this relay as its peer, with every right and no ACL; give the"
+                " relay its own client certificate (clone keygen)"
+            )
+        self._upstream_keypair = keypair
+        self._upstream_server_key = server_key
+        log.info(
+            "CURVE towards the upstream: our key %s (%s), the upstream's %s (%s)",
+            fingerprint(keypair.public),
+            cfg.upstream_curve_secret,
+            fingerprint(server_key),
+            cfg.upstream_server_key,
         )
 
     def _close_security(self) -> None:
@@ -194,13 +251,20 @@ class SecurityMixin(ServerBase):
     # -- sockets -------------------------------------------------------------
 
     def _secure(self, sock: zmq.Socket[Any], *, bound: bool) -> None:
-        """CURVE for one socket, before it binds (server) or connects to the peer."""
+        """CURVE for one socket, before it binds (server) or connects to the
+        peer (with the pair's key) or, for a relay, to its upstream (with its own)."""
         keypair = self._keypair
-        if keypair is None:
-            return
         if bound:
-            configure_server_socket(sock, keypair)
-        else:
+            if keypair is not None:
+                configure_server_socket(sock, keypair)
+            return
+        if self.config.mode is ServerMode.RELAY:
+            upstream = self._upstream_keypair
+            if upstream is not None:
+                assert self._upstream_server_key is not None
+                configure_client_socket(sock, upstream, self._upstream_server_key)
+            return
+        if keypair is not None:
             configure_client_socket(sock, keypair, keypair.public)
 
     def _secure_bstar(self, sock: zmq.Socket[Any], bound: bool) -> None:

@@ -8,6 +8,7 @@ import pytest
 from clone.server.cli import build_parser, config_from_args
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import FollowOutcome, Role, ServerCore, SyncState
+from clone.server.inflight import InFlight
 from clone.server.relaying import relay_stale, upstream_lost
 from clone.wire.codec import Hugz, KVMsg, decode_update, encode_hugz, encode_kv
 
@@ -96,15 +97,68 @@ def test_upstream_without_relay_is_refused() -> None:
         config_from_args(build_parser().parse_args(["--standalone", "--upstream", "h:5556"]))
 
 
-def test_relay_config_refuses_curve() -> None:
-    with pytest.raises(ValueError, match="CURVE"):
-        ServerConfig(
-            port=7000,
-            mode=ServerMode.RELAY,
-            upstream=("h:5556",),
-            curve_secret="s",
-            clients_dir="c",
-        )
+def test_relay_curve_flags_each_side() -> None:
+    # Downstream (its own server key, clients, ACL) and upstream (its own
+    # client key, the pair's public key) are independent.
+    down = _relay_args(
+        "--upstream", "h:5556", "--curve-secret", "r.key_secret", "--clients", "c", "--acl", "a"
+    )
+    assert (down.curve_secret, down.clients_dir, down.acl) == ("r.key_secret", "c", "a")
+    assert down.upstream_curve_secret is None
+    up = _relay_args(
+        "--upstream", "h:5556",
+        "--upstream-curve-secret", "relay.key_secret",
+        "--upstream-server-key", "pair.key",
+    )  # fmt: skip
+    assert (up.upstream_curve_secret, up.upstream_server_key) == ("relay.key_secret", "pair.key")
+    assert up.curve_secret is None
+
+
+@pytest.mark.parametrize(
+    ("argv", "match"),
+    [
+        (["--relay", "--upstream", "h:5556", "--upstream-curve-secret", "s"], "go together"),
+        (["--relay", "--upstream", "h:5556", "--upstream-server-key", "k"], "go together"),
+        (["--standalone", "--upstream-curve-secret", "s", "--upstream-server-key", "k"], "relay"),
+        (["--relay", "--upstream", "h:5556", "--curve-secret", "s"], "go together"),
+    ],
+)
+def test_relay_curve_flags_refused(argv: list[str], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        config_from_args(build_parser().parse_args(argv))
+
+
+def test_upstream_keys_are_for_relays_only() -> None:
+    with pytest.raises(ValueError, match="relay"):
+        ServerConfig(port=7000, upstream_curve_secret="s", upstream_server_key="k")
+
+
+def test_in_flight_routes_each_uuid_to_whoever_asked_last() -> None:
+    calls: InFlight[bytes] = InFlight(limit=2, ttl=10.0)
+    assert not calls.add(b"u1", b"client-a", 0.0)
+    assert not calls.add(b"u1", b"client-b", 1.0)  # a retry from a new socket
+    assert calls.take(b"u1", 2.0) == b"client-b"
+    assert calls.take(b"u1", 2.0) is None  # answered once
+    assert calls.take(b"nobody", 2.0) is None
+
+
+def test_in_flight_is_bounded_and_ages_out() -> None:
+    calls: InFlight[str] = InFlight(limit=2, ttl=10.0)
+    calls.add(b"u1", "a", 0.0)
+    calls.add(b"u2", "b", 1.0)
+    assert calls.add(b"u3", "c", 2.0)  # full: u1, the oldest, is forgotten
+    assert calls.take(b"u1", 3.0) is None
+    assert len(calls) == 2
+    assert calls.take(b"u2", 11.0) is None  # answered after its ttl: too late
+    assert calls.expire(11.9) == 0
+    assert calls.expire(12.0) == 1  # u3
+    assert len(calls) == 0
+
+
+@pytest.mark.parametrize(("limit", "ttl"), [(0, 1.0), (1, 0.0)])
+def test_in_flight_refuses_nonsense(limit: int, ttl: float) -> None:
+    with pytest.raises(ValueError):
+        InFlight(limit, ttl)
 
 
 def test_relay_core_follows_and_records_what_it_applies() -> None:
