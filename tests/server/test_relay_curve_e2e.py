@@ -372,3 +372,19 @@ def test_a_plain_relay_of_a_curve_pair_says_why_it_stays_stale(
     relay.wait_log("the upstream may require CURVE", timeout=10)
     stale = _stale_hugz(ctx, relay, 1.0)
     assert stale and all(stale), stale
+
+
+def test_calls_follow_the_relay_to_the_new_active(
+    servers: Servers, ctx: zmq.Context[Any]
+) -> None:
+    primary, backup = servers.pair("--in-memory")
+    relay = _relay(servers, [primary.port, backup.port])
+    sock = _dealer(ctx, relay)
+    first = _call(sock, OP_SET, "/cas/a", b"1", if_sequence="0")
+    assert first.ok
+    offset = relay.log_size()
+    primary.kill9()
+    relay.wait_log(f"synced from 127.0.0.1:{backup.port}", timeout=15, after=offset)
+    # The call DEALER moved with the relay: the backup, now active, answers.
+    second = _call(sock, OP_SET, "/cas/a", b"2", if_sequence=str(first.sequence))
+    assert second.ok and second.sequence > first.sequence
