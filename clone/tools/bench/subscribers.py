@@ -468,20 +468,53 @@ def _fanout(cfg: BenchConfig, group: ProcessGroup, subs: int, topology: str) -> 
     with running_target("clone", group, cfg.server_heartbeat_ms) as target:
         pids = [target.pid]
         endpoints = [target.out_endpoint]
+        served = [(target.pid, _base_port(target) + PUBLISHER_OFFSET)]
         relays: list[tuple[ManagedProcess, int]] = []
         if topology == "relays":
             relays = _start_relays(group, [_base_port(target)], cfg.sub_relays, "fanout", 64)
             pids += [p.pid for p, _ in relays]
             endpoints = [f"tcp://127.0.0.1:{port + PUBLISHER_OFFSET}" for _, port in relays]
+            served = [(p.pid, port + PUBLISHER_OFFSET) for p, port in relays]
         try:
-            return _fanout_traffic(cfg, target, subs, topology, pids, endpoints)
+            return _fanout_traffic(cfg, target, subs, topology, pids, endpoints, served)
         finally:
             for proc, _ in relays:
                 proc.stop()
 
 
+def _wait_subscribed(served: list[tuple[int, int]], want: int, timeout: float) -> None:
+    """Until the processes in ``served`` (pid, publisher port) hold ``want``
+    established publisher connections in all (asked of the kernel, so the
+    servers run as measured), then a moment for the subscriptions to land.
+
+    A fixed pause was not enough: at 5,000 subscribers on a loaded machine some
+    sinks connected after the writer started and missed its first updates, which
+    the loss count then reported as lost (a slow joiner, not a server's loss).
+    """
+    deadline = time.monotonic() + timeout
+    total = 0
+    while time.monotonic() < deadline:
+        total = sum(_publisher_connections(pid, port) for pid, port in served)
+        if total >= want:
+            time.sleep(0.5)
+            return
+        time.sleep(0.2)
+    raise RuntimeError(f"only {total}/{want} subscribers connected after {timeout:g} s")
+
+
+def _publisher_connections(pid: int, port: int) -> int:
+    import psutil
+
+    return sum(
+        1
+        for c in psutil.Process(pid).net_connections(kind="tcp")
+        if c.status == psutil.CONN_ESTABLISHED and c.laddr and c.laddr.port == port
+    )
+
+
 def _fanout_traffic(cfg: BenchConfig, target: Target, subs: int, topology: str,
-                    pids: list[int], endpoints: list[str]) -> dict[str, Any]:
+                    pids: list[int], endpoints: list[str],
+                    served: list[tuple[int, int]]) -> dict[str, Any]:
     ready, results, writer_q = MP.Queue(), MP.Queue(), MP.Queue()
     go, stop = MP.Event(), MP.Event()
     expected = MP.Value("q", 1 << 62)
@@ -504,7 +537,8 @@ def _fanout_traffic(cfg: BenchConfig, target: Target, subs: int, topology: str,
                 seen.add(ready.get(timeout=max(0.01, end - time.monotonic())))
             except queue.Empty:
                 raise RuntimeError(f"only {len(seen)}/{len(sinks)} sink processes ready") from None
-        time.sleep(1.0)  # every C sink's subscription reaches the server (or its relay)
+        # Every sink's connection is up and subscribed (at the server or its relay).
+        _wait_subscribed(served, subs, 60 + subs / 100)
         cpu0, t0 = _cpu(pids), time.monotonic()
         sinks_cpu0 = _cpu([p.pid for p in sinks if p.pid is not None])
         go.set()
