@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from typing import Any
+from typing import Any, Literal, overload
 
 import zmq
 
@@ -468,6 +468,73 @@ class Clone:
         self._request(_agent.CONNECT, [endpoint.encode()])
         self._servers.append(endpoint)
 
+    # How the result is typed: None for a fire-and-forget write, the sequence
+    # (an int) for a confirmed one and for every call (if_sequence, lease).
+    @overload
+    def set(
+        self,
+        key: str,
+        value: bytes | str,
+        ttl: float = ...,
+        *,
+        wait: Literal[False] = ...,
+        timeout: float | None = ...,
+        if_sequence: None = ...,
+        lease: None = ...,
+    ) -> None: ...
+
+    @overload
+    def set(
+        self,
+        key: str,
+        value: bytes | str,
+        ttl: float = ...,
+        *,
+        wait: Literal[True],
+        timeout: float | None = ...,
+        if_sequence: int | None = ...,
+        lease: Lease | str | None = ...,
+    ) -> int: ...
+
+    @overload
+    def set(
+        self,
+        key: str,
+        value: bytes | str,
+        ttl: float = ...,
+        *,
+        wait: bool = ...,
+        timeout: float | None = ...,
+        if_sequence: int,
+        lease: Lease | str | None = ...,
+    ) -> int: ...
+
+    @overload
+    def set(
+        self,
+        key: str,
+        value: bytes | str,
+        ttl: float = ...,
+        *,
+        wait: bool = ...,
+        timeout: float | None = ...,
+        if_sequence: int | None = ...,
+        lease: Lease | str,
+    ) -> int: ...
+
+    @overload
+    def set(
+        self,
+        key: str,
+        value: bytes | str,
+        ttl: float = ...,
+        *,
+        wait: bool = ...,
+        timeout: float | None = ...,
+        if_sequence: int | None = ...,
+        lease: Lease | str | None = ...,
+    ) -> int | None: ...
+
     def set(
         self,
         key: str,
@@ -508,6 +575,41 @@ class Clone:
         if if_sequence is None and lease is None:
             return self._write(_build(key, body, props), wait, timeout)
         return self._call_write(key, body, props, timeout, if_sequence, lease)
+
+    @overload
+    def delete(
+        self,
+        key: str,
+        *,
+        wait: Literal[False] = ...,
+        timeout: float | None = ...,
+        if_sequence: None = ...,
+    ) -> None: ...
+
+    @overload
+    def delete(
+        self,
+        key: str,
+        *,
+        wait: Literal[True],
+        timeout: float | None = ...,
+        if_sequence: int | None = ...,
+    ) -> int: ...
+
+    @overload
+    def delete(
+        self, key: str, *, wait: bool = ..., timeout: float | None = ..., if_sequence: int
+    ) -> int: ...
+
+    @overload
+    def delete(
+        self,
+        key: str,
+        *,
+        wait: bool = ...,
+        timeout: float | None = ...,
+        if_sequence: int | None = ...,
+    ) -> int | None: ...
 
     def delete(
         self,
@@ -615,12 +717,13 @@ class Clone:
         with self._shared:
             leases = [lease for lease in self._leases.values() if lease.alive]
             self._leases.clear()
+        for lease in leases:
+            lease._mark_ended()  # not kept alive any more, whatever happens next
         if not leases or self._stopped.is_set():
             return
         budget = min(_CLOSE_REVOKE_S, self.command_timeout)
         pending: list[Future[Reply]] = []
         for lease in leases:
-            lease._mark_ended()
             props = ((LEASE_PROPERTY, lease.id),)
             try:
                 pending.append(

@@ -54,10 +54,10 @@ class Status:
     keys: int
     pending_writes: int
     servers: tuple[str, ...] = ()
-    pending_calls: int = 0  # compare-and-set and lease calls awaiting a reply
-    leases: int = 0  # leases the agent keeps alive
     subtrees: tuple[str, ...] = ()
     counters: dict[str, int] = field(default_factory=dict)
+    pending_calls: int = 0  # compare-and-set and lease calls awaiting a reply
+    leases: int = 0  # leases the agent keeps alive
 
     @property
     def gaps(self) -> int:

@@ -53,7 +53,7 @@ def keeping(ttl: float = 3.0) -> AgentFSM:
     uuids are 1, 2, 3... (16 bytes each)."""
     fsm, _ = synced()
     ids = itertools.count(1)
-    fsm.new_call_id = lambda: next(ids).to_bytes(16, "big")  # type: ignore[method-assign]
+    fsm.new_call_id = lambda: next(ids).to_bytes(16, "big")
     assert fsm.keep_lease(LEASE, ttl, 0.0) == []
     return fsm
 

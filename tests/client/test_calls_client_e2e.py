@@ -65,7 +65,7 @@ def test_compare_and_set_and_the_sequences_writes_return(servers: Servers) -> No
         entry = c.entry("/plain")
         assert entry is not None and plain == entry.sequence
         created = c.set("/cas", "1", if_sequence=0)
-        assert created == plain + 1  # type: ignore[operator]
+        assert created == plain + 1
         with pytest.raises(Conflict) as info:
             c.set("/cas", "again", if_sequence=0)
         assert info.value.current == created and info.value.expected == 0
@@ -73,15 +73,16 @@ def test_compare_and_set_and_the_sequences_writes_return(servers: Servers) -> No
         with pytest.raises(Conflict):
             c.set("/cas", "3", if_sequence=created)  # stale: someone (we) wrote since
         eventually(lambda: c.get("/cas") == b"2", 5)
-        assert c.entry("/cas").sequence == updated  # type: ignore[union-attr]
-        assert "if_sequence" not in dict(c.entry("/cas").properties)  # type: ignore[union-attr]
+        held = c.entry("/cas")
+        assert held is not None and held.sequence == updated
+        assert "if_sequence" not in dict(held.properties)  # a condition, never stored
         with pytest.raises(Conflict) as info:
             c.delete("/absent", if_sequence=5)
         assert info.value.current == 0
         deleted = c.delete("/cas", if_sequence=updated)
-        assert deleted == updated + 1  # type: ignore[operator]
+        assert deleted == updated + 1
         eventually(lambda: c.get("/cas") is None, 5)
-        assert c.delete("/plain", wait=True) == deleted + 1  # type: ignore[operator]
+        assert c.delete("/plain", wait=True) == deleted + 1
 
 
 def test_lease_keys_go_on_revoke_and_on_leaving_the_with_block(servers: Servers) -> None:
@@ -157,7 +158,7 @@ def test_a_lease_outlives_a_failover_of_the_pair(servers: Servers) -> None:
             # Compare-and-set on the new active, against what the old one wrote.
             with pytest.raises(Conflict):
                 fresh.set("/svc/cas", "2", if_sequence=0)
-            assert fresh.set("/svc/cas", "2", if_sequence=sequence) > sequence  # type: ignore[operator]
+            assert fresh.set("/svc/cas", "2", if_sequence=sequence) > sequence
             lease.revoke()
             eventually(lambda: fresh.get("/svc/x") is None, 5)
 

@@ -113,10 +113,10 @@ def test_a_confirmed_set_and_delete_return_their_sequence(
 ) -> None:
     first = client.set("/a", "1", wait=True)
     assert first == server.map["/a"].sequence
-    assert client.set("/a", "2", wait=True) == first + 1  # type: ignore[operator]
-    assert client.delete("/a", wait=True) == first + 2  # type: ignore[operator]
+    assert client.set("/a", "2", wait=True) == first + 1
+    assert client.delete("/a", wait=True) == first + 2
     assert client.set("/b", "x") is None  # fire-and-forget: nothing to say
-    assert client.set_async("/c", "y").result(5) == first + 4  # type: ignore[operator]
+    assert client.set_async("/c", "y").result(5) == first + 4
 
 
 def test_compare_and_set(desk: Desk, client: Clone) -> None:
@@ -144,7 +144,7 @@ def test_bad_if_sequence_is_refused_before_sending(desk: Desk, client: Clone) ->
     with pytest.raises(ValueError, match="hex"):
         client.set("/k", "v", lease="not-a-lease")
     with pytest.raises(TypeError, match="lease"):
-        client.set("/k", "v", lease=42)  # type: ignore[arg-type]
+        client.set("/k", "v", lease=42)  # type: ignore[call-overload]
     assert desk.server.calls == []
 
 
@@ -168,7 +168,7 @@ def test_no_answer_raises_not_active_after_the_timeout(server: FakeServer, clien
 
 def test_not_active_replies_keep_the_call_until_an_answer(desk: Desk, client: Clone) -> None:
     desk.not_active = 3
-    assert client.set("/k", "v", if_sequence=0, timeout=5) > 0  # type: ignore[operator]
+    assert client.set("/k", "v", if_sequence=0, timeout=5) > 0
     calls = desk.ops(OP_SET)
     assert len(calls) == 4 and len({c.uuid for c in calls}) == 1  # one call, resent
     assert client.status().counters["calls_not_active"] == 3
@@ -185,8 +185,8 @@ def test_a_lease_keeps_its_keys_and_revoking_deletes_them(desk: Desk, client: Cl
     lease = client.lease(0.6)
     assert isinstance(lease, Lease) and lease.alive and lease.ttl == 0.6
     assert len(lease.id) == 32
-    assert client.set("/nodes/a", "up", lease=lease) > 0  # type: ignore[operator]
-    assert client.set("/nodes/b", "up", lease=lease.id) > 0  # type: ignore[operator]
+    assert client.set("/nodes/a", "up", lease=lease) > 0
+    assert client.set("/nodes/b", "up", lease=lease.id) > 0
     entry = client.entry("/nodes/a")
     assert entry is not None and entry.lease == lease.id
     assert ("lease", lease.id) in entry.properties
