@@ -5,12 +5,15 @@ imported by ``import clone``.
 """
 
 from clone import errors
-from clone.client.frontend import Clone, Entry, Status, clone_get, clone_set
+from clone.client.frontend import Clone, Entry, Lease, Status, clone_get, clone_set
 from clone.errors import (
     CloneError,
     ClosedError,
     ConfirmTimeout,
+    Conflict,
     HistoryCompacted,
+    LeaseLost,
+    NotActive,
     NotSynced,
     WriteRefused,
 )
@@ -20,8 +23,12 @@ __all__ = [
     "CloneError",
     "ClosedError",
     "ConfirmTimeout",
+    "Conflict",
     "Entry",
     "HistoryCompacted",
+    "Lease",
+    "LeaseLost",
+    "NotActive",
     "NotSynced",
     "Status",
     "WriteRefused",

@@ -116,15 +116,32 @@ _REFUSAL_ADVICE = {
     "full": "the server's store is full (its --max-keys or --max-bytes limit); delete "
     "keys you no longer need, or ask the operator to raise the limit",
     "size": "the write to {key} is larger than the server accepts; write a smaller value",
+    # Refusals of calls (compare-and-set, leases: docs/protocol.md, "CALL? / REPLY").
+    "reserved": "{key} is under /_clone/lease/, where the servers keep their leases; "
+    "clients may read those keys but never write them: write elsewhere",
+    "busy": "the server holds as many leases as it allows (its --max-leases); revoke "
+    "leases you no longer need, or ask the operator to raise the limit",
+    "unknown-lease": "the lease bound to the write to {key} is gone from the servers "
+    "(expired or revoked); take a new lease and write again",
+    "bad-if-sequence": "the server did not accept the if_sequence of the write to {key}; "
+    "pass a sequence read from an entry (0: only if the key is absent)",
+    "bad-lease": "the server did not accept the lease of the write to {key}; pass a Lease "
+    "or the 32-hex-digit id of one",
+    "bad-ttl": "the server did not accept the lease's ttl ({key}); use 0.3 s to one year",
+    "malformed": "the server could not decode the call for {key}: this client and the "
+    "server may be of incompatible versions; upgrade the older one",
 }
 
 
 class WriteRefused(CloneError):
-    """The server refused a confirmed write and said so (a refusal notice).
+    """The server refused a confirmed write or a call and said so.
 
-    ``reason`` is the server's (``acl``, ``full`` or ``size``; another from a
-    newer server) and ``key`` the key written.  Raised at once instead of a
-    :class:`ConfirmTimeout`: the write will never be applied, resending is useless.
+    ``reason`` is the server's (``acl``, ``full`` or ``size`` in a refusal
+    notice; a call's reply may also say ``reserved``, ``busy``, ``bad-lease``
+    and the like: docs/protocol.md; another from a newer server) and ``key``
+    the key written (for a lease operation, the lease's own key under
+    ``/_clone/lease/``).  Raised at once instead of a timeout: the write will
+    never be applied, resending is useless.
     """
 
     def __init__(self, reason: str, key: str) -> None:
@@ -204,4 +221,8 @@ class LeaseLost(CloneError):
 
 class NotActive(CloneError, TimeoutError):
     """No active server answered a call (a compare-and-set or lease operation)
-    in time: both servers are down, passive, or unreachable."""
+    in time: both servers are down, passive, or unreachable.
+
+    Like any timeout, the outcome is unknown: a call whose reply was lost may
+    have been applied.  Read the key (a compare-and-set retried with the same
+    ``if_sequence`` then gets a :class:`Conflict` if the first one won)."""

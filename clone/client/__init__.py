@@ -3,9 +3,11 @@
 Holds the frontend that application threads call (:mod:`.frontend`), the agent
 thread that owns the sockets (:mod:`.agent`), the agent's sans-IO state machine
 (:mod:`.fsm`: its inputs and table, over :mod:`.state`, with the rules of a sync
-in :mod:`.sync`, of failing over in :mod:`.failover` and of writes in
-:mod:`.writes`), and the command line (:mod:`.cli`).  The public API is re-exported
-by :mod:`clone` itself (``from clone import Clone, clone_set, clone_get``).
+in :mod:`.sync`, of failing over in :mod:`.failover`, of writes in
+:mod:`.writes` and of calls and lease keepalives in :mod:`.calls`), the
+application's lease handle (:mod:`.leases`), and the command line
+(:mod:`.cli`).  The public API is re-exported by :mod:`clone` itself (``from
+clone import Clone, clone_set, clone_get``).
 
 May import: :mod:`clone.wire`, :mod:`clone.errors`, :mod:`clone.ratelimit`,
 :mod:`clone.argtypes` and :mod:`clone.security` (certificates and CURVE socket

@@ -17,12 +17,17 @@ of sockets and one timer (the state machine's next deadline).
 
 Sockets per server (base port P): a SUB on P+1 subscribed to everything, opened
 at connect time so that it is already subscribed when we ask for a snapshot (and
-so that sequence holes can be seen even with subtrees: see docs/client.md), and a
-DEALER on P opened afresh for every snapshot request.  One PUB is connected to
-every server's collector (P+2), so both servers of a pair see every update.
+so that sequence holes can be seen even with subtrees: see docs/client.md), a
+DEALER on P opened afresh for every snapshot request, and a *call* DEALER on P,
+opened at connect time and kept, for CALL?s (compare-and-set, leases:
+:mod:`clone.client.calls`), whose REPLYs come back on it.  It is
+``ZMQ_IMMEDIATE``: a call for a server we are not connected to is not queued
+for a later connection (the state machine resends it where it should go).  One
+PUB is connected to every server's collector (P+2), so both servers of a pair
+see every update.
 
 With CURVE (``Clone(curve_secret=..., server_key=...)``) every socket that
-talks to a server, SUB, DEALER and PUB alike, is made a CURVE client with
+talks to a server, SUB, DEALERs and PUB alike, is made a CURVE client with
 :func:`clone.security.configure_client_socket` before it connects; a server
 that refuses our key at the handshake is logged (rate-limited) from the socket
 monitor, as nothing else would ever say so.  Control messages on a SUB
@@ -42,18 +47,22 @@ The pipe protocol, all frames bytes:
 * frontend -> agent, one reply each, ``rid`` echoed:
   ``CONNECT rid endpoint``, ``SET rid confirm_seconds|'' key seq uuid props body``,
   ``GET rid key``, ``ITEMS rid prefix``, ``STATUS rid``, ``WATCH rid 1|0``,
-  ``TERMINATE rid``.  Replies are ``OK rid ...`` or ``ERROR rid text``; an unknown
-  command gets an ERROR too.  A SET with an empty ``rid`` is one-way: no reply,
-  so writes stream without a round trip each; if it fails, the agent says so with
-  ``FAILED uuid text`` on the event pipe.  The ITEMS reply is one frame, a
+  ``CALL rid within_seconds call-frames...`` (the six frames of a CALL?),
+  ``LEASE rid lease_id ttl`` (keep it alive), ``TERMINATE rid``.  Replies are
+  ``OK rid ...`` or ``ERROR rid text``; an unknown command gets an ERROR too.  A
+  SET or CALL with an empty ``rid`` is one-way: no reply, so writes stream
+  without a round trip each; if it fails, the agent says so with ``FAILED uuid
+  text`` on the event pipe.  The ITEMS reply is one frame, a
   :mod:`marshal` dump of ``[(key, (sequence, uuid, properties, body)), ...]``:
   five frames per entry made a 1M-key reply 5M frames, longer to send and split
   than the command timeout; the frame never leaves the process (inproc), so
   marshal's lack of checks against hostile input does not matter.
-* agent -> frontend, on the separate event pipe: ``STARTED``, ``CONFIRMED uuid``,
-  ``FAILED uuid text``, ``REFUSED uuid reason key`` (the server refused a
-  confirmed write), ``STATE state endpoint``, ``CHANGE key seq uuid props body``
-  (empty body: deleted), ``STOPPED``.
+* agent -> frontend, on the separate event pipe: ``STARTED``, ``CONFIRMED uuid
+  seq`` (8 bytes, the sequence the server gave the write), ``FAILED uuid text``,
+  ``REFUSED uuid reason key`` (the server refused a confirmed write), ``REPLY
+  uuid reply-frames...`` (the four frames of a call's REPLY), ``LEASELOST
+  lease_id why`` (a kept lease is gone), ``STATE state endpoint``, ``CHANGE key
+  seq uuid props body`` (empty body: deleted), ``STOPPED``.
 """
 
 from __future__ import annotations
@@ -71,11 +80,14 @@ from zmq.utils.monitor import recv_monitor_message
 from clone.client.fsm import (
     Action,
     AgentFSM,
+    CallReplied,
     Changed,
     Confirmed,
+    LeaseGone,
     Malformed,
     Refused,
     RequestSnapshot,
+    SendCall,
     SendUpdate,
     StateChanged,
 )
@@ -83,6 +95,7 @@ from clone.errors import ProtocolError
 from clone.ratelimit import Throttle
 from clone.security import KeyPair, configure_client_socket
 from clone.wire.batch import announced_entries, is_kvbatch
+from clone.wire.calls import decode_call, decode_reply, encode_reply
 from clone.wire.codec import (
     KVMsg,
     decode_kvset,
@@ -136,22 +149,29 @@ _MONITORED = (
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
 
+# Calls queued on one call DEALER at most (the state machine resends).
+_CALL_HWM = 1000
+
 # Pipe commands and replies.
-CONNECT, SET, GET, ITEMS, STATUS, WATCH, TERMINATE = (
+CONNECT, SET, GET, ITEMS, STATUS, WATCH, CALL, LEASE, TERMINATE = (
     b"CONNECT",
     b"SET",
     b"GET",
     b"ITEMS",
     b"STATUS",
     b"WATCH",
+    b"CALL",
+    b"LEASE",
     b"TERMINATE",
 )
 OK, ERROR = b"OK", b"ERROR"
-STARTED, CONFIRMED, FAILED, REFUSED, STATE, CHANGE, STOPPED = (
+STARTED, CONFIRMED, FAILED, REFUSED, REPLY, LEASELOST, STATE, CHANGE, STOPPED = (
     b"STARTED",
     b"CONFIRMED",
     b"FAILED",
     b"REFUSED",
+    b"REPLY",
+    b"LEASELOST",
     b"STATE",
     b"CHANGE",
     b"STOPPED",
@@ -177,6 +197,7 @@ class _Server:
     sub: zmq.Socket[bytes]
     monitor: zmq.Socket[bytes] | None = None
     dealer: zmq.Socket[bytes] | None = None
+    caller: zmq.Socket[bytes] | None = None  # CALL? out, REPLY in
 
     def address(self, offset: int) -> str:
         host, base = split_endpoint(self.endpoint)
@@ -261,6 +282,8 @@ class Agent:
                     self._drain_snapshot(index, server)
                 if server.monitor is not None and server.monitor in ready:
                     self._drain_monitor(index, server)
+                if server.caller is not None and server.caller in ready:
+                    self._drain_replies(index, server)
             self._execute(self._fsm.tick(now))
 
     def _drain_commands(self) -> None:
@@ -309,6 +332,21 @@ class Agent:
                     break
         if batch:
             self._execute(self._fsm.snapshot_batch(index, batch, self._clock()))
+
+    def _drain_replies(self, index: int, server: _Server) -> None:
+        caller = server.caller
+        assert caller is not None
+        for _ in range(_BATCH):
+            try:
+                frames = recv_frames(caller)
+            except zmq.Again:
+                return
+            try:
+                reply = decode_reply(frames)
+            except ProtocolError as exc:
+                self._malformed(index, "reply", exc)
+                continue
+            self._execute(self._fsm.replied(index, reply, self._clock()))
 
     def _drain_monitor(self, index: int, server: _Server) -> None:
         monitor = server.monitor
@@ -373,8 +411,19 @@ class Agent:
             elif isinstance(action, Changed):
                 entry = action.entry or KVMsg(action.key)
                 self._events.send_multipart([CHANGE, *encode_kv(entry)])
+            elif isinstance(action, SendCall):
+                self._send_call(action)
+            elif isinstance(action, CallReplied):
+                reply = action.reply
+                self._events.send_multipart([REPLY, reply.uuid, *encode_reply(reply)])
+            elif isinstance(action, LeaseGone):
+                self._events.send_multipart(
+                    [LEASELOST, action.lease_id.encode(), action.why.encode("utf-8", "replace")]
+                )
             elif isinstance(action, Confirmed):
-                self._events.send_multipart([CONFIRMED, action.uuid])
+                self._events.send_multipart(
+                    [CONFIRMED, action.uuid, action.sequence.to_bytes(8, "big")]
+                )
             elif isinstance(action, Refused):
                 self._events.send_multipart(
                     [REFUSED, action.uuid, action.reason.encode(), action.key.encode()]
@@ -394,6 +443,16 @@ class Agent:
                 endpoint = "" if action.server is None else self._servers[action.server].endpoint
                 log.debug("agent is %s on %s", action.state.value, endpoint or "-")
                 self._events.send_multipart([STATE, action.state.value.encode(), endpoint.encode()])
+
+    def _send_call(self, action: SendCall) -> None:
+        caller = self._servers[action.server].caller
+        assert caller is not None
+        try:
+            caller.send_multipart(action.frames, zmq.NOBLOCK)
+        except zmq.Again:
+            # Not connected (ZMQ_IMMEDIATE) or its queue is full: the state
+            # machine sends it again, maybe elsewhere.
+            log.debug("call to %s not sent now", self._servers[action.server].endpoint)
 
     def _request_snapshot(self, action: RequestSnapshot) -> None:
         server = self._servers[action.server]
@@ -441,6 +500,13 @@ class Agent:
         server.monitor = monitor
         self._poller.register(monitor, zmq.POLLIN)
         sub.connect(server.address(PUBLISHER_OFFSET))
+        caller = self._socket(zmq.DEALER)
+        caller.setsockopt(zmq.IMMEDIATE, 1)
+        caller.setsockopt(zmq.SNDHWM, _CALL_HWM)
+        cap_message_size(caller, MAX_FRAME_BYTES)
+        caller.connect(server.address(SNAPSHOT_OFFSET))
+        server.caller = caller
+        self._poller.register(caller, zmq.POLLIN)
         assert self._pub is not None
         self._pub.connect(server.address(COLLECTOR_OFFSET))
         self._servers.append(server)
@@ -460,6 +526,8 @@ class Agent:
             server.sub.close(linger=0)
             if server.dealer is not None:
                 server.dealer.close(linger=0)
+            if server.caller is not None:
+                server.caller.close(linger=0)
         self._servers.clear()
         if self._pub is not None:
             self._pub.close(linger=0)
@@ -480,7 +548,8 @@ class Agent:
             text = str(exc).encode("utf-8", "replace")
             if rid:
                 self._commands.send_multipart([ERROR, rid, text])
-            elif verb == SET and len(args) > 3:
+            elif verb in (SET, CALL) and len(args) > 3:
+                # Both carry the uuid there: SET's KVSET and CALL's CALL? alike.
                 self._events.send_multipart([FAILED, args[3], text])
             else:
                 log.warning("one-way %r command failed: %s", verb[:32], exc)
@@ -497,6 +566,13 @@ class Agent:
             confirm = float(args[0]) if args[0] else None
             msg = decode_kvset(args[1:])
             self._execute(fsm.write(msg, self._clock(), confirm_within=confirm))
+            return []
+        if verb == CALL:
+            call = decode_call(args[1:])
+            self._execute(fsm.call(call, self._clock(), within=float(args[0])))
+            return []
+        if verb == LEASE:
+            self._execute(fsm.keep_lease(args[0].decode("ascii"), float(args[1]), self._clock()))
             return []
         if verb == ITEMS:
             # Version 2: no back-references, which only cost time here.
@@ -525,6 +601,8 @@ class Agent:
             "sequence": fsm.last_sequence,
             "keys": len(fsm),
             "pending_writes": fsm.pending_writes,
+            "pending_calls": fsm.pending_calls,
+            "leases": len(fsm.kept_leases),
             "counters": {
                 **fsm.counters.as_dict(),
                 # A gauge: the silence that would make us fail over now.

@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from typing import Any
+from typing import Any, Literal, overload
 
 import zmq
 
@@ -34,17 +34,35 @@ from clone.client import agent as _agent
 from clone.client.agent import Agent, split_endpoint
 from clone.client.fsm import AgentConfig, AgentFSM, normalize_subtrees
 from clone.client.history import HistoryFeed
+from clone.client.leases import Lease
 from clone.client.results import STOP, ChangeStream, Entry, Status, Watcher
 from clone.errors import (
     CloneError,
     ClosedError,
     ConfirmTimeout,
+    Conflict,
+    LeaseLost,
     LimitExceeded,
+    NotActive,
     NotSynced,
     ProtocolError,
     WriteRefused,
 )
 from clone.security import KeyPair, load_public, load_secret
+from clone.wire.calls import (
+    IF_SEQUENCE_PROPERTY,
+    LEASE_PROPERTY,
+    MIN_LEASE_TTL,
+    OP_LEASE_GRANT,
+    OP_LEASE_REVOKE,
+    OP_SET,
+    Reply,
+    decode_reply,
+    encode_call,
+    lease_id_of,
+    lease_key,
+    valid_lease_id,
+)
 from clone.wire.codec import (
     KVMsg,
     Properties,
@@ -64,6 +82,7 @@ __all__ = [
     "ChangeStream",
     "Clone",
     "Entry",
+    "Lease",
     "Status",
     "clone_set",
     "clone_get",
@@ -84,6 +103,10 @@ _ids = itertools.count(1)
 _DISPATCH_POLL_S = 0.1
 # Commands queued for the agent at most; a writer that gets ahead waits.
 _PIPE_HWM = 10_000
+# What close() spends at most revoking the leases still held (best effort: a
+# lease not revoked ends by itself within its ttl, as nobody keeps it alive).
+_CLOSE_REVOKE_S = 2.0
+_SEQ_LIMIT = 2**64
 
 
 def default_servers() -> list[str]:
@@ -151,6 +174,31 @@ def _build(key: str, body: bytes, props: dict[str, str]) -> KVMsg:
         raise
     except ProtocolError as exc:
         raise ValueError(str(exc)) from None
+
+
+def _format_lease_ttl(ttl: float) -> str:
+    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
+        raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
+    if not MIN_LEASE_TTL <= ttl <= MAX_TTL_SECONDS:  # also false for nan
+        raise ValueError(
+            f"a lease's ttl must be {MIN_LEASE_TTL:g} .. {MAX_TTL_SECONDS:g} s, not {ttl!r}"
+        )
+    return repr(float(ttl))
+
+
+def _check_if_sequence(if_sequence: int | None) -> int | None:
+    if if_sequence is None:
+        return None
+    if isinstance(if_sequence, bool) or not isinstance(if_sequence, int):
+        raise TypeError(
+            f"if_sequence must be an int sequence (0: only if absent), "
+            f"not {type(if_sequence).__name__}"
+        )
+    if not 0 <= if_sequence < _SEQ_LIMIT:
+        raise ValueError(
+            f"if_sequence must be a sequence in 0..2**64-1 (0: only if absent), not {if_sequence}"
+        )
+    return if_sequence
 
 
 def _history_subtree(prefix: str, subtrees: Sequence[str]) -> str:
@@ -225,13 +273,19 @@ class Clone:
         self._closed = False
         self._lock = threading.Lock()  # the command pipe, one caller at a time
         self._rids = itertools.count(1)
-        # Confirmed writes in flight: uuid -> future, and their deadlines (a heap),
-        # both resolved by the dispatcher thread.
-        self._waiters: dict[bytes, Future[None]] = {}
+        # Confirmed writes in flight: uuid -> future (the sequence), and their
+        # deadlines (a heap), both resolved by the dispatcher thread.
+        self._waiters: dict[bytes, Future[int]] = {}
         self._deadlines: list[tuple[float, bytes, str, float]] = []
+        # Calls in flight, likewise: uuid -> future (the reply); the deadlines
+        # say what was asked, for the NotActive message.
+        self._call_waiters: dict[bytes, Future[Reply]] = {}
+        self._call_deadlines: list[tuple[float, bytes, str, float]] = []
+        # Leases granted to us and kept alive by the agent, by id.
+        self._leases: dict[str, Lease] = {}
         self._watchers: list[Watcher] = []
         self._callbacks: list[Callable[[Entry], None]] = []
-        self._callback_queue: queue.SimpleQueue[Entry | object] | None = None
+        self._callback_queue: queue.SimpleQueue[Entry | Callable[[], None] | object] | None = None
         self._callback_thread: threading.Thread | None = None
         self._shared = threading.Lock()  # waiters, watchers, callbacks, state
         self._state = "initial"
@@ -300,7 +354,11 @@ class Clone:
         return self._closed
 
     def close(self) -> None:
-        """Stop the agent, join the threads, close every socket and the context."""
+        """Revoke the leases still held (best effort, at most a couple of
+        seconds), then stop the agent, join the threads, close every socket and
+        the context."""
+        if not self._closed:
+            self._revoke_all_leases()
         with self._lock:
             if self._closed:
                 return
@@ -317,18 +375,23 @@ class Clone:
         with self._shared:
             waiters = list(self._waiters.values())
             self._waiters.clear()
+            calls = list(self._call_waiters.values())
+            self._call_waiters.clear()
             for watcher in self._watchers:
                 watcher.queue.put(STOP)
             feeds, self._feeds = self._feeds, []
-        for feed in feeds:
-            feed.close(self.command_timeout)
             if self._callback_queue is not None:
                 self._callback_queue.put(STOP)
+        for feed in feeds:
+            feed.close(self.command_timeout)
         for fut in waiters:
             if not fut.done():
                 fut.set_exception(
                     ClosedError("the client was closed while a write awaited confirmation")
                 )
+        for call in calls:
+            if not call.done():
+                call.set_exception(ClosedError("the client was closed while a call awaited"))
         if (
             self._callback_thread is not None
             and self._callback_thread is not threading.current_thread()
@@ -405,6 +468,73 @@ class Clone:
         self._request(_agent.CONNECT, [endpoint.encode()])
         self._servers.append(endpoint)
 
+    # How the result is typed: None for a fire-and-forget write, the sequence
+    # (an int) for a confirmed one and for every call (if_sequence, lease).
+    @overload
+    def set(
+        self,
+        key: str,
+        value: bytes | str,
+        ttl: float = ...,
+        *,
+        wait: Literal[False] = ...,
+        timeout: float | None = ...,
+        if_sequence: None = ...,
+        lease: None = ...,
+    ) -> None: ...
+
+    @overload
+    def set(
+        self,
+        key: str,
+        value: bytes | str,
+        ttl: float = ...,
+        *,
+        wait: Literal[True],
+        timeout: float | None = ...,
+        if_sequence: int | None = ...,
+        lease: Lease | str | None = ...,
+    ) -> int: ...
+
+    @overload
+    def set(
+        self,
+        key: str,
+        value: bytes | str,
+        ttl: float = ...,
+        *,
+        wait: bool = ...,
+        timeout: float | None = ...,
+        if_sequence: int,
+        lease: Lease | str | None = ...,
+    ) -> int: ...
+
+    @overload
+    def set(
+        self,
+        key: str,
+        value: bytes | str,
+        ttl: float = ...,
+        *,
+        wait: bool = ...,
+        timeout: float | None = ...,
+        if_sequence: int | None = ...,
+        lease: Lease | str,
+    ) -> int: ...
+
+    @overload
+    def set(
+        self,
+        key: str,
+        value: bytes | str,
+        ttl: float = ...,
+        *,
+        wait: bool = ...,
+        timeout: float | None = ...,
+        if_sequence: int | None = ...,
+        lease: Lease | str | None = ...,
+    ) -> int | None: ...
+
     def set(
         self,
         key: str,
@@ -413,34 +543,273 @@ class Clone:
         *,
         wait: bool = False,
         timeout: float | None = None,
-    ) -> None:
+        if_sequence: int | None = None,
+        lease: Lease | str | None = None,
+    ) -> int | None:
         """Publish ``key = value`` to every server; ``ttl`` seconds, 0 = forever.
 
-        With ``wait=True`` return only when the active server has republished
-        this very update (so a following :meth:`get` sees it), or raise
-        :class:`~clone.errors.ConfirmTimeout` after ``timeout`` (default
-        ``confirm_timeout``), or :class:`~clone.errors.WriteRefused` as soon as
-        the server says it refused the write (its ACL, a full store).  Without
-        it, the write is fire-and-forget and shows up in :meth:`get` when the
-        server's update arrives.
+        With ``wait=True`` return the sequence the active server gave the
+        write, once it has republished this very update (so a following
+        :meth:`get` sees it), or raise :class:`~clone.errors.ConfirmTimeout`
+        after ``timeout`` (default ``confirm_timeout``), or
+        :class:`~clone.errors.WriteRefused` as soon as the server says it
+        refused the write (its ACL, a full store).  Without it, the write is
+        fire-and-forget (None) and shows up in :meth:`get` when the server's
+        update arrives.
+
+        ``if_sequence=N`` writes only if the key is still at sequence ``N``
+        (an :attr:`Entry.sequence <clone.Entry.sequence>` you read; 0: only if
+        the key is absent), else raises :class:`~clone.errors.Conflict`.
+        ``lease`` (a :class:`Lease` or a lease id) binds the key to a lease:
+        it is deleted when the lease ends; :class:`~clone.errors.LeaseLost` if
+        the lease is gone.  Either makes the write a call answered by the
+        active server: it always waits (``wait`` is implied) and returns the
+        sequence, or raises :class:`~clone.errors.NotActive` if no active
+        server answered within ``timeout``.
         """
         body = _as_bytes(value)
         if not body:
             raise ValueError("an empty value means delete; call delete() instead")
         ttl_text = _format_ttl(ttl)
         props = {TTL_PROPERTY: ttl_text} if ttl_text is not None else {}
-        self._write(_build(key, body, props), wait, timeout)
+        if if_sequence is None and lease is None:
+            return self._write(_build(key, body, props), wait, timeout)
+        return self._call_write(key, body, props, timeout, if_sequence, lease)
 
-    def delete(self, key: str, *, wait: bool = False, timeout: float | None = None) -> None:
-        """Delete ``key`` on the servers (``wait`` as for :meth:`set`)."""
-        self._write(_build(key, b"", {}), wait, timeout)
+    @overload
+    def delete(
+        self,
+        key: str,
+        *,
+        wait: Literal[False] = ...,
+        timeout: float | None = ...,
+        if_sequence: None = ...,
+    ) -> None: ...
+
+    @overload
+    def delete(
+        self,
+        key: str,
+        *,
+        wait: Literal[True],
+        timeout: float | None = ...,
+        if_sequence: int | None = ...,
+    ) -> int: ...
+
+    @overload
+    def delete(
+        self, key: str, *, wait: bool = ..., timeout: float | None = ..., if_sequence: int
+    ) -> int: ...
+
+    @overload
+    def delete(
+        self,
+        key: str,
+        *,
+        wait: bool = ...,
+        timeout: float | None = ...,
+        if_sequence: int | None = ...,
+    ) -> int | None: ...
+
+    def delete(
+        self,
+        key: str,
+        *,
+        wait: bool = False,
+        timeout: float | None = None,
+        if_sequence: int | None = None,
+    ) -> int | None:
+        """Delete ``key`` on the servers (``wait``, ``if_sequence`` and the
+        result as for :meth:`set`; deleting an absent key is a write too)."""
+        if if_sequence is None:
+            return self._write(_build(key, b"", {}), wait, timeout)
+        return self._call_write(key, b"", {}, timeout, if_sequence, None)
+
+    def lease(self, ttl: float = 2.0, *, timeout: float | None = None) -> Lease:
+        """A new lease of ``ttl`` seconds (0.3 s to one year), kept alive by
+        this client until revoked, lost or the client closes.
+
+        Keys written with ``set(..., lease=lease)`` are deleted when it ends.
+        The agent sends a keepalive every ``ttl / 3`` to the active server,
+        also across a failover; if the servers say the lease is gone, the
+        lease is marked lost (:attr:`Lease.alive`, :meth:`Lease.on_lost`).
+        Raises :class:`~clone.errors.NotActive` if no active server answered
+        within ``timeout`` (default ``confirm_timeout``), and
+        :class:`~clone.errors.WriteRefused` if the server refused (``busy``:
+        it holds ``--max-leases`` leases; ``acl``: this client may write nothing).
+        """
+        ttl_text = _format_lease_ttl(ttl)
+        uuid = new_uuid()
+        reply = self._call(
+            OP_LEASE_GRANT, uuid, "", ((TTL_PROPERTY, ttl_text),), b"", timeout, "a lease grant"
+        )
+        if not reply.ok:
+            raise WriteRefused(reply.reason, lease_key(lease_id_of(uuid)))
+        lease = Lease(self, reply.lease or lease_id_of(uuid), reply.ttl or float(ttl))
+        with self._shared:
+            self._leases[lease.id] = lease
+        self._request(_agent.LEASE, [lease.id.encode(), repr(lease.ttl).encode()])
+        return lease
+
+    def _call_write(
+        self,
+        key: str,
+        body: bytes,
+        props: dict[str, str],
+        timeout: float | None,
+        if_sequence: int | None,
+        lease: Lease | str | None,
+    ) -> int:
+        """A set or delete as a call: compare-and-set, a key bound to a lease."""
+        expected = _check_if_sequence(if_sequence)
+        held, lease_id = self._lease_arg(lease)
+        if expected is not None:
+            props[IF_SEQUENCE_PROPERTY] = str(expected)
+        if lease_id is not None:
+            props[LEASE_PROPERTY] = lease_id
+        msg = _build(key, body, props)
+        what = f"the {'write' if body else 'delete'} of {key!r}"
+        reply = self._call(OP_SET, msg.uuid, key, msg.properties, body, timeout, what)
+        if reply.ok:
+            return reply.sequence
+        if reply.status == "conflict":
+            raise Conflict(key, expected or 0, reply.current or 0)
+        if reply.reason == "unknown-lease" and lease_id is not None:
+            if held is not None:
+                self._lease_lost(held, reply.detail or "unknown to the servers")
+            raise LeaseLost(lease_id, reply.detail)
+        raise WriteRefused(reply.reason, key)
+
+    def _lease_arg(self, lease: Lease | str | None) -> tuple[Lease | None, str | None]:
+        """The lease a write binds its key to (ours, if we hold it) and its id."""
+        if lease is None:
+            return None, None
+        if isinstance(lease, Lease):
+            if not lease.alive:
+                raise LeaseLost(lease.id, lease.why or "revoked by this client")
+            return lease, lease.id
+        if not isinstance(lease, str):
+            raise TypeError(f"lease must be a Lease or a lease id, not {type(lease).__name__}")
+        if not valid_lease_id(lease):
+            raise ValueError(f"lease id {lease[:40]!r} is not 32 lowercase hex digits")
+        with self._shared:
+            return self._leases.get(lease), lease
+
+    def _revoke_lease(self, lease: Lease, timeout: float | None) -> None:
+        """For :meth:`Lease.revoke`: stop its keepalives and revoke it."""
+        with self._shared:
+            self._leases.pop(lease.id, None)
+        reply = self._call(
+            OP_LEASE_REVOKE,
+            new_uuid(),
+            "",
+            ((LEASE_PROPERTY, lease.id),),
+            b"",
+            timeout,
+            f"the revoke of lease {lease.id}",
+        )
+        if not reply.ok and reply.reason != "unknown-lease":  # gone already: done
+            raise WriteRefused(reply.reason, lease_key(lease.id))
+
+    def _revoke_all_leases(self) -> None:
+        """For :meth:`close`: revoke every lease still held, all at once, for
+        at most ``_CLOSE_REVOKE_S``; a lease not revoked ends within its ttl."""
+        with self._shared:
+            leases = [lease for lease in self._leases.values() if lease.alive]
+            self._leases.clear()
+        for lease in leases:
+            lease._mark_ended()  # not kept alive any more, whatever happens next
+        if not leases or self._stopped.is_set():
+            return
+        budget = min(_CLOSE_REVOKE_S, self.command_timeout)
+        pending: list[Future[Reply]] = []
+        for lease in leases:
+            props = ((LEASE_PROPERTY, lease.id),)
+            try:
+                pending.append(
+                    self._call_async(
+                        OP_LEASE_REVOKE, new_uuid(), "", props, b"", budget, "a revoke"
+                    )
+                )
+            except CloneError as exc:
+                log.info("could not revoke lease %s while closing: %s", lease.id, exc)
+        done, not_done = futures_wait(pending, budget + 2 * _DISPATCH_POLL_S)
+        failed = len(not_done) + sum(1 for f in done if f.exception() is not None)
+        if failed:
+            log.info(
+                "closing: %d of %d leases not revoked in time; they end within their ttl",
+                failed,
+                len(leases),
+            )
+
+    def _lease_lost(self, lease: Lease, why: str) -> None:
+        with self._shared:
+            self._leases.pop(lease.id, None)
+        lease._mark_lost(why)
+
+    def _call(
+        self,
+        op: str,
+        uuid: bytes,
+        key: str,
+        props: Properties,
+        body: bytes,
+        timeout: float | None,
+        what: str,
+    ) -> Reply:
+        """Make a call and wait for its reply; NotActive if none in ``timeout``."""
+        limit = self.confirm_timeout if timeout is None else timeout
+        fut = self._call_async(op, uuid, key, props, body, limit, what)
+        # The dispatcher fails the future at its deadline; the margin only
+        # guards against a dispatcher that died.
+        done, _ = futures_wait([fut], limit + 2 * _DISPATCH_POLL_S + 1.0)
+        if not done:
+            with self._shared:
+                self._call_waiters.pop(uuid, None)
+            raise NotActive(self._not_active_text(what, limit))
+        return fut.result()  # or NotActive, ClosedError, CloneError
+
+    def _call_async(
+        self,
+        op: str,
+        uuid: bytes,
+        key: str,
+        props: Properties,
+        body: bytes,
+        timeout: float,
+        what: str,
+    ) -> Future[Reply]:
+        if not timeout > 0:
+            raise ValueError("timeout must be > 0")
+        frames = encode_call(op, uuid, key, props, body)
+        fut: Future[Reply] = Future()
+        fut.set_running_or_notify_cancel()
+        with self._shared:
+            self._call_waiters[uuid] = fut
+            heapq.heappush(self._call_deadlines, (time.monotonic() + timeout, uuid, what, timeout))
+        try:
+            self._send_oneway(_agent.CALL, [repr(float(timeout)).encode(), *frames])
+        except BaseException:
+            with self._shared:
+                self._call_waiters.pop(uuid, None)
+            raise
+        return fut
+
+    def _not_active_text(self, what: str, timeout: float) -> str:
+        return (
+            f"no active server answered {what} within {timeout:g} s (servers: "
+            f"{', '.join(self._servers) or 'none'}): both may be down, passive or "
+            f"unreachable; if only the reply was lost the call may have been applied, "
+            f"so read the key before trying again"
+        )
 
     def set_async(
         self, key: str, value: bytes | str, ttl: float = 0, *, timeout: float | None = None
-    ) -> Future[None]:
-        """A confirmed write that does not block: the future resolves when the active
-        server has republished it, or fails with ConfirmTimeout after ``timeout``
-        (WriteRefused at once if the server refuses it).
+    ) -> Future[int]:
+        """A confirmed write that does not block: the future resolves to its
+        sequence when the active server has republished it, or fails with
+        ConfirmTimeout after ``timeout`` (WriteRefused at once if the server
+        refuses it).
 
         This is how a bulk loader keeps many writes in flight from one thread.
         """
@@ -451,14 +820,14 @@ class Clone:
         props = {TTL_PROPERTY: ttl_text} if ttl_text is not None else {}
         return self._write_async(_build(key, body, props), timeout)
 
-    def delete_async(self, key: str, *, timeout: float | None = None) -> Future[None]:
+    def delete_async(self, key: str, *, timeout: float | None = None) -> Future[int]:
         """Delete ``key``; the future resolves as for :meth:`set_async`."""
         return self._write_async(_build(key, b"", {}), timeout)
 
-    def _write(self, msg: KVMsg, wait: bool, timeout: float | None) -> None:
+    def _write(self, msg: KVMsg, wait: bool, timeout: float | None) -> int | None:
         if not wait:
             self._send_oneway(_agent.SET, [b"", *encode_kv(msg)])
-            return
+            return None
         fut = self._write_async(msg, timeout)
         limit = self.confirm_timeout if timeout is None else timeout
         # The dispatcher fails the future at its deadline; the margin only guards
@@ -468,13 +837,13 @@ class Clone:
             with self._shared:
                 self._waiters.pop(msg.uuid, None)
             raise ConfirmTimeout(self._timeout_text(msg.key, limit))
-        fut.result()  # raises ConfirmTimeout, WriteRefused or ClosedError
+        return fut.result()  # or raises ConfirmTimeout, WriteRefused or ClosedError
 
-    def _write_async(self, msg: KVMsg, timeout: float | None) -> Future[None]:
+    def _write_async(self, msg: KVMsg, timeout: float | None) -> Future[int]:
         timeout = self.confirm_timeout if timeout is None else timeout
         if timeout <= 0:
             raise ValueError("timeout must be > 0")
-        fut: Future[None] = Future()
+        fut: Future[int] = Future()
         fut.set_running_or_notify_cancel()
         with self._shared:
             self._waiters[msg.uuid] = fut
@@ -496,20 +865,31 @@ class Clone:
         )
 
     def _expire_waiters(self) -> float:
-        """Fail the confirmed writes past their deadline; return seconds to the next."""
+        """Fail the confirmed writes and calls past their deadline; return
+        seconds to the next."""
         now = time.monotonic()
-        expired: list[tuple[Future[None], str, float]] = []
+        expired: list[tuple[Future[int], str, float]] = []
+        unanswered: list[tuple[Future[Reply], str, float]] = []
         with self._shared:
             while self._deadlines and self._deadlines[0][0] <= now:
                 _, uuid, key, timeout = heapq.heappop(self._deadlines)
                 fut = self._waiters.pop(uuid, None)
                 if fut is not None:
                     expired.append((fut, key, timeout))
-            wait = self._deadlines[0][0] - now if self._deadlines else _DISPATCH_POLL_S
+            while self._call_deadlines and self._call_deadlines[0][0] <= now:
+                _, uuid, what, timeout = heapq.heappop(self._call_deadlines)
+                call = self._call_waiters.pop(uuid, None)
+                if call is not None:
+                    unanswered.append((call, what, timeout))
+            heads = [d[0][0] for d in (self._deadlines, self._call_deadlines) if d]
+            nxt = min(heads, default=now + _DISPATCH_POLL_S)
         for fut, key, timeout in expired:
             if not fut.done():
                 fut.set_exception(ConfirmTimeout(self._timeout_text(key, timeout)))
-        return min(wait, _DISPATCH_POLL_S)
+        for call, what, timeout in unanswered:
+            if not call.done():
+                call.set_exception(NotActive(self._not_active_text(what, timeout)))
+        return min(nxt - now, _DISPATCH_POLL_S)
 
     def get(self, key: str, default: bytes | None = None) -> bytes | None:
         """The value of ``key`` in our replica, or ``default``."""
@@ -547,6 +927,8 @@ class Clone:
             sequence=raw["sequence"],
             keys=raw["keys"],
             pending_writes=raw["pending_writes"],
+            pending_calls=raw["pending_calls"],
+            leases=raw["leases"],
             servers=tuple(raw["servers"]),
             subtrees=tuple(raw["subtrees"]),
             counters=raw["counters"],
@@ -581,16 +963,29 @@ class Clone:
             if self._closed:
                 raise ClosedError("this Clone client is closed")
             self._callbacks.append(callback)
-            if self._callback_thread is None:
-                self._callback_queue = queue.SimpleQueue()
-                self._callback_thread = threading.Thread(
-                    target=self._run_callbacks,
-                    args=(self._callback_queue,),
-                    name=self._dispatcher.name.replace("events", "callbacks"),
-                    daemon=True,
-                )
-                self._callback_thread.start()
+            self._callbacks_started()
         self._watch()
+
+    def _callbacks_started(self) -> queue.SimpleQueue[Entry | Callable[[], None] | object]:
+        """The callback thread's queue, the thread started if need be (hold ``_shared``)."""
+        if self._callback_queue is None:
+            self._callback_queue = queue.SimpleQueue()
+            self._callback_thread = threading.Thread(
+                target=self._run_callbacks,
+                args=(self._callback_queue,),
+                name=self._dispatcher.name.replace("events", "callbacks"),
+                daemon=True,
+            )
+            self._callback_thread.start()
+        return self._callback_queue
+
+    def _run_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` in the callback thread (a lease's ``on_lost`` callbacks)."""
+        with self._shared:
+            if self._closed:
+                log.debug("client closed: callback %r not run", fn)
+                return
+            self._callbacks_started().put(fn)
 
     def changes(
         self, timeout: float | None = None, prefix: str = "", *, since: int | None = None
@@ -672,13 +1067,26 @@ class Clone:
                 with self._shared:
                     waiter = self._waiters.pop(frames[1], None)
                 if waiter is not None and not waiter.done():
-                    waiter.set_result(None)
+                    waiter.set_result(int.from_bytes(frames[2], "big"))
+            elif kind == _agent.REPLY:
+                with self._shared:
+                    call = self._call_waiters.pop(frames[1], None)
+                if call is not None and not call.done():
+                    call.set_result(decode_reply(frames[2:]))  # the agent's own encoding
+            elif kind == _agent.LEASELOST:
+                lease_id, why = (f.decode("utf-8", "replace") for f in frames[1:3])
+                with self._shared:
+                    lease = self._leases.pop(lease_id, None)
+                if lease is not None:
+                    lease._mark_lost(why)
             elif kind == _agent.FAILED:
                 text = frames[2].decode("utf-8", "replace")
                 with self._shared:
-                    waiter = self._waiters.pop(frames[1], None)
-                if waiter is not None and not waiter.done():
-                    waiter.set_exception(CloneError(f"client agent refused the write: {text}"))
+                    failed: Future[int] | Future[Reply] | None = self._waiters.pop(frames[1], None)
+                    if failed is None:
+                        failed = self._call_waiters.pop(frames[1], None)
+                if failed is not None and not failed.done():
+                    failed.set_exception(CloneError(f"client agent refused the write: {text}"))
                 else:
                     log.warning("client agent refused a write: %s", text)
             elif kind == _agent.REFUSED:
@@ -706,12 +1114,18 @@ class Clone:
                 break
         self._active.clear()
 
-    def _run_callbacks(self, q: queue.SimpleQueue[Entry | object]) -> None:
+    def _run_callbacks(self, q: queue.SimpleQueue[Entry | Callable[[], None] | object]) -> None:
         while True:
             item = q.get()
             if item is STOP:
                 return
-            assert isinstance(item, Entry)
+            if not isinstance(item, Entry):
+                assert callable(item)
+                try:
+                    item()
+                except Exception:
+                    log.exception("callback %r failed", item)
+                continue
             with self._shared:
                 callbacks = list(self._callbacks)
             for callback in callbacks:

@@ -102,9 +102,11 @@ Where things are: this module holds the inputs and :data:`TRANSITIONS`, a
 read-only table keyed by (state, event), plus the handlers of the INITIAL and
 ACTIVE states; the rules of a sync are in :mod:`clone.client.sync`, of failing
 over in :mod:`clone.client.failover`, of writes in :mod:`clone.client.writes`,
-and the state they share in :mod:`clone.client.state`.  Not every decision is a
-table row: writes (``write``/``forget``/``refused``: the same in every state),
-the resends and expiries of confirmed writes in ``tick`` (a timer, the same in
+of calls and leases in :mod:`clone.client.calls`, and the state they share in
+:mod:`clone.client.state`.  Not every decision is a table row: writes
+(``write``/``forget``/``refused``: the same in every state), calls
+(``call``/``replied``/``keep_lease``), the resends and expiries of confirmed
+writes and calls and the lease keepalives in ``tick`` (a timer, the same in
 every state), dropping messages from a server that is not the current one
 (before the table, in ``handle``/``update``/``snapshot_batch``), counting
 malformed messages, and whether changes are emitted (``emit_changes``).
@@ -117,17 +119,21 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Final
 
+from clone.client.calls import Calls
 from clone.client.failover import Failover
 from clone.client.state import (
     Action,
     AgentConfig,
     AgentCounters,
+    CallReplied,
     Changed,
     Confirmed,
     Event,
+    LeaseGone,
     Malformed,
     Refused,
     RequestSnapshot,
+    SendCall,
     SendUpdate,
     State,
     StateChanged,
@@ -155,6 +161,9 @@ __all__ = [
     "StateChanged",
     "Malformed",
     "Refused",
+    "SendCall",
+    "CallReplied",
+    "LeaseGone",
     "Action",
     "normalize_subtrees",
 ]
@@ -164,12 +173,14 @@ log = logging.getLogger(__name__)
 _Handler = Callable[["AgentFSM", int, Any, float], list[Action]]
 
 
-class AgentFSM(SnapshotSync, Failover, Writes):
+class AgentFSM(SnapshotSync, Failover, Writes, Calls):
     """The client agent's state machine.  Not thread-safe: the agent thread owns it.
 
     Its inputs are the public methods below; each event goes through
-    :data:`TRANSITIONS`.  Writes (:meth:`write`, :meth:`forget`) and the resends
-    and expiries in :meth:`tick` are not table rows (see :mod:`clone.client.writes`).
+    :data:`TRANSITIONS`.  Writes (:meth:`write`, :meth:`forget`), calls and
+    leases (:meth:`call`, :meth:`replied`, :meth:`keep_lease`) and the resends,
+    keepalives and expiries in :meth:`tick` are not table rows (see
+    :mod:`clone.client.writes` and :mod:`clone.client.calls`).
     """
 
     # ----------------------------------------------------------------------
@@ -249,12 +260,16 @@ class AgentFSM(SnapshotSync, Failover, Writes):
 
     def tick(self, now: float) -> list[Action]:
         """Let time pass: resends and expired confirmed writes (not table rows:
-        the same in every state), then silence and re-asks (table events)."""
+        the same in every state), then silence and re-asks (table events), then
+        calls and keepalives (after those, so that a failover or a sync they
+        caused sends the waiting calls at once)."""
         actions = self._resend_due(now) if self._pending else []
         if self._silence_at is not None and now >= self._silence_at:
             actions.extend(self.handle(Event.SILENCE, self.current or 0, None, now))
         if self._reask_at is not None and now >= self._reask_at:
             actions.extend(self.handle(Event.REASK, self.current or 0, None, now))
+        if self._calls or self._leases:
+            actions.extend(self._calls_due(now))
         return actions
 
     # ----------------------------------------------------------------------
@@ -274,7 +289,7 @@ class AgentFSM(SnapshotSync, Failover, Writes):
         self._alive(now)
         if msg.sequence <= self.last_sequence:
             self.counters.stale += 1
-            return self._confirm_if_pending(msg.uuid)
+            return self._confirm_if_pending(msg.uuid, msg.sequence)
         return self._apply_live(server, msg, now)
 
     def _check_heartbeat(self, server: int, hugz: Hugz, now: float) -> list[Action]:

@@ -38,6 +38,11 @@ class Entry:
                 return value
         return default
 
+    @property
+    def lease(self) -> str | None:
+        """The id of the lease this key is bound to (deleted when it ends), or None."""
+        return self.prop("lease")
+
 
 @dataclass(frozen=True, slots=True)
 class Status:
@@ -51,6 +56,8 @@ class Status:
     servers: tuple[str, ...] = ()
     subtrees: tuple[str, ...] = ()
     counters: dict[str, int] = field(default_factory=dict)
+    pending_calls: int = 0  # compare-and-set and lease calls awaiting a reply
+    leases: int = 0  # leases the agent keeps alive
 
     @property
     def gaps(self) -> int:

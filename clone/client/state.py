@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from clone.errors import ProtocolError
+from clone.wire.calls import Reply
 from clone.wire.codec import (
     Hugz,
     KVMsg,
@@ -36,11 +37,15 @@ __all__ = [
     "AgentConfig",
     "AgentCounters",
     "AgentState",
+    "CallReplied",
     "Changed",
     "Confirmed",
     "Event",
+    "LeaseGone",
     "Malformed",
+    "Refused",
     "RequestSnapshot",
+    "SendCall",
     "SendUpdate",
     "State",
     "StateChanged",
@@ -114,9 +119,11 @@ class Changed:
 
 @dataclass(frozen=True, slots=True)
 class Confirmed:
-    """The write with this uuid is in the map: the active server republished it."""
+    """The write with this uuid is in the map: the active server republished it,
+    as the update with this ``sequence`` (what ``set(wait=True)`` returns)."""
 
     uuid: bytes
+    sequence: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +151,44 @@ class Refused:
     key: str
 
 
-Action = RequestSnapshot | SendUpdate | Changed | Confirmed | StateChanged | Malformed | Refused
+@dataclass(frozen=True, slots=True)
+class SendCall:
+    """Send this CALL? (:mod:`clone.wire.calls`) to ``server`` on its call DEALER
+    (connected to its snapshot port; the reply comes back on it)."""
+
+    frames: tuple[bytes, ...]
+    server: int
+
+
+@dataclass(frozen=True, slots=True)
+class CallReplied:
+    """A call the application waits on has its answer (never ``not-active``:
+    those calls stay pending and are sent again)."""
+
+    reply: Reply
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseGone:
+    """A lease we kept alive is gone from the servers (a keepalive was refused,
+    ``why`` says how): we no longer keep it; tell the application."""
+
+    lease_id: str
+    why: str
+
+
+Action = (
+    RequestSnapshot
+    | SendUpdate
+    | Changed
+    | Confirmed
+    | StateChanged
+    | Malformed
+    | Refused
+    | SendCall
+    | CallReplied
+    | LeaseGone
+)
 
 # What the maps hold per key: (sequence, uuid, properties, body), body never empty.
 # A tuple, not a KVMsg: building a frozen dataclass per snapshot entry cost as
@@ -252,6 +296,17 @@ class AgentCounters:
     expired_writes: int = 0  # confirmed writes given up on
     refusals: int = 0  # refusal notices received (for any write of ours)
     refused_writes: int = 0  # confirmed writes failed by a refusal notice
+    # Calls (CALL?/REPLY: compare-and-set, leases): made by the application,
+    # sent again (resend_interval, a failover, a completed sync), given up at
+    # the caller's deadline, answered "not-active" (kept, sent again later),
+    # answered after we stopped waiting (dropped).
+    calls: int = 0
+    calls_resent: int = 0
+    calls_expired: int = 0
+    calls_not_active: int = 0
+    late_replies: int = 0
+    keepalives: int = 0  # lease keepalives sent (each a fresh call)
+    leases_lost: int = 0  # kept leases a server said are gone
     # Restricted mode: view heartbeats whose count differed from ours (a resync),
     # and those for a view that is not ours (our rights changed: a resync).
     view_gaps: int = 0
@@ -270,6 +325,27 @@ class _Pending:
     expires_at: float
     next_send: float
     published: bool = False  # seen on the current server's stream, map not yet swapped
+    sequence: int = 0  # the sequence it was seen with, once published
+
+
+@dataclass(slots=True)
+class _PendingCall:
+    """A call waiting for its reply (:mod:`clone.client.calls`)."""
+
+    frames: tuple[bytes, ...]
+    expires_at: float  # the caller's deadline; never for a keepalive (replaced instead)
+    next_send: float  # _NEVER: not sent yet, no server to send it to
+    lease: str | None = None  # a keepalive of this kept lease: nobody waits on it
+    sends: int = 0
+
+
+@dataclass(slots=True)
+class _KeptLease:
+    """A lease the agent keeps alive with a keepalive every ``ttl / 3``."""
+
+    ttl: float
+    next_keepalive: float
+    inflight: bytes | None = None  # the uuid of the unanswered keepalive
 
 
 _NEVER = float("inf")
@@ -336,6 +412,12 @@ class AgentState:
         self._left_at: float | None = None  # last heard from the server we failed over from
         self._pending: dict[bytes, _Pending] = {}
         self._held: list[KVMsg] = []  # writes made before the first snapshot
+        # Calls awaiting a reply, by uuid; leases kept alive, by id; where the
+        # calls were last sent (server, completed syncs): a change sends them
+        # again at once (clone.client.calls).
+        self._calls: dict[bytes, _PendingCall] = {}
+        self._leases: dict[str, _KeptLease] = {}
+        self._call_route: tuple[int | None, int] = (None, 0)
         # Silence allowed while active, per server that said its heartbeat.
         self._advertised_timeout: dict[int, float] = {}
         # Restricted mode (docs/protocol.md, "Detecting lost updates in a filtered
@@ -387,6 +469,10 @@ class AgentState:
         """When :meth:`tick` has something to do next, or None."""
         times = [p.next_send for p in self._pending.values() if p.next_send != _NEVER]
         times.extend(p.expires_at for p in self._pending.values())
+        if self._calls or self._leases:
+            times.extend(c.next_send for c in self._calls.values() if c.next_send != _NEVER)
+            times.extend(c.expires_at for c in self._calls.values() if c.expires_at != _NEVER)
+            times.extend(k.next_keepalive for k in self._leases.values())
         if self._silence_at is not None:
             times.append(self._silence_at)
         if self._reask_at is not None:
@@ -518,7 +604,7 @@ class AgentState:
                 msg.sequence,
                 self.last_sequence,
             )
-            self._mark_published(msg.uuid)
+            self._mark_published(msg.uuid, msg.sequence)
             return self._start_sync(server, now)
         return self._apply_in_place(msg, self._frames_in)
 
@@ -539,17 +625,18 @@ class AgentState:
             if self.emit_changes and _differs(old, new):
                 # A delete keeps its message, so watchers learn its sequence.
                 actions.append(Changed(msg.key, msg))
-        actions.extend(self._confirm_if_pending(msg.uuid))
+        actions.extend(self._confirm_if_pending(msg.uuid, msg.sequence))
         return actions
 
-    def _mark_published(self, uuid: bytes) -> None:
+    def _mark_published(self, uuid: bytes, sequence: int) -> None:
         pending = self._pending.get(uuid) if uuid else None
         if pending is not None:
             pending.published = True
+            pending.sequence = sequence
 
-    def _confirm_if_pending(self, uuid: bytes) -> list[Action]:
+    def _confirm_if_pending(self, uuid: bytes, sequence: int) -> list[Action]:
         if uuid and self._pending.pop(uuid, None) is not None:
-            return [Confirmed(uuid)]
+            return [Confirmed(uuid, sequence)]
         return []
 
 

@@ -265,9 +265,9 @@ class SnapshotSync(AgentState):
         actions: list[Action] = []
         request = self._request_id
         for msg in buffered:
-            self._mark_published(msg.uuid)
+            self._mark_published(msg.uuid, msg.sequence)
             if msg.sequence <= self.last_sequence:
-                actions.extend(self._confirm_if_pending(msg.uuid))
+                actions.extend(self._confirm_if_pending(msg.uuid, msg.sequence))
                 continue
             self._frames_in = frames.get(msg.sequence)
             try:
@@ -312,7 +312,7 @@ class SnapshotSync(AgentState):
         applied = 0
         last_msg: KVMsg | None = None
         for msg in self._buffer:
-            self._mark_published(msg.uuid)
+            self._mark_published(msg.uuid, msg.sequence)
             if msg.sequence <= last:
                 continue
             if view is not None:
@@ -370,13 +370,14 @@ class SnapshotSync(AgentState):
             entry = current.get(p.msg.key)
             if entry is not None and entry[1] == uuid:
                 p.published = True
+                p.sequence = entry[0]
         flushed, self._held = self._held, []
         actions.extend(SendUpdate(msg) for msg in flushed)
         held_uuids = {msg.uuid for msg in flushed}
         for uuid, p in list(self._pending.items()):
             if p.published:
                 del self._pending[uuid]
-                actions.append(Confirmed(uuid))
+                actions.append(Confirmed(uuid, p.sequence))
             elif uuid in held_uuids:
                 p.next_send = now + self.config.resend_interval
             else:

@@ -627,7 +627,7 @@ def test_confirmed_write_is_confirmed_when_its_uuid_comes_back() -> None:
     msg = KVMsg.build("k", b"v", uuid=new_uuid())
     assert fsm.write(msg, 1.0, confirm_within=5.0) == [SendUpdate(msg)]
     actions = fsm.update(0, srv.apply("k", b"v", msg.uuid), 1.1)
-    assert actions[-1] == Confirmed(msg.uuid)
+    assert actions[-1] == Confirmed(msg.uuid, srv.seq)  # with the sequence it got
     assert fsm.get("k") is not None  # applied before confirmed
     assert fsm.pending_writes == 0
 
@@ -655,7 +655,7 @@ def test_confirmed_write_survives_failover() -> None:
     actions = feed_snapshot(fsm, backup, 2.6)
     assert SendUpdate(msg) in actions  # resent to the new server, same uuid
     actions = fsm.update(1, backup.apply("k", b"v", msg.uuid), 2.7)
-    assert Confirmed(msg.uuid) in actions
+    assert Confirmed(msg.uuid, backup.seq) in actions
 
 
 def test_write_published_during_sync_is_confirmed_at_the_swap() -> None:
@@ -670,7 +670,7 @@ def test_write_published_during_sync_is_confirmed_at_the_swap() -> None:
     actions = []
     for m in snap:
         actions += snapshot_reply(fsm, 0, m, 0.2)
-    assert Confirmed(msg.uuid) in actions
+    assert Confirmed(msg.uuid, pub.sequence) in actions
     assert fsm.get("k") is not None
 
 
@@ -679,10 +679,11 @@ def test_write_seen_in_a_gap_is_confirmed_after_the_resync() -> None:
     msg = KVMsg.build("k", b"v", uuid=new_uuid())
     fsm.write(msg, 0.0, confirm_within=5.0)
     srv.apply("x", b"lost")
-    fsm.update(0, srv.apply("k", b"v", msg.uuid), 0.1)  # gap -> resync
+    seen = srv.apply("k", b"v", msg.uuid)
+    fsm.update(0, seen, 0.1)  # gap -> resync
     srv.apply("k", b"overwritten")  # so the snapshot no longer carries our uuid
     actions = feed_snapshot(fsm, srv, 0.2)
-    assert Confirmed(msg.uuid) in actions
+    assert Confirmed(msg.uuid, seen.sequence) in actions
     assert not any(isinstance(a, SendUpdate) for a in actions)
 
 
@@ -888,7 +889,7 @@ def test_swap_confirms_a_pending_write_found_in_the_new_map() -> None:
     srvs[1].apply("k", b"v", uuid)
     fsm.server_disconnected(0, 1.1)  # fail over to server 1
     actions = feed_batches(fsm, srvs[1], 1.2)
-    assert Confirmed(uuid) in actions and fsm.pending_writes == 0
+    assert Confirmed(uuid, srvs[1].map["k"].sequence) in actions and fsm.pending_writes == 0
 
 
 _frame = st.binary(max_size=20) | st.sampled_from(

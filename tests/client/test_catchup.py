@@ -243,8 +243,9 @@ def test_a_pending_write_is_confirmed_by_the_catch_up() -> None:
     fsm.write(KVMsg("w", 0, uuid, (), b"v"), 0.55, confirm_within=10.0)
     other = new_uuid()
     fsm.write(KVMsg("x", 0, other, (), b"v"), 0.55, confirm_within=10.0)
-    actions = fsm.snapshot_batch(1, delta([backup.apply("w", b"v", uuid)], last.sequence), 0.6)
-    assert Confirmed(uuid) in actions
+    written = backup.apply("w", b"v", uuid)
+    actions = fsm.snapshot_batch(1, delta([written], last.sequence), 0.6)
+    assert Confirmed(uuid, written.sequence) in actions
     # The one the new server never published is sent again, as after a snapshot.
     assert fsm.pending_writes == 1 and fsm.counters.resent >= 1
 

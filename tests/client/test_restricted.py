@@ -293,7 +293,7 @@ def test_an_allowed_write_is_still_confirmed() -> None:
     fsm.write(msg, 1.0, confirm_within=5.0)
     echoed = srv.apply("/public/x", b"v", msg.uuid)
     assert echoed is not None
-    assert fsm.update(0, echoed, 1.1)[-1] == Confirmed(msg.uuid)
+    assert fsm.update(0, echoed, 1.1)[-1] == Confirmed(msg.uuid, echoed.sequence)
 
 
 # --------------------------------------------------------------------------

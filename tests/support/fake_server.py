@@ -4,10 +4,13 @@ It runs in a thread with its own context, serves snapshots, republishes KVSETs
 with a sequence (deduplicating by uuid), sends HUGZ, and can be told to go
 silent, to stop answering snapshots, to ignore the next N snapshot requests (a
 passive server refusing votes), to drop some publications (to make holes), or to
-send arbitrary frames (garbage).  ``stop()`` closes its sockets, which is what a
-killed process looks like to its clients.  It does no TTL and no Binary Star,
-and like the Guide's servers it answers with KVSYNCs even when the requester
-asks for our KVBATCH extension (it only counts those requests).
+send arbitrary frames (garbage).  CALL?s on its snapshot port are recorded in
+``calls`` and answered by ``on_call`` if set (a :class:`Reply`, raw frames, or
+None for no answer, which is what a Guide server does).  ``stop()`` closes its
+sockets, which is what a killed process looks like to its clients.  It does no
+TTL and no Binary Star, and like the Guide's servers it answers with KVSYNCs
+even when the requester asks for our KVBATCH extension (it only counts those
+requests).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Callable, Sequence
 import zmq
 
 from clone.errors import ProtocolError
+from clone.wire.calls import Call, Reply, decode_call, encode_reply, is_call
 from clone.wire.codec import (
     KVMsg,
     decode_icanhaz,
@@ -51,6 +55,9 @@ class FakeServer:
         # Raw messages sent at the start of every snapshot reply (garbage tests).
         self.snapshot_prefix: list[list[bytes]] = []
         self.kvsets = 0
+        # Calls received (decoded), and who answers them, in the server thread.
+        self.calls: list[Call] = []
+        self.on_call: Callable[[Call], Reply | list[bytes] | None] | None = None
         self._seen: set[bytes] = set()
         self._calls: list[Callable[[], None]] = []
         self._lock = threading.Lock()
@@ -150,6 +157,9 @@ class FakeServer:
 
     def _snapshot(self, snap: zmq.Socket[bytes], parts: list[zmq.Frame]) -> None:
         ident, rest = parts[0].bytes, [p.bytes for p in parts[1:]]
+        if is_call(rest):
+            self._call(snap, ident, rest)
+            return
         self.snapshot_requests += 1
         try:
             if len(parts) > 1 and parts[1].get("X-CHP-Batch") == "1":
@@ -172,6 +182,17 @@ class FakeServer:
             if key.startswith(req.subtree):
                 snap.send_multipart([ident, *encode_kv(self.map[key])])
         snap.send_multipart([ident, *encode_kthxbai(self.sequence, req.subtree)])
+
+    def _call(self, snap: zmq.Socket[bytes], ident: bytes, frames: list[bytes]) -> None:
+        try:
+            call = decode_call(frames)
+        except ProtocolError:
+            return
+        self.calls.append(call)
+        answer = None if self.silent or self.on_call is None else self.on_call(call)
+        if answer is not None:
+            raw = encode_reply(answer) if isinstance(answer, Reply) else answer
+            snap.send_multipart([ident, *raw])
 
     def _collect(self, frames: list[bytes]) -> None:
         try:

@@ -1,0 +1,209 @@
+"""How the agent makes calls (CALL?/REPLY) and keeps leases alive.
+
+How this works: a call (a compare-and-set, a write bound to a lease, a lease
+operation: docs/protocol.md, "CALL? / REPLY") waits in a table keyed by its
+uuid until a reply ends it or the caller's deadline passes.  It is sent to the
+*current* server only (:class:`~clone.client.state.SendCall`, on that server's
+call DEALER), and sent again, same uuid, every ``resend_interval`` and at once
+when the current server changes (a failover) or a sync completes: the servers
+deduplicate ``set`` and ``lease-grant`` by uuid, and a keepalive or a revoke
+done twice changes nothing, so a retry is always safe.  A reply ``refused``
+with reason ``not-active`` (a passive or starting server) keeps the call
+waiting, to be sent again later, maybe to another server; any other reply,
+from any server, ends it (:class:`~clone.client.state.CallReplied`).  At the
+deadline the call is dropped without a word: the frontend, which holds the
+same deadline, raises :class:`~clone.errors.NotActive`.
+
+Leases: the frontend registers a granted lease (:meth:`Calls.keep_lease`); every
+``ttl / 3`` we send a ``lease-keepalive`` with a fresh uuid and no waiter.  An
+unanswered keepalive is resent like any call, and replaced by the next one when
+that is due.  A keepalive refused for any reason but ``not-active``
+(``unknown-lease``: it expired, or someone revoked it) means the lease cannot
+be kept: we stop and say so (:class:`~clone.client.state.LeaseGone`).  Calling
+``lease-revoke`` stops the keepalives of that lease at once.  We never decide
+on our own that a lease is gone: a server that becomes active gives every lease
+a full ttl (docs/protocol.md), so a lease outlives a failover longer than its
+ttl, and only a server can say it ended.
+
+Not table rows: like writes, calls are commands from the application and
+resends are a timer, the same in every state.  A mixin over
+:class:`~clone.client.state.AgentState`; sans-IO (``now`` is an argument; the
+keepalives' uuids come from :attr:`Calls.new_call_id`).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from clone.client.state import (
+    _NEVER,
+    Action,
+    AgentState,
+    CallReplied,
+    LeaseGone,
+    SendCall,
+    _KeptLease,
+    _PendingCall,
+)
+from clone.wire.calls import (
+    LEASE_PROPERTY,
+    OP_LEASE_KEEPALIVE,
+    OP_LEASE_REVOKE,
+    Call,
+    Reply,
+    encode_call,
+    valid_lease_id,
+)
+from clone.wire.codec import new_uuid
+from clone.wire.protocol import MAX_TTL_SECONDS
+
+__all__ = ["Calls", "KEEPALIVES_PER_TTL"]
+
+log = logging.getLogger(__name__)
+
+#: Keepalives per ttl: a third of it apart, so two may be lost (or a failover
+#: may take most of a third) before the lease is in danger.
+KEEPALIVES_PER_TTL = 3
+
+_NOT_ACTIVE = "not-active"
+
+
+class Calls(AgentState):
+    """Pending calls, their resends and replies; the keepalives of kept leases."""
+
+    #: Where keepalives get their uuids (16 bytes, unique); tests may replace it.
+    new_call_id: Callable[[], bytes] = staticmethod(new_uuid)
+
+    # ----------------------------------------------------------------------
+    # Inputs
+
+    def call(self, call: Call, now: float, *, within: float) -> list[Action]:
+        """Send ``call`` to the current server and wait ``within`` seconds for
+        its reply, resending it meanwhile."""
+        if not within > 0:
+            raise ValueError(f"a call's deadline must be > 0 s, not {within}")
+        if call.uuid in self._calls:
+            raise ValueError("a call with this uuid is already waiting")
+        if call.op == OP_LEASE_REVOKE and call.lease is not None:
+            self._stop_keeping(call.lease)  # revoked or not, we let it go
+        self.counters.calls += 1
+        pending = _PendingCall(
+            tuple(encode_call(call.op, call.uuid, call.key, call.properties, call.body)),
+            now + within,
+            _NEVER,
+        )
+        self._calls[call.uuid] = pending
+        self._call_route = self._route()
+        return self._send_call(pending, now)
+
+    def replied(self, server: int, reply: Reply, now: float) -> list[Action]:
+        """A REPLY from ``server`` (any server: an answer is an answer)."""
+        pending = self._calls.get(reply.uuid)
+        if pending is None:
+            # A reply to a retry, or after the caller gave up: its first answer
+            # was taken, or nobody is left to tell.
+            self.counters.late_replies += 1
+            return []
+        if reply.status == "refused" and reply.reason == _NOT_ACTIVE:
+            # A passive or starting server: ask again later, perhaps another.
+            self.counters.calls_not_active += 1
+            pending.next_send = now + self.config.resend_interval
+            log.debug("%s answered a call not-active; will ask again", self.servers[server])
+            return []
+        del self._calls[reply.uuid]
+        if pending.lease is None:
+            return [CallReplied(reply)]
+        return self._kept_reply(pending.lease, reply)
+
+    def keep_lease(self, lease_id: str, ttl: float, now: float) -> list[Action]:
+        """Keep ``lease_id`` alive: a keepalive every ``ttl / 3`` from now on."""
+        if not valid_lease_id(lease_id):
+            raise ValueError(f"lease id {lease_id[:40]!r} is not 32 lowercase hex digits")
+        if not 0 < ttl <= MAX_TTL_SECONDS:
+            raise ValueError(f"lease ttl {ttl} is out of range")
+        self._leases[lease_id] = _KeptLease(ttl, now + ttl / KEEPALIVES_PER_TTL)
+        return []
+
+    @property
+    def pending_calls(self) -> int:
+        return len(self._calls)
+
+    @property
+    def kept_leases(self) -> tuple[str, ...]:
+        return tuple(self._leases)
+
+    # ----------------------------------------------------------------------
+    # The timer (from tick)
+
+    def _calls_due(self, now: float) -> list[Action]:
+        """Keepalives due, calls past their deadline, resends due or owed to a
+        new server or a completed sync."""
+        for lease_id, kept in self._leases.items():
+            if now >= kept.next_keepalive:
+                self._keepalive(lease_id, kept, now)  # sent below, with the rest
+        route = self._route()
+        rerouted = route != self._call_route
+        self._call_route = route
+        actions: list[Action] = []
+        for uuid, pending in list(self._calls.items()):
+            if now >= pending.expires_at:
+                del self._calls[uuid]
+                self.counters.calls_expired += 1
+                log.debug("gave up on a call: no active server answered it in time")
+            elif self.current is None:
+                pending.next_send = _NEVER  # sent when a server is added
+            elif rerouted or now >= pending.next_send:
+                if pending.sends:
+                    self.counters.calls_resent += 1
+                actions.extend(self._send_call(pending, now))
+        return actions
+
+    # ----------------------------------------------------------------------
+    # Helpers
+
+    def _route(self) -> tuple[int | None, int]:
+        """Where calls go, and how many syncs completed there: a change of
+        either sends every waiting call again at once."""
+        return self.current, self.counters.syncs_full + self.counters.syncs_catchup
+
+    def _send_call(self, pending: _PendingCall, now: float) -> list[Action]:
+        if self.current is None:
+            pending.next_send = _NEVER  # sent when a server is added
+            return []
+        pending.next_send = now + self.config.resend_interval
+        pending.sends += 1
+        return [SendCall(pending.frames, self.current)]
+
+    def _keepalive(self, lease_id: str, kept: _KeptLease, now: float) -> None:
+        """A fresh keepalive, due now, replacing one still unanswered."""
+        if kept.inflight is not None:
+            self._calls.pop(kept.inflight, None)
+        uuid = self.new_call_id()
+        kept.inflight = uuid
+        kept.next_keepalive = now + kept.ttl / KEEPALIVES_PER_TTL
+        self.counters.keepalives += 1
+        frames = encode_call(OP_LEASE_KEEPALIVE, uuid, properties=((LEASE_PROPERTY, lease_id),))
+        self._calls[uuid] = _PendingCall(tuple(frames), _NEVER, now, lease=lease_id)
+
+    def _kept_reply(self, lease_id: str, reply: Reply) -> list[Action]:
+        """The answer to a keepalive: kept (ok), or gone (any refusal)."""
+        kept = self._leases.get(lease_id)
+        if kept is None:
+            return []  # revoked meanwhile
+        if kept.inflight == reply.uuid:
+            kept.inflight = None
+        if reply.ok:
+            if reply.ttl is not None and reply.ttl != kept.ttl:
+                kept.ttl = reply.ttl  # the server's word on the cadence
+            return []
+        why = (reply.reason or reply.status) + (f" ({reply.detail})" if reply.detail else "")
+        log.warning("lease %s is gone: a keepalive was refused, %s", lease_id, why)
+        self._stop_keeping(lease_id)
+        self.counters.leases_lost += 1
+        return [LeaseGone(lease_id, why)]
+
+    def _stop_keeping(self, lease_id: str) -> None:
+        kept = self._leases.pop(lease_id, None)
+        if kept is not None and kept.inflight is not None:
+            self._calls.pop(kept.inflight, None)
