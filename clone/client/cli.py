@@ -3,7 +3,9 @@
 Argument parsing and printing only; the work is :class:`clone.Clone`.  Exit codes:
 0 success, 1 key not found, 2 no server answered (or bad usage; for ``clone
 status``: any server did not answer), 3 a write was not confirmed in time, 4 any
-other Clone error, 141 the reader of our output went away (``clone dump | head``):
+other Clone error, 5 a compare-and-set conflict (``--if-seq``) or a lock not
+acquired within ``--wait`` (``clone lock`` otherwise exits with its command's
+code), 141 the reader of our output went away (``clone dump | head``):
 128 + SIGPIPE, what a shell reports for ``cat`` in the same place, quietly, so
 ``set -o pipefail`` scripts see that the output was cut short.
 """
@@ -16,6 +18,7 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -29,12 +32,14 @@ from clone.client.frontend import (
     default_servers,
     load_curve_keys,
 )
-from clone.errors import CloneError, ConfirmTimeout, NotSynced, SecurityError
+from clone.errors import CloneError, ConfirmTimeout, Conflict, NotSynced, SecurityError
 from clone.progress import Progress
+from clone.recipes import Lock
 
 __all__ = ["main"]
 
 EXIT_OK, EXIT_MISSING, EXIT_UNREACHABLE, EXIT_UNCONFIRMED, EXIT_ERROR = 0, 1, 2, 3, 4
+EXIT_CONFLICT = 5
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # 141
 
 
@@ -91,9 +96,41 @@ def _parser() -> argparse.ArgumentParser:
     set_.add_argument("key")
     set_.add_argument("value")
     set_.add_argument("--ttl", type=float, default=0, metavar="SECONDS", help="expire after")
+    set_.add_argument(
+        "--if-seq",
+        type=_sequence,
+        default=None,
+        metavar="N",
+        help="write only if the key is at sequence N (0: only if absent); exit 5 with"
+        " the key's current sequence otherwise",
+    )
 
     delete = sub.add_parser("del", help="delete a key (confirmed)")
     delete.add_argument("key")
+    delete.add_argument(
+        "--if-seq", type=_sequence, default=None, metavar="N", help="as for set"
+    )
+
+    lock = sub.add_parser(
+        "lock",
+        help="run COMMAND while holding the lock NAME (like `etcdctl lock`)",
+        description="Take the lock NAME (a key prefix, e.g. /locks/backup), run COMMAND,"
+        " release the lock, and exit with COMMAND's code. Waiters get the lock in"
+        " arrival order; a holder that dies frees it after --ttl. If the lock's lease"
+        " is lost while COMMAND runs, COMMAND is sent SIGTERM and clone exits 4.",
+    )
+    lock.add_argument("name")
+    lock.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
+    lock.add_argument(
+        "--ttl", type=float, default=5.0, metavar="S", help="the lock's lease ttl (default 5)"
+    )
+    lock.add_argument(
+        "--wait",
+        type=float,
+        default=None,
+        metavar="S",
+        help="give up (exit 5) if the lock is not ours within S seconds (default: wait)",
+    )
 
     dump = sub.add_parser("dump", help="print every key under PREFIX as key=value")
     dump.add_argument("prefix", nargs="?", default="")
@@ -232,10 +269,25 @@ def _run(args: argparse.Namespace, client: Clone) -> int:
             return EXIT_MISSING
         sys.stdout.buffer.write(value + b"\n")
         sys.stdout.flush()
-    elif args.command == "set":
-        client.set(args.key, args.value, args.ttl, wait=True, timeout=args.timeout)
-    elif args.command == "del":
-        client.delete(args.key, wait=True, timeout=args.timeout)
+    elif args.command in ("set", "del"):
+        try:
+            if args.command == "set":
+                client.set(
+                    args.key,
+                    args.value,
+                    args.ttl,
+                    wait=True,
+                    timeout=args.timeout,
+                    if_sequence=args.if_seq,
+                )
+            else:
+                client.delete(args.key, wait=True, timeout=args.timeout, if_sequence=args.if_seq)
+        except Conflict as exc:
+            print(f"clone: {exc}", file=sys.stderr)
+            print(exc.current)
+            return EXIT_CONFLICT
+    elif args.command == "lock":
+        return _lock(args, client)
     elif args.command == "dump":
         for entry in client.entries(args.prefix):
             _emit(_json_line(entry) if args.json else _plain_line(entry))
@@ -247,6 +299,48 @@ def _run(args: argparse.Namespace, client: Clone) -> int:
         except KeyboardInterrupt:
             pass
     return EXIT_OK
+
+
+def _lock(args: argparse.Namespace, client: Clone) -> int:
+    """``clone lock NAME -- COMMAND``: the command runs only while we hold the lock."""
+    command = list(args.cmd)
+    if command[:1] == ["--"]:
+        command = command[1:]
+    if not command:
+        print("clone: lock needs a command: clone lock NAME -- COMMAND ...", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    lock = Lock(client, args.name, ttl=args.ttl)
+    if not lock.acquire(timeout=args.wait):
+        print(f"clone: lock {args.name!r} not acquired within {args.wait:g} s", file=sys.stderr)
+        return EXIT_CONFLICT
+    try:
+        try:
+            child = subprocess.Popen(command)
+        except OSError as exc:
+            print(f"clone: cannot run {command[0]!r}: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        while True:
+            try:
+                return child.wait(timeout=0.1)
+            except subprocess.TimeoutExpired:
+                pass
+            except KeyboardInterrupt:
+                child.send_signal(signal.SIGINT)
+                continue
+            if not lock.held:
+                print(
+                    f"clone: lost the lock {args.name!r} (its lease ran out); stopping the command",
+                    file=sys.stderr,
+                )
+                child.terminate()
+                try:
+                    child.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    child.kill()
+                    child.wait()
+                return EXIT_ERROR
+    finally:
+        lock.release()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
