@@ -1,0 +1,255 @@
+"""Leases, compare-and-set, locks and elections across real processes (issue 15).
+
+Each contender is a separate process (``tests/support/coord_worker.py``) with
+its own client, so a test can ``kill -9`` it the way a node dies: nobody says
+goodbye, and only the server's lease expiry cleans up.  Servers are a real
+pair with 100 ms heartbeats; every wait has a deadline and every process is
+stopped at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from clone import Clone
+from clone.client.cli import EXIT_CONFLICT, main
+from clone.errors import Conflict, LeaseLost, WriteRefused
+from clone.recipes import Election, Lock
+from tests.support.clients import endpoint, synced_client
+from tests.support.curve import CurveKeys, wait_serving_curve
+from tests.support.servers import ROOT, Servers, read_stats
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.slow
+
+HEARTBEAT = 0.1  # the servers' (tests.support.servers)
+
+
+class Worker:
+    """One coord_worker process; its stdout lines, timestamped, on a queue."""
+
+    def __init__(self, mode: str, endpoints: str, *args: str) -> None:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.coord_worker", mode, endpoints, *args],
+            stdout=subprocess.PIPE,
+            env=env,
+            cwd=ROOT,
+        )
+        self.lines: queue.Queue[tuple[float, str]] = queue.Queue()
+        self.seen: list[str] = []
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            self.lines.put((time.monotonic(), raw.decode().strip()))
+
+    def wait_for(self, prefix: str, timeout: float = 20.0) -> tuple[float, str]:
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                at, line = self.lines.get(timeout=left)
+            except queue.Empty:
+                break
+            self.seen.append(line)
+            if line.startswith(prefix):
+                return at, line
+        pytest.fail(f"worker {self.proc.args[3:5]} did not say {prefix!r}; said {self.seen}")
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def workers() -> Iterator[list[Worker]]:
+    started: list[Worker] = []
+    yield started
+    for worker in started:
+        worker.stop()
+
+
+def _endpoints(servers: Servers) -> tuple[str, Clone]:
+    primary, backup = servers.pair()
+    return f"{endpoint(primary)},{endpoint(backup)}", Clone(
+        [endpoint(primary), endpoint(backup)], heartbeat=HEARTBEAT, server_timeout=0.5
+    )
+
+
+def test_a_killed_lease_holder_loses_its_key_within_ttl_and_a_heartbeat(
+    servers: Servers, workers: list[Worker]
+) -> None:
+    ttl = 1.0
+    eps, observer = _endpoints(servers)
+    with observer:
+        observer.wait_synced(10)
+        worker = Worker("lease", eps, "/nodes/w1", str(ttl))
+        workers.append(worker)
+        _, ready = worker.wait_for("ready")
+        lease_id = ready.split()[1]
+        eventually(lambda: observer.get("/nodes/w1") is not None, 5, "the registration")
+        entry = observer.entry("/nodes/w1")
+        assert entry is not None and entry.prop("lease") == lease_id
+        # Alive, it keeps its key well past the ttl (keepalives every ttl/3).
+        time.sleep(2.5 * ttl)
+        assert observer.get("/nodes/w1") is not None
+        worker.kill9()
+        killed = time.monotonic()
+        eventually(lambda: observer.get("/nodes/w1") is None, 5, "the key deleted")
+        gone_after = time.monotonic() - killed
+        assert observer.get(f"/_clone/lease/{lease_id}") is None
+    # The last keepalive came at most ttl/3 before the kill, so the key goes
+    # at most ttl + a housekeeping turn (a heartbeat) after it, plus delivery.
+    assert gone_after <= ttl + HEARTBEAT + 0.25, gone_after
+
+
+def test_two_processes_doing_100_cas_increments_each_end_at_200(
+    servers: Servers, workers: list[Worker]
+) -> None:
+    eps, reader = _endpoints(servers)
+    with reader:
+        reader.wait_synced(10)
+        reader.set("/counter", "0", wait=True)
+        pair = [Worker("cas", eps, "/counter", "100") for _ in range(2)]
+        workers.extend(pair)
+        for worker in pair:
+            worker.wait_for("done", timeout=60)
+        eventually(lambda: reader.get("/counter") == b"200", 5, "the counter at 200")
+
+
+def test_a_lock_never_overlaps_and_a_killed_holder_frees_it(
+    servers: Servers, workers: list[Worker], tmp_path: Path
+) -> None:
+    eps, _client = _endpoints(servers)
+    _client.close()
+    marker = tmp_path / "holder"
+    marker.write_text("")
+    pair = [Worker("lock", eps, "/locks/x", "2", "5", "0.05", str(marker)) for _ in range(2)]
+    workers.extend(pair)
+    for worker in pair:
+        worker.wait_for("done", timeout=60)
+        assert "overlap" not in worker.seen
+    # A holder dies with the lock: the waiter gets it within ttl + 1 s.
+    ttl = 1.0
+    holder = Worker("lock", eps, "/locks/y", str(ttl), "0", "0", str(marker))
+    workers.append(holder)
+    holder.wait_for("held")
+    waiter = Worker("lock", eps, "/locks/y", str(ttl), "1", "0.01", str(marker))
+    workers.append(waiter)
+    waiter.wait_for("ready")
+    time.sleep(0.5)  # the waiter is queued behind the holder
+    holder.kill9()
+    killed = time.monotonic()
+    at, _ = waiter.wait_for("done", timeout=10)
+    assert at - killed <= ttl + 1.0, at - killed
+    assert "overlap" not in waiter.seen
+
+
+def test_an_election_survives_the_leaders_kill9(servers: Servers, workers: list[Worker]) -> None:
+    ttl = 1.0
+    eps, observer = _endpoints(servers)
+    with observer:
+        observer.wait_synced(10)
+        changes: list[str | None] = []
+        watcher = Election(observer, "/elections/a", "observer", on_change=changes.append)
+        watcher.watch()
+        first = Worker("elect", eps, "/elections/a", "alpha", str(ttl))
+        workers.append(first)
+        first.wait_for("leader alpha")
+        second = Worker("elect", eps, "/elections/a", "beta", str(ttl))
+        workers.append(second)
+        second.wait_for("leader alpha")
+        eventually(lambda: watcher.leader == "alpha", 5, "the observer sees alpha lead")
+        first.kill9()
+        killed = time.monotonic()
+        at, _ = second.wait_for("leader beta", timeout=10)
+        assert at - killed <= ttl + 1.0, at - killed
+        eventually(lambda: changes[-1:] == ["beta"], 5, "the callback told of beta")
+        watcher.close()
+
+
+def test_recipes_in_process(servers: Servers) -> None:
+    primary, backup = servers.pair()
+    with synced_client(primary, backup) as a, synced_client(primary, backup) as b:
+        lock = Lock(a, "/locks/in-process", ttl=2)
+        assert lock.acquire(timeout=5) and lock.held
+        other = Lock(b, "/locks/in-process", ttl=2)
+        assert not other.acquire(timeout=0.3)  # held: times out and leaves the queue
+        lock.release()
+        assert other.acquire(timeout=5)
+        other.release()
+        with Election(a, "/elections/b", "a") as ea, Election(b, "/elections/b", "b") as eb:
+            assert ea.wait_leader(5)
+            assert not eb.is_leader and eb.leader == "a"
+            ea.resign()
+            assert eb.wait_leader(5)
+        assert a.entries("/locks/in-process/") == []
+
+
+def test_cas_and_leases_refuse_bad_input_and_count_it(servers: Servers) -> None:
+    server = servers.standalone()
+    with synced_client(server) as client:
+        seq = client.set("/k", "1", wait=True)
+        assert isinstance(seq, int) and seq > 0
+        with pytest.raises(Conflict) as conflict:
+            client.set("/k", "2", if_sequence=seq + 5)
+        assert conflict.value.current == seq
+        with pytest.raises(ValueError):
+            client.set("/k", "2", if_sequence=-1)
+        with pytest.raises((TypeError, ValueError)):
+            client.set("/k", "2", if_sequence="3")  # type: ignore[arg-type]
+        lease = client.lease(2.0)
+        lease.revoke()
+        with pytest.raises(LeaseLost):
+            client.set("/k", "3", lease=lease.id)
+        with pytest.raises(LeaseLost):
+            client.set("/k", "3", lease="ab" * 16)
+    stats = read_stats(server)
+    assert stats["calls_conflict"] == 1
+    assert stats["calls_unknown_lease"] == 2
+
+
+def test_a_lock_name_outside_the_write_acl_is_refused(servers: Servers, tmp_path: Path) -> None:
+    keys = CurveKeys.make(tmp_path / "keys", admitted=("admin", "worker"))
+    keys.write_acl({"admin": ([""], [""]), "worker": ([""], ["/jobs/"])})
+    server = servers.standalone(*keys.server_args(), wait=False)
+    wait_serving_curve(server, keys)
+    with Clone([endpoint(server)], heartbeat=HEARTBEAT, **keys.client("worker")) as client:
+        client.wait_synced(10)
+        with pytest.raises(WriteRefused) as refused:
+            Lock(client, "/locks/not-mine", ttl=2).acquire(timeout=5)
+        assert refused.value.reason == "acl"
+        with Lock(client, "/jobs/locks/mine", ttl=2) as lock:
+            assert lock.held
+    assert read_stats(server)["calls_refused_acl"] >= 1
+
+
+def test_cli_if_seq_and_lock(servers: Servers, capsys: pytest.CaptureFixture[str]) -> None:
+    server = servers.standalone()
+    base = ["--servers", endpoint(server), "--heartbeat", "0.1"]
+    assert main([*base, "set", "/c", "1", "--if-seq", "0"]) == 0
+    assert main([*base, "set", "/c", "2", "--if-seq", "0"]) == EXIT_CONFLICT
+    current = int(capsys.readouterr().out.strip())
+    assert main([*base, "set", "/c", "2", "--if-seq", str(current)]) == 0
+    code = main([*base, "lock", "/locks/cli", "--", sys.executable, "-c", "raise SystemExit(7)"])
+    assert code == 7
+    with synced_client(server) as client:
+        assert client.get("/c") == b"2"
+        assert client.entries("/locks/cli/") == []
