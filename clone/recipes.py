@@ -20,8 +20,9 @@ the name is a key prefix: writing under it needs write access there (under an
 ACL, a name outside the caller's write prefixes fails with
 :class:`~clone.errors.WriteRefused`, reason ``acl``).  A holder whose lease is
 lost (a network cut longer than the ttl) no longer holds the lock even if it
-has not noticed yet: :attr:`Lock.held` turns false, :meth:`Lock.check` raises,
-and long critical sections should look at it.
+has not been told yet: :attr:`Lock.held` turns false as soon as no keepalive
+sent within the last ttl was answered (:attr:`~clone.client.leases.Lease.valid`),
+:meth:`Lock.check` raises, and long critical sections should look at it.
 """
 
 from __future__ import annotations
@@ -102,7 +103,12 @@ class _Contender:
         return [e for e in entries if e.sequence < self.sequence]
 
     def alive(self) -> bool:
+        """Not lost or revoked (as far as the servers have said)."""
         return self.lease is not None and self.lease.alive
+
+    def valid(self) -> bool:
+        """Known to be held by the servers now (:attr:`Lease.valid`)."""
+        return self.lease is not None and self.lease.valid
 
     def leave(self) -> None:
         """Take our key away (revoking our own lease deletes it too)."""
@@ -155,13 +161,15 @@ class Lock:
 
     @property
     def held(self) -> bool:
-        """Whether we hold it now (false once our lease is lost)."""
-        return self._me.key is not None and self._acquired and self._me.alive()
+        """Whether we hold it now: false once our lease is lost, or once no
+        keepalive sent within its ttl was answered (cut off from the servers,
+        we may have lost it there already)."""
+        return self._me.key is not None and self._acquired and self._me.valid()
 
     def check(self) -> None:
         """Raise :class:`~clone.errors.LeaseLost` if we no longer hold the lock."""
         me = self._me
-        if self._acquired and not me.alive():
+        if self._acquired and not me.valid():
             raise LeaseLost(me.lease.id if me.lease else "?", f"the lock {self.name!r} is lost")
 
     def acquire(self, timeout: float | None = None) -> bool:
@@ -182,8 +190,7 @@ class Lock:
                 if not me.alive():
                     lost = me.lease.id if me.lease else "?"
                     raise LeaseLost(lost, f"while waiting for the lock {self.name!r}")
-                ahead = me.ahead()
-                if ahead == []:
+                if me.ahead() == [] and me.valid():
                     self._acquired = True
                     return True
                 if deadline is not None and time.monotonic() >= deadline:
@@ -268,7 +275,7 @@ class Election:
     @property
     def is_leader(self) -> bool:
         me = self._me
-        if me.key is None or not me.alive():
+        if me.key is None or not me.valid():
             return False
         return me.ahead() == []
 

@@ -84,6 +84,7 @@ from clone.client.fsm import (
     Changed,
     Confirmed,
     LeaseGone,
+    LeaseKept,
     Malformed,
     Refused,
     RequestSnapshot,
@@ -176,6 +177,8 @@ STARTED, CONFIRMED, FAILED, REFUSED, REPLY, LEASELOST, STATE, CHANGE, STOPPED = 
     b"CHANGE",
     b"STOPPED",
 )
+#: A keepalive was answered: ``LEASEKEPT id valid_until`` (monotonic seconds, repr).
+LEASEKEPT = b"LEASEKEPT"
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -416,6 +419,10 @@ class Agent:
             elif isinstance(action, CallReplied):
                 reply = action.reply
                 self._events.send_multipart([REPLY, reply.uuid, *encode_reply(reply)])
+            elif isinstance(action, LeaseKept):
+                self._events.send_multipart(
+                    [LEASEKEPT, action.lease_id.encode(), repr(action.valid_until).encode()]
+                )
             elif isinstance(action, LeaseGone):
                 self._events.send_multipart(
                     [LEASELOST, action.lease_id.encode(), action.why.encode("utf-8", "replace")]

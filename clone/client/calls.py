@@ -42,6 +42,7 @@ from clone.client.state import (
     AgentState,
     CallReplied,
     LeaseGone,
+    LeaseKept,
     SendCall,
     _KeptLease,
     _PendingCall,
@@ -181,6 +182,7 @@ class Calls(AgentState):
             self._calls.pop(kept.inflight, None)
         uuid = self.new_call_id()
         kept.inflight = uuid
+        kept.inflight_at = now
         kept.next_keepalive = now + kept.ttl / KEEPALIVES_PER_TTL
         self.counters.keepalives += 1
         frames = encode_call(OP_LEASE_KEEPALIVE, uuid, properties=((LEASE_PROPERTY, lease_id),))
@@ -191,12 +193,13 @@ class Calls(AgentState):
         kept = self._leases.get(lease_id)
         if kept is None:
             return []  # revoked meanwhile
+        made = kept.inflight_at
         if kept.inflight == reply.uuid:
             kept.inflight = None
         if reply.ok:
             if reply.ttl is not None and reply.ttl != kept.ttl:
                 kept.ttl = reply.ttl  # the server's word on the cadence
-            return []
+            return [LeaseKept(lease_id, made + kept.ttl)]
         why = (reply.reason or reply.status) + (f" ({reply.detail})" if reply.detail else "")
         log.warning("lease %s is gone: a keepalive was refused, %s", lease_id, why)
         self._stop_keeping(lease_id)

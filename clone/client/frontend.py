@@ -640,12 +640,14 @@ class Clone:
         """
         ttl_text = _format_lease_ttl(ttl)
         uuid = new_uuid()
+        asked = time.monotonic()  # the servers count its ttl from later than this
         reply = self._call(
             OP_LEASE_GRANT, uuid, "", ((TTL_PROPERTY, ttl_text),), b"", timeout, "a lease grant"
         )
         if not reply.ok:
             raise WriteRefused(reply.reason, lease_key(lease_id_of(uuid)))
         lease = Lease(self, reply.lease or lease_id_of(uuid), reply.ttl or float(ttl))
+        lease._kept_until(asked + lease.ttl)
         with self._shared:
             self._leases[lease.id] = lease
         self._request(_agent.LEASE, [lease.id.encode(), repr(lease.ttl).encode()])
@@ -1073,6 +1075,11 @@ class Clone:
                     call = self._call_waiters.pop(frames[1], None)
                 if call is not None and not call.done():
                     call.set_result(decode_reply(frames[2:]))  # the agent's own encoding
+            elif kind == _agent.LEASEKEPT:
+                with self._shared:
+                    kept = self._leases.get(frames[1].decode("ascii", "replace"))
+                if kept is not None:
+                    kept._kept_until(float(frames[2]))
             elif kind == _agent.LEASELOST:
                 lease_id, why = (f.decode("utf-8", "replace") for f in frames[1:3])
                 with self._shared:

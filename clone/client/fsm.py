@@ -130,6 +130,7 @@ from clone.client.state import (
     Confirmed,
     Event,
     LeaseGone,
+    LeaseKept,
     Malformed,
     Refused,
     RequestSnapshot,
@@ -164,6 +165,7 @@ __all__ = [
     "SendCall",
     "CallReplied",
     "LeaseGone",
+    "LeaseKept",
     "Action",
     "normalize_subtrees",
 ]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Protocol
 
@@ -50,6 +51,8 @@ class Lease:
         self._lost = False
         self._why = ""
         self._callbacks: list[Callable[[Lease], None]] = []
+        # time.monotonic() until which the servers are known to hold it.
+        self._valid_until = 0.0
 
     def __repr__(self) -> str:
         state = "alive" if self.alive else ("lost" if self._lost else "revoked")
@@ -65,6 +68,24 @@ class Lease:
     def alive(self) -> bool:
         """Neither revoked nor lost (as far as the servers have told us)."""
         return not self._ended.is_set()
+
+    @property
+    def valid_until(self) -> float:
+        """Until when (``time.monotonic()``) the servers are known to hold the
+        lease: when the last answered keepalive (or the grant) was sent, plus
+        the ttl.  A server counts the ttl from when it received it, later."""
+        return self._valid_until
+
+    @property
+    def valid(self) -> bool:
+        """Alive, and known to be held by the servers now.
+
+        False once no keepalive sent within the last ttl was answered (a client
+        cut off from every server), even before a server says the lease is
+        gone: by then it may have expired there, and another client may have
+        the lock it stood for.  What a lock holder should check before acting.
+        """
+        return self.alive and time.monotonic() < self._valid_until
 
     @property
     def lost(self) -> bool:
@@ -126,6 +147,12 @@ class Lease:
         log.info("lease %s lost: %s", self.id, why)
         for callback in callbacks:
             self._owner._run_soon(functools.partial(_call, callback, self))
+
+    def _kept_until(self, valid_until: float) -> None:
+        """A keepalive was answered (the agent's bound, in time.monotonic())."""
+        with self._lock:
+            if valid_until > self._valid_until:
+                self._valid_until = valid_until
 
     def _mark_ended(self) -> None:
         """The client let it go (closing): no callbacks."""

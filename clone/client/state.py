@@ -42,6 +42,7 @@ __all__ = [
     "Confirmed",
     "Event",
     "LeaseGone",
+    "LeaseKept",
     "Malformed",
     "Refused",
     "RequestSnapshot",
@@ -169,6 +170,16 @@ class CallReplied:
 
 
 @dataclass(frozen=True, slots=True)
+class LeaseKept:
+    """A keepalive was answered: the servers hold the lease at least until
+    ``valid_until`` (the agent's clock: when that keepalive was first made, plus
+    the ttl; a server counts the ttl from when it received it, later)."""
+
+    lease_id: str
+    valid_until: float
+
+
+@dataclass(frozen=True, slots=True)
 class LeaseGone:
     """A lease we kept alive is gone from the servers (a keepalive was refused,
     ``why`` says how): we no longer keep it; tell the application."""
@@ -188,6 +199,7 @@ Action = (
     | SendCall
     | CallReplied
     | LeaseGone
+    | LeaseKept
 )
 
 # What the maps hold per key: (sequence, uuid, properties, body), body never empty.
@@ -346,6 +358,7 @@ class _KeptLease:
     ttl: float
     next_keepalive: float
     inflight: bytes | None = None  # the uuid of the unanswered keepalive
+    inflight_at: float = 0.0  # when that keepalive was made
 
 
 _NEVER = float("inf")

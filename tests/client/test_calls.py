@@ -11,7 +11,7 @@ import itertools
 
 import pytest
 
-from clone.client.fsm import AgentFSM, CallReplied, LeaseGone, SendCall, State
+from clone.client.fsm import AgentFSM, CallReplied, LeaseGone, LeaseKept, SendCall, State
 from clone.wire.calls import (
     OP_LEASE_GRANT,
     OP_LEASE_KEEPALIVE,
@@ -210,7 +210,9 @@ def test_keepalives_every_third_of_the_ttl_each_with_a_fresh_uuid() -> None:
     for n, t in enumerate((1.0, 2.0, 3.0), start=1):
         [(server, call)] = keepalives(fsm.tick(t))
         assert server == 0 and call.uuid == uid(n)
-        assert fsm.replied(0, ok(call.uuid, 0, lease=LEASE, ttl=3.0), t + 0.01) == []
+        # Answered: the lease is known held until the keepalive was made + ttl.
+        kept = fsm.replied(0, ok(call.uuid, 0, lease=LEASE, ttl=3.0), t + 0.01)
+        assert kept == [LeaseKept(LEASE, t + 3.0)]
         fsm.update(0, _hugz(), t + 0.01)  # the server stays alive
     assert fsm.counters.keepalives == 3 and fsm.pending_calls == 0
     assert fsm.kept_leases == (LEASE,)
@@ -240,7 +242,8 @@ def test_keepalives_follow_a_failover_and_retry_a_passive_sooner() -> None:
     assert fsm.replied(1, refused(uid(1), "not-active"), 1.15) == []
     assert keepalives(fsm.tick(1.6)) == []
     assert [c.uuid for _, c in keepalives(fsm.tick(1.65))] == [uid(1)]  # a resend later
-    assert fsm.replied(1, ok(uid(1), 0, lease=LEASE, ttl=3.0), 1.7) == []
+    # Made at 1.0 (resent since): held until at least 1.0 + ttl.
+    assert fsm.replied(1, ok(uid(1), 0, lease=LEASE, ttl=3.0), 1.7) == [LeaseKept(LEASE, 4.0)]
     assert fsm.kept_leases == (LEASE,)
 
 

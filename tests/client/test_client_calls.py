@@ -241,6 +241,27 @@ def test_a_lost_lease_is_told_in_the_callback_thread(desk: Desk, client: Clone) 
     assert desk.ops(OP_LEASE_REVOKE) == []
 
 
+def test_unanswered_keepalives_make_a_lease_invalid_before_it_is_lost(
+    desk: Desk, client: Clone
+) -> None:
+    """Cut off from the servers, a client cannot know its lease still holds:
+    once no keepalive made within the ttl was answered, ``valid`` is False (and
+    a lock on it is no longer held), though nobody said the lease is lost."""
+    lease = client.lease(0.6)
+    assert lease.valid
+    time.sleep(0.4)
+    assert lease.valid  # kept alive: every answer pushes valid_until on
+    before = lease.valid_until
+    eventually(lambda: lease.valid_until > before, 3, "a keepalive answered")
+    desk.server.on_call = None  # the server stops answering
+    assert lease.valid_until <= time.monotonic() + 0.6 + 0.05
+    eventually(lambda: not lease.valid, 2, "the lease no longer known valid")
+    assert lease.alive and not lease.lost
+    desk.server.on_call = desk  # answering again: valid again, never lost
+    eventually(lambda: lease.valid, 3, "the lease valid again")
+    lease.revoke()
+
+
 def test_a_write_with_an_unknown_lease_raises_lease_lost(desk: Desk, client: Clone) -> None:
     stranger = "ab" * 16
     with pytest.raises(LeaseLost) as info:

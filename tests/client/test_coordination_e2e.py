@@ -253,3 +253,26 @@ def test_cli_if_seq_and_lock(servers: Servers, capsys: pytest.CaptureFixture[str
     with synced_client(server) as client:
         assert client.get("/c") == b"2"
         assert client.entries("/locks/cli/") == []
+
+
+def test_a_holder_cut_off_from_both_servers_stops_holding_after_the_ttl(
+    servers: Servers,
+) -> None:
+    """Frozen servers answer no keepalive: after the ttl the holder must assume
+    its lease may have expired there, so the lock is no longer held."""
+    primary, backup = servers.pair()
+    with synced_client(primary, backup) as client:
+        lock = Lock(client, "/locks/cut", ttl=1.0)
+        assert lock.acquire(timeout=5)
+        primary.sigstop()
+        backup.sigstop()
+        try:
+            frozen = time.monotonic()
+            eventually(lambda: not lock.held, 3, "the lock no longer held")
+            assert time.monotonic() - frozen <= 1.0 + 0.2
+            with pytest.raises(LeaseLost):
+                lock.check()
+        finally:
+            primary.sigcont()
+            backup.sigcont()
+        lock.release()
