@@ -61,6 +61,7 @@ from clone.security import (
 )
 from clone.server.base import ServerBase, log
 from clone.server.config import ServerMode
+from clone.server.core import Role
 from clone.wire.control import (
     encode_refusal,
     encode_view_heartbeat,
@@ -309,8 +310,10 @@ class SecurityMixin(ServerBase):
 
     def _view_heartbeats(self) -> list[list[bytes]]:
         sequence = self.core.store.sequence
+        # A relay's restricted clients are told it is stale as its HUGZ tell the others.
+        stale = self.core.role is Role.RELAY and self._relay_stale()
         return [
-            encode_view_heartbeat(vid, sequence, self._heartbeat_ms, count)
+            encode_view_heartbeat(vid, sequence, self._heartbeat_ms, count, stale=stale)
             for vid, count in self._view_counts.items()
         ]
 

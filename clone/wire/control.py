@@ -36,6 +36,7 @@ from clone.wire.protocol import (
     REASON_PROPERTY,
     REFUSAL_REASONS,
     REFUSAL_TAG,
+    STALE_PROPERTY,
     VIEW_COUNT_PROPERTY,
     VIEW_ID_CHARS,
     VIEW_TAG,
@@ -70,6 +71,8 @@ class ViewHeartbeat:
     sequence: int
     heartbeat: float | None
     count: int
+    #: A relay that lost the pair says so here too (``stale=1``), as in its HUGZ.
+    stale: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,9 +118,9 @@ def refusal_topic(name: str) -> bytes:
 
 
 def encode_view_heartbeat(
-    view: str, sequence: int, heartbeat_ms: int | None, count: int
+    view: str, sequence: int, heartbeat_ms: int | None, count: int, *, stale: bool = False
 ) -> list[bytes]:
-    """The five frames of a view heartbeat."""
+    """The five frames of a view heartbeat (``stale``: a relay's ``stale=1``)."""
     if not 0 <= sequence <= _SEQ_MAX:
         raise ValueError(f"sequence {sequence} does not fit in 64 unsigned bits")
     if count < 0:
@@ -128,6 +131,8 @@ def encode_view_heartbeat(
             raise ValueError(f"heartbeat of {heartbeat_ms} ms is outside 1..{MAX_HEARTBEAT_MS}")
         props.append((HEARTBEAT_PROPERTY, str(heartbeat_ms)))
     props.append((VIEW_COUNT_PROPERTY, str(count)))
+    if stale:
+        props.append((STALE_PROPERTY, "1"))
     return [
         view_topic(view),
         sequence.to_bytes(8, "big"),
@@ -196,7 +201,8 @@ def _decode_view(frames: Sequence[bytes]) -> ViewHeartbeat:
     if VIEW_COUNT_PROPERTY not in props:
         raise ProtocolError("view heartbeat without a view_count property")
     count = _whole_number(props[VIEW_COUNT_PROPERTY], "view_count")
-    return ViewHeartbeat(view, int.from_bytes(seq_raw, "big"), heartbeat, count)
+    stale = props.get(STALE_PROPERTY) == "1"
+    return ViewHeartbeat(view, int.from_bytes(seq_raw, "big"), heartbeat, count, stale)
 
 
 def _decode_refusal(frames: Sequence[bytes]) -> Refusal:

@@ -26,6 +26,7 @@ from clone.errors import NotSynced, WriteRefused
 from clone.security import fingerprint
 from clone.wire.calls import CALL, OP_LEASE_GRANT, OP_SET, Reply, decode_reply, encode_call
 from clone.wire.codec import Hugz, decode_update, new_uuid
+from clone.wire.control import ViewHeartbeat, decode_control, is_control
 from tests.support.curve import CurveKeys, curve_socket, wait_serving_curve
 from tests.support.ports import free_base_port
 from tests.support.servers import ServerProcess, Servers, read_stats
@@ -388,3 +389,40 @@ def test_calls_follow_the_relay_to_the_new_active(
     # The call DEALER moved with the relay: the backup, now active, answers.
     second = _call(sock, OP_SET, "/cas/a", b"2", if_sequence=str(first.sequence))
     assert second.ok and second.sequence > first.sequence
+
+
+def _view_stale(ctx: zmq.Context[Any], relay: ServerProcess, keys: CurveKeys, seconds: float
+                ) -> list[bool]:
+    """The ``stale`` of every view heartbeat the restricted reader gets in ``seconds``."""
+    sub = curve_socket(ctx, zmq.SUB, keys, "reader")
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{relay.port + 1}")
+    out: list[bool] = []
+    deadline = time.monotonic() + seconds
+    try:
+        while (left := deadline - time.monotonic()) > 0:
+            if sub.poll(int(left * 1000) + 1):
+                frames = sub.recv_multipart()
+                if is_control(frames):
+                    beat = decode_control(frames)
+                    if isinstance(beat, ViewHeartbeat):
+                        out.append(beat.stale)
+    finally:
+        sub.close(linger=0)
+    return out
+
+
+def test_a_relays_restricted_clients_are_told_it_is_stale(
+    servers: Servers, up: CurveKeys, down: CurveKeys, ctx: zmq.Context[Any]
+) -> None:
+    """A restricted client gets view heartbeats instead of HUGZ: they carry
+    the relay's staleness the same way."""
+    server = _secure_standalone(servers, up)
+    relay = _relay(servers, [server.port], up=up, down=down)
+    fresh = _view_stale(ctx, relay, down, 1.0)
+    assert fresh and not any(fresh)
+    server.kill9()
+    # Silent for the missed heartbeats (4 x 100 ms): stale from then on.
+    time.sleep(0.6)
+    stale = _view_stale(ctx, relay, down, 1.0)
+    assert stale and all(stale)

@@ -64,6 +64,10 @@ def test_view_heartbeat_frames_are_the_contracts() -> None:
     bare = control.encode_view_heartbeat("0123456789ab", 1, None, 0)
     assert bare[3] == b"view_count=0\n"
     assert control.decode_control(bare) == ViewHeartbeat("0123456789ab", 1, None, 0)
+    # A stale relay says so, as in its HUGZ; a decoder that does not know it ignores it.
+    stale = control.encode_view_heartbeat("0123456789ab", 1, None, 0, stale=True)
+    assert stale[3] == b"view_count=0\nstale=1\n"
+    assert control.decode_control(stale) == ViewHeartbeat("0123456789ab", 1, None, 0, True)
 
 
 def test_refusal_frames_are_the_contracts() -> None:
