@@ -30,11 +30,14 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from clone.server.config import ServerMode
+
 if TYPE_CHECKING:
     from clone.server.config import ServerConfig
 
 __all__ = [
     "CALL_RESULTS",
+    "RELAY_CALL_RESULTS",
     "PROTOCOL_ERRORS",
     "REFUSALS",
     "ROLES",
@@ -64,6 +67,15 @@ CALL_RESULTS: Mapping[str, str] = {
     "full": "calls_refused_full",
     "size": "calls_refused_size",
     "busy": "calls_refused_busy",
+}
+
+#: ``clone_relay_calls_total{result}``: what a relay did with its clients'
+#: calls (docs/operations.md, "Relays").
+RELAY_CALL_RESULTS: Mapping[str, str] = {
+    "forwarded": "calls_forwarded",
+    "not_synced": "calls_forward_not_synced",
+    "refused_acl": "calls_forward_refused_acl",
+    "dropped": "calls_forward_dropped",
 }
 
 #: Every value of ``clone_role``'s label; the current one is 1, the others 0.
@@ -285,6 +297,25 @@ class CloneCollector(Collector):
             "Lease keepalives accepted (never published).",
             num("lease_keepalives"),
         )
+        if server.config.mode is ServerMode.RELAY:
+            relayed = CounterMetricFamily(
+                "clone_relay_calls",
+                "Clients' calls a relay forwarded to the pair or answered itself, by result.",
+                labels=["result"],
+            )
+            for result, key in RELAY_CALL_RESULTS.items():
+                relayed.add_metric([result], num(key))
+            yield relayed
+            yield _counter(
+                "clone_relay_upstream_switches",
+                "Times a relay moved to the next upstream server.",
+                num("upstream_switches"),
+            )
+            yield _counter(
+                "clone_relay_upstream_handshake_failures",
+                "CURVE handshakes the upstream refused (the relay's key is not admitted there).",
+                num("upstream_handshake_failures"),
+            )
         yield _counter(
             "clone_internal_errors",
             "Unexpected exceptions logged by handlers.",

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tornado.websocket import websocket_connect
 
 from clone import Clone
+from clone.errors import Conflict
 from tests.support.ports import free_base_port, free_port
 from tests.support.servers import ServerProcess, Servers, read_stats
 from tests.support.waiting import eventually
@@ -249,3 +250,23 @@ def test_the_status_websocket_pushes_changes(servers: Servers) -> None:
     assert last["role_changes"][-1]["to"] == "active"
     assert last["limits"]["max_keys"] > 0 and "kvpub_published" in last["counters"]
     assert any(rate > 0 for _, rate in last["rate_history"])
+
+
+def test_calls_and_leases_in_the_metrics(servers: Servers) -> None:
+    primary, backup = http_pair(servers, "--in-memory")
+    with Clone(_endpoints(primary, backup), heartbeat=0.1) as client:
+        client.wait_synced(10)
+        seq = client.set("/cas", "1", if_sequence=0)
+        with pytest.raises(Conflict):
+            client.set("/cas", "2", if_sequence=seq + 1)
+        lease = client.lease(5.0)
+        m = metrics(primary)
+        assert m["_types"]["clone_calls"] == "counter"
+        assert m["clone_calls_total{result=ok}"] == 2
+        assert m["clone_calls_total{result=conflict}"] == 1
+        assert m["clone_leases"] == 1
+        assert metrics(backup)["clone_leases"] == 0  # only the active keeps time
+        eventually(lambda: metrics(primary)["clone_lease_keepalives_total"] >= 1, 5, "keepalives")
+        lease.revoke()
+        assert metrics(primary)["clone_leases"] == 0
+        assert metrics(primary)["clone_leases_expired_total"] == 0

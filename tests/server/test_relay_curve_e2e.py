@@ -27,8 +27,9 @@ from clone.security import fingerprint
 from clone.wire.calls import CALL, OP_LEASE_GRANT, OP_SET, Reply, decode_reply, encode_call
 from clone.wire.codec import Hugz, decode_update, new_uuid
 from clone.wire.control import ViewHeartbeat, decode_control, is_control
+from tests.server.test_http_e2e import metrics
 from tests.support.curve import CurveKeys, curve_socket, wait_serving_curve
-from tests.support.ports import free_base_port
+from tests.support.ports import free_base_port, free_port
 from tests.support.servers import ServerProcess, Servers, read_stats
 from tests.support.waiting import eventually
 
@@ -426,3 +427,17 @@ def test_a_relays_restricted_clients_are_told_it_is_stale(
     time.sleep(0.6)
     stale = _view_stale(ctx, relay, down, 1.0)
     assert stale and all(stale)
+
+
+def test_a_relays_metrics_count_its_forwarded_calls(
+    servers: Servers, ctx: zmq.Context[Any]
+) -> None:
+    server = servers.standalone("--in-memory")
+    http = free_port()
+    relay = _relay(servers, [server.port], extra=("--http-port", str(http)))
+    reply = _call(_dealer(ctx, relay), OP_SET, "/via/metrics", b"1")
+    assert reply.ok
+    m = metrics(relay, http)
+    assert m["clone_relay_calls_total{result=forwarded}"] == 1
+    assert m["clone_relay_calls_total{result=not_synced}"] == 0
+    assert m["clone_relay_upstream_handshake_failures_total"] == 0
