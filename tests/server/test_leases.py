@@ -275,3 +275,23 @@ def test_lease_table_heap_stays_bounded() -> None:
     assert len(table._heap) <= 4 * len(table) + 65
     assert table.due(100.0, 10) == []
     assert table.due(100.9, 10) == ["a" * 32]
+
+
+def test_a_promotion_applies_parked_conditional_writes_only_if_they_still_hold() -> None:
+    """A Guide-path KVSET with if_sequence parked by a passive is checked when
+    the passive takes over, against its state then: a failover never turns a
+    conflicting write into an applied one."""
+    core = ServerCore()
+    core.become_passive()
+    core.start_sync()
+    core.on_snapshot_reply([b"/k", (1).to_bytes(8, "big"), _uuid(1), b"", b"v1"], 0.0)
+    core.on_snapshot_reply([b"KTHXBAI", (1).to_bytes(8, "big"), b"", b"", b""], 0.0)
+    core.on_kvset([b"/k", bytes(8), _uuid(2), b"if_sequence=0\n", b"lost"], 0.5)
+    core.on_kvset([b"/k", bytes(8), _uuid(3), b"if_sequence=1\n", b"won"], 0.5)
+    assert len(core.pending) == 2
+    out = core.become_active(1.0)
+    applied = [decode_update(frames) for frames in out]
+    assert [(m.key, m.body, m.properties) for m in applied] == [("/k", b"won", ())]
+    assert core.counters["pending_failed"] == 1 and core.counters["kvset_conflict"] == 1
+    with pytest.raises(Exception, match="not a whole number"):
+        core.on_kvset([b"/j", bytes(8), _uuid(4), b"if_sequence=x\n", b"bad"], 1.0)
