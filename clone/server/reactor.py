@@ -520,24 +520,9 @@ class CloneServer(
 
     def _take_secure_kvset(self, first: zmq.Frame, frames: list[bytes]) -> None:
         core = self.core
-        try:
-            user: str | None = str(first.get("User-Id"))
-        except zmq.ZMQError:
-            user = None
         active = core.role is Role.ACTIVE
-        if user not in self._write_all and (
-            user not in self._admitted or not self._rights_of(user).can_write(frames[0])
-        ):
-            self.counters["kvset_refused_acl"] += 1
-            self._throttle.log(
-                "kvset_acl",
-                logging.WARNING,
-                "refused a write by %s to %r: not under its write prefixes",
-                user,
-                frames[0][:80],
-            )
-            if active and len(frames) == 5:
-                self._refusal(user, frames[2], "acl")
+        allowed, user = self._acl_writer(first, frames, notify=active)
+        if not allowed:
             return
         try:
             core.on_kvset(frames, self._wallclock())

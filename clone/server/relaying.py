@@ -512,24 +512,5 @@ class RelayMixin(ServerBase):
 
     def _relay_write_allowed(self, first: zmq.Frame, frames: list[bytes]) -> str | None:
         """The writer's name if our ACL lets it write this key; else None (refused)."""
-        try:
-            user: str | None = str(first.get("User-Id"))
-        except zmq.ZMQError:
-            user = None
-        if user in self._write_all:
-            return user
-        if user is not None and user in self._admitted and frames and self._rights_of(
-            user
-        ).can_write(frames[0]):
-            return user
-        self.counters["kvset_refused_acl"] += 1
-        self._throttle.log(
-            "kvset_acl",
-            logging.WARNING,
-            "refused a write by %s to %r: not under its write prefixes",
-            user,
-            frames[0][:80] if frames else b"",
-        )
-        if len(frames) == 5 and len(frames[2]) in (0, 16):
-            self._refusal(user, frames[2], "acl")
-        return None
+        allowed, user = self._acl_writer(first, frames, notify=True)
+        return user if allowed else None

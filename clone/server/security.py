@@ -40,6 +40,7 @@ reload removed means no access.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import zmq
@@ -242,6 +243,35 @@ class SecurityMixin(ServerBase):
         self._view_counts = {vid: self._view_counts.get(vid, 0) for vid in views}
         self._views = views
         self._view_prefixes = [(vid, prefixes) for vid, prefixes in views.items() if prefixes]
+
+    def _acl_writer(
+        self, first: zmq.Frame, frames: list[bytes], *, notify: bool
+    ) -> tuple[bool, str | None]:
+        """Whether the sender of a KVSET (``first``: its first frame, which
+        carries the connection's ZAP User-Id) may write its key, and its name.
+
+        A refusal is counted, logged (rate-limited) and, with ``notify``, told
+        to the writer in a refusal notice.
+        """
+        try:
+            user: str | None = str(first.get("User-Id"))
+        except zmq.ZMQError:
+            user = None
+        if user in self._write_all or (
+            user in self._admitted and frames and self._rights_of(user).can_write(frames[0])
+        ):
+            return True, user
+        self.counters["kvset_refused_acl"] += 1
+        self._throttle.log(
+            "kvset_acl",
+            logging.WARNING,
+            "refused a write by %s to %r: not under its write prefixes",
+            user,
+            frames[0][:80] if frames else b"",
+        )
+        if notify and len(frames) == 5 and len(frames[2]) in (0, 16):
+            self._refusal(user, frames[2], "acl")
+        return False, user
 
     def _rights_of(self, name: str | None) -> Rights:
         """A connection's rights: nothing for an unknown or removed name."""
