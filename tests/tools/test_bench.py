@@ -305,7 +305,8 @@ def test_calls_section_through_the_cli(
         for lat in (r["call"], r["increment"]):
             assert 0 < lat["p50_ms"] <= lat["p99_ms"] <= lat["p99_9_ms"] <= lat["max_ms"]
         if not r["contended"] or r["callers"] == 1:
-            assert r["conflict_rate_median"] == 0
+            assert r["conflict_rate_median"] == 0 and r["ok_per_caller_min"] > 0
+        assert r["ok_per_caller_min"] <= r["ok_per_caller_max"] and r["abandoned_max_ms"] >= 0
         assert r["chained"]
     zero, held = d["leases"]["runs"]
     assert (zero["leases"], held["leases"]) == (0, 100) and "keepalives_per_s_median" not in zero
