@@ -31,7 +31,9 @@ interleaved in each repeat so that the machine's mood hits them alike:
   ``calls_write_rate``/s and the **throughput** of plain writes, measured
   as the latency and throughput sections measure them (:func:`.targets.traffic`,
   HDR histograms from the intended send time), against the same server
-  with 0 leases.  The keepalives compete for the machine's two cores with
+  with 0 leases, and with the most leases *held but not kept alive* (ttl
+  one hour): the lease table alone, without the keepalive traffic.  The
+  keepalives compete for the machine's two cores with
   the writer and the watcher: a slowdown is theirs, not the lease table's
   (plain writes do not touch it).
 """
@@ -41,6 +43,7 @@ from __future__ import annotations
 import collections
 import logging
 import queue
+import random
 import shutil
 import statistics
 import time
@@ -81,6 +84,8 @@ _KV_PREFIX = b"/bench/kv/"
 _CAS_PREFIX = "/bench/cas/"
 _HOT_KEY = "/bench/cas-hot"
 _SUMMARY = ("p50_ms", "p99_ms", "p99_9_ms", "max_ms")
+#: The leases of the held-not-kept-alive case: they outlive the run.
+_IDLE_LEASE_TTL = 3600.0
 
 
 # --------------------------------------------------------------------------
@@ -216,7 +221,11 @@ def callers_main(snapshot_ep: str, callers: int, contended: bool, seconds: float
         last = t_start
         hard = end + 30
         while inflight and mono() < hard:
-            for s, _ in poller.poll(100):
+            events = poller.poll(100)
+            # In a random order: in the poller's, the first sockets would always
+            # retry first, and a contended key would measure our loop's bias.
+            random.shuffle(events)
+            for s, _ in events:
                 try:
                     reply = decode_reply(s.recv_multipart(zmq.NOBLOCK))
                 except zmq.Again:
@@ -265,10 +274,11 @@ def callers_main(snapshot_ep: str, callers: int, contended: bool, seconds: float
         ctx.term()
 
 
-def lease_main(snapshot_ep: str, leases: int, ttl: float, window: int, ready: MpEvent,
-               stop: MpEvent, results: Any) -> None:
+def lease_main(snapshot_ep: str, leases: int, ttl: float, keepalive: bool, window: int,
+               ready: MpEvent, stop: MpEvent, results: Any) -> None:
     """Grant ``leases`` leases (``window`` grants in flight), keep each alive every ttl/3
-    until ``stop``; report the replies, the lag behind the schedule, the reply latency."""
+    (if ``keepalive``) until ``stop``; report the replies, the lag behind the schedule,
+    the reply latency."""
     ctx: zmq.Context[Any] = zmq.Context()
     dealer = _dealer(ctx, snapshot_ep)
     interval = ttl / 3
@@ -313,7 +323,8 @@ def lease_main(snapshot_ep: str, leases: int, ttl: float, window: int, ready: Mp
                 if not is_ka:
                     if not reply.ok:
                         raise RuntimeError(f"lease-grant refused: {reply.reason} {reply.detail}")
-                    due.append((sent + interval, reply.lease))
+                    if keepalive:
+                        due.append((sent + interval, reply.lease))
                     granted += 1
                     if granted == leases:
                         # From now on spread evenly over ttl/3, most urgent first: the
@@ -515,22 +526,24 @@ def _plain_writes(cfg: BenchConfig, target: Target) -> dict[str, Any]:
     }
 
 
-def _leases_once(cfg: BenchConfig, group: ProcessGroup, leases: int) -> dict[str, Any]:
-    ttl = cfg.calls_lease_ttl
+def _leases_once(cfg: BenchConfig, group: ProcessGroup, leases: int,
+                 kept: bool) -> dict[str, Any]:
+    ttl = cfg.calls_lease_ttl if kept else _IDLE_LEASE_TTL
     with running_target("clone", group, cfg.server_heartbeat_ms) as target:
         ready, stop, results = MP.Event(), MP.Event(), MP.Queue()
         driver = None
         try:
             if leases:
                 driver = MP.Process(target=lease_main, args=(
-                    target.snapshot_endpoint, leases, ttl, 500, ready, stop, results),
+                    target.snapshot_endpoint, leases, ttl, kept, 500, ready, stop, results),
                     daemon=True)
                 driver.start()
                 if not ready.wait(30 + leases / 500):
                     raise RuntimeError(f"{leases:,} leases not granted in time")
-                time.sleep(ttl / 3 + 0.1)  # one keepalive round: the steady state
+                if kept:
+                    time.sleep(ttl / 3 + 0.1)  # one keepalive round: the steady state
             cpu0, t0 = cpu_seconds(target.pid), time.monotonic()
-            time.sleep(ttl)
+            time.sleep(cfg.calls_lease_ttl)
             cpu1, t1 = cpu_seconds(target.pid), time.monotonic()
             run = _plain_writes(cfg, target)
             stop.set()
@@ -540,6 +553,7 @@ def _leases_once(cfg: BenchConfig, group: ProcessGroup, leases: int) -> dict[str
             if driver is not None:
                 reap([driver])
     run["leases"] = leases
+    run["kept_alive"] = kept
     run["server_cpu_pct"] = round(100 * (sum(cpu1) - sum(cpu0)) / (t1 - t0), 1)
     run["server_main_cpu_pct"] = round(100 * (cpu1[0] - cpu0[0]) / (t1 - t0), 1)
     if drv is not None:
@@ -553,24 +567,28 @@ def _leases_once(cfg: BenchConfig, group: ProcessGroup, leases: int) -> dict[str
 
 
 def _lease_cases(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]:
-    cases = (0, *cfg.calls_leases)
-    ones: dict[int, list[dict[str, Any]]] = {c: [] for c in cases}
+    cases = [(0, True), *((n, True) for n in cfg.calls_leases)]
+    if cfg.calls_leases:
+        cases.append((max(cfg.calls_leases), False))
+    ones: dict[tuple[int, bool], list[dict[str, Any]]] = {c: [] for c in cases}
     for rep in range(cfg.repeats):
-        for leases in cases:
-            one = _leases_once(cfg, group, leases)
-            ones[leases].append(one)
+        for leases, kept in cases:
+            one = _leases_once(cfg, group, leases, kept)
+            ones[(leases, kept)].append(one)
             drv = one.get("driver")
-            kept = (f"; {drv['keepalives_per_s']:,} keepalives/s, {drv['statuses']}, lag p99 "
-                    f"{drv['lag']['p99_ms']:.1f} ms" if drv else "")
-            say(f"  {leases:>6,} leases: server CPU {one['server_cpu_pct']}% idle; plain "
+            extra = (f"; {drv['keepalives_per_s']:,} keepalives/s, {drv['statuses']}, lag p99 "
+                     f"{drv['lag']['p99_ms']:.1f} ms" if drv and kept else "")
+            held = "" if kept else " held, no keepalives"
+            say(f"  {leases:>6,} leases{held}: server CPU {one['server_cpu_pct']}% idle; plain "
                 f"{cfg.calls_write_rate}/s {_ms(one['latency'])} (lost {one['lost']}); "
-                f"throughput {one['rate']:,} msg/s{kept}{_repeat(cfg, rep)}")
+                f"throughput {one['rate']:,} msg/s{extra}{_repeat(cfg, rep)}")
     runs = []
-    for leases, reps in ones.items():
+    for (leases, kept), reps in ones.items():
         median = _median_run(reps, lambda o: o["latency"]["p99_ms"])
         run: dict[str, Any] = {
             "leases": leases,
-            "ttl": cfg.calls_lease_ttl,
+            "kept_alive": kept,
+            "ttl": cfg.calls_lease_ttl if kept else _IDLE_LEASE_TTL,
             "server_cpu_pct_median": statistics.median(o["server_cpu_pct"] for o in reps),
             "server_cpu_pcts": [o["server_cpu_pct"] for o in reps],
             "write_rate": cfg.calls_write_rate,
@@ -584,7 +602,7 @@ def _lease_cases(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, A
             "delivered": min(o["delivered"] for o in reps),
         }
         drivers = [o["driver"] for o in reps if "driver" in o]
-        if drivers:
+        if drivers and kept:
             run["keepalives_per_s_median"] = statistics.median(
                 d["keepalives_per_s"] for d in drivers)
             run["keepalive_not_ok"] = sum(n for d in drivers for s, n in d["statuses"].items()
@@ -593,11 +611,12 @@ def _lease_cases(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, A
             run["keepalive_lag_p99_ms"] = max(d["lag"]["p99_ms"] for d in drivers)
             run["keepalive_reply_p99_ms"] = statistics.median(
                 d["reply"]["p99_ms"] for d in drivers)
+        if drivers:
             run["grant_s"] = statistics.median(d["grant_s"] or 0 for d in drivers)
         runs.append(run)
     base = runs[0]["rate_median"]
-    ratios = {f"{r['leases']}_leases_vs_0": round(r["rate_median"] / base, 3)
-              for r in runs[1:] if base}
+    ratios = {f"{r['leases']}_leases{'' if r['kept_alive'] else '_held_idle'}_vs_0":
+              round(r["rate_median"] / base, 3) for r in runs[1:] if base}
     return {"runs": runs, "throughput_ratios": ratios}
 
 
@@ -672,7 +691,9 @@ def calls_tables(section: dict[str, Any], *, markdown: bool = False) -> list[tup
                            "server CPU % (idle)", f"plain {runs[0]['write_rate']:,}/s p50 ms",
                            "p99 ms", "p99.9 ms", "p99 of each repeat", "lost",
                            "plain msg/s (median)", "each repeat"],
-                          [[r["leases"], r.get("keepalives_per_s_median", "-"),
+                          [[f"{r['leases']:,}" + ("" if r["kept_alive"] else
+                                                  " held, no keepalives"),
+                            r.get("keepalives_per_s_median", "-"),
                             r.get("keepalive_not_ok", "-"), r.get("keepalive_lag_p99_ms", "-"),
                             r["server_cpu_pct_median"], r["latency"]["p50_ms"],
                             r["latency"]["p99_ms"], r["latency"]["p99_9_ms"],
