@@ -271,6 +271,57 @@ def test_security_section_through_the_cli(
     assert not (tmp_path / "logs" / "security-keys").exists()  # keys removed
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_calls_section_through_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """CAS round trips next to confirmed KVSETs, in memory and durable; increments with
+    callers on their own keys and on one key (a single chain, conflicts counted); leases
+    kept alive next to plain writes: every number present and sane, nothing lost."""
+    out = tmp_path / "bench.json"
+    rc = cli.main(["--quick", "calls", "--calls-rtt", "200", "--calls-concurrency", "1,3",
+                   "--calls-seconds", "0.5", "--calls-leases", "100", "--calls-lease-ttl", "0.9",
+                   "--calls-write-rate", "500", "--calls-messages", "1000",
+                   "--rate-seconds", "0.5", "--out", str(out),
+                   "--log-dir", str(tmp_path / "logs")])
+    printed = capsys.readouterr().out
+    results = json.loads(out.read_text())
+    assert rc == 0, results.get("errors")
+    d = results["sections"]["calls"]
+    assert "errors" not in d, d.get("errors")
+    assert "Calls: round trip" in printed and "Calls: leases kept alive" in printed
+    assert [r["mode"] for r in d["rtt"]] == ["in-memory", "batch"]
+    for r in d["rtt"]:
+        assert r["calls"] == 200 and r["conflicts"] == 0  # one writer: never a conflict
+        for lat in (r["cas"], r["kvset"]):
+            assert lat["count"] == 200
+            assert 0 < lat["p50_ms"] <= lat["p99_ms"] <= lat["p99_9_ms"] <= lat["max_ms"]
+    assert [(r["callers"], r["contended"]) for r in d["concurrency"]] == [
+        (1, False), (3, False), (1, True), (3, True)]
+    for r in d["concurrency"]:
+        assert r["ok_per_s_median"] > 0 and r["unanswered"] == 0 and r["refused"] == 0
+        assert r["calls_per_s_median"] >= r["ok_per_s_median"]
+        for lat in (r["call"], r["increment"]):
+            assert 0 < lat["p50_ms"] <= lat["p99_ms"] <= lat["p99_9_ms"] <= lat["max_ms"]
+        if not r["contended"] or r["callers"] == 1:
+            assert r["conflict_rate_median"] == 0 and r["ok_per_caller_min"] > 0
+        assert r["ok_per_caller_min"] <= r["ok_per_caller_max"] and r["abandoned_max_ms"] >= 0
+        assert r["chained"]
+    zero, held, idle = d["leases"]["runs"]
+    assert [(r["leases"], r["kept_alive"]) for r in (zero, held, idle)] == [
+        (0, True), (100, True), (100, False)]
+    assert "keepalives_per_s_median" not in zero and "keepalives_per_s_median" not in idle
+    assert held["keepalives_per_s_median"] > 0
+    assert held["keepalive_not_ok"] == 0 and held["keepalive_unanswered"] == 0
+    for r in (zero, held, idle):
+        assert r["lost"] == 0 and r["latency"]["count"] == 250 and r["delivered"] == 1.0
+        assert r["rate_median"] > 0 and r["server_cpu_pct_median"] >= 0
+    assert set(d["leases"]["throughput_ratios"]) == {"100_leases_vs_0",
+                                                      "100_leases_held_idle_vs_0"}
+    assert not (tmp_path / "logs" / "calls-data").exists()  # data dirs removed
+
+
 def test_subscriber_slices_and_probe_positions() -> None:
     from clone.tools.bench import subscribers
 

@@ -44,7 +44,7 @@ reports the functions where it spent its time.  ``scripts/bench`` and
 Modules: the configuration (:mod:`.config`), the command line (:mod:`.cli`),
 one run of the sections (:mod:`.run`), one module per section
 (:mod:`.throughput`, :mod:`.latency`, :mod:`.snapshot`, :mod:`.memory`,
-:mod:`.durability`, :mod:`.security`, :mod:`.subscribers`), the
+:mod:`.durability`, :mod:`.security`, :mod:`.subscribers`, :mod:`.calls`), the
 targets and one traffic run through them (:mod:`.targets`), the processes
 that write and watch (:mod:`.processes`), py-spy profiles (:mod:`.profiling`),
 and the machine info and targets judged in the results (:mod:`.results`).

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from clone.progress import LOGGER_NAME as PROGRESS_LOGGER
+from clone.tools.bench.calls import calls_tables
 from clone.tools.bench.config import DEFAULT_SECTIONS, SECTIONS, BenchConfig
 from clone.tools.bench.durability import durability_tables
 from clone.tools.bench.run import run_benchmarks
@@ -23,7 +24,7 @@ __all__ = ["config_from_args", "main"]
 
 #: Sections whose tables the report module does not know: printed after its text.
 _TABLES = {"durability": durability_tables, "security": security_tables,
-           "subscribers": subscribers_tables}
+           "subscribers": subscribers_tables, "calls": calls_tables}
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -59,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--durability-messages", type=int,
                    help="durability: messages per throughput run (20000)")
     p.add_argument("--durability-dir", type=Path,
-                   help="durability: where durable servers keep their data (default: in the"
+                   help="durability, calls: where durable servers keep their data (default: in the"
                    " log directory; use a real disk, not tmpfs)")
     p.add_argument("--security-messages", type=int,
                    help="security: messages per throughput run (50000)")
@@ -74,6 +75,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resync-keys", type=int, help="subscribers: keys of the resync run (10000)")
     p.add_argument("--resync-clients", type=int,
                    help="subscribers: snapshot requesters of the resync run (1000)")
+    p.add_argument("--calls-rtt", type=int,
+                   help="calls: sequential CAS calls (and confirmed KVSETs) per run (5000)")
+    p.add_argument("--calls-concurrency", type=_ints,
+                   help="calls: callers with one call in flight each (1,8,32)")
+    p.add_argument("--calls-seconds", type=float, help="calls: seconds per concurrency run (5)")
+    p.add_argument("--calls-leases", type=_ints,
+                   help="calls: leases kept alive, each against 0 (1000,10000)")
+    p.add_argument("--calls-lease-ttl", type=float,
+                   help="calls: the leases' ttl; kept alive every ttl/3 (3)")
+    p.add_argument("--calls-write-rate", type=int,
+                   help="calls: plain writes/s measured next to the leases (2000)")
+    p.add_argument("--calls-messages", type=int,
+                   help="calls: plain writes of the throughput run next to the leases (20000)")
     p.add_argument("--repeats", type=int,
                    help="throughput/latency: runs of each case, median reported (default 3)")
     p.add_argument("--probes", type=int,
@@ -105,6 +119,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         ("sub_processes", "sub_processes"),
         ("resync_keys", "resync_keys"),
         ("resync_clients", "resync_clients"),
+        ("calls_rtt", "calls_rtt"),
+        ("calls_concurrency", "calls_concurrency"),
+        ("calls_seconds", "calls_seconds"),
+        ("calls_leases", "calls_leases"),
+        ("calls_lease_ttl", "calls_lease_ttl"),
+        ("calls_write_rate", "calls_write_rate"),
+        ("calls_messages", "calls_messages"),
         ("repeats", "repeats"),
     ]:
         value = getattr(args, arg)

@@ -10,10 +10,12 @@ from typing import Any
 __all__ = ["DEFAULT_SECTIONS", "SECTIONS", "TARGETS", "BenchConfig", "Say"]
 
 SECTIONS: tuple[str, ...] = (
-    "throughput", "latency", "snapshot", "memory", "durability", "security", "subscribers"
+    "throughput", "latency", "snapshot", "memory", "durability", "security", "subscribers",
+    "calls",
 )
 #: What runs without naming sections: durability takes minutes (1M-key data
-#: directories), security about two (three servers, repeated, interleaved).
+#: directories), security about two (three servers, repeated, interleaved),
+#: calls about five (CAS and leases, issue 15).
 DEFAULT_SECTIONS: tuple[str, ...] = ("throughput", "latency", "snapshot", "memory")
 TARGETS: tuple[str, ...] = ("clone", "c-proxy", "py-forwarder")
 
@@ -62,6 +64,14 @@ class BenchConfig:
     sub_per_socket: int = 50  # subscribers (TCP connections) per C sink socket
     resync_keys: int = 10_000
     resync_clients: int = 1_000
+    # calls: compare-and-set and leases (issue 15).
+    calls_rtt: int = 5_000  # sequential CAS calls (and as many confirmed KVSETs) per run
+    calls_concurrency: tuple[int, ...] = (1, 8, 32)  # callers, one call in flight each
+    calls_seconds: float = 5.0  # per concurrency run
+    calls_leases: tuple[int, ...] = (1_000, 10_000)  # kept alive, against 0
+    calls_lease_ttl: float = 3.0  # kept alive every ttl/3
+    calls_write_rate: int = 2_000  # plain writes/s next to the leases (latency)
+    calls_messages: int = 20_000  # plain writes next to the leases (throughput)
     # Subscribers measured by a Python watcher process each; the others are C sinks.
     probes: int = 1
     # Throughput and latency runs are repeated, interleaved; the median is reported.
@@ -96,6 +106,13 @@ class BenchConfig:
             sub_per_socket=5,
             resync_keys=500,
             resync_clients=20,
+            calls_rtt=500,
+            calls_concurrency=(1, 4),
+            calls_seconds=1.0,
+            calls_leases=(200,),
+            calls_lease_ttl=1.5,
+            calls_write_rate=1_000,
+            calls_messages=2_000,
             repeats=1,
         )
         return replace(base, **changes)

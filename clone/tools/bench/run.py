@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from clone.progress import Progress
+from clone.tools.bench.calls import run_calls
 from clone.tools.bench.config import BenchConfig, Say
 from clone.tools.bench.durability import run_durability
 from clone.tools.bench.latency import run_latency
@@ -35,6 +36,7 @@ _RUNNERS: dict[str, Callable[[BenchConfig, ProcessGroup, Say], dict[str, Any]]] 
     "durability": run_durability,
     "security": run_security,
     "subscribers": run_subscribers,
+    "calls": run_calls,
 }
 
 
