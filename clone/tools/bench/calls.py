@@ -41,13 +41,14 @@ interleaved in each repeat so that the machine's mood hits them alike:
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import queue
 import random
 import shutil
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.synchronize import Event as MpEvent
 from pathlib import Path
 from typing import Any
@@ -527,15 +528,21 @@ def _plain_writes(cfg: BenchConfig, target: Target) -> dict[str, Any]:
 
 
 def _leases_once(cfg: BenchConfig, group: ProcessGroup, leases: int,
-                 kept: bool) -> dict[str, Any]:
+                 kept: bool, elsewhere: bool = False) -> dict[str, Any]:
+    """One lease case.  ``elsewhere``: the control, the same driver keeping its
+    leases alive on a second server while the plain writes go to the first, so
+    what the driver and its server cost the two shared cores is told apart from
+    what the measured server's keepalive handling costs it."""
     ttl = cfg.calls_lease_ttl if kept else _IDLE_LEASE_TTL
-    with running_target("clone", group, cfg.server_heartbeat_ms) as target:
+    with running_target("clone", group, cfg.server_heartbeat_ms) as target, \
+            _maybe_target(group, cfg, elsewhere) as other:
         ready, stop, results = MP.Event(), MP.Event(), MP.Queue()
         driver = None
         try:
             if leases:
+                driven = other if other is not None else target
                 driver = MP.Process(target=lease_main, args=(
-                    target.snapshot_endpoint, leases, ttl, kept, 500, ready, stop, results),
+                    driven.snapshot_endpoint, leases, ttl, kept, 500, ready, stop, results),
                     daemon=True)
                 driver.start()
                 if not ready.wait(30 + leases / 500):
@@ -554,6 +561,7 @@ def _leases_once(cfg: BenchConfig, group: ProcessGroup, leases: int,
                 reap([driver])
     run["leases"] = leases
     run["kept_alive"] = kept
+    run["elsewhere"] = elsewhere
     run["server_cpu_pct"] = round(100 * (sum(cpu1) - sum(cpu0)) / (t1 - t0), 1)
     run["server_main_cpu_pct"] = round(100 * (cpu1[0] - cpu0[0]) / (t1 - t0), 1)
     if drv is not None:
@@ -566,28 +574,47 @@ def _leases_once(cfg: BenchConfig, group: ProcessGroup, leases: int,
     return run
 
 
+@contextlib.contextmanager
+def _maybe_target(
+    group: ProcessGroup, cfg: BenchConfig, wanted: bool
+) -> Iterator[Target | None]:
+    if not wanted:
+        yield None
+        return
+    with running_target("clone", group, cfg.server_heartbeat_ms) as other:
+        yield other
+
+
+def _lease_label(leases: int, kept: bool, elsewhere: bool) -> str:
+    if elsewhere:
+        return f"{leases:,} kept alive on another server (control)"
+    return f"{leases:,}" + ("" if kept else " held, no keepalives")
+
+
 def _lease_cases(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]:
-    cases = [(0, True), *((n, True) for n in cfg.calls_leases)]
+    cases = [(0, True, False), *((n, True, False) for n in cfg.calls_leases)]
     if cfg.calls_leases:
-        cases.append((max(cfg.calls_leases), False))
-    ones: dict[tuple[int, bool], list[dict[str, Any]]] = {c: [] for c in cases}
+        cases.append((max(cfg.calls_leases), False, False))
+        cases.append((min(cfg.calls_leases), True, True))
+    ones: dict[tuple[int, bool, bool], list[dict[str, Any]]] = {c: [] for c in cases}
     for rep in range(cfg.repeats):
-        for leases, kept in cases:
-            one = _leases_once(cfg, group, leases, kept)
-            ones[(leases, kept)].append(one)
+        for leases, kept, elsewhere in cases:
+            one = _leases_once(cfg, group, leases, kept, elsewhere)
+            ones[(leases, kept, elsewhere)].append(one)
             drv = one.get("driver")
             extra = (f"; {drv['keepalives_per_s']:,} keepalives/s, {drv['statuses']}, lag p99 "
                      f"{drv['lag']['p99_ms']:.1f} ms" if drv and kept else "")
-            held = "" if kept else " held, no keepalives"
-            say(f"  {leases:>6,} leases{held}: server CPU {one['server_cpu_pct']}% idle; plain "
+            say(f"  {_lease_label(leases, kept, elsewhere)} leases: server CPU "
+                f"{one['server_cpu_pct']}% idle; plain "
                 f"{cfg.calls_write_rate}/s {_ms(one['latency'])} (lost {one['lost']}); "
                 f"throughput {one['rate']:,} msg/s{extra}{_repeat(cfg, rep)}")
     runs = []
-    for (leases, kept), reps in ones.items():
+    for (leases, kept, elsewhere), reps in ones.items():
         median = _median_run(reps, lambda o: o["latency"]["p99_ms"])
         run: dict[str, Any] = {
             "leases": leases,
             "kept_alive": kept,
+            "elsewhere": elsewhere,
             "ttl": cfg.calls_lease_ttl if kept else _IDLE_LEASE_TTL,
             "server_cpu_pct_median": statistics.median(o["server_cpu_pct"] for o in reps),
             "server_cpu_pcts": [o["server_cpu_pct"] for o in reps],
@@ -615,7 +642,8 @@ def _lease_cases(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, A
             run["grant_s"] = statistics.median(d["grant_s"] or 0 for d in drivers)
         runs.append(run)
     base = runs[0]["rate_median"]
-    ratios = {f"{r['leases']}_leases{'' if r['kept_alive'] else '_held_idle'}_vs_0":
+    ratios = {f"{r['leases']}_leases{'' if r['kept_alive'] else '_held_idle'}"
+              f"{'_elsewhere' if r.get('elsewhere') else ''}_vs_0":
               round(r["rate_median"] / base, 3) for r in runs[1:] if base}
     return {"runs": runs, "throughput_ratios": ratios}
 
@@ -691,8 +719,7 @@ def calls_tables(section: dict[str, Any], *, markdown: bool = False) -> list[tup
                            "server CPU % (idle)", f"plain {runs[0]['write_rate']:,}/s p50 ms",
                            "p99 ms", "p99.9 ms", "p99 of each repeat", "lost",
                            "plain msg/s (median)", "each repeat"],
-                          [[f"{r['leases']:,}" + ("" if r["kept_alive"] else
-                                                  " held, no keepalives"),
+                          [[_lease_label(r["leases"], r["kept_alive"], r.get("elsewhere", False)),
                             r.get("keepalives_per_s_median", "-"),
                             r.get("keepalive_not_ok", "-"), r.get("keepalive_lag_p99_ms", "-"),
                             r["server_cpu_pct_median"], r["latency"]["p50_ms"],
