@@ -1023,7 +1023,7 @@ class ServerCore:
                 frames = encode_kv(m)
                 self._record(frames)
                 out.append(frames)
-        self.highest_seen = self.store.sequence
+        self.highest_seen = max(self.highest_seen, self.store.sequence)
         return out
 
     def expiry_due(self, now: float) -> bool:
