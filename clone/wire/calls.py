@@ -14,7 +14,10 @@ and get exactly one *reply* from an active server (docs/protocol.md, "CALL?")::
   deduplicates ``set`` and ``lease-grant`` by it, as it deduplicates KVSETs, so a
   call retried after a failover is never applied twice; the reply to a retry
   says what the first one did.
-* ``key``/``body``: a ``set``'s key and value; empty for lease operations.
+* ``key``/``body``: a ``set``'s key and value.  A ``lease-grant`` may name
+  the key its lease is for (no body): under an ACL the grant is then refused
+  (``acl``) unless the caller may write that key, so that a lock outside the
+  caller's prefixes changes nothing.  Empty for the other lease operations.
 * ``properties`` of a ``set``: ``ttl`` (as on KVSET), ``lease=<id>`` (bind the
   key to a lease) and ``if_sequence=<n>`` (apply only if the key's sequence is
   ``n``; 0: only if the key is absent).  Of ``lease-grant``: ``ttl=<seconds>``.
@@ -63,6 +66,7 @@ __all__ = [
     "REASONS",
     "Call",
     "Reply",
+    "acl_key",
     "check_call",
     "call_uuid",
     "decode_call",
@@ -251,11 +255,29 @@ def decode_call(frames: Sequence[bytes]) -> Call:
                 f"value of {len(body)} bytes for key {key[:80]!r} is over the "
                 f"{MAX_VALUE_BYTES}-byte limit"
             )
+    elif op == OP_LEASE_GRANT:
+        if body:
+            raise ProtocolError(f"CALL? {op} takes no body")
+        key = validate_key(bytes(frames[3]), reserved_ok=False) if frames[3] else ""
     else:
         if frames[3] or body:
             raise ProtocolError(f"CALL? {op} takes no key and no body")
         key = ""
     return Call(op, uuid, key, props, body)
+
+
+def acl_key(call: Call) -> str | None:
+    """The key whose write access a call needs under an ACL, or None when it
+    needs only the right to write somewhere (a lease without a named key, a
+    keepalive, a revoke).
+
+    A ``lease-grant`` may name the key its lease is for (a lock's contender
+    key): judging the grant by it refuses a lock outside the caller's write
+    prefixes before the server writes anything, not after a lease was made.
+    """
+    if call.op == OP_SET or (call.op == OP_LEASE_GRANT and call.key):
+        return call.key
+    return None
 
 
 def check_call(call: Call) -> tuple[str, str] | None:
@@ -278,6 +300,8 @@ def check_call(call: Call) -> tuple[str, str] | None:
             parse_lease_ttl(call.prop(TTL_PROPERTY))
         except ValueError as exc:
             return ("bad-ttl", str(exc))
+        if call.key.startswith(LEASE_PREFIX):
+            return ("reserved", f"keys under {LEASE_PREFIX} are the server's leases")
         return None
     lease = call.lease
     if lease is None or not valid_lease_id(lease):

@@ -14,6 +14,7 @@ from clone.wire.calls import (
     OP_SET,
     Call,
     Reply,
+    acl_key,
     call_uuid,
     check_call,
     decode_call,
@@ -49,6 +50,19 @@ def test_lease_calls_take_no_key_or_body() -> None:
     assert lease_key(LEASE) == LEASE_PREFIX + LEASE
     with pytest.raises(ProtocolError, match="no key"):
         decode_call([b"CALL?", b"lease-keepalive", U, b"/k", b"", b""])
+
+
+def test_a_lease_grant_may_name_the_key_it_is_for() -> None:
+    """The key a grant names is what an ACL judges it by (a lock's contender key)."""
+    plain = decode_call(encode_call(OP_LEASE_GRANT, U, properties=(("ttl", "2"),)))
+    named = decode_call(encode_call(OP_LEASE_GRANT, U, "/locks/a/1", (("ttl", "2"),)))
+    assert (acl_key(plain), acl_key(named)) == (None, "/locks/a/1")
+    assert acl_key(decode_call(encode_call(OP_SET, U, "/k", (), b"v"))) == "/k"
+    frames = encode_call(OP_LEASE_GRANT, U, "/k", (("ttl", "2"),))
+    with pytest.raises(ProtocolError, match="no body"):
+        decode_call([*frames[:5], b"v"])
+    reserved = decode_call([*frames[:3], b"/_clone/lease/x", *frames[4:]])
+    assert check_call(reserved) is not None and check_call(reserved)[0] == "reserved"
 
 
 @pytest.mark.parametrize(
