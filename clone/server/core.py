@@ -55,6 +55,7 @@ from clone.wire.calls import (
     OP_SET,
     Call,
     Reply,
+    acl_refusal,
     call_uuid,
     check_call,
     decode_call,
@@ -188,6 +189,9 @@ COUNTERS = (
     "calls_refused_busy",
     "calls_refused_acl",
     "calls_reserved",
+    "calls_bad_if_sequence",
+    "calls_bad_lease",
+    "calls_bad_ttl",
     "kvset_conflict",
     "kvset_unknown_lease",
     "kvset_reserved",
@@ -249,6 +253,20 @@ def _check_condition_syntax(msg: KVMsg) -> None:
 
 def _refused(uuid: bytes, reason: str, detail: str) -> Reply:
     return Reply(uuid, "refused", reason=reason, detail=detail)
+
+
+def _any_key(key: bytes) -> bool:
+    """No ACL: every key may be written."""
+    return True
+
+
+#: The counter of each problem :func:`~clone.wire.calls.check_call` finds.
+_PROBLEM_COUNTERS: dict[str, str] = {
+    "reserved": "calls_reserved",
+    "bad-if-sequence": "calls_bad_if_sequence",
+    "bad-lease": "calls_bad_lease",
+    "bad-ttl": "calls_bad_ttl",
+}
 
 
 class ServerCore:
@@ -775,33 +793,36 @@ class ServerCore:
         it must wait for this turn's commit (it changed the state).
 
         The reply is None only for a call too broken to answer (no uuid).
-        ``can_write``: the caller's write ACL for a ``set`` (CURVE), None for
-        no ACL; ``may_lease``: whether it may hold leases at all (under an ACL,
-        a client that may write somewhere).
+        ``can_write``: the caller's write ACL (CURVE), None for no ACL; it
+        judges a call's :func:`~clone.wire.calls.acl_key` (a ``set``'s key, a
+        grant's named key).  ``may_lease``: whether the caller may write
+        somewhere at all, which is what a call without such a key needs (an
+        unnamed grant, a keepalive, a revoke).  The rule itself is
+        :func:`~clone.wire.calls.acl_refusal`, shared with the relays.
+
+        Each refusal has its own counter (``_PROBLEM_COUNTERS``, ``size``,
+        ``malformed``), so an operator can tell a client sending nonsense
+        from one sending too much.
         """
         c = self.counters
         c["calls_received"] += 1
         try:
             call = decode_call(frames)
         except ProtocolError as exc:
-            c["calls_invalid"] += 1
+            oversized = isinstance(exc, LimitExceeded)
+            c["calls_refused_size" if oversized else "calls_invalid"] += 1
             uuid = call_uuid(frames)
             if uuid is None:
                 return None, False
-            reason = "size" if isinstance(exc, LimitExceeded) else "malformed"
-            return _refused(uuid, reason, str(exc)), False
+            return _refused(uuid, "size" if oversized else "malformed", str(exc)), False
         problem = check_call(call)
         if problem is not None:
-            c["calls_reserved" if problem[0] == "reserved" else "calls_invalid"] += 1
+            c[_PROBLEM_COUNTERS.get(problem[0], "calls_invalid")] += 1
             return _refused(call.uuid, *problem), False
-        if call.op == OP_SET:
-            if can_write is not None and not can_write(call.key.encode("utf-8")):
-                c["calls_refused_acl"] += 1
-                why = f"the ACL does not let you write {call.key!r}"
-                return _refused(call.uuid, "acl", why), False
-        elif not may_lease:
+        why = acl_refusal(call, can_write or _any_key, may_lease)
+        if why is not None:
             c["calls_refused_acl"] += 1
-            return _refused(call.uuid, "acl", "the ACL lets this client write nothing"), False
+            return _refused(call.uuid, "acl", why), False
         if self.role is not Role.ACTIVE:
             c["calls_not_active"] += 1
             return _refused(call.uuid, "not-active", f"this server is {self.role.value}"), False

@@ -53,7 +53,7 @@ from clone.errors import ProtocolError
 from clone.security import PEER_USER, fingerprint
 from clone.server.base import ServerBase, log, who
 from clone.server.core import SyncState
-from clone.wire.calls import OP_SET, REPLY, Reply, call_uuid, check_call, decode_call
+from clone.wire.calls import REPLY, Reply, acl_refusal, call_uuid, check_call, decode_call
 from clone.wire.codec import Hugz, decode_update, encode_hugz
 from clone.wire.control import Refusal, ViewHeartbeat, decode_control
 from clone.wire.frames import NOBLOCK, recv_frames, recv_frames_and_first, send_frames
@@ -416,6 +416,9 @@ class RelayMixin(ServerBase):
 
         A call that does not decode, or asks for something malformed, is
         forwarded as it is: the pair says precisely what is wrong with it.
+        The rule is the active server's (:func:`~clone.wire.calls.acl_refusal`):
+        a grant that names a key outside the caller's write prefixes is
+        refused here, before the pair makes a lease.
         """
         if user == PEER_USER or user in self._write_all:
             return None
@@ -428,12 +431,7 @@ class RelayMixin(ServerBase):
             return None
         if check_call(call) is not None:
             return None
-        if call.op == OP_SET:
-            if not rights.can_write(call.key.encode("utf-8")):
-                return f"the ACL does not let you write {call.key!r}"
-        elif not rights.write:
-            return "the ACL lets this client write nothing"
-        return None
+        return acl_refusal(call, rights.can_write, bool(rights.write))
 
     def _on_call_reply(self, frames: list[bytes]) -> None:
         """A REPLY from the upstream: to the caller of its uuid, at once or never."""

@@ -38,7 +38,7 @@ reason instead of dropping it.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -67,6 +67,7 @@ __all__ = [
     "Call",
     "Reply",
     "acl_key",
+    "acl_refusal",
     "check_call",
     "call_uuid",
     "decode_call",
@@ -278,6 +279,30 @@ def acl_key(call: Call) -> str | None:
     if call.op == OP_SET or (call.op == OP_LEASE_GRANT and call.key):
         return call.key
     return None
+
+
+def acl_refusal(
+    call: Call, can_write: Callable[[bytes], bool], writes_somewhere: bool
+) -> str | None:
+    """Why an ACL refuses ``call``, as a detail for its ``acl`` reply, or None.
+
+    The one rule for every server that judges a call under an ACL: the
+    active server before it decides anything, and a relay before it forwards
+    (the pair then judges the relay's own rights).  Kept here, pure, so that
+    the two cannot drift apart.  A call with an :func:`acl_key` needs
+    ``can_write`` of that key; one without needs only ``writes_somewhere``
+    (the caller's write list is not empty): a lease is worth nothing to a
+    client that can write no key to bind to it.
+    """
+    key = acl_key(call)
+    if key is not None:
+        if can_write(key.encode("utf-8")):
+            return None
+        what = "write" if call.op == OP_SET else "take a lease for"
+        return f"the ACL does not let you {what} {key!r}"
+    if writes_somewhere:
+        return None
+    return "the ACL lets this client write nothing"
 
 
 def check_call(call: Call) -> tuple[str, str] | None:

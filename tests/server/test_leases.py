@@ -149,6 +149,40 @@ def test_server_keys_and_other_refusals(active: Calls) -> None:
     assert c["calls_reserved"] == 1 and c["calls_invalid"] == 2 and c["calls_refused_acl"] == 1
 
 
+def test_a_named_grant_outside_the_write_acl_changes_nothing(active: Calls) -> None:
+    """A lock's grant names its contender key: refused by the ACL before any
+    lease exists, where an unnamed grant would have been let through."""
+    core = active.core
+
+    def jobs_only(key: bytes) -> bool:
+        return key.startswith(b"/jobs/")
+
+    ttl = (("ttl", "2.0"),)
+    refused, commit = core.on_call(
+        encode_call(OP_LEASE_GRANT, _uuid(1), "/locks/x/c1", ttl), 10.0, can_write=jobs_only
+    )
+    assert refused is not None and (refused.status, refused.reason) == ("refused", "acl")
+    assert "/locks/x/c1" in refused.detail and not commit
+    assert core.store.sequence == 0 and len(core.leases) == 0 and not published(core)
+    assert core.counters["calls_refused_acl"] == 1 and core.counters["leases_granted"] == 0
+    # The same client may lease for a key of its own, named or not.
+    for n, key in ((2, "/jobs/locks/x/c1"), (3, "")):
+        granted, commit = core.on_call(
+            encode_call(OP_LEASE_GRANT, _uuid(n), key, ttl), 10.0, can_write=jobs_only
+        )
+        assert granted is not None and granted.ok and commit
+    # A client that may write nothing gets no lease, named or not.
+    for n, key in ((4, "/jobs/a"), (5, "")):
+        nothing, _ = core.on_call(
+            encode_call(OP_LEASE_GRANT, _uuid(n), key, ttl),
+            10.0,
+            can_write=lambda key: False,
+            may_lease=False,
+        )
+        assert nothing is not None and nothing.reason == "acl"
+    assert core.counters["calls_refused_acl"] == 3 and len(core.leases) == 2
+
+
 def test_a_passive_server_says_it_is_not_active() -> None:
     passive = Calls(ServerCore())
     passive.core.become_passive()

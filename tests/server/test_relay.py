@@ -3,14 +3,18 @@ flags and config, and the ``stale`` HUGZ property (docs/operations.md, "Relays")
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import pytest
 
+from clone.security.acl import Rights
 from clone.server.cli import build_parser, config_from_args
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import FollowOutcome, Role, ServerCore, SyncState
 from clone.server.inflight import InFlight
-from clone.server.relaying import relay_stale, upstream_lost
-from clone.wire.codec import Hugz, KVMsg, decode_update, encode_hugz, encode_kv
+from clone.server.relaying import RelayMixin, relay_stale, upstream_lost
+from clone.wire.calls import OP_LEASE_GRANT, OP_LEASE_KEEPALIVE, OP_SET, encode_call
+from clone.wire.codec import Hugz, KVMsg, decode_update, encode_hugz, encode_kv, new_uuid
 
 
 def _lost(now: float, *, syncing: bool) -> bool:
@@ -174,3 +178,38 @@ def test_relay_core_follows_and_records_what_it_applies() -> None:
     assert core.store.sequence == 1
     # What it applied is in the journal: the relay publishes it as received.
     assert [op.updates for op in core.journal.take()] == [[update]]
+
+
+class _RelayAcl:
+    """What :meth:`RelayMixin._call_refusal` reads of a CURVE relay: "worker"
+    may write under /jobs/ only."""
+
+    _write_all: frozenset[str] = frozenset()
+    _admitted = frozenset({"worker"})
+
+    def _rights_of(self, name: str | None) -> Rights:
+        return Rights(read=(b"",), write=(b"/jobs/",))
+
+
+@pytest.mark.parametrize(
+    ("op", "key", "props", "refused"),
+    [
+        (OP_LEASE_GRANT, "/locks/x/c1", (("ttl", "2"),), True),  # named, outside
+        (OP_LEASE_GRANT, "/jobs/locks/c1", (("ttl", "2"),), False),  # named, inside
+        (OP_LEASE_GRANT, "", (("ttl", "2"),), False),  # unnamed: writes somewhere
+        (OP_SET, "/locks/x/c1", (), True),
+        (OP_SET, "/jobs/a", (), False),
+        (OP_LEASE_KEEPALIVE, "", (("lease", "a" * 32),), False),
+    ],
+)
+def test_a_relay_judges_a_call_by_its_acl_key(
+    op: str, key: str, props: tuple[tuple[str, str], ...], refused: bool
+) -> None:
+    """The relay applies the active server's rule (clone.wire.calls.acl_refusal):
+    a lock's named grant outside the caller's prefixes never goes upstream."""
+    body = b"v" if op == OP_SET else b""
+    frames = encode_call(op, new_uuid(), key, props, body)
+    why = RelayMixin._call_refusal(cast(Any, _RelayAcl()), frames, "worker")
+    assert (why is not None) is refused
+    if refused:
+        assert key in str(why)

@@ -15,6 +15,7 @@ from clone.wire.calls import (
     Call,
     Reply,
     acl_key,
+    acl_refusal,
     call_uuid,
     check_call,
     decode_call,
@@ -151,3 +152,29 @@ def test_decoders_are_total(frames: list[bytes]) -> None:
             decode_reply([prefix, *frames])
         except ProtocolError:
             pass
+
+
+def _jobs_only(key: bytes) -> bool:
+    return key.startswith(b"/jobs/")
+
+
+@pytest.mark.parametrize(
+    ("call", "writes_somewhere", "refused"),
+    [
+        (Call(OP_SET, U, "/jobs/a"), True, False),
+        (Call(OP_SET, U, "/locks/a"), True, True),
+        (Call(OP_LEASE_GRANT, U, "/jobs/locks/a"), True, False),
+        (Call(OP_LEASE_GRANT, U, "/locks/a"), True, True),  # a lock outside the ACL
+        (Call(OP_LEASE_GRANT, U), True, False),  # unnamed: the right to write somewhere
+        (Call(OP_LEASE_GRANT, U), False, True),
+        (Call(OP_LEASE_KEEPALIVE, U, "", (("lease", LEASE),)), True, False),
+        (Call(OP_LEASE_KEEPALIVE, U, "", (("lease", LEASE),)), False, True),
+    ],
+)
+def test_acl_refusal_judges_the_acl_key_else_any_write_right(
+    call: Call, writes_somewhere: bool, refused: bool
+) -> None:
+    why = acl_refusal(call, _jobs_only, writes_somewhere)
+    assert (why is not None) is refused
+    if refused and call.key:
+        assert repr(call.key) in str(why)
