@@ -139,7 +139,8 @@ class WriteRefused(CloneError):
     ``reason`` is the server's (``acl``, ``full`` or ``size`` in a refusal
     notice; a call's reply may also say ``reserved``, ``busy``, ``bad-lease``
     and the like: docs/protocol.md; another from a newer server) and ``key``
-    the key written (for a lease operation, the lease's own key under
+    the key written (for a lease grant that names the key it is for, that
+    key; for another lease operation, the lease's own key under
     ``/_clone/lease/``).  Raised at once instead of a timeout: the write will
     never be applied, resending is useless.
     """

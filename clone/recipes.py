@@ -83,9 +83,14 @@ class _Contender:
         self.sequence = 0
 
     def enter(self, value: bytes) -> None:
-        """Write our key at the back of the queue."""
-        lease = self._given_lease or self.client.lease(self.ttl)
+        """Write our key at the back of the queue.
+
+        The key is named before our own lease is asked for, and the grant
+        names it: a name outside our write ACL is then refused before the
+        server makes a lease, so a refused lock changes nothing there.
+        """
         key = f"{self.prefix}{new_uuid().hex()}"
+        lease = self._given_lease or self.client.lease(self.ttl, for_key=key)
         try:
             sequence = self.client.set(key, value, lease=lease, if_sequence=0)
         except BaseException:

@@ -625,7 +625,9 @@ class Clone:
             return self._write(_build(key, b"", {}), wait, timeout)
         return self._call_write(key, b"", {}, timeout, if_sequence, None)
 
-    def lease(self, ttl: float = 2.0, *, timeout: float | None = None) -> Lease:
+    def lease(
+        self, ttl: float = 2.0, *, timeout: float | None = None, for_key: str | None = None
+    ) -> Lease:
         """A new lease of ``ttl`` seconds (0.3 s to one year), kept alive by
         this client until revoked, lost or the client closes.
 
@@ -633,19 +635,32 @@ class Clone:
         The agent sends a keepalive every ``ttl / 3`` to the active server,
         also across a failover; if the servers say the lease is gone, the
         lease is marked lost (:attr:`Lease.alive`, :meth:`Lease.on_lost`).
+
+        ``for_key``: the key the lease is for, when the caller knows it (a
+        lock's contender key).  The grant carries it, so that a server with
+        an ACL grants the lease only if this client may write that key, and
+        a refusal comes before anything was written: without it, the grant
+        needs only the right to write *some* key, the lease key is
+        published, and the refusal comes with the write that follows.  It
+        does not bind the key to the lease: ``set(..., lease=lease)`` does.
+
         Raises :class:`~clone.errors.NotActive` if no active server answered
         within ``timeout`` (default ``confirm_timeout``), and
         :class:`~clone.errors.WriteRefused` if the server refused (``busy``:
-        it holds ``--max-leases`` leases; ``acl``: this client may write nothing).
+        it holds ``--max-leases`` leases; ``acl``: this client may not write
+        ``for_key``, or without it, may write nothing; ``reserved``:
+        ``for_key`` is under ``/_clone/lease/``), and :class:`ValueError` for
+        a ``for_key`` that is not a key.
         """
         ttl_text = _format_lease_ttl(ttl)
+        key = "" if for_key is None else _build(for_key, b"", {}).key
         uuid = new_uuid()
         asked = time.monotonic()  # the servers count its ttl from later than this
         reply = self._call(
-            OP_LEASE_GRANT, uuid, "", ((TTL_PROPERTY, ttl_text),), b"", timeout, "a lease grant"
+            OP_LEASE_GRANT, uuid, key, ((TTL_PROPERTY, ttl_text),), b"", timeout, "a lease grant"
         )
         if not reply.ok:
-            raise WriteRefused(reply.reason, lease_key(lease_id_of(uuid)))
+            raise WriteRefused(reply.reason, key or lease_key(lease_id_of(uuid)))
         lease = Lease(self, reply.lease or lease_id_of(uuid), reply.ttl or float(ttl))
         lease._kept_until(asked + lease.ttl)
         with self._shared:

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from clone import Clone, Conflict, Lease, LeaseLost, NotActive, WriteRefused
+from clone.recipes import Lock
 from clone.wire.calls import (
     OP_LEASE_GRANT,
     OP_LEASE_KEEPALIVE,
@@ -57,6 +58,8 @@ class Desk:
     def _answer(self, call: Call) -> Reply:
         lease = call.lease
         if call.op == OP_LEASE_GRANT:
+            if call.key.startswith("/forbidden/"):  # a grant named for a key not ours
+                return Reply(call.uuid, "refused", reason="acl", detail="not yours")
             lease_id, ttl = lease_id_of(call.uuid), float(call.prop("ttl") or 0)
             self.leases[lease_id] = ttl
             return Reply(call.uuid, "ok", lease=lease_id, ttl=ttl)
@@ -300,6 +303,40 @@ def test_lease_arguments_are_checked(client: Clone) -> None:
             client.lease(bad)
     with pytest.raises(TypeError):
         client.lease("2")  # type: ignore[arg-type]
+
+
+def test_a_lease_for_a_key_names_it_in_the_grant(desk: Desk, client: Clone) -> None:
+    lease = client.lease(1.0, for_key="/jobs/a")
+    plain = client.lease(1.0)
+    assert [c.key for c in desk.ops(OP_LEASE_GRANT)] == ["/jobs/a", ""]
+    with pytest.raises(WriteRefused) as info:
+        client.lease(1.0, for_key="/forbidden/a")
+    assert info.value.reason == "acl" and info.value.key == "/forbidden/a"
+    for bad in ("", "\x00control"):
+        with pytest.raises(ValueError, match="key"):
+            client.lease(1.0, for_key=bad)
+    assert len(desk.ops(OP_LEASE_GRANT)) == 3  # the bad keys were never sent
+    lease.revoke()
+    plain.revoke()
+
+
+def test_a_lock_outside_the_acl_asks_for_nothing_but_its_named_grant(
+    desk: Desk, client: Clone
+) -> None:
+    """The contender key is named first and the grant carries it: refused,
+    the lock writes nothing and has no lease to revoke."""
+    with pytest.raises(WriteRefused) as info:
+        Lock(client, "/forbidden/lock", ttl=1.0).acquire(timeout=2)
+    assert info.value.reason == "acl"
+    [grant] = desk.server.calls
+    assert grant.op == OP_LEASE_GRANT and grant.key.startswith("/forbidden/lock/")
+    assert info.value.key == grant.key
+    with Lock(client, "/jobs/lock", ttl=1.0) as lock:
+        assert lock.held
+    asked = [c for c in desk.server.calls[1:] if c.op != OP_LEASE_KEEPALIVE]
+    grant, contend, revoke = asked
+    assert grant.op == OP_LEASE_GRANT and contend.op == OP_SET and revoke.op == OP_LEASE_REVOKE
+    assert grant.key == contend.key and grant.key.startswith("/jobs/lock/")
 
 
 def test_a_lease_granted_before_the_first_sync(server: FakeServer, desk: Desk) -> None:

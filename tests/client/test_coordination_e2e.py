@@ -233,12 +233,23 @@ def test_a_lock_name_outside_the_write_acl_is_refused(servers: Servers, tmp_path
     wait_serving_curve(server, keys)
     with Clone([endpoint(server)], heartbeat=HEARTBEAT, **keys.client("worker")) as client:
         client.wait_synced(10)
+        before = read_stats(server)
         with pytest.raises(WriteRefused) as refused:
             Lock(client, "/locks/not-mine", ttl=2).acquire(timeout=5)
         assert refused.value.reason == "acl"
+        assert refused.value.key.startswith("/locks/not-mine/")
+        after = read_stats(server)
+        # Refused at the grant, which named the lock's key: nothing was written
+        # (no lease key published, then deleted by a revoke).
+        assert after["sequence"] == before["sequence"]
+        assert after["leases"] == 0 and after["leases_granted"] == before["leases_granted"] == 0
+        assert after["leases_revoked"] == 0
+        assert after["calls_refused_acl"] == before["calls_refused_acl"] + 1
+        assert after["calls_ok"] == before["calls_ok"]
+        assert client.entries("/_clone/lease/") == [] and client.entries("/locks/") == []
         with Lock(client, "/jobs/locks/mine", ttl=2) as lock:
             assert lock.held
-    assert read_stats(server)["calls_refused_acl"] >= 1
+    assert read_stats(server)["calls_refused_acl"] == after["calls_refused_acl"]
 
 
 def test_cli_if_seq_and_lock(servers: Servers, capsys: pytest.CaptureFixture[str]) -> None:
