@@ -54,14 +54,19 @@ __all__ = [
 SNAPSHOT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
 
 #: ``clone_calls_total{result}``: the stats counter behind each result of a
-#: CALL? (docs/protocol.md, "CALL? / REPLY").  ``invalid`` covers malformed
-#: calls and the bad-if-sequence, bad-lease and bad-ttl refusals.
+#: CALL? (docs/protocol.md, "CALL? / REPLY").  ``invalid`` counts only calls
+#: that do not decode (``malformed``); each refusal of what a well-formed call
+#: asks for has its own result, so a dashboard tells a broken client (invalid)
+#: from one passing bad arguments (bad_*) and from one sending too much (size).
 CALL_RESULTS: Mapping[str, str] = {
     "ok": "calls_ok",
     "conflict": "calls_conflict",
     "not_active": "calls_not_active",
     "unknown_lease": "calls_unknown_lease",
     "invalid": "calls_invalid",
+    "bad_if_sequence": "calls_bad_if_sequence",
+    "bad_lease": "calls_bad_lease",
+    "bad_ttl": "calls_bad_ttl",
     "reserved": "calls_reserved",
     "acl": "calls_refused_acl",
     "full": "calls_refused_full",

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from clone.server.core import CoreSettings, Role, ServerCore
+from clone.server.core import _PROBLEM_COUNTERS, CoreSettings, Role, ServerCore
 from clone.server.leases import LeaseTable, bound_lease, parse_lease_value
+from clone.server.metrics import CALL_RESULTS
 from clone.wire.calls import (
     LEASE_PREFIX,
     OP_LEASE_GRANT,
@@ -21,6 +22,7 @@ from clone.wire.calls import (
     lease_id_of,
 )
 from clone.wire.codec import KVMsg, decode_update
+from clone.wire.protocol import MAX_VALUE_BYTES
 from tests.server.test_server_core import _snapshot_of
 
 
@@ -118,22 +120,41 @@ def test_a_retried_call_is_not_applied_twice(active: Calls) -> None:
     assert active.core.counters["calls_duplicate"] == 1
 
 
+_CALL_COUNTERS = tuple(name for name in ServerCore().counters if name.startswith("calls_"))
+
+
 @pytest.mark.parametrize(
-    ("props", "reason"),
+    ("op", "props", "reason", "counter"),
     [
-        ({"if_sequence": "-1"}, "bad-if-sequence"),
-        ({"if_sequence": "one"}, "bad-if-sequence"),
-        ({"lease": "abc"}, "bad-lease"),
-        ({"lease": "0" * 32}, "unknown-lease"),
+        (OP_SET, {"if_sequence": "-1"}, "bad-if-sequence", "calls_bad_if_sequence"),
+        (OP_SET, {"if_sequence": "one"}, "bad-if-sequence", "calls_bad_if_sequence"),
+        (OP_SET, {"lease": "abc"}, "bad-lease", "calls_bad_lease"),
+        (OP_SET, {"lease": "0" * 32}, "unknown-lease", "calls_unknown_lease"),
+        (OP_LEASE_KEEPALIVE, {"lease": "abc"}, "bad-lease", "calls_bad_lease"),
+        (OP_LEASE_REVOKE, {}, "bad-lease", "calls_bad_lease"),
+        (OP_LEASE_GRANT, {"ttl": "0.01"}, "bad-ttl", "calls_bad_ttl"),
+        (OP_LEASE_GRANT, {"ttl": "nan"}, "bad-ttl", "calls_bad_ttl"),
     ],
 )
-def test_bad_calls_get_a_specific_reason_and_change_nothing(
-    active: Calls, props: dict[str, str], reason: str
+def test_bad_calls_get_a_specific_reason_and_counter_and_change_nothing(
+    active: Calls, op: str, props: dict[str, str], reason: str, counter: str
 ) -> None:
-    reply = active.set("/k", b"v", 0.0, **props)
+    key, body = ("/k", b"v") if op == OP_SET else ("", b"")
+    reply, commit = active.call(op, 0.0, key, body, **props)
     assert reply.status == "refused" and reply.reason == reason and reply.detail
-    assert active.core.store.sequence == 0
+    assert not commit
+    assert active.core.store.sequence == 0 and len(active.core.leases) == 0
     assert not published(active.core)
+    counted = {n: v for n in _CALL_COUNTERS if (v := active.core.counters[n])}
+    assert counted == {"calls_received": 1, counter: 1}
+
+
+def test_an_oversized_call_counts_as_size_not_invalid(active: Calls) -> None:
+    reply, _ = active.call(OP_SET, 0.0, "/k", b"x" * (MAX_VALUE_BYTES + 1))
+    assert (reply.status, reply.reason) == ("refused", "size")
+    c = active.core.counters
+    assert (c["calls_refused_size"], c["calls_invalid"]) == (1, 0)
+    assert active.core.store.sequence == 0
 
 
 def test_server_keys_and_other_refusals(active: Calls) -> None:
@@ -329,3 +350,15 @@ def test_a_promotion_applies_parked_conditional_writes_only_if_they_still_hold()
     assert core.counters["pending_failed"] == 1 and core.counters["kvset_conflict"] == 1
     with pytest.raises(Exception, match="not a whole number"):
         core.on_kvset([b"/j", bytes(8), _uuid(4), b"if_sequence=x\n", b"bad"], 1.0)
+
+
+def test_every_call_result_in_the_metrics_is_a_core_counter() -> None:
+    """/metrics exports clone_calls_total{result} from these counters: one the
+    core does not keep would be a result stuck at 0."""
+    counters = ServerCore().counters
+    assert set(CALL_RESULTS.values()) <= set(counters)
+    assert {
+        CALL_RESULTS[label] for label in ("bad_if_sequence", "bad_lease", "bad_ttl", "size")
+    } == {"calls_bad_if_sequence", "calls_bad_lease", "calls_bad_ttl", "calls_refused_size"}
+    # Each problem check_call finds has a counter of its own, not calls_invalid.
+    assert set(_PROBLEM_COUNTERS.values()) <= set(CALL_RESULTS.values())
