@@ -23,8 +23,9 @@ import pytest
 
 from clone import Clone
 from clone.client.cli import EXIT_CONFLICT, main
-from clone.errors import Conflict, LeaseLost, WriteRefused
+from clone.errors import Conflict, LeaseLost, LimitExceeded, WriteRefused
 from clone.recipes import Election, Lock
+from clone.wire.protocol import MAX_VALUE_BYTES
 from tests.support.clients import endpoint, synced_client
 from tests.support.curve import CurveKeys, wait_serving_curve
 from tests.support.servers import ROOT, Servers, read_stats
@@ -204,26 +205,42 @@ def test_recipes_in_process(servers: Servers) -> None:
 
 
 def test_cas_and_leases_refuse_bad_input_and_count_it(servers: Servers) -> None:
+    """Through the client library: what it can judge (a bad if_sequence, an
+    oversized value) it refuses before sending, so the server never counts
+    it; the rest the server refuses, each under its own counter, changing
+    nothing.  tests/server/test_calls_e2e.py sends the same bad input raw."""
     server = servers.standalone()
     with synced_client(server) as client:
         seq = client.set("/k", "1", wait=True)
         assert isinstance(seq, int) and seq > 0
+        before = read_stats(server)
+        for bad, error in ((-1, ValueError), ("one", TypeError), ("3", TypeError)):
+            with pytest.raises(error, match="if_sequence"):
+                client.set("/k", "2", if_sequence=bad)  # type: ignore[arg-type]
+        with pytest.raises(LimitExceeded):
+            client.set("/k", b"x" * (MAX_VALUE_BYTES + 1), if_sequence=seq)
+        locally = read_stats(server)
+        assert locally["calls_received"] == before["calls_received"]  # nothing was sent
         with pytest.raises(Conflict) as conflict:
             client.set("/k", "2", if_sequence=seq + 5)
         assert conflict.value.current == seq
-        with pytest.raises(ValueError):
-            client.set("/k", "2", if_sequence=-1)
-        with pytest.raises((TypeError, ValueError)):
-            client.set("/k", "2", if_sequence="3")  # type: ignore[arg-type]
         lease = client.lease(2.0)
         lease.revoke()
+        revoked = read_stats(server)
         with pytest.raises(LeaseLost):
             client.set("/k", "3", lease=lease.id)
         with pytest.raises(LeaseLost):
             client.set("/k", "3", lease="ab" * 16)
-    stats = read_stats(server)
-    assert stats["calls_conflict"] == 1
-    assert stats["calls_unknown_lease"] == 2
+        after = read_stats(server)
+        assert after["calls_unknown_lease"] == revoked["calls_unknown_lease"] + 2
+        assert after["calls_received"] == revoked["calls_received"] + 2
+        assert after["sequence"] == revoked["sequence"]  # no write applied
+        assert after["leases"] == 0
+        assert client.get("/k") == b"1"
+        assert client.get(f"/_clone/lease/{lease.id}") is None
+    assert after["calls_conflict"] == 1
+    assert after["calls_invalid"] == after["calls_bad_if_sequence"] == 0
+    assert after["calls_refused_size"] == 0
 
 
 def test_a_lock_name_outside_the_write_acl_is_refused(servers: Servers, tmp_path: Path) -> None:

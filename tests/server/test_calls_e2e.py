@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
+from clone.server.metrics import CALL_RESULTS
 from clone.wire.calls import (
     LEASE_PREFIX,
     OP_LEASE_GRANT,
@@ -25,6 +26,8 @@ from clone.wire.calls import (
     encode_call,
 )
 from clone.wire.codec import KVMsg, decode_update, new_uuid
+from clone.wire.protocol import MAX_VALUE_BYTES
+from tests.support.clients import synced_client
 from tests.support.servers import ServerProcess, Servers, answers_icanhaz, read_stats
 from tests.support.waiting import eventually
 
@@ -170,3 +173,63 @@ def test_the_passive_refuses_and_the_new_active_knows_the_lease(
         time.sleep(0.4)
     conflict = call(ctx, backup, OP_SET, "/svc/x", b"2", if_sequence="0")
     assert conflict.status == "conflict" and conflict.current > 0
+
+
+#: The counters a call moves: one per result, and calls_received.
+_CALL_COUNTERS = ("calls_received", *CALL_RESULTS.values())
+
+
+def _moved(before: dict[str, object], after: dict[str, object]) -> dict[str, int]:
+    """The call counters that changed between two stats, and by how much."""
+    diff = {name: int(str(after[name])) - int(str(before[name])) for name in _CALL_COUNTERS}
+    return {name: n for name, n in diff.items() if n}
+
+
+def test_bad_input_gets_its_reason_and_its_counter_and_changes_nothing(
+    servers: Servers, ctx: zmq.Context
+) -> None:
+    """Each bad call of issue 15, sent raw (no client library to refuse it
+    first): the reason of docs/protocol.md, exactly one count on its own
+    counter, and no change at all -- the sequence stays, /k keeps its value,
+    and an expired lease is not brought back by a keepalive."""
+    server = servers.standalone()
+    first = call(ctx, server, OP_SET, "/k", b"v1")
+    assert first.ok
+    expired = call(ctx, server, OP_LEASE_GRANT, ttl="0.5")
+    assert expired.ok
+    eventually(lambda: read_stats(server)["leases_expired"] == 1, 5, "the lease expired")
+    nobody = "ab" * 16
+    unknown = ("unknown-lease", "calls_unknown_lease")
+    bad_seq = ("bad-if-sequence", "calls_bad_if_sequence")
+    big = b"x" * (MAX_VALUE_BYTES + 1)
+    cases: list[tuple[str, str, bytes, dict[str, str], tuple[str, str]]] = [
+        (OP_SET, "/k", b"v2", {"lease": nobody}, unknown),
+        (OP_LEASE_KEEPALIVE, "", b"", {"lease": nobody}, unknown),
+        (OP_LEASE_REVOKE, "", b"", {"lease": nobody}, unknown),
+        (OP_LEASE_KEEPALIVE, "", b"", {"lease": expired.lease}, unknown),
+        (OP_SET, "/k", b"v2", {"lease": expired.lease}, unknown),
+        (OP_SET, "/k", b"v2", {"if_sequence": "-1"}, bad_seq),
+        (OP_SET, "/k", b"v2", {"if_sequence": "one"}, bad_seq),
+        (OP_SET, "/k", b"v2", {"lease": "abc"}, ("bad-lease", "calls_bad_lease")),
+        (OP_LEASE_GRANT, "", b"", {"ttl": "0.01"}, ("bad-ttl", "calls_bad_ttl")),
+        (OP_SET, "/k", big, {}, ("size", "calls_refused_size")),
+    ]
+    for op, key, body, props, (reason, counter) in cases:
+        before = read_stats(server)
+        reply = call(ctx, server, op, key, body, **props)
+        after = read_stats(server)
+        what = f"{op} {props}"
+        assert (reply.status, reply.reason) == ("refused", reason), what
+        assert reply.detail, what
+        assert _moved(before, after) == {"calls_received": 1, counter: 1}, what
+        assert after["sequence"] == before["sequence"], what
+        assert after["leases"] == 0 and after["leases_granted"] == 1, what
+    # A write after all that is the next one: the refused calls took no sequence.
+    last = call(ctx, server, OP_SET, "/last", b"x")
+    assert last.ok
+    assert last.sequence == expired.sequence + 2  # the lease key's delete, then this
+    with synced_client(server) as reader:
+        eventually(lambda: reader.get("/last") == b"x", 5, "the reader caught up")
+        entry = reader.entry("/k")
+        assert entry is not None and (entry.value, entry.sequence) == (b"v1", first.sequence)
+        assert reader.entries(LEASE_PREFIX) == []
