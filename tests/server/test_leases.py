@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from clone.server.core import _PROBLEM_COUNTERS, CoreSettings, Role, ServerCore
+from clone.server.core import _PROBLEM_COUNTERS, CoreSettings, FollowOutcome, Role, ServerCore
 from clone.server.leases import LeaseTable, bound_lease, parse_lease_value
 from clone.server.metrics import CALL_RESULTS
 from clone.wire.calls import (
@@ -362,3 +362,77 @@ def test_every_call_result_in_the_metrics_is_a_core_counter() -> None:
     } == {"calls_bad_if_sequence", "calls_bad_lease", "calls_bad_ttl", "calls_refused_size"}
     # Each problem check_call finds has a counter of its own, not calls_invalid.
     assert set(_PROBLEM_COUNTERS.values()) <= set(CALL_RESULTS.values())
+
+
+# -- a retried call across a failover ---------------------------------------------
+
+
+def _kvpubs(core: ServerCore) -> list[list[bytes]]:
+    """The frames the reactor would publish after this turn's commit."""
+    return [list(frames) for op in core.journal.take() for frames in op.updates]
+
+
+@pytest.mark.parametrize("overwritten", [False, True])
+@pytest.mark.parametrize("props", [{}, {"if_sequence": "0"}])
+def test_a_set_retried_after_a_failover_gets_the_first_answer(
+    props: dict[str, str], overwritten: bool
+) -> None:
+    """The active applies a set call, the passive follows its KVPUB, the active
+    dies before its reply reaches the caller, the passive takes over, the
+    caller resends the same call (same uuid): ok, with the first sequence, and
+    applied once.  A plain set must not be applied twice; a conditional one
+    must not be told "conflict" (its own first write moved the key).
+    ``overwritten``: another writer changed the key in between, so the answer
+    comes from the history, not from the key's current uuid."""
+    old = Calls(ServerCore(standalone=True))
+    new = ServerCore()
+    new.become_passive()
+    new.start_sync()
+    for frames in _snapshot_of(old.core):
+        new.on_snapshot_reply(frames, 0.0)
+    uuid = _uuid(77)
+    first, commit = old.call(OP_SET, 10.0, "/k", b"v", uuid=uuid, **props)
+    assert first.ok and commit and first.sequence == 1
+    if overwritten:
+        assert old.set("/k", b"other", 10.1).ok
+    for frames in _kvpubs(old.core):
+        assert new.on_peer_update(frames, 10.2) is FollowOutcome.OK
+    assert new.store.sequence == old.core.store.sequence
+    # The active dies at t=11; the passive takes over at t=13.
+    assert new.become_active(13.0) == []
+    new.journal.take()  # what it followed, committed as the reactor would
+    retry, commit = Calls(new).call(OP_SET, 13.5, "/k", b"v", uuid=uuid, **props)
+    assert (retry.status, retry.sequence) == ("ok", first.sequence) and not commit
+    assert new.counters["calls_duplicate"] == 1 and new.counters["calls_conflict"] == 0
+    assert _kvpubs(new) == []  # nothing applied, nothing to commit or publish
+    assert new.store.sequence == old.core.store.sequence
+    assert new.history.sequence_of(uuid) == first.sequence  # its one update
+    applied = [f for f in new.history.since(0) if f[2] == uuid]
+    assert len(applied) == 1
+    assert new.store.get("/k") == old.core.store.get("/k")
+
+
+@pytest.mark.parametrize("overwritten", [False, True])
+def test_a_set_retried_after_a_failover_to_a_snapshot_synced_passive(overwritten: bool) -> None:
+    """The passive learnt of the call from a snapshot (with the active's list of
+    applied ids), not from its KVPUB: the retry is still never applied again.
+    Its sequence is known only while the key still holds that update; once
+    rewritten, the new active has no history of it and answers sequence 0
+    (docs/protocol.md, "CALL? / REPLY")."""
+    old = Calls(ServerCore(standalone=True))
+    uuid = _uuid(77)
+    first, _ = old.call(OP_SET, 10.0, "/k", b"v", uuid=uuid)
+    if overwritten:
+        assert old.set("/k", b"other", 10.1).ok
+    new = ServerCore()
+    new.become_passive()
+    new.start_sync()
+    for frames in _snapshot_of(old.core, now=10.2):
+        new.on_snapshot_reply(frames, 10.2)
+    assert new.become_active(13.0) == []
+    new.journal.take()
+    retry, commit = Calls(new).call(OP_SET, 13.5, "/k", b"v", uuid=uuid)
+    assert retry.ok and not commit and new.counters["calls_duplicate"] == 1
+    assert retry.sequence == (0 if overwritten else first.sequence)
+    assert _kvpubs(new) == [] and new.store.sequence == old.core.store.sequence
+    assert new.store.get("/k") == old.core.store.get("/k")
