@@ -121,16 +121,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     lock.add_argument("name")
     lock.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
-    lock.add_argument(
-        "--ttl", type=float, default=5.0, metavar="S", help="the lock's lease ttl (default 5)"
-    )
-    lock.add_argument(
-        "--wait",
-        type=float,
-        default=None,
-        metavar="S",
-        help="give up (exit 5) if the lock is not ours within S seconds (default: wait)",
-    )
+    _lock_options(lock)
 
     dump = sub.add_parser("dump", help="print every key under PREFIX as key=value")
     dump.add_argument("prefix", nargs="?", default="")
@@ -301,11 +292,42 @@ def _run(args: argparse.Namespace, client: Clone) -> int:
     return EXIT_OK
 
 
+def _lock_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ttl", type=float, default=5.0, metavar="S", help="the lock's lease ttl (default 5)"
+    )
+    parser.add_argument(
+        "--wait",
+        type=float,
+        default=None,
+        metavar="S",
+        help="give up (exit 5) if the lock is not ours within S seconds (default: wait)",
+    )
+
+
+def _lock_command(args: argparse.Namespace) -> list[str]:
+    """The command of ``clone lock``, once ``--ttl``/``--wait`` are read.
+
+    REMAINDER takes every word after NAME, so the documented ``clone lock NAME
+    --ttl 5 -- COMMAND`` hands us the options too: the words before ``--`` are
+    ours when they start with an option (a command never does; without ``--``
+    the command's words are refused as unknown options, exit 2).
+    """
+    command = list(args.cmd)
+    if command and command[0] != "--" and command[0].startswith("-"):
+        split = command.index("--") if "--" in command else len(command)
+        options = argparse.ArgumentParser(prog="clone lock NAME", add_help=False)
+        _lock_options(options)
+        options.parse_args(command[:split], namespace=args)
+        command = command[split:]
+    if command[:1] == ["--"]:
+        command = command[1:]
+    return command
+
+
 def _lock(args: argparse.Namespace, client: Clone) -> int:
     """``clone lock NAME -- COMMAND``: the command runs only while we hold the lock."""
     command = list(args.cmd)
-    if command[:1] == ["--"]:
-        command = command[1:]
     if not command:
         print("clone: lock needs a command: clone lock NAME -- COMMAND ...", file=sys.stderr)
         return EXIT_UNREACHABLE
@@ -359,6 +381,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _backup(args, argv)
     if args.command == "status":
         return _status(args, argv)
+    if args.command == "lock":
+        args.cmd = _lock_command(args)  # before connecting: a usage error exits 2 at once
     try:
         servers = normalize_endpoints(args.servers or default_servers())
         secret, server_key = _curve_files(args)

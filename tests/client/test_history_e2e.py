@@ -14,7 +14,9 @@ import pytest
 
 from clone import Clone, HistoryCompacted
 from clone.client.results import ChangeStream, Entry
+from clone.client.status import query_status
 from tests.support.servers import ROOT, ServerProcess, Servers
+from tests.support.waiting import eventually
 
 
 def _endpoint(server: ServerProcess) -> str:
@@ -92,6 +94,79 @@ def test_after_a_failover_the_new_active_replays_what_was_missed(servers: Server
             missed = _take(stream, after - seen)
         assert [e.sequence for e in missed] == list(range(seen + 1, after + 1))
         assert [e.key for e in missed] == [*(f"/k/{i}" for i in range(seen + 1, 21)), "/after"]
+
+
+def _triples(entries: list[Entry]) -> list[tuple[int, str, bytes | None]]:
+    return [(e.sequence, e.key, e.value) for e in entries]
+
+
+def _nothing_more(stream: ChangeStream, quiet: float = 0.5) -> list[Entry]:
+    """Whatever the stream still yields in ``quiet`` seconds (close() ends it)."""
+    timer = threading.Timer(quiet, stream.close)
+    timer.start()
+    try:
+        return list(stream)
+    finally:
+        timer.cancel()
+
+
+def _sequence_of(server: ServerProcess) -> int | None:
+    (status,) = query_status([_endpoint(server)], timeout=1.0)
+    sequence = status["sequence"]
+    return sequence if isinstance(sequence, int) else None
+
+
+def test_since_across_a_kill9_failover_yields_exactly_the_missed_changes_once(
+    servers: Servers,
+) -> None:
+    """A reader remembers sequence N; the primary dies (the backup holding
+    every update); writes go on at the backup.  ``changes(since=N)`` opened
+    after the failover, and one left open across the kill, each yield exactly
+    the changes after N, in order, once each, then only the live ones."""
+    primary, backup = servers.pair()
+    written: list[tuple[int, str, bytes | None]] = []
+
+    def write(client: Clone, key: str, value: str, **kw: float) -> None:
+        sequence = client.set(key, value, wait=True, **kw)
+        assert isinstance(sequence, int)
+        written.append((sequence, key, value.encode()))
+
+    with _client(primary, backup) as writer, _client(primary, backup) as reader:
+        for i in range(1, 11):
+            write(writer, f"/before/{i}", f"b{i}")
+        with reader.changes(timeout=60, since=0) as seen_so_far:
+            seen = _take(seen_so_far, 10)
+        since = seen[-1].sequence  # what the reader had handed on
+        assert _triples(seen) == written
+        across = reader.changes(timeout=60, since=since)
+        for i in range(1, 11):
+            write(writer, f"/missed/{i}", f"m{i}")
+        writer.delete("/before/3", wait=True)
+        written.append((written[-1][0] + 1, "/before/3", None))
+        # Before the kill, the backup holds every update: nothing is lost with
+        # the primary, so the replay must be complete.
+        last = written[-1][0]
+        eventually(lambda: _sequence_of(backup) == last, 10, f"the backup at sequence {last}")
+        assert _triples(_take(across, 11)) == written[10:]
+        primary.kill9()
+        # The first write after the kill makes the backup take over.
+        write(writer, "/after/1", "a1", timeout=20)
+        for i in range(2, 6):
+            write(writer, f"/after/{i}", f"a{i}")
+        assert [w[0] for w in written] == list(range(1, len(written) + 1))
+        expected = written[10:]
+        with _client(primary, backup) as late:  # the dead one first, as configured
+            with late.changes(timeout=60, since=since) as replay:
+                assert _triples(_take(replay, len(expected))) == expected
+                assert _nothing_more(replay) == []
+        # The stream open across the kill: the rest, once each, then nothing.
+        try:
+            assert _triples(_take(across, 5)) == written[-5:]
+            write(writer, "/after/live", "live")
+            assert _triples(_take(across, 1)) == written[-1:]
+            assert _nothing_more(across) == []
+        finally:
+            across.close()
 
 
 def test_a_history_too_short_raises_history_compacted(servers: Servers) -> None:
