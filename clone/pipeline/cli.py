@@ -17,13 +17,17 @@ from collections.abc import Sequence
 from clone.argtypes import positive_float, positive_int
 from clone.pipeline.errors import InputError, PipelineError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "SPARK_COMMANDS"]
 
 log = logging.getLogger("clone.pipeline")
 
 EXIT_OK = 0
 EXIT_REJECTED = 1
 EXIT_FAILED = 2
+
+#: The subcommands that start Spark, and so take --master and --conf (``package``
+#: only writes files); spark-submit's driver script runs any of them.
+SPARK_COMMANDS = ("load", "export", "history", "audit", "drill-report")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -358,7 +362,7 @@ def _package(args: argparse.Namespace) -> int:
     print(f"driver:  {built.driver_path}")
     print(
         "run:     spark-submit --master URL --py-files "
-        f"{built.zip_path} {built.driver_path} export|load|drill-report ..."
+        f"{built.zip_path} {built.driver_path} {'|'.join(SPARK_COMMANDS)} ..."
     )
     return EXIT_OK
 

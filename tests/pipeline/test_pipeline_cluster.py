@@ -9,6 +9,7 @@ Local mode is covered by test_pipeline_e2e.py.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from clone import Clone
-from clone.pipeline.cli import build_parser, main
+from clone.pipeline.cli import SPARK_COMMANDS, build_parser, main
 from clone.pipeline.packaging import DRIVER_SCRIPT, ZIP_NAME, write_package
 from clone.pipeline.session import (
     DEFAULT_MASTER,
@@ -33,9 +34,12 @@ from clone.pipeline.session import (
 from tests.support.servers import ServerProcess, Servers
 from tests.support.spark_session import CLUSTER_MASTER, child_env, spark_script
 
-SPARK_COMMANDS = [
+# The shortest valid command line of every subcommand that starts Spark.
+SPARK_COMMAND_LINES = [
     ["load", "--servers", "h:1", "--input", "x"],
     ["export", "--servers", "h:1", "--output", "o"],
+    ["history", "--servers", "h:1", "--since", "3", "--output", "o"],
+    ["audit", "--input", "d", "--output", "o"],
     ["drill-report", "--input", "r", "--output", "o"],
 ]
 # A job on local-cluster: about 30 s to start the cluster on 2 cores, then the job.
@@ -117,7 +121,22 @@ def test_settings_precedence() -> None:
     }
 
 
-@pytest.mark.parametrize("command", SPARK_COMMANDS, ids=lambda c: c[0])
+def test_every_subcommand_but_package_starts_spark() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == {*SPARK_COMMANDS, "package"}
+    assert [line[0] for line in SPARK_COMMAND_LINES] == list(SPARK_COMMANDS)
+
+
+def test_package_takes_no_spark_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    # It starts no Spark: --master would be silently meaningless, so it is refused.
+    with pytest.raises(SystemExit) as exc:
+        main(["package", "--output", "o", "--master", "yarn"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --master yarn" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", SPARK_COMMAND_LINES, ids=lambda c: c[0])
 def test_every_spark_command_takes_master_and_conf(command: list[str]) -> None:
     parser = build_parser()
     args = parser.parse_args(command)
@@ -131,7 +150,7 @@ def test_every_spark_command_takes_master_and_conf(command: list[str]) -> None:
 
 def test_bad_conf_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        main([*SPARK_COMMANDS[1], "--conf", "executor.memory=2g"])
+        main([*SPARK_COMMAND_LINES[1], "--conf", "executor.memory=2g"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert (
@@ -169,7 +188,10 @@ def test_package_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["package", "--output", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert f"package: {tmp_path / ZIP_NAME} (" in out
-    assert f"--py-files {tmp_path / ZIP_NAME} {tmp_path / DRIVER_SCRIPT} " in out
+    assert (
+        f"run:     spark-submit --master URL --py-files {tmp_path / ZIP_NAME} "
+        f"{tmp_path / DRIVER_SCRIPT} load|export|history|audit|drill-report ...\n"
+    ) in out
 
 
 # --------------------------------------------------------------------------
