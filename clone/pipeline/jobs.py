@@ -25,6 +25,7 @@ from clone.pipeline.sources import (
     ExportMeta,
     read_drill_events,
     read_drill_summaries,
+    resolve_output,
 )
 
 if TYPE_CHECKING:
@@ -145,9 +146,7 @@ def load_table(
         to_write = sum(int(r["count"]) for r in counts if r[REJECT_REASON] is None)
         rejects_path = None
         if rejected:
-            # Absolute, because Spark resolves a relative path against the JVM's
-            # working directory, which is not ours if the session started elsewhere.
-            rejects_path = os.path.abspath(rejects or DEFAULT_REJECTS)
+            rejects_path = resolve_output(rejects or DEFAULT_REJECTS)
             rejected_rows(checked).write.mode("overwrite").json(rejects_path)
             log.info("%d rejected rows written to %s", rejected, rejects_path)
 
