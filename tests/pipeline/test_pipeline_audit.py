@@ -30,7 +30,14 @@ from clone.pipeline.cli import main
 from clone.pipeline.errors import HistoryIncomplete
 from clone.pipeline.history import HistorySpan, history_arrow_schema, state_arrow_schema
 from tests.support.curve import CurveKeys, wait_serving_curve
-from tests.support.history_exports import TIMED, untimed, update, write_history_export
+from tests.support.history_exports import (
+    TIMED,
+    TIMED_RATES,
+    rate_rows,
+    untimed,
+    update,
+    write_history_export,
+)
 from tests.support.servers import ServerProcess, Servers
 
 HB = 0.1
@@ -145,24 +152,6 @@ def test_state_at_undoes_from_the_kv_state_or_names_the_unknown_keys(spark: Any)
 
 
 # -- write rates over time, from times the test chose -------------------------
-
-# TIMED in 10 s windows: (prefix, window_start, window_end, writes, deletes, keys, writes/s).
-TIMED_RATES = [
-    ("/app/", 1000.0, 1010.0, 3, 0, 2, 0.3),
-    ("/cfg/", 1000.0, 1010.0, 1, 0, 1, 0.1),
-    ("/app/", 1010.0, 1020.0, 1, 1, 1, 0.1),
-    ("/app/", 1030.0, 1040.0, 2, 0, 2, 0.2),
-    ("/cfg/", 1030.0, 1040.0, 1, 0, 1, 0.1),
-]
-RATE_COLUMNS = ("prefix", "window_start", "window_end", "writes", "deletes", "keys",
-                "writes_per_s")  # fmt: skip
-
-
-def rate_rows(rows: list[dict[str, Any]]) -> list[tuple[Any, ...]]:
-    return sorted(
-        (tuple(r[c] for c in RATE_COLUMNS) for r in rows), key=lambda t: (t[1], t[0])
-    )
-
 
 def markdown_table(text: str, headers: list[str]) -> list[list[str]]:
     """The body rows of the markdown table with these headers."""

@@ -1,9 +1,9 @@
 """Spark beyond one JVM: --master, --conf, spark-submit and clone.zip.
 
 The settings logic is tested as tables, without Spark.  The end-to-end tests
-run ``load`` (through ``spark-submit --py-files clone.zip``) and ``export``
-(through ``python -m clone.pipeline``) on ``local-cluster[2,1,1024]``: two
-executor JVMs, each partition with its own client, as on a real cluster.
+run ``load`` (through ``spark-submit --py-files clone.zip``), ``export`` and
+``audit`` (through ``python -m clone.pipeline``) on ``local-cluster[2,1,1024]``:
+two executor JVMs, each partition with its own client, as on a real cluster.
 Local mode is covered by test_pipeline_e2e.py.
 """
 
@@ -31,6 +31,7 @@ from clone.pipeline.session import (
     resolve_master,
     session_settings,
 )
+from tests.support.history_exports import TIMED, TIMED_RATES, rate_rows, write_history_export
 from tests.support.servers import ServerProcess, Servers
 from tests.support.spark_session import CLUSTER_MASTER, child_env, spark_script
 
@@ -275,3 +276,29 @@ def test_export_on_local_cluster(servers: Servers, tmp_path: Path) -> None:
     assert (meta["sequence"], meta["rows"]) == (sequence, 300)
     table = pq.read_table(out, columns=["key", "value", "sequence"]).to_pylist()
     assert {r["key"]: (r["value"], r["sequence"]) for r in table} == live
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.timeout(CHILD_TIMEOUT + 60)
+def test_audit_on_local_cluster(tmp_path: Path) -> None:
+    # A history export with chosen times: no servers needed, exact answers known.
+    hist = write_history_export(tmp_path / "hist", TIMED, 0, 8)
+    out = tmp_path / "audit"
+    proc = _run_child(
+        [sys.executable, "-m", "clone.pipeline", "audit", "--master", CLUSTER_MASTER,
+         "--conf", "spark.executor.memory=1g", "--input", str(hist), "--output", str(out),
+         "--at", "5", "--from", "2", "--to", "8", "--rate-window", "10"],
+        tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"session on {CLUSTER_MASTER}" in proc.stderr
+    assert "state:   2 keys at sequence 5\n" in proc.stdout
+    state = pq.read_table(out / "state_at").to_pylist()
+    assert {r["key"]: (r["seq"], r["value"]) for r in state} == {
+        "/app/a": (4, b"3"), "/cfg/x": (3, b"x1"),
+    }  # fmt: skip
+    diff = {r["key"]: r["status"] for r in pq.read_table(out / "diff").to_pylist()}
+    assert diff == {"/app/a": "changed", "/app/b": "removed", "/cfg/x": "added",
+                    "/app/c": "added"}  # fmt: skip
+    assert rate_rows(pq.read_table(out / "rates").to_pylist()) == TIMED_RATES

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 
 from clone.pipeline.history import HISTORY_META_FILE, history_arrow_schema
 
-__all__ = ["TIMED", "update", "untimed", "write_history_export"]
+__all__ = ["TIMED", "TIMED_RATES", "rate_rows", "update", "untimed", "write_history_export"]
 
 
 def update(seq: int, key: str, value: bytes | None, at: float | None) -> dict[str, Any]:
@@ -41,6 +41,24 @@ TIMED = [
     update(7, "/app/c", b"4", 1031.0),
     update(8, "/app/a", b"5", 1039.9),
 ]
+
+
+#: TIMED in 10 s windows, worked out by hand from the times above:
+#: (prefix, window_start, window_end, writes, deletes, keys, writes per second).
+TIMED_RATES = [
+    ("/app/", 1000.0, 1010.0, 3, 0, 2, 0.3),
+    ("/cfg/", 1000.0, 1010.0, 1, 0, 1, 0.1),
+    ("/app/", 1010.0, 1020.0, 1, 1, 1, 0.1),
+    ("/app/", 1030.0, 1040.0, 2, 0, 2, 0.2),
+    ("/cfg/", 1030.0, 1040.0, 1, 0, 1, 0.1),
+]
+_RATE_COLUMNS = ("prefix", "window_start", "window_end", "writes", "deletes", "keys",
+                 "writes_per_s")  # fmt: skip
+
+
+def rate_rows(rows: Sequence[dict[str, Any]]) -> list[tuple[Any, ...]]:
+    """Rows of ``rates/`` as tuples in TIMED_RATES' order (by window, then prefix)."""
+    return sorted((tuple(r[c] for c in _RATE_COLUMNS) for r in rows), key=lambda t: (t[1], t[0]))
 
 
 def untimed(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
