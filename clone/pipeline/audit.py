@@ -21,6 +21,12 @@ sequence held):
 
 :func:`plan_state` makes the decision (plain Python); the rest are pure
 DataFrame -> DataFrame transforms.
+
+Write rates need the time each update was applied, which only a data
+directory's log records (``at``); a history taken over the network has
+none, so :func:`prefix_write_rates` leaves such updates out and the report
+says so, while :func:`prefix_writes_per_block` counts writes per block of
+sequences, which needs no time.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ __all__ = [
     "state_at",
     "key_changes",
     "prefix_write_rates",
+    "prefix_writes_per_block",
     "state_diff",
     "key_prefix",
 ]
@@ -107,8 +114,18 @@ def plan_state(cov: Coverage, at: int) -> int:
 
 
 def distinct_updates(updates: DataFrame) -> DataFrame:
-    """One row per sequence (both servers' logs, or a log and an export, overlap)."""
-    return updates.dropDuplicates(["seq"])
+    """One row per sequence (both servers' logs, or a log and an export, overlap).
+
+    Copies of one update differ only in what their source knows: a data
+    directory's has the time it was applied, a network export's has none.
+    The copy with a time is kept, so that mixing the two never loses times."""
+    return (
+        updates.groupBy("seq")
+        .agg(
+            F.max_by(F.struct(*updates.columns), F.col("at").isNotNull().cast("int")).alias("u")
+        )
+        .select("u.*")
+    )
 
 
 def state_at(
@@ -156,9 +173,43 @@ def key_prefix(depth: int) -> F.Column:
     return F.regexp_extract("key", f"^(/?(?:[^/]*/){{0,{depth}}})", 1)
 
 
-def prefix_write_rates(updates: DataFrame, depth: int, bucket: int) -> DataFrame:
-    """Writes and deletes per key prefix of ``depth`` per ``bucket`` sequences,
-    with the time the bucket's first and last write were applied (when known)."""
+def prefix_write_rates(updates: DataFrame, depth: int, window: float) -> DataFrame:
+    """Writes per second per key prefix of ``depth``, per ``window`` seconds of
+    the time the updates were applied (windows aligned to multiples of
+    ``window`` since the epoch; deletes count as writes, and separately).
+
+    Updates whose time is unknown (a history export taken over the network)
+    are left out; a window in which a prefix had no write has no row."""
+    if not window > 0:
+        raise ValueError(f"rate window must be > 0 seconds, not {window}")
+    start = F.floor(F.col("at") / F.lit(float(window))) * F.lit(float(window))
+    return (
+        updates.filter(F.col("at").isNotNull())
+        .withColumn("prefix", key_prefix(depth))
+        .withColumn("window_start", start.cast("double"))
+        .groupBy("prefix", "window_start")
+        .agg(
+            F.count(F.lit(1)).alias("writes"),
+            F.sum(F.col("deleted").cast("long")).alias("deletes"),
+            F.countDistinct("key").alias("keys"),
+        )
+        .select(
+            "prefix",
+            "window_start",
+            (F.col("window_start") + F.lit(float(window))).alias("window_end"),
+            "writes",
+            "deletes",
+            "keys",
+            (F.col("writes") / F.lit(float(window))).alias("writes_per_s"),
+        )
+        .orderBy("window_start", "prefix")
+    )
+
+
+def prefix_writes_per_block(updates: DataFrame, depth: int, bucket: int) -> DataFrame:
+    """Writes and deletes per key prefix of ``depth`` per block of ``bucket``
+    sequences (a count, not a rate: it needs no times), with the time the
+    block's first and last write were applied (null when unknown)."""
     if bucket < 1:
         raise ValueError(f"bucket must be >= 1, not {bucket}")
     return (

@@ -17,13 +17,17 @@ from collections.abc import Sequence
 from clone.argtypes import positive_float, positive_int
 from clone.pipeline.errors import InputError, PipelineError
 
-__all__ = ["main", "build_parser"]
+__all__ = ["main", "build_parser", "SPARK_COMMANDS"]
 
 log = logging.getLogger("clone.pipeline")
 
 EXIT_OK = 0
 EXIT_REJECTED = 1
 EXIT_FAILED = 2
+
+#: The subcommands that start Spark, and so take --master and --conf (``package``
+#: only writes files); spark-submit's driver script runs any of them.
+SPARK_COMMANDS = ("load", "export", "history", "audit", "drill-report")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -166,7 +170,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     audit.add_argument(
         "--bucket", type=positive_int, default=1000,
-        help="sequences per row of rates/ (default 1000)",
+        help="sequences per row of blocks/ (default 1000)",
+    )  # fmt: skip
+    audit.add_argument(
+        "--rate-window", type=positive_float, default=60.0, metavar="SECONDS",
+        help="rates/: writes per second per prefix over windows of this many seconds "
+        "(default 60); needs the times a data directory's log records",
     )  # fmt: skip
     common(audit)
 
@@ -277,13 +286,17 @@ def _audit(args: argparse.Namespace) -> int:
     with spark_session(args.master, "clone-pipeline audit", dict(args.conf)) as spark:
         result = jobs.audit(
             spark, args.input, args.output, at=args.at, diff=diff,
-            depth=args.prefix_depth, bucket=args.bucket,
+            depth=args.prefix_depth, bucket=args.bucket, rate_window=args.rate_window,
         )  # fmt: skip
     print(f"held:    {result.coverage} ({result.updates} updates)")
     if result.state_at is not None:
         print(f"state:   {result.state_keys} keys at sequence {result.state_at}")
     for note in result.notes:
         print(f"note:    {note}")
+    if not result.timed:
+        print("rates:   unknown (no update held has a time: history exported over the network)")
+    elif result.timed < result.updates:
+        print(f"rates:   from the {result.timed} of {result.updates} updates with a time")
     if diff is not None:
         print("diff:    " + ", ".join(f"{result.diff.get(k, 0)} {k}"
                                        for k in ("added", "removed", "changed")))  # fmt: skip
@@ -358,7 +371,7 @@ def _package(args: argparse.Namespace) -> int:
     print(f"driver:  {built.driver_path}")
     print(
         "run:     spark-submit --master URL --py-files "
-        f"{built.zip_path} {built.driver_path} export|load|drill-report ..."
+        f"{built.zip_path} {built.driver_path} {'|'.join(SPARK_COMMANDS)} ..."
     )
     return EXIT_OK
 

@@ -25,6 +25,7 @@ from clone.pipeline.sources import (
     ExportMeta,
     read_drill_events,
     read_drill_summaries,
+    resolve_output,
 )
 
 if TYPE_CHECKING:
@@ -145,9 +146,7 @@ def load_table(
         to_write = sum(int(r["count"]) for r in counts if r[REJECT_REASON] is None)
         rejects_path = None
         if rejected:
-            # Absolute, because Spark resolves a relative path against the JVM's
-            # working directory, which is not ours if the session started elsewhere.
-            rejects_path = os.path.abspath(rejects or DEFAULT_REJECTS)
+            rejects_path = resolve_output(rejects or DEFAULT_REJECTS)
             rejected_rows(checked).write.mode("overwrite").json(rejects_path)
             log.info("%d rejected rows written to %s", rejected, rejects_path)
 
@@ -420,6 +419,10 @@ class AuditResult:
     state_keys: int | None = None
     diff: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    #: Updates whose time of application is known (a data directory's log):
+    #: only they are in ``rates/``.
+    timed: int = 0
+    rate_window: float = 60.0
 
 
 def _audit_inputs(spark: SparkSession, paths: Sequence[str]) -> tuple[Any, Any, list[Any]]:
@@ -467,10 +470,13 @@ def audit(
     diff: tuple[int, int] | None = None,
     depth: int = 1,
     bucket: int = 1000,
+    rate_window: float = 60.0,
 ) -> AuditResult:
     """Read the update history of data directories and history exports and
-    write ``state_at/``, ``changes/``, ``rates/`` and ``diff/`` as Parquet,
-    with ``report.md`` and ``report.png``.
+    write ``state_at/``, ``changes/``, ``rates/`` (writes per second per
+    prefix per ``rate_window`` seconds, from the updates whose time is known),
+    ``blocks/`` (writes per prefix per ``bucket`` sequences) and ``diff/`` as
+    Parquet, with ``report.md`` and ``report.png``.
 
     ``at`` (default: the newest sequence held, if that state can be
     reconstructed) and both ends of ``diff`` must be reconstructible exactly,
@@ -521,9 +527,16 @@ def audit(
             result.state_at = target
             result.state_keys = spark.read.parquet(out("state_at")).count()
         A.key_changes(updates).orderBy("seq").write.mode("overwrite").parquet(out("changes"))
-        rates = A.prefix_write_rates(updates, depth, bucket)
-        rates.write.mode("overwrite").parquet(out("rates"))
+        result.rate_window = rate_window
+        result.timed = updates.filter(updates["at"].isNotNull()).count()
+        A.prefix_write_rates(updates, depth, rate_window).write.mode("overwrite").parquet(
+            out("rates")
+        )
         rate_rows = [r.asDict() for r in spark.read.parquet(out("rates")).collect()]
+        A.prefix_writes_per_block(updates, depth, bucket).write.mode("overwrite").parquet(
+            out("blocks")
+        )
+        block_rows = [r.asDict() for r in spark.read.parquet(out("blocks")).collect()]
         if diff is not None:
             lo, hi = diff
             A.state_diff(state(lo), state(hi)).orderBy("key").write.mode("overwrite").parquet(
@@ -534,7 +547,9 @@ def audit(
     finally:
         updates.unpersist()
     result.notes = notes
-    report.render_audit_plot(rate_rows, depth, bucket, result.plot)
+    report.render_audit_plot(rate_rows, block_rows, depth, bucket, rate_window, result.plot)
     with open(result.markdown, "w", encoding="utf-8") as fh:
-        fh.write(report.render_audit_markdown(result, spans, rate_rows, depth, bucket, diff))
+        fh.write(
+            report.render_audit_markdown(result, spans, rate_rows, block_rows, depth, bucket, diff)
+        )
     return result

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from tabulate import tabulate
@@ -307,43 +308,140 @@ def _short(run: str) -> str:
 # audit
 
 
+def _utc(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+def _busiest(rows: Sequence[Mapping[str, Any]], top: int) -> list[str]:
+    totals: dict[str, int] = {}
+    for r in rows:
+        totals[str(r["prefix"])] = totals.get(str(r["prefix"]), 0) + int(r["writes"])
+    return sorted(totals, key=lambda p: (-totals[p], p))[:top]
+
+
+# Above this many windows, a prefix's quiet windows are not drawn as zeros.
+_MAX_FILLED_WINDOWS = 10_000
+
+
 def render_audit_plot(
-    rates: Sequence[Mapping[str, Any]], depth: int, bucket: int, path: str, top: int = 8
+    rates: Sequence[Mapping[str, Any]],
+    blocks: Sequence[Mapping[str, Any]],
+    depth: int,
+    bucket: int,
+    window: float,
+    path: str,
+    top: int = 8,
 ) -> None:
-    """Writes per ``bucket`` sequences for the ``top`` busiest key prefixes."""
+    """Two panels for the ``top`` busiest key prefixes: writes per second over
+    time (or, when no time is known, a note saying so) and writes per
+    ``bucket`` sequences."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    totals: dict[str, int] = {}
-    for r in rates:
-        totals[str(r["prefix"])] = totals.get(str(r["prefix"]), 0) + int(r["writes"])
-    busiest = sorted(totals, key=lambda p: (-totals[p], p))[:top]
-    fig, ax = plt.subplots(figsize=(10, 4.5))
-    for prefix in busiest:
-        mine = [r for r in rates if r["prefix"] == prefix]
-        points = sorted((int(r["bucket"]), int(r["writes"])) for r in mine)
-        ax.plot([b for b, _ in points], [w for _, w in points], marker="o", ms=3,
-                label=prefix or "(root)")  # fmt: skip
+    fig, (left, right) = plt.subplots(1, 2, figsize=(13, 4.5))
+    busiest = _busiest(rates, top)
     if busiest:
-        ax.legend(fontsize=8, loc="upper left")
+        t0 = min(float(r["window_start"]) for r in rates)
+        t1 = max(float(r["window_start"]) for r in rates)
+        windows = round((t1 - t0) / window) + 1
+        for prefix in busiest:
+            mine = {float(r["window_start"]): float(r["writes_per_s"])
+                    for r in rates if r["prefix"] == prefix}  # fmt: skip
+            if windows <= _MAX_FILLED_WINDOWS:  # a quiet window is a zero, not a gap
+                starts = [t0 + i * window for i in range(windows)]
+                points = [(t, mine.get(t, 0.0)) for t in starts]
+            else:
+                points = sorted(mine.items())
+            left.plot([t - t0 for t, _ in points], [v for _, v in points], marker="o", ms=3,
+                      label=prefix or "(root)")  # fmt: skip
+        left.legend(fontsize=8, loc="upper left")
+        left.set_xlabel(f"seconds after {_utc(t0)}")
     else:
-        ax.text(0.5, 0.5, "no updates held", ha="center", va="center", transform=ax.transAxes)
-    ax.set_title(f"Writes per {bucket} sequences, by key prefix (depth {depth})")
-    ax.set_xlabel("sequence (bucket start)")
-    ax.set_ylabel("writes")
-    ax.set_ylim(bottom=0)
-    ax.grid(alpha=0.3)
+        left.text(0.5, 0.5, "times unknown: the inputs are history\nexports taken over "
+                  "the network", ha="center", va="center", transform=left.transAxes)  # fmt: skip
+    left.set_title(f"Writes per second ({window:g} s windows), by key prefix (depth {depth})")
+    left.set_ylabel("writes/s")
+    left.set_ylim(bottom=0)
+    left.grid(alpha=0.3)
+
+    for prefix in _busiest(blocks, top):
+        points = sorted((int(r["bucket"]), int(r["writes"]))
+                        for r in blocks if r["prefix"] == prefix)  # fmt: skip
+        right.plot([b for b, _ in points], [w for _, w in points], marker="o", ms=3,
+                   label=prefix or "(root)")  # fmt: skip
+    if blocks:
+        right.legend(fontsize=8, loc="upper left")
+    else:
+        right.text(0.5, 0.5, "no updates held", ha="center", va="center",
+                   transform=right.transAxes)  # fmt: skip
+    right.set_title(f"Writes per {bucket} sequences, by key prefix (depth {depth})")
+    right.set_xlabel("sequence (block start)")
+    right.set_ylabel("writes")
+    right.set_ylim(bottom=0)
+    right.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+_RATE_HEADERS = ["prefix", "writes", "mean writes/s", "peak writes/s", "peak window (start)"]
+
+
+def _rate_lines(result: Any, rates: Sequence[Mapping[str, Any]], depth: int) -> list[str]:
+    window = float(result.rate_window)
+    lines = [f"## Write rates per key prefix (depth {depth}), {window:g} s windows", ""]
+    if not result.timed:
+        return [
+            *lines,
+            "**Unknown: no update held has a time.** History exports taken over the "
+            "network (`clone-pipeline history`) carry no time of application (the wire "
+            "has none); only a data directory's log records it. Audit the servers' data "
+            "directories for writes per second. `rates/` is empty; the counts per block "
+            "of sequences below need no time.",
+            "",
+        ]
+    if result.timed < result.updates:
+        lines += [
+            f"{result.updates - result.timed} of {result.updates} updates have no time "
+            "(held only by history exports taken over the network): they are left out "
+            "of the rates below and of `rates/`, and counted in the blocks of sequences.",
+            "",
+        ]
+    peak: dict[str, tuple[float, float]] = {}
+    totals: dict[str, int] = {}
+    for r in rates:
+        prefix = str(r["prefix"])
+        totals[prefix] = totals.get(prefix, 0) + int(r["writes"])
+        here = (float(r["writes_per_s"]), -float(r["window_start"]))
+        if prefix not in peak or here > peak[prefix]:
+            peak[prefix] = here
+    t0 = min(float(r["window_start"]) for r in rates)
+    t1 = max(float(r["window_end"]) for r in rates)
+    span = t1 - t0
+    table = [
+        [p or "(root)", totals[p], f"{totals[p] / span:.4g}", f"{peak[p][0]:.4g}",
+         _utc(-peak[p][1])]
+        for p in _busiest(rates, 20)
+    ]  # fmt: skip
+    lines += [
+        f"{result.timed} updates with a time, in the windows from {_utc(t0)} to {_utc(t1)} "
+        f"({span:g} s; windows start at multiples of {window:g} s since the epoch).",
+        "",
+        tabulate(table, _RATE_HEADERS, "github"),
+        "",
+        "Every window with a write, per prefix, in `rates/`.",
+        "",
+    ]
+    return lines
 
 
 def render_audit_markdown(
     result: Any,
     spans: Sequence[Any],
     rates: Sequence[Mapping[str, Any]],
+    blocks: Sequence[Mapping[str, Any]],
     depth: int,
     bucket: int,
     diff: tuple[int, int] | None,
@@ -362,17 +460,20 @@ def render_audit_markdown(
         lines += [f"`state_at/`: {result.state_keys} keys at sequence {result.state_at}.", ""]
     for note in result.notes:
         lines += [f"- {note}"]
+    if lines[-1]:
+        lines += [""]
+    lines += _rate_lines(result, rates, depth)
     totals: dict[str, list[int]] = {}
-    for r in rates:
+    for r in blocks:
         t = totals.setdefault(str(r["prefix"]), [0, 0])
         t[0] += int(r["writes"])
         t[1] += int(r["deletes"] or 0)
-    lines += ["", f"## Writes per key prefix (depth {depth})", ""]
+    lines += [f"## Writes per key prefix (depth {depth}), all updates held", ""]
     ranked = sorted(totals.items(), key=lambda item: (-item[1][0], item[0]))
     table = [[p or "(root)", w, d] for p, (w, d) in ranked[:20]]
     lines += [tabulate(table, ["prefix", "writes", "deletes"], "github"), ""]
-    lines += [f"Per {bucket} sequences in `rates/`; every change in `changes/`.", ""]
-    lines += ["![writes per prefix](report.png)", ""]
+    lines += [f"Per {bucket} sequences in `blocks/`; every change in `changes/`.", ""]
+    lines += ["![writes per second and per block of sequences, by prefix](report.png)", ""]
     if diff is not None:
         lines += [f"## Differences between {diff[0]} and {diff[1]}", ""]
         counts = [[k, result.diff.get(k, 0)] for k in ("added", "removed", "changed")]

@@ -54,6 +54,7 @@ __all__ = [
     "DrillRun",
     "ExportMeta",
     "read_table",
+    "resolve_output",
     "read_drill_events",
     "read_drill_summaries",
     "read_drill_updates",
@@ -169,6 +170,14 @@ class ExportMeta:
 def _is_local(path: str) -> bool:
     scheme = urlsplit(path).scheme
     return scheme in ("", "file") or len(scheme) == 1  # "C:" on Windows
+
+
+def resolve_output(path: str) -> str:
+    """A plain local path made absolute (Spark resolves a relative one against
+    the JVM's working directory, not ours); a URL (``hdfs://``, ``s3a://``,
+    ``file:``) as given, where making it absolute would mangle it."""
+    scheme = urlsplit(path).scheme
+    return os.path.abspath(path) if scheme == "" or len(scheme) == 1 else path
 
 
 def _local_path(path: str) -> str:

@@ -9,6 +9,7 @@ reconstructed from a bounded history) are checked without a network.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,11 +18,26 @@ import pyarrow.parquet as pq
 import pytest
 
 from clone import Clone
-from clone.pipeline.audit import Coverage, coverage, plan_state, state_at
+from clone.pipeline.audit import (
+    Coverage,
+    coverage,
+    distinct_updates,
+    plan_state,
+    prefix_write_rates,
+    state_at,
+)
 from clone.pipeline.cli import main
 from clone.pipeline.errors import HistoryIncomplete
 from clone.pipeline.history import HistorySpan, history_arrow_schema, state_arrow_schema
 from tests.support.curve import CurveKeys, wait_serving_curve
+from tests.support.history_exports import (
+    TIMED,
+    TIMED_RATES,
+    rate_rows,
+    untimed,
+    update,
+    write_history_export,
+)
 from tests.support.servers import ServerProcess, Servers
 
 HB = 0.1
@@ -135,6 +151,99 @@ def test_state_at_undoes_from_the_kv_state_or_names_the_unknown_keys(spark: Any)
     assert at(4)[1] == ["/a"]  # its value before 5 was written at 2: not held
 
 
+# -- write rates over time, from times the test chose -------------------------
+
+def markdown_table(text: str, headers: list[str]) -> list[list[str]]:
+    """The body rows of the markdown table with these headers."""
+
+    def cells(line: str) -> list[str]:
+        return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines)
+                 if line.startswith("|") and cells(line) == headers)  # fmt: skip
+    body = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        body.append(cells(line))
+    return body
+
+
+@pytest.mark.spark
+def test_write_rates_per_second_per_prefix_per_window(spark: Any) -> None:
+    updates = spark.createDataFrame(pa.Table.from_pylist(TIMED, schema=history_arrow_schema()))
+    got = [r.asDict() for r in prefix_write_rates(updates, 1, 10.0).collect()]
+    assert rate_rows(got) == TIMED_RATES
+    # Depth 0, one window over everything: 8 writes (1 delete) of 4 keys in 40 s.
+    wide = [r.asDict() for r in prefix_write_rates(updates, 0, 40.0).collect()]
+    assert rate_rows(wide) == [("/", 1000.0, 1040.0, 8, 1, 4, 0.2)]
+    # Updates without a time are left out, not counted at time zero.
+    half = spark.createDataFrame(
+        pa.Table.from_pylist(TIMED[:4] + untimed(TIMED[4:]), schema=history_arrow_schema())
+    )
+    got = [r.asDict() for r in prefix_write_rates(half, 1, 10.0).collect()]
+    assert rate_rows(got) == [("/app/", 1000.0, 1010.0, 3, 0, 2, 0.3),
+                              ("/cfg/", 1000.0, 1010.0, 1, 0, 1, 0.1)]  # fmt: skip
+    with pytest.raises(ValueError, match="rate window must be > 0"):
+        prefix_write_rates(updates, 1, 0.0)
+
+
+@pytest.mark.spark
+def test_distinct_updates_keeps_the_copy_that_has_a_time(spark: Any) -> None:
+    # The same updates from an export over the network (no times) and a log.
+    for rows in (untimed(TIMED) + TIMED, TIMED + untimed(TIMED)):
+        both = spark.createDataFrame(pa.Table.from_pylist(rows, schema=history_arrow_schema()))
+        got = sorted((r["seq"], r["key"], r["at"]) for r in distinct_updates(both).collect())
+        assert got == [(r["seq"], r["key"], r["at"]) for r in TIMED]
+
+
+@pytest.mark.spark
+def test_audit_reports_rates_from_known_times_and_says_when_they_are_unknown(
+    spark: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    timed = write_history_export(tmp_path / "timed", TIMED, 0, 8)
+    # The same 1..8 again without times (over the network), and 9..10 only so.
+    again = write_history_export(tmp_path / "again", untimed(TIMED), 0, 8)
+    later = write_history_export(
+        tmp_path / "later", [update(9, "/cfg/y", b"y", None), update(10, "/app/c", None, None)],
+        8, 10,
+    )  # fmt: skip
+    out = tmp_path / "mixed"
+    code = main(["audit", "--input", str(timed), str(again), str(later), "--output", str(out),
+                 "--rate-window", "10", "--bucket", "5", "-q"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    assert "rates:   from the 8 of 10 updates with a time\n" in capsys.readouterr().out
+    assert rate_rows(pq.read_table(out / "rates").to_pylist()) == TIMED_RATES
+    blocks = {(r["prefix"], r["bucket"]): r["writes"]
+              for r in pq.read_table(out / "blocks").to_pylist()}  # fmt: skip
+    assert blocks == {("/app/", 0): 3, ("/cfg/", 0): 1, ("/app/", 5): 3, ("/cfg/", 5): 2,
+                      ("/app/", 10): 1}  # fmt: skip
+    report = (out / "report.md").read_text()
+    assert "2 of 10 updates have no time" in report
+    # 40 s of windows, 1000..1040: /app/ 6 writes, 0.15/s, peak 0.3/s in its first window.
+    assert markdown_table(report, ["prefix", "writes", "mean writes/s", "peak writes/s",
+                                   "peak window (start)"]) == [
+        ["/app/", "6", "0.15", "0.3", "1970-01-01 00:16:40 UTC"],
+        ["/cfg/", "2", "0.05", "0.1", "1970-01-01 00:16:40 UTC"],
+    ]
+    assert (out / "report.png").stat().st_size > 0
+
+    # Network exports only: no rate is made up, and the report says why.
+    out = tmp_path / "network"
+    code = main(["audit", "--input", str(again), str(later), "--output", str(out),
+                 "--rate-window", "10", "-q"])  # fmt: skip
+    assert code == 0
+    assert "rates:   unknown (no update held has a time" in capsys.readouterr().out
+    assert pq.read_table(out / "rates").num_rows == 0
+    report = (out / "report.md").read_text()
+    assert "**Unknown: no update held has a time.**" in report
+    assert "mean writes/s" not in report
+    assert markdown_table(report, ["prefix", "writes", "deletes"]) == [
+        ["/app/", "7", "2"], ["/cfg/", "3", "0"],
+    ]  # fmt: skip
+
+
 # -- a real server ------------------------------------------------------------
 
 
@@ -148,11 +257,13 @@ def test_audit_reconstructs_a_known_state_at_a_sequence_exactly(
     ep = endpoint(server)
     with Clone([ep], heartbeat=HB, server_timeout=1.0) as client:
         client.wait_synced(10)
+        written = (time.time(), time.time())
         for key, value in OPS:
             if value is None:
                 client.delete(key, wait=True, timeout=10)
             else:
                 client.set(key, value, wait=True, timeout=10)
+        written = (written[0], time.time())
 
     hist, late = tmp_path / "hist", tmp_path / "late"
     assert main(["history", "--servers", ep, "--since", "0", "--output", str(hist), "-q"]) == 0
@@ -182,12 +293,20 @@ def test_audit_reconstructs_a_known_state_at_a_sequence_exactly(
         diff = {r["key"]: r["status"] for r in pq.read_table(out / "diff").to_pylist()}
         assert diff == {"/app/b": "removed", "/app/a": "changed", "/cfg/x": "changed",
                         "/app/c": "added"}  # fmt: skip
-        rates = {(r["prefix"], r["bucket"]): r["writes"]
-                 for r in pq.read_table(out / "rates").to_pylist()}  # fmt: skip
-        # Buckets of 5 sequences: 1..4, 5..9, 10.
-        assert rates == {("/app/", 0): 3, ("/cfg/", 0): 1, ("/app/", 5): 2, ("/cfg/", 5): 3,
-                         ("/app/", 10): 1}  # fmt: skip
+        blocks = {(r["prefix"], r["bucket"]): r["writes"]
+                  for r in pq.read_table(out / "blocks").to_pylist()}  # fmt: skip
+        # Blocks of 5 sequences: 1..4, 5..9, 10.
+        assert blocks == {("/app/", 0): 3, ("/cfg/", 0): 1, ("/app/", 5): 2, ("/cfg/", 5): 3,
+                          ("/app/", 10): 1}  # fmt: skip
+        rates = pq.read_table(out / "rates").to_pylist()
         report = (out / "report.md").read_text()
+        if source is data:  # the log records when each update was applied
+            assert sum(r["writes"] for r in rates) == len(OPS)
+            assert all(written[0] - 60 <= r["window_start"] <= written[1] for r in rates)
+            assert "mean writes/s" in report
+        else:  # over the network, no times: no rates, and the report says so
+            assert rates == []
+            assert "**Unknown: no update held has a time.**" in report
         assert "report.png" in report and (out / "report.png").stat().st_size > 0
     for n in (0, 1, 5, 9, 10):  # more sequences, from the data directory
         out = tmp_path / f"at-{n}"

@@ -12,6 +12,7 @@ import pytest
 
 from clone.pipeline import DEFAULT_REJECTS
 from clone.pipeline.cli import build_parser, main
+from clone.pipeline.sources import resolve_output
 from tests.support.ports import free_base_port, free_port
 from tests.support.servers import Servers
 
@@ -80,6 +81,23 @@ def test_rejects_go_under_results_by_default() -> None:
     ignored = (ROOT / ".gitignore").read_text().splitlines()
     assert "/results/" in ignored  # so the default never shows up in git status
     assert "clone-pipeline-rejects/" in ignored  # nor what older versions left at the top
+
+
+@pytest.mark.parametrize(
+    ("given", "expected"),
+    [
+        ("hdfs:///tmp/clone-rejects", "hdfs:///tmp/clone-rejects"),  # docs' YARN example
+        ("s3a://bucket/rejects", "s3a://bucket/rejects"),
+        ("file:///tmp/rejects", "file:///tmp/rejects"),
+        ("/abs/rejects", "/abs/rejects"),
+        ("rel/rejects", "{cwd}/rel/rejects"),
+    ],
+)
+def test_rejects_urls_are_kept_and_plain_paths_made_absolute(
+    given: str, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert resolve_output(given) == expected.format(cwd=tmp_path)
 
 
 def test_missing_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

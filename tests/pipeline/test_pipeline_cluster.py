@@ -1,14 +1,15 @@
 """Spark beyond one JVM: --master, --conf, spark-submit and clone.zip.
 
 The settings logic is tested as tables, without Spark.  The end-to-end tests
-run ``load`` (through ``spark-submit --py-files clone.zip``) and ``export``
-(through ``python -m clone.pipeline``) on ``local-cluster[2,1,1024]``: two
-executor JVMs, each partition with its own client, as on a real cluster.
+run ``load`` (through ``spark-submit --py-files clone.zip``), ``export`` and
+``audit`` (through ``python -m clone.pipeline``) on ``local-cluster[2,1,1024]``:
+two executor JVMs, each partition with its own client, as on a real cluster.
 Local mode is covered by test_pipeline_e2e.py.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -21,7 +22,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from clone import Clone
-from clone.pipeline.cli import build_parser, main
+from clone.pipeline.cli import SPARK_COMMANDS, build_parser, main
 from clone.pipeline.packaging import DRIVER_SCRIPT, ZIP_NAME, write_package
 from clone.pipeline.session import (
     DEFAULT_MASTER,
@@ -30,12 +31,16 @@ from clone.pipeline.session import (
     resolve_master,
     session_settings,
 )
+from tests.support.history_exports import TIMED, TIMED_RATES, rate_rows, write_history_export
 from tests.support.servers import ServerProcess, Servers
 from tests.support.spark_session import CLUSTER_MASTER, child_env, spark_script
 
-SPARK_COMMANDS = [
+# The shortest valid command line of every subcommand that starts Spark.
+SPARK_COMMAND_LINES = [
     ["load", "--servers", "h:1", "--input", "x"],
     ["export", "--servers", "h:1", "--output", "o"],
+    ["history", "--servers", "h:1", "--since", "3", "--output", "o"],
+    ["audit", "--input", "d", "--output", "o"],
     ["drill-report", "--input", "r", "--output", "o"],
 ]
 # A job on local-cluster: about 30 s to start the cluster on 2 cores, then the job.
@@ -117,7 +122,22 @@ def test_settings_precedence() -> None:
     }
 
 
-@pytest.mark.parametrize("command", SPARK_COMMANDS, ids=lambda c: c[0])
+def test_every_subcommand_but_package_starts_spark() -> None:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == {*SPARK_COMMANDS, "package"}
+    assert [line[0] for line in SPARK_COMMAND_LINES] == list(SPARK_COMMANDS)
+
+
+def test_package_takes_no_spark_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    # It starts no Spark: --master would be silently meaningless, so it is refused.
+    with pytest.raises(SystemExit) as exc:
+        main(["package", "--output", "o", "--master", "yarn"])
+    assert exc.value.code == 2
+    assert "unrecognized arguments: --master yarn" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", SPARK_COMMAND_LINES, ids=lambda c: c[0])
 def test_every_spark_command_takes_master_and_conf(command: list[str]) -> None:
     parser = build_parser()
     args = parser.parse_args(command)
@@ -131,7 +151,7 @@ def test_every_spark_command_takes_master_and_conf(command: list[str]) -> None:
 
 def test_bad_conf_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        main([*SPARK_COMMANDS[1], "--conf", "executor.memory=2g"])
+        main([*SPARK_COMMAND_LINES[1], "--conf", "executor.memory=2g"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert (
@@ -169,7 +189,10 @@ def test_package_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> 
     assert main(["package", "--output", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert f"package: {tmp_path / ZIP_NAME} (" in out
-    assert f"--py-files {tmp_path / ZIP_NAME} {tmp_path / DRIVER_SCRIPT} " in out
+    assert (
+        f"run:     spark-submit --master URL --py-files {tmp_path / ZIP_NAME} "
+        f"{tmp_path / DRIVER_SCRIPT} load|export|history|audit|drill-report ...\n"
+    ) in out
 
 
 # --------------------------------------------------------------------------
@@ -253,3 +276,29 @@ def test_export_on_local_cluster(servers: Servers, tmp_path: Path) -> None:
     assert (meta["sequence"], meta["rows"]) == (sequence, 300)
     table = pq.read_table(out, columns=["key", "value", "sequence"]).to_pylist()
     assert {r["key"]: (r["value"], r["sequence"]) for r in table} == live
+
+
+@pytest.mark.spark
+@pytest.mark.slow
+@pytest.mark.timeout(CHILD_TIMEOUT + 60)
+def test_audit_on_local_cluster(tmp_path: Path) -> None:
+    # A history export with chosen times: no servers needed, exact answers known.
+    hist = write_history_export(tmp_path / "hist", TIMED, 0, 8)
+    out = tmp_path / "audit"
+    proc = _run_child(
+        [sys.executable, "-m", "clone.pipeline", "audit", "--master", CLUSTER_MASTER,
+         "--conf", "spark.executor.memory=1g", "--input", str(hist), "--output", str(out),
+         "--at", "5", "--from", "2", "--to", "8", "--rate-window", "10"],
+        tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"session on {CLUSTER_MASTER}" in proc.stderr
+    assert "state:   2 keys at sequence 5\n" in proc.stdout
+    state = pq.read_table(out / "state_at").to_pylist()
+    assert {r["key"]: (r["seq"], r["value"]) for r in state} == {
+        "/app/a": (4, b"3"), "/cfg/x": (3, b"x1"),
+    }  # fmt: skip
+    diff = {r["key"]: r["status"] for r in pq.read_table(out / "diff").to_pylist()}
+    assert diff == {"/app/a": "changed", "/app/b": "removed", "/cfg/x": "added",
+                    "/app/c": "added"}  # fmt: skip
+    assert rate_rows(pq.read_table(out / "rates").to_pylist()) == TIMED_RATES
