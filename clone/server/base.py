@@ -140,6 +140,9 @@ class ServerBase:
         # Batched streams: a tracker per KVBATCH that libzmq has not yet written
         # to the connection, oldest first (see _BATCHES_IN_FLIGHT).
         self._in_flight: dict[AnyStream, deque[zmq.MessageTracker]] = {}
+        # Streams whose last send said EHOSTUNREACH, and since when (see
+        # _UNREACHABLE_GRACE): gone, or only a pipe libzmq has not reactivated.
+        self._unreachable: dict[AnyStream, float] = {}
         # Snapshot requests held for a later vote (the policy: clone.server.votes).
         self._deferred = DeferredVotes(
             config.max_deferred_votes, config.effective_deferred_vote_max_age
@@ -206,6 +209,7 @@ class ServerBase:
                 "votes_deferred_overflow",
                 "votes_deferred_gone",
                 "snapshot_stalls",
+                "snapshot_unroutable_retries",
                 "snapshot_entries_sent",
                 "snapshots_batched",
                 "snapshot_batches_sent",

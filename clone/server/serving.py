@@ -55,6 +55,12 @@ _STALL_RETRY = 0.005  # seconds before retrying a snapshot send that hit the HWM
 # snapshot; this keeps what a slow requester can pin in our memory to a few MB
 # (at most this many times MAX_BATCH_BYTES) while the pipe stays full.
 _BATCHES_IN_FLIGHT = 4
+# How long a requester's identity may stay unroutable (EHOSTUNREACH) before its
+# stream is aborted as gone.  With ROUTER_MANDATORY libzmq also says
+# EHOSTUNREACH for a live peer whose pipe it marked inactive when the pipe was
+# full and has not reactivated yet (libzmq issue 2348): a slow reader, not a
+# vanished one.  Aborting at once cost such a client its whole snapshot.
+_UNREACHABLE_GRACE = 0.5
 # Snapshot requests handled after one pump turn at most (see _take_router_backlog).
 _ROUTER_BACKLOG_BATCH = 100
 
@@ -261,9 +267,10 @@ class ServingMixin(ServerBase):
                     return
                 except zmq.ZMQError as exc:
                     if exc.errno == zmq.EHOSTUNREACH:
-                        self._abort_snapshot(stream, "requester went away", gone=True)
+                        self._unroutable(stream, sent_before)
                         return
                     raise
+                self._unreachable.pop(stream, None)
                 stream.advance()
                 if stream.done:
                     break
@@ -280,6 +287,7 @@ class ServingMixin(ServerBase):
             if started is not None:
                 self.snapshot_seconds.observe(self._clock() - started)
             self._in_flight.pop(stream, None)
+            self._unreachable.pop(stream, None)
             self._deferred_streams.discard(stream)
             c = self.counters
             c["snapshots_served"] += 1
@@ -336,12 +344,24 @@ class ServingMixin(ServerBase):
         self._note_progress(stream, sent_before)
         self._loop.call_later(_STALL_RETRY, self._pump, stream)
 
+    def _unroutable(self, stream: AnyStream, sent_before: int) -> None:
+        """EHOSTUNREACH: the requester went away, or its pipe is only slow to
+        reactivate; abort once it has stayed unroutable for the grace."""
+        now = self._clock()
+        since = self._unreachable.setdefault(stream, now)
+        if now - since >= _UNREACHABLE_GRACE:
+            self._abort_snapshot(stream, "requester went away", gone=True)
+            return
+        self.counters["snapshot_unroutable_retries"] += 1
+        self._stall(stream, sent_before)
+
     def _note_progress(self, stream: AnyStream, sent_before: int) -> None:
         if stream.sent != sent_before and stream in self._snapshots:
             self._snapshots[stream] = self._clock()
 
     def _abort_snapshot(self, stream: AnyStream, why: str, *, gone: bool = False) -> None:
         self._snapshot_started.pop(stream, None)
+        self._unreachable.pop(stream, None)
         if self._snapshots.pop(stream, None) is None:
             return
         self._in_flight.pop(stream, None)
