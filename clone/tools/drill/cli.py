@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     crash.add_argument("--restart-stagger", type=float, default=0.0, metavar="S",
                        help="seconds between the two restarts (default 0: together); "
                        "under the servers' --peer-wait")
-    part = p.add_argument_group("partition-pair, partition-active (root: network namespaces)")
+    part = p.add_argument_group("partition-pair, partition-active, partition-split "
+                                "(root: network namespaces)")
     part.add_argument("--partition-time", type=float, default=None, metavar="S",
                       help="seconds the cut lasts before it heals (default max(25%% of the "
                       "duration, one failover budget))")
