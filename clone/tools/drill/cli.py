@@ -65,6 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     part.add_argument("--partition-time", type=float, default=None, metavar="S",
                       help="seconds the cut lasts before it heals (default max(25%% of the "
                       "duration, one failover budget))")
+    part.add_argument("--island-reset", action="store_true",
+                      help="partition-split: reset the island client's connections to the "
+                      "passive (TCP RST) instead of dropping their packets")
     # Diagnostic: servers without a data directory, to see the drill fail.
     p.add_argument("--in-memory", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -91,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             preload=args.preload, shared_keys=args.shared_keys,
             crash_order=args.crash_order, crash_gap=args.crash_gap, down_time=args.down_time,
             restart_stagger=args.restart_stagger, in_memory=args.in_memory,
-            partition_time=args.partition_time,
+            partition_time=args.partition_time, island_reset=args.island_reset,
         )
     except ValueError as exc:
         print(f"drill: {exc}", file=sys.stderr)

@@ -69,6 +69,10 @@ class DrillConfig:
     # as kill-active's server stays down, max(25% of the duration, one failover
     # budget), so that the clients can fail over in partition-active).
     partition_time: float | None = None
+    # partition-split: reset (TCP RST) the island's connections to the passive
+    # instead of dropping their packets, as a restarted peer or an expired NAT
+    # entry would: what the island's client queued for the passive is then gone.
+    island_reset: bool = False
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -89,6 +93,8 @@ class DrillConfig:
         # long would make the first one serve alone, which is another scenario.
         if self.partition_time is not None and self.partition_time <= 0:
             raise ValueError("partition_time must be > 0")
+        if self.island_reset and self.scenario != "partition-split":
+            raise ValueError("island_reset is for partition-split only")
         if not 0 <= self.restart_stagger < PEER_WAIT_DEFAULT:
             raise ValueError(f"restart_stagger must be in [0, {PEER_WAIT_DEFAULT:g}) s "
                              "(under the servers' --peer-wait)")

@@ -279,7 +279,7 @@ class Topology:
         self._drop(server, "INPUT", "-s", net)
         self._drop(server, "OUTPUT", "-d", net)
 
-    def split(self, server: str, peer: str) -> None:
+    def split(self, server: str, peer: str, reset: bool = False) -> None:
         """A split brain's network (``partition-split``): ``server`` is cut from
         everything but the island (its peer, the root namespace's clients, the
         drill), and the island from ``peer``.  The island's clients then reach
@@ -289,7 +289,13 @@ class Topology:
         both ends), not on departure: a packet dropped in its sender's ``OUTPUT``
         fails locally, and Linux then retries every 0.5 s without backing off,
         which no lost packet on a real network causes.  Dropped on arrival, the
-        senders back off as they would behind a broken switch."""
+        senders back off as they would behind a broken switch.
+
+        With ``reset``, the island's TCP to ``peer`` is refused with a RST
+        instead (``REJECT --reject-with tcp-reset`` as it leaves the island):
+        its open connections to ``peer`` break at their next packet, as with
+        a restarted peer or an expired NAT entry, and cannot be made again
+        until the heal."""
         if not self.island:
             raise ValueError("split() needs a topology made with island=True")
         net, me, island = f"{self.subnet}.0/24", self.address(server), self.address(ISLAND)
@@ -299,6 +305,11 @@ class Topology:
         self._keep(server, "OUTPUT", "-d", island)
         self._drop(server, "INPUT", "-s", net)
         self._drop(server, "OUTPUT", "-d", net)
+        if reset:
+            rule = ("-d", self.address(peer), "-p", "tcp", "-j", "REJECT",
+                    "--reject-with", "tcp-reset")
+            self._in(ISLAND, "iptables", "-A", _CHAINS["OUTPUT"], *rule)
+            self.cuts.append(f"{self.namespace(ISLAND)} {_CHAINS['OUTPUT']} {' '.join(rule)}")
         self._drop(ISLAND, "INPUT", "-s", self.address(peer))
         self._drop(peer, "INPUT", "-s", island)
 

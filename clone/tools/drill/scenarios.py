@@ -102,10 +102,11 @@ class Scenarios(PairRun):
             topo.cut_pair_link({n: a.ha_port for n, a in self.servers.items()})
             target, what = "pair-link", "cut the Binary Star link between the servers"
         elif self.cfg.scenario == "partition-split":
-            topo.split(active, passive)
+            topo.split(active, passive, reset=self.cfg.island_reset)
             target = active
             what = (f"cut the active server ({active}) from everyone but client "
-                    f"{self.cfg.island_client}, and {self.cfg.island_client} from {passive},")
+                    f"{self.cfg.island_client}, and {self.cfg.island_client} from {passive}"
+                    + (" (TCP reset)," if self.cfg.island_reset else ","))
         else:
             topo.isolate(active)
             target, what = active, f"cut the active server ({active}) from everyone"
