@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -497,11 +498,15 @@ def split_writes(
     applied it but the key ended at another write; ``lost`` otherwise.
     ``at_winner_s``: when a client synced from ``winner`` first applied it, in
     seconds after ``heal`` (None: no client saw it come from the winner).
-    Times of confirmation are seconds after ``since``.
+    Times of confirmation are seconds after ``since``.  ``reapplied_by``: the
+    clients that applied the write more than once (it came back after their
+    resync from ``winner`` had taken it away: the ``duplicates`` and reordering
+    of a late merge).
     """
     sent: dict[str, tuple[str, str]] = {}  # uuid -> (writer, key)
     confirmed: list[tuple[float, str]] = []  # (ts, uuid)
     at_winner: dict[str, float] = {}
+    applied: dict[str, Counter[str]] = {}  # uuid -> how often each client applied it
     for writer, events in streams.items():
         for ev in events:
             kind, uid = ev.get("event"), ev.get("uuid")
@@ -516,8 +521,10 @@ def split_writes(
             elif (kind == "write_confirmed" and ev.get("server") == server
                   and since <= ts <= until):
                 confirmed.append((ts, uid))
-            elif kind == "update" and ev.get("server") == winner:
-                at_winner[uid] = min(ts, at_winner.get(uid, math.inf))
+            elif kind == "update":
+                applied.setdefault(uid, Counter())[writer.split(".")[0]] += 1
+                if ev.get("server") == winner:
+                    at_winner[uid] = min(ts, at_winner.get(uid, math.inf))
     final = {k: parse_value(v) for k, v in (server_state or {}).items()}
     writes: list[dict[str, Any]] = []
     arrivals: list[float] = []
@@ -535,6 +542,7 @@ def split_writes(
         writes.append({
             "client": writer, "key": key, "uuid": uid, "confirmed_s": round(ts - since, 3),
             "fate": fate, "at_winner_s": None if reached is None else round(reached - heal, 3),
+            "reapplied_by": sorted(c for c, n in applied.get(uid, Counter()).items() if n > 1),
         })  # fmt: skip
     return {
         "server": server,
@@ -549,6 +557,7 @@ def split_writes(
         "reached_winner": len(arrivals),
         "at_winner_first_s": min(arrivals, default=None),
         "at_winner_last_s": max(arrivals, default=None),
+        "reapplied": sum(1 for w in writes if w["reapplied_by"]),
         "writes": writes,
     }
 

@@ -248,6 +248,7 @@ def _split_checks(part: dict[str, Any], check: Any) -> None:
     check("writes the isolated server confirmed during the split: none lost", not lost,
           f"{sw['confirmed']} confirmed by {active}: {sw['kept']} kept, {sw['overwritten']} "
           f"overwritten later, {sw['lost']} LOST; {sw['reached_winner']} reached {passive} "
-          f"(first {sw['at_winner_first_s']} s, last {sw['at_winner_last_s']} s after the heal)"
+          f"(first {sw['at_winner_first_s']} s, last {sw['at_winner_last_s']} s after the heal), "
+          f"{sw['reapplied']} applied twice by a client"
           + "".join(f"; lost {w['key']} ({w['client']}, confirmed by {active} "
                     f"{w['confirmed_s']} s after the cut)" for w in lost[:3]))
