@@ -607,15 +607,20 @@ def test_partition_config_and_names() -> None:
         topo.split("primary", "backup")
 
 
+@pytest.mark.parametrize("scenario", ["partition-pair", "partition-split"])
 def test_partition_drill_without_root_exits_2(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+    scenario: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
 ) -> None:
     import os
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    rc = drill.main(["--scenario", "partition-pair", "--out", str(tmp_path)])
+    rc = drill.main(["--scenario", scenario, "--partition-time", "2", "--out", str(tmp_path)])
     assert rc == 2
-    assert "need root" in capsys.readouterr().err
+    assert f"drill: {scenario} cannot run here: the partition drills need root" in (
+        capsys.readouterr().err)
 
 
 def _netns_or_skip() -> None:
