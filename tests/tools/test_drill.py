@@ -520,6 +520,7 @@ def test_stepped_down_writes_lost_only_if_never_confirmed() -> None:
     bad = stepped_down_writes(streams, _state(("c0", 0, "u0")), "primary")
     assert bad["confirmed_by_lost"] == [write_key("c0", 0, 2)]
     assert bad["applied_missing_confirmed"] == [write_key("c0", 0, 2)]
+    assert bad["confirmed_by_lost_count"] == bad["applied_missing_confirmed_count"] == 1
     # Writes another server confirmed are not its business.
     assert stepped_down_writes(streams, {}, "backup")["confirmed_by"] == 0
 

@@ -443,7 +443,8 @@ def stepped_down_writes(
     and ``applied_missing_confirmed`` lists those missing from the final state
     although confirmed (must be none: a write the server applied and then lost
     with its step-down must never have been confirmed).  ``applied_missing``
-    counts all applied-then-missing ones, confirmed or not.
+    counts all applied-then-missing ones, confirmed or not.  The lists hold
+    the first 20 keys; the ``_count`` fields count them all.
     """
     sent: dict[str, str | None] = {}
     confirmed: set[str] = set()
@@ -469,13 +470,17 @@ def stepped_down_writes(
         return key in sent and final.get(key) == sent[key]
 
     missing = sorted(k for k in applied if not present(k))
+    lost = sorted(k for k in confirmed_by if not present(k))
+    missing_confirmed = [k for k in missing if k in confirmed]
     return {
         "server": server,
         "confirmed_by": len(confirmed_by),
-        "confirmed_by_lost": sorted(k for k in confirmed_by if not present(k))[:20],
+        "confirmed_by_lost": lost[:20],
+        "confirmed_by_lost_count": len(lost),
         "seen_applied": len(applied),
         "applied_missing": len(missing),
-        "applied_missing_confirmed": [k for k in missing if k in confirmed][:20],
+        "applied_missing_confirmed": missing_confirmed[:20],
+        "applied_missing_confirmed_count": len(missing_confirmed),
     }
 
 

@@ -228,9 +228,9 @@ def _partition_checks(s: dict[str, Any], end_active: list[str], check: Any) -> N
     check("writes of a server that stepped down: applied everywhere or never confirmed",
           not bad,
           "; ".join(f"{w['server']}: {w['confirmed_by']} confirmed by it, "
-                    f"{len(w['confirmed_by_lost'])} of them lost; {w['seen_applied']} applied "
+                    f"{w['confirmed_by_lost_count']} of them lost; {w['seen_applied']} applied "
                     f"by it as clients saw, {w['applied_missing']} missing at the end, "
-                    f"{len(w['applied_missing_confirmed'])} of those confirmed"
+                    f"{w['applied_missing_confirmed_count']} of those confirmed"
                     + (f" {w['confirmed_by_lost'][:3] or w['applied_missing_confirmed'][:3]}"
                        if w in bad else "")
                     for w in stepped) or "no server stepped down")
