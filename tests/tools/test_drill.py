@@ -520,8 +520,40 @@ def test_stepped_down_writes_lost_only_if_never_confirmed() -> None:
     bad = stepped_down_writes(streams, _state(("c0", 0, "u0")), "primary")
     assert bad["confirmed_by_lost"] == [write_key("c0", 0, 2)]
     assert bad["applied_missing_confirmed"] == [write_key("c0", 0, 2)]
+    assert bad["confirmed_by_lost_count"] == bad["applied_missing_confirmed_count"] == 1
     # Writes another server confirmed are not its business.
     assert stepped_down_writes(streams, {}, "backup")["confirmed_by"] == 0
+
+
+def test_split_writes_fate_of_each_write_the_loser_confirmed() -> None:
+    from clone.tools.drill.analysis import split_writes
+
+    # c1 writes u0..u3; u0 confirmed by the primary before the cut (t=1.5), u1
+    # and u2 during the split (cut at 2, step-down at 4.5, heal at 4), u3
+    # after the step-down; u1 comes back from the backup (twice for c1).
+    streams = {"c1": [*_write("c1", 1, "u0", True), *_write("c1", 2, "u1", True),
+                      *_write("c1", 3, "u2", True), *_write("c1", 5, "u3", True)]}
+    for ev in streams["c1"]:
+        if ev["event"] == "write_confirmed":
+            ev["server"] = "primary"
+    streams["c1"] += [
+        {"ts": 2.05, "client": "c1", "event": "update", "key": write_key("c1", 0, 2),
+         "seq": 9, "uuid": "u1", "server": "primary"},
+        {"ts": 6.5, "client": "c1", "event": "update", "key": write_key("c1", 0, 2),
+         "seq": 20, "uuid": "u1", "server": "backup"},
+    ]
+    streams["c0"] = [{"ts": 6.0, "client": "c0", "event": "update",
+                      "key": write_key("c1", 0, 2), "seq": 20, "uuid": "u1", "server": "backup"}]
+    out = split_writes(streams, _state(("c1", 2, "u1")), "primary", "backup", 2.0, 4.5, 4.0)
+    assert out["confirmed"] == 2 and out["by_client"] == {"c1": 2}
+    assert (out["kept"], out["lost"], out["overwritten"]) == (1, 1, 0)
+    kept, lost = out["writes"]
+    assert kept["uuid"] == "u1" and kept["fate"] == "kept" and kept["at_winner_s"] == 2.0
+    assert kept["confirmed_s"] == 0.1 and kept["reapplied_by"] == ["c1"]
+    assert lost["uuid"] == "u2" and lost["fate"] == "lost" and lost["at_winner_s"] is None
+    assert out["reached_winner"] == 1 and out["reapplied"] == 1
+    # Confirmed by the other server: not the loser's.
+    assert split_writes(streams, {}, "backup", "primary", 2.0, 4.5, 4.0)["confirmed"] == 0
 
 
 def test_split_brain_lines() -> None:
@@ -560,17 +592,36 @@ def test_partition_config_and_names() -> None:
     assert topo.prefix("primary") == ["ip", "netns", "exec", "clonedrill-4194304-primary"]
     # Link names fit Linux's 15 characters, with the largest pid.
     assert all(len(n) <= 15 for n in (topo.bridge, topo._veth("primary") + "x"))
+    # partition-split: the last client lives in an island namespace at .4.
+    split = DrillConfig(scenario="partition-split", clients=3)
+    assert split.island_client == "c2" and cfg.island_client is None
+    with pytest.raises(ValueError):
+        DrillConfig(scenario="partition-split", clients=1)
+    with pytest.raises(ValueError):
+        DrillConfig(scenario="partition-active", island_reset=True)
+    island = Topology(pid=4194304, subnet="10.213.7", island=True)
+    assert island.spaces == ("primary", "backup", "island")
+    assert island.address("island") == "10.213.7.4" and topo.spaces == ("primary", "backup")
+    assert island.namespace("island") == "clonedrill-4194304-island"
+    assert len(island._veth("island") + "x") <= 15
+    with pytest.raises(ValueError):
+        topo.split("primary", "backup")
 
 
+@pytest.mark.parametrize("scenario", ["partition-pair", "partition-split"])
 def test_partition_drill_without_root_exits_2(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+    scenario: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
 ) -> None:
     import os
 
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
-    rc = drill.main(["--scenario", "partition-pair", "--out", str(tmp_path)])
+    rc = drill.main(["--scenario", scenario, "--partition-time", "2", "--out", str(tmp_path)])
     assert rc == 2
-    assert "need root" in capsys.readouterr().err
+    assert f"drill: {scenario} cannot run here: the partition drills need root" in (
+        capsys.readouterr().err)
 
 
 def _netns_or_skip() -> None:
@@ -615,3 +666,44 @@ def test_drill_partition(scenario: str, tmp_path: Path) -> None:
         assert summary["active_at_end"] == [part["passive"]]
         (written,) = part["writes_of_stepped_down"]
         assert written["confirmed_by"] > 0 and written["confirmed_by_lost"] == []
+
+
+#: What a split brain's late merge breaks (docs/drills.md, partition-split): the
+#: isolated side's writes reach the winner on TCP's retransmission schedule, after
+#: writes confirmed later, and come back to clients that had resynced without them.
+_SPLIT_MERGE_CHECKS = {
+    "no duplicate applied",
+    "per-writer order kept",
+    "every key at its last confirmed value or later",
+    "no client saw a key go back",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_drill_partition_split(tmp_path: Path) -> None:
+    _netns_or_skip()
+    summary = run_drill(_small("partition-split", tmp_path, duration=6.0, partition_time=3.0))
+    _check_outputs(tmp_path, summary, "partition-split")
+    assert not _our_netns()  # torn down, the island too
+    checks, part = summary["checks"], summary["partition"]
+    failed = {k for k, v in checks.items() if not v["ok"]}
+    # The guarantees the issue asks for hold; only the merge's ordering ones may not.
+    assert failed <= _SPLIT_MERGE_CHECKS, report.drill_text(summary)
+    for name in ("no confirmed write lost", "clients converged", "one active server at the end",
+                 "split brain detected and resolved", "clients failed over during the cut",
+                 "both sides confirmed writes during the split",
+                 "writes the isolated server confirmed during the split: none lost",
+                 "writes of a server that stepped down: applied everywhere or never confirmed"):
+        assert checks[name]["ok"] is True, name
+    assert summary["confirmed_lost"] == 0 and summary["converged"] is True
+    assert part["stepped_down"] == [part["active"]]
+    assert summary["active_at_end"] == [part["passive"]]
+    # Not vacuous: the island client (c1) had writes confirmed by the isolated
+    # server during the split, and every one of them is in the final state or
+    # was overwritten after it reached the winner.
+    split = part["split_writes"]
+    assert split["server"] == part["active"] and split["by_client"].get("c1", 0) > 0
+    assert split["confirmed"] > 0 and split["lost"] == 0
+    assert split["kept"] + split["overwritten"] == split["confirmed"] == split["reached_winner"]
+    assert part["winner_confirmed_during_split"] > 0

@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -60,6 +61,7 @@ __all__ = [
     "highest_sequence_before",
     "log_line_time",
     "split_brain_lines",
+    "split_writes",
     "stepped_down_writes",
     "nearest_rank",
     "percentile",
@@ -441,7 +443,8 @@ def stepped_down_writes(
     and ``applied_missing_confirmed`` lists those missing from the final state
     although confirmed (must be none: a write the server applied and then lost
     with its step-down must never have been confirmed).  ``applied_missing``
-    counts all applied-then-missing ones, confirmed or not.
+    counts all applied-then-missing ones, confirmed or not.  The lists hold
+    the first 20 keys; the ``_count`` fields count them all.
     """
     sent: dict[str, str | None] = {}
     confirmed: set[str] = set()
@@ -467,13 +470,100 @@ def stepped_down_writes(
         return key in sent and final.get(key) == sent[key]
 
     missing = sorted(k for k in applied if not present(k))
+    lost = sorted(k for k in confirmed_by if not present(k))
+    missing_confirmed = [k for k in missing if k in confirmed]
     return {
         "server": server,
         "confirmed_by": len(confirmed_by),
-        "confirmed_by_lost": sorted(k for k in confirmed_by if not present(k))[:20],
+        "confirmed_by_lost": lost[:20],
+        "confirmed_by_lost_count": len(lost),
         "seen_applied": len(applied),
         "applied_missing": len(missing),
-        "applied_missing_confirmed": [k for k in missing if k in confirmed][:20],
+        "applied_missing_confirmed": missing_confirmed[:20],
+        "applied_missing_confirmed_count": len(missing_confirmed),
+    }
+
+
+def split_writes(
+    streams: Mapping[str, Sequence[Mapping[str, Any]]],
+    server_state: Mapping[str, bytes] | None,
+    server: str,
+    winner: str,
+    since: float,
+    until: float,
+    heal: float,
+) -> dict[str, Any]:
+    """The writes ``server`` confirmed during a split brain, one by one, and what
+    became of each.
+
+    A write counts when a client saw it confirmed while synced from ``server``
+    (``write_confirmed.server``) between ``since`` (the cut) and ``until`` (the
+    server's step-down).  Its ``fate``: ``kept`` when the final state holds it;
+    ``overwritten`` (overwritten keys only) when a client synced from ``winner``
+    applied it but the key ended at another write; ``lost`` otherwise.
+    ``at_winner_s``: when a client synced from ``winner`` first applied it, in
+    seconds after ``heal`` (None: no client saw it come from the winner).
+    Times of confirmation are seconds after ``since``.  ``reapplied_by``: the
+    clients that applied the write more than once (it came back after their
+    resync from ``winner`` had taken it away: the ``duplicates`` and reordering
+    of a late merge).
+    """
+    sent: dict[str, tuple[str, str]] = {}  # uuid -> (writer, key)
+    confirmed: list[tuple[float, str]] = []  # (ts, uuid)
+    at_winner: dict[str, float] = {}
+    applied: dict[str, Counter[str]] = {}  # uuid -> how often each client applied it
+    for writer, events in streams.items():
+        for ev in events:
+            kind, uid = ev.get("event"), ev.get("uuid")
+            if not isinstance(uid, str):
+                continue
+            key = str(ev.get("key", ""))
+            if "/ttl/" in key:
+                continue
+            ts = float(ev["ts"])
+            if kind == "write_sent":
+                sent[uid] = (writer, key)
+            elif (kind == "write_confirmed" and ev.get("server") == server
+                  and since <= ts <= until):
+                confirmed.append((ts, uid))
+            elif kind == "update":
+                applied.setdefault(uid, Counter())[writer.split(".")[0]] += 1
+                if ev.get("server") == winner:
+                    at_winner[uid] = min(ts, at_winner.get(uid, math.inf))
+    final = {k: parse_value(v) for k, v in (server_state or {}).items()}
+    writes: list[dict[str, Any]] = []
+    arrivals: list[float] = []
+    for ts, uid in sorted(confirmed):
+        writer, key = sent.get(uid, ("?", "?"))
+        reached = at_winner.get(uid)
+        if final.get(key) == uid:
+            fate = "kept"
+        elif key.startswith(SHARED_PREFIX) and reached is not None:
+            fate = "overwritten"
+        else:
+            fate = "lost"
+        if reached is not None:
+            arrivals.append(round(reached - heal, 3))
+        writes.append({
+            "client": writer, "key": key, "uuid": uid, "confirmed_s": round(ts - since, 3),
+            "fate": fate, "at_winner_s": None if reached is None else round(reached - heal, 3),
+            "reapplied_by": sorted(c for c, n in applied.get(uid, Counter()).items() if n > 1),
+        })  # fmt: skip
+    return {
+        "server": server,
+        "winner": winner,
+        "window_s": round(until - since, 3) if not math.isinf(until) else None,
+        "confirmed": len(writes),
+        "by_client": {c: sum(1 for w in writes if w["client"] == c)
+                      for c in sorted({w["client"] for w in writes})},
+        "kept": sum(1 for w in writes if w["fate"] == "kept"),
+        "overwritten": sum(1 for w in writes if w["fate"] == "overwritten"),
+        "lost": sum(1 for w in writes if w["fate"] == "lost"),
+        "reached_winner": len(arrivals),
+        "at_winner_first_s": min(arrivals, default=None),
+        "at_winner_last_s": max(arrivals, default=None),
+        "reapplied": sum(1 for w in writes if w["reapplied_by"]),
+        "writes": writes,
     }
 
 

@@ -14,6 +14,7 @@ from clone.tools.drill.analysis import (
     revert_detail,
     seen_revert_detail,
     split_brain_lines,
+    split_writes,
     stepped_down_writes,
 )
 from clone.tools.drill.pair import PairRun
@@ -59,7 +60,29 @@ def judge_partition(
         part["dual_active_after_heal_s"] = round(run.monitor.dual_active_seconds(heal), 3)
     part["writes_of_stepped_down"] = [stepped_down_writes(streams, server_state, n)
                                       for n in part["stepped_down"]]
+    if part["kind"] == "partition-split" and heal is not None:
+        _judge_split(part, streams, server_state)
     return part
+
+
+def _judge_split(
+    part: dict[str, Any],
+    streams: Mapping[str, Sequence[Mapping[str, Any]]],
+    server_state: Mapping[str, bytes] | None,
+) -> None:
+    """partition-split: what each side confirmed while both were active, and what
+    became of every write the isolated side confirmed, from the cut to its
+    step-down (or to the end, if it never stepped down)."""
+    active, passive, cut, heal = part["active"], part["passive"], part["ts"], part["heal_ts"]
+    down = [t for line in part["split_brain"][active] if "we step down" in line
+            and (t := log_line_time(line)) is not None]
+    until = min(down, default=float("inf"))
+    part["isolated_step_down_after_heal_s"] = round(until - heal, 3) if down else None
+    part["winner_confirmed_during_split"] = sum(
+        1 for events in streams.values() for ev in events
+        if ev.get("event") == "write_confirmed" and ev.get("server") == passive
+        and cut <= float(ev["ts"]) <= heal)
+    part["split_writes"] = split_writes(streams, server_state, active, passive, cut, until, heal)
 
 
 def judge_restarts(run: PairRun) -> list[dict[str, Any]]:
@@ -158,7 +181,7 @@ def run_checks(
               served is not None and (before is None or served >= before),
               f"clients saw up to {before} before the crash; the pair served {served} after; "
               f"loaded {crash.get('loaded')}")
-    if sc in ("partition-pair", "partition-active") and "partition" in s:
+    if sc in ("partition-pair", "partition-active", "partition-split") and "partition" in s:
         _partition_checks(s, end_active, check)
     if sc == "client-restart":
         check("every client has a final state",
@@ -198,14 +221,34 @@ def _partition_checks(s: dict[str, Any], end_active: list[str], check: Any) -> N
               f"{part.get('split_brain_after_heal_s')} s after the heal; both sent HUGZ for "
               f"{part.get('dual_active_after_heal_s')} s after it; active at end "
               f"{','.join(end_active) or 'none'}" + (f"; {first}" if first else ""))
+    if part["kind"] == "partition-split" and "split_writes" in part:
+        _split_checks(part, check)
     stepped = part["writes_of_stepped_down"]
     bad = [w for w in stepped if w["confirmed_by_lost"] or w["applied_missing_confirmed"]]
     check("writes of a server that stepped down: applied everywhere or never confirmed",
           not bad,
           "; ".join(f"{w['server']}: {w['confirmed_by']} confirmed by it, "
-                    f"{len(w['confirmed_by_lost'])} of them lost; {w['seen_applied']} applied "
+                    f"{w['confirmed_by_lost_count']} of them lost; {w['seen_applied']} applied "
                     f"by it as clients saw, {w['applied_missing']} missing at the end, "
-                    f"{len(w['applied_missing_confirmed'])} of those confirmed"
+                    f"{w['applied_missing_confirmed_count']} of those confirmed"
                     + (f" {w['confirmed_by_lost'][:3] or w['applied_missing_confirmed'][:3]}"
                        if w in bad else "")
                     for w in stepped) or "no server stepped down")
+
+
+def _split_checks(part: dict[str, Any], check: Any) -> None:
+    sw = part["split_writes"]
+    active, passive = part["active"], part["passive"]
+    check("both sides confirmed writes during the split",
+          sw["confirmed"] > 0 and part["winner_confirmed_during_split"] > 0,
+          f"{active} (isolated) confirmed {sw['confirmed']} {sw['by_client']} from the cut to "
+          f"its step-down ({part['isolated_step_down_after_heal_s']} s after the heal); "
+          f"{passive} confirmed {part['winner_confirmed_during_split']} from the cut to the heal")
+    lost = [w for w in sw["writes"] if w["fate"] == "lost"]
+    check("writes the isolated server confirmed during the split: none lost", not lost,
+          f"{sw['confirmed']} confirmed by {active}: {sw['kept']} kept, {sw['overwritten']} "
+          f"overwritten later, {sw['lost']} LOST; {sw['reached_winner']} reached {passive} "
+          f"(first {sw['at_winner_first_s']} s, last {sw['at_winner_last_s']} s after the heal), "
+          f"{sw['reapplied']} applied twice by a client"
+          + "".join(f"; lost {w['key']} ({w['client']}, confirmed by {active} "
+                    f"{w['confirmed_s']} s after the cut)" for w in lost[:3]))

@@ -60,10 +60,14 @@ def _parser() -> argparse.ArgumentParser:
     crash.add_argument("--restart-stagger", type=float, default=0.0, metavar="S",
                        help="seconds between the two restarts (default 0: together); "
                        "under the servers' --peer-wait")
-    part = p.add_argument_group("partition-pair, partition-active (root: network namespaces)")
+    part = p.add_argument_group("partition-pair, partition-active, partition-split "
+                                "(root: network namespaces)")
     part.add_argument("--partition-time", type=float, default=None, metavar="S",
                       help="seconds the cut lasts before it heals (default max(25%% of the "
                       "duration, one failover budget))")
+    part.add_argument("--island-reset", action="store_true",
+                      help="partition-split: reset the island client's connections to the "
+                      "passive (TCP RST) instead of dropping their packets")
     # Diagnostic: servers without a data directory, to see the drill fail.
     p.add_argument("--in-memory", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -90,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             preload=args.preload, shared_keys=args.shared_keys,
             crash_order=args.crash_order, crash_gap=args.crash_gap, down_time=args.down_time,
             restart_stagger=args.restart_stagger, in_memory=args.in_memory,
-            partition_time=args.partition_time,
+            partition_time=args.partition_time, island_reset=args.island_reset,
         )
     except ValueError as exc:
         print(f"drill: {exc}", file=sys.stderr)

@@ -22,10 +22,11 @@ SCENARIOS: tuple[str, ...] = (
     "both-crash",
     "partition-pair",
     "partition-active",
+    "partition-split",
 )
 #: The scenarios that run each server in a network namespace of its own and cut
 #: links with iptables (root only: :mod:`.netns`).
-PARTITION_SCENARIOS: tuple[str, ...] = ("partition-pair", "partition-active")
+PARTITION_SCENARIOS: tuple[str, ...] = ("partition-pair", "partition-active", "partition-split")
 #: both-crash: which server is killed first (by name; the primary is normally the
 #: active one), or both at once.
 CRASH_ORDERS: tuple[str, ...] = ("primary-first", "backup-first", "together")
@@ -64,16 +65,21 @@ class DrillConfig:
     # Diagnostic: run the servers --in-memory instead of with a data directory,
     # to show that the drill sees the state lost when both crash.
     in_memory: bool = False
-    # partition-pair / partition-active: how long the cut lasts (None: as long
+    # partition-*: how long the cut lasts (None: as long
     # as kill-active's server stays down, max(25% of the duration, one failover
     # budget), so that the clients can fail over in partition-active).
     partition_time: float | None = None
+    # partition-split: reset (TCP RST) the island's connections to the passive
+    # instead of dropping their packets, as a restarted peer or an expired NAT
+    # entry would: what the island's client queued for the passive is then gone.
+    island_reset: bool = False
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
             raise ValueError(f"unknown scenario {self.scenario!r}; one of {', '.join(SCENARIOS)}")
-        if self.clients < 1 or (self.scenario == "client-restart" and self.clients < 2):
-            raise ValueError("need at least 1 client (2 for client-restart)")
+        if self.clients < 1 or (self.scenario in ("client-restart", "partition-split")
+                                and self.clients < 2):
+            raise ValueError("need at least 1 client (2 for client-restart and partition-split)")
         if self.duration <= 0 or self.rate <= 0:
             raise ValueError("duration and rate must be > 0")
         if self.shared_keys < 0:
@@ -87,6 +93,8 @@ class DrillConfig:
         # long would make the first one serve alone, which is another scenario.
         if self.partition_time is not None and self.partition_time <= 0:
             raise ValueError("partition_time must be > 0")
+        if self.island_reset and self.scenario != "partition-split":
+            raise ValueError("island_reset is for partition-split only")
         if not 0 <= self.restart_stagger < PEER_WAIT_DEFAULT:
             raise ValueError(f"restart_stagger must be in [0, {PEER_WAIT_DEFAULT:g}) s "
                              "(under the servers' --peer-wait)")
@@ -97,6 +105,12 @@ class DrillConfig:
         if self.partition_time is not None:
             return self.partition_time
         return max(0.25 * self.duration, self.failover_budget)
+
+    @property
+    def island_client(self) -> str | None:
+        """partition-split: the client that runs in the island namespace and keeps
+        reaching the isolated active (the last one); None in other scenarios."""
+        return f"c{self.clients - 1}" if self.scenario == "partition-split" else None
 
     @property
     def crash_sequence(self) -> tuple[str, str]:

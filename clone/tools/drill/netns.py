@@ -13,6 +13,12 @@ chains, ``CLONE-DRILL-IN`` (jumped to from ``INPUT``) and ``CLONE-DRILL-OUT``
 Dropping (not rejecting) is what a partition looks like: no FIN, no RST, the
 peer just goes silent.
 
+With ``island=True`` (``partition-split``) a third namespace,
+``clonedrill-<pid>-island``, joins the bridge at the next address (``.4``), with
+the same chains: a client run inside it has a source address of its own, so a
+cut can keep it on one side of a partition and the root namespace's clients on
+the other (:meth:`Topology.split`).
+
 Everything carries the drill's pid in its name (namespaces ``clonedrill-<pid>-*``,
 links ``cd<pid>*``), so :meth:`Topology.destroy` removes exactly what this run
 made, and :func:`remove_leftovers` removes what a run that died without
@@ -33,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
+    "ISLAND",
     "NS_PREFIX",
     "NetnsUnavailable",
     "Topology",
@@ -44,6 +51,8 @@ log = logging.getLogger(__name__)
 
 NS_PREFIX = "clonedrill-"
 _LINK_PREFIX = "cd"  # + pid + a letter: within the 15 characters of a link name
+#: The namespace for the clients on the isolated side of a partition-split.
+ISLAND = "island"
 _CHAINS = {"INPUT": "CLONE-DRILL-IN", "OUTPUT": "CLONE-DRILL-OUT"}
 _NETS = "10.213"
 _NS_RE = re.compile(rf"^{NS_PREFIX}(\d+)-")
@@ -150,9 +159,11 @@ def _free_subnet(pid: int) -> str:
 
 @dataclass
 class Topology:
-    """Two server namespaces on a bridge; see the module's docstring."""
+    """Two server namespaces (and an island for clients) on a bridge; see the
+    module's docstring."""
 
     servers: tuple[str, ...] = ("primary", "backup")
+    island: bool = False  # a third namespace, for clients on the isolated side
     pid: int = field(default_factory=os.getpid)
     subnet: str = ""  # "10.213.<k>", chosen at create()
     created: list[str] = field(default_factory=list)  # what destroy() removes, in order made
@@ -167,11 +178,16 @@ class Topology:
         """The root namespace's address on the bridge (the clients' source address)."""
         return f"{self.subnet}.1"
 
+    @property
+    def spaces(self) -> tuple[str, ...]:
+        """Every namespace this topology makes, by its short name."""
+        return (*self.servers, ISLAND) if self.island else self.servers
+
     def namespace(self, server: str) -> str:
         return f"{NS_PREFIX}{self.pid}-{server}"
 
     def address(self, server: str) -> str:
-        return f"{self.subnet}.{2 + self.servers.index(server)}"
+        return f"{self.subnet}.{2 + self.spaces.index(server)}"
 
     def _veth(self, server: str) -> str:
         return f"{_LINK_PREFIX}{self.pid}{server[0]}"
@@ -193,7 +209,7 @@ class Topology:
             self.created.append(f"link:{self.bridge}")
             _run(["ip", "addr", "add", f"{self.host_address}/24", "dev", self.bridge])
             _run(["ip", "link", "set", self.bridge, "up"])
-            for server in self.servers:
+            for server in self.spaces:
                 ns, veth = self.namespace(server), self._veth(server)
                 _run(["ip", "netns", "add", ns])
                 self.created.append(f"netns:{ns}")
@@ -263,9 +279,47 @@ class Topology:
         self._drop(server, "INPUT", "-s", net)
         self._drop(server, "OUTPUT", "-d", net)
 
+    def split(self, server: str, peer: str, reset: bool = False) -> None:
+        """A split brain's network (``partition-split``): ``server`` is cut from
+        everything but the island (its peer, the root namespace's clients, the
+        drill), and the island from ``peer``.  The island's clients then reach
+        ``server`` only, the root namespace's clients ``peer`` only.
+
+        The island and ``peer`` drop each other's packets on arrival (``INPUT`` on
+        both ends), not on departure: a packet dropped in its sender's ``OUTPUT``
+        fails locally, and Linux then retries every 0.5 s without backing off,
+        which no lost packet on a real network causes.  Dropped on arrival, the
+        senders back off as they would behind a broken switch.
+
+        With ``reset``, the island's TCP to ``peer`` is refused with a RST
+        instead (``REJECT --reject-with tcp-reset`` as it leaves the island):
+        its open connections to ``peer`` break at their next packet, as with
+        a restarted peer or an expired NAT entry, and cannot be made again
+        until the heal."""
+        if not self.island:
+            raise ValueError("split() needs a topology made with island=True")
+        net, me, island = f"{self.subnet}.0/24", self.address(server), self.address(ISLAND)
+        for chain in _CHAINS.values():  # its own address, over loopback, still works
+            self._in(server, "iptables", "-A", chain, "-s", me, "-d", me, "-j", "RETURN")
+        self._keep(server, "INPUT", "-s", island)
+        self._keep(server, "OUTPUT", "-d", island)
+        self._drop(server, "INPUT", "-s", net)
+        self._drop(server, "OUTPUT", "-d", net)
+        if reset:
+            rule = ("-d", self.address(peer), "-p", "tcp", "-j", "REJECT",
+                    "--reject-with", "tcp-reset")
+            self._in(ISLAND, "iptables", "-A", _CHAINS["OUTPUT"], *rule)
+            self.cuts.append(f"{self.namespace(ISLAND)} {_CHAINS['OUTPUT']} {' '.join(rule)}")
+        self._drop(ISLAND, "INPUT", "-s", self.address(peer))
+        self._drop(peer, "INPUT", "-s", island)
+
+    def _keep(self, server: str, hook: str, *match: str) -> None:
+        self._in(server, "iptables", "-A", _CHAINS[hook], *match, "-j", "RETURN")
+        self.cuts.append(f"{self.namespace(server)} {_CHAINS[hook]} {' '.join(match)} RETURN")
+
     def heal(self) -> None:
         """Flush every drill chain: the network is whole again."""
-        for server in self.servers:
+        for server in self.spaces:
             for chain in _CHAINS.values():
                 self._in(server, "iptables", "-F", chain)
         self.cuts.clear()

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from clone.tools.drill.config import PARTITION_SCENARIOS, DrillConfig, Say
-from clone.tools.drill.netns import Topology
+from clone.tools.drill.netns import ISLAND, Topology
 from clone.tools.drill.watch import HugzMonitor
 from clone.tools.procs import (
     ManagedProcess,
@@ -36,7 +36,10 @@ class PairRun:
         self.group = ProcessGroup(self.out / "logs")
         # The partition drills run each server in a network namespace of its own
         # (made by :meth:`make_network`); the others on loopback.
-        self.topology = Topology() if cfg.scenario in PARTITION_SCENARIOS else None
+        # partition-split also runs one client (cfg.island_client) in an island
+        # namespace of its own, so that a cut can leave it with the isolated server.
+        self.topology = (Topology(island=cfg.island_client is not None)
+                         if cfg.scenario in PARTITION_SCENARIOS else None)
         self._ports = {"primary": (free_base_port(3), free_port()),
                        "backup": (free_base_port(3), free_port())}
         self._place_servers(lambda name: "127.0.0.1")
@@ -68,7 +71,13 @@ class PairRun:
         topo = self.topology
         self._place_servers(topo.address)
         where = ", ".join(f"{n} {topo.address(n)} in {topo.namespace(n)}" for n in self.servers)
-        self.say(f"network: {where}, clients {topo.host_address} on bridge {topo.bridge}")
+        island = self.cfg.island_client
+        if island is not None:
+            where += (f", client {island} {topo.address(ISLAND)} in {topo.namespace(ISLAND)}, "
+                      f"the other clients")
+        else:
+            where += ", clients"
+        self.say(f"network: {where} {topo.host_address} on bridge {topo.bridge}")
 
     def remove_network(self) -> None:
         if self.topology is not None:
@@ -127,6 +136,8 @@ class PairRun:
             "--state", str(self.clients_dir / f"{stem}.state.json"),
             "--seed", str(cfg.seed),
         )  # fmt: skip
+        if self.topology is not None and cid == cfg.island_client:
+            argv = self.topology.prefix(ISLAND) + argv
         return self.group.add(stem, argv)
 
     def active_server(self) -> str | None:

@@ -45,7 +45,7 @@ class Scenarios(PairRun):
         if sc == "kill-passive":
             return [(t_fault, lambda: self._kill("passive")),
                     (t_fault + recover, self._restart_killed)]
-        if sc in ("partition-pair", "partition-active"):
+        if sc in ("partition-pair", "partition-active", "partition-split"):
             return [(t_fault, self._partition), (t_fault + cfg.partition_seconds, self._heal)]
         if sc == "freeze-active":
             return [(t_fault, self._freeze), (t_fault + recover, self._thaw)]
@@ -84,14 +84,16 @@ class Scenarios(PairRun):
         self.event("fault", kind="sigcont", target=name)
         self.say(f"SIGCONT {name}: it must not go on as a second active")
 
-    # -- partition-pair, partition-active ----------------------------------
+    # -- partition-pair, partition-active, partition-split -------------------
 
     def _log_offsets(self) -> dict[str, int]:
         return {n: self.group[n].log_size() for n in self.servers}
 
     def _partition(self) -> None:
-        """Cut the Binary Star link (partition-pair) or the active server from
-        everyone (partition-active), with DROP rules in the namespaces."""
+        """Cut the Binary Star link (partition-pair), the active server from
+        everyone (partition-active), or the active server from everyone but the
+        island client, and that client from the passive (partition-split), with
+        DROP rules in the namespaces."""
         topo = self.topology
         assert topo is not None
         active = self._pick("active")
@@ -99,6 +101,12 @@ class Scenarios(PairRun):
         if self.cfg.scenario == "partition-pair":
             topo.cut_pair_link({n: a.ha_port for n, a in self.servers.items()})
             target, what = "pair-link", "cut the Binary Star link between the servers"
+        elif self.cfg.scenario == "partition-split":
+            topo.split(active, passive, reset=self.cfg.island_reset)
+            target = active
+            what = (f"cut the active server ({active}) from everyone but client "
+                    f"{self.cfg.island_client}, and {self.cfg.island_client} from {passive}"
+                    + (" (TCP reset)," if self.cfg.island_reset else ","))
         else:
             topo.isolate(active)
             target, what = active, f"cut the active server ({active}) from everyone"
@@ -110,8 +118,9 @@ class Scenarios(PairRun):
         self.notes["fault_ts"] = self.notes["partition"]["ts"]
         self.event("fault", kind="partition", target=target)
         self.fault_text = f"partition: {target}"
+        drops = sum(rule.endswith(" DROP") for rule in topo.cuts)
         self.say(f"FAULT: {what} for {self.cfg.partition_seconds:g} s "
-                 f"({len(topo.cuts)} iptables DROP rules)")
+                 f"({drops} iptables DROP rules)")
 
     def _heal(self) -> None:
         topo = self.topology
@@ -122,7 +131,7 @@ class Scenarios(PairRun):
         part["heal_offsets"] = self._log_offsets()
         part["active_before_heal"] = self.monitor.active()
         self.event("fault", kind="heal", target=self.notes["partition"]["active"]
-                   if self.cfg.scenario == "partition-active" else "pair-link")
+                   if self.cfg.scenario != "partition-pair" else "pair-link")
         self.fault_text = ""
         self.say(f"healed; active before the heal: {part['active_before_heal'] or 'none'}")
 
