@@ -178,6 +178,13 @@ class ServerBase:
         # the pair's refusal notice (to the relay's key) reaches the writer.
         self._relay_writers: InFlight[str] = InFlight(RELAY_WRITES_MAX, RELAY_WRITE_TTL)
         self._peer_dealer: ZMQStream | None = None
+        # After a split brain (clone.server.healing): our writes the winner has
+        # not answered yet, by uuid, the DEALER they go on, when they were last
+        # sent and when they are given up.
+        self._split_pending: dict[bytes, list[bytes]] = {}
+        self._split_dealer: ZMQStream | None = None
+        self._split_sent = 0.0
+        self._split_give_up = 0.0
         self._sync_progress = 0.0
         self._sync_started = 0.0
         self._hugz_timer: object | None = None
@@ -210,6 +217,10 @@ class ServerBase:
                 "votes_deferred_gone",
                 "snapshot_stalls",
                 "snapshot_unroutable_retries",
+                "split_writes_applied",
+                "split_writes_refused",
+                "split_writes_resent",
+                "split_writes_abandoned",
                 "snapshot_entries_sent",
                 "snapshots_batched",
                 "snapshot_batches_sent",
@@ -365,3 +376,11 @@ class ServerBase:
         ) -> None: ...
 
         def _send_reply(self, identity: bytes, reply: Reply) -> None: ...
+
+        def _forward_split_writes(self) -> None: ...
+
+        def _apply_split_writes_here(self) -> None: ...
+
+        def _check_split_writes(self) -> None: ...
+
+        def _close_split(self) -> None: ...

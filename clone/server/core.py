@@ -42,6 +42,7 @@ from clone.server.journal import Journal
 from clone.server.leases import LeaseTable, bound_lease, format_lease_value, parse_lease_value
 from clone.server.pending import PendingList, PendingUpdate, UuidWindow, update_id
 from clone.server.snapshot import SnapshotStream
+from clone.server.split import split_writes
 from clone.server.store import Entry, Store
 from clone.server.ttl import parse_ttl
 from clone.wire.applied import decode_kvapplied, encode_kvapplied, is_kvapplied, uuid_ids
@@ -176,6 +177,9 @@ COUNTERS = (
     "pending_unverifiable",
     "promotions",
     "demotions",
+    "split_writes_found",
+    "split_writes_expired",
+    "split_writes_unverified",
     # Calls (CALL?/REPLY) and leases: docs/protocol.md, "CALL? / REPLY".
     "calls_received",
     "calls_ok",
@@ -297,6 +301,17 @@ class ServerCore:
         self.leases = LeaseTable(self.settings.max_leases)
         self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
         self.role = Role.ACTIVE if standalone else Role.RELAY if relay else Role.STARTING
+        #: The sequence we had applied when we last became active (KVAPPLIED's
+        #: ``fork``): a peer active at the same time forwards its writes after it.
+        self.promoted_at: int | None = None
+        # Demoted from active: the updates we wrote in our term, until the
+        # winner's fork says which it lacks (clone.server.split).
+        self._written_as_active: list[list[bytes]] = []
+        self._peer_fork: int | None = None
+        #: SET calls to send the active peer after a split brain (take_split_writes).
+        self.split_calls: list[list[bytes]] = []
+        #: Writes of ours after a split brain that no fork let us sort (logged once).
+        self.split_unverified = 0
         self.sync_state = SyncState.IDLE
         #: The highest sequence seen anywhere (own store, peer KVPUB/HUGZ/KTHXBAI).
         self.highest_seen = 0
@@ -420,8 +435,9 @@ class ServerCore:
         preamble: list[list[bytes]] = []
         if applied:
             window = self.window
+            fork = self.promoted_at if self.role is Role.ACTIVE else None
             preamble = encode_kvapplied(
-                self.store.sequence, uuid_ids(window.ids()), window.span(now)
+                self.store.sequence, uuid_ids(window.ids()), window.span(now), fork
             )
         if since is not None and since.history:
             # A client's history request: the updates it asked for, or why not;
@@ -475,6 +491,8 @@ class ServerCore:
         self._sync(SyncEvent.STOP)
         self.role = Role.ACTIVE
         store = self.store
+        self.promoted_at = store.sequence
+        self._written_as_active = []
         store.sequence = max(store.sequence, self.highest_seen)
         out = self._rebuild_leases(now)
         applied = 0
@@ -507,6 +525,9 @@ class ServerCore:
         """Demotion or first decision: the caller must now start a sync."""
         if self.role is Role.ACTIVE:
             self.counters["demotions"] += 1
+            # What we wrote as active: the winner of a split brain may lack some.
+            self._written_as_active = self.history.written_under(self.term)
+        self.promoted_at = None
         self.role = Role.PASSIVE
         # Only the active server keeps time for leases; a new one rebuilds them.
         self.leases.clear()
@@ -522,6 +543,7 @@ class ServerCore:
         self._buffer_overflowed = False
         self._delta = False
         self._staging_begun = False
+        self._peer_fork = None
         self._forget_peer_applied()
 
     def catch_up_request(self) -> SinceRequest | None:
@@ -689,7 +711,26 @@ class ServerCore:
         self._reconcile_pending(now)
         self._sync(SyncEvent.SNAPSHOT_DONE)
         c["syncs_completed"] += 1
+        self._settle_split_writes(now)
         return FollowOutcome.SYNCED
+
+    def _settle_split_writes(self, now: float) -> None:
+        """Synced after a demotion: keep, as calls, what we wrote that the
+        active (elected while we were active too) cannot hold."""
+        written, self._written_as_active = self._written_as_active, []
+        if not written:
+            return
+        c = self.counters
+        if self._peer_fork is None:
+            # A Guide peer, or ours from before forks: we cannot tell which of
+            # our writes it lacks, and resending all would undo newer ones.
+            c["split_writes_unverified"] += len(written)
+            self.split_unverified += len(written)
+            return
+        split = split_writes(written, self._peer_fork, now)
+        self.split_calls += split.calls
+        c["split_writes_found"] += len(split.calls)
+        c["split_writes_expired"] += split.expired
 
     def _stage_batch(self, frames: Sequence[bytes]) -> None:
         """A KVBATCH of the snapshot we asked for: stage its entries as KVSYNCs."""
@@ -732,6 +773,8 @@ class ServerCore:
             self._peer_applied = set()
             # A list that reaches back a finite time is trusted a margin less.
             self._peer_applied_since = now - applied.span + APPLIED_SPAN_MARGIN
+        if applied.fork is not None:
+            self._peer_fork = applied.fork
         self._peer_applied.update(applied.ids)
         self._peer_applied_order += applied.ids
         self.counters["applied_ids_received"] += len(applied.ids)

@@ -59,6 +59,7 @@ class FollowingMixin(ServerBase):
         heard = self._ha.heard_peer
         core.term = self._ha.epoch
         core.become_active(self._wallclock())
+        self._apply_split_writes_here()
         self._note_role(was.value, core.role.value)
         if was is Role.PASSIVE:
             self.counters["failovers"] += 1
@@ -325,6 +326,8 @@ class FollowingMixin(ServerBase):
                     core.store.sequence,
                     self._clock() - self._sync_started,
                 )
+                if core.role is Role.PASSIVE:
+                    self._forward_split_writes()
                 assert self._loop is not None
                 self._loop.add_callback(self._close_dealer_if, dealer)
                 return

@@ -179,6 +179,12 @@ class History:
                 return base + offset + 1
         return None
 
+    def written_under(self, term: int) -> list[_Frames]:
+        """The held updates recorded under ``term``, oldest first: what a
+        server wrote while active in it (a demoted one's split-brain writes
+        are among them)."""
+        return [frames for frames, t in self._updates if t == term]
+
     def entry(self, seq: int) -> _Entry | None:
         """The update at ``seq`` and its term, or None if not held."""
         index = seq - self._base - 1

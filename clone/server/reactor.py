@@ -39,6 +39,7 @@ from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import Role
 from clone.server.durability import DurabilityMixin
 from clone.server.following import FollowingMixin
+from clone.server.healing import HealingMixin
 from clone.server.http import HttpMixin
 from clone.server.publishing import PublishingMixin
 from clone.server.relaying import RelayMixin
@@ -62,6 +63,7 @@ class CloneServer(
     CallingMixin,
     ServingMixin,
     FollowingMixin,
+    HealingMixin,
     RelayMixin,
     PublishingMixin,
     DurabilityMixin,
@@ -314,6 +316,7 @@ class CloneServer(
         if self._ha is not None:
             self._ha.stop()
         self._close_peer()
+        self._close_split()
         self._close_relay()
         self._snapshots.clear()
         self._in_flight.clear()
@@ -380,6 +383,7 @@ class CloneServer(
             if self.core.role is Role.RELAY:
                 self._check_upstream()
             self._check_stalled_snapshots()
+            self._check_split_writes()
             if self._deferred:
                 # The peer's expiry may have moved earlier (Binary Star saw its
                 # connection drop); the timer only knows the old one.

@@ -19,7 +19,11 @@ window of 65,536 ids is sixteen messages).  ``properties`` says how far back the
 list reaches: ``span_ms=N``, every update the sender applied in the last N
 milliseconds of its clock is listed, or ``span_ms=all``, every update it ever
 applied is (its window never overflowed).  Only a duration crosses the wire, so
-the two servers' clocks need not agree.
+the two servers' clocks need not agree.  An active server adds ``fork=N``: the
+sequence it had applied when it became active.  A requester that was active
+at the same time (a split brain) and now steps down forwards the writes it
+confirmed after N, which the sender cannot hold (docs/failover.md, "Writes of
+a split brain").
 Update ids that are not uuids (a Guide-style KVSET without one) are not listed.
 
 Like :mod:`clone.wire.codec`, the decoder is total: it returns a message or raises
@@ -51,6 +55,7 @@ __all__ = [
 APPLIED_FRAMES = 4
 UUID_BYTES = 16
 _SPAN = "span_ms"
+_FORK = "fork"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,19 +66,27 @@ class AppliedIds:
     sequence: int
     span: float
     ids: tuple[bytes, ...]
+    #: The sequence the sender had applied when it became active, if it said.
+    fork: int | None = None
 
 
-def encode_kvapplied(sequence: int, ids: Sequence[bytes], span: float) -> list[list[bytes]]:
+def encode_kvapplied(
+    sequence: int, ids: Sequence[bytes], span: float, fork: int | None = None
+) -> list[list[bytes]]:
     """The KVAPPLIED messages for ``ids`` (uuids only, oldest first).
 
     Always at least one message, so the receiver learns the span even of an
-    empty list.
+    empty list.  ``fork``: the sequence the sender became active at, if active.
     """
     if span < 0:
         raise ValueError(f"span must not be negative, not {span}")
+    if fork is not None and fork < 0:
+        raise ValueError(f"fork must not be negative, not {fork}")
     seq = sequence.to_bytes(8, "big")
     reach = b"all" if math.isinf(span) else b"%d" % round(span * 1000)
     props = b"%s=%s\n" % (_SPAN.encode(), reach)
+    if fork is not None:
+        props += b"%s=%d\n" % (_FORK.encode(), fork)
     out = []
     for start in range(0, max(len(ids), 1), MAX_APPLIED_IDS):
         out.append([KVAPPLIED, seq, props, b"".join(ids[start : start + MAX_APPLIED_IDS])])
@@ -97,7 +110,8 @@ def decode_kvapplied(frames: Sequence[bytes]) -> AppliedIds:
     _, seq, props, raw = frames
     if len(seq) != 8:
         raise ProtocolError(f"KVAPPLIED sequence frame of {len(seq)} bytes, expected 8")
-    spans = [v for n, v in decode_properties(props) if n == _SPAN]
+    properties = decode_properties(props)
+    spans = [v for n, v in properties if n == _SPAN]
     if len(spans) != 1 or not (spans[0].isdigit() or spans[0] == "all") or len(spans[0]) > 15:
         raise ProtocolError(
             f"KVAPPLIED needs one {_SPAN} property (milliseconds or 'all'), got {props[:80]!r}"
@@ -109,4 +123,8 @@ def decode_kvapplied(frames: Sequence[bytes]) -> AppliedIds:
     if count > MAX_APPLIED_IDS:
         raise ProtocolError(f"KVAPPLIED with {count} ids, over the limit of {MAX_APPLIED_IDS}")
     ids = tuple(raw[i : i + UUID_BYTES] for i in range(0, len(raw), UUID_BYTES))
-    return AppliedIds(int.from_bytes(seq, "big"), span, ids)
+    forks = [v for n, v in properties if n == _FORK]
+    if len(forks) > 1 or (forks and not (forks[0].isdigit() and len(forks[0]) <= 20)):
+        raise ProtocolError(f"KVAPPLIED {_FORK} must be one sequence, got {props[:80]!r}")
+    fork = int(forks[0]) if forks else None
+    return AppliedIds(int.from_bytes(seq, "big"), span, ids, fork)

@@ -1,0 +1,184 @@
+"""A split brain's writes: the server that steps down forwards, as calls with
+their original uuids, the client writes it confirmed that the winner cannot hold.
+
+Two cores, explicit times, no sockets: the active's KVPUBs are fed to the
+passive, a snapshot of the winner answers the loser's resync (docs/failover.md,
+"Writes of a split brain").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from clone.errors import ProtocolError
+from clone.server.core import FollowOutcome, ServerCore
+from clone.server.split import split_writes
+from clone.wire.applied import decode_kvapplied, encode_kvapplied
+from clone.wire.calls import OP_LEASE_GRANT, decode_call, encode_call
+
+
+def _uuid(n: int) -> bytes:
+    return n.to_bytes(16, "big")
+
+
+def _kvset(key: str, n: int, body: bytes = b"v", props: str = "") -> list[bytes]:
+    return [key.encode(), bytes(8), _uuid(n), props.encode(), body]
+
+
+def _resync(loser: ServerCore, winner: ServerCore, now: float) -> FollowOutcome:
+    """The loser asks the winner for a snapshot (with KVAPPLIED, as our servers do)."""
+    loser.start_sync()
+    stream = winner.open_snapshot(b"peer", "", applied=True, now=now)
+    outcome = FollowOutcome.OK
+    while not stream.done:
+        frames = stream.peek()
+        if frames is not None:
+            outcome = loser.on_snapshot_reply(list(frames[1:]), now)
+            stream.advance()
+    return outcome
+
+
+def _value(core: ServerCore, key: str) -> bytes | None:
+    entry = core.store.entry(key.encode())
+    return None if entry is None else entry[3]
+
+
+def _split(*, fork_known: bool = True) -> tuple[ServerCore, ServerCore, list[bytes]]:
+    """A (primary) active at term 1 and B following it; B is elected at term 2
+    while A still serves; both take writes; A steps down and resyncs from B.
+    Returns (A, B, the uuids of the island client's writes that B also got)."""
+    a, b = ServerCore(), ServerCore()
+    a.term = 1
+    a.become_active(0.0)
+    b.become_passive()
+    assert _resync(b, a, 0.0) is FollowOutcome.SYNCED
+    b.term = 1
+    for n in (1, 2, 3):  # replicated before the split
+        pub = a.on_kvset(_kvset(f"/k/{n}", n, b"before"), 1.0)
+        assert pub is not None
+        b.on_peer_update(pub, 1.0)
+    a.on_kvset(_kvset("/k/4", 4, b"lost in flight"), 2.0)  # published as the link broke
+    # The split: B is elected (it followed up to 3) and both serve.
+    b.term = 2
+    b.become_active(3.0)
+    if not fork_known:
+        b.promoted_at = None  # as a peer that does not send fork= would
+    b.on_kvset(_kvset("/k/1", 10, b"written on B"), 4.0)
+    a.on_kvset(_kvset("/k/2", 11, b"written on A"), 4.0)
+    a.on_kvset(_kvset("/ttl/long", 12, b"t", "ttl=100\n"), 4.0)
+    a.on_kvset(_kvset("/ttl/short", 13, b"t", "ttl=1\n"), 4.0)
+    both = _kvset("/k/both", 14, b"sent to both")
+    a.on_kvset(both, 4.0)
+    b.on_kvset(both, 4.0)  # the island client's copy reached B too
+    grant = encode_call(OP_LEASE_GRANT, _uuid(15), "", (("ttl", "5"),))
+    assert a.on_call(grant, 4.0)[0] is not None  # a lease key: server-made
+    assert a.tick(5.5)  # /ttl/short expires on A: a delete without uuid
+    a.on_kvset(_kvset("/k/3", 16, b""), 6.0)  # a client's delete
+    # The heal: A (lower epoch) steps down and resyncs from B.
+    a.become_passive()
+    a.term = 2
+    assert _resync(a, b, 10.0) is FollowOutcome.SYNCED
+    return a, b, [_uuid(14)]
+
+
+def test_the_loser_keeps_as_calls_exactly_the_client_writes_the_winner_lacks() -> None:
+    a, _winner, _ = _split()
+    calls = [decode_call(frames) for frames in a.split_calls]
+    assert [(c.key, c.body) for c in calls] == [
+        ("/k/4", b"lost in flight"),
+        ("/k/2", b"written on A"),
+        ("/ttl/long", b"t"),
+        ("/k/both", b"sent to both"),
+        ("/k/3", b""),
+    ]
+    assert [c.uuid for c in calls] == [_uuid(n) for n in (4, 11, 12, 14, 16)]
+    # What is left of the ttl (100 s written at 4.0, now 10.0), never expires=.
+    assert calls[2].properties == (("ttl", "94.000"),)
+    assert a.counters["split_writes_found"] == 5
+    assert a.counters["split_writes_expired"] == 1  # /ttl/short
+    # The loser's state is now the winner's: nothing of A's split survives there.
+    assert _value(a, "/k/2") == b"before" and _value(a, "/k/1") == b"written on B"
+
+
+def test_the_winner_applies_each_forwarded_write_once() -> None:
+    a, b, both = _split()
+    before = b.store.sequence
+    replies = [b.on_call(frames, 11.0)[0] for frames in a.split_calls]
+    assert all(r is not None and r.ok for r in replies)
+    # Four new updates; the write B already had is answered, not applied again.
+    assert b.store.sequence == before + 4
+    assert b.counters["calls_duplicate"] == 1
+    assert _value(b, "/k/4") == b"lost in flight"
+    assert _value(b, "/k/2") == b"written on A"
+    assert _value(b, "/k/1") == b"written on B"  # B's own split write stays
+    assert _value(b, "/k/3") is None
+    assert b.store.entry(b"/ttl/long") is not None and b.store.entry(b"/ttl/short") is None
+    # Sent again (a retry after a lost reply): nothing more is applied.
+    again = [b.on_call(frames, 12.0)[0] for frames in a.split_calls]
+    assert all(r is not None and r.ok for r in again)
+    assert b.store.sequence == before + 4
+    assert b.counters["calls_duplicate"] == 1 + len(a.split_calls)
+    assert both == [_uuid(14)]
+
+
+def test_without_a_fork_nothing_is_resent_and_it_is_counted() -> None:
+    a, _, _ = _split(fork_known=False)
+    assert a.split_calls == []
+    # Everything A wrote in its term: 3 before the split, 1 in flight, 7 after.
+    assert a.split_unverified == a.counters["split_writes_unverified"] == 11
+
+
+def test_a_server_that_was_never_active_forwards_nothing() -> None:
+    a, b, _ = _split()
+    assert b.split_calls == [] and b.counters["split_writes_found"] == 0
+    # And a later, ordinary resync of the same loser finds nothing more.
+    a.split_calls.clear()
+    assert _resync(a, b, 20.0) is FollowOutcome.SYNCED
+    assert a.split_calls == []
+
+
+def test_the_fork_is_said_only_by_an_active_server() -> None:
+    a, b, _ = _split()
+
+    def forks(core: ServerCore) -> set[int | None]:
+        stream = core.open_snapshot(b"peer", "", applied=True, now=0.0)
+        frames = stream.peek()
+        assert frames is not None
+        return {decode_kvapplied(list(frames[1:])).fork}
+
+    assert forks(b) == {3}  # elected having applied 3
+    assert forks(a) == {None}  # passive now
+
+
+@pytest.mark.parametrize("fork", [None, 0, 7, 2**63])
+def test_kvapplied_fork_round_trip(fork: int | None) -> None:
+    (frames,) = encode_kvapplied(9, [_uuid(1)], 1.5, fork)
+    applied = decode_kvapplied(frames)
+    got = (applied.sequence, applied.span, applied.ids, applied.fork)
+    assert got == (9, 1.5, (_uuid(1),), fork)
+
+
+@pytest.mark.parametrize("props", [b"span_ms=1\nfork=x\n", b"span_ms=1\nfork=1\nfork=2\n"])
+def test_a_bad_fork_is_a_protocol_error(props: bytes) -> None:
+    with pytest.raises(ProtocolError, match="fork"):
+        decode_kvapplied([b"KVAPPLIED", bytes(8), props, b""])
+
+
+def test_split_writes_skips_what_the_winner_makes_itself() -> None:
+    def pub(seq: int, key: bytes, uuid: bytes, props: bytes = b"") -> Sequence[bytes]:
+        return [key, seq.to_bytes(8, "big"), uuid, props, b"v"]
+
+    written = [
+        pub(3, b"/a", _uuid(1)),  # at the fork: shared
+        pub(4, b"/b", b""),  # server-made delete
+        pub(5, b"/_clone/lease/" + b"0" * 32, _uuid(2)),  # our lease
+        pub(6, b"/c", _uuid(3), b"lease=" + b"1" * 32 + b"\n"),
+    ]
+    out = split_writes(written, 3, 0.0)
+    assert (out.shared, out.server_made, out.expired) == (1, 2, 0)
+    (call,) = (decode_call(frames) for frames in out.calls)
+    assert call.key == "/c" and call.lease == "1" * 32  # the winner judges the lease
+    reply = ServerCore(standalone=True).on_call(out.calls[0], 0.0)[0]
+    assert reply is not None and reply.reason == "unknown-lease"
