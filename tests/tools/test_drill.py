@@ -668,9 +668,10 @@ def test_drill_partition(scenario: str, tmp_path: Path) -> None:
         assert written["confirmed_by"] > 0 and written["confirmed_by_lost"] == []
 
 
-#: What a split brain's late merge breaks (docs/drills.md, partition-split): the
-#: isolated side's writes reach the winner on TCP's retransmission schedule, after
-#: writes confirmed later, and come back to clients that had resynced without them.
+#: What a split brain's merge may break (docs/drills.md, partition-split): the
+#: loser's writes reach the winner at the heal, after writes confirmed later there
+#: (a pair cannot order them), and may come back to a client that resynced from
+#: the winner before they arrived.
 _SPLIT_MERGE_CHECKS = {
     "no duplicate applied",
     "per-writer order kept",
@@ -679,11 +680,28 @@ _SPLIT_MERGE_CHECKS = {
 }
 
 
+def _last_stats(log: Path) -> dict[str, Any]:
+    """The last ``stats: {json}`` line a server logged (at its stop)."""
+    lines = [line for line in log.read_text().splitlines() if " stats: {" in line]
+    assert lines, f"no stats line in {log}"
+    stats: dict[str, Any] = json.loads(lines[-1].split(" stats: ", 1)[1])
+    return stats
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_drill_partition_split(tmp_path: Path) -> None:
+@pytest.mark.parametrize("island_reset", [False, True], ids=["silent-cut", "island-reset"])
+def test_drill_partition_split(tmp_path: Path, island_reset: bool) -> None:
+    """With island_reset the island client's own copies to the winner are
+    discarded by a reset (no late TCP delivery): only the loser's forwarding
+    of its split writes (clone.server.healing) can keep them."""
     _netns_or_skip()
-    summary = run_drill(_small("partition-split", tmp_path, duration=6.0, partition_time=3.0))
+    summary = run_drill(
+        _small(
+            "partition-split", tmp_path, duration=6.0, partition_time=3.0,
+            island_reset=island_reset,
+        )
+    )
     _check_outputs(tmp_path, summary, "partition-split")
     assert not _our_netns()  # torn down, the island too
     checks, part = summary["checks"], summary["partition"]
@@ -707,3 +725,9 @@ def test_drill_partition_split(tmp_path: Path) -> None:
     assert split["confirmed"] > 0 and split["lost"] == 0
     assert split["kept"] + split["overwritten"] == split["confirmed"] == split["reached_winner"]
     assert part["winner_confirmed_during_split"] > 0
+    # The loser sent the winner its writes after the fork, and every one was
+    # answered: applied, or already there (the island client's own copy).
+    loser = _last_stats(tmp_path / "logs" / f"{part['active']}.log")
+    assert loser["split_writes_found"] >= split["confirmed"] > 0
+    assert loser["split_writes_applied"] == loser["split_writes_found"]
+    assert loser["split_writes_refused"] == loser["split_writes_abandoned"] == 0
