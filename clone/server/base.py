@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from clone.storage import Storage
     from clone.wire.calls import Reply
 
-__all__ = ["AnyStream", "ServerBase"]
+__all__ = ["AnyStream", "ServerBase", "peer_endpoint"]
 
 # STATUS? answers per second, and at once: enough for every monitor of a pair,
 # too few for a flood to take the loop from clients and the peer.
@@ -74,6 +74,13 @@ RELAY_CALLS_MAX = 10_000
 RELAY_CALL_TTL = 30.0
 RELAY_WRITES_MAX = 65_536
 RELAY_WRITE_TTL = 10.0
+
+
+def peer_endpoint(host_port: str, offset: int) -> str:
+    """The endpoint of a peer's or upstream's socket: its base port ``host:port``
+    plus ``offset`` (SNAPSHOT_OFFSET, PUBLISHER_OFFSET, COLLECTOR_OFFSET)."""
+    host, _, port = host_port.rpartition(":")
+    return f"tcp://{host}:{int(port) + offset}"
 
 
 def who(identity: bytes) -> str:

@@ -18,7 +18,7 @@ import zmq
 from zmq.eventloop.zmqstream import ZMQStream
 
 from clone.errors import ProtocolError
-from clone.server.base import TURN_BUDGET, ServerBase, log
+from clone.server.base import TURN_BUDGET, ServerBase, log, peer_endpoint
 from clone.server.core import FollowOutcome, Role, SyncState
 from clone.wire.batch import is_kvbatch
 from clone.wire.codec import encode_icanhaz
@@ -33,11 +33,6 @@ from clone.wire.protocol import (
 )
 
 __all__ = ["FollowingMixin"]
-
-
-def _peer_base(host_port: str, offset: int) -> str:
-    host, _, port = host_port.rpartition(":")
-    return f"tcp://{host}:{int(port) + offset}"
 
 
 class FollowingMixin(ServerBase):
@@ -174,7 +169,7 @@ class FollowingMixin(ServerBase):
             sub = self._socket(zmq.SUB)
             sub.setsockopt(zmq.RCVHWM, cfg.collector_hwm)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
-            sub.connect(_peer_base(followed, PUBLISHER_OFFSET))
+            sub.connect(peer_endpoint(followed, PUBLISHER_OFFSET))
             self._peer_sub = self._stream(sub, self._on_peer_update)
         self._sync_started = self._clock()
         self._request_snapshot()
@@ -201,7 +196,7 @@ class FollowingMixin(ServerBase):
             cap_message_size(dealer, MAX_SYNC_FRAME_BYTES)
         except zmq.ZMQError:  # a libzmq older than 4.3: the standard stream
             log.debug("this libzmq cannot send ZMTP metadata; syncing without KVBATCH")
-        dealer.connect(_peer_base(followed, SNAPSHOT_OFFSET))
+        dealer.connect(peer_endpoint(followed, SNAPSHOT_OFFSET))
         self._peer_dealer = self._stream(dealer, self._on_sync_reply)
         self.core.start_sync()
         self._sync_progress = self._clock()

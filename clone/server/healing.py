@@ -20,7 +20,7 @@ import logging
 import zmq
 
 from clone.errors import ProtocolError
-from clone.server.base import ServerBase, log
+from clone.server.base import ServerBase, log, peer_endpoint
 from clone.server.core import Role
 from clone.wire.calls import Reply, decode_call, decode_reply
 from clone.wire.frames import NOBLOCK, send_frames
@@ -30,11 +30,6 @@ __all__ = ["HealingMixin"]
 
 _RESEND = 1.0  # seconds between resends of unanswered writes
 _GIVE_UP = 60.0  # seconds before the unanswered ones are given up
-
-
-def _endpoint(host_port: str, offset: int) -> str:
-    host, _, port = host_port.rpartition(":")
-    return f"tcp://{host}:{int(port) + offset}"
 
 
 class HealingMixin(ServerBase):
@@ -72,7 +67,7 @@ class HealingMixin(ServerBase):
             return
         if self._split_dealer is None:
             dealer = self._socket(zmq.DEALER)
-            dealer.connect(_endpoint(followed, SNAPSHOT_OFFSET))
+            dealer.connect(peer_endpoint(followed, SNAPSHOT_OFFSET))
             self._split_dealer = self._stream(dealer, self._on_split_reply)
         sock = self._split_dealer.socket
         self._split_sent = self._clock()

@@ -51,7 +51,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from clone.errors import ProtocolError
 from clone.security import PEER_USER, fingerprint
-from clone.server.base import ServerBase, log, who
+from clone.server.base import ServerBase, log, peer_endpoint, who
 from clone.server.core import SyncState
 from clone.wire.calls import REPLY, Reply, acl_refusal, call_uuid, check_call, decode_call
 from clone.wire.codec import Hugz, decode_update, encode_hugz
@@ -100,13 +100,8 @@ def relay_stale(
     return not synced_once or upstream_stale or now - heard >= heartbeat * missed
 
 
-def _endpoint(host_port: str, offset: int) -> str:
-    host, _, port = host_port.rpartition(":")
-    return f"tcp://{host}:{int(port) + offset}"
-
-
 def _collector(host_port: str) -> str:
-    return _endpoint(host_port, COLLECTOR_OFFSET)
+    return peer_endpoint(host_port, COLLECTOR_OFFSET)
 
 
 # Handshake failures on the upstream SUB worth an operator's attention.  The
@@ -350,7 +345,7 @@ class RelayMixin(ServerBase):
         assert followed is not None
         dealer = self._socket(zmq.DEALER)
         dealer.setsockopt(zmq.SNDHWM, self.config.snapshot_hwm)
-        dealer.connect(_endpoint(followed, SNAPSHOT_OFFSET))
+        dealer.connect(peer_endpoint(followed, SNAPSHOT_OFFSET))
         self._call_dealer = self._stream(dealer, self._on_call_reply)
         self._call_upstream = followed
 
