@@ -2,9 +2,14 @@
 
 ``servers`` (real ``clone-server`` processes, tests/support/servers.py) and
 ``spark`` (the one local SparkSession of the run, tests/support/spark_session.py)
+and ``ctx`` (a zmq context of the test's own, tests/support/zmq_context.py)
 are registered here as plugins, so a test takes them as arguments without
 importing them.  Helpers that are not fixtures (``eventually``, the fake
 server, the raw CHP peer) are imported from :mod:`tests.support`.
 """
 
-pytest_plugins = ["tests.support.servers", "tests.support.spark_session"]
+pytest_plugins = [
+    "tests.support.servers",
+    "tests.support.spark_session",
+    "tests.support.zmq_context",
+]

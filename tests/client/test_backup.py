@@ -31,12 +31,6 @@ _SEQ = struct.Struct(">Q")
 Frames = tuple[bytes, bytes, bytes, bytes, bytes]
 
 
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[zmq.Socket[bytes]]]:
-    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
 
 def _endpoint(server: ServerProcess) -> str:
     return f"tcp://127.0.0.1:{server.port}"

@@ -9,7 +9,6 @@ the fixtures stop every process.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -33,12 +32,6 @@ from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
 
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def call(

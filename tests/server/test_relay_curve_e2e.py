@@ -14,7 +14,6 @@ every wait has a deadline.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +38,6 @@ HB = 0.1  # the servers' heartbeat (tests.support.servers)
 ALL: tuple[list[str], list[str]] = ([""], [""])
 READER: tuple[list[str], list[str]] = (["/public/"], [])
 
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    context: zmq.Context[Any] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,12 +34,6 @@ HB = 0.1  # the servers' heartbeat (tests.support.servers)
 ADMIN: tuple[list[str], list[str]] = ([""], [""])
 READER: tuple[list[str], list[str]] = (["/public/"], [])
 
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    context: zmq.Context[Any] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 @pytest.fixture

@@ -36,12 +36,6 @@ def servers(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Servers]
         yield pool
 
 
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
-
 
 @pytest.fixture
 def peers(ctx: zmq.Context) -> Iterator[list[ChpPeer]]:

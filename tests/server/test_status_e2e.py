@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -23,12 +22,6 @@ from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
 
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context]:
-    context = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def _endpoints(*servers: ServerProcess) -> list[str]:
