@@ -35,7 +35,7 @@ Client calls (CALL? on its snapshot port) are forwarded on a DEALER to the
 snapshot port of the upstream it synced from (a new one when it moves to
 another upstream); each REPLY goes back to the caller whose uuid it answers
 (:class:`~clone.server.inflight.InFlight`), without blocking.  A relay that
-has not synced answers ``not-active`` itself.
+has not synced, or is stale, answers ``not-active`` itself.
 
 Over CURVE (:mod:`.security`) the two sides are independent: its clients
 connect with the relay's own server key and are judged by its own clients
@@ -419,10 +419,10 @@ class RelayMixin(ServerBase):
                 self._send_reply(identity, Reply(uuid, "refused", reason="acl", detail=why))
                 return
         stream = self._call_dealer
-        unsynced = stream is None or stream.closed()
-        if stream is None or unsynced or self._relay_stale():
+        if stream is None or stream.closed() or self._relay_stale():
             # Stale but not yet moved on (up to a housekeeping turn): the
             # upstream is silent, a call sent there would only time out.
+            unsynced = stream is None or stream.closed()
             self.counters["calls_forward_not_synced"] += 1
             self._send_reply(
                 identity,
