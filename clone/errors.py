@@ -116,6 +116,12 @@ _REFUSAL_ADVICE = {
     "full": "the server's store is full (its --max-keys or --max-bytes limit); delete "
     "keys you no longer need, or ask the operator to raise the limit",
     "size": "the write to {key} is larger than the server accepts; write a smaller value",
+    # A relay's own refusals (docs/operations.md, "Relays"): nothing was forwarded.
+    "stale": "the relay has lost the pair it relays (it is stale): the write to {key} was "
+    "not forwarded and never will be; write again once the relay has the pair back, or "
+    "write to the pair",
+    "overloaded": "the relay's queue to the pair was full: the write to {key} was not "
+    "forwarded and never will be; write again, more slowly",
     # Refusals of calls (compare-and-set, leases: docs/protocol.md, "CALL? / REPLY").
     "reserved": "{key} is under /_clone/lease/, where the servers keep their leases; "
     "clients may read those keys but never write them: write elsewhere",
@@ -137,12 +143,14 @@ class WriteRefused(CloneError):
     """The server refused a confirmed write or a call and said so.
 
     ``reason`` is the server's (``acl``, ``full`` or ``size`` in a refusal
-    notice; a call's reply may also say ``reserved``, ``busy``, ``bad-lease``
-    and the like: docs/protocol.md; another from a newer server) and ``key``
-    the key written (for a lease grant that names the key it is for, that
-    key; for another lease operation, the lease's own key under
-    ``/_clone/lease/``).  Raised at once instead of a timeout: the write will
-    never be applied, resending is useless.
+    notice, and from a relay ``stale`` or ``overloaded``; a call's reply may
+    also say ``reserved``, ``busy``, ``bad-lease`` and the like:
+    docs/protocol.md; another from a newer server) and ``key`` the key written
+    (for a lease grant that names the key it is for, that key; for another
+    lease operation, the lease's own key under ``/_clone/lease/``).
+    Raised at once instead of a timeout: this write will never be applied.
+    Resending it as it is is useless, but for a relay's ``stale`` and
+    ``overloaded``, which say only that it could not be forwarded *now*.
     """
 
     def __init__(self, reason: str, key: str) -> None:

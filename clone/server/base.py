@@ -249,6 +249,7 @@ class ServerBase:
                 "upstream_switches",
                 "kvset_forwarded",
                 "kvset_forward_dropped",
+                "kvset_refused_stale",
                 "status_requests",
                 "status_dropped",
                 "call_replies_dropped",

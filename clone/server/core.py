@@ -551,9 +551,12 @@ class ServerCore:
 
         Our state up to our sequence, named by the digest of its last update
         (:mod:`clone.wire.delta`): the active sends only what follows, if its
-        history reaches back to it and holds the same update there.  None (a
-        full snapshot) when we hold nothing, or not the last update itself
-        (after a full snapshot, until the next update).
+        history reaches back to it and holds the same update there.  After a
+        full snapshot that no update followed, the history holds nothing, but
+        the store may: the key written at our sequence holds that update's
+        frames (a relay that synced and then saw its upstream fail over would
+        otherwise always resync in full).  None (a full snapshot) when we hold
+        nothing, or not the last update itself (it was a delete).
         """
         seq = self.store.sequence
         if self._plain_sync_next:
@@ -562,9 +565,10 @@ class ServerCore:
         if seq == 0:
             return None
         held = self.history.entry(seq)
-        if held is None:
+        last = held[0] if held is not None else self.store.last_update()
+        if last is None:
             return None
-        return SinceRequest(seq, update_digest(held[0]))
+        return SinceRequest(seq, update_digest(last))
 
     def on_peer_update(self, frames: Sequence[bytes], now: float) -> FollowOutcome:
         """A KVPUB or HUGZ from the active peer's publisher, received at ``now``."""

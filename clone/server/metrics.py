@@ -93,6 +93,9 @@ REFUSALS: Mapping[str, str] = {
     "full": "kvset_refused_full",
     "invalid": "kvset_invalid",
     "duplicate": "kvset_duplicate",
+    # A relay's: it had lost the pair, or its queue to the pair was full.
+    "stale": "kvset_refused_stale",
+    "overloaded": "kvset_forward_dropped",
 }
 
 #: ``clone_protocol_errors_total{socket}``: the stats counter behind each socket.

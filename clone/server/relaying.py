@@ -20,13 +20,22 @@ with two differences:
 Client writes (KVSETs on its collector) are forwarded as they are to every
 upstream collector, from one PUB, the way a client sends them: the pair
 deduplicates them by uuid, and the write's KVPUB comes back through the
-relay's stream, which is what confirms it to the writer.
+relay's stream, which is what confirms it to the writer.  A write the relay
+cannot forward is refused, never dropped in silence nor held: while the relay
+is stale (it has lost the pair) it forwards nothing and answers each KVSET
+with a refusal notice, reason ``stale``; a KVSET its full queue to the pair
+cannot take gets one with reason ``overloaded``.  The forwarding PUB queues
+only for collectors it is connected to (``ZMQ_IMMEDIATE``): libzmq would
+otherwise keep what it sent to a dead server and deliver it when that server
+returns, applying writes whose writers gave up long before.  A plain relay
+knows no names: it addresses its notices to ``*``, every subscriber gets
+them, and only the writer, who holds the uuid, acts on one.
 
 Client calls (CALL? on its snapshot port) are forwarded on a DEALER to the
 snapshot port of the upstream it synced from (a new one when it moves to
 another upstream); each REPLY goes back to the caller whose uuid it answers
 (:class:`~clone.server.inflight.InFlight`), without blocking.  A relay that
-has not synced answers ``not-active`` itself.
+has not synced, or is stale, answers ``not-active`` itself.
 
 Over CURVE (:mod:`.security`) the two sides are independent: its clients
 connect with the relay's own server key and are judged by its own clients
@@ -55,11 +64,14 @@ from clone.server.base import ServerBase, log, peer_endpoint, who
 from clone.server.core import SyncState
 from clone.wire.calls import REPLY, Reply, acl_refusal, call_uuid, check_call, decode_call
 from clone.wire.codec import Hugz, decode_update, encode_hugz
-from clone.wire.control import Refusal, ViewHeartbeat, decode_control
+from clone.wire.control import Refusal, ViewHeartbeat, decode_control, encode_refusal
 from clone.wire.frames import NOBLOCK, recv_frames, recv_frames_and_first, send_frames
 from clone.wire.protocol import COLLECTOR_OFFSET, HUGZ, REFUSAL_REASONS, SNAPSHOT_OFFSET
 
-__all__ = ["RelayMixin", "relay_stale", "upstream_lost"]
+__all__ = ["ANY_WRITER", "RelayMixin", "forward_refusal", "relay_stale", "upstream_lost"]
+
+#: The name a plain relay addresses its refusal notices to: it knows no names.
+ANY_WRITER = "*"
 
 
 def upstream_lost(
@@ -100,6 +112,20 @@ def relay_stale(
     return not synced_once or upstream_stale or now - heard >= heartbeat * missed
 
 
+def forward_refusal(*, stale: bool, queued: bool) -> str | None:
+    """Why a client's KVSET is refused instead of forwarded, or None (it was).
+
+    ``stale``: the relay has lost the pair, so nothing is sent at all (the
+    pair would apply it whenever it came back, after its writer gave up).
+    ``queued``: the forwarding PUB took it (False: its queue was full).
+    """
+    if stale:
+        return "stale"
+    if not queued:
+        return "overloaded"
+    return None
+
+
 def _collector(host_port: str) -> str:
     return peer_endpoint(host_port, COLLECTOR_OFFSET)
 
@@ -125,6 +151,10 @@ class RelayMixin(ServerBase):
         cfg = self.config
         pub = self._socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, cfg.collector_hwm)
+        # Queue only for a collector that is there, and say when a queue is
+        # full rather than drop: either way the writer is told (module doc).
+        pub.setsockopt(zmq.IMMEDIATE, 1)
+        pub.setsockopt(zmq.XPUB_NODROP, 1)
         for host_port in cfg.upstream:
             pub.connect(_collector(host_port))
         self._upstream_pub = pub
@@ -320,8 +350,12 @@ class RelayMixin(ServerBase):
                 msg.reason,
                 ": its ACL judges our key's write prefixes" if msg.reason == "acl" else "",
             )
-            if writer is not None and msg.reason in REFUSAL_REASONS:
-                self._refusal(writer, msg.uuid, msg.reason)
+            if msg.reason in REFUSAL_REASONS:
+                if writer is not None:
+                    self._refusal(writer, msg.uuid, msg.reason)
+                elif self._keypair is None and msg.uuid:
+                    # A plain relay knows no writers: on to all, as it came.
+                    self._publish(encode_refusal(ANY_WRITER, msg.uuid, msg.reason))
         elif isinstance(msg, ViewHeartbeat):
             self._throttle.log(
                 "upstream_view",
@@ -380,7 +414,10 @@ class RelayMixin(ServerBase):
                 self._send_reply(identity, Reply(uuid, "refused", reason="acl", detail=why))
                 return
         stream = self._call_dealer
-        if stream is None or stream.closed():
+        if stream is None or stream.closed() or self._relay_stale():
+            # Stale but not yet moved on (up to a housekeeping turn): the
+            # upstream is silent, a call sent there would only time out.
+            unsynced = stream is None or stream.closed()
             self.counters["calls_forward_not_synced"] += 1
             self._send_reply(
                 identity,
@@ -388,7 +425,9 @@ class RelayMixin(ServerBase):
                     uuid,
                     "refused",
                     reason="not-active",
-                    detail="relay has not synced with the pair",
+                    detail="relay has not synced with the pair"
+                    if unsynced
+                    else "relay has lost the pair",
                 ),
             )
             return
@@ -460,21 +499,51 @@ class RelayMixin(ServerBase):
     # -- client writes -----------------------------------------------------------
 
     def _on_relay_collector(self, frames: list[bytes]) -> None:
-        """KVSETs from our clients: forwarded as they are to the pair's collectors."""
+        """KVSETs from our clients: forwarded as they are to the pair's
+        collectors, or refused with a notice to everyone (we know no names)."""
         pub = self._upstream_pub
         sock = self._collector
         if pub is None or sock is None:
             return
+        stale = self._relay_stale()
         for _ in range(self.config.collector_batch):
-            try:
-                pub.send_multipart(frames, zmq.NOBLOCK)
-                self.counters["kvset_forwarded"] += 1
-            except zmq.Again:
-                self.counters["kvset_forward_dropped"] += 1
+            self._forward_kvset(pub, frames, stale, None)
             try:
                 frames = recv_frames(sock)
             except zmq.Again:
                 return
+
+    def _forward_kvset(
+        self, pub: zmq.Socket[Any], frames: list[bytes], stale: bool, writer: str | None
+    ) -> bool:
+        """One KVSET to the pair's collectors, or refused (counted, logged
+        rate-limited, its writer told); whether it was forwarded."""
+        queued = False
+        if not stale:
+            try:
+                pub.send_multipart(frames, zmq.NOBLOCK)
+                queued = True
+            except zmq.Again:
+                pass
+        why = forward_refusal(stale=stale, queued=queued)
+        if why is None:
+            self.counters["kvset_forwarded"] += 1
+            return True
+        self.counters["kvset_refused_stale" if stale else "kvset_forward_dropped"] += 1
+        self._throttle.log(
+            "kvset_" + why,
+            logging.WARNING,
+            "refused a write%s: %s",
+            f" by {writer}" if writer else "",
+            "we have lost the pair (stale)" if stale else "our queue to the pair is full",
+        )
+        uuid = frames[2] if len(frames) == 5 else b""
+        if len(uuid) == 16:
+            if self._keypair is not None:
+                self._refusal(writer, uuid, why)
+            else:
+                self._publish(encode_refusal(ANY_WRITER, uuid, why))
+        return False
 
     def _on_relay_collector_secure(self, parts: list[zmq.Frame]) -> None:
         """As :meth:`_on_relay_collector`, serving over CURVE: each KVSET is
@@ -488,16 +557,12 @@ class RelayMixin(ServerBase):
         first = parts[0]
         frames = [part.bytes for part in parts]
         now = self._clock()
+        stale = self._relay_stale()
         for _ in range(self.config.collector_batch):
             writer = self._relay_write_allowed(first, frames)
-            if writer is not None:
-                try:
-                    pub.send_multipart(frames, zmq.NOBLOCK)
-                    self.counters["kvset_forwarded"] += 1
-                    if len(frames) == 5 and len(frames[2]) == 16 and writer != PEER_USER:
-                        self._relay_writers.add(frames[2], writer, now)
-                except zmq.Again:
-                    self.counters["kvset_forward_dropped"] += 1
+            if writer is not None and self._forward_kvset(pub, frames, stale, writer):
+                if len(frames) == 5 and len(frames[2]) == 16 and writer != PEER_USER:
+                    self._relay_writers.add(frames[2], writer, now)
             try:
                 first, frames = recv_frames_and_first(sock)
             except zmq.Again:

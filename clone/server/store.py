@@ -115,6 +115,21 @@ class Store:
         a fuzzy snapshot needs."""
         return list(self._map)
 
+    def last_update(self) -> list[bytes] | None:
+        """The frames of the update at :attr:`sequence`, if a key still holds it.
+
+        An entry is stored as the KVPUB that wrote it, so the key whose entry
+        carries our sequence holds, byte for byte, the update numbered so;
+        None when that update was a delete (or the sequence moved without
+        one).  One pass over the map: for a resync request, which costs the
+        same order of work anyway, not for a hot path.
+        """
+        seq = self.sequence.to_bytes(8, "big")
+        for key, entry in self._map.items():
+            if entry[0] == seq:
+                return [key, *entry]
+        return None
+
     def entries_with_properties_or_prefix(self, prefix: bytes) -> list[tuple[bytes, Entry]]:
         """The entries with properties, or whose key starts with ``prefix``: a
         promotion's scan for leases and the keys bound to them (one pass in C

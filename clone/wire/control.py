@@ -78,7 +78,8 @@ class ViewHeartbeat:
 @dataclass(frozen=True, slots=True)
 class Refusal:
     """The write ``uuid`` of client ``name`` was not applied, for ``reason``
-    (``acl``, ``full`` or ``size``; a newer server may give others)."""
+    (``acl``, ``full``, ``size``, from a relay ``stale`` or ``overloaded``; a
+    newer server may give others)."""
 
     name: str
     uuid: bytes

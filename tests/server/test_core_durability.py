@@ -75,8 +75,42 @@ def test_a_full_sync_stages_then_replaces_and_the_history_restarts() -> None:
     assert [op.kind for op in ops] == [OpKind.BEGIN_REPLACE, OpKind.STAGE, OpKind.REPLACE]
     assert len(ops[1].staged) == 5 and ops[2].sequence == 5
     assert passive.counters["syncs_full"] == 1 and passive.last_sync == "full"
-    # Nothing followed yet: no update of its own to name, so no catch-up to ask for.
-    assert passive.history.last is None and passive.catch_up_request() is None
+    # Nothing followed yet: the history is empty, but the snapshot's key
+    # written at its sequence is that update, which a catch-up can name.
+    assert passive.history.last is None
+    since = passive.catch_up_request()
+    assert since == SinceRequest(5, update_digest(active.history.entry(5)[0]))  # type: ignore[index]
+
+
+def test_after_a_full_snapshot_a_follower_catches_up_with_nothing_to_replay() -> None:
+    """A relay that synced in full and saw no update before its upstream
+    failed over (docs/benchmarks.md): an empty catch-up, not a snapshot."""
+    active = ServerCore(standalone=True)
+    for i in range(5):
+        active.on_kvset(_kvset(f"k{i}", n=i + 1), 0.0)
+    relay = ServerCore(relay=True)
+    relay.start_sync()
+    for frames in _stream(active, None)[1]:
+        relay.on_snapshot_reply(frames, 0.0)
+    relay.start_sync()
+    kind, msgs = _stream(active, relay.catch_up_request())
+    assert kind is DeltaStream
+    assert [m[0] for m in msgs] == [b"KVAPPLIED", b"KVDELTA", b"KTHXBAI"]
+    for frames in msgs:
+        relay.on_snapshot_reply(frames, 0.0)
+    assert relay.counters["syncs_catchup"] == 1 and relay.last_sync == "catch-up"
+    assert relay.store.sequence == 5 and len(relay.store) == 5
+
+
+def test_after_a_full_snapshot_ending_in_a_delete_a_follower_asks_for_a_snapshot() -> None:
+    active = ServerCore(standalone=True)
+    active.on_kvset(_kvset("a", n=1), 0.0)
+    active.on_kvset(_kvset("b", n=2), 0.0)
+    active.on_kvset(_kvset("a", b"", n=3), 0.0)  # the last update deletes: no key holds it
+    passive = _follower(durable=False)
+    for frames in _stream(active, None)[1]:
+        passive.on_snapshot_reply(frames, 0.0)
+    assert passive.store.sequence == 3 and passive.catch_up_request() is None
 
 
 def test_an_in_memory_follower_stages_nothing() -> None:

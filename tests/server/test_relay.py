@@ -12,7 +12,7 @@ from clone.server.cli import build_parser, config_from_args
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import FollowOutcome, Role, ServerCore, SyncState
 from clone.server.inflight import InFlight
-from clone.server.relaying import RelayMixin, relay_stale, upstream_lost
+from clone.server.relaying import RelayMixin, forward_refusal, relay_stale, upstream_lost
 from clone.wire.calls import OP_LEASE_GRANT, OP_LEASE_KEEPALIVE, OP_SET, encode_call
 from clone.wire.codec import Hugz, KVMsg, decode_update, encode_hugz, encode_kv, new_uuid
 
@@ -63,6 +63,19 @@ def test_when_a_relay_is_stale(
         upstream_stale=upstream_stale,
     )
     assert got is stale
+
+
+@pytest.mark.parametrize(
+    ("stale", "queued", "why"),
+    [
+        (False, True, None),  # forwarded
+        (False, False, "overloaded"),  # the PUB's queue was full (XPUB_NODROP)
+        (True, False, "stale"),  # nothing is even offered to the PUB
+        (True, True, "stale"),
+    ],
+)
+def test_when_a_relay_refuses_a_write(stale: bool, queued: bool, why: str | None) -> None:
+    assert forward_refusal(stale=stale, queued=queued) == why
 
 
 def test_the_stale_property_round_trips() -> None:

@@ -434,3 +434,25 @@ def test_a_relays_metrics_count_its_forwarded_calls(
     assert m["clone_relay_calls_total{result=forwarded}"] == 1
     assert m["clone_relay_calls_total{result=not_synced}"] == 0
     assert m["clone_relay_upstream_handshake_failures_total"] == 0
+
+
+def test_a_stale_curve_relay_tells_the_writer_by_name(
+    servers: Servers, up: CurveKeys, down: CurveKeys
+) -> None:
+    """Over CURVE a stale relay's refusal notice goes to the writer's own
+    topic: the writer fails at once, another client never sees it."""
+    server = _secure_standalone(servers, up)
+    relay = _relay(servers, [server.port], up=up, down=down)
+    with _synced(relay, down) as admin, _synced(relay, down, "reader") as reader:
+        server.kill9()
+        # Silent for the missed heartbeats: given up, so stale from then on.
+        relay.wait_log("is silent", timeout=10)
+        started = time.monotonic()
+        with pytest.raises(WriteRefused) as refused:
+            admin.set("/via/stale", b"x", wait=True, timeout=5)
+        assert time.monotonic() - started < 1.0
+        assert refused.value.reason == "stale"
+        time.sleep(0.3)  # what the reader would get, it has had time to get
+        assert reader.status().counters["refusals"] == 0
+    stats = read_stats(relay)
+    assert stats["kvset_refused_stale"] == 1 and stats["kvset_forwarded"] == 0

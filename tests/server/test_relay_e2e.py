@@ -13,6 +13,7 @@ import time
 import zmq
 
 from clone import Clone
+from clone.client.status import query_status
 from clone.wire.codec import Hugz, decode_update
 from tests.support.ports import free_base_port
 from tests.support.servers import ServerProcess, Servers, read_stats
@@ -200,3 +201,32 @@ def test_a_relay_that_lost_the_pair_serves_its_last_state_and_says_stale(
         sub2.sock.close(linger=0)
     finally:
         ctx.term()
+
+
+def test_a_relay_catches_up_after_a_failover_even_with_no_update_since_its_snapshot(
+    servers: Servers,
+) -> None:
+    """docs/benchmarks.md saw a full resync here: the relay's state came from a
+    full snapshot that no update followed, so its history held no update to
+    name in X-CHP-Since.  The snapshot holds that update (the key written at
+    its sequence), so the relay asks for a catch-up, and the new active, whose
+    history holds the same update, sends an empty one."""
+    primary, backup = servers.pair("--in-memory")
+    _write(primary.port, {f"/c/{i}": f"v{i}".encode() for i in range(20)})
+    relay = _relay(servers, "relay", primary, backup)
+    before = _wait_same_snapshot(primary.port, relay.port)
+    sequence = _snapshot(relay.port)[1]
+    eventually(
+        lambda: query_status([f"tcp://127.0.0.1:{backup.port}"])[0]["sequence"] == sequence,
+        what="the backup at the relay's sequence",
+    )
+    offset = relay.log_size()
+    primary.kill9()
+    backup.wait_log("now ACTIVE", timeout=15)
+    relay.wait_log(f"synced from 127.0.0.1:{backup.port} (catch-up)", timeout=15, after=offset)
+    stats = read_stats(relay)
+    assert (stats["syncs_full"], stats["syncs_catchup"]) == (1, 1), stats
+    assert _snapshot(relay.port)[0] == before
+    # Live again: a write to the new active reaches the relay.
+    _write(backup.port, {"/c/after": b"x"})
+    assert len(_wait_same_snapshot(backup.port, relay.port)) == 21

@@ -174,3 +174,10 @@ def test_decode_control_is_total(frames: list[bytes]) -> None:
         return
     assert isinstance(msg, ViewHeartbeat | Refusal)
     assert control.is_control(frames)
+
+
+@pytest.mark.parametrize("reason", ["stale", "overloaded"])
+def test_a_relays_reasons_round_trip(reason: str) -> None:
+    frames = control.encode_refusal("*", UUID, reason)
+    assert frames[0] == b"\x00R*\x00"
+    assert control.decode_control(frames) == Refusal("*", UUID, reason)

@@ -1,0 +1,128 @@
+"""How a relay forwards one KVSET, on real zmq sockets but no server process:
+:meth:`RelayMixin._forward_kvset` with a PUB set up as the relay's upstream PUB
+(``ZMQ_IMMEDIATE``, ``XPUB_NODROP``) and a collector SUB on loopback.
+
+What a full queue does cannot be shown reliably with whole processes (the
+relay would go stale first); here the collector simply stops reading.  The
+harness holds what the method uses of a server: counters, a throttle and the
+publisher, recorded.  Every socket is closed with linger 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from clone.ratelimit import Throttle
+from clone.server.relaying import ANY_WRITER, RelayMixin
+from clone.wire.control import Refusal, decode_control
+from tests.support.ports import free_port
+
+UUID = bytes(range(16))
+
+
+class _Harness:
+    """The parts of a plain relay that forwarding touches."""
+
+    _keypair = None
+
+    def __init__(self) -> None:
+        self.counters: Counter[str] = Counter()
+        self._throttle = Throttle(logging.getLogger("test.relay"), time.monotonic)
+        self.published: list[list[bytes]] = []
+
+    def _publish(self, frames: list[bytes]) -> None:
+        self.published.append(frames)
+
+    def forward(self, pub: zmq.Socket[Any], frames: list[bytes], *, stale: bool) -> bool:
+        return RelayMixin._forward_kvset(self, pub, frames, stale, None)  # type: ignore[arg-type]
+
+    def refusals(self) -> list[Refusal]:
+        out = [decode_control(frames) for frames in self.published]
+        assert all(isinstance(r, Refusal) for r in out)
+        return out  # type: ignore[return-value]
+
+
+@pytest.fixture
+def link() -> Iterator[tuple[zmq.Socket[Any], zmq.Socket[Any]]]:
+    """An upstream PUB, as the relay sets it up, connected to a collector SUB."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, 1)
+    sub.setsockopt(zmq.RCVBUF, 4096)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.bind(f"tcp://127.0.0.1:{free_port()}")
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.setsockopt(zmq.SNDHWM, 1)
+    pub.setsockopt(zmq.SNDBUF, 4096)
+    pub.setsockopt(zmq.IMMEDIATE, 1)
+    pub.setsockopt(zmq.XPUB_NODROP, 1)
+    pub.connect(sub.getsockopt(zmq.LAST_ENDPOINT).decode())
+    # Connected and subscribed once a probe gets through (deadline 5 s).
+    deadline = time.monotonic() + 5
+    while not sub.poll(10):
+        assert time.monotonic() < deadline, "the PUB never reached the SUB"
+        pub.send(b"probe", zmq.NOBLOCK)
+    while sub.poll(50):
+        sub.recv_multipart()
+    try:
+        yield pub, sub
+    finally:
+        pub.close(linger=0)
+        sub.close(linger=0)
+        ctx.term()
+
+
+def _kvset(n: int, size: int = 0) -> list[bytes]:
+    return [b"/k", bytes(8), n.to_bytes(16, "big"), b"", b"v" * max(size, 1)]
+
+
+def test_a_fresh_relay_forwards_and_tells_nobody(
+    link: tuple[zmq.Socket[Any], zmq.Socket[Any]],
+) -> None:
+    pub, sub = link
+    relay = _Harness()
+    assert relay.forward(pub, _kvset(1), stale=False)
+    assert sub.poll(2000) and sub.recv_multipart() == _kvset(1)
+    assert relay.counters["kvset_forwarded"] == 1 and not relay.published
+
+
+def test_a_stale_relay_sends_nothing_and_refuses_to_everyone(
+    link: tuple[zmq.Socket[Any], zmq.Socket[Any]],
+) -> None:
+    pub, sub = link
+    relay = _Harness()
+    frames = [b"/k", bytes(8), UUID, b"", b"v"]
+    assert not relay.forward(pub, frames, stale=True)
+    assert not sub.poll(300)
+    assert relay.refusals() == [Refusal(ANY_WRITER, UUID, "stale")]
+    assert relay.counters["kvset_refused_stale"] == 1 and relay.counters["kvset_forwarded"] == 0
+    # A KVSET without a uuid names no write to refuse: counted, no notice.
+    assert not relay.forward(pub, [b"/k", bytes(8), b"", b"", b"v"], stale=True)
+    assert relay.counters["kvset_refused_stale"] == 2 and len(relay.published) == 1
+
+
+def test_a_full_queue_to_the_pair_refuses_overloaded(
+    link: tuple[zmq.Socket[Any], zmq.Socket[Any]],
+) -> None:
+    pub, _sub = link  # the collector reads no more
+    relay = _Harness()
+    sent = 0
+    for n in range(1, 10_001):
+        if not relay.forward(pub, _kvset(n, 64 * 1024), stale=False):
+            break
+        sent += 1
+    else:
+        pytest.fail("10,000 KVSETs of 64 KiB went into a queue nobody reads")
+    assert relay.counters["kvset_forwarded"] == sent
+    assert relay.counters["kvset_forward_dropped"] == 1
+    (refusal,) = relay.refusals()
+    assert (refusal.reason, refusal.uuid) == ("overloaded", (sent + 1).to_bytes(16, "big"))
