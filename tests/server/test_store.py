@@ -163,3 +163,24 @@ def test_stored_entries_are_not_tracked_by_the_garbage_collector() -> None:
     store.apply(msg, now=0.0, frames=encode_kv(msg))
     gc.collect()
     assert not gc.is_tracked(store.entry(b"k"))
+
+
+def test_last_update_is_the_entry_written_at_the_sequence() -> None:
+    """What a catch-up request names after a full snapshot (core.catch_up_request)."""
+    store = Store()
+    assert store.last_update() is None
+    a = store.apply(KVMsg("/a", 0, b"u" * 16, (), b"1"), 0.0)
+    assert store.last_update() == a
+    store.apply(KVMsg("/b", 0, b"v" * 16, (), b""), 0.0)  # a delete: not held
+    assert store.last_update() is None
+    b = store.apply(KVMsg("/b", 0, b"w" * 16, (), b"2"), 0.0)
+    assert store.last_update() == b
+    store.sequence += 5  # moved without an update (a promotion's jump)
+    assert store.last_update() is None
+    # A full snapshot: found in the pass replace() makes anyway.
+    entries = {b"/x": ((9).to_bytes(8, "big"), b"x" * 16, b"", b"X"),
+               b"/y": ((4).to_bytes(8, "big"), b"y" * 16, b"", b"Y")}
+    store.replace(dict(entries), 9)
+    assert store.last_update() == [b"/x", *entries[b"/x"]]
+    store.replace(dict(entries), 10)  # the last update was a delete
+    assert store.last_update() is None
