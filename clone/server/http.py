@@ -324,6 +324,10 @@ class HttpMixin(ServerBase):
         self._http_server = HTTPServer(make_app(self))
         # add_sockets registers with the current loop: run it on ours.
         loop.add_callback(self._start_http)
+        # The rate's baseline: the first tick then measures a real interval.
+        # Taken at the first tick instead, writes made before it were never
+        # counted (seen on a loaded machine, where that tick came late).
+        self._rate_last = (self._clock(), self.core.store.sequence)
         self._http_timer = loop.call_later(self._push_interval(), self._on_http_tick)
         log.info(
             "HTTP port %s:%d: /metrics /healthz /readyz and the status page", host or "*", port

@@ -175,6 +175,33 @@ def test_in_process_http_port(server: tuple[CloneServer, int]) -> None:
         ctx.destroy(linger=0)
 
 
+def test_writes_made_before_the_first_push_are_in_the_rate(
+    server: tuple[CloneServer, int],
+) -> None:
+    """The rate's baseline is taken when the HTTP port starts, not at the first
+    tick: writes made before that tick (a loaded machine) still count."""
+    srv, _ = server
+    ctx = zmq.Context()
+    try:
+        pub = ctx.socket(zmq.XPUB)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.connect(f"tcp://127.0.0.1:{srv.config.port + 2}")
+        assert pub.poll(5000)  # the collector subscribed
+        pub.recv()
+        for i in range(5):
+            uuid = (i + 1).to_bytes(16, "big")
+            pub.send_multipart([f"/r/{i}".encode(), bytes(8), uuid, b"", b"v"])
+        eventually(lambda: srv.core.store.sequence == 5, 5, "the writes applied")
+
+        def rates() -> list[float]:
+            return [r for _, r in srv.page_status()["rate_history"]]
+
+        eventually(lambda: len(rates()) >= 2, 5, "two rate samples")
+        assert any(r > 0 for r in rates()), rates()
+    finally:
+        ctx.destroy(linger=0)
+
+
 def test_http_port_in_use_stops_the_start() -> None:
     http = free_port()
     first = CloneServer(ServerConfig(port=free_base_port(), bind="127.0.0.1", http_port=http))
