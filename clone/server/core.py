@@ -308,7 +308,8 @@ class ServerCore:
         # winner's fork says which it lacks (clone.server.split).
         self._written_as_active: list[list[bytes]] = []
         self._peer_fork: int | None = None
-        #: SET calls to send the active peer after a split brain (take_split_writes).
+        #: SET calls to send the active peer after a split brain (clone.server.healing
+        #: takes them).
         self.split_calls: list[list[bytes]] = []
         #: Writes of ours after a split brain that no fork let us sort (logged once).
         self.split_unverified = 0
