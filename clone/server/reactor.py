@@ -463,7 +463,7 @@ class CloneServer(
     def _install_publisher(self, pub: zmq.Socket) -> None:
         self._pub = pub
         self._watch_subscribers(pub)
-        if pub.socket_type == zmq.XPUB:
+        if pub.type == zmq.XPUB:
             self._pub_stream = self._stream(pub, self._on_subscription, copy=False)
 
     # -- the collector: client updates ---------------------------------------
