@@ -173,6 +173,8 @@ class ServingMixin(ServerBase):
             # (A relay serves its copy at any time: it has no vote to win.)
             self._on_became_active()
         if len(self._snapshots) >= self.config.max_snapshots:
+            self._evict_unroutable()
+        if len(self._snapshots) >= self.config.max_snapshots:
             self.counters["snapshots_refused"] += 1
             self._throttle.log(
                 "snapshots_full",
@@ -354,6 +356,18 @@ class ServingMixin(ServerBase):
             return
         self.counters["snapshot_unroutable_retries"] += 1
         self._stall(stream, sent_before)
+
+    def _evict_unroutable(self) -> None:
+        """A request needs a slot: streams whose requester is unroutable now
+        give theirs up at once, as gone, instead of after the grace.
+
+        The grace protects a live reader libzmq briefly calls unroutable; a
+        client that asks again on a fresh socket leaves its old stream
+        unroutable for good, and holding its slot for the grace turned away
+        other requests (the relay resync bench: a third more retries).
+        """
+        for stream in list(self._unreachable):
+            self._abort_snapshot(stream, "requester went away", gone=True)
 
     def _note_progress(self, stream: AnyStream, sent_before: int) -> None:
         if stream.sent != sent_before and stream in self._snapshots:

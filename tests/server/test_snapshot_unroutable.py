@@ -27,9 +27,12 @@ KEYS = 50
 
 
 @pytest.fixture
-def loaded() -> Iterator[tuple[CloneServer, ChpPeer]]:
-    """An in-memory standalone server holding KEYS keys, and a peer of it."""
-    srv = CloneServer(ServerConfig(port=free_base_port(), bind="127.0.0.1"))
+def loaded(request: pytest.FixtureRequest) -> Iterator[tuple[CloneServer, ChpPeer]]:
+    """An in-memory standalone server holding KEYS keys, and a peer of it
+    (``max_snapshots`` as the indirect parameter, else the default)."""
+    slots = getattr(request, "param", None)
+    extra = {"max_snapshots": slots} if slots else {}
+    srv = CloneServer(ServerConfig(port=free_base_port(), bind="127.0.0.1", **extra))
     srv.start()
     ctx = zmq.Context()
     peer = ChpPeer(ctx)
@@ -90,3 +93,36 @@ def test_a_requester_that_stays_unroutable_is_aborted_as_gone(
     assert len(failed) == srv.counters["snapshot_unroutable_retries"] + 1
     assert srv.counters["snapshots_served"] == 0
     assert not peer.dealer.poll(100)
+
+
+@pytest.mark.parametrize("loaded", [1], indirect=True, ids=["one-slot"])
+def test_a_request_needing_a_slot_evicts_an_unroutable_stream(
+    loaded: tuple[CloneServer, ChpPeer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that asks again on a fresh socket leaves its old stream
+    unroutable for good: that stream gives up its slot to a new request at
+    once instead of holding it for the grace (made long here)."""
+    srv, peer = loaded
+    monkeypatch.setattr(serving, "_UNREACHABLE_GRACE", 60.0)
+    real = serving.send_frames
+    gone: list[bytes] = []
+
+    def send(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None:
+        if not gone:
+            gone.append(bytes(frames[0]))  # the first requester's identity
+        if bytes(frames[0]) == gone[0]:
+            raise zmq.ZMQError(zmq.EHOSTUNREACH)
+        real(sock, frames, flags)
+
+    monkeypatch.setattr(serving, "send_frames", send)
+    assert peer.dealer is not None
+    peer.dealer.send_multipart([b"ICANHAZ?", b""])  # its stream: unroutable
+    eventually(
+        lambda: srv.counters["snapshot_unroutable_retries"] > 0, 5, "the first stream stuck"
+    )
+    peer.use_snapshot_server(srv.config.port)  # asks again on a fresh socket
+    snap = peer.snapshot(timeout=10)
+    assert len(snap.entries) == KEYS
+    assert srv.counters["snapshots_aborted"] == 1
+    assert srv.counters["snapshots_refused"] == 0
+    assert srv.counters["snapshots_served"] == 1
