@@ -251,7 +251,7 @@ class ServingMixin(ServerBase):
                     while in_flight and in_flight[0].done:
                         in_flight.popleft()
                     if len(in_flight) >= _BATCHES_IN_FLIGHT:
-                        self._stall(stream, sent_before)
+                        self._stall(stream, sent_before, sent=n > 0)
                         return
                 frames = stream.peek()
                 if frames is None:
@@ -265,7 +265,7 @@ class ServingMixin(ServerBase):
                         in_flight.append(send_tracked(sock, frames, NOBLOCK))
                 except zmq.Again:
                     # The requester's pipe is full: wait for it, drop nothing.
-                    self._stall(stream, sent_before)
+                    self._stall(stream, sent_before, sent=True)
                     return
                 except zmq.ZMQError as exc:
                     if exc.errno == zmq.EHOSTUNREACH:
@@ -339,12 +339,21 @@ class ServingMixin(ServerBase):
         finally:
             self._taking_backlog = False
 
-    def _stall(self, stream: AnyStream, sent_before: int) -> None:
-        """The requester is not keeping up: try again shortly, drop nothing."""
+    def _stall(self, stream: AnyStream, sent_before: int, *, sent: bool) -> None:
+        """The requester is not keeping up: try again shortly, drop nothing.
+
+        ``sent``: this turn called send on the ROUTER (even one that found the
+        pipe full or the requester unroutable).  Any send may consume the edge
+        announcing a new request, so look at the backlog then, as a completed
+        turn does, or that request waits until something else stirs the
+        socket (seen: 10 s, with a stream retrying for its unroutable grace).
+        """
         assert self._loop is not None
         self.counters["snapshot_stalls"] += 1
         self._note_progress(stream, sent_before)
         self._loop.call_later(_STALL_RETRY, self._pump, stream)
+        if sent:
+            self._take_router_backlog()
 
     def _unroutable(self, stream: AnyStream, sent_before: int) -> None:
         """EHOSTUNREACH: the requester went away, or its pipe is only slow to
@@ -353,9 +362,10 @@ class ServingMixin(ServerBase):
         since = self._unreachable.setdefault(stream, now)
         if now - since >= _UNREACHABLE_GRACE:
             self._abort_snapshot(stream, "requester went away", gone=True)
+            self._take_router_backlog()  # our failed send may have hidden a request
             return
         self.counters["snapshot_unroutable_retries"] += 1
-        self._stall(stream, sent_before)
+        self._stall(stream, sent_before, sent=True)
 
     def _evict_unroutable(self) -> None:
         """A request needs a slot: streams whose requester is unroutable now

@@ -126,3 +126,40 @@ def test_a_request_needing_a_slot_evicts_an_unroutable_stream(
     assert srv.counters["snapshots_aborted"] == 1
     assert srv.counters["snapshots_refused"] == 0
     assert srv.counters["snapshots_served"] == 1
+
+
+def test_a_request_is_seen_while_a_stream_is_unroutable(
+    loaded: tuple[CloneServer, ChpPeer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each retry of an unroutable stream is a real send on the ROUTER, and a
+    send can consume the edge of its file descriptor that announces a new
+    request: the retries must look at the socket's backlog themselves, or a
+    request waits until something else stirs it (seen: 10 s in CI)."""
+    srv, peer = loaded
+    monkeypatch.setattr(serving, "_UNREACHABLE_GRACE", 60.0)
+    real = serving.send_frames
+    first: list[bytes] = []
+
+    def send(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None:
+        if not first:
+            first.append(bytes(frames[0]))
+        if bytes(frames[0]) == first[0]:
+            # A real EHOSTUNREACH from libzmq: an identity nobody has.
+            real(sock, [b"\x00nobody", *frames[1:]], flags)
+        else:
+            real(sock, frames, flags)
+
+    monkeypatch.setattr(serving, "send_frames", send)
+    assert peer.dealer is not None
+    peer.dealer.send_multipart([b"ICANHAZ?", b""])  # its stream stays unroutable
+    eventually(
+        lambda: srv.counters["snapshot_unroutable_retries"] > 10, 5, "the stream retrying"
+    )
+    other = ChpPeer(peer.ctx)
+    try:
+        other.connect(srv.config.port)
+        snap = other.snapshot(timeout=3)
+        assert len(snap.entries) == KEYS
+    finally:
+        other.close()
+    assert srv.counters["snapshots_served"] == 1
