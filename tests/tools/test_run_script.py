@@ -157,6 +157,9 @@ def test_run_serves_on_the_ports_it_names_and_stops_on_sigterm(
     assert f"--servers {primary},{backup}" in text
     for port in (p, p + 1, p + 2, p + 3, p + 10, p + 11, p + 12, p + 13):
         assert wait_listening(port, time.monotonic() + 5), f"nothing on {port}\n{text}"
+    # The backup follows once it hears the primary's state: on an idle machine
+    # the client is done before that (0.2 s after the start), so wait for it.
+    run.wait_log_count("now PASSIVE", 1)
     assert run.stop() == 0
     text = run.text()
     assert text.count("server stopped") == 2, text
