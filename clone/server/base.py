@@ -242,6 +242,7 @@ class ServerBase:
                 "kvset_refused_acl",
                 "subscriptions",
                 "subscriptions_refused",
+                "subscriptions_at_heartbeat",
                 "security_reloads",
                 "security_reload_errors",
                 "publisher_rebinds",

@@ -358,6 +358,7 @@ class CloneServer(
                 if self._view_counts:
                     for frames in self._view_heartbeats():
                         self._publish(frames)
+            self._take_subscriptions()
         except Exception:
             self.counters["internal_errors"] += 1
             log.exception("internal error in heartbeat")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -481,3 +482,34 @@ def test_max_snapshots_leaves_a_third_request_unanswered_while_two_are_in_flight
     third.close(linger=0)
     again = request(slow=False)  # a client asks again on a fresh DEALER
     assert answered(again, 10.0), "no snapshot once the slow requesters were gone"
+
+
+def test_clients_that_subscribe_while_the_server_publishes_hear_the_stream(
+    servers: Servers, keys: CurveKeys
+) -> None:
+    """Under CURVE a client hears nothing until the server handles its
+    subscription message on the XPUB; the server's own sends on that socket
+    can hide the message from the event loop.  Ten clients join one after
+    another while a writer keeps the server publishing: each confirms a
+    delete, which only the update stream can confirm (seen in CI: a client
+    resynced 24 times and never heard a HUGZ)."""
+    server = _secure_standalone(servers, keys)
+    stop = threading.Event()
+    with _synced([server], keys) as writer:
+
+        def churn() -> None:
+            while not stop.wait(0.002):
+                writer.set("/churn", b"x")
+
+        thread = threading.Thread(target=churn, daemon=True)
+        thread.start()
+        try:
+            for i in range(10):
+                with _synced([server], keys) as client:
+                    client.set(f"/join/{i}", b"1", wait=True, timeout=5)
+                    client.delete(f"/join/{i}", wait=True, timeout=5)
+        finally:
+            stop.set()
+            thread.join(5)
+    stats = read_stats(server)
+    assert stats["subscriptions"] >= 11 and stats["subscriptions_refused"] == 0
