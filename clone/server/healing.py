@@ -23,7 +23,6 @@ from clone.errors import ProtocolError
 from clone.server.base import ServerBase, log, peer_endpoint
 from clone.server.core import Role
 from clone.wire.calls import Reply, decode_call, decode_reply
-from clone.wire.frames import NOBLOCK, send_frames
 from clone.wire.protocol import SNAPSHOT_OFFSET
 
 __all__ = ["HealingMixin"]
@@ -69,13 +68,14 @@ class HealingMixin(ServerBase):
             dealer = self._socket(zmq.DEALER)
             dealer.connect(peer_endpoint(followed, SNAPSHOT_OFFSET))
             self._split_dealer = self._stream(dealer, self._on_split_reply)
-        sock = self._split_dealer.socket
+        # Through the stream, not the raw socket: the stream looks at the
+        # socket's events after it sends, so a REPLY that arrives during a
+        # send is still read (a raw send can consume the edge announcing it,
+        # and an unread message stops libzmq signalling the ones after it).
+        stream = self._split_dealer
         self._split_sent = self._clock()
         for frames in list(self._split_pending.values()):
-            try:
-                send_frames(sock, frames, NOBLOCK)
-            except zmq.Again:
-                return  # the pipe is full: the next resend goes on
+            stream.send_multipart(frames)
 
     def _check_split_writes(self) -> None:
         """Housekeeping: resend what is unanswered, or give it up."""
