@@ -56,6 +56,7 @@ import logging
 from typing import Any
 
 import zmq
+from zmq.eventloop.zmqstream import ZMQStream
 from zmq.utils.monitor import parse_monitor_message
 
 from clone.errors import ProtocolError
@@ -132,6 +133,8 @@ def _collector(host_port: str) -> str:
 
 # Handshake failures on the upstream SUB worth an operator's attention.  The
 # value of an AUTH failure is the ZAP status code (400: key not admitted).
+# REPLYs taken after one forwarded call at most (see _take_call_replies).
+_REPLIES_PER_SEND = 100
 _HANDSHAKE_FAILED: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused our key",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "failed the handshake",
@@ -435,6 +438,7 @@ class RelayMixin(ServerBase):
             send_frames(stream.socket, frames, NOBLOCK)
         except zmq.Again:
             self.counters["calls_forward_dropped"] += 1
+            self._take_call_replies(stream)
             return
         self.counters["calls_forwarded"] += 1
         if self._relay_calls.add(uuid, identity, self._clock()):
@@ -444,6 +448,8 @@ class RelayMixin(ServerBase):
                 "%d calls in flight upstream: forgot the oldest (its caller retries)",
                 self._relay_calls.limit,
             )
+        # Only now that its caller is known: a reply read here is routed.
+        self._take_call_replies(stream)
 
     def _call_refusal(self, frames: list[bytes], user: str | None) -> str | None:
         """Why our ACL refuses this call to ``user``, or None to forward it.
@@ -466,6 +472,23 @@ class RelayMixin(ServerBase):
         if check_call(call) is not None:
             return None
         return acl_refusal(call, rights.can_write, bool(rights.write))
+
+    def _take_call_replies(self, stream: ZMQStream) -> None:
+        """REPLYs our send on the call DEALER may have hidden from its stream.
+
+        A send can consume the edge of the socket's file descriptor that
+        announces an incoming message, and while that message sits unread
+        libzmq signals no other: every later reply would wait with it (as
+        the snapshot port's requests did, clone.server.serving)."""
+        sock = stream.socket
+        for _ in range(_REPLIES_PER_SEND):
+            if sock is None or sock.closed or not sock.poll(0, zmq.POLLIN):
+                return
+            try:
+                frames = recv_frames(sock)
+            except zmq.Again:
+                return
+            self._on_call_reply(frames)
 
     def _on_call_reply(self, frames: list[bytes]) -> None:
         """A REPLY from the upstream: to the caller of its uuid, at once or never."""
