@@ -92,6 +92,9 @@ class CallingMixin(ServerBase):
             return  # fail-stop: nothing unwritten is confirmed
         for identity, reply in replies:
             self._send_reply(identity, reply)
+        # Sent from a callback of ours, not the ROUTER stream's: look at the
+        # requests our sends may have hidden from it (clone.server.serving).
+        self._take_router_backlog()
 
     def _send_reply(self, identity: bytes, reply: Reply) -> None:
         sock = self._router

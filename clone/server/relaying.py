@@ -517,6 +517,10 @@ class RelayMixin(ServerBase):
                 raise
             self.counters["call_replies_dropped"] += 1  # the caller went away
             return
+        finally:
+            # Sent from the DEALER's callback, not the ROUTER stream's: look
+            # at the requests our send may have hidden from it.
+            self._take_router_backlog()
         self.counters["call_replies_forwarded"] += 1
 
     # -- client writes -----------------------------------------------------------
