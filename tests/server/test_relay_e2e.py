@@ -15,27 +15,10 @@ import zmq
 from clone import Clone
 from clone.client.status import query_status
 from clone.wire.codec import Hugz, decode_update
-from tests.support.ports import free_base_port
-from tests.support.servers import ServerProcess, Servers, read_stats
+from tests.support.servers import Servers, read_stats
 from tests.support.waiting import eventually
 
 Entry = tuple[bytes, bytes, bytes, bytes, bytes]
-
-
-def _relay(servers: Servers, name: str, *upstream: ServerProcess) -> ServerProcess:
-    port = free_base_port()
-    args = [
-        "--relay",
-        "--port", str(port),
-        "--upstream", ",".join(f"127.0.0.1:{s.port}" for s in upstream),
-        "--bind", "127.0.0.1",
-        "--heartbeat", str(servers.heartbeat_ms),
-        "--verbose",
-    ]  # fmt: skip
-    relay = servers.spawn(name, args, port, None)
-    relay.wait_log("synced from")
-    relay.wait_serving()
-    return relay
 
 
 def _snapshot(port: int, timeout: float = 5.0) -> tuple[list[Entry], int]:
@@ -114,7 +97,7 @@ def _wait_same_snapshot(a: int, b: int, timeout: float = 10.0) -> list[Entry]:
 def test_relay_serves_the_pairs_snapshot_and_sequences(servers: Servers) -> None:
     primary, backup = servers.pair("--in-memory")
     _write(primary.port, {f"/r/{i}": f"v{i}".encode() for i in range(20)})
-    relay = _relay(servers, "relay", primary, backup)
+    relay = servers.relay(primary, backup, name="relay")
     entries = _wait_same_snapshot(primary.port, relay.port)
     assert len(entries) == 20
     ctx = zmq.Context()
@@ -136,7 +119,7 @@ def test_relay_serves_the_pairs_snapshot_and_sequences(servers: Servers) -> None
 
 def test_a_write_through_a_relay_is_confirmed(servers: Servers) -> None:
     primary, backup = servers.pair("--in-memory")
-    relay = _relay(servers, "relay", primary, backup)
+    relay = servers.relay(primary, backup, name="relay")
     with Clone([f"tcp://127.0.0.1:{relay.port}"], heartbeat=0.1) as client:
         client.wait_synced(10)
         client.set("/via/relay", b"yes", wait=True, timeout=10)
@@ -149,7 +132,7 @@ def test_a_write_through_a_relay_is_confirmed(servers: Servers) -> None:
 def test_a_relay_follows_a_failover(servers: Servers) -> None:
     primary, backup = servers.pair("--in-memory")
     _write(primary.port, {"/before": b"1"})
-    relay = _relay(servers, "relay", primary, backup)
+    relay = servers.relay(primary, backup, name="relay")
     offset = relay.log_size()
     primary.kill9()
     # The relay's own request to the backup is a client's vote: it takes over.
@@ -164,8 +147,8 @@ def test_a_relay_follows_a_failover(servers: Servers) -> None:
 def test_relays_chain(servers: Servers) -> None:
     primary, backup = servers.pair("--in-memory")
     _write(primary.port, {"/chain/a": b"1"})
-    first = _relay(servers, "relay1", primary, backup)
-    second = _relay(servers, "relay2", first)
+    first = servers.relay(primary, backup, name="relay1")
+    second = servers.relay(first, name="relay2")
     _wait_same_snapshot(primary.port, second.port)
     with Clone([f"tcp://127.0.0.1:{second.port}"], heartbeat=0.1) as client:
         client.wait_synced(10)
@@ -179,8 +162,8 @@ def test_a_relay_that_lost_the_pair_serves_its_last_state_and_says_stale(
 ) -> None:
     primary, backup = servers.pair("--in-memory")
     _write(primary.port, {"/kept": b"1"})
-    relay = _relay(servers, "relay", primary, backup)
-    second = _relay(servers, "relay2", relay)
+    relay = servers.relay(primary, backup, name="relay")
+    second = servers.relay(relay, name="relay2")
     before = _wait_same_snapshot(primary.port, relay.port)
     primary.kill9()
     backup.kill9()
@@ -213,7 +196,7 @@ def test_a_relay_catches_up_after_a_failover_even_with_no_update_since_its_snaps
     history holds the same update, sends an empty one."""
     primary, backup = servers.pair("--in-memory")
     _write(primary.port, {f"/c/{i}": f"v{i}".encode() for i in range(20)})
-    relay = _relay(servers, "relay", primary, backup)
+    relay = servers.relay(primary, backup, name="relay")
     before = _wait_same_snapshot(primary.port, relay.port)
     sequence = _snapshot(relay.port)[1]
     eventually(

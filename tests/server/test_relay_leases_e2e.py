@@ -17,29 +17,12 @@ import pytest
 from clone import Clone
 from tests.client.test_coordination_e2e import Worker
 from tests.support.clients import endpoint, synced_client
-from tests.support.ports import free_base_port
-from tests.support.servers import ServerProcess, Servers, read_stats
+from tests.support.servers import Servers, read_stats
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
 
 HEARTBEAT = 0.1  # the servers' (tests.support.servers)
-
-
-def _relay(servers: Servers, *upstream: ServerProcess) -> ServerProcess:
-    port = free_base_port()
-    args = [
-        "--relay",
-        "--port", str(port),
-        "--upstream", ",".join(f"127.0.0.1:{s.port}" for s in upstream),
-        "--bind", "127.0.0.1",
-        "--heartbeat", str(servers.heartbeat_ms),
-        "--verbose",
-    ]  # fmt: skip
-    relay = servers.spawn("relay", args, port, None)
-    relay.wait_log("synced from")
-    relay.wait_serving()
-    return relay
 
 
 @pytest.fixture
@@ -58,7 +41,7 @@ def test_a_lease_through_a_relay_outlives_its_ttl_and_a_failover_until_revoked(
     servers: Servers,
 ) -> None:
     primary, backup = servers.pair("--in-memory")
-    relay = _relay(servers, primary, backup)
+    relay = servers.relay(primary, backup)
     ttl = 1.0
     with (
         synced_client(relay) as client,
@@ -99,7 +82,7 @@ def test_a_killed_lease_holder_behind_a_relay_loses_its_key_within_ttl_and_a_hea
     servers: Servers, workers: list[Worker]
 ) -> None:
     primary, backup = servers.pair("--in-memory")
-    relay = _relay(servers, primary, backup)
+    relay = servers.relay(primary, backup)
     ttl = 1.0
     with synced_client(relay) as on_relay, synced_client(primary, backup) as on_pair:
         worker = Worker("lease", endpoint(relay), "/nodes/w1", str(ttl))

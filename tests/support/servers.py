@@ -247,6 +247,22 @@ class Servers:
             server.wait_serving()
         return server
 
+    def relay(self, *upstream: ServerProcess, name: str = "relay") -> ServerProcess:
+        """A plain relay (``--relay``) of ``upstream``, synced and serving."""
+        port = free_base_port()
+        args = [
+            "--relay",
+            "--port", str(port),
+            "--upstream", ",".join(f"127.0.0.1:{s.port}" for s in upstream),
+            "--bind", "127.0.0.1",
+            "--heartbeat", str(self.heartbeat_ms),
+            "--verbose",
+        ]  # fmt: skip
+        relay = self.spawn(name, args, port, None)
+        relay.wait_log("synced from")
+        relay.wait_serving()
+        return relay
+
     def pair(self, *extra: str, wait: bool = True) -> tuple[ServerProcess, ServerProcess]:
         """A primary and a backup on free ports, each pointed at the other."""
         p_port, b_port = free_base_port(), free_base_port()
