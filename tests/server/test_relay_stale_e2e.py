@@ -20,7 +20,6 @@ import zmq
 from clone.errors import NotActive, WriteRefused
 from clone.wire.calls import OP_SET, Reply, decode_reply, encode_call
 from clone.wire.codec import Hugz, decode_update, new_uuid
-from tests.server.test_relay_leases_e2e import _relay
 from tests.support.clients import synced_client
 from tests.support.servers import ServerProcess, Servers, read_stats
 from tests.support.waiting import eventually
@@ -73,7 +72,7 @@ def test_a_stale_relay_refuses_writes_at_once_and_never_applies_them_later(
     servers: Servers, ctx: zmq.Context[Any]
 ) -> None:
     primary, backup = servers.pair()  # durable: the pair comes back with its state
-    relay = _relay(servers, primary, backup)
+    relay = servers.relay(primary, backup)
     with synced_client(relay) as client:
         client.set("/kept", "1", wait=True, timeout=10)
         primary.terminate()
@@ -128,7 +127,7 @@ def test_a_plain_relays_refusal_reaches_only_the_writer(
     """Every subscriber of a plain relay gets its ``*`` notices; a client
     whose own confirmed write is not named goes on waiting for it."""
     primary, backup = servers.pair("--in-memory")
-    relay = _relay(servers, primary, backup)
+    relay = servers.relay(primary, backup)
     with synced_client(relay) as writer, synced_client(relay) as other:
         primary.kill9()
         backup.kill9()
