@@ -249,6 +249,7 @@ def test_a_new_server_serves_a_format1_data_directory(tmp_path: Path, servers: S
     data = _format1_dir(tmp_path)
     server = servers.standalone("--data-dir", str(data))
     server.wait_log(f"{DATA_FILE}.v1")
+    server.wait_log(f"release {RELEASE}, data format {FORMAT_VERSION}")  # the start-up line
     client = Clone(servers=[f"tcp://127.0.0.1:{server.port}"])
     try:
         client.wait_synced(timeout=30)
