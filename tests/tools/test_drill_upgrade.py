@@ -217,3 +217,60 @@ def test_an_old_data_directory_served_by_a_new_server_with_an_old_peer(
     statuses = query_status(_endpoints(primary, backup), 5.0)
     assert statuses[0]["sequence"] == statuses[1]["sequence"]
     assert [s["role"] for s in statuses] == ["passive", "active"]
+
+
+def _old_standalone(release: ReleaseEnv, servers: Servers, name: str,
+                    *extra: str) -> ServerProcess:
+    port = free_base_port()
+    server = _OldServer(release, name,
+                        ["--standalone", "--port", str(port), "--bind", "127.0.0.1",
+                         "--verbose", *extra], port, 0, servers.log_dir)
+    servers.started.append(server)
+    server.start()
+    return server
+
+
+def _exits_refusing(server: ServerProcess) -> str:
+    code = server.process.wait(30)
+    assert code is not None and code != 0, f"{server.name} did not refuse: exit {code}"
+    return server.log_text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_old_release_refuses_what_it_cannot_read_and_the_kept_copy_rolls_back(
+    tmp_path: Path, servers: Servers, release: ReleaseEnv
+) -> None:
+    from clone.storage import Storage, write_state_file
+
+    data = tmp_path / "data"
+    shutil.copytree(FIXTURE / "data", data)
+    Storage.open(data).close()  # migrated by this release
+    migrated = (data / DATA_FILE).read_bytes()
+
+    # Rolled back without the copy: 0.1.0 refuses the format-2 file, naming it, and
+    # leaves it as it was.
+    log = _exits_refusing(_old_standalone(release, servers, "old-on-new", "--data-dir", str(data)))
+    assert f"format version {FORMAT_VERSION}, this Clone reads version 1" in log, log[-2000:]
+    assert (data / DATA_FILE).read_bytes() == migrated
+
+    # A backup written by this release cannot be restored by 0.1.0 either.
+    backup = tmp_path / "new-backup.db"
+    write_state_file(backup, {}, sequence=0, term=0)
+    log = _exits_refusing(_old_standalone(release, servers, "old-restore", "--restore",
+                                          str(backup), "--data-dir", str(tmp_path / "empty")))
+    assert f"format version {FORMAT_VERSION}" in log, log[-2000:]
+    assert not (tmp_path / "empty" / DATA_FILE).exists()
+
+    # The rollback the docs give: the kept copy back in place, the migrated file aside.
+    (data / DATA_FILE).rename(data / f"{DATA_FILE}.v2")
+    (data / f"{DATA_FILE}.v1").rename(data / DATA_FILE)
+    old = _old_standalone(release, servers, "rolled-back", "--data-dir", str(data))
+    old.wait_serving(timeout=20)
+    client = Clone(servers=[f"tcp://127.0.0.1:{old.port}"])
+    try:
+        client.wait_synced(timeout=30)
+        assert client.status().sequence == 53
+        assert client.get("/locks/leader") == b"node-a"
+    finally:
+        client.close()
