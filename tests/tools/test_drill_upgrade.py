@@ -262,10 +262,10 @@ def test_the_old_release_refuses_what_it_cannot_read_and_the_kept_copy_rolls_bac
     assert f"format version {FORMAT_VERSION}" in log, log[-2000:]
     assert not (tmp_path / "empty" / DATA_FILE).exists()
 
-    # The rollback the docs give: the kept copy back in place, the migrated file aside.
-    (data / DATA_FILE).rename(data / f"{DATA_FILE}.v2")
-    (data / f"{DATA_FILE}.v1").rename(data / DATA_FILE)
-    old = _old_standalone(release, servers, "rolled-back", "--data-dir", str(data))
+    # The rollback the docs give: 0.1.0 restores the kept copy (the migrated file
+    # is set aside as replaced-*.db, its WAL with it).
+    old = _old_standalone(release, servers, "rolled-back", "--data-dir", str(data),
+                          "--restore", str(data / f"{DATA_FILE}.v1"))
     old.wait_serving(timeout=20)
     client = Clone(servers=[f"tcp://127.0.0.1:{old.port}"])
     try:
@@ -274,3 +274,5 @@ def test_the_old_release_refuses_what_it_cannot_read_and_the_kept_copy_rolls_bac
         assert client.get("/locks/leader") == b"node-a"
     finally:
         client.close()
+    aside = list(data.glob("replaced-*.db"))
+    assert len(aside) == 1 and aside[0].read_bytes() == migrated
