@@ -90,6 +90,21 @@ def test_a_finished_build_is_reused_by_commit(tmp_path: Path) -> None:
     assert "cached" in said[0]
 
 
+def test_the_drill_command_refuses_a_bad_upgrade_before_any_server_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from clone.tools.drill.cli import main
+
+    assert main(["--scenario", "kill-active", "--upgrade-from", OLD_REF,
+                 "--out", str(tmp_path / "a")]) == 2
+    assert "rolling-restart only" in capsys.readouterr().err
+    assert main(["--scenario", "rolling-restart", "--upgrade-from", "no-such-ref",
+                 "--release-cache", str(tmp_path / "cache"), "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert "--upgrade-from: " in err and "no-such-ref" in err and "not a commit" in err
+    assert not (tmp_path / "b" / "logs").exists()  # no server was started
+
+
 # -- real processes ------------------------------------------------------------
 
 
