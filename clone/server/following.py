@@ -53,7 +53,7 @@ class FollowingMixin(ServerBase):
         assert self._ha is not None
         heard = self._ha.heard_peer
         core.term = self._ha.epoch
-        core.become_active(self._wallclock())
+        core.become_active(self._wallclock(), self._clock())
         self._apply_split_writes_here()
         self._note_role(was.value, core.role.value)
         if was is Role.PASSIVE:
@@ -119,7 +119,7 @@ class FollowingMixin(ServerBase):
     def _take_backlog(
         self,
         sock: zmq.Socket,
-        handle: Callable[[list[bytes], float], object],
+        handle: Callable[[list[bytes], float, float], object],
         kind: str,
         what: str,
     ) -> int:
@@ -137,7 +137,7 @@ class FollowingMixin(ServerBase):
                 return taken
             taken += 1
             try:
-                handle(frames, now)
+                handle(frames, now, self._clock())
             except ProtocolError as exc:
                 self._throttle.log(kind, logging.WARNING, "dropped %s: %s", what, exc)
 
@@ -248,6 +248,7 @@ class FollowingMixin(ServerBase):
         now = self._wallclock()
         budget = self.config.collector_batch
         relay = core.role is Role.RELAY
+        clock = self._clock
         while True:
             outcome = FollowOutcome.OK
             if relay:
@@ -257,7 +258,8 @@ class FollowingMixin(ServerBase):
                 self._on_upstream_control(frames)
             else:
                 try:
-                    outcome = core.on_peer_update(frames, now)
+                    # Read after the message: a ttl in it counts from no earlier than its arrival.
+                    outcome = core.on_peer_update(frames, now, clock())
                 except ProtocolError as exc:
                     self._throttle.log(
                         "peer_update", logging.WARNING, "dropped a message from the peer: %s", exc
@@ -300,11 +302,13 @@ class FollowingMixin(ServerBase):
         if core.role is Role.RELAY:
             self._upstream_heard = stop_at
         stop_at += TURN_BUDGET
+        clock = self._clock
         now = self._wallclock()
         budget = self.config.collector_batch
         while True:
             try:
-                outcome = core.on_snapshot_reply(frames, now)
+                # Read after the message: a ttl in it counts from no earlier than its arrival.
+                outcome = core.on_snapshot_reply(frames, now, clock())
             except ProtocolError as exc:
                 self._throttle.log(
                     "sync_reply", logging.WARNING, "dropped a snapshot entry from the peer: %s", exc

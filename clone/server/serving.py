@@ -210,6 +210,7 @@ class ServingMixin(ServerBase):
             batch=batch,
             applied=applied,
             now=self._wallclock(),
+            clocks=self._clocks,
             since=since,
             allowed=allowed,
             end_properties=end_properties,

@@ -1,7 +1,19 @@
 """Ephemeral keys: the ``ttl`` property and the expiry heap.
 
-How this works: every ephemeral key has one *absolute* deadline (Unix seconds,
-the ``expires`` property).  :class:`ExpiryHeap` keeps ``(deadline, generation,
+How this works: every ephemeral key has one deadline on *this server's
+monotonic clock*, never on the wall clock, so a step of the wall clock (NTP,
+an operator, a VM resume) ends nothing early or late.  The deadline is not
+replicated as such, because one server's monotonic clock means nothing to
+another: what travels is the time *left*, in the ``ttl`` property.  The active
+server counts a client's ``ttl`` from when it applied the write and publishes
+it as is (nothing has elapsed yet); a snapshot or catch-up rewrites ``ttl`` of
+each ephemeral entry to what is left when it is sent (:func:`ttl_left_properties`);
+the receiver counts that from when *it* received it.  A receiver's deadline is
+therefore never earlier than the sender's, and later only by the time in
+transit.  The ``expires`` property (absolute Unix seconds) is for display: the
+sender's wall clock plus the time left, never read back by a server.
+
+:class:`ExpiryHeap` keeps ``(deadline, generation,
 key)`` tuples in a binary heap and remembers the live generation of each key in
 a dict.  Rescheduling or cancelling a key only updates the dict; the stale heap
 tuple stays behind and is skipped when it surfaces ("lazy deletion").  So
@@ -9,7 +21,7 @@ tuple stays behind and is skipped when it surfaces ("lazy deletion").  So
 the k entries that surface, never a scan of every key.  When stale tuples
 outnumber live ones the heap is rebuilt, so memory stays bounded.
 
-Sans-IO: ``now`` is always passed in.
+Sans-IO: ``now`` is always passed in, on the monotonic clock.
 """
 
 from __future__ import annotations
@@ -21,9 +33,22 @@ from collections.abc import Hashable
 from typing import Generic, TypeVar
 
 from clone.errors import ProtocolError
-from clone.wire.protocol import MAX_TTL_SECONDS, TTL_PROPERTY
+from clone.wire.codec import Properties, encode_properties
+from clone.wire.protocol import (
+    EXPIRES_PROPERTY,
+    MAX_PROPERTIES_BYTES,
+    MAX_TTL_SECONDS,
+    TTL_PROPERTY,
+)
 
-__all__ = ["ExpiryHeap", "parse_ttl", "parse_expires", "format_expires"]
+__all__ = [
+    "ExpiryHeap",
+    "format_expires",
+    "format_ttl_left",
+    "parse_expires",
+    "parse_ttl",
+    "ttl_left_properties",
+]
 
 # A ttl is a plain decimal number: "30", "1.5", ".5".  float() alone would also
 # take "inf", "nan", "1e3" and "1_000", none of which a client means.
@@ -54,8 +79,7 @@ def parse_ttl(text: str | None) -> float:
 def parse_expires(text: str | None) -> float | None:
     """The ``expires`` property (absolute Unix seconds) or None if absent/invalid.
 
-    Only an active server writes it, so a bad value means a broken peer; the
-    caller logs that and keeps the key without an expiry rather than dropping it.
+    Display only: no server expires a key by it (see the module doc).
     """
     if text is None:
         return None
@@ -71,6 +95,29 @@ def parse_expires(text: str | None) -> float | None:
 def format_expires(deadline: float) -> str:
     """``expires`` as written on the wire: millisecond precision is plenty."""
     return f"{deadline:.3f}"
+
+
+#: The least ``ttl`` a served entry carries: ``0`` would mean "never expires".
+_MIN_LEFT = 0.001
+
+
+def format_ttl_left(left: float) -> str:
+    """The time left as a ``ttl`` value: rounded *up* to the millisecond (a
+    receiver must never count less than is left) and at least 1 ms (a key due
+    but not yet deleted must not read as "does not expire")."""
+    return f"{max(_MIN_LEFT, math.ceil(left * 1000.0) / 1000.0):.3f}"
+
+
+def ttl_left_properties(props: Properties, left: float, wall: float) -> bytes | None:
+    """``props`` with ``ttl`` set to the time ``left`` and ``expires`` to the
+    sender's wall clock ``wall`` plus that, encoded; None if that would pass the
+    properties limit (the caller then sends the entry as stored: its ``ttl``
+    is the whole one granted, so the receiver's deadline is only later)."""
+    out = [(n, v) for n, v in props if n not in (TTL_PROPERTY, EXPIRES_PROPERTY)]
+    out.append((TTL_PROPERTY, format_ttl_left(left)))
+    out.append((EXPIRES_PROPERTY, format_expires(wall + max(left, 0.0))))
+    raw = encode_properties(tuple(out))
+    return raw if len(raw) <= MAX_PROPERTIES_BYTES else None
 
 
 #: The key type: the store uses raw key bytes.
