@@ -312,10 +312,6 @@ class ServerBase:
             seq = frames[1]
             ring.append((int.from_bytes(seq, "big") if len(seq) == 8 else 0, frames[0]))
 
-    def _clocks(self) -> tuple[float, float]:
-        """(monotonic, wall) now: what a snapshot reads as entries go out."""
-        return self._clock(), self._wallclock()
-
     def _note_role(self, was: str, now: str) -> None:
         """A promotion or demotion, for the failover history."""
         self.role_changes.append((self._wallclock(), was, now))

@@ -47,7 +47,7 @@ from clone.server.pending import PendingList, PendingUpdate, UuidWindow, update_
 from clone.server.snapshot import SnapshotStream
 from clone.server.split import split_writes
 from clone.server.store import Entry, Served, Store
-from clone.server.ttl import parse_ttl
+from clone.server.ttl import parse_ttl, split_ttl_left
 from clone.wire.applied import decode_kvapplied, encode_kvapplied, is_kvapplied, uuid_ids
 from clone.wire.batch import decode_kvbatch, is_kvbatch
 from clone.wire.calls import (
@@ -248,9 +248,6 @@ class CoreSettings:
 
 _LEASE_PREFIX_RAW = LEASE_PREFIX.encode()
 
-#: The server's (monotonic, wall) clocks, read together.
-Clocks = Callable[[], tuple[float, float]]
-
 
 def _mono(mono: float | None, now: float) -> float:
     """The monotonic time given, or ``now`` for a caller with one clock (a test)."""
@@ -328,8 +325,8 @@ class ServerCore:
         #: The highest sequence seen anywhere (own store, peer KVPUB/HUGZ/KTHXBAI).
         self.highest_seen = 0
         self._staging: dict[bytes, Entry] = {}
-        # When each staged entry with properties came (monotonic): its ttl counts from then.
-        self._staged_at: dict[bytes, float] = {}
+        # Staged entries that came with a ttl-left: when they expire (monotonic).
+        self._staged_deadlines: dict[bytes, float] = {}
         self._buffer: list[tuple[KVMsg, Sequence[bytes], float]] = []
         self._buffer_overflowed = False
         # This sync: a catch-up (KVDELTA came first) rather than a full
@@ -435,7 +432,7 @@ class ServerCore:
         since: SinceRequest | None = None,
         allowed: Sequence[bytes] | None = None,
         end_properties: Properties = (),
-        clocks: Clocks | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> SnapshotStream | DeltaStream:
         """Start streaming the current state under ``subtree`` to ``identity``.
 
@@ -448,10 +445,11 @@ class ServerCore:
         a delta, filtered by ``subtree`` and ``allowed``, or a compacted reply.
         ``allowed``: the requester may read only keys under these prefixes
         (clone.server.security); ``end_properties`` go into its KTHXBAI.
-        ``clocks`` (monotonic, wall) are read as entries go out, so that an
-        ephemeral key carries the time it has left (:meth:`Store.served`);
-        without them entries go out as stored.
+        ``clock`` (monotonic; given for a peer server that asked for it) is read
+        as entries go out, so that an ephemeral key carries the time it has
+        left (:meth:`Store.served`); without it entries go out as stored.
         """
+        served = self._served(clock)
         preamble: list[list[bytes]] = []
         if applied:
             window = self.window
@@ -471,7 +469,6 @@ class ServerCore:
                 subtree=subtree,
                 allowed=allowed,
                 end_properties=end_properties,
-                served=self._served(clocks),
             )
         if since is not None and not subtree and allowed is None:
             delta = open_catch_up(
@@ -480,7 +477,7 @@ class ServerCore:
                 identity,
                 self.store.sequence,
                 preamble,
-                served=self._served(clocks),
+                served=served,
             )
             if delta is not None:
                 return delta
@@ -492,18 +489,17 @@ class ServerCore:
             preamble=preamble,
             allowed=allowed,
             end_properties=end_properties,
-            served=self._served(clocks),
+            served=served,
         )
 
-    def _served(self, clocks: Clocks | None) -> Served | None:
-        """How entries go out: an ephemeral one with the time it has left."""
-        if clocks is None:
+    def _served(self, clock: Callable[[], float] | None) -> Served | None:
+        """How entries go out to a peer: an ephemeral one with the time it has left."""
+        if clock is None:
             return None
         store = self.store
 
         def served(raw_key: bytes, entry: Entry) -> Entry:
-            now, wall = clocks()
-            return store.served(raw_key, entry, now, wall)
+            return store.served(raw_key, entry, clock())
 
         return served
 
@@ -583,7 +579,7 @@ class ServerCore:
         self._sync(SyncEvent.FOLLOW)
         self.counters["syncs_started"] += 1
         self._staging = {}
-        self._staged_at = {}
+        self._staged_deadlines = {}
         self._buffer = []
         self._buffer_overflowed = False
         self._delta = False
@@ -675,6 +671,12 @@ class ServerCore:
             return FollowOutcome.OK
         if is_kvdelta(frames):
             return self._begin_delta(frames)
+        left: float | None = None
+        if len(frames) == 5 and frames[3]:
+            # A peer's entry may end with ttl-left: cut off, so we store what it stores.
+            props, left = split_ttl_left(frames[3])
+            if props is not frames[3]:
+                frames = [frames[0], frames[1], frames[2], props, frames[4]]
         try:
             msg = decode_snapshot_reply(frames)
         except ProtocolError:
@@ -686,15 +688,15 @@ class ServerCore:
                 raise ProtocolError(f"KTHXBAI for subtree {msg.subtree!r}, we asked for all")
             return self._end_sync(msg.sequence, now, _mono(mono, now))
         if self._delta:
-            return self._catch_up(msg, frames, now, _mono(mono, now))
+            return self._catch_up(msg, frames, now, _mono(mono, now), left)
         c["snapshot_entries_received"] += 1
         if msg.body:
             # Stored as received (decoded once, to validate): see clone.server.store.
             entry = (frames[1], frames[2], frames[3], frames[4])
             self._staging[frames[0]] = entry
-            if frames[3]:
-                # Its ttl (the time left when sent) counts from now.
-                self._staged_at[frames[0]] = _mono(mono, now)
+            if left is not None:
+                # The time it had left when sent counts from now, when it came.
+                self._staged_deadlines[frames[0]] = _mono(mono, now) + left
             if self.journal.stages:
                 self._begin_staging()
                 self.journal.stage(((frames[0], entry),))
@@ -732,7 +734,7 @@ class ServerCore:
         return FollowOutcome.OK
 
     def _catch_up(
-        self, msg: KVMsg, frames: Sequence[bytes], now: float, mono: float
+        self, msg: KVMsg, frames: Sequence[bytes], now: float, mono: float, left: float | None
     ) -> FollowOutcome:
         """One update of a catch-up: applied in place, in strict order, like a KVPUB.
 
@@ -742,7 +744,7 @@ class ServerCore:
         self.counters["catchup_updates_received"] += 1
         if msg.sequence > self.highest_seen:
             self.highest_seen = msg.sequence
-        return self._follow(msg, now, frames, mono)
+        return self._follow(msg, now, frames, mono, left)
 
     def _end_sync(self, sequence: int, now: float, mono: float) -> FollowOutcome:
         """KTHXBAI: swap in the snapshot (or finish the catch-up), replay the buffer."""
@@ -754,9 +756,9 @@ class ServerCore:
             c["syncs_catchup"] += 1
             self.last_sync = "catch-up"
         else:
-            self.store.replace(self._staging, sequence, mono, self._staged_at)
+            self.store.replace(self._staging, sequence, mono, self._staged_deadlines)
             self._staging = {}
-            self._staged_at = {}
+            self._staged_deadlines = {}
             self.history.reset(sequence)
             if self.journal.stages:
                 self._begin_staging()  # an empty snapshot stages nothing
@@ -801,9 +803,13 @@ class ServerCore:
             self.counters["peer_invalid"] += 1
             raise
         self.counters["snapshot_entries_received"] += len(batch)
-        # Stored as received, like a KVSYNC's frames (see clone.server.store).
+        # Stored as received, like a KVSYNC's frames (see clone.server.store),
+        # less a trailing ttl-left: the time left when sent counts from now.
+        raw_properties = batch.raw_properties
+        if any(raw_properties):
+            raw_properties = self._cut_ttl_left(batch.raw_keys, raw_properties, mono)
         values = zip(
-            batch.sequence_frames(), batch.uuids, batch.raw_properties, batch.bodies, strict=True
+            batch.sequence_frames(), batch.uuids, raw_properties, batch.bodies, strict=True
         )
         entries = zip(batch.raw_keys, values, strict=True)
         if self.journal.stages:
@@ -816,18 +822,26 @@ class ServerCore:
             self._staging.update(entries)
         else:
             self._staging.update(kv for kv in entries if kv[1][3])
-        staged_at = self._staged_at
-        keyed = zip(batch.raw_keys, batch.raw_properties, batch.bodies, strict=True)
-        for key, props, body in keyed:
-            if props and body:
-                # Its ttl (the time left when sent) counts from now.
-                staged_at[key] = mono
         if self.pending:
             # The active applied them: their direct copies are no longer pending.
             confirm = self.pending.confirm
             for uuid in batch.uuids:
                 if uuid:
                     confirm(uuid)
+
+    def _cut_ttl_left(
+        self, raw_keys: Sequence[bytes], raw_properties: Sequence[bytes], mono: float
+    ) -> list[bytes]:
+        """A batch's properties without their ttl-left; each one's deadline staged."""
+        out: list[bytes] = []
+        deadlines = self._staged_deadlines
+        for key, props in zip(raw_keys, raw_properties, strict=True):
+            if props:
+                props, left = split_ttl_left(props)
+                if left is not None:
+                    deadlines[key] = mono + left
+            out.append(props)
+        return out
 
     def _note_peer_applied(self, frames: Sequence[bytes], now: float) -> None:
         """A KVAPPLIED of the snapshot we asked for: remember its ids."""
@@ -1202,7 +1216,12 @@ class ServerCore:
             ) from None
 
     def _follow(
-        self, msg: KVMsg, now: float, frames: Sequence[bytes], mono: float
+        self,
+        msg: KVMsg,
+        now: float,
+        frames: Sequence[bytes],
+        mono: float,
+        left: float | None = None,
     ) -> FollowOutcome:
         store = self.store
         expected = store.sequence + 1
@@ -1212,7 +1231,7 @@ class ServerCore:
         if msg.sequence > expected:
             self.counters["peer_gaps"] += 1
             return FollowOutcome.RESYNC
-        store.apply_published(msg, frames, now=mono)
+        store.apply_published(msg, frames, now=mono, left=left)
         self._record(list(frames))
         uid = update_id(msg)
         self.pending.confirm(uid)

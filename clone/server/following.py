@@ -30,6 +30,7 @@ from clone.wire.protocol import (
     BATCH_METADATA,
     PUBLISHER_OFFSET,
     SNAPSHOT_OFFSET,
+    TTL_LEFT_METADATA,
 )
 
 __all__ = ["FollowingMixin"]
@@ -189,6 +190,8 @@ class FollowingMixin(ServerBase):
             # (a relay has none: it asks as a client does).
             if self.core.role is not Role.RELAY:
                 dealer.setsockopt(zmq.METADATA, APPLIED_METADATA)
+            # ... and for the time each ephemeral key has left (clone.server.ttl).
+            dealer.setsockopt(zmq.METADATA, TTL_LEFT_METADATA)
             # ... and, holding a state, only for what followed it (a catch-up).
             since = self.core.catch_up_request()
             if since is not None:

@@ -15,16 +15,17 @@ Two ways in:
   ``expires`` property (the wall clock plus the ttl, for display) is added; the
   result is the frames of the KVPUB to publish (the stored ones).
 * :meth:`Store.apply_published` -- the passive server's path.  A KVPUB from the
-  active server is stored as is, its sequence included; its ``ttl`` is the time
-  left when it was sent, counted here from when it was received.
+  active server is stored as is, its sequence included; its ``ttl`` (or the
+  ``ttl-left`` a snapshot or catch-up entry came with) is the time left when it
+  was sent, counted here from when it was received.
 
 Expiry deadlines live in an :class:`~clone.server.ttl.ExpiryHeap` on this
 server's monotonic clock (:mod:`clone.server.ttl` says why and how the time
 left travels); only the active server calls :meth:`Store.expire`, which deletes
 due keys and returns the delete KVPUBs to publish.  :meth:`Store.served` is an
-entry as a snapshot or catch-up sends it, with the time left as its ``ttl``.
-Sans-IO: every ``now`` is monotonic seconds and every ``wall`` Unix seconds,
-passed in.
+entry as a snapshot or catch-up sends it to a peer server, with the time it has
+left.  Sans-IO: every ``now`` is monotonic seconds and every ``wall`` Unix
+seconds, passed in.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from clone.errors import LimitExceeded, ProtocolError, StoreFull
-from clone.server.ttl import ExpiryHeap, format_expires, parse_ttl, ttl_left_properties
+from clone.server.ttl import ExpiryHeap, format_expires, parse_ttl, with_ttl_left
 from clone.wire.codec import KVMsg, Properties, decode_properties, encode_properties
 from clone.wire.protocol import EXPIRES_PROPERTY, MAX_PROPERTIES_BYTES, TTL_PROPERTY
 
@@ -42,8 +43,8 @@ __all__ = ["Entry", "Served", "Store", "entry_of"]
 #: uuid, properties, body -- as on the wire.
 Entry = tuple[bytes, bytes, bytes, bytes]
 
-#: An entry as it goes out in a snapshot or catch-up, given its raw key
-#: (:meth:`Store.served` with the clocks read at the time).
+#: An entry as it goes out in a snapshot or catch-up to a peer server, given
+#: its raw key (:meth:`Store.served` with the clock read at the time).
 Served = Callable[[bytes, Entry], Entry]
 
 
@@ -184,13 +185,14 @@ class Store:
         deadline = self._expiry.deadline(raw_key)
         return None if deadline is None else deadline - now
 
-    def served(self, raw_key: bytes, entry: Entry, now: float, wall: float) -> Entry:
-        """``entry`` (stored under ``raw_key``) as a snapshot or catch-up sends it.
+    def served(self, raw_key: bytes, entry: Entry, now: float) -> Entry:
+        """``entry`` (stored under ``raw_key``) as a snapshot or catch-up sends
+        it to a peer server.
 
-        An ephemeral key's ``ttl`` becomes the time left at ``now`` and its
-        ``expires`` the wall clock ``wall`` plus that, so the receiver can count
-        from when it gets it.  Every other entry, and an older update of a key
-        since rewritten (``entry`` is not the stored one), is sent as it is.
+        An ephemeral key gets ``ttl-left``, the time it has left at monotonic
+        ``now``, so that the receiver can count from when it gets it.  Every
+        other entry, and an older update of a key since rewritten (``entry`` is
+        not the stored one), is sent as it is.
         """
         if not entry[2]:
             return entry
@@ -200,7 +202,7 @@ class Store:
         stored = self._map.get(raw_key)
         if stored is None or stored[0] != entry[0]:
             return entry
-        props = ttl_left_properties(decode_properties(entry[2]), deadline - now, wall)
+        props = with_ttl_left(entry[2], deadline - now)
         return entry if props is None else (entry[0], entry[1], props, entry[3])
 
     @property
@@ -267,18 +269,26 @@ class Store:
         return [key_raw, seq, uuid, props_raw, body]
 
     def apply_published(
-        self, msg: KVMsg, frames: Sequence[bytes] | None = None, *, now: float
+        self,
+        msg: KVMsg,
+        frames: Sequence[bytes] | None = None,
+        *,
+        now: float,
+        left: float | None = None,
     ) -> None:
         """Store a KVPUB (or a KVSYNC) from the active server as it is.
 
-        Its ``ttl`` (the time left when it was sent) counts from ``now``, when
-        it was received (monotonic).  ``frames`` are its own frames when
-        ``msg`` was decoded from them.  The caller has checked the sequence;
-        this moves :attr:`sequence` up to the message's.
+        An ephemeral key expires ``left`` (the ``ttl-left`` it came with, cut
+        off by the caller) or else its ``ttl`` after ``now``, when it was
+        received (monotonic).  ``frames`` are its own frames when ``msg`` was
+        decoded from them.  The caller has checked the sequence; this moves
+        :attr:`sequence` up to the message's.
         """
         deadline: float | None = None
         if msg.body and msg.properties:
             deadline = self._deadline_of(msg.properties, now)
+            if deadline is not None and left is not None:
+                deadline = now + left
         if frames is not None:
             key = frames[0]
             self._put(key, (frames[1], frames[2], frames[3], frames[4]), deadline)
@@ -338,22 +348,23 @@ class Store:
         entries: dict[bytes, Entry],
         sequence: int,
         now: float = 0.0,
-        received: dict[bytes, float] | None = None,
+        deadlines: dict[bytes, float] | None = None,
     ) -> None:
         """Swap in a whole new state (a completed resync, or a data directory), in O(n).
 
         ``entries`` maps raw key frames to :data:`Entry` tuples of valid
         (decoded once) frames; the store takes ownership of the dict.  An
-        ephemeral entry's ``ttl`` counts from when it was received
-        (``received``, monotonic, by key) or else from ``now``: a state loaded
-        from disk gives every such key its stored ``ttl`` again from the start.
+        ephemeral entry expires at its deadline in ``deadlines`` (monotonic, by
+        key: when it was received plus the time it had left) or else its
+        ``ttl`` after ``now``: a state loaded from disk gives every such key its
+        stored ``ttl`` again from the start.
         """
         self._map = entries
         self.sequence = sequence
         self.nbytes = sum(map(len, entries)) + sum(
             len(a) + len(b) + len(c) + len(d) for a, b, c, d in entries.values()
         )
-        deadlines: dict[bytes, float] = {}
+        due: dict[bytes, float] = {}
         last = sequence.to_bytes(8, "big")
         self._last_key = None
         for key, entry in entries.items():
@@ -361,11 +372,12 @@ class Store:
                 self._last_key = key
             props = entry[2]
             if props and (_TTL_TOKEN in props or _EXPIRES_TOKEN in props):
-                at = now if received is None else received.get(key, now)
-                deadline = self._deadline_of(decode_properties(entry[2]), at)
+                deadline = self._deadline_of(decode_properties(props), now)
                 if deadline is not None:
-                    deadlines[key] = deadline
-        self._expiry.rebuild(deadlines)
+                    if deadlines is not None:
+                        deadline = deadlines.get(key, deadline)
+                    due[key] = deadline
+        self._expiry.rebuild(due)
 
     def _put(self, key: bytes, entry: Entry, deadline: float | None) -> None:
         old = self._map.get(key)

@@ -2,16 +2,19 @@
 
 How this works: every ephemeral key has one deadline on *this server's
 monotonic clock*, never on the wall clock, so a step of the wall clock (NTP,
-an operator, a VM resume) ends nothing early or late.  The deadline is not
-replicated as such, because one server's monotonic clock means nothing to
-another: what travels is the time *left*, in the ``ttl`` property.  The active
-server counts a client's ``ttl`` from when it applied the write and publishes
-it as is (nothing has elapsed yet); a snapshot or catch-up rewrites ``ttl`` of
-each ephemeral entry to what is left when it is sent (:func:`ttl_left_properties`);
-the receiver counts that from when *it* received it.  A receiver's deadline is
-therefore never earlier than the sender's, and later only by the time in
-transit.  The ``expires`` property (absolute Unix seconds) is for display: the
-sender's wall clock plus the time left, never read back by a server.
+an operator, a VM resume) ends nothing early or late.  The deadline itself is
+not replicated, because one server's monotonic clock means nothing to another:
+what travels is the time *left*, counted by the receiver from when *it* got
+it.  The active server counts a client's ``ttl`` from when it applied the write
+and publishes the write at once, ``ttl`` as sent (nothing has elapsed yet);
+a snapshot or catch-up entry sent to a peer server carries the time left as
+it goes out in one more property, ``ttl-left``, appended last
+(:func:`with_ttl_left`), which the receiver cuts off again before storing
+(:func:`split_ttl_left`), so both servers store the same bytes.  A receiver's
+deadline is therefore never earlier than the sender's, and later only by the
+time in transit.  The ``expires`` property (absolute Unix seconds, the wall
+clock of the server that applied the write plus the ttl) is for display; no
+server reads it back.
 
 :class:`ExpiryHeap` keeps ``(deadline, generation,
 key)`` tuples in a binary heap and remembers the live generation of each key in
@@ -33,11 +36,10 @@ from collections.abc import Hashable
 from typing import Generic, TypeVar
 
 from clone.errors import ProtocolError
-from clone.wire.codec import Properties, encode_properties
 from clone.wire.protocol import (
-    EXPIRES_PROPERTY,
     MAX_PROPERTIES_BYTES,
     MAX_TTL_SECONDS,
+    TTL_LEFT_PROPERTY,
     TTL_PROPERTY,
 )
 
@@ -47,7 +49,8 @@ __all__ = [
     "format_ttl_left",
     "parse_expires",
     "parse_ttl",
-    "ttl_left_properties",
+    "split_ttl_left",
+    "with_ttl_left",
 ]
 
 # A ttl is a plain decimal number: "30", "1.5", ".5".  float() alone would also
@@ -97,27 +100,42 @@ def format_expires(deadline: float) -> str:
     return f"{deadline:.3f}"
 
 
-#: The least ``ttl`` a served entry carries: ``0`` would mean "never expires".
+#: The least ``ttl-left`` sent: a key due but not yet deleted still has a deadline.
 _MIN_LEFT = 0.001
+_LEFT_TOKEN = f"{TTL_LEFT_PROPERTY}=".encode()
 
 
 def format_ttl_left(left: float) -> str:
-    """The time left as a ``ttl`` value: rounded *up* to the millisecond (a
-    receiver must never count less than is left) and at least 1 ms (a key due
-    but not yet deleted must not read as "does not expire")."""
+    """The time left as sent: rounded *up* to the millisecond (a receiver must
+    never count less than is left) and at least 1 ms."""
     return f"{max(_MIN_LEFT, math.ceil(left * 1000.0) / 1000.0):.3f}"
 
 
-def ttl_left_properties(props: Properties, left: float, wall: float) -> bytes | None:
-    """``props`` with ``ttl`` set to the time ``left`` and ``expires`` to the
-    sender's wall clock ``wall`` plus that, encoded; None if that would pass the
-    properties limit (the caller then sends the entry as stored: its ``ttl``
-    is the whole one granted, so the receiver's deadline is only later)."""
-    out = [(n, v) for n, v in props if n not in (TTL_PROPERTY, EXPIRES_PROPERTY)]
-    out.append((TTL_PROPERTY, format_ttl_left(left)))
-    out.append((EXPIRES_PROPERTY, format_expires(wall + max(left, 0.0))))
-    raw = encode_properties(tuple(out))
-    return raw if len(raw) <= MAX_PROPERTIES_BYTES else None
+def with_ttl_left(props: bytes, left: float) -> bytes | None:
+    """Stored properties ``props`` with ``ttl-left`` appended as the last one;
+    None if that would pass the properties limit (the caller then sends them
+    as stored: the receiver counts the whole ``ttl``, so its deadline is only
+    later)."""
+    out = props + _LEFT_TOKEN + format_ttl_left(left).encode() + b"\n"
+    return out if len(out) <= MAX_PROPERTIES_BYTES else None
+
+
+def split_ttl_left(props: bytes) -> tuple[bytes, float | None]:
+    """Received properties without a trailing ``ttl-left``, and its value
+    (None when there is none, or it is not a positive number: then the
+    receiver counts ``ttl``)."""
+    if not props.endswith(b"\n"):
+        return props, None
+    start = props.rfind(b"\n", 0, len(props) - 1) + 1
+    if not props.startswith(_LEFT_TOKEN, start):
+        return props, None
+    try:
+        left = float(props[start + len(_LEFT_TOKEN) : -1])
+    except ValueError:
+        return props[:start], None
+    if not math.isfinite(left) or left <= 0:
+        return props[:start], None
+    return props[:start], min(left, MAX_TTL_SECONDS)
 
 
 #: The key type: the store uses raw key bytes.
