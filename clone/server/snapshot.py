@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import compress, repeat
+from operator import itemgetter
 from typing import cast
 
 from clone.server.store import Entry, Served, Store
@@ -50,6 +51,8 @@ from clone.wire.codec import Properties, encode_kthxbai
 from clone.wire.protocol import BATCH_TARGET_BYTES, MAX_BATCH_ENTRIES
 
 __all__ = ["SnapshotStream", "effective_prefixes"]
+
+_PROPS = itemgetter(2)  # an entry's properties frame
 
 # How many keys outside the subtree one peek() may skip before giving the
 # reactor back; bounds the work of a turn for a sparse subtree.
@@ -239,7 +242,7 @@ class SnapshotStream:
         else:
             entries = cast(list[Entry], found)
         served = self._served
-        if served is not None:
+        if served is not None and any(map(_PROPS, entries)):  # in C: most batches have none
             entries = [served(k, e) if e[2] else e for k, e in zip(picked, entries, strict=True)]
         frames = encode_kvbatch(picked, entries)
         n = len(picked)
