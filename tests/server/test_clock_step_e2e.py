@@ -311,4 +311,3 @@ def test_the_probe_process_sees_the_step_and_a_steady_monotonic_clock(
     assert STEP - 5 < (wall2 - wall1) - (mono2 - mono1) < STEP + 5
     assert 0 <= mono2 - mono1 < 10  # seen within the wait, not by a jump
     assert abs(mono2 - time.monotonic()) < 10  # the real monotonic clock
-

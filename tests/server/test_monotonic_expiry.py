@@ -239,6 +239,33 @@ def test_a_wall_clock_step_on_the_passive_changes_nothing_after_promotion(step: 
     assert _due(pair.passive, pair.b_wall(20.9), pair.b_mono(20.9)) == []
 
 
+@pytest.mark.parametrize("step", STEPS)
+def test_after_a_failover_no_lease_ends_before_its_ttl(step: float) -> None:
+    """Keepalives are not replicated: the promoted passive gives every lease a
+    whole ttl from the promotion, so a lease never ends before a ttl after its
+    last keepalive on the old active, whatever the new active's wall clock did."""
+    pair = Pair()
+    pair.sync(0.0)
+    reply, _ = pair.active.on_call(
+        encode_call(OP_LEASE_GRANT, bytes(range(16)), "", (("ttl", "5.0"),), b""),
+        pair.a_wall(1.0),
+        pair.a_mono(1.0),
+    )
+    assert reply is not None and reply.ok
+    for op in pair.active.journal.take():
+        for frames in op.updates:
+            pair.deliver(list(frames), 1.0)
+    assert pair.passive.store.entry(lease_key(reply.lease).encode()) is not None
+    pair.skew = step
+    pair.promote(4.0)  # the old active died 3 s into the lease
+    assert reply.lease in pair.passive.leases
+    # Not before 1 s + ttl (the truth on the old active), nor before 4 s + ttl.
+    t = 4.0 + 5.0 - 0.001
+    assert _due(pair.passive, pair.b_wall(t), pair.b_mono(t)) == []
+    t = 4.0 + 5.0
+    assert _due(pair.passive, pair.b_wall(t), pair.b_mono(t)) == [lease_key(reply.lease).encode()]
+
+
 def test_a_catch_up_sends_the_time_left_of_a_key_still_held() -> None:
     """A passive that held the state up to a point asks only for what followed:
     an update of a key still held goes with what it has left, not its whole ttl."""
