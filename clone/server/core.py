@@ -526,6 +526,7 @@ class ServerCore:
             # The snapshot will never complete; keep the last whole state and
             # whatever of the buffered updates follows it without a gap.
             self._staging = {}
+            self._staged_deadlines = {}
             self._replay_buffer(self.store.sequence, now, _mono(mono, now))
         self._forget_peer_applied()
         self._sync(SyncEvent.STOP)
