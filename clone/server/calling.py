@@ -57,7 +57,7 @@ class CallingMixin(ServerBase):
                 else:
                     can_write, may_lease = _nothing, False
         reply, after_commit = self.core.on_call(
-            frames, self._wallclock(), can_write=can_write, may_lease=may_lease
+            frames, self._wallclock(), self._clock(), can_write=can_write, may_lease=may_lease
         )
         if reply is None:
             self._throttle.log(

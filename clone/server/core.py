@@ -3,9 +3,12 @@
 How this works: :class:`ServerCore` takes events -- a client's KVSET, a KVPUB
 or HUGZ from the active peer, a KVSYNC/KTHXBAI of the snapshot we asked the
 peer for, a snapshot request, a role change, a timer tick -- each as raw frames
-plus an explicit wall-clock ``now``, and answers with frames to publish or an
-outcome for the I/O layer to act on.  ``clone.server.reactor`` owns the sockets and the
-reactor; this module owns the rules:
+plus an explicit wall-clock ``now`` (and, where a TTL or a lease is involved,
+the monotonic ``mono``: their deadlines never read the wall clock, see
+:mod:`clone.server.ttl`; a caller with one clock, a test, may leave it out),
+and answers with frames to publish or an outcome for the I/O layer to act on.
+``clone.server.reactor`` owns the sockets and the reactor; this module owns
+the rules:
 
 * **Active**: a KVSET gets the next sequence and is republished (at most once
   per uuid within the dedup window); due ephemeral keys are deleted and the
@@ -43,8 +46,8 @@ from clone.server.leases import LeaseTable, bound_lease, format_lease_value, par
 from clone.server.pending import PendingList, PendingUpdate, UuidWindow, update_id
 from clone.server.snapshot import SnapshotStream
 from clone.server.split import split_writes
-from clone.server.store import Entry, Store
-from clone.server.ttl import parse_ttl
+from clone.server.store import Entry, Served, Store
+from clone.server.ttl import parse_ttl, split_ttl_left
 from clone.wire.applied import decode_kvapplied, encode_kvapplied, is_kvapplied, uuid_ids
 from clone.wire.batch import decode_kvbatch, is_kvbatch
 from clone.wire.calls import (
@@ -246,6 +249,11 @@ class CoreSettings:
 _LEASE_PREFIX_RAW = LEASE_PREFIX.encode()
 
 
+def _mono(mono: float | None, now: float) -> float:
+    """The monotonic time given, or ``now`` for a caller with one clock (a test)."""
+    return now if mono is None else mono
+
+
 def _check_condition_syntax(msg: KVMsg) -> None:
     """A KVSET's ``if_sequence``/``lease`` must be well-formed (as a call's)."""
     if msg.prop(IF_SEQUENCE_PROPERTY) is None and msg.prop(LEASE_PROPERTY) is None:
@@ -317,7 +325,9 @@ class ServerCore:
         #: The highest sequence seen anywhere (own store, peer KVPUB/HUGZ/KTHXBAI).
         self.highest_seen = 0
         self._staging: dict[bytes, Entry] = {}
-        self._buffer: list[tuple[KVMsg, Sequence[bytes]]] = []
+        # Staged entries that came with a ttl-left: when they expire (monotonic).
+        self._staged_deadlines: dict[bytes, float] = {}
+        self._buffer: list[tuple[KVMsg, Sequence[bytes], float]] = []
         self._buffer_overflowed = False
         # This sync: a catch-up (KVDELTA came first) rather than a full
         # snapshot; and whether the database's staging area was emptied yet.
@@ -336,7 +346,9 @@ class ServerCore:
 
     # -- client side ---------------------------------------------------------
 
-    def on_kvset(self, frames: Sequence[bytes], now: float) -> list[bytes] | None:
+    def on_kvset(
+        self, frames: Sequence[bytes], now: float, mono: float | None = None
+    ) -> list[bytes] | None:
         """A KVSET at the collector; returns the KVPUB frames to publish, if any.
 
         Raises ProtocolError (counted) for a malformed or invalid update.
@@ -361,7 +373,7 @@ class ServerCore:
             try:
                 # The received frames are reused: stored and published as they
                 # are, with the new sequence (and expires, if any).
-                out = self.store.apply(msg, now, reuse)
+                out = self.store.apply(msg, _mono(mono, now), reuse, wall=now)
             except StoreFull:
                 c["kvset_refused_full"] += 1
                 raise
@@ -389,7 +401,7 @@ class ServerCore:
         if msg.uuid and msg.uuid in self.window:
             c["kvset_already_applied"] += 1
             return None
-        if self.pending.add(msg, now):
+        if self.pending.add(msg, now, _mono(mono, now)):
             c["kvset_pending"] += 1
         else:
             c["kvset_duplicate"] += 1
@@ -420,6 +432,7 @@ class ServerCore:
         since: SinceRequest | None = None,
         allowed: Sequence[bytes] | None = None,
         end_properties: Properties = (),
+        clock: Callable[[], float] | None = None,
     ) -> SnapshotStream | DeltaStream:
         """Start streaming the current state under ``subtree`` to ``identity``.
 
@@ -432,7 +445,11 @@ class ServerCore:
         a delta, filtered by ``subtree`` and ``allowed``, or a compacted reply.
         ``allowed``: the requester may read only keys under these prefixes
         (clone.server.security); ``end_properties`` go into its KTHXBAI.
+        ``clock`` (monotonic; given for a peer server that asked for it) is read
+        as entries go out, so that an ephemeral key carries the time it has
+        left (:meth:`Store.served`); without it entries go out as stored.
         """
+        served = self._served(clock)
         preamble: list[list[bytes]] = []
         if applied:
             window = self.window
@@ -454,7 +471,14 @@ class ServerCore:
                 end_properties=end_properties,
             )
         if since is not None and not subtree and allowed is None:
-            delta = open_catch_up(self.history, since, identity, self.store.sequence, preamble)
+            delta = open_catch_up(
+                self.history,
+                since,
+                identity,
+                self.store.sequence,
+                preamble,
+                served=served,
+            )
             if delta is not None:
                 return delta
         return SnapshotStream(
@@ -465,7 +489,19 @@ class ServerCore:
             preamble=preamble,
             allowed=allowed,
             end_properties=end_properties,
+            served=served,
         )
+
+    def _served(self, clock: Callable[[], float] | None) -> Served | None:
+        """How entries go out to a peer: an ephemeral one with the time it has left."""
+        if clock is None:
+            return None
+        store = self.store
+
+        def served(raw_key: bytes, entry: Entry) -> Entry:
+            return store.served(raw_key, entry, clock())
+
+        return served
 
     def hugz(self, heartbeat_ms: int | None = None) -> list[bytes]:
         """A heartbeat carrying the current highest sequence and, given
@@ -474,8 +510,11 @@ class ServerCore:
 
     # -- roles ---------------------------------------------------------------
 
-    def become_active(self, now: float) -> list[list[bytes]]:
+    def become_active(self, now: float, mono: float | None = None) -> list[list[bytes]]:
         """Promotion: apply the pending list, return the KVPUBs to publish.
+
+        Every lease gets its whole ttl from ``mono``; a parked write's ttl
+        counts from when it arrived.
 
         Idempotent: a second call while active returns nothing.
         """
@@ -487,7 +526,8 @@ class ServerCore:
             # The snapshot will never complete; keep the last whole state and
             # whatever of the buffered updates follows it without a gap.
             self._staging = {}
-            self._replay_buffer(self.store.sequence, now)
+            self._staged_deadlines = {}
+            self._replay_buffer(self.store.sequence, now, _mono(mono, now))
         self._forget_peer_applied()
         self._sync(SyncEvent.STOP)
         self.role = Role.ACTIVE
@@ -495,7 +535,7 @@ class ServerCore:
         self.promoted_at = store.sequence
         self._written_as_active = []
         store.sequence = max(store.sequence, self.highest_seen)
-        out = self._rebuild_leases(now)
+        out = self._rebuild_leases(_mono(mono, now))
         applied = 0
         for parked in self.pending.drain():
             msg = parked.msg
@@ -507,7 +547,7 @@ class ServerCore:
                 if msg.properties:
                     msg = self._check_kvset(msg, raw_key)
                 # ttl counts from when the client sent it, not from now.
-                pub = store.apply(msg, parked.arrived)
+                pub = store.apply(msg, parked.mono, wall=parked.arrived)
             except ProtocolError:
                 c["pending_failed"] += 1
                 continue
@@ -540,6 +580,7 @@ class ServerCore:
         self._sync(SyncEvent.FOLLOW)
         self.counters["syncs_started"] += 1
         self._staging = {}
+        self._staged_deadlines = {}
         self._buffer = []
         self._buffer_overflowed = False
         self._delta = False
@@ -571,8 +612,11 @@ class ServerCore:
             return None
         return SinceRequest(seq, update_digest(last))
 
-    def on_peer_update(self, frames: Sequence[bytes], now: float) -> FollowOutcome:
-        """A KVPUB or HUGZ from the active peer's publisher, received at ``now``."""
+    def on_peer_update(
+        self, frames: Sequence[bytes], now: float, mono: float | None = None
+    ) -> FollowOutcome:
+        """A KVPUB or HUGZ from the active peer's publisher, received at ``now``
+        (``mono``: the same moment on the monotonic clock)."""
         c = self.counters
         if self.role not in _FOLLOWERS:
             c["peer_ignored"] += 1
@@ -597,19 +641,22 @@ class ServerCore:
         if msg.sequence > self.highest_seen:
             self.highest_seen = msg.sequence
         if state is SyncState.SYNCED:
-            return self._follow(msg, now, frames)
+            return self._follow(msg, now, frames, _mono(mono, now))
         if state is SyncState.SYNCING:
             if len(self._buffer) < self.settings.sync_buffer_max:
-                self._buffer.append((msg, frames))
+                # With when it came: a replayed ttl counts from then.
+                self._buffer.append((msg, frames, _mono(mono, now)))
             elif not self._buffer_overflowed:
                 # The replay will hit a gap and resync; better than unbounded memory.
                 self._buffer_overflowed = True
                 c["sync_buffer_overflow"] += 1
         return FollowOutcome.OK
 
-    def on_snapshot_reply(self, frames: Sequence[bytes], now: float) -> FollowOutcome:
+    def on_snapshot_reply(
+        self, frames: Sequence[bytes], now: float, mono: float | None = None
+    ) -> FollowOutcome:
         """A KVSYNC, KVBATCH, KVAPPLIED or KTHXBAI of the snapshot we asked the
-        peer for, received at ``now``."""
+        peer for, received at ``now`` (``mono``: the same moment, monotonic)."""
         c = self.counters
         if self.sync_state is not SyncState.SYNCING or self.role not in _FOLLOWERS:
             c["peer_ignored"] += 1
@@ -618,13 +665,19 @@ class ServerCore:
             if self._delta:
                 c["peer_invalid"] += 1
                 raise ProtocolError("KVBATCH in a catch-up (KVDELTA) reply")
-            self._stage_batch(frames)
+            self._stage_batch(frames, _mono(mono, now))
             return FollowOutcome.OK
         if is_kvapplied(frames):
             self._note_peer_applied(frames, now)
             return FollowOutcome.OK
         if is_kvdelta(frames):
             return self._begin_delta(frames)
+        left: float | None = None
+        if len(frames) == 5 and frames[3]:
+            # A peer's entry may end with ttl-left: cut off, so we store what it stores.
+            props, left = split_ttl_left(frames[3])
+            if props is not frames[3]:
+                frames = [frames[0], frames[1], frames[2], props, frames[4]]
         try:
             msg = decode_snapshot_reply(frames)
         except ProtocolError:
@@ -634,14 +687,17 @@ class ServerCore:
             if msg.subtree:
                 c["peer_invalid"] += 1
                 raise ProtocolError(f"KTHXBAI for subtree {msg.subtree!r}, we asked for all")
-            return self._end_sync(msg.sequence, now)
+            return self._end_sync(msg.sequence, now, _mono(mono, now))
         if self._delta:
-            return self._catch_up(msg, frames, now)
+            return self._catch_up(msg, frames, now, _mono(mono, now), left)
         c["snapshot_entries_received"] += 1
         if msg.body:
             # Stored as received (decoded once, to validate): see clone.server.store.
             entry = (frames[1], frames[2], frames[3], frames[4])
             self._staging[frames[0]] = entry
+            if left is not None:
+                # The time it had left when sent counts from now, when it came.
+                self._staged_deadlines[frames[0]] = _mono(mono, now) + left
             if self.journal.stages:
                 self._begin_staging()
                 self.journal.stage(((frames[0], entry),))
@@ -678,7 +734,9 @@ class ServerCore:
         self._delta = True
         return FollowOutcome.OK
 
-    def _catch_up(self, msg: KVMsg, frames: Sequence[bytes], now: float) -> FollowOutcome:
+    def _catch_up(
+        self, msg: KVMsg, frames: Sequence[bytes], now: float, mono: float, left: float | None
+    ) -> FollowOutcome:
         """One update of a catch-up: applied in place, in strict order, like a KVPUB.
 
         Our state stays a prefix of the active's history after every one, so a
@@ -687,9 +745,9 @@ class ServerCore:
         self.counters["catchup_updates_received"] += 1
         if msg.sequence > self.highest_seen:
             self.highest_seen = msg.sequence
-        return self._follow(msg, now, frames)
+        return self._follow(msg, now, frames, mono, left)
 
-    def _end_sync(self, sequence: int, now: float) -> FollowOutcome:
+    def _end_sync(self, sequence: int, now: float, mono: float) -> FollowOutcome:
         """KTHXBAI: swap in the snapshot (or finish the catch-up), replay the buffer."""
         c = self.counters
         if self._delta:
@@ -699,8 +757,9 @@ class ServerCore:
             c["syncs_catchup"] += 1
             self.last_sync = "catch-up"
         else:
-            self.store.replace(self._staging, sequence)
+            self.store.replace(self._staging, sequence, mono, self._staged_deadlines)
             self._staging = {}
+            self._staged_deadlines = {}
             self.history.reset(sequence)
             if self.journal.stages:
                 self._begin_staging()  # an empty snapshot stages nothing
@@ -710,7 +769,7 @@ class ServerCore:
         self._delta = False
         if sequence > self.highest_seen:
             self.highest_seen = sequence
-        if not self._replay_buffer(sequence, now):
+        if not self._replay_buffer(sequence, now, mono):
             c["peer_gaps"] += 1
             return FollowOutcome.RESYNC
         self._reconcile_pending(now)
@@ -737,7 +796,7 @@ class ServerCore:
         c["split_writes_found"] += len(split.calls)
         c["split_writes_expired"] += split.expired
 
-    def _stage_batch(self, frames: Sequence[bytes]) -> None:
+    def _stage_batch(self, frames: Sequence[bytes], mono: float) -> None:
         """A KVBATCH of the snapshot we asked for: stage its entries as KVSYNCs."""
         try:
             batch = decode_kvbatch(frames)
@@ -745,9 +804,13 @@ class ServerCore:
             self.counters["peer_invalid"] += 1
             raise
         self.counters["snapshot_entries_received"] += len(batch)
-        # Stored as received, like a KVSYNC's frames (see clone.server.store).
+        # Stored as received, like a KVSYNC's frames (see clone.server.store),
+        # less a trailing ttl-left: the time left when sent counts from now.
+        raw_properties = batch.raw_properties
+        if any(raw_properties):
+            raw_properties = self._cut_ttl_left(batch.raw_keys, raw_properties, mono)
         values = zip(
-            batch.sequence_frames(), batch.uuids, batch.raw_properties, batch.bodies, strict=True
+            batch.sequence_frames(), batch.uuids, raw_properties, batch.bodies, strict=True
         )
         entries = zip(batch.raw_keys, values, strict=True)
         if self.journal.stages:
@@ -766,6 +829,20 @@ class ServerCore:
             for uuid in batch.uuids:
                 if uuid:
                     confirm(uuid)
+
+    def _cut_ttl_left(
+        self, raw_keys: Sequence[bytes], raw_properties: Sequence[bytes], mono: float
+    ) -> list[bytes]:
+        """A batch's properties without their ttl-left; each one's deadline staged."""
+        out: list[bytes] = []
+        deadlines = self._staged_deadlines
+        for key, props in zip(raw_keys, raw_properties, strict=True):
+            if props:
+                props, left = split_ttl_left(props)
+                if left is not None:
+                    deadlines[key] = mono + left
+            out.append(props)
+        return out
 
     def _note_peer_applied(self, frames: Sequence[bytes], now: float) -> None:
         """A KVAPPLIED of the snapshot we asked for: remember its ids."""
@@ -833,6 +910,7 @@ class ServerCore:
         self,
         frames: Sequence[bytes],
         now: float,
+        mono: float | None = None,
         *,
         can_write: Callable[[bytes], bool] | None = None,
         may_lease: bool = True,
@@ -841,6 +919,7 @@ class ServerCore:
         it must wait for this turn's commit (it changed the state).
 
         The reply is None only for a call too broken to answer (no uuid).
+        Leases and a ``set``'s ttl count on the monotonic ``mono``.
         ``can_write``: the caller's write ACL (CURVE), None for no ACL; it
         judges a call's :func:`~clone.wire.calls.acl_key` (a ``set``'s key, a
         grant's named key).  ``may_lease``: whether the caller may write
@@ -874,14 +953,15 @@ class ServerCore:
         if self.role is not Role.ACTIVE:
             c["calls_not_active"] += 1
             return _refused(call.uuid, "not-active", f"this server is {self.role.value}"), False
+        mono = _mono(mono, now)
         if call.op == OP_SET:
-            return self._call_set(call, now)
+            return self._call_set(call, now, mono)
         if call.op == OP_LEASE_GRANT:
-            return self._call_grant(call, now)
+            return self._call_grant(call, now, mono)
         lease_id = call.lease
         assert lease_id is not None  # check_call
         if call.op == OP_LEASE_KEEPALIVE:
-            lease = self.leases.keepalive(lease_id, now)
+            lease = self.leases.keepalive(lease_id, mono)
             if lease is None:
                 c["calls_unknown_lease"] += 1
                 return _refused(call.uuid, "unknown-lease", f"no lease {lease_id}"), False
@@ -893,12 +973,12 @@ class ServerCore:
         if held is None:
             c["calls_unknown_lease"] += 1
             return _refused(call.uuid, "unknown-lease", f"no lease {lease_id}"), False
-        self._end_lease(lease_id, now)
+        self._end_lease(lease_id, mono)
         c["leases_revoked"] += 1
         c["calls_ok"] += 1
         return Reply(call.uuid, "ok", self.store.sequence, lease=lease_id, ttl=held.ttl), True
 
-    def _call_set(self, call: Call, now: float) -> tuple[Reply, bool]:
+    def _call_set(self, call: Call, now: float, mono: float) -> tuple[Reply, bool]:
         c = self.counters
         raw_key = call.key.encode("utf-8")
         uuid = call.uuid
@@ -918,7 +998,7 @@ class ServerCore:
                 c["calls_conflict"] += 1
                 return Reply(uuid, "conflict", current=current), False
         try:
-            out = self.store.apply(call.as_kvmsg(), now)
+            out = self.store.apply(call.as_kvmsg(), mono, wall=now)
         except StoreFull as exc:
             c["calls_refused_full"] += 1
             return _refused(uuid, "full", str(exc)), False
@@ -936,7 +1016,7 @@ class ServerCore:
         self._record(out)
         return Reply(uuid, "ok", self.store.sequence), True
 
-    def _call_grant(self, call: Call, now: float) -> tuple[Reply, bool]:
+    def _call_grant(self, call: Call, now: float, mono: float) -> tuple[Reply, bool]:
         c = self.counters
         uuid = call.uuid
         lease_id = lease_id_of(uuid)
@@ -959,12 +1039,12 @@ class ServerCore:
         ttl = parse_lease_ttl(call.prop(TTL_PROPERTY))
         msg = KVMsg(lease_key(lease_id), 0, uuid, (), format_lease_value(ttl))
         try:
-            out = self.store.apply(msg, now)
+            out = self.store.apply(msg, mono, wall=now)
         except StoreFull as exc:
             c["calls_refused_full"] += 1
             return _refused(uuid, "full", str(exc)), False
         self.window.add(uuid, now)
-        self.leases.grant(lease_id, ttl, now)
+        self.leases.grant(lease_id, ttl, mono)
         c["leases_granted"] += 1
         c["kvpub_published"] += 1
         c["calls_ok"] += 1
@@ -1071,8 +1151,9 @@ class ServerCore:
 
     # -- time ----------------------------------------------------------------
 
-    def tick(self, now: float) -> list[list[bytes]]:
-        """Periodic work: age the pending list; expire keys if active.
+    def tick(self, now: float, mono: float | None = None) -> list[list[bytes]]:
+        """Periodic work: age the pending list; expire keys and leases if
+        active (on the monotonic ``mono``: a wall-clock step ends nothing).
 
         Returns the delete KVPUBs to publish (at most ``expiry_batch``; call
         again soon if :meth:`expiry_due` is still true).
@@ -1081,10 +1162,11 @@ class ServerCore:
         if self.role is not Role.ACTIVE:
             return []
         out: list[list[bytes]] = []
-        for lease_id in self.leases.due(now, self.settings.expiry_batch):
+        mono = _mono(mono, now)
+        for lease_id in self.leases.due(mono, self.settings.expiry_batch):
             self.counters["leases_expired"] += 1
-            out += self._end_lease(lease_id, now)
-        deletes = self.store.expire(now, self.settings.expiry_batch)
+            out += self._end_lease(lease_id, mono)
+        deletes = self.store.expire(mono, self.settings.expiry_batch)
         if deletes:
             self.counters["expired"] += len(deletes)
             self.counters["kvpub_published"] += len(deletes)
@@ -1096,6 +1178,7 @@ class ServerCore:
         return out
 
     def expiry_due(self, now: float) -> bool:
+        """Whether a key or a lease is due at ``now`` (monotonic, as :meth:`tick`'s ``mono``)."""
         deadline = self.store.next_deadline()
         if deadline is not None and deadline <= now:
             return True
@@ -1133,7 +1216,14 @@ class ServerCore:
                 f"sync event {event.name} is not allowed in state {self.sync_state.name}"
             ) from None
 
-    def _follow(self, msg: KVMsg, now: float, frames: Sequence[bytes]) -> FollowOutcome:
+    def _follow(
+        self,
+        msg: KVMsg,
+        now: float,
+        frames: Sequence[bytes],
+        mono: float,
+        left: float | None = None,
+    ) -> FollowOutcome:
         store = self.store
         expected = store.sequence + 1
         if msg.sequence < expected:
@@ -1142,7 +1232,7 @@ class ServerCore:
         if msg.sequence > expected:
             self.counters["peer_gaps"] += 1
             return FollowOutcome.RESYNC
-        store.apply_published(msg, frames)
+        store.apply_published(msg, frames, now=mono, left=left)
         self._record(list(frames))
         uid = update_id(msg)
         self.pending.confirm(uid)
@@ -1150,12 +1240,12 @@ class ServerCore:
             self.window.add(msg.uuid, now)
         return FollowOutcome.OK
 
-    def _replay_buffer(self, after: int, now: float) -> bool:
+    def _replay_buffer(self, after: int, now: float, mono: float) -> bool:
         """Apply buffered KVPUBs newer than ``after``; False on a gap."""
         buffered, self._buffer = self._buffer, []
         overflowed, self._buffer_overflowed = self._buffer_overflowed, False
         store = self.store
-        for msg, frames in buffered:
+        for msg, frames, received in buffered:
             if msg.sequence <= after:
                 # Already in the snapshot, but it still confirms a pending update.
                 self.pending.confirm(update_id(msg))
@@ -1164,7 +1254,8 @@ class ServerCore:
                 continue
             if msg.sequence != store.sequence + 1:
                 return False
-            self._follow(msg, now, frames)
+            # Its ttl counts from when it came, not from the replay (never later than the truth).
+            self._follow(msg, now, frames, received)
         return not overflowed
 
     def _record(self, frames: list[bytes]) -> None:
@@ -1180,14 +1271,22 @@ class ServerCore:
         sequence: int,
         history: Sequence[tuple[list[bytes], int, float]],
         now: float = 0.0,
+        mono: float | None = None,
     ) -> None:
         """Start from the state a data directory held (before serving anything).
 
         The update log becomes the history (what a peer's catch-up is served
         from) and its ids the deduplication window, so a client's resend of
         a write confirmed before the restart is still recognised.
+
+        Monotonic time does not survive a restart, and the wall clock may have
+        stepped while we were down, so neither says how long a key has left:
+        every ephemeral key gets its stored ``ttl`` again from ``mono`` (at
+        least what it had left when it was written; never less), and every
+        lease its whole ttl.
         """
-        self.store.replace(entries, sequence)
+        mono = _mono(mono, now)
+        self.store.replace(entries, sequence, mono)
         if history:
             self.history.reset(int.from_bytes(history[0][0][1], "big") - 1)
             self.history.load(history)
@@ -1202,4 +1301,4 @@ class ServerCore:
         self.highest_seen = max(self.highest_seen, sequence)
         if self.role is Role.ACTIVE:
             # A standalone server serves at once: its leases start a full ttl now.
-            self._rebuild_leases(now)
+            self._rebuild_leases(mono)

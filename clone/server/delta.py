@@ -17,7 +17,10 @@ It has the interface :mod:`clone.server.serving` drives a
 serves it: a send that fails (EAGAIN) is retried with the same frames and
 drops nothing.  Unlike a snapshot it is exact, not fuzzy: the updates are
 those of the history when the stream opened, and KTHXBAI carries the
-sequence of the last one.  Sans-IO: no sockets, no clock.
+sequence of the last one.  An update of an ephemeral key that the key still
+holds goes out with the time it has left as its ``ttl`` (``served``, see
+:meth:`clone.server.store.Store.served`), not the whole ttl it was granted
+long ago.  Sans-IO: no sockets; the clock is read only through ``served``.
 
 When :func:`open_catch_up` returns None the requester gets a full snapshot;
 the rules are in :mod:`clone.wire.delta`.
@@ -36,6 +39,7 @@ from collections.abc import Sequence
 
 from clone.server.history import History
 from clone.server.snapshot import effective_prefixes
+from clone.server.store import Served
 from clone.wire.codec import Properties, encode_kthxbai
 from clone.wire.delta import SinceRequest, encode_kvdelta, update_digest
 
@@ -53,6 +57,7 @@ class DeltaStream:
         "_head",
         "_index",
         "_preamble",
+        "_served",
         "_updates",
         "compacted",
         "from_sequence",
@@ -79,6 +84,7 @@ class DeltaStream:
         filtered: bool = False,
         compacted: int | None = None,
         end_properties: Properties = (),
+        served: Served | None = None,
     ) -> None:
         if not filtered and compacted is None and sequence - from_sequence != len(updates):
             # The updates must be exactly from_sequence+1 .. sequence, or the
@@ -104,6 +110,7 @@ class DeltaStream:
         self._preamble = [[identity, *frames] for frames in reversed(preamble)]
         self._head: list[bytes] | None = [identity, *encode_kvdelta(from_sequence, compacted)]
         self._updates = updates
+        self._served = served
         self._index = 0
         self._current: list[bytes] | None = None
         self._ended = False  # KTHXBAI has been produced
@@ -132,7 +139,11 @@ class DeltaStream:
         elif self._head is not None:
             self._current = self._head
         elif self._index < len(self._updates):
-            self._current = [self.identity, *self._updates[self._index]]
+            update = self._updates[self._index]
+            if self._served is not None and update[3]:
+                key, seq, uuid, props, body = update
+                update = [key, *self._served(key, (seq, uuid, props, body))]
+            self._current = [self.identity, *update]
         else:
             self._updates = []  # free the references as soon as possible
             self._ended = True
@@ -166,6 +177,7 @@ def open_catch_up(
     preamble: Sequence[Sequence[bytes]] = (),
     *,
     subtree: str = "",
+    served: Served | None = None,
 ) -> DeltaStream | None:
     """A delta for ``request``, or None when the requester needs a full snapshot.
 
@@ -184,7 +196,9 @@ def open_catch_up(
     held = history.entry(since)
     if held is None or update_digest(held[0]) != request.digest:
         return None
-    return DeltaStream(identity, history.since(since), since, sequence, preamble=preamble)
+    return DeltaStream(
+        identity, history.since(since), since, sequence, preamble=preamble, served=served
+    )
 
 
 def open_history(
@@ -197,6 +211,7 @@ def open_history(
     subtree: str = "",
     allowed: Sequence[bytes] | None = None,
     end_properties: Properties = (),
+    served: Served | None = None,
 ) -> DeltaStream:
     """The reply to a client's history request: every update after
     ``request.sequence`` under ``subtree`` and the ``allowed`` read prefixes
@@ -248,4 +263,5 @@ def open_history(
         subtree=subtree,
         filtered=filtered,
         end_properties=end_properties,
+        served=served,
     )

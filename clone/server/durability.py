@@ -65,7 +65,7 @@ class DurabilityMixin(ServerBase):
         try:
             loaded = storage.load()
             self.core.load(
-                loaded.entries, loaded.sequence, loaded.history, self._wallclock()
+                loaded.entries, loaded.sequence, loaded.history, self._wallclock(), self._clock()
             )
         except BaseException:
             storage.close()

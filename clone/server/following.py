@@ -30,6 +30,7 @@ from clone.wire.protocol import (
     BATCH_METADATA,
     PUBLISHER_OFFSET,
     SNAPSHOT_OFFSET,
+    TTL_LEFT_METADATA,
 )
 
 __all__ = ["FollowingMixin"]
@@ -53,7 +54,7 @@ class FollowingMixin(ServerBase):
         assert self._ha is not None
         heard = self._ha.heard_peer
         core.term = self._ha.epoch
-        core.become_active(self._wallclock())
+        core.become_active(self._wallclock(), self._clock())
         self._apply_split_writes_here()
         self._note_role(was.value, core.role.value)
         if was is Role.PASSIVE:
@@ -119,7 +120,7 @@ class FollowingMixin(ServerBase):
     def _take_backlog(
         self,
         sock: zmq.Socket,
-        handle: Callable[[list[bytes], float], object],
+        handle: Callable[[list[bytes], float, float], object],
         kind: str,
         what: str,
     ) -> int:
@@ -137,7 +138,7 @@ class FollowingMixin(ServerBase):
                 return taken
             taken += 1
             try:
-                handle(frames, now)
+                handle(frames, now, self._clock())
             except ProtocolError as exc:
                 self._throttle.log(kind, logging.WARNING, "dropped %s: %s", what, exc)
 
@@ -189,6 +190,8 @@ class FollowingMixin(ServerBase):
             # (a relay has none: it asks as a client does).
             if self.core.role is not Role.RELAY:
                 dealer.setsockopt(zmq.METADATA, APPLIED_METADATA)
+            # ... and for the time each ephemeral key has left (clone.server.ttl).
+            dealer.setsockopt(zmq.METADATA, TTL_LEFT_METADATA)
             # ... and, holding a state, only for what followed it (a catch-up).
             since = self.core.catch_up_request()
             if since is not None:
@@ -248,6 +251,7 @@ class FollowingMixin(ServerBase):
         now = self._wallclock()
         budget = self.config.collector_batch
         relay = core.role is Role.RELAY
+        clock = self._clock
         while True:
             outcome = FollowOutcome.OK
             if relay:
@@ -257,7 +261,8 @@ class FollowingMixin(ServerBase):
                 self._on_upstream_control(frames)
             else:
                 try:
-                    outcome = core.on_peer_update(frames, now)
+                    # Read after the message: a ttl in it counts from no earlier than its arrival.
+                    outcome = core.on_peer_update(frames, now, clock())
                 except ProtocolError as exc:
                     self._throttle.log(
                         "peer_update", logging.WARNING, "dropped a message from the peer: %s", exc
@@ -300,11 +305,13 @@ class FollowingMixin(ServerBase):
         if core.role is Role.RELAY:
             self._upstream_heard = stop_at
         stop_at += TURN_BUDGET
+        clock = self._clock
         now = self._wallclock()
         budget = self.config.collector_batch
         while True:
             try:
-                outcome = core.on_snapshot_reply(frames, now)
+                # Read after the message: a ttl in it counts from no earlier than its arrival.
+                outcome = core.on_snapshot_reply(frames, now, clock())
             except ProtocolError as exc:
                 self._throttle.log(
                     "sync_reply", logging.WARNING, "dropped a snapshot entry from the peer: %s", exc

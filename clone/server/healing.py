@@ -123,7 +123,7 @@ class HealingMixin(ServerBase):
         now = self._wallclock()
         assert self.core.role is Role.ACTIVE
         for frames in self._split_pending.values():
-            reply, _ = self.core.on_call(frames, now)
+            reply, _ = self.core.on_call(frames, now, self._clock())
             if reply is not None:
                 self._tally_split_write(reply, frames)
         self._split_pending.clear()

@@ -18,7 +18,8 @@ stored properties before deleting it.  Deadlines sit in a heap with lazy
 deletion (a keepalive pushes a new deadline; the old one is skipped when it
 surfaces), compacted when stale entries outnumber live ones.
 
-Sans-IO: every ``now`` is passed in (the wall clock, like key expiry).
+Sans-IO: every ``now`` is passed in, on the monotonic clock (as key expiry):
+a step of the wall clock ends no lease early and keeps none alive.
 """
 
 from __future__ import annotations

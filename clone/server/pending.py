@@ -102,12 +102,15 @@ class UuidWindow:
 class PendingUpdate:
     """A client update parked on the passive server, with when it arrived.
 
-    ``arrived`` is wall-clock time: an ephemeral key's expiry is counted from
-    when the client sent it, not from when a backup got promoted.
+    ``arrived`` is wall-clock time (the pending list's age); ``mono`` is the
+    same moment on the monotonic clock: an ephemeral key's expiry is counted
+    from it, when the client sent it, not from when a backup got promoted, and
+    a step of the wall clock cannot move it.
     """
 
     msg: KVMsg
     arrived: float
+    mono: float
 
 
 class PendingList:
@@ -139,8 +142,9 @@ class PendingList:
     def __iter__(self) -> Iterator[PendingUpdate]:
         return iter(self._items.values())
 
-    def add(self, msg: KVMsg, now: float) -> bool:
-        """Park ``msg``; False if an update with its id is already parked.
+    def add(self, msg: KVMsg, now: float, mono: float | None = None) -> bool:
+        """Park ``msg``, arrived at ``now`` (``mono`` on the monotonic clock,
+        ``now`` if not given); False if an update with its id is already parked.
 
         When full, the oldest update is dropped to make room: the newest ones
         are the most likely to be still missing from the active server.
@@ -151,7 +155,7 @@ class PendingList:
         if len(self._items) >= self.max_items:
             self._items.popitem(last=False)
             self.dropped += 1
-        self._items[uid] = PendingUpdate(msg, now)
+        self._items[uid] = PendingUpdate(msg, now, now if mono is None else mono)
         return True
 
     def confirm(self, uid: Hashable) -> bool:

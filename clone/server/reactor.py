@@ -77,10 +77,12 @@ class CloneServer(
     ``run()`` serves in the calling thread until :meth:`stop`; ``start()`` runs
     it in a background thread and returns once the sockets are bound.  The
     context is ours unless one is passed in.  ``wallclock`` (Unix seconds)
-    stamps expiry times.
+    stamps what is shown or stored as a date (``expires``, the update log)
+    and ages the pending list and the uuid window; no key or lease expires by it.
 
     ``clock`` (monotonic seconds) is the one clock of the server: every
-    deadline (the next HUGZ, sync timeouts, stalled snapshots, held votes) and
+    deadline (the next HUGZ, sync timeouts, stalled snapshots, held votes,
+    ephemeral keys and leases) and
     Binary Star's peer expiry are read from it.  The loop is only asked to wake
     us after a delay computed on that clock (``call_later``, never ``call_at``
     with the loop's own time), so a fake clock in a test moves every deadline
@@ -380,10 +382,11 @@ class CloneServer(
             return
         delay = _HOUSEKEEPING
         try:
-            now = self._wallclock()
-            self.core.tick(now)
+            # Keys and leases expire on the monotonic clock: a wall step ends nothing.
+            mono = self._clock()
+            self.core.tick(self._wallclock(), mono)
             self._commit_and_publish()
-            if self.core.expiry_due(now):
+            if self.core.expiry_due(mono):
                 delay = 0.0  # more due than one batch: continue next turn
             self._check_sync_timeout()
             if self.core.role is Role.RELAY:
@@ -491,7 +494,7 @@ class CloneServer(
         batch = self.config.collector_batch
         while True:
             try:
-                core.on_kvset(frames, wallclock())
+                core.on_kvset(frames, wallclock(), clock())
             except ProtocolError as exc:
                 self._throttle.log("kvset", logging.WARNING, "dropped a client update: %s", exc)
             batch -= 1
@@ -535,7 +538,7 @@ class CloneServer(
         if not allowed:
             return
         try:
-            core.on_kvset(frames, self._wallclock())
+            core.on_kvset(frames, self._wallclock(), self._clock())
         except StoreFull as exc:
             self._throttle.log(
                 "kvset_full", logging.WARNING, "refused a write by %s: %s", user, exc

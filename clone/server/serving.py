@@ -44,6 +44,8 @@ from clone.wire.protocol import (
     BATCH_PROPERTY,
     BATCH_VERSION,
     STATUS_REQUEST,
+    TTL_LEFT_NAME,
+    TTL_LEFT_VERSION,
 )
 from clone.wire.status import encode_status
 
@@ -102,6 +104,12 @@ def _user_id(frame: zmq.Frame) -> str | None:
         return None
 
 
+def _wants_ttl_left(frame: zmq.Frame) -> bool:
+    """Ephemeral entries with the time they have left: a peer server's sync
+    (:mod:`clone.server.ttl`)."""
+    return _has_metadata(frame, TTL_LEFT_NAME, TTL_LEFT_VERSION)
+
+
 def _wants_applied(frame: zmq.Frame) -> bool:
     """The applied-update list first: a peer server's sync (:mod:`clone.wire.applied`)."""
     return _has_metadata(frame, APPLIED_PROPERTY, APPLIED_VERSION)
@@ -122,6 +130,7 @@ class ServingMixin(ServerBase):
             return
         batch = len(parts) > 1 and _wants_batches(parts[1])
         applied = len(parts) > 1 and _wants_applied(parts[1])
+        ttl_left = len(parts) > 1 and _wants_ttl_left(parts[1])
         since: SinceRequest | None = None
         if len(parts) > 1:
             try:
@@ -145,13 +154,21 @@ class ServingMixin(ServerBase):
             # the peer's not-yet-expired heartbeat stands in the way, hold the
             # request and vote again when it expires; otherwise the client
             # times out and fails over to the other server.
-            if not self._defer_vote(identity, subtree, batch, applied, user, since):
+            if not self._defer_vote(identity, subtree, batch, applied, user, since, ttl_left):
                 self.counters["snapshots_refused"] += 1
                 log.debug("snapshot request from %s not served (%s)", who(identity), ha.state.name)
             return
         # Served now: a held copy of the same request must not be served again.
         self._deferred.discard(identity, subtree)
-        self._serve(identity, subtree, batch=batch, applied=applied, since=since, user=user)
+        self._serve(
+            identity,
+            subtree,
+            batch=batch,
+            applied=applied,
+            since=since,
+            user=user,
+            ttl_left=ttl_left,
+        )
 
     def _serve(
         self,
@@ -163,11 +180,13 @@ class ServingMixin(ServerBase):
         applied: bool = False,
         since: SinceRequest | None = None,
         user: str | None = None,
+        ttl_left: bool = False,
     ) -> None:
         """Stream a snapshot for an accepted vote (in KVBATCHes if ``batch``,
         after the applied-update list if ``applied``), or only the updates
         after ``since`` when the history still holds them (a client's history
-        request: those or a compacted reply, never a snapshot)."""
+        request: those or a compacted reply, never a snapshot).  ``ttl_left``:
+        ephemeral entries carry the time they have left (a peer server's sync)."""
         if self.core.role in (Role.STARTING, Role.PASSIVE):
             # The vote was accepted; make sure the promotion happened first.
             # (A relay serves its copy at any time: it has no vote to win.)
@@ -210,6 +229,7 @@ class ServingMixin(ServerBase):
             batch=batch,
             applied=applied,
             now=self._wallclock(),
+            clock=self._clock if ttl_left else None,
             since=since,
             allowed=allowed,
             end_properties=end_properties,
@@ -489,6 +509,7 @@ class ServingMixin(ServerBase):
         applied: bool,
         user: str | None = None,
         since: SinceRequest | None = None,
+        ttl_left: bool = False,
     ) -> bool:
         """Hold a refused vote if it may be accepted once the peer expires."""
         ha = self._ha
@@ -507,7 +528,14 @@ class ServingMixin(ServerBase):
             return False
         now = self._clock()
         hold = votes.hold(
-            identity, subtree, now, batch=batch, applied=applied, user=user, since=since
+            identity,
+            subtree,
+            now,
+            batch=batch,
+            applied=applied,
+            user=user,
+            since=since,
+            ttl_left=ttl_left,
         )
         if not hold.new:
             return True  # the same request again (a Guide client re-asks so)
@@ -603,6 +631,7 @@ class ServingMixin(ServerBase):
                 applied=vote.applied,
                 user=vote.user,
                 since=vote.since,
+                ttl_left=vote.ttl_left,
             )
             if votes and self._clock() > stop_at:
                 # Each serve sends a first chunk; yield to the loop between turns.

@@ -14,7 +14,10 @@ sequence, and a client that replays the KVPUBs after that sequence converges on 
 The I/O layer drives it with :meth:`peek` / :meth:`advance`: it tries to send
 the frames ``peek`` returns and calls ``advance`` only when the send succeeded,
 so a full socket (EAGAIN) never drops an entry -- it just retries the same
-frames later.  Sans-IO: no sockets, no clock.
+frames later.  An ephemeral key goes out with the time it has left as its
+``ttl`` (``served``, see :meth:`clone.server.store.Store.served`), so the
+receiver counts it from when it gets it.  Sans-IO: no sockets; the clock is
+read only through ``served``.
 
 In batch mode (a requester that negotiated our KVBATCH extension, see
 :mod:`clone.wire.batch`) each message packs up to ``MAX_BATCH_ENTRIES`` entries, and
@@ -39,14 +42,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import compress, repeat
+from operator import itemgetter
 from typing import cast
 
-from clone.server.store import Entry, Store
+from clone.server.store import Entry, Served, Store
 from clone.wire.batch import batch_size, encode_kvbatch
 from clone.wire.codec import Properties, encode_kthxbai
 from clone.wire.protocol import BATCH_TARGET_BYTES, MAX_BATCH_ENTRIES
 
 __all__ = ["SnapshotStream", "effective_prefixes"]
+
+_PROPS = itemgetter(2)  # an entry's properties frame
 
 # How many keys outside the subtree one peek() may skip before giving the
 # reactor back; bounds the work of a turn for a sparse subtree.
@@ -87,6 +93,7 @@ class SnapshotStream:
         "_preamble",
         "_prefix",
         "_prefixes",
+        "_served",
         "_total",
         "batch",
         "batches_sent",
@@ -106,6 +113,7 @@ class SnapshotStream:
         preamble: Sequence[Sequence[bytes]] = (),
         allowed: Sequence[bytes] | None = None,
         end_properties: Properties = (),
+        served: Served | None = None,
     ) -> None:
         self.identity = identity
         # Reversed, so the next one is popped off the end.
@@ -120,6 +128,7 @@ class SnapshotStream:
         self._end_properties = end_properties
         self._lookup = store.entry
         self._lookup_many = store.entries
+        self._served = served
         self._keys = store.raw_keys()
         self._total = len(self._keys)
         self._index = 0
@@ -180,6 +189,8 @@ class SnapshotStream:
             entry = lookup(key)
             if entry is None:  # deleted since the snapshot started
                 continue
+            if entry[2] and self._served is not None:
+                entry = self._served(key, entry)
             self._index = index
             self._current = (self.identity, key, *entry)
             self._current_entries = 1
@@ -230,6 +241,9 @@ class SnapshotStream:
             entries = [e for _, e in kept]
         else:
             entries = cast(list[Entry], found)
+        served = self._served
+        if served is not None and any(map(_PROPS, entries)):  # in C: most batches have none
+            entries = [served(k, e) if e[2] else e for k, e in zip(picked, entries, strict=True)]
         frames = encode_kvbatch(picked, entries)
         n = len(picked)
         if len(frames[2]) + len(frames[7]) + len(frames[9]) >= BATCH_TARGET_BYTES:

@@ -11,31 +11,41 @@ garbage collector, so a million keys add nothing to a full GC pass (a million
 Two ways in:
 
 * :meth:`Store.apply` -- the active server's path.  A client's KVSET gets the
-  next sequence; its ``ttl`` becomes an absolute ``expires`` property; the
+  next sequence; its ``ttl`` is kept as sent and counted from ``now``, and an
+  ``expires`` property (the wall clock plus the ttl, for display) is added; the
   result is the frames of the KVPUB to publish (the stored ones).
 * :meth:`Store.apply_published` -- the passive server's path.  A KVPUB from the
-  active server is stored as is, its sequence and ``expires`` included, so both
-  servers expire a key at the same moment.
+  active server is stored as is, its sequence included; its ``ttl`` (or the
+  ``ttl-left`` a snapshot or catch-up entry came with) is the time left when it
+  was sent, counted here from when it was received.
 
-Expiry deadlines live in an :class:`~clone.server.ttl.ExpiryHeap`; only the active
-server calls :meth:`Store.expire`, which deletes due keys and returns the delete
-KVPUBs to publish.  Sans-IO: every ``now`` is wall-clock Unix seconds, passed in.
+Expiry deadlines live in an :class:`~clone.server.ttl.ExpiryHeap` on this
+server's monotonic clock (:mod:`clone.server.ttl` says why and how the time
+left travels); only the active server calls :meth:`Store.expire`, which deletes
+due keys and returns the delete KVPUBs to publish.  :meth:`Store.served` is an
+entry as a snapshot or catch-up sends it to a peer server, with the time it has
+left.  Sans-IO: every ``now`` is monotonic seconds and every ``wall`` Unix
+seconds, passed in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from clone.errors import LimitExceeded, StoreFull
-from clone.server.ttl import ExpiryHeap, format_expires, parse_expires, parse_ttl
+from clone.errors import LimitExceeded, ProtocolError, StoreFull
+from clone.server.ttl import ExpiryHeap, format_expires, parse_ttl, with_ttl_left
 from clone.wire.codec import KVMsg, Properties, decode_properties, encode_properties
 from clone.wire.protocol import EXPIRES_PROPERTY, MAX_PROPERTIES_BYTES, TTL_PROPERTY
 
-__all__ = ["Entry", "Store", "entry_of"]
+__all__ = ["Entry", "Served", "Store", "entry_of"]
 
 #: One stored key's frames after the key frame: sequence (8 bytes, big-endian),
 #: uuid, properties, body -- as on the wire.
 Entry = tuple[bytes, bytes, bytes, bytes]
+
+#: An entry as it goes out in a snapshot or catch-up to a peer server, given
+#: its raw key (:meth:`Store.served` with the clock read at the time).
+Served = Callable[[bytes, Entry], Entry]
 
 
 def _has_prop(props: Properties, name: str) -> str | None:
@@ -60,8 +70,18 @@ def _msg_of(key: str, entry: Entry) -> KVMsg:
     return KVMsg(key, int.from_bytes(seq, "big"), uuid, decode_properties(props), body)
 
 
-def _expires_of(props: bytes) -> str | None:
-    return _has_prop(decode_properties(props), EXPIRES_PROPERTY) if props else None
+# Cheap byte tests before decoding a stored entry's properties.
+_TTL_TOKEN = f"{TTL_PROPERTY}=".encode()
+_EXPIRES_TOKEN = f"{EXPIRES_PROPERTY}=".encode()
+
+
+def _ttl_of(props: Properties) -> float | None:
+    """The ``ttl`` a stored or published entry carries (None: none, or not a valid one)."""
+    try:
+        ttl = parse_ttl(_has_prop(props, TTL_PROPERTY))
+    except ProtocolError:
+        return None
+    return ttl if ttl > 0 else None
 
 
 class Store:
@@ -85,7 +105,8 @@ class Store:
         # The key of the newest write (see last_update); checked against its
         # entry's sequence before use, so a sequence moved by hand is safe.
         self._last_key: bytes | None = None
-        #: KVPUBs from the peer whose ``expires`` could not be parsed.
+        #: KVPUBs from the peer with an ``expires`` but no valid ``ttl``: kept
+        #: without an expiry (``ttl`` says how long is left; see clone.server.ttl).
         self.bad_expires = 0
         #: The limits :meth:`apply` enforces (0: none).  Only the active
         #: server's writes are refused: a follower stores what it is sent.
@@ -156,8 +177,33 @@ class Store:
         ]
 
     def deadline(self, key: str) -> float | None:
-        """When ``key`` expires (Unix seconds), if it is ephemeral."""
+        """When ``key`` expires (on the monotonic clock), if it is ephemeral."""
         return self._expiry.deadline(key.encode("utf-8"))
+
+    def time_left(self, raw_key: bytes, now: float) -> float | None:
+        """Seconds until ``raw_key`` expires, as of monotonic ``now`` (None: it does not)."""
+        deadline = self._expiry.deadline(raw_key)
+        return None if deadline is None else deadline - now
+
+    def served(self, raw_key: bytes, entry: Entry, now: float) -> Entry:
+        """``entry`` (stored under ``raw_key``) as a snapshot or catch-up sends
+        it to a peer server.
+
+        An ephemeral key gets ``ttl-left``, the time it has left at monotonic
+        ``now``, so that the receiver can count from when it gets it.  Every
+        other entry, and an older update of a key since rewritten (``entry`` is
+        not the stored one), is sent as it is.
+        """
+        if not entry[2]:
+            return entry
+        deadline = self._expiry.deadline(raw_key)
+        if deadline is None:
+            return entry
+        stored = self._map.get(raw_key)
+        if stored is None or stored[0] != entry[0]:
+            return entry
+        props = with_ttl_left(entry[2], deadline - now)
+        return entry if props is None else (entry[0], entry[1], props, entry[3])
 
     @property
     def ephemeral_count(self) -> int:
@@ -168,10 +214,19 @@ class Store:
 
     # -- writing -------------------------------------------------------------
 
-    def apply(self, msg: KVMsg, now: float, frames: Sequence[bytes] | None = None) -> list[bytes]:
+    def apply(
+        self,
+        msg: KVMsg,
+        now: float,
+        frames: Sequence[bytes] | None = None,
+        *,
+        wall: float | None = None,
+    ) -> list[bytes]:
         """Apply a client's KVSET as the active server; return the KVPUB frames.
 
-        ``frames`` are the KVSET's own frames when ``msg`` was decoded from
+        An ephemeral key expires ``ttl`` after monotonic ``now``; ``expires``
+        shows the wall clock ``wall`` plus the ttl (``now`` if not given: a
+        caller with one clock).  ``frames`` are the KVSET's own frames when ``msg`` was decoded from
         them: their key, uuid, properties and body are reused as they are.
         Raises :class:`~clone.errors.ProtocolError` (nothing changed) for an
         invalid ``ttl`` or when adding ``expires`` would overflow the properties
@@ -185,8 +240,9 @@ class Store:
             ttl = parse_ttl(ttl_text)
             if msg.body and ttl > 0:
                 deadline = now + ttl
+                shown = (now if wall is None else wall) + ttl
                 props_raw = encode_properties(
-                    msg.with_props(**{EXPIRES_PROPERTY: format_expires(deadline)})
+                    msg.with_props(**{EXPIRES_PROPERTY: format_expires(shown)})
                 )
                 if len(props_raw) > MAX_PROPERTIES_BYTES:
                     raise LimitExceeded(
@@ -212,20 +268,27 @@ class Store:
         self._last_key = key_raw
         return [key_raw, seq, uuid, props_raw, body]
 
-    def apply_published(self, msg: KVMsg, frames: Sequence[bytes] | None = None) -> None:
+    def apply_published(
+        self,
+        msg: KVMsg,
+        frames: Sequence[bytes] | None = None,
+        *,
+        now: float,
+        left: float | None = None,
+    ) -> None:
         """Store a KVPUB (or a KVSYNC) from the active server as it is.
 
-        ``frames`` are its own frames when ``msg`` was decoded from them.  The
-        caller has checked the sequence; this moves :attr:`sequence` up to the
-        message's.
+        An ephemeral key expires ``left`` (the ``ttl-left`` it came with, cut
+        off by the caller) or else its ``ttl`` after ``now``, when it was
+        received (monotonic).  ``frames`` are its own frames when ``msg`` was
+        decoded from them.  The caller has checked the sequence; this moves
+        :attr:`sequence` up to the message's.
         """
         deadline: float | None = None
         if msg.body and msg.properties:
-            text = _has_prop(msg.properties, EXPIRES_PROPERTY)
-            if text is not None:
-                deadline = parse_expires(text)
-                if deadline is None:
-                    self.bad_expires += 1
+            deadline = self._deadline_of(msg.properties, now)
+            if deadline is not None and left is not None:
+                deadline = now + left
         if frames is not None:
             key = frames[0]
             self._put(key, (frames[1], frames[2], frames[3], frames[4]), deadline)
@@ -255,7 +318,7 @@ class Store:
             )
 
     def expire(self, now: float, limit: int | None = None) -> list[KVMsg]:
-        """Delete keys due at ``now``; return the delete KVPUBs to publish.
+        """Delete keys due at monotonic ``now``; return the delete KVPUBs to publish.
 
         The delete carries a fresh sequence, an empty uuid and no properties
         (``docs/protocol.md``).  ``limit`` bounds one call's work.
@@ -270,32 +333,51 @@ class Store:
             out.append(KVMsg(key.decode("utf-8"), self.sequence))
         return out
 
-    def replace(self, entries: dict[bytes, Entry], sequence: int) -> None:
-        """Swap in a whole new state (a completed resync), in O(n).
+    def _deadline_of(self, props: Properties, now: float) -> float | None:
+        """``now`` plus the ``ttl`` in ``props``; None if it has none (counted
+        in :attr:`bad_expires` when an ``expires`` shows it should have)."""
+        ttl = _ttl_of(props)
+        if ttl is not None:
+            return now + ttl
+        if _has_prop(props, EXPIRES_PROPERTY) is not None:
+            self.bad_expires += 1
+        return None
+
+    def replace(
+        self,
+        entries: dict[bytes, Entry],
+        sequence: int,
+        now: float = 0.0,
+        deadlines: dict[bytes, float] | None = None,
+    ) -> None:
+        """Swap in a whole new state (a completed resync, or a data directory), in O(n).
 
         ``entries`` maps raw key frames to :data:`Entry` tuples of valid
-        (decoded once) frames; the store takes ownership of the dict.
+        (decoded once) frames; the store takes ownership of the dict.  An
+        ephemeral entry expires at its deadline in ``deadlines`` (monotonic, by
+        key: when it was received plus the time it had left) or else its
+        ``ttl`` after ``now``: a state loaded from disk gives every such key its
+        stored ``ttl`` again from the start.
         """
         self._map = entries
         self.sequence = sequence
         self.nbytes = sum(map(len, entries)) + sum(
             len(a) + len(b) + len(c) + len(d) for a, b, c, d in entries.values()
         )
-        deadlines: dict[bytes, float] = {}
+        due: dict[bytes, float] = {}
         last = sequence.to_bytes(8, "big")
         self._last_key = None
         for key, entry in entries.items():
             if entry[0] == last:
                 self._last_key = key
-            if entry[2]:
-                text = _expires_of(entry[2])
-                if text is not None:
-                    deadline = parse_expires(text)
-                    if deadline is None:
-                        self.bad_expires += 1
-                    else:
-                        deadlines[key] = deadline
-        self._expiry.rebuild(deadlines)
+            props = entry[2]
+            if props and (_TTL_TOKEN in props or _EXPIRES_TOKEN in props):
+                deadline = self._deadline_of(decode_properties(props), now)
+                if deadline is not None:
+                    if deadlines is not None:
+                        deadline = deadlines.get(key, deadline)
+                    due[key] = deadline
+        self._expiry.rebuild(due)
 
     def _put(self, key: bytes, entry: Entry, deadline: float | None) -> None:
         old = self._map.get(key)

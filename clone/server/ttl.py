@@ -1,7 +1,22 @@
 """Ephemeral keys: the ``ttl`` property and the expiry heap.
 
-How this works: every ephemeral key has one *absolute* deadline (Unix seconds,
-the ``expires`` property).  :class:`ExpiryHeap` keeps ``(deadline, generation,
+How this works: every ephemeral key has one deadline on *this server's
+monotonic clock*, never on the wall clock, so a step of the wall clock (NTP,
+an operator, a VM resume) ends nothing early or late.  The deadline itself is
+not replicated, because one server's monotonic clock means nothing to another:
+what travels is the time *left*, counted by the receiver from when *it* got
+it.  The active server counts a client's ``ttl`` from when it applied the write
+and publishes the write at once, ``ttl`` as sent (nothing has elapsed yet);
+a snapshot or catch-up entry sent to a peer server carries the time left as
+it goes out in one more property, ``ttl-left``, appended last
+(:func:`with_ttl_left`), which the receiver cuts off again before storing
+(:func:`split_ttl_left`), so both servers store the same bytes.  A receiver's
+deadline is therefore never earlier than the sender's, and later only by the
+time in transit.  The ``expires`` property (absolute Unix seconds, the wall
+clock of the server that applied the write plus the ttl) is for display; no
+server reads it back.
+
+:class:`ExpiryHeap` keeps ``(deadline, generation,
 key)`` tuples in a binary heap and remembers the live generation of each key in
 a dict.  Rescheduling or cancelling a key only updates the dict; the stale heap
 tuple stays behind and is skipped when it surfaces ("lazy deletion").  So
@@ -9,7 +24,7 @@ tuple stays behind and is skipped when it surfaces ("lazy deletion").  So
 the k entries that surface, never a scan of every key.  When stale tuples
 outnumber live ones the heap is rebuilt, so memory stays bounded.
 
-Sans-IO: ``now`` is always passed in.
+Sans-IO: ``now`` is always passed in, on the monotonic clock.
 """
 
 from __future__ import annotations
@@ -21,9 +36,22 @@ from collections.abc import Hashable
 from typing import Generic, TypeVar
 
 from clone.errors import ProtocolError
-from clone.wire.protocol import MAX_TTL_SECONDS, TTL_PROPERTY
+from clone.wire.protocol import (
+    MAX_PROPERTIES_BYTES,
+    MAX_TTL_SECONDS,
+    TTL_LEFT_PROPERTY,
+    TTL_PROPERTY,
+)
 
-__all__ = ["ExpiryHeap", "parse_ttl", "parse_expires", "format_expires"]
+__all__ = [
+    "ExpiryHeap",
+    "format_expires",
+    "format_ttl_left",
+    "parse_expires",
+    "parse_ttl",
+    "split_ttl_left",
+    "with_ttl_left",
+]
 
 # A ttl is a plain decimal number: "30", "1.5", ".5".  float() alone would also
 # take "inf", "nan", "1e3" and "1_000", none of which a client means.
@@ -54,8 +82,7 @@ def parse_ttl(text: str | None) -> float:
 def parse_expires(text: str | None) -> float | None:
     """The ``expires`` property (absolute Unix seconds) or None if absent/invalid.
 
-    Only an active server writes it, so a bad value means a broken peer; the
-    caller logs that and keeps the key without an expiry rather than dropping it.
+    Display only: no server expires a key by it (see the module doc).
     """
     if text is None:
         return None
@@ -71,6 +98,44 @@ def parse_expires(text: str | None) -> float | None:
 def format_expires(deadline: float) -> str:
     """``expires`` as written on the wire: millisecond precision is plenty."""
     return f"{deadline:.3f}"
+
+
+#: The least ``ttl-left`` sent: a key due but not yet deleted still has a deadline.
+_MIN_LEFT = 0.001
+_LEFT_TOKEN = f"{TTL_LEFT_PROPERTY}=".encode()
+
+
+def format_ttl_left(left: float) -> str:
+    """The time left as sent: rounded *up* to the millisecond (a receiver must
+    never count less than is left) and at least 1 ms."""
+    return f"{max(_MIN_LEFT, math.ceil(left * 1000.0) / 1000.0):.3f}"
+
+
+def with_ttl_left(props: bytes, left: float) -> bytes | None:
+    """Stored properties ``props`` with ``ttl-left`` appended as the last one;
+    None if that would pass the properties limit (the caller then sends them
+    as stored: the receiver counts the whole ``ttl``, so its deadline is only
+    later)."""
+    out = props + _LEFT_TOKEN + format_ttl_left(left).encode() + b"\n"
+    return out if len(out) <= MAX_PROPERTIES_BYTES else None
+
+
+def split_ttl_left(props: bytes) -> tuple[bytes, float | None]:
+    """Received properties without a trailing ``ttl-left``, and its value
+    (None when there is none, or it is not a positive number: then the
+    receiver counts ``ttl``)."""
+    if not props.endswith(b"\n"):
+        return props, None
+    start = props.rfind(b"\n", 0, len(props) - 1) + 1
+    if not props.startswith(_LEFT_TOKEN, start):
+        return props, None
+    try:
+        left = float(props[start + len(_LEFT_TOKEN) : -1])
+    except ValueError:
+        return props[:start], None
+    if not math.isfinite(left) or left <= 0:
+        return props[:start], None
+    return props[:start], min(left, MAX_TTL_SECONDS)
 
 
 #: The key type: the store uses raw key bytes.

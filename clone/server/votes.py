@@ -33,6 +33,7 @@ class DeferredVote:
     applied: bool  # the requester (a peer server) asked for KVAPPLIED
     user: str | None = None  # its ZAP User-Id (CURVE): its rights are read when served
     since: SinceRequest | None = None  # a peer server's catch-up request
+    ttl_left: bool = False  # the requester (a peer server) asked for ttl-left
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +74,7 @@ class DeferredVotes:
         applied: bool,
         user: str | None = None,
         since: SinceRequest | None = None,
+        ttl_left: bool = False,
     ) -> Hold:
         """Hold a refused request until ``now + max_age``; drop the oldest if full."""
         key = (identity, subtree)
@@ -83,7 +85,7 @@ class DeferredVotes:
             oldest = next(iter(self._held))
             dropped = self._held.pop(oldest)
         self._held[key] = DeferredVote(
-            identity, subtree, now + self.max_age, batch, applied, user, since
+            identity, subtree, now + self.max_age, batch, applied, user, since, ttl_left
         )
         return Hold(new=True, dropped=dropped)
 

@@ -21,6 +21,10 @@ __all__ = [
     "MAX_SUBTREE_BYTES",
     "TTL_PROPERTY",
     "EXPIRES_PROPERTY",
+    "TTL_LEFT_PROPERTY",
+    "TTL_LEFT_METADATA",
+    "TTL_LEFT_NAME",
+    "TTL_LEFT_VERSION",
     "MAX_TTL_SECONDS",
     "HEARTBEAT_PROPERTY",
     "MAX_HEARTBEAT_MS",
@@ -81,8 +85,16 @@ MAX_TTL_SECONDS: Final = 365 * 24 * 3600.0
 # Properties with meaning to the server.
 TTL_PROPERTY: Final = "ttl"
 # Extension (ours): absolute expiry in Unix seconds, set by the active server
-# on every KVPUB/KVSYNC of an ephemeral key so both servers agree on it.
+# on every KVPUB of an ephemeral key, for display: no server expires a key by it.
 EXPIRES_PROPERTY: Final = "expires"
+# Extension (ours): the seconds an ephemeral key has left, appended as the last
+# property of a snapshot or catch-up entry, only for a requester that set the
+# metadata below on its snapshot DEALER (our servers' sync); the receiver removes
+# it before storing and counts it from when it received it.
+TTL_LEFT_PROPERTY: Final = "ttl-left"
+TTL_LEFT_NAME: Final = "X-CHP-TTL-Left"
+TTL_LEFT_VERSION: Final = "1"
+TTL_LEFT_METADATA: Final = f"{TTL_LEFT_NAME}:{TTL_LEFT_VERSION}".encode()
 
 # Extension (ours): a HUGZ says the server's heartbeat interval, in whole
 # milliseconds, so clients judge its silence by its own rhythm.

@@ -67,10 +67,11 @@ class Pair:
         self.passive.become_passive()
         self.passive.start_sync()
 
-    def sync(self, *, batch: bool = False) -> FollowOutcome:
+    def sync(self, *, batch: bool = False, now: float = 0.0) -> FollowOutcome:
+        """The active's snapshot, received by the passive at ``now``."""
         outcome = FollowOutcome.OK
         for frames in _snapshot_of(self.active, batch=batch):
-            outcome = self.passive.on_snapshot_reply(frames, 0.0)
+            outcome = self.passive.on_snapshot_reply(frames, now)
         return outcome
 
     def client_set(self, frames: list[bytes], now: float = 0.0, *, to_passive: bool = True) -> None:
@@ -79,7 +80,7 @@ class Pair:
         if to_passive:
             self.passive.on_kvset(frames, now)
         if pub is not None:
-            assert self.passive.on_peer_update(pub, 0.0) is FollowOutcome.OK
+            assert self.passive.on_peer_update(pub, now) is FollowOutcome.OK
 
 
 # -- the sync table ------------------------------------------------------------
@@ -217,7 +218,7 @@ def test_passive_syncs_then_follows() -> None:
     pair = Pair()
     pair.client_set(_kvset("a", n=1), to_passive=False)
     pair.client_set(_kvset("b", props="ttl=5\n", n=2), now=10.0, to_passive=False)
-    assert pair.sync() is FollowOutcome.SYNCED
+    assert pair.sync(now=10.0) is FollowOutcome.SYNCED
     assert pair.passive.sync_state is SyncState.SYNCED
     pair.client_set(_kvset("c", n=3))
     assert pair.passive.store.keys() == pair.active.store.keys()
@@ -240,8 +241,8 @@ def test_passive_syncs_from_kvbatches_into_the_same_state() -> None:
         pair.active.on_kvset(late, 10.0)
         pair.passive.on_kvset(late, 10.0)
     assert len(batched.passive.pending) == 1
-    assert plain.sync() is FollowOutcome.SYNCED
-    assert batched.sync(batch=True) is FollowOutcome.SYNCED
+    assert plain.sync(now=10.0) is FollowOutcome.SYNCED
+    assert batched.sync(batch=True, now=10.0) is FollowOutcome.SYNCED
     # two batches and KTHXBAI (without the applied-update list a peer asks for)
     assert len(_snapshot_of(batched.active, batch=True, applied=False)) == 3
     got, want = batched.passive.store, plain.passive.store

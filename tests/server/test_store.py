@@ -113,20 +113,23 @@ def test_overwriting_or_deleting_an_ephemeral_key_cancels_its_expiry() -> None:
     assert "a" in store
 
 
-def test_apply_published_keeps_sequence_and_expires_as_sent() -> None:
+def test_apply_published_keeps_the_message_and_counts_its_ttl_from_receipt() -> None:
+    """The passive's deadline is its own receive time plus the ttl sent (the
+    time left); the sender's wall-clock ``expires`` is shown, never read."""
     store = Store()
     msg = KVMsg("k", 42, U1, (("ttl", "10"), ("expires", "123.000")), b"v")
-    store.apply_published(msg)
+    store.apply_published(msg, now=500.0)
     assert store.get("k") == msg
     assert store.sequence == 42
-    assert store.deadline("k") == 123.0
+    assert store.deadline("k") == 510.0
 
 
-def test_apply_published_with_garbage_expires_keeps_the_key_and_counts() -> None:
+def test_apply_published_with_expires_but_no_ttl_keeps_the_key_and_counts() -> None:
     store = Store()
-    store.apply_published(KVMsg("k", 1, U1, (("expires", "soon"),), b"v"))
-    assert "k" in store and store.deadline("k") is None
-    assert store.bad_expires == 1
+    store.apply_published(KVMsg("k", 1, U1, (("expires", "soon"),), b"v"), now=0.0)
+    store.apply_published(KVMsg("j", 2, U1, (("ttl", "x"), ("expires", "9")), b"v"), now=0.0)
+    assert "k" in store and store.deadline("k") is None and store.deadline("j") is None
+    assert store.bad_expires == 2
 
 
 def test_replace_swaps_state_and_rebuilds_expiry() -> None:
@@ -134,13 +137,15 @@ def test_replace_swaps_state_and_rebuilds_expiry() -> None:
     store.apply(_set("old", props=(("ttl", "1"),)), now=0.0)
     store.replace(
         {
-            b"x": entry_of(KVMsg("x", 7, U1, (("expires", "50"),), b"v")),
+            b"x": entry_of(KVMsg("x", 7, U1, (("ttl", "50"), ("expires", "9")), b"v")),
             b"y": entry_of(KVMsg("y", 8, U1, (), b"w")),
         },
         sequence=9,
+        now=10.0,
     )
     assert store.sequence == 9
     assert store.keys() == ["x", "y"]
+    assert store.expire(now=59.9) == []
     assert [m.key for m in store.expire(now=60.0)] == ["x"]
     assert store.sequence == 10
 
@@ -149,7 +154,7 @@ def test_apply_published_with_frames_stores_them_as_they_are() -> None:
     store = Store()
     msg = KVMsg("k", 42, U1, (("x", "1"),), b"v")
     frames = encode_kv(msg)
-    store.apply_published(msg, frames)
+    store.apply_published(msg, frames, now=0.0)
     entry = store.entry(b"k")
     assert entry is not None and all(a is b for a, b in zip(entry, frames[1:], strict=True))
     assert store.get("k") == msg and store.sequence == 42

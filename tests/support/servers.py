@@ -27,6 +27,9 @@ every server's log (pytest shows it under "Captured stderr teardown").
   a raw ICANHAZ?.
 * ``servers.pair(*extra_args, wait=True) -> (primary, backup)`` -- waits until
   the primary serves and the backup has synced from it.
+* ``env=`` on ``standalone``/``spawn`` (a dict) and ``pair`` (a dict by role,
+  ``{"backup": {...}}``) adds variables to a server's environment (e.g.
+  libfaketime's, to step its wall clock).
 * ``servers.spawn(name, args, port, ha_port) -> ServerProcess`` -- any other
   command line (e.g. a server paired with a fake peer), tracked for teardown.
 * ``servers.heartbeat_ms`` -- the ``--heartbeat`` given to every server (default
@@ -108,13 +111,19 @@ class ServerProcess:
     """
 
     def __init__(
-        self, name: str, args: list[str], port: int, ha_port: int | None, log_dir: Path
+        self,
+        name: str,
+        args: list[str],
+        port: int,
+        ha_port: int | None,
+        log_dir: Path,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.name = name
         self.args = args
         self.port = port
         self.ha_port = ha_port
-        env = dict(os.environ)
+        env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         env["PYTHONUNBUFFERED"] = "1"
         self.process = ManagedProcess(name, self._argv(), log_dir / f"{name}.log", env, cwd=ROOT)
@@ -215,9 +224,17 @@ class Servers:
         self.heartbeat_ms = heartbeat_ms
         self.started: list[ServerProcess] = []
 
-    def spawn(self, name: str, args: list[str], port: int, ha_port: int | None) -> ServerProcess:
-        """Start ``clone-server *args`` (ports as given), tracked for teardown."""
-        server = ServerProcess(name, args, port, ha_port, self.log_dir)
+    def spawn(
+        self,
+        name: str,
+        args: list[str],
+        port: int,
+        ha_port: int | None,
+        env: dict[str, str] | None = None,
+    ) -> ServerProcess:
+        """Start ``clone-server *args`` (ports as given, ``env`` added to ours),
+        tracked for teardown."""
+        server = ServerProcess(name, args, port, ha_port, self.log_dir, env)
         self.started.append(server)
         server.start()
         return server
@@ -238,11 +255,17 @@ class Servers:
             out += ["--peer-wait", "0.5"]
         return out
 
-    def standalone(self, *extra: str, name: str = "standalone", wait: bool = True) -> ServerProcess:
+    def standalone(
+        self,
+        *extra: str,
+        name: str = "standalone",
+        wait: bool = True,
+        env: dict[str, str] | None = None,
+    ) -> ServerProcess:
         port = free_base_port()
         args = ["--standalone", "--port", str(port), *self._common(), *self._durable(name, extra)]
         args += extra
-        server = self.spawn(name, args, port, None)
+        server = self.spawn(name, args, port, None, env)
         if wait:
             server.wait_serving()
         return server
@@ -263,8 +286,16 @@ class Servers:
         relay.wait_serving()
         return relay
 
-    def pair(self, *extra: str, wait: bool = True) -> tuple[ServerProcess, ServerProcess]:
-        """A primary and a backup on free ports, each pointed at the other."""
+    def pair(
+        self,
+        *extra: str,
+        wait: bool = True,
+        env: dict[str, dict[str, str]] | None = None,
+    ) -> tuple[ServerProcess, ServerProcess]:
+        """A primary and a backup on free ports, each pointed at the other;
+        ``env`` adds variables to a server's environment, by role
+        (``"primary"``, ``"backup"``)."""
+        envs = env or {}
         p_port, b_port = free_base_port(), free_base_port()
         p_ha, b_ha = free_port(), free_port()
 
@@ -280,8 +311,10 @@ class Servers:
                 *extra,
             ]  # fmt: skip
 
-        primary = self.spawn("primary", args("primary", p_port, p_ha, b_port, b_ha), p_port, p_ha)
-        backup = self.spawn("backup", args("backup", b_port, b_ha, p_port, p_ha), b_port, b_ha)
+        p_args = args("primary", p_port, p_ha, b_port, b_ha)
+        b_args = args("backup", b_port, b_ha, p_port, p_ha)
+        primary = self.spawn("primary", p_args, p_port, p_ha, envs.get("primary"))
+        backup = self.spawn("backup", b_args, b_port, b_ha, envs.get("backup"))
         if wait:
             primary.wait_log("now ACTIVE")
             backup.wait_log("synced from")
