@@ -20,6 +20,7 @@ import logging
 import marshal
 import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -47,6 +48,7 @@ from clone.errors import (
     NotSynced,
     ProtocolError,
     WriteRefused,
+    refusal,
 )
 from clone.security import KeyPair, load_public, load_secret
 from clone.wire.calls import (
@@ -56,6 +58,7 @@ from clone.wire.calls import (
     OP_LEASE_GRANT,
     OP_LEASE_REVOKE,
     OP_SET,
+    SECRET_PROPERTY,
     Reply,
     decode_reply,
     encode_call,
@@ -184,6 +187,13 @@ def _format_lease_ttl(ttl: float) -> str:
             f"a lease's ttl must be {MIN_LEASE_TTL:g} .. {MAX_TTL_SECONDS:g} s, not {ttl!r}"
         )
     return repr(float(ttl))
+
+
+def _lease_props(lease: Lease) -> Properties:
+    """A keepalive's or revoke's properties: the lease and its secret, if any."""
+    if lease._secret:
+        return ((LEASE_PROPERTY, lease.id), (SECRET_PROPERTY, lease._secret))
+    return ((LEASE_PROPERTY, lease.id),)
 
 
 def _check_if_sequence(if_sequence: int | None) -> int | None:
@@ -655,17 +665,29 @@ class Clone:
         ttl_text = _format_lease_ttl(ttl)
         key = "" if for_key is None else _build(for_key, b"", {}).key
         uuid = new_uuid()
+        # Ours, so that a retry of the grant (same uuid) proves the same owner.
+        secret = secrets.token_hex(16)
         asked = time.monotonic()  # the servers count its ttl from later than this
         reply = self._call(
-            OP_LEASE_GRANT, uuid, key, ((TTL_PROPERTY, ttl_text),), b"", timeout, "a lease grant"
+            OP_LEASE_GRANT,
+            uuid,
+            key,
+            ((TTL_PROPERTY, ttl_text), (SECRET_PROPERTY, secret)),
+            b"",
+            timeout,
+            "a lease grant",
         )
         if not reply.ok:
-            raise WriteRefused(reply.reason, key or lease_key(lease_id_of(uuid)))
-        lease = Lease(self, reply.lease or lease_id_of(uuid), reply.ttl or float(ttl))
+            raise refusal(reply.reason, key or lease_key(lease_id_of(uuid)))
+        lease = Lease(
+            self, reply.lease or lease_id_of(uuid), reply.ttl or float(ttl), reply.secret or secret
+        )
         lease._kept_until(asked + lease.ttl)
         with self._shared:
             self._leases[lease.id] = lease
-        self._request(_agent.LEASE, [lease.id.encode(), repr(lease.ttl).encode()])
+        self._request(
+            _agent.LEASE, [lease.id.encode(), repr(lease.ttl).encode(), lease._secret.encode()]
+        )
         return lease
 
     def _call_write(
@@ -684,6 +706,8 @@ class Clone:
             props[IF_SEQUENCE_PROPERTY] = str(expected)
         if lease_id is not None:
             props[LEASE_PROPERTY] = lease_id
+            if held is not None and held._secret:
+                props[SECRET_PROPERTY] = held._secret
         msg = _build(key, body, props)
         what = f"the {'write' if body else 'delete'} of {key!r}"
         reply = self._call(OP_SET, msg.uuid, key, msg.properties, body, timeout, what)
@@ -695,7 +719,7 @@ class Clone:
             if held is not None:
                 self._lease_lost(held, reply.detail or "unknown to the servers")
             raise LeaseLost(lease_id, reply.detail)
-        raise WriteRefused(reply.reason, key)
+        raise refusal(reply.reason, key)
 
     def _lease_arg(self, lease: Lease | str | None) -> tuple[Lease | None, str | None]:
         """The lease a write binds its key to (ours, if we hold it) and its id."""
@@ -720,13 +744,13 @@ class Clone:
             OP_LEASE_REVOKE,
             new_uuid(),
             "",
-            ((LEASE_PROPERTY, lease.id),),
+            _lease_props(lease),
             b"",
             timeout,
             f"the revoke of lease {lease.id}",
         )
         if not reply.ok and reply.reason != "unknown-lease":  # gone already: done
-            raise WriteRefused(reply.reason, lease_key(lease.id))
+            raise refusal(reply.reason, lease_key(lease.id))
 
     def _revoke_all_leases(self) -> None:
         """For :meth:`close`: revoke every lease still held, all at once, for
@@ -741,7 +765,7 @@ class Clone:
         budget = min(_CLOSE_REVOKE_S, self.command_timeout)
         pending: list[Future[Reply]] = []
         for lease in leases:
-            props = ((LEASE_PROPERTY, lease.id),)
+            props = _lease_props(lease)
             try:
                 pending.append(
                     self._call_async(

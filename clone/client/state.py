@@ -359,6 +359,7 @@ class _KeptLease:
     next_keepalive: float
     inflight: bytes | None = None  # the uuid of the unanswered keepalive
     inflight_at: float = 0.0  # when that keepalive was made
+    secret: str = ""  # the lease's proof of ownership, sent with each keepalive
 
 
 _NEVER = float("inf")
