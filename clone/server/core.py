@@ -897,11 +897,14 @@ class ServerCore:
             return _refused(call.uuid, "acl", why), False
         claimed = call.caller
         if claimed is not None:
-            if not relayed:
+            if relayed:
+                caller = claimed
+            elif call.op != OP_SET or call.lease is not None:
+                # Whose lease it is would rest on an unchecked word: fail closed.
+                # (A write with no lease is the same whoever asked: let it be.)
                 c["calls_refused_acl"] += 1
                 why = "only a relay the pair trusts (--trusted-relay) may name a caller"
                 return _refused(call.uuid, "acl", why), False
-            caller = claimed
         if self.role is not Role.ACTIVE:
             c["calls_not_active"] += 1
             return _refused(call.uuid, "not-active", f"this server is {self.role.value}"), False

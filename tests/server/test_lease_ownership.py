@@ -171,6 +171,8 @@ def test_only_a_trusted_relay_may_name_the_caller(core: ServerCore) -> None:
     tenant = Caller(core, MALLORY)
     forged = tenant.call(OP_LEASE_GRANT, ttl="2", caller=ALICE)
     assert (forged.reason, core.counters["calls_refused_acl"]) == ("acl", 1)
+    # A write bound to no lease is the same whoever asked: the claim is ignored.
+    assert tenant.call(OP_SET, 0.0, "/k", b"v", caller=ALICE).ok
     # Through the trusted relay, alice's lease is alice's, not the relay's.
     lease = relay.call(OP_LEASE_GRANT, ttl="2", caller=ALICE).lease
     assert lease_owner(_stored_props(core, LEASE_PREFIX + lease)) == ALICE
