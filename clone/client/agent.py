@@ -572,7 +572,10 @@ class Agent:
         if verb == SET:
             confirm = float(args[0]) if args[0] else None
             msg = decode_kvset(args[1:])
-            self._execute(fsm.write(msg, self._clock(), confirm_within=confirm))
+            if confirm is None:
+                self._execute(fsm.write(msg, self._clock(), confirm_within=None))
+            else:
+                self._execute(fsm.write_confirmed(msg, self._clock(), within=confirm))
             return []
         if verb == CALL:
             call = decode_call(args[1:])

@@ -55,6 +55,7 @@ from clone.wire.calls import (
     IF_SEQUENCE_PROPERTY,
     LEASE_PROPERTY,
     MIN_LEASE_TTL,
+    OP_AHEAD,
     OP_LEASE_GRANT,
     OP_LEASE_REVOKE,
     OP_SET,
@@ -721,6 +722,17 @@ class Clone:
             raise LeaseLost(lease_id, reply.detail)
         raise refusal(reply.reason, key)
 
+    def _ahead(self, key: str, timeout: float | None = None) -> int | None:
+        """For :mod:`clone.recipes`: how many lock contenders the active server
+        has ahead of our key ``key`` (None: the key is gone), for a client
+        that may not read its lock's prefix (docs/protocol.md, "ahead")."""
+        reply = self._call(OP_AHEAD, new_uuid(), key, (), b"", timeout, f"the queue of {key!r}")
+        if reply.status == "conflict":
+            return None
+        if not reply.ok or reply.ahead is None:
+            raise refusal(reply.reason or "malformed", key)
+        return reply.ahead
+
     def _lease_arg(self, lease: Lease | str | None) -> tuple[Lease | None, str | None]:
         """The lease a write binds its key to (ours, if we hold it) and its id."""
         if lease is None:
@@ -898,6 +910,15 @@ class Clone:
                 self._waiters.pop(msg.uuid, None)
             raise
         return fut
+
+    def _write_replied(self, write: Future[int], reply: Reply) -> None:
+        """The REPLY to a confirmed write sent as a call (restricted mode)."""
+        if reply.ok:
+            write.set_result(reply.sequence)
+            return
+        with self._shared:
+            key = next((d[2] for d in self._deadlines if d[1] == reply.uuid), "?")
+        write.set_exception(refusal(reply.reason or reply.status, key))
 
     def _timeout_text(self, key: str, timeout: float) -> str:
         return (
@@ -1112,8 +1133,12 @@ class Clone:
             elif kind == _agent.REPLY:
                 with self._shared:
                     call = self._call_waiters.pop(frames[1], None)
+                    write = None if call is not None else self._waiters.pop(frames[1], None)
                 if call is not None and not call.done():
                     call.set_result(decode_reply(frames[2:]))  # the agent's own encoding
+                elif write is not None and not write.done():
+                    # A confirmed write of a restricted client, made as a call.
+                    self._write_replied(write, decode_reply(frames[2:]))
             elif kind == _agent.LEASEKEPT:
                 with self._shared:
                     kept = self._leases.get(frames[1].decode("ascii", "replace"))

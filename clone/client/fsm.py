@@ -144,6 +144,7 @@ from clone.client.state import (
 from clone.client.sync import SnapshotSync
 from clone.client.writes import Writes
 from clone.errors import IllegalTransition
+from clone.wire.calls import OP_SET, Call
 from clone.wire.codec import Hugz, KVMsg
 from clone.wire.control import Refusal, ViewHeartbeat
 
@@ -187,6 +188,19 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
 
     # ----------------------------------------------------------------------
     # Inputs
+
+    def write_confirmed(self, msg: KVMsg, now: float, *, within: float) -> list[Action]:
+        """A confirmed write.  Unrestricted, it is published and confirmed by
+        its KVPUB (so that a read after it sees it).  In restricted mode we
+        may be allowed to write keys we may not read, whose KVPUB never
+        reaches us: the write is then a ``set`` call, confirmed by the
+        active server's REPLY after its commit (docs/client.md, "Restricted
+        reads"), and never by showing us the value."""
+        if self.view is None:
+            return self.write(msg, now, confirm_within=within)
+        self.counters.writes_as_calls += 1
+        call = Call(OP_SET, msg.uuid, msg.key, msg.properties, msg.body)
+        return self.call(call, now, within=within)
 
     def handle(self, event: Event, server: int, payload: Any, now: float) -> list[Action]:
         """Dispatch one event through the table."""

@@ -59,6 +59,7 @@ from clone.wire.calls import (
     IF_SEQUENCE_PROPERTY,
     LEASE_PREFIX,
     LEASE_PROPERTY,
+    OP_AHEAD,
     OP_LEASE_GRANT,
     OP_LEASE_KEEPALIVE,
     OP_SET,
@@ -912,6 +913,8 @@ class ServerCore:
             return self._call_set(call, now, caller)
         if call.op == OP_LEASE_GRANT:
             return self._call_grant(call, now, caller)
+        if call.op == OP_AHEAD:
+            return self._call_ahead(call), False
         lease_id = call.lease
         assert lease_id is not None  # check_call
         held = self.leases.get(lease_id)
@@ -931,6 +934,38 @@ class ServerCore:
         c["leases_revoked"] += 1
         c["calls_ok"] += 1
         return Reply(call.uuid, "ok", self.store.sequence, lease=lease_id, ttl=held.ttl), True
+
+    def _call_ahead(self, call: Call) -> Reply:
+        """How many contenders are ahead of ``call.key`` in its lock's queue.
+
+        The recipe's rule (clone.recipes), told by the server to a contender
+        that may not read the queue: lease-bound keys under the key's parent
+        with a lower sequence.  A scan of the live leases' keys, not of the
+        store: a contender's key is always bound to a lease.
+        """
+        c = self.counters
+        raw = call.key.encode("utf-8")
+        entry = self.store.entry(raw)
+        if entry is None:
+            c["calls_conflict"] += 1
+            return Reply(call.uuid, "conflict", current=0)
+        mine = int.from_bytes(entry[0], "big")
+        prefix = raw[: raw.rfind(b"/") + 1]
+        store = self.store
+        ahead = 0
+        for lease in self.leases.live():
+            for key in lease.keys:
+                if key == raw or not key.startswith(prefix):
+                    continue
+                other = store.entry(key)
+                if (
+                    other is not None
+                    and int.from_bytes(other[0], "big") < mine
+                    and bound_lease(other[2]) == lease.id
+                ):
+                    ahead += 1
+        c["calls_ok"] += 1
+        return Reply(call.uuid, "ok", mine, ahead=ahead)
 
     def _not_owner(self, uuid: bytes, lease_id: str, owner: str | None) -> Reply:
         self.counters["calls_not_owner"] += 1

@@ -133,6 +133,10 @@ class LeaseTable:
     def get(self, lease_id: str) -> Lease | None:
         return self._leases.get(lease_id)
 
+    def live(self) -> Iterable[Lease]:
+        """Every live lease (for a scan of their keys)."""
+        return self._leases.values()
+
     @property
     def full(self) -> bool:
         return len(self._leases) >= self.max_leases

@@ -26,7 +26,12 @@ and get exactly one *reply* from an active server (docs/protocol.md, "CALL?")::
   may carry ``secret=<32 hex>`` (the caller's proof of ownership without
   CURVE; the server picks one when it is absent) and its reply carries
   ``secret=`` back; ``lease-keepalive``, ``lease-revoke`` and a ``set`` with
-  ``lease=`` carry the same ``secret=``.  A relay trusted by the pair
+  ``lease=`` carry the same ``secret=``.
+* ``ahead`` (a lock's contender that may not read its lock's prefix): ``key``
+  is the contender's own key; the reply is ``ok`` with ``ahead=<n>``, the
+  number of lease-bound keys under the key's parent (up to its last ``/``)
+  with a lower sequence, and the key's sequence, or ``conflict`` with
+  ``current=0`` if the key is gone.  It needs write access to the key.  A relay trusted by the pair
   (``--trusted-relay``) adds ``caller=<principal>``: who asked it.
 * The reply's ``sequence``: what the server assigned (a ``set``; a grant's or a
   revoke's own update), else 0.  Its properties: ``status=ok|conflict|refused``;
@@ -66,6 +71,7 @@ __all__ = [
     "OP_LEASE_GRANT",
     "OP_LEASE_KEEPALIVE",
     "OP_LEASE_REVOKE",
+    "OP_AHEAD",
     "LEASE_PROPERTY",
     "IF_SEQUENCE_PROPERTY",
     "LEASE_PREFIX",
@@ -98,7 +104,10 @@ OP_SET: Final = "set"
 OP_LEASE_GRANT: Final = "lease-grant"
 OP_LEASE_KEEPALIVE: Final = "lease-keepalive"
 OP_LEASE_REVOKE: Final = "lease-revoke"
-OPS: Final = frozenset({OP_SET, OP_LEASE_GRANT, OP_LEASE_KEEPALIVE, OP_LEASE_REVOKE})
+#: How many lease-bound keys under a key's parent have a lower sequence: what
+#: a lock contender that may write but not read its lock's prefix asks.
+OP_AHEAD: Final = "ahead"
+OPS: Final = frozenset({OP_SET, OP_LEASE_GRANT, OP_LEASE_KEEPALIVE, OP_LEASE_REVOKE, OP_AHEAD})
 
 #: A key's property naming the lease it is bound to (kept on the stored entry,
 #: so every reader sees it), and a call's property naming a lease.
@@ -136,6 +145,7 @@ REASONS: Final = frozenset(
     }
 )
 
+_AHEAD_PROPERTY = "ahead"
 _NOT_STORED = frozenset({IF_SEQUENCE_PROPERTY, SECRET_PROPERTY, CALLER_PROPERTY})
 _STATUSES = frozenset({"ok", "conflict", "refused"})
 _LEASE_ID_RE = re.compile(r"[0-9a-f]{32}")
@@ -208,6 +218,8 @@ class Reply:
     ttl: float | None = None
     #: A lease grant's secret (docs/protocol.md, "Lease ownership"), or "".
     secret: str = ""
+    #: An ``ahead`` call's answer, else None.
+    ahead: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -303,6 +315,10 @@ def decode_call(frames: Sequence[bytes]) -> Call:
         if body:
             raise ProtocolError(f"CALL? {op} takes no body")
         key = validate_key(bytes(frames[3]), reserved_ok=False) if frames[3] else ""
+    elif op == OP_AHEAD:
+        if body or not frames[3]:
+            raise ProtocolError(f"CALL? {op} takes a key and no body")
+        key = validate_key(bytes(frames[3]), reserved_ok=False)
     else:
         if frames[3] or body:
             raise ProtocolError(f"CALL? {op} takes no key and no body")
@@ -319,7 +335,7 @@ def acl_key(call: Call) -> str | None:
     key): judging the grant by it refuses a lock outside the caller's write
     prefixes before the server writes anything, not after a lease was made.
     """
-    if call.op == OP_SET or (call.op == OP_LEASE_GRANT and call.key):
+    if call.op in (OP_SET, OP_AHEAD) or (call.op == OP_LEASE_GRANT and call.key):
         return call.key
     return None
 
@@ -341,7 +357,7 @@ def acl_refusal(
     if key is not None:
         if can_write(key.encode("utf-8")):
             return None
-        what = "write" if call.op == OP_SET else "take a lease for"
+        what = {OP_SET: "write", OP_AHEAD: "queue at"}.get(call.op, "take a lease for")
         return f"the ACL does not let you {what} {key!r}"
     if writes_somewhere:
         return None
@@ -368,6 +384,8 @@ def check_call(call: Call) -> tuple[str, str] | None:
             return ("bad-lease", f"lease id {lease[:40]!r} is not 32 lowercase hex digits")
         if call.key.startswith(LEASE_PREFIX):
             return ("reserved", f"keys under {LEASE_PREFIX} are the server's leases")
+        return None
+    if call.op == OP_AHEAD:
         return None
     if call.op == OP_LEASE_GRANT:
         try:
@@ -404,6 +422,8 @@ def encode_reply(reply: Reply) -> list[bytes]:
         props.append((TTL_PROPERTY, repr(float(reply.ttl))))
     if reply.secret:
         props.append((SECRET_PROPERTY, reply.secret))
+    if reply.ahead is not None:
+        props.append((_AHEAD_PROPERTY, str(reply.ahead)))
     return [REPLY, reply.uuid, reply.sequence.to_bytes(8, "big"), encode_properties(tuple(props))]
 
 
@@ -440,6 +460,12 @@ def decode_reply(frames: Sequence[bytes]) -> Reply:
     secret = props.get(SECRET_PROPERTY, "")
     if secret and not valid_secret(secret):
         raise ProtocolError("REPLY secret is not 32 hex digits")
+    ahead: int | None = None
+    if _AHEAD_PROPERTY in props:
+        text = props[_AHEAD_PROPERTY]
+        if _UINT_RE.fullmatch(text) is None:
+            raise ProtocolError(f"REPLY ahead {text[:40]!r} is not a count")
+        ahead = int(text)
     ttl: float | None = None
     if TTL_PROPERTY in props:
         try:
@@ -456,4 +482,5 @@ def decode_reply(frames: Sequence[bytes]) -> Reply:
         lease=lease,
         ttl=ttl,
         secret=secret,
+        ahead=ahead,
     )

@@ -21,7 +21,7 @@ from clone.wire.calls import (
     Reply,
     decode_call,
 )
-from clone.wire.codec import Hugz, new_uuid
+from clone.wire.codec import Hugz, KVMsg, new_uuid
 from tests.client.test_agent_fsm import CFG, feed_snapshot, synced
 
 LEASE = "0123456789abcdef0123456789abcdef"
@@ -291,3 +291,46 @@ def test_keepalives_without_a_server_wait_for_one() -> None:
     assert fsm.next_deadline() == pytest.approx(0.6)
     fsm.connect("tcp://a:1", 0.4)
     assert len(keepalives(fsm.tick(0.4))) == 1
+
+
+# -- write-only prefixes (issue 23, point 7) -------------------------------------
+
+
+def test_a_restricted_clients_confirmed_write_is_a_call_its_reply_confirms() -> None:
+    """In restricted mode the KVPUB of a key we may write but not read never
+    comes: a confirmed write is a ``set`` call with the same uuid."""
+    fsm, _ = synced()
+    fsm.view, fsm.view_count = "0123456789ab", 0
+    msg = KVMsg("/nodes/web1", 0, new_uuid(), (("ttl", "5"),), b"10.0.0.5")
+    ((server, call),) = sent_calls(fsm.write_confirmed(msg, 1.0, within=5.0))
+    assert (server, call.op, call.uuid, call.key, call.body) == (
+        0,
+        "set",
+        msg.uuid,
+        msg.key,
+        msg.body,
+    )
+    assert call.properties == msg.properties and fsm.pending_writes == 0
+    assert fsm.counters.writes_as_calls == 1
+    (replied,) = fsm.replied(0, ok(msg.uuid, 12), 1.1)
+    assert isinstance(replied, CallReplied) and replied.reply.sequence == 12
+
+
+def test_an_unrestricted_clients_confirmed_write_is_published() -> None:
+    fsm, _ = synced()
+    msg = KVMsg("/k", 0, new_uuid(), (), b"v")
+    actions = fsm.write_confirmed(msg, 1.0, within=5.0)
+    assert sent_calls(actions) == [] and fsm.pending_writes == 1
+    assert fsm.counters.writes_as_calls == 0
+
+
+def test_a_kept_leases_keepalives_carry_its_secret() -> None:
+    fsm, _ = synced()
+    ids = itertools.count(1)
+    fsm.new_call_id = lambda: next(ids).to_bytes(16, "big")
+    secret = "5e" * 16
+    fsm.keep_lease(LEASE, 3.0, 0.0, secret)
+    ((_, keepalive),) = sent_calls(fsm.tick(1.0))
+    assert keepalive.op == "lease-keepalive" and keepalive.secret == secret
+    with pytest.raises(ValueError):
+        fsm.keep_lease(LEASE, 3.0, 0.0, "not-hex")

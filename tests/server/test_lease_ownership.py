@@ -23,6 +23,7 @@ from clone.server.ownership import (
 )
 from clone.wire.calls import (
     LEASE_PREFIX,
+    OP_AHEAD,
     OP_LEASE_GRANT,
     OP_LEASE_KEEPALIVE,
     OP_LEASE_REVOKE,
@@ -233,3 +234,28 @@ def test_ownership_survives_a_failover_and_old_leases_are_nobodys() -> None:
     assert refused.reason == "not-owner" and "predates" in refused.detail
     new.tick(5.1)
     assert legacy not in new.leases and owned in new.leases
+
+
+# -- a lock's queue, told to a contender that may not read it ----------------------
+
+
+def test_ahead_counts_the_lease_bound_contenders_before_a_key(core: ServerCore) -> None:
+    a, b = Caller(core, ALICE), Caller(core, MALLORY)
+    la, lb = a.grant().lease, b.grant().lease
+    assert a.call(OP_SET, 0.0, "/lk/a", b"1", lease=la, if_sequence="0").ok
+    assert b.call(OP_SET, 0.0, "/lk/b", b"1", lease=lb, if_sequence="0").ok
+    assert a.call(OP_SET, 0.0, "/lkother/x", b"1", lease=la).ok  # another name
+    assert a.call(OP_SET, 0.0, "/lk/plain", b"1").ok  # bound to no lease: not a contender
+    first, second = a.call(OP_AHEAD, key="/lk/a"), b.call(OP_AHEAD, key="/lk/b")
+    assert (first.ok, first.ahead) == (True, 0)
+    assert (second.ok, second.ahead) == (True, 1)
+    assert second.sequence == core.store.get("/lk/b").sequence  # type: ignore[union-attr]
+    assert a.call(OP_LEASE_REVOKE, lease=la).ok
+    assert b.call(OP_AHEAD, key="/lk/b").ahead == 0
+    gone = a.call(OP_AHEAD, key="/lk/a")
+    assert (gone.status, gone.current) == ("conflict", 0)
+    # It needs write access to the key, as a write would.
+    reply, _ = core.on_call(
+        encode_call(OP_AHEAD, b"\x09" * 16, "/lk/b"), 0.0, can_write=lambda key: False
+    )
+    assert reply is not None and reply.reason == "acl"
