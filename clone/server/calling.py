@@ -29,7 +29,19 @@ __all__ = ["CallingMixin"]
 
 #: Refusals that say something about the caller, worth a (rate-limited) line.
 _LOGGED_REASONS = frozenset(
-    {"malformed", "bad-if-sequence", "bad-lease", "bad-ttl", "reserved", "acl", "size", "busy"}
+    {
+        "malformed",
+        "bad-if-sequence",
+        "bad-lease",
+        "bad-ttl",
+        "bad-secret",
+        "reserved",
+        "acl",
+        "size",
+        "busy",
+        "not-owner",
+        "lease-quota",
+    }
 )
 
 
