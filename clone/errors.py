@@ -24,6 +24,9 @@ __all__ = [
     "DataDirIncompatible",
     "SecurityError",
     "WriteRefused",
+    "NotOwner",
+    "LeaseQuotaExceeded",
+    "refusal",
     "HistoryCompacted",
     "Conflict",
     "LeaseLost",
@@ -134,6 +137,13 @@ _REFUSAL_ADVICE = {
     "bad-lease": "the server did not accept the lease of the write to {key}; pass a Lease "
     "or the 32-hex-digit id of one",
     "bad-ttl": "the server did not accept the lease's ttl ({key}); use 0.3 s to one year",
+    "not-owner": "the lease of {key} is another client's, or predates lease ownership:"
+    " only the client that took a lease may keep it alive, revoke it or bind keys to it;"
+    " take a lease of your own",
+    "lease-quota": "this client holds as many leases as the server allows one client (its"
+    " --max-leases-per-client); revoke leases you no longer need ({key})",
+    "bad-secret": "the server did not accept the lease secret sent for {key}: this client"
+    " and the server may be of incompatible versions",
     "malformed": "the server could not decode the call for {key}: this client and the "
     "server may be of incompatible versions; upgrade the older one",
 }
@@ -165,6 +175,29 @@ class WriteRefused(CloneError):
 
     def __reduce__(self) -> tuple[type[WriteRefused], tuple[str, str]]:
         return (type(self), (self.reason, self.key))
+
+
+class NotOwner(WriteRefused):
+    """A lease call refused ``not-owner``: the lease is another client's (or
+    was granted before the servers recorded owners), so this client may not
+    keep it alive, revoke it or bind keys to it (docs/client.md, "Leases")."""
+
+
+class LeaseQuotaExceeded(WriteRefused):
+    """A lease grant refused ``lease-quota``: this client already holds the
+    server's ``--max-leases-per-client`` leases."""
+
+
+def refusal(reason: str, key: str) -> WriteRefused:
+    """The :class:`WriteRefused` (or its typed subclass) for a server's ``reason``."""
+    cls = _REFUSAL_TYPES.get(reason, WriteRefused)
+    return cls(reason, key)
+
+
+_REFUSAL_TYPES: dict[str, type[WriteRefused]] = {
+    "not-owner": NotOwner,
+    "lease-quota": LeaseQuotaExceeded,
+}
 
 
 class HistoryCompacted(CloneError):

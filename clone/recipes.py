@@ -15,6 +15,14 @@ in it; and nobody can get ahead of us later, since new keys get sequences above
 S.  So "no key under the name with a sequence below S" read locally means we
 are first on the server too.
 
+A client that may write under the name but not read it (a write-only ACL
+prefix) never sees the queue: once its key has been missing from its replica
+for :data:`_ASK_AFTER`, a :class:`Lock` asks the active server instead, every
+:data:`_ASK_EVERY`, how many contenders are ahead of it (an ``ahead`` call:
+the same rule, counted by the server, which shows it no key or value).  A
+reader whose replica has its key never asks.  :class:`Election` still needs
+to read the name: a leader is a value.
+
 The client must see the keys under the name (its subtrees must cover it), and
 the name is a key prefix: writing under it needs write access there (under an
 ACL, a name outside the caller's write prefixes fails with
@@ -51,6 +59,10 @@ log = logging.getLogger(__name__)
 #: How often a waiter looks at its replica again.  The replica is local, so
 #: this costs a command-pipe round trip, not network traffic.
 _POLL = 0.02
+#: A contender whose key is not in its replica this long after it was written
+#: asks the server (it may be unable to read its lock's prefix), this often.
+_ASK_AFTER = 0.1
+_ASK_EVERY = 0.1
 
 
 def _prefix(name: str) -> str:
@@ -81,6 +93,8 @@ class _Contender:
         self.lease: Lease | None = None
         self.key: str | None = None
         self.sequence = 0
+        self._entered_at = 0.0
+        self._asked_at = 0.0
 
     def enter(self, value: bytes) -> None:
         """Write our key at the back of the queue.
@@ -99,6 +113,7 @@ class _Contender:
             raise
         assert sequence is not None
         self.lease, self.key, self.sequence = lease, key, sequence
+        self._entered_at = self._asked_at = time.monotonic()
 
     def ahead(self) -> list[Entry] | None:
         """The contenders before us, or None while our replica lacks our key."""
@@ -106,6 +121,21 @@ class _Contender:
         if self.key not in by_key:
             return None
         return [e for e in entries if e.sequence < self.sequence]
+
+    def first(self) -> bool:
+        """Whether no contender is ahead of us: from our replica, or, when it
+        has lacked our key for a while (we may not read the name), from the
+        server; False while we do not know yet."""
+        ahead = self.ahead()
+        if ahead is not None:
+            return ahead == []
+        now = time.monotonic()
+        if self.key is None or now - self._entered_at < _ASK_AFTER:
+            return False
+        if now - self._asked_at < _ASK_EVERY:
+            return False
+        self._asked_at = now
+        return self.client._ahead(self.key) == 0
 
     def alive(self) -> bool:
         """Not lost or revoked (as far as the servers have said)."""
@@ -195,7 +225,7 @@ class Lock:
                 if not me.alive():
                     lost = me.lease.id if me.lease else "?"
                     raise LeaseLost(lost, f"while waiting for the lock {self.name!r}")
-                if me.ahead() == [] and me.valid():
+                if me.first() and me.valid():
                     self._acquired = True
                     return True
                 if deadline is not None and time.monotonic() >= deadline:

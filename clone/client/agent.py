@@ -48,7 +48,7 @@ The pipe protocol, all frames bytes:
   ``CONNECT rid endpoint``, ``SET rid confirm_seconds|'' key seq uuid props body``,
   ``GET rid key``, ``ITEMS rid prefix``, ``STATUS rid``, ``WATCH rid 1|0``,
   ``CALL rid within_seconds call-frames...`` (the six frames of a CALL?),
-  ``LEASE rid lease_id ttl`` (keep it alive), ``TERMINATE rid``.  Replies are
+  ``LEASE rid lease_id ttl [secret]`` (keep it alive), ``TERMINATE rid``.  Replies are
   ``OK rid ...`` or ``ERROR rid text``; an unknown command gets an ERROR too.  A
   SET or CALL with an empty ``rid`` is one-way: no reply, so writes stream
   without a round trip each; if it fails, the agent says so with ``FAILED uuid
@@ -572,14 +572,20 @@ class Agent:
         if verb == SET:
             confirm = float(args[0]) if args[0] else None
             msg = decode_kvset(args[1:])
-            self._execute(fsm.write(msg, self._clock(), confirm_within=confirm))
+            if confirm is None:
+                self._execute(fsm.write(msg, self._clock(), confirm_within=None))
+            else:
+                self._execute(fsm.write_confirmed(msg, self._clock(), within=confirm))
             return []
         if verb == CALL:
             call = decode_call(args[1:])
             self._execute(fsm.call(call, self._clock(), within=float(args[0])))
             return []
         if verb == LEASE:
-            self._execute(fsm.keep_lease(args[0].decode("ascii"), float(args[1]), self._clock()))
+            secret = args[2].decode("ascii") if len(args) > 2 else ""
+            self._execute(
+                fsm.keep_lease(args[0].decode("ascii"), float(args[1]), self._clock(), secret)
+            )
             return []
         if verb == ITEMS:
             # Version 2: no back-references, which only cost time here.

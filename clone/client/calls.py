@@ -51,10 +51,12 @@ from clone.wire.calls import (
     LEASE_PROPERTY,
     OP_LEASE_KEEPALIVE,
     OP_LEASE_REVOKE,
+    SECRET_PROPERTY,
     Call,
     Reply,
     encode_call,
     valid_lease_id,
+    valid_secret,
 )
 from clone.wire.codec import new_uuid
 from clone.wire.protocol import MAX_TTL_SECONDS
@@ -117,13 +119,16 @@ class Calls(AgentState):
             return [CallReplied(reply)]
         return self._kept_reply(pending.lease, reply)
 
-    def keep_lease(self, lease_id: str, ttl: float, now: float) -> list[Action]:
-        """Keep ``lease_id`` alive: a keepalive every ``ttl / 3`` from now on."""
+    def keep_lease(self, lease_id: str, ttl: float, now: float, secret: str = "") -> list[Action]:
+        """Keep ``lease_id`` alive: a keepalive every ``ttl / 3`` from now on,
+        each with ``secret``, the lease's proof of ownership (if any)."""
         if not valid_lease_id(lease_id):
             raise ValueError(f"lease id {lease_id[:40]!r} is not 32 lowercase hex digits")
         if not 0 < ttl <= MAX_TTL_SECONDS:
             raise ValueError(f"lease ttl {ttl} is out of range")
-        self._leases[lease_id] = _KeptLease(ttl, now + ttl / KEEPALIVES_PER_TTL)
+        if secret and not valid_secret(secret):
+            raise ValueError("a lease secret is 32 lowercase hex digits")
+        self._leases[lease_id] = _KeptLease(ttl, now + ttl / KEEPALIVES_PER_TTL, secret=secret)
         return []
 
     @property
@@ -185,7 +190,10 @@ class Calls(AgentState):
         kept.inflight_at = now
         kept.next_keepalive = now + kept.ttl / KEEPALIVES_PER_TTL
         self.counters.keepalives += 1
-        frames = encode_call(OP_LEASE_KEEPALIVE, uuid, properties=((LEASE_PROPERTY, lease_id),))
+        props: tuple[tuple[str, str], ...] = ((LEASE_PROPERTY, lease_id),)
+        if kept.secret:
+            props += ((SECRET_PROPERTY, kept.secret),)
+        frames = encode_call(OP_LEASE_KEEPALIVE, uuid, properties=props)
         self._calls[uuid] = _PendingCall(tuple(frames), _NEVER, now, lease=lease_id)
 
     def _kept_reply(self, lease_id: str, reply: Reply) -> list[Action]:

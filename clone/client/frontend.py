@@ -20,6 +20,7 @@ import logging
 import marshal
 import os
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -47,15 +48,18 @@ from clone.errors import (
     NotSynced,
     ProtocolError,
     WriteRefused,
+    refusal,
 )
 from clone.security import KeyPair, load_public, load_secret
 from clone.wire.calls import (
     IF_SEQUENCE_PROPERTY,
     LEASE_PROPERTY,
     MIN_LEASE_TTL,
+    OP_AHEAD,
     OP_LEASE_GRANT,
     OP_LEASE_REVOKE,
     OP_SET,
+    SECRET_PROPERTY,
     Reply,
     decode_reply,
     encode_call,
@@ -184,6 +188,13 @@ def _format_lease_ttl(ttl: float) -> str:
             f"a lease's ttl must be {MIN_LEASE_TTL:g} .. {MAX_TTL_SECONDS:g} s, not {ttl!r}"
         )
     return repr(float(ttl))
+
+
+def _lease_props(lease: Lease) -> Properties:
+    """A keepalive's or revoke's properties: the lease and its secret, if any."""
+    if lease._secret:
+        return ((LEASE_PROPERTY, lease.id), (SECRET_PROPERTY, lease._secret))
+    return ((LEASE_PROPERTY, lease.id),)
 
 
 def _check_if_sequence(if_sequence: int | None) -> int | None:
@@ -655,17 +666,29 @@ class Clone:
         ttl_text = _format_lease_ttl(ttl)
         key = "" if for_key is None else _build(for_key, b"", {}).key
         uuid = new_uuid()
+        # Ours, so that a retry of the grant (same uuid) proves the same owner.
+        secret = secrets.token_hex(16)
         asked = time.monotonic()  # the servers count its ttl from later than this
         reply = self._call(
-            OP_LEASE_GRANT, uuid, key, ((TTL_PROPERTY, ttl_text),), b"", timeout, "a lease grant"
+            OP_LEASE_GRANT,
+            uuid,
+            key,
+            ((TTL_PROPERTY, ttl_text), (SECRET_PROPERTY, secret)),
+            b"",
+            timeout,
+            "a lease grant",
         )
         if not reply.ok:
-            raise WriteRefused(reply.reason, key or lease_key(lease_id_of(uuid)))
-        lease = Lease(self, reply.lease or lease_id_of(uuid), reply.ttl or float(ttl))
+            raise refusal(reply.reason, key or lease_key(lease_id_of(uuid)))
+        lease = Lease(
+            self, reply.lease or lease_id_of(uuid), reply.ttl or float(ttl), reply.secret or secret
+        )
         lease._kept_until(asked + lease.ttl)
         with self._shared:
             self._leases[lease.id] = lease
-        self._request(_agent.LEASE, [lease.id.encode(), repr(lease.ttl).encode()])
+        self._request(
+            _agent.LEASE, [lease.id.encode(), repr(lease.ttl).encode(), lease._secret.encode()]
+        )
         return lease
 
     def _call_write(
@@ -684,6 +707,8 @@ class Clone:
             props[IF_SEQUENCE_PROPERTY] = str(expected)
         if lease_id is not None:
             props[LEASE_PROPERTY] = lease_id
+            if held is not None and held._secret:
+                props[SECRET_PROPERTY] = held._secret
         msg = _build(key, body, props)
         what = f"the {'write' if body else 'delete'} of {key!r}"
         reply = self._call(OP_SET, msg.uuid, key, msg.properties, body, timeout, what)
@@ -695,7 +720,18 @@ class Clone:
             if held is not None:
                 self._lease_lost(held, reply.detail or "unknown to the servers")
             raise LeaseLost(lease_id, reply.detail)
-        raise WriteRefused(reply.reason, key)
+        raise refusal(reply.reason, key)
+
+    def _ahead(self, key: str, timeout: float | None = None) -> int | None:
+        """For :mod:`clone.recipes`: how many lock contenders the active server
+        has ahead of our key ``key`` (None: the key is gone), for a client
+        that may not read its lock's prefix (docs/protocol.md, "ahead")."""
+        reply = self._call(OP_AHEAD, new_uuid(), key, (), b"", timeout, f"the queue of {key!r}")
+        if reply.status == "conflict":
+            return None
+        if not reply.ok or reply.ahead is None:
+            raise refusal(reply.reason or "malformed", key)
+        return reply.ahead
 
     def _lease_arg(self, lease: Lease | str | None) -> tuple[Lease | None, str | None]:
         """The lease a write binds its key to (ours, if we hold it) and its id."""
@@ -720,13 +756,13 @@ class Clone:
             OP_LEASE_REVOKE,
             new_uuid(),
             "",
-            ((LEASE_PROPERTY, lease.id),),
+            _lease_props(lease),
             b"",
             timeout,
             f"the revoke of lease {lease.id}",
         )
         if not reply.ok and reply.reason != "unknown-lease":  # gone already: done
-            raise WriteRefused(reply.reason, lease_key(lease.id))
+            raise refusal(reply.reason, lease_key(lease.id))
 
     def _revoke_all_leases(self) -> None:
         """For :meth:`close`: revoke every lease still held, all at once, for
@@ -741,7 +777,7 @@ class Clone:
         budget = min(_CLOSE_REVOKE_S, self.command_timeout)
         pending: list[Future[Reply]] = []
         for lease in leases:
-            props = ((LEASE_PROPERTY, lease.id),)
+            props = _lease_props(lease)
             try:
                 pending.append(
                     self._call_async(
@@ -874,6 +910,15 @@ class Clone:
                 self._waiters.pop(msg.uuid, None)
             raise
         return fut
+
+    def _write_replied(self, write: Future[int], reply: Reply) -> None:
+        """The REPLY to a confirmed write sent as a call (restricted mode)."""
+        if reply.ok:
+            write.set_result(reply.sequence)
+            return
+        with self._shared:
+            key = next((d[2] for d in self._deadlines if d[1] == reply.uuid), "?")
+        write.set_exception(refusal(reply.reason or reply.status, key))
 
     def _timeout_text(self, key: str, timeout: float) -> str:
         return (
@@ -1088,8 +1133,12 @@ class Clone:
             elif kind == _agent.REPLY:
                 with self._shared:
                     call = self._call_waiters.pop(frames[1], None)
+                    write = None if call is not None else self._waiters.pop(frames[1], None)
                 if call is not None and not call.done():
                     call.set_result(decode_reply(frames[2:]))  # the agent's own encoding
+                elif write is not None and not write.done():
+                    # A confirmed write of a restricted client, made as a call.
+                    self._write_replied(write, decode_reply(frames[2:]))
             elif kind == _agent.LEASEKEPT:
                 with self._shared:
                     kept = self._leases.get(frames[1].decode("ascii", "replace"))

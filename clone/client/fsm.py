@@ -122,6 +122,7 @@ from typing import Any, Final
 from clone.client.calls import Calls
 from clone.client.failover import Failover
 from clone.client.state import (
+    _NEVER,
     Action,
     AgentConfig,
     AgentCounters,
@@ -138,12 +139,14 @@ from clone.client.state import (
     SendUpdate,
     State,
     StateChanged,
+    _Pending,
     _shows_active,
     normalize_subtrees,
 )
 from clone.client.sync import SnapshotSync
 from clone.client.writes import Writes
 from clone.errors import IllegalTransition
+from clone.wire.calls import OP_SET, Call, Reply
 from clone.wire.codec import Hugz, KVMsg
 from clone.wire.control import Refusal, ViewHeartbeat
 
@@ -187,6 +190,42 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
 
     # ----------------------------------------------------------------------
     # Inputs
+
+    def write_confirmed(self, msg: KVMsg, now: float, *, within: float) -> list[Action]:
+        """A confirmed write.  Unrestricted, it is published and confirmed by
+        its KVPUB (so that a read after it sees it).  In restricted mode we
+        may be allowed to write keys we may not read, whose KVPUB never
+        reaches us: the write is then a ``set`` call (same uuid), and is
+        confirmed by its KVPUB if we can read the key, else by its REPLY
+        once a view heartbeat at or past the REPLY's sequence has come (the
+        server publishes in order: by then its KVPUB would have reached us),
+        never by showing us the value (docs/client.md, "Write-only
+        prefixes").  A refusal in the REPLY fails it at once."""
+        if self.view is None:
+            return self.write(msg, now, confirm_within=within)
+        self.counters.writes_as_calls += 1
+        self._pending[msg.uuid] = _Pending(msg, now + within, _NEVER, by_call=True)
+        call = Call(OP_SET, msg.uuid, msg.key, msg.properties, msg.body)
+        return self.call(call, now, within=within)
+
+    def replied(self, server: int, reply: Reply, now: float) -> list[Action]:
+        """A REPLY (:meth:`Calls.replied`); one to a confirmed write sent as a
+        call (restricted mode) confirms it, or waits for the view heartbeat
+        that shows we were not sent its update."""
+        actions = Calls.replied(self, server, reply, now)
+        pending = self._pending.get(reply.uuid)
+        if pending is None or not pending.by_call:
+            return actions
+        if not any(isinstance(a, CallReplied) for a in actions):
+            return actions  # not-active: asked again later
+        if not reply.ok:
+            del self._pending[reply.uuid]
+            return actions  # the frontend fails the write with the reason
+        pending.replied = reply.sequence
+        if self.view_seen >= reply.sequence:
+            del self._pending[reply.uuid]
+            return [Confirmed(reply.uuid, reply.sequence)]
+        return []
 
     def handle(self, event: Event, server: int, payload: Any, now: float) -> list[Action]:
         """Dispatch one event through the table."""
@@ -337,7 +376,14 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
                 expected,
             )
             return self._start_sync(server, now)
-        return []
+        self.view_seen = max(self.view_seen, beat.sequence)
+        confirmed: list[Action] = []
+        for uuid, p in list(self._pending.items()):
+            if p.by_call and 0 < p.replied <= beat.sequence:
+                # Its update, were it in our view, would have come before this.
+                del self._pending[uuid]
+                confirmed.append(Confirmed(uuid, p.replied))
+        return confirmed
 
 
 # Events about a server that need not be the current one.

@@ -42,10 +42,14 @@ class Lease:
     ``with`` block revokes it, so its keys are deleted at once.  Thread-safe.
     """
 
-    def __init__(self, owner: LeaseOwner, lease_id: str, ttl: float) -> None:
+    def __init__(self, owner: LeaseOwner, lease_id: str, ttl: float, secret: str = "") -> None:
         self._owner = owner
         self.id = lease_id
         self.ttl = ttl
+        # The proof of ownership the servers asked for without CURVE
+        # (docs/client.md, "Leases"): sent with every call on the lease,
+        # never shown (the id is public, this is not).
+        self._secret = secret
         self._lock = threading.Lock()
         self._ended = threading.Event()  # revoked or lost
         self._lost = False

@@ -318,6 +318,7 @@ class AgentCounters:
     calls_not_active: int = 0
     late_replies: int = 0
     keepalives: int = 0  # lease keepalives sent (each a fresh call)
+    writes_as_calls: int = 0  # confirmed writes sent as calls (restricted mode)
     leases_lost: int = 0  # kept leases a server said are gone
     # Restricted mode: view heartbeats whose count differed from ours (a resync),
     # and those for a view that is not ours (our rights changed: a resync).
@@ -338,6 +339,10 @@ class _Pending:
     next_send: float
     published: bool = False  # seen on the current server's stream, map not yet swapped
     sequence: int = 0  # the sequence it was seen with, once published
+    # Restricted mode: sent as a call (never resent as a KVSET; the call is),
+    # and the sequence its REPLY said, 0 until then (clone.client.fsm).
+    by_call: bool = False
+    replied: int = 0
 
 
 @dataclass(slots=True)
@@ -359,6 +364,7 @@ class _KeptLease:
     next_keepalive: float
     inflight: bytes | None = None  # the uuid of the unanswered keepalive
     inflight_at: float = 0.0  # when that keepalive was made
+    secret: str = ""  # the lease's proof of ownership, sent with each keepalive
 
 
 _NEVER = float("inf")
@@ -439,6 +445,9 @@ class AgentState:
         self.view: str | None = None
         self.view_count = 0
         self.view_applied = 0
+        # The sequence of the last view heartbeat of our view: every update in
+        # our view up to it has reached us (the server publishes in order).
+        self.view_seen = 0
         self._end_views: dict[str, tuple[str, int]] = {}  # per subtree's KTHXBAI
         # Catch-up (KVDELTA): the last update applied in sequence order, as
         # its raw frames when the loop gave them (else the message, encoded

@@ -31,6 +31,7 @@ from itertools import repeat
 
 from clone.client.state import (
     _BODY,
+    _NEVER,
     Action,
     AgentState,
     Changed,
@@ -378,8 +379,9 @@ class SnapshotSync(AgentState):
             if p.published:
                 del self._pending[uuid]
                 actions.append(Confirmed(uuid, p.sequence))
-            elif uuid in held_uuids:
-                p.next_send = now + self.config.resend_interval
+            elif uuid in held_uuids or p.by_call:
+                # (A write sent as a call is resent by the calls' own rules.)
+                p.next_send = _NEVER if p.by_call else now + self.config.resend_interval
             else:
                 # The new server may never have seen it: send again, same uuid.
                 p.next_send = now + self.config.resend_interval

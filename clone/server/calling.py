@@ -21,6 +21,7 @@ import zmq
 from clone.security import PEER_USER
 from clone.server.base import ServerBase, who
 from clone.server.core import Role
+from clone.server.ownership import name_principal
 from clone.wire.calls import Reply, encode_reply
 from clone.wire.frames import NOBLOCK, send_frames
 
@@ -28,7 +29,19 @@ __all__ = ["CallingMixin"]
 
 #: Refusals that say something about the caller, worth a (rate-limited) line.
 _LOGGED_REASONS = frozenset(
-    {"malformed", "bad-if-sequence", "bad-lease", "bad-ttl", "reserved", "acl", "size", "busy"}
+    {
+        "malformed",
+        "bad-if-sequence",
+        "bad-lease",
+        "bad-ttl",
+        "bad-secret",
+        "reserved",
+        "acl",
+        "size",
+        "busy",
+        "not-owner",
+        "lease-quota",
+    }
 )
 
 
@@ -45,7 +58,7 @@ class CallingMixin(ServerBase):
                 user = None
         if self.core.role is Role.RELAY:
             # The relay checks its own client's rights; the pair, the relay's.
-            self._forward_call(identity, frames, user)
+            self._forward_call(identity, frames, user, _principal(parts[1], user))
             return
         can_write: Callable[[bytes], bool] | None = None
         may_lease = True
@@ -57,7 +70,13 @@ class CallingMixin(ServerBase):
                 else:
                     can_write, may_lease = _nothing, False
         reply, after_commit = self.core.on_call(
-            frames, self._wallclock(), self._clock(), can_write=can_write, may_lease=may_lease
+            frames,
+            self._wallclock(),
+            self._clock(),
+            can_write=can_write,
+            may_lease=may_lease,
+            caller=_principal(parts[1], user),
+            relayed=user is not None and user in self.config.trusted_relays,
         )
         if reply is None:
             self._throttle.log(
@@ -112,3 +131,14 @@ class CallingMixin(ServerBase):
 
 def _nothing(key: bytes) -> bool:
     return False
+
+
+def _principal(frame: zmq.Frame, user: str | None) -> str:
+    """Who made a call (clone.server.ownership): its certificate name under
+    CURVE, else the address it connected from (what a quota can count)."""
+    if user is not None:
+        return name_principal(user)
+    try:
+        return "addr:" + str(frame.get("Peer-Address"))
+    except zmq.ZMQError:
+        return "addr:?"

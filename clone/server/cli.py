@@ -246,6 +246,15 @@ def build_parser() -> argparse.ArgumentParser:
         " reloaded on SIGHUP",
     )
     security.add_argument(
+        "--trusted-relay",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a relay's certificate name whose word on who made a call (caller=) the"
+        " pair believes, so that its clients own their leases; repeat for each relay"
+        " (default: none; a CURVE relay not listed has its calls refused, reason acl)",
+    )
+    security.add_argument(
         "--upstream-curve-secret",
         metavar="FILE",
         help="a relay's own client secret certificate (clone keygen), to follow its"
@@ -282,6 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="most leases the active server holds; a grant beyond is refused, reason busy"
         " (default 100000)",
+    )
+    limits.add_argument(
+        "--max-leases-per-client",
+        type=positive_int,
+        default=1_000,
+        metavar="N",
+        help="most leases one client holds (its certificate name under CURVE, else its"
+        " address); a grant beyond is refused, reason lease-quota (default 1000)",
     )
     limits.add_argument(
         "--max-snapshots",
@@ -322,6 +339,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_keys=args.max_keys,
         max_bytes=args.max_bytes,
         max_leases=args.max_leases,
+        max_leases_per_client=args.max_leases_per_client,
     )
     common = dict(
         bind=args.bind,
@@ -339,6 +357,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         curve_secret=args.curve_secret,
         clients_dir=args.clients,
         acl=args.acl,
+        trusted_relays=frozenset(args.trusted_relay),
         max_snapshots=args.max_snapshots,
         http_port=args.http_port,
     )

@@ -82,6 +82,9 @@ class ServerConfig:
     #: of ``curve_secret``, which is what the relay serves its own clients with.
     upstream_curve_secret: str | None = None
     upstream_server_key: str | None = None
+    #: Certificate names of relays whose ``caller=`` the pair believes
+    #: (docs/operations.md, "Lease ownership through a relay").
+    trusted_relays: frozenset[str] = frozenset()
     #: The HTTP port (docs/operations.md, "Monitoring"): /metrics, /healthz,
     #: /readyz and the status page, bound to ``bind``; None: off.
     http_port: int | None = None
@@ -115,6 +118,11 @@ class ServerConfig:
             raise ValueError(
                 "--curve-secret and --clients go together: the pair's certificate and the"
                 " directory of the clients it admits"
+            )
+        if self.trusted_relays and self.curve_secret is None:
+            raise ValueError(
+                "--trusted-relay needs --curve-secret and --clients: without CURVE no"
+                " relay has a name to trust"
             )
         if self.acl is not None and self.curve_secret is None:
             raise ValueError(

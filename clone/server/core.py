@@ -42,7 +42,15 @@ from clone.errors import IllegalSyncTransition, LimitExceeded, ProtocolError, St
 from clone.server.delta import DeltaStream, open_catch_up, open_history
 from clone.server.history import History
 from clone.server.journal import Journal
-from clone.server.leases import LeaseTable, bound_lease, format_lease_value, parse_lease_value
+from clone.server.leases import (
+    OWNER_PROPERTY,
+    LeaseTable,
+    bound_lease,
+    format_lease_value,
+    lease_owner,
+    parse_lease_value,
+)
+from clone.server.ownership import grant_owner, may_use
 from clone.server.pending import PendingList, PendingUpdate, UuidWindow, update_id
 from clone.server.snapshot import SnapshotStream
 from clone.server.split import split_writes
@@ -54,6 +62,7 @@ from clone.wire.calls import (
     IF_SEQUENCE_PROPERTY,
     LEASE_PREFIX,
     LEASE_PROPERTY,
+    OP_AHEAD,
     OP_LEASE_GRANT,
     OP_LEASE_KEEPALIVE,
     OP_SET,
@@ -199,8 +208,11 @@ COUNTERS = (
     "calls_bad_if_sequence",
     "calls_bad_lease",
     "calls_bad_ttl",
+    "calls_not_owner",
+    "calls_refused_lease_quota",
     "kvset_conflict",
     "kvset_unknown_lease",
+    "kvset_lease_refused",
     "kvset_reserved",
     "leases_granted",
     "leases_revoked",
@@ -229,6 +241,9 @@ class CoreSettings:
     max_bytes: int = 4 * 1024**3
     #: The most leases the active server holds; a grant beyond is refused (busy).
     max_leases: int = 100_000
+    #: The most leases one client (principal: docs/operations.md, "Leases")
+    #: holds; a grant beyond is refused (lease-quota).
+    max_leases_per_client: int = 1_000
 
     def __post_init__(self) -> None:
         for name in (
@@ -239,6 +254,7 @@ class CoreSettings:
             "history_max",
             "history_bytes",
             "max_leases",
+            "max_leases_per_client",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
@@ -278,6 +294,7 @@ _PROBLEM_COUNTERS: dict[str, str] = {
     "bad-if-sequence": "calls_bad_if_sequence",
     "bad-lease": "calls_bad_lease",
     "bad-ttl": "calls_bad_ttl",
+    "bad-secret": "calls_bad_lease",
 }
 
 
@@ -914,6 +931,8 @@ class ServerCore:
         *,
         can_write: Callable[[bytes], bool] | None = None,
         may_lease: bool = True,
+        caller: str = "",
+        relayed: bool = False,
     ) -> tuple[Reply | None, bool]:
         """A CALL? (without its identity frame); returns the reply and whether
         it must wait for this turn's commit (it changed the state).
@@ -926,6 +945,12 @@ class ServerCore:
         somewhere at all, which is what a call without such a key needs (an
         unnamed grant, a keepalive, a revoke).  The rule itself is
         :func:`~clone.wire.calls.acl_refusal`, shared with the relays.
+
+        ``caller``: the caller's principal (:mod:`clone.server.ownership`);
+        ``relayed``: it is a relay the pair trusts, so the call's ``caller=``
+        names who asked it and stands for the caller; from anyone else a
+        ``caller=`` is refused.  Only a lease's owner may keep it alive,
+        revoke it or bind a key to it (``not-owner``).
 
         Each refusal has its own counter (``_PROBLEM_COUNTERS``, ``size``,
         ``malformed``), so an operator can tell a client sending nonsense
@@ -950,35 +975,89 @@ class ServerCore:
         if why is not None:
             c["calls_refused_acl"] += 1
             return _refused(call.uuid, "acl", why), False
+        claimed = call.caller
+        if claimed is not None:
+            if relayed:
+                caller = claimed
+            elif call.op != OP_SET or call.lease is not None:
+                # Whose lease it is would rest on an unchecked word: fail closed.
+                # (A write with no lease is the same whoever asked: let it be.)
+                c["calls_refused_acl"] += 1
+                why = "only a relay the pair trusts (--trusted-relay) may name a caller"
+                return _refused(call.uuid, "acl", why), False
         if self.role is not Role.ACTIVE:
             c["calls_not_active"] += 1
             return _refused(call.uuid, "not-active", f"this server is {self.role.value}"), False
         mono = _mono(mono, now)
         if call.op == OP_SET:
-            return self._call_set(call, now, mono)
+            return self._call_set(call, now, mono, caller)
         if call.op == OP_LEASE_GRANT:
-            return self._call_grant(call, now, mono)
+            return self._call_grant(call, now, mono, caller)
+        if call.op == OP_AHEAD:
+            return self._call_ahead(call), False
         lease_id = call.lease
         assert lease_id is not None  # check_call
-        if call.op == OP_LEASE_KEEPALIVE:
-            lease = self.leases.keepalive(lease_id, mono)
-            if lease is None:
-                c["calls_unknown_lease"] += 1
-                return _refused(call.uuid, "unknown-lease", f"no lease {lease_id}"), False
-            c["lease_keepalives"] += 1
-            c["calls_ok"] += 1
-            return Reply(call.uuid, "ok", lease=lease_id, ttl=lease.ttl), False
-        # lease-revoke
         held = self.leases.get(lease_id)
         if held is None:
             c["calls_unknown_lease"] += 1
             return _refused(call.uuid, "unknown-lease", f"no lease {lease_id}"), False
+        if not may_use(held.owner, caller, call.secret):
+            return self._not_owner(call.uuid, lease_id, held.owner), False
+        if call.op == OP_LEASE_KEEPALIVE:
+            lease = self.leases.keepalive(lease_id, mono)
+            assert lease is not None  # held
+            c["lease_keepalives"] += 1
+            c["calls_ok"] += 1
+            return Reply(call.uuid, "ok", lease=lease_id, ttl=lease.ttl), False
+        # lease-revoke
         self._end_lease(lease_id, mono)
         c["leases_revoked"] += 1
         c["calls_ok"] += 1
         return Reply(call.uuid, "ok", self.store.sequence, lease=lease_id, ttl=held.ttl), True
 
-    def _call_set(self, call: Call, now: float, mono: float) -> tuple[Reply, bool]:
+    def _call_ahead(self, call: Call) -> Reply:
+        """How many contenders are ahead of ``call.key`` in its lock's queue.
+
+        The recipe's rule (clone.recipes), told by the server to a contender
+        that may not read the queue: lease-bound keys under the key's parent
+        with a lower sequence.  A scan of the live leases' keys, not of the
+        store: a contender's key is always bound to a lease.
+        """
+        c = self.counters
+        raw = call.key.encode("utf-8")
+        entry = self.store.entry(raw)
+        if entry is None:
+            c["calls_conflict"] += 1
+            return Reply(call.uuid, "conflict", current=0)
+        mine = int.from_bytes(entry[0], "big")
+        prefix = raw[: raw.rfind(b"/") + 1]
+        store = self.store
+        ahead = 0
+        for lease in self.leases.live():
+            for key in lease.keys:
+                if key == raw or not key.startswith(prefix):
+                    continue
+                other = store.entry(key)
+                if (
+                    other is not None
+                    and int.from_bytes(other[0], "big") < mine
+                    and bound_lease(other[2]) == lease.id
+                ):
+                    ahead += 1
+        c["calls_ok"] += 1
+        return Reply(call.uuid, "ok", mine, ahead=ahead)
+
+    def _not_owner(self, uuid: bytes, lease_id: str, owner: str | None) -> Reply:
+        self.counters["calls_not_owner"] += 1
+        if owner is None:
+            why = f"lease {lease_id} predates lease ownership: nobody may use it"
+        else:
+            why = f"lease {lease_id} is another client's"
+        return _refused(uuid, "not-owner", why)
+
+    def _call_set(
+        self, call: Call, now: float, mono: float, caller: str = ""
+    ) -> tuple[Reply, bool]:
         c = self.counters
         raw_key = call.key.encode("utf-8")
         uuid = call.uuid
@@ -988,9 +1067,13 @@ class ServerCore:
             c["calls_ok"] += 1
             return Reply(uuid, "ok", self._applied_sequence(uuid, raw_key)), False
         lease_id = call.lease
-        if lease_id is not None and lease_id not in self.leases:
-            c["calls_unknown_lease"] += 1
-            return _refused(uuid, "unknown-lease", f"no lease {lease_id}"), False
+        if lease_id is not None:
+            held = self.leases.get(lease_id)
+            if held is None:
+                c["calls_unknown_lease"] += 1
+                return _refused(uuid, "unknown-lease", f"no lease {lease_id}"), False
+            if not may_use(held.owner, caller, call.secret):
+                return self._not_owner(uuid, lease_id, held.owner), False
         expected = call.if_sequence
         if expected is not None:
             current = self._key_sequence(raw_key)
@@ -1016,16 +1099,24 @@ class ServerCore:
         self._record(out)
         return Reply(uuid, "ok", self.store.sequence), True
 
-    def _call_grant(self, call: Call, now: float, mono: float) -> tuple[Reply, bool]:
+    def _call_grant(
+        self, call: Call, now: float, mono: float, caller: str = ""
+    ) -> tuple[Reply, bool]:
         c = self.counters
         uuid = call.uuid
         lease_id = lease_id_of(uuid)
         held = self.leases.get(lease_id)
         if held is not None:
+            # A retry: answered only to the owner (the id is public, and the
+            # reply hands the secret back).
+            if not may_use(held.owner, caller, call.secret):
+                return self._not_owner(uuid, lease_id, held.owner), False
             c["calls_duplicate"] += 1
             c["calls_ok"] += 1
             seq = self._key_sequence(lease_key(lease_id).encode())
-            return Reply(uuid, "ok", seq, lease=lease_id, ttl=held.ttl), False
+            return Reply(
+                uuid, "ok", seq, lease=lease_id, ttl=held.ttl, secret=call.secret or ""
+            ), False
         if uuid in self.window:
             # Granted once, and gone since (expired or revoked).
             c["calls_unknown_lease"] += 1
@@ -1036,8 +1127,16 @@ class ServerCore:
             return _refused(
                 uuid, "busy", f"the server holds {len(self.leases)} leases, its --max-leases"
             ), False
+        quota = self.settings.max_leases_per_client
+        if caller and self.leases.held_by(caller) >= quota:
+            c["calls_refused_lease_quota"] += 1
+            why = f"this client holds {quota} leases, its --max-leases-per-client"
+            return _refused(uuid, "lease-quota", why), False
         ttl = parse_lease_ttl(call.prop(TTL_PROPERTY))
-        msg = KVMsg(lease_key(lease_id), 0, uuid, (), format_lease_value(ttl))
+        owner, secret = grant_owner(caller, call.secret)
+        msg = KVMsg(
+            lease_key(lease_id), 0, uuid, ((OWNER_PROPERTY, owner),), format_lease_value(ttl)
+        )
         try:
             out = self.store.apply(msg, mono, wall=now)
         except StoreFull as exc:
@@ -1045,11 +1144,12 @@ class ServerCore:
             return _refused(uuid, "full", str(exc)), False
         self.window.add(uuid, now)
         self.leases.grant(lease_id, ttl, mono)
+        self.leases.adopt(lease_id, owner, caller)
         c["leases_granted"] += 1
         c["kvpub_published"] += 1
         c["calls_ok"] += 1
         self._record(out)
-        return Reply(uuid, "ok", self.store.sequence, lease=lease_id, ttl=ttl), True
+        return Reply(uuid, "ok", self.store.sequence, lease=lease_id, ttl=ttl, secret=secret), True
 
     def _check_kvset(self, msg: KVMsg, raw_key: bytes) -> KVMsg:
         """The call rules for a KVSET applied as active (or at a promotion).
@@ -1074,6 +1174,14 @@ class ServerCore:
         if lease_id is not None and lease_id not in self.leases:
             c["kvset_unknown_lease"] += 1
             raise ProtocolError(f"write to {msg.key[:80]!r} names lease {lease_id}, which is gone")
+        if lease_id is not None:
+            # A KVSET proves no ownership (no secret, no reply): binding a key
+            # to a lease is a call's job (docs/protocol.md, "Lease ownership").
+            c["kvset_lease_refused"] += 1
+            raise ProtocolError(
+                f"write to {msg.key[:80]!r} names lease {lease_id}: bind keys to a lease"
+                " with a CALL? set, which proves its owner"
+            )
         if expected_text is None:
             return msg
         current = self._key_sequence(raw_key)
@@ -1130,6 +1238,7 @@ class ServerCore:
         """Becoming active: every stored lease gets a full ttl from ``now``;
         keys bound to a lease that no longer exists are deleted (returned)."""
         leases: list[tuple[str, float]] = []
+        owners: list[tuple[str, str | None]] = []
         bindings: list[tuple[str, bytes]] = []
         broken: list[bytes] = []
         for raw_key, entry in self.store.entries_with_properties_or_prefix(_LEASE_PREFIX_RAW):
@@ -1140,11 +1249,18 @@ class ServerCore:
                     broken.append(raw_key)
                 else:
                     leases.append((lease_id, ttl))
+                    owners.append((lease_id, lease_owner(entry[2])))
                 continue
             bound = bound_lease(entry[2])
             if bound is not None:
                 bindings.append((bound, raw_key))
         orphans = self.leases.rebuild(leases, bindings, now)
+        for lease_id, owner in owners:
+            # A certificate name counts against its quota again; a secret's
+            # holder is not known here; no owner (an older data directory):
+            # nobody may use it, and it runs out one ttl from now.
+            client = owner if owner is not None and owner.startswith("name:") else ""
+            self.leases.adopt(lease_id, owner, client)
         out = [self._delete(raw_key, now) for raw_key in broken + orphans]
         self.counters["lease_orphans_deleted"] += len(out)
         return out

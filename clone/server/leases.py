@@ -18,6 +18,15 @@ stored properties before deleting it.  Deadlines sit in a heap with lazy
 deletion (a keepalive pushes a new deadline; the old one is skipped when it
 surfaces), compacted when stale entries outnumber live ones.
 
+Ownership (docs/protocol.md, "Lease ownership"): the lease key carries
+``owner=<owner>`` in its properties (``name:<certificate name>`` under CURVE,
+``secret:<sha256 of the grant's secret>`` without), so a new active server
+knows it too; a lease whose key has none (written before ownership existed)
+has no owner, and nobody may keep it alive, revoke it or bind to it: it runs
+out one ttl after the server became active.  The per-client count behind
+``--max-leases-per-client`` is the active's own (not replicated): leases it
+rebuilt count for their owner when it is a certificate name, for nobody else.
+
 Sans-IO: every ``now`` is passed in, on the monotonic clock (as key expiry):
 a step of the wall clock ends no lease early and keeps none alive.
 """
@@ -30,9 +39,20 @@ from dataclasses import dataclass, field
 
 from clone.wire.calls import LEASE_PROPERTY, parse_lease_ttl
 
-__all__ = ["Lease", "LeaseTable", "bound_lease", "format_lease_value", "parse_lease_value"]
+__all__ = [
+    "OWNER_PROPERTY",
+    "Lease",
+    "LeaseTable",
+    "bound_lease",
+    "format_lease_value",
+    "lease_owner",
+    "parse_lease_value",
+]
 
 _TOKEN = f"{LEASE_PROPERTY}=".encode()
+#: The lease key's property naming who may use the lease.
+OWNER_PROPERTY = "owner"
+_OWNER_TOKEN = f"{OWNER_PROPERTY}=".encode()
 
 
 @dataclass(slots=True)
@@ -44,6 +64,10 @@ class Lease:
     deadline: float
     #: Keys written under this lease (possibly since rewritten or deleted).
     keys: set[bytes] = field(default_factory=set)
+    #: Who may use it (``name:...`` or ``secret:<sha256>``); None: nobody.
+    owner: str | None = None
+    #: Whose quota it counts against ("" for none).
+    client: str = ""
 
 
 def format_lease_value(ttl: float) -> bytes:
@@ -68,12 +92,21 @@ def parse_lease_value(body: bytes) -> float | None:
 
 def bound_lease(props: bytes) -> str | None:
     """The lease a stored entry's raw properties bind it to, if any."""
-    if not props or _TOKEN not in props:
+    return _raw_prop(props, _TOKEN)
+
+
+def lease_owner(props: bytes) -> str | None:
+    """The owner a lease key's raw properties record, if any."""
+    return _raw_prop(props, _OWNER_TOKEN)
+
+
+def _raw_prop(props: bytes, token: bytes) -> str | None:
+    if not props or token not in props:
         return None
     for line in props.split(b"\n"):
-        if line.startswith(_TOKEN):
+        if line.startswith(token):
             try:
-                return line[len(_TOKEN) :].decode("ascii")
+                return line[len(token) :].decode("ascii")
             except UnicodeDecodeError:
                 return None
     return None
@@ -82,7 +115,7 @@ def bound_lease(props: bytes) -> str | None:
 class LeaseTable:
     """The live leases, their deadlines and their keys.  Not thread-safe."""
 
-    __slots__ = ("_heap", "_leases", "max_leases")
+    __slots__ = ("_heap", "_leases", "_per_client", "max_leases")
 
     def __init__(self, max_leases: int) -> None:
         if max_leases < 1:
@@ -90,6 +123,7 @@ class LeaseTable:
         self.max_leases = max_leases
         self._leases: dict[str, Lease] = {}
         self._heap: list[tuple[float, str]] = []
+        self._per_client: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._leases)
@@ -99,6 +133,10 @@ class LeaseTable:
 
     def get(self, lease_id: str) -> Lease | None:
         return self._leases.get(lease_id)
+
+    def live(self) -> Iterable[Lease]:
+        """Every live lease (for a scan of their keys)."""
+        return self._leases.values()
 
     @property
     def full(self) -> bool:
@@ -110,6 +148,28 @@ class LeaseTable:
         self._leases[lease_id] = lease
         self._push(lease)
         return lease
+
+    def adopt(self, lease_id: str, owner: str | None, client: str = "") -> None:
+        """Record who owns a lease (after :meth:`grant` or :meth:`rebuild`)."""
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            return
+        self._uncount(lease)
+        lease.owner, lease.client = owner, client
+        if client:
+            self._per_client[client] = self._per_client.get(client, 0) + 1
+
+    def held_by(self, client: str) -> int:
+        """How many live leases count against ``client``'s quota."""
+        return self._per_client.get(client, 0)
+
+    def _uncount(self, lease: Lease) -> None:
+        if lease.client:
+            left = self._per_client.get(lease.client, 0) - 1
+            if left > 0:
+                self._per_client[lease.client] = left
+            else:
+                self._per_client.pop(lease.client, None)
 
     def keepalive(self, lease_id: str, now: float) -> Lease | None:
         """Restart the lease's clock; None if there is no such lease."""
@@ -127,7 +187,10 @@ class LeaseTable:
 
     def pop(self, lease_id: str) -> Lease | None:
         """Forget the lease (revoked or expired); its stale heap entries are skipped later."""
-        return self._leases.pop(lease_id, None)
+        lease = self._leases.pop(lease_id, None)
+        if lease is not None:
+            self._uncount(lease)
+        return lease
 
     def due(self, now: float, limit: int) -> list[str]:
         """Ids of leases whose deadline is at or before ``now`` (at most ``limit``)."""
@@ -153,6 +216,7 @@ class LeaseTable:
         """
         self._leases = {}
         self._heap = []
+        self._per_client = {}
         for lease_id, ttl in leases:
             self.grant(lease_id, ttl, now)
         orphans: list[bytes] = []
@@ -167,6 +231,7 @@ class LeaseTable:
     def clear(self) -> None:
         self._leases = {}
         self._heap = []
+        self._per_client = {}
 
     def _push(self, lease: Lease) -> None:
         heapq.heappush(self._heap, (lease.deadline, lease.id))

@@ -74,6 +74,8 @@ CALL_RESULTS: Mapping[str, str] = {
     "full": "calls_refused_full",
     "size": "calls_refused_size",
     "busy": "calls_refused_busy",
+    "not_owner": "calls_not_owner",
+    "lease_quota": "calls_refused_lease_quota",
 }
 
 #: ``clone_relay_calls_total{result}``: what a relay did with its clients'

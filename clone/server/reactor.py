@@ -354,6 +354,13 @@ class CloneServer(
                 log.warning("heartbeat ran %d ms late: the reactor was blocked", late_ms)
         try:
             if self.core.role is Role.ACTIVE:
+                # A call's update is applied in the ROUTER's handler but
+                # committed and published by a callback after it
+                # (clone.server.calling); a timer that runs between the two
+                # would announce a sequence nobody was sent, and every client
+                # and the passive would resync.  Publish it first.
+                if self.core.journal:
+                    self._commit_and_publish()
                 self._publish(self.core.hugz(self._heartbeat_ms))
                 self.counters["hugz_sent"] += 1
                 if self._view_counts:

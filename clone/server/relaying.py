@@ -63,8 +63,16 @@ from clone.errors import ProtocolError
 from clone.security import PEER_USER, fingerprint
 from clone.server.base import ServerBase, log, peer_endpoint, who
 from clone.server.core import SyncState
-from clone.wire.calls import REPLY, Reply, acl_refusal, call_uuid, check_call, decode_call
-from clone.wire.codec import Hugz, decode_update, encode_hugz
+from clone.wire.calls import (
+    CALLER_PROPERTY,
+    REPLY,
+    Reply,
+    acl_refusal,
+    call_uuid,
+    check_call,
+    decode_call,
+)
+from clone.wire.codec import Hugz, decode_properties, decode_update, encode_hugz, encode_properties
 from clone.wire.control import Refusal, ViewHeartbeat, decode_control, encode_refusal
 from clone.wire.frames import NOBLOCK, recv_frames, recv_frames_and_first, send_frames
 from clone.wire.protocol import COLLECTOR_OFFSET, HUGZ, REFUSAL_REASONS, SNAPSHOT_OFFSET
@@ -393,13 +401,18 @@ class RelayMixin(ServerBase):
         if stream is not None:
             self._forget(stream)
 
-    def _forward_call(self, identity: bytes, frames: list[bytes], user: str | None = None) -> None:
+    def _forward_call(
+        self, identity: bytes, frames: list[bytes], user: str | None = None, caller: str = ""
+    ) -> None:
         """A client's CALL? (``frames`` from b"CALL?" on): to the upstream.
 
         ``user`` is the caller's name when we serve over CURVE: our ACL is
-        checked first, as the pair checks it.  A call we cannot forward now
-        is answered ``not-active`` (the caller retries) or dropped (it times
-        out and retries); never held.
+        checked first, as the pair checks it.  ``caller`` is the caller's
+        principal (clone.server.ownership): over a CURVE upstream we forward it
+        as ``caller=``, which the pair believes of a relay it trusts, so that
+        the lease a client takes through us is that client's, not ours.  A
+        call we cannot forward now is answered ``not-active`` (the caller
+        retries) or dropped (it times out and retries); never held.
         """
         uuid = call_uuid(frames)
         if uuid is None:
@@ -416,6 +429,8 @@ class RelayMixin(ServerBase):
                 )
                 self._send_reply(identity, Reply(uuid, "refused", reason="acl", detail=why))
                 return
+        if self._upstream_keypair is not None and caller:
+            frames = self._with_caller(frames, user, caller)
         stream = self._call_dealer
         if stream is None or stream.closed() or self._relay_stale():
             # Stale but not yet moved on (up to a housekeeping turn): the
@@ -450,6 +465,25 @@ class RelayMixin(ServerBase):
             )
         # Only now that its caller is known: a reply read here is routed.
         self._take_call_replies(stream)
+
+    def _with_caller(self, frames: list[bytes], user: str | None, caller: str) -> list[bytes]:
+        """The call with ``caller=`` saying who asked us; a ``caller=`` the
+        client sent is replaced (a client cannot speak for another), but for
+        one from a relay we trust ourselves (a chain of relays).  A call whose
+        properties do not decode goes as it is: the pair says what is wrong."""
+        if len(frames) != 6:
+            return frames
+        try:
+            props = decode_properties(frames[4])
+        except ProtocolError:
+            return frames
+        if user is not None and user in self.config.trusted_relays:
+            if any(name == CALLER_PROPERTY for name, _ in props):
+                return frames
+        kept = tuple((n, v) for n, v in props if n != CALLER_PROPERTY)
+        out = list(frames)
+        out[4] = encode_properties((*kept, (CALLER_PROPERTY, caller)))
+        return out
 
     def _call_refusal(self, frames: list[bytes], user: str | None) -> str | None:
         """Why our ACL refuses this call to ``user``, or None to forward it.

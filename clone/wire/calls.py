@@ -22,6 +22,17 @@ and get exactly one *reply* from an active server (docs/protocol.md, "CALL?")::
   key to a lease) and ``if_sequence=<n>`` (apply only if the key's sequence is
   ``n``; 0: only if the key is absent).  Of ``lease-grant``: ``ttl=<seconds>``.
   Of ``lease-keepalive`` and ``lease-revoke``: ``lease=<id>``.
+* Lease ownership (docs/protocol.md, "Lease ownership"): a ``lease-grant``
+  may carry ``secret=<32 hex>`` (the caller's proof of ownership without
+  CURVE; the server picks one when it is absent) and its reply carries
+  ``secret=`` back; ``lease-keepalive``, ``lease-revoke`` and a ``set`` with
+  ``lease=`` carry the same ``secret=``.
+* ``ahead`` (a lock's contender that may not read its lock's prefix): ``key``
+  is the contender's own key; the reply is ``ok`` with ``ahead=<n>``, the
+  number of lease-bound keys under the key's parent (up to its last ``/``)
+  with a lower sequence, and the key's sequence, or ``conflict`` with
+  ``current=0`` if the key is gone.  It needs write access to the key.  A relay trusted by the pair
+  (``--trusted-relay``) adds ``caller=<principal>``: who asked it.
 * The reply's ``sequence``: what the server assigned (a ``set``; a grant's or a
   revoke's own update), else 0.  Its properties: ``status=ok|conflict|refused``;
   ``current=<n>`` with a conflict (the key's sequence now, 0 if absent);
@@ -60,9 +71,12 @@ __all__ = [
     "OP_LEASE_GRANT",
     "OP_LEASE_KEEPALIVE",
     "OP_LEASE_REVOKE",
+    "OP_AHEAD",
     "LEASE_PROPERTY",
     "IF_SEQUENCE_PROPERTY",
     "LEASE_PREFIX",
+    "SECRET_PROPERTY",
+    "CALLER_PROPERTY",
     "REASONS",
     "Call",
     "Reply",
@@ -79,6 +93,8 @@ __all__ = [
     "lease_key",
     "parse_lease_ttl",
     "valid_lease_id",
+    "valid_principal",
+    "valid_secret",
 ]
 
 CALL: Final = b"CALL?"
@@ -88,13 +104,22 @@ OP_SET: Final = "set"
 OP_LEASE_GRANT: Final = "lease-grant"
 OP_LEASE_KEEPALIVE: Final = "lease-keepalive"
 OP_LEASE_REVOKE: Final = "lease-revoke"
-OPS: Final = frozenset({OP_SET, OP_LEASE_GRANT, OP_LEASE_KEEPALIVE, OP_LEASE_REVOKE})
+#: How many lease-bound keys under a key's parent have a lower sequence: what
+#: a lock contender that may write but not read its lock's prefix asks.
+OP_AHEAD: Final = "ahead"
+OPS: Final = frozenset({OP_SET, OP_LEASE_GRANT, OP_LEASE_KEEPALIVE, OP_LEASE_REVOKE, OP_AHEAD})
 
 #: A key's property naming the lease it is bound to (kept on the stored entry,
 #: so every reader sees it), and a call's property naming a lease.
 LEASE_PROPERTY: Final = "lease"
 #: A ``set`` call's condition; never stored.
 IF_SEQUENCE_PROPERTY: Final = "if_sequence"
+#: A lease's proof of ownership without CURVE (never stored in clear: the
+#: lease key holds its SHA-256), sent with every call on the lease.
+SECRET_PROPERTY: Final = "secret"
+#: Who asked a relay for a call, as the relay asserts it to the pair: only a
+#: relay whose certificate the pair trusts (``--trusted-relay``) may send it.
+CALLER_PROPERTY: Final = "caller"
 #: Where a server keeps its leases: one key per lease, ``<prefix><id>``, whose
 #: value says its ttl.  Replicated, durable and snapshotted like any key;
 #: clients may read it but never write under it.
@@ -114,11 +139,19 @@ REASONS: Final = frozenset(
         "unknown-lease",  # no such lease (never granted, expired or revoked)
         "reserved",  # a key under LEASE_PREFIX
         "busy",  # the server has too many leases (--max-leases)
+        "not-owner",  # the lease is another client's (or predates ownership)
+        "lease-quota",  # this client holds --max-leases-per-client leases
+        "bad-secret",  # a secret that is not 32 hex digits
     }
 )
 
+_AHEAD_PROPERTY = "ahead"
+_NOT_STORED = frozenset({IF_SEQUENCE_PROPERTY, SECRET_PROPERTY, CALLER_PROPERTY})
 _STATUSES = frozenset({"ok", "conflict", "refused"})
 _LEASE_ID_RE = re.compile(r"[0-9a-f]{32}")
+_SECRET_RE = re.compile(r"[0-9a-f]{32}")
+#: A principal: ``name:<certificate name>`` or ``addr:<peer address>``.
+_PRINCIPAL_RE = re.compile(r"(name|addr):[^\n=]{1,200}")
 _UINT_RE = re.compile(r"[0-9]{1,20}")
 _SEQ_MAX = 2**64 - 1
 #: A lease lives at least this long: a keepalive every third of it must be
@@ -148,14 +181,23 @@ class Call:
         return self.prop(LEASE_PROPERTY)
 
     @property
+    def secret(self) -> str | None:
+        return self.prop(SECRET_PROPERTY)
+
+    @property
+    def caller(self) -> str | None:
+        return self.prop(CALLER_PROPERTY)
+
+    @property
     def if_sequence(self) -> int | None:
         """The condition of a ``set`` (call :func:`check_call` first), or None."""
         text = self.prop(IF_SEQUENCE_PROPERTY)
         return None if text is None else int(text)
 
     def stored_properties(self) -> Properties:
-        """What a ``set`` stores: its properties without the condition."""
-        return tuple((n, v) for n, v in self.properties if n != IF_SEQUENCE_PROPERTY)
+        """What a ``set`` stores: its properties without the condition, the
+        lease's secret and a relay's caller (never stored, never shown)."""
+        return tuple((n, v) for n, v in self.properties if n not in _NOT_STORED)
 
     def as_kvmsg(self) -> KVMsg:
         """A ``set`` as the KVSET it stands for (uuid, stored properties, body)."""
@@ -174,6 +216,10 @@ class Reply:
     current: int | None = None
     lease: str = ""
     ttl: float | None = None
+    #: A lease grant's secret (docs/protocol.md, "Lease ownership"), or "".
+    secret: str = ""
+    #: An ``ahead`` call's answer, else None.
+    ahead: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -192,6 +238,15 @@ def lease_id_of(uuid: bytes) -> str:
 
 def valid_lease_id(text: str) -> bool:
     return _LEASE_ID_RE.fullmatch(text) is not None
+
+
+def valid_secret(text: str) -> bool:
+    return _SECRET_RE.fullmatch(text) is not None
+
+
+def valid_principal(text: str) -> bool:
+    """A relay's ``caller=``: ``name:<certificate name>`` or ``addr:<address>``."""
+    return _PRINCIPAL_RE.fullmatch(text) is not None
 
 
 def parse_lease_ttl(text: str | None) -> float:
@@ -260,6 +315,10 @@ def decode_call(frames: Sequence[bytes]) -> Call:
         if body:
             raise ProtocolError(f"CALL? {op} takes no body")
         key = validate_key(bytes(frames[3]), reserved_ok=False) if frames[3] else ""
+    elif op == OP_AHEAD:
+        if body or not frames[3]:
+            raise ProtocolError(f"CALL? {op} takes a key and no body")
+        key = validate_key(bytes(frames[3]), reserved_ok=False)
     else:
         if frames[3] or body:
             raise ProtocolError(f"CALL? {op} takes no key and no body")
@@ -276,7 +335,7 @@ def acl_key(call: Call) -> str | None:
     key): judging the grant by it refuses a lock outside the caller's write
     prefixes before the server writes anything, not after a lease was made.
     """
-    if call.op == OP_SET or (call.op == OP_LEASE_GRANT and call.key):
+    if call.op in (OP_SET, OP_AHEAD) or (call.op == OP_LEASE_GRANT and call.key):
         return call.key
     return None
 
@@ -298,7 +357,7 @@ def acl_refusal(
     if key is not None:
         if can_write(key.encode("utf-8")):
             return None
-        what = "write" if call.op == OP_SET else "take a lease for"
+        what = {OP_SET: "write", OP_AHEAD: "queue at"}.get(call.op, "take a lease for")
         return f"the ACL does not let you {what} {key!r}"
     if writes_somewhere:
         return None
@@ -307,6 +366,12 @@ def acl_refusal(
 
 def check_call(call: Call) -> tuple[str, str] | None:
     """What is wrong with what a well-shaped call asks for, as (reason, detail)."""
+    secret = call.secret
+    if secret is not None and not valid_secret(secret):
+        return ("bad-secret", "a lease secret is 32 lowercase hex digits")
+    caller = call.caller
+    if caller is not None and not valid_principal(caller):
+        return ("malformed", f"caller {caller[:40]!r} is not name:<name> or addr:<address>")
     if call.op == OP_SET:
         text = call.prop(IF_SEQUENCE_PROPERTY)
         if text is not None and (_UINT_RE.fullmatch(text) is None or int(text) > _SEQ_MAX):
@@ -319,6 +384,8 @@ def check_call(call: Call) -> tuple[str, str] | None:
             return ("bad-lease", f"lease id {lease[:40]!r} is not 32 lowercase hex digits")
         if call.key.startswith(LEASE_PREFIX):
             return ("reserved", f"keys under {LEASE_PREFIX} are the server's leases")
+        return None
+    if call.op == OP_AHEAD:
         return None
     if call.op == OP_LEASE_GRANT:
         try:
@@ -353,6 +420,10 @@ def encode_reply(reply: Reply) -> list[bytes]:
         props.append((LEASE_PROPERTY, reply.lease))
     if reply.ttl is not None:
         props.append((TTL_PROPERTY, repr(float(reply.ttl))))
+    if reply.secret:
+        props.append((SECRET_PROPERTY, reply.secret))
+    if reply.ahead is not None:
+        props.append((_AHEAD_PROPERTY, str(reply.ahead)))
     return [REPLY, reply.uuid, reply.sequence.to_bytes(8, "big"), encode_properties(tuple(props))]
 
 
@@ -386,6 +457,15 @@ def decode_reply(frames: Sequence[bytes]) -> Reply:
     lease = props.get(LEASE_PROPERTY, "")
     if lease and not valid_lease_id(lease):
         raise ProtocolError(f"REPLY lease {lease[:40]!r} is not a lease id")
+    secret = props.get(SECRET_PROPERTY, "")
+    if secret and not valid_secret(secret):
+        raise ProtocolError("REPLY secret is not 32 hex digits")
+    ahead: int | None = None
+    if _AHEAD_PROPERTY in props:
+        text = props[_AHEAD_PROPERTY]
+        if _UINT_RE.fullmatch(text) is None:
+            raise ProtocolError(f"REPLY ahead {text[:40]!r} is not a count")
+        ahead = int(text)
     ttl: float | None = None
     if TTL_PROPERTY in props:
         try:
@@ -401,4 +481,6 @@ def decode_reply(frames: Sequence[bytes]) -> Reply:
         current=current,
         lease=lease,
         ttl=ttl,
+        secret=secret,
+        ahead=ahead,
     )

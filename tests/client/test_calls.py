@@ -11,7 +11,15 @@ import itertools
 
 import pytest
 
-from clone.client.fsm import AgentFSM, CallReplied, LeaseGone, LeaseKept, SendCall, State
+from clone.client.fsm import (
+    AgentFSM,
+    CallReplied,
+    Confirmed,
+    LeaseGone,
+    LeaseKept,
+    SendCall,
+    State,
+)
 from clone.wire.calls import (
     OP_LEASE_GRANT,
     OP_LEASE_KEEPALIVE,
@@ -21,7 +29,8 @@ from clone.wire.calls import (
     Reply,
     decode_call,
 )
-from clone.wire.codec import Hugz, new_uuid
+from clone.wire.codec import Hugz, KVMsg, new_uuid
+from clone.wire.control import ViewHeartbeat
 from tests.client.test_agent_fsm import CFG, feed_snapshot, synced
 
 LEASE = "0123456789abcdef0123456789abcdef"
@@ -291,3 +300,82 @@ def test_keepalives_without_a_server_wait_for_one() -> None:
     assert fsm.next_deadline() == pytest.approx(0.6)
     fsm.connect("tcp://a:1", 0.4)
     assert len(keepalives(fsm.tick(0.4))) == 1
+
+
+# -- write-only prefixes (issue 23, point 7) -------------------------------------
+
+
+def _restricted_write() -> tuple[AgentFSM, KVMsg]:
+    fsm, _ = synced()
+    fsm.view, fsm.view_count = VIEW, 0
+    msg = KVMsg("/nodes/web1", 0, new_uuid(), (("ttl", "5"),), b"10.0.0.5")
+    ((server, call),) = sent_calls(fsm.write_confirmed(msg, 1.0, within=5.0))
+    assert (server, call.op, call.uuid, call.key, call.body) == (
+        0,
+        "set",
+        msg.uuid,
+        msg.key,
+        msg.body,
+    )
+    assert call.properties == msg.properties and fsm.pending_writes == 1
+    assert fsm.counters.writes_as_calls == 1
+    return fsm, msg
+
+
+VIEW = "0123456789ab"
+
+
+def test_a_restricted_write_of_a_key_it_cannot_read_is_confirmed_by_reply_and_heartbeat() -> None:
+    """In restricted mode the KVPUB of a key we may write but not read never
+    comes: a confirmed write is a ``set`` call with the same uuid, confirmed
+    once its REPLY came and a view heartbeat at or past its sequence showed
+    that its update is not in our view."""
+    fsm, msg = _restricted_write()
+    assert fsm.replied(0, ok(msg.uuid, 12), 1.1) == []  # not yet: is it in our view?
+    assert fsm.update(0, ViewHeartbeat(VIEW, 11, 0.1, 0), 1.2) == []
+    assert fsm.update(0, ViewHeartbeat(VIEW, 12, 0.1, 0), 1.3) == [Confirmed(msg.uuid, 12)]
+    assert fsm.pending_writes == 0 and fsm.items("/nodes/") == []
+    # A heartbeat first, then the REPLY: confirmed at once.
+    fsm2, msg2 = _restricted_write()
+    fsm2.update(0, ViewHeartbeat(VIEW, 20, 0.1, 0), 1.2)
+    assert fsm2.replied(0, ok(msg2.uuid, 20), 1.3) == [Confirmed(msg2.uuid, 20)]
+
+
+def test_a_restricted_write_of_a_key_it_can_read_is_confirmed_by_its_update() -> None:
+    fsm, msg = _restricted_write()
+    published = KVMsg(msg.key, 12, msg.uuid, msg.properties, msg.body)
+    assert Confirmed(msg.uuid, 12) in fsm.update(0, published, 1.1)
+    assert fsm.get(msg.key) is not None  # read your own write, as unrestricted
+    (late,) = fsm.replied(0, ok(msg.uuid, 12), 1.2)  # nobody waits on it any more
+    assert isinstance(late, CallReplied) and fsm.pending_writes == 0
+
+
+def test_a_refused_restricted_write_fails_at_once() -> None:
+    fsm, msg = _restricted_write()
+    (answer,) = fsm.replied(0, refused(msg.uuid, "acl"), 1.1)
+    assert isinstance(answer, CallReplied) and answer.reply.reason == "acl"
+    assert fsm.pending_writes == 0
+    # not-active keeps it waiting (the call is sent again later).
+    fsm2, msg2 = _restricted_write()
+    assert fsm2.replied(0, refused(msg2.uuid, "not-active"), 1.1) == []
+    assert fsm2.pending_writes == 1
+
+
+def test_an_unrestricted_clients_confirmed_write_is_published() -> None:
+    fsm, _ = synced()
+    msg = KVMsg("/k", 0, new_uuid(), (), b"v")
+    actions = fsm.write_confirmed(msg, 1.0, within=5.0)
+    assert sent_calls(actions) == [] and fsm.pending_writes == 1
+    assert fsm.counters.writes_as_calls == 0
+
+
+def test_a_kept_leases_keepalives_carry_its_secret() -> None:
+    fsm, _ = synced()
+    ids = itertools.count(1)
+    fsm.new_call_id = lambda: next(ids).to_bytes(16, "big")
+    secret = "5e" * 16
+    fsm.keep_lease(LEASE, 3.0, 0.0, secret)
+    ((_, keepalive),) = sent_calls(fsm.tick(1.0))
+    assert keepalive.op == "lease-keepalive" and keepalive.secret == secret
+    with pytest.raises(ValueError):
+        fsm.keep_lease(LEASE, 3.0, 0.0, "not-hex")

@@ -42,15 +42,18 @@ def client(*srv: ServerProcess, **kw: object) -> Iterator[Clone]:
         c.close()
 
 
-def raw_revoke(server: ServerProcess, lease_id: str) -> None:
-    """Revoke a lease behind its holder's back, as another process would."""
+def raw_revoke(server: ServerProcess, lease_id: str, secret: str) -> None:
+    """Revoke a lease behind its holder's back, as another process that was
+    given its secret would (only the owner's secret can: docs/client.md)."""
     ctx = zmq.Context()
     try:
         sock = ctx.socket(zmq.DEALER)
         sock.linger = 0
         sock.connect(endpoint(server))
         sock.send_multipart(
-            encode_call(OP_LEASE_REVOKE, new_uuid(), properties=(("lease", lease_id),))
+            encode_call(
+                OP_LEASE_REVOKE, new_uuid(), properties=(("lease", lease_id), ("secret", secret))
+            )
         )
         assert sock.poll(5000), "no reply to the revoke"
         assert decode_reply(sock.recv_multipart()).ok
@@ -123,7 +126,7 @@ def test_a_lease_revoked_elsewhere_is_lost_and_told(servers: Servers) -> None:
         holder.set("/lock", "holder", lease=lease)
         lost: list[str] = []
         lease.on_lost(lambda gone: lost.append(gone.why))
-        raw_revoke(server, lease.id)
+        raw_revoke(server, lease.id, lease._secret)
         assert lease.wait_lost(0.9 + 1.0), "told within a keepalive period or so"
         assert lease.lost and "unknown-lease" in lease.why
         eventually(lambda: len(lost) == 1, 3, "the on_lost callback")

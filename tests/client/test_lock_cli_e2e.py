@@ -12,6 +12,7 @@ command gets SIGTERM and ``clone lock`` exits 4 with a message.
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -20,13 +21,10 @@ from itertools import pairwise
 from pathlib import Path
 
 import pytest
-import zmq
 
 from clone.client.cli import EXIT_ERROR, _lock_command, _parser
-from clone.wire.calls import OP_LEASE_REVOKE, decode_reply, encode_call
-from clone.wire.codec import new_uuid
 from tests.support.clients import endpoint, synced_client
-from tests.support.servers import ROOT, ServerProcess, Servers
+from tests.support.servers import ROOT, Servers
 from tests.support.waiting import eventually
 
 NAME = "/locks/cli"
@@ -94,21 +92,6 @@ def runs() -> Iterator[list[LockRun]]:
         run.proc.communicate(timeout=10)
 
 
-def _raw_revoke(server: ServerProcess, lease_id: str) -> None:
-    """Revoke a lease behind its holder's back, as any other process may."""
-    ctx = zmq.Context()
-    try:
-        sock = ctx.socket(zmq.DEALER)
-        sock.linger = 0
-        sock.connect(endpoint(server))
-        call = encode_call(OP_LEASE_REVOKE, new_uuid(), properties=(("lease", lease_id),))
-        sock.send_multipart(call)
-        assert sock.poll(5000), "no reply to the revoke"
-        assert decode_reply(sock.recv_multipart()).ok
-    finally:
-        ctx.destroy(linger=0)
-
-
 def test_options_after_the_name_are_the_locks_not_the_commands() -> None:
     """The documented order, ``clone lock NAME --ttl S --wait S -- COMMAND``."""
     cases = {
@@ -147,9 +130,11 @@ def test_clone_locks_on_one_name_never_overlap_and_exit_with_their_commands_code
 
 
 @pytest.mark.slow
-def test_a_lease_revoked_elsewhere_sigterms_the_command_and_clone_lock_exits_4(
+def test_a_lost_lease_sigterms_the_command_and_clone_lock_exits_4(
     servers: Servers, runs: list[LockRun], tmp_path: Path
 ) -> None:
+    """The lease runs out while ``clone lock`` is frozen (nobody else may revoke
+    it: only its owner can, docs/client.md); resumed, it stops the command."""
     ttl = 1.0
     server = servers.standalone()
     run = LockRun(tmp_path, endpoint(server), "holder", 0, 60.0, ttl)
@@ -157,11 +142,12 @@ def test_a_lease_revoked_elsewhere_sigterms_the_command_and_clone_lock_exits_4(
     eventually(lambda: "start" in run.noted(), 15, "the command started")
     with synced_client(server) as observer:
         eventually(lambda: len(observer.entries(NAME + "/")) == 1, 5, "the lock's key")
-        (entry,) = observer.entries(NAME + "/")
-        lease_id = entry.prop("lease")
-        assert lease_id is not None
+        run.proc.send_signal(signal.SIGSTOP)
+        try:
+            eventually(lambda: observer.entries(NAME + "/") == [], 10, "the lease to run out")
+        finally:
+            run.proc.send_signal(signal.SIGCONT)
         revoked = time.monotonic_ns()
-        _raw_revoke(server, lease_id)
         returncode, err = run.finish(timeout=10)
         assert returncode == EXIT_ERROR
         assert f"lost the lock {NAME!r}" in err

@@ -32,6 +32,10 @@ from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
 
+#: The lease secret of the one client these tests are (docs/protocol.md,
+#: "Lease ownership").
+SECRET = "c0" * 16
+
 
 
 def call(
@@ -45,7 +49,12 @@ def call(
     timeout: float = 5.0,
     **props: str,
 ) -> Reply:
-    """One call on a fresh DEALER; the reply, or a failed test after ``timeout``."""
+    """One call on a fresh DEALER; the reply, or a failed test after ``timeout``.
+
+    Every lease call carries the same secret (``secret=`` to override): these
+    tests are one client, the owner of every lease they take."""
+    if op in (OP_LEASE_GRANT, OP_LEASE_KEEPALIVE, OP_LEASE_REVOKE) or "lease" in props:
+        props.setdefault("secret", SECRET)
     sock = ctx.socket(zmq.DEALER)
     sock.linger = 0
     sock.connect(f"tcp://127.0.0.1:{server.port}")

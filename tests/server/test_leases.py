@@ -31,11 +31,13 @@ def _uuid(n: int) -> bytes:
 
 
 class Calls:
-    """A core and a counter of call uuids."""
+    """A core and a counter of call uuids; like the client library, it keeps
+    each lease's secret and sends it with every call naming that lease."""
 
     def __init__(self, core: ServerCore) -> None:
         self.core = core
         self.n = 0
+        self.secrets: dict[str, str] = {}
 
     def call(
         self,
@@ -48,10 +50,15 @@ class Calls:
     ) -> tuple[Reply, bool]:
         self.n += 1
         uuid = uuid or _uuid(1000 + self.n)
+        lease = props.get("lease")
+        if lease in self.secrets and "secret" not in props:
+            props["secret"] = self.secrets[lease]
         reply, commit = self.core.on_call(
             encode_call(op, uuid, key, tuple(props.items()), body), now
         )
         assert reply is not None
+        if reply.lease and reply.secret:
+            self.secrets[reply.lease] = reply.secret
         return reply, commit
 
     def grant(self, ttl: float, now: float) -> str:
@@ -273,10 +280,14 @@ def test_revoke_deletes_only_keys_still_bound(active: Calls) -> None:
 
 def test_grant_is_idempotent_and_bounded() -> None:
     calls = Calls(ServerCore(CoreSettings(max_leases=1), standalone=True))
-    uuid = _uuid(9)
-    first, _ = calls.call(OP_LEASE_GRANT, 0.0, uuid=uuid, ttl="1")
-    second, commit = calls.call(OP_LEASE_GRANT, 0.0, uuid=uuid, ttl="1")
+    uuid, secret = _uuid(9), "ab" * 16
+    first, _ = calls.call(OP_LEASE_GRANT, 0.0, uuid=uuid, ttl="1", secret=secret)
+    second, commit = calls.call(OP_LEASE_GRANT, 0.0, uuid=uuid, ttl="1", secret=secret)
     assert second.lease == first.lease and second.sequence == first.sequence and not commit
+    assert first.secret == second.secret == secret
+    # The uuid is the public lease id: a retry without the secret learns nothing.
+    other, _ = calls.call(OP_LEASE_GRANT, 0.0, uuid=uuid, ttl="1")
+    assert other.reason == "not-owner" and not other.secret
     busy, _ = calls.call(OP_LEASE_GRANT, 0.0, ttl="1")
     assert busy.reason == "busy"
     bad, _ = calls.call(OP_LEASE_GRANT, 0.0, ttl="0.01")
@@ -301,6 +312,7 @@ def test_leases_survive_a_failover_with_a_fresh_ttl() -> None:
     assert new.become_active(3.0) == []
     assert new.role is Role.ACTIVE and len(new.leases) == 2
     calls = Calls(new)
+    calls.secrets = old.secrets  # the client keeps its secrets across a failover
     for t in (3.6, 4.2, 4.8):
         assert calls.call(OP_LEASE_KEEPALIVE, t, lease=kept)[0].ok
     assert new.tick(4.99) == []

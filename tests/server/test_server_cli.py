@@ -62,3 +62,11 @@ def test_explicit_ports_are_used(mode: str) -> None:
     assert cfg.port == 7000
     if mode != "--standalone":
         assert cfg.ha_port == 7100
+
+
+def test_lease_ownership_flags() -> None:
+    """--max-leases-per-client (default 1000) and --trusted-relay (needs CURVE)."""
+    assert _config("--standalone").core.max_leases_per_client == 1000
+    assert _config("--standalone", "--max-leases-per-client", "7").core.max_leases_per_client == 7
+    with pytest.raises(ValueError, match="--trusted-relay needs --curve-secret"):
+        _config("--standalone", "--trusted-relay", "relay1")

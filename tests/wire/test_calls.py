@@ -178,3 +178,33 @@ def test_acl_refusal_judges_the_acl_key_else_any_write_right(
     assert (why is not None) is refused
     if refused and call.key:
         assert repr(call.key) in str(why)
+
+
+def test_ahead_and_secret_round_trip_and_are_checked() -> None:
+    from clone.wire.calls import OP_AHEAD, check_call, decode_call, decode_reply
+
+    uuid = b"\x01" * 16
+    call = decode_call(encode_call(OP_AHEAD, uuid, "/lk/a"))
+    assert (call.op, call.key, check_call(call)) == (OP_AHEAD, "/lk/a", None)
+    for frames in (encode_call(OP_AHEAD, uuid), encode_call(OP_AHEAD, uuid, "/k", body=b"x")):
+        with pytest.raises(ProtocolError):
+            decode_call(frames)
+    reply = Reply(uuid, "ok", 9, ahead=2, secret="ab" * 16, lease="cd" * 16, ttl=1.0)
+    assert decode_reply(encode_reply(reply)) == reply
+    bad = decode_call(
+        encode_call("lease-revoke", uuid, properties=(("lease", "ab" * 16), ("secret", "x")))
+    )
+    assert check_call(bad) == ("bad-secret", "a lease secret is 32 lowercase hex digits")
+    forged = decode_call(encode_call("set", uuid, "/k", (("caller", "root"),), b"v"))
+    assert check_call(forged)[0] == "malformed"  # type: ignore[index]
+    # Neither the secret nor a relay's caller is ever stored.
+    kept = decode_call(
+        encode_call(
+            "set",
+            uuid,
+            "/k",
+            (("lease", "ab" * 16), ("secret", "cd" * 16), ("caller", "name:a")),
+            b"v",
+        )
+    )
+    assert kept.stored_properties() == (("lease", "ab" * 16),)

@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import queue
 import random
 import shutil
@@ -67,6 +68,7 @@ from clone.wire.calls import (
     OP_LEASE_GRANT,
     OP_LEASE_KEEPALIVE,
     OP_SET,
+    SECRET_PROPERTY,
     Reply,
     decode_reply,
     encode_call,
@@ -85,6 +87,8 @@ _KV_PREFIX = b"/bench/kv/"
 _CAS_PREFIX = "/bench/cas/"
 _HOT_KEY = "/bench/cas-hot"
 _SUMMARY = ("p50_ms", "p99_ms", "p99_9_ms", "max_ms")
+#: The lease driver is one client holding every lease: lift the per-client quota.
+_ONE_DRIVER = ServerOptions(extra=("--max-leases-per-client", "1000000"))
 #: The leases of the held-not-kept-alive case: they outlive the run.
 _IDLE_LEASE_TTL = 3600.0
 
@@ -283,7 +287,9 @@ def lease_main(snapshot_ep: str, leases: int, ttl: float, keepalive: bool, windo
     ctx: zmq.Context[Any] = zmq.Context()
     dealer = _dealer(ctx, snapshot_ep)
     interval = ttl / 3
-    grant_props = ((TTL_PROPERTY, repr(float(ttl))),)
+    # One owner for all the driver's leases (docs/protocol.md, "Lease ownership").
+    secret = os.urandom(16).hex()
+    grant_props = ((TTL_PROPERTY, repr(float(ttl))), (SECRET_PROPERTY, secret))
     pending: dict[bytes, tuple[bool, float]] = {}  # uuid -> (is a keepalive, sent)
     due: collections.deque[tuple[float, str]] = collections.deque()
     statuses: collections.Counter[str] = collections.Counter()
@@ -305,7 +311,8 @@ def lease_main(snapshot_ep: str, leases: int, ttl: float, keepalive: bool, windo
                 t_due, lease = due.popleft()
                 u = new_uuid()
                 dealer.send_multipart(
-                    encode_call(OP_LEASE_KEEPALIVE, u, properties=((LEASE_PROPERTY, lease),)))
+                    encode_call(OP_LEASE_KEEPALIVE, u,
+                                properties=((LEASE_PROPERTY, lease), (SECRET_PROPERTY, secret))))
                 pending[u] = (True, now)
                 if t_granted:
                     lag.record_seconds(now - t_due)
@@ -534,7 +541,7 @@ def _leases_once(cfg: BenchConfig, group: ProcessGroup, leases: int,
     what the driver and its server cost the two shared cores is told apart from
     what the measured server's keepalive handling costs it."""
     ttl = cfg.calls_lease_ttl if kept else _IDLE_LEASE_TTL
-    with running_target("clone", group, cfg.server_heartbeat_ms) as target, \
+    with running_target("clone", group, cfg.server_heartbeat_ms, _ONE_DRIVER) as target, \
             _maybe_target(group, cfg, elsewhere) as other:
         ready, stop, results = MP.Event(), MP.Event(), MP.Queue()
         driver = None
@@ -581,7 +588,7 @@ def _maybe_target(
     if not wanted:
         yield None
         return
-    with running_target("clone", group, cfg.server_heartbeat_ms) as other:
+    with running_target("clone", group, cfg.server_heartbeat_ms, _ONE_DRIVER) as other:
         yield other
 
 
