@@ -135,6 +135,10 @@ class BinaryStarCounters:
     #: Heartbeat ticks or peer messages whose handling raised (logged with the
     #: traceback; the heartbeat goes on).
     handler_errors: int = 0
+    #: Connections to our state publisher that closed (the peer's, when it
+    #: reconnects; any sender's that libzmq cut off for a frame above
+    #: ``LINK_MAX_MESSAGE``).
+    subscriber_disconnects: int = 0
     rejected_peer_events: int = 0
     callback_errors: int = 0
     #: Connections to the peer's publisher lost / (re)established, as seen by the
@@ -257,6 +261,7 @@ class BinaryStar:
         self._pub: zmq.Socket | None = None
         self._sub: ZMQStream | None = None
         self._monitor: ZMQStream | None = None
+        self._pub_monitor: ZMQStream | None = None
         self._timer: object | None = None
         self._next_tick = 0.0
         self._started = False
@@ -266,6 +271,7 @@ class BinaryStar:
         self._malformed = 0
         self._out_of_range = 0
         self._handler_errors = 0
+        self._subscriber_disconnects = 0
         self._rejected = 0
         self._callback_errors = 0
         self._disconnects = 0
@@ -273,6 +279,7 @@ class BinaryStar:
         self._bad_input_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
         self._rank_error_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
         self._handler_error_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
+        self._publisher_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
 
     def __repr__(self) -> str:
         role = "primary" if self.primary else "backup"
@@ -378,6 +385,7 @@ class BinaryStar:
             malformed_peer_messages=self._malformed,
             out_of_range_peer_messages=self._out_of_range,
             handler_errors=self._handler_errors,
+            subscriber_disconnects=self._subscriber_disconnects,
             rejected_peer_events=self._rejected,
             callback_errors=self._callback_errors,
             peer_disconnects=self._disconnects,
@@ -475,6 +483,11 @@ class BinaryStar:
             self._keep_alive(pub)
             if self._secure_socket is not None:
                 self._secure_socket(pub, True)
+            # Counts the connections libzmq closes, oversized frames included.
+            self._pub_monitor = ZMQStream(
+                pub.get_monitor_socket(zmq.EVENT_DISCONNECTED), self._loop
+            )
+            self._pub_monitor.setsockopt(zmq.LINGER, 0)
             pub.bind(self._local_endpoint)
             sub = self._ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
@@ -497,6 +510,8 @@ class BinaryStar:
         self._sub.on_recv(self._on_peer_message)
         if self._monitor is not None:
             self._monitor.on_recv(self._on_monitor_event)
+        if self._pub_monitor is not None:
+            self._pub_monitor.on_recv(self._on_publisher_event)
         log.info(
             "binary star %s starting: publishing at %s, peer at %s, heartbeat %.3f s x %d%s,"
             " epoch %d, %s, waiting at least %.3f s for the peer",
@@ -551,6 +566,14 @@ class BinaryStar:
                     log.debug("disable_monitor failed: %s", exc)
             self._monitor.close(linger=0)
             self._monitor = None
+        if self._pub_monitor is not None:
+            if self._pub is not None and not self._pub.closed:
+                try:
+                    self._pub.disable_monitor()
+                except zmq.ZMQError as exc:
+                    log.debug("disable_monitor failed: %s", exc)
+            self._pub_monitor.close(linger=0)
+            self._pub_monitor = None
         if self._sub is not None:
             self._sub.close(linger=0)
             self._sub = None
@@ -655,6 +678,21 @@ class BinaryStar:
         elif event == zmq.EVENT_DISCONNECTED:
             self._disconnects += 1
             self._on_peer_disconnected()
+
+    def _on_publisher_event(self, frames: list[bytes]) -> None:
+        """A connection to our state publisher closed: the peer reconnecting, or
+        libzmq cutting off a sender of a frame above ``LINK_MAX_MESSAGE`` (it
+        reports no more than that)."""
+        if not self.running:
+            return
+        self._subscriber_disconnects += 1
+        self._publisher_log.log(
+            logging.INFO,
+            "a connection to our state publisher at %s closed (%d so far): the peer"
+            " reconnecting, or an oversized or malformed frame cut off",
+            self._local_endpoint,
+            self._subscriber_disconnects,
+        )
 
     def _on_peer_disconnected(self) -> None:
         # What the peer sent before its connection closed is already queued on the
