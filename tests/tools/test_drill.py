@@ -17,7 +17,7 @@ import pytest
 
 from clone.tools import drill, report
 from clone.tools.drill import DrillConfig, analyse, percentile, run_drill
-from clone.tools.drill.analysis import highest_sequence_before, nearest_rank
+from clone.tools.drill.analysis import highest_sequence_before, lock_fencing, nearest_rank
 from clone.tools.drill.client import make_value, parse_value, shared_key, state_hash, write_key
 
 # --------------------------------------------------------------------------
@@ -284,6 +284,40 @@ def test_highest_sequence_before_a_moment() -> None:
     assert highest_sequence_before(streams, 1) is None
 
 
+def _hold(client: str, token: int, acquired: float, released: float | None,
+          how: str = "lock_released") -> list[dict[str, Any]]:
+    evs = [{"ts": acquired, "client": client, "event": "lock_acquired", "token": token}]
+    if released is not None:
+        evs.append({"ts": released, "client": client, "event": how, "token": token})
+    return evs
+
+
+def test_lock_fencing_over_recorded_holds() -> None:
+    """Tokens must grow with every acquisition, in time order, across clients;
+    an overlap is allowed (and counted) only with a higher token."""
+    good = {
+        "c0": [*_hold("c0", 10, 1.0, 1.1), *_hold("c0", 30, 3.0, 3.1)],
+        "c1": [*_hold("c1", 20, 2.0, 2.1), {"ts": 2.5, "client": "c1", "event": "lock_error"}],
+        # Cut off past its lease: still holding when c2 takes the lock, then lost.
+        "c2": [*_hold("c2", 40, 4.0, 4.9, "lock_lost"), *_hold("c2", 55, 6.0, None)],
+        "c2.g1": _hold("c2.g1", 50, 4.5, 4.6),
+    }
+    summary = analyse(good, _state(), {"c0": "h"})
+    assert {k: summary[k] for k in ("lock_holds", "lock_token_violations", "lock_overlaps",
+                                    "lock_lost")} == {"lock_holds": 6, "lock_token_violations": 0,
+                                                      "lock_overlaps": 1, "lock_lost": 1}
+    # The same token twice, and a lower one after a higher: both violations.
+    bad = {
+        "c0": [*_hold("c0", 10, 1.0, 1.1), *_hold("c0", 30, 3.0, 3.1)],
+        "c1": [*_hold("c1", 10, 2.0, 2.1), *_hold("c1", 25, 4.0, 4.1)],
+    }
+    fenced = lock_fencing(bad)
+    assert fenced["lock_token_violations"] == 2
+    assert fenced["lock_token_violation_examples"] == [
+        "c1 took token 10 after c0 had taken 10", "c1 took token 25 after c0 had taken 30"]
+    assert lock_fencing({})["lock_holds"] == 0
+
+
 def test_both_crash_timings() -> None:
     cfg = DrillConfig(scenario="both-crash", heartbeat_ms=200)
     assert cfg.crash_sequence == ("primary", "backup")
@@ -311,7 +345,8 @@ def test_config_rejects_nonsense() -> None:
 # Real drills
 
 _EVENTS = {"write_sent", "write_confirmed", "write_timeout", "update", "failover_detected",
-           "failover_done", "fault", "restart", "final_state"}
+           "failover_done", "fault", "restart", "final_state", "lock_acquired", "lock_released",
+           "lock_lost", "lock_error"}
 _SUMMARY_FIELDS = {"scenario", "clients", "failover_p50_s", "failover_p99_s", "failover_max_s",
                    "confirmed_writes", "confirmed_lost", "unconfirmed_lost", "duplicates",
                    "out_of_order", "converged", "shared_writes", "shared_confirmed_writes",
@@ -362,6 +397,11 @@ def _assert_guarantees(summary: dict[str, Any]) -> None:
     assert summary["shared_writes"] > summary["shared_confirmed_writes"]
     assert summary["reverted_keys"] == 0 and summary["reverts_seen"] == 0
     assert summary["checks"]["every key at its last confirmed value or later"]["ok"] is True
+    # The lock workload (2 clients contend): holders came one after another, each
+    # with a higher fencing token.
+    fencing = summary["checks"]["no two lock holders with the same or a lower token"]
+    assert fencing["ok"] is True and summary["lock_holds"] > 0, fencing
+    assert summary["lock_token_violations"] == 0
     assert summary["ok"] is True
 
 

@@ -183,6 +183,13 @@ def run_checks(
               f"loaded {crash.get('loaded')}")
     if sc in ("partition-pair", "partition-active", "partition-split") and "partition" in s:
         _partition_checks(s, end_active, check)
+    if run.cfg.lock_clients > 0:
+        check("no two lock holders with the same or a lower token",
+              s["lock_holds"] > 0 and s["lock_token_violations"] == 0,
+              f"{s['lock_holds']} holds, {s['lock_token_violations']} with a token not above"
+              f" every earlier one, {s['lock_overlaps']} overlapping an earlier holder's"
+              f" (allowed with a higher token), {s['lock_lost']} lost"
+              + "".join(f"; {v}" for v in s["lock_token_violation_examples"][:3]))
     if sc == "client-restart":
         check("every client has a final state",
               None not in s["final_client_hashes"].values(), "")

@@ -135,10 +135,15 @@ class PairRun:
             "--events", str(self.clients_dir / f"{stem}.jsonl"),
             "--state", str(self.clients_dir / f"{stem}.state.json"),
             "--seed", str(cfg.seed),
+            "--lock-hold", str(cfg.lock_hold if self._locks(cid) else 0),
         )  # fmt: skip
         if self.topology is not None and cid == cfg.island_client:
             argv = self.topology.prefix(ISLAND) + argv
         return self.group.add(stem, argv)
+
+    def _locks(self, cid: str) -> bool:
+        """Whether client ``cid`` (``c<i>``) is one of the lock workload's."""
+        return cid[1:].isdigit() and int(cid[1:]) < self.cfg.lock_clients
 
     def active_server(self) -> str | None:
         active = self.monitor.active()
