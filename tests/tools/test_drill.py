@@ -318,6 +318,25 @@ def test_lock_fencing_over_recorded_holds() -> None:
     assert lock_fencing({})["lock_holds"] == 0
 
 
+def test_lock_fencing_leaves_out_what_the_losing_side_granted_in_a_split_brain() -> None:
+    """partition-split: the isolated active (primary) grants the lock to its
+    island from its own, higher, sequences while the winner (backup) grants it
+    to the others; only the loser's grants during the split are out of the order."""
+    def on(server: str, evs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**e, "server": server} if e["event"] == "lock_acquired" else e for e in evs]
+
+    streams = {
+        "c0": on("primary", _hold("c0", 100, 1.0, 1.1))
+        + on("backup", [*_hold("c0", 110, 3.0, 3.1), *_hold("c0", 130, 9.0, 9.1)]),
+        "c1": on("primary", [*_hold("c1", 105, 2.0, 2.1), *_hold("c1", 480, 4.0, 4.1)])
+        + on("backup", _hold("c1", 140, 10.0, 10.1)),
+    }
+    assert lock_fencing(streams)["lock_token_violations"] == 2  # 130 and 140 after 480
+    fenced = lock_fencing(streams, ("primary", 2.5, 8.0))  # cut at 2.5, stepped down at 8
+    assert (fenced["lock_holds"], fenced["lock_holds_split"],
+            fenced["lock_token_violations"]) == (6, 1, 0)
+
+
 def test_both_crash_timings() -> None:
     cfg = DrillConfig(scenario="both-crash", heartbeat_ms=200)
     assert cfg.crash_sequence == ("primary", "backup")
@@ -769,5 +788,15 @@ def test_drill_partition_split(tmp_path: Path, island_reset: bool) -> None:
     # answered: applied, or already there (the island client's own copy).
     loser = _last_stats(tmp_path / "logs" / f"{part['active']}.log")
     assert loser["split_writes_found"] >= split["confirmed"] > 0
-    assert loser["split_writes_applied"] == loser["split_writes_found"]
-    assert loser["split_writes_refused"] == loser["split_writes_abandoned"] == 0
+    # Refused only: the island's lock keys, bound to leases the loser granted
+    # during the split, which the winner never knew (and must not bring back).
+    refusals = [line for line in (tmp_path / "logs" / f"{part['active']}.log").read_text()
+                .splitlines() if "refused a write of ours from the split brain" in line]
+    assert len(refusals) == loser["split_writes_refused"]
+    assert all("unknown-lease" in line and "'/drill-lock/" in line for line in refusals), refusals
+    assert loser["split_writes_applied"] + len(refusals) == loser["split_writes_found"]
+    assert loser["split_writes_abandoned"] == 0
+    # The lock: both sides granted it during the split brain; every other hold
+    # came with a token above all earlier ones.
+    assert checks["no two lock holders with the same or a lower token"]["ok"] is True
+    assert part["lock_fencing"]["lock_holds_split"] > 0

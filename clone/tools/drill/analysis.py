@@ -408,8 +408,17 @@ def analyse(
     return summary
 
 
-def lock_fencing(streams: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, Any]:
+def lock_fencing(
+    streams: Mapping[str, Sequence[Mapping[str, Any]]],
+    split: tuple[str, float, float] | None = None,
+) -> dict[str, Any]:
     """The lock workload's holds and what breaks fencing among them.
+
+    ``split``: ``(server, from, until)``, the side of a split brain that stepped
+    down and while it was active beside the winner: the holds it granted then
+    are left out of the order and counted in ``lock_holds_split``.  Each side of
+    a split brain grants the lock and numbers it from its own sequence, so no
+    order holds between them (docs/client.md, "Fencing tokens").
 
     ``lock_holds``: acquisitions; ``lock_token_violations``: acquisitions whose
     token is not above every token acquired before (by ``ts``), with up to ten
@@ -420,7 +429,7 @@ def lock_fencing(streams: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str
     """
     holds: list[dict[str, Any]] = []
     open_holds: dict[tuple[str, int], dict[str, Any]] = {}
-    lost = 0
+    lost = split_holds = 0
     for stream, events in streams.items():
         for ev in events:
             kind = ev.get("event")
@@ -430,8 +439,12 @@ def lock_fencing(streams: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str
             if kind == "lock_acquired":
                 new: dict[str, Any] = {"client": stream, "token": token,
                                        "acquired": float(ev["ts"]), "released": None}
-                holds.append(new)
                 open_holds[(stream, token)] = new
+                if split is not None and ev.get("server") == split[0] \
+                        and split[1] <= new["acquired"] <= split[2]:
+                    split_holds += 1
+                    continue
+                holds.append(new)
             elif kind in ("lock_released", "lock_lost"):
                 lost += kind == "lock_lost"
                 if (stream, token) in open_holds:
@@ -452,7 +465,8 @@ def lock_fencing(streams: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str
         if highest is None or hold["token"] > highest["token"]:
             highest = hold
     return {
-        "lock_holds": len(holds),
+        "lock_holds": len(holds) + split_holds,
+        "lock_holds_split": split_holds,
         "lock_token_violations": len(violations),
         "lock_token_violation_examples": violations[:10],
         "lock_overlaps": overlaps,

@@ -247,9 +247,11 @@ class _LockWorkload(threading.Thread):
     A client of its own (subtree ``/drill-lock/``), started and closed here.
     """
 
-    def __init__(self, args: argparse.Namespace, events: EventLog) -> None:
+    def __init__(
+        self, args: argparse.Namespace, events: EventLog, names: dict[str, str]
+    ) -> None:
         super().__init__(name="drill-lock", daemon=True)
-        self.args, self.events = args, events
+        self.args, self.events, self.names = args, events, names
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -273,7 +275,11 @@ class _LockWorkload(threading.Thread):
             return
         token = lock.token
         try:
-            self.events.emit("lock_acquired", token=token)
+            # Which server granted it, as far as the client knows (a split brain
+            # has two that do).
+            where = client.status().server
+            server = None if where is None else self.names.get(where, where)
+            self.events.emit("lock_acquired", token=token, server=server)
             self.stop.wait(self.args.lock_hold)
             self.events.emit("lock_released" if lock.held else "lock_lost", token=token)
         finally:
@@ -312,7 +318,7 @@ def run(args: argparse.Namespace) -> int:
             names = dict(zip(endpoints, args.names.split(","), strict=False)) if args.names else {}
             watch = _FailoverWatch(client, tracker, events, names)
             watch.start()
-            locker = _LockWorkload(args, events) if args.lock_hold > 0 else None
+            locker = _LockWorkload(args, events, names) if args.lock_hold > 0 else None
             _sleep_until(args.start_at)
             if locker is not None:
                 locker.start()
