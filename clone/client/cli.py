@@ -5,9 +5,10 @@ Argument parsing and printing only; the work is :class:`clone.Clone`.  Exit code
 status``: any server did not answer), 3 a write was not confirmed in time, 4 any
 other Clone error, 5 a compare-and-set conflict (``--if-seq``) or a lock not
 acquired within ``--wait`` (``clone lock`` otherwise exits with its command's
-code, 128 + N if a signal N killed it), 141 the reader of our output went away (``clone dump | head``):
-128 + SIGPIPE, what a shell reports for ``cat`` in the same place, quietly, so
-``set -o pipefail`` scripts see that the output was cut short.
+code, 128 + N if a signal N killed it), 141 the reader of our output went away
+(``clone dump | head``): 128 + SIGPIPE, what a shell reports for ``cat`` in the
+same place, quietly, so ``set -o pipefail`` scripts see that the output was cut
+short.
 """
 
 from __future__ import annotations

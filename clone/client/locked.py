@@ -34,6 +34,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 
@@ -120,7 +121,13 @@ class LockedCommand:
         return None if self._proc is None else self._proc.pid
 
     def start(self) -> None:
-        """Run it (raises OSError if it cannot be run)."""
+        """Run it (raises OSError if it cannot be run).
+
+        From the main thread only: the parent-death signal fires when the
+        thread that forked the child ends, which for another thread could be
+        long before the process does."""
+        if threading.current_thread() is not threading.main_thread():
+            raise RuntimeError("LockedCommand.start() must be called from the main thread")
         self._proc = subprocess.Popen(self._argv, env=self._env, preexec_fn=_child_setup())
 
     def signal_group(self, signum: int) -> None:
