@@ -408,6 +408,8 @@ def _lock(args: argparse.Namespace, client: Clone) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        for started in running:
+            started.close()
         lock.release()
 
 

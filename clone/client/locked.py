@@ -18,11 +18,16 @@ child ends, not the process).  So:
   (SIGKILL) before the lock is released.  The exit is observed without
   reaping (``waitid(WNOWAIT)``), so the group id cannot have been reused yet.
 
+* ``clone lock`` killed, the command's children too: the parent-death signal
+  reaches only the command itself, so a small guard process (in a session of
+  its own, ignoring SIGTERM/SIGINT/SIGHUP) holds the read end of a pipe whose
+  write end only ``clone lock`` has.  When that end closes without a "done"
+  (``clone lock`` died, however), the guard SIGKILLs the command's process group.
+
 What it cannot do: a process the command started in another process group or
-session (a daemon) is out of reach, and after a ``kill -9`` of ``clone lock``
-only the command itself gets the parent-death signal, not its own children
-(they keep running until they exit; a shell command should ``exec`` its last
-program).  Outside Linux there is no parent-death signal.
+session (a daemon) is out of reach; a SIGKILL of the guard as well as of
+``clone lock`` leaves the command's children to run.  Outside Linux there is no
+parent-death signal (the guard still works).
 """
 
 from __future__ import annotations
@@ -58,6 +63,23 @@ FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
 #: How often the runner looks at the command and the lock.
 _POLL = 0.05
+
+#: The guard (see the module docstring): reads the process group id, then waits
+#: for end of file; no "done" before it means ``clone lock`` died.  Self-contained
+#: and run with ``-I -S``: it starts in a few ms and imports nothing of ours.
+_GUARD = """
+import os, signal, sys
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, signal.SIG_IGN)
+line = sys.stdin.buffer.readline().strip()
+if line.isdigit():
+    rest = sys.stdin.buffer.read()
+    if b"done" not in rest:
+        try:
+            os.killpg(int(line), signal.SIGKILL)
+        except OSError:
+            pass
+"""
 
 
 def exit_status(returncode: int) -> int:
@@ -114,6 +136,7 @@ class LockedCommand:
         self._kill_grace = kill_grace
         self._clock = clock
         self._proc: subprocess.Popen[bytes] | None = None
+        self._guard: subprocess.Popen[bytes] | None = None
         self._exited: int | None = None
 
     @property
@@ -128,7 +151,49 @@ class LockedCommand:
         long before the process does."""
         if threading.current_thread() is not threading.main_thread():
             raise RuntimeError("LockedCommand.start() must be called from the main thread")
-        self._proc = subprocess.Popen(self._argv, env=self._env, preexec_fn=_child_setup())
+        try:
+            self._guard = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _GUARD],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        except OSError as exc:
+            log.warning("cannot start the guard of the command's process group: %s", exc)
+        try:
+            self._proc = subprocess.Popen(self._argv, env=self._env, preexec_fn=_child_setup())
+        except BaseException:
+            self.close()  # no group id told: the guard just exits
+            raise
+        self._tell_guard(b"%d\n" % self._proc.pid)
+
+    def close(self) -> None:
+        """Tell the guard all is done (the command and its group are gone)."""
+        guard, self._guard = self._guard, None
+        if guard is None:
+            return
+        if self._exited is not None:
+            self._tell_guard(b"done\n", guard)
+        try:
+            if guard.stdin is not None:
+                guard.stdin.close()
+        except OSError:
+            pass
+        try:
+            guard.wait(timeout=2.0)
+        except subprocess.TimeoutExpired:
+            guard.kill()
+            guard.wait()
+
+    def _tell_guard(self, data: bytes, guard: subprocess.Popen[bytes] | None = None) -> None:
+        guard = guard or self._guard
+        if guard is None or guard.stdin is None:
+            return
+        try:
+            guard.stdin.write(data)
+            guard.stdin.flush()
+        except OSError as exc:  # the guard died: the parent-death signal is left
+            log.warning("the guard of the command's process group is gone: %s", exc)
 
     def signal_group(self, signum: int) -> None:
         """Send ``signum`` to the command's process group (nothing if it is gone)."""

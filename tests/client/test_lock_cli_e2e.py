@@ -249,6 +249,7 @@ class TickerRun:
         ttl: float,
         *extra: str,
         ignore_sigterm: bool = False,
+        in_shell: bool = False,
     ) -> None:
         script = tmp / "ticker.py"
         if not script.exists():
@@ -259,10 +260,12 @@ class TickerRun:
         env.pop("CLONE_LOCK_TOKEN", None)
         if ignore_sigterm:
             env["TICKER_IGNORES_SIGTERM"] = "1"
+        command = [sys.executable, str(script), str(self.notes), code, str(hold)]
+        if in_shell:  # the ticker is then the shell's child, the command's only
+            command = ["sh", "-c", " ".join(command) + " & wait"]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "clone.client.cli", "--heartbeat", "0.1", "--servers", eps,
-             "lock", NAME, "--ttl", str(ttl), *extra, "--",
-             sys.executable, str(script), str(self.notes), code, str(hold)],
+             "lock", NAME, "--ttl", str(ttl), *extra, "--", *command],
             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
         )  # fmt: skip
 
@@ -298,13 +301,13 @@ def tickers() -> Iterator[list[TickerRun]]:
     for run in started:
         if run.proc.poll() is None:
             run.proc.kill()
-        run.proc.communicate(timeout=10)
-        if run.started():
+        if run.started():  # first: it holds clone lock's stderr open
             _, pid, _ = run.start()
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        run.proc.communicate(timeout=10)
 
 
 def _gone(pid: int) -> bool:
@@ -343,6 +346,25 @@ def test_kill9_of_clone_lock_stops_its_command_at_once_and_the_next_starts_after
     second_start, _, second_token = second.start()
     assert second_start > first.last(), "the second command started while the first ran"
     assert second_token > first_token > 0
+
+
+@pytest.mark.slow
+def test_kill9_of_clone_lock_also_stops_what_its_command_started(
+    servers: Servers, tickers: list[TickerRun], tmp_path: Path
+) -> None:
+    """The parent-death signal reaches only the command (here a shell); its
+    guard kills the rest of the command's process group (here the ticker)."""
+    server = servers.standalone()
+    run = TickerRun(tmp_path, endpoint(server), "shell", "0", 60.0, 1.0, in_shell=True)
+    tickers.append(run)
+    eventually(run.started, 15, "the shell's child started")
+    _, ticker_pid, token = run.start()
+    assert token > 0
+    assert os.getpgid(ticker_pid) != os.getpgid(run.proc.pid), "a group of its own"
+    killed = time.monotonic_ns()
+    run.proc.kill()
+    eventually(lambda: _gone(ticker_pid), 1.0, "the shell's child stopped within 1 s")
+    assert (run.last() - killed) / 1e9 < 1.0
 
 
 @pytest.mark.slow
