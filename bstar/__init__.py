@@ -14,6 +14,7 @@ silent *and* a client asks it to. See ``docs/failover.md`` for the rules.
 from bstar.errors import (
     BinaryStarError,
     IllegalTransitionError,
+    PeerNumberOutOfRange,
     PeerStateError,
     RoleConflictError,
 )
@@ -53,6 +54,7 @@ __all__ = [
     "FsmCounters",
     "IllegalTransitionError",
     "Outcome",
+    "PeerNumberOutOfRange",
     "PeerReport",
     "PeerStateError",
     "Rank",

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 __all__ = [
     "BinaryStarError",
     "IllegalTransitionError",
+    "PeerNumberOutOfRange",
     "PeerStateError",
     "RoleConflictError",
 ]
@@ -57,3 +58,12 @@ class PeerStateError(BinaryStarError):
         super().__init__(f"bad state message from {source}: {reason}")
         self.reason = reason
         self.source = source
+
+
+class PeerNumberOutOfRange(PeerStateError):
+    """A state message's epoch, term or sequence is above :data:`bstar.fsm.MAX_EPOCH`.
+
+    Refused rather than clamped: a peer cannot have counted that far, so it is
+    broken or hostile, and obeying it would push our own epoch past what the
+    wire and the database carry.
+    """

@@ -81,6 +81,7 @@ from typing import Final, TypeAlias
 from bstar.errors import IllegalTransitionError, RoleConflictError
 
 __all__ = [
+    "MAX_EPOCH",
     "NO_RANK",
     "TRANSITIONS",
     "BinaryStarFSM",
@@ -104,6 +105,12 @@ __all__ = [
 Rank: TypeAlias = tuple[int, int]
 #: The rank of a server with no data, or that does not say (in memory, a Guide peer).
 NO_RANK: Final[Rank] = (0, 0)
+#: The largest election epoch, and rank part, a server holds, announces or
+#: accepts.  Far below what the wire (20 digits) and SQLite (a signed 64-bit
+#: INTEGER) carry, so no bump can overflow either, and out of reach of any real
+#: count of elections or writes (one per nanosecond for 146 years).  A peer
+#: claiming more is refused at the wire (:mod:`bstar.wire`), never obeyed.
+MAX_EPOCH: Final = 2**62
 
 
 def check_rank(rank: object, what: str = "rank") -> Rank:
@@ -116,9 +123,16 @@ def check_rank(rank: object, what: str = "rank") -> Rank:
     for part in rank:
         if isinstance(part, bool) or not isinstance(part, int):
             raise TypeError(f"{what} must hold two ints, got {rank!r}")
-        if part < 0:
-            raise ValueError(f"{what} must hold two non-negative ints, got {rank!r}")
+        if not 0 <= part <= MAX_EPOCH:
+            raise ValueError(f"{what} must hold two ints in [0, {MAX_EPOCH}], got {rank!r}")
     return (rank[0], rank[1])
+
+
+def _check_epoch(epoch: object) -> None:
+    if isinstance(epoch, bool) or not isinstance(epoch, int):
+        raise TypeError(f"epoch must be an int, got {type(epoch).__name__}")
+    if not 0 <= epoch <= MAX_EPOCH:
+        raise ValueError(f"epoch must be between 0 and {MAX_EPOCH}, got {epoch}")
 
 
 class State(Enum):
@@ -466,10 +480,7 @@ class BinaryStarFSM:
             raise ValueError(f"heartbeat must be a positive number of seconds, got {heartbeat!r}")
         if isinstance(missed, bool) or not isinstance(missed, int) or missed < 1:
             raise ValueError(f"missed must be an integer >= 1, got {missed!r}")
-        if isinstance(epoch, bool) or not isinstance(epoch, int):
-            raise TypeError(f"epoch must be an int, got {type(epoch).__name__}")
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        _check_epoch(epoch)
         if isinstance(start_wait, bool) or not isinstance(start_wait, (int, float)):
             raise TypeError(f"start_wait must be a number, got {type(start_wait).__name__}")
         if not (start_wait >= 0 and math.isfinite(start_wait)):
@@ -675,10 +686,7 @@ class BinaryStarFSM:
         """
         if event is Event.CLIENT_REQUEST:
             return self._apply(event, self._rule(event), now, None, None)
-        if isinstance(epoch, bool) or not isinstance(epoch, int):
-            raise TypeError(f"epoch must be an int, got {type(epoch).__name__}")
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        _check_epoch(epoch)
         rank = check_rank(rank, "peer rank")
         reported = State(event.value)
         if not self.peer_alive(now):
@@ -758,7 +766,9 @@ class BinaryStarFSM:
             if target is State.ACTIVE:
                 # A new election: outbid every epoch known on either side, so that
                 # a stale active (say, a primary thawing from a freeze) loses to us.
-                self._epoch = max(self._epoch, self._peer_epoch) + 1
+                # Saturates at MAX_EPOCH, which only a peer claiming it could
+                # bring within reach: equal epochs then fall to the role tie-break.
+                self._epoch = min(MAX_EPOCH, max(self._epoch, self._peer_epoch) + 1)
         elif event is not Event.CLIENT_REQUEST:
             self._ongoing_conflict = rule.conflict
         return Outcome(

@@ -37,7 +37,7 @@ from tornado.ioloop import IOLoop
 from zmq.eventloop.zmqstream import ZMQStream
 from zmq.utils.monitor import parse_monitor_message
 
-from bstar.errors import BinaryStarError, PeerStateError
+from bstar.errors import BinaryStarError, PeerNumberOutOfRange, PeerStateError
 from bstar.fsm import (
     NO_RANK,
     BinaryStarFSM,
@@ -48,9 +48,10 @@ from bstar.fsm import (
     State,
     TieBreak,
 )
-from bstar.wire import check_wire_rank, decode_state, encode_state
+from bstar.wire import MAX_STATE_FRAME, check_wire_rank, decode_state, encode_state
 
 __all__ = [
+    "LINK_MAX_MESSAGE",
     "BinaryStar",
     "BinaryStarCounters",
     "RankSource",
@@ -111,6 +112,12 @@ def _rank_verdict(outcome: Outcome) -> str | None:
     return f"going ahead: our data ({ours}) is as new as the peer's ({theirs})"
 
 
+#: ZMQ_MAXMSGSIZE of both sockets of the pair link, in bytes: libzmq drops a
+#: connection whose frame header claims more, before it allocates anything.
+#: Room for the CURVE handshake's commands, which count too, and about 60
+#: times the longest state message (:data:`bstar.wire.MAX_STATE_FRAME`).
+LINK_MAX_MESSAGE = max(4096, MAX_STATE_FRAME)
+
 #: Socket monitor events that matter for fast failover.
 _MONITORED_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
@@ -123,6 +130,15 @@ class BinaryStarCounters:
     state_messages_sent: int = 0
     state_messages_received: int = 0
     malformed_peer_messages: int = 0
+    #: Of the malformed ones: an epoch, term or sequence above ``MAX_EPOCH``.
+    out_of_range_peer_messages: int = 0
+    #: Heartbeat ticks or peer messages whose handling raised (logged with the
+    #: traceback; the heartbeat goes on).
+    handler_errors: int = 0
+    #: Connections to our state publisher that closed (the peer's, when it
+    #: reconnects; any sender's that libzmq cut off for a frame above
+    #: ``LINK_MAX_MESSAGE``).
+    subscriber_disconnects: int = 0
     rejected_peer_events: int = 0
     callback_errors: int = 0
     #: Connections to the peer's publisher lost / (re)established, as seen by the
@@ -245,6 +261,7 @@ class BinaryStar:
         self._pub: zmq.Socket | None = None
         self._sub: ZMQStream | None = None
         self._monitor: ZMQStream | None = None
+        self._pub_monitor: ZMQStream | None = None
         self._timer: object | None = None
         self._next_tick = 0.0
         self._started = False
@@ -252,12 +269,17 @@ class BinaryStar:
         self._sent = 0
         self._received = 0
         self._malformed = 0
+        self._out_of_range = 0
+        self._handler_errors = 0
+        self._subscriber_disconnects = 0
         self._rejected = 0
         self._callback_errors = 0
         self._disconnects = 0
         self._connects = 0
         self._bad_input_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
         self._rank_error_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
+        self._handler_error_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
+        self._publisher_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
 
     def __repr__(self) -> str:
         role = "primary" if self.primary else "backup"
@@ -361,6 +383,9 @@ class BinaryStar:
             state_messages_sent=self._sent,
             state_messages_received=self._received,
             malformed_peer_messages=self._malformed,
+            out_of_range_peer_messages=self._out_of_range,
+            handler_errors=self._handler_errors,
+            subscriber_disconnects=self._subscriber_disconnects,
             rejected_peer_events=self._rejected,
             callback_errors=self._callback_errors,
             peer_disconnects=self._disconnects,
@@ -454,12 +479,19 @@ class BinaryStar:
             pub = self._ctx.socket(zmq.PUB)
             self._pub = pub
             pub.setsockopt(zmq.LINGER, 0)
+            pub.setsockopt(zmq.MAXMSGSIZE, LINK_MAX_MESSAGE)
             self._keep_alive(pub)
             if self._secure_socket is not None:
                 self._secure_socket(pub, True)
+            # Counts the connections libzmq closes, oversized frames included.
+            self._pub_monitor = ZMQStream(
+                pub.get_monitor_socket(zmq.EVENT_DISCONNECTED), self._loop
+            )
+            self._pub_monitor.setsockopt(zmq.LINGER, 0)
             pub.bind(self._local_endpoint)
             sub = self._ctx.socket(zmq.SUB)
             sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.MAXMSGSIZE, LINK_MAX_MESSAGE)
             self._keep_alive(sub)
             if self._secure_socket is not None:
                 self._secure_socket(sub, False)
@@ -478,6 +510,8 @@ class BinaryStar:
         self._sub.on_recv(self._on_peer_message)
         if self._monitor is not None:
             self._monitor.on_recv(self._on_monitor_event)
+        if self._pub_monitor is not None:
+            self._pub_monitor.on_recv(self._on_publisher_event)
         log.info(
             "binary star %s starting: publishing at %s, peer at %s, heartbeat %.3f s x %d%s,"
             " epoch %d, %s, waiting at least %.3f s for the peer",
@@ -532,6 +566,14 @@ class BinaryStar:
                     log.debug("disable_monitor failed: %s", exc)
             self._monitor.close(linger=0)
             self._monitor = None
+        if self._pub_monitor is not None:
+            if self._pub is not None and not self._pub.closed:
+                try:
+                    self._pub.disable_monitor()
+                except zmq.ZMQError as exc:
+                    log.debug("disable_monitor failed: %s", exc)
+            self._pub_monitor.close(linger=0)
+            self._pub_monitor = None
         if self._sub is not None:
             self._sub.close(linger=0)
             self._sub = None
@@ -543,10 +585,28 @@ class BinaryStar:
     # -- internals -------------------------------------------------------------
 
     def _on_tick(self) -> None:
-        """Heartbeat: announce our state and note, once, a peer that went silent."""
+        """Heartbeat: announce our state and note, once, a peer that went silent.
+
+        Rescheduled whatever the work raises: a tick that died once would
+        leave the pair without a heartbeat until a restart.
+        """
         self._timer = None
         if not self.running:
             return
+        try:
+            self._beat()
+        except Exception:
+            self._handler_failed("heartbeat tick")
+        finally:
+            if self.running:
+                # Fixed-rate schedule; if the loop fell behind, skip rather than burst.
+                self._next_tick += self.heartbeat
+                loop_now = self._loop.time()
+                if self._next_tick <= loop_now:
+                    self._next_tick = loop_now + self.heartbeat
+                self._timer = self._loop.call_at(self._next_tick, self._on_tick)
+
+    def _beat(self) -> None:
         self._publish()
         now = self._clock()
         if self._fsm.check_expiry(now):
@@ -558,21 +618,28 @@ class BinaryStar:
                 self.state.name,
                 _AFTER_EXPIRY[self.state],
             )
-        # Fixed-rate schedule; if the loop fell behind, skip rather than burst.
-        self._next_tick += self.heartbeat
-        loop_now = self._loop.time()
-        if self._next_tick <= loop_now:
-            self._next_tick = loop_now + self.heartbeat
-        self._timer = self._loop.call_at(self._next_tick, self._on_tick)
+
+    def _handler_failed(self, what: str) -> None:
+        """Count and log (rate-limited, with the traceback) a handler that raised."""
+        self._handler_errors += 1
+        self._handler_error_log.log(logging.ERROR, "%s failed; going on", what, exc_info=True)
 
     def _on_peer_message(self, frames: list[bytes]) -> None:
         if not self.running:
             return
+        try:
+            self._peer_message(frames)
+        except Exception:
+            self._handler_failed("handling a peer state message")
+
+    def _peer_message(self, frames: list[bytes]) -> None:
         self._received += 1
         try:
             report = decode_state(frames, self._peer_endpoint)
         except PeerStateError as exc:
             self._malformed += 1
+            if isinstance(exc, PeerNumberOutOfRange):
+                self._out_of_range += 1
             self._bad_input_log.log(logging.WARNING, "dropped state message: %s", exc)
             return
         self._refresh_rank()
@@ -611,6 +678,21 @@ class BinaryStar:
         elif event == zmq.EVENT_DISCONNECTED:
             self._disconnects += 1
             self._on_peer_disconnected()
+
+    def _on_publisher_event(self, frames: list[bytes]) -> None:
+        """A connection to our state publisher closed: the peer reconnecting, or
+        libzmq cutting off a sender of a frame above ``LINK_MAX_MESSAGE`` (it
+        reports no more than that)."""
+        if not self.running:
+            return
+        self._subscriber_disconnects += 1
+        self._publisher_log.log(
+            logging.INFO,
+            "a connection to our state publisher at %s closed (%d so far): the peer"
+            " reconnecting, or an oversized or malformed frame cut off",
+            self._local_endpoint,
+            self._subscriber_disconnects,
+        )
 
     def _on_peer_disconnected(self) -> None:
         # What the peer sent before its connection closed is already queued on the

@@ -15,7 +15,9 @@ unknown", which is what an in-memory server has to offer.
 
 :func:`decode_state` accepts ``S``, ``S:E`` and ``S:E:T:N`` and returns a
 :class:`PeerReport`, or raises :class:`~bstar.errors.PeerStateError`, for any
-input whatsoever.
+input whatsoever.  An epoch, term or sequence above :data:`MAX_EPOCH` (2**62)
+raises :class:`~bstar.errors.PeerNumberOutOfRange` (a ``PeerStateError``): a
+peer claiming one is refused, never obeyed.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bstar.errors import PeerStateError
-from bstar.fsm import NO_RANK, Rank, State, check_rank
+from bstar.errors import PeerNumberOutOfRange, PeerStateError
+from bstar.fsm import MAX_EPOCH, NO_RANK, Rank, State, check_rank
 
 __all__ = [
     "MAX_EPOCH",
@@ -38,9 +40,8 @@ __all__ = [
 
 #: Most digits an epoch, a term or a sequence may have: enough for any 64-bit counter.
 _NUMBER_DIGITS = 20
-#: Largest epoch that fits the wire format.
-MAX_EPOCH = 10**_NUMBER_DIGITS - 1
-#: Largest term or sequence of a rank that fits the wire format.
+#: Largest term or sequence of a rank we send or accept (an epoch's bound,
+#: :data:`bstar.fsm.MAX_EPOCH`, 2**62; the wire itself could carry 20 digits).
 MAX_RANK_PART = MAX_EPOCH
 #: Longest frame worth parsing: a state digit and three colons, each followed by
 #: a 20-digit number, plus a little padding such as a C string's trailing NUL.
@@ -83,8 +84,12 @@ def _number(text: bytes, what: str, frame: bytes, source: str) -> int:
     if not text.isdigit():
         raise PeerStateError(f"{what} is not a non-negative decimal number: {frame!r}", source)
     if len(text) > _NUMBER_DIGITS:
-        raise PeerStateError(f"{what} has more than {_NUMBER_DIGITS} digits", source)
-    return int(text)
+        raise PeerNumberOutOfRange(f"{what} has more than {_NUMBER_DIGITS} digits", source)
+    number = int(text)
+    if number > MAX_EPOCH:
+        # Obeyed, it would make our next epoch too large to announce or store.
+        raise PeerNumberOutOfRange(f"{what} {number} is above the maximum {MAX_EPOCH}", source)
+    return number
 
 
 def decode_state(frames: Sequence[bytes], source: str = "peer") -> PeerReport:

@@ -31,6 +31,17 @@ lost (a network cut longer than the ttl) no longer holds the lock even if it
 has not been told yet: :attr:`Lock.held` turns false as soon as no keepalive
 sent within the last ttl was answered (:attr:`~clone.client.leases.Lease.valid`),
 :meth:`Lock.check` raises, and long critical sections should look at it.
+
+Fencing tokens: no lease-based lock can stop a holder that was frozen (a
+pause, a SIGSTOP, a cut) from running on after its lease ran out and another
+took the lock.  What a resource can do is refuse the stale one, given a number
+that only grows from holder to holder: :attr:`Lock.token` (and
+:attr:`Election.token`) is the sequence the servers gave the holder's key.  A
+new holder's key is written after the keys ahead of it were gone, so its
+sequence is higher, and sequences only grow, across failovers (a promoted
+server continues from the highest sequence it saw, and re-sequences the writes
+it holds for the old active after that) and restarts (a durable server keeps
+its sequence).
 """
 
 from __future__ import annotations
@@ -195,6 +206,14 @@ class Lock:
         return self._me.name
 
     @property
+    def token(self) -> int | None:
+        """Our fencing token while we hold the lock (acquired, not yet released),
+        else None: the sequence of our key, higher than any earlier holder's.
+        Hand it to the resource with each request; the resource keeps the
+        highest token it has seen and refuses a lower one (docs/client.md)."""
+        return self._me.sequence if self._acquired and self._me.key is not None else None
+
+    @property
     def held(self) -> bool:
         """Whether we hold it now: false once our lease is lost, or once no
         keepalive sent within its ttl was answered (cut off from the servers,
@@ -306,6 +325,14 @@ class Election:
         if head is None or head.value is None:
             return None
         return head.value.decode("utf-8", "replace")
+
+    @property
+    def token(self) -> int | None:
+        """Our fencing token while we campaign (None otherwise): the sequence of
+        our key, fixed when we stood.  Keys lead in sequence order, so once we
+        lead it is higher than every earlier leader's; use it as
+        :attr:`Lock.token` is used, and only while :attr:`is_leader`."""
+        return self._me.sequence if self._me.key is not None else None
 
     @property
     def is_leader(self) -> bool:

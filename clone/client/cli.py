@@ -5,9 +5,10 @@ Argument parsing and printing only; the work is :class:`clone.Clone`.  Exit code
 status``: any server did not answer), 3 a write was not confirmed in time, 4 any
 other Clone error, 5 a compare-and-set conflict (``--if-seq``) or a lock not
 acquired within ``--wait`` (``clone lock`` otherwise exits with its command's
-code), 141 the reader of our output went away (``clone dump | head``):
-128 + SIGPIPE, what a shell reports for ``cat`` in the same place, quietly, so
-``set -o pipefail`` scripts see that the output was cut short.
+code, 128 + N if a signal N killed it), 141 the reader of our output went away
+(``clone dump | head``): 128 + SIGPIPE, what a shell reports for ``cat`` in the
+same place, quietly, so ``set -o pipefail`` scripts see that the output was cut
+short.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import json
 import logging
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -31,6 +31,12 @@ from clone.client.frontend import (
     default_curve_files,
     default_servers,
     load_curve_keys,
+)
+from clone.client.locked import (
+    DEFAULT_KILL_GRACE,
+    FORWARDED_SIGNALS,
+    LOCK_TOKEN_ENV,
+    LockedCommand,
 )
 from clone.errors import CloneError, ConfirmTimeout, Conflict, NotSynced, SecurityError
 from clone.progress import Progress
@@ -117,7 +123,10 @@ def _parser() -> argparse.ArgumentParser:
         description="Take the lock NAME (a key prefix, e.g. /locks/backup), run COMMAND,"
         " release the lock, and exit with COMMAND's code. Waiters get the lock in"
         " arrival order; a holder that dies frees it after --ttl. If the lock's lease"
-        " is lost while COMMAND runs, COMMAND is sent SIGTERM and clone exits 4.",
+        " is lost while COMMAND runs, COMMAND is sent SIGTERM (SIGKILL after --kill-grace)"
+        " and clone exits 4. COMMAND runs in its own process group and dies with clone;"
+        " SIGTERM, SIGINT and SIGHUP are passed on to it; a COMMAND killed by signal N"
+        f" gives 128+N. ${LOCK_TOKEN_ENV} holds the lock's fencing token.",
     )
     lock.add_argument("name")
     lock.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- COMMAND ...")
@@ -303,6 +312,14 @@ def _lock_options(parser: argparse.ArgumentParser) -> None:
         metavar="S",
         help="give up (exit 5) if the lock is not ours within S seconds (default: wait)",
     )
+    parser.add_argument(
+        "--kill-grace",
+        type=float,
+        default=DEFAULT_KILL_GRACE,
+        metavar="S",
+        help="if the lock is lost, SIGKILL the command S seconds after its SIGTERM"
+        f" (default {DEFAULT_KILL_GRACE:g})",
+    )
 
 
 def _lock_command(args: argparse.Namespace) -> list[str]:
@@ -325,43 +342,74 @@ def _lock_command(args: argparse.Namespace) -> list[str]:
     return command
 
 
+class _Stopped(Exception):
+    """A forwarded signal arrived while we waited for the lock: leave the queue."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
 def _lock(args: argparse.Namespace, client: Clone) -> int:
-    """``clone lock NAME -- COMMAND``: the command runs only while we hold the lock."""
+    """``clone lock NAME -- COMMAND``: the command runs only while we hold the lock
+    (clone.client.locked says how it is kept from outliving it)."""
     command = list(args.cmd)
     if not command:
         print("clone: lock needs a command: clone lock NAME -- COMMAND ...", file=sys.stderr)
         return EXIT_UNREACHABLE
+    if args.kill_grace < 0:
+        print("clone: --kill-grace must be >= 0", file=sys.stderr)
+        return EXIT_UNREACHABLE
     lock = Lock(client, args.name, ttl=args.ttl)
-    if not lock.acquire(timeout=args.wait):
-        print(f"clone: lock {args.name!r} not acquired within {args.wait:g} s", file=sys.stderr)
-        return EXIT_CONFLICT
+    running: list[LockedCommand] = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        # Before the command runs: leave the queue; after: the command's.
+        if not running:
+            raise _Stopped(signum)
+        running[0].signal_group(signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in FORWARDED_SIGNALS}
     try:
+        runner: LockedCommand | None = None
         try:
-            child = subprocess.Popen(command)
-        except OSError as exc:
-            print(f"clone: cannot run {command[0]!r}: {exc}", file=sys.stderr)
-            return EXIT_ERROR
-        while True:
-            try:
-                return child.wait(timeout=0.1)
-            except subprocess.TimeoutExpired:
-                pass
-            except KeyboardInterrupt:
-                child.send_signal(signal.SIGINT)
-                continue
-            if not lock.held:
+            if not lock.acquire(timeout=args.wait):
                 print(
-                    f"clone: lost the lock {args.name!r} (its lease ran out); stopping the command",
+                    f"clone: lock {args.name!r} not acquired within {args.wait:g} s",
                     file=sys.stderr,
                 )
-                child.terminate()
-                try:
-                    child.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    child.kill()
-                    child.wait()
+                return EXIT_CONFLICT
+            env = dict(os.environ)
+            env[LOCK_TOKEN_ENV] = str(lock.token)
+            runner = LockedCommand(command, env, kill_grace=args.kill_grace)
+            try:
+                runner.start()
+            except OSError as exc:
+                print(f"clone: cannot run {command[0]!r}: {exc}", file=sys.stderr)
+                return EXIT_ERROR
+            running.append(runner)
+        except _Stopped as stopped:
+            if runner is None or runner.pid is None:
+                return 128 + stopped.signum
+            running.append(runner)  # it started just before the signal: pass it on
+            runner.signal_group(stopped.signum)
+        while True:
+            status = runner.wait(0.1)
+            if status is not None:
+                return status
+            if not lock.held:
+                print(
+                    f"clone: lost the lock {args.name!r} (its lease ran out); stopping the"
+                    f" command (SIGTERM, SIGKILL after {args.kill_grace:g} s)",
+                    file=sys.stderr,
+                )
+                runner.stop()
                 return EXIT_ERROR
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        for started in running:
+            started.close()
         lock.release()
 
 

@@ -191,6 +191,9 @@ class CloneServer(
             counters = ha.counters
             out["ha_state_messages_received"] = counters.state_messages_received
             out["ha_malformed_messages"] = counters.malformed_peer_messages
+            out["ha_out_of_range_messages"] = counters.out_of_range_peer_messages
+            out["ha_handler_errors"] = counters.handler_errors
+            out["ha_subscriber_disconnects"] = counters.subscriber_disconnects
         return out
 
     def log_stats(self, level: int = logging.DEBUG) -> None:

@@ -222,7 +222,7 @@ class Storage:
                 )
             ]
             sequence, term = read_position(conn, self._db_path)
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OverflowError) as exc:
             raise translate(exc, self._db_path, "loading") from exc
         finally:
             if collecting:
@@ -368,7 +368,9 @@ class Storage:
                 conn.execute("ROLLBACK")
                 raise
             conn.execute("COMMIT")
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OverflowError) as exc:
+            # OverflowError: a number too large for an SQLite INTEGER, which
+            # sqlite3 raises as it binds it; the write is lost all the same.
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise translate(exc, self._db_path, doing) from exc

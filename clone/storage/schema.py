@@ -107,8 +107,13 @@ def create_schema(conn: sqlite3.Connection, *, sequence: int = 0, term: int = 0)
     )
 
 
-def translate(exc: sqlite3.Error, path: Path, doing: str) -> StorageError:
-    """Our error for a ``sqlite3`` error met while ``doing`` something with ``path``."""
+def translate(exc: sqlite3.Error | OverflowError, path: Path, doing: str) -> StorageError:
+    """Our error for a ``sqlite3`` error met while ``doing`` something with ``path``.
+
+    ``OverflowError`` too: ``sqlite3`` raises it, not one of its own errors, for
+    an int that does not fit an SQLite INTEGER; to the server it is a failed
+    write like any other, which must stop it rather than confirm from memory.
+    """
     name = getattr(exc, "sqlite_errorname", "")
     text = str(exc)
     if (

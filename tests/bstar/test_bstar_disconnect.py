@@ -211,7 +211,8 @@ def test_stop_closes_the_monitor_and_a_stopped_star_ignores_the_loss(
         try:
             await pair.settle()
             pairs = [s for s in ctx.made if s.type == zmq.PAIR]
-            assert len(pairs) == 2, "one monitor socket per started star"
+            # Per started star: one on the peer subscription, one on our publisher.
+            assert len(pairs) == 4, "two monitor sockets per started star"
             pair.backup.stop()
             pair.primary.stop()
             assert all(s.closed for s in ctx.made)

@@ -26,6 +26,7 @@ from bstar import (
     Event,
     IllegalTransitionError,
     Outcome,
+    PeerNumberOutOfRange,
     PeerReport,
     PeerStateError,
     RoleConflictError,
@@ -954,3 +955,42 @@ def test_decode_returns_a_report_or_raises_peer_state_error(frames: list[bytes])
     assert isinstance(result.state, State)
     assert 0 <= result.epoch <= MAX_EPOCH
     assert len(frames) == 1
+
+
+# -- bounds (issue 23) ------------------------------------------------------------
+
+
+def test_the_epoch_bound_fits_sqlite_and_the_wire() -> None:
+    assert MAX_EPOCH == 2**62 < 2**63 - 1 < 10**20
+    assert encode_state(A, MAX_EPOCH, (MAX_EPOCH, MAX_EPOCH)) == [b"3" + b":%d" % MAX_EPOCH * 3]
+
+
+@pytest.mark.parametrize(
+    "frame",
+    [
+        b"3:99999999999999999999",
+        b"3:%d" % (MAX_EPOCH + 1),
+        b"3:%d" % (2**63),
+        b"1:0:%d:5" % (MAX_EPOCH + 1),
+        b"1:0:5:%d" % (MAX_EPOCH + 1),
+        b"3:999999999999999999999",  # 21 digits
+    ],
+)
+def test_numbers_above_the_bound_are_refused_at_the_wire(frame: bytes) -> None:
+    with pytest.raises(PeerNumberOutOfRange) as refused:
+        decode_state([frame], "tcp://rogue:1")
+    assert isinstance(refused.value, PeerStateError)
+    assert "tcp://rogue:1" in str(refused.value)
+
+
+def test_an_election_after_a_peer_at_the_bound_saturates_there() -> None:
+    clock = FakeClock()
+    fsm = BinaryStarFSM(True, clock.now, epoch=MAX_EPOCH - 1)
+    assert fsm.receive_peer_state(B, clock.now, MAX_EPOCH).became_active
+    assert fsm.epoch == MAX_EPOCH
+    assert encode_state(fsm.state, fsm.epoch)  # still announceable
+    for bad in (MAX_EPOCH + 1, 10**20):
+        with pytest.raises(ValueError):
+            BinaryStarFSM(True, 0.0, epoch=bad)
+        with pytest.raises(ValueError):
+            fsm.receive_peer_state(A, clock.now, bad)

@@ -489,7 +489,7 @@ def test_bad_ranks_are_rejected_and_change_nothing(rank: object) -> None:
         (P, 5, (5, 120), b"1:5:5:120"),
         (A, 0, (0, 0), b"3:0:0:0"),
         (S, 17, None, b"4:17"),
-        (B, MAX_RANK_PART, (MAX_RANK_PART, MAX_RANK_PART), b"2" + b":99999999999999999999" * 3),
+        (B, MAX_RANK_PART, (MAX_RANK_PART, MAX_RANK_PART), b"2" + b":4611686018427387904" * 3),
     ],
 )
 def test_encode_with_and_without_a_rank(

@@ -19,7 +19,8 @@ import zmq
 from tornado.ioloop import IOLoop
 from zmq.eventloop.zmqstream import ZMQStream
 
-from bstar import BinaryStar, State
+import bstar.reactor as reactor_module
+from bstar import MAX_EPOCH, BinaryStar, State, encode_state
 from tests.support.ports import free_ports
 
 HEARTBEAT = 0.1
@@ -635,3 +636,96 @@ def test_the_link_runs_over_curve_and_a_plain_peer_is_not_heard(
             cluster.close()
 
     run(loop, scenario)
+
+
+def test_a_peer_claiming_an_epoch_above_the_maximum_is_refused_and_counted(
+    ctx: zmq.Context,
+    loop: IOLoop,
+) -> None:
+    """Issue 23: b"3:99999999999999999999" made a primary step down, and its
+    next election an epoch the wire could not carry.  Refused now, whatever
+    the field: epoch, term or sequence."""
+    pa, pb = (_endpoint(p) for p in free_ports(2))
+
+    async def scenario() -> None:
+        cluster = Cluster(ctx, loop)
+        try:
+            rogue = cluster.stream(zmq.PUB)  # squats on the backup's endpoint
+            rogue.bind(pb)
+            primary = cluster.node(True, pa, pb)
+            await _send_until(cluster, rogue, [b"2:0"], lambda: primary.star.state is A, "ACTIVE")
+            epoch = primary.star.epoch
+            too_big = b"%d" % (MAX_EPOCH + 1)
+            hostile = [b"3:99999999999999999999", b"3:" + too_big, b"4:0:" + too_big + b":1",
+                       b"4:0:1:" + too_big]  # fmt: skip
+            for frame in hostile:
+                seen = primary.star.counters.out_of_range_peer_messages
+                await _send_until(
+                    cluster,
+                    rogue,
+                    [frame],
+                    lambda s=seen: primary.star.counters.out_of_range_peer_messages > s,
+                    f"{frame!r} refused",
+                )
+            counters = primary.star.counters
+            assert counters.malformed_peer_messages >= len(hostile)
+            assert (primary.star.state, primary.star.epoch) == (A, epoch)
+            assert primary.star.peer_epoch == 0
+            assert primary.fired == ["active"], "never obeyed"
+            # At the bound itself: obeyed; our next election saturates there.
+            await _send_until(
+                cluster,
+                rogue,
+                [b"3:%d" % MAX_EPOCH],
+                lambda: primary.star.peer_epoch == MAX_EPOCH,
+                "the maximum epoch accepted",
+            )
+            assert counters.handler_errors == primary.star.counters.handler_errors == 0
+        finally:
+            cluster.close()
+
+    run(loop, scenario)
+
+
+def test_a_raising_heartbeat_tick_is_logged_and_the_tick_goes_on(
+    ctx: zmq.Context,
+    loop: IOLoop,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    pa, pb = (_endpoint(p) for p in free_ports(2))
+    failures = 3
+    calls = {"failing": False, "failed": 0}
+
+    def flaky_encode(*args: Any, **kwargs: Any) -> list[bytes]:
+        if calls["failing"] and calls["failed"] < failures:
+            calls["failed"] += 1
+            raise ValueError("epoch out of range (simulated)")
+        return encode_state(*args, **kwargs)
+
+    monkeypatch.setattr(reactor_module, "encode_state", flaky_encode)
+
+    async def scenario() -> None:
+        cluster = Cluster(ctx, loop)
+        try:
+            heard: list[list[bytes]] = []
+            listener = cluster.stream(zmq.SUB)
+            listener.setsockopt(zmq.SUBSCRIBE, b"")
+            listener.connect(pa)
+            listener.on_recv(heard.append)
+            node = cluster.node(True, pa, pb)
+            await cluster.wait_until(lambda: len(heard) > 0, "the first heartbeat heard")
+            calls["failing"] = True
+            await cluster.wait_until(
+                lambda: node.star.counters.handler_errors == failures, "three ticks failed"
+            )
+            after = len(heard)
+            await cluster.wait_until(lambda: len(heard) > after + 2, "heartbeats after the errors")
+            assert node.star.running
+        finally:
+            cluster.close()
+
+    run(loop, scenario)
+    failed = [r for r in caplog.records if "heartbeat tick failed" in r.getMessage()]
+    assert len(failed) == 1, "logged once, rate-limited"
+    assert failed[0].exc_info is not None, "with the traceback"

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from clone.client.cli import EXIT_ERROR, _lock_command, _parser
+from clone.client.locked import exit_status
 from tests.support.clients import endpoint, synced_client
 from tests.support.servers import ROOT, Servers
 from tests.support.waiting import eventually
@@ -184,3 +185,233 @@ def test_a_holder_cut_off_for_the_ttl_sigterms_the_command_and_exits_4(
     assert returncode == EXIT_ERROR
     assert f"lost the lock {NAME!r}" in err
     assert set(run.noted()) == {"start", "sigterm"}
+
+
+# A command that notes its pid and token at start, then a tick every 20 ms
+# while it holds (so its last tick says when it stopped, even after a
+# SIGKILL), and on SIGTERM/SIGINT/SIGHUP notes the signal and dies of it (the
+# default action), so clone lock must report 128+N.  CODE: an exit code, or
+# "sigN" to kill itself with signal N at the end.
+_TICKER = """\
+import os, signal, sys, time
+path, code, hold = sys.argv[1], sys.argv[2], float(sys.argv[3])
+
+def note(line):
+    with open(path, "a") as f:
+        f.write(line + "\\n")
+
+def on_signal(signum, frame):
+    note(f"signal {signum} {time.monotonic_ns()}")
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    signal.signal(sig, on_signal)
+if os.environ.get("TICKER_IGNORES_SIGTERM"):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+note(f"start {time.monotonic_ns()} {os.getpid()} {os.environ.get('CLONE_LOCK_TOKEN')}")
+until = time.monotonic() + hold
+while time.monotonic() < until:
+    note(f"tick {time.monotonic_ns()}")
+    time.sleep(0.02)
+note(f"end {time.monotonic_ns()}")
+if code.startswith("sig"):
+    os.kill(os.getpid(), int(code[3:]))
+sys.exit(int(code))
+"""
+
+
+class TickerRun:
+    """``clone lock NAME --ttl TTL [EXTRA] -- python TICKER FILE CODE HOLD``."""
+
+    def __init__(
+        self,
+        tmp: Path,
+        eps: str,
+        tag: str,
+        code: str,
+        hold: float,
+        ttl: float,
+        *extra: str,
+        ignore_sigterm: bool = False,
+        in_shell: bool = False,
+    ) -> None:
+        script = tmp / "ticker.py"
+        if not script.exists():
+            script.write_text(_TICKER)
+        self.notes = tmp / f"{tag}.ticks"
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+        env.pop("CLONE_LOCK_TOKEN", None)
+        if ignore_sigterm:
+            env["TICKER_IGNORES_SIGTERM"] = "1"
+        command = [sys.executable, str(script), str(self.notes), code, str(hold)]
+        if in_shell:  # the ticker is then the shell's child, the command's only
+            command = ["sh", "-c", " ".join(command) + " & wait"]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "clone.client.cli", "--heartbeat", "0.1", "--servers", eps,
+             "lock", NAME, "--ttl", str(ttl), *extra, "--", *command],
+            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+        )  # fmt: skip
+
+    def lines(self) -> list[list[str]]:
+        if not self.notes.exists():
+            return []
+        return [line.split() for line in self.notes.read_text().splitlines() if line.strip()]
+
+    def started(self) -> bool:
+        return any(words[0] == "start" for words in self.lines())
+
+    def start(self) -> tuple[int, int, int]:
+        """(start ns, the command's pid, its CLONE_LOCK_TOKEN)."""
+        (words,) = [w for w in self.lines() if w[0] == "start"]
+        return int(words[1]), int(words[2]), int(words[3])
+
+    def last(self) -> int:
+        """When it last noted anything (ns): its stop, to within one tick."""
+        return max(int(w[1]) for w in self.lines())
+
+    def signals(self) -> list[int]:
+        return [int(w[1]) for w in self.lines() if w[0] == "signal"]
+
+    def finish(self, timeout: float = 30.0) -> tuple[int, str]:
+        _, err = self.proc.communicate(timeout=timeout)
+        return self.proc.returncode, err
+
+
+@pytest.fixture
+def tickers() -> Iterator[list[TickerRun]]:
+    started: list[TickerRun] = []
+    yield started
+    for run in started:
+        if run.proc.poll() is None:
+            run.proc.kill()
+        if run.started():  # first: it holds clone lock's stderr open
+            _, pid, _ = run.start()
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        run.proc.communicate(timeout=10)
+
+
+def _gone(pid: int) -> bool:
+    """The process has exited (gone, or a zombie nobody reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_exit_status_is_what_a_shell_reports() -> None:
+    assert [exit_status(c) for c in (0, 3, 255, -9, -15, -1)] == [0, 3, 255, 137, 143, 129]
+
+
+@pytest.mark.slow
+def test_kill9_of_clone_lock_stops_its_command_at_once_and_the_next_starts_after(
+    servers: Servers, tickers: list[TickerRun], tmp_path: Path
+) -> None:
+    ttl = 1.0
+    server = servers.standalone()
+    first = TickerRun(tmp_path, endpoint(server), "first", "0", 60.0, ttl)
+    tickers.append(first)
+    eventually(first.started, 15, "the first command started")
+    second = TickerRun(tmp_path, endpoint(server), "second", "0", 0.2, ttl)
+    tickers.append(second)
+    with synced_client(server) as observer:
+        eventually(lambda: len(observer.entries(NAME + "/")) == 2, 15, "the second one waits")
+    _, first_pid, first_token = first.start()
+    killed = time.monotonic_ns()
+    first.proc.kill()
+    eventually(lambda: _gone(first_pid), 1.0, "the first command stopped within 1 s")
+    assert (first.last() - killed) / 1e9 < 1.0
+    returncode, err = second.finish()
+    assert (returncode, err) == (0, ""), err
+    second_start, _, second_token = second.start()
+    assert second_start > first.last(), "the second command started while the first ran"
+    assert second_token > first_token > 0
+
+
+@pytest.mark.slow
+def test_kill9_of_clone_lock_also_stops_what_its_command_started(
+    servers: Servers, tickers: list[TickerRun], tmp_path: Path
+) -> None:
+    """The parent-death signal reaches only the command (here a shell); its
+    guard kills the rest of the command's process group (here the ticker)."""
+    server = servers.standalone()
+    run = TickerRun(tmp_path, endpoint(server), "shell", "0", 60.0, 1.0, in_shell=True)
+    tickers.append(run)
+    eventually(run.started, 15, "the shell's child started")
+    _, ticker_pid, token = run.start()
+    assert token > 0
+    assert os.getpgid(ticker_pid) != os.getpgid(run.proc.pid), "a group of its own"
+    killed = time.monotonic_ns()
+    run.proc.kill()
+    eventually(lambda: _gone(ticker_pid), 1.0, "the shell's child stopped within 1 s")
+    assert (run.last() - killed) / 1e9 < 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_signal_to_clone_lock_goes_to_its_command_and_the_exit_is_128_plus_n(
+    servers: Servers, tickers: list[TickerRun], tmp_path: Path, signum: int
+) -> None:
+    server = servers.standalone()
+    run = TickerRun(tmp_path, endpoint(server), "holder", "0", 60.0, 2.0)
+    tickers.append(run)
+    eventually(run.started, 15, "the command started")
+    run.proc.send_signal(signum)
+    returncode, err = run.finish(timeout=10)
+    assert (returncode, err) == (128 + signum, ""), err
+    assert run.signals() == [signum]
+    assert _gone(run.start()[1])
+    with synced_client(server) as observer:
+        eventually(lambda: observer.entries(NAME + "/") == [], 5, "the lock released")
+
+
+@pytest.mark.slow
+def test_clone_lock_exits_with_the_commands_code_or_128_plus_its_signal(
+    servers: Servers, tickers: list[TickerRun], tmp_path: Path
+) -> None:
+    server = servers.standalone()
+    tokens = []
+    for code, expected in (("0", 0), ("3", 3), ("sig9", 137), ("sig15", 143)):
+        run = TickerRun(tmp_path, endpoint(server), f"code-{code}", code, 0.0, 2.0)
+        tickers.append(run)
+        returncode, err = run.finish()
+        assert (returncode, err) == (expected, ""), (code, err)
+        tokens.append(run.start()[2])
+    assert tokens == sorted(set(tokens)), f"tokens must grow: {tokens}"
+
+
+@pytest.mark.slow
+def test_a_lost_lock_sigkills_a_command_that_ignores_sigterm_after_the_grace(
+    servers: Servers, tickers: list[TickerRun], tmp_path: Path
+) -> None:
+    server = servers.standalone()
+    grace = 0.5
+    run = TickerRun(tmp_path, endpoint(server), "stubborn", "0", 60.0, 1.0,
+                    "--kill-grace", str(grace), ignore_sigterm=True)  # fmt: skip
+    tickers.append(run)
+    eventually(run.started, 15, "the command started")
+    _, pid, _ = run.start()
+    with synced_client(server) as observer:
+        eventually(lambda: len(observer.entries(NAME + "/")) == 1, 5, "the lock's key")
+        # Lose the lease as a frozen holder does (only its owner may revoke it):
+        # clone lock stopped until the lease runs out, the command ticking on.
+        run.proc.send_signal(signal.SIGSTOP)
+        try:
+            eventually(lambda: observer.entries(NAME + "/") == [], 10, "the lease to run out")
+        finally:
+            run.proc.send_signal(signal.SIGCONT)
+        revoked = time.monotonic_ns()
+    returncode, err = run.finish(timeout=10)
+    assert returncode == EXIT_ERROR
+    assert f"SIGKILL after {grace:g} s" in err
+    assert _gone(pid)
+    # It ticked on through the SIGTERM, for the grace, and no longer.
+    assert run.signals() == []
+    # (The last tick comes up to one tick, 20 ms, before the SIGKILL; the lost
+    # lease may be noticed at once when clone lock resumes.)
+    assert grace - 0.05 <= (run.last() - revoked) / 1e9 <= 1.0 / 3 + 0.2 + grace + 0.5

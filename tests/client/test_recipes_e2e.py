@@ -17,9 +17,9 @@ from itertools import pairwise
 import pytest
 
 from clone import Clone
-from clone.recipes import Lock
+from clone.recipes import Election, Lock
 from tests.support.clients import synced_client
-from tests.support.servers import Servers
+from tests.support.servers import Servers, start_both
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
@@ -83,3 +83,58 @@ def test_contenders_get_the_lock_in_arrival_order_one_at_a_time(servers: Servers
         for (_, _, left), (_, entered, _) in pairwise(held):
             assert left < entered, "a holder came in before the previous one left"
         eventually(lambda: gate_client.entries(NAME + "/") == [], 5, "every key gone")
+
+
+def test_fencing_tokens_grow_from_holder_to_holder_across_failover_and_restart(
+    servers: Servers,
+) -> None:
+    """Each new holder's token is higher: one after another, across a kill -9
+    of the active while a holder holds (it releases on the promoted backup),
+    and across a kill -9 and restart of both durable servers."""
+    primary, backup = servers.pair()
+    tokens: list[int] = []
+
+    def hold_once(client: Clone) -> None:
+        lock = Lock(client, "/locks/fenced", ttl=2.0)
+        assert lock.token is None
+        assert lock.acquire(timeout=10)
+        assert lock.token is not None
+        tokens.append(lock.token)
+        lock.release()
+        assert lock.token is None
+
+    with synced_client(primary, backup) as a, synced_client(primary, backup) as b:
+        hold_once(a)
+        hold_once(b)
+        holder = Lock(a, "/locks/fenced", ttl=2.0)
+        assert holder.acquire(timeout=10) and holder.token is not None
+        tokens.append(holder.token)
+        waiter = Lock(b, "/locks/fenced", ttl=2.0)
+        got: list[int | None] = []
+        thread = threading.Thread(
+            target=lambda: got.append(waiter.token if waiter.acquire(timeout=30) else None),
+            daemon=True,
+        )
+        thread.start()
+        eventually(lambda: len(b.entries("/locks/fenced/")) == 2, 10, "the waiter queued")
+        primary.kill9()
+        backup.wait_log("now ACTIVE", 15)
+        eventually(lambda: holder.held, 10, "the holder still holds on the promoted backup")
+        holder.release()
+        thread.join(30)
+        assert got and got[0] is not None, "the waiter never got the lock"
+        tokens.append(got[0])
+        waiter.release()
+        with Election(a, "/elections/fenced", "a", ttl=2.0) as first:
+            assert first.wait_leader(10) and first.token is not None
+            tokens.append(first.token)
+            with Election(b, "/elections/fenced", "b", ttl=2.0) as second:
+                eventually(lambda: len(b.entries("/elections/fenced/")) == 2, 10, "b stands")
+                first.resign()
+                assert second.wait_leader(10) and second.token is not None
+                tokens.append(second.token)
+    backup.kill9()
+    start_both(primary, backup)
+    with synced_client(primary, backup) as c:
+        hold_once(c)
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens), tokens

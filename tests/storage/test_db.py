@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from clone.errors import StorageError
 from clone.storage import DATA_FILE, FORMAT_VERSION, FsyncPolicy, Storage
 from tests.storage.conftest import OpenStorage, upd
 
@@ -148,3 +149,20 @@ def test_close_joins_the_checkpoint_thread(data_dir: Path) -> None:
     storage.close()
     assert not thread.is_alive()
     assert time.monotonic() - started < 0.5
+
+
+@pytest.mark.parametrize("term", [10**20, 2**63])
+def test_a_number_too_large_for_sqlite_is_a_storage_error(
+        data_dir: Path, open_storage: OpenStorage, term: int) -> None:
+    """sqlite3 raises OverflowError, not one of its errors, for such an int: the
+    server's commit path catches StorageError, so it must arrive as one
+    (issue 23: a write stayed in memory only, and the loop took the error)."""
+    storage = open_storage(data_dir)
+    storage.append([upd(b"a", 1)], term=1, at=0.0)
+    with pytest.raises(StorageError, match="appending to") as failed:
+        storage.append([upd(b"b", 2)], term=term, at=0.0)
+    assert isinstance(failed.value.__cause__, OverflowError)
+    with pytest.raises(StorageError, match="recording the position"):
+        storage.set_position(3, term)
+    loaded = storage.load()  # nothing of either was written; still usable
+    assert (loaded.sequence, loaded.term, list(loaded.entries)) == (1, 1, [b"a"])

@@ -17,7 +17,7 @@ import pytest
 
 from clone.tools import drill, report
 from clone.tools.drill import DrillConfig, analyse, percentile, run_drill
-from clone.tools.drill.analysis import highest_sequence_before, nearest_rank
+from clone.tools.drill.analysis import highest_sequence_before, lock_fencing, nearest_rank
 from clone.tools.drill.client import make_value, parse_value, shared_key, state_hash, write_key
 
 # --------------------------------------------------------------------------
@@ -284,6 +284,59 @@ def test_highest_sequence_before_a_moment() -> None:
     assert highest_sequence_before(streams, 1) is None
 
 
+def _hold(client: str, token: int, acquired: float, released: float | None,
+          how: str = "lock_released") -> list[dict[str, Any]]:
+    evs = [{"ts": acquired, "client": client, "event": "lock_acquired", "token": token}]
+    if released is not None:
+        evs.append({"ts": released, "client": client, "event": how, "token": token})
+    return evs
+
+
+def test_lock_fencing_over_recorded_holds() -> None:
+    """Tokens must grow with every acquisition, in time order, across clients;
+    an overlap is allowed (and counted) only with a higher token."""
+    good = {
+        "c0": [*_hold("c0", 10, 1.0, 1.1), *_hold("c0", 30, 3.0, 3.1)],
+        "c1": [*_hold("c1", 20, 2.0, 2.1), {"ts": 2.5, "client": "c1", "event": "lock_error"}],
+        # Cut off past its lease: still holding when c2 takes the lock, then lost.
+        "c2": [*_hold("c2", 40, 4.0, 4.9, "lock_lost"), *_hold("c2", 55, 6.0, None)],
+        "c2.g1": _hold("c2.g1", 50, 4.5, 4.6),
+    }
+    summary = analyse(good, _state(), {"c0": "h"})
+    assert {k: summary[k] for k in ("lock_holds", "lock_token_violations", "lock_overlaps",
+                                    "lock_lost")} == {"lock_holds": 6, "lock_token_violations": 0,
+                                                      "lock_overlaps": 1, "lock_lost": 1}
+    # The same token twice, and a lower one after a higher: both violations.
+    bad = {
+        "c0": [*_hold("c0", 10, 1.0, 1.1), *_hold("c0", 30, 3.0, 3.1)],
+        "c1": [*_hold("c1", 10, 2.0, 2.1), *_hold("c1", 25, 4.0, 4.1)],
+    }
+    fenced = lock_fencing(bad)
+    assert fenced["lock_token_violations"] == 2
+    assert fenced["lock_token_violation_examples"] == [
+        "c1 took token 10 after c0 had taken 10", "c1 took token 25 after c0 had taken 30"]
+    assert lock_fencing({})["lock_holds"] == 0
+
+
+def test_lock_fencing_leaves_out_what_the_losing_side_granted_in_a_split_brain() -> None:
+    """partition-split: the isolated active (primary) grants the lock to its
+    island from its own, higher, sequences while the winner (backup) grants it
+    to the others; only the loser's grants during the split are out of the order."""
+    def on(server: str, evs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**e, "server": server} if e["event"] == "lock_acquired" else e for e in evs]
+
+    streams = {
+        "c0": on("primary", _hold("c0", 100, 1.0, 1.1))
+        + on("backup", [*_hold("c0", 110, 3.0, 3.1), *_hold("c0", 130, 9.0, 9.1)]),
+        "c1": on("primary", [*_hold("c1", 105, 2.0, 2.1), *_hold("c1", 480, 4.0, 4.1)])
+        + on("backup", _hold("c1", 140, 10.0, 10.1)),
+    }
+    assert lock_fencing(streams)["lock_token_violations"] == 2  # 130 and 140 after 480
+    fenced = lock_fencing(streams, ("primary", 2.5, 8.0))  # cut at 2.5, stepped down at 8
+    assert (fenced["lock_holds"], fenced["lock_holds_split"],
+            fenced["lock_token_violations"]) == (6, 1, 0)
+
+
 def test_both_crash_timings() -> None:
     cfg = DrillConfig(scenario="both-crash", heartbeat_ms=200)
     assert cfg.crash_sequence == ("primary", "backup")
@@ -311,7 +364,8 @@ def test_config_rejects_nonsense() -> None:
 # Real drills
 
 _EVENTS = {"write_sent", "write_confirmed", "write_timeout", "update", "failover_detected",
-           "failover_done", "fault", "restart", "final_state"}
+           "failover_done", "fault", "restart", "final_state", "lock_acquired", "lock_released",
+           "lock_lost", "lock_error"}
 _SUMMARY_FIELDS = {"scenario", "clients", "failover_p50_s", "failover_p99_s", "failover_max_s",
                    "confirmed_writes", "confirmed_lost", "unconfirmed_lost", "duplicates",
                    "out_of_order", "converged", "shared_writes", "shared_confirmed_writes",
@@ -362,6 +416,11 @@ def _assert_guarantees(summary: dict[str, Any]) -> None:
     assert summary["shared_writes"] > summary["shared_confirmed_writes"]
     assert summary["reverted_keys"] == 0 and summary["reverts_seen"] == 0
     assert summary["checks"]["every key at its last confirmed value or later"]["ok"] is True
+    # The lock workload (2 clients contend): holders came one after another, each
+    # with a higher fencing token.
+    fencing = summary["checks"]["no two lock holders with the same or a lower token"]
+    assert fencing["ok"] is True and summary["lock_holds"] > 0, fencing
+    assert summary["lock_token_violations"] == 0
     assert summary["ok"] is True
 
 
@@ -729,5 +788,15 @@ def test_drill_partition_split(tmp_path: Path, island_reset: bool) -> None:
     # answered: applied, or already there (the island client's own copy).
     loser = _last_stats(tmp_path / "logs" / f"{part['active']}.log")
     assert loser["split_writes_found"] >= split["confirmed"] > 0
-    assert loser["split_writes_applied"] == loser["split_writes_found"]
-    assert loser["split_writes_refused"] == loser["split_writes_abandoned"] == 0
+    # Refused only: the island's lock keys, bound to leases the loser granted
+    # during the split, which the winner never knew (and must not bring back).
+    refusals = [line for line in (tmp_path / "logs" / f"{part['active']}.log").read_text()
+                .splitlines() if "refused a write of ours from the split brain" in line]
+    assert len(refusals) == loser["split_writes_refused"]
+    assert all("unknown-lease" in line and "'/drill-lock/" in line for line in refusals), refusals
+    assert loser["split_writes_applied"] + len(refusals) == loser["split_writes_found"]
+    assert loser["split_writes_abandoned"] == 0
+    # The lock: both sides granted it during the split brain; every other hold
+    # came with a token above all earlier ones.
+    assert checks["no two lock holders with the same or a lower token"]["ok"] is True
+    assert part["lock_fencing"]["lock_holds_split"] > 0

@@ -37,6 +37,14 @@ client applied a write twice when the key already held that write.  (Seeing a
 write again after another value is a revert, judged at the end, not a
 duplicate; per-writer order is checked on unique keys only, since a resync
 reports the changed keys in key order.)
+
+**The lock workload** (``lock_acquired`` / ``lock_released`` / ``lock_lost``
+events, each with the lock's fencing token): :func:`lock_fencing` orders the
+acquisitions by time and requires every token to be higher than all the tokens
+acquired before it, which is what lets a resource refuse a stale holder.  An
+acquisition logged before an earlier holder logged its release is counted as an
+overlap: it is allowed (a holder cut off past its lease is still running), but
+only with a higher token.
 """
 
 from __future__ import annotations
@@ -59,6 +67,7 @@ __all__ = [
     "applied_before",
     "find_reverts",
     "highest_sequence_before",
+    "lock_fencing",
     "log_line_time",
     "split_brain_lines",
     "split_writes",
@@ -395,7 +404,74 @@ def analyse(
         "converged": converged,
     }
     summary.update(shared)
+    summary.update(lock_fencing(streams))
     return summary
+
+
+def lock_fencing(
+    streams: Mapping[str, Sequence[Mapping[str, Any]]],
+    split: tuple[str, float, float] | None = None,
+) -> dict[str, Any]:
+    """The lock workload's holds and what breaks fencing among them.
+
+    ``split``: ``(server, from, until)``, the side of a split brain that stepped
+    down and while it was active beside the winner: the holds it granted then
+    are left out of the order and counted in ``lock_holds_split``.  Each side of
+    a split brain grants the lock and numbers it from its own sequence, so no
+    order holds between them (docs/client.md, "Fencing tokens").
+
+    ``lock_holds``: acquisitions; ``lock_token_violations``: acquisitions whose
+    token is not above every token acquired before (by ``ts``), with up to ten
+    described in ``lock_token_violation_examples``; ``lock_overlaps``:
+    acquisitions logged before an earlier holder logged its release (a holder
+    killed while holding logs none and is not counted); ``lock_lost``: holds
+    that ended with the lock lost.
+    """
+    holds: list[dict[str, Any]] = []
+    open_holds: dict[tuple[str, int], dict[str, Any]] = {}
+    lost = split_holds = 0
+    for stream, events in streams.items():
+        for ev in events:
+            kind = ev.get("event")
+            token = ev.get("token")
+            if not isinstance(token, int):
+                continue
+            if kind == "lock_acquired":
+                new: dict[str, Any] = {"client": stream, "token": token,
+                                       "acquired": float(ev["ts"]), "released": None}
+                open_holds[(stream, token)] = new
+                if split is not None and ev.get("server") == split[0] \
+                        and split[1] <= new["acquired"] <= split[2]:
+                    split_holds += 1
+                    continue
+                holds.append(new)
+            elif kind in ("lock_released", "lock_lost"):
+                lost += kind == "lock_lost"
+                if (stream, token) in open_holds:
+                    open_holds.pop((stream, token))["released"] = float(ev["ts"])
+    holds.sort(key=lambda h: (h["acquired"], h["token"]))
+    violations: list[str] = []
+    overlaps = 0
+    highest: dict[str, Any] | None = None
+    last_release = -math.inf  # of the holds before, those that logged one
+    for hold in holds:
+        if highest is not None and hold["token"] <= highest["token"]:
+            violations.append(
+                f"{hold['client']} took token {hold['token']} after {highest['client']}"
+                f" had taken {highest['token']}")
+        overlaps += last_release > hold["acquired"]
+        if hold["released"] is not None:
+            last_release = max(last_release, hold["released"])
+        if highest is None or hold["token"] > highest["token"]:
+            highest = hold
+    return {
+        "lock_holds": len(holds) + split_holds,
+        "lock_holds_split": split_holds,
+        "lock_token_violations": len(violations),
+        "lock_token_violation_examples": violations[:10],
+        "lock_overlaps": overlaps,
+        "lock_lost": lost,
+    }
 
 
 def highest_sequence_before(

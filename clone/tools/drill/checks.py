@@ -12,6 +12,7 @@ from typing import Any
 from clone.release import RELEASE
 from clone.storage.schema import FORMAT_VERSION
 from clone.tools.drill.analysis import (
+    lock_fencing,
     log_line_time,
     revert_detail,
     seen_revert_detail,
@@ -85,6 +86,7 @@ def _judge_split(
         if ev.get("event") == "write_confirmed" and ev.get("server") == passive
         and cut <= float(ev["ts"]) <= heal)
     part["split_writes"] = split_writes(streams, server_state, active, passive, cut, until, heal)
+    part["lock_fencing"] = lock_fencing(streams, (active, cut, until))
 
 
 def judge_restarts(run: PairRun) -> list[dict[str, Any]]:
@@ -234,6 +236,18 @@ def run_checks(
         _partition_checks(s, end_active, check)
     if "upgrade" in s:
         _upgrade_checks(s["upgrade"], check)
+    if run.cfg.lock_clients > 0:
+        # partition-split: the order leaves out what the stepped-down side granted
+        # during the split brain (judge_partition).
+        lf = s.get("partition", {}).get("lock_fencing") or s
+        split = (f", {lf['lock_holds_split']} granted by the side that stepped down during"
+                 " the split brain (not ordered)" if lf.get("lock_holds_split") else "")
+        check("no two lock holders with the same or a lower token",
+              lf["lock_holds"] > 0 and lf["lock_token_violations"] == 0,
+              f"{lf['lock_holds']} holds{split}, {lf['lock_token_violations']} with a token"
+              f" not above every earlier one, {lf['lock_overlaps']} overlapping an earlier"
+              f" holder's (allowed with a higher token), {lf['lock_lost']} lost"
+              + "".join(f"; {v}" for v in lf["lock_token_violation_examples"][:3]))
     if sc == "client-restart":
         check("every client has a final state",
               None not in s["final_client_hashes"].values(), "")

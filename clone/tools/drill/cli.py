@@ -51,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-keys", type=int, default=DEFAULT_SHARED_KEYS,
                    help="keys every client also overwrites, one write per tick, so that a "
                    f"revert to an older value shows (default {DEFAULT_SHARED_KEYS}; 0: none)")
+    p.add_argument("--lock-clients", type=int, default=3, metavar="N",
+                   help="clients that also contend for one lock, so that its fencing tokens"
+                   " are checked (default 3; 0: none)")
+    p.add_argument("--lock-hold", type=float, default=0.05, metavar="S",
+                   help="seconds each lock holder keeps it (default 0.05)")
     crash = p.add_argument_group("both-crash")
     crash.add_argument("--crash-order", choices=CRASH_ORDERS, default="primary-first",
                        help="which server is killed first (default primary-first)")
@@ -101,6 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed, fault_at=args.fault_at, ttl_per_tick=args.ttl_per_tick,
             ttl_min=args.ttl_min, ttl_max=args.ttl_max, confirm_timeout=args.confirm_timeout,
             preload=args.preload, shared_keys=args.shared_keys,
+            lock_clients=args.lock_clients, lock_hold=args.lock_hold,
             crash_order=args.crash_order, crash_gap=args.crash_gap, down_time=args.down_time,
             restart_stagger=args.restart_stagger, in_memory=args.in_memory,
             partition_time=args.partition_time, island_reset=args.island_reset,

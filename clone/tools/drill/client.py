@@ -29,6 +29,16 @@ active on changes, it logs ``failover_detected`` and then ``failover_done`` with
 the last update the old server delivered to the first one from the new server
 once its snapshot is complete (the agent delivers nothing in between).
 
+With ``--lock-hold S`` (the drill gives it to ``--lock-clients`` of the
+clients) a second ``Clone``, on its own subtree ``/drill-lock/`` so that the
+lock's keys stay out of the ``/drill/`` state the drill compares, contends
+for one lock, :data:`LOCK_NAME`, during the write period: it takes it
+(:class:`clone.recipes.Lock`, ``--lock-ttl``), logs ``lock_acquired`` with the
+lock's fencing ``token``, holds it ``S`` seconds, logs ``lock_released`` (or
+``lock_lost`` if the lock was no longer held by then) with the same token, lets
+go, and queues again.  The drill checks that no holder got the same or a lower
+token than one before it (:func:`clone.tools.drill.analysis.lock_fencing`).
+
 After the write period and a settle time, it logs ``final_state``: a SHA-256 of
 the sorted ``/drill/`` items and the key count, and writes the items to
 ``--state`` for the drill to compare.  Events go one JSON object per line to
@@ -54,11 +64,13 @@ from typing import Any, TextIO
 
 from clone import Clone, ConfirmTimeout, Entry
 from clone.errors import CloneError
+from clone.recipes import Lock
 from clone.wire.codec import new_uuid
 
 __all__ = [
     "DEFAULT_SHARED_KEYS",
     "DRILL_PREFIX",
+    "LOCK_NAME",
     "SHARED_PREFIX",
     "EventLog",
     "main",
@@ -74,6 +86,9 @@ DRILL_PREFIX = "/drill/"
 # Keys every client overwrites; no client id may be "shared".
 SHARED_PREFIX = DRILL_PREFIX + "shared/"
 DEFAULT_SHARED_KEYS = 8
+#: The one lock the lock workload contends for, in a subtree of its own.
+LOCK_PREFIX = "/drill-lock/"
+LOCK_NAME = LOCK_PREFIX + "one"
 _POLL_S = 0.02
 
 
@@ -226,6 +241,51 @@ class _FailoverWatch(threading.Thread):
         return True
 
 
+class _LockWorkload(threading.Thread):
+    """Contends for :data:`LOCK_NAME` until stopped, logging each hold with its token.
+
+    A client of its own (subtree ``/drill-lock/``), started and closed here.
+    """
+
+    def __init__(
+        self, args: argparse.Namespace, events: EventLog, names: dict[str, str]
+    ) -> None:
+        super().__init__(name="drill-lock", daemon=True)
+        self.args, self.events, self.names = args, events, names
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        args = self.args
+        client = Clone(None, subtree=LOCK_PREFIX, heartbeat=args.heartbeat,
+                       confirm_timeout=args.confirm_timeout)
+        with client:
+            for endpoint in args.servers.split(","):
+                client.connect(endpoint)
+            while not self.stop.is_set():
+                try:
+                    client.wait_synced(args.sync_timeout)
+                    self._hold_once(client)
+                except CloneError as exc:  # a failover or a cut: try again
+                    self.events.emit("lock_error", error=str(exc)[:200])
+                    self.stop.wait(0.2)
+
+    def _hold_once(self, client: Clone) -> None:
+        lock = Lock(client, LOCK_NAME, ttl=self.args.lock_ttl)
+        if not lock.acquire(timeout=1.0):
+            return
+        token = lock.token
+        try:
+            # Which server granted it, as far as the client knows (a split brain
+            # has two that do).
+            where = client.status().server
+            server = None if where is None else self.names.get(where, where)
+            self.events.emit("lock_acquired", token=token, server=server)
+            self.stop.wait(self.args.lock_hold)
+            self.events.emit("lock_released" if lock.held else "lock_lost", token=token)
+        finally:
+            lock.release()
+
+
 def _sleep_until(t: float) -> None:
     while True:
         d = t - time.time()
@@ -258,8 +318,14 @@ def run(args: argparse.Namespace) -> int:
             names = dict(zip(endpoints, args.names.split(","), strict=False)) if args.names else {}
             watch = _FailoverWatch(client, tracker, events, names)
             watch.start()
+            locker = _LockWorkload(args, events, names) if args.lock_hold > 0 else None
             _sleep_until(args.start_at)
+            if locker is not None:
+                locker.start()
             _write_loop(client, events, args, rng, names)
+            if locker is not None:
+                locker.stop.set()
+                locker.join(args.lock_ttl + args.confirm_timeout)
             _sleep_until(args.final_at)
             watch.stop.set()
             watch.join(2)
@@ -365,6 +431,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ttl-per-tick", type=int, default=0, help="ephemeral writes per tick")
     p.add_argument("--shared-keys", type=int, default=0,
                    help="also overwrite one of this many shared keys per tick (0: none)")
+    p.add_argument("--lock-hold", type=float, default=0.0,
+                   help="also take the drill's lock and hold it S seconds, again and again"
+                   " (0: no lock workload)")
+    p.add_argument("--lock-ttl", type=float, default=2.0, help="the lock's lease ttl")
     p.add_argument("--ttl-min", type=float, default=0.5)
     p.add_argument("--ttl-max", type=float, default=2.0)
     p.add_argument("--value-size", type=int, default=64)

@@ -54,6 +54,10 @@ class DrillConfig:
     preload: int = 0
     # Keys every client overwrites (one write per tick): what can show a revert.
     shared_keys: int = DEFAULT_SHARED_KEYS
+    # How many clients also contend for one lock (holding it lock_hold s each
+    # time), so that the drill can check its fencing tokens; 0: none.
+    lock_clients: int = 3
+    lock_hold: float = 0.05
     # both-crash: the order of the two kills, the time between them (None: 3
     # heartbeats, time enough for the survivor to act on the first death, which
     # the clients notice at once by its closed connections: so the order
@@ -89,6 +93,8 @@ class DrillConfig:
             raise ValueError("duration and rate must be > 0")
         if self.shared_keys < 0:
             raise ValueError("shared_keys must be >= 0")
+        if self.lock_clients < 0 or self.lock_hold <= 0:
+            raise ValueError("lock_clients must be >= 0 and lock_hold > 0")
         if self.crash_order not in CRASH_ORDERS:
             raise ValueError(f"unknown crash order {self.crash_order!r}; "
                              f"one of {', '.join(CRASH_ORDERS)}")

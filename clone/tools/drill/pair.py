@@ -149,6 +149,7 @@ class PairRun:
             "--events", str(self.clients_dir / f"{stem}.jsonl"),
             "--state", str(self.clients_dir / f"{stem}.state.json"),
             "--seed", str(cfg.seed),
+            "--lock-hold", str(cfg.lock_hold if self._locks(cid) else 0),
         )  # fmt: skip
         if self.topology is not None and cid == cfg.island_client:
             argv = self.topology.prefix(ISLAND) + argv
@@ -165,6 +166,10 @@ class PairRun:
                     "data_format": s.get("data_format") or (1 if s.get("version") else None),
                     "role": s.get("role")}
                 for n, s in zip(names, got, strict=True)}
+
+    def _locks(self, cid: str) -> bool:
+        """Whether client ``cid`` (``c<i>``) is one of the lock workload's."""
+        return cid[1:].isdigit() and int(cid[1:]) < self.cfg.lock_clients
 
     def active_server(self) -> str | None:
         active = self.monitor.active()
