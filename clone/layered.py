@@ -250,16 +250,16 @@ def _options(parser: argparse.ArgumentParser) -> list[_Option]:
             continue
         if isinstance(action, argparse._HelpAction | argparse._VersionAction):
             continue
+        longs = [s for s in action.option_strings if s.startswith("--")]
+        key = longs[0][2:] if longs else action.dest.replace("_", "-")
         if not isinstance(
             action,
             argparse._StoreAction | argparse._StoreConstAction | argparse._AppendAction,
         ) or action.nargs not in (None, 0):
             raise TypeError(
-                f"{action.option_strings[0]}: layered settings support store, store_true/"
-                f"store_false/store_const and append options, not {type(action).__name__}"
+                f"--{key}: layered settings support store, store_true/store_false/"
+                f"store_const and append options, not {type(action).__name__}"
             )
-        longs = [s for s in action.option_strings if s.startswith("--")]
-        key = longs[0][2:] if longs else action.dest.replace("_", "-")
         out.append(_Option(key=key, action=action))
     return out
 
