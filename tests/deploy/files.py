@@ -7,10 +7,24 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEPLOY", "ROLES", "example_config", "rule_metrics", "toml_text", "unit_settings"]
+__all__ = [
+    "DEPLOY",
+    "ROLES",
+    "RULES",
+    "SCRAPE_SERIES",
+    "example_config",
+    "rule_exprs",
+    "rule_metrics",
+    "served_metrics",
+    "toml_text",
+    "unit_settings",
+]
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 ROLES = ("primary", "backup")
+RULES = DEPLOY / "prometheus" / "clone-rules.yml"
+# Series Prometheus makes itself for every target, not served by clone-server.
+SCRAPE_SERIES = frozenset({"up"})
 
 # PromQL words that look like metric names: operators, modifiers, aggregations'
 # clauses.  Functions and aggregations are followed by "(" and are dropped by that.
@@ -68,4 +82,20 @@ def rule_metrics(expr: str) -> set[str]:
         name, called = match.group(1), match.group(2)
         if not called and name.lower() not in _PROMQL_WORDS:
             names.add(name)
+    return names
+
+
+def rule_exprs() -> list[str]:
+    """The ``expr:`` of every rule in clone-rules.yml, read as lines (one each),
+    so the live check needs no YAML library; test_prometheus.py checks that
+    these are the expressions a YAML load finds."""
+    return [m.group(1).strip() for m in re.finditer(r"^\s*expr:\s*(.+)$", RULES.read_text(), re.M)]
+
+
+def served_metrics(text: str) -> set[str]:
+    """The metric names of a Prometheus text exposition (/metrics)."""
+    names = set()
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            names.add(re.split(r"[{\s]", line, maxsplit=1)[0])
     return names

@@ -15,15 +15,11 @@ from typing import Any
 
 import pytest
 
-from tests.deploy.files import DEPLOY, rule_metrics
+from tests.deploy.files import DEPLOY, RULES, SCRAPE_SERIES, rule_exprs, rule_metrics
 
 yaml = pytest.importorskip("yaml", reason="PyYAML (the test extra: pip install -e .[test])")
 
-PROMETHEUS = DEPLOY / "prometheus"
-RULES = PROMETHEUS / "clone-rules.yml"
-SCRAPE = PROMETHEUS / "prometheus.yml"
-# Series Prometheus makes itself for every target, not served by clone-server.
-SCRAPE_SERIES = frozenset({"up"})
+SCRAPE = DEPLOY / "prometheus" / "prometheus.yml"
 
 
 def load_rules() -> list[dict[str, Any]]:
@@ -49,6 +45,11 @@ def test_the_rules_file_is_a_prometheus_rules_file() -> None:
         assert set(rule) <= {"alert", "expr", "for", "labels", "annotations"}, rule
         assert rule["labels"]["severity"] in {"critical", "warning"}
         assert rule["annotations"]["summary"]
+
+
+def test_the_expressions_read_as_lines_are_those_yaml_loads() -> None:
+    # The live metric check (test_example_pair_e2e.py) reads them as lines.
+    assert rule_exprs() == [rule["expr"] for rule in load_rules()]
 
 
 def test_the_rules_are_those_operations_md_shows() -> None:

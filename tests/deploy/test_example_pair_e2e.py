@@ -1,0 +1,125 @@
+"""A pair started from the example configs alone serves, and fails over.
+
+deploy/primary and deploy/backup's clone-server.toml.example, with only the
+addresses, ports and paths a test machine needs substituted (each substituted
+key must already be in the example: nothing is added), are the servers' whole
+command line: ``clone-server --config FILE``.  The clone command reads its
+connection settings from deploy/clone.toml.example, substituted the same way.
+The pair runs with CURVE, as the examples do, on certificates made here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import tomllib
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from clone.tools.procs import free_base_port, free_port
+from tests.deploy.files import (
+    DEPLOY,
+    ROLES,
+    SCRAPE_SERIES,
+    example_config,
+    rule_exprs,
+    rule_metrics,
+    served_metrics,
+    toml_text,
+    unit_settings,
+)
+from tests.support.curve import CurveKeys, wait_serving_curve
+from tests.support.servers import ROOT, Servers, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+
+def _substituted(example: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
+    missing = set(values) - set(example)
+    assert not missing, f"the example has no {sorted(missing)}: the test would add settings"
+    return {**example, **values}
+
+
+def _clone(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    """The clone command with its settings from ``config`` alone ($CLONE_CONFIG)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLONE_")}
+    env["CLONE_CONFIG"] = str(config)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "clone.client.cli", *args],
+        capture_output=True, text=True, timeout=60, env=env, cwd=ROOT,
+    )  # fmt: skip
+
+
+def _metrics(port: int) -> set[str]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as reply:
+        return served_metrics(reply.read().decode())
+
+
+def test_a_pair_from_the_example_configs_serves_and_fails_over(
+    servers: Servers, tmp_path: Path
+) -> None:
+    keys = CurveKeys.make(tmp_path / "curve", admitted=("ops",))
+    ports = {role: (free_base_port(), free_port(), free_port()) for role in ROLES}
+    started: dict[str, ServerProcess] = {}
+    for role in ROLES:
+        peer = "backup" if role == "primary" else "primary"
+        port, ha_port, http_port = ports[role]
+        config = _substituted(example_config(role), {
+            "bind": "127.0.0.1",
+            "port": port,
+            "ha-port": ha_port,
+            "peer": f"127.0.0.1:{ports[peer][0]}",
+            "peer-ha": f"127.0.0.1:{ports[peer][1]}",
+            "data-dir": str(tmp_path / f"{role}.data"),
+            "curve-secret": str(keys.pair_secret),
+            "clients": str(keys.clients),
+            "http-port": http_port,
+        })  # fmt: skip
+        path = tmp_path / f"{role}.toml"
+        path.write_text(toml_text(config))
+        started[role] = servers.spawn(role, ["--config", str(path)], port, ha_port)
+    primary, backup = started["primary"], started["backup"]
+    primary.wait_log("now ACTIVE", timeout=30)
+    backup.wait_log("synced from", timeout=30)
+    wait_serving_curve(primary, keys, "ops")
+
+    with open(DEPLOY / "clone.toml.example", "rb") as f:
+        client = _substituted(tomllib.load(f), {
+            "servers": ",".join(f"tcp://127.0.0.1:{ports[r][0]}" for r in ROLES),
+            "curve-secret": str(keys.secret("ops")),
+            "server-key": str(keys.pair_public),
+        })  # fmt: skip
+    client_config = tmp_path / "clone.toml"
+    client_config.write_text(toml_text(client))
+
+    # It serves: a confirmed write and a read, over CURVE, from the config alone.
+    done = _clone(client_config, "set", "/deploy/key", "before")
+    assert done.returncode == 0, done.stderr
+    done = _clone(client_config, "get", "/deploy/key")
+    assert (done.returncode, done.stdout) == (0, "before\n"), done.stderr
+
+    # Every metric the alert rules read is served by both servers.
+    wanted = set().union(*(rule_metrics(e) for e in rule_exprs())) - SCRAPE_SERIES
+    for role in ROLES:
+        missing = wanted - _metrics(ports[role][2])
+        assert not missing, f"{role}'s /metrics lacks {sorted(missing)}"
+
+    # systemctl stop: SIGTERM, a clean exit well within the unit's stop timeout.
+    stop_timeout = float(unit_settings(DEPLOY / "systemd" / "clone-server@.service")
+                         ["TimeoutStopSec"][0].removesuffix("s"))
+    began = time.monotonic()
+    assert primary.terminate(timeout=stop_timeout) == 0
+    assert time.monotonic() - began < stop_timeout / 3
+
+    # It fails over: the clients' next request makes the backup active, nothing lost.
+    done = _clone(client_config, "set", "/deploy/key", "after")
+    assert done.returncode == 0, done.stderr
+    backup.wait_log("now ACTIVE", timeout=30)
+    done = _clone(client_config, "dump", "/deploy/")
+    assert (done.returncode, done.stdout) == (0, "/deploy/key=after\n"), done.stderr
