@@ -34,7 +34,7 @@ from tests.deploy.files import (
     unit_settings,
 )
 from tests.support.curve import CurveKeys, wait_serving_curve
-from tests.support.servers import ROOT, Servers, ServerProcess
+from tests.support.servers import ROOT, ServerProcess, Servers
 
 pytestmark = pytest.mark.slow
 

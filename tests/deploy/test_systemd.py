@@ -37,7 +37,8 @@ def _bin_dir(tmp_path: Path) -> Path:
 
 @pytest.mark.skipif(
     shutil.which("systemd-analyze") is None,
-    reason="systemd-analyze is missing (Debian's systemd package; scripts/test installs it as root)",
+    reason="systemd-analyze is missing (Debian's systemd package; scripts/test installs it"
+    " as root)",
 )
 def test_the_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
     bin_dir = _bin_dir(tmp_path)
