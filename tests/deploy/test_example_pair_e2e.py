@@ -10,12 +10,15 @@ The pair runs with CURVE, as the examples do, on certificates made here.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
 import sys
 import time
 import tomllib
 import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -61,9 +64,17 @@ def _metrics(port: int) -> set[str]:
         return served_metrics(reply.read().decode())
 
 
-def test_a_pair_from_the_example_configs_serves_and_fails_over(
-    servers: Servers, tmp_path: Path
-) -> None:
+@dataclass
+class _Deployed:
+    """A pair started from the examples, and the clone command's config."""
+
+    primary: ServerProcess
+    backup: ServerProcess
+    client_config: Path
+    http_ports: dict[str, int]
+
+
+def _deploy(servers: Servers, tmp_path: Path) -> _Deployed:
     keys = CurveKeys.make(tmp_path / "curve", admitted=("ops",))
     ports = {role: (free_base_port(), free_port(), free_port()) for role in ROLES}
     started: dict[str, ServerProcess] = {}
@@ -85,6 +96,8 @@ def test_a_pair_from_the_example_configs_serves_and_fails_over(
         path.write_text(toml_text(config))
         started[role] = servers.spawn(role, ["--config", str(path)], port, ha_port)
     primary, backup = started["primary"], started["backup"]
+    # The first start: both servers wait to hear each other (peer-wait), and
+    # the primary, with the data no older than the backup's, becomes active.
     primary.wait_log("now ACTIVE", timeout=30)
     backup.wait_log("synced from", timeout=30)
     wait_serving_curve(primary, keys, "ops")
@@ -97,6 +110,25 @@ def test_a_pair_from_the_example_configs_serves_and_fails_over(
         })  # fmt: skip
     client_config = tmp_path / "clone.toml"
     client_config.write_text(toml_text(client))
+    return _Deployed(primary, backup, client_config, {r: ports[r][2] for r in ROLES})
+
+
+def _ok(done: subprocess.CompletedProcess[str]) -> str:
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _roles(client_config: Path) -> list[str | None]:
+    statuses = json.loads(_ok(_clone(client_config, "status", "--json")))
+    return [s.get("role") for s in statuses]
+
+
+def test_a_pair_from_the_example_configs_serves_and_fails_over(
+    servers: Servers, tmp_path: Path
+) -> None:
+    pair = _deploy(servers, tmp_path)
+    primary, backup, client_config = pair.primary, pair.backup, pair.client_config
+    ports = {role: (0, 0, pair.http_ports[role]) for role in ROLES}
 
     # It serves: a confirmed write and a read, over CURVE, from the config alone.
     done = _clone(client_config, "set", "/deploy/key", "before")
@@ -123,3 +155,48 @@ def test_a_pair_from_the_example_configs_serves_and_fails_over(
     backup.wait_log("now ACTIVE", timeout=30)
     done = _clone(client_config, "dump", "/deploy/")
     assert (done.returncode, done.stdout) == (0, "/deploy/key=after\n"), done.stderr
+
+
+def test_the_life_of_deploy_md_backup_replace_a_machine_restore(
+    servers: Servers, tmp_path: Path
+) -> None:
+    """docs/deploy.md's steps after the first start, each as the page gives it."""
+    pair = _deploy(servers, tmp_path)
+    primary, backup, client_config = pair.primary, pair.backup, pair.client_config
+    _ok(_clone(client_config, "set", "/config/a", "1"))
+
+    # Backups on a schedule: what clone-backup.service runs.
+    backup_file = tmp_path / "clone-backup.db"
+    assert "wrote 1 keys" in _ok(_clone(client_config, "backup", str(backup_file)))
+    _ok(_clone(client_config, "set", "/config/a", "2"))  # after the backup
+
+    # Replacing a dead machine: it is gone with its disk; the other serves.
+    primary.kill9()
+    shutil.rmtree(tmp_path / "primary.data")
+    _ok(_clone(client_config, "set", "/config/b", "1"))
+    backup.wait_log("now ACTIVE", timeout=30)
+    # The new machine: the same config, an empty state directory. It hears
+    # the active peer, comes up passive and syncs everything from it.
+    after = primary.log_size()
+    primary.start()
+    primary.wait_log("synced from", timeout=30, after=after)
+    assert _roles(client_config) == ["passive", "active"]
+    assert _ok(_clone(client_config, "dump", "/config/")) == "/config/a=2\n/config/b=1\n"
+
+    # Restoring from a backup: both stopped, both started once with
+    # CLONE_SERVER_RESTORE (systemctl set-environment), then without it.
+    for server in (backup, primary):
+        assert server.terminate(timeout=30) == 0
+    for server, role in ((primary, "primary"), (backup, "backup")):
+        restore = tmp_path / f"{role}.data" / "restore.db"
+        shutil.copy(backup_file, restore)
+        assert server.process.env is not None
+        server.process.env["CLONE_SERVER_RESTORE"] = str(restore)
+        server.start()
+    primary.wait_log("now ACTIVE", timeout=30)
+    backup.wait_log("synced from", timeout=30)
+    for server in (primary, backup):
+        assert server.process.env is not None
+        del server.process.env["CLONE_SERVER_RESTORE"]
+    assert _ok(_clone(client_config, "dump", "/config/")) == "/config/a=1\n"
+    assert _roles(client_config) == ["active", "passive"]
