@@ -13,7 +13,14 @@ import pytest
 
 from clone.client import cli as client_cli
 from clone.errors import ConfigError
-from clone.layered import Source, env_name, option_keys, resolve
+from clone.layered import (
+    Source,
+    add_config_flags,
+    env_name,
+    option_keys,
+    resolve,
+    unsupported_options,
+)
 from clone.server import cli as server_cli
 from clone.server.config import ServerMode
 
@@ -196,11 +203,34 @@ def test_print_config_still_reports_an_invalid_combination(
     assert "--relay needs --upstream" in captured.err
 
 
-def test_an_option_the_layers_cannot_carry_is_refused_when_the_parser_is_read() -> None:
+def test_every_flag_of_both_commands_can_come_from_a_file() -> None:
+    # A flag of a kind no file value stands for would be left to the command line.
+    assert unsupported_options(server_cli.build_parser()) == []
+    assert unsupported_options(client_cli._parser()) == []
+
+
+def test_lists_switches_and_flags_left_to_the_command_line(tmp_path: Path) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("-q", "--quiet", action="count")
-    with pytest.raises(TypeError, match="--quiet"):
-        option_keys(parser)
+    parser.add_argument("--name", action="append")
+    parser.add_argument("--relay", nargs="+", type=int)
+    parser.add_argument("--color", action=argparse.BooleanOptionalAction)
+    add_config_flags(parser, env_prefix="T_")
+    assert option_keys(parser) == ["name", "relay", "color"]
+    assert unsupported_options(parser) == ["--quiet"]
+    path = _toml(tmp_path, 'name = ["a", "b"]\nrelay = ["1", "2"]\ncolor = false\n')
+    layered = resolve(parser, ["--config", path], env_prefix="T_", environ={"T_NAME": "c, d"})
+    assert (layered.args.name, layered.args.relay, layered.args.color) == (["c", "d"], [1, 2],
+                                                                          False)
+    layered = resolve(parser, ["--config", path, "--name", "e", "--no-color"], env_prefix="T_",
+                      environ={})
+    assert (layered.args.name, layered.args.color) == (["e"], False)
+    with pytest.raises(ConfigError, match=r"quiet \(--quiet is a flag only\)"):
+        resolve(parser, ["--config", _toml(tmp_path, "quiet = 1\n")], env_prefix="T_",
+                environ={})
+    with pytest.raises(ConfigError, match=r"relay: expected a list of strings, got int 5"):
+        resolve(parser, ["--config", _toml(tmp_path, "relay = 5\n")], env_prefix="T_",
+                environ={})
 
 
 # The clone command: its connection settings (the options before COMMAND).
