@@ -6,6 +6,11 @@ key named by its long flag without the dashes in front (``--data-dir`` is
 unknown key whose error names the right spelling) and an environment variable
 ``<PREFIX><KEY>`` with ``-`` as ``_`` in capitals (``CLONE_SERVER_DATA_DIR``).
 So a flag a later change adds to the parser is a key and a variable at once.
+A switch (``store_true``, ``--x/--no-x``) is a boolean, a list option (``append``,
+``nargs="+"``) a list of strings (in a variable, comma-separated), any other a
+string, or a number when the flag has a type.  An action no such value stands
+for (``count``, a custom one) stays a flag only: :func:`unsupported_options`
+names them, and the commands' tests require there be none.
 
 :func:`parse_layered` parses the command line first, into a namespace where
 every option holds a marker, so the options the command line gave are exactly
