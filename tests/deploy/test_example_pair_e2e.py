@@ -52,6 +52,9 @@ def _clone(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """The clone command with its settings from ``config`` alone ($CLONE_CONFIG)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CLONE_")}
     env["CLONE_CONFIG"] = str(config)
+    # A busy test machine: a failover plus a confirmation may take longer than
+    # the default 5 s (an environment variable over the file, as documented).
+    env["CLONE_TIMEOUT"] = "30"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", "clone.client.cli", *args],
@@ -187,14 +190,17 @@ def test_the_life_of_deploy_md_backup_replace_a_machine_restore(
     # CLONE_SERVER_RESTORE (systemctl set-environment), then without it.
     for server in (backup, primary):
         assert server.terminate(timeout=30) == 0
+    offsets = {}
     for server, role in ((primary, "primary"), (backup, "backup")):
         restore = tmp_path / f"{role}.data" / "restore.db"
         shutil.copy(backup_file, restore)
         assert server.process.env is not None
         server.process.env["CLONE_SERVER_RESTORE"] = str(restore)
+        offsets[role] = server.log_size()
         server.start()
-    primary.wait_log("now ACTIVE", timeout=30)
-    backup.wait_log("synced from", timeout=30)
+    primary.wait_log("now ACTIVE", timeout=30, after=offsets["primary"])
+    backup.wait_log("synced from", timeout=30, after=offsets["backup"])
+    assert "restored" in primary.log_text()[offsets["primary"]:].lower()
     for server in (primary, backup):
         assert server.process.env is not None
         del server.process.env["CLONE_SERVER_RESTORE"]
