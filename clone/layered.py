@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import enum
+import logging
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -117,6 +118,16 @@ class Layered:
     def given(self, key: str) -> bool:
         """True when ``key`` came from a flag, the environment or the file."""
         return self.origins[key].source is not Source.DEFAULT
+
+    def log_sources(self, logger: logging.Logger) -> None:
+        """One INFO line at start naming the file and the variables read, so a
+        setting that is not on the command line can be traced from the log."""
+        from_env = [o.where for o in self.origins.values() if o.source is Source.ENV]
+        if self.config is not None:
+            logger.info("settings from %s, under flags and %s* variables",
+                        self.config, self.env_prefix)
+        if from_env:
+            logger.info("settings from the environment: %s", ", ".join(from_env))
 
     def render(self, title: str) -> str:
         """The effective settings, one ``key = value  # origin`` line each.

@@ -7,6 +7,7 @@ change adds is checked here too: every option must be a key and a variable.
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 
 import pytest
@@ -289,3 +290,15 @@ def test_a_timeout_from_the_file_counts_as_given_for_status(tmp_path: Path) -> N
     layered = resolve(client_cli._parser(), ["status"], env_prefix=client_cli.ENV_PREFIX,
                       environ={})
     assert not layered.given("timeout")
+
+
+def test_the_sources_are_logged_at_start(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = _toml(tmp_path, "primary = true\n")
+    layered = resolve(server_cli.build_parser(), ["--config", path],
+                      env_prefix=server_cli.ENV_PREFIX, environ={"CLONE_SERVER_MISSED": "3"})
+    with caplog.at_level(logging.INFO):
+        layered.log_sources(logging.getLogger("clone.server.cli"))
+    assert caplog.messages == [
+        f"settings from {path}, under flags and CLONE_SERVER_* variables",
+        "settings from the environment: CLONE_SERVER_MISSED",
+    ]

@@ -424,6 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     handler.setFormatter(formatter(args.log_format))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
     logging.getLogger("asyncio").setLevel(logging.INFO)  # its DEBUG is noise to operators
+    layered.log_sources(log)
     try:
         config = config_from_args(args)
     except ValueError as exc:

@@ -133,6 +133,8 @@ def test_a_pair_from_the_example_configs_serves_and_fails_over(
     primary, backup, client_config = pair.primary, pair.backup, pair.client_config
     ports = {role: (0, 0, pair.http_ports[role]) for role in ROLES}
 
+    assert f"settings from {tmp_path / 'primary.toml'}" in primary.log_text()
+
     # It serves: a confirmed write and a read, over CURVE, from the config alone.
     done = _clone(client_config, "set", "/deploy/key", "before")
     assert done.returncode == 0, done.stderr
