@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -60,6 +61,27 @@ def _clone(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
         [sys.executable, "-m", "clone.client.cli", *args],
         capture_output=True, text=True, timeout=60, env=env, cwd=ROOT,
     )  # fmt: skip
+
+
+def _backup_unit(client_config: Path, state_dir: Path) -> str:
+    """ExecStart then ExecStartPost of clone-backup.service, as systemd runs them
+    ($$ and %% unescaped, $STATE_DIRECTORY set), with this checkout's clone;
+    ExecStart's output."""
+    unit = unit_settings(DEPLOY / "systemd" / "clone-backup.service")
+    assert unit["Environment"] == ["CLONE_CONFIG=/etc/clone/clone.toml"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CLONE_")}
+    env.update(CLONE_CONFIG=str(client_config), CLONE_TIMEOUT="30", STATE_DIRECTORY=str(state_dir))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    outputs = []
+    for line in unit["ExecStart"] + unit["ExecStartPost"]:
+        text = line.replace("$$", "$").replace("%%", "%")
+        text = text.replace("/opt/clone/bin/clone", f"{sys.executable} -m clone.client.cli")
+        text = text.replace("/var/lib/clone-backups", str(state_dir))
+        done = subprocess.run(shlex.split(text), capture_output=True, text=True, timeout=60,
+                              env=env, cwd=ROOT)
+        assert done.returncode == 0, f"{text}: {done.stderr}"
+        outputs.append(done.stdout)
+    return outputs[0]
 
 
 def _metrics(port: int) -> set[str]:
@@ -170,9 +192,15 @@ def test_the_life_of_deploy_md_backup_replace_a_machine_restore(
     primary, backup, client_config = pair.primary, pair.backup, pair.client_config
     _ok(_clone(client_config, "set", "/config/a", "1"))
 
-    # Backups on a schedule: what clone-backup.service runs.
-    backup_file = tmp_path / "clone-backup.db"
-    assert "wrote 1 keys" in _ok(_clone(client_config, "backup", str(backup_file)))
+    # Backups on a schedule: clone-backup.service's own command lines.
+    backups = tmp_path / "clone-backups"
+    backups.mkdir()
+    stale = backups / "clone-20200101T000000Z.db"  # older than the 14 days kept
+    stale.write_bytes(b"")
+    os.utime(stale, (time.time() - 20 * 86400,) * 2)
+    assert "wrote 1 keys" in _backup_unit(client_config, backups)
+    (backup_file,) = backups.glob("clone-*.db")
+    assert backup_file != stale
     _ok(_clone(client_config, "set", "/config/a", "2"))  # after the backup
 
     # Replacing a dead machine: it is gone with its disk; the other serves.
