@@ -11,32 +11,35 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from tests.deploy.files import DEPLOY, RULES, SCRAPE_SERIES, rule_exprs, rule_metrics
 
-yaml = pytest.importorskip("yaml", reason="PyYAML (the test extra: pip install -e .[test])")
+
+def _yaml(path: Path) -> Any:
+    """The file loaded with PyYAML (the test extra); the test skips without it."""
+    yaml = pytest.importorskip("yaml", reason="PyYAML is missing (the test extra: .[test])")
+    return yaml.safe_load(path.read_text())
+
 
 SCRAPE = DEPLOY / "prometheus" / "prometheus.yml"
 
 
 def load_rules() -> list[dict[str, Any]]:
-    data = yaml.safe_load(RULES.read_text())
+    data = _yaml(RULES)
     return [rule for group in data["groups"] for rule in group["rules"]]
 
 
 def metrics_of_rules() -> set[str]:
     """Every metric the rules read that a clone-server must serve."""
-    names: set[str] = set()
-    for rule in load_rules():
-        names |= rule_metrics(rule["expr"])
-    return names - SCRAPE_SERIES
+    return set().union(*(rule_metrics(e) for e in rule_exprs())) - SCRAPE_SERIES
 
 
 def test_the_rules_file_is_a_prometheus_rules_file() -> None:
-    data = yaml.safe_load(RULES.read_text())
+    data = _yaml(RULES)
     assert [g["name"] for g in data["groups"]] == ["clone"]
     rules = load_rules()
     names = [r["alert"] for r in rules]
@@ -60,7 +63,7 @@ def test_the_rules_are_those_operations_md_shows() -> None:
 
 
 def test_the_scrape_configuration_covers_a_pair_and_loads_the_rules() -> None:
-    data = yaml.safe_load(SCRAPE.read_text())
+    data = _yaml(SCRAPE)
     assert data["rule_files"] == [RULES.name]
     (job,) = data["scrape_configs"]
     (targets,) = job["static_configs"]
