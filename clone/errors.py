@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "CloneError",
+    "ConfigError",
     "ConfirmTimeout",
     "LimitExceeded",
     "NotSynced",
@@ -36,6 +37,14 @@ __all__ = [
 
 class CloneError(Exception):
     """Root of every Clone exception."""
+
+
+class ConfigError(CloneError, ValueError):
+    """A setting from a config file or the environment is unknown or invalid.
+
+    The message names the file and key, or the variable, as a flag's error names
+    the flag; the commands turn it into a usage error (exit 2).
+    """
 
 
 class ProtocolError(CloneError):

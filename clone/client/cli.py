@@ -39,6 +39,7 @@ from clone.client.locked import (
     LockedCommand,
 )
 from clone.errors import CloneError, ConfirmTimeout, Conflict, NotSynced, SecurityError
+from clone.layered import add_config_flags, parse_layered
 from clone.progress import Progress
 from clone.recipes import Lock
 
@@ -47,6 +48,10 @@ __all__ = ["main"]
 EXIT_OK, EXIT_MISSING, EXIT_UNREACHABLE, EXIT_UNCONFIRMED, EXIT_ERROR = 0, 1, 2, 3, 4
 EXIT_CONFLICT = 5
 EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE  # 141
+
+#: The connection settings (the options before COMMAND) are also ``CLONE_<OPTION>``
+#: ($CLONE_SERVERS, $CLONE_CURVE_SECRET, $CLONE_SERVER_KEY, ...) and keys of ``--config``.
+ENV_PREFIX = "CLONE_"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -93,6 +98,7 @@ def _parser() -> argparse.ArgumentParser:
         "needs --curve-secret",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log what the client does")
+    add_config_flags(p, env_prefix=ENV_PREFIX)
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     get = sub.add_parser("get", help="print a key's value (exit 1 if absent)")
@@ -415,7 +421,15 @@ def _lock(args: argparse.Namespace, client: Clone) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``clone`` console script."""
-    args = _parser().parse_args(argv)
+    # The CURVE pair comes from one layer, so a flag never mixes with a stale variable.
+    layered = parse_layered(
+        _parser(), argv, env_prefix=ENV_PREFIX, together=[("curve-secret", "server-key")]
+    )
+    args = layered.args
+    args.timeout_given = layered.given("timeout")
+    if args.print_config:
+        _emit(layered.render("clone connection settings"))
+        return EXIT_OK
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.ERROR,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -426,9 +440,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "keygen":
         return _keygen(args)
     if args.command == "backup":
-        return _backup(args, argv)
+        return _backup(args)
     if args.command == "status":
-        return _status(args, argv)
+        return _status(args)
     if args.command == "lock":
         args.cmd = _lock_command(args)  # before connecting: a usage error exits 2 at once
     try:
@@ -465,8 +479,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _curve_files(args: argparse.Namespace) -> tuple[str | None, str | None]:
-    """The flags, else the environment, as for --servers: the pair is taken
-    from one place, so a flag never mixes with a stale variable."""
+    """The pair as resolved from one layer (flags, environment, file); the
+    library's own reading of the environment when the namespace has none (a
+    caller that built it with the bare parser)."""
     if args.curve_secret is not None or args.server_key is not None:
         return args.curve_secret, args.server_key
     return default_curve_files()
@@ -492,7 +507,7 @@ def _keygen(args: argparse.Namespace) -> int:
 BACKUP_TIMEOUT = 10.0
 
 
-def _backup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+def _backup(args: argparse.Namespace) -> int:
     """``clone backup FILE``: its own sockets (:mod:`clone.client.backup`), not a
     :class:`Clone`, which keeps decoded values rather than the frames a
     restored server must serve byte for byte."""
@@ -500,9 +515,7 @@ def _backup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
     timeout = args.backup_timeout
     if timeout is None:
-        given = sys.argv[1:] if argv is None else list(argv)
-        global_given = any(a == "--timeout" or a.startswith("--timeout=") for a in given)
-        timeout = args.timeout if global_given else BACKUP_TIMEOUT
+        timeout = args.timeout if args.timeout_given else BACKUP_TIMEOUT
     if not timeout > 0:
         print("clone: --timeout must be > 0", file=sys.stderr)
         return EXIT_UNREACHABLE
@@ -537,12 +550,7 @@ def _backup(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 STATUS_TIMEOUT = 2.0
 
 
-def _global_timeout_given(argv: Sequence[str] | None) -> bool:
-    given = sys.argv[1:] if argv is None else list(argv)
-    return any(a == "--timeout" or a.startswith("--timeout=") for a in given)
-
-
-def _status(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+def _status(args: argparse.Namespace) -> int:
     """``clone status [--json]``: STATUS? to every server (:mod:`clone.client.status`).
 
     Exit 0 when every server answered, 2 when any did not (each is still
@@ -552,7 +560,7 @@ def _status(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
     timeout = args.status_timeout
     if timeout is None:
-        timeout = args.timeout if _global_timeout_given(argv) else STATUS_TIMEOUT
+        timeout = args.timeout if args.timeout_given else STATUS_TIMEOUT
     if not timeout > 0:
         print("clone: --timeout must be > 0", file=sys.stderr)
         return EXIT_UNREACHABLE

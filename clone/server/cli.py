@@ -19,6 +19,7 @@ from typing import Any
 
 from clone.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
 from clone.errors import CloneError
+from clone.layered import add_config_flags, parse_layered
 from clone.logformat import LOG_FORMATS, formatter
 from clone.server.config import FSYNC_POLICIES, PEER_WAIT_DEFAULT, ServerConfig, ServerMode
 from clone.server.core import CoreSettings
@@ -33,7 +34,10 @@ from clone.wire.protocol import (
     DEFAULT_PRIMARY_PORT,
 )
 
-__all__ = ["build_parser", "config_from_args", "main"]
+__all__ = ["ENV_PREFIX", "build_parser", "config_from_args", "main"]
+
+#: Every flag is also ``CLONE_SERVER_<FLAG>`` and a key of ``--config`` (clone/layered.py).
+ENV_PREFIX = "CLONE_SERVER_"
 
 log = logging.getLogger("clone.server.cli")
 
@@ -325,6 +329,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="text (default) or json: one JSON object per line, for log shippers",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG")
+    add_config_flags(p, env_prefix=ENV_PREFIX)
     return p
 
 
@@ -423,13 +428,22 @@ def _relay_config(args: argparse.Namespace, common: dict[str, Any]) -> ServerCon
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    layered = parse_layered(parser, argv, env_prefix=ENV_PREFIX)
+    args = layered.args
+    if args.print_config:
+        print(layered.render("clone-server settings"))
+        try:
+            config_from_args(args)
+        except ValueError as exc:
+            parser.error(str(exc))
+        return 0
     handler: logging.Handler = (
         logging.FileHandler(args.log_file) if args.log_file else logging.StreamHandler(sys.stderr)
     )
     handler.setFormatter(formatter(args.log_format))
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, handlers=[handler])
     logging.getLogger("asyncio").setLevel(logging.INFO)  # its DEBUG is noise to operators
+    layered.log_sources(log)
     try:
         config = config_from_args(args)
     except ValueError as exc:

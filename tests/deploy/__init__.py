@@ -1,0 +1,1 @@
+"""Tests of deploy/: the systemd units, the example configs, the Prometheus files."""
