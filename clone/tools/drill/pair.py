@@ -9,7 +9,7 @@ from typing import Any
 
 from clone.tools.drill.config import PARTITION_SCENARIOS, DrillConfig, Say
 from clone.tools.drill.netns import ISLAND, Topology
-from clone.tools.drill.upgrade import ReleaseEnv, old_server_env
+from clone.tools.drill.upgrade import ReleaseEnv, new_server_env, old_server_env
 from clone.tools.drill.watch import HugzMonitor
 from clone.tools.procs import (
     ManagedProcess,
@@ -110,7 +110,7 @@ class PairRun:
             data_dir=None if self.cfg.in_memory else self.out / "data" / name,
             command=None if old is None else [str(old.server)],
         )
-        env = None if old is None else old_server_env()
+        env = new_server_env() if old is None else old_server_env()
         if self.topology is not None:
             argv = self.topology.prefix(name) + argv
         if name in self.group.procs:

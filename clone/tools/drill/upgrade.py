@@ -33,7 +33,14 @@ from pathlib import Path
 
 from clone.tools.drill.config import Say
 
-__all__ = ["ReleaseEnv", "UpgradeError", "default_cache", "old_server_env", "prepare_release"]
+__all__ = [
+    "ReleaseEnv",
+    "UpgradeError",
+    "default_cache",
+    "new_server_env",
+    "old_server_env",
+    "prepare_release",
+]
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +86,16 @@ def old_server_env() -> dict[str, str]:
     """The environment of an old-release server: ours without ``PYTHONPATH``."""
     env = dict(os.environ)
     env.pop("PYTHONPATH", None)
+    return env
+
+
+def new_server_env() -> dict[str, str]:
+    """The environment of a server on this code: this checkout first on
+    ``PYTHONPATH``, so that the code running the drill is the code it upgrades
+    to, whatever else the interpreter's environment has installed."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[3])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     return env
 
 
