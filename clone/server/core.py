@@ -32,6 +32,7 @@ it has been counted; the caller logs it and carries on.
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -308,9 +309,13 @@ class ServerCore:
         # winner's fork says which it lacks (clone.server.split).
         self._written_as_active: list[list[bytes]] = []
         self._peer_fork: int | None = None
-        #: SET calls to send the active peer after a split brain (clone.server.healing
-        #: takes them).
-        self.split_calls: list[list[bytes]] = []
+        # After a split brain, the writes kept for the winner and its fork (and
+        # the time they were kept), turned into SET calls a slice at a time
+        # (take_split_calls: 100k at once blocked the loop); how far into the
+        # first the conversion is; and the calls converted but not yet taken.
+        self._split_kept: deque[tuple[list[list[bytes]], int, float]] = deque()
+        self._split_kept_at = 0
+        self._split_converted: list[list[bytes]] = []
         #: Writes of ours after a split brain that no fork let us sort (logged once).
         self.split_unverified = 0
         self.sync_state = SyncState.IDLE
@@ -732,10 +737,54 @@ class ServerCore:
             c["split_writes_unverified"] += len(written)
             self.split_unverified += len(written)
             return
-        split = split_writes(written, self._peer_fork, now)
-        self.split_calls += split.calls
-        c["split_writes_found"] += len(split.calls)
-        c["split_writes_expired"] += split.expired
+        # Converted to calls later, a slice per loop turn (take_split_calls).
+        self._split_kept.append((written, self._peer_fork, now))
+
+    @property
+    def split_left(self) -> int:
+        """Kept split-brain writes not yet taken as calls (an upper bound on
+        the calls to come: some will be left out)."""
+        kept = sum(len(written) for written, _, _ in self._split_kept)
+        return len(self._split_converted) + kept - self._split_kept_at
+
+    def take_split_calls(self, limit: int) -> list[list[bytes]]:
+        """The next SET calls for the active peer after a split brain: the
+        converted ones, then :func:`split_writes` of at most ``limit`` more
+        kept writes (the ttl left is counted from when they were kept)."""
+        out, self._split_converted = self._split_converted, []
+        kept = self._split_kept
+        c = self.counters
+        while kept and limit > 0:
+            written, fork, at = kept[0]
+            start = self._split_kept_at
+            part = written[start : start + limit]
+            limit -= len(part)
+            self._split_kept_at = start + len(part)
+            if self._split_kept_at >= len(written):
+                kept.popleft()
+                self._split_kept_at = 0
+            split = split_writes(part, fork, at)
+            out += split.calls
+            c["split_writes_found"] += len(split.calls)
+            c["split_writes_expired"] += split.expired
+        return out
+
+    @property
+    def split_calls(self) -> list[list[bytes]]:
+        """Every SET call still to send the active peer after a split brain,
+        all converted at once (tests; the reactor takes slices instead).
+        The list itself: clearing it drops them."""
+        calls = self.take_split_calls(self.split_left)
+        self._split_converted = calls
+        return calls
+
+    def drop_split_calls(self) -> int:
+        """Forget the kept writes not yet taken; returns how many there were."""
+        left = self.split_left
+        self._split_kept.clear()
+        self._split_kept_at = 0
+        self._split_converted = []
+        return left
 
     def _stage_batch(self, frames: Sequence[bytes]) -> None:
         """A KVBATCH of the snapshot we asked for: stage its entries as KVSYNCs."""
