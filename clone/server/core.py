@@ -181,6 +181,7 @@ COUNTERS = (
     "split_writes_found",
     "split_writes_expired",
     "split_writes_unverified",
+    "split_writes_held",
     # Calls (CALL?/REPLY) and leases: docs/protocol.md, "CALL? / REPLY".
     "calls_received",
     "calls_ok",
@@ -316,6 +317,9 @@ class ServerCore:
         self._split_kept: deque[tuple[list[list[bytes]], int, float]] = deque()
         self._split_kept_at = 0
         self._split_converted: list[list[bytes]] = []
+        # The ids the winner said it applied, at the resync that kept them:
+        # elected again, we must not apply those a second time.
+        self._split_peer_applied: set[bytes] | frozenset[bytes] = frozenset()
         #: Writes of ours after a split brain that no fork let us sort (logged once).
         self.split_unverified = 0
         self.sync_state = SyncState.IDLE
@@ -718,18 +722,20 @@ class ServerCore:
         if not self._replay_buffer(sequence, now):
             c["peer_gaps"] += 1
             return FollowOutcome.RESYNC
+        peer_applied = self._peer_applied
         self._reconcile_pending(now)
         self._sync(SyncEvent.SNAPSHOT_DONE)
         c["syncs_completed"] += 1
-        self._settle_split_writes(now)
+        self._settle_split_writes(now, peer_applied)
         return FollowOutcome.SYNCED
 
-    def _settle_split_writes(self, now: float) -> None:
+    def _settle_split_writes(self, now: float, peer_applied: set[bytes] | None) -> None:
         """Synced after a demotion: keep, as calls, what we wrote that the
         active (elected while we were active too) cannot hold."""
         written, self._written_as_active = self._written_as_active, []
         if not written:
             return
+        self._split_peer_applied = peer_applied or frozenset()
         c = self.counters
         if self._peer_fork is None:
             # A Guide peer, or ours from before forks: we cannot tell which of
@@ -784,6 +790,7 @@ class ServerCore:
         self._split_kept.clear()
         self._split_kept_at = 0
         self._split_converted = []
+        self._split_peer_applied = frozenset()
         return left
 
     def _stage_batch(self, frames: Sequence[bytes]) -> None:
@@ -947,11 +954,35 @@ class ServerCore:
         c["calls_ok"] += 1
         return Reply(call.uuid, "ok", self.store.sequence, lease=lease_id, ttl=held.ttl), True
 
-    def _call_set(self, call: Call, now: float) -> tuple[Reply, bool]:
+    def apply_own_split_call(self, frames: Sequence[bytes], now: float) -> Reply | None:
+        """Elected again before the winner answered it: apply one of our own
+        split-brain calls here (None if the frames are not a call).
+
+        Not through :meth:`on_call`: our uuid window holds its id (we applied
+        the write once, before the resync replaced our state with the
+        winner's), so it would be answered as a duplicate and applied nowhere.
+        It is applied unless the state we hold now has it: the winner said it
+        had applied it (its KVAPPLIED at that resync), or we followed the
+        winner's update with that id since, or it is its key's current value.
+        """
+        assert self.role is Role.ACTIVE
+        try:
+            call = decode_call(frames)
+        except ProtocolError:
+            self.counters["calls_invalid"] += 1
+            return None
+        raw_key = call.key.encode("utf-8")
+        held = self._applied_sequence(call.uuid, raw_key)
+        if held or call.uuid in self._split_peer_applied:
+            self.counters["split_writes_held"] += 1
+            return Reply(call.uuid, "ok", held)
+        return self._call_set(call, now, ours=True)[0]
+
+    def _call_set(self, call: Call, now: float, *, ours: bool = False) -> tuple[Reply, bool]:
         c = self.counters
         raw_key = call.key.encode("utf-8")
         uuid = call.uuid
-        if uuid in self.window:
+        if uuid in self.window and not ours:
             # A retry of a write we applied: say what the first one got.
             c["calls_duplicate"] += 1
             c["calls_ok"] += 1

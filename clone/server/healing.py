@@ -152,7 +152,7 @@ class HealingMixin(ServerBase):
             if not calls:
                 break
             for frames in calls:
-                reply, _ = core.on_call(frames, now)
+                reply = core.apply_own_split_call(frames, now)
                 if reply is not None:
                     self._tally_split_write(reply, frames)
         self._commit_and_publish()
