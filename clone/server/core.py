@@ -308,13 +308,13 @@ class ServerCore:
         self.promoted_at: int | None = None
         # Demoted from active: the updates we wrote in our term, until the
         # winner's fork says which it lacks (clone.server.split).
-        self._written_as_active: list[list[bytes]] = []
+        self._written_as_active: Sequence[Sequence[bytes]] = []
         self._peer_fork: int | None = None
         # After a split brain, the writes kept for the winner and its fork (and
         # the time they were kept), turned into SET calls a slice at a time
         # (take_split_calls: 100k at once blocked the loop); how far into the
         # first the conversion is; and the calls converted but not yet taken.
-        self._split_kept: deque[tuple[list[list[bytes]], int, float]] = deque()
+        self._split_kept: deque[tuple[Sequence[Sequence[bytes]], int, float]] = deque()
         self._split_kept_at = 0
         self._split_converted: list[list[bytes]] = []
         # The ids the winner said it applied, at the resync that kept them:

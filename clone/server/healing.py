@@ -25,17 +25,19 @@ brain is an incident an operator wants to read about.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import zmq
 
 from clone.errors import ProtocolError
 from clone.server.base import TURN_BUDGET, ServerBase, log, peer_endpoint
-from clone.server.core import Role
+from clone.server.core import Role, SyncState
 from clone.server.pacing import (
     SPLIT_APPLY_SLICE,
     SPLIT_CONVERT_SLICE,
     SPLIT_GIVE_UP,
     SPLIT_IN_FLIGHT,
+    send_allowance,
 )
 from clone.wire.calls import Reply, decode_call, decode_reply
 from clone.wire.protocol import SNAPSHOT_OFFSET
@@ -60,6 +62,11 @@ class HealingMixin(ServerBase):
             core.split_unverified = 0
         left = core.split_left
         if not left:
+            return
+        if self._split_queue:
+            # A resync while still sending (a gap in what we follow): more
+            # kept writes join the queue; the first resync said it already.
+            self._schedule_split_turn()
             return
         log.warning(
             "stepped down after a split brain: sending the active at %s the writes"
@@ -119,18 +126,20 @@ class HealingMixin(ServerBase):
         """Send what the queue allows now; whether to come back next turn
         (more kept writes to convert while the queue has room)."""
         followed = self._followed
-        if followed is None:
-            return False
+        core = self.core
+        if followed is None or core.sync_state is not SyncState.SYNCED:
+            return False  # the sync's completion starts a turn again
         queue = self._split_queue
         if not queue:
-            return bool(self.core.split_left)
+            return bool(core.split_left)
         if self._split_dealer is None:
             dealer = self._socket(zmq.DEALER)
             dealer.connect(peer_endpoint(followed, SNAPSHOT_OFFSET))
             self._split_dealer = self._stream(dealer, self._on_split_reply)
             queue.restart(self._clock())
         resent = queue.resent
-        sends = queue.sends(self._clock(), SPLIT_IN_FLIGHT)
+        allowed = send_allowance(queue.answered_up_to, core.store.sequence)
+        sends = queue.sends(self._clock(), allowed)
         self.counters["split_writes_resent"] += queue.resent - resent
         # Through the stream, not the raw socket: the stream looks at the
         # socket's events after it sends, so a REPLY that arrives during a
@@ -139,7 +148,7 @@ class HealingMixin(ServerBase):
         stream = self._split_dealer
         for frames in sends:
             stream.send_multipart(frames)
-        return bool(self.core.split_left) and queue.unsent < SPLIT_CONVERT_SLICE
+        return bool(core.split_left) and queue.unsent < SPLIT_CONVERT_SLICE
 
     def _apply_split_slice(self) -> bool:
         """Apply queued calls here until the turn's time budget; commit and
@@ -192,14 +201,14 @@ class HealingMixin(ServerBase):
             return
         if not reply.ok and reply.reason == "not-active":
             return  # to be resent
-        sent = self._split_queue.answered(reply.uuid, self._clock())
+        sent = self._split_queue.answered(reply.uuid, self._clock(), reply.sequence)
         if sent is None:
             return  # answered already
         self._tally_split_write(reply, sent)
         # A slot is free: the next turn sends more (one turn for many replies).
         self._schedule_split_turn()
 
-    def _tally_split_write(self, reply: Reply, frames: list[bytes]) -> None:
+    def _tally_split_write(self, reply: Reply, frames: Sequence[bytes]) -> None:
         if reply.ok:
             self.counters["split_writes_applied"] += 1
             return
