@@ -68,6 +68,10 @@ def _parser() -> argparse.ArgumentParser:
     part.add_argument("--island-reset", action="store_true",
                       help="partition-split: reset the island client's connections to the "
                       "passive (TCP RST) instead of dropping their packets")
+    part.add_argument("--split-writes", type=int, default=0, metavar="N",
+                      help="partition-split: the island client also writes N keys as fast as "
+                      "it can during the split (e.g. 50000), and the drill checks that the "
+                      "heal stalls neither server's loop by more than a heartbeat")
     # Diagnostic: servers without a data directory, to see the drill fail.
     p.add_argument("--in-memory", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -95,6 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             crash_order=args.crash_order, crash_gap=args.crash_gap, down_time=args.down_time,
             restart_stagger=args.restart_stagger, in_memory=args.in_memory,
             partition_time=args.partition_time, island_reset=args.island_reset,
+            split_writes=args.split_writes,
         )
     except ValueError as exc:
         print(f"drill: {exc}", file=sys.stderr)
