@@ -121,9 +121,10 @@ class DrillConfig:
         """partition-*: seconds from the cut to the heal."""
         if self.partition_time is not None:
             return self.partition_time
-        # Long enough for the island's writes (a Clone client sends some
-        # thousands a second) to be made while both sides are active.
-        burst = SPLIT_BURST_DELAY + 2.0 + self.split_writes / 2000 if self.split_writes else 0.0
+        # Long enough for the island's writes (a Clone client sends about
+        # 10,000 a second; the isolated server takes fewer on a busy machine)
+        # to be made while both sides are active.
+        burst = SPLIT_BURST_DELAY + 2.0 + self.split_writes / 5000 if self.split_writes else 0.0
         return max(0.25 * self.duration, self.failover_budget, burst)
 
     @property
