@@ -28,6 +28,7 @@ import logging
 from collections.abc import Sequence
 
 import zmq
+from zmq.eventloop.zmqstream import ZMQStream
 
 from clone.errors import ProtocolError
 from clone.server.base import TURN_BUDGET, ServerBase, log, peer_endpoint
@@ -120,7 +121,7 @@ class HealingMixin(ServerBase):
         if more:
             self._schedule_split_turn()
         elif not queue and not core.split_left:
-            self._close_split()
+            self._close_split_soon()
 
     def _send_split_slice(self) -> bool:
         """Send what the queue allows now; whether to come back next turn
@@ -221,6 +222,16 @@ class HealingMixin(ServerBase):
             reply.detail,
             decode_call(frames).key[:80],
         )
+
+    def _close_split_soon(self) -> None:
+        """Done: close the DEALER from a callback of its own, after the stream's
+        pending event callbacks (one per send) have run on an open socket."""
+        if self._split_dealer is not None and self._loop is not None:
+            self._loop.add_callback(self._close_split_if, self._split_dealer)
+
+    def _close_split_if(self, dealer: ZMQStream) -> None:
+        if dealer is self._split_dealer and not self._split_queue and not self.core.split_left:
+            self._close_split()
 
     def _close_split(self) -> None:
         dealer, self._split_dealer = self._split_dealer, None
