@@ -36,6 +36,7 @@ from clone.server.core import Role, SyncState
 from clone.server.pacing import (
     SPLIT_APPLY_SLICE,
     SPLIT_CONVERT_SLICE,
+    SPLIT_CONVERT_STEP,
     SPLIT_GIVE_UP,
     SPLIT_IN_FLIGHT,
     send_allowance,
@@ -110,8 +111,13 @@ class HealingMixin(ServerBase):
         if self._stopping:
             return
         core, queue = self.core, self._split_queue
-        if core.split_left and queue.unsent < SPLIT_CONVERT_SLICE:
-            queue.add(core.take_split_calls(SPLIT_CONVERT_SLICE), self._clock())
+        # Steps of conversion until the queue has enough or the turn's time is
+        # up (a fixed count is not a bound on a machine short of CPU).
+        stop_at = self._clock() + TURN_BUDGET
+        while core.split_left and queue.unsent < SPLIT_CONVERT_SLICE:
+            queue.add(core.take_split_calls(SPLIT_CONVERT_STEP), self._clock())
+            if self._clock() > stop_at:
+                break
         if core.role is Role.ACTIVE:
             more = self._apply_split_slice()
         elif core.role is Role.PASSIVE:

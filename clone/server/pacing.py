@@ -33,6 +33,7 @@ from collections.abc import Iterable, Sequence
 __all__ = [
     "SPLIT_APPLY_SLICE",
     "SPLIT_CONVERT_SLICE",
+    "SPLIT_CONVERT_STEP",
     "SPLIT_GIVE_UP",
     "SPLIT_IN_FLIGHT",
     "SPLIT_RESEND",
@@ -47,8 +48,11 @@ SPLIT_IN_FLIGHT = 256
 SPLIT_RESEND = 1.0
 #: Seconds without any answer before what is left is given up.
 SPLIT_GIVE_UP = 60.0
-#: Kept writes turned into calls per loop turn (about 3 µs each).
+#: Calls converted ahead of sending or applying, at most (the queue's unsent).
 SPLIT_CONVERT_SLICE = 2_000
+#: Kept writes turned into calls per step of a turn (about 3 µs each on an idle
+#: machine); the turn ends at its time budget.
+SPLIT_CONVERT_STEP = 128
 #: Calls applied here per step of a turn; the turn ends at its time budget.
 SPLIT_APPLY_SLICE = 64
 
