@@ -28,7 +28,6 @@ import logging
 from collections.abc import Sequence
 
 import zmq
-from zmq.eventloop.zmqstream import ZMQStream
 
 from clone.errors import ProtocolError
 from clone.server.base import TURN_BUDGET, ServerBase, log, peer_endpoint
@@ -63,7 +62,7 @@ class HealingMixin(ServerBase):
             )
             core.split_unverified = 0
         left = core.split_left
-        if not left:
+        if not left and not self._split_queue:
             return
         if self._split_queue:
             # A resync while still sending (a gap in what we follow): more
@@ -82,7 +81,7 @@ class HealingMixin(ServerBase):
     def _apply_split_writes_here(self) -> None:
         """Elected again before the winner answered them all: ours to apply,
         a slice per turn from the next one on."""
-        self._close_split()
+        self._close_split_soon()
         if self._split_queue or self.core.split_left:
             log.warning(
                 "elected again with %d writes of the split brain unanswered: applying them here",
@@ -196,7 +195,7 @@ class HealingMixin(ServerBase):
             SPLIT_GIVE_UP,
             ", ".join(keys),
         )
-        self._close_split()
+        self._close_split_soon()
 
     def _on_split_reply(self, frames: list[bytes]) -> None:
         try:
@@ -230,14 +229,16 @@ class HealingMixin(ServerBase):
         )
 
     def _close_split_soon(self) -> None:
-        """Done: close the DEALER from a callback of its own, after the stream's
-        pending event callbacks (one per send) have run on an open socket."""
-        if self._split_dealer is not None and self._loop is not None:
-            self._loop.add_callback(self._close_split_if, self._split_dealer)
-
-    def _close_split_if(self, dealer: ZMQStream) -> None:
-        if dealer is self._split_dealer and not self._split_queue and not self.core.split_left:
-            self._close_split()
+        """Done with the DEALER: no more sends on it now, and closed from a
+        callback of its own, after the stream's pending event callbacks (one
+        per send) have run on an open socket."""
+        dealer, self._split_dealer = self._split_dealer, None
+        if dealer is None:
+            return
+        if self._loop is None:
+            self._forget(dealer)
+        else:
+            self._loop.add_callback(self._forget, dealer)
 
     def _close_split(self) -> None:
         dealer, self._split_dealer = self._split_dealer, None

@@ -52,6 +52,10 @@ from tests.support.waiting import eventually
 SPLIT_WRITES = 100_000
 HEARTBEAT_MS = 250  # the server's default: the bound is one interval of it
 
+# 100,000 writes, a split and its heal: about 40 s on an idle 2-core machine,
+# several times that when it is shared.
+pytestmark = pytest.mark.timeout(600)
+
 
 @pytest.fixture
 def servers(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Servers]:
