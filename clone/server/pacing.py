@@ -37,6 +37,7 @@ __all__ = [
     "SPLIT_GIVE_UP",
     "SPLIT_IN_FLIGHT",
     "SPLIT_RESEND",
+    "SPLIT_SEND_STEP",
     "SplitQueue",
     "send_allowance",
 ]
@@ -55,6 +56,9 @@ SPLIT_CONVERT_SLICE = 2_000
 SPLIT_CONVERT_STEP = 128
 #: Calls applied here per step of a turn; the turn ends at its time budget.
 SPLIT_APPLY_SLICE = 64
+#: Calls sent per step of a turn (each is a ZMQStream send and a callback of
+#: its own); the turn ends at its time budget.
+SPLIT_SEND_STEP = 32
 
 # Held as tuples: a tuple of bytes is untracked by the garbage collector, and
 # 100,000 lists would make each full collection a loop stall of its own.
