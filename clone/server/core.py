@@ -35,6 +35,7 @@ it has been counted; the caller logs it and carries on.
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -192,6 +193,7 @@ COUNTERS = (
     "split_writes_found",
     "split_writes_expired",
     "split_writes_unverified",
+    "split_writes_held",
     # Calls (CALL?/REPLY) and leases: docs/protocol.md, "CALL? / REPLY".
     "calls_received",
     "calls_ok",
@@ -331,11 +333,18 @@ class ServerCore:
         self.promoted_at: int | None = None
         # Demoted from active: the updates we wrote in our term, until the
         # winner's fork says which it lacks (clone.server.split).
-        self._written_as_active: list[list[bytes]] = []
+        self._written_as_active: Sequence[Sequence[bytes]] = []
         self._peer_fork: int | None = None
-        #: SET calls to send the active peer after a split brain (clone.server.healing
-        #: takes them).
-        self.split_calls: list[list[bytes]] = []
+        # After a split brain, the writes kept for the winner and its fork (and
+        # the time they were kept), turned into SET calls a slice at a time
+        # (take_split_calls: 100k at once blocked the loop); how far into the
+        # first the conversion is; and the calls converted but not yet taken.
+        self._split_kept: deque[tuple[Sequence[Sequence[bytes]], int, float]] = deque()
+        self._split_kept_at = 0
+        self._split_converted: list[list[bytes]] = []
+        # The ids the winner said it applied, at the resync that kept them:
+        # elected again, we must not apply those a second time.
+        self._split_peer_applied: set[bytes] | frozenset[bytes] = frozenset()
         #: Writes of ours after a split brain that no fork let us sort (logged once).
         self.split_unverified = 0
         self.sync_state = SyncState.IDLE
@@ -789,18 +798,20 @@ class ServerCore:
         if not self._replay_buffer(sequence, now, mono):
             c["peer_gaps"] += 1
             return FollowOutcome.RESYNC
+        peer_applied = self._peer_applied
         self._reconcile_pending(now)
         self._sync(SyncEvent.SNAPSHOT_DONE)
         c["syncs_completed"] += 1
-        self._settle_split_writes(now)
+        self._settle_split_writes(now, peer_applied)
         return FollowOutcome.SYNCED
 
-    def _settle_split_writes(self, now: float) -> None:
+    def _settle_split_writes(self, now: float, peer_applied: set[bytes] | None) -> None:
         """Synced after a demotion: keep, as calls, what we wrote that the
         active (elected while we were active too) cannot hold."""
         written, self._written_as_active = self._written_as_active, []
         if not written:
             return
+        self._split_peer_applied = peer_applied or frozenset()
         c = self.counters
         if self._peer_fork is None:
             # A Guide peer, or ours from before forks: we cannot tell which of
@@ -808,10 +819,55 @@ class ServerCore:
             c["split_writes_unverified"] += len(written)
             self.split_unverified += len(written)
             return
-        split = split_writes(written, self._peer_fork, now)
-        self.split_calls += split.calls
-        c["split_writes_found"] += len(split.calls)
-        c["split_writes_expired"] += split.expired
+        # Converted to calls later, a slice per loop turn (take_split_calls).
+        self._split_kept.append((written, self._peer_fork, now))
+
+    @property
+    def split_left(self) -> int:
+        """Kept split-brain writes not yet taken as calls (an upper bound on
+        the calls to come: some will be left out)."""
+        kept = sum(len(written) for written, _, _ in self._split_kept)
+        return len(self._split_converted) + kept - self._split_kept_at
+
+    def take_split_calls(self, limit: int) -> list[list[bytes]]:
+        """The next SET calls for the active peer after a split brain: the
+        converted ones, then :func:`split_writes` of at most ``limit`` more
+        kept writes (the ttl left is counted from when they were kept)."""
+        out, self._split_converted = self._split_converted, []
+        kept = self._split_kept
+        c = self.counters
+        while kept and limit > 0:
+            written, fork, at = kept[0]
+            start = self._split_kept_at
+            part = written[start : start + limit]
+            limit -= len(part)
+            self._split_kept_at = start + len(part)
+            if self._split_kept_at >= len(written):
+                kept.popleft()
+                self._split_kept_at = 0
+            split = split_writes(part, fork, at)
+            out += split.calls
+            c["split_writes_found"] += len(split.calls)
+            c["split_writes_expired"] += split.expired
+        return out
+
+    @property
+    def split_calls(self) -> list[list[bytes]]:
+        """Every SET call still to send the active peer after a split brain,
+        all converted at once (tests; the reactor takes slices instead).
+        The list itself: clearing it drops them."""
+        calls = self.take_split_calls(self.split_left)
+        self._split_converted = calls
+        return calls
+
+    def drop_split_calls(self) -> int:
+        """Forget the kept writes not yet taken; returns how many there were."""
+        left = self.split_left
+        self._split_kept.clear()
+        self._split_kept_at = 0
+        self._split_converted = []
+        self._split_peer_applied = frozenset()
+        return left
 
     def _stage_batch(self, frames: Sequence[bytes], mono: float) -> None:
         """A KVBATCH of the snapshot we asked for: stage its entries as KVSYNCs."""
@@ -1055,13 +1111,42 @@ class ServerCore:
             why = f"lease {lease_id} is another client's"
         return _refused(uuid, "not-owner", why)
 
+    def apply_own_split_call(
+        self, frames: Sequence[bytes], now: float, mono: float | None = None
+    ) -> Reply | None:
+        """Elected again before the winner answered it: apply one of our own
+        split-brain calls here (None if the frames are not a call).
+
+        Not through :meth:`on_call`: our uuid window holds its id (we applied
+        the write once, before the resync replaced our state with the
+        winner's), so it would be answered as a duplicate and applied nowhere.
+        It is applied unless the state we hold now has it: the winner said it
+        had applied it (its KVAPPLIED at that resync), or we followed the
+        winner's update with that id since, or it is its key's current value.
+        """
+        assert self.role is Role.ACTIVE
+        try:
+            call = decode_call(frames)
+        except ProtocolError:
+            self.counters["calls_invalid"] += 1
+            return None
+        raw_key = call.key.encode("utf-8")
+        held = self._applied_sequence(call.uuid, raw_key)
+        if held or call.uuid in self._split_peer_applied:
+            self.counters["split_writes_held"] += 1
+            return Reply(call.uuid, "ok", held)
+        return self._call_set(call, now, _mono(mono, now), ours=True)[0]
+
     def _call_set(
-        self, call: Call, now: float, mono: float, caller: str = ""
+        self, call: Call, now: float, mono: float, caller: str = "", *, ours: bool = False
     ) -> tuple[Reply, bool]:
+        """A ``set`` call; ``ours``: one of our own split-brain writes applied
+        here (apply_own_split_call), neither a retry nor a stranger's use of
+        its lease (its client proved that when it wrote)."""
         c = self.counters
         raw_key = call.key.encode("utf-8")
         uuid = call.uuid
-        if uuid in self.window:
+        if uuid in self.window and not ours:
             # A retry of a write we applied: say what the first one got.
             c["calls_duplicate"] += 1
             c["calls_ok"] += 1
@@ -1072,7 +1157,7 @@ class ServerCore:
             if held is None:
                 c["calls_unknown_lease"] += 1
                 return _refused(uuid, "unknown-lease", f"no lease {lease_id}"), False
-            if not may_use(held.owner, caller, call.secret):
+            if not ours and not may_use(held.owner, caller, call.secret):
                 return self._not_owner(uuid, lease_id, held.owner), False
         expected = call.if_sequence
         if expected is not None:

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from clone.server.history import History
 
 
-def upd(seq: int, body: bytes = b"v", key: bytes = b"/k") -> list[bytes]:
-    """A KVPUB's five frames at ``seq``."""
-    return [key, seq.to_bytes(8, "big"), b"", b"", body]
+def upd(seq: int, body: bytes = b"v", key: bytes = b"/k") -> tuple[bytes, ...]:
+    """A KVPUB's five frames at ``seq`` (a tuple, as the history holds them)."""
+    return (key, seq.to_bytes(8, "big"), b"", b"", body)
 
 
-def size(frames: list[bytes]) -> int:
+def size(frames: tuple[bytes, ...]) -> int:
     return sum(map(len, frames))
 
 
@@ -161,3 +165,98 @@ def test_load_is_appending_each_row() -> None:
     h2 = History(100, 1 << 20)
     h2.load(iter(rows[:3] + rows[5:]))
     assert (h2.first, h2.last, h2.restarts) == (25, 29, 1)
+
+
+# -- sequence_of: the uuid index kept in step with the ring --------------------
+
+
+def _scan(h: History, uuid: bytes) -> int | None:
+    """The old lookup, a newest-first scan of the held updates: the reference."""
+    last = h.last
+    if last is None:
+        return None
+    for seq in range(last, h.base, -1):
+        held = h.entry(seq)
+        assert held is not None
+        if held[0][2] == uuid:
+            return seq
+    return None
+
+
+def test_sequence_of_finds_the_newest_update_with_the_uuid() -> None:
+    h = History(10, 1 << 20)
+    h.append([b"/a", (1).to_bytes(8, "big"), b"u1", b"", b"x"], term=1)
+    h.append([b"/b", (2).to_bytes(8, "big"), b"u2", b"", b"x"], term=1)
+    h.append([b"/c", (3).to_bytes(8, "big"), b"u1", b"", b"x"], term=1)
+    assert (h.sequence_of(b"u1"), h.sequence_of(b"u2"), h.sequence_of(b"u3")) == (3, 2, None)
+
+
+def test_sequence_of_forgets_evicted_updates_but_keeps_a_newer_copy() -> None:
+    h = History(2, 1 << 20)
+    h.append([b"/a", (1).to_bytes(8, "big"), b"u1", b"", b"x"], term=1)
+    h.append([b"/b", (2).to_bytes(8, "big"), b"u2", b"", b"x"], term=1)
+    h.append([b"/c", (3).to_bytes(8, "big"), b"u2", b"", b"x"], term=1)
+    assert (h.sequence_of(b"u1"), h.sequence_of(b"u2")) == (None, 3)
+    h.append([b"/d", (4).to_bytes(8, "big"), b"u4", b"", b"x"], term=1)
+    assert (h.sequence_of(b"u2"), h.sequence_of(b"u4")) == (3, 4)
+
+
+def test_sequence_of_is_emptied_by_a_reset_and_a_restart() -> None:
+    h = History(10, 1 << 20)
+    h.append([b"/a", (1).to_bytes(8, "big"), b"u1", b"", b"x"], term=1)
+    h.reset(5)
+    assert h.sequence_of(b"u1") is None
+    h.append([b"/a", (6).to_bytes(8, "big"), b"u6", b"", b"x"], term=1)
+    h.append([b"/a", (9).to_bytes(8, "big"), b"u9", b"", b"x"], term=1)  # a restart
+    assert (h.sequence_of(b"u6"), h.sequence_of(b"u9")) == (None, 9)
+
+
+_uuids = st.sampled_from([b"", b"a", b"b", b"c", b"d"])
+_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("append"), st.integers(0, 2), _uuids, st.integers(0, 40)),
+        st.tuples(st.just("reset"), st.integers(0, 50), _uuids, st.just(0)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=_ops,
+    max_updates=st.integers(1, 6),
+    max_bytes=st.integers(1, 200),
+    probes=st.lists(_uuids, min_size=1, max_size=5),
+)
+def test_sequence_of_matches_a_newest_first_scan(
+    ops: list[tuple[str, int, bytes, int]],
+    max_updates: int,
+    max_bytes: int,
+    probes: list[bytes],
+) -> None:
+    """Whatever appends (contiguous or jumping), evictions (by count and by
+    bytes) and resets happen, the index answers as the old linear scan did."""
+    h = History(max_updates, max_bytes)
+    for op, arg, uuid, size_ in ops:
+        if op == "reset":
+            h.reset(arg)
+        else:
+            # arg 0: the next sequence; 1: a jump ahead; 2: a jump back (if possible).
+            nxt = h.base + len(h) + 1
+            seq = nxt if arg == 0 else nxt + 3 if arg == 1 else max(1, nxt - 2)
+            h.append([b"/k", seq.to_bytes(8, "big"), uuid, b"", b"x" * size_], term=1)
+        for probe in {*probes, uuid}:
+            assert h.sequence_of(probe) == _scan(h, probe)
+
+
+def test_held_updates_are_not_tracked_by_the_garbage_collector() -> None:
+    """100,000 held updates must not be walked by every full collection (a
+    list always is; a tuple of bytes is untracked by a collection, and the
+    (frames, term) tuple holding it by the next)."""
+    h = History(1000, 1 << 20)
+    for seq in range(1, 101):
+        h.append([b"/k", seq.to_bytes(8, "big"), b"u%d" % seq, b"", b"v"], term=1)
+    gc.collect()
+    gc.collect()
+    held = [h.entry(seq) for seq in range(1, 101)]
+    assert not any(gc.is_tracked(entry) or gc.is_tracked(entry[0]) for entry in held if entry)

@@ -74,6 +74,10 @@ def _parser() -> argparse.ArgumentParser:
     part.add_argument("--island-reset", action="store_true",
                       help="partition-split: reset the island client's connections to the "
                       "passive (TCP RST) instead of dropping their packets")
+    part.add_argument("--split-writes", type=int, default=0, metavar="N",
+                      help="partition-split: the island client also writes N keys as fast as "
+                      "it can during the split (e.g. 50000), and the drill checks that the "
+                      "heal stalls neither server's loop by more than a heartbeat")
     up = p.add_argument_group("rolling-restart --upgrade-from")
     up.add_argument("--upgrade-from", metavar="REF", default=None,
                     help="start the pair on release REF (a git ref of this checkout, or a "
@@ -111,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             restart_stagger=args.restart_stagger, in_memory=args.in_memory,
             partition_time=args.partition_time, island_reset=args.island_reset,
             upgrade_from=args.upgrade_from, release_cache=args.release_cache,
+            split_writes=args.split_writes,
         )
     except ValueError as exc:
         print(f"drill: {exc}", file=sys.stderr)
