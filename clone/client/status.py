@@ -136,7 +136,17 @@ def _cell(value: object) -> str:
 
 def status_table(statuses: Sequence[dict[str, Any]]) -> list[str]:
     """Aligned lines, a header first: one line per server."""
-    header = ("ENDPOINT", "REACHABLE", "ROLE", "SEQUENCE", "KEYS", "PEER", "UPTIME", "VERSION")
+    header = (
+        "ENDPOINT",
+        "REACHABLE",
+        "ROLE",
+        "SEQUENCE",
+        "KEYS",
+        "CONFLICTS",
+        "PEER",
+        "UPTIME",
+        "VERSION",
+    )
     rows = [header]
     for s in statuses:
         reachable = bool(s.get("reachable"))
@@ -147,6 +157,8 @@ def status_table(statuses: Sequence[dict[str, Any]]) -> list[str]:
                 _cell(s.get("role")),
                 _cell(s.get("sequence")),
                 _cell(s.get("keys")),
+                # Unresolved split-brain conflicts (clone conflicts); older servers: -.
+                _cell(s.get("conflicts")),
                 _peer_text(s) if reachable else "-",
                 _uptime_text(s.get("uptime")),
                 _cell(s.get("version")),

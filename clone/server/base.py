@@ -192,6 +192,8 @@ class ServerBase:
         self._split_dealer: ZMQStream | None = None
         self._split_sent = 0.0
         self._split_give_up = 0.0
+        # Of this heal's writes, how many the winner kept as conflicts (logged once).
+        self._split_conflicts_this_heal = 0
         self._sync_progress = 0.0
         self._sync_started = 0.0
         self._hugz_timer: object | None = None
@@ -226,6 +228,7 @@ class ServerBase:
                 "snapshot_unroutable_retries",
                 "split_writes_applied",
                 "split_writes_refused",
+                "split_writes_conflicts",
                 "split_writes_resent",
                 "split_writes_abandoned",
                 "snapshot_entries_sent",

@@ -57,7 +57,13 @@ class CallingMixin(ServerBase):
                 else:
                     can_write, may_lease = _nothing, False
         reply, after_commit = self.core.on_call(
-            frames, self._wallclock(), can_write=can_write, may_lease=may_lease
+            frames,
+            self._wallclock(),
+            can_write=can_write,
+            may_lease=may_lease,
+            # Without CURVE nobody can be told from the peer: the split
+            # properties are accepted from anyone, as every write is.
+            peer=self._keypair is None or user == PEER_USER,
         )
         if reply is None:
             self._throttle.log(

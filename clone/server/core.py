@@ -36,6 +36,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from clone.errors import IllegalSyncTransition, LimitExceeded, ProtocolError, StoreFull
+from clone.server.conflicts import ConflictBook, ConflictRecord
 from clone.server.delta import DeltaStream, open_catch_up, open_history
 from clone.server.history import History
 from clone.server.journal import Journal
@@ -43,6 +44,7 @@ from clone.server.leases import LeaseTable, bound_lease, format_lease_value, par
 from clone.server.pending import PendingList, PendingUpdate, UuidWindow, update_id
 from clone.server.snapshot import SnapshotStream
 from clone.server.split import split_writes
+from clone.server.splitrule import Verdict, judge_split_write
 from clone.server.store import Entry, Store
 from clone.server.ttl import parse_ttl
 from clone.wire.applied import decode_kvapplied, encode_kvapplied, is_kvapplied, uuid_ids
@@ -71,13 +73,16 @@ from clone.wire.codec import (
     SnapshotEnd,
     decode_icanhaz,
     decode_kvset,
+    decode_properties,
     decode_snapshot_reply,
     decode_update,
     encode_hugz,
     encode_kv,
+    encode_properties,
 )
 from clone.wire.delta import SinceRequest, decode_kvdelta, is_kvdelta, update_digest
 from clone.wire.protocol import TTL_PROPERTY
+from clone.wire.split import SPLIT_PROPERTIES, SplitOrigin, parse_split_origin, uuid_time
 
 __all__ = [
     "COUNTERS",
@@ -180,6 +185,13 @@ COUNTERS = (
     "split_writes_found",
     "split_writes_expired",
     "split_writes_unverified",
+    # The winner's side of a heal (clone.server.splitrule, clone.server.conflicts).
+    "split_calls_received",
+    "split_calls_applied",
+    "split_conflicts",
+    "split_calls_refused_not_peer",
+    "conflicts_applied",
+    "conflicts_discarded",
     # Calls (CALL?/REPLY) and leases: docs/protocol.md, "CALL? / REPLY".
     "calls_received",
     "calls_ok",
@@ -259,6 +271,41 @@ def _refused(uuid: bytes, reason: str, detail: str) -> Reply:
     return Reply(uuid, "refused", reason=reason, detail=detail)
 
 
+def _split_conflict_reply(rec: ConflictRecord) -> Reply:
+    """The answer to a split write kept as conflict ``rec``: status conflict,
+    reason ``split``, the record's id in the detail (docs/protocol.md)."""
+    return Reply(
+        rec.loser_uuid,
+        "conflict",
+        current=rec.winner_seq,
+        reason="split",
+        detail=f"conflict {rec.id}: {rec.reason}",
+    )
+
+
+def _conflict(
+    call: Call, origin: SplitOrigin, verdict: Verdict, entry: Entry | None, now: float
+) -> ConflictRecord:
+    """The record of a split write not applied, with the winner's value of its key."""
+    winner_uuid = None if entry is None else bytes(entry[1])
+    return ConflictRecord(
+        id=0,
+        key=call.key.encode("utf-8"),
+        reason=verdict.value,
+        loser_uuid=call.uuid,
+        loser_props=encode_properties(call.properties),
+        loser_body=call.body,
+        loser_at=origin.at,
+        loser_term=origin.term,
+        winner_seq=0 if entry is None else int.from_bytes(entry[0], "big"),
+        winner_uuid=winner_uuid,
+        winner_props=None if entry is None else bytes(entry[2]),
+        winner_body=None if entry is None else bytes(entry[3]),
+        winner_at=None if not winner_uuid else uuid_time(winner_uuid),
+        recorded=now,
+    )
+
+
 def _any_key(key: bytes) -> bool:
     """No ACL: every key may be written."""
     return True
@@ -313,6 +360,18 @@ class ServerCore:
         self.split_calls: list[list[bytes]] = []
         #: Writes of ours after a split brain that no fork let us sort (logged once).
         self.split_unverified = 0
+        # The if_sequence of each conditional write we applied as active in
+        # this term, by uuid (a stored update no longer says it), and at a
+        # demotion the term we wrote under: what a split write carries.
+        self._conditions: dict[bytes, int] = {}
+        self._written_conditions: dict[bytes, int] = {}
+        self._written_term = 0
+        # Judging split writes: the fork, the sequence the history was read up
+        # to, and every key updated after the fork (None: the history does
+        # not reach back to it).
+        self._fork_keys: tuple[int, int, set[bytes] | None] | None = None
+        #: Split-brain writes of a loser this server did not apply (the winner's side).
+        self.conflicts = ConflictBook()
         self.sync_state = SyncState.IDLE
         #: The highest sequence seen anywhere (own store, peer KVPUB/HUGZ/KTHXBAI).
         self.highest_seen = 0
@@ -494,6 +553,8 @@ class ServerCore:
         store = self.store
         self.promoted_at = store.sequence
         self._written_as_active = []
+        self._conditions = {}
+        self._fork_keys = None
         store.sequence = max(store.sequence, self.highest_seen)
         out = self._rebuild_leases(now)
         applied = 0
@@ -528,6 +589,8 @@ class ServerCore:
             self.counters["demotions"] += 1
             # What we wrote as active: the winner of a split brain may lack some.
             self._written_as_active = self.history.written_under(self.term)
+            self._written_term = self.term
+            self._written_conditions, self._conditions = self._conditions, {}
         self.promoted_at = None
         self.role = Role.PASSIVE
         # Only the active server keeps time for leases; a new one rebuilds them.
@@ -732,7 +795,10 @@ class ServerCore:
             c["split_writes_unverified"] += len(written)
             self.split_unverified += len(written)
             return
-        split = split_writes(written, self._peer_fork, now)
+        conditions, self._written_conditions = self._written_conditions, {}
+        split = split_writes(
+            written, self._peer_fork, now, term=self._written_term, conditions=conditions
+        )
         self.split_calls += split.calls
         c["split_writes_found"] += len(split.calls)
         c["split_writes_expired"] += split.expired
@@ -836,6 +902,7 @@ class ServerCore:
         *,
         can_write: Callable[[bytes], bool] | None = None,
         may_lease: bool = True,
+        peer: bool = False,
     ) -> tuple[Reply | None, bool]:
         """A CALL? (without its identity frame); returns the reply and whether
         it must wait for this turn's commit (it changed the state).
@@ -851,6 +918,10 @@ class ServerCore:
         Each refusal has its own counter (``_PROBLEM_COUNTERS``, ``size``,
         ``malformed``), so an operator can tell a client sending nonsense
         from one sending too much.
+
+        ``peer``: the caller is the peer server (or there is no way to tell:
+        no CURVE).  Only a peer's ``set`` may carry the split-brain properties
+        (:mod:`clone.wire.split`); it is then judged by the heal's rule.
         """
         c = self.counters
         c["calls_received"] += 1
@@ -875,6 +946,8 @@ class ServerCore:
             c["calls_not_active"] += 1
             return _refused(call.uuid, "not-active", f"this server is {self.role.value}"), False
         if call.op == OP_SET:
+            if any(name in SPLIT_PROPERTIES for name, _ in call.properties):
+                return self._call_split(call, now, peer)
             return self._call_set(call, now)
         if call.op == OP_LEASE_GRANT:
             return self._call_grant(call, now)
@@ -931,10 +1004,113 @@ class ServerCore:
         self.window.add(uuid, now)
         if lease_id is not None:
             self.leases.bind(lease_id, raw_key)
+        if expected is not None:
+            self._note_condition(uuid, expected)
         c["kvpub_published"] += 1
         c["calls_ok"] += 1
         self._record(out)
         return Reply(uuid, "ok", self.store.sequence), True
+
+    def _call_split(self, call: Call, now: float, peer: bool) -> tuple[Reply, bool]:
+        """A write the loser of a split brain forwards: applied by the rule of
+        :mod:`clone.server.splitrule`, or kept as a conflict and answered so."""
+        c = self.counters
+        uuid = call.uuid
+        if not peer:
+            c["split_calls_refused_not_peer"] += 1
+            return _refused(uuid, "acl", "split_* properties are the peer server's"), False
+        try:
+            origin = parse_split_origin(call.properties)
+        except ValueError as exc:
+            c["calls_invalid"] += 1
+            return _refused(uuid, "malformed", str(exc)), False
+        assert origin is not None
+        c["split_calls_received"] += 1
+        known = self.conflicts.of_uuid(uuid)
+        if known is not None:
+            # A resend of a write already judged: the same answer.
+            return _split_conflict_reply(known), False
+        plain = Call(
+            call.op,
+            uuid,
+            call.key,
+            tuple((n, v) for n, v in call.properties if n not in SPLIT_PROPERTIES),
+            call.body,
+        )
+        raw_key = call.key.encode("utf-8")
+        if uuid in self.window:
+            return self._call_set(plain, now)
+        entry = self.store.entry(raw_key)
+        lease_id = call.lease
+        verdict = judge_split_write(
+            origin,
+            lease=lease_id,
+            lease_alive=lease_id is not None and lease_id in self.leases,
+            changed_since_fork=self._changed_since(raw_key, origin.fork, entry),
+            current_uuid=None if entry is None else bytes(entry[1]),
+        )
+        if verdict is Verdict.APPLY:
+            reply, changed = self._call_set(plain, now)
+            if reply.ok:
+                c["split_calls_applied"] += 1
+            return reply, changed
+        rec = self.conflicts.record(_conflict(plain, origin, verdict, entry, now))
+        # A late direct copy of the write (its client reached us at last) must
+        # not apply what the rule refused: its uuid counts as seen.
+        self.window.add(uuid, now)
+        c["split_conflicts"] += 1
+        return _split_conflict_reply(rec), True
+
+    def _changed_since(self, raw_key: bytes, fork: int, entry: Entry | None) -> bool:
+        """Whether we updated ``raw_key`` after sequence ``fork`` (True when
+        the history no longer reaches back that far and the key is absent)."""
+        if entry is not None:
+            return int.from_bytes(entry[0], "big") > fork
+        cached = self._fork_keys
+        history = self.history
+        if cached is None or cached[0] != fork:
+            keys: set[bytes] | None = None
+            if history.covers(fork):
+                keys = {frames[0] for frames in history.since(fork)}
+            cached = (fork, self.store.sequence, keys)
+        else:
+            seen, keys = cached[1], cached[2]
+            if keys is not None and seen < self.store.sequence:
+                if history.covers(seen):
+                    keys.update(frames[0] for frames in history.since(seen))
+                else:
+                    keys = None
+            cached = (fork, self.store.sequence, keys)
+        self._fork_keys = cached
+        keys = cached[2]
+        return keys is None or raw_key in keys
+
+    def resolve_conflict(self, cid: int, action: str, now: float) -> ConflictRecord:
+        """An operator's word on conflict ``cid``: ``apply`` writes the loser's
+        value now (a new update, published), ``discard`` only marks it.
+        ValueError saying why not (unknown, resolved, not active)."""
+        rec = self.conflicts.get(cid)
+        if rec is None:
+            raise ValueError(f"no conflict {cid}")
+        if rec.resolution is not None:
+            raise ValueError(f"conflict {cid} was {rec.resolution} already")
+        if action == "apply":
+            if self.role is not Role.ACTIVE:
+                raise ValueError(f"this server is {self.role.value}")
+            props = tuple(
+                (n, v) for n, v in decode_properties(rec.loser_props) if n != LEASE_PROPERTY
+            )
+            msg = KVMsg(rec.key.decode("utf-8"), 0, rec.loser_uuid, props, rec.loser_body)
+            self._record(self.store.apply(msg, now))
+            self.counters["kvpub_published"] += 1
+            self.counters["conflicts_applied"] += 1
+            done = self.conflicts.resolve(cid, "applied")
+        elif action == "discard":
+            self.counters["conflicts_discarded"] += 1
+            done = self.conflicts.resolve(cid, "discarded")
+        else:
+            raise ValueError(f"a conflict is applied or discarded, not {action!r}")
+        return done
 
     def _call_grant(self, call: Call, now: float) -> tuple[Reply, bool]:
         c = self.counters
@@ -971,6 +1147,14 @@ class ServerCore:
         self._record(out)
         return Reply(uuid, "ok", self.store.sequence, lease=lease_id, ttl=ttl), True
 
+    def _note_condition(self, uuid: bytes, expected: int) -> None:
+        """A conditional write applied as active: what its split write says.
+        Bounded like the history it would be forwarded from."""
+        conditions = self._conditions
+        conditions[uuid] = expected
+        if len(conditions) > self.settings.history_max:
+            del conditions[next(iter(conditions))]
+
     def _check_kvset(self, msg: KVMsg, raw_key: bytes) -> KVMsg:
         """The call rules for a KVSET applied as active (or at a promotion).
 
@@ -1003,6 +1187,8 @@ class ServerCore:
                 f"write to {msg.key[:80]!r} expected sequence {expected_text},"
                 f" the key is at {current}"
             )
+        if msg.uuid:
+            self._note_condition(msg.uuid, current)
         return KVMsg(msg.key, 0, msg.uuid, msg.with_props(**{IF_SEQUENCE_PROPERTY: None}), msg.body)
 
     def _bind_if_leased(self, msg: KVMsg, raw_key: bytes) -> None:
@@ -1120,6 +1306,8 @@ class ServerCore:
             dedup_window_used=len(self.window),
             bad_expires=self.store.bad_expires,
             leases=len(self.leases),
+            split_conflicts_kept=len(self.conflicts),
+            split_conflicts_unresolved=self.conflicts.unresolved,
         )
         return out
 

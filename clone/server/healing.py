@@ -23,7 +23,11 @@ from clone.errors import ProtocolError
 from clone.server.base import ServerBase, log, peer_endpoint
 from clone.server.core import Role
 from clone.wire.calls import Reply, decode_call, decode_reply
+from clone.wire.control import encode_refusal
 from clone.wire.protocol import SNAPSHOT_OFFSET
+
+#: The topic of notices for whichever client wrote the uuid (a relay's too).
+ANY_WRITER = "*"
 
 __all__ = ["HealingMixin"]
 
@@ -51,6 +55,7 @@ class HealingMixin(ServerBase):
             return
         for frames in calls:
             self._split_pending[frames[2]] = frames
+        self._split_conflicts_this_heal = 0
         self._split_give_up = self._clock() + _GIVE_UP
         log.warning(
             "stepped down after a split brain: sending the active at %s the %d writes"
@@ -114,6 +119,7 @@ class HealingMixin(ServerBase):
         del self._split_pending[reply.uuid]
         self._tally_split_write(reply, sent)
         if not self._split_pending:
+            self._heal_done()
             self._close_split()
 
     def _apply_split_writes_here(self) -> None:
@@ -123,7 +129,7 @@ class HealingMixin(ServerBase):
         now = self._wallclock()
         assert self.core.role is Role.ACTIVE
         for frames in self._split_pending.values():
-            reply, _ = self.core.on_call(frames, now)
+            reply, _ = self.core.on_call(frames, now, peer=True)
             if reply is not None:
                 self._tally_split_write(reply, frames)
         self._split_pending.clear()
@@ -133,6 +139,13 @@ class HealingMixin(ServerBase):
         if reply.ok:
             self.counters["split_writes_applied"] += 1
             return
+        if reply.status == "conflict" and reply.reason == "split":
+            # Kept by the active as a conflict: its writer was told it was
+            # applied, so tell it now (best effort; logged once per heal).
+            self.counters["split_writes_conflicts"] += 1
+            self._split_conflicts_this_heal += 1
+            self._publish(encode_refusal(ANY_WRITER, reply.uuid, "conflict"))
+            return
         self.counters["split_writes_refused"] += 1
         log.warning(
             "the active refused a write of ours from the split brain (%s: %s): key %r",
@@ -140,6 +153,18 @@ class HealingMixin(ServerBase):
             reply.detail,
             decode_call(frames).key[:80],
         )
+
+    def _heal_done(self) -> None:
+        """Every write answered: one line for the whole heal."""
+        if self._split_conflicts_this_heal:
+            log.warning(
+                "the active at %s kept %d of our split-brain writes as conflicts (not"
+                " applied: it had changed their keys); their writers were told, and"
+                " `clone conflicts` on it lists them",
+                self._followed,
+                self._split_conflicts_this_heal,
+            )
+            self._split_conflicts_this_heal = 0
 
     def _close_split(self) -> None:
         dealer, self._split_dealer = self._split_dealer, None

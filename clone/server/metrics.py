@@ -325,6 +325,16 @@ class CloneCollector(Collector):
                 num("upstream_handshake_failures"),
             )
         yield _counter(
+            "clone_split_conflicts",
+            "Split-brain writes of a stepped-down peer kept as conflicts, not applied.",
+            num("split_conflicts"),
+        )
+        yield _gauge(
+            "clone_split_conflicts_unresolved",
+            "Split-brain conflicts neither applied nor discarded yet (clone conflicts).",
+            num("split_conflicts_unresolved"),
+        )
+        yield _counter(
             "clone_internal_errors",
             "Unexpected exceptions logged by handlers.",
             num("internal_errors"),

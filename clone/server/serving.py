@@ -477,6 +477,7 @@ class ServingMixin(ServerBase):
             peer=peer,
             # Counted by the HTTP part (clone.server.http) when it watches the publisher.
             subscribers=getattr(self, "subscribers", None),
+            conflicts=core.conflicts.unresolved,
         )
 
     # -- deferred votes --------------------------------------------------------

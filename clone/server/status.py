@@ -65,6 +65,8 @@ Fields (every one always present; ``null`` where it does not apply):
     one).
 ``subscribers``
     int, connected update subscribers when the server knows it, else ``null``.
+``conflicts``
+    int, split-brain conflicts this server keeps unresolved (``clone conflicts``).
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ def server_status(
     last_failover: float | None,
     peer: PeerView | None = None,
     subscribers: int | None = None,
+    conflicts: int = 0,
 ) -> dict[str, Any]:
     """The status object (see the module docstring for every field)."""
     in_step = (sync_state == "synced" and pending == 0) if role == "passive" else None
@@ -155,6 +158,7 @@ def server_status(
         "last_failover": last_failover,
         "failovers": failovers,
         "subscribers": subscribers,
+        "conflicts": conflicts,
     }
 
 
