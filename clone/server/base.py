@@ -28,6 +28,7 @@ from clone.server.core import ServerCore
 from clone.server.delta import DeltaStream
 from clone.server.inflight import InFlight
 from clone.server.metrics import DurationHistogram, SubscriberCount
+from clone.server.pacing import SplitQueue
 from clone.server.snapshot import SnapshotStream
 from clone.server.status import StatusLimiter, clone_version
 from clone.server.votes import DeferredVotes
@@ -186,12 +187,11 @@ class ServerBase:
         self._relay_writers: InFlight[str] = InFlight(RELAY_WRITES_MAX, RELAY_WRITE_TTL)
         self._peer_dealer: ZMQStream | None = None
         # After a split brain (clone.server.healing): our writes the winner has
-        # not answered yet, by uuid, the DEALER they go on, when they were last
-        # sent and when they are given up.
-        self._split_pending: dict[bytes, list[bytes]] = {}
+        # not answered yet, paced (clone.server.pacing), the DEALER they go on,
+        # and whether a slice of them is already scheduled for the next turn.
+        self._split_queue = SplitQueue()
         self._split_dealer: ZMQStream | None = None
-        self._split_sent = 0.0
-        self._split_give_up = 0.0
+        self._split_scheduled = False
         # Of this heal's writes, how many the winner kept as conflicts (logged once).
         self._split_conflicts_this_heal = 0
         self._sync_progress = 0.0

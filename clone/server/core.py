@@ -32,8 +32,9 @@ it has been counted; the caller logs it and carries on.
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from clone.errors import IllegalSyncTransition, LimitExceeded, ProtocolError, StoreFull
 from clone.server.conflicts import ConflictBook, ConflictRecord
@@ -185,6 +186,7 @@ COUNTERS = (
     "split_writes_found",
     "split_writes_expired",
     "split_writes_unverified",
+    "split_writes_held",
     # The winner's side of a heal (clone.server.splitrule, clone.server.conflicts).
     "split_calls_received",
     "split_calls_applied",
@@ -218,6 +220,19 @@ COUNTERS = (
     "lease_keys_deleted",
     "lease_orphans_deleted",
 )
+
+
+@dataclass(slots=True)
+class _Kept:
+    """A demoted active's writes kept for the winner, with what its rule needs."""
+
+    written: list[list[bytes]]
+    fork: int
+    at: float
+    term: int
+    conditions: dict[bytes, int]
+    #: Each key's last update converted so far (clone.server.split, ``last``).
+    last: dict[bytes, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -281,6 +296,12 @@ def _split_conflict_reply(rec: ConflictRecord) -> Reply:
         reason="split",
         detail=f"conflict {rec.id}: {rec.reason}",
     )
+
+
+def _without_split(call: Call) -> Call:
+    """A split write as the plain ``set`` it is, without the peer-only properties."""
+    props = tuple((n, v) for n, v in call.properties if n not in SPLIT_PROPERTIES)
+    return Call(call.op, call.uuid, call.key, props, call.body)
 
 
 def _conflict(
@@ -355,9 +376,16 @@ class ServerCore:
         # winner's fork says which it lacks (clone.server.split).
         self._written_as_active: list[list[bytes]] = []
         self._peer_fork: int | None = None
-        #: SET calls to send the active peer after a split brain (clone.server.healing
-        #: takes them).
-        self.split_calls: list[list[bytes]] = []
+        # After a split brain, the writes kept for the winner and its fork (and
+        # the time they were kept), turned into SET calls a slice at a time
+        # (take_split_calls: 100k at once blocked the loop); how far into the
+        # first the conversion is; and the calls converted but not yet taken.
+        self._split_kept: deque[_Kept] = deque()
+        self._split_kept_at = 0
+        self._split_converted: list[list[bytes]] = []
+        # The ids the winner said it applied, at the resync that kept them:
+        # elected again, we must not apply those a second time.
+        self._split_peer_applied: set[bytes] | frozenset[bytes] = frozenset()
         #: Writes of ours after a split brain that no fork let us sort (logged once).
         self.split_unverified = 0
         # The if_sequence of each conditional write we applied as active in
@@ -776,18 +804,20 @@ class ServerCore:
         if not self._replay_buffer(sequence, now):
             c["peer_gaps"] += 1
             return FollowOutcome.RESYNC
+        peer_applied = self._peer_applied
         self._reconcile_pending(now)
         self._sync(SyncEvent.SNAPSHOT_DONE)
         c["syncs_completed"] += 1
-        self._settle_split_writes(now)
+        self._settle_split_writes(now, peer_applied)
         return FollowOutcome.SYNCED
 
-    def _settle_split_writes(self, now: float) -> None:
+    def _settle_split_writes(self, now: float, peer_applied: set[bytes] | None) -> None:
         """Synced after a demotion: keep, as calls, what we wrote that the
         active (elected while we were active too) cannot hold."""
         written, self._written_as_active = self._written_as_active, []
         if not written:
             return
+        self._split_peer_applied = peer_applied or frozenset()
         c = self.counters
         if self._peer_fork is None:
             # A Guide peer, or ours from before forks: we cannot tell which of
@@ -795,13 +825,68 @@ class ServerCore:
             c["split_writes_unverified"] += len(written)
             self.split_unverified += len(written)
             return
+        # Converted to calls later, a slice per loop turn (take_split_calls),
+        # with what the winner's rule needs of each (clone.wire.split).
         conditions, self._written_conditions = self._written_conditions, {}
-        split = split_writes(
-            written, self._peer_fork, now, term=self._written_term, conditions=conditions
+        self._split_kept.append(
+            _Kept(written, self._peer_fork, now, self._written_term, conditions)
         )
-        self.split_calls += split.calls
-        c["split_writes_found"] += len(split.calls)
-        c["split_writes_expired"] += split.expired
+
+    @property
+    def split_left(self) -> int:
+        """Kept split-brain writes not yet taken as calls (an upper bound on
+        the calls to come: some will be left out)."""
+        kept = sum(len(k.written) for k in self._split_kept)
+        return len(self._split_converted) + kept - self._split_kept_at
+
+    def take_split_calls(self, limit: int) -> list[list[bytes]]:
+        """The next SET calls for the active peer after a split brain: the
+        converted ones, then :func:`split_writes` of at most ``limit`` more
+        kept writes (the ttl left is counted from when they were kept)."""
+        out, self._split_converted = self._split_converted, []
+        kept = self._split_kept
+        c = self.counters
+        while kept and limit > 0:
+            first = kept[0]
+            start = self._split_kept_at
+            part = first.written[start : start + limit]
+            limit -= len(part)
+            self._split_kept_at = start + len(part)
+            if self._split_kept_at >= len(first.written):
+                kept.popleft()
+                self._split_kept_at = 0
+            # The previous write of a key may be in an earlier slice:
+            # first.last carries it from slice to slice (clone.server.split).
+            split = split_writes(
+                part,
+                first.fork,
+                first.at,
+                term=first.term,
+                conditions=first.conditions,
+                last=first.last,
+            )
+            out += split.calls
+            c["split_writes_found"] += len(split.calls)
+            c["split_writes_expired"] += split.expired
+        return out
+
+    @property
+    def split_calls(self) -> list[list[bytes]]:
+        """Every SET call still to send the active peer after a split brain,
+        all converted at once (tests; the reactor takes slices instead).
+        The list itself: clearing it drops them."""
+        calls = self.take_split_calls(self.split_left)
+        self._split_converted = calls
+        return calls
+
+    def drop_split_calls(self) -> int:
+        """Forget the kept writes not yet taken; returns how many there were."""
+        left = self.split_left
+        self._split_kept.clear()
+        self._split_kept_at = 0
+        self._split_converted = []
+        self._split_peer_applied = frozenset()
+        return left
 
     def _stage_batch(self, frames: Sequence[bytes]) -> None:
         """A KVBATCH of the snapshot we asked for: stage its entries as KVSYNCs."""
@@ -971,11 +1056,45 @@ class ServerCore:
         c["calls_ok"] += 1
         return Reply(call.uuid, "ok", self.store.sequence, lease=lease_id, ttl=held.ttl), True
 
-    def _call_set(self, call: Call, now: float) -> tuple[Reply, bool]:
+    def apply_own_split_call(self, frames: Sequence[bytes], now: float) -> Reply | None:
+        """Elected again before the winner answered it: apply one of our own
+        split-brain calls here (None if the frames are not a call).
+
+        Not through :meth:`on_call`: our uuid window holds its id (we applied
+        the write once, before the resync replaced our state with the
+        winner's), so it would be answered as a duplicate and applied nowhere.
+        It is applied unless the state we hold now has it: the winner said it
+        had applied it (its KVAPPLIED at that resync), or we followed the
+        winner's update with that id since, or it is its key's current value.
+        """
+        assert self.role is Role.ACTIVE
+        try:
+            call = decode_call(frames)
+        except ProtocolError:
+            self.counters["calls_invalid"] += 1
+            return None
+        raw_key = call.key.encode("utf-8")
+        held = self._applied_sequence(call.uuid, raw_key)
+        if held or call.uuid in self._split_peer_applied:
+            self.counters["split_writes_held"] += 1
+            return Reply(call.uuid, "ok", held)
+        try:
+            origin = parse_split_origin(call.properties)
+        except ValueError:
+            origin = None  # ours: cannot happen; applied as before the rule
+        if origin is None:
+            return self._call_set(call, now, ours=True)[0]
+        # The state we hold is the winner's since the resync: its rule, here.
+        known = self.conflicts.of_uuid(call.uuid)
+        if known is not None:
+            return _split_conflict_reply(known)
+        return self._judge_split(call, origin, now, ours=True)[0]
+
+    def _call_set(self, call: Call, now: float, *, ours: bool = False) -> tuple[Reply, bool]:
         c = self.counters
         raw_key = call.key.encode("utf-8")
         uuid = call.uuid
-        if uuid in self.window:
+        if uuid in self.window and not ours:
             # A retry of a write we applied: say what the first one got.
             c["calls_duplicate"] += 1
             c["calls_ok"] += 1
@@ -1030,16 +1149,18 @@ class ServerCore:
         if known is not None:
             # A resend of a write already judged: the same answer.
             return _split_conflict_reply(known), False
-        plain = Call(
-            call.op,
-            uuid,
-            call.key,
-            tuple((n, v) for n, v in call.properties if n not in SPLIT_PROPERTIES),
-            call.body,
-        )
-        raw_key = call.key.encode("utf-8")
         if uuid in self.window:
-            return self._call_set(plain, now)
+            return self._call_set(_without_split(call), now)
+        return self._judge_split(call, origin, now)
+
+    def _judge_split(
+        self, call: Call, origin: SplitOrigin, now: float, *, ours: bool = False
+    ) -> tuple[Reply, bool]:
+        """Apply a split write by the rule, or keep it as a conflict."""
+        c = self.counters
+        uuid = call.uuid
+        plain = _without_split(call)
+        raw_key = call.key.encode("utf-8")
         entry = self.store.entry(raw_key)
         lease_id = call.lease
         verdict = judge_split_write(
@@ -1050,7 +1171,7 @@ class ServerCore:
             current_uuid=None if entry is None else bytes(entry[1]),
         )
         if verdict is Verdict.APPLY:
-            reply, changed = self._call_set(plain, now)
+            reply, changed = self._call_set(plain, now, ours=ours)
             if reply.ok:
                 c["split_calls_applied"] += 1
             return reply, changed

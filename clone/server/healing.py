@@ -5,9 +5,18 @@ that follows a demotion, which of our writes the winner cannot hold; this part
 sends them as ``set`` calls on a DEALER to the winner's snapshot port (the
 port that answers calls), takes each REPLY, resends the unanswered ones every
 second (a call is deduplicated by its uuid, so a resend is harmless) and gives
-up after a minute, loudly: those writes are then lost unless their clients
-resend them.  A ``not-active`` answer is kept for the next resend.  If we are
-elected again before the last answer, we apply what is left ourselves.
+up after a minute without an answer, loudly: those writes are then lost unless
+their clients resend them.  A ``not-active`` answer is kept for the next
+resend.  If we are elected again before the last answer, we apply what is left
+ourselves.
+
+A split can leave 100,000 writes.  None of this handles them at once: the
+writes become calls, are sent (at most :data:`~clone.server.pacing.SPLIT_IN_FLIGHT`
+unanswered) or applied here in slices, one slice per loop turn
+(:meth:`HealingMixin._split_turn`, the one place that does it), each bounded
+in count and in time (``TURN_BUDGET``); the next turn is scheduled with
+``add_callback``, so heartbeats, signals and clients run in between.  What to
+touch next is decided by :mod:`clone.server.pacing` (pure).
 
 Everything here is counted (``split_writes_*``) and logged at WARNING: a split
 brain is an incident an operator wants to read about.
@@ -20,23 +29,28 @@ import logging
 import zmq
 
 from clone.errors import ProtocolError
-from clone.server.base import ServerBase, log, peer_endpoint
+from clone.server.base import TURN_BUDGET, ServerBase, log, peer_endpoint
 from clone.server.core import Role
+from clone.server.pacing import (
+    SPLIT_APPLY_SLICE,
+    SPLIT_CONVERT_SLICE,
+    SPLIT_GIVE_UP,
+    SPLIT_IN_FLIGHT,
+)
 from clone.wire.calls import Reply, decode_call, decode_reply
 from clone.wire.control import encode_refusal
 from clone.wire.protocol import SNAPSHOT_OFFSET
 
-#: The topic of notices for whichever client wrote the uuid (a relay's too).
+__all__ = ["ANY_WRITER", "HealingMixin"]
+
+#: The topic of notices for whichever client wrote the uuid (docs/protocol.md:
+#: a loser cannot name the writer of a split write, so every client hears it
+#: and acts only on a uuid of its own).
 ANY_WRITER = "*"
-
-__all__ = ["HealingMixin"]
-
-_RESEND = 1.0  # seconds between resends of unanswered writes
-_GIVE_UP = 60.0  # seconds before the unanswered ones are given up
 
 
 class HealingMixin(ServerBase):
-    """Forward a demoted active's split-brain writes to the winner."""
+    """Forward a demoted active's split-brain writes to the winner, in slices."""
 
     def _forward_split_writes(self) -> None:
         """Synced after a demotion: start sending what the core kept."""
@@ -50,60 +64,129 @@ class HealingMixin(ServerBase):
                 core.split_unverified,
             )
             core.split_unverified = 0
-        calls, core.split_calls = core.split_calls, []
-        if not calls:
+        left = core.split_left
+        if not left:
             return
-        for frames in calls:
-            self._split_pending[frames[2]] = frames
-        self._split_conflicts_this_heal = 0
-        self._split_give_up = self._clock() + _GIVE_UP
         log.warning(
-            "stepped down after a split brain: sending the active at %s the %d writes"
-            " we confirmed that it does not hold",
+            "stepped down after a split brain: sending the active at %s the writes"
+            " we confirmed that it does not hold (up to %d, %d at a time)",
             self._followed,
-            len(calls),
+            left + len(self._split_queue),
+            SPLIT_IN_FLIGHT,
         )
-        self._send_split_writes()
+        self._schedule_split_turn()
 
-    def _send_split_writes(self) -> None:
+    def _apply_split_writes_here(self) -> None:
+        """Elected again before the winner answered them all: ours to apply,
+        a slice per turn from the next one on."""
+        self._close_split()
+        if self._split_queue or self.core.split_left:
+            log.warning(
+                "elected again with %d writes of the split brain unanswered: applying them here",
+                len(self._split_queue) + self.core.split_left,
+            )
+            self._schedule_split_turn()
+
+    def _schedule_split_turn(self) -> None:
+        if self._split_scheduled or self._loop is None or self._stopping:
+            return
+        self._split_scheduled = True
+        self._loop.add_callback(self._split_turn_guarded)
+
+    def _split_turn_guarded(self) -> None:
+        self._split_scheduled = False
+        try:
+            self._split_turn()
+        except Exception:
+            self.counters["internal_errors"] += 1
+            log.exception("internal error while healing a split brain")
+
+    def _split_turn(self) -> None:
+        """One loop turn's slice: convert some kept writes to calls, then send
+        them (passive) or apply them (active); schedule the next turn if more
+        is ready to go."""
+        if self._stopping:
+            return
+        core, queue = self.core, self._split_queue
+        if core.split_left and queue.unsent < SPLIT_CONVERT_SLICE:
+            queue.add(core.take_split_calls(SPLIT_CONVERT_SLICE), self._clock())
+        if core.role is Role.ACTIVE:
+            more = self._apply_split_slice()
+        elif core.role is Role.PASSIVE:
+            more = self._send_split_slice()
+        else:
+            return
+        if more:
+            self._schedule_split_turn()
+        elif not queue and not core.split_left:
+            self._close_split()
+
+    def _send_split_slice(self) -> bool:
+        """Send what the queue allows now; whether to come back next turn
+        (more kept writes to convert while the queue has room)."""
         followed = self._followed
         if followed is None:
-            return
+            return False
+        queue = self._split_queue
+        if not queue:
+            return bool(self.core.split_left)
         if self._split_dealer is None:
             dealer = self._socket(zmq.DEALER)
             dealer.connect(peer_endpoint(followed, SNAPSHOT_OFFSET))
             self._split_dealer = self._stream(dealer, self._on_split_reply)
+            queue.restart(self._clock())
+        resent = queue.resent
+        sends = queue.sends(self._clock(), SPLIT_IN_FLIGHT)
+        self.counters["split_writes_resent"] += queue.resent - resent
         # Through the stream, not the raw socket: the stream looks at the
         # socket's events after it sends, so a REPLY that arrives during a
         # send is still read (a raw send can consume the edge announcing it,
         # and an unread message stops libzmq signalling the ones after it).
         stream = self._split_dealer
-        self._split_sent = self._clock()
-        for frames in list(self._split_pending.values()):
+        for frames in sends:
             stream.send_multipart(frames)
+        return bool(self.core.split_left) and queue.unsent < SPLIT_CONVERT_SLICE
+
+    def _apply_split_slice(self) -> bool:
+        """Apply queued calls here until the turn's time budget; commit and
+        publish them; whether more are left."""
+        queue, core = self._split_queue, self.core
+        stop_at = self._clock() + TURN_BUDGET
+        now = self._wallclock()
+        while self._clock() <= stop_at:
+            calls = queue.take(SPLIT_APPLY_SLICE)
+            if not calls:
+                break
+            for frames in calls:
+                reply = core.apply_own_split_call(frames, now)
+                if reply is not None:
+                    self._tally_split_write(reply, frames)
+        self._commit_and_publish()
+        return bool(queue) or bool(core.split_left)
 
     def _check_split_writes(self) -> None:
-        """Housekeeping: resend what is unanswered, or give it up."""
-        if not self._split_pending:
+        """Housekeeping: resend what is unanswered (a turn does it), or give
+        it up after a minute without an answer."""
+        queue = self._split_queue
+        if not queue or self.core.role is not Role.PASSIVE or self._split_dealer is None:
+            return  # nothing sent, or applied here (turns schedule themselves)
+        if not queue.stalled(self._clock()):
+            self._schedule_split_turn()
             return
-        now = self._clock()
-        if now >= self._split_give_up:
-            left = len(self._split_pending)
-            keys = [decode_call(f).key for f in list(self._split_pending.values())[:5]]
-            self.counters["split_writes_abandoned"] += left
-            log.error(
-                "gave up sending %d writes of the split brain to the active at %s after"
-                " %.0f s: they are lost unless their clients write them again (first keys: %s)",
-                left,
-                self._followed,
-                _GIVE_UP,
-                ", ".join(keys),
-            )
-            self._split_pending.clear()
-            self._close_split()
-        elif now - self._split_sent >= _RESEND:
-            self.counters["split_writes_resent"] += len(self._split_pending)
-            self._send_split_writes()
+        left = queue.clear()
+        dropped = self.core.drop_split_calls()
+        keys = [decode_call(f).key for f in left[:5]]
+        self.counters["split_writes_abandoned"] += len(left) + dropped
+        log.error(
+            "gave up sending %d writes of the split brain to the active at %s after"
+            " %.0f s without an answer: they are lost unless their clients write them"
+            " again (first keys: %s)",
+            len(left) + dropped,
+            self._followed,
+            SPLIT_GIVE_UP,
+            ", ".join(keys),
+        )
+        self._close_split()
 
     def _on_split_reply(self, frames: list[bytes]) -> None:
         try:
@@ -113,60 +196,46 @@ class HealingMixin(ServerBase):
                 "split_reply", logging.WARNING, "dropped a reply from the active peer: %s", exc
             )
             return
-        sent = self._split_pending.get(reply.uuid)
-        if sent is None or (not reply.ok and reply.reason == "not-active"):
-            return  # answered already, or to be resent
-        del self._split_pending[reply.uuid]
+        if not reply.ok and reply.reason == "not-active":
+            return  # to be resent
+        sent = self._split_queue.answered(reply.uuid, self._clock())
+        if sent is None:
+            return  # answered already
         self._tally_split_write(reply, sent)
-        if not self._split_pending:
-            self._heal_done()
-            self._close_split()
-
-    def _apply_split_writes_here(self) -> None:
-        """Elected again before the winner answered them all: ours to apply."""
-        if not self._split_pending:
-            return
-        now = self._wallclock()
-        assert self.core.role is Role.ACTIVE
-        for frames in self._split_pending.values():
-            reply, _ = self.core.on_call(frames, now, peer=True)
-            if reply is not None:
-                self._tally_split_write(reply, frames)
-        self._split_pending.clear()
-        self._close_split()
+        # A slot is free: the next turn sends more (one turn for many replies).
+        self._schedule_split_turn()
 
     def _tally_split_write(self, reply: Reply, frames: list[bytes]) -> None:
         if reply.ok:
             self.counters["split_writes_applied"] += 1
             return
         if reply.status == "conflict" and reply.reason == "split":
-            # Kept by the active as a conflict: its writer was told it was
-            # applied, so tell it now (best effort; logged once per heal).
+            # Kept by the active as a conflict (clone.server.splitrule): its
+            # writer was told it was applied, so tell it now (best effort; the
+            # heal's count is logged once, when it ends).
             self.counters["split_writes_conflicts"] += 1
             self._split_conflicts_this_heal += 1
             self._publish(encode_refusal(ANY_WRITER, reply.uuid, "conflict"))
             return
         self.counters["split_writes_refused"] += 1
-        log.warning(
+        self._throttle.log(
+            "split_refused",
+            logging.WARNING,
             "the active refused a write of ours from the split brain (%s: %s): key %r",
             reply.reason,
             reply.detail,
             decode_call(frames).key[:80],
         )
 
-    def _heal_done(self) -> None:
-        """Every write answered: one line for the whole heal."""
+    def _close_split(self) -> None:
         if self._split_conflicts_this_heal:
             log.warning(
-                "the active at %s kept %d of our split-brain writes as conflicts (not"
-                " applied: it had changed their keys); their writers were told, and"
-                " `clone conflicts` on it lists them",
-                self._followed,
+                "%d of our split-brain writes were kept as conflicts, not applied (the"
+                " active had changed their keys since it was elected); their writers"
+                " were told, and `clone conflicts` on the active lists them",
                 self._split_conflicts_this_heal,
             )
             self._split_conflicts_this_heal = 0
-
-    def _close_split(self) -> None:
         dealer, self._split_dealer = self._split_dealer, None
         if dealer is not None:
             self._forget(dealer)

@@ -65,19 +65,23 @@ def split_writes(
     *,
     term: int = 0,
     conditions: Mapping[bytes, int] | None = None,
+    last: dict[bytes, bytes] | None = None,
 ) -> SplitWrites:
     """The ``set`` calls for the updates in ``written`` (KVPUB frames, oldest
     first, recorded under the loser's ``term``) after sequence ``fork``.
 
     ``conditions``: the ``if_sequence`` each conditional write had, by uuid
-    (the stored update no longer says it).
+    (the stored update no longer says it).  ``last``: each key's last update
+    after the fork in the writes before ``written`` (its uuid, or GONE for a
+    delete), for a list converted a slice at a time; updated in place.
     """
     calls: list[list[bytes]] = []
     shared = server_made = expired = 0
     conditions = conditions or {}
     # The loser's last update of each key after the fork: what a later write
     # of the key replaced (GONE: a delete).
-    last: dict[bytes, bytes] = {}
+    if last is None:
+        last = {}
     for key, seq, uuid, raw_props, body in written:
         if int.from_bytes(seq, "big") <= fork:
             shared += 1
