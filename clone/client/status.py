@@ -30,7 +30,9 @@ __all__ = ["STATUS_COLUMNS", "query_status", "status_table"]
 log = logging.getLogger(__name__)
 
 #: The fields every result carries, ``None`` when the server did not answer.
-STATUS_COLUMNS = ("role", "sequence", "keys", "peer_state", "uptime", "version")
+STATUS_COLUMNS = (
+    "role", "sequence", "keys", "peer_state", "uptime", "version", "data_format",
+)
 
 
 def query_status(
@@ -130,6 +132,14 @@ def _uptime_text(value: object) -> str:
     return f"{minutes}m{secs:02d}s" if minutes else f"{secs}s"
 
 
+def _version_text(status: dict[str, Any]) -> str:
+    """``0.2.0 (format 2)``; a release before 0.2.0 reports no format (it is 1)."""
+    version, fmt = status.get("version"), status.get("data_format")
+    if version is None:
+        return "-"
+    return f"{version} (format {fmt})" if fmt is not None else str(version)
+
+
 def _cell(value: object) -> str:
     return "-" if value is None else str(value)
 
@@ -161,7 +171,7 @@ def status_table(statuses: Sequence[dict[str, Any]]) -> list[str]:
                 _cell(s.get("conflicts")),
                 _peer_text(s) if reachable else "-",
                 _uptime_text(s.get("uptime")),
-                _cell(s.get("version")),
+                _version_text(s),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

@@ -30,7 +30,9 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from clone.release import RELEASE
 from clone.server.config import ServerMode
+from clone.storage.schema import FORMAT_VERSION
 
 if TYPE_CHECKING:
     from clone.server.config import ServerConfig
@@ -221,6 +223,13 @@ class CloneCollector(Collector):
             value = stats.get(name, 0)
             return float(value) if isinstance(value, int | float) else 0.0
 
+        build = GaugeMetricFamily(
+            "clone_build_info",
+            "Always 1: this server's release and the data-directory format it writes.",
+            labels=["version", "format"],
+        )
+        build.add_metric([RELEASE, str(FORMAT_VERSION)], 1.0)
+        yield build
         yield _gauge("clone_sequence", "Highest sequence number applied.", num("sequence"))
         yield _gauge("clone_keys", "Keys in the store.", num("keys"))
         yield _gauge(

@@ -33,6 +33,7 @@ import zmq
 from tornado.ioloop import IOLoop
 
 from clone.errors import LimitExceeded, ProtocolError, ServerStartError, StoreFull
+from clone.release import RELEASE
 from clone.server.base import TURN_BUDGET, log
 from clone.server.calling import CallingMixin
 from clone.server.config import ServerConfig, ServerMode
@@ -45,6 +46,7 @@ from clone.server.publishing import PublishingMixin
 from clone.server.relaying import RelayMixin
 from clone.server.security import SecurityMixin
 from clone.server.serving import ServingMixin
+from clone.storage.schema import FORMAT_VERSION
 from clone.wire.frames import recv_frames, recv_frames_and_first
 from clone.wire.protocol import COLLECTOR_OFFSET, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
 
@@ -276,7 +278,8 @@ class CloneServer(
             else ""
         )
         log.info(
-            "%s server: snapshots %s:%d, updates %s:%d, collector %s:%d, heartbeat %.3f s%s",
+            "%s server: snapshots %s:%d, updates %s:%d, collector %s:%d, heartbeat %.3f s%s; "
+            "release %s, data format %d",
             cfg.mode.value,
             base,
             cfg.port,
@@ -286,6 +289,8 @@ class CloneServer(
             cfg.port + 2,
             cfg.heartbeat,
             peer,
+            RELEASE,
+            FORMAT_VERSION,
         )
         if cfg.mode is ServerMode.STANDALONE:
             log.info("standalone: active at once")

@@ -49,7 +49,11 @@ Fields (every one always present; ``null`` where it does not apply):
 ``uptime``
     float, seconds since the server started (monotonic clock).
 ``version``
-    str, the clone package's version.
+    str, this server's release (:data:`clone.release.RELEASE`, setup.cfg's version).
+``data_format``
+    int, the data-directory format version this release writes (and migrates
+    older ones to at start; :mod:`clone.storage.migrations`).  Absent from
+    release 0.1.0's status, whose format is 1.
 ``data_dir``
     str, the data directory (durable servers), else ``null``.
 ``durable``
@@ -74,13 +78,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from clone.release import RELEASE
+from clone.storage.schema import FORMAT_VERSION
+
 __all__ = ["STATUS_FORMAT", "PeerView", "StatusLimiter", "clone_version", "server_status"]
 
 #: The layout version in every status (``format``).
 STATUS_FORMAT = 1
 
-_DISTRIBUTION = "clone-kv"  # the name in setup.cfg
-_FALLBACK_VERSION = "0+unknown"
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,13 +101,9 @@ class PeerView:
 
 
 def clone_version() -> str:
-    """The installed clone package's version, or a placeholder when not installed."""
-    from importlib import metadata
-
-    try:
-        return metadata.version(_DISTRIBUTION)
-    except metadata.PackageNotFoundError:
-        return _FALLBACK_VERSION
+    """This code's release: the code's own constant, not the installed metadata,
+    which names whatever distribution is installed rather than the code that runs."""
+    return RELEASE
 
 
 def server_status(
@@ -124,6 +125,7 @@ def server_status(
     peer: PeerView | None = None,
     subscribers: int | None = None,
     conflicts: int = 0,
+    data_format: int = FORMAT_VERSION,
 ) -> dict[str, Any]:
     """The status object (see the module docstring for every field)."""
     in_step = (sync_state == "synced" and pending == 0) if role == "passive" else None
@@ -152,6 +154,7 @@ def server_status(
         "term": term,
         "uptime": round(max(0.0, uptime), 3),
         "version": version,
+        "data_format": data_format,
         "data_dir": data_dir,
         "durable": data_dir is not None,
         "curve": curve,

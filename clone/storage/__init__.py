@@ -6,7 +6,7 @@ term); ``DIR/LOCK`` keeps a second server out.  :class:`Storage` is plain
 blocking I/O that the server's reactor calls once per loop turn (group commit),
 so each call is short and bounded.
 
-May import: :mod:`clone.errors` and :mod:`clone.wire`.  Never zmq, tornado,
+May import: :mod:`clone.errors`, :mod:`clone.release` and :mod:`clone.wire`.  Never zmq, tornado,
 :mod:`clone.server` or :mod:`clone.client`.
 
 Modules: :mod:`.db` (Storage), :mod:`.schema` (the format and its checks),

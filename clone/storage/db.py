@@ -28,11 +28,13 @@ from pathlib import Path
 from typing import Any
 
 from clone.errors import StorageError
+from clone.release import RELEASE
 from clone.storage import conflicts
 from clone.storage.checkpointer import Checkpointer
 from clone.storage.copying import copy_database
 from clone.storage.files import fsync_dir
 from clone.storage.lock import DirLock
+from clone.storage.migrations import migrate_file
 from clone.storage.schema import (
     DATA_FILE,
     KV_COLUMNS,
@@ -137,6 +139,10 @@ class Storage:
                 # leaves a clone.db that looks like an empty state.
                 write_state_file(db_path, {}, sequence=0, term=0)
                 logger.info("created a new database %s", db_path)
+            else:
+                # An older format is upgraded here, after a copy is kept beside it;
+                # a newer one is refused (clone.storage.migrations).
+                migrate_file(db_path)
             conn = _connect(db_path, fsync)
             sequence, term = read_position(conn, db_path)
         except BaseException:
@@ -413,7 +419,7 @@ def _connect(db_path: Path, fsync: FsyncPolicy) -> sqlite3.Connection:
     except sqlite3.Error as exc:
         raise translate(exc, db_path, "opening") from exc
     try:
-        verify(conn, db_path)  # before journal_mode=WAL writes to the header
+        verify(conn, db_path, current=True)  # before journal_mode=WAL writes to the header
         mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
         if mode != "wal":
             raise StorageError(
@@ -426,6 +432,9 @@ def _connect(db_path: Path, fsync: FsyncPolicy) -> sqlite3.Connection:
         conn.execute(f"PRAGMA journal_size_limit = {_WAL_SIZE_LIMIT}")
         # A resync interrupted by a crash leaves its staging table behind.
         conn.execute("DROP TABLE IF EXISTS kv_staging")
+        # The release that last wrote the file, for an operator reading it later.
+        conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('release', ?)",
+                     (RELEASE,))
     except sqlite3.Error as exc:
         conn.close()
         raise translate(exc, db_path, "opening") from exc

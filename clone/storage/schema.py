@@ -1,4 +1,4 @@
-"""The database format, version 1: tables, header marks, and the checks on open.
+"""The database format, version 2: tables, header marks, and the checks on open.
 
 How this works: a Clone database carries ``application_id = 0x434C4F4E``
 ("CLON") and ``user_version = FORMAT_VERSION`` in its SQLite header, so that a
@@ -8,6 +8,14 @@ checks plus ``PRAGMA quick_check``; :func:`translate` turns a ``sqlite3`` error
 into one of our :class:`~clone.errors.StorageError` kinds naming the path and
 what to do.  The same format serves the live data directory (``clone.db``) and a
 standalone state file written by ``clone backup``.
+
+Versions: 1 (release 0.1.0) is ``kv``, ``log`` and ``meta``; 2 (release 0.2.0)
+adds ``conflicts`` (split-brain writes set aside) and a ``release`` row in
+``meta`` naming the release that last opened the file for writing.  A reader
+that only reads ``kv``/``log``/``meta`` (``--restore``'s check, the pipeline)
+accepts every version from :data:`OLDEST_FORMAT` up; a file newer than
+:data:`FORMAT_VERSION` is refused with both versions named.  Upgrading a file is
+:mod:`clone.storage.migrations`' business.
 """
 
 from __future__ import annotations
@@ -18,18 +26,22 @@ import time
 from pathlib import Path
 
 from clone.errors import DataDirCorrupt, DataDirIncompatible, StorageError
+from clone.release import RELEASE
 
 __all__ = [
     "APPLICATION_ID",
     "DATA_FILE",
     "Entry",
+    "CONFLICTS_SQL",
     "FORMAT_VERSION",
     "KV_COLUMNS",
+    "OLDEST_FORMAT",
     "RESTORE_HINT",
     "create_schema",
     "connect_readonly",
     "kv_table_sql",
     "precheck_file",
+    "check_version",
     "read_position",
     "translate",
     "verify",
@@ -43,7 +55,10 @@ Entry = tuple[bytes, bytes, bytes, bytes]
 #: The database file inside a data directory.
 DATA_FILE = "clone.db"
 APPLICATION_ID = 0x434C4F4E
-FORMAT_VERSION = 1
+#: The format this release writes (``PRAGMA user_version``).
+FORMAT_VERSION = 2
+#: The oldest format this release can migrate from (and read).
+OLDEST_FORMAT = 1
 RESTORE_HINT = "move it aside or restore from a backup: clone-server --restore FILE"
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
@@ -66,6 +81,15 @@ _LOG_SQL = (
     "body BLOB, term INTEGER, at REAL)"
 )
 _META_SQL = "CREATE TABLE meta (name TEXT PRIMARY KEY, value)"
+#: Format 2: a split-brain write that lost (and the one that won), kept for an operator.
+CONFLICTS_SQL = (
+    "CREATE TABLE conflicts (id INTEGER PRIMARY KEY, key BLOB NOT NULL, reason TEXT NOT NULL, "
+    "loser_uuid BLOB, loser_props BLOB, loser_body BLOB, loser_at REAL, loser_term INTEGER, "
+    "winner_seq INTEGER, winner_uuid BLOB, winner_props BLOB, winner_body BLOB, "
+    "winner_at REAL, recorded REAL NOT NULL, resolution TEXT)"
+)
+#: The tables each format has (every later one keeps the earlier ones').
+_TABLES = {1: {"kv", "log", "meta"}, 2: {"kv", "log", "meta", "conflicts"}}
 
 
 def create_schema(conn: sqlite3.Connection, *, sequence: int = 0, term: int = 0) -> None:
@@ -75,9 +99,11 @@ def create_schema(conn: sqlite3.Connection, *, sequence: int = 0, term: int = 0)
     conn.execute(kv_table_sql("kv"))
     conn.execute(_LOG_SQL)
     conn.execute(_META_SQL)
+    conn.execute(CONFLICTS_SQL)
     conn.executemany(
         "INSERT INTO meta (name, value) VALUES (?, ?)",
-        [("created", time.time()), ("sequence", sequence), ("term", term)],
+        [("created", time.time()), ("sequence", sequence), ("term", term),
+         ("release", RELEASE)],
     )
 
 
@@ -122,21 +148,44 @@ def precheck_file(path: Path) -> None:
         )
 
 
-def verify(conn: sqlite3.Connection, path: Path) -> None:
-    """Check the header marks, the tables and ``quick_check``; raise our errors."""
+def check_version(path: Path, app: int, version: int) -> None:
+    """Refuse a file that is not ours, or of a format this release cannot read or migrate."""
+    if app != APPLICATION_ID:
+        raise DataDirIncompatible(
+            f"{path} is not a Clone data directory's database (application_id "
+            f"{app:#x}, expected {APPLICATION_ID:#x}): point the server at its own "
+            "data directory, or move this file aside"
+        )
+    if version > FORMAT_VERSION:
+        raise DataDirIncompatible(
+            f"{path} has format version {version}, written by a newer Clone release; "
+            f"this release ({RELEASE}) reads format versions {OLDEST_FORMAT} to "
+            f"{FORMAT_VERSION}: run a release that reads format {version}, or, to roll "
+            f"back, the copy the upgrade kept ({DATA_FILE}.v{FORMAT_VERSION} or older "
+            f"beside it), or {RESTORE_HINT}"
+        )
+    if version < OLDEST_FORMAT:
+        raise DataDirIncompatible(
+            f"{path} has format version {version}, which no Clone release wrote "
+            f"(this release, {RELEASE}, reads {OLDEST_FORMAT} to {FORMAT_VERSION}): "
+            f"{RESTORE_HINT}"
+        )
+
+
+def verify(conn: sqlite3.Connection, path: Path, *, current: bool = False) -> int:
+    """Check the header marks, the tables and ``quick_check``; return the format version.
+
+    ``current``: only :data:`FORMAT_VERSION` will do (a file about to be
+    written); otherwise any version this release can read is accepted.
+    """
     try:
         app = conn.execute("PRAGMA application_id").fetchone()[0]
         version = conn.execute("PRAGMA user_version").fetchone()[0]
-        if app != APPLICATION_ID:
+        check_version(path, app, version)
+        if current and version != FORMAT_VERSION:
             raise DataDirIncompatible(
-                f"{path} is not a Clone data directory's database (application_id "
-                f"{app:#x}, expected {APPLICATION_ID:#x}): point the server at its own "
-                "data directory, or move this file aside"
-            )
-        if version != FORMAT_VERSION:
-            raise DataDirIncompatible(
-                f"{path} has format version {version}, this Clone reads version "
-                f"{FORMAT_VERSION}: run the Clone release that wrote it, or {RESTORE_HINT}"
+                f"{path} has format version {version}, not {FORMAT_VERSION}: it must be "
+                f"migrated first (clone.storage.migrations), or {RESTORE_HINT}"
             )
         problems = [row[0] for row in conn.execute("PRAGMA quick_check")]
         if problems != ["ok"]:
@@ -146,14 +195,16 @@ def verify(conn: sqlite3.Connection, path: Path) -> None:
         tables = {
             row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")
         }
-        missing = {"kv", "log", "meta"} - tables
+        missing = _TABLES[version] - tables
         if missing:
             raise DataDirCorrupt(
-                f"{path} lacks the table(s) {', '.join(sorted(missing))}: {RESTORE_HINT}"
+                f"{path} lacks the table(s) {', '.join(sorted(missing))} of format "
+                f"{version}: {RESTORE_HINT}"
             )
         read_position(conn, path)
     except sqlite3.Error as exc:
         raise translate(exc, path, "checking") from exc
+    return int(version)
 
 
 def read_position(conn: sqlite3.Connection, path: Path) -> tuple[int, int]:

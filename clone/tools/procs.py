@@ -151,15 +151,20 @@ def server_argv(
     heartbeat_ms: int | None = None,
     data_dir: Path | None = None,
     extra: Sequence[str] = (),
+    command: Sequence[str] | None = None,
 ) -> list[str]:
     """The command line of one ``clone-server`` (role: standalone, primary, backup).
+
+    ``command``: the server executable to run (another release's, say); default
+    the one beside this interpreter.
 
     ``data_dir``: where it keeps its state; None runs it ``--in-memory``.  It binds
     ``me.host`` and reaches its peer at ``peer.host`` (both loopback by default).
     """
     if role not in ("standalone", "primary", "backup"):
         raise ValueError(f"unknown server role {role!r}")
-    argv = [*_server_command(), f"--{role}", "--port", str(me.port), "--bind", me.host]
+    exe = _server_command() if command is None else list(command)
+    argv = [*exe, f"--{role}", "--port", str(me.port), "--bind", me.host]
     if role != "standalone":
         if peer is None:
             raise ValueError(f"a {role} server needs a peer")

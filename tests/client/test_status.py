@@ -88,7 +88,10 @@ def test_table() -> None:
         [
             {"endpoint": "tcp://a:1", "reachable": True, "role": "active", "sequence": 10,
              "keys": 4, "peer_state": {"state": "passive", "alive": True},
-             "uptime": 3725.2, "version": "0.1.0"},
+             "uptime": 3725.2, "version": "0.2.0", "data_format": 2},
+            {"endpoint": "tcp://c:1", "reachable": True, "role": "passive", "sequence": 10,
+             "keys": 4, "peer_state": {"state": "active", "alive": True},
+             "uptime": 5.0, "version": "0.1.0"},
             {"endpoint": "tcp://b:1", "reachable": False, "role": None, "sequence": None,
              "keys": None, "peer_state": None, "uptime": None, "version": None},
         ]
@@ -97,9 +100,12 @@ def test_table() -> None:
         "ENDPOINT", "REACHABLE", "ROLE", "SEQUENCE", "KEYS", "PEER", "UPTIME", "VERSION",
     ]  # fmt: skip
     assert lines[1].split() == [
-        "tcp://a:1", "yes", "active", "10", "4", "passive", "(alive)", "1h02m05s", "0.1.0",
+        "tcp://a:1", "yes", "active", "10", "4", "passive", "(alive)", "1h02m05s", "0.2.0",
+        "(format", "2)",
     ]  # fmt: skip
-    assert lines[2].split() == ["tcp://b:1", "NO", "-", "-", "-", "-", "-", "-"]
+    # Release 0.1.0 reports no format: its version alone.
+    assert lines[2].split()[-1] == "0.1.0" and "format" not in lines[2]
+    assert lines[3].split() == ["tcp://b:1", "NO", "-", "-", "-", "-", "-", "-"]
     assert len({line.index("ROLE") for line in lines[:1]}) == 1
 
 

@@ -16,11 +16,13 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from clone.logformat import JsonFormatter, formatter
+from clone.release import RELEASE
 from clone.server.cli import build_parser, config_from_args
 from clone.server.config import ServerConfig
 from clone.server.http import StatusHub
 from clone.server.metrics import DurationHistogram, SubscriberCount
 from clone.server.reactor import CloneServer
+from clone.storage import FORMAT_VERSION
 from tests.support.ports import free_base_port, free_port
 from tests.support.waiting import eventually
 
@@ -155,6 +157,11 @@ def test_in_process_http_port(server: tuple[CloneServer, int]) -> None:
     names = {f.name for f in text_string_to_metric_families(body.decode())}
     assert {"clone_sequence", "clone_role", "clone_subscribers", "clone_snapshot_seconds"} <= names
     assert "clone_peer_up" not in names  # standalone: no peer
+    (build,) = [f for f in text_string_to_metric_families(body.decode())
+                if f.name == "clone_build_info"]
+    assert [(s.labels, s.value) for s in build.samples] == [
+        ({"version": RELEASE, "format": str(FORMAT_VERSION)}, 1.0)
+    ]
     assert json.loads(_get(http, "/healthz")[1]) == {"role": "active", "sequence": 0}
     assert _get(http, "/")[1].startswith(b"<!doctype html>")
     assert b"WebSocket" in _get(http, "/status.js")[1]

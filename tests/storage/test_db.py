@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from clone.storage import DATA_FILE, FsyncPolicy, Storage
+from clone.storage import DATA_FILE, FORMAT_VERSION, FsyncPolicy, Storage
 from tests.storage.conftest import OpenStorage, upd
 
 
@@ -26,10 +26,10 @@ def test_header_marks_and_wal(data_dir: Path, open_storage: OpenStorage) -> None
     conn = sqlite3.connect(data_dir / DATA_FILE)
     try:
         assert conn.execute("PRAGMA application_id").fetchone()[0] == 0x434C4F4E
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == 1
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == FORMAT_VERSION
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         meta = dict(conn.execute("SELECT name, value FROM meta"))
-        assert set(meta) == {"created", "sequence", "term"}
+        assert set(meta) == {"created", "sequence", "term", "release"}
         assert abs(meta["created"] - time.time()) < 60
     finally:
         conn.close()

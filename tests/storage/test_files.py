@@ -52,9 +52,9 @@ def test_check_state_file_refuses_bad_files(tmp_path: Path) -> None:
         check_state_file(garbage)
     write_state_file(tmp_path / "good.db", entries(1), sequence=1, term=1)
     conn = sqlite3.connect(tmp_path / "good.db")
-    conn.execute("PRAGMA user_version = 2")
+    conn.execute("PRAGMA user_version = 3")
     conn.close()
-    with pytest.raises(DataDirIncompatible, match="version 2"):
+    with pytest.raises(DataDirIncompatible, match="version 3"):
         check_state_file(tmp_path / "good.db")
 
 

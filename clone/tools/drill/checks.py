@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from clone.release import RELEASE
+from clone.storage.schema import FORMAT_VERSION
 from clone.tools.drill.analysis import (
     log_line_time,
     revert_detail,
@@ -19,7 +21,7 @@ from clone.tools.drill.analysis import (
 )
 from clone.tools.drill.pair import PairRun
 
-__all__ = ["judge_partition", "judge_restarts", "run_checks"]
+__all__ = ["judge_partition", "judge_restarts", "judge_upgrade", "run_checks"]
 
 
 def _log_since(run: PairRun, name: str, offset: int) -> str:
@@ -94,6 +96,53 @@ def judge_restarts(run: PairRun) -> list[dict[str, Any]]:
         ok = rec["synced_s"] is not None and rec["stats"].get("role") == "passive" and not hugz
         out.append({**rec, "hugz_before_takeover": len(hugz), "came_back_passive": ok})
     return out
+
+
+def judge_upgrade(run: PairRun) -> dict[str, Any]:
+    """--upgrade-from: the versions at the start, mixed and at the end, the order the
+    servers were upgraded in, and the copies each migration kept."""
+    from clone.storage.schema import DATA_FILE
+
+    release = run.release
+    assert release is not None
+    start = run.notes.get("upgrade_start", {})
+    kept = {}
+    for name in run.servers:
+        old_format = (start.get(name) or {}).get("data_format")
+        data = run.out / "data" / name
+        kept[name] = {
+            "old_format": old_format,
+            "kept": sorted(p.name for p in data.glob(f"{DATA_FILE}.v*")) if data.is_dir() else [],
+        }
+    return {
+        **release.summary(),
+        "new_version": RELEASE,
+        "new_format": FORMAT_VERSION,
+        "start": start,
+        "mixed": run.notes.get("upgrade_mixed"),
+        "end": run.notes.get("upgrade_end", {}),
+        "order": [r["server"] for r in run.restarts if r.get("upgraded")],
+        "migrations": kept,
+    }
+
+
+def _upgrade_checks(up: dict[str, Any], check: Any) -> None:
+    start, end = up["start"], up["end"]
+    check("the pair started on the old release",
+          bool(start) and all(v.get("version") == up["version"] for v in start.values()),
+          f"{ {n: v.get('version') for n, v in start.items()} }, expected {up['version']}")
+    check("both servers run the new release at the end",
+          bool(end) and all(v.get("version") == up["new_version"]
+                            and v.get("data_format") == up["new_format"] for v in end.values()),
+          f"{ {n: (v.get('version'), v.get('data_format')) for n, v in end.items()} }, "
+          f"expected ({up['new_version']}, {up['new_format']})")
+    check("upgraded the backup first, then the primary",
+          up["order"][:2] == ["backup", "primary"], " then ".join(up["order"]) or "none")
+    bad = {n: m for n, m in up["migrations"].items()
+           if (m["old_format"] or 1) < up["new_format"]
+           and f"clone.db.v{m['old_format'] or 1}" not in m["kept"]}
+    check("each data directory migrated with its old file kept", not bad,
+          "; ".join(f"{n}: {m['kept']}" for n, m in up["migrations"].items()))
 
 
 def run_checks(
@@ -183,6 +232,8 @@ def run_checks(
               f"loaded {crash.get('loaded')}")
     if sc in ("partition-pair", "partition-active", "partition-split") and "partition" in s:
         _partition_checks(s, end_active, check)
+    if "upgrade" in s:
+        _upgrade_checks(s["upgrade"], check)
     if sc == "client-restart":
         check("every client has a final state",
               None not in s["final_client_hashes"].values(), "")

@@ -19,6 +19,7 @@ from clone.tools.drill.config import (
 )
 from clone.tools.drill.harness import run_drill
 from clone.tools.drill.netns import NetnsUnavailable, preflight
+from clone.tools.drill.upgrade import UpgradeError
 from clone.wire.protocol import DEFAULT_HEARTBEAT_MS
 
 __all__ = ["main"]
@@ -68,6 +69,14 @@ def _parser() -> argparse.ArgumentParser:
     part.add_argument("--island-reset", action="store_true",
                       help="partition-split: reset the island client's connections to the "
                       "passive (TCP RST) instead of dropping their packets")
+    up = p.add_argument_group("rolling-restart --upgrade-from")
+    up.add_argument("--upgrade-from", metavar="REF", default=None,
+                    help="start the pair on release REF (a git ref of this checkout, or a "
+                    ".whl file), then restart each server onto this code in turn, backup "
+                    "first (docs/operations.md, Upgrading)")
+    up.add_argument("--release-cache", type=Path, default=None, metavar="DIR",
+                    help="where REF's virtual environment is built and kept, by commit "
+                    "(default $CLONE_RELEASE_CACHE, else ~/.cache/clone/releases)")
     # Diagnostic: servers without a data directory, to see the drill fail.
     p.add_argument("--in-memory", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -95,6 +104,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             crash_order=args.crash_order, crash_gap=args.crash_gap, down_time=args.down_time,
             restart_stagger=args.restart_stagger, in_memory=args.in_memory,
             partition_time=args.partition_time, island_reset=args.island_reset,
+            upgrade_from=args.upgrade_from, release_cache=args.release_cache,
         )
     except ValueError as exc:
         print(f"drill: {exc}", file=sys.stderr)
@@ -105,6 +115,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         summary = run_drill(cfg, say=lambda line: print(line, flush=True))
     except NetnsUnavailable as exc:
         print(f"drill: {cfg.scenario} cannot run here: {exc}", file=sys.stderr)
+        return 2
+    except UpgradeError as exc:
+        print(f"drill: --upgrade-from: {exc}", file=sys.stderr)
         return 2
     print()
     print(report.drill_text(summary))

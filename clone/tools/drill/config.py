@@ -73,6 +73,11 @@ class DrillConfig:
     # instead of dropping their packets, as a restarted peer or an expired NAT
     # entry would: what the island's client queued for the passive is then gone.
     island_reset: bool = False
+    # rolling-restart --upgrade-from REF: the pair starts on REF's code (a git ref
+    # of this checkout or a wheel file, built into a virtual environment under
+    # release_cache) and every restart brings a server onto this code.
+    upgrade_from: str | None = None
+    release_cache: Path | None = None
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -93,6 +98,11 @@ class DrillConfig:
         # long would make the first one serve alone, which is another scenario.
         if self.partition_time is not None and self.partition_time <= 0:
             raise ValueError("partition_time must be > 0")
+        if self.upgrade_from is not None and self.scenario != "rolling-restart":
+            raise ValueError("upgrade_from is for rolling-restart only")
+        if self.upgrade_from is not None and self.in_memory:
+            raise ValueError("upgrade_from needs data directories (not in_memory): "
+                             "their migration is part of the upgrade")
         if self.island_reset and self.scenario != "partition-split":
             raise ValueError("island_reset is for partition-split only")
         if not 0 <= self.restart_stagger < PEER_WAIT_DEFAULT:

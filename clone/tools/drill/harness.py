@@ -51,11 +51,12 @@ import zmq
 
 from clone.progress import Progress
 from clone.tools.drill.analysis import analyse, highest_sequence_before
-from clone.tools.drill.checks import judge_partition, judge_restarts, run_checks
+from clone.tools.drill.checks import judge_partition, judge_restarts, judge_upgrade, run_checks
 from clone.tools.drill.client import DRILL_PREFIX
 from clone.tools.drill.config import DrillConfig, Say
 from clone.tools.drill.events import EventTail, read_events
 from clone.tools.drill.scenarios import Scenarios
+from clone.tools.drill.upgrade import default_cache, prepare_release
 from clone.tools.drill.watch import raw_snapshot, server_stats
 from clone.tools.procs import wait_listening
 from clone.wire.protocol import PUBLISHER_OFFSET
@@ -94,6 +95,10 @@ class Drill(Scenarios):
             f"drill {cfg.scenario}: {cfg.clients} clients x {cfg.rate:g} writes/s for "
             f"{cfg.duration:g} s, heartbeat {cfg.heartbeat_ms} ms, out {self.out}"
         )
+        if cfg.upgrade_from is not None:
+            self.release = prepare_release(cfg.upgrade_from, cfg.release_cache or default_cache(),
+                                           self.say)
+            self.notes["upgrade"] = self.release.summary()
         for name in self.servers:
             self.start_server(name)
         deadline = time.monotonic() + 15
@@ -108,6 +113,9 @@ class Drill(Scenarios):
         if self.active_server() is None:
             raise RuntimeError("no server became active:\n" + self._log_tails())
         self.say(f"pair up: {self.active_server()} is active")
+        if self.release is not None:
+            self.notes["upgrade_start"] = self.versions()
+            self.say("versions: " + _versions_text(self.notes["upgrade_start"]))
         if cfg.preload:
             self._preload(cfg.preload)
 
@@ -189,6 +197,9 @@ class Drill(Scenarios):
                     answered = name
                     break
         stats = {name: server_stats(self.group[name]) for name in self.servers}
+        if self.release is not None:
+            self.notes["upgrade_end"] = self.versions()
+            self.say("versions at the end: " + _versions_text(self.notes["upgrade_end"]))
         self.group.stop_all()
         self.monitor.stop()
 
@@ -234,6 +245,8 @@ class Drill(Scenarios):
                 streams, crash.get("down_ts", float("inf")))
         if "partition" in self.notes:
             summary["partition"] = judge_partition(self, streams, server_state)
+        if self.release is not None:
+            summary["upgrade"] = judge_upgrade(self)
         summary["checks"] = run_checks(self, summary, end_active)
         summary["ok"] = all(c["ok"] for c in summary["checks"].values())
         summary["config"] = {k: str(v) if isinstance(v, Path) else v
@@ -241,6 +254,11 @@ class Drill(Scenarios):
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
         return summary
 
+
+
+def _versions_text(versions: dict[str, dict[str, Any]]) -> str:
+    return ", ".join(f"{n} {v['version'] or '?'} (format {v['data_format'] or '?'}, "
+                     f"{v['role'] or 'no answer'})" for n, v in versions.items())
 
 
 def run_drill(cfg: DrillConfig, say: Say | None = None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from typing import Any
 
 from clone.tools.drill.config import PARTITION_SCENARIOS, DrillConfig, Say
 from clone.tools.drill.netns import ISLAND, Topology
+from clone.tools.drill.upgrade import ReleaseEnv, old_server_env
 from clone.tools.drill.watch import HugzMonitor
 from clone.tools.procs import (
     ManagedProcess,
@@ -51,6 +52,10 @@ class PairRun:
         self.rounds: list[dict[str, Any]] = []
         self.restarts: list[dict[str, Any]] = []
         self.in_progress = False  # a multi-step action is under way: do not end yet
+        # --upgrade-from: the older release's environment (set by the harness
+        # before the pair starts), and the servers already brought onto this code.
+        self.release: ReleaseEnv | None = None
+        self.upgraded: set[str] = set()
         self.t0 = 0.0  # when the clients start writing
         self.write_end = 0.0  # when they stop (set once the run starts)
 
@@ -90,22 +95,31 @@ class PairRun:
         record.update(fields)
         self.harness_events.append(record)
 
+    def runs_old(self, name: str) -> bool:
+        """Whether ``name``'s next start runs the older release (--upgrade-from)."""
+        return self.release is not None and name not in self.upgraded
+
     def start_server(self, name: str) -> ManagedProcess:
         other = "backup" if name == "primary" else "primary"
+        old = self.release if self.runs_old(name) else None
         argv = server_argv(
             name,
             self.servers[name],
             self.servers[other],
             heartbeat_ms=self.cfg.heartbeat_ms,
             data_dir=None if self.cfg.in_memory else self.out / "data" / name,
+            command=None if old is None else [str(old.server)],
         )
+        env = None if old is None else old_server_env()
         if self.topology is not None:
             argv = self.topology.prefix(name) + argv
         if name in self.group.procs:
             proc = self.group[name]
+            # A restart may change the code (an upgrade): same ports, new command.
+            proc.argv, proc.env = argv, env
             proc.start()
         else:
-            proc = self.group.add(name, argv)
+            proc = self.group.add(name, argv, env=env)
         return proc
 
     def start_client(self, cid: str, start_at: float, final_at: float) -> ManagedProcess:
@@ -139,6 +153,18 @@ class PairRun:
         if self.topology is not None and cid == cfg.island_client:
             argv = self.topology.prefix(ISLAND) + argv
         return self.group.add(stem, argv)
+
+    def versions(self) -> dict[str, dict[str, Any]]:
+        """Each server's release, data format and role, as ``clone status`` reads them
+        (a release before 0.2.0 reports no format: it is 1)."""
+        from clone.client.status import query_status
+
+        names = list(self.servers)
+        got = query_status([self.servers[n].endpoint for n in names], 2.0)
+        return {n: {"version": s.get("version"),
+                    "data_format": s.get("data_format") or (1 if s.get("version") else None),
+                    "role": s.get("role")}
+                for n, s in zip(names, got, strict=True)}
 
     def active_server(self) -> str | None:
         active = self.monitor.active()

@@ -193,6 +193,9 @@ class Scenarios(PairRun):
             yield down_until
         restarted = self._restart_server(passive, tag)
         yield from self._wait_synced(restarted)
+        if restarted["upgraded"] and self.release is not None:
+            # A mixed pair: the old release active, the new one following it.
+            self.notes.setdefault("upgrade_mixed", self.versions())
         if i == rounds - 1:
             while time.time() < self.write_end + 0.5:
                 yield time.time() + 0.05
@@ -230,12 +233,19 @@ class Scenarios(PairRun):
     def _restart_server(self, name: str, tag: str) -> dict[str, Any]:
         path = self.group[name].log_path
         offset = path.stat().st_size if path.exists() else 0
+        upgrade = self.runs_old(name)
+        if upgrade:
+            self.upgraded.add(name)  # --upgrade-from: every restart runs this code
         self.start_server(name)
         rec: dict[str, Any] = {"server": name, "ts": time.time(), "log_offset": offset,
-                               "until": None, "synced_s": None, "stats": {}}
+                               "until": None, "synced_s": None, "stats": {},
+                               "upgraded": upgrade}
         self.restarts.append(rec)
-        self.event("restart", target=name)
-        self.say(f"{tag}: restarted {name}; it must come back passive and sync")
+        self.event("restart", target=name, upgraded=upgrade)
+        self.say(f"{tag}: restarted {name}"
+                 + (f" onto the new code (from {self.release.version})"
+                    if upgrade and self.release is not None else "")
+                 + "; it must come back passive and sync")
         return rec
 
     def _wait_synced(self, rec: dict[str, Any]) -> Iterator[float]:
