@@ -146,17 +146,7 @@ def _cell(value: object) -> str:
 
 def status_table(statuses: Sequence[dict[str, Any]]) -> list[str]:
     """Aligned lines, a header first: one line per server."""
-    header = (
-        "ENDPOINT",
-        "REACHABLE",
-        "ROLE",
-        "SEQUENCE",
-        "KEYS",
-        "CONFLICTS",
-        "PEER",
-        "UPTIME",
-        "VERSION",
-    )
+    header = ("ENDPOINT", "REACHABLE", "ROLE", "SEQUENCE", "KEYS", "PEER", "UPTIME", "VERSION")
     rows = [header]
     for s in statuses:
         reachable = bool(s.get("reachable"))
@@ -167,14 +157,22 @@ def status_table(statuses: Sequence[dict[str, Any]]) -> list[str]:
                 _cell(s.get("role")),
                 _cell(s.get("sequence")),
                 _cell(s.get("keys")),
-                # Unresolved split-brain conflicts (clone conflicts); older servers: -.
-                _cell(s.get("conflicts")),
                 _peer_text(s) if reachable else "-",
                 _uptime_text(s.get("uptime")),
                 _version_text(s),
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return [
+    lines = [
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
     ]
+    # Split-brain writes a server kept instead of applying: an operator must
+    # decide each (docs/operations.md, "Split-brain conflicts").
+    for s in statuses:
+        unresolved = s.get("conflicts")
+        if isinstance(unresolved, int) and unresolved > 0:
+            lines.append(
+                f"{_cell(s.get('endpoint'))}: {unresolved} unresolved split-brain"
+                " conflict(s): see `clone conflicts`"
+            )
+    return lines
