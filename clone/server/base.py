@@ -229,6 +229,8 @@ class ServerBase:
                 "split_writes_applied",
                 "split_writes_refused",
                 "split_writes_conflicts",
+                "conflicts_requests",
+                "conflicts_dropped",
                 "split_writes_resent",
                 "split_writes_abandoned",
                 "snapshot_entries_sent",
@@ -382,6 +384,8 @@ class ServerBase:
         def _view_heartbeats(self) -> list[list[bytes]]: ...
 
         def _on_call(self, identity: bytes, parts: list[zmq.Frame]) -> None: ...
+
+        def _answer_conflicts(self, identity: bytes, parts: list[zmq.Frame]) -> None: ...
 
         def _forward_call(
             self, identity: bytes, frames: list[bytes], user: str | None = None

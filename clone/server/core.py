@@ -51,9 +51,12 @@ from clone.server.ttl import parse_ttl
 from clone.wire.applied import decode_kvapplied, encode_kvapplied, is_kvapplied, uuid_ids
 from clone.wire.batch import decode_kvbatch, is_kvbatch
 from clone.wire.calls import (
+    CONFLICT_OPS,
+    CONFLICT_PROPERTY,
     IF_SEQUENCE_PROPERTY,
     LEASE_PREFIX,
     LEASE_PROPERTY,
+    OP_CONFLICT_APPLY,
     OP_LEASE_GRANT,
     OP_LEASE_KEEPALIVE,
     OP_SET,
@@ -210,6 +213,7 @@ COUNTERS = (
     "calls_bad_if_sequence",
     "calls_bad_lease",
     "calls_bad_ttl",
+    "calls_unknown_conflict",
     "kvset_conflict",
     "kvset_unknown_lease",
     "kvset_reserved",
@@ -1036,6 +1040,8 @@ class ServerCore:
             return self._call_set(call, now)
         if call.op == OP_LEASE_GRANT:
             return self._call_grant(call, now)
+        if call.op in CONFLICT_OPS:
+            return self._call_conflict(call, now)
         lease_id = call.lease
         assert lease_id is not None  # check_call
         if call.op == OP_LEASE_KEEPALIVE:
@@ -1232,6 +1238,27 @@ class ServerCore:
         else:
             raise ValueError(f"a conflict is applied or discarded, not {action!r}")
         return done
+
+    def _call_conflict(self, call: Call, now: float) -> tuple[Reply, bool]:
+        """An operator applies or discards a conflict; the ACL has judged its key."""
+        c = self.counters
+        cid = int(call.prop(CONFLICT_PROPERTY) or 0)  # check_call: a whole number
+        rec = self.conflicts.get(cid)
+        if rec is None or rec.key != call.key.encode("utf-8") or rec.resolution is not None:
+            c["calls_unknown_conflict"] += 1
+            why = (
+                f"no conflict {cid}"
+                if rec is None
+                else f"conflict {cid} is for another key"
+                if rec.key != call.key.encode("utf-8")
+                else f"conflict {cid} was {rec.resolution} already"
+            )
+            return _refused(call.uuid, "unknown-conflict", why), False
+        action = "apply" if call.op == OP_CONFLICT_APPLY else "discard"
+        self.resolve_conflict(cid, action, now)
+        c["calls_ok"] += 1
+        seq = self.store.sequence if action == "apply" else 0
+        return Reply(call.uuid, "ok", seq), True
 
     def _call_grant(self, call: Call, now: float) -> tuple[Reply, bool]:
         c = self.counters

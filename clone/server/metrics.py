@@ -74,6 +74,7 @@ CALL_RESULTS: Mapping[str, str] = {
     "full": "calls_refused_full",
     "size": "calls_refused_size",
     "busy": "calls_refused_busy",
+    "unknown_conflict": "calls_unknown_conflict",
 }
 
 #: ``clone_relay_calls_total{result}``: what a relay did with its clients'

@@ -34,6 +34,7 @@ from tornado.ioloop import IOLoop
 
 from clone.errors import LimitExceeded, ProtocolError, ServerStartError, StoreFull
 from clone.release import RELEASE
+from clone.server.admin import AdminMixin
 from clone.server.base import TURN_BUDGET, log
 from clone.server.calling import CallingMixin
 from clone.server.config import ServerConfig, ServerMode
@@ -62,6 +63,7 @@ def _tcp(host_port: str) -> str:
 
 
 class CloneServer(
+    AdminMixin,
     CallingMixin,
     ServingMixin,
     FollowingMixin,

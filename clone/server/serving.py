@@ -35,6 +35,7 @@ from clone.server.core import Role
 from clone.server.delta import DeltaStream
 from clone.server.status import PeerView, server_status
 from clone.wire.calls import CALL
+from clone.wire.conflicts import CONFLICTS_REQUEST
 from clone.wire.control import view_id
 from clone.wire.delta import SINCE_PROPERTY, SinceRequest, parse_since
 from clone.wire.frames import NOBLOCK, POLLIN, send_frames, send_tracked
@@ -119,6 +120,9 @@ class ServingMixin(ServerBase):
             return
         if len(parts) > 1 and parts[1].bytes == CALL:
             self._on_call(identity, parts)
+            return
+        if len(parts) > 1 and parts[1].bytes == CONFLICTS_REQUEST:
+            self._answer_conflicts(identity, parts)
             return
         batch = len(parts) > 1 and _wants_batches(parts[1])
         applied = len(parts) > 1 and _wants_applied(parts[1])
