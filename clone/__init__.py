@@ -15,6 +15,7 @@ from clone.errors import (
     LeaseLost,
     NotActive,
     NotSynced,
+    SplitConflict,
     WriteRefused,
 )
 
@@ -30,6 +31,7 @@ __all__ = [
     "LeaseLost",
     "NotActive",
     "NotSynced",
+    "SplitConflict",
     "Status",
     "WriteRefused",
     "clone_get",

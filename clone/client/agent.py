@@ -90,6 +90,7 @@ from clone.client.fsm import (
     RequestSnapshot,
     SendCall,
     SendUpdate,
+    SplitConflicted,
     StateChanged,
 )
 from clone.errors import ProtocolError
@@ -179,6 +180,8 @@ STARTED, CONFIRMED, FAILED, REFUSED, REPLY, LEASELOST, STATE, CHANGE, STOPPED = 
 )
 #: A keepalive was answered: ``LEASEKEPT id valid_until`` (monotonic seconds, repr).
 LEASEKEPT = b"LEASEKEPT"
+#: A confirmed write became a split-brain conflict: ``CONFLICT uuid key``.
+CONFLICT = b"CONFLICT"
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -435,6 +438,8 @@ class Agent:
                 self._events.send_multipart(
                     [REFUSED, action.uuid, action.reason.encode(), action.key.encode()]
                 )
+            elif isinstance(action, SplitConflicted):
+                self._events.send_multipart([CONFLICT, action.uuid, action.key.encode()])
             elif isinstance(action, Malformed):
                 self._bad.log(
                     action.what,

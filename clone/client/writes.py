@@ -14,7 +14,15 @@ from __future__ import annotations
 
 import logging
 
-from clone.client.state import _NEVER, Action, AgentState, Refused, SendUpdate, _Pending
+from clone.client.state import (
+    _NEVER,
+    Action,
+    AgentState,
+    Refused,
+    SendUpdate,
+    SplitConflicted,
+    _Pending,
+)
 from clone.wire.codec import KVMsg
 from clone.wire.control import Refusal
 
@@ -49,6 +57,8 @@ class Writes(AgentState):
         gave up on, has nobody waiting: the notice is only counted.
         """
         self.counters.refusals += 1
+        if refusal.reason == "conflict":
+            return self._split_conflict(refusal.uuid)
         if server != self.current:
             self.counters.foreign += 1
             return []
@@ -58,6 +68,24 @@ class Writes(AgentState):
             return []
         self.counters.refused_writes += 1
         return [Refused(refusal.uuid, refusal.reason, pending.msg.key)]
+
+    def _split_conflict(self, uuid: bytes) -> list[Action]:
+        """A split brain's loser says its write ``uuid`` became a conflict.
+
+        From whichever server: it comes from the one that stepped down, no
+        longer ours.  Every client hears it (the loser cannot name the
+        writer): only a uuid of ours counts.  Still waited on: failed (the
+        application's wait raises); confirmed lately: an event.
+        """
+        pending = self._pending.pop(uuid, None) if uuid else None
+        if pending is not None:
+            self.counters.split_conflicts += 1
+            return [Refused(uuid, "conflict", pending.msg.key)]
+        key = self._confirmed_lately.pop(uuid, None) if uuid else None
+        if key is None:
+            return []
+        self.counters.split_conflicts += 1
+        return [SplitConflicted(uuid, key)]
 
     def forget(self, uuid: bytes) -> None:
         """The application gave up waiting for this write."""

@@ -582,6 +582,7 @@ def test_public_api() -> None:
         "LeaseLost",
         "NotActive",
         "NotSynced",
+        "SplitConflict",
         "Status",
         "WriteRefused",
         "clone_get",
