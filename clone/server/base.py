@@ -194,6 +194,11 @@ class ServerBase:
         self._split_scheduled = False
         # Of this heal's writes, how many the winner kept as conflicts (logged once).
         self._split_conflicts_this_heal = 0
+        # Winning a split brain (clone.server.healing): since when client updates
+        # are held (wall clock), and when the peer's sync finished streaming.
+        self._hold_started: float | None = None
+        self._hold_sync_done: float | None = None
+        self._peer_syncs: set[AnyStream] = set()
         self._sync_progress = 0.0
         self._sync_started = 0.0
         self._hugz_timer: object | None = None
@@ -400,5 +405,11 @@ class ServerBase:
         def _apply_split_writes_here(self) -> None: ...
 
         def _check_split_writes(self) -> None: ...
+
+        def _on_split_brain(self) -> None: ...
+
+        def _check_hold(self) -> None: ...
+
+        def _peer_sync_done(self) -> None: ...
 
         def _close_split(self) -> None: ...

@@ -160,6 +160,7 @@ COUNTERS = (
     "kvset_invalid",
     "kvset_duplicate",
     "kvset_pending",
+    "kvset_held",
     "kvset_already_applied",
     "kvset_refused_full",
     "kvpub_published",
@@ -404,6 +405,10 @@ class ServerCore:
         self._fork_keys: tuple[int, int, set[bytes] | None] | None = None
         #: Split-brain writes of a loser this server did not apply (the winner's side).
         self.conflicts = ConflictBook()
+        #: Winning a split brain: client updates are parked until the loser's
+        #: forwarded writes are in (hold_writes); when the last of those came.
+        self.holding = False
+        self.split_call_at = 0.0
         self.sync_state = SyncState.IDLE
         #: The highest sequence seen anywhere (own store, peer KVPUB/HUGZ/KTHXBAI).
         self.highest_seen = 0
@@ -439,7 +444,7 @@ class ServerCore:
         except ProtocolError:
             c["kvset_invalid"] += 1
             raise
-        if self.role is Role.ACTIVE:
+        if self.role is Role.ACTIVE and not self.holding:
             uuid = msg.uuid
             if uuid and uuid in self.window:
                 c["kvset_duplicate"] += 1
@@ -466,7 +471,10 @@ class ServerCore:
             c["kvpub_published"] += 1
             self._record(out)
             return out
-        # Passive or starting: validate now, so promotion cannot fail on it.
+        # Passive or starting, or holding client updates while a split brain
+        # heals: validate now, so that applying them later cannot fail on it.
+        if self.holding:
+            c["kvset_held"] += 1
         if frames[0].startswith(_LEASE_PREFIX_RAW):
             c["kvset_reserved"] += 1
             raise ProtocolError(f"key {msg.key[:80]!r}: keys under {LEASE_PREFIX} are the server's")
@@ -589,6 +597,32 @@ class ServerCore:
         self._fork_keys = None
         store.sequence = max(store.sequence, self.highest_seen)
         out = self._rebuild_leases(now)
+        out += self._apply_pending(now)
+        self.highest_seen = store.sequence
+        return out
+
+    def hold_writes(self) -> None:
+        """A split brain this active server wins: park client updates (KVSETs)
+        as a passive does, until :meth:`release_held`, so that the writes the
+        stepped-down peer forwards are judged first and those of its clients
+        that reach us directly, late (queued in TCP through the partition), are
+        not applied ahead of them (docs/failover.md, "Writes of a split brain")."""
+        if self.role is Role.ACTIVE:
+            self.holding = True
+
+    def release_held(self, now: float) -> list[list[bytes]]:
+        """End :meth:`hold_writes`: apply what was parked, in arrival order (a
+        write the peer forwarded meanwhile is in the uuid window: skipped)."""
+        if not self.holding:
+            return []
+        self.holding = False
+        return self._apply_pending(now)
+
+    def _apply_pending(self, now: float) -> list[list[bytes]]:
+        """Apply the pending list as active, in arrival order."""
+        c = self.counters
+        store = self.store
+        out: list[list[bytes]] = []
         applied = 0
         for parked in self.pending.drain():
             msg = parked.msg
@@ -612,11 +646,11 @@ class ServerCore:
             applied += 1
         c["pending_applied"] += applied
         c["kvpub_published"] += applied
-        self.highest_seen = store.sequence
         return out
 
     def become_passive(self) -> None:
         """Demotion or first decision: the caller must now start a sync."""
+        self.holding = False
         if self.role is Role.ACTIVE:
             self.counters["demotions"] += 1
             # What we wrote as active: the winner of a split brain may lack some.
@@ -1151,6 +1185,7 @@ class ServerCore:
             return _refused(uuid, "malformed", str(exc)), False
         assert origin is not None
         c["split_calls_received"] += 1
+        self.split_call_at = now
         known = self.conflicts.of_uuid(uuid)
         if known is not None:
             # A resend of a write already judged: the same answer.

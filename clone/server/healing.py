@@ -28,6 +28,7 @@ import logging
 
 import zmq
 
+from bstar.fsm import State as BStarState
 from clone.errors import ProtocolError
 from clone.server.base import TURN_BUDGET, ServerBase, log, peer_endpoint
 from clone.server.core import Role
@@ -42,6 +43,12 @@ from clone.wire.control import encode_refusal
 from clone.wire.protocol import SNAPSHOT_OFFSET
 
 __all__ = ["ANY_WRITER", "HealingMixin"]
+
+#: Winning a split brain, client updates are held until the peer's sync has
+#: streamed and no forwarded write came for HOLD_GRACE seconds, and never
+#: longer than HOLD_MAX (a peer that never resyncs, or one too old to forward).
+HOLD_GRACE = 1.0
+HOLD_MAX = 10.0
 
 #: The topic of notices for whichever client wrote the uuid (docs/protocol.md:
 #: a loser cannot name the writer of a split write, so every client hears it
@@ -225,6 +232,51 @@ class HealingMixin(ServerBase):
             reply.reason,
             reply.detail,
             decode_call(frames).key[:80],
+        )
+
+    # -- the winner's side: hold client updates until the loser's are in -------
+
+    def _on_split_brain(self) -> None:
+        """Binary Star saw the peer active too.  If we keep serving, the peer
+        steps down, resyncs and forwards its writes; until then its clients'
+        updates may still reach us directly, late, and must not go ahead of
+        those (core.hold_writes)."""
+        ha = self._ha
+        if ha is None or self.core.role is not Role.ACTIVE or ha.state is not BStarState.ACTIVE:
+            return  # we are the one stepping down
+        self.core.hold_writes()
+        self._hold_started = self._wallclock()
+        self._hold_sync_done = None
+        log.warning(
+            "won a split brain: holding client updates until the peer has resynced and"
+            " forwarded its writes (at most %.0f s)",
+            HOLD_MAX,
+        )
+
+    def _peer_sync_done(self) -> None:
+        if self._hold_started is not None:
+            self._hold_sync_done = self._wallclock()
+
+    def _check_hold(self) -> None:
+        """Housekeeping: end the hold once the peer's sync has streamed and no
+        forwarded write came for HOLD_GRACE, or after HOLD_MAX in any case."""
+        started = self._hold_started
+        if started is None:
+            return
+        core = self.core
+        now = self._wallclock()
+        done = self._hold_sync_done
+        quiet = done is not None and now >= max(done, core.split_call_at) + HOLD_GRACE
+        if not (quiet or now >= started + HOLD_MAX or not core.holding):
+            return
+        self._hold_started = self._hold_sync_done = None
+        held = len(core.pending)
+        core.release_held(now)
+        self._commit_and_publish()
+        log.info(
+            "released %d client updates held through the split brain's heal after %.2f s",
+            held,
+            now - started,
         )
 
     def _close_split(self) -> None:

@@ -265,6 +265,7 @@ class CloneServer(
             )
             ha.on_active(self._on_became_active)
             ha.on_passive(self._on_became_passive)
+            ha.on_split_brain(self._on_split_brain)
             self._ha = ha
             ha.start()
         self._next_hugz = self._clock() + cfg.heartbeat
@@ -392,6 +393,7 @@ class CloneServer(
                 self._check_upstream()
             self._check_stalled_snapshots()
             self._check_split_writes()
+            self._check_hold()
             if self._deferred:
                 # The peer's expiry may have moved earlier (Binary Star saw its
                 # connection drop); the timer only knows the old one.

@@ -222,6 +222,8 @@ class ServingMixin(ServerBase):
             # The peer always asks for the applied list too; a client never does.
             self.counters["catchups_served" if applied else "client_catchups_served"] += 1
         self._snapshots[stream] = self._snapshot_started[stream] = self._clock()
+        if applied:
+            self._peer_syncs.add(stream)  # the peer's sync: a heal waits for it
         if batch:
             self._in_flight[stream] = deque()
         if deferred:
@@ -295,6 +297,9 @@ class ServingMixin(ServerBase):
             self._in_flight.pop(stream, None)
             self._unreachable.pop(stream, None)
             self._deferred_streams.discard(stream)
+            if stream in self._peer_syncs:
+                self._peer_syncs.discard(stream)
+                self._peer_sync_done()
             c = self.counters
             c["snapshots_served"] += 1
             c["snapshot_entries_sent"] += stream.sent
@@ -388,6 +393,7 @@ class ServingMixin(ServerBase):
             self._snapshots[stream] = self._clock()
 
     def _abort_snapshot(self, stream: AnyStream, why: str, *, gone: bool = False) -> None:
+        self._peer_syncs.discard(stream)
         self._snapshot_started.pop(stream, None)
         self._unreachable.pop(stream, None)
         if self._snapshots.pop(stream, None) is None:

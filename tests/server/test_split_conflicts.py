@@ -217,3 +217,26 @@ def test_an_operator_applies_or_discards_a_conflict() -> None:
         except ValueError:
             continue
         raise AssertionError(f"conflict {cid} resolved twice")
+
+
+def test_the_winner_holds_late_direct_copies_until_the_forwarded_writes_are_judged() -> None:
+    a, b = _pair()
+    b.on_kvset(_kvset("/k/1", 20, b"winner"), 4.0)
+    island = [_kvset("/k/1", 21, b"island"), _kvset("/k/9", 22, b"island only")]
+    for frames in island:
+        a.on_kvset(frames, 5.0)
+    b.hold_writes()  # the split brain is detected: b keeps serving
+    # The island client's own copies, stuck in TCP through the cut, arrive first,
+    # and a winner-side client's write comes while b holds.
+    assert all(b.on_kvset(frames, 10.5) is None for frames in island)
+    assert b.on_kvset(_kvset("/k/2", 23, b"winner, later"), 10.6) is None
+    assert b.counters["kvset_held"] == 3 and _value(b, "/k/9") is None
+    _heal(a, b)
+    assert _forward(a, b) == ["conflict:split", "ok"]
+    released = b.release_held(12.0)
+    # The island's copies were judged through the forwarded calls; only the
+    # winner-side write is applied now, after them.
+    assert [frames[0] for frames in released] == [b"/k/2"]
+    assert _value(b, "/k/1") == b"winner"
+    assert _value(b, "/k/9") == b"island only"
+    assert not b.holding and b.release_held(13.0) == []

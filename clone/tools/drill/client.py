@@ -29,6 +29,15 @@ active on changes, it logs ``failover_detected`` and then ``failover_done`` with
 the last update the old server delivered to the first one from the new server
 once its snapshot is complete (the agent delivers nothing in between).
 
+With ``--locks N`` every tick also takes a step on one of N lock keys
+``/drill/lock/<k>``: if the client holds it, it releases it (a delete with
+``if_sequence``, ``lock_released``), else it tries to take it (a confirmed
+write with ``if_sequence=0``, only if absent: ``lock_taken`` with the
+sequence, or nothing when another holds it).  A split brain's heal may keep a
+take or release of the island's as a conflict: the client is told
+(``Clone.on_conflict``), logs ``write_conflict`` for any such write and
+``lock_lost`` for a lock it believed it held.
+
 After the write period and a settle time, it logs ``final_state``: a SHA-256 of
 the sorted ``/drill/`` items and the key count, and writes the items to
 ``--state`` for the drill to compare.  Events go one JSON object per line to
@@ -53,13 +62,14 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from clone import Clone, ConfirmTimeout, Entry
-from clone.errors import CloneError
+from clone.errors import CloneError, Conflict, SplitConflict
 from clone.wire.codec import new_uuid
 
 __all__ = [
     "DEFAULT_SHARED_KEYS",
     "DRILL_PREFIX",
     "SHARED_PREFIX",
+    "LOCK_PREFIX",
     "EventLog",
     "main",
     "parse_value",
@@ -73,6 +83,8 @@ log = logging.getLogger("clone.tools.drill.client")
 DRILL_PREFIX = "/drill/"
 # Keys every client overwrites; no client id may be "shared".
 SHARED_PREFIX = DRILL_PREFIX + "shared/"
+# Keys taken and released with compare-and-set (--locks); no client id may be "lock".
+LOCK_PREFIX = DRILL_PREFIX + "lock/"
 DEFAULT_SHARED_KEYS = 8
 _POLL_S = 0.02
 
@@ -246,8 +258,10 @@ def run(args: argparse.Namespace) -> int:
             heartbeat=args.heartbeat,
             confirm_timeout=args.confirm_timeout,
         )
+        locks = _Locks(client, events, args)
         with client:
             client.on_change(tracker.on_change)
+            client.on_conflict(locks.on_conflict)
             for endpoint in args.servers.split(","):
                 client.connect(endpoint)
             t0 = time.monotonic()
@@ -259,7 +273,7 @@ def run(args: argparse.Namespace) -> int:
             watch = _FailoverWatch(client, tracker, events, names)
             watch.start()
             _sleep_until(args.start_at)
-            _write_loop(client, events, args, rng, names)
+            _write_loop(client, events, args, rng, names, locks)
             _sleep_until(args.final_at)
             watch.stop.set()
             watch.join(2)
@@ -287,6 +301,7 @@ def _write_loop(
     args: argparse.Namespace,
     rng: random.Random,
     names: dict[str, str],
+    locks: _Locks,
 ) -> None:
     interval = 1.0 / args.rate
     next_t = time.time()
@@ -312,11 +327,60 @@ def _write_loop(
             confirmed = args.confirm_every > 0 and shared_n % args.confirm_every == 0
             _one_write(client, events, args, key, shared_n, confirmed, names=names)
             shared_n += 1
+        if args.locks > 0:
+            locks.step(pick.randrange(args.locks))
         for _ in range(args.ttl_per_tick):
             ttl = round(rng.uniform(args.ttl_min, args.ttl_max), 3)
             key = write_key(args.id, args.gen, ttl_n, ttl=True)
             _one_write(client, events, args, key, ttl_n, False, ttl=ttl)
             ttl_n += 1
+
+
+class _Locks:
+    """--locks: take and release lock keys with compare-and-set; hear conflicts."""
+
+    def __init__(self, client: Clone, events: EventLog, args: argparse.Namespace) -> None:
+        self.client = client
+        self.events = events
+        self.args = args
+        self.held: dict[str, tuple[int, str]] = {}  # key -> (sequence, write id)
+        self.lock = threading.Lock()
+        self.n = 0
+
+    def step(self, k: int) -> None:
+        key = f"{LOCK_PREFIX}{k}"
+        with self.lock:
+            held = self.held.get(key)
+        try:
+            if held is not None:
+                self.client.delete(key, wait=True, if_sequence=held[0])
+                with self.lock:
+                    self.held.pop(key, None)
+                self.events.emit("lock_released", key=key, uuid=held[1])
+                return
+            write_id = new_uuid().hex()
+            value = make_value(self.args.id, self.args.gen, self.n, write_id, self.args.value_size)
+            self.n += 1
+            seq = self.client.set(key, value, wait=True, if_sequence=0)
+            with self.lock:
+                self.held[key] = (seq, write_id)
+            self.events.emit("lock_taken", key=key, uuid=write_id, seq=seq)
+        except Conflict:
+            if held is not None:  # our hold is gone (another side's heal)
+                with self.lock:
+                    self.held.pop(key, None)
+                self.events.emit("lock_lost", key=key, uuid=held[1], why="conflict")
+        except CloneError as exc:  # a timeout, a refusal: the lock is not ours to count
+            log.info("lock step on %s: %s", key, exc)
+
+    def on_conflict(self, conflict: SplitConflict) -> None:
+        """A confirmed write of ours became a split-brain conflict."""
+        self.events.emit("write_conflict", key=conflict.key, uuid=conflict.uuid.hex())
+        with self.lock:
+            held = self.held.pop(conflict.key, None) if conflict.key.startswith(LOCK_PREFIX) \
+                else None
+        if held is not None:
+            self.events.emit("lock_lost", key=conflict.key, uuid=held[1], why="split-conflict")
 
 
 def _one_write(
@@ -365,6 +429,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ttl-per-tick", type=int, default=0, help="ephemeral writes per tick")
     p.add_argument("--shared-keys", type=int, default=0,
                    help="also overwrite one of this many shared keys per tick (0: none)")
+    p.add_argument("--locks", type=int, default=0,
+                   help="also take or release one of this many lock keys per tick (0: none)")
     p.add_argument("--ttl-min", type=float, default=0.5)
     p.add_argument("--ttl-max", type=float, default=2.0)
     p.add_argument("--value-size", type=int, default=64)
