@@ -744,6 +744,8 @@ class ServerCore:
             c["peer_ignored"] += 1
             return FollowOutcome.OK
         if is_kvbatch(frames):
+            if self._written_as_active and self._peer_fork is not None:
+                self._settle_split_writes(now, self._peer_applied)
             if self._delta:
                 c["peer_invalid"] += 1
                 raise ProtocolError("KVBATCH in a catch-up (KVDELTA) reply")
@@ -752,6 +754,12 @@ class ServerCore:
         if is_kvapplied(frames):
             self._note_peer_applied(frames, now)
             return FollowOutcome.OK
+        if self._written_as_active and self._peer_fork is not None:
+            # The applied lists came first and are complete: the winner's fork
+            # is known, so our split writes can go now, not after the whole
+            # snapshot (seconds for a large store), while our clients' direct
+            # copies race them to the winner (docs/failover.md).
+            self._settle_split_writes(now, self._peer_applied)
         if is_kvdelta(frames):
             return self._begin_delta(frames)
         try:

@@ -305,6 +305,13 @@ class FollowingMixin(ServerBase):
         while True:
             try:
                 outcome = core.on_snapshot_reply(frames, now)
+                if (
+                    core.split_left
+                    and not self._split_queue
+                    and not self._split_scheduled
+                    and core.role is Role.PASSIVE
+                ):
+                    self._forward_split_writes()  # the fork is known: send them now
             except ProtocolError as exc:
                 self._throttle.log(
                     "sync_reply", logging.WARNING, "dropped a snapshot entry from the peer: %s", exc
