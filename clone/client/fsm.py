@@ -245,6 +245,8 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
             return self.refused(server, msg, now)
         if server != self.current and _shows_active(msg):
             self.counters.foreign += 1  # still not acted upon as an update
+            if self.state is State.ACTIVE:
+                self.note_other_active(now)  # two actives: a split brain (writes.py)
             return self.handle(Event.ACTIVE_ELSEWHERE, server, msg, now)
         if isinstance(msg, Hugz):
             return self.handle(Event.HEARTBEAT, server, msg, now)
@@ -268,6 +270,8 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
         calls and keepalives (after those, so that a failover or a sync they
         caused sends the waiting calls at once)."""
         actions = self._resend_due(now) if self._pending else []
+        if self._held and self.counters.snapshots:
+            actions.extend(self._release_held(now))
         if self._silence_at is not None and now >= self._silence_at:
             actions.extend(self.handle(Event.SILENCE, self.current or 0, None, now))
         if self._reask_at is not None and now >= self._reask_at:

@@ -320,6 +320,7 @@ class AgentCounters:
     refusals: int = 0  # refusal notices received (for any write of ours)
     refused_writes: int = 0  # confirmed writes failed by a refusal notice
     split_conflicts: int = 0  # our writes a split brain's heal kept as conflicts
+    split_held_writes: int = 0  # writes held while two servers showed themselves active
     # Calls (CALL?/REPLY: compare-and-set, leases): made by the application,
     # sent again (resend_interval, a failover, a completed sync), given up at
     # the caller's deadline, answered "not-active" (kept, sent again later),
@@ -374,6 +375,10 @@ class _KeptLease:
 
 
 _NEVER = float("inf")
+#: The longest a client holds its writes while two servers show themselves
+#: active (a split brain resolves on the servers' first contact; one that
+#: lasts, with this client seeing both sides, must not stop its writes).
+SPLIT_HOLD_MAX = 5.0
 #: How many confirmed writes' ids a client remembers for split-brain conflict
 #: notices (16 bytes and a key each: about 10 MiB at most with long keys).
 CONFIRMED_REMEMBERED = 65_536
@@ -443,6 +448,10 @@ class AgentState:
         # loser may tell us one became a conflict after it was confirmed.
         self._confirmed_lately: dict[bytes, str] = {}
         self._held: list[KVMsg] = []  # writes made before the first snapshot
+        # When a server other than ours last showed itself active while we were
+        # active on ours: two actives, a split brain healing (clone.client.writes).
+        self.other_active_at: float | None = None
+        self.other_active_since = 0.0  # when this episode of two actives began
         # Calls awaiting a reply, by uuid; leases kept alive, by id; where the
         # calls were last sent (server, completed syncs): a change sends them
         # again at once (clone.client.calls).
@@ -508,7 +517,26 @@ class AgentState:
             times.append(self._silence_at)
         if self._reask_at is not None:
             times.append(self._reask_at)
+        if self._held and self.other_active_at is not None:
+            times.append(
+                min(
+                    self.other_active_at + self._split_window(),
+                    self.other_active_since + SPLIT_HOLD_MAX,
+                )
+            )
         return min(times) if times else None
+
+    def note_other_active(self, now: float) -> None:
+        """A server other than ours showed itself active while we are active."""
+        seen = self.other_active_at
+        if seen is None or now - seen >= self._split_window():
+            self.other_active_since = now
+        self.other_active_at = now
+
+    def _split_window(self) -> float:
+        """How long after another server last showed itself active our writes
+        stay held: two of its heartbeats (it stops at once when it steps down)."""
+        return max(0.5, 2 * self.config.heartbeat)
 
     def protocol_error(self, server: int) -> None:
         """Count a malformed message (the I/O loop logs it and drops it)."""

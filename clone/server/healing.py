@@ -72,8 +72,8 @@ class HealingMixin(ServerBase):
             )
             core.split_unverified = 0
         left = core.split_left
-        if not left:
-            return
+        if not left or self._split_queue or self._split_scheduled:
+            return  # nothing, or already on its way (sent as soon as the fork came)
         log.warning(
             "stepped down after a split brain: sending the active at %s the writes"
             " we confirmed that it does not hold (up to %d, %d at a time)",

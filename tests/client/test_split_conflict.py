@@ -11,12 +11,13 @@ from clone.client.fsm import (
     AgentFSM,
     Confirmed,
     Refused,
+    SendUpdate,
     SplitConflicted,
     State,
 )
 from clone.client.state import CONFIRMED_REMEMBERED
 from clone.errors import SplitConflict, WriteRefused
-from clone.wire.codec import KVMsg, new_uuid
+from clone.wire.codec import Hugz, KVMsg, new_uuid
 from clone.wire.control import Refusal
 from tests.client.test_agent_fsm import MemoryServer, synced
 
@@ -73,3 +74,31 @@ def test_the_exception_is_a_write_refused_with_the_key() -> None:
     assert isinstance(err, WriteRefused)
     assert (err.reason, err.key, err.uuid) == ("conflict", "/cfg/db/host", b"\x01" * 16)
     assert "clone conflicts" in str(err)
+
+
+def test_writes_wait_while_two_servers_show_themselves_active() -> None:
+    fsm, srv = _synced()  # active on server 0 (CFG: heartbeat 1 s)
+    # Server 1's HUGZ says it is active too: a split brain is healing.
+    fsm.update(1, Hugz(500, 0.25), 1.0)
+    msg = KVMsg.build("/k", b"v", uuid=new_uuid())
+    assert fsm.write(msg, 1.1, confirm_within=5.0) == []  # held, sent nowhere
+    fsm.update(0, Hugz(srv.seq, 1.0), 1.5)  # our server is alive
+    assert not any(isinstance(a, SendUpdate) for a in fsm.tick(2.0))
+    # Server 1 goes quiet (it stepped down): two of its heartbeats later
+    # (CFG's 1 s), the write goes out.
+    fsm.update(0, Hugz(srv.seq, 1.0), 2.5)
+    assert SendUpdate(msg) in fsm.tick(3.0)
+    assert fsm.counters.split_held_writes == 1
+    # Confirmed as usual.
+    assert Confirmed(msg.uuid, 1) in fsm.update(0, srv.apply("/k", b"v", msg.uuid), 3.1)
+
+
+def test_two_actives_never_hold_writes_for_long() -> None:
+    fsm, srv = _synced()
+    for t in range(12):  # server 1 keeps saying it is active, every 0.5 s
+        fsm.update(1, Hugz(9, 0.25), 1.0 + t * 0.5)
+        fsm.update(0, Hugz(srv.seq, 1.0), 1.0 + t * 0.5)
+    msg = KVMsg.build("/k", b"v", uuid=new_uuid())
+    # Seen for more than SPLIT_HOLD_MAX: writes go out again (this client sees
+    # both sides of a split that is not healing).
+    assert fsm.write(msg, 6.6, confirm_within=5.0) == [SendUpdate(msg)]
