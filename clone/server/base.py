@@ -199,6 +199,8 @@ class ServerBase:
         self._hold_started: float | None = None
         self._hold_sync_done: float | None = None
         self._peer_syncs: set[AnyStream] = set()
+        # Took over by a failover, and the peer has not synced from us since.
+        self._await_peer_sync = False
         self._sync_progress = 0.0
         self._sync_started = 0.0
         self._hugz_timer: object | None = None
@@ -407,6 +409,8 @@ class ServerBase:
         def _check_split_writes(self) -> None: ...
 
         def _on_split_brain(self) -> None: ...
+
+        def _start_hold(self, why: str) -> None: ...
 
         def _check_hold(self) -> None: ...
 

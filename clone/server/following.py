@@ -59,6 +59,10 @@ class FollowingMixin(ServerBase):
         if was is Role.PASSIVE:
             self.counters["failovers"] += 1
             self._last_failover = self._wallclock()
+            # Took over from a peer presumed dead: if it was active meanwhile
+            # (a split brain), its first sync from us is its step-down, and its
+            # clients' writes race its forwarded ones (clone.server.healing).
+            self._await_peer_sync = True
         self._record_term()
         batch = self._commit()
         self._close_peer()

@@ -244,12 +244,24 @@ class HealingMixin(ServerBase):
         ha = self._ha
         if ha is None or self.core.role is not Role.ACTIVE or ha.state is not BStarState.ACTIVE:
             return  # we are the one stepping down
+        self._start_hold("won a split brain")
+
+    def _start_hold(self, why: str) -> None:
+        """Hold client updates until the peer's sync has streamed and what it
+        forwards is in.  Also at the peer's first sync after we took over: the
+        peer that lost a split brain often hears us first and steps down before
+        Binary Star shows us the split brain at all, and its clients' direct
+        writes then arrive with its sync request (a restarted peer costs one
+        held sync, once per takeover)."""
+        if self.core.holding:
+            return
         self.core.hold_writes()
         self._hold_started = self._wallclock()
         self._hold_sync_done = None
         log.warning(
-            "won a split brain: holding client updates until the peer has resynced and"
-            " forwarded its writes (at most %.0f s)",
+            "%s: holding client updates until the peer has synced and forwarded what"
+            " it wrote meanwhile (at most %.0f s)",
+            why,
             HOLD_MAX,
         )
 

@@ -224,6 +224,9 @@ class ServingMixin(ServerBase):
         self._snapshots[stream] = self._snapshot_started[stream] = self._clock()
         if applied:
             self._peer_syncs.add(stream)  # the peer's sync: a heal waits for it
+            if self._await_peer_sync and self.core.role is Role.ACTIVE:
+                self._await_peer_sync = False
+                self._start_hold("the peer's first sync since we took over")
         if batch:
             self._in_flight[stream] = deque()
         if deferred:
