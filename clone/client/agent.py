@@ -246,17 +246,6 @@ class Agent:
         try:
             self._pub = self._socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, SUBSCRIBER_HWM)
-            # A write queued for a server we cannot reach is dropped rather than
-            # delivered whenever the link comes back: behind a partition that
-            # server may have been elected, and our late copy, applied there as
-            # a fresh write, would undo what it confirmed since (docs/failover.md,
-            # "Writes of a split brain").  The current server's copy confirms a
-            # write, and a confirmed one is resent until it is seen.  ZMTP
-            # heartbeats tell a silent link from a live one.
-            heartbeat_ms = max(100, round(self._fsm.config.heartbeat * 1000))
-            self._pub.setsockopt(zmq.IMMEDIATE, 1)
-            self._pub.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
-            self._pub.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(1000, 4 * heartbeat_ms))
             self._poller.register(self._commands, zmq.POLLIN)
             self._running = True
             self._events.send(STARTED)
