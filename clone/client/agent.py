@@ -146,6 +146,7 @@ _HANDSHAKE_FAILED: dict[int, str] = {
 }
 _MONITORED = (
     zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CONNECTED
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -204,6 +205,8 @@ class _Server:
     monitor: zmq.Socket[bytes] | None = None
     dealer: zmq.Socket[bytes] | None = None
     caller: zmq.Socket[bytes] | None = None  # CALL? out, REPLY in
+    # Whether our PUB is connected to its collector: only while its SUB is.
+    collecting: bool = True
 
     def address(self, offset: int) -> str:
         host, base = split_endpoint(self.endpoint)
@@ -387,13 +390,38 @@ class Agent:
                     else "the server may require CURVE: pass --curve-secret and --server-key",
                 )
                 continue
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self._collect_again(index, server)
+                continue
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             # libzmq queues what the server sent before it reports the loss;
             # take it first, or it would arrive as a foreign server's.
             self._drain_updates(index, server, SUBSCRIBER_HWM)
             log.debug("connection to %s lost (%s)", server.endpoint, event["endpoint"])
+            self._stop_collecting(server)
             self._execute(self._fsm.server_disconnected(index, self._clock()))
+
+    def _stop_collecting(self, server: _Server) -> None:
+        """We lost a server's publisher: stop queueing our writes for its
+        collector.  Queued, they would all arrive when the link comes back,
+        and behind a partition that server may have been elected meanwhile:
+        applied there as fresh writes, our old copies would undo what it
+        confirmed since (docs/failover.md, "Late copies").  A confirmed write
+        is resent until it is seen; the current server's copy confirms it."""
+        if server.collecting and self._pub is not None:
+            server.collecting = False
+            self._pub.disconnect(server.address(COLLECTOR_OFFSET))
+
+    def _collect_again(self, index: int, server: _Server) -> None:
+        """Its publisher is back: our writes go to its collector again, after
+        a moment to hear whether it is active (a split brain healing: the
+        state machine holds our writes while two servers are)."""
+        if server.collecting or self._pub is None:
+            return
+        server.collecting = True
+        self._pub.connect(server.address(COLLECTOR_OFFSET))
+        self._execute(self._fsm.server_reconnected(index, self._clock()))
 
     def _malformed(self, index: int, what: str, exc: ProtocolError) -> None:
         self._fsm.protocol_error(index)

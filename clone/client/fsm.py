@@ -254,6 +254,15 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
             return self.handle(Event.VIEW_HEARTBEAT, server, msg, now)
         return self.handle(Event.UPDATE, server, msg, now)
 
+    def server_reconnected(self, server: int, now: float) -> list[Action]:
+        """The TCP connection to ``server``'s publisher is back after a loss.
+
+        Another server than ours: until its next heartbeat says whether it is
+        active, count it as possibly so (writes wait a moment: writes.py)."""
+        if server != self.current and self.state is State.ACTIVE:
+            self.note_other_active(now)
+        return []
+
     def server_disconnected(self, server: int, now: float) -> list[Action]:
         """The TCP connection to ``server``'s publisher was lost (socket monitor).
 

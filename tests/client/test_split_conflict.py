@@ -102,3 +102,13 @@ def test_two_actives_never_hold_writes_for_long() -> None:
     # Seen for more than SPLIT_HOLD_MAX: writes go out again (this client sees
     # both sides of a split that is not healing).
     assert fsm.write(msg, 6.6, confirm_within=5.0) == [SendUpdate(msg)]
+
+
+def test_a_server_that_comes_back_holds_writes_until_it_says_what_it_is() -> None:
+    fsm, srv = _synced()
+    assert fsm.server_reconnected(1, 1.0) == []  # server 1's publisher is back
+    msg = KVMsg.build("/k", b"v", uuid=new_uuid())
+    assert fsm.write(msg, 1.1, confirm_within=5.0) == []  # held: is it active?
+    fsm.update(0, Hugz(srv.seq, 1.0), 2.0)
+    # It never showed itself active (a passive sends no HUGZ): the write goes.
+    assert SendUpdate(msg) in fsm.tick(3.1)
