@@ -237,6 +237,7 @@ class Agent:
         self._servers: list[_Server] = []
         self._poller = zmq.Poller()
         self._pub: zmq.Socket[bytes] | None = None
+        self._pub_monitor: zmq.Socket[bytes] | None = None
         self._running = False
         self._bad = Throttle(log, clock)
         fsm.emit_changes = False  # until somebody watches
@@ -249,6 +250,10 @@ class Agent:
         try:
             self._pub = self._socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, SUBSCRIBER_HWM)
+            # A collector connection lost: stop queueing for it (_stop_collecting).
+            self._pub_monitor = self._pub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._pub_monitor.setsockopt(zmq.LINGER, 0)
+            self._poller.register(self._pub_monitor, zmq.POLLIN)
             self._poller.register(self._commands, zmq.POLLIN)
             self._running = True
             self._events.send(STARTED)
@@ -284,6 +289,8 @@ class Agent:
             now = self._clock()
             if self._commands in ready:
                 self._drain_commands()
+            if self._pub_monitor is not None and self._pub_monitor in ready:
+                self._drain_pub_monitor()
             for index, server in enumerate(list(self._servers)):
                 if server.sub in ready:
                     self._drain_updates(index, server)
@@ -318,6 +325,8 @@ class Agent:
             except ProtocolError as exc:
                 self._malformed(index, "control message" if control else "update", exc)
                 continue
+            if not server.collecting:
+                self._collect_again(index, server)  # heard again: write to it again
             # The raw frames too: the last applied update's name a catch-up.
             raw = None if control else frames
             self._execute(self._fsm.update(index, msg, self._clock(), raw))
@@ -401,6 +410,25 @@ class Agent:
             log.debug("connection to %s lost (%s)", server.endpoint, event["endpoint"])
             self._stop_collecting(server)
             self._execute(self._fsm.server_disconnected(index, self._clock()))
+
+    def _drain_pub_monitor(self) -> None:
+        """Our PUB lost a collector: stop queueing writes for that server until
+        we hear it again (a reset link; a silent one is seen by its SUB)."""
+        monitor = self._pub_monitor
+        assert monitor is not None
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
+                log.debug("PUB monitor: %s", exc)
+                return
+            raw = event.get("endpoint")
+            lost = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+            for server in self._servers:
+                if server.address(COLLECTOR_OFFSET) == lost:
+                    self._stop_collecting(server)
 
     def _stop_collecting(self, server: _Server) -> None:
         """We lost a server's publisher: stop queueing our writes for its
@@ -569,6 +597,14 @@ class Agent:
             if server.caller is not None:
                 server.caller.close(linger=0)
         self._servers.clear()
+        if self._pub_monitor is not None:
+            try:
+                if self._pub is not None:
+                    self._pub.disable_monitor()
+            except zmq.ZMQError as exc:
+                log.debug("disable_monitor on the PUB failed: %s", exc)
+            self._pub_monitor.close(linger=0)
+            self._pub_monitor = None
         if self._pub is not None:
             self._pub.close(linger=0)
             self._pub = None
