@@ -45,9 +45,11 @@ from clone.wire.protocol import SNAPSHOT_OFFSET
 __all__ = ["ANY_WRITER", "HealingMixin"]
 
 #: Winning a split brain, client updates are held until the peer's sync has
-#: streamed and no forwarded write came for HOLD_GRACE seconds, and never
+#: streamed and no forwarded write came for HOLD_GRACE seconds (HOLD_FIRST_CALL
+#: while none came yet: a peer with nothing to forward sends none), and never
 #: longer than HOLD_MAX (a peer that never resyncs, or one too old to forward).
 HOLD_GRACE = 1.0
+HOLD_FIRST_CALL = 3.0
 HOLD_MAX = 10.0
 
 #: The topic of notices for whichever client wrote the uuid (docs/protocol.md:
@@ -278,7 +280,11 @@ class HealingMixin(ServerBase):
         core = self.core
         now = self._wallclock()
         done = self._hold_sync_done
-        quiet = done is not None and now >= max(done, core.split_call_at) + HOLD_GRACE
+        # The peer's forwarded writes may queue behind its own snapshot on our
+        # snapshot port: until one came, wait longer for them.
+        came = core.split_call_at >= started
+        grace = HOLD_GRACE if came else HOLD_FIRST_CALL
+        quiet = done is not None and now >= max(done, core.split_call_at) + grace
         if not (quiet or now >= started + HOLD_MAX or not core.holding):
             return
         self._hold_started = self._hold_sync_done = None
