@@ -119,6 +119,22 @@ def migrate_file(db_path: Path, *, timeout: float = 2.0) -> Migrated | None:
                 version, db_path, kept, FORMAT_VERSION, RELEASE, _release_of(version))
     started = time.monotonic()
     try:
+        _apply(db_path, version, steps, timeout)
+    except BaseException:
+        # The file is still at its old format: the copy is of no use, and a start
+        # that fails again must not leave one more behind each time.
+        kept.unlink(missing_ok=True)
+        logger.error("migrating %s from format %d failed; it is unchanged and the copy "
+                     "%s was removed", db_path, version, kept)
+        raise
+    logger.info("migrated %s from format %d to %d in %.3f s (the old file is %s)",
+                db_path, version, FORMAT_VERSION, time.monotonic() - started, kept)
+    return Migrated(version, FORMAT_VERSION, kept)
+
+
+def _apply(db_path: Path, version: int, steps: list[Migration], timeout: float) -> None:
+    """Every step and the new ``user_version`` in one transaction."""
+    try:
         conn = sqlite3.connect(db_path, isolation_level=None, timeout=timeout)
     except sqlite3.Error as exc:
         raise translate(exc, db_path, "opening to migrate") from exc
@@ -148,9 +164,6 @@ def migrate_file(db_path: Path, *, timeout: float = 2.0) -> Migrated | None:
         raise translate(exc, db_path, f"migrating (format {version} -> {FORMAT_VERSION})") from exc
     finally:
         conn.close()
-    logger.info("migrated %s from format %d to %d in %.3f s (the old file is %s)",
-                db_path, version, FORMAT_VERSION, time.monotonic() - started, kept)
-    return Migrated(version, FORMAT_VERSION, kept)
 
 
 def _read_version(db_path: Path, timeout: float) -> int:

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from clone import Clone
+from clone.release import RELEASE
+from clone.storage import FORMAT_VERSION
 from tests.server.test_http_e2e import HTTP_PORT, http_pair
 from tests.support.servers import ROOT, ServerProcess, Servers
 
@@ -86,6 +88,8 @@ def test_status_page_is_live(servers: Servers, browser: object, tmp_path: Path) 
     driver.get(f"http://127.0.0.1:{HTTP_PORT['primary']}/")  # type: ignore[attr-defined]
     _wait(driver, lambda: _text(driver, "role") == "active", "the role shown")
     _wait(driver, lambda: _text(driver, "link").startswith("live"), "the WebSocket open")
+    # The release and the data format it writes (docs/operations.md, Upgrading).
+    assert _text(driver, "mode") == f"primary · {RELEASE} (format {FORMAT_VERSION})"
     start = _number(driver, "sequence")
     assert start >= 0
 

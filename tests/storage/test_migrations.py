@@ -198,10 +198,11 @@ def test_a_failed_step_leaves_the_file_at_its_old_format(
     with pytest.raises(RuntimeError, match="power cut"):
         migrate_file(db)
     assert _user_version(db) == 1 and "conflicts" not in _tables(db)  # one transaction
+    assert not list(data.glob(f"{DATA_FILE}.v*"))  # a useless copy is not left behind
     monkeypatch.undo()
-    # The next start migrates; the first copy stays, the new one takes the next name.
+    # The next start migrates.
     done = migrate_file(db)
-    assert done is not None and done.kept == data / f"{DATA_FILE}.v1.2"
+    assert done is not None and done.kept == data / f"{DATA_FILE}.v1"
     assert _user_version(db) == FORMAT_VERSION
     assert migrate_file(db) is None
 

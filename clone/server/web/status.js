@@ -71,7 +71,8 @@
     ready.textContent = s.ready ? "ready" : "not ready";
     ready.className = "badge " + (s.ready ? "ready" : "notready");
     ready.title = s.ready_reason;
-    $("mode").textContent = s.mode + " · " + s.version;
+    $("mode").textContent = s.mode + " · " + s.version +
+      (s.data_format == null ? "" : " (format " + s.data_format + ")");
     $("sequence").textContent = fmt(s.sequence);
     $("keys").textContent = fmt(s.keys);
     $("rate").textContent = s.rate.toFixed(1);

@@ -77,6 +77,12 @@ class Drill(Scenarios):
             stale.unlink(missing_ok=True)
         # A drill starts from an empty pair, also when --out is reused.
         shutil.rmtree(self.out / "data", ignore_errors=True)
+        cfg = self.cfg
+        if cfg.upgrade_from is not None:
+            # Before any process or thread: a ref that cannot be built stops here.
+            self.release = prepare_release(cfg.upgrade_from, cfg.release_cache or default_cache(),
+                                           self.say)
+            self.notes["upgrade"] = self.release.summary()
         try:
             self.make_network()  # partition drills: the namespaces; else nothing
             with self.group:
@@ -95,10 +101,6 @@ class Drill(Scenarios):
             f"drill {cfg.scenario}: {cfg.clients} clients x {cfg.rate:g} writes/s for "
             f"{cfg.duration:g} s, heartbeat {cfg.heartbeat_ms} ms, out {self.out}"
         )
-        if cfg.upgrade_from is not None:
-            self.release = prepare_release(cfg.upgrade_from, cfg.release_cache or default_cache(),
-                                           self.say)
-            self.notes["upgrade"] = self.release.summary()
         for name in self.servers:
             self.start_server(name)
         deadline = time.monotonic() + 15
