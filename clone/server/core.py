@@ -231,7 +231,7 @@ COUNTERS = (
 class _Kept:
     """A demoted active's writes kept for the winner, with what its rule needs."""
 
-    written: list[list[bytes]]
+    written: Sequence[Sequence[bytes]]
     fork: int
     at: float
     term: int
@@ -379,7 +379,7 @@ class ServerCore:
         self.promoted_at: int | None = None
         # Demoted from active: the updates we wrote in our term, until the
         # winner's fork says which it lacks (clone.server.split).
-        self._written_as_active: list[list[bytes]] = []
+        self._written_as_active: Sequence[Sequence[bytes]] = []
         self._peer_fork: int | None = None
         # After a split brain, the writes kept for the winner and its fork (and
         # the time they were kept), turned into SET calls a slice at a time

@@ -70,7 +70,7 @@ class DeltaStream:
     def __init__(
         self,
         identity: bytes,
-        updates: list[list[bytes]],
+        updates: Sequence[Sequence[bytes]],
         from_sequence: int,
         sequence: int,
         *,

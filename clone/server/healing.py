@@ -25,18 +25,22 @@ brain is an incident an operator wants to read about.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import zmq
 
 from bstar.fsm import State as BStarState
 from clone.errors import ProtocolError
 from clone.server.base import TURN_BUDGET, ServerBase, log, peer_endpoint
-from clone.server.core import Role
+from clone.server.core import Role, SyncState
 from clone.server.pacing import (
     SPLIT_APPLY_SLICE,
     SPLIT_CONVERT_SLICE,
+    SPLIT_CONVERT_STEP,
     SPLIT_GIVE_UP,
     SPLIT_IN_FLIGHT,
+    SPLIT_SEND_STEP,
+    send_allowance,
 )
 from clone.wire.calls import Reply, decode_call, decode_reply
 from clone.wire.control import encode_refusal
@@ -74,8 +78,14 @@ class HealingMixin(ServerBase):
             )
             core.split_unverified = 0
         left = core.split_left
-        if not left or self._split_queue or self._split_scheduled:
-            return  # nothing, or already on its way (sent as soon as the fork came)
+        if not left and not self._split_queue:
+            return
+        if self._split_queue or self._split_scheduled:
+            # Already on its way (sent as soon as the fork came), or a resync
+            # while still sending (a gap in what we follow): more kept writes
+            # join the queue; the first said it already.
+            self._schedule_split_turn()
+            return
         log.warning(
             "stepped down after a split brain: sending the active at %s the writes"
             " we confirmed that it does not hold (up to %d, %d at a time)",
@@ -88,7 +98,7 @@ class HealingMixin(ServerBase):
     def _apply_split_writes_here(self) -> None:
         """Elected again before the winner answered them all: ours to apply,
         a slice per turn from the next one on."""
-        self._close_split()
+        self._close_split_soon()
         if self._split_queue or self.core.split_left:
             log.warning(
                 "elected again with %d writes of the split brain unanswered: applying them here",
@@ -117,8 +127,13 @@ class HealingMixin(ServerBase):
         if self._stopping:
             return
         core, queue = self.core, self._split_queue
-        if core.split_left and queue.unsent < SPLIT_CONVERT_SLICE:
-            queue.add(core.take_split_calls(SPLIT_CONVERT_SLICE), self._clock())
+        # Steps of conversion until the queue has enough or the turn's time is
+        # up (a fixed count is not a bound on a machine short of CPU).
+        stop_at = self._clock() + TURN_BUDGET
+        while core.split_left and queue.unsent < SPLIT_CONVERT_SLICE:
+            queue.add(core.take_split_calls(SPLIT_CONVERT_STEP), self._clock())
+            if self._clock() > stop_at:
+                break
         if core.role is Role.ACTIVE:
             more = self._apply_split_slice()
         elif core.role is Role.PASSIVE:
@@ -128,33 +143,46 @@ class HealingMixin(ServerBase):
         if more:
             self._schedule_split_turn()
         elif not queue and not core.split_left:
-            self._close_split()
+            self._close_split_soon()
 
     def _send_split_slice(self) -> bool:
         """Send what the queue allows now; whether to come back next turn
         (more kept writes to convert while the queue has room)."""
         followed = self._followed
-        if followed is None:
-            return False
+        core = self.core
+        if followed is None or core.sync_state is not SyncState.SYNCED:
+            return False  # the sync's completion starts a turn again
         queue = self._split_queue
         if not queue:
-            return bool(self.core.split_left)
+            return bool(core.split_left)
         if self._split_dealer is None:
             dealer = self._socket(zmq.DEALER)
             dealer.connect(peer_endpoint(followed, SNAPSHOT_OFFSET))
             self._split_dealer = self._stream(dealer, self._on_split_reply)
             queue.restart(self._clock())
         resent = queue.resent
-        sends = queue.sends(self._clock(), SPLIT_IN_FLIGHT)
-        self.counters["split_writes_resent"] += queue.resent - resent
+        allowed = send_allowance(queue.answered_up_to, core.store.sequence)
         # Through the stream, not the raw socket: the stream looks at the
         # socket's events after it sends, so a REPLY that arrives during a
         # send is still read (a raw send can consume the edge announcing it,
         # and an unread message stops libzmq signalling the ones after it).
+        # A send through the stream is not free (seen: 256 of them took 0.3 s
+        # on a starved machine): steps, until the turn's time is up.
         stream = self._split_dealer
-        for frames in sends:
-            stream.send_multipart(frames)
-        return bool(self.core.split_left) and queue.unsent < SPLIT_CONVERT_SLICE
+        stop_at = self._clock() + TURN_BUDGET
+        out_of_time = False
+        while allowed > 0 and not out_of_time:
+            sends = queue.sends(self._clock(), min(SPLIT_SEND_STEP, allowed))
+            if not sends:
+                break
+            for frames in sends:
+                stream.send_multipart(frames)
+            allowed -= len(sends)
+            out_of_time = self._clock() > stop_at
+        self.counters["split_writes_resent"] += queue.resent - resent
+        if out_of_time and allowed > 0:
+            return True  # more may go now: the next turn sends them
+        return bool(core.split_left) and queue.unsent < SPLIT_CONVERT_SLICE
 
     def _apply_split_slice(self) -> bool:
         """Apply queued calls here until the turn's time budget; commit and
@@ -195,7 +223,7 @@ class HealingMixin(ServerBase):
             SPLIT_GIVE_UP,
             ", ".join(keys),
         )
-        self._close_split()
+        self._close_split_soon()
 
     def _on_split_reply(self, frames: list[bytes]) -> None:
         try:
@@ -207,14 +235,14 @@ class HealingMixin(ServerBase):
             return
         if not reply.ok and reply.reason == "not-active":
             return  # to be resent
-        sent = self._split_queue.answered(reply.uuid, self._clock())
+        sent = self._split_queue.answered(reply.uuid, self._clock(), reply.sequence)
         if sent is None:
             return  # answered already
         self._tally_split_write(reply, sent)
         # A slot is free: the next turn sends more (one turn for many replies).
         self._schedule_split_turn()
 
-    def _tally_split_write(self, reply: Reply, frames: list[bytes]) -> None:
+    def _tally_split_write(self, reply: Reply, frames: Sequence[bytes]) -> None:
         if reply.ok:
             self.counters["split_writes_applied"] += 1
             return
@@ -297,7 +325,21 @@ class HealingMixin(ServerBase):
             now - started,
         )
 
-    def _close_split(self) -> None:
+    def _close_split_soon(self) -> None:
+        """Done with the DEALER: no more sends on it now, and closed from a
+        callback of its own, after the stream's pending event callbacks (one
+        per send) have run on an open socket."""
+        self._log_heal_conflicts()
+        dealer, self._split_dealer = self._split_dealer, None
+        if dealer is None:
+            return
+        if self._loop is None:
+            self._forget(dealer)
+        else:
+            self._loop.add_callback(self._forget, dealer)
+
+    def _log_heal_conflicts(self) -> None:
+        """Once per heal: how many of our writes the active kept as conflicts."""
         if self._split_conflicts_this_heal:
             log.warning(
                 "%d of our split-brain writes were kept as conflicts, not applied (the"
@@ -306,6 +348,9 @@ class HealingMixin(ServerBase):
                 self._split_conflicts_this_heal,
             )
             self._split_conflicts_this_heal = 0
+
+    def _close_split(self) -> None:
+        self._log_heal_conflicts()
         dealer, self._split_dealer = self._split_dealer, None
         if dealer is not None:
             self._forget(dealer)

@@ -37,7 +37,11 @@ from itertools import islice
 __all__ = ["History"]
 
 _UPDATE_FRAMES = 5
-_Frames = list[bytes]
+# An update's frames, held as a tuple: a tuple of bytes is untracked by the
+# garbage collector, a list never is, and 100,000 held lists (and the tuples
+# holding them) made every full collection walk them: 200-500 ms stalls of
+# the loop during a split brain's heal, on a loaded machine.
+_Frames = tuple[bytes, ...]
 _Entry = tuple[_Frames, int]  # an update's frames and the term it was written under
 
 
@@ -87,7 +91,7 @@ class History:
     def append(self, frames: Sequence[bytes], term: int) -> None:
         """Add the update ``frames`` (a KVPUB's 5 frames) written under ``term``.
 
-        The history keeps the frames list it is given: do not change it after.
+        The history keeps a tuple of the frames (a tuple given is kept as is).
         """
         if len(frames) != _UPDATE_FRAMES or len(frames[1]) != 8:
             raise ValueError("an update is 5 frames with an 8-byte sequence")
@@ -103,7 +107,7 @@ class History:
             self._bytes = 0
             self._base = seq - 1
         self._anchored = True
-        stored = frames if type(frames) is list else list(frames)
+        stored = frames if type(frames) is tuple else tuple(frames)
         updates.append((stored, term))
         index = self._index
         index[stored[2]] = seq
@@ -133,7 +137,7 @@ class History:
         self._base = sequence
         self._anchored = True
 
-    def load(self, rows: Iterable[tuple[_Frames, int, float]]) -> None:
+    def load(self, rows: Iterable[tuple[Sequence[bytes], int, float]]) -> None:
         """Append the database log's rows ``(frames, term, at)``, oldest first."""
         for frames, term, _at in rows:
             self.append(frames, term)

@@ -177,6 +177,8 @@ class CloneServer(
         out["snapshots_in_flight"] = len(self._snapshots)
         out["votes_deferred_held"] = len(self._deferred)
         out["outq"] = len(self._outq)
+        # After a split brain: writes still to send the winner or apply here.
+        out["split_writes_queued"] = len(self._split_queue) + self.core.split_left
         subscribers = self.subscribers
         if subscribers is not None:
             out["subscribers"] = subscribers

@@ -110,7 +110,8 @@ def test_covered_and_matching_gets_a_delta(since: int) -> None:
     stream = open_catch_up(h, request(h, since), ID, 10, applied)
     assert stream is not None
     out = drain(stream)
-    assert out == [*applied, encode_kvdelta(since), *h.since(since), encode_kthxbai(10, "")]
+    held = [list(frames) for frames in h.since(since)]  # the history holds tuples
+    assert out == [*applied, encode_kvdelta(since), *held, encode_kthxbai(10, "")]
     assert stream.sent == 10 - since
 
 

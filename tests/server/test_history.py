@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -9,12 +11,12 @@ from hypothesis import strategies as st
 from clone.server.history import History
 
 
-def upd(seq: int, body: bytes = b"v", key: bytes = b"/k") -> list[bytes]:
-    """A KVPUB's five frames at ``seq``."""
-    return [key, seq.to_bytes(8, "big"), b"", b"", body]
+def upd(seq: int, body: bytes = b"v", key: bytes = b"/k") -> tuple[bytes, ...]:
+    """A KVPUB's five frames at ``seq`` (a tuple, as the history holds them)."""
+    return (key, seq.to_bytes(8, "big"), b"", b"", body)
 
 
-def size(frames: list[bytes]) -> int:
+def size(frames: tuple[bytes, ...]) -> int:
     return sum(map(len, frames))
 
 
@@ -245,3 +247,16 @@ def test_sequence_of_matches_a_newest_first_scan(
             h.append([b"/k", seq.to_bytes(8, "big"), uuid, b"", b"x" * size_], term=1)
         for probe in {*probes, uuid}:
             assert h.sequence_of(probe) == _scan(h, probe)
+
+
+def test_held_updates_are_not_tracked_by_the_garbage_collector() -> None:
+    """100,000 held updates must not be walked by every full collection (a
+    list always is; a tuple of bytes is untracked by a collection, and the
+    (frames, term) tuple holding it by the next)."""
+    h = History(1000, 1 << 20)
+    for seq in range(1, 101):
+        h.append([b"/k", seq.to_bytes(8, "big"), b"u%d" % seq, b"", b"v"], term=1)
+    gc.collect()
+    gc.collect()
+    held = [h.entry(seq) for seq in range(1, 101)]
+    assert not any(gc.is_tracked(entry) or gc.is_tracked(entry[0]) for entry in held if entry)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from clone.server.core import ServerCore
-from clone.server.pacing import SplitQueue
+from clone.server.pacing import SplitQueue, send_allowance
 
 
 def call(n: int) -> list[bytes]:
@@ -36,7 +36,7 @@ def test_no_more_than_max_in_flight_are_unanswered_and_an_answer_frees_a_slot() 
     assert ids(q.sends(0.0, 100)) == [0, 1, 2]
     assert ids(q.sends(0.1, 100)) == []  # all slots taken, none due again
     assert (q.in_flight, q.unsent, len(q)) == (3, 7, 10)
-    assert q.answered(uuid(1), 0.2) == call(1)
+    assert q.answered(uuid(1), 0.2) == tuple(call(1))
     assert ids(q.sends(0.2, 100)) == [3]
     assert q.answered(uuid(1), 0.3) is None  # answered twice: not ours any more
 
@@ -82,11 +82,35 @@ def test_it_is_stalled_only_after_give_up_seconds_without_an_answer() -> None:
     q = SplitQueue(max_in_flight=1, resend=1.0, give_up=10.0)
     assert not q.stalled(100.0)  # empty
     q.add([call(1), call(2)], 5.0)
+    assert not q.stalled(100.0)  # nothing sent yet: nothing to wait for
     q.sends(5.0, 10)
     assert not q.stalled(14.9)
     q.answered(uuid(1), 14.5)  # progress: a big backlog answered steadily is no stall
-    assert not q.stalled(24.25)
-    assert q.stalled(24.5)
+    assert not q.stalled(40.0)  # held back (nothing in flight): no stall either
+    q.sends(40.0, 10)  # waiting starts again now
+    assert not q.stalled(49.75)
+    assert q.stalled(50.0)
+
+
+def test_answers_say_how_far_the_winner_got() -> None:
+    q = SplitQueue()
+    q.add([call(1), call(2)], 0.0)
+    q.sends(0.0, 10)
+    q.answered(uuid(2), 0.1, sequence=907)
+    q.answered(uuid(1), 0.1, sequence=906)
+    assert q.answered_up_to == 907
+    q.restart(1.0)
+    assert q.answered_up_to == 0
+
+
+@pytest.mark.parametrize(
+    ("answered_up_to", "following_at", "allowed"),
+    [(0, 0, 256), (100, 100, 256), (100, 40, 196), (1000, 40, 0), (10, 500, 256)],
+)
+def test_the_loser_sends_no_further_ahead_of_its_following_than_the_bound(
+    answered_up_to: int, following_at: int, allowed: int
+) -> None:
+    assert send_allowance(answered_up_to, following_at, max_ahead=256) == allowed
 
 
 def test_restart_makes_every_call_in_flight_due_and_restarts_the_give_up() -> None:

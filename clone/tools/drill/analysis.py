@@ -436,6 +436,36 @@ def split_brain_lines(log_text: str) -> list[str]:
     return [line.strip() for line in log_text.splitlines() if "split brain" in line]
 
 
+_LATE_RE = re.compile(r"heartbeat ran (\d+) ms late")
+
+
+def late_heartbeats(log_text: str) -> list[int]:
+    """How late (ms) each heartbeat was that a server logged as late: it logs
+    one whenever its loop was blocked for more than a heartbeat interval."""
+    return [int(m.group(1)) for m in _LATE_RE.finditer(log_text)]
+
+
+def burst_writes(
+    streams: Mapping[str, Sequence[Mapping[str, Any]]],
+    server_state: Mapping[str, bytes] | None,
+) -> dict[str, Any]:
+    """partition-split with split writes: the island's burst (keys
+    ``/drill/<id>/burst/...``, unconfirmed), and how many of them the final
+    state holds."""
+    sent: dict[str, str] = {}  # key -> write id
+    seconds: float | None = None
+    for events in streams.values():
+        for ev in events:
+            kind = ev.get("event")
+            if kind == "write_sent" and "/burst/" in str(ev.get("key", "")):
+                sent[str(ev["key"])] = str(ev.get("uuid"))
+            elif kind == "burst_done":
+                seconds = ev.get("seconds")
+    final = {k: parse_value(v) for k, v in (server_state or {}).items()}
+    kept = sum(1 for key, uid in sent.items() if final.get(key) == uid)
+    return {"sent": len(sent), "kept": kept, "seconds": seconds}
+
+
 def log_line_time(line: str) -> float | None:
     """The Unix time of a server log line (``YYYY-MM-DD HH:MM:SS.mmm``, local
     time, as the server's logging writes it), or None."""

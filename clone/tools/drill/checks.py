@@ -12,7 +12,9 @@ from typing import Any
 from clone.release import RELEASE
 from clone.storage.schema import FORMAT_VERSION
 from clone.tools.drill.analysis import (
+    burst_writes,
     conflicts_told,
+    late_heartbeats,
     lock_holders,
     log_line_time,
     revert_detail,
@@ -65,6 +67,11 @@ def judge_partition(
         part["dual_active_after_heal_s"] = round(run.monitor.dual_active_seconds(heal), 3)
     part["writes_of_stepped_down"] = [stepped_down_writes(streams, server_state, n)
                                       for n in part["stepped_down"]]
+    # Loop stalls from the cut on: each server logs every heartbeat that ran
+    # more than an interval late (the ms), and counts its worst in stats.
+    part["late_heartbeats_after_cut_ms"] = {n: late_heartbeats(t) for n, t in logs.items()}
+    if run.cfg.split_writes:
+        part["split_burst"] = burst_writes(streams, server_state)
     if part["kind"] == "partition-split" and heal is not None:
         _judge_split(part, streams, server_state, conflicted)
     return part
@@ -281,6 +288,8 @@ def _partition_checks(s: dict[str, Any], end_active: list[str], check: Any) -> N
               f"{','.join(end_active) or 'none'}" + (f"; {first}" if first else ""))
     if part["kind"] == "partition-split" and "split_writes" in part:
         _split_checks(part, check)
+    if "split_burst" in part:
+        _stall_checks(s, part, check)
     stepped = part["writes_of_stepped_down"]
     bad = [w for w in stepped if w["confirmed_by_lost"] or w["applied_missing_confirmed"]]
     check("writes of a server that stepped down: applied everywhere or never confirmed",
@@ -292,6 +301,38 @@ def _partition_checks(s: dict[str, Any], end_active: list[str], check: Any) -> N
                     + (f" {w['confirmed_by_lost'][:3] or w['applied_missing_confirmed'][:3]}"
                        if w in bad else "")
                     for w in stepped) or "no server stepped down")
+
+
+def loop_stalls(s: Mapping[str, Any], part: Mapping[str, Any]) -> dict[str, str]:
+    """Each server's longest loop stall after the cut, as text: the largest late
+    heartbeat it logged since (each one is over an interval), else its stats'
+    running maximum if that grew after the cut, else "at most" the maximum it
+    had at the cut (it did not grow: every stall since was shorter)."""
+    out: dict[str, str] = {}
+    at_cut = part.get("max_late_ms_at_cut", {})
+    for name, late in part["late_heartbeats_after_cut_ms"].items():
+        end = s["servers"].get(name, {}).get("heartbeat_max_late_ms")
+        before = at_cut.get(name)
+        if late:
+            out[name] = f"{max(late)} ms"
+        elif isinstance(end, int) and isinstance(before, int) and end > before:
+            out[name] = f"{end} ms"
+        elif isinstance(before, int):
+            out[name] = f"<= {before} ms"
+        else:
+            out[name] = "unknown"
+    return out
+
+
+def _stall_checks(s: Mapping[str, Any], part: Mapping[str, Any], check: Any) -> None:
+    burst = part["split_burst"]
+    late = part["late_heartbeats_after_cut_ms"]
+    stalls = ", ".join(f"{n} {v}" for n, v in loop_stalls(s, part).items())
+    check("no loop stalled by more than a heartbeat after the cut",
+          not any(late.values()),
+          f"longest loop stall after the cut: {stalls} (heartbeat {s['heartbeat_ms']} ms); "
+          f"late heartbeats logged: { {n: len(v) for n, v in late.items()} }; island burst "
+          f"{burst['sent']} writes in {burst['seconds']} s, {burst['kept']} in the final state")
 
 
 def _split_checks(part: dict[str, Any], check: Any) -> None:

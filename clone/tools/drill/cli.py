@@ -80,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     up.add_argument("--release-cache", type=Path, default=None, metavar="DIR",
                     help="where REF's virtual environment is built and kept, by commit "
                     "(default $CLONE_RELEASE_CACHE, else ~/.cache/clone/releases)")
+    part.add_argument("--split-writes", type=int, default=0, metavar="N",
+                      help="partition-split: the island client also writes N keys as fast as "
+                      "it can during the split (e.g. 50000), and the drill checks that the "
+                      "heal stalls neither server's loop by more than a heartbeat")
     # Diagnostic: servers without a data directory, to see the drill fail.
     p.add_argument("--in-memory", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -109,6 +113,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             partition_time=args.partition_time, island_reset=args.island_reset,
             locks=args.locks,
             upgrade_from=args.upgrade_from, release_cache=args.release_cache,
+            split_writes=args.split_writes,
         )
     except ValueError as exc:
         print(f"drill: {exc}", file=sys.stderr)

@@ -71,6 +71,7 @@ __all__ = [
     "SHARED_PREFIX",
     "LOCK_PREFIX",
     "EventLog",
+    "burst_key",
     "main",
     "parse_value",
     "shared_key",
@@ -309,8 +310,13 @@ def _write_loop(
     n = ttl_n = shared_n = 0
     # Its own generator, so that the ttl choices stay what they were without it.
     pick = random.Random(f"{args.seed}-{args.id}-{args.gen}-shared")
+    burst = args.burst
     while True:
         now = time.time()
+        if burst and now >= args.burst_at:
+            _burst(client, events, args, burst)
+            burst = 0
+            continue
         if now >= end:
             return
         if next_t > now:
@@ -383,6 +389,21 @@ class _Locks:
             self.events.emit("lock_lost", key=conflict.key, uuid=held[1], why="split-conflict")
 
 
+def burst_key(client: str, gen: int, n: int) -> str:
+    return f"{DRILL_PREFIX}{client}/burst/g{gen}/{n}"
+
+
+def _burst(client: Clone, events: EventLog, args: argparse.Namespace, count: int) -> None:
+    """``count`` unconfirmed writes as fast as the client takes them (the
+    partition-split drill's split-brain backlog), each logged as a write."""
+    started = time.time()
+    events.emit("burst_start", count=count)
+    for n in range(count):
+        _one_write(client, events, args, burst_key(args.id, args.gen, n), n, False)
+    events.emit("burst_done", count=count, seconds=round(time.time() - started, 3))
+    log.info("%s wrote %d burst keys in %.1f s", args.id, count, time.time() - started)
+
+
 def _one_write(
     client: Clone,
     events: EventLog,
@@ -441,6 +462,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--events", required=True, help="events file (JSON lines, appended)")
     p.add_argument("--state", required=True, help="final state file (JSON)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--burst", type=int, default=0,
+                   help="also write this many keys, unconfirmed, as fast as possible")
+    p.add_argument("--burst-at", type=float, default=0.0, help="Unix time of the burst")
     return p
 
 

@@ -10,7 +10,14 @@ from clone.server.config import PEER_WAIT_DEFAULT
 from clone.tools.drill.client import DEFAULT_SHARED_KEYS
 from clone.wire.protocol import DEFAULT_HEARTBEAT_MS, DEFAULT_MISSED_HEARTBEATS
 
-__all__ = ["CRASH_ORDERS", "PARTITION_SCENARIOS", "SCENARIOS", "DrillConfig", "Say"]
+__all__ = [
+    "CRASH_ORDERS",
+    "PARTITION_SCENARIOS",
+    "SCENARIOS",
+    "SPLIT_BURST_DELAY",
+    "DrillConfig",
+    "Say",
+]
 
 SCENARIOS: tuple[str, ...] = (
     "kill-active",
@@ -31,6 +38,8 @@ PARTITION_SCENARIOS: tuple[str, ...] = ("partition-pair", "partition-active", "p
 #: active one), or both at once.
 CRASH_ORDERS: tuple[str, ...] = ("primary-first", "backup-first", "together")
 Say = Callable[[str], None]
+#: partition-split with split_writes: seconds after the cut the island's burst starts.
+SPLIT_BURST_DELAY = 1.0
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,10 @@ class DrillConfig:
     # release_cache) and every restart brings a server onto this code.
     upgrade_from: str | None = None
     release_cache: Path | None = None
+    # partition-split: writes the island client makes, as fast as it can,
+    # starting a second after the cut (unconfirmed, keys /drill/<id>/burst/...):
+    # the split brain's backlog the isolated server must heal without stalling.
+    split_writes: int = 0
 
     def __post_init__(self) -> None:
         if self.scenario not in SCENARIOS:
@@ -110,6 +123,10 @@ class DrillConfig:
             raise ValueError("locks must be >= 0")
         if self.island_reset and self.scenario != "partition-split":
             raise ValueError("island_reset is for partition-split only")
+        if self.split_writes < 0:
+            raise ValueError("split_writes must be >= 0")
+        if self.split_writes and self.scenario != "partition-split":
+            raise ValueError("split_writes is for partition-split only")
         if not 0 <= self.restart_stagger < PEER_WAIT_DEFAULT:
             raise ValueError(f"restart_stagger must be in [0, {PEER_WAIT_DEFAULT:g}) s "
                              "(under the servers' --peer-wait)")
@@ -119,7 +136,11 @@ class DrillConfig:
         """partition-*: seconds from the cut to the heal."""
         if self.partition_time is not None:
             return self.partition_time
-        return max(0.25 * self.duration, self.failover_budget)
+        # Long enough for the island's writes (a Clone client sends about
+        # 10,000 a second; the isolated server takes fewer on a busy machine)
+        # to be made while both sides are active.
+        burst = SPLIT_BURST_DELAY + 2.0 + self.split_writes / 5000 if self.split_writes else 0.0
+        return max(0.25 * self.duration, self.failover_budget, burst)
 
     @property
     def lock_keys(self) -> int:
@@ -181,4 +202,6 @@ class DrillConfig:
             # the cut's length), then the pair settles its split brain and the loser
             # resyncs; the clients must see all that.
             extra = self.failover_budget + min(self.partition_seconds, 10.0)
+            # The heal of the island's writes: the loser sends them to the winner.
+            extra += self.split_writes / 2000
         return max(3.0, 3 * self.heartbeat) + extra

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from clone.tools.drill.config import PARTITION_SCENARIOS, DrillConfig, Say
+from clone.tools.drill.config import PARTITION_SCENARIOS, SPLIT_BURST_DELAY, DrillConfig, Say
 from clone.tools.drill.netns import ISLAND, Topology
 from clone.tools.drill.upgrade import ReleaseEnv, old_server_env
 from clone.tools.drill.watch import HugzMonitor
@@ -153,6 +153,9 @@ class PairRun:
         )  # fmt: skip
         if self.topology is not None and cid == cfg.island_client:
             argv = self.topology.prefix(ISLAND) + argv
+            if cfg.split_writes and gen == 0:
+                burst_at = start_at + cfg.fault_at * cfg.duration + SPLIT_BURST_DELAY
+                argv += ["--burst", str(cfg.split_writes), "--burst-at", repr(burst_at)]
         return self.group.add(stem, argv)
 
     def versions(self) -> dict[str, dict[str, Any]]:

@@ -116,6 +116,10 @@ class Scenarios(PairRun):
             "rules": list(topo.cuts), "log_offsets": self._log_offsets(),
         }
         self.notes["fault_ts"] = self.notes["partition"]["ts"]
+        # Each server's worst loop stall so far (its running maximum), so that
+        # a larger one at the end is known to have come after the cut.
+        self.notes["partition"]["max_late_ms_at_cut"] = {
+            n: server_stats(self.group[n]).get("heartbeat_max_late_ms") for n in self.servers}
         self.event("fault", kind="partition", target=target)
         self.fault_text = f"partition: {target}"
         drops = sum(rule.endswith(" DROP") for rule in topo.cuts)
