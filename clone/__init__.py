@@ -17,6 +17,7 @@ from clone.errors import (
     NotActive,
     NotOwner,
     NotSynced,
+    SplitConflict,
     WriteRefused,
 )
 
@@ -34,6 +35,7 @@ __all__ = [
     "NotActive",
     "NotOwner",
     "NotSynced",
+    "SplitConflict",
     "Status",
     "WriteRefused",
     "clone_get",

@@ -28,6 +28,7 @@ __all__ = [
     "NotOwner",
     "LeaseQuotaExceeded",
     "refusal",
+    "SplitConflict",
     "HistoryCompacted",
     "Conflict",
     "LeaseLost",
@@ -207,6 +208,33 @@ _REFUSAL_TYPES: dict[str, type[WriteRefused]] = {
     "not-owner": NotOwner,
     "lease-quota": LeaseQuotaExceeded,
 }
+
+
+class SplitConflict(WriteRefused):
+    """A write this client was told was applied became a split-brain conflict.
+
+    During a split brain the server this client wrote to (on its side of a
+    partition) confirmed it; when the pair healed, that server stepped down and
+    the winner did not apply it, because it had changed ``key`` since (or the
+    write's condition or lease no longer held): docs/failover.md, "Writes of a
+    split brain".  The winner keeps it (``clone conflicts`` lists it, an
+    operator may apply it); the application may retry or alert.  Raised for a
+    write still waited on, and handed to every ``Clone.on_conflict`` callback.
+    ``uuid`` is the write's id (bytes).
+    """
+
+    def __init__(self, key: str, uuid: bytes = b"") -> None:
+        self.reason = "conflict"
+        self.key = key
+        self.uuid = uuid
+        CloneError.__init__(
+            self,
+            f"the write to {key!r} was confirmed during a split brain but the pair kept"
+            " the other side's value; it is listed by `clone conflicts`",
+        )
+
+    def __reduce__(self) -> tuple[type[WriteRefused], tuple[str, str]]:
+        return (type(self), (self.key, self.uuid))  # type: ignore[return-value]
 
 
 class HistoryCompacted(CloneError):

@@ -90,6 +90,7 @@ from clone.client.fsm import (
     RequestSnapshot,
     SendCall,
     SendUpdate,
+    SplitConflicted,
     StateChanged,
 )
 from clone.errors import ProtocolError
@@ -145,6 +146,7 @@ _HANDSHAKE_FAILED: dict[int, str] = {
 }
 _MONITORED = (
     zmq.EVENT_DISCONNECTED
+    | zmq.EVENT_CONNECTED
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
@@ -179,6 +181,8 @@ STARTED, CONFIRMED, FAILED, REFUSED, REPLY, LEASELOST, STATE, CHANGE, STOPPED = 
 )
 #: A keepalive was answered: ``LEASEKEPT id valid_until`` (monotonic seconds, repr).
 LEASEKEPT = b"LEASEKEPT"
+#: A confirmed write became a split-brain conflict: ``CONFLICT uuid key``.
+CONFLICT = b"CONFLICT"
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
@@ -201,6 +205,8 @@ class _Server:
     monitor: zmq.Socket[bytes] | None = None
     dealer: zmq.Socket[bytes] | None = None
     caller: zmq.Socket[bytes] | None = None  # CALL? out, REPLY in
+    # Whether our PUB is connected to its collector: only while its SUB is.
+    collecting: bool = True
 
     def address(self, offset: int) -> str:
         host, base = split_endpoint(self.endpoint)
@@ -231,6 +237,7 @@ class Agent:
         self._servers: list[_Server] = []
         self._poller = zmq.Poller()
         self._pub: zmq.Socket[bytes] | None = None
+        self._pub_monitor: zmq.Socket[bytes] | None = None
         self._running = False
         self._bad = Throttle(log, clock)
         fsm.emit_changes = False  # until somebody watches
@@ -243,6 +250,10 @@ class Agent:
         try:
             self._pub = self._socket(zmq.PUB)
             self._pub.setsockopt(zmq.SNDHWM, SUBSCRIBER_HWM)
+            # A collector connection lost: stop queueing for it (_stop_collecting).
+            self._pub_monitor = self._pub.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._pub_monitor.setsockopt(zmq.LINGER, 0)
+            self._poller.register(self._pub_monitor, zmq.POLLIN)
             self._poller.register(self._commands, zmq.POLLIN)
             self._running = True
             self._events.send(STARTED)
@@ -278,6 +289,8 @@ class Agent:
             now = self._clock()
             if self._commands in ready:
                 self._drain_commands()
+            if self._pub_monitor is not None and self._pub_monitor in ready:
+                self._drain_pub_monitor()
             for index, server in enumerate(list(self._servers)):
                 if server.sub in ready:
                     self._drain_updates(index, server)
@@ -312,6 +325,8 @@ class Agent:
             except ProtocolError as exc:
                 self._malformed(index, "control message" if control else "update", exc)
                 continue
+            if not server.collecting:
+                self._collect_again(index, server)  # heard again: write to it again
             # The raw frames too: the last applied update's name a catch-up.
             raw = None if control else frames
             self._execute(self._fsm.update(index, msg, self._clock(), raw))
@@ -384,13 +399,57 @@ class Agent:
                     else "the server may require CURVE: pass --curve-secret and --server-key",
                 )
                 continue
+            if event["event"] == zmq.EVENT_CONNECTED:
+                self._collect_again(index, server)
+                continue
             if event["event"] != zmq.EVENT_DISCONNECTED:
                 continue
             # libzmq queues what the server sent before it reports the loss;
             # take it first, or it would arrive as a foreign server's.
             self._drain_updates(index, server, SUBSCRIBER_HWM)
             log.debug("connection to %s lost (%s)", server.endpoint, event["endpoint"])
+            self._stop_collecting(server)
             self._execute(self._fsm.server_disconnected(index, self._clock()))
+
+    def _drain_pub_monitor(self) -> None:
+        """Our PUB lost a collector: stop queueing writes for that server until
+        we hear it again (a reset link; a silent one is seen by its SUB)."""
+        monitor = self._pub_monitor
+        assert monitor is not None
+        while True:
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            except zmq.ZMQError as exc:
+                log.debug("PUB monitor: %s", exc)
+                return
+            raw = event.get("endpoint")
+            lost = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+            for server in self._servers:
+                if server.address(COLLECTOR_OFFSET) == lost:
+                    self._stop_collecting(server)
+
+    def _stop_collecting(self, server: _Server) -> None:
+        """We lost a server's publisher: stop queueing our writes for its
+        collector.  Queued, they would all arrive when the link comes back,
+        and behind a partition that server may have been elected meanwhile:
+        applied there as fresh writes, our old copies would undo what it
+        confirmed since (docs/failover.md, "Late copies").  A confirmed write
+        is resent until it is seen; the current server's copy confirms it."""
+        if server.collecting and self._pub is not None:
+            server.collecting = False
+            self._pub.disconnect(server.address(COLLECTOR_OFFSET))
+
+    def _collect_again(self, index: int, server: _Server) -> None:
+        """Its publisher is back: our writes go to its collector again, after
+        a moment to hear whether it is active (a split brain healing: the
+        state machine holds our writes while two servers are)."""
+        if server.collecting or self._pub is None:
+            return
+        server.collecting = True
+        self._pub.connect(server.address(COLLECTOR_OFFSET))
+        self._execute(self._fsm.server_reconnected(index, self._clock()))
 
     def _malformed(self, index: int, what: str, exc: ProtocolError) -> None:
         self._fsm.protocol_error(index)
@@ -435,6 +494,8 @@ class Agent:
                 self._events.send_multipart(
                     [REFUSED, action.uuid, action.reason.encode(), action.key.encode()]
                 )
+            elif isinstance(action, SplitConflicted):
+                self._events.send_multipart([CONFLICT, action.uuid, action.key.encode()])
             elif isinstance(action, Malformed):
                 self._bad.log(
                     action.what,
@@ -536,6 +597,14 @@ class Agent:
             if server.caller is not None:
                 server.caller.close(linger=0)
         self._servers.clear()
+        if self._pub_monitor is not None:
+            try:
+                if self._pub is not None:
+                    self._pub.disable_monitor()
+            except zmq.ZMQError as exc:
+                log.debug("disable_monitor on the PUB failed: %s", exc)
+            self._pub_monitor.close(linger=0)
+            self._pub_monitor = None
         if self._pub is not None:
             self._pub.close(linger=0)
             self._pub = None

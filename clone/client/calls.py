@@ -116,6 +116,8 @@ class Calls(AgentState):
             return []
         del self._calls[reply.uuid]
         if pending.lease is None:
+            if reply.ok and pending.frames[1] == b"set":
+                self._remember_confirmed(reply.uuid, pending.frames[3].decode("utf-8", "replace"))
             return [CallReplied(reply)]
         return self._kept_reply(pending.lease, reply)
 

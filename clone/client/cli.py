@@ -197,6 +197,30 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds to wait for the answers, all servers at once "
         "(default: the global --timeout if given, else 2)",
     )
+    conflicts = sub.add_parser(
+        "conflicts",
+        help="list the split-brain conflicts the servers keep (writes of a stepped-down"
+        " server not applied), or apply or discard one",
+    )
+    conflicts.add_argument("--json", action="store_true", help="a JSON list, one per conflict")
+    conflicts.add_argument(
+        "--all", action="store_true", help="resolved ones too (default: unresolved only)"
+    )
+    conflicts.add_argument(
+        "--timeout",
+        dest="conflicts_timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help="seconds to wait for the servers (default: the global --timeout if given, else 2)",
+    )
+    conflicts.add_argument(
+        "action",
+        nargs="?",
+        choices=("apply", "discard"),
+        help="apply: write the stepped-down server's value now; discard: keep the current one",
+    )
+    conflicts.add_argument("id", nargs="?", type=int, metavar="ID", help="the conflict's id")
     return p
 
 
@@ -443,6 +467,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _backup(args)
     if args.command == "status":
         return _status(args)
+    if args.command == "conflicts":
+        return _conflicts(args)
     if args.command == "lock":
         args.cmd = _lock_command(args)  # before connecting: a usage error exits 2 at once
     try:
@@ -586,6 +612,65 @@ def _status(args: argparse.Namespace) -> int:
     for endpoint in down:
         print(f"clone: {endpoint} did not answer within {timeout:g} s", file=sys.stderr)
     return EXIT_UNREACHABLE if down else EXIT_OK
+
+
+def _conflicts(args: argparse.Namespace) -> int:
+    """``clone conflicts [--json] [--all]`` and ``clone conflicts apply|discard ID``
+    (:mod:`clone.client.conflicts`).  Listing: exit 0, or 2 when a server did
+    not answer (the others' are still listed).  Resolving: 0 done, 1 no such
+    unresolved conflict, 2 no server answered, 4 refused (``acl``, ``not-active``)."""
+    from clone.client.conflicts import conflicts_table, query_conflicts, resolve_conflict
+
+    if (args.action is None) != (args.id is None):
+        print("clone: conflicts apply|discard needs an ID", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    timeout = args.conflicts_timeout
+    if timeout is None:
+        timeout = args.timeout if args.timeout_given else STATUS_TIMEOUT
+    try:
+        servers = normalize_endpoints(args.servers or default_servers())
+        curve = load_curve_keys(*_curve_files(args))
+        found, silent = query_conflicts(
+            servers, timeout, everything=args.all or args.action is not None, curve=curve
+        )
+    except (ValueError, TypeError, SecurityError) as exc:
+        print(f"clone: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    except KeyboardInterrupt:
+        return 130
+    for endpoint in silent:
+        print(f"clone: {endpoint} did not answer within {timeout:g} s", file=sys.stderr)
+    if args.action is None:
+        try:
+            if args.json:
+                _emit(json.dumps(found, ensure_ascii=False))
+            else:
+                for line in conflicts_table(found):
+                    _emit(line)
+        except BrokenPipeError:
+            _discard_stdout()
+            return EXIT_BROKEN_PIPE
+        return EXIT_UNREACHABLE if silent else EXIT_OK
+    held = [c for c in found if c.get("id") == args.id and c.get("resolution") is None]
+    if not held:
+        print(f"clone: no unresolved conflict {args.id}", file=sys.stderr)
+        return EXIT_UNREACHABLE if silent else EXIT_MISSING
+    rec = held[0]
+    try:
+        reply = resolve_conflict(
+            rec["server"], args.id, rec["key"], apply=args.action == "apply",
+            timeout=timeout, curve=curve,
+        )  # fmt: skip
+    except (TimeoutError, CloneError) as exc:
+        print(f"clone: {exc}", file=sys.stderr)
+        return EXIT_UNREACHABLE
+    if not reply.ok:
+        print(f"clone: {reply.reason}: {reply.detail}", file=sys.stderr)
+        return EXIT_MISSING if reply.reason == "unknown-conflict" else EXIT_ERROR
+    done = "applied" if args.action == "apply" else "discarded"
+    where = f" at sequence {reply.sequence}" if reply.sequence else ""
+    _emit(f"conflict {args.id} on {rec['key']} {done}{where}")
+    return EXIT_OK
 
 
 def _discard_stdout() -> None:

@@ -13,6 +13,7 @@ or the confirmations.
 from __future__ import annotations
 
 import atexit
+import functools
 import heapq
 import itertools
 import json
@@ -47,6 +48,7 @@ from clone.errors import (
     NotActive,
     NotSynced,
     ProtocolError,
+    SplitConflict,
     WriteRefused,
     refusal,
 )
@@ -296,6 +298,7 @@ class Clone:
         self._leases: dict[str, Lease] = {}
         self._watchers: list[Watcher] = []
         self._callbacks: list[Callable[[Entry], None]] = []
+        self._conflict_callbacks: list[Callable[[SplitConflict], None]] = []
         self._callback_queue: queue.SimpleQueue[Entry | Callable[[], None] | object] | None = None
         self._callback_thread: threading.Thread | None = None
         self._shared = threading.Lock()  # waiters, watchers, callbacks, state
@@ -1028,6 +1031,32 @@ class Clone:
             self._callbacks_started()
         self._watch()
 
+    def on_conflict(self, callback: Callable[[SplitConflict], None]) -> None:
+        """Call ``callback(conflict)`` when a write of ours that a server
+        confirmed during a split brain was not kept when the pair healed (the
+        other side had changed its key): docs/client.md, "Split-brain conflicts".
+
+        ``conflict`` is a :class:`~clone.errors.SplitConflict` (``key``,
+        ``uuid``); a write still waited on also raises it.  Callbacks run in
+        the callback thread, like :meth:`on_change`'s; exceptions are logged.
+        A conflict is told once, best effort (a notice on the update stream,
+        for writes confirmed among this client's last 65,536).
+        """
+        if not callable(callback):
+            raise TypeError("callback must be callable")
+        with self._shared:
+            if self._closed:
+                raise ClosedError("this Clone client is closed")
+            self._conflict_callbacks.append(callback)
+
+    def _tell_conflict(self, conflict: SplitConflict) -> None:
+        """The event thread: hand a conflict to every on_conflict callback."""
+        log.warning("%s", conflict)
+        with self._shared:
+            callbacks = list(self._conflict_callbacks)
+        for callback in callbacks:
+            self._run_soon(functools.partial(callback, conflict))
+
     def _callbacks_started(self) -> queue.SimpleQueue[Entry | Callable[[], None] | object]:
         """The callback thread's queue, the thread started if need be (hold ``_shared``)."""
         if self._callback_queue is None:
@@ -1164,8 +1193,17 @@ class Clone:
                 reason, key = (f.decode("utf-8", "replace") for f in frames[2:4])
                 with self._shared:
                     waiter = self._waiters.pop(frames[1], None)
+                refused = (
+                    SplitConflict(key, frames[1])
+                    if reason == "conflict"
+                    else WriteRefused(reason, key)
+                )
                 if waiter is not None and not waiter.done():
-                    waiter.set_exception(WriteRefused(reason, key))
+                    waiter.set_exception(refused)
+                if isinstance(refused, SplitConflict):
+                    self._tell_conflict(refused)
+            elif kind == _agent.CONFLICT:
+                self._tell_conflict(SplitConflict(frames[2].decode("utf-8", "replace"), frames[1]))
             elif kind == _agent.CHANGE:
                 change = _entry(frames[1:])
                 with self._shared:

@@ -137,6 +137,7 @@ from clone.client.state import (
     RequestSnapshot,
     SendCall,
     SendUpdate,
+    SplitConflicted,
     State,
     StateChanged,
     _Pending,
@@ -165,6 +166,7 @@ __all__ = [
     "StateChanged",
     "Malformed",
     "Refused",
+    "SplitConflicted",
     "SendCall",
     "CallReplied",
     "LeaseGone",
@@ -282,12 +284,23 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
             return self.refused(server, msg, now)
         if server != self.current and _shows_active(msg):
             self.counters.foreign += 1  # still not acted upon as an update
+            if self.state is State.ACTIVE:
+                self.note_other_active(now)  # two actives: a split brain (writes.py)
             return self.handle(Event.ACTIVE_ELSEWHERE, server, msg, now)
         if isinstance(msg, Hugz):
             return self.handle(Event.HEARTBEAT, server, msg, now)
         if isinstance(msg, ViewHeartbeat):
             return self.handle(Event.VIEW_HEARTBEAT, server, msg, now)
         return self.handle(Event.UPDATE, server, msg, now)
+
+    def server_reconnected(self, server: int, now: float) -> list[Action]:
+        """The TCP connection to ``server``'s publisher is back after a loss.
+
+        Another server than ours: until its next heartbeat says whether it is
+        active, count it as possibly so (writes wait a moment: writes.py)."""
+        if server != self.current and self.state is State.ACTIVE:
+            self.note_other_active(now)
+        return []
 
     def server_disconnected(self, server: int, now: float) -> list[Action]:
         """The TCP connection to ``server``'s publisher was lost (socket monitor).
@@ -305,6 +318,8 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
         calls and keepalives (after those, so that a failover or a sync they
         caused sends the waiting calls at once)."""
         actions = self._resend_due(now) if self._pending else []
+        if self._held and self.counters.snapshots:
+            actions.extend(self._release_held(now))
         if self._silence_at is not None and now >= self._silence_at:
             actions.extend(self.handle(Event.SILENCE, self.current or 0, None, now))
         if self._reask_at is not None and now >= self._reask_at:

@@ -153,6 +153,16 @@ class Refused:
 
 
 @dataclass(frozen=True, slots=True)
+class SplitConflicted:
+    """A write of ours already confirmed became a split-brain conflict (a
+    notice from the server that confirmed it, after it stepped down): tell
+    the application."""
+
+    uuid: bytes
+    key: str
+
+
+@dataclass(frozen=True, slots=True)
 class SendCall:
     """Send this CALL? (:mod:`clone.wire.calls`) to ``server`` on its call DEALER
     (connected to its snapshot port; the reply comes back on it)."""
@@ -196,6 +206,7 @@ Action = (
     | StateChanged
     | Malformed
     | Refused
+    | SplitConflicted
     | SendCall
     | CallReplied
     | LeaseGone
@@ -308,6 +319,8 @@ class AgentCounters:
     expired_writes: int = 0  # confirmed writes given up on
     refusals: int = 0  # refusal notices received (for any write of ours)
     refused_writes: int = 0  # confirmed writes failed by a refusal notice
+    split_conflicts: int = 0  # our writes a split brain's heal kept as conflicts
+    split_held_writes: int = 0  # writes held while two servers showed themselves active
     # Calls (CALL?/REPLY: compare-and-set, leases): made by the application,
     # sent again (resend_interval, a failover, a completed sync), given up at
     # the caller's deadline, answered "not-active" (kept, sent again later),
@@ -368,6 +381,13 @@ class _KeptLease:
 
 
 _NEVER = float("inf")
+#: The longest a client holds its writes while two servers show themselves
+#: active (a split brain resolves on the servers' first contact; one that
+#: lasts, with this client seeing both sides, must not stop its writes).
+SPLIT_HOLD_MAX = 5.0
+#: How many confirmed writes' ids a client remembers for split-brain conflict
+#: notices (16 bytes and a key each: about 10 MiB at most with long keys).
+CONFIRMED_REMEMBERED = 65_536
 
 
 def normalize_subtrees(subtrees: str | Iterable[str] | None) -> tuple[str, ...]:
@@ -430,7 +450,14 @@ class AgentState:
         self._heard_at: float | None = None  # last message from the current server
         self._left_at: float | None = None  # last heard from the server we failed over from
         self._pending: dict[bytes, _Pending] = {}
+        # Writes (and set calls) confirmed lately, uuid -> key: a split brain's
+        # loser may tell us one became a conflict after it was confirmed.
+        self._confirmed_lately: dict[bytes, str] = {}
         self._held: list[KVMsg] = []  # writes made before the first snapshot
+        # When a server other than ours last showed itself active while we were
+        # active on ours: two actives, a split brain healing (clone.client.writes).
+        self.other_active_at: float | None = None
+        self.other_active_since = 0.0  # when this episode of two actives began
         # Calls awaiting a reply, by uuid; leases kept alive, by id; where the
         # calls were last sent (server, completed syncs): a change sends them
         # again at once (clone.client.calls).
@@ -499,7 +526,26 @@ class AgentState:
             times.append(self._silence_at)
         if self._reask_at is not None:
             times.append(self._reask_at)
+        if self._held and self.other_active_at is not None:
+            times.append(
+                min(
+                    self.other_active_at + self._split_window(),
+                    self.other_active_since + SPLIT_HOLD_MAX,
+                )
+            )
         return min(times) if times else None
+
+    def note_other_active(self, now: float) -> None:
+        """A server other than ours showed itself active while we are active."""
+        seen = self.other_active_at
+        if seen is None or now - seen >= self._split_window():
+            self.other_active_since = now
+        self.other_active_at = now
+
+    def _split_window(self) -> float:
+        """How long after another server last showed itself active our writes
+        stay held: two of its heartbeats (it stops at once when it steps down)."""
+        return max(0.5, 2 * self.config.heartbeat)
 
     def protocol_error(self, server: int) -> None:
         """Count a malformed message (the I/O loop logs it and drops it)."""
@@ -657,9 +703,19 @@ class AgentState:
             pending.sequence = sequence
 
     def _confirm_if_pending(self, uuid: bytes, sequence: int) -> list[Action]:
-        if uuid and self._pending.pop(uuid, None) is not None:
+        pending = self._pending.pop(uuid, None) if uuid else None
+        if pending is not None:
+            self._remember_confirmed(uuid, pending.msg.key)
             return [Confirmed(uuid, sequence)]
         return []
+
+    def _remember_confirmed(self, uuid: bytes, key: str) -> None:
+        """Bounded (:data:`CONFIRMED_REMEMBERED`): a split brain's conflicts
+        come within a heal, seconds after their writes were confirmed."""
+        lately = self._confirmed_lately
+        lately[uuid] = key
+        if len(lately) > CONFIRMED_REMEMBERED:
+            del lately[next(iter(lately))]
 
 
 def _shows_active(msg: KVMsg | Hugz | ViewHeartbeat) -> bool:

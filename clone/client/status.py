@@ -163,6 +163,16 @@ def status_table(statuses: Sequence[dict[str, Any]]) -> list[str]:
             )
         )
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    return [
+    lines = [
         "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows
     ]
+    # Split-brain writes a server kept instead of applying: an operator must
+    # decide each (docs/operations.md, "Split-brain conflicts").
+    for s in statuses:
+        unresolved = s.get("conflicts")
+        if isinstance(unresolved, int) and unresolved > 0:
+            lines.append(
+                f"{_cell(s.get('endpoint'))}: {unresolved} unresolved split-brain"
+                " conflict(s): see `clone conflicts`"
+            )
+    return lines

@@ -14,7 +14,17 @@ from __future__ import annotations
 
 import logging
 
-from clone.client.state import _NEVER, Action, AgentState, Refused, SendUpdate, _Pending
+from clone.client.state import (
+    _NEVER,
+    SPLIT_HOLD_MAX,
+    Action,
+    AgentState,
+    Refused,
+    SendUpdate,
+    SplitConflicted,
+    State,
+    _Pending,
+)
 from clone.wire.codec import KVMsg
 from clone.wire.control import Refusal
 
@@ -27,8 +37,12 @@ class Writes(AgentState):
     """Publishing, holding, resending and expiring the application's writes."""
 
     def write(self, msg: KVMsg, now: float, *, confirm_within: float | None) -> list[Action]:
-        """Publish a client update; with ``confirm_within``, track it until confirmed."""
-        held = not self.counters.snapshots
+        """Publish a client update; with ``confirm_within``, track it until confirmed.
+
+        Held, not sent: before the first snapshot, and while another server
+        than ours shows itself active too (:meth:`split_seen`).
+        """
+        held = not self.counters.snapshots or self.split_seen(now)
         if confirm_within is not None:
             if not msg.uuid:
                 raise ValueError("a confirmed write needs a uuid")
@@ -41,6 +55,32 @@ class Writes(AgentState):
             return []
         return [SendUpdate(msg)]
 
+    def split_seen(self, now: float) -> bool:
+        """Whether two servers show themselves active now (ours, and another
+        within the last :meth:`_split_window`): a split brain is healing.  Our
+        write would reach both, and the one we do not follow applies it as a
+        fresh write, ahead of what its peer forwards (docs/failover.md,
+        "Writes of a split brain"); so writes wait until one of them steps down:
+        we either fail over (the sync sends them) or stay (:meth:`_release_held`)."""
+        seen = self.other_active_at
+        return (
+            seen is not None
+            and now - seen < self._split_window()
+            and now - self.other_active_since < SPLIT_HOLD_MAX
+        )
+
+    def _release_held(self, now: float) -> list[Action]:
+        """Held writes go out once nothing holds them any more (tick)."""
+        if self.split_seen(now) or self.state is not State.ACTIVE:
+            return []
+        released, self._held = self._held, []
+        for msg in released:
+            pending = self._pending.get(msg.uuid)
+            if pending is not None:
+                pending.next_send = now + self.config.resend_interval
+        self.counters.split_held_writes += len(released)
+        return [SendUpdate(msg) for msg in released]
+
     def refused(self, server: int, refusal: Refusal, now: float) -> list[Action]:
         """A refusal notice: fail the confirmed write it names at once.
 
@@ -49,6 +89,8 @@ class Writes(AgentState):
         gave up on, has nobody waiting: the notice is only counted.
         """
         self.counters.refusals += 1
+        if refusal.reason == "conflict":
+            return self._split_conflict(refusal.uuid)
         if server != self.current:
             self.counters.foreign += 1
             return []
@@ -58,6 +100,24 @@ class Writes(AgentState):
             return []
         self.counters.refused_writes += 1
         return [Refused(refusal.uuid, refusal.reason, pending.msg.key)]
+
+    def _split_conflict(self, uuid: bytes) -> list[Action]:
+        """A split brain's loser says its write ``uuid`` became a conflict.
+
+        From whichever server: it comes from the one that stepped down, no
+        longer ours.  Every client hears it (the loser cannot name the
+        writer): only a uuid of ours counts.  Still waited on: failed (the
+        application's wait raises); confirmed lately: an event.
+        """
+        pending = self._pending.pop(uuid, None) if uuid else None
+        if pending is not None:
+            self.counters.split_conflicts += 1
+            return [Refused(uuid, "conflict", pending.msg.key)]
+        key = self._confirmed_lately.pop(uuid, None) if uuid else None
+        if key is None:
+            return []
+        self.counters.split_conflicts += 1
+        return [SplitConflicted(uuid, key)]
 
     def forget(self, uuid: bytes) -> None:
         """The application gave up waiting for this write."""

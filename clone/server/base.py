@@ -192,6 +192,15 @@ class ServerBase:
         self._split_queue = SplitQueue()
         self._split_dealer: ZMQStream | None = None
         self._split_scheduled = False
+        # Of this heal's writes, how many the winner kept as conflicts (logged once).
+        self._split_conflicts_this_heal = 0
+        # Winning a split brain (clone.server.healing): since when client updates
+        # are held (wall clock), and when the peer's sync finished streaming.
+        self._hold_started: float | None = None
+        self._hold_sync_done: float | None = None
+        self._peer_syncs: set[AnyStream] = set()
+        # Took over by a failover, and the peer has not synced from us since.
+        self._await_peer_sync = False
         self._sync_progress = 0.0
         self._sync_started = 0.0
         self._hugz_timer: object | None = None
@@ -226,6 +235,9 @@ class ServerBase:
                 "snapshot_unroutable_retries",
                 "split_writes_applied",
                 "split_writes_refused",
+                "split_writes_conflicts",
+                "conflicts_requests",
+                "conflicts_dropped",
                 "split_writes_resent",
                 "split_writes_abandoned",
                 "snapshot_entries_sent",
@@ -380,6 +392,8 @@ class ServerBase:
 
         def _on_call(self, identity: bytes, parts: list[zmq.Frame]) -> None: ...
 
+        def _answer_conflicts(self, identity: bytes, parts: list[zmq.Frame]) -> None: ...
+
         def _forward_call(
             self, identity: bytes, frames: list[bytes], user: str | None = None, caller: str = ""
         ) -> None: ...
@@ -393,5 +407,13 @@ class ServerBase:
         def _apply_split_writes_here(self) -> None: ...
 
         def _check_split_writes(self) -> None: ...
+
+        def _on_split_brain(self) -> None: ...
+
+        def _start_hold(self, why: str) -> None: ...
+
+        def _check_hold(self) -> None: ...
+
+        def _peer_sync_done(self) -> None: ...
 
         def _close_split(self) -> None: ...

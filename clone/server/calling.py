@@ -77,6 +77,9 @@ class CallingMixin(ServerBase):
             may_lease=may_lease,
             caller=_principal(parts[1], user),
             relayed=user is not None and user in self.config.trusted_relays,
+            # Without CURVE nobody can be told from the peer: the split
+            # properties are accepted from anyone, as every write is.
+            peer=self._keypair is None or user == PEER_USER,
         )
         if reply is None:
             self._throttle.log(

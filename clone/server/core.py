@@ -37,9 +37,10 @@ from __future__ import annotations
 import enum
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from clone.errors import IllegalSyncTransition, LimitExceeded, ProtocolError, StoreFull
+from clone.server.conflicts import ConflictBook, ConflictRecord
 from clone.server.delta import DeltaStream, open_catch_up, open_history
 from clone.server.history import History
 from clone.server.journal import Journal
@@ -55,15 +56,19 @@ from clone.server.ownership import grant_owner, may_use
 from clone.server.pending import PendingList, PendingUpdate, UuidWindow, update_id
 from clone.server.snapshot import SnapshotStream
 from clone.server.split import split_writes
+from clone.server.splitrule import Verdict, judge_split_write
 from clone.server.store import Entry, Served, Store
 from clone.server.ttl import parse_ttl, split_ttl_left
 from clone.wire.applied import decode_kvapplied, encode_kvapplied, is_kvapplied, uuid_ids
 from clone.wire.batch import decode_kvbatch, is_kvbatch
 from clone.wire.calls import (
+    CONFLICT_OPS,
+    CONFLICT_PROPERTY,
     IF_SEQUENCE_PROPERTY,
     LEASE_PREFIX,
     LEASE_PROPERTY,
     OP_AHEAD,
+    OP_CONFLICT_APPLY,
     OP_LEASE_GRANT,
     OP_LEASE_KEEPALIVE,
     OP_SET,
@@ -84,13 +89,16 @@ from clone.wire.codec import (
     SnapshotEnd,
     decode_icanhaz,
     decode_kvset,
+    decode_properties,
     decode_snapshot_reply,
     decode_update,
     encode_hugz,
     encode_kv,
+    encode_properties,
 )
 from clone.wire.delta import SinceRequest, decode_kvdelta, is_kvdelta, update_digest
 from clone.wire.protocol import TTL_PROPERTY
+from clone.wire.split import SPLIT_PROPERTIES, SplitOrigin, parse_split_origin, uuid_time
 
 __all__ = [
     "COUNTERS",
@@ -164,6 +172,7 @@ COUNTERS = (
     "kvset_invalid",
     "kvset_duplicate",
     "kvset_pending",
+    "kvset_held",
     "kvset_already_applied",
     "kvset_refused_full",
     "kvpub_published",
@@ -194,6 +203,13 @@ COUNTERS = (
     "split_writes_expired",
     "split_writes_unverified",
     "split_writes_held",
+    # The winner's side of a heal (clone.server.splitrule, clone.server.conflicts).
+    "split_calls_received",
+    "split_calls_applied",
+    "split_conflicts",
+    "split_calls_refused_not_peer",
+    "conflicts_applied",
+    "conflicts_discarded",
     # Calls (CALL?/REPLY) and leases: docs/protocol.md, "CALL? / REPLY".
     "calls_received",
     "calls_ok",
@@ -212,6 +228,7 @@ COUNTERS = (
     "calls_bad_ttl",
     "calls_not_owner",
     "calls_refused_lease_quota",
+    "calls_unknown_conflict",
     "kvset_conflict",
     "kvset_unknown_lease",
     "kvset_lease_refused",
@@ -223,6 +240,19 @@ COUNTERS = (
     "lease_keys_deleted",
     "lease_orphans_deleted",
 )
+
+
+@dataclass(slots=True)
+class _Kept:
+    """A demoted active's writes kept for the winner, with what its rule needs."""
+
+    written: Sequence[Sequence[bytes]]
+    fork: int
+    at: float
+    term: int
+    conditions: dict[bytes, int]
+    #: Each key's last update converted so far (clone.server.split, ``last``).
+    last: dict[bytes, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -285,6 +315,47 @@ def _refused(uuid: bytes, reason: str, detail: str) -> Reply:
     return Reply(uuid, "refused", reason=reason, detail=detail)
 
 
+def _split_conflict_reply(rec: ConflictRecord) -> Reply:
+    """The answer to a split write kept as conflict ``rec``: status conflict,
+    reason ``split``, the record's id in the detail (docs/protocol.md)."""
+    return Reply(
+        rec.loser_uuid,
+        "conflict",
+        current=rec.winner_seq,
+        reason="split",
+        detail=f"conflict {rec.id}: {rec.reason}",
+    )
+
+
+def _without_split(call: Call) -> Call:
+    """A split write as the plain ``set`` it is, without the peer-only properties."""
+    props = tuple((n, v) for n, v in call.properties if n not in SPLIT_PROPERTIES)
+    return Call(call.op, call.uuid, call.key, props, call.body)
+
+
+def _conflict(
+    call: Call, origin: SplitOrigin, verdict: Verdict, entry: Entry | None, now: float
+) -> ConflictRecord:
+    """The record of a split write not applied, with the winner's value of its key."""
+    winner_uuid = None if entry is None else bytes(entry[1])
+    return ConflictRecord(
+        id=0,
+        key=call.key.encode("utf-8"),
+        reason=verdict.value,
+        loser_uuid=call.uuid,
+        loser_props=encode_properties(call.properties),
+        loser_body=call.body,
+        loser_at=origin.at,
+        loser_term=origin.term,
+        winner_seq=0 if entry is None else int.from_bytes(entry[0], "big"),
+        winner_uuid=winner_uuid,
+        winner_props=None if entry is None else bytes(entry[2]),
+        winner_body=None if entry is None else bytes(entry[3]),
+        winner_at=None if not winner_uuid else uuid_time(winner_uuid),
+        recorded=now,
+    )
+
+
 def _any_key(key: bytes) -> bool:
     """No ACL: every key may be written."""
     return True
@@ -339,7 +410,7 @@ class ServerCore:
         # the time they were kept), turned into SET calls a slice at a time
         # (take_split_calls: 100k at once blocked the loop); how far into the
         # first the conversion is; and the calls converted but not yet taken.
-        self._split_kept: deque[tuple[Sequence[Sequence[bytes]], int, float]] = deque()
+        self._split_kept: deque[_Kept] = deque()
         self._split_kept_at = 0
         self._split_converted: list[list[bytes]] = []
         # The ids the winner said it applied, at the resync that kept them:
@@ -347,6 +418,22 @@ class ServerCore:
         self._split_peer_applied: set[bytes] | frozenset[bytes] = frozenset()
         #: Writes of ours after a split brain that no fork let us sort (logged once).
         self.split_unverified = 0
+        # The if_sequence of each conditional write we applied as active in
+        # this term, by uuid (a stored update no longer says it), and at a
+        # demotion the term we wrote under: what a split write carries.
+        self._conditions: dict[bytes, int] = {}
+        self._written_conditions: dict[bytes, int] = {}
+        self._written_term = 0
+        # Judging split writes: the fork, the sequence the history was read up
+        # to, and every key updated after the fork (None: the history does
+        # not reach back to it).
+        self._fork_keys: tuple[int, int, set[bytes] | None] | None = None
+        #: Split-brain writes of a loser this server did not apply (the winner's side).
+        self.conflicts = ConflictBook()
+        #: Winning a split brain: client updates are parked until the loser's
+        #: forwarded writes are in (hold_writes); when the last of those came.
+        self.holding = False
+        self.split_call_at = 0.0
         self.sync_state = SyncState.IDLE
         #: The highest sequence seen anywhere (own store, peer KVPUB/HUGZ/KTHXBAI).
         self.highest_seen = 0
@@ -386,7 +473,7 @@ class ServerCore:
         except ProtocolError:
             c["kvset_invalid"] += 1
             raise
-        if self.role is Role.ACTIVE:
+        if self.role is Role.ACTIVE and not self.holding:
             uuid = msg.uuid
             if uuid and uuid in self.window:
                 c["kvset_duplicate"] += 1
@@ -413,7 +500,10 @@ class ServerCore:
             c["kvpub_published"] += 1
             self._record(out)
             return out
-        # Passive or starting: validate now, so promotion cannot fail on it.
+        # Passive or starting, or holding client updates while a split brain
+        # heals: validate now, so that applying them later cannot fail on it.
+        if self.holding:
+            c["kvset_held"] += 1
         if frames[0].startswith(_LEASE_PREFIX_RAW):
             c["kvset_reserved"] += 1
             raise ProtocolError(f"key {msg.key[:80]!r}: keys under {LEASE_PREFIX} are the server's")
@@ -560,8 +650,36 @@ class ServerCore:
         store = self.store
         self.promoted_at = store.sequence
         self._written_as_active = []
+        self._conditions = {}
+        self._fork_keys = None
         store.sequence = max(store.sequence, self.highest_seen)
         out = self._rebuild_leases(_mono(mono, now))
+        out += self._apply_pending(now)
+        self.highest_seen = store.sequence
+        return out
+
+    def hold_writes(self) -> None:
+        """A split brain this active server wins: park client updates (KVSETs)
+        as a passive does, until :meth:`release_held`, so that the writes the
+        stepped-down peer forwards are judged first and those of its clients
+        that reach us directly, late (queued in TCP through the partition), are
+        not applied ahead of them (docs/failover.md, "Writes of a split brain")."""
+        if self.role is Role.ACTIVE:
+            self.holding = True
+
+    def release_held(self, now: float) -> list[list[bytes]]:
+        """End :meth:`hold_writes`: apply what was parked, in arrival order (a
+        write the peer forwarded meanwhile is in the uuid window: skipped)."""
+        if not self.holding:
+            return []
+        self.holding = False
+        return self._apply_pending(now)
+
+    def _apply_pending(self, now: float) -> list[list[bytes]]:
+        """Apply the pending list as active, in arrival order."""
+        c = self.counters
+        store = self.store
+        out: list[list[bytes]] = []
         applied = 0
         for parked in self.pending.drain():
             msg = parked.msg
@@ -585,15 +703,17 @@ class ServerCore:
             applied += 1
         c["pending_applied"] += applied
         c["kvpub_published"] += applied
-        self.highest_seen = store.sequence
         return out
 
     def become_passive(self) -> None:
         """Demotion or first decision: the caller must now start a sync."""
+        self.holding = False
         if self.role is Role.ACTIVE:
             self.counters["demotions"] += 1
             # What we wrote as active: the winner of a split brain may lack some.
             self._written_as_active = self.history.written_under(self.term)
+            self._written_term = self.term
+            self._written_conditions, self._conditions = self._conditions, {}
         self.promoted_at = None
         self.role = Role.PASSIVE
         # Only the active server keeps time for leases; a new one rebuilds them.
@@ -688,6 +808,8 @@ class ServerCore:
             c["peer_ignored"] += 1
             return FollowOutcome.OK
         if is_kvbatch(frames):
+            if self._written_as_active and self._peer_fork is not None:
+                self._settle_split_writes(now, self._peer_applied)
             if self._delta:
                 c["peer_invalid"] += 1
                 raise ProtocolError("KVBATCH in a catch-up (KVDELTA) reply")
@@ -696,6 +818,12 @@ class ServerCore:
         if is_kvapplied(frames):
             self._note_peer_applied(frames, now)
             return FollowOutcome.OK
+        if self._written_as_active and self._peer_fork is not None:
+            # The applied lists came first and are complete: the winner's fork
+            # is known, so our split writes can go now, not after the whole
+            # snapshot (seconds for a large store), while our clients' direct
+            # copies race them to the winner (docs/failover.md).
+            self._settle_split_writes(now, self._peer_applied)
         if is_kvdelta(frames):
             return self._begin_delta(frames)
         left: float | None = None
@@ -819,14 +947,18 @@ class ServerCore:
             c["split_writes_unverified"] += len(written)
             self.split_unverified += len(written)
             return
-        # Converted to calls later, a slice per loop turn (take_split_calls).
-        self._split_kept.append((written, self._peer_fork, now))
+        # Converted to calls later, a slice per loop turn (take_split_calls),
+        # with what the winner's rule needs of each (clone.wire.split).
+        conditions, self._written_conditions = self._written_conditions, {}
+        self._split_kept.append(
+            _Kept(written, self._peer_fork, now, self._written_term, conditions)
+        )
 
     @property
     def split_left(self) -> int:
         """Kept split-brain writes not yet taken as calls (an upper bound on
         the calls to come: some will be left out)."""
-        kept = sum(len(written) for written, _, _ in self._split_kept)
+        kept = sum(len(k.written) for k in self._split_kept)
         return len(self._split_converted) + kept - self._split_kept_at
 
     def take_split_calls(self, limit: int) -> list[list[bytes]]:
@@ -837,15 +969,24 @@ class ServerCore:
         kept = self._split_kept
         c = self.counters
         while kept and limit > 0:
-            written, fork, at = kept[0]
+            first = kept[0]
             start = self._split_kept_at
-            part = written[start : start + limit]
+            part = first.written[start : start + limit]
             limit -= len(part)
             self._split_kept_at = start + len(part)
-            if self._split_kept_at >= len(written):
+            if self._split_kept_at >= len(first.written):
                 kept.popleft()
                 self._split_kept_at = 0
-            split = split_writes(part, fork, at)
+            # The previous write of a key may be in an earlier slice:
+            # first.last carries it from slice to slice (clone.server.split).
+            split = split_writes(
+                part,
+                first.fork,
+                first.at,
+                term=first.term,
+                conditions=first.conditions,
+                last=first.last,
+            )
             out += split.calls
             c["split_writes_found"] += len(split.calls)
             c["split_writes_expired"] += split.expired
@@ -989,6 +1130,7 @@ class ServerCore:
         may_lease: bool = True,
         caller: str = "",
         relayed: bool = False,
+        peer: bool = False,
     ) -> tuple[Reply | None, bool]:
         """A CALL? (without its identity frame); returns the reply and whether
         it must wait for this turn's commit (it changed the state).
@@ -1011,6 +1153,10 @@ class ServerCore:
         Each refusal has its own counter (``_PROBLEM_COUNTERS``, ``size``,
         ``malformed``), so an operator can tell a client sending nonsense
         from one sending too much.
+
+        ``peer``: the caller is the peer server (or there is no way to tell:
+        no CURVE).  Only a peer's ``set`` may carry the split-brain properties
+        (:mod:`clone.wire.split`); it is then judged by the heal's rule.
         """
         c = self.counters
         c["calls_received"] += 1
@@ -1046,11 +1192,15 @@ class ServerCore:
             return _refused(call.uuid, "not-active", f"this server is {self.role.value}"), False
         mono = _mono(mono, now)
         if call.op == OP_SET:
+            if any(name in SPLIT_PROPERTIES for name, _ in call.properties):
+                return self._call_split(call, now, mono, peer, caller)
             return self._call_set(call, now, mono, caller)
         if call.op == OP_LEASE_GRANT:
             return self._call_grant(call, now, mono, caller)
         if call.op == OP_AHEAD:
             return self._call_ahead(call), False
+        if call.op in CONFLICT_OPS:
+            return self._call_conflict(call, now, mono)
         lease_id = call.lease
         assert lease_id is not None  # check_call
         held = self.leases.get(lease_id)
@@ -1135,7 +1285,17 @@ class ServerCore:
         if held or call.uuid in self._split_peer_applied:
             self.counters["split_writes_held"] += 1
             return Reply(call.uuid, "ok", held)
-        return self._call_set(call, now, _mono(mono, now), ours=True)[0]
+        try:
+            origin = parse_split_origin(call.properties)
+        except ValueError:
+            origin = None  # ours: cannot happen; applied as before the rule
+        if origin is None:
+            return self._call_set(call, now, _mono(mono, now), ours=True)[0]
+        # The state we hold is the winner's since the resync: its rule, here.
+        known = self.conflicts.of_uuid(call.uuid)
+        if known is not None:
+            return _split_conflict_reply(known)
+        return self._judge_split(call, origin, now, _mono(mono, now), ours=True)[0]
 
     def _call_set(
         self, call: Call, now: float, mono: float, caller: str = "", *, ours: bool = False
@@ -1179,10 +1339,151 @@ class ServerCore:
         self.window.add(uuid, now)
         if lease_id is not None:
             self.leases.bind(lease_id, raw_key)
+        if expected is not None:
+            self._note_condition(uuid, expected)
         c["kvpub_published"] += 1
         c["calls_ok"] += 1
         self._record(out)
         return Reply(uuid, "ok", self.store.sequence), True
+
+    def _call_split(
+        self, call: Call, now: float, mono: float, peer: bool, caller: str = ""
+    ) -> tuple[Reply, bool]:
+        """A write the loser of a split brain forwards: applied by the rule of
+        :mod:`clone.server.splitrule`, or kept as a conflict and answered so."""
+        c = self.counters
+        uuid = call.uuid
+        if not peer:
+            c["split_calls_refused_not_peer"] += 1
+            return _refused(uuid, "acl", "split_* properties are the peer server's"), False
+        try:
+            origin = parse_split_origin(call.properties)
+        except ValueError as exc:
+            c["calls_invalid"] += 1
+            return _refused(uuid, "malformed", str(exc)), False
+        assert origin is not None
+        c["split_calls_received"] += 1
+        self.split_call_at = now
+        known = self.conflicts.of_uuid(uuid)
+        if known is not None:
+            # A resend of a write already judged: the same answer.
+            return _split_conflict_reply(known), False
+        if uuid in self.window:
+            return self._call_set(_without_split(call), now, mono, caller)
+        return self._judge_split(call, origin, now, mono, caller)
+
+    def _judge_split(
+        self,
+        call: Call,
+        origin: SplitOrigin,
+        now: float,
+        mono: float,
+        caller: str = "",
+        *,
+        ours: bool = False,
+    ) -> tuple[Reply, bool]:
+        """Apply a split write by the rule, or keep it as a conflict."""
+        c = self.counters
+        uuid = call.uuid
+        plain = _without_split(call)
+        raw_key = call.key.encode("utf-8")
+        entry = self.store.entry(raw_key)
+        lease_id = call.lease
+        verdict = judge_split_write(
+            origin,
+            lease=lease_id,
+            lease_alive=lease_id is not None and lease_id in self.leases,
+            changed_since_fork=self._changed_since(raw_key, origin.fork, entry),
+            current_uuid=None if entry is None else bytes(entry[1]),
+        )
+        if verdict is Verdict.APPLY:
+            reply, changed = self._call_set(plain, now, mono, caller, ours=ours)
+            if reply.ok:
+                c["split_calls_applied"] += 1
+            if reply.ok or reply.reason != "not-owner":
+                return reply, changed
+            # Nothing is dropped silently: kept for an operator, as any conflict.
+            verdict = Verdict.LEASE_OWNER
+        rec = self.conflicts.record(_conflict(plain, origin, verdict, entry, now))
+        # A late direct copy of the write (its client reached us at last) must
+        # not apply what the rule refused: its uuid counts as seen.
+        self.window.add(uuid, now)
+        c["split_conflicts"] += 1
+        return _split_conflict_reply(rec), True
+
+    def _changed_since(self, raw_key: bytes, fork: int, entry: Entry | None) -> bool:
+        """Whether we updated ``raw_key`` after sequence ``fork`` (True when
+        the history no longer reaches back that far and the key is absent)."""
+        if entry is not None:
+            return int.from_bytes(entry[0], "big") > fork
+        cached = self._fork_keys
+        history = self.history
+        if cached is None or cached[0] != fork:
+            keys: set[bytes] | None = None
+            if history.covers(fork):
+                keys = {frames[0] for frames in history.since(fork)}
+            cached = (fork, self.store.sequence, keys)
+        else:
+            seen, keys = cached[1], cached[2]
+            if keys is not None and seen < self.store.sequence:
+                if history.covers(seen):
+                    keys.update(frames[0] for frames in history.since(seen))
+                else:
+                    keys = None
+            cached = (fork, self.store.sequence, keys)
+        self._fork_keys = cached
+        keys = cached[2]
+        return keys is None or raw_key in keys
+
+    def resolve_conflict(
+        self, cid: int, action: str, now: float, mono: float | None = None
+    ) -> ConflictRecord:
+        """An operator's word on conflict ``cid``: ``apply`` writes the loser's
+        value now (a new update, published), ``discard`` only marks it.
+        ValueError saying why not (unknown, resolved, not active)."""
+        rec = self.conflicts.get(cid)
+        if rec is None:
+            raise ValueError(f"no conflict {cid}")
+        if rec.resolution is not None:
+            raise ValueError(f"conflict {cid} was {rec.resolution} already")
+        if action == "apply":
+            if self.role is not Role.ACTIVE:
+                raise ValueError(f"this server is {self.role.value}")
+            props = tuple(
+                (n, v) for n, v in decode_properties(rec.loser_props) if n != LEASE_PROPERTY
+            )
+            msg = KVMsg(rec.key.decode("utf-8"), 0, rec.loser_uuid, props, rec.loser_body)
+            self._record(self.store.apply(msg, _mono(mono, now), wall=now))
+            self.counters["kvpub_published"] += 1
+            self.counters["conflicts_applied"] += 1
+            done = self.conflicts.resolve(cid, "applied")
+        elif action == "discard":
+            self.counters["conflicts_discarded"] += 1
+            done = self.conflicts.resolve(cid, "discarded")
+        else:
+            raise ValueError(f"a conflict is applied or discarded, not {action!r}")
+        return done
+
+    def _call_conflict(self, call: Call, now: float, mono: float) -> tuple[Reply, bool]:
+        """An operator applies or discards a conflict; the ACL has judged its key."""
+        c = self.counters
+        cid = int(call.prop(CONFLICT_PROPERTY) or 0)  # check_call: a whole number
+        rec = self.conflicts.get(cid)
+        if rec is None or rec.key != call.key.encode("utf-8") or rec.resolution is not None:
+            c["calls_unknown_conflict"] += 1
+            why = (
+                f"no conflict {cid}"
+                if rec is None
+                else f"conflict {cid} is for another key"
+                if rec.key != call.key.encode("utf-8")
+                else f"conflict {cid} was {rec.resolution} already"
+            )
+            return _refused(call.uuid, "unknown-conflict", why), False
+        action = "apply" if call.op == OP_CONFLICT_APPLY else "discard"
+        self.resolve_conflict(cid, action, now, mono)
+        c["calls_ok"] += 1
+        seq = self.store.sequence if action == "apply" else 0
+        return Reply(call.uuid, "ok", seq), True
 
     def _call_grant(
         self, call: Call, now: float, mono: float, caller: str = ""
@@ -1236,6 +1537,14 @@ class ServerCore:
         self._record(out)
         return Reply(uuid, "ok", self.store.sequence, lease=lease_id, ttl=ttl, secret=secret), True
 
+    def _note_condition(self, uuid: bytes, expected: int) -> None:
+        """A conditional write applied as active: what its split write says.
+        Bounded like the history it would be forwarded from."""
+        conditions = self._conditions
+        conditions[uuid] = expected
+        if len(conditions) > self.settings.history_max:
+            del conditions[next(iter(conditions))]
+
     def _check_kvset(self, msg: KVMsg, raw_key: bytes) -> KVMsg:
         """The call rules for a KVSET applied as active (or at a promotion).
 
@@ -1276,6 +1585,8 @@ class ServerCore:
                 f"write to {msg.key[:80]!r} expected sequence {expected_text},"
                 f" the key is at {current}"
             )
+        if msg.uuid:
+            self._note_condition(msg.uuid, current)
         return KVMsg(msg.key, 0, msg.uuid, msg.with_props(**{IF_SEQUENCE_PROPERTY: None}), msg.body)
 
     def _bind_if_leased(self, msg: KVMsg, raw_key: bytes) -> None:
@@ -1404,6 +1715,8 @@ class ServerCore:
             dedup_window_used=len(self.window),
             bad_expires=self.store.bad_expires,
             leases=len(self.leases),
+            split_conflicts_kept=len(self.conflicts),
+            split_conflicts_unresolved=self.conflicts.unresolved,
         )
         return out
 

@@ -26,9 +26,11 @@ from __future__ import annotations
 
 import sqlite3
 import time
+from dataclasses import astuple
 
 from clone.errors import StorageError
 from clone.server.base import ServerBase, log
+from clone.server.conflicts import ConflictRecord
 from clone.server.core import Role
 from clone.server.journal import OpKind
 from clone.storage import FsyncPolicy, Storage, restore_into
@@ -67,6 +69,16 @@ class DurabilityMixin(ServerBase):
             self.core.load(
                 loaded.entries, loaded.sequence, loaded.history, self._wallclock(), self._clock()
             )
+            kept = [ConflictRecord(*row) for row in storage.read_conflicts()]
+            self.core.conflicts.load(kept)
+            if kept:
+                log.warning(
+                    "data directory %s holds %d split-brain conflicts, %d unresolved"
+                    " (clone conflicts lists them)",
+                    cfg.data_dir,
+                    len(kept),
+                    self.core.conflicts.unresolved,
+                )
         except BaseException:
             storage.close()
             raise
@@ -113,6 +125,13 @@ class DurabilityMixin(ServerBase):
         """Write this turn's changes in one transaction; return the updates,
         in order, which may now be published.  Nothing on a write failure."""
         ops = self.core.journal.take()
+        dirty = self.core.conflicts.take_dirty()
+        if dirty and self._storage is not None and self._storage_error is None:
+            try:
+                self._storage.write_conflicts([astuple(r) for r in dirty])
+            except (sqlite3.Error, OSError, StorageError) as exc:
+                self._storage_failed(exc)
+                return []
         if not ops:
             return []
         if len(ops) == 1 and ops[0].kind is OpKind.UPDATES:

@@ -60,6 +60,10 @@ class FollowingMixin(ServerBase):
         if was is Role.PASSIVE:
             self.counters["failovers"] += 1
             self._last_failover = self._wallclock()
+            # Took over from a peer presumed dead: if it was active meanwhile
+            # (a split brain), its first sync from us is its step-down, and its
+            # clients' writes race its forwarded ones (clone.server.healing).
+            self._await_peer_sync = True
         self._record_term()
         batch = self._commit()
         self._close_peer()
@@ -312,6 +316,13 @@ class FollowingMixin(ServerBase):
             try:
                 # Read after the message: a ttl in it counts from no earlier than its arrival.
                 outcome = core.on_snapshot_reply(frames, now, clock())
+                if (
+                    core.split_left
+                    and not self._split_queue
+                    and not self._split_scheduled
+                    and core.role is Role.PASSIVE
+                ):
+                    self._forward_split_writes()  # the fork is known: send them now
             except ProtocolError as exc:
                 self._throttle.log(
                     "sync_reply", logging.WARNING, "dropped a snapshot entry from the peer: %s", exc

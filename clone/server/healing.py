@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import zmq
 
+from bstar.fsm import State as BStarState
 from clone.errors import ProtocolError
 from clone.server.base import TURN_BUDGET, ServerBase, log, peer_endpoint
 from clone.server.core import Role, SyncState
@@ -42,9 +43,23 @@ from clone.server.pacing import (
     send_allowance,
 )
 from clone.wire.calls import Reply, decode_call, decode_reply
+from clone.wire.control import encode_refusal
 from clone.wire.protocol import SNAPSHOT_OFFSET
 
-__all__ = ["HealingMixin"]
+__all__ = ["ANY_WRITER", "HealingMixin"]
+
+#: Winning a split brain, client updates are held until the peer's sync has
+#: streamed and no forwarded write came for HOLD_GRACE seconds (HOLD_FIRST_CALL
+#: while none came yet: a peer with nothing to forward sends none), and never
+#: longer than HOLD_MAX (a peer that never resyncs, or one too old to forward).
+HOLD_GRACE = 1.0
+HOLD_FIRST_CALL = 3.0
+HOLD_MAX = 10.0
+
+#: The topic of notices for whichever client wrote the uuid (docs/protocol.md:
+#: a loser cannot name the writer of a split write, so every client hears it
+#: and acts only on a uuid of its own).
+ANY_WRITER = "*"
 
 
 class HealingMixin(ServerBase):
@@ -65,9 +80,10 @@ class HealingMixin(ServerBase):
         left = core.split_left
         if not left and not self._split_queue:
             return
-        if self._split_queue:
-            # A resync while still sending (a gap in what we follow): more
-            # kept writes join the queue; the first resync said it already.
+        if self._split_queue or self._split_scheduled:
+            # Already on its way (sent as soon as the fork came), or a resync
+            # while still sending (a gap in what we follow): more kept writes
+            # join the queue; the first said it already.
             self._schedule_split_turn()
             return
         log.warning(
@@ -230,6 +246,14 @@ class HealingMixin(ServerBase):
         if reply.ok:
             self.counters["split_writes_applied"] += 1
             return
+        if reply.status == "conflict" and reply.reason == "split":
+            # Kept by the active as a conflict (clone.server.splitrule): its
+            # writer was told it was applied, so tell it now (best effort; the
+            # heal's count is logged once, when it ends).
+            self.counters["split_writes_conflicts"] += 1
+            self._split_conflicts_this_heal += 1
+            self._publish(encode_refusal(ANY_WRITER, reply.uuid, "conflict"))
+            return
         self.counters["split_writes_refused"] += 1
         self._throttle.log(
             "split_refused",
@@ -240,10 +264,72 @@ class HealingMixin(ServerBase):
             decode_call(frames).key[:80],
         )
 
+    # -- the winner's side: hold client updates until the loser's are in -------
+
+    def _on_split_brain(self) -> None:
+        """Binary Star saw the peer active too.  If we keep serving, the peer
+        steps down, resyncs and forwards its writes; until then its clients'
+        updates may still reach us directly, late, and must not go ahead of
+        those (core.hold_writes)."""
+        ha = self._ha
+        if ha is None or self.core.role is not Role.ACTIVE or ha.state is not BStarState.ACTIVE:
+            return  # we are the one stepping down
+        self._start_hold("won a split brain")
+
+    def _start_hold(self, why: str) -> None:
+        """Hold client updates until the peer's sync has streamed and what it
+        forwards is in.  Also at the peer's first sync after we took over: the
+        peer that lost a split brain often hears us first and steps down before
+        Binary Star shows us the split brain at all, and its clients' direct
+        writes then arrive with its sync request (a restarted peer costs one
+        held sync, once per takeover)."""
+        if self.core.holding:
+            return
+        self.core.hold_writes()
+        self._hold_started = self._wallclock()
+        self._hold_sync_done = None
+        log.warning(
+            "%s: holding client updates until the peer has synced and forwarded what"
+            " it wrote meanwhile (at most %.0f s)",
+            why,
+            HOLD_MAX,
+        )
+
+    def _peer_sync_done(self) -> None:
+        if self._hold_started is not None:
+            self._hold_sync_done = self._wallclock()
+
+    def _check_hold(self) -> None:
+        """Housekeeping: end the hold once the peer's sync has streamed and no
+        forwarded write came for HOLD_GRACE, or after HOLD_MAX in any case."""
+        started = self._hold_started
+        if started is None:
+            return
+        core = self.core
+        now = self._wallclock()
+        done = self._hold_sync_done
+        # The peer's forwarded writes may queue behind its own snapshot on our
+        # snapshot port: until one came, wait longer for them.
+        came = core.split_call_at >= started
+        grace = HOLD_GRACE if came else HOLD_FIRST_CALL
+        quiet = done is not None and now >= max(done, core.split_call_at) + grace
+        if not (quiet or now >= started + HOLD_MAX or not core.holding):
+            return
+        self._hold_started = self._hold_sync_done = None
+        held = len(core.pending)
+        core.release_held(now)
+        self._commit_and_publish()
+        log.info(
+            "released %d client updates held through the split brain's heal after %.2f s",
+            held,
+            now - started,
+        )
+
     def _close_split_soon(self) -> None:
         """Done with the DEALER: no more sends on it now, and closed from a
         callback of its own, after the stream's pending event callbacks (one
         per send) have run on an open socket."""
+        self._log_heal_conflicts()
         dealer, self._split_dealer = self._split_dealer, None
         if dealer is None:
             return
@@ -252,7 +338,19 @@ class HealingMixin(ServerBase):
         else:
             self._loop.add_callback(self._forget, dealer)
 
+    def _log_heal_conflicts(self) -> None:
+        """Once per heal: how many of our writes the active kept as conflicts."""
+        if self._split_conflicts_this_heal:
+            log.warning(
+                "%d of our split-brain writes were kept as conflicts, not applied (the"
+                " active had changed their keys since it was elected); their writers"
+                " were told, and `clone conflicts` on the active lists them",
+                self._split_conflicts_this_heal,
+            )
+            self._split_conflicts_this_heal = 0
+
     def _close_split(self) -> None:
+        self._log_heal_conflicts()
         dealer, self._split_dealer = self._split_dealer, None
         if dealer is not None:
             self._forget(dealer)

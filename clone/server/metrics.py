@@ -76,6 +76,7 @@ CALL_RESULTS: Mapping[str, str] = {
     "busy": "calls_refused_busy",
     "not_owner": "calls_not_owner",
     "lease_quota": "calls_refused_lease_quota",
+    "unknown_conflict": "calls_unknown_conflict",
 }
 
 #: ``clone_relay_calls_total{result}``: what a relay did with its clients'
@@ -335,6 +336,16 @@ class CloneCollector(Collector):
                 "CURVE handshakes the upstream refused (the relay's key is not admitted there).",
                 num("upstream_handshake_failures"),
             )
+        yield _counter(
+            "clone_split_conflicts",
+            "Split-brain writes of a stepped-down peer kept as conflicts, not applied.",
+            num("split_conflicts"),
+        )
+        yield _gauge(
+            "clone_split_conflicts_unresolved",
+            "Split-brain conflicts neither applied nor discarded yet (clone conflicts).",
+            num("split_conflicts_unresolved"),
+        )
         yield _counter(
             "clone_internal_errors",
             "Unexpected exceptions logged by handlers.",

@@ -34,6 +34,7 @@ from tornado.ioloop import IOLoop
 
 from clone.errors import LimitExceeded, ProtocolError, ServerStartError, StoreFull
 from clone.release import RELEASE
+from clone.server.admin import AdminMixin
 from clone.server.base import TURN_BUDGET, log
 from clone.server.calling import CallingMixin
 from clone.server.config import ServerConfig, ServerMode
@@ -62,6 +63,7 @@ def _tcp(host_port: str) -> str:
 
 
 class CloneServer(
+    AdminMixin,
     CallingMixin,
     ServingMixin,
     FollowingMixin,
@@ -270,6 +272,7 @@ class CloneServer(
             )
             ha.on_active(self._on_became_active)
             ha.on_passive(self._on_became_passive)
+            ha.on_split_brain(self._on_split_brain)
             self._ha = ha
             ha.start()
         self._next_hugz = self._clock() + cfg.heartbeat
@@ -405,6 +408,7 @@ class CloneServer(
                 self._check_upstream()
             self._check_stalled_snapshots()
             self._check_split_writes()
+            self._check_hold()
             if self._deferred:
                 # The peer's expiry may have moved earlier (Binary Star saw its
                 # connection drop); the timer only knows the old one.

@@ -35,6 +35,7 @@ from clone.server.core import Role
 from clone.server.delta import DeltaStream
 from clone.server.status import PeerView, server_status
 from clone.wire.calls import CALL
+from clone.wire.conflicts import CONFLICTS_REQUEST
 from clone.wire.control import view_id
 from clone.wire.delta import SINCE_PROPERTY, SinceRequest, parse_since
 from clone.wire.frames import NOBLOCK, POLLIN, send_frames, send_tracked
@@ -127,6 +128,9 @@ class ServingMixin(ServerBase):
             return
         if len(parts) > 1 and parts[1].bytes == CALL:
             self._on_call(identity, parts)
+            return
+        if len(parts) > 1 and parts[1].bytes == CONFLICTS_REQUEST:
+            self._answer_conflicts(identity, parts)
             return
         batch = len(parts) > 1 and _wants_batches(parts[1])
         applied = len(parts) > 1 and _wants_applied(parts[1])
@@ -238,6 +242,11 @@ class ServingMixin(ServerBase):
             # The peer always asks for the applied list too; a client never does.
             self.counters["catchups_served" if applied else "client_catchups_served"] += 1
         self._snapshots[stream] = self._snapshot_started[stream] = self._clock()
+        if applied:
+            self._peer_syncs.add(stream)  # the peer's sync: a heal waits for it
+            if self._await_peer_sync and self.core.role is Role.ACTIVE:
+                self._await_peer_sync = False
+                self._start_hold("the peer's first sync since we took over")
         if batch:
             self._in_flight[stream] = deque()
         if deferred:
@@ -311,6 +320,9 @@ class ServingMixin(ServerBase):
             self._in_flight.pop(stream, None)
             self._unreachable.pop(stream, None)
             self._deferred_streams.discard(stream)
+            if stream in self._peer_syncs:
+                self._peer_syncs.discard(stream)
+                self._peer_sync_done()
             c = self.counters
             c["snapshots_served"] += 1
             c["snapshot_entries_sent"] += stream.sent
@@ -404,6 +416,7 @@ class ServingMixin(ServerBase):
             self._snapshots[stream] = self._clock()
 
     def _abort_snapshot(self, stream: AnyStream, why: str, *, gone: bool = False) -> None:
+        self._peer_syncs.discard(stream)
         self._snapshot_started.pop(stream, None)
         self._unreachable.pop(stream, None)
         if self._snapshots.pop(stream, None) is None:
@@ -497,6 +510,7 @@ class ServingMixin(ServerBase):
             peer=peer,
             # Counted by the HTTP part (clone.server.http) when it watches the publisher.
             subscribers=getattr(self, "subscribers", None),
+            conflicts=core.conflicts.unresolved,
         )
 
     # -- deferred votes --------------------------------------------------------

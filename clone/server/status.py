@@ -69,6 +69,8 @@ Fields (every one always present; ``null`` where it does not apply):
     one).
 ``subscribers``
     int, connected update subscribers when the server knows it, else ``null``.
+``conflicts``
+    int, split-brain conflicts this server keeps unresolved (``clone conflicts``).
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ def server_status(
     last_failover: float | None,
     peer: PeerView | None = None,
     subscribers: int | None = None,
+    conflicts: int = 0,
     data_format: int = FORMAT_VERSION,
 ) -> dict[str, Any]:
     """The status object (see the module docstring for every field)."""
@@ -158,6 +161,7 @@ def server_status(
         "last_failover": last_failover,
         "failovers": failovers,
         "subscribers": subscribers,
+        "conflicts": conflicts,
     }
 
 

@@ -25,9 +25,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from clone.errors import StorageError
 from clone.release import RELEASE
+from clone.storage import conflicts
 from clone.storage.checkpointer import Checkpointer
 from clone.storage.copying import copy_database
 from clone.storage.files import fsync_dir
@@ -349,6 +351,21 @@ class Storage:
         """
         self._live()
         copy_database(self._db_path, Path(target))
+
+    # -- split-brain conflicts (clone.storage.conflicts) -----------------------
+
+    def write_conflicts(self, rows: Sequence[Sequence[object]]) -> None:
+        """Record new or resolved conflicts, in one transaction."""
+        if rows:
+            with self._transaction("recording conflicts in") as conn:
+                conflicts.write_conflicts(conn, rows)
+
+    def read_conflicts(self) -> list[tuple[Any, ...]]:
+        """Every conflict the data directory holds, oldest first."""
+        try:
+            return conflicts.read_conflicts(self._live())
+        except sqlite3.Error as exc:
+            raise translate(exc, self._db_path, "reading conflicts from") from exc
 
     # -- helpers -------------------------------------------------------------
 

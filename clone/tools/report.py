@@ -284,6 +284,14 @@ def plot_latency(results: dict[str, Any], path: Path) -> None:
 # Drills
 
 
+def _value_text(value: object) -> str:
+    """A drill value, ``<client>|g<gen>|<n>|<write id>|...``, as ``client#n``."""
+    if not isinstance(value, str) or not value:
+        return "(absent)"
+    parts = value.split("|")
+    return f"{parts[0]}#{parts[2]}" if len(parts) >= 4 else value[:24]
+
+
 def drill_text(summary: dict[str, Any]) -> str:
     """The end-of-drill table: the guarantees first, then the numbers."""
     lines = [f"drill {summary['scenario']}: {summary['clients']} clients, "
@@ -302,6 +310,22 @@ def drill_text(summary: dict[str, Any]) -> str:
     ]
     lines.append("")
     lines.append(table(["measure", "value"], [[f, summary.get(f)] for f in fields]))
+    conflicts = summary.get("conflicts") or []
+    if conflicts:
+        # A split brain's heal kept these loser writes instead of applying them
+        # (docs/failover.md, "Writes of a split brain"): what `clone conflicts` lists.
+        lines.append("")
+        lines.append(f"split-brain conflicts kept: {len(conflicts)}")
+        lines.append(table(
+            ["server", "id", "key", "reason", "loser (term)", "winner"],
+            [[c.get("server"), c.get("id"), c.get("key"), c.get("reason"),
+              f"{_value_text((c.get('loser') or {}).get('value'))} "
+              f"({(c.get('loser') or {}).get('term')})",
+              _value_text((c.get("winner") or {}).get("value"))]
+             for c in conflicts[:20]],
+        ))
+        if len(conflicts) > 20:
+            lines.append(f"... and {len(conflicts) - 20} more (summary.json)")
     lines.append("")
     lines.append("PASS" if summary.get("ok") else "FAIL: a guarantee was broken")
     return "\n".join(lines)

@@ -9,7 +9,9 @@ and get exactly one *reply* from an active server (docs/protocol.md, "CALL?")::
     REPLY   [b"REPLY", uuid, sequence, properties]             4 frames
 
 * ``op``: ``set`` (a write; an empty body deletes), ``lease-grant``,
-  ``lease-keepalive`` or ``lease-revoke``.
+  ``lease-keepalive``, ``lease-revoke``, or an operator's ``conflict-apply``
+  and ``conflict-discard`` (``conflict=<id>``, the conflict's key in ``key``:
+  docs/protocol.md, "CONFLICTS?").
 * ``uuid``: 16 bytes, the caller's id for the call (a UUIDv7).  The server
   deduplicates ``set`` and ``lease-grant`` by it, as it deduplicates KVSETs, so a
   call retried after a failover is never applied twice; the reply to a retry
@@ -72,6 +74,10 @@ __all__ = [
     "OP_LEASE_KEEPALIVE",
     "OP_LEASE_REVOKE",
     "OP_AHEAD",
+    "OP_CONFLICT_APPLY",
+    "OP_CONFLICT_DISCARD",
+    "CONFLICT_OPS",
+    "CONFLICT_PROPERTY",
     "LEASE_PROPERTY",
     "IF_SEQUENCE_PROPERTY",
     "LEASE_PREFIX",
@@ -107,7 +113,15 @@ OP_LEASE_REVOKE: Final = "lease-revoke"
 #: How many lease-bound keys under a key's parent have a lower sequence: what
 #: a lock contender that may write but not read its lock's prefix asks.
 OP_AHEAD: Final = "ahead"
-OPS: Final = frozenset({OP_SET, OP_LEASE_GRANT, OP_LEASE_KEEPALIVE, OP_LEASE_REVOKE, OP_AHEAD})
+#: An operator's word on a split-brain conflict (clone.server.conflicts).
+OP_CONFLICT_APPLY: Final = "conflict-apply"
+OP_CONFLICT_DISCARD: Final = "conflict-discard"
+CONFLICT_OPS: Final = frozenset({OP_CONFLICT_APPLY, OP_CONFLICT_DISCARD})
+OPS: Final = frozenset(
+    {OP_SET, OP_LEASE_GRANT, OP_LEASE_KEEPALIVE, OP_LEASE_REVOKE, OP_AHEAD, *CONFLICT_OPS}
+)
+#: A conflict call's property: the conflict's id.
+CONFLICT_PROPERTY: Final = "conflict"
 
 #: A key's property naming the lease it is bound to (kept on the stored entry,
 #: so every reader sees it), and a call's property naming a lease.
@@ -142,6 +156,7 @@ REASONS: Final = frozenset(
         "not-owner",  # the lease is another client's (or predates ownership)
         "lease-quota",  # this client holds --max-leases-per-client leases
         "bad-secret",  # a secret that is not 32 hex digits
+        "unknown-conflict",  # no such unresolved conflict for that key
     }
 )
 
@@ -311,6 +326,10 @@ def decode_call(frames: Sequence[bytes]) -> Call:
                 f"value of {len(body)} bytes for key {key[:80]!r} is over the "
                 f"{MAX_VALUE_BYTES}-byte limit"
             )
+    elif op in CONFLICT_OPS:
+        if body:
+            raise ProtocolError(f"CALL? {op} takes no body")
+        key = validate_key(bytes(frames[3]), reserved_ok=False)
     elif op == OP_LEASE_GRANT:
         if body:
             raise ProtocolError(f"CALL? {op} takes no body")
@@ -335,7 +354,11 @@ def acl_key(call: Call) -> str | None:
     key): judging the grant by it refuses a lock outside the caller's write
     prefixes before the server writes anything, not after a lease was made.
     """
-    if call.op in (OP_SET, OP_AHEAD) or (call.op == OP_LEASE_GRANT and call.key):
+    if (
+        call.op in (OP_SET, OP_AHEAD)
+        or call.op in CONFLICT_OPS
+        or (call.op == OP_LEASE_GRANT and call.key)
+    ):
         return call.key
     return None
 
@@ -357,7 +380,9 @@ def acl_refusal(
     if key is not None:
         if can_write(key.encode("utf-8")):
             return None
-        what = {OP_SET: "write", OP_AHEAD: "queue at"}.get(call.op, "take a lease for")
+        what = {OP_SET: "write", OP_AHEAD: "queue at", OP_LEASE_GRANT: "take a lease for"}.get(
+            call.op, "resolve a conflict on"
+        )
         return f"the ACL does not let you {what} {key!r}"
     if writes_somewhere:
         return None
@@ -386,6 +411,11 @@ def check_call(call: Call) -> tuple[str, str] | None:
             return ("reserved", f"keys under {LEASE_PREFIX} are the server's leases")
         return None
     if call.op == OP_AHEAD:
+        return None
+    if call.op in CONFLICT_OPS:
+        text = call.prop(CONFLICT_PROPERTY)
+        if text is None or _UINT_RE.fullmatch(text) is None:
+            return ("malformed", f"conflict id {str(text)[:40]!r} is not a whole number")
         return None
     if call.op == OP_LEASE_GRANT:
         try:

@@ -173,7 +173,7 @@ VIEW_COUNT_PROPERTY: Final = "view_count"
 # Refusal notice property, and the reasons a server may give (a relay adds
 # ``stale``: it has lost the pair; ``overloaded``: its queue to the pair is full).
 REASON_PROPERTY: Final = "reason"
-REFUSAL_REASONS: Final = frozenset({"acl", "full", "size", "stale", "overloaded"})
+REFUSAL_REASONS: Final = frozenset({"acl", "full", "size", "stale", "overloaded", "conflict"})
 # A view id: this many hex characters of a SHA-256 (48 bits: views are few).
 VIEW_ID_CHARS: Final = 12
 

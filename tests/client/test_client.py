@@ -584,6 +584,7 @@ def test_public_api() -> None:
         "NotActive",
         "NotOwner",
         "NotSynced",
+        "SplitConflict",
         "Status",
         "WriteRefused",
         "clone_get",

@@ -107,6 +107,14 @@ def test_table() -> None:
     assert lines[2].split()[-1] == "0.1.0" and "format" not in lines[2]
     assert lines[3].split() == ["tcp://b:1", "NO", "-", "-", "-", "-", "-", "-"]
     assert len({line.index("ROLE") for line in lines[:1]}) == 1
+    assert len(lines) == 4  # no conflicts: no more lines
+
+
+def test_table_says_unresolved_conflicts() -> None:
+    up = {"endpoint": "tcp://a:1", "reachable": True, "role": "active", "sequence": 1,
+          "keys": 1, "peer_state": None, "uptime": 1.0, "version": "0.2.0", "conflicts": 3}
+    lines = status_table([up, {**up, "endpoint": "tcp://b:1", "conflicts": 0}])  # fmt: skip
+    assert lines[3:] == ["tcp://a:1: 3 unresolved split-brain conflict(s): see `clone conflicts`"]
 
 
 def test_cli_json_and_exit_codes(answerer: _Answerer, capsys: pytest.CaptureFixture[str]) -> None:

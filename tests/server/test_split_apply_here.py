@@ -23,13 +23,18 @@ def test_the_loser_elected_again_applies_its_unanswered_split_writes() -> None:
     calls = list(a.split_calls)
     _elected_again(a)
     replies = [a.apply_own_split_call(frames, 20.0) for frames in calls]
-    assert all(r is not None and r.ok for r in replies)
     # Its own uuid window knew every one of them (it applied them during the
     # split): through on_call they would all have been "duplicates", and lost.
     assert _value(a, "/k/2") == b"written on A"
-    assert _value(a, "/k/4") == b"lost in flight"
     assert _value(a, "/k/3") is None
-    assert a.store.entry(b"/ttl/long") is not None
+    # Two keys are absent from the state it took by a full snapshot, whose
+    # history does not reach back to the winner's fork: it cannot tell that
+    # the winner did not delete them since, so (clone.server.splitrule) they
+    # are kept as conflicts, not applied over a possible delete, nor lost.
+    applied = {decode_call(f).key for r, f in zip(replies, calls, strict=True) if r and r.ok}
+    assert applied == {"/k/2", "/k/3", "/k/both"}
+    kept = {(r.key, r.reason) for r in a.conflicts.records()}
+    assert kept == {(b"/k/4", "winner-wrote"), (b"/ttl/long", "winner-wrote")}
     # /k/both was applied by the winner (its KVAPPLIED said so): not again.
     assert a.counters["split_writes_held"] == 1
     assert _value(a, "/k/both") == b"sent to both"
@@ -43,7 +48,7 @@ def test_a_write_the_loser_followed_from_the_winner_since_is_not_applied_again()
     k4 = next(f for f in calls if decode_call(f).key == "/k/4")
     # The winner answered /k/4 (the reply was lost), then wrote the key again;
     # the loser followed both updates.
-    reply, _ = b.on_call(k4, 11.0)
+    reply, _ = b.on_call(k4, 11.0, peer=True)
     assert reply is not None and reply.ok
     first = b.history.since(b.store.sequence - 1)[0]
     newer = b.on_kvset([b"/k/4", bytes(8), _uuid(99), b"", b"newer"], 12.0)

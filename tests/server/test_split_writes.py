@@ -14,9 +14,11 @@ import pytest
 
 from clone.errors import ProtocolError
 from clone.server.core import FollowOutcome, ServerCore
+from clone.server.ownership import PEER_PRINCIPAL
 from clone.server.split import split_writes
 from clone.wire.applied import decode_kvapplied, encode_kvapplied
 from clone.wire.calls import OP_LEASE_GRANT, decode_call, encode_call
+from clone.wire.split import parse_split_origin
 
 
 def _uuid(n: int) -> bytes:
@@ -94,8 +96,12 @@ def test_the_loser_keeps_as_calls_exactly_the_client_writes_the_winner_lacks() -
         ("/k/3", b""),
     ]
     assert [c.uuid for c in calls] == [_uuid(n) for n in (4, 11, 12, 14, 16)]
-    # What is left of the ttl (100 s written at 4.0, now 10.0), never expires=.
-    assert calls[2].properties == (("ttl", "94.000"),)
+    # What is left of the ttl (100 s written at 4.0, now 10.0), never expires=,
+    # then what the winner's rule needs (clone.wire.split): A's term, B's fork.
+    assert calls[2].properties[0] == ("ttl", "94.000")
+    origin = parse_split_origin(calls[2].properties)
+    assert origin is not None and (origin.term, origin.fork) == (1, 3)
+    assert origin.prev is None and origin.condition is None
     assert a.counters["split_writes_found"] == 5
     assert a.counters["split_writes_expired"] == 1  # /ttl/short
     # The loser's state is now the winner's: nothing of A's split survives there.
@@ -105,7 +111,7 @@ def test_the_loser_keeps_as_calls_exactly_the_client_writes_the_winner_lacks() -
 def test_the_winner_applies_each_forwarded_write_once() -> None:
     a, b, both = _split()
     before = b.store.sequence
-    replies = [b.on_call(frames, 11.0)[0] for frames in a.split_calls]
+    replies = [b.on_call(frames, 11.0, peer=True)[0] for frames in a.split_calls]
     assert all(r is not None and r.ok for r in replies)
     # Four new updates; the write B already had is answered, not applied again.
     assert b.store.sequence == before + 4
@@ -116,7 +122,7 @@ def test_the_winner_applies_each_forwarded_write_once() -> None:
     assert _value(b, "/k/3") is None
     assert b.store.entry(b"/ttl/long") is not None and b.store.entry(b"/ttl/short") is None
     # Sent again (a retry after a lost reply): nothing more is applied.
-    again = [b.on_call(frames, 12.0)[0] for frames in a.split_calls]
+    again = [b.on_call(frames, 12.0, peer=True)[0] for frames in a.split_calls]
     assert all(r is not None and r.ok for r in again)
     assert b.store.sequence == before + 4
     assert b.counters["calls_duplicate"] == 1 + len(a.split_calls)
@@ -180,5 +186,34 @@ def test_split_writes_skips_what_the_winner_makes_itself() -> None:
     assert (out.shared, out.server_made, out.expired) == (1, 2, 0)
     (call,) = (decode_call(frames) for frames in out.calls)
     assert call.key == "/c" and call.lease == "1" * 32  # the winner judges the lease
-    reply = ServerCore(standalone=True).on_call(out.calls[0], 0.0)[0]
-    assert reply is not None and reply.reason == "unknown-lease"
+    winner = ServerCore(standalone=True)
+    reply = winner.on_call(out.calls[0], 0.0, peer=True)[0]
+    # The lease ended with the loser's term: a conflict, kept, not applied.
+    assert reply is not None and reply.status == "conflict" and reply.reason == "split"
+    (kept,) = winner.conflicts.records()
+    assert (kept.key, kept.reason, kept.loser_uuid) == (b"/c", "lease-gone", _uuid(3))
+    assert winner.store.entry(b"/c") is None
+
+
+@pytest.mark.parametrize("caller", ["", PEER_PRINCIPAL])
+def test_a_split_write_bound_to_a_lease_the_winner_holds_needs_its_owner(caller: str) -> None:
+    """A plain pair's peer cannot prove it may use a lease (only a hash of its
+    secret travels): the write is kept as a conflict, never dropped; the pair's
+    own certificate (CURVE) may use any lease, so there it is applied."""
+    winner = ServerCore(standalone=True)
+    grant = encode_call(OP_LEASE_GRANT, _uuid(40), "", (("ttl", "30"),))
+    granted = winner.on_call(grant, 0.0)[0]
+    assert granted is not None and granted.ok and granted.lease
+    lease = granted.lease.encode()
+    written = [[b"/c", (9).to_bytes(8, "big"), _uuid(3), b"lease=" + lease + b"\n", b"v"]]
+    out = split_writes(written, winner.store.sequence, 0.0)  # forked after the grant
+    reply = winner.on_call(out.calls[0], 1.0, peer=True, caller=caller)[0]
+    assert reply is not None
+    if caller == PEER_PRINCIPAL:
+        assert reply.ok and winner.store.entry(b"/c") is not None
+        assert not winner.conflicts.records()
+    else:
+        assert reply.status == "conflict" and reply.reason == "split"
+        (kept,) = winner.conflicts.records()
+        assert (kept.key, kept.reason, kept.loser_uuid) == (b"/c", "lease-owner", _uuid(3))
+        assert winner.store.entry(b"/c") is None

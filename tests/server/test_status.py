@@ -20,6 +20,7 @@ FIELDS = {
     "format", "role", "mode", "sequence", "keys", "store_bytes", "pending", "sync_state",
     "in_step", "peer", "peer_state", "ha_state", "epoch", "term", "uptime", "version",
     "data_dir", "durable", "curve", "last_failover", "failovers", "subscribers", "data_format",
+    "conflicts",
 }  # fmt: skip
 
 

@@ -365,7 +365,9 @@ def test_config_rejects_nonsense() -> None:
 
 _EVENTS = {"write_sent", "write_confirmed", "write_timeout", "update", "failover_detected",
            "failover_done", "fault", "restart", "final_state", "lock_acquired", "lock_released",
-           "lock_lost", "lock_error"}
+           "lock_lost", "lock_error",
+           # --locks (partition-split) and split-brain conflicts told to a client
+           "lock_taken", "write_conflict"}
 _SUMMARY_FIELDS = {"scenario", "clients", "failover_p50_s", "failover_p99_s", "failover_max_s",
                    "confirmed_writes", "confirmed_lost", "unconfirmed_lost", "duplicates",
                    "out_of_order", "converged", "shared_writes", "shared_confirmed_writes",
@@ -727,15 +729,20 @@ def test_drill_partition(scenario: str, tmp_path: Path) -> None:
         assert written["confirmed_by"] > 0 and written["confirmed_by_lost"] == []
 
 
-#: What a split brain's merge may break (docs/drills.md, partition-split): the
-#: loser's writes reach the winner at the heal, after writes confirmed later there
-#: (a pair cannot order them), and may come back to a client that resynced from
-#: the winner before they arrived.
+#: What a split brain's merge may still break (docs/failover.md, "Writes of a
+#: split brain", what remains): an island client's own copy that reaches the
+#: winner before the loser's forwarded writes, and before the winner holds
+#: client updates, is applied as a plain write.  The rule keeps the winner's
+#: values against every forwarded write; this race is the client's to close.
 _SPLIT_MERGE_CHECKS = {
     "no duplicate applied",
     "per-writer order kept",
     "every key at its last confirmed value or later",
     "no client saw a key go back",
+    # The island client stops queueing for the winner while it has lost it, so
+    # a fire-and-forget write it makes just after the heal may reach only the
+    # stepped-down server, which parks it until --pending-max-age (docs/drills.md).
+    "passive in step with active",
 }
 
 
@@ -770,32 +777,32 @@ def test_drill_partition_split(tmp_path: Path, island_reset: bool) -> None:
     for name in ("no confirmed write lost", "clients converged", "one active server at the end",
                  "split brain detected and resolved", "clients failed over during the cut",
                  "both sides confirmed writes during the split",
-                 "writes the isolated server confirmed during the split: none lost",
+                 "writes the isolated server confirmed during the split: "
+                 "applied or a listed conflict",
+                 "no lock has two holders after the heal",
+                 "every conflict of a confirmed write was told to its client",
                  "writes of a server that stepped down: applied everywhere or never confirmed"):
         assert checks[name]["ok"] is True, name
     assert summary["confirmed_lost"] == 0 and summary["converged"] is True
     assert part["stepped_down"] == [part["active"]]
     assert summary["active_at_end"] == [part["passive"]]
     # Not vacuous: the island client (c1) had writes confirmed by the isolated
-    # server during the split, and every one of them is in the final state or
-    # was overwritten after it reached the winner.
+    # server during the split, and every one of them is in the final state, was
+    # overwritten after it reached the winner, or is a conflict the winner lists.
     split = part["split_writes"]
     assert split["server"] == part["active"] and split["by_client"].get("c1", 0) > 0
     assert split["confirmed"] > 0 and split["lost"] == 0
-    assert split["kept"] + split["overwritten"] == split["confirmed"] == split["reached_winner"]
+    assert split["kept"] + split["overwritten"] + split["conflicts"] == split["confirmed"]
     assert part["winner_confirmed_during_split"] > 0
     # The loser sent the winner its writes after the fork, and every one was
-    # answered: applied, or already there (the island client's own copy).
+    # answered: applied (or already there), or kept as a conflict; the winner
+    # lists exactly those conflicts.
     loser = _last_stats(tmp_path / "logs" / f"{part['active']}.log")
     assert loser["split_writes_found"] >= split["confirmed"] > 0
-    # Refused only: the island's lock keys, bound to leases the loser granted
-    # during the split, which the winner never knew (and must not bring back).
-    refusals = [line for line in (tmp_path / "logs" / f"{part['active']}.log").read_text()
-                .splitlines() if "refused a write of ours from the split brain" in line]
-    assert len(refusals) == loser["split_writes_refused"]
-    assert all("unknown-lease" in line and "'/drill-lock/" in line for line in refusals), refusals
-    assert loser["split_writes_applied"] + len(refusals) == loser["split_writes_found"]
-    assert loser["split_writes_abandoned"] == 0
+    found, conflicts = loser["split_writes_found"], loser["split_writes_conflicts"]
+    assert loser["split_writes_applied"] + conflicts == found
+    assert loser["split_writes_refused"] == loser["split_writes_abandoned"] == 0
+    assert len(summary["conflicts"]) == conflicts
     # The lock: both sides granted it during the split brain; every other hold
     # came with a token above all earlier ones.
     assert checks["no two lock holders with the same or a lower token"]["ok"] is True

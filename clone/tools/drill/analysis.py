@@ -52,12 +52,12 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from clone.tools.drill.client import SHARED_PREFIX, parse_value, state_hash
+from clone.tools.drill.client import LOCK_PREFIX, SHARED_PREFIX, parse_value, state_hash
 
 __all__ = [
     "REVERT_EXAMPLES",
@@ -65,6 +65,9 @@ __all__ = [
     "SharedWrite",
     "analyse",
     "applied_before",
+    "conflict_write_ids",
+    "conflicts_told",
+    "lock_holders",
     "find_reverts",
     "highest_sequence_before",
     "lock_fencing",
@@ -155,8 +158,16 @@ class Revert:
         }  # fmt: skip
 
 
-def shared_writes(streams: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, SharedWrite]:
-    """Every write of an overwritten key, by write id, with its ``done_by``."""
+def shared_writes(
+    streams: Mapping[str, Sequence[Mapping[str, Any]]], conflicted: Collection[str] = ()
+) -> dict[str, SharedWrite]:
+    """Every write of an overwritten key, by write id, with its ``done_by``.
+
+    A write in ``conflicted`` (a split brain's heal kept it as a conflict, and
+    its writer was told) counts as not confirmed: the pair took back what the
+    isolated server had said, so no later value is a revert of it.  Its
+    confirmation still bounds when its writer's earlier writes were applied.
+    """
     out: dict[str, SharedWrite] = {}
     for writer, events in streams.items():
         sent: list[tuple[str, str, float]] = []  # (uuid, key, ts), in the writer's order
@@ -182,7 +193,8 @@ def shared_writes(streams: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[st
             if key.startswith(SHARED_PREFIX):
                 late = uid in timed_out
                 out[uid] = SharedWrite(
-                    key, uid, writer, order, ts, confirmed.get(uid), late,
+                    key, uid, writer, order, ts,
+                    None if uid in conflicted else confirmed.get(uid), late,
                     math.inf if late else bound,
                 )  # fmt: skip
     return out
@@ -255,6 +267,7 @@ def _seen_reverts(
 def find_reverts(
     streams: Mapping[str, Sequence[Mapping[str, Any]]],
     finals: Mapping[str, Mapping[str, str | None]],
+    conflicted: Collection[str] = (),
 ) -> dict[str, Any]:
     """Judge every overwritten key in every final state, and every update of
     one that a client applied; the counts and examples for the summary.
@@ -262,7 +275,7 @@ def find_reverts(
     ``finals``: state name (``server``, or a client id) -> key -> write id
     held at the end; only keys under ``SHARED_PREFIX`` are looked at.
     """
-    writes = shared_writes(streams)
+    writes = shared_writes(streams, conflicted)
     by_key: dict[str, list[SharedWrite]] = {}
     for w in writes.values():
         by_key.setdefault(w.key, []).append(w)
@@ -299,6 +312,7 @@ def analyse(
     server_state: dict[str, bytes] | None,
     final_clients: dict[str, str | None],
     client_items: Mapping[str, Mapping[str, str | None]] | None = None,
+    conflicted: Collection[str] = (),
 ) -> dict[str, Any]:
     """Loss, order, duplicates, failover gaps, convergence and reverts.
 
@@ -306,7 +320,9 @@ def analyse(
     after a restart); ``server_state``: the active server's final ``/drill/``
     items; ``final_clients``: each client id's final state hash (its last
     incarnation), None when it has none; ``client_items``: each client id's
-    final items as key -> write id, where known (for the revert check).
+    final items as key -> write id, where known (for the revert check);
+    ``conflicted``: the write ids the servers list as split-brain conflicts
+    (:func:`shared_writes`).
     """
     writes: dict[str, dict[str, Any]] = {}
     duplicates = out_of_order = updates = 0
@@ -319,7 +335,8 @@ def analyse(
         for ev in events:
             kind = ev.get("event")
             key = ev.get("key", "")
-            shared = key.startswith(SHARED_PREFIX)
+            # Lock keys are overwritten too (taken, released, taken again).
+            shared = key.startswith((SHARED_PREFIX, LOCK_PREFIX))
             if kind == "write_sent" and not shared:
                 writes[key] = {"uuid": ev.get("uuid"), "confirmed": False, "ttl": "/ttl/" in key}
             elif kind == "write_confirmed" and key in writes:
@@ -377,7 +394,7 @@ def analyse(
     if server_state is not None:
         finals["server"] = final_ids
     finals.update(client_items or {})
-    shared = find_reverts(streams, finals)
+    shared = find_reverts(streams, finals, conflicted)
 
     def r(x: float | None) -> float | None:
         return None if x is None else round(x, 4)
@@ -598,6 +615,7 @@ def split_writes(
     since: float,
     until: float,
     heal: float,
+    conflicted: Collection[str] = (),
 ) -> dict[str, Any]:
     """The writes ``server`` confirmed during a split brain, one by one, and what
     became of each.
@@ -605,6 +623,7 @@ def split_writes(
     A write counts when a client saw it confirmed while synced from ``server``
     (``write_confirmed.server``) between ``since`` (the cut) and ``until`` (the
     server's step-down).  Its ``fate``: ``kept`` when the final state holds it;
+    ``conflict`` when the winner lists it as a split-brain conflict (``conflicted``);
     ``overwritten`` (overwritten keys only) when a client synced from ``winner``
     applied it but the key ended at another write; ``lost`` otherwise.
     ``at_winner_s``: when a client synced from ``winner`` first applied it, in
@@ -644,6 +663,8 @@ def split_writes(
         reached = at_winner.get(uid)
         if final.get(key) == uid:
             fate = "kept"
+        elif uid in conflicted:
+            fate = "conflict"
         elif key.startswith(SHARED_PREFIX) and reached is not None:
             fate = "overwritten"
         else:
@@ -665,6 +686,7 @@ def split_writes(
         "kept": sum(1 for w in writes if w["fate"] == "kept"),
         "overwritten": sum(1 for w in writes if w["fate"] == "overwritten"),
         "lost": sum(1 for w in writes if w["fate"] == "lost"),
+        "conflicts": sum(1 for w in writes if w["fate"] == "conflict"),
         "reached_winner": len(arrivals),
         "at_winner_first_s": min(arrivals, default=None),
         "at_winner_last_s": max(arrivals, default=None),
@@ -697,3 +719,74 @@ def seen_revert_detail(summary: Mapping[str, Any]) -> str:
     text = f"{summary['reverts_seen']} updates took a key back ({per_client or 'no client'})"
     examples = summary["reverts_seen_examples"]
     return text + (_example(examples[0], "seen by") if examples else "")
+
+
+# --------------------------------------------------------------------------
+# Locks and split-brain conflicts
+
+
+def lock_holders(
+    streams: Mapping[str, Sequence[Mapping[str, Any]]],
+    server_state: Mapping[str, bytes] | None,
+) -> dict[str, Any]:
+    """``--locks``: who believes it holds each lock key at the end (its last
+    event on the key is ``lock_taken``, not followed by ``lock_released`` or
+    ``lock_lost``), and whose take the server's final value is.  A key is bad
+    when two clients believe they hold it, or one does and the server holds
+    another's take (or nothing)."""
+    believed: dict[str, dict[str, str]] = {}
+    taken = lost = 0
+    for writer, events in streams.items():
+        held: dict[str, str] = {}
+        for ev in events:
+            kind, key = ev.get("event"), str(ev.get("key", ""))
+            if kind == "lock_taken":
+                held[key] = str(ev.get("uuid"))
+                taken += 1
+            elif kind in ("lock_released", "lock_lost"):
+                held.pop(key, None)
+                lost += kind == "lock_lost"
+        for key, uid in held.items():
+            believed.setdefault(key, {})[writer] = uid
+    final = {k: parse_value(v) for k, v in (server_state or {}).items()
+             if k.startswith(LOCK_PREFIX)}
+    keys = []
+    for key in sorted(set(believed) | set(final)):
+        holders = believed.get(key, {})
+        ok = len(holders) <= 1 and all(uid == final.get(key) for uid in holders.values())
+        keys.append({"key": key, "believed_by": sorted(holders), "server_holder": final.get(key),
+                     "ok": ok})
+    return {"taken": taken, "lost": lost, "keys": keys,
+            "bad": [k for k in keys if not k["ok"]]}
+
+
+def conflict_write_ids(conflicts: Sequence[Mapping[str, Any]]) -> set[str]:
+    """The drill write ids of the loser's values the servers list as conflicts
+    (a delete has none)."""
+    out: set[str] = set()
+    for rec in conflicts:
+        value = (rec.get("loser") or {}).get("value")
+        uid = parse_value(value.encode()) if isinstance(value, str) and value else None
+        if uid is not None:
+            out.add(uid)
+    return out
+
+
+def conflicts_told(
+    streams: Mapping[str, Sequence[Mapping[str, Any]]], conflicted: Collection[str]
+) -> dict[str, Any]:
+    """Whether the writers of conflicted writes they saw confirmed were told:
+    per client, how many of its confirmed writes (``write_confirmed``, a lock's
+    ``lock_taken``) are listed conflicts, and how many ``write_conflict``
+    events it logged."""
+    expected: Counter[str] = Counter()
+    told: Counter[str] = Counter()
+    for writer, events in streams.items():
+        for ev in events:
+            kind = ev.get("event")
+            if kind in ("write_confirmed", "lock_taken") and ev.get("uuid") in conflicted:
+                expected[writer] += 1
+            elif kind == "write_conflict":
+                told[writer] += 1
+    return {"expected": dict(expected), "told": dict(told),
+            "missing": {w: n - told[w] for w, n in expected.items() if told[w] < n}}

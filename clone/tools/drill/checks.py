@@ -6,15 +6,17 @@ run noted (its config, faults, restarts and the HUGZ monitor's history).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from clone.release import RELEASE
 from clone.storage.schema import FORMAT_VERSION
 from clone.tools.drill.analysis import (
     burst_writes,
+    conflicts_told,
     late_heartbeats,
     lock_fencing,
+    lock_holders,
     log_line_time,
     revert_detail,
     seen_revert_detail,
@@ -37,6 +39,7 @@ def judge_partition(
     run: PairRun,
     streams: Mapping[str, Sequence[Mapping[str, Any]]],
     server_state: Mapping[str, bytes] | None,
+    conflicted: Collection[str] = (),
 ) -> dict[str, Any]:
     """partition-*: what the pair did about the cut, from the servers' logs
     since the cut and the HUGZ monitor, and what became of the writes of any
@@ -71,7 +74,7 @@ def judge_partition(
     if run.cfg.split_writes:
         part["split_burst"] = burst_writes(streams, server_state)
     if part["kind"] == "partition-split" and heal is not None:
-        _judge_split(part, streams, server_state)
+        _judge_split(part, streams, server_state, conflicted)
     return part
 
 
@@ -79,6 +82,7 @@ def _judge_split(
     part: dict[str, Any],
     streams: Mapping[str, Sequence[Mapping[str, Any]]],
     server_state: Mapping[str, bytes] | None,
+    conflicted: Collection[str],
 ) -> None:
     """partition-split: what each side confirmed while both were active, and what
     became of every write the isolated side confirmed, from the cut to its
@@ -92,8 +96,11 @@ def _judge_split(
         1 for events in streams.values() for ev in events
         if ev.get("event") == "write_confirmed" and ev.get("server") == passive
         and cut <= float(ev["ts"]) <= heal)
-    part["split_writes"] = split_writes(streams, server_state, active, passive, cut, until, heal)
+    part["split_writes"] = split_writes(streams, server_state, active, passive, cut, until, heal,
+                                        conflicted)
     part["lock_fencing"] = lock_fencing(streams, (active, cut, until))
+    part["locks"] = lock_holders(streams, server_state)
+    part["conflicts_told"] = conflicts_told(streams, conflicted)
 
 
 def judge_restarts(run: PairRun) -> list[dict[str, Any]]:
@@ -351,10 +358,25 @@ def _split_checks(part: dict[str, Any], check: Any) -> None:
           f"its step-down ({part['isolated_step_down_after_heal_s']} s after the heal); "
           f"{passive} confirmed {part['winner_confirmed_during_split']} from the cut to the heal")
     lost = [w for w in sw["writes"] if w["fate"] == "lost"]
-    check("writes the isolated server confirmed during the split: none lost", not lost,
+    check("writes the isolated server confirmed during the split: applied or a listed conflict",
+          not lost,
           f"{sw['confirmed']} confirmed by {active}: {sw['kept']} kept, {sw['overwritten']} "
-          f"overwritten later, {sw['lost']} LOST; {sw['reached_winner']} reached {passive} "
+          f"overwritten later, {sw['conflicts']} kept as conflicts by {passive}, "
+          f"{sw['lost']} LOST; {sw['reached_winner']} reached {passive} "
           f"(first {sw['at_winner_first_s']} s, last {sw['at_winner_last_s']} s after the heal), "
           f"{sw['reapplied']} applied twice by a client"
           + "".join(f"; lost {w['key']} ({w['client']}, confirmed by {active} "
                     f"{w['confirmed_s']} s after the cut)" for w in lost[:3]))
+    locks = part.get("locks")
+    if locks is not None and (locks["taken"] or locks["keys"]):
+        bad = locks["bad"]
+        check("no lock has two holders after the heal", not bad,
+              f"{locks['taken']} takes, {locks['lost']} lost at the heal; "
+              + "; ".join(f"{k['key']}: held by {k['believed_by'] or 'nobody'} "
+                          f"(server: {k['server_holder'] or 'absent'})"
+                          for k in (bad or locks["keys"])[:4]))
+    told = part.get("conflicts_told")
+    if told is not None:
+        check("every conflict of a confirmed write was told to its client", not told["missing"],
+              f"expected {told['expected'] or 'none'}, told {told['told'] or 'none'}"
+              + (f"; missing {told['missing']}" if told["missing"] else ""))

@@ -71,6 +71,9 @@ def _parser() -> argparse.ArgumentParser:
     part.add_argument("--partition-time", type=float, default=None, metavar="S",
                       help="seconds the cut lasts before it heals (default max(25%% of the "
                       "duration, one failover budget))")
+    part.add_argument("--locks", type=int, default=None, metavar="N",
+                      help="lock keys every client takes and releases with compare-and-set "
+                      "(default 2 for partition-split, else 0)")
     part.add_argument("--island-reset", action="store_true",
                       help="partition-split: reset the island client's connections to the "
                       "passive (TCP RST) instead of dropping their packets")
@@ -114,6 +117,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             crash_order=args.crash_order, crash_gap=args.crash_gap, down_time=args.down_time,
             restart_stagger=args.restart_stagger, in_memory=args.in_memory,
             partition_time=args.partition_time, island_reset=args.island_reset,
+            locks=args.locks,
             upgrade_from=args.upgrade_from, release_cache=args.release_cache,
             split_writes=args.split_writes,
         )

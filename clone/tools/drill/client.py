@@ -39,6 +39,15 @@ lock's fencing ``token``, holds it ``S`` seconds, logs ``lock_released`` (or
 go, and queues again.  The drill checks that no holder got the same or a lower
 token than one before it (:func:`clone.tools.drill.analysis.lock_fencing`).
 
+With ``--locks N`` every tick also takes a step on one of N lock keys
+``/drill/lock/<k>``: if the client holds it, it releases it (a delete with
+``if_sequence``, ``lock_released``), else it tries to take it (a confirmed
+write with ``if_sequence=0``, only if absent: ``lock_taken`` with the
+sequence, or nothing when another holds it).  A split brain's heal may keep a
+take or release of the island's as a conflict: the client is told
+(``Clone.on_conflict``), logs ``write_conflict`` for any such write and
+``lock_lost`` for a lock it believed it held.
+
 After the write period and a settle time, it logs ``final_state``: a SHA-256 of
 the sorted ``/drill/`` items and the key count, and writes the items to
 ``--state`` for the drill to compare.  Events go one JSON object per line to
@@ -63,7 +72,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from clone import Clone, ConfirmTimeout, Entry
-from clone.errors import CloneError
+from clone.errors import CloneError, Conflict, SplitConflict
 from clone.recipes import Lock
 from clone.wire.codec import new_uuid
 
@@ -72,6 +81,7 @@ __all__ = [
     "DRILL_PREFIX",
     "LOCK_NAME",
     "SHARED_PREFIX",
+    "LOCK_PREFIX",
     "EventLog",
     "burst_key",
     "main",
@@ -86,6 +96,8 @@ log = logging.getLogger("clone.tools.drill.client")
 DRILL_PREFIX = "/drill/"
 # Keys every client overwrites; no client id may be "shared".
 SHARED_PREFIX = DRILL_PREFIX + "shared/"
+# Keys taken and released with compare-and-set (--locks); no client id may be "lock".
+LOCK_PREFIX = DRILL_PREFIX + "lock/"
 DEFAULT_SHARED_KEYS = 8
 #: The one lock the lock workload contends for, in a subtree of its own.
 LOCK_PREFIX = "/drill-lock/"
@@ -307,8 +319,10 @@ def run(args: argparse.Namespace) -> int:
             heartbeat=args.heartbeat,
             confirm_timeout=args.confirm_timeout,
         )
+        locks = _Locks(client, events, args)
         with client:
             client.on_change(tracker.on_change)
+            client.on_conflict(locks.on_conflict)
             for endpoint in args.servers.split(","):
                 client.connect(endpoint)
             t0 = time.monotonic()
@@ -323,7 +337,7 @@ def run(args: argparse.Namespace) -> int:
             _sleep_until(args.start_at)
             if locker is not None:
                 locker.start()
-            _write_loop(client, events, args, rng, names)
+            _write_loop(client, events, args, rng, names, locks)
             if locker is not None:
                 locker.stop.set()
                 locker.join(args.lock_ttl + args.confirm_timeout)
@@ -354,6 +368,7 @@ def _write_loop(
     args: argparse.Namespace,
     rng: random.Random,
     names: dict[str, str],
+    locks: _Locks,
 ) -> None:
     interval = 1.0 / args.rate
     next_t = time.time()
@@ -384,11 +399,60 @@ def _write_loop(
             confirmed = args.confirm_every > 0 and shared_n % args.confirm_every == 0
             _one_write(client, events, args, key, shared_n, confirmed, names=names)
             shared_n += 1
+        if args.locks > 0:
+            locks.step(pick.randrange(args.locks))
         for _ in range(args.ttl_per_tick):
             ttl = round(rng.uniform(args.ttl_min, args.ttl_max), 3)
             key = write_key(args.id, args.gen, ttl_n, ttl=True)
             _one_write(client, events, args, key, ttl_n, False, ttl=ttl)
             ttl_n += 1
+
+
+class _Locks:
+    """--locks: take and release lock keys with compare-and-set; hear conflicts."""
+
+    def __init__(self, client: Clone, events: EventLog, args: argparse.Namespace) -> None:
+        self.client = client
+        self.events = events
+        self.args = args
+        self.held: dict[str, tuple[int, str]] = {}  # key -> (sequence, write id)
+        self.lock = threading.Lock()
+        self.n = 0
+
+    def step(self, k: int) -> None:
+        key = f"{LOCK_PREFIX}{k}"
+        with self.lock:
+            held = self.held.get(key)
+        try:
+            if held is not None:
+                self.client.delete(key, wait=True, if_sequence=held[0])
+                with self.lock:
+                    self.held.pop(key, None)
+                self.events.emit("lock_released", key=key, uuid=held[1])
+                return
+            write_id = new_uuid().hex()
+            value = make_value(self.args.id, self.args.gen, self.n, write_id, self.args.value_size)
+            self.n += 1
+            seq = self.client.set(key, value, wait=True, if_sequence=0)
+            with self.lock:
+                self.held[key] = (seq, write_id)
+            self.events.emit("lock_taken", key=key, uuid=write_id, seq=seq)
+        except Conflict:
+            if held is not None:  # our hold is gone (another side's heal)
+                with self.lock:
+                    self.held.pop(key, None)
+                self.events.emit("lock_lost", key=key, uuid=held[1], why="conflict")
+        except CloneError as exc:  # a timeout, a refusal: the lock is not ours to count
+            log.info("lock step on %s: %s", key, exc)
+
+    def on_conflict(self, conflict: SplitConflict) -> None:
+        """A confirmed write of ours became a split-brain conflict."""
+        self.events.emit("write_conflict", key=conflict.key, uuid=conflict.uuid.hex())
+        with self.lock:
+            held = self.held.pop(conflict.key, None) if conflict.key.startswith(LOCK_PREFIX) \
+                else None
+        if held is not None:
+            self.events.emit("lock_lost", key=conflict.key, uuid=held[1], why="split-conflict")
 
 
 def burst_key(client: str, gen: int, n: int) -> str:
@@ -456,6 +520,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="also take the drill's lock and hold it S seconds, again and again"
                    " (0: no lock workload)")
     p.add_argument("--lock-ttl", type=float, default=2.0, help="the lock's lease ttl")
+    p.add_argument("--locks", type=int, default=0,
+                   help="also take or release one of this many lock keys per tick (0: none)")
     p.add_argument("--ttl-min", type=float, default=0.5)
     p.add_argument("--ttl-max", type=float, default=2.0)
     p.add_argument("--value-size", type=int, default=64)

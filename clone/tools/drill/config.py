@@ -86,6 +86,9 @@ class DrillConfig:
     # instead of dropping their packets, as a restarted peer or an expired NAT
     # entry would: what the island's client queued for the passive is then gone.
     island_reset: bool = False
+    # Lock keys every client takes and releases with compare-and-set (None: 2
+    # for partition-split, where both sides of the split take them, else 0).
+    locks: int | None = None
     # rolling-restart --upgrade-from REF: the pair starts on REF's code (a git ref
     # of this checkout or a wheel file, built into a virtual environment under
     # release_cache) and every restart brings a server onto this code.
@@ -122,6 +125,8 @@ class DrillConfig:
         if self.upgrade_from is not None and self.in_memory:
             raise ValueError("upgrade_from needs data directories (not in_memory): "
                              "their migration is part of the upgrade")
+        if self.locks is not None and self.locks < 0:
+            raise ValueError("locks must be >= 0")
         if self.island_reset and self.scenario != "partition-split":
             raise ValueError("island_reset is for partition-split only")
         if self.split_writes < 0:
@@ -142,6 +147,13 @@ class DrillConfig:
         # to be made while both sides are active.
         burst = SPLIT_BURST_DELAY + 2.0 + self.split_writes / 5000 if self.split_writes else 0.0
         return max(0.25 * self.duration, self.failover_budget, burst)
+
+    @property
+    def lock_keys(self) -> int:
+        """How many lock keys the clients contend for (:attr:`locks`, or its default)."""
+        if self.locks is not None:
+            return self.locks
+        return 2 if self.scenario == "partition-split" else 0
 
     @property
     def island_client(self) -> str | None:

@@ -50,7 +50,7 @@ from typing import Any
 import zmq
 
 from clone.progress import Progress
-from clone.tools.drill.analysis import analyse, highest_sequence_before
+from clone.tools.drill.analysis import analyse, conflict_write_ids, highest_sequence_before
 from clone.tools.drill.checks import judge_partition, judge_restarts, judge_upgrade, run_checks
 from clone.tools.drill.client import DRILL_PREFIX
 from clone.tools.drill.config import DrillConfig, Say
@@ -166,6 +166,19 @@ class Drill(Scenarios):
             ctx.term()
         self.say(f"preloaded {n} keys (outside {DRILL_PREFIX}) in {seconds:.1f} s")
 
+    def _conflicts(self) -> list[dict[str, Any]]:
+        """Every split-brain conflict the servers still running keep (resolved
+        or not), each with the name of the server that holds it."""
+        from clone.client.conflicts import query_conflicts
+
+        names = {self.servers[n].endpoint: n for n in self.servers if self.group[n].alive}
+        if not names:
+            return []
+        found, silent = query_conflicts(list(names), 5.0, everything=True)
+        for endpoint in silent:
+            self.say(f"{names[endpoint]} did not list its conflicts")
+        return [{**rec, "server": names.get(rec["server"], rec["server"])} for rec in found]
+
     def _status(self, counts: Counter[str]) -> str:
         """The run so far, as the progress bar's status."""
         active = self.monitor.active()
@@ -199,6 +212,7 @@ class Drill(Scenarios):
                     answered = name
                     break
         stats = {name: server_stats(self.group[name]) for name in self.servers}
+        conflicts = self._conflicts()
         if self.release is not None:
             self.notes["upgrade_end"] = self.versions()
             self.say("versions at the end: " + _versions_text(self.notes["upgrade_end"]))
@@ -233,7 +247,9 @@ class Drill(Scenarios):
             "seed": cfg.seed,
             "out": str(self.out),
         }
-        summary.update(analyse(streams, server_state, final_clients, client_items))
+        conflicted = conflict_write_ids(conflicts)
+        summary.update(analyse(streams, server_state, final_clients, client_items, conflicted))
+        summary["conflicts"] = conflicts
         summary["final_server"] = answered
         summary["final_client_hashes"] = final_clients
         summary["active_at_end"] = end_active
@@ -246,7 +262,7 @@ class Drill(Scenarios):
             crash["seq_seen_before"] = highest_sequence_before(
                 streams, crash.get("down_ts", float("inf")))
         if "partition" in self.notes:
-            summary["partition"] = judge_partition(self, streams, server_state)
+            summary["partition"] = judge_partition(self, streams, server_state, conflicted)
         if self.release is not None:
             summary["upgrade"] = judge_upgrade(self)
         summary["checks"] = run_checks(self, summary, end_active)

@@ -142,6 +142,7 @@ class PairRun:
             "--ttl-min", str(cfg.ttl_min),
             "--ttl-max", str(cfg.ttl_max),
             "--shared-keys", str(cfg.shared_keys),
+            "--locks", str(cfg.lock_keys),
             "--value-size", str(cfg.value_size),
             "--start-at", repr(start_at),
             "--write-seconds", repr(max(0.0, self.write_end - start_at)),
