@@ -50,7 +50,7 @@ from clone.errors import (
     WriteRefused,
     refusal,
 )
-from clone.security import KeyPair, load_public, load_secret
+from clone.security.keys import default_curve_files, load_curve_keys
 from clone.wire.calls import (
     IF_SEQUENCE_PROPERTY,
     LEASE_PROPERTY,
@@ -118,38 +118,6 @@ def default_servers() -> list[str]:
     env = os.environ.get("CLONE_SERVERS", "")
     servers = [s.strip() for s in env.split(",") if s.strip()]
     return servers or list(DEFAULT_SERVERS)
-
-
-def default_curve_files() -> tuple[str | None, str | None]:
-    """``($CLONE_CURVE_SECRET, $CLONE_SERVER_KEY)``, each None if unset or empty.
-
-    Set both for CURVE (our secret certificate, the server's public one), or
-    neither; one alone is refused by :class:`Clone`, as the arguments are.
-    """
-    secret = os.environ.get("CLONE_CURVE_SECRET", "").strip() or None
-    server = os.environ.get("CLONE_SERVER_KEY", "").strip() or None
-    return secret, server
-
-
-def load_curve_keys(
-    curve_secret: str | os.PathLike[str] | None,
-    server_key: str | os.PathLike[str] | None,
-) -> tuple[KeyPair, bytes] | None:
-    """Our key pair and the server's public key, read once, here: a bad file
-    is the caller's error now, not a handshake that silently never completes."""
-    if curve_secret is None and server_key is None:
-        return None
-    if curve_secret is None or server_key is None:
-        given, missing = (
-            ("curve_secret", "server_key") if server_key is None else ("server_key", "curve_secret")
-        )
-        raise ValueError(
-            f"{given} was given without {missing}: CURVE needs both this client's secret "
-            f"certificate (curve_secret, $CLONE_CURVE_SECRET) and the server's public "
-            f"certificate (server_key, $CLONE_SERVER_KEY); pass both, or neither for a "
-            f"plain connection"
-        )
-    return load_secret(curve_secret), load_public(server_key)
 
 
 def _as_bytes(value: bytes | bytearray | memoryview | str) -> bytes:
