@@ -13,13 +13,11 @@ or the confirmations.
 from __future__ import annotations
 
 import atexit
-import heapq
 import itertools
 import json
 import logging
 import marshal
 import os
-import queue
 import secrets
 import threading
 import time
@@ -33,11 +31,20 @@ import zmq
 from clone.argtypes import normalize_endpoint
 from clone.client import agent as _agent
 from clone.client.agent import Agent, split_endpoint
+from clone.client.events import (
+    DISPATCH_POLL_S,
+    Callbacks,
+    Dispatcher,
+    Subscription,
+    Waiters,
+    entry_of,
+)
 from clone.client.fsm import AgentConfig, AgentFSM, normalize_subtrees
 from clone.client.history import HistoryFeed
 from clone.client.leases import Lease
-from clone.client.results import STOP, ChangeStream, Entry, Status, Watcher
+from clone.client.results import ChangeStream, Entry, Status, Watcher
 from clone.errors import (
+    AgentTimeout,
     CloneError,
     ClosedError,
     ConfirmTimeout,
@@ -47,7 +54,6 @@ from clone.errors import (
     NotActive,
     NotSynced,
     ProtocolError,
-    WriteRefused,
     refusal,
 )
 from clone.security.keys import default_curve_files, load_curve_keys
@@ -61,7 +67,6 @@ from clone.wire.calls import (
     OP_SET,
     SECRET_PROPERTY,
     Reply,
-    decode_reply,
     encode_call,
     lease_id_of,
     lease_key,
@@ -70,7 +75,6 @@ from clone.wire.calls import (
 from clone.wire.codec import (
     KVMsg,
     Properties,
-    decode_kvset,
     encode_kv,
     new_uuid,
     validate_subtree,
@@ -103,8 +107,6 @@ DEFAULT_SERVERS = (
     f"tcp://127.0.0.1:{DEFAULT_BACKUP_PORT}",
 )
 _ids = itertools.count(1)
-# How often the event dispatcher wakes up at least (to fail overdue writes).
-_DISPATCH_POLL_S = 0.1
 # Commands queued for the agent at most; a writer that gets ahead waits.
 _PIPE_HWM = 10_000
 # What close() spends at most revoking the leases still held (best effort: a
@@ -190,11 +192,6 @@ def _history_subtree(prefix: str, subtrees: Sequence[str]) -> str:
     return prefix
 
 
-def _entry(frames: Sequence[bytes]) -> Entry:
-    msg = decode_kvset(frames)
-    return Entry(msg.key, msg.body or None, msg.sequence, msg.properties)
-
-
 class Clone:
     """A client of one Clone server pair, holding a replica of (part of) the map.
 
@@ -252,28 +249,15 @@ class Clone:
         self._closed = False
         self._lock = threading.Lock()  # the command pipe, one caller at a time
         self._rids = itertools.count(1)
-        # Confirmed writes in flight: uuid -> future (the sequence), and their
-        # deadlines (a heap), both resolved by the dispatcher thread.
-        self._waiters: dict[bytes, Future[int]] = {}
-        self._deadlines: list[tuple[float, bytes, str, float]] = []
-        # Calls in flight, likewise: uuid -> future (the reply); the deadlines
-        # say what was asked, for the NotActive message.
-        self._call_waiters: dict[bytes, Future[Reply]] = {}
-        self._call_deadlines: list[tuple[float, bytes, str, float]] = []
+        # Confirmed writes and calls in flight, resolved by the dispatcher thread.
+        self._waiters = Waiters(self._timeout_text, self._not_active_text)
         # Leases granted to us and kept alive by the agent, by id.
         self._leases: dict[str, Lease] = {}
-        self._watchers: list[Watcher] = []
-        self._callbacks: list[Callable[[Entry], None]] = []
-        self._callback_queue: queue.SimpleQueue[Entry | Callable[[], None] | object] | None = None
-        self._callback_thread: threading.Thread | None = None
-        self._shared = threading.Lock()  # waiters, watchers, callbacks, state
-        self._state = "initial"
-        self._active = threading.Event()
-        self._stopped = threading.Event()
-        self._dispatch_stop = False
+        self._shared = threading.Lock()  # leases, feeds
         self._watching = False
 
         number = next(_ids)
+        self._callbacks = Callbacks(f"clone-callbacks-{number}")
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
             # Commands are bounded, so a writer cannot outrun the agent without
@@ -290,11 +274,16 @@ class Clone:
             self._agent_thread.start()
             evt = self._evt[0]
             if not evt.poll(int(command_timeout * 1000)) or evt.recv() != _agent.STARTED:
-                raise CloneError(f"the client agent did not start within {command_timeout:g} s")
-            self._dispatcher = threading.Thread(
-                target=self._dispatch, name=f"clone-events-{number}", daemon=True
+                raise AgentTimeout(f"the client agent did not start within {command_timeout:g} s")
+            self._events = Dispatcher(
+                evt,
+                self._waiters,
+                self._callbacks,
+                self._leases,
+                self._shared,
+                f"clone-events-{number}",
             )
-            self._dispatcher.start()
+            self._events.start()
         except BaseException:
             self._ctx.destroy(linger=0)
             raise
@@ -326,7 +315,7 @@ class Clone:
         self.close()
 
     def __repr__(self) -> str:
-        return f"<Clone servers={self._servers!r} state={self._state}>"
+        return f"<Clone servers={self._servers!r} state={self._events.state}>"
 
     @property
     def closed(self) -> bool:
@@ -343,42 +332,23 @@ class Clone:
                 return
             self._closed = True
             try:
-                if self._stopped.is_set():
+                if self._events.stopped.is_set():
                     raise CloneError("the agent had already stopped")
                 self._request_locked(_agent.TERMINATE, [], self.command_timeout)
             except CloneError as exc:
                 log.warning("client agent did not acknowledge terminate: %s", exc)
         self._agent_thread.join(self.command_timeout)
-        self._dispatch_stop = True
-        self._dispatcher.join(self.command_timeout)
+        self._events.stop(self.command_timeout)
         with self._shared:
-            waiters = list(self._waiters.values())
-            self._waiters.clear()
-            calls = list(self._call_waiters.values())
-            self._call_waiters.clear()
-            for watcher in self._watchers:
-                watcher.queue.put(STOP)
             feeds, self._feeds = self._feeds, []
-            if self._callback_queue is not None:
-                self._callback_queue.put(STOP)
+        self._callbacks.stop()
         for feed in feeds:
             feed.close(self.command_timeout)
-        for fut in waiters:
-            if not fut.done():
-                fut.set_exception(
-                    ClosedError("the client was closed while a write awaited confirmation")
-                )
-        for call in calls:
-            if not call.done():
-                call.set_exception(ClosedError("the client was closed while a call awaited"))
-        if (
-            self._callback_thread is not None
-            and self._callback_thread is not threading.current_thread()
-        ):
-            self._callback_thread.join(self.command_timeout)
+        self._waiters.fail_all()
+        self._callbacks.join(self.command_timeout)
         self._cmd[0].close(linger=0)
         self._evt[0].close(linger=0)
-        if self._agent_thread.is_alive() or self._dispatcher.is_alive():
+        if self._agent_thread.is_alive() or self._events.thread.is_alive():
             log.error("client threads did not stop; leaving the zmq context open")
             return
         self._ctx.term()
@@ -398,16 +368,16 @@ class Clone:
         try:
             pipe.send_multipart([verb, rid, *args])
         except zmq.Again:
-            raise CloneError(
+            raise AgentTimeout(
                 f"the client agent did not take {verb.decode()} within {timeout:g} s"
             ) from None
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not pipe.poll(max(1, int(remaining * 1000))):
-                if self._stopped.is_set():
+                if self._events.stopped.is_set():
                     raise ClosedError("the client agent has stopped")
-                raise CloneError(
+                raise AgentTimeout(
                     f"the client agent did not answer {verb.decode()} within {timeout:g} s"
                 )
             reply = pipe.recv_multipart()
@@ -431,7 +401,7 @@ class Clone:
             try:
                 self._cmd[0].send_multipart([verb, b"", *args])
             except zmq.Again:
-                raise CloneError(
+                raise AgentTimeout(
                     f"the client agent did not take {verb.decode()} within "
                     f"{self.command_timeout:g} s"
                 ) from None
@@ -740,7 +710,7 @@ class Clone:
             self._leases.clear()
         for lease in leases:
             lease._mark_ended()  # not kept alive any more, whatever happens next
-        if not leases or self._stopped.is_set():
+        if not leases or self._events.stopped.is_set():
             return
         budget = min(_CLOSE_REVOKE_S, self.command_timeout)
         pending: list[Future[Reply]] = []
@@ -754,7 +724,7 @@ class Clone:
                 )
             except CloneError as exc:
                 log.info("could not revoke lease %s while closing: %s", lease.id, exc)
-        done, not_done = futures_wait(pending, budget + 2 * _DISPATCH_POLL_S)
+        done, not_done = futures_wait(pending, budget + 2 * DISPATCH_POLL_S)
         failed = len(not_done) + sum(1 for f in done if f.exception() is not None)
         if failed:
             log.info(
@@ -783,10 +753,9 @@ class Clone:
         fut = self._call_async(op, uuid, key, props, body, limit, what)
         # The dispatcher fails the future at its deadline; the margin only
         # guards against a dispatcher that died.
-        done, _ = futures_wait([fut], limit + 2 * _DISPATCH_POLL_S + 1.0)
+        done, _ = futures_wait([fut], limit + 2 * DISPATCH_POLL_S + 1.0)
         if not done:
-            with self._shared:
-                self._call_waiters.pop(uuid, None)
+            self._waiters.discard(uuid)
             raise NotActive(self._not_active_text(what, limit))
         return fut.result()  # or NotActive, ClosedError, CloneError
 
@@ -803,16 +772,11 @@ class Clone:
         if not timeout > 0:
             raise ValueError("timeout must be > 0")
         frames = encode_call(op, uuid, key, props, body)
-        fut: Future[Reply] = Future()
-        fut.set_running_or_notify_cancel()
-        with self._shared:
-            self._call_waiters[uuid] = fut
-            heapq.heappush(self._call_deadlines, (time.monotonic() + timeout, uuid, what, timeout))
+        fut = self._waiters.add_call(uuid, what, timeout)
         try:
             self._send_oneway(_agent.CALL, [repr(float(timeout)).encode(), *frames])
         except BaseException:
-            with self._shared:
-                self._call_waiters.pop(uuid, None)
+            self._waiters.discard(uuid)
             raise
         return fut
 
@@ -853,10 +817,9 @@ class Clone:
         limit = self.confirm_timeout if timeout is None else timeout
         # The dispatcher fails the future at its deadline; the margin only guards
         # against a dispatcher that died.
-        done, _ = futures_wait([fut], limit + 2 * _DISPATCH_POLL_S + 1.0)
+        done, _ = futures_wait([fut], limit + 2 * DISPATCH_POLL_S + 1.0)
         if not done:
-            with self._shared:
-                self._waiters.pop(msg.uuid, None)
+            self._waiters.discard(msg.uuid)
             raise ConfirmTimeout(self._timeout_text(msg.key, limit))
         return fut.result()  # or raises ConfirmTimeout, WriteRefused or ClosedError
 
@@ -864,62 +827,19 @@ class Clone:
         timeout = self.confirm_timeout if timeout is None else timeout
         if timeout <= 0:
             raise ValueError("timeout must be > 0")
-        fut: Future[int] = Future()
-        fut.set_running_or_notify_cancel()
-        with self._shared:
-            self._waiters[msg.uuid] = fut
-            heapq.heappush(
-                self._deadlines, (time.monotonic() + timeout, msg.uuid, msg.key, timeout)
-            )
+        fut = self._waiters.add_write(msg.uuid, msg.key, timeout)
         try:
             self._send_oneway(_agent.SET, [repr(float(timeout)).encode(), *encode_kv(msg)])
         except BaseException:
-            with self._shared:
-                self._waiters.pop(msg.uuid, None)
+            self._waiters.discard(msg.uuid)
             raise
         return fut
-
-    def _write_replied(self, write: Future[int], reply: Reply) -> None:
-        """The REPLY to a confirmed write sent as a call (restricted mode)."""
-        if reply.ok:
-            write.set_result(reply.sequence)
-            return
-        with self._shared:
-            key = next((d[2] for d in self._deadlines if d[1] == reply.uuid), "?")
-        write.set_exception(refusal(reply.reason or reply.status, key))
 
     def _timeout_text(self, key: str, timeout: float) -> str:
         return (
             f"write to {key!r} was not confirmed by the active server within "
             f"{timeout:g} s (servers: {', '.join(self._servers) or 'none'})"
         )
-
-    def _expire_waiters(self) -> float:
-        """Fail the confirmed writes and calls past their deadline; return
-        seconds to the next."""
-        now = time.monotonic()
-        expired: list[tuple[Future[int], str, float]] = []
-        unanswered: list[tuple[Future[Reply], str, float]] = []
-        with self._shared:
-            while self._deadlines and self._deadlines[0][0] <= now:
-                _, uuid, key, timeout = heapq.heappop(self._deadlines)
-                fut = self._waiters.pop(uuid, None)
-                if fut is not None:
-                    expired.append((fut, key, timeout))
-            while self._call_deadlines and self._call_deadlines[0][0] <= now:
-                _, uuid, what, timeout = heapq.heappop(self._call_deadlines)
-                call = self._call_waiters.pop(uuid, None)
-                if call is not None:
-                    unanswered.append((call, what, timeout))
-            heads = [d[0][0] for d in (self._deadlines, self._call_deadlines) if d]
-            nxt = min(heads, default=now + _DISPATCH_POLL_S)
-        for fut, key, timeout in expired:
-            if not fut.done():
-                fut.set_exception(ConfirmTimeout(self._timeout_text(key, timeout)))
-        for call, what, timeout in unanswered:
-            if not call.done():
-                call.set_exception(NotActive(self._not_active_text(what, timeout)))
-        return min(nxt - now, _DISPATCH_POLL_S)
 
     def get(self, key: str, default: bytes | None = None) -> bytes | None:
         """The value of ``key`` in our replica, or ``default``."""
@@ -931,7 +851,7 @@ class Clone:
         if not isinstance(key, str):
             raise TypeError(f"key must be str, not {type(key).__name__}")
         reply = self._request(_agent.GET, [key.encode("utf-8")])
-        return _entry(reply) if reply else None
+        return entry_of(reply) if reply else None
 
     def entries(self, prefix: str = "") -> list[Entry]:
         """Every entry whose key starts with ``prefix``, sorted by key."""
@@ -966,7 +886,7 @@ class Clone:
 
     def wait_synced(self, timeout: float = 10.0) -> None:
         """Block until the client holds a complete snapshot, or raise NotSynced."""
-        if self._active.wait(timeout):
+        if self._events.active.wait(timeout):
             return
         if self._closed:
             raise ClosedError("this Clone client is closed")
@@ -978,44 +898,30 @@ class Clone:
     # ------------------------------------------------------------------
     # Changes
 
-    def on_change(self, callback: Callable[[Entry], None]) -> None:
+    def on_change(self, callback: Callable[[Entry], None]) -> Subscription:
         """Call ``callback(entry)`` for every change to a key in our subtrees.
 
         Callbacks run one at a time in this client's callback thread (named
         ``clone-callbacks-N``), never in the agent thread, so they may call this
         client, even a confirmed ``set``.  Exceptions are logged and swallowed.
         Only changes after registration are reported; a resync reports the keys
-        that differ from what we held.
+        that differ from what we held.  Returns a :class:`Subscription`:
+        ``cancel()`` it (or use it as a context manager) to unregister.
         """
         if not callable(callback):
             raise TypeError("callback must be callable")
-        with self._shared:
-            if self._closed:
-                raise ClosedError("this Clone client is closed")
-            self._callbacks.append(callback)
-            self._callbacks_started()
+        if self._closed:
+            raise ClosedError("this Clone client is closed")
+        subscription = self._callbacks.add(callback)
         self._watch()
-
-    def _callbacks_started(self) -> queue.SimpleQueue[Entry | Callable[[], None] | object]:
-        """The callback thread's queue, the thread started if need be (hold ``_shared``)."""
-        if self._callback_queue is None:
-            self._callback_queue = queue.SimpleQueue()
-            self._callback_thread = threading.Thread(
-                target=self._run_callbacks,
-                args=(self._callback_queue,),
-                name=self._dispatcher.name.replace("events", "callbacks"),
-                daemon=True,
-            )
-            self._callback_thread.start()
-        return self._callback_queue
+        return subscription
 
     def _run_soon(self, fn: Callable[[], None]) -> None:
         """Run ``fn`` in the callback thread (a lease's ``on_lost`` callbacks)."""
-        with self._shared:
-            if self._closed:
-                log.debug("client closed: callback %r not run", fn)
-                return
-            self._callbacks_started().put(fn)
+        if self._closed:
+            log.debug("client closed: callback %r not run", fn)
+            return
+        self._callbacks.run_soon(fn)
 
     def changes(
         self, timeout: float | None = None, prefix: str = "", *, since: int | None = None
@@ -1059,119 +965,18 @@ class Clone:
         return ChangeStream(feed, timeout, prefix)
 
     def _add_watcher(self, watcher: Watcher) -> None:
-        with self._shared:
-            if self._closed:
-                raise ClosedError("this Clone client is closed")
-            self._watchers = [w for w in self._watchers if not w.closed]
-            self._watchers.append(watcher)
+        if self._closed:
+            raise ClosedError("this Clone client is closed")
+        self._callbacks.add_watcher(watcher)
         self._watch()
 
     def _remove_watcher(self, watcher: Watcher) -> None:
-        watcher.closed = True
-        with self._shared:
-            if watcher in self._watchers:
-                self._watchers.remove(watcher)
+        self._callbacks.remove_watcher(watcher)
 
     def _watch(self) -> None:
         if not self._watching:
             self._request(_agent.WATCH, [b"1"])
             self._watching = True
-
-    # ------------------------------------------------------------------
-    # Threads
-
-    def _dispatch(self) -> None:
-        """Event pipe reader: confirmations, state, changes.  Never runs user code."""
-        evt = self._evt[0]
-        while not self._dispatch_stop:
-            wait = self._expire_waiters()
-            try:
-                if not evt.poll(max(1, int(wait * 1000))):
-                    continue
-                frames = evt.recv_multipart()
-            except zmq.ZMQError as exc:
-                log.error("client event pipe failed: %s", exc)
-                break
-            kind = frames[0]
-            if kind == _agent.CONFIRMED:
-                with self._shared:
-                    waiter = self._waiters.pop(frames[1], None)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(int.from_bytes(frames[2], "big"))
-            elif kind == _agent.REPLY:
-                with self._shared:
-                    call = self._call_waiters.pop(frames[1], None)
-                    write = None if call is not None else self._waiters.pop(frames[1], None)
-                if call is not None and not call.done():
-                    call.set_result(decode_reply(frames[2:]))  # the agent's own encoding
-                elif write is not None and not write.done():
-                    # A confirmed write of a restricted client, made as a call.
-                    self._write_replied(write, decode_reply(frames[2:]))
-            elif kind == _agent.LEASEKEPT:
-                with self._shared:
-                    kept = self._leases.get(frames[1].decode("ascii", "replace"))
-                if kept is not None:
-                    kept._kept_until(float(frames[2]))
-            elif kind == _agent.LEASELOST:
-                lease_id, why = (f.decode("utf-8", "replace") for f in frames[1:3])
-                with self._shared:
-                    lease = self._leases.pop(lease_id, None)
-                if lease is not None:
-                    lease._mark_lost(why)
-            elif kind == _agent.FAILED:
-                text = frames[2].decode("utf-8", "replace")
-                with self._shared:
-                    failed: Future[int] | Future[Reply] | None = self._waiters.pop(frames[1], None)
-                    if failed is None:
-                        failed = self._call_waiters.pop(frames[1], None)
-                if failed is not None and not failed.done():
-                    failed.set_exception(CloneError(f"client agent refused the write: {text}"))
-                else:
-                    log.warning("client agent refused a write: %s", text)
-            elif kind == _agent.REFUSED:
-                reason, key = (f.decode("utf-8", "replace") for f in frames[2:4])
-                with self._shared:
-                    waiter = self._waiters.pop(frames[1], None)
-                if waiter is not None and not waiter.done():
-                    waiter.set_exception(WriteRefused(reason, key))
-            elif kind == _agent.CHANGE:
-                change = _entry(frames[1:])
-                with self._shared:
-                    for watcher in self._watchers:
-                        if not watcher.closed:
-                            watcher.queue.put(change)
-                    if self._callback_queue is not None:
-                        self._callback_queue.put(change)
-            elif kind == _agent.STATE:
-                self._state = frames[1].decode()
-                if self._state == "active":
-                    self._active.set()
-                else:
-                    self._active.clear()
-            elif kind == _agent.STOPPED:
-                self._stopped.set()
-                break
-        self._active.clear()
-
-    def _run_callbacks(self, q: queue.SimpleQueue[Entry | Callable[[], None] | object]) -> None:
-        while True:
-            item = q.get()
-            if item is STOP:
-                return
-            if not isinstance(item, Entry):
-                assert callable(item)
-                try:
-                    item()
-                except Exception:
-                    log.exception("callback %r failed", item)
-                continue
-            with self._shared:
-                callbacks = list(self._callbacks)
-            for callback in callbacks:
-                try:
-                    callback(item)
-                except Exception:
-                    log.exception("on_change callback %r failed for key %r", callback, item.key)
 
 
 # --------------------------------------------------------------------------

@@ -489,25 +489,25 @@ def test_changes_unregister_on_close_exit_and_release(server: FakeServer) -> Non
     with make_client(server) as c:
         c.wait_synced(5)
         stream = c.changes()
-        assert len(c._watchers) == 1
+        assert len(c._callbacks._watchers) == 1
         stream.close()
-        assert c._watchers == []
+        assert c._callbacks._watchers == []
         assert list(stream) == []  # a closed stream is exhausted, not blocked
 
         with c.changes() as scoped:
-            assert len(c._watchers) == 1
-        assert c._watchers == []
+            assert len(c._callbacks._watchers) == 1
+        assert c._callbacks._watchers == []
         assert list(scoped) == []
 
         # Dropped without closing: skipped at once, pruned at the next registration.
         dropped = c.changes()
-        watcher = c._watchers[0]
+        watcher = c._callbacks._watchers[0]
         del dropped
         assert watcher.closed
         c.set("k", b"v", wait=True, timeout=5)
         assert watcher.queue.empty()
         with c.changes():
-            assert watcher not in c._watchers
+            assert watcher not in c._callbacks._watchers
 
 
 def test_changes_on_a_closed_client_raise_at_once(server: FakeServer) -> None:
