@@ -271,6 +271,7 @@ class Dispatcher:
         callbacks: Callbacks,
         leases: dict[str, Lease],
         leases_lock: threading.Lock,
+        stopped: threading.Event,
         name: str,
     ) -> None:
         self._events = events
@@ -280,7 +281,7 @@ class Dispatcher:
         self._leases_lock = leases_lock
         self.state = "initial"
         self.active = threading.Event()
-        self.stopped = threading.Event()
+        self.stopped = stopped
         self._stop = False
         self._table: dict[bytes, Callable[[list[bytes]], None]] = {
             _agent.CONFIRMED: self._confirmed,

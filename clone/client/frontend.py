@@ -31,6 +31,15 @@ import zmq
 from clone.argtypes import normalize_endpoint
 from clone.client import agent as _agent
 from clone.client.agent import Agent, split_endpoint
+from clone.client.args import (
+    as_bytes,
+    build,
+    check_if_sequence,
+    format_lease_ttl,
+    format_ttl,
+    history_subtree,
+    lease_props,
+)
 from clone.client.events import (
     DISPATCH_POLL_S,
     Callbacks,
@@ -42,6 +51,7 @@ from clone.client.events import (
 from clone.client.fsm import AgentConfig, AgentFSM, normalize_subtrees
 from clone.client.history import HistoryFeed
 from clone.client.leases import Lease
+from clone.client.pipe import CommandPipe
 from clone.client.results import ChangeStream, Entry, Status, Watcher
 from clone.errors import (
     AgentTimeout,
@@ -50,7 +60,6 @@ from clone.errors import (
     ConfirmTimeout,
     Conflict,
     LeaseLost,
-    LimitExceeded,
     NotActive,
     NotSynced,
     ProtocolError,
@@ -60,7 +69,6 @@ from clone.security.keys import default_curve_files, load_curve_keys
 from clone.wire.calls import (
     IF_SEQUENCE_PROPERTY,
     LEASE_PROPERTY,
-    MIN_LEASE_TTL,
     OP_AHEAD,
     OP_LEASE_GRANT,
     OP_LEASE_REVOKE,
@@ -77,12 +85,10 @@ from clone.wire.codec import (
     Properties,
     encode_kv,
     new_uuid,
-    validate_subtree,
 )
 from clone.wire.protocol import (
     DEFAULT_BACKUP_PORT,
     DEFAULT_PRIMARY_PORT,
-    MAX_TTL_SECONDS,
     TTL_PROPERTY,
 )
 
@@ -107,12 +113,9 @@ DEFAULT_SERVERS = (
     f"tcp://127.0.0.1:{DEFAULT_BACKUP_PORT}",
 )
 _ids = itertools.count(1)
-# Commands queued for the agent at most; a writer that gets ahead waits.
-_PIPE_HWM = 10_000
 # What close() spends at most revoking the leases still held (best effort: a
 # lease not revoked ends by itself within its ttl, as nobody keeps it alive).
 _CLOSE_REVOKE_S = 2.0
-_SEQ_LIMIT = 2**64
 
 
 def default_servers() -> list[str]:
@@ -120,76 +123,6 @@ def default_servers() -> list[str]:
     env = os.environ.get("CLONE_SERVERS", "")
     servers = [s.strip() for s in env.split(",") if s.strip()]
     return servers or list(DEFAULT_SERVERS)
-
-
-def _as_bytes(value: bytes | bytearray | memoryview | str) -> bytes:
-    if isinstance(value, str):
-        return value.encode("utf-8")
-    if isinstance(value, bytes | bytearray | memoryview):
-        return bytes(value)
-    raise TypeError(f"value must be bytes or str, not {type(value).__name__}")
-
-
-def _format_ttl(ttl: float) -> str | None:
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
-        raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
-    if ttl == 0:
-        return None
-    if not 0.001 <= ttl <= MAX_TTL_SECONDS:
-        raise ValueError(f"ttl must be 0 (no expiry) or 0.001 .. {MAX_TTL_SECONDS:g} s")
-    return f"{ttl:.3f}".rstrip("0").rstrip(".")
-
-
-def _build(key: str, body: bytes, props: dict[str, str]) -> KVMsg:
-    """Validate an application write; a bad key is misuse (ValueError), not wire trouble."""
-    try:
-        return KVMsg.build(key, body, uuid=new_uuid(), properties=props)
-    except LimitExceeded:
-        raise
-    except ProtocolError as exc:
-        raise ValueError(str(exc)) from None
-
-
-def _format_lease_ttl(ttl: float) -> str:
-    if isinstance(ttl, bool) or not isinstance(ttl, int | float):
-        raise TypeError(f"ttl must be a number of seconds, not {type(ttl).__name__}")
-    if not MIN_LEASE_TTL <= ttl <= MAX_TTL_SECONDS:  # also false for nan
-        raise ValueError(
-            f"a lease's ttl must be {MIN_LEASE_TTL:g} .. {MAX_TTL_SECONDS:g} s, not {ttl!r}"
-        )
-    return repr(float(ttl))
-
-
-def _lease_props(lease: Lease) -> Properties:
-    """A keepalive's or revoke's properties: the lease and its secret, if any."""
-    if lease._secret:
-        return ((LEASE_PROPERTY, lease.id), (SECRET_PROPERTY, lease._secret))
-    return ((LEASE_PROPERTY, lease.id),)
-
-
-def _check_if_sequence(if_sequence: int | None) -> int | None:
-    if if_sequence is None:
-        return None
-    if isinstance(if_sequence, bool) or not isinstance(if_sequence, int):
-        raise TypeError(
-            f"if_sequence must be an int sequence (0: only if absent), "
-            f"not {type(if_sequence).__name__}"
-        )
-    if not 0 <= if_sequence < _SEQ_LIMIT:
-        raise ValueError(
-            f"if_sequence must be a sequence in 0..2**64-1 (0: only if absent), not {if_sequence}"
-        )
-    return if_sequence
-
-
-def _history_subtree(prefix: str, subtrees: Sequence[str]) -> str:
-    """The subtree to ask the server's history for: ``prefix`` when it is one
-    (the delta then holds only its keys), else our only subtree, else all."""
-    try:
-        validate_subtree(prefix.encode("utf-8"))
-    except ProtocolError:
-        return subtrees[0] if len(subtrees) == 1 else ""
-    return prefix
 
 
 class Clone:
@@ -246,9 +179,6 @@ class Clone:
         self._silence = config.server_timeout
         self._feeds: list[HistoryFeed] = []
         self._servers: list[str] = []
-        self._closed = False
-        self._lock = threading.Lock()  # the command pipe, one caller at a time
-        self._rids = itertools.count(1)
         # Confirmed writes and calls in flight, resolved by the dispatcher thread.
         self._waiters = Waiters(self._timeout_text, self._not_active_text)
         # Leases granted to us and kept alive by the agent, by id.
@@ -260,11 +190,8 @@ class Clone:
         self._callbacks = Callbacks(f"clone-callbacks-{number}")
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         try:
-            # Commands are bounded, so a writer cannot outrun the agent without
-            # limit; events are not, so the agent never blocks on a slow reader.
-            self._cmd = self._pipe_pair(f"inproc://clone-{number}-commands", _PIPE_HWM)
-            self._evt = self._pipe_pair(f"inproc://clone-{number}-events")
-            agent_cmd, agent_evt = self._cmd[1], self._evt[1]
+            self._pipe = CommandPipe(self._ctx, number, command_timeout)
+            agent_cmd, agent_evt = self._pipe.commands[1], self._pipe.events[1]
             # Events must never block the agent; the dispatcher keeps up.
             fsm = AgentFSM(subtrees, config, now=time.monotonic())
             agent = Agent(self._ctx, agent_cmd, agent_evt, fsm, curve=curve)
@@ -272,7 +199,7 @@ class Clone:
                 target=agent.run, name=f"clone-agent-{number}", daemon=True
             )
             self._agent_thread.start()
-            evt = self._evt[0]
+            evt = self._pipe.events[0]
             if not evt.poll(int(command_timeout * 1000)) or evt.recv() != _agent.STARTED:
                 raise AgentTimeout(f"the client agent did not start within {command_timeout:g} s")
             self._events = Dispatcher(
@@ -281,6 +208,7 @@ class Clone:
                 self._callbacks,
                 self._leases,
                 self._shared,
+                self._pipe.stopped,
                 f"clone-events-{number}",
             )
             self._events.start()
@@ -291,19 +219,6 @@ class Clone:
             servers = [s.strip() for s in servers.split(",") if s.strip()]
         for endpoint in servers or ():
             self.connect(endpoint)
-
-    def _pipe_pair(self, address: str, hwm: int = 0) -> tuple[zmq.Socket[bytes], zmq.Socket[bytes]]:
-        front = self._ctx.socket(zmq.PAIR)
-        back = self._ctx.socket(zmq.PAIR)
-        for sock in (front, back):
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, hwm)
-            sock.setsockopt(zmq.RCVHWM, hwm)
-        if hwm:
-            front.setsockopt(zmq.SNDTIMEO, max(1, int(self.command_timeout * 1000)))
-        front.bind(address)
-        back.connect(address)
-        return front, back
 
     # ------------------------------------------------------------------
     # Lifecycle
@@ -319,7 +234,11 @@ class Clone:
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._pipe.closed
+
+    @property
+    def _closed(self) -> bool:
+        return self._pipe.closed
 
     def close(self) -> None:
         """Revoke the leases still held (best effort, at most a couple of
@@ -327,14 +246,14 @@ class Clone:
         the context."""
         if not self._closed:
             self._revoke_all_leases()
-        with self._lock:
-            if self._closed:
+        with self._pipe.lock:
+            if self._pipe.closed:
                 return
-            self._closed = True
+            self._pipe.closed = True
             try:
-                if self._events.stopped.is_set():
+                if self._pipe.stopped.is_set():
                     raise CloneError("the agent had already stopped")
-                self._request_locked(_agent.TERMINATE, [], self.command_timeout)
+                self._pipe.request_locked(_agent.TERMINATE, [], self.command_timeout)
             except CloneError as exc:
                 log.warning("client agent did not acknowledge terminate: %s", exc)
         self._agent_thread.join(self.command_timeout)
@@ -346,8 +265,7 @@ class Clone:
             feed.close(self.command_timeout)
         self._waiters.fail_all()
         self._callbacks.join(self.command_timeout)
-        self._cmd[0].close(linger=0)
-        self._evt[0].close(linger=0)
+        self._pipe.close_front()
         if self._agent_thread.is_alive() or self._events.thread.is_alive():
             log.error("client threads did not stop; leaving the zmq context open")
             return
@@ -357,54 +275,10 @@ class Clone:
     # Commands
 
     def _request(self, verb: bytes, args: list[bytes]) -> list[bytes]:
-        with self._lock:
-            if self._closed:
-                raise ClosedError("this Clone client is closed")
-            return self._request_locked(verb, args, self.command_timeout)
-
-    def _request_locked(self, verb: bytes, args: list[bytes], timeout: float) -> list[bytes]:
-        pipe = self._cmd[0]
-        rid = str(next(self._rids)).encode()
-        try:
-            pipe.send_multipart([verb, rid, *args])
-        except zmq.Again:
-            raise AgentTimeout(
-                f"the client agent did not take {verb.decode()} within {timeout:g} s"
-            ) from None
-        deadline = time.monotonic() + timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not pipe.poll(max(1, int(remaining * 1000))):
-                if self._events.stopped.is_set():
-                    raise ClosedError("the client agent has stopped")
-                raise AgentTimeout(
-                    f"the client agent did not answer {verb.decode()} within {timeout:g} s"
-                )
-            reply = pipe.recv_multipart()
-            if len(reply) >= 2 and reply[1] == rid:
-                break
-            log.debug("dropped a late agent reply %r", reply[:2])
-        if reply[0] != _agent.OK:
-            text = reply[2].decode("utf-8", "replace") if len(reply) > 2 else "?"
-            raise CloneError(f"client agent refused {verb.decode()}: {text}")
-        return reply[2:]
+        return self._pipe.request(verb, args)
 
     def _send_oneway(self, verb: bytes, args: list[bytes]) -> None:
-        """A command the agent does not answer: writes stream without a round trip.
-
-        The pipe is bounded (``_PIPE_HWM``), so an application that writes faster
-        than the agent can send waits here, for at most ``command_timeout``.
-        """
-        with self._lock:
-            if self._closed:
-                raise ClosedError("this Clone client is closed")
-            try:
-                self._cmd[0].send_multipart([verb, b"", *args])
-            except zmq.Again:
-                raise AgentTimeout(
-                    f"the client agent did not take {verb.decode()} within "
-                    f"{self.command_timeout:g} s"
-                ) from None
+        self._pipe.send_oneway(verb, args)
 
     def connect(self, endpoint: str) -> None:
         """Add a server by its CHP base endpoint, e.g. ``tcp://127.0.0.1:5556``
@@ -516,13 +390,13 @@ class Clone:
         sequence, or raises :class:`~clone.errors.NotActive` if no active
         server answered within ``timeout``.
         """
-        body = _as_bytes(value)
+        body = as_bytes(value)
         if not body:
             raise ValueError("an empty value means delete; call delete() instead")
-        ttl_text = _format_ttl(ttl)
+        ttl_text = format_ttl(ttl)
         props = {TTL_PROPERTY: ttl_text} if ttl_text is not None else {}
         if if_sequence is None and lease is None:
-            return self._write(_build(key, body, props), wait, timeout)
+            return self._write(build(key, body, props), wait, timeout)
         return self._call_write(key, body, props, timeout, if_sequence, lease)
 
     @overload
@@ -571,7 +445,7 @@ class Clone:
         """Delete ``key`` on the servers (``wait``, ``if_sequence`` and the
         result as for :meth:`set`; deleting an absent key is a write too)."""
         if if_sequence is None:
-            return self._write(_build(key, b"", {}), wait, timeout)
+            return self._write(build(key, b"", {}), wait, timeout)
         return self._call_write(key, b"", {}, timeout, if_sequence, None)
 
     def lease(
@@ -601,8 +475,8 @@ class Clone:
         ``for_key`` is under ``/_clone/lease/``), and :class:`ValueError` for
         a ``for_key`` that is not a key.
         """
-        ttl_text = _format_lease_ttl(ttl)
-        key = "" if for_key is None else _build(for_key, b"", {}).key
+        ttl_text = format_lease_ttl(ttl)
+        key = "" if for_key is None else build(for_key, b"", {}).key
         uuid = new_uuid()
         # Ours, so that a retry of the grant (same uuid) proves the same owner.
         secret = secrets.token_hex(16)
@@ -639,7 +513,7 @@ class Clone:
         lease: Lease | str | None,
     ) -> int:
         """A set or delete as a call: compare-and-set, a key bound to a lease."""
-        expected = _check_if_sequence(if_sequence)
+        expected = check_if_sequence(if_sequence)
         held, lease_id = self._lease_arg(lease)
         if expected is not None:
             props[IF_SEQUENCE_PROPERTY] = str(expected)
@@ -647,7 +521,7 @@ class Clone:
             props[LEASE_PROPERTY] = lease_id
             if held is not None and held._secret:
                 props[SECRET_PROPERTY] = held._secret
-        msg = _build(key, body, props)
+        msg = build(key, body, props)
         what = f"the {'write' if body else 'delete'} of {key!r}"
         reply = self._call(OP_SET, msg.uuid, key, msg.properties, body, timeout, what)
         if reply.ok:
@@ -694,7 +568,7 @@ class Clone:
             OP_LEASE_REVOKE,
             new_uuid(),
             "",
-            _lease_props(lease),
+            lease_props(lease),
             b"",
             timeout,
             f"the revoke of lease {lease.id}",
@@ -710,12 +584,12 @@ class Clone:
             self._leases.clear()
         for lease in leases:
             lease._mark_ended()  # not kept alive any more, whatever happens next
-        if not leases or self._events.stopped.is_set():
+        if not leases or self._pipe.stopped.is_set():
             return
         budget = min(_CLOSE_REVOKE_S, self.command_timeout)
         pending: list[Future[Reply]] = []
         for lease in leases:
-            props = _lease_props(lease)
+            props = lease_props(lease)
             try:
                 pending.append(
                     self._call_async(
@@ -798,16 +672,16 @@ class Clone:
 
         This is how a bulk loader keeps many writes in flight from one thread.
         """
-        body = _as_bytes(value)
+        body = as_bytes(value)
         if not body:
             raise ValueError("an empty value means delete; call delete_async() instead")
-        ttl_text = _format_ttl(ttl)
+        ttl_text = format_ttl(ttl)
         props = {TTL_PROPERTY: ttl_text} if ttl_text is not None else {}
-        return self._write_async(_build(key, body, props), timeout)
+        return self._write_async(build(key, body, props), timeout)
 
     def delete_async(self, key: str, *, timeout: float | None = None) -> Future[int]:
         """Delete ``key``; the future resolves as for :meth:`set_async`."""
-        return self._write_async(_build(key, b"", {}), timeout)
+        return self._write_async(build(key, b"", {}), timeout)
 
     def _write(self, msg: KVMsg, wait: bool, timeout: float | None) -> int | None:
         if not wait:
@@ -954,7 +828,7 @@ class Clone:
         feed = HistoryFeed(
             servers,
             since,
-            subtree=_history_subtree(prefix, self._subtrees),
+            subtree=history_subtree(prefix, self._subtrees),
             prefixes=self._subtrees,
             silence=self._silence,
             curve=self._curve,
