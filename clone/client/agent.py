@@ -600,7 +600,10 @@ class Agent:
             return []
         if verb == TERMINATE:
             self._running = False
-            return []
+            # What stopping drops, for close() to say.
+            return [
+                json.dumps({"unsent": fsm.held_writes, "unconfirmed": fsm.pending_writes}).encode()
+            ]
         raise ValueError(f"unknown command {verb[:32]!r}")
 
     def _status(self) -> dict[str, object]:

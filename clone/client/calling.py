@@ -163,16 +163,19 @@ class Caller:
         if not reply.ok and reply.reason != "unknown-lease":  # gone already: done
             raise refusal(reply.reason, lease_key(lease.id))
 
-    def revoke_all_leases(self) -> None:
+    def revoke_all_leases(self) -> int:
         """For :meth:`close`: revoke every lease still held, all at once, for
-        at most ``CLOSE_REVOKE_S``; a lease not revoked ends within its ttl."""
+        at most ``CLOSE_REVOKE_S``; a lease not revoked ends within its ttl.
+        Returns how many were not revoked."""
         with self._client._shared:
             leases = [lease for lease in self._client._leases.values() if lease.alive]
             self._client._leases.clear()
         for lease in leases:
             lease._mark_ended()  # not kept alive any more, whatever happens next
-        if not leases or self._client._pipe.stopped.is_set():
-            return
+        if not leases:
+            return 0
+        if self._client._pipe.stopped.is_set():
+            return len(leases)
         budget = min(CLOSE_REVOKE_S, self._client.command_timeout)
         pending: list[Future[Reply]] = []
         for lease in leases:
@@ -191,6 +194,7 @@ class Caller:
                 failed,
                 len(leases),
             )
+        return failed
 
     def lease_lost(self, lease: Lease, why: str) -> None:
         with self._client._shared:

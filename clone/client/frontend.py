@@ -20,6 +20,7 @@ import marshal
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -34,7 +35,9 @@ from clone.client.args import (
     as_bytes,
     build,
     format_ttl,
+    from_json,
     history_subtree,
+    to_json,
 )
 from clone.client.calling import Caller
 from clone.client.events import (
@@ -43,13 +46,12 @@ from clone.client.events import (
     Dispatcher,
     Subscription,
     Waiters,
-    entry_of,
 )
 from clone.client.fsm import AgentConfig, AgentFSM, normalize_subtrees
 from clone.client.history import HistoryFeed
 from clone.client.leases import Lease
 from clone.client.pipe import CommandPipe
-from clone.client.results import ChangeStream, Entry, Status, Watcher
+from clone.client.results import ChangeStream, CloseReport, Entry, Freshness, Status, Watcher
 from clone.errors import (
     AgentTimeout,
     CloneError,
@@ -73,9 +75,12 @@ from clone.wire.protocol import (
 __all__ = [
     "ChangeStream",
     "Clone",
+    "CloseReport",
     "Entry",
+    "Freshness",
     "Lease",
     "Status",
+    "Subscription",
     "clone_set",
     "clone_get",
     "default_servers",
@@ -161,6 +166,8 @@ class Clone:
         self._leases: dict[str, Lease] = {}
         self._shared = threading.Lock()  # leases, feeds
         self._watching = False
+        #: What close() dropped (None until closed).
+        self.close_report: CloseReport | None = None
 
         number = next(_ids)
         self._callbacks = Callbacks(f"clone-callbacks-{number}")
@@ -170,6 +177,8 @@ class Clone:
             agent_cmd, agent_evt = self._pipe.commands[1], self._pipe.events[1]
             # Events must never block the agent; the dispatcher keeps up.
             fsm = AgentFSM(subtrees, config, now=time.monotonic())
+            # Read from the frontend's threads only through peek() and heard_at.
+            self._fsm = fsm
             agent = Agent(self._ctx, agent_cmd, agent_evt, fsm, curve=curve)
             self._agent_thread = threading.Thread(
                 target=agent.run, name=f"clone-agent-{number}", daemon=True
@@ -193,6 +202,7 @@ class Clone:
             raise
         if isinstance(servers, str):
             servers = [s.strip() for s in servers.split(",") if s.strip()]
+        _live.add(self)
         for endpoint in servers or ():
             self.connect(endpoint)
 
@@ -219,9 +229,11 @@ class Clone:
     def close(self) -> None:
         """Revoke the leases still held (best effort, at most a couple of
         seconds), then stop the agent, join the threads, close every socket and
-        the context."""
-        if not self._closed:
-            self._caller.revoke_all_leases()
+        the context.  What was dropped (writes never sent, confirmed writes
+        and calls still waiting) is logged at WARNING and kept in
+        :attr:`close_report`."""
+        unrevoked = 0 if self._closed else self._caller.revoke_all_leases()
+        dropped: dict[str, int] = {}
         with self._pipe.lock:
             if self._pipe.closed:
                 return
@@ -229,9 +241,11 @@ class Clone:
             try:
                 if self._pipe.stopped.is_set():
                     raise CloneError("the agent had already stopped")
-                self._pipe.request_locked(_agent.TERMINATE, [], self.command_timeout)
+                reply = self._pipe.request_locked(_agent.TERMINATE, [], self.command_timeout)
+                dropped = json.loads(reply[0]) if reply else {}
             except CloneError as exc:
                 log.warning("client agent did not acknowledge terminate: %s", exc)
+        _live.discard(self)
         self._agent_thread.join(self.command_timeout)
         self._events.stop(self.command_timeout)
         with self._shared:
@@ -239,7 +253,21 @@ class Clone:
         self._callbacks.stop()
         for feed in feeds:
             feed.close(self.command_timeout)
-        self._waiters.fail_all()
+        report = CloseReport(
+            unsent_writes=dropped.get("unsent", 0),
+            unconfirmed_writes=dropped.get("unconfirmed", 0),
+            waiting=self._waiters.fail_all(),
+            leases_unrevoked=unrevoked,
+        )
+        self.close_report = report
+        if report.dropped:
+            log.warning(
+                "closing dropped %d unsent write(s) (no server had answered), %d write(s) "
+                "not yet confirmed and %d waiting call(s)",
+                report.unsent_writes,
+                report.unconfirmed_writes,
+                report.waiting,
+            )
         self._callbacks.join(self.command_timeout)
         self._pipe.close_front()
         if self._agent_thread.is_alive() or self._events.thread.is_alive():
@@ -528,17 +556,85 @@ class Clone:
             f"{timeout:g} s (servers: {', '.join(self._servers) or 'none'})"
         )
 
-    def get(self, key: str, default: bytes | None = None) -> bytes | None:
-        """The value of ``key`` in our replica, or ``default``."""
-        entry = self.entry(key)
-        return default if entry is None else entry.value
+    @overload
+    def get(
+        self,
+        key: str,
+        default: bytes | None = ...,
+        *,
+        with_status: Literal[False] = ...,
+        require_synced: bool = ...,
+    ) -> bytes | None: ...
 
-    def entry(self, key: str) -> Entry | None:
-        """``key`` with its sequence and properties, or None."""
+    @overload
+    def get(
+        self,
+        key: str,
+        default: bytes | None = ...,
+        *,
+        with_status: Literal[True],
+        require_synced: bool = ...,
+    ) -> tuple[bytes | None, Freshness]: ...
+
+    def get(
+        self,
+        key: str,
+        default: bytes | None = None,
+        *,
+        with_status: bool = False,
+        require_synced: bool = False,
+    ) -> bytes | tuple[bytes | None, Freshness] | None:
+        """The value of ``key`` in our replica, or ``default``.
+
+        Read in the caller's thread from the replica the agent keeps, with no
+        round trip to the agent (a microsecond or two).  A read after a
+        confirmed write sees it.  ``with_status=True`` returns ``(value,
+        freshness)`` (:class:`Freshness`: synced or not, seconds since the
+        server was last heard); ``require_synced=True`` raises
+        :class:`~clone.errors.NotSynced` rather than answer from a replica
+        that is not live (before the first sync, during an outage).
+        """
+        found = self.entry(key, require_synced=require_synced)
+        value = default if found is None else found.value
+        return (value, self.freshness()) if with_status else value
+
+    def entry(self, key: str, *, require_synced: bool = False) -> Entry | None:
+        """``key`` with its sequence and properties, or None; its
+        ``freshness`` says how current the read is (see :meth:`get`)."""
         if not isinstance(key, str):
             raise TypeError(f"key must be str, not {type(key).__name__}")
-        reply = self._request(_agent.GET, [key.encode("utf-8")])
-        return entry_of(reply) if reply else None
+        if self._closed:
+            raise ClosedError("this Clone client is closed")
+        if require_synced and not self._events.active.is_set():
+            raise NotSynced(
+                f"not synced (state {self._events.state}): the read of {key!r} would "
+                f"come from a replica that is not live; servers: "
+                f"{', '.join(self._servers) or 'none'}"
+            )
+        row = self._fsm.peek(key)
+        if row is None:
+            return None
+        return Entry(key, row[3], row[0], row[2], self.freshness())
+
+    def freshness(self) -> Freshness:
+        """How current reads from the replica are right now."""
+        heard = self._fsm.heard_at
+        return Freshness(
+            synced=self._events.active.is_set(),
+            state=self._events.state,
+            silent_for=None if heard is None else max(0.0, time.monotonic() - heard),
+        )
+
+    def set_json(self, key: str, value: Any, ttl: float = 0, **kwargs: Any) -> int | None:
+        """:meth:`set` with ``value`` as a JSON document (compact, UTF-8);
+        :class:`~clone.errors.NotJSON` for a value that JSON cannot hold."""
+        return self.set(key, to_json(value), ttl, **kwargs)
+
+    def get_json(self, key: str, default: Any = None, *, require_synced: bool = False) -> Any:
+        """The JSON document ``key`` holds, decoded, or ``default`` if absent;
+        :class:`~clone.errors.NotJSON` if it holds something else."""
+        found = self.entry(key, require_synced=require_synced)
+        return default if found is None else from_json(key, found.value or b"")
 
     def entries(self, prefix: str = "") -> list[Entry]:
         """Every entry whose key starts with ``prefix``, sorted by key."""
@@ -665,6 +761,23 @@ class Clone:
             self._request(_agent.WATCH, [b"1"])
             self._watching = True
 
+
+# --------------------------------------------------------------------------
+# Clients still open at exit are closed, so their leases (and the keys bound
+# to them) end now, not a ttl later.
+
+_live: weakref.WeakSet[Clone] = weakref.WeakSet()
+
+
+def _close_live() -> None:
+    for client in list(_live):
+        try:
+            client.close()
+        except Exception as exc:  # exiting anyway: say it, never raise
+            log.info("closing a client at exit failed: %s", exc)
+
+
+atexit.register(_close_live)
 
 # --------------------------------------------------------------------------
 # One default client per process, for scripts.

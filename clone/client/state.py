@@ -467,6 +467,20 @@ class AgentState:
         stored = self._map.get(key)
         return None if stored is None else _message(key, stored)
 
+    def peek(self, key: str) -> _Stored | None:
+        """``key``'s row, for the frontend's threads: the one read that is safe
+        outside the agent thread.  One ``dict.get`` on whichever map is current
+        (a sync swaps maps whole, an update changes one key), atomic under the
+        GIL, so a reader sees a key before or after an update, never half of
+        one.  The agent applies an update before it confirms it, so a read
+        after a confirmed write sees that write (or a later one)."""
+        return self._map.get(key)
+
+    @property
+    def heard_at(self) -> float | None:
+        """When the current server was last heard from (the agent's clock)."""
+        return self._heard_at
+
     def items(self, prefix: str = "") -> list[KVMsg]:
         """Entries whose key starts with ``prefix``, sorted by key."""
         return [_message(k, v) for k, v in self.rows(prefix)]
@@ -482,6 +496,11 @@ class AgentState:
 
     def __len__(self) -> int:
         return len(self._map)
+
+    @property
+    def held_writes(self) -> int:
+        """Writes made before any server answered us, not sent yet."""
+        return len(self._held)
 
     @property
     def pending_writes(self) -> int:
