@@ -1,0 +1,92 @@
+"""Recipes that recover: a frozen worker rejoins its election and its
+registration after SIGCONT (real processes: a server and a worker)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from clone import Clone
+from clone.recipes import Election, Lock, Registration
+from tests.support.clients import endpoint, synced_client
+from tests.support.servers import Servers
+from tests.support.waiting import eventually
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _candidates(client: Clone) -> list[bytes]:
+    return [
+        e.value or b""
+        for e in sorted(client.entries("/elections/workers/"), key=lambda e: e.sequence)
+    ]
+
+
+def test_a_frozen_worker_rejoins_its_election_and_registration(servers: Servers) -> None:
+    server = servers.standalone("--in-memory")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    worker = subprocess.Popen(
+        [sys.executable, str(ROOT / "scripts/examples/worker.py"), endpoint(server), "w1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env=env,
+    )
+    try:
+        with synced_client(server) as watcher:
+            eventually(lambda: watcher.get("/services/workers/w1") is not None, 20, "registered")
+            eventually(lambda: _candidates(watcher) == [b"w1"], 20, "campaigning")
+            first = watcher.entry("/services/workers/w1")
+            assert first is not None
+            worker.send_signal(signal.SIGSTOP)
+            # Its lease runs out: the key and the candidate go.
+            eventually(lambda: watcher.get("/services/workers/w1") is None, 20, "key gone")
+            eventually(lambda: _candidates(watcher) == [], 20, "candidate gone")
+            worker.send_signal(signal.SIGCONT)
+            eventually(lambda: watcher.get("/services/workers/w1") is not None, 20, "re-registered")
+            eventually(lambda: _candidates(watcher) == [b"w1"], 20, "standing again")
+            again = watcher.entry("/services/workers/w1")
+            assert again is not None and again.sequence > first.sequence
+            assert again.lease != first.lease  # a fresh lease
+    finally:
+        worker.send_signal(signal.SIGCONT)
+        worker.terminate()
+        out, _ = worker.communicate(timeout=30)
+    text = out.decode("utf-8", "replace")
+    assert "lost: unknown-lease" in text, text  # on_lost ran
+    assert "leader: w1" in text, text
+
+
+def test_election_lock_and_registration_rejoin_after_a_server_forgets_their_leases(
+    servers: Servers,
+) -> None:
+    """An in-memory server restarted knows no leases: each recipe hears its
+    lease is gone, runs on_lost, and joins again with a fresh token."""
+    server = servers.standalone("--in-memory")
+    lost: list[str] = []
+    with synced_client(server) as client:
+        election = Election(client, "/el/x", "me", ttl=1.0, on_lost=lambda why: lost.append("e"))
+        election.campaign()
+        eventually(lambda: election.is_leader, 10, "leading")
+        token = election.token
+        lock = Lock(client, "/locks/x", ttl=1.0, on_lost=lambda why: lost.append("l"))
+        assert lock.acquire(10)
+        lock_token = lock.token
+        reg = Registration(client, "/svc/x", b"here", ttl=1.0, on_lost=lambda w: lost.append("r"))
+        server.restart()
+        client.wait_synced(20)
+        eventually(lambda: sorted(lost) == ["e", "l", "r"], 20, "every on_lost ran")
+        eventually(lambda: election.is_leader and election.token != token, 20, "leading again")
+        eventually(lambda: lock.held and lock.token != lock_token, 20, "holding again")
+        eventually(lambda: reg.alive and client.get("/svc/x") == b"here", 20, "registered again")
+        assert token is not None and election.token is not None
+        reg.close()
+        lock.release()
+        election.close()
+        eventually(lambda: client.get("/svc/x") is None, 10, "registration revoked")
