@@ -13,9 +13,10 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from clone.client import agent as _agent
 from clone.client.args import build, check_if_sequence, format_lease_ttl, lease_props
@@ -36,7 +37,7 @@ from clone.wire.calls import (
     lease_key,
     valid_lease_id,
 )
-from clone.wire.codec import Properties, new_uuid
+from clone.wire.codec import KVMsg, Properties, new_uuid
 from clone.wire.protocol import TTL_PROPERTY
 
 if TYPE_CHECKING:
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["Caller"]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 # What close() spends at most revoking the leases still held (best effort: a
 # lease not revoked ends by itself within its ttl, as nobody keeps it alive).
@@ -100,6 +102,34 @@ class Caller:
         lease: Lease | str | None,
     ) -> int:
         """A set or delete as a call: compare-and-set, a key bound to a lease."""
+        msg, what, finish = self._write_call(key, body, props, if_sequence, lease)
+        return finish(self.call(OP_SET, msg.uuid, key, msg.properties, body, timeout, what))
+
+    def call_write_async(
+        self,
+        key: str,
+        body: bytes,
+        props: dict[str, str],
+        timeout: float | None,
+        if_sequence: int | None,
+        lease: Lease | str | None,
+    ) -> Future[int]:
+        """:meth:`call_write` without blocking (for :mod:`clone.aio`)."""
+        msg, what, finish = self._write_call(key, body, props, if_sequence, lease)
+        limit = self._client.confirm_timeout if timeout is None else timeout
+        reply = self.call_async(OP_SET, msg.uuid, key, msg.properties, body, limit, what)
+        return _then(reply, finish)
+
+    def _write_call(
+        self,
+        key: str,
+        body: bytes,
+        props: dict[str, str],
+        if_sequence: int | None,
+        lease: Lease | str | None,
+    ) -> tuple[KVMsg, str, Callable[[Reply], int]]:
+        """A write call's message, its description, and what makes its reply a
+        sequence or an exception; ``props`` completed in place."""
         expected = check_if_sequence(if_sequence)
         held, lease_id = self.lease_arg(lease)
         if expected is not None:
@@ -109,17 +139,46 @@ class Caller:
             if held is not None and held._secret:
                 props[SECRET_PROPERTY] = held._secret
         msg = build(key, body, props)
-        what = f"the {'write' if body else 'delete'} of {key!r}"
-        reply = self.call(OP_SET, msg.uuid, key, msg.properties, body, timeout, what)
-        if reply.ok:
-            return reply.sequence
-        if reply.status == "conflict":
-            raise Conflict(key, expected or 0, reply.current or 0)
-        if reply.reason == "unknown-lease" and lease_id is not None:
-            if held is not None:
-                self.lease_lost(held, reply.detail or "unknown to the servers")
-            raise LeaseLost(lease_id, reply.detail)
-        raise refusal(reply.reason, key)
+
+        def finish(reply: Reply) -> int:
+            if reply.ok:
+                return reply.sequence
+            if reply.status == "conflict":
+                raise Conflict(key, expected or 0, reply.current or 0)
+            if reply.reason == "unknown-lease" and lease_id is not None:
+                if held is not None:
+                    self.lease_lost(held, reply.detail or "unknown to the servers")
+                raise LeaseLost(lease_id, reply.detail)
+            raise refusal(reply.reason, key)
+
+        return msg, f"the {'write' if body else 'delete'} of {key!r}", finish
+
+    def grant_async(self, ttl: float, timeout: float | None, for_key: str | None) -> Future[Lease]:
+        """:meth:`grant` without blocking (for :mod:`clone.aio`): the
+        keepalives are handed to the agent one-way when the grant is answered."""
+        ttl_text = format_lease_ttl(ttl)
+        key = "" if for_key is None else build(for_key, b"", {}).key
+        uuid = new_uuid()
+        secret = secrets.token_hex(16)
+        asked = time.monotonic()
+        limit = self._client.confirm_timeout if timeout is None else timeout
+        props = ((TTL_PROPERTY, ttl_text), (SECRET_PROPERTY, secret))
+        reply = self.call_async(OP_LEASE_GRANT, uuid, key, props, b"", limit, "a lease grant")
+
+        def finish(reply: Reply) -> Lease:
+            if not reply.ok:
+                raise refusal(reply.reason, key or lease_key(lease_id_of(uuid)))
+            lease_id = reply.lease or lease_id_of(uuid)
+            lease = Lease(self._client, lease_id, reply.ttl or float(ttl), reply.secret or secret)
+            lease._kept_until(asked + lease.ttl)
+            with self._client._shared:
+                self._client._leases[lease.id] = lease
+            self._client._send_oneway(
+                _agent.LEASE, [lease.id.encode(), repr(lease.ttl).encode(), lease._secret.encode()]
+            )
+            return lease
+
+        return _then(reply, finish)
 
     def ahead(self, key: str, timeout: float | None = None) -> int | None:
         """For :mod:`clone.recipes`: how many lock contenders the active server
@@ -250,3 +309,19 @@ class Caller:
             f"unreachable; if only the reply was lost the call may have been applied, "
             f"so read the key before trying again"
         )
+
+
+def _then(fut: Future[Reply], finish: Callable[[Reply], T]) -> Future[T]:
+    """A future for ``finish(reply)``, resolved in whichever thread resolves
+    ``fut`` (the dispatcher's): no thread waits for it."""
+    out: Future[T] = Future()
+    out.set_running_or_notify_cancel()
+
+    def done(inner: Future[Reply]) -> None:
+        try:
+            out.set_result(finish(inner.result()))
+        except BaseException as exc:
+            out.set_exception(exc)
+
+    fut.add_done_callback(done)
+    return out

@@ -282,6 +282,8 @@ class Dispatcher:
         self.state = "initial"
         self.active = threading.Event()
         self.stopped = stopped
+        #: Called with each new state, in this thread (clone.aio's bridge); quick, never blocking.
+        self.state_listeners: list[Callable[[str], None]] = []
         self._stop = False
         self._table: dict[bytes, Callable[[list[bytes]], None]] = {
             _agent.CONFIRMED: self._confirmed,
@@ -380,3 +382,8 @@ class Dispatcher:
             self.active.set()
         else:
             self.active.clear()
+        for listener in list(self.state_listeners):
+            try:
+                listener(self.state)
+            except Exception:
+                log.exception("state listener %r failed", listener)
