@@ -136,6 +136,8 @@ _SNAPSHOT_BATCH = 4096
 _SNAPSHOT_BATCH_ENTRIES = 4 * _SNAPSHOT_BATCH
 # Upper bound on one poll, so a wrong deadline can never freeze the loop.
 _MAX_POLL = 1.0
+#: Ticks this far apart mean our process was frozen (AgentConfig.freeze_gap).
+FREEZE_GAP = _MAX_POLL + 0.5
 # Socket monitor events we act on: a lost connection, and a handshake the
 # server refused (CURVE: our key is not admitted, or one side is not CURVE).
 _HANDSHAKE_FAILED: dict[int, str] = {

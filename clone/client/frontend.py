@@ -146,7 +146,7 @@ class Clone:
             if server_timeout is None
             else {"server_timeout": server_timeout, "missed_heartbeats": None}
         )
-        config = AgentConfig.from_heartbeat(heartbeat, **overrides)
+        config = AgentConfig.from_heartbeat(heartbeat, freeze_gap=_agent.FREEZE_GAP, **overrides)
         try:
             subtrees = normalize_subtrees(subtree)
         except ProtocolError as exc:

@@ -256,6 +256,11 @@ class AgentConfig:
     requests_per_server: int = 10
     resend_interval: float = 0.5
     reask_interval: float = 0.25
+    # A gap between two ticks longer than this means our own process did not
+    # run (SIGSTOP, a VM pause, a starved machine), not that a server went
+    # quiet; None: never judged (the agent sets it: it ticks at least every
+    # second, and its clock is real; a fake clock may jump).
+    freeze_gap: float | None = None
 
     @classmethod
     def from_heartbeat(cls, heartbeat: float, **overrides: Any) -> AgentConfig:
@@ -324,6 +329,9 @@ class AgentCounters:
     # and those for a view that is not ours (our rights changed: a resync).
     view_gaps: int = 0
     view_changes: int = 0
+    # Ticks that came after a freeze of our own process (freeze_gap): a resync
+    # from the same server, not a failover.
+    self_freezes: int = 0
     # A gauge, not a counter: ms from the last message of the server we left to
     # the end of the first snapshot from the next one, for the last failover.
     last_failover_gap_ms: int = 0
@@ -428,6 +436,7 @@ class AgentState:
         # The current server showed itself active this round (see ACTIVE_ELSEWHERE).
         self._shown_active = False
         self._heard_at: float | None = None  # last message from the current server
+        self._ticked_at: float | None = None  # the last tick: a long gap is our own freeze
         self._left_at: float | None = None  # last heard from the server we failed over from
         self._pending: dict[bytes, _Pending] = {}
         self._held: list[KVMsg] = []  # writes made before the first snapshot

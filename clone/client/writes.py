@@ -70,7 +70,8 @@ class Writes(AgentState):
             if now >= p.expires_at:
                 del self._pending[uuid]
                 self.counters.expired_writes += 1
-                log.warning("gave up on confirmed write to %r: not republished", p.msg.key)
+                # The caller's ConfirmTimeout says so already: not a warning twice.
+                log.debug("gave up on confirmed write to %r: not republished", p.msg.key)
             elif now >= p.next_send and not p.published:
                 p.next_send = now + self.config.resend_interval
                 self.counters.resent += 1
