@@ -28,8 +28,8 @@ from clone.errors import (
     LeaseLost,
     LeaseQuotaExceeded,
     NotActive,
-    NotOwner,
     NotJSON,
+    NotOwner,
     NotSynced,
     WriteRefused,
 )

@@ -264,9 +264,9 @@ class AsyncClone:
         require_synced: bool = False,
     ) -> bytes | tuple[bytes | None, Freshness] | None:
         """:meth:`clone.Clone.get`: from the local replica, without blocking."""
-        found = self.client.entry(key, require_synced=require_synced)
-        value = default if found is None else found.value
-        return (value, self.client.freshness()) if with_status else value
+        if with_status:
+            return self.client.get(key, default, with_status=True, require_synced=require_synced)
+        return self.client.get(key, default, require_synced=require_synced)
 
     def entry(self, key: str, *, require_synced: bool = False) -> Entry | None:
         return self.client.entry(key, require_synced=require_synced)

@@ -594,13 +594,19 @@ class Clone:
         :class:`~clone.errors.NotSynced` rather than answer from a replica
         that is not live (before the first sync, during an outage).
         """
-        found = self.entry(key, require_synced=require_synced)
-        value = default if found is None else found.value
+        row = self._row(key, require_synced)
+        value = default if row is None else row[3]
         return (value, self.freshness()) if with_status else value
 
     def entry(self, key: str, *, require_synced: bool = False) -> Entry | None:
         """``key`` with its sequence and properties, or None; its
         ``freshness`` says how current the read is (see :meth:`get`)."""
+        row = self._row(key, require_synced)
+        if row is None:
+            return None
+        return Entry(key, row[3], row[0], row[2], self.freshness())
+
+    def _row(self, key: str, require_synced: bool) -> tuple[int, bytes, Properties, bytes] | None:
         if not isinstance(key, str):
             raise TypeError(f"key must be str, not {type(key).__name__}")
         if self._closed:
@@ -611,10 +617,7 @@ class Clone:
                 f"come from a replica that is not live; servers: "
                 f"{', '.join(self._servers) or 'none'}"
             )
-        row = self._fsm.peek(key)
-        if row is None:
-            return None
-        return Entry(key, row[3], row[0], row[2], self.freshness())
+        return self._fsm.peek(key)
 
     def freshness(self) -> Freshness:
         """How current reads from the replica are right now."""
@@ -633,8 +636,8 @@ class Clone:
     def get_json(self, key: str, default: Any = None, *, require_synced: bool = False) -> Any:
         """The JSON document ``key`` holds, decoded, or ``default`` if absent;
         :class:`~clone.errors.NotJSON` if it holds something else."""
-        found = self.entry(key, require_synced=require_synced)
-        return default if found is None else from_json(key, found.value or b"")
+        row = self._row(key, require_synced)
+        return default if row is None else from_json(key, row[3])
 
     def entries(self, prefix: str = "") -> list[Entry]:
         """Every entry whose key starts with ``prefix``, sorted by key."""
