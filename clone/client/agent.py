@@ -412,7 +412,8 @@ class Agent:
         for action in actions:
             if isinstance(action, SendUpdate):
                 assert self._pub is not None
-                self._pub.send_multipart(encode_kv(action.msg))
+                frames = action.frames if action.frames is not None else encode_kv(action.msg)
+                self._pub.send_multipart(frames)
             elif isinstance(action, Changed):
                 entry = action.entry or KVMsg(action.key)
                 self._events.send_multipart([CHANGE, *encode_kv(entry)])
@@ -573,11 +574,16 @@ class Agent:
             return [] if entry is None else encode_kv(entry)
         if verb == SET:
             confirm = float(args[0]) if args[0] else None
-            msg = decode_kvset(args[1:])
+            # Decoded to check it and for the FSM's bookkeeping; its frames are
+            # sent as the frontend built them, not encoded again.
+            frames = args[1:]
+            msg = decode_kvset(frames)
             if confirm is None:
-                self._execute(fsm.write(msg, self._clock(), confirm_within=None))
+                self._execute(fsm.write(msg, self._clock(), confirm_within=None, frames=frames))
             else:
-                self._execute(fsm.write_confirmed(msg, self._clock(), within=confirm))
+                self._execute(
+                    fsm.write_confirmed(msg, self._clock(), within=confirm, frames=frames)
+                )
             return []
         if verb == CALL:
             call = decode_call(args[1:])

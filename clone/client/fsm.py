@@ -191,7 +191,9 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
     # ----------------------------------------------------------------------
     # Inputs
 
-    def write_confirmed(self, msg: KVMsg, now: float, *, within: float) -> list[Action]:
+    def write_confirmed(
+        self, msg: KVMsg, now: float, *, within: float, frames: list[bytes] | None = None
+    ) -> list[Action]:
         """A confirmed write.  Unrestricted, it is published and confirmed by
         its KVPUB (so that a read after it sees it).  In restricted mode we
         may be allowed to write keys we may not read, whose KVPUB never
@@ -202,7 +204,7 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
         never by showing us the value (docs/client.md, "Write-only
         prefixes").  A refusal in the REPLY fails it at once."""
         if self.view is None:
-            return self.write(msg, now, confirm_within=within)
+            return self.write(msg, now, confirm_within=within, frames=frames)
         self.counters.writes_as_calls += 1
         self._pending[msg.uuid] = _Pending(msg, now + within, _NEVER, by_call=True)
         call = Call(OP_SET, msg.uuid, msg.key, msg.properties, msg.body)

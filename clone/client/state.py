@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from clone.errors import ProtocolError
@@ -101,9 +101,15 @@ class RequestSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class SendUpdate:
-    """Publish this KVSET to every server's collector."""
+    """Publish this KVSET to every server's collector.
+
+    ``frames``: the KVSET as the frontend built it, when this is its first
+    send: the agent sends those frames as they are, so a write is encoded
+    once, in the application's thread (a resend encodes ``msg`` again).
+    """
 
     msg: KVMsg
+    frames: list[bytes] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,8 +26,16 @@ log = logging.getLogger(__name__)
 class Writes(AgentState):
     """Publishing, holding, resending and expiring the application's writes."""
 
-    def write(self, msg: KVMsg, now: float, *, confirm_within: float | None) -> list[Action]:
-        """Publish a client update; with ``confirm_within``, track it until confirmed."""
+    def write(
+        self,
+        msg: KVMsg,
+        now: float,
+        *,
+        confirm_within: float | None,
+        frames: list[bytes] | None = None,
+    ) -> list[Action]:
+        """Publish a client update; with ``confirm_within``, track it until
+        confirmed.  ``frames``: ``msg`` as already encoded, sent as they are."""
         held = not self.counters.snapshots
         if confirm_within is not None:
             if not msg.uuid:
@@ -39,7 +47,7 @@ class Writes(AgentState):
             # collector (a PUB drops what it cannot deliver); hold the writes.
             self._held.append(msg)
             return []
-        return [SendUpdate(msg)]
+        return [SendUpdate(msg, frames)]
 
     def refused(self, server: int, refusal: Refusal, now: float) -> list[Action]:
         """A refusal notice: fail the confirmed write it names at once.

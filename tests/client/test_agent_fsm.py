@@ -1051,3 +1051,17 @@ def test_a_freeze_of_our_own_process_resyncs_from_the_same_server() -> None:
     other.tick(0.5)
     other.tick(10.0)
     assert other.counters.self_freezes == 0 and other.counters.failovers == 1
+
+
+def test_a_writes_frames_are_sent_as_the_frontend_built_them() -> None:
+    """Encoded once, in the frontend: the first send carries those very frames;
+    a resend (rare) encodes the message again."""
+    fsm, _ = synced()
+    msg = KVMsg.build("k", b"v", uuid=new_uuid())
+    frames = encode_kv(msg)
+    (first,) = fsm.write_confirmed(msg, 1.0, within=5.0, frames=frames)
+    assert isinstance(first, SendUpdate) and first.frames is frames
+    (again,) = fsm.tick(1.5)
+    assert isinstance(again, SendUpdate) and again.msg == msg and again.frames is None
+    (oneway,) = fsm.write(msg, 2.0, confirm_within=None, frames=frames)
+    assert isinstance(oneway, SendUpdate) and oneway.frames is frames
