@@ -8,8 +8,9 @@ in :mod:`.sync`, of failing over in :mod:`.failover`, of writes in
 application's lease handle (:mod:`.leases`), and the command line
 (:mod:`.cli`).  The frontend's parts: argument checks and JSON values
 (:mod:`.args`), the command pipe to the agent (:mod:`.pipe`), the event
-dispatcher, waiters and callbacks (:mod:`.events`), and calls and leases
-(:mod:`.calling`).  The public API is re-exported by :mod:`clone` itself (``from
+dispatcher, waiters and callbacks (:mod:`.events`), calls and leases
+(:mod:`.calling`), and the default client of ``clone_set``/``clone_get``
+(:mod:`.default`).  The public API is re-exported by :mod:`clone` itself (``from
 clone import Clone, clone_set, clone_get``).
 
 May import: :mod:`clone.wire`, :mod:`clone.errors`, :mod:`clone.ratelimit`,

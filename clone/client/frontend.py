@@ -67,8 +67,6 @@ from clone.wire.codec import (
     encode_kv,
 )
 from clone.wire.protocol import (
-    DEFAULT_BACKUP_PORT,
-    DEFAULT_PRIMARY_PORT,
     TTL_PROPERTY,
 )
 
@@ -91,18 +89,8 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SERVERS = (
-    f"tcp://127.0.0.1:{DEFAULT_PRIMARY_PORT}",
-    f"tcp://127.0.0.1:{DEFAULT_BACKUP_PORT}",
-)
+
 _ids = itertools.count(1)
-
-
-def default_servers() -> list[str]:
-    """``$CLONE_SERVERS`` (comma-separated), else the local pair on 5556/5566."""
-    env = os.environ.get("CLONE_SERVERS", "")
-    servers = [s.strip() for s in env.split(",") if s.strip()]
-    return servers or list(DEFAULT_SERVERS)
 
 
 class Clone:
@@ -782,43 +770,12 @@ def _close_live() -> None:
 
 atexit.register(_close_live)
 
-# --------------------------------------------------------------------------
-# One default client per process, for scripts.
 
-_default: Clone | None = None
-_default_lock = threading.Lock()
-
-
-def _default_client() -> Clone:
-    global _default
-    with _default_lock:
-        if _default is None or _default.closed:
-            secret, server_key = default_curve_files()
-            _default = Clone(default_servers(), curve_secret=secret, server_key=server_key)
-        return _default
-
-
-def _close_default() -> None:
-    global _default
-    with _default_lock:
-        if _default is not None:
-            _default.close()
-            _default = None
-
-
-atexit.register(_close_default)
-
-
-def clone_set(key: str, value: bytes | str, ttl: float = 0, *, timeout: float = 10.0) -> None:
-    """A confirmed write through the default client (``$CLONE_SERVERS``, and
-    ``$CLONE_CURVE_SECRET`` / ``$CLONE_SERVER_KEY`` for CURVE)."""
-    client = _default_client()
-    client.set(key, value, ttl, wait=True, timeout=timeout)
-
-
-def clone_get(key: str, default: bytes | None = None, *, timeout: float = 10.0) -> bytes | None:
-    """Read ``key`` from the default client (configured as for :func:`clone_set`),
-    waiting up to ``timeout`` for its first sync."""
-    client = _default_client()
-    client.wait_synced(timeout)
-    return client.get(key, default)
+# The default client (clone_set, clone_get) lives in clone.client.default;
+# imported last, as it builds a Clone.
+from clone.client.default import (  # noqa: E402
+    DEFAULT_SERVERS,
+    clone_get,
+    clone_set,
+    default_servers,
+)

@@ -13,6 +13,7 @@ from functools import partial
 import pytest
 
 import clone
+import clone.client.default as default_mod
 import clone.client.frontend as client_mod
 from clone import Clone, Entry
 from clone.errors import CloneError, ClosedError, ConfirmTimeout, NotSynced
@@ -552,13 +553,13 @@ def test_foreign_snapshot_reply_and_fake_hugz(server: FakeServer) -> None:
 
 def test_module_level_default_client(server: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLONE_SERVERS", server.endpoint)
-    client_mod._close_default()
+    default_mod._close_default()
     try:
         clone.clone_set("/default/k", "v", timeout=5)
         assert clone.clone_get("/default/k") == b"v"
         assert clone.clone_get("/default/missing") is None
     finally:
-        client_mod._close_default()
+        default_mod._close_default()
 
 
 def test_default_servers(monkeypatch: pytest.MonkeyPatch) -> None:
