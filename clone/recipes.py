@@ -155,6 +155,9 @@ class _Contender:
                 stop.wait(wait)
                 wait = min(2 * wait, _REJOIN_MAX)
                 continue
+            if stop.is_set():  # released or resigned while we rejoined
+                self.leave()
+                return False
             log.info("%s: rejoined after a lost lease, token %d", what, self.sequence)
             return True
         return False

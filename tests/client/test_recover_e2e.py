@@ -99,3 +99,34 @@ def test_election_lock_and_registration_rejoin_after_a_server_forgets_their_leas
         lock.release()
         election.close()
         eventually(lambda: client.get("/svc/x") is None, 10, "registration revoked")
+
+
+def test_a_process_that_exits_without_close_takes_its_leased_keys_along(
+    servers: Servers,
+) -> None:
+    """The atexit hook closes the clients still open, so their leases are
+    revoked at exit: the key goes at once, not a ttl (60 s here) later."""
+    server = servers.standalone("--in-memory")
+    code = (
+        "import sys\n"
+        "from clone import Clone\n"
+        "c = Clone(sys.argv[1], heartbeat=0.1)\n"
+        "c.wait_synced(10)\n"
+        "c.set('/svc/exiting', b'here', lease=c.lease(60.0))\n"
+        "print('set', flush=True)\n"  # and exit, never calling close()
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    with synced_client(server) as watcher, watcher.changes(30, "/svc/") as changes:
+        out = subprocess.run(
+            [sys.executable, "-c", code, endpoint(server)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+            check=True,
+        )
+        assert out.stdout == "set\n", out.stderr
+        made, gone = next(changes), next(changes)  # each within the stream's 30 s
+        assert (made.key, made.value) == ("/svc/exiting", b"here")
+        assert (gone.key, gone.deleted) == ("/svc/exiting", True)
+        assert watcher.get("/svc/exiting") is None
