@@ -328,9 +328,19 @@ class AsyncClone:
         fut = client._caller.call_write_async(key, b"", {}, timeout, if_sequence, None)
         return await asyncio.wrap_future(fut)
 
-    async def set_json(self, key: str, value: Any, ttl: float = 0, **kwargs: Any) -> int:
+    async def set_json(
+        self,
+        key: str,
+        value: Any,
+        ttl: float = 0,
+        *,
+        timeout: float | None = None,
+        if_sequence: int | None = None,
+        lease: Lease | str | None = None,
+    ) -> int:
         """:meth:`set` with ``value`` as a JSON document (NotJSON if it is not one)."""
-        return await self.set(key, to_json(value), ttl, **kwargs)
+        body = to_json(value)
+        return await self.set(key, body, ttl, timeout=timeout, if_sequence=if_sequence, lease=lease)
 
     async def lease(
         self, ttl: float = 2.0, *, timeout: float | None = None, for_key: str | None = None

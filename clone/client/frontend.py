@@ -616,10 +616,23 @@ class Clone:
             silent_for=None if heard is None else max(0.0, time.monotonic() - heard),
         )
 
-    def set_json(self, key: str, value: Any, ttl: float = 0, **kwargs: Any) -> int | None:
+    def set_json(
+        self,
+        key: str,
+        value: Any,
+        ttl: float = 0,
+        *,
+        wait: bool = False,
+        timeout: float | None = None,
+        if_sequence: int | None = None,
+        lease: Lease | str | None = None,
+    ) -> int | None:
         """:meth:`set` with ``value`` as a JSON document (compact, UTF-8);
         :class:`~clone.errors.NotJSON` for a value that JSON cannot hold."""
-        return self.set(key, to_json(value), ttl, **kwargs)
+        body = to_json(value)
+        return self.set(
+            key, body, ttl, wait=wait, timeout=timeout, if_sequence=if_sequence, lease=lease
+        )
 
     def get_json(self, key: str, default: Any = None, *, require_synced: bool = False) -> Any:
         """The JSON document ``key`` holds, decoded, or ``default`` if absent;
