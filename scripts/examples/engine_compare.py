@@ -25,21 +25,13 @@ from clone.tools.bench.engines import ENGINES, compare_engines
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--keys", type=int, default=1_000_000, help="keys in the load test")
-    parser.add_argument(
-        "--groups",
-        type=int,
-        default=1000,
-        help="commits per group size (a tenth of it for groups of 100)",
-    )
+    parser.add_argument("--groups", type=int, default=1000,
+                        help="commits per group size (a tenth of it for groups of 100)")
     parser.add_argument("--value-size", type=int, default=100)
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated")
-    parser.add_argument(
-        "--dir",
-        type=Path,
-        default=None,
-        help="where to write (default: a temporary directory under ./results;"
-        " /tmp may be tmpfs, where an fsync costs nothing)",
-    )
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="where to write (default: a temporary directory under ./results;"
+                        " /tmp may be tmpfs, where an fsync costs nothing)")
     parser.add_argument("--json", type=Path, default=None, help="write the results here too")
     args = parser.parse_args()
     where = args.dir or Path("results")

@@ -52,15 +52,12 @@ def time_load(base: Path, keys: int, value_size: int) -> None:
         storage.close()
     assert len(loaded.entries) == keys
     print(f"{keys} keys, {value_size}-byte values, {size_mb:.0f} MB file")
-    print(
-        f"  write_state_file {written:.2f} s   open (incl. quick_check) {opened:.2f} s   "
-        f"load {load_s:.2f} s"
-    )
+    print(f"  write_state_file {written:.2f} s   open (incl. quick_check) {opened:.2f} s   "
+          f"load {load_s:.2f} s")
 
 
-def time_appends(
-    base: Path, policy: FsyncPolicy, size: int, groups: int, value_size: int
-) -> list[float]:
+def time_appends(base: Path, policy: FsyncPolicy, size: int, groups: int,
+                 value_size: int) -> list[float]:
     data_dir = base / f"append-{policy.value}-{size}"
     storage = Storage.open(data_dir, fsync=policy)
     body = b"v" * value_size
@@ -71,15 +68,8 @@ def time_appends(
             updates = []
             for _ in range(size):
                 seq += 1
-                updates.append(
-                    [
-                        b"/bench/key/%06d" % (seq % 10_000),
-                        seq.to_bytes(8, "big"),
-                        b"u" * 16,
-                        b"",
-                        body,
-                    ]
-                )
+                updates.append([b"/bench/key/%06d" % (seq % 10_000), seq.to_bytes(8, "big"),
+                                b"u" * 16, b"", body])
             started = time.perf_counter()
             storage.append(updates, term=1, at=time.time(), keep_from=max(0, seq - 10_000))
             if g >= 10:  # the first few warm the page cache and statement cache
@@ -93,39 +83,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--keys", type=int, default=1_000_000)
     parser.add_argument("--value-size", type=int, default=100)
-    parser.add_argument(
-        "--groups",
-        type=int,
-        default=2000,
-        help="append() calls per case (fewer for big ALWAYS groups)",
-    )
-    parser.add_argument(
-        "--dir", type=Path, default=None, help="where to write (default: a temporary directory)"
-    )
+    parser.add_argument("--groups", type=int, default=2000,
+                        help="append() calls per case (fewer for big ALWAYS groups)")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="where to write (default: a temporary directory)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="clone-storage-timing-") as tmp:
         base = Path(tmp)
         time_load(base, args.keys, args.value_size)
-        print(f"\nappend() latency in ms ({os.path.realpath(base)}, {args.value_size}-byte values)")
-        print(
-            f"  {'policy':<7} {'group':>5} {'calls':>6} {'p50':>8} {'p99':>8} {'p99.9':>8} "
-            f"{'updates/s':>10}"
-        )
+        print(f"\nappend() latency in ms ({os.path.realpath(base)}, "
+              f"{args.value_size}-byte values)")
+        print(f"  {'policy':<7} {'group':>5} {'calls':>6} {'p50':>8} {'p99':>8} {'p99.9':>8} "
+              f"{'updates/s':>10}")
         for policy in FsyncPolicy:
             for size in GROUP_SIZES:
                 # ALWAYS commits every update: cap its cases at ~20k fsyncs.
-                groups = (
-                    args.groups
-                    if policy is not FsyncPolicy.ALWAYS
-                    else min(args.groups, max(200, 20_000 // size))
-                )
+                groups = args.groups if policy is not FsyncPolicy.ALWAYS else \
+                    min(args.groups, max(200, 20_000 // size))
                 lat = sorted(time_appends(base, policy, size, groups, args.value_size))
                 rate = size * len(lat) / sum(lat)
-                print(
-                    f"  {policy.value:<7} {size:>5} {len(lat):>6} "
-                    f"{_percentile(lat, 0.5) * 1e3:>8.3f} {_percentile(lat, 0.99) * 1e3:>8.3f} "
-                    f"{_percentile(lat, 0.999) * 1e3:>8.3f} {rate:>10.0f}"
-                )
+                print(f"  {policy.value:<7} {size:>5} {len(lat):>6} "
+                      f"{_percentile(lat, 0.5) * 1e3:>8.3f} {_percentile(lat, 0.99) * 1e3:>8.3f} "
+                      f"{_percentile(lat, 0.999) * 1e3:>8.3f} {rate:>10.0f}")
 
 
 if __name__ == "__main__":
