@@ -4,9 +4,22 @@ The client API lives here; the server is started with ``clone-server`` and is no
 imported by ``import clone``.
 """
 
+import logging
+
 from clone import errors
-from clone.client.frontend import Clone, Entry, Lease, Status, clone_get, clone_set
+from clone.client.frontend import (
+    Clone,
+    CloseReport,
+    Entry,
+    Freshness,
+    Lease,
+    Status,
+    Subscription,
+    clone_get,
+    clone_set,
+)
 from clone.errors import (
+    AgentTimeout,
     CloneError,
     ClosedError,
     ConfirmTimeout,
@@ -15,28 +28,38 @@ from clone.errors import (
     LeaseLost,
     LeaseQuotaExceeded,
     NotActive,
+    NotJSON,
     NotOwner,
     NotSynced,
     SplitConflict,
     WriteRefused,
 )
 
+# A library does not choose where its log goes: without this, Python's
+# last-resort handler would print our warnings on the application's stderr.
+logging.getLogger("clone").addHandler(logging.NullHandler())
+
 __all__ = [
+    "AgentTimeout",
     "Clone",
+    "CloseReport",
     "CloneError",
     "ClosedError",
     "ConfirmTimeout",
     "Conflict",
     "Entry",
+    "Freshness",
     "HistoryCompacted",
     "Lease",
     "LeaseLost",
     "LeaseQuotaExceeded",
     "NotActive",
+    "NotJSON",
     "NotOwner",
     "NotSynced",
     "SplitConflict",
     "Status",
+    "Subscription",
     "WriteRefused",
     "clone_get",
     "clone_set",

@@ -33,6 +33,8 @@ __all__ = [
     "Conflict",
     "LeaseLost",
     "NotActive",
+    "AgentTimeout",
+    "NotJSON",
 ]
 
 
@@ -70,6 +72,17 @@ class ConfirmTimeout(CloneError, TimeoutError):
 
 class NotSynced(CloneError, TimeoutError):
     """The client could not complete a snapshot from any server in time."""
+
+
+class AgentTimeout(CloneError, TimeoutError):
+    """The client's own agent thread did not take or answer a command in time
+    (it is stuck, or the process is starved): a wait like every other, so a
+    ``TimeoutError`` too."""
+
+
+class NotJSON(CloneError, ValueError):
+    """A value given to ``set_json`` is not JSON-serialisable, or one read by
+    ``get_json`` is not a JSON document."""
 
 
 class ClosedError(CloneError):

@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from clone.client.leases import Lease
     from clone.client.results import Entry
 
-__all__ = ["Election", "Lock"]
+__all__ = ["Election", "Lock", "Registration"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +80,12 @@ def _prefix(name: str) -> str:
     if not isinstance(name, str) or not name.strip("/"):
         raise ValueError(f"a lock or election name is a key path such as '/locks/db', not {name!r}")
     return name.rstrip("/") + "/"
+
+
+#: How long a recipe that lost its lease waits between tries to rejoin, at first
+#: and at most (doubling): the servers may be unreachable for a while.
+_REJOIN_FIRST = 0.1
+_REJOIN_MAX = 2.0
 
 
 def _holder() -> str:
@@ -106,6 +112,8 @@ class _Contender:
         self.sequence = 0
         self._entered_at = 0.0
         self._asked_at = 0.0
+        #: Called with the reason when the lease of our current key is lost.
+        self.on_lost: Callable[[str], None] | None = None
 
     def enter(self, value: bytes) -> None:
         """Write our key at the back of the queue.
@@ -125,6 +133,34 @@ class _Contender:
         assert sequence is not None
         self.lease, self.key, self.sequence = lease, key, sequence
         self._entered_at = self._asked_at = time.monotonic()
+        lease.on_lost(self._lease_lost)
+
+    def _lease_lost(self, lease: Lease) -> None:
+        if lease is self.lease and self.on_lost is not None:
+            self.on_lost(lease.why or "lost")
+
+    def rejoin(self, value: bytes, stop: threading.Event, what: str) -> bool:
+        """After a lost lease: leave, then enter again with a fresh lease (a
+        fresh key, so a fresh fencing token), trying until it works or
+        ``stop`` is set; True if we are back in the queue."""
+        wait = _REJOIN_FIRST
+        while not stop.is_set():
+            self.leave()
+            try:
+                self.enter(value)
+            except ClosedError:
+                return False
+            except Exception as exc:  # servers unreachable for now: try again
+                log.info("%s: could not rejoin yet (%s); trying again in %.1f s", what, exc, wait)
+                stop.wait(wait)
+                wait = min(2 * wait, _REJOIN_MAX)
+                continue
+            if stop.is_set():  # released or resigned while we rejoined
+                self.leave()
+                return False
+            log.info("%s: rejoined after a lost lease, token %d", what, self.sequence)
+            return True
+        return False
 
     def ahead(self) -> list[Entry] | None:
         """The contenders before us, or None while our replica lacks our key."""
@@ -193,13 +229,52 @@ class Lock:
     default): a holder that dies frees the lock at most ``ttl`` (plus a
     housekeeping turn) later.  ``lease``: hold it under this lease instead (it
     is not revoked on release; the key is deleted).
+
+    ``on_lost(reason)`` runs (in the client's callback thread) when the servers
+    say the lease of a held lock is gone (a freeze or a cut longer than the
+    ttl).  With ``reacquire`` (the default, unless a ``lease`` was given) the
+    lock then queues again in the background, with a fresh lease and so a
+    fresh :attr:`token`; :attr:`held` turns true again when it is ours.
     """
 
     def __init__(
-        self, client: Clone, name: str, *, ttl: float = 5.0, lease: Lease | None = None
+        self,
+        client: Clone,
+        name: str,
+        *,
+        ttl: float = 5.0,
+        lease: Lease | None = None,
+        on_lost: Callable[[str], None] | None = None,
+        reacquire: bool = True,
     ) -> None:
         self._me = _Contender(client, name, ttl, lease)
         self._acquired = False
+        self._on_lost = on_lost
+        self._reacquire = reacquire and lease is None
+        self._stop = threading.Event()
+        self._me.on_lost = self._lost
+
+    def _lost(self, why: str) -> None:
+        if not self._acquired:
+            return  # lost while waiting: acquire() raises LeaseLost
+        log.warning("lock %r lost: %s", self.name, why)
+        if self._on_lost is not None:
+            try:
+                self._on_lost(why)
+            except Exception:
+                log.exception("lock %r: on_lost callback failed", self.name)
+        if self._reacquire and not self._stop.is_set():
+            threading.Thread(
+                target=self._again, name=f"clone-lock-{self.name}", daemon=True
+            ).start()
+
+    def _again(self) -> None:
+        self._acquired = False
+        if self._me.rejoin(_holder().encode(), self._stop, f"lock {self.name!r}"):
+            try:
+                self._wait_first(None)
+            except Exception as exc:
+                log.warning("lock %r: could not take it again: %s", self.name, exc)
 
     @property
     def name(self) -> str:
@@ -235,12 +310,16 @@ class Lock:
         """
         if self._me.key is not None:
             raise RuntimeError(f"lock {self.name!r} is already held or being acquired here")
+        self._stop.clear()
+        # The value says who waits or holds: shown by `clone dump NAME/`.
+        self._me.enter(_holder().encode())
+        return self._wait_first(timeout)
+
+    def _wait_first(self, timeout: float | None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout
         me = self._me
-        # The value says who waits or holds: shown by `clone dump NAME/`.
-        me.enter(_holder().encode())
         try:
-            while True:
+            while not self._stop.is_set():
                 if not me.alive():
                     lost = me.lease.id if me.lease else "?"
                     raise LeaseLost(lost, f"while waiting for the lock {self.name!r}")
@@ -251,13 +330,15 @@ class Lock:
                     me.leave()
                     return False
                 time.sleep(_POLL)
+            return False
         except BaseException:
             if not self._acquired:
                 me.leave()
             raise
 
     def release(self) -> None:
-        """Let the next waiter in."""
+        """Let the next waiter in (and stop taking the lock again)."""
+        self._stop.set()
         self._acquired = False
         self._me.leave()
 
@@ -290,6 +371,12 @@ class Election:
     thread each time the leader changes (from our replica: every participant
     sees the same order).  A leader that dies is replaced at most ``ttl``
     later; one that wants to step down calls :meth:`resign`.
+
+    ``on_lost(reason)`` runs (in the client's callback thread) when the servers
+    say our campaign's lease is gone (a freeze or a cut longer than the ttl):
+    we no longer lead.  With ``rejoin`` (the default, unless a ``lease`` was
+    given) the candidate then stands again, at the back of the queue, with a
+    fresh lease and so a fresh :attr:`token`.
     """
 
     def __init__(
@@ -301,6 +388,8 @@ class Election:
         ttl: float = 5.0,
         on_change: Callable[[str | None], None] | None = None,
         lease: Lease | None = None,
+        on_lost: Callable[[str], None] | None = None,
+        rejoin: bool = True,
     ) -> None:
         if not isinstance(candidate, str) or not candidate:
             raise ValueError("a candidate is a non-empty name (what others see as the leader)")
@@ -310,6 +399,25 @@ class Election:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._last: str | None = None
+        self._on_lost = on_lost
+        self._rejoin = rejoin and lease is None
+        self._resigned = threading.Event()
+        self._me.on_lost = self._lost
+
+    def _lost(self, why: str) -> None:
+        log.warning("election %r: our campaign's lease is lost: %s", self.name, why)
+        if self._on_lost is not None:
+            try:
+                self._on_lost(why)
+            except Exception:
+                log.exception("election %r: on_lost callback failed", self.name)
+        if self._rejoin and not self._resigned.is_set():
+            threading.Thread(
+                target=self._me.rejoin,
+                args=(self.candidate.encode("utf-8"), self._resigned, f"election {self.name!r}"),
+                name=f"clone-election-rejoin-{self.name}",
+                daemon=True,
+            ).start()
 
     @property
     def name(self) -> str:
@@ -343,8 +451,10 @@ class Election:
 
     def campaign(self) -> None:
         """Stand: write our key at the back of the queue and start watching."""
-        if self._me.key is not None:
+        if self._me.key is not None and self._me.alive():
             raise RuntimeError(f"already campaigning in {self.name!r}")
+        self._resigned.clear()
+        self._me.leave()  # a campaign whose lease was lost: start afresh
         self._me.enter(self.candidate.encode("utf-8"))
         self._start_watching()
 
@@ -368,7 +478,8 @@ class Election:
             time.sleep(_POLL)
 
     def resign(self) -> None:
-        """Step down (or leave the queue); the next candidate leads."""
+        """Step down (or leave the queue, and stop rejoining); the next candidate leads."""
+        self._resigned.set()
         self._me.leave()
 
     def close(self) -> None:
@@ -418,3 +529,99 @@ class Election:
                     callback(leader)
                 except Exception:
                     log.exception("election %r: on_change callback failed", self.name)
+
+
+class Registration:
+    """A service's key, bound to a lease, that comes back after a lost lease.
+
+    ::
+
+        with Registration(client, "/services/api/node-7", b"10.0.0.7:8080", ttl=5):
+            serve()
+
+    The key is written (confirmed) when it is created; it is deleted when the
+    process dies (its lease runs out), when :meth:`close` revokes it, or when
+    the servers say the lease is lost (a freeze or a cut longer than the ttl).
+    Then ``on_lost(reason)`` runs (in the client's callback thread) and, with
+    ``reregister`` (the default), the key is written again under a fresh
+    lease, trying until the servers answer.
+    """
+
+    def __init__(
+        self,
+        client: Clone,
+        key: str,
+        value: bytes | str,
+        ttl: float = 5.0,
+        *,
+        on_lost: Callable[[str], None] | None = None,
+        reregister: bool = True,
+    ) -> None:
+        self.client = client
+        self.key = key
+        self.value = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+        self.ttl = ttl
+        self._on_lost = on_lost
+        self._reregister = reregister
+        self._closed = threading.Event()
+        self.lease: Lease | None = None
+        self.sequence = 0
+        self._register()
+
+    @property
+    def alive(self) -> bool:
+        """Registered now (as far as the servers have said)."""
+        return self.lease is not None and self.lease.alive
+
+    def _register(self) -> None:
+        lease = self.client.lease(self.ttl, for_key=self.key)
+        try:
+            self.sequence = self.client.set(self.key, self.value, lease=lease)
+        except BaseException:
+            _Contender._revoke_quietly(lease)
+            raise
+        self.lease = lease
+        lease.on_lost(self._lost)
+
+    def _lost(self, lease: Lease) -> None:
+        if lease is not self.lease or self._closed.is_set():
+            return
+        why = lease.why or "lost"
+        log.warning("registration %r lost: %s", self.key, why)
+        if self._on_lost is not None:
+            try:
+                self._on_lost(why)
+            except Exception:
+                log.exception("registration %r: on_lost callback failed", self.key)
+        if self._reregister:
+            threading.Thread(
+                target=self._again, name=f"clone-registration-{self.key}", daemon=True
+            ).start()
+
+    def _again(self) -> None:
+        wait = _REJOIN_FIRST
+        while not self._closed.is_set():
+            try:
+                self._register()
+            except ClosedError:
+                return
+            except Exception as exc:
+                log.info("registration %r: not yet (%s); again in %.1f s", self.key, exc, wait)
+                self._closed.wait(wait)
+                wait = min(2 * wait, _REJOIN_MAX)
+                continue
+            log.info("registration %r: registered again", self.key)
+            return
+
+    def close(self) -> None:
+        """Revoke the lease (the key goes with it) and stop re-registering."""
+        self._closed.set()
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            _Contender._revoke_quietly(lease)
+
+    def __enter__(self) -> Registration:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

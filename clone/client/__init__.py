@@ -6,7 +6,11 @@ thread that owns the sockets (:mod:`.agent`), the agent's sans-IO state machine
 in :mod:`.sync`, of failing over in :mod:`.failover`, of writes in
 :mod:`.writes` and of calls and lease keepalives in :mod:`.calls`), the
 application's lease handle (:mod:`.leases`), and the command line
-(:mod:`.cli`).  The public API is re-exported by :mod:`clone` itself (``from
+(:mod:`.cli`).  The frontend's parts: argument checks and JSON values
+(:mod:`.args`), the command pipe to the agent (:mod:`.pipe`), the event
+dispatcher, waiters and callbacks (:mod:`.events`), calls and leases
+(:mod:`.calling`), and the default client of ``clone_set``/``clone_get``
+(:mod:`.default`).  The public API is re-exported by :mod:`clone` itself (``from
 clone import Clone, clone_set, clone_get``).
 
 May import: :mod:`clone.wire`, :mod:`clone.errors`, :mod:`clone.ratelimit`,

@@ -137,6 +137,8 @@ _SNAPSHOT_BATCH = 4096
 _SNAPSHOT_BATCH_ENTRIES = 4 * _SNAPSHOT_BATCH
 # Upper bound on one poll, so a wrong deadline can never freeze the loop.
 _MAX_POLL = 1.0
+#: Ticks this far apart mean our process was frozen (AgentConfig.freeze_gap).
+FREEZE_GAP = _MAX_POLL + 0.5
 # Socket monitor events we act on: a lost connection, and a handshake the
 # server refused (CURVE: our key is not admitted, or one side is not CURVE).
 _HANDSHAKE_FAILED: dict[int, str] = {
@@ -469,7 +471,8 @@ class Agent:
         for action in actions:
             if isinstance(action, SendUpdate):
                 assert self._pub is not None
-                self._pub.send_multipart(encode_kv(action.msg))
+                frames = action.frames if action.frames is not None else encode_kv(action.msg)
+                self._pub.send_multipart(frames)
             elif isinstance(action, Changed):
                 entry = action.entry or KVMsg(action.key)
                 self._events.send_multipart([CHANGE, *encode_kv(entry)])
@@ -640,11 +643,16 @@ class Agent:
             return [] if entry is None else encode_kv(entry)
         if verb == SET:
             confirm = float(args[0]) if args[0] else None
-            msg = decode_kvset(args[1:])
+            # Decoded to check it and for the FSM's bookkeeping; its frames are
+            # sent as the frontend built them, not encoded again.
+            frames = args[1:]
+            msg = decode_kvset(frames)
             if confirm is None:
-                self._execute(fsm.write(msg, self._clock(), confirm_within=None))
+                self._execute(fsm.write(msg, self._clock(), confirm_within=None, frames=frames))
             else:
-                self._execute(fsm.write_confirmed(msg, self._clock(), within=confirm))
+                self._execute(
+                    fsm.write_confirmed(msg, self._clock(), within=confirm, frames=frames)
+                )
             return []
         if verb == CALL:
             call = decode_call(args[1:])
@@ -669,7 +677,10 @@ class Agent:
             return []
         if verb == TERMINATE:
             self._running = False
-            return []
+            # What stopping drops, for close() to say.
+            return [
+                json.dumps({"unsent": fsm.held_writes, "unconfirmed": fsm.pending_writes}).encode()
+            ]
         raise ValueError(f"unknown command {verb[:32]!r}")
 
     def _status(self) -> dict[str, object]:

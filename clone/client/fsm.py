@@ -193,7 +193,9 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
     # ----------------------------------------------------------------------
     # Inputs
 
-    def write_confirmed(self, msg: KVMsg, now: float, *, within: float) -> list[Action]:
+    def write_confirmed(
+        self, msg: KVMsg, now: float, *, within: float, frames: list[bytes] | None = None
+    ) -> list[Action]:
         """A confirmed write.  Unrestricted, it is published and confirmed by
         its KVPUB (so that a read after it sees it).  In restricted mode we
         may be allowed to write keys we may not read, whose KVPUB never
@@ -204,7 +206,7 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
         never by showing us the value (docs/client.md, "Write-only
         prefixes").  A refusal in the REPLY fails it at once."""
         if self.view is None:
-            return self.write(msg, now, confirm_within=within)
+            return self.write(msg, now, confirm_within=within, frames=frames)
         self.counters.writes_as_calls += 1
         self._pending[msg.uuid] = _Pending(msg, now + within, _NEVER, by_call=True)
         call = Call(OP_SET, msg.uuid, msg.key, msg.properties, msg.body)
@@ -316,7 +318,13 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
         """Let time pass: resends and expired confirmed writes (not table rows:
         the same in every state), then silence and re-asks (table events), then
         calls and keepalives (after those, so that a failover or a sync they
-        caused sends the waiting calls at once)."""
+        caused sends the waiting calls at once).  A tick long after the last
+        one means this process was frozen: see :meth:`_thawed`."""
+        gap = 0.0 if self._ticked_at is None else now - self._ticked_at
+        self._ticked_at = now
+        limit = self.config.freeze_gap
+        if limit is not None and gap > limit and self.current is not None:
+            return self._thawed(gap, now)
         actions = self._resend_due(now) if self._pending else []
         if self._held and self.counters.snapshots:
             actions.extend(self._release_held(now))
@@ -331,6 +339,28 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
     # ----------------------------------------------------------------------
     # Handlers (the table below) for the states that are not about a sync or
     # a failover: before the first server, and applying updates while active.
+
+    def _thawed(self, gap: float, now: float) -> list[Action]:
+        """Our process did not run for ``gap`` s: the server's silence is ours.
+
+        Its messages may still be on their way in (our I/O thread was frozen
+        too) and some may be lost, so we neither fail over nor trust what we
+        hold: we resync from the same server (a catch-up when it can), which
+        also restarts the silence clock.  Writes and calls wait for the sync
+        and are sent again after it, as after any resync.
+        """
+        assert self.current is not None
+        self.counters.self_freezes += 1
+        log.warning(
+            "this client did not run for %.3g s (its process was frozen or starved); "
+            "not blaming server %s: resyncing from it",
+            gap,
+            self.servers[self.current],
+        )
+        self._heard_at = now
+        if self.state is State.INITIAL:
+            return []
+        return self._start_sync(self.current, now)
 
     def _ignore(self, server: int, payload: Any, now: float) -> list[Action]:
         return []

@@ -16,7 +16,47 @@ from typing import Protocol
 
 from clone.wire.codec import Properties
 
-__all__ = ["STOP", "ChangeStream", "Entry", "Status", "Watcher", "WatcherRegistry"]
+__all__ = [
+    "STOP",
+    "ChangeStream",
+    "CloseReport",
+    "Entry",
+    "Freshness",
+    "Status",
+    "Watcher",
+    "WatcherRegistry",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Freshness:
+    """How current a read from the local replica is.
+
+    ``synced``: the client holds a complete, live copy (state ``active``);
+    before the first sync a read returns the default, during an outage the
+    last value it had.  ``silent_for``: seconds since the current server was
+    last heard from (None: no current server).
+    """
+
+    synced: bool
+    state: str
+    silent_for: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class CloseReport:
+    """What :meth:`clone.Clone.close` dropped: writes never sent (made while no
+    server had answered), confirmed writes and calls still waiting (failed with
+    ClosedError), and leases not revoked in time (they end within their ttl)."""
+
+    unsent_writes: int = 0
+    unconfirmed_writes: int = 0
+    waiting: int = 0
+    leases_unrevoked: int = 0
+
+    @property
+    def dropped(self) -> bool:
+        return bool(self.unsent_writes or self.unconfirmed_writes or self.waiting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +67,8 @@ class Entry:
     value: bytes | None
     sequence: int = 0
     properties: Properties = ()
+    #: Set on what :meth:`clone.Clone.entry` returns: how current the read is.
+    freshness: Freshness | None = field(default=None, compare=False, repr=False)
 
     @property
     def deleted(self) -> bool:

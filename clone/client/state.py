@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from clone.errors import ProtocolError
@@ -101,9 +101,15 @@ class RequestSnapshot:
 
 @dataclass(frozen=True, slots=True)
 class SendUpdate:
-    """Publish this KVSET to every server's collector."""
+    """Publish this KVSET to every server's collector.
+
+    ``frames``: the KVSET as the frontend built it, when this is its first
+    send: the agent sends those frames as they are, so a write is encoded
+    once, in the application's thread (a resend encodes ``msg`` again).
+    """
 
     msg: KVMsg
+    frames: list[bytes] | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -267,6 +273,11 @@ class AgentConfig:
     requests_per_server: int = 10
     resend_interval: float = 0.5
     reask_interval: float = 0.25
+    # A gap between two ticks longer than this means our own process did not
+    # run (SIGSTOP, a VM pause, a starved machine), not that a server went
+    # quiet; None: never judged (the agent sets it: it ticks at least every
+    # second, and its clock is real; a fake clock may jump).
+    freeze_gap: float | None = None
 
     @classmethod
     def from_heartbeat(cls, heartbeat: float, **overrides: Any) -> AgentConfig:
@@ -337,6 +348,9 @@ class AgentCounters:
     # and those for a view that is not ours (our rights changed: a resync).
     view_gaps: int = 0
     view_changes: int = 0
+    # Ticks that came after a freeze of our own process (freeze_gap): a resync
+    # from the same server, not a failover.
+    self_freezes: int = 0
     # A gauge, not a counter: ms from the last message of the server we left to
     # the end of the first snapshot from the next one, for the last failover.
     last_failover_gap_ms: int = 0
@@ -448,6 +462,7 @@ class AgentState:
         # The current server showed itself active this round (see ACTIVE_ELSEWHERE).
         self._shown_active = False
         self._heard_at: float | None = None  # last message from the current server
+        self._ticked_at: float | None = None  # the last tick: a long gap is our own freeze
         self._left_at: float | None = None  # last heard from the server we failed over from
         self._pending: dict[bytes, _Pending] = {}
         # Writes (and set calls) confirmed lately, uuid -> key: a split brain's
@@ -494,6 +509,20 @@ class AgentState:
         stored = self._map.get(key)
         return None if stored is None else _message(key, stored)
 
+    def peek(self, key: str) -> _Stored | None:
+        """``key``'s row, for the frontend's threads: the one read that is safe
+        outside the agent thread.  One ``dict.get`` on whichever map is current
+        (a sync swaps maps whole, an update changes one key), atomic under the
+        GIL, so a reader sees a key before or after an update, never half of
+        one.  The agent applies an update before it confirms it, so a read
+        after a confirmed write sees that write (or a later one)."""
+        return self._map.get(key)
+
+    @property
+    def heard_at(self) -> float | None:
+        """When the current server was last heard from (the agent's clock)."""
+        return self._heard_at
+
     def items(self, prefix: str = "") -> list[KVMsg]:
         """Entries whose key starts with ``prefix``, sorted by key."""
         return [_message(k, v) for k, v in self.rows(prefix)]
@@ -509,6 +538,11 @@ class AgentState:
 
     def __len__(self) -> int:
         return len(self._map)
+
+    @property
+    def held_writes(self) -> int:
+        """Writes made before any server answered us, not sent yet."""
+        return len(self._held)
 
     @property
     def pending_writes(self) -> int:

@@ -36,8 +36,16 @@ log = logging.getLogger(__name__)
 class Writes(AgentState):
     """Publishing, holding, resending and expiring the application's writes."""
 
-    def write(self, msg: KVMsg, now: float, *, confirm_within: float | None) -> list[Action]:
-        """Publish a client update; with ``confirm_within``, track it until confirmed.
+    def write(
+        self,
+        msg: KVMsg,
+        now: float,
+        *,
+        confirm_within: float | None,
+        frames: list[bytes] | None = None,
+    ) -> list[Action]:
+        """Publish a client update; with ``confirm_within``, track it until
+        confirmed.  ``frames``: ``msg`` as already encoded, sent as they are.
 
         Held, not sent: before the first snapshot, and while another server
         than ours shows itself active too (:meth:`split_seen`).
@@ -53,7 +61,7 @@ class Writes(AgentState):
             # collector (a PUB drops what it cannot deliver); hold the writes.
             self._held.append(msg)
             return []
-        return [SendUpdate(msg)]
+        return [SendUpdate(msg, frames)]
 
     def split_seen(self, now: float) -> bool:
         """Whether two servers show themselves active now (ours, and another
@@ -130,7 +138,8 @@ class Writes(AgentState):
             if now >= p.expires_at:
                 del self._pending[uuid]
                 self.counters.expired_writes += 1
-                log.warning("gave up on confirmed write to %r: not republished", p.msg.key)
+                # The caller's ConfirmTimeout says so already: not a warning twice.
+                log.debug("gave up on confirmed write to %r: not republished", p.msg.key)
             elif now >= p.next_send and not p.published:
                 p.next_send = now + self.config.resend_interval
                 self.counters.resent += 1

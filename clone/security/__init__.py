@@ -11,7 +11,8 @@ May import: :mod:`clone.errors`, :mod:`clone.ratelimit` and zmq.  Never
 tornado, :mod:`clone.server` or :mod:`clone.client`.
 
 Modules: :mod:`.names` (client names, the reserved peer name), :mod:`.certs`
-(certificate files, the clients directory), :mod:`.acl` (the ACL, pure),
+(certificate files, the clients directory), :mod:`.keys` (a client's
+CURVE key files, from arguments or the environment), :mod:`.acl` (the ACL, pure),
 :mod:`.zap` (the Gatekeeper and socket setup).
 """
 
@@ -29,6 +30,7 @@ from clone.security.certs import (
     load_public,
     load_secret,
 )
+from clone.security.keys import default_curve_files, load_curve_keys
 from clone.security.names import PEER_USER, name_problem
 from clone.security.zap import (
     ZAP_DOMAIN,
@@ -53,9 +55,11 @@ __all__ = [
     "Rights",
     "configure_client_socket",
     "configure_server_socket",
+    "default_curve_files",
     "fingerprint",
     "keygen",
     "load_client_keys",
+    "load_curve_keys",
     "load_public",
     "load_secret",
     "name_problem",

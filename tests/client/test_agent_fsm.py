@@ -1027,3 +1027,41 @@ def test_late_kvbatches_are_checked_but_not_stored() -> None:
     assert fsm.counters.protocol_errors == 1
     assert fsm.snapshot_batch(1, [late], 1.0) == []  # another server's: foreign
     assert fsm.counters.foreign == 1
+
+
+def test_a_freeze_of_our_own_process_resyncs_from_the_same_server() -> None:
+    """A tick long after the last (our process was stopped) is not the server's
+    silence: no failover, a resync from the same server, said and counted."""
+    fsm = AgentFSM(None, AgentConfig(server_timeout=1.0, freeze_gap=1.5), now=0.0)
+    server = MemoryServer(0)
+    fsm.connect("tcp://127.0.0.1:5556", 0.0)
+    fsm.connect("tcp://127.0.0.1:5566", 0.0)
+    feed_snapshot(fsm, server, 0.0, "")
+    assert fsm.state is State.ACTIVE and fsm.current == 0
+    fsm.tick(0.5)
+    actions = fsm.tick(10.0)  # 9.5 s without a tick: we were frozen
+    assert fsm.current == 0 and fsm.state is State.SYNCING
+    assert any(isinstance(a, RequestSnapshot) and a.server == 0 for a in actions)
+    assert fsm.counters.self_freezes == 1 and fsm.counters.failovers == 0
+    # Without freeze_gap (a fake clock that jumps) the same gap is silence.
+    other = AgentFSM(None, AgentConfig(server_timeout=1.0), now=0.0)
+    other.connect("tcp://127.0.0.1:5556", 0.0)
+    other.connect("tcp://127.0.0.1:5566", 0.0)
+    feed_snapshot(other, MemoryServer(0), 0.0, "")
+    other.tick(0.5)
+    other.tick(10.0)
+    assert other.counters.self_freezes == 0 and other.counters.failovers == 1
+
+
+def test_a_writes_frames_are_sent_as_the_frontend_built_them() -> None:
+    """Encoded once, in the frontend: the first send carries those very frames;
+    a resend (rare) encodes the message again."""
+    fsm, _ = synced()
+    msg = KVMsg.build("k", b"v", uuid=new_uuid())
+    frames = encode_kv(msg)
+    (first,) = fsm.write_confirmed(msg, 1.0, within=5.0, frames=frames)
+    assert isinstance(first, SendUpdate) and first.frames is frames
+    (again,) = fsm.tick(1.5)
+    assert isinstance(again, SendUpdate) and again.msg == msg and again.frames is None
+    (oneway,) = fsm.write(msg, 2.0, confirm_within=None, frames=frames)
+    assert isinstance(oneway, SendUpdate) and oneway.frames is frames

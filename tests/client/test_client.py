@@ -13,6 +13,7 @@ from functools import partial
 import pytest
 
 import clone
+import clone.client.default as default_mod
 import clone.client.frontend as client_mod
 from clone import Clone, Entry
 from clone.errors import CloneError, ClosedError, ConfirmTimeout, NotSynced
@@ -489,25 +490,25 @@ def test_changes_unregister_on_close_exit_and_release(server: FakeServer) -> Non
     with make_client(server) as c:
         c.wait_synced(5)
         stream = c.changes()
-        assert len(c._watchers) == 1
+        assert len(c._callbacks._watchers) == 1
         stream.close()
-        assert c._watchers == []
+        assert c._callbacks._watchers == []
         assert list(stream) == []  # a closed stream is exhausted, not blocked
 
         with c.changes() as scoped:
-            assert len(c._watchers) == 1
-        assert c._watchers == []
+            assert len(c._callbacks._watchers) == 1
+        assert c._callbacks._watchers == []
         assert list(scoped) == []
 
         # Dropped without closing: skipped at once, pruned at the next registration.
         dropped = c.changes()
-        watcher = c._watchers[0]
+        watcher = c._callbacks._watchers[0]
         del dropped
         assert watcher.closed
         c.set("k", b"v", wait=True, timeout=5)
         assert watcher.queue.empty()
         with c.changes():
-            assert watcher not in c._watchers
+            assert watcher not in c._callbacks._watchers
 
 
 def test_changes_on_a_closed_client_raise_at_once(server: FakeServer) -> None:
@@ -552,13 +553,13 @@ def test_foreign_snapshot_reply_and_fake_hugz(server: FakeServer) -> None:
 
 def test_module_level_default_client(server: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CLONE_SERVERS", server.endpoint)
-    client_mod._close_default()
+    default_mod._close_default()
     try:
         clone.clone_set("/default/k", "v", timeout=5)
         assert clone.clone_get("/default/k") == b"v"
         assert clone.clone_get("/default/missing") is None
     finally:
-        client_mod._close_default()
+        default_mod._close_default()
 
 
 def test_default_servers(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -571,21 +572,26 @@ def test_default_servers(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_public_api() -> None:
     """The public API is exactly this: a change to it is a decision, not an accident."""
     assert sorted(clone.__all__) == [
+        "AgentTimeout",
         "Clone",
         "CloneError",
+        "CloseReport",
         "ClosedError",
         "ConfirmTimeout",
         "Conflict",
         "Entry",
+        "Freshness",
         "HistoryCompacted",
         "Lease",
         "LeaseLost",
         "LeaseQuotaExceeded",
         "NotActive",
+        "NotJSON",
         "NotOwner",
         "NotSynced",
         "SplitConflict",
         "Status",
+        "Subscription",
         "WriteRefused",
         "clone_get",
         "clone_set",
@@ -598,10 +604,13 @@ def test_public_api() -> None:
     assert sorted(client_mod.__all__) == [
         "ChangeStream",
         "Clone",
+        "CloseReport",
         "DEFAULT_SERVERS",
         "Entry",
+        "Freshness",
         "Lease",
         "Status",
+        "Subscription",
         "clone_get",
         "clone_set",
         "default_curve_files",
