@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Sequence
 
 from clone.argtypes import positive_float, positive_int
-from clone.pipeline.errors import InputError, PipelineError
+from clone.pipeline.errors import InputError, PipelineError, is_spark_error, one_line
 
 __all__ = ["main", "build_parser", "SPARK_COMMANDS"]
 
@@ -352,7 +352,8 @@ def _load(args: argparse.Namespace) -> int:
     print(f"rows written:  {result.written}")
     print(f"rows rejected: {result.rejected}")
     for reason, count in result.reasons:
-        print(f"  {count:>10}  {reason}")
+        line = result.first_lines.get(reason)
+        print(f"  {count:>10}  {reason}" + ("" if line is None else f" (first at line {line})"))
     if result.rejected:
         print(f"rejected rows and reasons: {result.rejects_path}")
     rate = result.written / max(result.write_seconds, 1e-9)
@@ -401,10 +402,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     except Exception as exc:  # a bug or an unforeseen Spark error: still one line
         log.debug("unexpected error", exc_info=True)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        if is_spark_error(exc):  # Spark's or Java's: its reason, as the docs promise
+            text = f"Spark: {one_line(exc)}"
+        else:
+            text = f"{type(exc).__name__}: {one_line(exc)}"
         print(
-            f"clone-pipeline {args.command}: error: {type(exc).__name__}: {first} "
-            "(run with -v for the traceback)",
+            f"clone-pipeline {args.command}: error: {text} (run with -v for the traceback)",
             file=sys.stderr,
         )
         return EXIT_FAILED

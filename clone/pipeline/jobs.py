@@ -83,6 +83,8 @@ class LoadResult:
     retries: int = 0
     reasons: list[tuple[str, int]] = field(default_factory=list)
     rejects_path: str | None = None
+    #: CSV: the line of the first row rejected for each reason.
+    first_lines: dict[str, int] = field(default_factory=dict)
 
 
 def _write_partitions(rows: int, parallelism: int) -> int:
@@ -113,10 +115,11 @@ def load_table(
     Raises :class:`WriteFailed` when rows could not be stored.
     """
     from pyspark import StorageLevel
+    from pyspark.sql import functions as F
 
     from clone.pipeline.progress import stage_progress
     from clone.pipeline.snapshot import find_active
-    from clone.pipeline.sources import read_table
+    from clone.pipeline.sources import INPUT_LINE, read_table
     from clone.pipeline.transforms import (
         REJECT_REASON,
         LoadColumns,
@@ -136,8 +139,16 @@ def load_table(
 
     checked = checked.persist(StorageLevel.MEMORY_AND_DISK)
     try:
+        aggs = [F.count(F.lit(1)).alias("count")]
+        if INPUT_LINE in checked.columns:  # CSV: where each reason first occurs
+            aggs.append(F.min(INPUT_LINE).alias("first_line"))
         with stage_progress(spark, "validate"):
-            counts = checked.groupBy(REJECT_REASON).count().collect()
+            counts = checked.groupBy(REJECT_REASON).agg(*aggs).collect()
+        first_lines = {
+            str(r[REJECT_REASON]): int(r.asDict()["first_line"])
+            for r in counts
+            if r[REJECT_REASON] is not None and r.asDict().get("first_line") is not None
+        }
         reasons = sorted(
             ((r[REJECT_REASON], int(r["count"])) for r in counts if r[REJECT_REASON] is not None),
             key=lambda rc: (-rc[1], rc[0]),
@@ -192,6 +203,7 @@ def load_table(
         retries=retries,
         reasons=reasons,
         rejects_path=rejects_path,
+        first_lines=first_lines,
     )
     if failed or written != to_write:
         errors = sorted({str(r["error"]) for r in results if r["error"]})
