@@ -1,18 +1,23 @@
 """Confirmed writes from a Spark executor, a bounded number in flight.
 
-How this works: each partition opens its own :class:`clone.Clone` client
-(one connection to the pair, subscribed to the load's subtree so that it sees
-its own updates come back) and writes its rows with ``set_async``: a write
-counts as stored only when the active server has republished its uuid.  The
-partition's one thread keeps up to ``max_in_flight`` confirmed writes
-outstanding; their futures report back on a queue, which is also where a full
-window waits.  No thread pool: threads would only fight over the GIL and the
-client's command pipe.  Across a failover the client resends
-unconfirmed writes to the new active server by itself (same uuid, the servers
-deduplicate); a write that still times out is tried again with a fresh uuid
-up to ``attempts`` times.  After ``max_failures`` rows failed for good, the
-partition stops taking new rows and counts the rest as failed, so a dead
-cluster ends the job in seconds rather than hours.
+How this works: each partition opens its own
+:class:`clone.client.writeonly.WriteOnlyClone`: a client that keeps no copy
+of the store (no snapshot, whatever the store's size), hears the servers'
+HUGZ only, and sends each row as a ``set`` call that the active server
+answers once the update is committed.  So a partition starts writing as soon
+as it has heard one heartbeat, and a load puts no snapshot pressure on the
+pair (issue 29: eight partitions each copying a 1.1M-key store first).
+
+The partition's one thread keeps up to ``max_in_flight`` writes outstanding;
+their futures (completed by the client's I/O thread) report back on a
+queue, which is also where a full window waits.  No worker threads, no
+semaphore: more threads would only fight over the GIL.  Across a failover
+the client sends unanswered writes to the new active server by itself (same
+uuid, the servers deduplicate); a write that still times out is tried again
+with a fresh uuid up to ``attempts`` times.  When no server has sent a
+heartbeat for ``dead_after`` seconds every unanswered write fails at once;
+after ``max_failures`` rows failed for good, the partition stops taking new
+rows and counts the rest as failed, so a dead pair ends the job in seconds.
 
 :func:`write_partition` is plain Python over an iterator of rows (tests drive
 it with a fake client); :func:`arrow_partition_writer` adapts it to Spark's
@@ -77,7 +82,11 @@ class WriterConfig:
     attempts: int = 3
     max_failures: int = 10
     heartbeat: float = 1.0
+    #: Seconds to wait for the first heartbeat of an active server.
     sync_timeout: float = 30.0
+    #: Seconds without a heartbeat from any server after which the pair is
+    #: taken for dead and every unanswered write fails.
+    dead_after: float = 10.0
     #: CURVE: the client's secret certificate and the server's public one, as
     #: paths (never the keys themselves: they would travel inside the tasks).
     curve_secret: str | None = None
@@ -129,19 +138,18 @@ class PartitionResult:
 
 
 def _default_client(config: WriterConfig) -> ClientLike:
-    from clone.client.frontend import Clone
+    from clone.client.frontend import load_curve_keys
+    from clone.client.writeonly import WriteOnlyClone
 
     curve_secret, server_key = executor_curve_files(config)
-    return Clone(
+    return WriteOnlyClone(
         list(config.servers),
-        subtree=config.subtree or None,
-        curve_secret=curve_secret,
-        server_key=server_key,
-        heartbeat=config.heartbeat,
+        curve=load_curve_keys(curve_secret, server_key),
         # At least half a second of silence before failing over: with a fast
         # heartbeat a busy executor would otherwise fail over by accident.
         server_timeout=max(2.5 * config.heartbeat, 0.5),
         confirm_timeout=config.confirm_timeout,
+        dead_after=config.dead_after,
     )
 
 
