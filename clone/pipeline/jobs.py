@@ -85,6 +85,60 @@ class LoadResult:
     rejects_path: str | None = None
     #: CSV: the line of the first row rejected for each reason.
     first_lines: dict[str, int] = field(default_factory=dict)
+    #: Rows not written because the manifest resumed says they were confirmed.
+    skipped: int = 0
+    manifest: str | None = None
+
+
+_MANIFEST_FORMAT = 1
+
+
+def _write_manifest(
+    path: str, source: str, rows: int, partitions: int, results: Sequence[Any], complete: bool
+) -> None:
+    """What each partition confirmed, for ``load --resume`` (driver-side, small)."""
+    data = {
+        "format": _MANIFEST_FORMAT,
+        "input": os.path.abspath(source),
+        "rows": rows,
+        "partitions": partitions,
+        "complete": complete,
+        "confirmed_through": {
+            str(int(r["partition"])): r["confirmed_through"]
+            for r in results
+            if r["confirmed_through"] is not None
+        },
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2)
+    os.replace(tmp, path)
+
+
+def _resume_from(path: str, source: str, rows: int) -> tuple[int, dict[int, str]]:
+    """(partitions, confirmed-through key per partition) of a manifest that
+    matches this input; an :class:`InputError` saying why not otherwise."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        if data.get("format") != _MANIFEST_FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, not {_MANIFEST_FORMAT}")
+        partitions = int(data["partitions"])
+        through = {int(p): str(k) for p, k in dict(data["confirmed_through"]).items()}
+        expected = (str(data["input"]), int(data["rows"]))
+    except FileNotFoundError:
+        raise InputError(f"manifest {path} does not exist") from None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise InputError(f"manifest {path} is not a load manifest: {exc}") from None
+    if expected != (os.path.abspath(source), rows):
+        raise InputError(
+            f"manifest {path} is for {expected[0]} with {expected[1]} rows to write, "
+            f"not {os.path.abspath(source)} with {rows}"
+        )
+    if partitions < 1 or any(not 0 <= p < partitions for p in through):
+        raise InputError(f"manifest {path} names partitions out of range")
+    return partitions, through
 
 
 def _write_partitions(rows: int, parallelism: int) -> int:
@@ -106,12 +160,17 @@ def load_table(
     confirm_timeout: float = 30.0,
     heartbeat: float = 1.0,
     curve_files: tuple[str | None, str | None] = (None, None),
+    manifest: str | None = None,
+    resume: str | None = None,
 ) -> LoadResult:
     """Validate a table, write the rejects with their reasons, and write the
     rest into the pair with confirmed writes from the executors.
 
     ``curve_files``: the client's secret certificate and the server's public
     one, for a secured pair (each executor opens them: :class:`WriterConfig`).
+    ``manifest``: where to record what each partition confirmed (JSON);
+    ``resume``: a manifest of an earlier load of the same input: only the rows
+    it does not cover are written, and it is brought up to date.
     Raises :class:`WriteFailed` when rows could not be stored.
     """
     from pyspark import StorageLevel
@@ -163,6 +222,9 @@ def load_table(
 
         parallelism = spark.sparkContext.defaultParallelism
         partitions = _write_partitions(to_write, parallelism)
+        through: dict[int, str] = {}
+        if resume is not None:
+            partitions, through = _resume_from(resume, path, to_write)
         config = WriterConfig(
             servers=tuple(servers),
             subtree=cols.subtree or None,
@@ -171,9 +233,15 @@ def load_table(
             heartbeat=heartbeat,
             curve_secret=curve_files[0],
             server_key=curve_files[1],
+            resume=tuple(sorted(through.items())),
         )
         log.info("writing %d rows in %d partitions", to_write, partitions)
-        records = write_records(checked).repartition(partitions)
+        # By key into partitions, in key order within each: the same rows go to
+        # the same partition in the same order on a rerun, so "every row up to
+        # key K of partition P is confirmed" is all a manifest needs to say.
+        records = (
+            write_records(checked).repartition(partitions, "key").sortWithinPartitions("key")
+        )
         write_started = time.monotonic()
         with stage_progress(spark, f"load {to_write:,} rows"):
             results = records.mapInArrow(arrow_partition_writer(config), RESULT_SCHEMA).collect()
@@ -193,6 +261,10 @@ def load_table(
     written = sum(int(r["written"]) for r in results)
     failed = sum(int(r["failed"]) for r in results)
     retries = sum(int(r["retries"]) for r in results)
+    skipped = sum(int(r["skipped"]) for r in results)
+    manifest_path = resume or manifest
+    if manifest_path is not None:
+        _write_manifest(manifest_path, path, to_write, partitions, results, failed == 0)
     result = LoadResult(
         written=written,
         rejected=rejected,
@@ -204,12 +276,16 @@ def load_table(
         reasons=reasons,
         rejects_path=rejects_path,
         first_lines=first_lines,
+        skipped=skipped,
+        manifest=manifest_path,
     )
-    if failed or written != to_write:
+    if failed or written + skipped != to_write:
         errors = sorted({str(r["error"]) for r in results if r["error"]})
+        again = f"; to write only the rest: load --resume {manifest_path}" if manifest_path else ""
         raise WriteFailed(
             f"{failed} of {to_write} rows could not be stored "
-            f"({written} written, {rejected} rejected): {errors[0] if errors else 'unknown'}"
+            f"({written} written, {skipped} skipped as confirmed before, {rejected} rejected): "
+            f"{errors[0] if errors else 'unknown'}{again}"
         )
     return result
 

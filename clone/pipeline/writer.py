@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -52,8 +53,8 @@ log = logging.getLogger(__name__)
 
 #: One row per partition, as mapInArrow returns it.
 RESULT_SCHEMA = (
-    "partition long, rows long, written long, failed long, retries long, seconds double, "
-    "error string"
+    "partition long, rows long, written long, failed long, retries long, skipped long, "
+    "seconds double, error string, confirmed_through string"
 )
 
 Row = tuple[str, bytes, float]
@@ -87,6 +88,9 @@ class WriterConfig:
     #: Seconds without a heartbeat from any server after which the pair is
     #: taken for dead and every unanswered write fails.
     dead_after: float = 10.0
+    #: Resuming: per partition, the key through which every row was confirmed
+    #: by an earlier run (rows come sorted by key: those up to it are skipped).
+    resume: tuple[tuple[int, str], ...] = ()
     #: CURVE: the client's secret certificate and the server's public one, as
     #: paths (never the keys themselves: they would travel inside the tasks).
     curve_secret: str | None = None
@@ -122,8 +126,12 @@ class PartitionResult:
     written: int = 0
     failed: int = 0
     retries: int = 0
+    skipped: int = 0
     seconds: float = 0.0
     error: str | None = None
+    #: Every row of the partition up to this key (rows come in key order) was
+    #: confirmed, by this run or the one resumed; None: none yet.
+    confirmed_through: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -132,8 +140,10 @@ class PartitionResult:
             "written": self.written,
             "failed": self.failed,
             "retries": self.retries,
+            "skipped": self.skipped,
             "seconds": self.seconds,
             "error": self.error,
+            "confirmed_through": self.confirmed_through,
         }
 
 
@@ -153,7 +163,17 @@ def _default_client(config: WriterConfig) -> ClientLike:
     )
 
 
-_Done = tuple["Future[None]", Row, int]
+class _Slot:
+    """A row's place in the partition's order, for the confirmed-through mark."""
+
+    __slots__ = ("done", "key")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.done = False
+
+
+_Done = tuple["Future[None]", Row, int, _Slot]
 
 
 class _Window:
@@ -164,17 +184,21 @@ class _Window:
         self._config = config
         self._result = result
         self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
+        self._order: deque[_Slot] = deque()
         self.outstanding = 0
 
-    def submit(self, row: Row, attempt: int = 1) -> None:
+    def submit(self, row: Row, attempt: int = 1, slot: _Slot | None = None) -> None:
         key, value, ttl = row
+        if slot is None:
+            slot = _Slot(key)
+            self._order.append(slot)
         try:
             fut = self._client.set_async(key, value, ttl, timeout=self._config.confirm_timeout)
         except (CloneError, ValueError, TypeError) as exc:  # closed client, bad row
             self._fail(key, exc)
             return
         self.outstanding += 1
-        fut.add_done_callback(lambda f: self._done.put((f, row, attempt)))
+        fut.add_done_callback(lambda f: self._done.put((f, row, attempt, slot)))
 
     def wait_for_room(self) -> None:
         while self.outstanding >= self._config.max_in_flight:
@@ -187,18 +211,21 @@ class _Window:
             self._settle(self._done.get())
 
     def _settle(self, item: _Done) -> None:
-        fut, row, attempt = item
+        fut, row, attempt, slot = item
         self.outstanding -= 1
         exc = fut.exception()
         if exc is None:
             self._result.written += 1
+            slot.done = True
+            while self._order and self._order[0].done:  # rows confirmed in order so far
+                self._result.confirmed_through = self._order.popleft().key
             return
         key = row[0]
         config = self._config
         if isinstance(exc, ConfirmTimeout) and attempt < config.attempts:
             log.warning("write %d/%d of %r not confirmed: %s", attempt, config.attempts, key, exc)
             self._result.retries += 1
-            self.submit(row, attempt + 1)  # a fresh uuid: a new write, not a resend
+            self.submit(row, attempt + 1, slot)  # a fresh uuid: a new write, not a resend
             return
         self._fail(key, exc)
 
@@ -233,8 +260,13 @@ def write_partition(
             result.error = f"no server answered: {exc}"
             return result
         window = _Window(client, config, result)
+        through = dict(config.resume).get(partition)
+        result.confirmed_through = through
         for row in rows:
             result.rows += 1
+            if through is not None and row[0] <= through:
+                result.skipped += 1  # confirmed by the run resumed
+                continue
             window.wait_for_room()
             if result.failed >= config.max_failures:
                 result.failed += 1
@@ -277,8 +309,12 @@ def arrow_partition_writer(
         partition = ctx.partitionId() if ctx is not None else 0
         result = write_partition(_rows_of(batches), config, partition)
         schema = pa.schema(
-            [(name, pa.int64()) for name in ("partition", "rows", "written", "failed", "retries")]
-            + [("seconds", pa.float64()), ("error", pa.string())]
+            [
+                (name, pa.int64())
+                for name in ("partition", "rows", "written", "failed", "retries", "skipped")
+            ]
+            + [("seconds", pa.float64()), ("error", pa.string()),
+               ("confirmed_through", pa.string())]  # fmt: skip
         )
         yield pa.RecordBatch.from_pylist([result.as_dict()], schema=schema)
 
