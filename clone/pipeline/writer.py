@@ -313,8 +313,11 @@ def arrow_partition_writer(
                 (name, pa.int64())
                 for name in ("partition", "rows", "written", "failed", "retries", "skipped")
             ]
-            + [("seconds", pa.float64()), ("error", pa.string()),
-               ("confirmed_through", pa.string())]  # fmt: skip
+            + [
+                ("seconds", pa.float64()),
+                ("error", pa.string()),
+                ("confirmed_through", pa.string()),
+            ]
         )
         yield pa.RecordBatch.from_pylist([result.as_dict()], schema=schema)
 
