@@ -549,6 +549,23 @@ def _audit_inputs(spark: SparkSession, paths: Sequence[str]) -> tuple[Any, Any, 
     return reduce(DataFrame.unionByName, updates), states, spans
 
 
+def _audit_span(path: str) -> Any:
+    """The :class:`~clone.pipeline.history.HistorySpan` of an audit input, from
+    its bounds only (a data directory's log and position, an export's meta)."""
+    from clone.pipeline.history import HistorySpan, read_data_dir_span, read_history_meta
+    from clone.storage.schema import DATA_FILE
+
+    if os.path.isfile(os.path.join(path, DATA_FILE)) or os.path.isfile(path):
+        return read_data_dir_span(path)
+    meta = read_history_meta(path)
+    if meta is None:
+        raise InputError(
+            f"{path} is neither a data directory (no {DATA_FILE}) nor a history export "
+            "(no _clone_history.json; write one with clone-pipeline history)"
+        )
+    return HistorySpan(path, int(meta["since"]) + 1, int(meta["until"]))
+
+
 def audit(
     spark: SparkSession,
     inputs: Sequence[str],
@@ -577,6 +594,11 @@ def audit(
     from clone.pipeline.errors import HistoryIncomplete
     from clone.pipeline.history import state_arrow_schema
 
+    # Refuse first: what can be rebuilt follows from the inputs' bounds, read
+    # without a single update or key; only then is anything read in bulk.
+    cov = A.coverage([_audit_span(path) for path in inputs])
+    for seq in ([] if at is None else [at]) + ([] if diff is None else list(diff)):
+        A.plan_state(cov, seq)
     raw, states, spans = _audit_inputs(spark, inputs)
     cov = A.coverage(spans)
     updates = A.distinct_updates(raw).persist(StorageLevel.MEMORY_AND_DISK)
