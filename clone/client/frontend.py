@@ -107,8 +107,9 @@ _PIPE_HWM = 10_000
 # lease not revoked ends by itself within its ttl, as nobody keeps it alive).
 _CLOSE_REVOKE_S = 2.0
 _SEQ_LIMIT = 2**64
-# ITEMS: the agent's time per key held, on top of command_timeout (sorting and
-# packing a million rows took ~4 s on a busy 2-core machine: 20 us is 5x that).
+# ITEMS: the agent's time per key held, on top of command_timeout.  Sorting and
+# packing a million rows is a few seconds; on a 2-core machine shared with other
+# work it overran the 5 s default (issue 29).  20 us per key is +20 s at 1M.
 _ITEMS_SECONDS_PER_KEY = 20e-6
 
 
