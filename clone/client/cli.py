@@ -66,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=5.0,
         metavar="S",
-        help="seconds to wait for a snapshot and for a write's confirmation (default 5)",
+        help="seconds to wait for a server to answer a snapshot request (one that is "
+        "arriving is waited for to its end) and for a write's confirmation (default 5)",
     )
     p.add_argument(
         "--heartbeat",
