@@ -77,6 +77,8 @@ class WriterConfig:
     """How a partition connects and writes (pickled to the executors)."""
 
     servers: tuple[str, ...]
+    #: The load's --subtree (the write-only client subscribes to HUGZ only:
+    #: the keys were checked against it when the rows were validated).
     subtree: str | None = None
     max_in_flight: int = 64
     confirm_timeout: float = 30.0
