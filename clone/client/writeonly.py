@@ -139,7 +139,8 @@ class WriteOnlyClone:
         self._lock = threading.Lock()
         self._futures: dict[bytes, Future[int]] = {}
         self._active = threading.Event()
-        self._closed = False
+        self._closed = False  # no more writes taken
+        self._released = False  # close() ran
         address = f"inproc://clone-writeonly-{id(self)}-{next(_pipes)}"
         self._pipe = self._ctx.socket(zmq.PAIR)
         self._pipe.linger = 0
@@ -179,10 +180,14 @@ class WriteOnlyClone:
 
     def close(self) -> None:
         with self._lock:
-            if self._closed:
+            if self._released:
                 return
-            self._closed = True
-            self._pipe.send_multipart([_STOP])
+            self._released = self._closed = True
+            if self._thread.is_alive():
+                try:
+                    self._pipe.send_multipart([_STOP], zmq.NOBLOCK)
+                except zmq.Again:
+                    log.warning("the write-only client's thread did not take the stop")
         self._thread.join(10)
         self._pipe.close(linger=0)
         if self._thread.is_alive():
@@ -248,6 +253,13 @@ class WriteOnlyClone:
                     else:
                         self._on_reply(dealers.index(sock), sock.recv_multipart(), pending)
                 self._tick(dealers, pending)
+        except Exception as exc:  # a bug: no future may wait forever for this thread
+            log.exception("the write-only client's thread failed")
+            with self._lock:
+                self._closed = True
+                waiting = list(self._futures)
+            for uuid in waiting:
+                self._settle(uuid, CloneError(f"the write-only client failed: {exc}"))
         finally:
             for sock in (pipe, *subs, *dealers):
                 sock.close(linger=0)

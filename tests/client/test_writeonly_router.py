@@ -35,3 +35,25 @@ def test_dead_only_after_dead_after_without_any_heartbeat() -> None:
     router.tick(21.5)
     assert not router.dead(29.9)
     assert router.dead(30.1)  # counted from the last heartbeat of any server
+
+
+def test_no_server_at_all_fails_every_write_after_dead_after() -> None:
+    """Real sockets, nobody listening: not synced, and a write fails with
+    NotActive once no heartbeat came for dead_after; close twice is fine."""
+    import pytest
+
+    from clone.client.writeonly import WriteOnlyClone
+    from clone.errors import NotActive, NotSynced
+    from tests.support.ports import free_base_port
+
+    client = WriteOnlyClone([f"tcp://127.0.0.1:{free_base_port()}"], dead_after=0.5)
+    try:
+        with pytest.raises(NotSynced):
+            client.wait_synced(0.2)
+        with pytest.raises(NotActive, match=r"no Clone server sent a heartbeat for 0\.5s"):
+            client.set_async("/a", b"1").result(30)
+        with pytest.raises(ValueError):
+            client.set_async("/a", b"")  # would delete: not a load's write
+    finally:
+        client.close()
+    client.close()
