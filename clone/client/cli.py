@@ -43,6 +43,8 @@ from clone.layered import add_config_flags, parse_layered
 from clone.progress import Progress
 from clone.recipes import Lock
 
+log = logging.getLogger(__name__)
+
 __all__ = ["main"]
 
 EXIT_OK, EXIT_MISSING, EXIT_UNREACHABLE, EXIT_UNCONFIRMED, EXIT_ERROR = 0, 1, 2, 3, 4
@@ -75,7 +77,8 @@ def _parser() -> argparse.ArgumentParser:
         type=float,
         default=5.0,
         metavar="S",
-        help="seconds to wait for a snapshot and for a write's confirmation (default 5)",
+        help="seconds to wait for a server to answer a snapshot request (one that is "
+        "arriving is waited for to its end) and for a write's confirmation (default 5)",
     )
     p.add_argument(
         "--heartbeat",
@@ -285,13 +288,50 @@ def _waiting(what: str, timeout: float, status: Callable[[], str] | None = None)
                     show_after=1.0, transient=True)
 
 
+# A snapshot still arriving is waited for past --timeout, up to this long.
+_SYNC_CAP_S = 600.0
+
+
+def _wait_synced(client: Clone, timeout: float) -> None:
+    """Wait for the snapshot.  ``timeout`` bounds the wait for a server to
+    answer; a snapshot that is arriving -- the agent syncing from one server,
+    neither asking again nor failing over, which it does when that server falls
+    silent -- is waited for to its end, up to ``_SYNC_CAP_S``: a million keys
+    take more than the 5 s default on a busy machine (issue 29)."""
+    deadline = time.monotonic() + timeout
+    cap = deadline + _SYNC_CAP_S
+    seen: tuple[str | None, int, int] | None = None
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            client.wait_synced(max(0.05, min(left, 1.0)))
+            return
+        except NotSynced:
+            now = client.status()
+            moving = (now.server, now.counters.get("retries", 0), now.failovers)
+            # Unchanged since the last look (or a first look: one more round).
+            arriving = (
+                now.state == "syncing" and now.server is not None and seen in (None, moving)
+            )
+            seen = moving
+            if time.monotonic() < deadline:
+                continue
+            if not arriving or time.monotonic() >= cap:
+                tried = ", ".join(now.servers) or "no servers configured"
+                raise NotSynced(
+                    f"no server answered a snapshot request within {timeout:g} s: "
+                    f"tried {tried}"
+                ) from None
+            log.debug("snapshot from %s still arriving after %g s", now.server, timeout)
+
+
 def _run(args: argparse.Namespace, client: Clone) -> int:
     def sync_status() -> str:
         now = client.status()
         return f"{now.state} from {now.server}" if now.server else now.state
 
     with _waiting("sync", args.timeout, sync_status):
-        client.wait_synced(args.timeout)
+        _wait_synced(client, args.timeout)
     if args.command == "get":
         value = client.get(args.key)
         if value is None:

@@ -17,9 +17,11 @@ need it, and the core :mod:`clone` package never imports this one, so the
 service runs without Spark installed.
 """
 
-__all__ = ["DEFAULT_REJECTS"]
+__all__ = ["DEFAULT_REJECTS", "DEFAULT_MANIFEST"]
 
 # Where ``load`` writes rejected rows unless told (--rejects): under results/,
 # the output directory every tool here writes to and .gitignore leaves out, so
 # a run in a checkout does not leave an untracked folder at its top.
 DEFAULT_REJECTS = "results/clone-pipeline-rejects"
+#: What ``load`` confirmed, per partition, for ``load --resume`` (replaced).
+DEFAULT_MANIFEST = "results/clone-pipeline-manifest.json"

@@ -1,9 +1,15 @@
-"""Benchmark clone-pipeline load and export: rows/s at given table sizes.
+"""Benchmark clone-pipeline load, export and ``clone dump``: rows/s at given sizes.
 
-Starts its own standalone clone-server on free loopback ports (and stops it at
-the end), generates a table per size (key /bench/<n>/kNNNNNNN, a value of
---value-bytes), loads it with confirmed writes from the Spark executors, then
-exports the store, and writes the numbers as JSON.
+Starts its own durable pair (primary and backup, data directories, on free
+loopback ports; stopped at the end), generates a Parquet table per size (key
+/bench/<n>/node-NNNNNNN/cpu, a value of --value-bytes), loads it with
+confirmed writes from the Spark executors (end to end: Spark start excluded,
+validation and the probe included), exports the store with the default
+--timeout, lists it with ``clone dump`` with its defaults, and writes the
+numbers as JSON.  Each size also reports the pair's failovers and its worst
+heartbeat lateness (a loop stall) during the load, from the servers' STATUS.
+Two sizes (100k and 1M) show the fixed cost: the difference of their times
+over the difference of their rows is the marginal rate.
 
     scripts/bench_pipeline --rows 100000 1000000 --output results/bench_pipeline.json
 """
@@ -15,6 +21,7 @@ import json
 import logging
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -38,7 +45,7 @@ def _make_table(path: Path, rows: int, value_bytes: int) -> None:
     writer = None
     for start in range(0, rows, chunk):
         n = min(chunk, rows - start)
-        keys = [f"/bench/{rows}/k{i:08d}" for i in range(start, start + n)]
+        keys = [f"/bench/{rows}/node-{i:07d}/cpu" for i in range(start, start + n)]
         values = [b"%08d" % i + pad for i in range(start, start + n)]
         table = pa.table({"key": keys, "value": pa.array(values, pa.binary())})
         if writer is None:
@@ -61,17 +68,45 @@ def main() -> int:
     logging.getLogger("py4j").setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", category=FutureWarning, module="pyspark.*")
 
+    from clone.client.status import query_status
     from clone.pipeline import jobs
     from clone.pipeline.session import build_session
+    from clone.tools.procs import free_port
 
-    port = free_base_port()
-    server_log = open(Path(tempfile.gettempdir()) / f"bench_pipeline_server_{port}.log", "wb")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "clone.server.cli", "--standalone", "--port", str(port),
-         "--bind", "127.0.0.1"],
-        cwd=ROOT, stdout=server_log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
-    servers = [f"tcp://127.0.0.1:{port}"]
+    ports = [free_base_port(), free_base_port()]
+    ha = [free_port(), free_port()]
+    tmpdir = tempfile.mkdtemp(prefix="bench_pipeline_")
+    procs = []
+    logs = []
+    for i, role in enumerate(("primary", "backup")):
+        other = 1 - i
+        log_file = open(Path(tmpdir) / f"{role}.log", "wb")
+        logs.append(log_file)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "clone.server.cli", f"--{role}", "--port", str(ports[i]),
+             "--peer", f"127.0.0.1:{ports[other]}", "--ha-port", str(ha[i]),
+             "--peer-ha", f"127.0.0.1:{ha[other]}", "--bind", "127.0.0.1",
+             "--data-dir", os.path.join(tmpdir, f"{role}.data")],
+            cwd=ROOT, stdout=log_file, stderr=subprocess.STDOUT,
+        ))  # fmt: skip
+    servers = [f"tcp://127.0.0.1:{p}" for p in ports]
+
+    def stats() -> list[dict[str, object]]:
+        return list(query_status(servers, timeout=10))
+
+    def log_sizes() -> list[int]:
+        return [os.path.getsize(Path(tmpdir) / f"{r}.log") for r in ("primary", "backup")]
+
+    def worst_stall_ms(since: list[int]) -> int:
+        """The servers' worst "heartbeat ran N ms late" (a blocked loop) since ``since``."""
+        worst = 0
+        for role, offset in zip(("primary", "backup"), since, strict=True):
+            with open(Path(tmpdir) / f"{role}.log", "rb") as fh:
+                fh.seek(offset)
+                for m in re.finditer(rb"heartbeat ran (\d+) ms late", fh.read()):
+                    worst = max(worst, int(m.group(1)))
+        return worst
+
     results = []
     try:
         spark = build_session(args.master, "clone-pipeline bench")
@@ -79,14 +114,23 @@ def main() -> int:
             for rows in args.rows:
                 table = Path(tmp) / f"t{rows}.parquet"
                 _make_table(table, rows, args.value_bytes)
+                before, sizes = stats(), log_sizes()
                 load = jobs.load_table(
                     spark, servers, str(table), max_in_flight=args.max_in_flight,
                     rejects=os.path.join(tmp, "rejects"),
                 )  # fmt: skip
+                after = stats()
                 started = time.monotonic()
                 meta = jobs.export_snapshot(spark, servers, os.path.join(tmp, f"export{rows}"),
                                             subtree=f"/bench/{rows}/")  # fmt: skip
                 export_s = time.monotonic() - started
+                started = time.monotonic()
+                dump = subprocess.run(
+                    [sys.executable, "-m", "clone.client.cli", "--servers", ",".join(servers),
+                     "dump", f"/bench/{rows}/"],
+                    cwd=ROOT, capture_output=True, timeout=3600,
+                )  # fmt: skip
+                dump_s = time.monotonic() - started
                 entry = {
                     "rows": rows,
                     "value_bytes": args.value_bytes,
@@ -96,16 +140,28 @@ def main() -> int:
                     "load_rows_per_s": round(load.written / load.write_seconds),
                     "load_rows_per_s_end_to_end": round(load.written / load.seconds),
                     "load_partitions": load.partitions,
+                    "failovers": sum(
+                        int(str(a.get("failovers") or 0)) - int(str(b.get("failovers") or 0))
+                        for a, b in zip(after, before, strict=True)
+                    ),
+                    "worst_loop_stall_ms": worst_stall_ms(sizes),
                     "export_rows": meta.rows,
                     "export_s": round(export_s, 2),
                     "export_rows_per_s": round(meta.rows / export_s),
+                    "dump_exit": dump.returncode,
+                    "dump_lines": dump.stdout.count(b"\n"),
+                    "dump_s": round(dump_s, 2),
+                    "dump_error": dump.stderr.decode(errors="replace").strip()[-300:],
                 }
                 log.info("%s", entry)
                 results.append(entry)
     finally:
-        server.terminate()
-        server.wait(10)
-        server_log.close()
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(30)
+        for log_file in logs:
+            log_file.close()
     report = {
         "benchmark": "clone-pipeline load/export",
         "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),

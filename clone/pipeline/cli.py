@@ -15,7 +15,7 @@ import warnings
 from collections.abc import Sequence
 
 from clone.argtypes import positive_float, positive_int
-from clone.pipeline.errors import InputError, PipelineError
+from clone.pipeline.errors import InputError, PipelineError, is_spark_error, one_line
 
 __all__ = ["main", "build_parser", "SPARK_COMMANDS"]
 
@@ -38,7 +38,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from clone.pipeline import DEFAULT_REJECTS
+    from clone.pipeline import DEFAULT_MANIFEST, DEFAULT_REJECTS
     from clone.pipeline.session import DEFAULT_MASTER
 
     parser = _Parser(prog="clone-pipeline", description=__doc__.splitlines()[0] if __doc__ else "")
@@ -97,6 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="directory for rejected rows and their reasons, as JSON lines, replaced "
         f"(default ./{DEFAULT_REJECTS}, under the results/ output directory; written "
         "only when rows are rejected)",
+    )
+    load.add_argument(
+        "--manifest",
+        default=DEFAULT_MANIFEST,
+        metavar="FILE",
+        help="where to record what each partition confirmed, as JSON, replaced "
+        f"(default ./{DEFAULT_MANIFEST})",
+    )
+    load.add_argument(
+        "--resume",
+        default=None,
+        metavar="MANIFEST",
+        help="the manifest of an earlier load of the same input: write only the rows it "
+        "does not record as confirmed (and bring it up to date)",
     )
     load.add_argument(
         "--max-in-flight",
@@ -327,12 +341,14 @@ def _load(args: argparse.Namespace) -> int:
     from clone.pipeline import jobs
     from clone.pipeline.session import spark_session
     from clone.pipeline.snapshot import find_active, parse_servers
-    from clone.pipeline.sources import require_exists
+    from clone.pipeline.sources import require_exists, resolve_output
     from clone.pipeline.transforms import LoadColumns
 
     started = time.monotonic()
     servers = parse_servers(args.servers)
-    require_exists(args.input, "input")  # fail fast, before Spark starts
+    require_exists(args.input, "input")
+    if args.resume is not None:
+        require_exists(args.resume, "manifest")  # fail fast, before Spark starts
     curve_files = _curve_files(args)
     find_active(servers, timeout=max(1.0, 3 * args.heartbeat), curve=jobs.curve_keys(*curve_files))
     with spark_session(args.master, "clone-pipeline load", dict(args.conf)) as spark:
@@ -347,12 +363,17 @@ def _load(args: argparse.Namespace) -> int:
             confirm_timeout=args.confirm_timeout,
             heartbeat=args.heartbeat,
             curve_files=curve_files,
+            manifest=None if args.resume else resolve_output(args.manifest),
+            resume=args.resume,
         )
     elapsed = time.monotonic() - started
     print(f"rows written:  {result.written}")
+    if result.skipped:
+        print(f"rows skipped:  {result.skipped} (confirmed by the load resumed)")
     print(f"rows rejected: {result.rejected}")
     for reason, count in result.reasons:
-        print(f"  {count:>10}  {reason}")
+        line = result.first_lines.get(reason)
+        print(f"  {count:>10}  {reason}" + ("" if line is None else f" (first at line {line})"))
     if result.rejected:
         print(f"rejected rows and reasons: {result.rejects_path}")
     rate = result.written / max(result.write_seconds, 1e-9)
@@ -360,6 +381,8 @@ def _load(args: argparse.Namespace) -> int:
         f"time taken:    {elapsed:.1f}s (writing {result.write_seconds:.1f}s, {rate:.0f} rows/s, "
         f"{result.partitions} partitions, {result.retries} retries)"
     )
+    if result.manifest:
+        print(f"manifest:      {result.manifest}")
     return EXIT_REJECTED if result.rejected else EXIT_OK
 
 
@@ -401,10 +424,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_FAILED
     except Exception as exc:  # a bug or an unforeseen Spark error: still one line
         log.debug("unexpected error", exc_info=True)
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        if is_spark_error(exc):  # Spark's or Java's: its reason, as the docs promise
+            text = f"Spark: {one_line(exc)}"
+        else:
+            text = f"{type(exc).__name__}: {one_line(exc)}"
         print(
-            f"clone-pipeline {args.command}: error: {type(exc).__name__}: {first} "
-            "(run with -v for the traceback)",
+            f"clone-pipeline {args.command}: error: {text} (run with -v for the traceback)",
             file=sys.stderr,
         )
         return EXIT_FAILED

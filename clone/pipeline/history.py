@@ -123,6 +123,35 @@ def _text(value: bytes | str | None) -> str | None:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
+def read_data_dir_span(path: str) -> HistorySpan:
+    """What a data directory holds, from its bounds alone (two indexed reads,
+    no update or key read): the audit decides from this whether a state can be
+    rebuilt before it reads anything in bulk (issue 29)."""
+    from clone.storage.schema import DATA_FILE, connect_readonly, read_position, verify
+
+    db = Path(path)
+    if db.is_dir():
+        db = db / DATA_FILE
+    if not db.exists():
+        raise InputError(f"{path}: no {DATA_FILE} here (not a Clone data directory)")
+    try:
+        conn = connect_readonly(db)
+        try:
+            verify(conn, db)
+            conn.execute("BEGIN")
+            (first,) = conn.execute("SELECT MIN(seq) FROM log").fetchone()
+            sequence, _term = read_position(conn, db)
+            conn.execute("COMMIT")
+        finally:
+            conn.close()
+    except StorageError as exc:
+        raise InputError(f"{path}: {exc}") from None
+    except sqlite3.Error as exc:
+        raise InputError(f"{path}: cannot read {db}: {exc}") from None
+    first = sequence + 1 if first is None else int(first)
+    return HistorySpan(str(path), first, sequence, sequence)
+
+
 def read_data_dir(path: str) -> DataDirHistory:
     """``path/clone.db`` (or a ``clone.db`` / ``clone backup`` file itself):
     its ``log`` and ``kv`` tables, read-only, without disturbing a running server."""

@@ -83,6 +83,62 @@ class LoadResult:
     retries: int = 0
     reasons: list[tuple[str, int]] = field(default_factory=list)
     rejects_path: str | None = None
+    #: CSV: the line of the first row rejected for each reason.
+    first_lines: dict[str, int] = field(default_factory=dict)
+    #: Rows not written because the manifest resumed says they were confirmed.
+    skipped: int = 0
+    manifest: str | None = None
+
+
+_MANIFEST_FORMAT = 1
+
+
+def _write_manifest(
+    path: str, source: str, rows: int, partitions: int, results: Sequence[Any], complete: bool
+) -> None:
+    """What each partition confirmed, for ``load --resume`` (driver-side, small)."""
+    data = {
+        "format": _MANIFEST_FORMAT,
+        "input": os.path.abspath(source),
+        "rows": rows,
+        "partitions": partitions,
+        "complete": complete,
+        "confirmed_through": {
+            str(int(r["partition"])): r["confirmed_through"]
+            for r in results
+            if r["confirmed_through"] is not None
+        },
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2)
+    os.replace(tmp, path)
+
+
+def _resume_from(path: str, source: str, rows: int) -> tuple[int, dict[int, str]]:
+    """(partitions, confirmed-through key per partition) of a manifest that
+    matches this input; an :class:`InputError` saying why not otherwise."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+        if data.get("format") != _MANIFEST_FORMAT:
+            raise ValueError(f"format {data.get('format')!r}, not {_MANIFEST_FORMAT}")
+        partitions = int(data["partitions"])
+        through = {int(p): str(k) for p, k in dict(data["confirmed_through"]).items()}
+        expected = (str(data["input"]), int(data["rows"]))
+    except FileNotFoundError:
+        raise InputError(f"manifest {path} does not exist") from None
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise InputError(f"manifest {path} is not a load manifest: {exc}") from None
+    if expected != (os.path.abspath(source), rows):
+        raise InputError(
+            f"manifest {path} is for {expected[0]} with {expected[1]} rows to write, "
+            f"not {os.path.abspath(source)} with {rows}"
+        )
+    if partitions < 1 or any(not 0 <= p < partitions for p in through):
+        raise InputError(f"manifest {path} names partitions out of range")
+    return partitions, through
 
 
 def _write_partitions(rows: int, parallelism: int) -> int:
@@ -104,19 +160,25 @@ def load_table(
     confirm_timeout: float = 30.0,
     heartbeat: float = 1.0,
     curve_files: tuple[str | None, str | None] = (None, None),
+    manifest: str | None = None,
+    resume: str | None = None,
 ) -> LoadResult:
     """Validate a table, write the rejects with their reasons, and write the
     rest into the pair with confirmed writes from the executors.
 
     ``curve_files``: the client's secret certificate and the server's public
     one, for a secured pair (each executor opens them: :class:`WriterConfig`).
+    ``manifest``: where to record what each partition confirmed (JSON);
+    ``resume``: a manifest of an earlier load of the same input: only the rows
+    it does not cover are written, and it is brought up to date.
     Raises :class:`WriteFailed` when rows could not be stored.
     """
     from pyspark import StorageLevel
+    from pyspark.sql import functions as F
 
     from clone.pipeline.progress import stage_progress
     from clone.pipeline.snapshot import find_active
-    from clone.pipeline.sources import read_table
+    from clone.pipeline.sources import INPUT_LINE, read_table
     from clone.pipeline.transforms import (
         REJECT_REASON,
         LoadColumns,
@@ -136,8 +198,16 @@ def load_table(
 
     checked = checked.persist(StorageLevel.MEMORY_AND_DISK)
     try:
+        aggs = [F.count(F.lit(1)).alias("count")]
+        if INPUT_LINE in checked.columns:  # CSV: where each reason first occurs
+            aggs.append(F.min(INPUT_LINE).alias("first_line"))
         with stage_progress(spark, "validate"):
-            counts = checked.groupBy(REJECT_REASON).count().collect()
+            counts = checked.groupBy(REJECT_REASON).agg(*aggs).collect()
+        first_lines = {
+            str(r[REJECT_REASON]): int(r.asDict()["first_line"])
+            for r in counts
+            if r[REJECT_REASON] is not None and r.asDict().get("first_line") is not None
+        }
         reasons = sorted(
             ((r[REJECT_REASON], int(r["count"])) for r in counts if r[REJECT_REASON] is not None),
             key=lambda rc: (-rc[1], rc[0]),
@@ -152,6 +222,9 @@ def load_table(
 
         parallelism = spark.sparkContext.defaultParallelism
         partitions = _write_partitions(to_write, parallelism)
+        through: dict[int, str] = {}
+        if resume is not None:
+            partitions, through = _resume_from(resume, path, to_write)
         config = WriterConfig(
             servers=tuple(servers),
             subtree=cols.subtree or None,
@@ -160,9 +233,15 @@ def load_table(
             heartbeat=heartbeat,
             curve_secret=curve_files[0],
             server_key=curve_files[1],
+            resume=tuple(sorted(through.items())),
         )
         log.info("writing %d rows in %d partitions", to_write, partitions)
-        records = write_records(checked).repartition(partitions)
+        # By key into partitions, in key order within each: the same rows go to
+        # the same partition in the same order on a rerun, so "every row up to
+        # key K of partition P is confirmed" is all a manifest needs to say.
+        records = (
+            write_records(checked).repartition(partitions, "key").sortWithinPartitions("key")
+        )
         write_started = time.monotonic()
         with stage_progress(spark, f"load {to_write:,} rows"):
             results = records.mapInArrow(arrow_partition_writer(config), RESULT_SCHEMA).collect()
@@ -182,6 +261,10 @@ def load_table(
     written = sum(int(r["written"]) for r in results)
     failed = sum(int(r["failed"]) for r in results)
     retries = sum(int(r["retries"]) for r in results)
+    skipped = sum(int(r["skipped"]) for r in results)
+    manifest_path = resume or manifest
+    if manifest_path is not None:
+        _write_manifest(manifest_path, path, to_write, partitions, results, failed == 0)
     result = LoadResult(
         written=written,
         rejected=rejected,
@@ -192,12 +275,17 @@ def load_table(
         retries=retries,
         reasons=reasons,
         rejects_path=rejects_path,
+        first_lines=first_lines,
+        skipped=skipped,
+        manifest=manifest_path,
     )
-    if failed or written != to_write:
+    if failed or written + skipped != to_write:
         errors = sorted({str(r["error"]) for r in results if r["error"]})
+        again = f"; to write only the rest: load --resume {manifest_path}" if manifest_path else ""
         raise WriteFailed(
             f"{failed} of {to_write} rows could not be stored "
-            f"({written} written, {rejected} rejected): {errors[0] if errors else 'unknown'}"
+            f"({written} written, {skipped} skipped as confirmed before, {rejected} rejected): "
+            f"{errors[0] if errors else 'unknown'}{again}"
         )
     return result
 
@@ -461,6 +549,23 @@ def _audit_inputs(spark: SparkSession, paths: Sequence[str]) -> tuple[Any, Any, 
     return reduce(DataFrame.unionByName, updates), states, spans
 
 
+def _audit_span(path: str) -> Any:
+    """The :class:`~clone.pipeline.history.HistorySpan` of an audit input, from
+    its bounds only (a data directory's log and position, an export's meta)."""
+    from clone.pipeline.history import HistorySpan, read_data_dir_span, read_history_meta
+    from clone.storage.schema import DATA_FILE
+
+    if os.path.isfile(os.path.join(path, DATA_FILE)) or os.path.isfile(path):
+        return read_data_dir_span(path)
+    meta = read_history_meta(path)
+    if meta is None:
+        raise InputError(
+            f"{path} is neither a data directory (no {DATA_FILE}) nor a history export "
+            "(no _clone_history.json; write one with clone-pipeline history)"
+        )
+    return HistorySpan(path, int(meta["since"]) + 1, int(meta["until"]))
+
+
 def audit(
     spark: SparkSession,
     inputs: Sequence[str],
@@ -489,6 +594,11 @@ def audit(
     from clone.pipeline.errors import HistoryIncomplete
     from clone.pipeline.history import state_arrow_schema
 
+    # Refuse first: what can be rebuilt follows from the inputs' bounds, read
+    # without a single update or key; only then is anything read in bulk.
+    cov = A.coverage([_audit_span(path) for path in inputs])
+    for seq in ([] if at is None else [at]) + ([] if diff is None else list(diff)):
+        A.plan_state(cov, seq)
     raw, states, spans = _audit_inputs(spark, inputs)
     cov = A.coverage(spans)
     updates = A.distinct_updates(raw).persist(StorageLevel.MEMORY_AND_DISK)

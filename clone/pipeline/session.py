@@ -86,15 +86,28 @@ logger.blockmanager.level = error
 logger.tsm.name = org.apache.spark.scheduler.TaskSetManager
 logger.tsm.level = error
 """
+# Without -v: a task's failure reaches Python as an exception, which the CLI
+# turns into one line; the executor's own ERROR line with the Java trace
+# would only repeat it at length (issue 29).
+_QUIET_TASKS = """\
+logger.executor.name = org.apache.spark.executor.Executor
+logger.executor.level = off
+logger.tsm.level = off
+logger.pyrunner.name = org.apache.spark.api.python.PythonRunner
+logger.pyrunner.level = off
+"""
 
 
 def _log4j_config() -> str:
-    digest = hashlib.sha1(_LOG4J2.encode()).hexdigest()[:12]
+    text = _LOG4J2
+    if not logging.getLogger("clone.pipeline").isEnabledFor(logging.DEBUG):
+        text += _QUIET_TASKS
+    digest = hashlib.sha1(text.encode()).hexdigest()[:12]
     path = os.path.join(tempfile.gettempdir(), f"clone-pipeline-log4j2-{digest}.properties")
     if not os.path.exists(path):
         tmp = f"{path}.{os.getpid()}"
         with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(_LOG4J2)
+            fh.write(text)
         os.replace(tmp, path)
     return path
 

@@ -47,7 +47,14 @@ from clone.wire.codec import (
 )
 from clone.wire.protocol import BATCH_METADATA, HUGZ, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
 
-__all__ = ["Snapshot", "parse_servers", "endpoint_at", "find_active", "take_snapshot"]
+__all__ = [
+    "Snapshot",
+    "SilenceClock",
+    "parse_servers",
+    "endpoint_at",
+    "find_active",
+    "take_snapshot",
+]
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +76,36 @@ class Snapshot:
     snapshot_sequence: int
     server: str
     subtree: str
+
+
+class SilenceClock:
+    """How long a server has been silent: the time since it was last *heard*.
+
+    The rule (issue 29): handling what arrived (a thousand KVBATCHes of a large
+    store) takes our time, not the server's, so it never counts as silence.
+    The reader gives up only when :meth:`expired` and a poll that waited
+    nothing found nothing waiting; every message read calls :meth:`heard`.
+    Pure: the caller passes ``now``.
+    """
+
+    __slots__ = ("_last", "timeout")
+
+    def __init__(self, timeout: float, now: float) -> None:
+        if not timeout > 0:
+            raise ValueError("timeout must be > 0")
+        self.timeout = timeout
+        self._last = now
+
+    def heard(self, now: float) -> None:
+        self._last = max(self._last, now)
+
+    def left(self, now: float) -> float:
+        """Seconds the reader may still wait (<= 0: only a check, no wait)."""
+        return self._last + self.timeout - now
+
+    def expired(self, now: float, waiting: bool) -> bool:
+        """Give up: silent for ``timeout`` and nothing ``waiting`` to be read."""
+        return not waiting and self.left(now) <= 0
 
 
 def parse_servers(servers: str | Sequence[str]) -> list[str]:
@@ -201,23 +238,24 @@ def _snapshot_from(
     highest = 0
     try:
         dealer.send_multipart(encode_icanhaz(subtree))
-        quiet_since = clock()
+        silence = SilenceClock(timeout, clock())
         while True:
             if end is not None:
                 result = _replay(entries, stream, end.sequence, highest)
                 if result is not None:
                     return Snapshot(entries, result, end.sequence, server, subtree)
-            left = quiet_since + timeout - clock()
-            if left <= 0:
+            # After long handling ``left`` is <= 0: poll(0) still sees what waits.
+            ready = poller.poll(timeout=max(0, int(silence.left(clock()) * 1000)))
+            if silence.expired(clock(), waiting=bool(ready)):
                 what = "the snapshot" if end is None else "a heartbeat after the snapshot"
                 raise TimeoutError(f"{server} sent no more of {what} for {timeout:g}s")
-            for sock, _ in poller.poll(timeout=max(1, int(left * 1000))):
-                quiet_since = clock()
+            for sock, _ in ready:
                 for _ in range(_DRAIN):
                     try:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    silence.heard(clock())
                     if sock is sub:
                         stream.append(decode_update(frames))
                         continue

@@ -29,7 +29,6 @@ from functools import reduce
 from typing import Any
 from urllib.parse import urlsplit
 
-from pyspark.errors import AnalysisException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.types import (
@@ -43,7 +42,7 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from clone.pipeline.errors import InputError
+from clone.pipeline.errors import InputError, is_spark_error, one_line
 
 __all__ = [
     "UPDATE_EVENT_SCHEMA",
@@ -61,6 +60,10 @@ __all__ = [
     "read_export",
     "read_export_updates",
     "require_exists",
+    "INPUT_FILE",
+    "INPUT_LINE",
+    "INPUT_TEXT",
+    "INPUT_REASON",
     "read_export_meta",
 ]
 
@@ -192,25 +195,119 @@ def require_exists(path: str, what: str) -> None:
 
 
 def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__
+    return one_line(exc)
+
+
+#: Columns a CSV input gains (:func:`read_table`): where each record starts, and
+#: for a rejected record its original text.  The rejects keep them.
+INPUT_FILE = "input_file"
+INPUT_LINE = "input_line"
+INPUT_TEXT = "input_text"
+#: Why the reader itself rejected a row (CSV: fields, quoting, UTF-8; JSON: not
+#: JSON), null if it did not; merged into ``reject_reason`` by the load transform.
+INPUT_REASON = "__clone_input_reason"
+#: The column Spark's JSON reader puts a line that is not JSON in.
+JSON_CORRUPT = "_corrupt_record"
+# Records per Arrow batch out of the CSV parser.
+_CSV_BATCH = 20_000
 
 
 def read_table(spark: SparkSession, path: str, fmt: str = "parquet") -> DataFrame:
-    """A table to load.  CSV needs a header line; its columns are read as text."""
+    """A table to load.
+
+    CSV needs a header line; it is read as RFC 4180 by :mod:`clone.pipeline.csvinput`
+    in the executors, every column as text, with :data:`INPUT_FILE`,
+    :data:`INPUT_LINE`, :data:`INPUT_TEXT` and :data:`INPUT_REASON` added.
+    JSON lines that are not JSON get :data:`INPUT_REASON` "not JSON".
+    Any error of Spark's or the JVM's reading the input is an :class:`InputError`.
+    """
     if fmt not in TABLE_FORMATS:
         raise InputError(f"unknown format {fmt!r} (one of {', '.join(TABLE_FORMATS)})")
     require_exists(path, "input")
-    reader = spark.read.format(fmt)
-    if fmt == "csv":
-        reader = reader.option("header", "true").option("inferSchema", "false")
     try:
-        df = reader.load(path)
+        if fmt == "csv":
+            return _read_csv(spark, path)
+        df = spark.read.format(fmt).load(path)
         if not df.columns:
             raise InputError(f"input {path} has no columns (empty or not {fmt})")
-    except AnalysisException as exc:
+        if fmt == "json" and JSON_CORRUPT in df.columns:
+            df = df.withColumn(
+                INPUT_REASON,
+                F.when(F.col(JSON_CORRUPT).isNotNull(), F.lit("not JSON")).otherwise(
+                    F.lit(None).cast("string")
+                ),
+            )
+    except InputError:
+        raise
+    except Exception as exc:
+        if not is_spark_error(exc):
+            raise
         raise InputError(f"cannot read {fmt} input {path}: {_first_line(exc)}") from None
     return df
+
+
+def _read_csv(spark: SparkSession, path: str) -> DataFrame:
+    from clone.pipeline.csvinput import CsvHeaderError, parse_header
+
+    first = spark.read.text(path).limit(1).collect()
+    if not first:
+        raise InputError(f"input {path} has no columns (empty or not csv)")
+    try:
+        header = parse_header(str(first[0][0]).encode("utf-8") + b"\n")
+    except CsvHeaderError as exc:
+        raise InputError(f"csv input {path}: {exc}") from None
+    taken = {INPUT_FILE, INPUT_LINE, INPUT_TEXT, INPUT_REASON} & set(header)
+    if taken:
+        raise InputError(f"csv input {path} has column(s) {sorted(taken)}, which the reader adds")
+    schema = ", ".join(
+        [f"`{name}` string" for name in header]
+        + [f"{INPUT_FILE} string", f"{INPUT_LINE} long", f"{INPUT_TEXT} string",
+           f"{INPUT_REASON} string"]
+    )  # fmt: skip
+    files = spark.read.format("binaryFile").load(path).select("path", "content")
+    return files.mapInArrow(_csv_parser(header), schema)
+
+
+def _csv_parser(header: tuple[str, ...]) -> Any:
+    """A ``mapInArrow`` function: files (path, content) in, records out."""
+
+    def run(batches: Any) -> Any:
+        import pyarrow as pa
+
+        from clone.pipeline.csvinput import CsvHeaderError, parse_records
+
+        names = [*header, INPUT_FILE, INPUT_LINE, INPUT_TEXT, INPUT_REASON]
+        types = [pa.string()] * (len(header) + 1) + [pa.int64(), pa.string(), pa.string()]
+        schema = pa.schema(list(zip(names, types, strict=True)))
+
+        def batch(rows: list[tuple[Any, ...]]) -> Any:
+            columns = list(zip(*rows, strict=True)) if rows else [()] * len(names)
+            return pa.RecordBatch.from_arrays(
+                [pa.array(c, t) for c, t in zip(columns, types, strict=True)], schema=schema
+            )
+
+        blank = (None,) * len(header)
+        for files in batches:
+            for file, content in zip(
+                files.column("path").to_pylist(), files.column("content").to_pylist(),
+                strict=True,
+            ):  # fmt: skip
+                rows: list[tuple[Any, ...]] = []
+                try:
+                    for rec in parse_records(content, header):
+                        if rec.fields is None:
+                            rows.append((*blank, file, rec.line, rec.text, rec.reason))
+                        else:
+                            rows.append((*rec.fields, file, rec.line, None, None))
+                        if len(rows) >= _CSV_BATCH:
+                            yield batch(rows)
+                            rows = []
+                except CsvHeaderError as exc:
+                    rows.append((*blank, file, 1, None, f"file not read: {exc}"))
+                if rows:
+                    yield batch(rows)
+
+    return run
 
 
 def read_drill_summaries(paths: Sequence[str]) -> list[DrillRun]:
@@ -289,7 +386,9 @@ def read_export(spark: SparkSession, path: str) -> tuple[DataFrame, ExportMeta]:
     meta = read_export_meta(path)
     try:
         df = spark.read.schema(EXPORT_SCHEMA).parquet(path)
-    except AnalysisException as exc:
+    except Exception as exc:
+        if not is_spark_error(exc):
+            raise
         raise InputError(f"cannot read export {path}: {_first_line(exc)}") from None
     return df, meta
 

@@ -35,6 +35,7 @@ from pyspark.sql.types import (
 )
 
 from clone.pipeline.errors import InputError
+from clone.pipeline.sources import INPUT_FILE, INPUT_LINE, INPUT_REASON, INPUT_TEXT
 from clone.wire.codec import RESERVED_KEYS
 from clone.wire.protocol import MAX_KEY_BYTES, MAX_TTL_SECONDS, MAX_VALUE_BYTES
 
@@ -65,6 +66,7 @@ _KEY = "__clone_key"
 _VALUE = "__clone_value"
 _TTL = "__clone_ttl"
 _DUPES = "__clone_dupes"
+_INPUT_REASON = INPUT_REASON
 # The server's rule for a ttl given as text (clone.server.ttl.parse_ttl).
 _DECIMAL_RE = r"^(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)$"
 _PERCENTILES = (0.5, 0.9, 0.99)
@@ -168,7 +170,9 @@ def with_reject_reason(df: DataFrame, cols: LoadColumns) -> DataFrame:
     schema = {f.name: f.dataType for f in df.schema.fields}
     for name in (cols.key, cols.value, cols.ttl):
         if name is not None and name not in schema:
-            raise InputError(f"input has no column {name!r} (columns: {', '.join(df.columns)})")
+            added = {INPUT_FILE, INPUT_LINE, INPUT_TEXT, INPUT_REASON}
+            given = [c for c in df.columns if c not in added]
+            raise InputError(f"input has no column {name!r} (columns: {', '.join(given)})")
     key = _as_text(F.col(cols.key), schema[cols.key], f"key column {cols.key!r}")
     value = _as_bytes(F.col(cols.value), schema[cols.value])
     if cols.ttl is not None:
@@ -189,8 +193,16 @@ def with_reject_reason(df: DataFrame, cols: LoadColumns) -> DataFrame:
     )
     k, v = F.col(_KEY), F.col(_VALUE)
     key_bytes, value_bytes = F.octet_length(k), F.octet_length(v)
+    # The reader's verdict first (a CSV record with the wrong field count, bytes
+    # that are not UTF-8, a JSON line that is not JSON): its columns are null.
+    if _INPUT_REASON in schema:
+        first = F.when(F.col(_INPUT_REASON).isNotNull(), F.col(_INPUT_REASON)).when(
+            k.isNull(), F.lit("key is null")
+        )
+    else:
+        first = F.when(k.isNull(), F.lit("key is null"))
     reason = (
-        F.when(k.isNull(), F.lit("key is null"))
+        first
         .when(~F.is_valid_utf8(k), F.lit("key is not valid UTF-8"))
         .when(key_bytes == 0, F.lit("key is empty"))
         .when(
@@ -224,7 +236,7 @@ def with_reject_reason(df: DataFrame, cols: LoadColumns) -> DataFrame:
         )
         .otherwise(ttl_reason)
     )
-    return staged.withColumn(REJECT_REASON, reason).drop(_DUPES)
+    return staged.withColumn(REJECT_REASON, reason).drop(_DUPES, _INPUT_REASON)
 
 
 def rejected_rows(checked: DataFrame) -> DataFrame:

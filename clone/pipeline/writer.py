@@ -1,18 +1,23 @@
 """Confirmed writes from a Spark executor, a bounded number in flight.
 
-How this works: each partition opens its own :class:`clone.Clone` client
-(one connection to the pair, subscribed to the load's subtree so that it sees
-its own updates come back) and writes its rows with ``set_async``: a write
-counts as stored only when the active server has republished its uuid.  The
-partition's one thread keeps up to ``max_in_flight`` confirmed writes
-outstanding; their futures report back on a queue, which is also where a full
-window waits.  No thread pool: threads would only fight over the GIL and the
-client's command pipe.  Across a failover the client resends
-unconfirmed writes to the new active server by itself (same uuid, the servers
-deduplicate); a write that still times out is tried again with a fresh uuid
-up to ``attempts`` times.  After ``max_failures`` rows failed for good, the
-partition stops taking new rows and counts the rest as failed, so a dead
-cluster ends the job in seconds rather than hours.
+How this works: each partition opens its own
+:class:`clone.client.writeonly.WriteOnlyClone`: a client that keeps no copy
+of the store (no snapshot, whatever the store's size), hears the servers'
+HUGZ only, and sends each row as a ``set`` call that the active server
+answers once the update is committed.  So a partition starts writing as soon
+as it has heard one heartbeat, and a load puts no snapshot pressure on the
+pair (issue 29: eight partitions each copying a 1.1M-key store first).
+
+The partition's one thread keeps up to ``max_in_flight`` writes outstanding;
+their futures (completed by the client's I/O thread) report back on a
+queue, which is also where a full window waits.  No worker threads, no
+semaphore: more threads would only fight over the GIL.  Across a failover
+the client sends unanswered writes to the new active server by itself (same
+uuid, the servers deduplicate); a write that still times out is tried again
+with a fresh uuid up to ``attempts`` times.  When no server has sent a
+heartbeat for ``dead_after`` seconds every unanswered write fails at once;
+after ``max_failures`` rows failed for good, the partition stops taking new
+rows and counts the rest as failed, so a dead pair ends the job in seconds.
 
 :func:`write_partition` is plain Python over an iterator of rows (tests drive
 it with a fake client); :func:`arrow_partition_writer` adapts it to Spark's
@@ -24,6 +29,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -47,8 +53,8 @@ log = logging.getLogger(__name__)
 
 #: One row per partition, as mapInArrow returns it.
 RESULT_SCHEMA = (
-    "partition long, rows long, written long, failed long, retries long, seconds double, "
-    "error string"
+    "partition long, rows long, written long, failed long, retries long, skipped long, "
+    "seconds double, error string, confirmed_through string"
 )
 
 Row = tuple[str, bytes, float]
@@ -71,13 +77,22 @@ class WriterConfig:
     """How a partition connects and writes (pickled to the executors)."""
 
     servers: tuple[str, ...]
+    #: The load's --subtree (the write-only client subscribes to HUGZ only:
+    #: the keys were checked against it when the rows were validated).
     subtree: str | None = None
     max_in_flight: int = 64
     confirm_timeout: float = 30.0
     attempts: int = 3
     max_failures: int = 10
     heartbeat: float = 1.0
+    #: Seconds to wait for the first heartbeat of an active server.
     sync_timeout: float = 30.0
+    #: Seconds without a heartbeat from any server after which the pair is
+    #: taken for dead and every unanswered write fails.
+    dead_after: float = 10.0
+    #: Resuming: per partition, the key through which every row was confirmed
+    #: by an earlier run (rows come sorted by key: those up to it are skipped).
+    resume: tuple[tuple[int, str], ...] = ()
     #: CURVE: the client's secret certificate and the server's public one, as
     #: paths (never the keys themselves: they would travel inside the tasks).
     curve_secret: str | None = None
@@ -113,8 +128,12 @@ class PartitionResult:
     written: int = 0
     failed: int = 0
     retries: int = 0
+    skipped: int = 0
     seconds: float = 0.0
     error: str | None = None
+    #: Every row of the partition up to this key (rows come in key order) was
+    #: confirmed, by this run or the one resumed; None: none yet.
+    confirmed_through: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -123,29 +142,40 @@ class PartitionResult:
             "written": self.written,
             "failed": self.failed,
             "retries": self.retries,
+            "skipped": self.skipped,
             "seconds": self.seconds,
             "error": self.error,
+            "confirmed_through": self.confirmed_through,
         }
 
 
 def _default_client(config: WriterConfig) -> ClientLike:
-    from clone.client.frontend import Clone
+    from clone.client.frontend import load_curve_keys
+    from clone.client.writeonly import WriteOnlyClone
 
     curve_secret, server_key = executor_curve_files(config)
-    return Clone(
+    return WriteOnlyClone(
         list(config.servers),
-        subtree=config.subtree or None,
-        curve_secret=curve_secret,
-        server_key=server_key,
-        heartbeat=config.heartbeat,
+        curve=load_curve_keys(curve_secret, server_key),
         # At least half a second of silence before failing over: with a fast
         # heartbeat a busy executor would otherwise fail over by accident.
         server_timeout=max(2.5 * config.heartbeat, 0.5),
         confirm_timeout=config.confirm_timeout,
+        dead_after=config.dead_after,
     )
 
 
-_Done = tuple["Future[None]", Row, int]
+class _Slot:
+    """A row's place in the partition's order, for the confirmed-through mark."""
+
+    __slots__ = ("done", "key")
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.done = False
+
+
+_Done = tuple["Future[None]", Row, int, _Slot]
 
 
 class _Window:
@@ -156,17 +186,21 @@ class _Window:
         self._config = config
         self._result = result
         self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
+        self._order: deque[_Slot] = deque()
         self.outstanding = 0
 
-    def submit(self, row: Row, attempt: int = 1) -> None:
+    def submit(self, row: Row, attempt: int = 1, slot: _Slot | None = None) -> None:
         key, value, ttl = row
+        if slot is None:
+            slot = _Slot(key)
+            self._order.append(slot)
         try:
             fut = self._client.set_async(key, value, ttl, timeout=self._config.confirm_timeout)
         except (CloneError, ValueError, TypeError) as exc:  # closed client, bad row
             self._fail(key, exc)
             return
         self.outstanding += 1
-        fut.add_done_callback(lambda f: self._done.put((f, row, attempt)))
+        fut.add_done_callback(lambda f: self._done.put((f, row, attempt, slot)))
 
     def wait_for_room(self) -> None:
         while self.outstanding >= self._config.max_in_flight:
@@ -179,18 +213,21 @@ class _Window:
             self._settle(self._done.get())
 
     def _settle(self, item: _Done) -> None:
-        fut, row, attempt = item
+        fut, row, attempt, slot = item
         self.outstanding -= 1
         exc = fut.exception()
         if exc is None:
             self._result.written += 1
+            slot.done = True
+            while self._order and self._order[0].done:  # rows confirmed in order so far
+                self._result.confirmed_through = self._order.popleft().key
             return
         key = row[0]
         config = self._config
         if isinstance(exc, ConfirmTimeout) and attempt < config.attempts:
             log.warning("write %d/%d of %r not confirmed: %s", attempt, config.attempts, key, exc)
             self._result.retries += 1
-            self.submit(row, attempt + 1)  # a fresh uuid: a new write, not a resend
+            self.submit(row, attempt + 1, slot)  # a fresh uuid: a new write, not a resend
             return
         self._fail(key, exc)
 
@@ -225,8 +262,13 @@ def write_partition(
             result.error = f"no server answered: {exc}"
             return result
         window = _Window(client, config, result)
+        through = dict(config.resume).get(partition)
+        result.confirmed_through = through
         for row in rows:
             result.rows += 1
+            if through is not None and row[0] <= through:
+                result.skipped += 1  # confirmed by the run resumed
+                continue
             window.wait_for_room()
             if result.failed >= config.max_failures:
                 result.failed += 1
@@ -269,8 +311,15 @@ def arrow_partition_writer(
         partition = ctx.partitionId() if ctx is not None else 0
         result = write_partition(_rows_of(batches), config, partition)
         schema = pa.schema(
-            [(name, pa.int64()) for name in ("partition", "rows", "written", "failed", "retries")]
-            + [("seconds", pa.float64()), ("error", pa.string())]
+            [
+                (name, pa.int64())
+                for name in ("partition", "rows", "written", "failed", "retries", "skipped")
+            ]
+            + [
+                ("seconds", pa.float64()),
+                ("error", pa.string()),
+                ("confirmed_through", pa.string()),
+            ]
         )
         yield pa.RecordBatch.from_pylist([result.as_dict()], schema=schema)
 

@@ -367,3 +367,26 @@ def test_load_export_and_history_against_a_curve_server(
     code = main(["export", "--servers", ep, "--output", str(tmp_path / "x"), "--timeout", "1"])
     assert code == 2
     assert "delivered a snapshot" in capsys.readouterr().err
+
+
+def test_audit_refuses_from_the_bounds_before_any_bulk_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A state the history cannot rebuild is refused from the inputs' bounds:
+    no update is read (the bulk reader must not even be called) and Spark is
+    not touched (``spark`` is None here)."""
+    from clone.pipeline import jobs
+
+    export = tmp_path / "h"
+    export.mkdir()
+    (export / "_clone_history.json").write_text(json.dumps({"since": 6, "until": 10, "rows": 4}))
+
+    def no_bulk_read(*_args: object) -> None:
+        raise AssertionError("the audit read the history before refusing")
+
+    monkeypatch.setattr(jobs, "_audit_inputs", no_bulk_read)
+    for at, diff in [(3, None), (None, (2, 10)), (11, None)]:
+        with pytest.raises(HistoryIncomplete):
+            jobs.audit(None, [str(export)], str(tmp_path / "out"), at=at, diff=diff)  # type: ignore[arg-type]
+    with pytest.raises(AssertionError, match="before refusing"):  # a state it can rebuild
+        jobs.audit(None, [str(export)], str(tmp_path / "out"), at=None)  # type: ignore[arg-type]

@@ -199,5 +199,13 @@ def test_rejects_default_to_results_under_the_working_directory(
     where = work / "results" / "clone-pipeline-rejects"
     assert f"rejected rows and reasons: {where}\n" in out
     rows = [json.loads(line) for f in sorted(where.glob("*.json")) for line in f.open()]
-    assert rows == [{"key": "HUGZ", "value": "2", "reject_reason": "key 'HUGZ' is reserved"}]
+    assert rows == [
+        {
+            "key": "HUGZ",
+            "value": "2",
+            "input_file": f"file:{table}",  # as Hadoop names it
+            "input_line": 3,
+            "reject_reason": "key 'HUGZ' is reserved",
+        }
+    ]
     assert sorted(p.name for p in work.iterdir()) == ["results"]  # nothing else left behind

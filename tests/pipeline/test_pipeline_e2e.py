@@ -24,6 +24,7 @@ from tests.support.servers import ServerProcess, Servers
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(180)]
 
 HB = 0.1
+ROWS_FO = 10_000
 BAD_ROWS: list[tuple[str | None, bytes | None, float | None]] = [
     (None, b"v", None),
     ("", b"v", None),
@@ -122,7 +123,9 @@ def test_load_survives_a_failover(
 ) -> None:
     primary, backup = servers.pair()
     eps = f"{endpoint(primary)},{endpoint(backup)}"
-    good = _table(tmp_path / "t.parquet", 3000, "/fo/", bad=False)
+    # Enough rows that the kill (after 500 are stored) comes mid-load: the
+    # write-only writers start at once, and 3,000 rows could be done first.
+    good = _table(tmp_path / "t.parquet", ROWS_FO, "/fo/", bad=False)
 
     stored_at_kill: list[int] = []
 
@@ -142,9 +145,9 @@ def test_load_survives_a_failover(
     )  # fmt: skip
     killer.join(10)
     out, err = capsys.readouterr()
-    assert stored_at_kill and stored_at_kill[0] < 3000, "the primary was killed too late"
+    assert stored_at_kill and stored_at_kill[0] < ROWS_FO, "the primary was killed too late"
     assert code == 0, out + err
-    assert "rows written:  3000" in out
+    assert f"rows written:  {ROWS_FO}" in out
     backup.wait_log("now ACTIVE")
     with _client(backup) as c:
         assert {e.key: e.value for e in c.entries("/fo/")} == {k: v for k, (v, _) in good.items()}

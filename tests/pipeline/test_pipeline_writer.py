@@ -98,3 +98,23 @@ def test_unreachable_servers_fail_every_row(where: str) -> None:
     result = write_partition(_rows(7), CONFIG, client_factory=factory)
     assert (result.rows, result.written, result.failed) == (7, 0, 7)
     assert result.error is not None
+
+
+def test_confirmed_through_stops_at_the_first_row_not_confirmed() -> None:
+    config = WriterConfig(servers=CONFIG.servers, max_in_flight=4, attempts=1)
+    client = FakeClient(timeouts={"/k3": 1})
+    result = write_partition(_rows(6), config, client_factory=lambda _c: client)
+    assert (result.written, result.failed) == (5, 1)
+    assert result.confirmed_through == "/k2"  # /k4 and /k5 were confirmed, /k3 not
+
+
+def test_resume_skips_the_rows_confirmed_before() -> None:
+    rows = sorted(_rows(6))
+    config = WriterConfig(servers=CONFIG.servers, resume=((7, "/k2"),))
+    client = FakeClient()
+    result = write_partition(rows, config, 7, client_factory=lambda _c: client)
+    assert (result.rows, result.skipped, result.written) == (6, 3, 3)
+    assert sorted(client.stored) == ["/k3", "/k4", "/k5"]
+    assert result.confirmed_through == "/k5"
+    other = write_partition(rows, config, 1, client_factory=lambda _c: FakeClient())
+    assert (other.skipped, other.written) == (0, 6)  # another partition's mark
