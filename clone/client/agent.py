@@ -648,7 +648,7 @@ class Agent:
             frames = args[1:]
             msg = decode_kvset(frames)
             if confirm is None:
-                self._execute(fsm.write(msg, self._clock(), confirm_within=None, frames=frames))
+                self._execute(fsm.write_unconfirmed(msg, self._clock(), frames=frames))
             else:
                 self._execute(
                     fsm.write_confirmed(msg, self._clock(), within=confirm, frames=frames)

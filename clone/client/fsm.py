@@ -179,6 +179,11 @@ log = logging.getLogger(__name__)
 
 _Handler = Callable[["AgentFSM", int, Any, float], list[Action]]
 
+#: How long a restricted client's fire-and-forget write, sent as a call, is
+#: resent for at the most (a failover's worth, with room): then dropped
+#: without a word, as a published write lost with its server would be.
+ONEWAY_CALL_WITHIN = 10.0
+
 
 class AgentFSM(SnapshotSync, Failover, Writes, Calls):
     """The client agent's state machine.  Not thread-safe: the agent thread owns it.
@@ -192,6 +197,21 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
 
     # ----------------------------------------------------------------------
     # Inputs
+
+    def write_unconfirmed(
+        self, msg: KVMsg, now: float, *, frames: list[bytes] | None = None
+    ) -> list[Action]:
+        """A fire-and-forget write.  Unrestricted, it is published.  In
+        restricted mode a confirmed write is a call (:meth:`write_confirmed`),
+        and a client's writes must reach the server in the order it made them,
+        whichever it waited for: so this one is a call too, on the same
+        connection, resent until answered or :data:`ONEWAY_CALL_WITHIN` passes,
+        its reply waited for by nobody."""
+        if self.view is None:
+            return self.write(msg, now, confirm_within=None, frames=frames)
+        self.counters.writes_as_calls += 1
+        call = Call(OP_SET, msg.uuid, msg.key, msg.properties, msg.body)
+        return self.call(call, now, within=ONEWAY_CALL_WITHIN)
 
     def write_confirmed(
         self, msg: KVMsg, now: float, *, within: float, frames: list[bytes] | None = None

@@ -342,7 +342,7 @@ class AgentCounters:
     calls_not_active: int = 0
     late_replies: int = 0
     keepalives: int = 0  # lease keepalives sent (each a fresh call)
-    writes_as_calls: int = 0  # confirmed writes sent as calls (restricted mode)
+    writes_as_calls: int = 0  # writes sent as calls (restricted mode: every write)
     leases_lost: int = 0  # kept leases a server said are gone
     # Restricted mode: view heartbeats whose count differed from ours (a resync),
     # and those for a view that is not ours (our rights changed: a resync).
