@@ -6,10 +6,17 @@ and ``ctx`` (a zmq context of the test's own, tests/support/zmq_context.py)
 are registered here as plugins, so a test takes them as arguments without
 importing them.  Helpers that are not fixtures (``eventually``, the fake
 server, the raw CHP peer) are imported from :mod:`tests.support`.
+
+``slow`` and ``spark`` are not only written by hand: tests/support/markers.py
+gives them to every test that uses a real process or Spark (through its own
+code or any fixture), and fails a test that is neither but starts a process.
 """
 
 pytest_plugins = [
     "tests.support.servers",
     "tests.support.spark_session",
     "tests.support.zmq_context",
+    # --- markers: slow/spark given by code, the quick set's no-process guard,
+    # timeouts per marker (issue 24; see tests/support/markers.py) ---
+    "tests.support.markers",
 ]

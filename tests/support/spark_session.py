@@ -2,8 +2,16 @@
 
 tests/conftest.py registers this module as a plugin, so tests take a ``spark``
 argument.  Starting Spark costs
-about ten seconds, so the session is built once (whatever number of modules
-import the fixture) and stopped when the run ends.
+about ten seconds, so the session is built once per process (once per xdist
+worker; tests/support/markers.py puts the Spark tests in one xdist group, so
+one worker runs them all) and stopped when the run ends.
+
+A Spark test that fails may leave the session unusable: a timeout that
+interrupted a Py4J call leaves the gateway out of step (the JVM's answer to the
+interrupted call is read by the next one), and a JVM may have died.  So after
+a Spark test fails, the fixture probes the session (``spark.range(1).count()``
+in a thread, with a ceiling); when the probe fails or does not answer, the JVM
+is killed and the next Spark test gets a new session: one failure, no cascade.
 
 Jobs on separate executor JVMs (``CLUSTER_MASTER``) cannot share this JVM: they
 run ``clone-pipeline`` or ``spark-submit`` (``spark_script("spark-submit")``,
@@ -13,8 +21,10 @@ from pip's pyspark) as child processes, with :func:`child_env`.
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
+import threading
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -24,7 +34,22 @@ import pytest
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["CLUSTER_MASTER", "child_env", "spark_fixture", "shared_session", "spark_script"]
+__all__ = [
+    "CLUSTER_MASTER",
+    "child_env",
+    "discard_session",
+    "probe",
+    "spark_fixture",
+    "shared_session",
+    "spark_script",
+]
+
+log = logging.getLogger(__name__)
+
+#: How long the probe of a session after a failed test may take before the
+#: session counts as dead (a loaded machine answers ``range(1).count()`` in
+#: seconds; a gateway out of step never does, or answers wrongly).
+PROBE_TIMEOUT = 60.0
 
 # Two executors of one core and 1 GiB each, in JVMs of their own: what a
 # standalone cluster does, on this machine.
@@ -61,8 +86,77 @@ def shared_session() -> SparkSession:
     return build_session("local[2]", "clone-pipeline-tests")
 
 
-@pytest.fixture(scope="session", name="spark")
-def spark_fixture() -> Iterator[SparkSession]:
+def probe(session: SparkSession, timeout: float = PROBE_TIMEOUT) -> bool:
+    """Whether ``session`` still answers a trivial job correctly within ``timeout``."""
+    answer: list[object] = []
+
+    def run() -> None:
+        try:
+            answer.append(session.range(1).count())
+        except BaseException as exc:  # any failure means "not usable"
+            answer.append(exc)
+
+    worker = threading.Thread(target=run, name="spark-probe", daemon=True)
+    worker.start()
+    worker.join(timeout)
+    return answer == [1]
+
+
+def discard_session() -> None:
+    """Kill the JVM of the current session and forget it everywhere pyspark
+    remembers it, so that the next :func:`shared_session` builds a new one.
+    (``stop()`` is a Py4J call: through a gateway out of step it may hang.)"""
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    gateway = SparkContext._gateway
+    proc = getattr(gateway, "proc", None)
+    if proc is not None:
+        proc.kill()
+        try:
+            proc.wait(timeout=30)
+        except Exception:  # an unkillable JVM: still forget it
+            log.warning("the old Spark JVM (pid %s) did not exit", proc.pid)
+    if gateway is not None:
+        try:
+            gateway.close()
+        except Exception:  # its sockets go with the JVM anyway
+            pass
+    SparkContext._active_spark_context = None
+    SparkContext._gateway = None
+    SparkContext._jvm = None
+    SparkSession._instantiatedSession = None
+    SparkSession._activeSession = None
+    shared_session.cache_clear()
+
+
+_FAILED = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.failed:
+        item.stash[_FAILED] = True
+
+
+@pytest.fixture(name="spark")
+def spark_fixture(request: pytest.FixtureRequest) -> Iterator[SparkSession]:
     session = shared_session()
     yield session
-    session.stop()
+    if request.node.stash.get(_FAILED, False) and not probe(session):
+        log.warning("the Spark session no longer answers after %s: starting a new one",
+                    request.node.nodeid)
+        discard_session()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_spark() -> Iterator[None]:
+    """Stop the session at the end of the run, if one was started."""
+    yield
+    if shared_session.cache_info().currsize:
+        try:
+            shared_session().stop()
+        except Exception:  # a dead JVM at the end of the run
+            log.warning("stopping the Spark session failed", exc_info=True)
