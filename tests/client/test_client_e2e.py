@@ -326,23 +326,33 @@ def test_failover_at_default_settings_loses_no_confirmed_write(
 
 
 def test_the_client_learns_the_servers_heartbeat_unless_told_a_timeout(
-    servers: Servers,
+    servers: Servers, ctx: zmq.Context[zmq.Socket[bytes]]
 ) -> None:
     server = servers.standalone()
     learned = 4 * servers.heartbeat_ms
     with client(server, server_timeout=None) as c:
         eventually(lambda: c.status().counters["silence_timeout_ms"] == learned, what="learning")
     with client(server, server_timeout=0.7) as c:
-        c.set("/hb/probe", b"1", wait=True)  # a KVPUB and HUGZ have been seen
-        time.sleep(3 * HB)
+        c.set("/hb/probe", b"1", wait=True)
+        # Three HUGZ published after it (a SUB of our own sees them), then a
+        # write confirmed by a later KVPUB: the client has read those HUGZ.
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"HUGZ")
+        sub.connect(f"tcp://127.0.0.1:{server.port + 1}")
+        for _ in range(3):
+            assert sub.poll(30_000), "no HUGZ from the server"
+            sub.recv_multipart()
+        c.set("/hb/probe", b"2", wait=True)
         assert c.status().counters["silence_timeout_ms"] == 700
 
 
 @contextmanager
-def _raw_collector(server: ServerProcess) -> Iterator[zmq.Socket[bytes]]:
+def _raw_collector(
+    ctx: zmq.Context[zmq.Socket[bytes]], server: ServerProcess
+) -> Iterator[zmq.Socket[bytes]]:
     """A raw PUB on ``server``'s collector, with no high-water mark, for loading
-    many keys fast; closed (with its own context) afterwards."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    many keys fast; closed afterwards."""
     pub = ctx.socket(zmq.PUB)
     try:
         pub.setsockopt(zmq.SNDHWM, 0)
@@ -351,19 +361,32 @@ def _raw_collector(server: ServerProcess) -> Iterator[zmq.Socket[bytes]]:
         yield pub
     finally:
         pub.close(linger=0)
-        ctx.term()
 
 
-def test_large_snapshot_is_synced_and_listed(servers: Servers) -> None:
+def _collector_up(pub: zmq.Socket[bytes], c: Clone, first: list[bytes], key: str) -> None:
+    """Send ``first`` (the load's first message, for ``key``) until ``c`` has
+    it: a PUB drops what it sends before the server's subscription arrives."""
+
+    def arrived() -> bool:
+        pub.send_multipart(first)
+        return c.get(key) is not None
+
+    eventually(arrived, timeout=30, what="the raw PUB's connection to the collector")
+
+
+def test_large_snapshot_is_synced_and_listed(
+    servers: Servers, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
     """200k keys: the client syncs them and lists them within the default
     command timeout (5 s), which a reply of five frames per entry did not meet
     at 1M keys."""
     n = 200_000
     solo = servers.standalone()
-    with _raw_collector(solo) as pub:
-        with client(solo) as c:  # synced, so the PUB has a collector by now
-            time.sleep(0.2)
+    with _raw_collector(ctx, solo) as pub:
+        with client(solo) as c:
             body = b"x" * 100
+            _collector_up(pub, c, encode_kv(KVMsg("/big/0000000", 0, b"", (), body)),
+                          "/big/0000000")
             for i in range(n):
                 pub.send_multipart(encode_kv(KVMsg(f"/big/{i:07d}", 0, b"", (), body)))
             eventually(lambda: c.status().keys == n, timeout=60, what="every key applied")
@@ -379,26 +402,30 @@ def test_large_snapshot_is_synced_and_listed(servers: Servers) -> None:
         assert synced < 30, synced
 
 
-def test_batched_sync_of_a_large_map_with_properties(servers: Servers) -> None:
+def test_batched_sync_of_a_large_map_with_properties(
+    servers: Servers, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
     """Our client asks our server for KVBATCHes: tens of thousands of keys with
     ttl, properties and multi-byte keys arrive exactly as a watching client
     applied them from the live KVPUBs."""
     n = 30_000
     solo = servers.standalone()
-    with _raw_collector(solo) as pub:
-        with client(solo) as watcher:  # synced, so the PUB has a collector by now
-            time.sleep(0.2)
+    def update(i: int) -> list[bytes]:
+        if i % 100 == 0:
+            props: tuple[tuple[str, str], ...] = (("ttl", "3600"), ("owner", f"w{i}"))
+        elif i % 7 == 0:
+            props = (("kind", "séven"),)
+        else:
+            props = ()
+        body = b"v%d" % i * (1 + i % 5)
+        uuid = (i + 1).to_bytes(16, "big")
+        return encode_kv(KVMsg(f"/big/é{i:06d}", 0, uuid, props, body))
+
+    with _raw_collector(ctx, solo) as pub:
+        with client(solo) as watcher:
+            _collector_up(pub, watcher, update(0), "/big/é000000")
             for i in range(n):
-                if i % 100 == 0:
-                    props: tuple[tuple[str, str], ...] = (("ttl", "3600"), ("owner", f"w{i}"))
-                elif i % 7 == 0:
-                    props = (("kind", "séven"),)
-                else:
-                    props = ()
-                key = f"/big/é{i:06d}"
-                body = b"v%d" % i * (1 + i % 5)
-                uuid = (i + 1).to_bytes(16, "big")
-                pub.send_multipart(encode_kv(KVMsg(key, 0, uuid, props, body)))
+                pub.send_multipart(update(i))
             eventually(lambda: watcher.status().keys == n, timeout=60, what="every key applied")
             expected = watcher.entries()
             mark = solo.log_size()

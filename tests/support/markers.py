@@ -42,6 +42,7 @@ tests/conftest.py registers this module as a plugin.  It does three things:
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import os
 import subprocess
@@ -53,9 +54,11 @@ from typing import Any
 import pytest
 
 __all__ = [
+    "ALL_ITEMS",
     "SLOW_TIMEOUT",
     "SPARK_TIMEOUT",
     "ProcessInFastTest",
+    "paused",
     "process_fixtures",
     "uses",
 ]
@@ -82,6 +85,9 @@ _OS_STARTERS = frozenset(
 _FOLLOW = ("tests.", "clone.tools.")
 #: The partition drills' network namespaces: tests reaching it run on one worker.
 _NETNS = "clone.tools.drill.netns"
+
+#: Every collected test of the run, before ``-m`` deselects any.
+ALL_ITEMS = pytest.StashKey[list[pytest.Item]]()
 
 Kinds = frozenset[str]
 _NONE: Kinds = frozenset()
@@ -155,10 +161,18 @@ class _Reader:
                 if isinstance(func, types.FunctionType):
                     found |= self.kinds(func)
             return frozenset(found)
+        return self.code_of(obj)
+
+    def code_of(self, obj: object) -> Kinds:
+        """What a test or fixture function reaches, wherever it is defined."""
         func = getattr(obj, "__wrapped__", obj)
-        if isinstance(func, types.FunctionType):
-            return self._function(func)
-        return _NONE
+        if not isinstance(func, types.FunctionType):
+            return _NONE
+        key = id(func.__code__)
+        if key not in self._seen:
+            self._seen[key] = _NONE
+            self._seen[key] = self._function(func)
+        return self._seen[key]
 
     def _function(self, func: types.FunctionType) -> Kinds:
         found: set[str] = set()
@@ -205,10 +219,10 @@ def uses(item: pytest.Item) -> Kinds:
         for fixturedef in defs:
             if fixturedef.argname in SPARK_FIXTURE_NAMES:
                 continue  # the session's own code is Spark, not a process of the test
-            found |= _reader.kinds(fixturedef.func)
+            found |= _reader.code_of(fixturedef.func)
     function = getattr(item, "function", None)
     if function is not None:
-        found |= _reader.kinds(function)
+        found |= _reader.code_of(function)
     return frozenset(found)
 
 
@@ -218,7 +232,8 @@ def process_fixtures(item: pytest.Item) -> list[str]:
     out = []
     for name, defs in (info.name2fixturedefs.items() if info is not None else ()):
         if name in PROCESS_FIXTURE_NAMES or any(
-            "process" in _reader.kinds(d.func) for d in defs if d.argname not in SPARK_FIXTURE_NAMES
+            "process" in _reader.code_of(d.func) for d in defs
+            if d.argname not in SPARK_FIXTURE_NAMES
         ):
             out.append(name)
     return sorted(out)
@@ -241,6 +256,7 @@ def _timeout(item: pytest.Item, floor: float, method: str | None) -> None:
 @pytest.hookimpl(tryfirst=True)  # before -m deselects and xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     under_xdist = "PYTEST_XDIST_WORKER" in os.environ
+    config.stash[ALL_ITEMS] = items[:]  # before -m deselects: for tests/test_markers.py
     for item in items:
         found = uses(item)
         if "process" in found and item.get_closest_marker("slow") is None:
@@ -262,13 +278,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # 2. The run-time check: a fast test starts no process
 
 
-_current: list[pytest.Item] = []
+#: The test running now (None: a pause, see :func:`paused`).
+_current: list[pytest.Item | None] = []
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """Let the code in the block start processes (a nested collection imports
+    modules, and some imports run ``ldconfig``, as collection always may)."""
+    _current.append(None)
+    try:
+        yield
+    finally:
+        _current.pop()
 
 
 def _guarded(what: str, real: Callable[..., Any]) -> Callable[..., Any]:
     def guard(*args: Any, **kwargs: Any) -> Any:
-        if _current:
-            item = _current[-1]
+        item = _current[-1] if _current else None
+        if item is not None:
             if item.get_closest_marker("slow") is None and item.get_closest_marker("spark") is None:
                 detail = ""
                 if what == "subprocess" and len(args) > 1:
