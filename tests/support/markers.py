@@ -36,8 +36,11 @@ tests/conftest.py registers this module as a plugin.  It does three things:
    new worker, and that worker starts a new Spark session: one test fails, not
    thirty.  Without xdist the thread method would end the whole run, so there
    the ``signal`` method stays, and the ``spark`` fixture
-   (tests/support/spark_session.py) throws the session away after any Spark
-   test that failed and builds a new one if its probe does not answer.
+   (tests/support/spark_session.py) throws the session away after a Spark test
+   that failed with anything but an AssertionError (a timeout among them), so
+   the next Spark test starts a new one.  (pytest-timeout's
+   ``timeout_func_only`` would not help: it only leaves fixtures out of the
+   time; the call is still interrupted.)
 """
 
 from __future__ import annotations

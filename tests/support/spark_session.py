@@ -8,10 +8,11 @@ one worker runs them all) and stopped when the run ends.
 
 A Spark test that fails may leave the session unusable: a timeout that
 interrupted a Py4J call leaves the gateway out of step (the JVM's answer to the
-interrupted call is read by the next one), and a JVM may have died.  So after
-a Spark test fails, the fixture probes the session (``spark.range(1).count()``
-in a thread, with a ceiling); when the probe fails or does not answer, the JVM
-is killed and the next Spark test gets a new session: one failure, no cascade.
+interrupted call is read by the next call on that thread's connection: a probe
+from another thread would not see it), and a JVM may have died.  So after a
+Spark test fails with anything but an AssertionError, its JVM is killed and
+the next Spark test gets a new session; and a session whose JVM has exited is
+replaced before it is handed out: one failure, no cascade.
 
 Jobs on separate executor JVMs (``CLUSTER_MASTER``) cannot share this JVM: they
 run ``clone-pipeline`` or ``spark-submit`` (``spark_script("spark-submit")``,
@@ -23,8 +24,8 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import subprocess
 import sys
-import threading
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
@@ -38,7 +39,7 @@ __all__ = [
     "CLUSTER_MASTER",
     "child_env",
     "discard_session",
-    "probe",
+    "usable_session",
     "spark_fixture",
     "shared_session",
     "spark_script",
@@ -46,10 +47,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-#: How long the probe of a session after a failed test may take before the
-#: session counts as dead (a loaded machine answers ``range(1).count()`` in
-#: seconds; a gateway out of step never does, or answers wrongly).
-PROBE_TIMEOUT = 60.0
 
 # Two executors of one core and 1 GiB each, in JVMs of their own: what a
 # standalone cluster does, on this machine.
@@ -86,20 +83,21 @@ def shared_session() -> SparkSession:
     return build_session("local[2]", "clone-pipeline-tests")
 
 
-def probe(session: SparkSession, timeout: float = PROBE_TIMEOUT) -> bool:
-    """Whether ``session`` still answers a trivial job correctly within ``timeout``."""
-    answer: list[object] = []
+def _jvm() -> subprocess.Popen[bytes] | None:
+    """The JVM process of the current gateway (pyspark keeps it as ``proc``)."""
+    from pyspark import SparkContext
 
-    def run() -> None:
-        try:
-            answer.append(session.range(1).count())
-        except BaseException as exc:  # any failure means "not usable"
-            answer.append(exc)
+    return getattr(SparkContext._gateway, "proc", None)
 
-    worker = threading.Thread(target=run, name="spark-probe", daemon=True)
-    worker.start()
-    worker.join(timeout)
-    return answer == [1]
+
+def usable_session() -> SparkSession:
+    """:func:`shared_session`, unless its JVM has exited: then a new one."""
+    if shared_session.cache_info().currsize:
+        jvm = _jvm()
+        if jvm is not None and jvm.poll() is not None:
+            log.warning("the Spark JVM exited (%s): starting a new session", jvm.returncode)
+            discard_session()
+    return shared_session()
 
 
 def discard_session() -> None:
@@ -130,24 +128,32 @@ def discard_session() -> None:
     shared_session.cache_clear()
 
 
-_FAILED = pytest.StashKey[bool]()
+_BROKEN = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     outcome = yield
     report = outcome.get_result()
-    if report.when == "call" and report.failed:
-        item.stash[_FAILED] = True
+    # An AssertionError is raised by the test's own Python between Py4J calls;
+    # anything else (a timeout's Failed, a Py4JError, an interrupt) may have
+    # left a call half-way.
+    if (
+        report.when == "call"
+        and report.failed
+        and call.excinfo is not None
+        and not call.excinfo.errisinstance(AssertionError)
+    ):
+        item.stash[_BROKEN] = True
 
 
 @pytest.fixture(name="spark")
 def spark_fixture(request: pytest.FixtureRequest) -> Iterator[SparkSession]:
-    session = shared_session()
+    session = usable_session()
     yield session
-    if request.node.stash.get(_FAILED, False) and not probe(session):
-        log.warning("the Spark session no longer answers after %s: starting a new one",
-                    request.node.nodeid)
+    if request.node.stash.get(_BROKEN, False):
+        log.warning("%s failed with the session maybe half-way through a call: "
+                    "the next Spark test starts a new one", request.node.nodeid)
         discard_session()
 
 
