@@ -27,7 +27,7 @@ import os
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -131,10 +131,11 @@ def discard_session() -> None:
 _BROKEN = pytest.StashKey[bool]()
 
 
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    outcome = yield
-    report = outcome.get_result()
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
     # An AssertionError is raised by the test's own Python between Py4J calls;
     # anything else (a timeout's Failed, a Py4JError, an interrupt) may have
     # left a call half-way.
@@ -145,6 +146,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
         and not call.excinfo.errisinstance(AssertionError)
     ):
         item.stash[_BROKEN] = True
+    return report
 
 
 @pytest.fixture(name="spark")
