@@ -121,6 +121,10 @@ def test_hidden():
     importlib.import_module("subprocess").run(["true"])
 '''
 
+#: The inline sessions: our plugin, no xdist, no pytest-asyncio (which warns
+#: without the setup.cfg the inline directory lacks).
+_INLINE = ("-p", "tests.support.markers", "-p", "no:xdist", "-p", "no:asyncio")
+
 _PLAIN = '''
 import subprocess
 
@@ -134,7 +138,7 @@ def test_pure():
 
 def test_the_guard_fails_a_fast_test_that_starts_a_process(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_hidden=_HIDDEN)
-    result = pytester.runpytest_inprocess("-p", "tests.support.markers", "-p", "no:xdist")
+    result = pytester.runpytest_inprocess(*_INLINE)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(
         ["*ProcessInFastTest: test_hidden.py::test_hidden is not marked slow but starts a process*"]
@@ -144,7 +148,6 @@ def test_the_guard_fails_a_fast_test_that_starts_a_process(pytester: pytest.Pyte
 def test_the_reader_marks_a_test_that_uses_subprocess_slow(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_plain=_PLAIN)
     result = pytester.runpytest_inprocess(
-        "-p", "tests.support.markers", "-p", "no:xdist", "-m", "not slow", "--strict-markers",
-        "-o", "markers=slow\nspark",
+        *_INLINE, "-m", "not slow", "--strict-markers", "-o", "markers=slow\nspark"
     )
     result.assert_outcomes(passed=1, deselected=1)
