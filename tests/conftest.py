@@ -1,12 +1,16 @@
 """Fixtures every test directory may use.
 
 ``servers`` (real ``clone-server`` processes, tests/support/servers.py) and
-``spark`` (the one local SparkSession of the run, tests/support/spark_session.py)
+``spark`` (the local SparkSession of the process, tests/support/spark_session.py)
 and ``ctx`` (a zmq context of the test's own, tests/support/zmq_context.py)
 and Clone's own ``clone_server``/``fake_clone`` (:mod:`clone.testing`, as a
 user enables them) are registered here as plugins, so a test takes them as arguments without
 importing them.  Helpers that are not fixtures (``eventually``, the fake
 server, the raw CHP peer) are imported from :mod:`tests.support`.
+
+``slow`` and ``spark`` are not only written by hand: tests/support/markers.py
+gives them to every test that uses a real process or Spark (through its own
+code or any fixture), and fails a test that is neither but starts a process.
 """
 
 pytest_plugins = [
@@ -15,4 +19,16 @@ pytest_plugins = [
     "tests.support.zmq_context",
     # What a user of the library enables: clone_server and fake_clone.
     "clone.testing.pytest_plugin",
+    # --- markers: slow/spark given by code, the quick set's no-process guard,
+    # timeouts per marker (issue 24; see tests/support/markers.py) ---
+    "tests.support.markers",
 ]
+
+# --- hypothesis on a busy machine (issue 24): no per-example deadline and no
+# "input generation is slow" health check; a loaded machine made both fail
+# tests whose properties held (tests/wire/test_status.py::test_round_trip).
+# A test's own @settings still wins for what it sets. ---
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+settings.register_profile("clone", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("clone")

@@ -26,8 +26,10 @@ from clone.storage import DATA_FILE, check_state_file
 from clone.storage.schema import KV_COLUMNS
 from tests.support.chp_peer import ChpPeer
 from tests.support.servers import ROOT, ServerProcess, Servers
+from tests.support.waiting import eventually
 
 _SEQ = struct.Struct(">Q")
+_END = b"/zz/end"  # the writer's last key: all its KVPUBs are read once this one is
 Frames = tuple[bytes, bytes, bytes, bytes, bytes]
 
 
@@ -254,17 +256,17 @@ def test_backup_while_writes_flow_is_the_state_at_its_sequence(
         published: list[tuple[int, bytes, tuple[bytes, bytes, bytes, bytes]]] = []
 
         def record(count: int | None) -> None:
-            """``count`` KVPUBs, or (None) all of them until 0.5 s of quiet."""
+            """``count`` KVPUBs, or (None) all of them up to the end marker's."""
             if count is not None:
                 msgs = recorder.updates(count, timeout=60)
             else:
                 msgs = []
-                quiet_from = time.monotonic()
-                while time.monotonic() - quiet_from < 0.5:
+                deadline = time.monotonic() + 60  # bounds a hang only
+                while not msgs or msgs[-1].key != _END:
+                    assert time.monotonic() < deadline, "the end marker was not published"
                     m = recorder.recv(0.1)
                     if m is not None and not m.is_hugz:
                         msgs.append(m)
-                        quiet_from = time.monotonic()
             for m in msgs:
                 published.append(
                     (m.sequence, m.key, (_SEQ.pack(m.sequence), m.uuid, _props(m.props), m.body))
@@ -272,6 +274,7 @@ def test_backup_while_writes_flow_is_the_state_at_its_sequence(
 
         record(keys)
         stop = threading.Event()
+        written = [0]
 
         def write() -> None:
             i = 0
@@ -280,19 +283,22 @@ def test_backup_while_writes_flow_is_the_state_at_its_sequence(
                 # Every third write deletes: the deletes a fuzzy snapshot hides.
                 writer.kvset(key, b"" if i % 3 == 0 else b"write %d" % i)
                 i += 1
+                written[0] = i
                 if i % 50 == 0:
-                    time.sleep(0.005)
+                    time.sleep(0.005)  # a pace, not a wait: the backup gets turns too
 
         thread = threading.Thread(target=write, daemon=True)
         thread.start()
         try:
-            time.sleep(0.3)
+            eventually(lambda: written[0] >= 200, 60, "writes flowing before the backup")
             file = tmp_path / "flowing.backup"
             result = _backup(file, server)
-            time.sleep(0.2)
+            after = written[0]
+            eventually(lambda: written[0] >= after + 200, 60, "writes flowing after it")
         finally:
             stop.set()
             thread.join(10)
+        writer.kvset(_END, b"end")  # the last KVPUB record(None) reads
         _, sequence = _summary_ok(result, file)
         # The copy replayed updates after its snapshot (what this test is about).
         snapshot_end = int(result.stderr.split(" ends at ")[1].split()[0])

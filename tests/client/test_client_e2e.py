@@ -246,18 +246,27 @@ def test_failback_a_client_that_lists_the_passive_first_finds_the_active_at_once
             c.close()
     record_property("failback_get_s", max(times))
     print("failback: client with the passive first synced and read in", times)
-    assert max(times) < 1.0, times  # was 2.5 s + the sync
+    # Was 2.5 s + the sync, every time.  The best of three, not each, is held
+    # to 1 s: a busy machine may stall any one client (the counters above say
+    # each found the active by the hint).
+    assert min(times) < 1.0 and max(times) < 2.5, times
 
     # The command line, passive first, against active first (both pay for the
-    # interpreter's start).
-    r_active, t_active = _clone_get("/failback/k", backup, primary)
-    r_passive, t_passive = _clone_get("/failback/k", primary, backup)
-    for r in (r_active, r_passive):
-        assert (r.returncode, r.stdout) == (0, "v\n"), r.stderr
+    # interpreter's start), interleaved three times: the best of each compared,
+    # so one stalled interpreter start on a busy machine does not decide.
+    t_actives, t_passives = [], []
+    for _ in range(3):
+        r_active, t_active = _clone_get("/failback/k", backup, primary)
+        r_passive, t_passive = _clone_get("/failback/k", primary, backup)
+        for r in (r_active, r_passive):
+            assert (r.returncode, r.stdout) == (0, "v\n"), r.stderr
+        t_actives.append(t_active)
+        t_passives.append(t_passive)
+    t_active, t_passive = min(t_actives), min(t_passives)
     record_property("cli_get_active_first_s", t_active)
     record_property("cli_get_passive_first_s", t_passive)
     print(f"clone get: active first {t_active:.3f} s, passive first {t_passive:.3f} s")
-    assert t_passive < t_active + 1.0, (t_passive, t_active)
+    assert t_passive < t_active + 1.0, (t_passives, t_actives)
 
 
 @pytest.fixture
@@ -326,23 +335,33 @@ def test_failover_at_default_settings_loses_no_confirmed_write(
 
 
 def test_the_client_learns_the_servers_heartbeat_unless_told_a_timeout(
-    servers: Servers,
+    servers: Servers, ctx: zmq.Context[zmq.Socket[bytes]]
 ) -> None:
     server = servers.standalone()
     learned = 4 * servers.heartbeat_ms
     with client(server, server_timeout=None) as c:
         eventually(lambda: c.status().counters["silence_timeout_ms"] == learned, what="learning")
     with client(server, server_timeout=0.7) as c:
-        c.set("/hb/probe", b"1", wait=True)  # a KVPUB and HUGZ have been seen
-        time.sleep(3 * HB)
+        c.set("/hb/probe", b"1", wait=True)
+        # Three HUGZ published after it (a SUB of our own sees them), then a
+        # write confirmed by a later KVPUB: the client has read those HUGZ.
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, b"HUGZ")
+        sub.connect(f"tcp://127.0.0.1:{server.port + 1}")
+        for _ in range(3):
+            assert sub.poll(30_000), "no HUGZ from the server"
+            sub.recv_multipart()
+        c.set("/hb/probe", b"2", wait=True)
         assert c.status().counters["silence_timeout_ms"] == 700
 
 
 @contextmanager
-def _raw_collector(server: ServerProcess) -> Iterator[zmq.Socket[bytes]]:
+def _raw_collector(
+    ctx: zmq.Context[zmq.Socket[bytes]], server: ServerProcess
+) -> Iterator[zmq.Socket[bytes]]:
     """A raw PUB on ``server``'s collector, with no high-water mark, for loading
-    many keys fast; closed (with its own context) afterwards."""
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    many keys fast; closed afterwards."""
     pub = ctx.socket(zmq.PUB)
     try:
         pub.setsockopt(zmq.SNDHWM, 0)
@@ -351,19 +370,32 @@ def _raw_collector(server: ServerProcess) -> Iterator[zmq.Socket[bytes]]:
         yield pub
     finally:
         pub.close(linger=0)
-        ctx.term()
 
 
-def test_large_snapshot_is_synced_and_listed(servers: Servers) -> None:
+def _collector_up(pub: zmq.Socket[bytes], c: Clone, first: list[bytes], key: str) -> None:
+    """Send ``first`` (the load's first message, for ``key``) until ``c`` has
+    it: a PUB drops what it sends before the server's subscription arrives."""
+
+    def arrived() -> bool:
+        pub.send_multipart(first)
+        return c.get(key) is not None
+
+    eventually(arrived, timeout=30, what="the raw PUB's connection to the collector")
+
+
+def test_large_snapshot_is_synced_and_listed(
+    servers: Servers, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
     """200k keys: the client syncs them and lists them within the default
     command timeout (5 s), which a reply of five frames per entry did not meet
     at 1M keys."""
     n = 200_000
     solo = servers.standalone()
-    with _raw_collector(solo) as pub:
-        with client(solo) as c:  # synced, so the PUB has a collector by now
-            time.sleep(0.2)
+    with _raw_collector(ctx, solo) as pub:
+        with client(solo) as c:
             body = b"x" * 100
+            _collector_up(pub, c, encode_kv(KVMsg("/big/0000000", 0, b"", (), body)),
+                          "/big/0000000")
             for i in range(n):
                 pub.send_multipart(encode_kv(KVMsg(f"/big/{i:07d}", 0, b"", (), body)))
             eventually(lambda: c.status().keys == n, timeout=60, what="every key applied")
@@ -379,26 +411,30 @@ def test_large_snapshot_is_synced_and_listed(servers: Servers) -> None:
         assert synced < 30, synced
 
 
-def test_batched_sync_of_a_large_map_with_properties(servers: Servers) -> None:
+def test_batched_sync_of_a_large_map_with_properties(
+    servers: Servers, ctx: zmq.Context[zmq.Socket[bytes]]
+) -> None:
     """Our client asks our server for KVBATCHes: tens of thousands of keys with
     ttl, properties and multi-byte keys arrive exactly as a watching client
     applied them from the live KVPUBs."""
     n = 30_000
     solo = servers.standalone()
-    with _raw_collector(solo) as pub:
-        with client(solo) as watcher:  # synced, so the PUB has a collector by now
-            time.sleep(0.2)
+    def update(i: int) -> list[bytes]:
+        if i % 100 == 0:
+            props: tuple[tuple[str, str], ...] = (("ttl", "3600"), ("owner", f"w{i}"))
+        elif i % 7 == 0:
+            props = (("kind", "séven"),)
+        else:
+            props = ()
+        body = b"v%d" % i * (1 + i % 5)
+        uuid = (i + 1).to_bytes(16, "big")
+        return encode_kv(KVMsg(f"/big/é{i:06d}", 0, uuid, props, body))
+
+    with _raw_collector(ctx, solo) as pub:
+        with client(solo) as watcher:
+            _collector_up(pub, watcher, update(0), "/big/é000000")
             for i in range(n):
-                if i % 100 == 0:
-                    props: tuple[tuple[str, str], ...] = (("ttl", "3600"), ("owner", f"w{i}"))
-                elif i % 7 == 0:
-                    props = (("kind", "séven"),)
-                else:
-                    props = ()
-                key = f"/big/é{i:06d}"
-                body = b"v%d" % i * (1 + i % 5)
-                uuid = (i + 1).to_bytes(16, "big")
-                pub.send_multipart(encode_kv(KVMsg(key, 0, uuid, props, body)))
+                pub.send_multipart(update(i))
             eventually(lambda: watcher.status().keys == n, timeout=60, what="every key applied")
             expected = watcher.entries()
             mark = solo.log_size()

@@ -138,8 +138,7 @@ def test_two_processes_doing_100_cas_increments_each_end_at_200(
 def test_a_lock_never_overlaps_and_a_killed_holder_frees_it(
     servers: Servers, workers: list[Worker], tmp_path: Path
 ) -> None:
-    eps, _client = _endpoints(servers)
-    _client.close()
+    eps, observer = _endpoints(servers)
     marker = tmp_path / "holder"
     marker.write_text("")
     pair = [Worker("lock", eps, "/locks/x", "2", "5", "0.05", str(marker)) for _ in range(2)]
@@ -155,7 +154,10 @@ def test_a_lock_never_overlaps_and_a_killed_holder_frees_it(
     waiter = Worker("lock", eps, "/locks/y", str(ttl), "1", "0.01", str(marker))
     workers.append(waiter)
     waiter.wait_for("ready")
-    time.sleep(0.5)  # the waiter is queued behind the holder
+    with observer:
+        observer.wait_synced(10)
+        # The waiter is queued behind the holder: two keys in the lock's queue.
+        eventually(lambda: len(observer.entries("/locks/y/")) == 2, 30, "the waiter queued")
     holder.kill9()
     killed = time.monotonic()
     at, _ = waiter.wait_for("done", timeout=10)

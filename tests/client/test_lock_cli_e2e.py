@@ -118,7 +118,8 @@ def test_clone_locks_on_one_name_never_overlap_and_exit_with_their_commands_code
     primary, backup = servers.pair()
     eps = f"{endpoint(primary)},{endpoint(backup)}"
     codes = {"a": 0, "b": 7, "c": 9}
-    runs.extend(LockRun(tmp_path, eps, tag, code, 0.3, 2.0) for tag, code in codes.items())
+    # A long ttl: nobody dies here, and a busy machine delays keepalives.
+    runs.extend(LockRun(tmp_path, eps, tag, code, 0.3, 10.0) for tag, code in codes.items())
     for run, code in zip(runs, codes.values(), strict=True):
         returncode, err = run.finish()
         assert (returncode, err) == (code, ""), err

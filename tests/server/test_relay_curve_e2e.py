@@ -387,16 +387,17 @@ def test_calls_follow_the_relay_to_the_new_active(
     assert second.ok and second.sequence > first.sequence
 
 
-def _view_stale(ctx: zmq.Context[Any], relay: ServerProcess, keys: CurveKeys, seconds: float
-                ) -> list[bool]:
-    """The ``stale`` of every view heartbeat the restricted reader gets in ``seconds``."""
+def _view_stale(ctx: zmq.Context[Any], relay: ServerProcess, keys: CurveKeys, count: int = 5,
+                timeout: float = 30.0) -> list[bool]:
+    """The ``stale`` of the next ``count`` view heartbeats the restricted reader
+    gets (the ceiling only bounds a hang)."""
     sub = curve_socket(ctx, zmq.SUB, keys, "reader")
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(f"tcp://127.0.0.1:{relay.port + 1}")
     out: list[bool] = []
-    deadline = time.monotonic() + seconds
+    deadline = time.monotonic() + timeout
     try:
-        while (left := deadline - time.monotonic()) > 0:
+        while len(out) < count and (left := deadline - time.monotonic()) > 0:
             if sub.poll(int(left * 1000) + 1):
                 frames = sub.recv_multipart()
                 if is_control(frames):
@@ -405,6 +406,7 @@ def _view_stale(ctx: zmq.Context[Any], relay: ServerProcess, keys: CurveKeys, se
                         out.append(beat.stale)
     finally:
         sub.close(linger=0)
+    assert len(out) == count, f"{len(out)} of {count} view heartbeats in {timeout} s"
     return out
 
 
@@ -415,13 +417,11 @@ def test_a_relays_restricted_clients_are_told_it_is_stale(
     the relay's staleness the same way."""
     server = _secure_standalone(servers, up)
     relay = _relay(servers, [server.port], up=up, down=down)
-    fresh = _view_stale(ctx, relay, down, 1.0)
-    assert fresh and not any(fresh)
+    assert not any(_view_stale(ctx, relay, down))
     server.kill9()
     # Silent for the missed heartbeats (4 x 100 ms): stale from then on.
-    time.sleep(0.6)
-    stale = _view_stale(ctx, relay, down, 1.0)
-    assert stale and all(stale)
+    relay.wait_log("is silent", timeout=30)
+    assert all(_view_stale(ctx, relay, down))
 
 
 def test_a_relays_metrics_count_its_forwarded_calls(
@@ -448,11 +448,10 @@ def test_a_stale_curve_relay_tells_the_writer_by_name(
     with _synced(relay, down) as admin, _synced(relay, down, "reader") as reader:
         server.kill9()
         # Silent for the missed heartbeats: given up, so stale from then on.
-        relay.wait_log("is silent", timeout=10)
-        started = time.monotonic()
+        relay.wait_log("is silent", timeout=30)
+        # Refused at once: WriteRefused, not the ConfirmTimeout of 30 s later.
         with pytest.raises(WriteRefused) as refused:
-            admin.set("/via/stale", b"x", wait=True, timeout=5)
-        assert time.monotonic() - started < 1.0
+            admin.set("/via/stale", b"x", wait=True, timeout=30)
         assert refused.value.reason == "stale"
         time.sleep(0.3)  # what the reader would get, it has had time to get
         assert reader.status().counters["refusals"] == 0

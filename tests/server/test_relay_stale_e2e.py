@@ -11,7 +11,6 @@ back; readers keep the relay's last state.  Real processes on loopback with
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -25,13 +24,6 @@ from tests.support.servers import ServerProcess, Servers, read_stats
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    context: zmq.Context[Any] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def _stale(ctx: zmq.Context[Any], relay: ServerProcess) -> bool:

@@ -5,15 +5,27 @@ the backlog loop went one stack level deeper, up to Python's recursion limit).""
 from __future__ import annotations
 
 import time
+from typing import Any
 
+import psutil
 import zmq
 
-from tests.support.servers import Servers
+from tests.support.servers import ServerProcess, Servers
+from tests.support.waiting import eventually
 
 
-def test_hundreds_of_simultaneous_snapshot_requests_are_all_answered(servers: Servers) -> None:
+def _accepted(server: ServerProcess) -> int:
+    """The TCP connections ``server`` holds open on its ROUTER port."""
+    conns = psutil.Process(server.pid).net_connections(kind="tcp")
+    return sum(
+        1 for c in conns if c.status == psutil.CONN_ESTABLISHED and c.laddr.port == server.port
+    )
+
+
+def test_hundreds_of_simultaneous_snapshot_requests_are_all_answered(
+    servers: Servers, ctx: zmq.Context[Any]
+) -> None:
     solo = servers.standalone()
-    ctx = zmq.Context()
     dealers = []
     try:
         for _ in range(400):
@@ -21,14 +33,15 @@ def test_hundreds_of_simultaneous_snapshot_requests_are_all_answered(servers: Se
             d.setsockopt(zmq.LINGER, 0)
             d.connect(f"tcp://127.0.0.1:{solo.port}")
             dealers.append(d)
-        time.sleep(0.5)  # every connection up: the requests arrive together
+        # Every connection up, so the requests arrive together.
+        eventually(lambda: _accepted(solo) >= len(dealers), 60, "400 connections accepted")
         for d in dealers:
             d.send_multipart([b"ICANHAZ?", b""])
         poller = zmq.Poller()
         for d in dealers:
             poller.register(d, zmq.POLLIN)
         answered: set[int] = set()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 120  # bounds a hang only
         while len(answered) < len(dealers) and time.monotonic() < deadline:
             for sock, _ in poller.poll(200):
                 while sock.poll(0):
@@ -38,6 +51,5 @@ def test_hundreds_of_simultaneous_snapshot_requests_are_all_answered(servers: Se
     finally:
         for d in dealers:
             d.close(linger=0)
-        ctx.term()
     text = solo.log_text()
     assert "RecursionError" not in text and "internal error" not in text, text[-3000:]

@@ -33,7 +33,11 @@ from clone.wire.codec import (
 )
 from tests.support.ports import free_base_port
 
-__all__ = ["FakeServer"]
+__all__ = ["CALL_TIMEOUT", "FakeServer"]
+
+#: Ceiling of :meth:`FakeServer.call` and of the start: bounds a hang only (a
+#: large map's change took over 5 s on a loaded machine).
+CALL_TIMEOUT = 60.0
 
 
 class FakeServer:
@@ -74,7 +78,7 @@ class FakeServer:
 
     def start(self) -> None:
         self._thread.start()
-        if not self._ready.wait(5):
+        if not self._ready.wait(CALL_TIMEOUT):
             raise RuntimeError("fake server did not start")
 
     def stop(self) -> None:
@@ -95,18 +99,34 @@ class FakeServer:
 
         self.call(send)
 
-    def call(self, fn: Callable[[], object]) -> None:
-        """Run ``fn`` in the server thread (to change the map consistently); wait for it."""
+    def call(self, fn: Callable[[], object], timeout: float = CALL_TIMEOUT) -> None:
+        """Run ``fn`` in the server thread (to change the map consistently); wait for it.
+
+        Waits for ``fn`` to have run, however long a busy machine takes; the
+        ceiling only bounds a hang, and a dead server thread fails at once.
+        An exception ``fn`` raised is raised here.
+        """
         done = threading.Event()
+        failed: list[BaseException] = []
 
         def run() -> None:
-            fn()
-            done.set()
+            try:
+                fn()
+            except BaseException as exc:
+                failed.append(exc)
+            finally:
+                done.set()
 
         with self._lock:
             self._calls.append(run)
-        if not done.wait(5):
-            raise RuntimeError("fake server did not run the call")
+        deadline = time.monotonic() + timeout
+        while not done.wait(0.05):
+            if not self._thread.is_alive():
+                raise RuntimeError("the fake server's thread is gone: the call never ran")
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"fake server did not run the call within {timeout} s")
+        if failed:
+            raise failed[0]
 
     def publish(self, key: str, body: bytes, uuid: bytes = b"") -> None:
         """Apply and publish an update as if a client had sent it."""

@@ -2,8 +2,17 @@
 
 tests/conftest.py registers this module as a plugin, so tests take a ``spark``
 argument.  Starting Spark costs
-about ten seconds, so the session is built once (whatever number of modules
-import the fixture) and stopped when the run ends.
+about ten seconds, so the session is built once per process (once per xdist
+worker; tests/support/markers.py puts the Spark tests in one xdist group, so
+one worker runs them all) and stopped when the run ends.
+
+A Spark test that fails may leave the session unusable: a timeout that
+interrupted a Py4J call leaves the gateway out of step (the JVM's answer to the
+interrupted call is read by the next call on that thread's connection: a probe
+from another thread would not see it), and a JVM may have died.  So after a
+Spark test fails with anything but an AssertionError, its JVM is killed and
+the next Spark test gets a new session; and a session whose JVM has exited is
+replaced before it is handed out: one failure, no cascade.
 
 Jobs on separate executor JVMs (``CLUSTER_MASTER``) cannot share this JVM: they
 run ``clone-pipeline`` or ``spark-submit`` (``spark_script("spark-submit")``,
@@ -13,10 +22,12 @@ from pip's pyspark) as child processes, with :func:`child_env`.
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -24,7 +35,18 @@ import pytest
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["CLUSTER_MASTER", "child_env", "spark_fixture", "shared_session", "spark_script"]
+__all__ = [
+    "CLUSTER_MASTER",
+    "child_env",
+    "discard_session",
+    "usable_session",
+    "spark_fixture",
+    "shared_session",
+    "spark_script",
+]
+
+log = logging.getLogger(__name__)
+
 
 # Two executors of one core and 1 GiB each, in JVMs of their own: what a
 # standalone cluster does, on this machine.
@@ -61,8 +83,88 @@ def shared_session() -> SparkSession:
     return build_session("local[2]", "clone-pipeline-tests")
 
 
-@pytest.fixture(scope="session", name="spark")
-def spark_fixture() -> Iterator[SparkSession]:
-    session = shared_session()
+def _jvm() -> subprocess.Popen[bytes] | None:
+    """The JVM process of the current gateway (pyspark keeps it as ``proc``)."""
+    from pyspark import SparkContext
+
+    return getattr(SparkContext._gateway, "proc", None)
+
+
+def usable_session() -> SparkSession:
+    """:func:`shared_session`, unless its JVM has exited: then a new one."""
+    if shared_session.cache_info().currsize:
+        jvm = _jvm()
+        if jvm is not None and jvm.poll() is not None:
+            log.warning("the Spark JVM exited (%s): starting a new session", jvm.returncode)
+            discard_session()
+    return shared_session()
+
+
+def discard_session() -> None:
+    """Kill the JVM of the current session and forget it everywhere pyspark
+    remembers it, so that the next :func:`shared_session` builds a new one.
+    (``stop()`` is a Py4J call: through a gateway out of step it may hang.)"""
+    from pyspark import SparkContext
+    from pyspark.sql import SparkSession
+
+    gateway = SparkContext._gateway
+    proc = getattr(gateway, "proc", None)
+    if proc is not None:
+        proc.kill()
+        try:
+            proc.wait(timeout=30)
+        except Exception:  # an unkillable JVM: still forget it
+            log.warning("the old Spark JVM (pid %s) did not exit", proc.pid)
+    if gateway is not None:
+        try:
+            gateway.close()
+        except Exception:  # its sockets go with the JVM anyway
+            pass
+    SparkContext._active_spark_context = None
+    SparkContext._gateway = None
+    SparkContext._jvm = None
+    SparkSession._instantiatedSession = None
+    SparkSession._activeSession = None
+    shared_session.cache_clear()
+
+
+_BROKEN = pytest.StashKey[bool]()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    report = yield
+    # An AssertionError is raised by the test's own Python between Py4J calls;
+    # anything else (a timeout's Failed, a Py4JError, an interrupt) may have
+    # left a call half-way.
+    if (
+        report.when == "call"
+        and report.failed
+        and call.excinfo is not None
+        and not call.excinfo.errisinstance(AssertionError)
+    ):
+        item.stash[_BROKEN] = True
+    return report
+
+
+@pytest.fixture(name="spark")
+def spark_fixture(request: pytest.FixtureRequest) -> Iterator[SparkSession]:
+    session = usable_session()
     yield session
-    session.stop()
+    if request.node.stash.get(_BROKEN, False):
+        log.warning("%s failed with the session maybe half-way through a call: "
+                    "the next Spark test starts a new one", request.node.nodeid)
+        discard_session()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_spark() -> Iterator[None]:
+    """Stop the session at the end of the run, if one was started."""
+    yield
+    if shared_session.cache_info().currsize:
+        try:
+            shared_session().stop()
+        except Exception:  # a dead JVM at the end of the run
+            log.warning("stopping the Spark session failed", exc_info=True)

@@ -156,21 +156,35 @@ def _gone(pid: int) -> bool:
         return True
 
 
+# Signals the supervisor with SIGTERM once {path} holds {runs} marks (one per
+# run of the flaky member): after its restarts, however slowly they come.
+_STOP_AFTER_RUNS = (
+    "import os, signal, time\n"
+    "while not (os.path.exists({path!r}) and len(open({path!r}).read()) >= {runs}):\n"
+    "    time.sleep(0.01)\n"
+    "os.kill(os.getppid(), signal.SIGTERM)\n"
+    "time.sleep(60)\n"
+)
+
+
 @pytest.mark.timeout(30)
 def test_a_dying_member_is_restarted_with_backoff_until_sigterm(
-    caplog: pytest.LogCaptureFixture,
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     caplog.set_level(logging.INFO, "clone.tools.run_pair")
+    runs = str(tmp_path / "runs")
     sup = PairSupervisor(
         {
-            "flaky": _py("pass"),  # exits at once, every time
-            "steady": _py(_STOPPER.format(delay=1.5) + "; time.sleep(60)"),
+            # Exits at once, every time, leaving a mark.
+            "flaky": _py(f"open({runs!r}, 'a').write('x')"),
+            # Four runs: three deaths, restarted after 0.05, 0.1 and 0.2 s.
+            "steady": _py(_STOP_AFTER_RUNS.format(path=runs, runs=4)),
         },
         RestartPolicy(initial=0.05, factor=2, cap=0.2, stable_after=30),
     )
     code, started, elapsed = _run(sup)
     assert code == 0
-    assert elapsed < 10
+    assert elapsed < 60  # stopped by the SIGTERM, not by the test's timeout
     text = caplog.text
     assert f"flaky (pid {started['flaky']}) died (exit status 0)" in text
     for delay in ("0.05", "0.1", "0.2"):

@@ -1,0 +1,153 @@
+"""The markers are true: tests/support/markers.py keeps them so, and this checks it.
+
+Collects the whole suite in-process (no test runs) and checks every test that
+uses a real-process fixture is ``slow`` and every test that uses Spark is
+``spark``, with the timeouts and xdist group the plugin promises; then runs
+small inline sessions (pytester, in this process) to check the guard fails a
+fast test that starts a process, before the process exists.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.support.markers import (
+    ALL_ITEMS,
+    SLOW_TIMEOUT,
+    SPARK_TIMEOUT,
+    paused,
+    process_fixtures,
+)
+
+pytest_plugins = ["pytester"]
+
+TESTS = Path(__file__).resolve().parent
+
+
+class _Collector:
+    def __init__(self) -> None:
+        self.items: list[pytest.Item] = []
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        self.items = list(session.items)
+
+
+@pytest.fixture(scope="module")
+def collected(request: pytest.FixtureRequest) -> list[pytest.Item]:
+    """Every test of the suite: this run's own collection when it is the whole
+    suite (scripts/test, with or without --quick), else a collection of its own."""
+    config = request.config
+    args = [(config.invocation_params.dir / a).resolve() for a in config.args]
+    if args and all(a == TESTS for a in args) and ALL_ITEMS in config.stash:
+        return config.stash[ALL_ITEMS]
+    collector = _Collector()
+    with paused():
+        code = pytest.main(
+            ["--collect-only", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", str(TESTS)],
+            plugins=[collector],
+        )
+    assert code == pytest.ExitCode.OK, code
+    return collector.items
+
+
+def _timeout(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    assert marker is not None, item.nodeid
+    return float(marker.args[0] if marker.args else marker.kwargs["timeout"])
+
+
+def test_every_test_that_uses_a_real_process_fixture_is_slow(collected: list[pytest.Item]) -> None:
+    users = [item for item in collected if process_fixtures(item)]
+    # Not vacuous: the servers fixture alone has hundreds of users.
+    assert len(users) > 100, len(users)
+    unmarked = [
+        f"{item.nodeid} ({', '.join(process_fixtures(item))})"
+        for item in users
+        if item.get_closest_marker("slow") is None
+    ]
+    assert not unmarked, "\n".join(unmarked)
+    assert all(_timeout(item) >= SLOW_TIMEOUT for item in users if not item.get_closest_marker(
+        "spark"))
+
+
+def test_the_files_the_issue_names_are_slow_where_they_start_servers(
+    collected: list[pytest.Item],
+) -> None:
+    """test_backup, test_relay_e2e, test_history_e2e and test_request_storm
+    started servers without the marker (issue 24)."""
+    for name in ("test_backup.py", "test_relay_e2e.py", "test_history_e2e.py",
+                 "test_request_storm.py"):
+        serving = [
+            i for i in collected
+            if i.path.name == name and "servers" in getattr(i, "fixturenames", ())
+        ]
+        assert serving, name
+        assert all(i.get_closest_marker("slow") for i in serving), name
+
+
+def test_every_spark_test_is_marked_grouped_and_given_a_patient_timeout(
+    collected: list[pytest.Item],
+) -> None:
+    users = [item for item in collected if "spark" in getattr(item, "fixturenames", ())]
+    assert len(users) > 20, len(users)
+    for item in users:
+        assert item.get_closest_marker("spark") is not None, item.nodeid
+        assert _timeout(item) >= SPARK_TIMEOUT, item.nodeid
+        groups = [m.args[0] for m in item.iter_markers("xdist_group")]
+        assert "spark" in groups, item.nodeid
+
+
+def test_the_quick_set_holds_no_process_and_no_spark_test(collected: list[pytest.Item]) -> None:
+    quick = [
+        i for i in collected
+        if i.get_closest_marker("slow") is None and i.get_closest_marker("spark") is None
+    ]
+    assert len(quick) > 1000, len(quick)
+    offenders = [
+        i.nodeid for i in quick
+        if process_fixtures(i) or "spark" in getattr(i, "fixturenames", ())
+    ]
+    assert not offenders, offenders
+
+
+# The inline sessions' tests start their processes through importlib, out of
+# the reader's sight, as a method call on some object would.
+_HIDDEN = '''
+import importlib
+
+def test_hidden():
+    importlib.import_module("subprocess").run(["true"])
+'''
+
+#: The inline sessions: our plugin, no xdist, no pytest-asyncio (which warns
+#: without the setup.cfg the inline directory lacks).
+_INLINE = ("-p", "tests.support.markers", "-p", "no:xdist", "-p", "no:asyncio")
+
+_PLAIN = '''
+import subprocess
+
+def test_plain():
+    subprocess.run(["true"])
+
+def test_pure():
+    assert 1 + 1 == 2
+'''
+
+
+def test_the_guard_fails_a_fast_test_that_starts_a_process(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_hidden=_HIDDEN)
+    result = pytester.runpytest_inprocess(*_INLINE)
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(
+        ["*ProcessInFastTest: test_hidden.py::test_hidden is not marked slow but starts a process*"]
+    )
+
+
+def test_the_reader_marks_a_test_that_uses_subprocess_slow(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_plain=_PLAIN)
+    result = pytester.runpytest_inprocess(
+        *_INLINE, "-m", "not slow", "--strict-markers", "-o", "markers=slow\nspark"
+    )
+    result.assert_outcomes(passed=1, deselected=1)
