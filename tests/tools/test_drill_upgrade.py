@@ -94,6 +94,7 @@ def test_a_finished_build_is_reused_by_commit(tmp_path: Path) -> None:
     assert "cached" in said[0]
 
 
+@pytest.mark.slow  # asks git whether the ref exists: a process
 def test_the_drill_command_refuses_a_bad_upgrade_before_any_server_starts(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
