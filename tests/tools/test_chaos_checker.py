@@ -296,6 +296,40 @@ def test_a_revert_is_caught_for_a_watcher_and_a_reader() -> None:
     assert failed(h) == {"reverts"}
 
 
+def test_a_clients_sequence_going_down_outside_a_resync_is_caught() -> None:
+    status = [
+        {"proc": "watch0", "f": "status", "t0": 1.0, "t1": 1.0, "seq": 11, "epoch": 0},
+        {"proc": "watch0", "f": "status", "t0": 2.0, "t1": 2.0, "seq": 9, "epoch": 1},
+    ]
+    assert not failed(good() + status)  # after a resync: fine
+    status[1]["epoch"] = 0
+    assert failed(good() + status) == {"reverts"}
+
+
+def test_a_split_brain_relaxes_only_what_the_docs_do_not_promise() -> None:
+    """docs/failover.md: the loser's writes get the winner's sequences (possibly
+    lower), and a conditional write is forwarded as a plain one."""
+    split = [
+        {"proc": "nemesis", "f": "active", "t0": 0.5, "server": "primary"},
+        {"proc": "nemesis", "f": "active", "t0": 2.4, "server": "backup+primary"},
+        {"proc": "nemesis", "f": "active", "t0": 2.6, "server": "primary"},
+    ]
+    # Two increments from 0, both confirmed (one on each side), in the split.
+    cas = {"proc": "cas1", "f": "cas", "key": "/chaos/counter/0", "expect": 0, "value": 1,
+           "tag": "cas1.9", "t0": 2.5, "t1": 2.6, "res": "ok", "seq": 30}
+    assert "linearizable_cas" in failed([*good(), cas])
+    verdicts = check_all([*good(), cas, *split], lease_bound=BOUND)
+    assert verdicts["linearizable_cas"].status == "PASS"
+    assert verdicts["linearizable_cas"].notes["left_out_in_split_brain"] >= 1
+    # A write kept at another (lower) sequence is kept; a lost one is still lost.
+    h = _edit(good(), {"f": "final"}, state={
+        "/chaos/shared/0": [9, "w1|1"], "/chaos/counter/0": [14, counter_value(3, "cas0.2")]})
+    v = check_all([*h, *split], lease_bound=BOUND)["lost_writes"]
+    assert v.status == "PASS" and v.notes["kept_at_another_sequence"] == 1
+    h = _edit(good(), {"f": "final"}, state={"/chaos/counter/0": [14, counter_value(3, "c")]})
+    assert "lost_writes" in failed([*h, *split])
+
+
 def test_a_non_linearizable_cas_is_caught() -> None:
     # A second increment from 0 after the first one had completed: both cannot be.
     h = [

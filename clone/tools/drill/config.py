@@ -23,6 +23,7 @@ SCENARIOS: tuple[str, ...] = (
     "partition-pair",
     "partition-active",
     "partition-split",
+    "chaos",
 )
 #: The scenarios that run each server in a network namespace of its own and cut
 #: links with iptables (root only: :mod:`.netns`).
