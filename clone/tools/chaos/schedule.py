@@ -93,7 +93,7 @@ def plan(seed: int, duration: float, kinds: Sequence[str], clients: Sequence[str
     free: dict[str, float] = {}
     out: list[Fault] = []
     t = rng.uniform(*gap) / 2
-    while True:
+    while t < duration - quiet_end:
         kind = rng.choice(pool)
         target = _target(rng, kind, clients)
         length_s = round(rng.uniform(*length), 2)
@@ -106,12 +106,12 @@ def plan(seed: int, duration: float, kinds: Sequence[str], clients: Sequence[str
         elif kind in ("kill", "kill-both"):
             length_s = min(length_s, 4.0)
         start = max([t, *(free.get(r, 0.0) for r in _resources(kind, target))])
+        t += rng.uniform(*gap)
         if start + length_s > duration - quiet_end:
-            break
+            continue  # does not fit: the next draw may (a shorter kind, a free resource)
         out.append(Fault(round(start, 2), kind, target, length_s, params))
         for r in _resources(kind, target):
             free[r] = start + length_s + 0.5
-        t += rng.uniform(*gap)
     return out
 
 
