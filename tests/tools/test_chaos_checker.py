@@ -330,6 +330,17 @@ def test_a_split_brain_relaxes_only_what_the_docs_do_not_promise() -> None:
     assert "lost_writes" in failed([*h, *split])
 
 
+def test_an_unknown_increment_before_a_split_brain_stays_in_its_segment() -> None:
+    # cas1.2 (unknown, given up at 8.0) happened as seq 13; cas0.2 expects 13.
+    # A split brain long after must not take cas1.2 away from cas0.2.
+    split = [
+        {"proc": "nemesis", "f": "active", "t0": 30.0, "server": "primary+backup"},
+        {"proc": "nemesis", "f": "active", "t0": 31.0, "server": "primary"},
+    ]
+    v = check_all([*good(), *split], lease_bound=BOUND)["linearizable_cas"]
+    assert v.status == "PASS" and v.notes["left_out_in_split_brain"] == 0
+
+
 def test_a_non_linearizable_cas_is_caught() -> None:
     # A second increment from 0 after the first one had completed: both cannot be.
     h = [

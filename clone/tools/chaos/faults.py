@@ -63,6 +63,8 @@ class FakeClock:
 
 
 Action = Callable[[], None]
+#: A server that exited on its own is restarted this long after (deploy/systemd).
+RESTART_SEC = 2.0
 
 
 class Nemesis:
@@ -76,6 +78,25 @@ class Nemesis:
         self.topology, self.ha_ports = topology, ha_ports
         self.clocks, self.data_dirs = clocks, data_dirs
         self.current: list[str] = []  # what is in force, for the progress line
+        # Servers a fault keeps down (killed, in a restart storm): the supervisor
+        # leaves them alone.
+        self.held_down: set[str] = set()
+        self._died_at: dict[str, float] = {}
+
+    def supervise(self, now: float) -> None:
+        """Restart a server that exited on its own (a full disk stops it by design,
+        docs/operations.md) ``RESTART_SEC`` after it did, as the systemd unit
+        does (``Restart=on-failure``, ``RestartSec=2s``), and record it."""
+        for name, proc in self.servers.items():
+            if name in self.held_down or proc.alive or proc.popen is None:
+                self._died_at.pop(name, None)
+                continue
+            died = self._died_at.setdefault(name, now)
+            if now - died >= RESTART_SEC:
+                self.rec.emit("supervisor", target=name, t0=now, exit=proc.returncode)
+                log.info("supervisor: %s exited with %s; restarting it", name, proc.returncode)
+                proc.start()
+                self._died_at.pop(name, None)
 
     def steps(self, fault: Fault, t0: float) -> list[tuple[float, Action]]:
         """The actions of ``fault`` (its ``at`` counted from monotonic ``t0``)."""
@@ -112,6 +133,8 @@ class Nemesis:
 
     def _begin(self, fault: Fault) -> None:
         kind = fault.kind
+        if kind in ("kill", "kill-both", "restart-storm"):
+            self.held_down.update(p.name for p in self._pair(fault))
         if kind in ("kill", "kill-both"):
             for p in self._pair(fault):
                 p.kill9()
@@ -145,6 +168,7 @@ class Nemesis:
         kind = fault.kind
         if kind in ("kill", "kill-both", "restart-storm"):
             for p in self._pair(fault):
+                self.held_down.discard(p.name)
                 if not p.alive:
                     p.start()
         elif kind == "pause-server":

@@ -171,7 +171,11 @@ def judge_dir(out: Path, *, picture: bool = True) -> dict[str, Any]:
     history = read_history(out / "history.jsonl")
     run = _run_record(history)
     checks = check_all(history, lease_bound=float(run.get("lease_bound", 5.0)))
-    ok = all(v.status != "FAIL" for n, v in checks.items() if n not in INFORMATIONAL)
+    # No final state (the pair did not serve one after the run): nothing proves
+    # the confirmed writes survived, which fails the run.
+    has_final = any(r.get("f") == "final" for r in history)
+    ok = has_final and all(v.status != "FAIL" for n, v in checks.items()
+                           if n not in INFORMATIONAL)
     verdict = {"ok": ok, "seed": run.get("seed"), "figures": figures(history),
                "checks": {n: v.as_dict() for n, v in checks.items()}}
     (out / "verdict.json").write_text(json.dumps(verdict, indent=1))

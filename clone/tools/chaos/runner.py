@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from clone.errors import CloneError
 from clone.tools.chaos.faults import FakeClock, Nemesis, find_libfaketime
 from clone.tools.chaos.schedule import FAULT_KINDS, NEEDS_ROOT, plan
 from clone.tools.chaos.worker import CHAOS_PREFIX, Recorder
@@ -128,6 +129,7 @@ class ChaosRun:
         self.clocks: dict[str, FakeClock] = {}
         self.workers: dict[str, ManagedProcess] = {}
         self.lease_n = 0
+        self.nemesis: Nemesis | None = None
 
     # -- setup ----------------------------------------------------------------
 
@@ -240,6 +242,7 @@ class ChaosRun:
         nemesis = Nemesis(servers, self.workers.get, rec, topology=self.topology,
                           ha_ports={n: a.ha_port for n, a in self.addr.items()},
                           clocks=self.clocks, data_dirs=self.data)
+        self.nemesis = nemesis
         steps = sorted((s for f in faults for s in nemesis.steps(f, t0)), key=lambda s: s[0])
         next_lease = t0 + 1.0
         next_say = t0
@@ -249,10 +252,12 @@ class ChaosRun:
             # Who sent HUGZ in the last two heartbeats (the monitor's own window,
             # `missed` of them, would show a killed active beside its successor).
             wall = time.time() - 2 * cfg.heartbeat
-            active = "+".join(n for n in self.addr if monitor.hugz_after(n, wall)) or "none"
+            active = "+".join(n for n in self.addr
+                              if servers[n].alive and monitor.hugz_after(n, wall)) or "none"
             if active != shown:  # who sends HUGZ: one server, both (split brain), none
                 rec.emit("active", t0=now, server=active)
                 shown = active
+            nemesis.supervise(now)
             while steps and steps[0][0] <= now:
                 _, action = steps.pop(0)
                 try:
@@ -280,8 +285,13 @@ class ChaosRun:
         if settled is None:
             self.say("the pair did not settle on one active server in "
                      f"{SETTLE_LIMIT:g} s; reading the final state anyway")
-        final = self._final()
-        rec.emit("final", t0=time.monotonic(), state=final)
+        try:
+            final = self._final()
+        except CloneError as exc:  # no verdict on lost writes; the run fails (report.py)
+            self.say(f"could not read the final state: {exc}")
+            rec.emit("final_error", t0=time.monotonic(), what=str(exc))
+        else:
+            rec.emit("final", t0=time.monotonic(), state=final)
         rec.close()
         self.say("stopping the pair")
         self.group.stop_all()
@@ -298,6 +308,8 @@ class ChaosRun:
         deadline = time.monotonic() + SETTLE_LIMIT
         alone_since, who = None, None
         while time.monotonic() < deadline:
+            if self.nemesis is not None:
+                self.nemesis.supervise(time.monotonic())
             active = monitor.active()
             if len(active) == 1 and active[0] == who and alone_since is not None:
                 if time.monotonic() - alone_since >= 8 * self.cfg.heartbeat:
