@@ -519,6 +519,11 @@ def test_a_late_or_surviving_lease_key_is_caught() -> None:
         "server_fault": True,
     }
     assert not failed([*h, fault])
+    # So does a time with no active server, and a promotion (a whole ttl from it).
+    nobody = [{"proc": "nemesis", "f": "active", "t0": 3.5, "server": "none"},
+              {"proc": "nemesis", "f": "active", "t0": 8.0, "server": "backup"}]
+    assert not failed([*h, *nobody])
+    assert failed([*h, nobody[1]]) == set()  # promoted at 8.0: deadline 8 + 1 + 5
     h = _edit(
         good(),
         {"f": "final"},

@@ -520,12 +520,21 @@ def lock_overlaps(history: Sequence[Record]) -> Verdict:
 def check_leases(history: Sequence[Record], bound: float) -> Verdict:
     """A dead owner's key goes within its ttl plus ``bound`` (the documented
     slack: docs/failover.md, a whole ttl from a promotion plus the failover),
-    the deadline pushed back past every fault to the servers that overlapped it;
-    and no lease key is left in the final state."""
+    the deadline pushed back past every fault to the servers, every time
+    without one active server, and every promotion that overlapped it; and no
+    lease key is left in the final state."""
     v = Verdict("leases")
     final = _final(history)
     died = {r["proc"]: r["t0"] for r in _ops(history, "died")}
     faults = [(r["t0"], r["t1"]) for r in _ops(history, "fault") if r.get("server_fault")]
+    # No one active (or both): nothing expires; and a promotion gives every
+    # lease a whole ttl from then (docs/failover.md): both move the deadline too.
+    marks = sorted((r["t0"], str(r.get("server", ""))) for r in _ops(history, "active"))
+    for (t, who), (t2, _) in itertools.pairwise([*marks, (math.inf, "")]):
+        if who in ("primary", "backup"):
+            faults.append((t, t))
+        else:
+            faults.append((t, t2))
     deletes: dict[str, float] = {}
     for r in _ops(history, "update"):
         if r.get("value") is None and r["key"] not in deletes:
