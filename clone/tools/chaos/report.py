@@ -58,7 +58,7 @@ def figures(history: Sequence[Record]) -> dict[str, Any]:
     good = set()
     for r in history:
         if r.get("f") == "write" and r.get("res") == "ok" and r["t1"] - r["t0"] <= 1.0:
-            good.add(int(r["t0"] - t0))
+            good.add(math.floor(r["t0"] - t0))
     lat = sorted(r["t1"] - r["t0"] for r in history if r.get("f") == "write"
                  and r.get("res") == "ok")
     return {
