@@ -90,7 +90,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "chaos" in argv or "--scenario=chaos" in argv:
+    if "--scenario=chaos" in argv or any(
+            argv[i:i + 2] == ["--scenario", "chaos"] for i in range(len(argv))):
         # Random faults and a checker, with options of their own: clone.tools.chaos.
         from clone.tools.chaos.cli import main as chaos_main
 

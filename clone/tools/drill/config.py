@@ -85,6 +85,8 @@ class DrillConfig:
     release_cache: Path | None = None
 
     def __post_init__(self) -> None:
+        if self.scenario == "chaos":
+            raise ValueError("chaos runs with clone.tools.chaos (scripts/drill --scenario chaos)")
         if self.scenario not in SCENARIOS:
             raise ValueError(f"unknown scenario {self.scenario!r}; one of {', '.join(SCENARIOS)}")
         if self.clients < 1 or (self.scenario in ("client-restart", "partition-split")
