@@ -341,6 +341,24 @@ def test_an_unknown_increment_before_a_split_brain_stays_in_its_segment() -> Non
     assert v.status == "PASS" and v.notes["left_out_in_split_brain"] == 0
 
 
+def test_a_split_brain_heal_that_numbers_a_key_lower_is_no_gap() -> None:
+    # /chaos/x was at 30 before the split; after it the winner numbers it 25, 40.
+    split = [
+        {"proc": "nemesis", "f": "active", "t0": 2.4, "server": "primary+backup"},
+        {"proc": "nemesis", "f": "active", "t0": 2.6, "server": "primary"},
+    ]
+    x = [
+        {"proc": "watch0", "f": "update", "key": "/chaos/x", "seq": 30, "value": "a",
+         "t0": 1.0, "t1": 1.0, "epoch": 0},
+        {"proc": "watch1", "f": "update", "key": "/chaos/x", "seq": 25, "value": "b",
+         "t0": 10.0, "t1": 10.0, "epoch": 1},
+        {"proc": "watch1", "f": "update", "key": "/chaos/x", "seq": 40, "value": "c",
+         "t0": 11.0, "t1": 11.0, "epoch": 1},
+    ]
+    assert "watchers" in failed([*good(), *x])
+    assert "watchers" not in failed([*good(), *x, *split])
+
+
 def test_a_non_linearizable_cas_is_caught() -> None:
     # A second increment from 0 after the first one had completed: both cannot be.
     h = [
