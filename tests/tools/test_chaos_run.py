@@ -53,3 +53,24 @@ def test_a_short_chaos_run_passes_and_its_history_judges_again(
     again = json.loads((out / "verdict.json").read_text())
     assert {n: c["status"] for n, c in again["checks"].items()} == {
         n: c["status"] for n, c in verdict["checks"].items()}
+
+
+def test_without_root_the_kinds_that_need_it_are_left_out_with_a_message(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from clone.tools.chaos import runner
+    from clone.tools.chaos.schedule import FAULT_KINDS, NEEDS_ROOT
+    from clone.tools.drill.netns import NetnsUnavailable
+
+    def no_netns() -> None:
+        raise NetnsUnavailable("the partition drills need root")
+
+    monkeypatch.setattr(runner, "preflight", no_netns)
+    monkeypatch.setattr(runner.os, "geteuid", lambda: 1000)
+    said: list[str] = []
+    kinds, skipped = runner.usable_kinds(FAULT_KINDS, said.append)
+    assert not set(kinds) & set(NEEDS_ROOT)
+    assert {"kill", "pause-client", "restart-storm"} <= set(kinds)
+    assert said == skipped and len(said) == 2
+    assert said[0].startswith("partition faults skipped: the partition drills need root")
+    assert said[1] == "disk-full skipped: mounting a small tmpfs needs root"
