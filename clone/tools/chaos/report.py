@@ -133,8 +133,7 @@ def timeline_png(history: Sequence[Record], path: Path, title: str) -> None:
                               ("refused", "v", "refused")):
         pts = [(r["t0"] - t0, 1000 * (r["t1"] - r["t0"])) for r in writes if r["res"] == res]
         if pts:
-            ax.plot(*zip(*pts, strict=True), style, markersize=3, label=f"{res}: {label}"
-                    if res != label else label, alpha=0.7)
+            ax.plot(*zip(*pts, strict=True), style, markersize=3, label=label, alpha=0.7)
     ax.set_yscale("log")
     ax.set_ylabel("write / CAS latency (ms)")
     kinds = sorted({r["kind"] for r in history if r.get("f") == "fault"})
