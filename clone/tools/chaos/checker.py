@@ -278,10 +278,14 @@ def linearizable(ops: Sequence[LinOp], init: State = (0, 0), bound: int = DEFAUL
     order: list[int] = []
 
     def candidates(mask: int) -> list[int]:
+        # From the first op not yet placed: the ones before it are all placed,
+        # and the bits past it are few (the ops placed out of call order).
+        lo = (~mask & (mask + 1)).bit_length() - 1
+        rest = mask >> lo
         out: list[int] = []
         m = math.inf
-        for i in range(n):
-            if mask >> i & 1:
+        for i in range(lo, n):
+            if rest >> (i - lo) & 1:
                 continue
             o = ops[i]
             if o.call > m:
