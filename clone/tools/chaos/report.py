@@ -67,6 +67,9 @@ def figures(history: Sequence[Record]) -> dict[str, Any]:
         "faults": dict(sorted(faults.items())),
         "fault_count": sum(faults.values()),
         "failovers": _failovers(history),
+        # The one server active once the traffic stopped (None: the pair did not
+        # settle within the run's limit, a split brain or nobody active).
+        "settled": next((r.get("active") for r in history if r.get("f") == "settled"), None),
         "split_brain_s": _split_brain(history),
         "unknowns": sum(1 for r in history if r.get("res") == "unknown"),
         "availability": round(len([w for w in good if 0 <= w < windows]) / windows, 3),
