@@ -235,12 +235,25 @@ def _configure_logging(args: argparse.Namespace) -> None:
 
 def _drill_report(args: argparse.Namespace) -> int:
     from clone.pipeline import jobs
+    from clone.pipeline.chaos import chaos_report, is_chaos_run
     from clone.pipeline.session import spark_session
     from clone.pipeline.sources import read_drill_summaries
 
     started = time.monotonic()
-    runs = read_drill_summaries(args.input)  # fails fast, before Spark starts
+    # Chaos runs (scripts/drill --scenario chaos) keep a history.jsonl instead.
+    chaos = [p for p in args.input if is_chaos_run(p)]
+    inputs = [p for p in args.input if p not in chaos]
+    runs = read_drill_summaries(inputs) if inputs else []  # fails fast, before Spark starts
     with spark_session(args.master, "clone-pipeline drill-report", dict(args.conf)) as spark:
+        if chaos:
+            got = chaos_report(spark, chaos, args.output)
+            print(f"{got.runs} chaos run(s): {got.markdown}")
+            if got.failed:
+                print("chaos runs whose verdict failed: " + ", ".join(got.failed))
+            for line in got.mismatches:
+                print(f"differs from the checker's figures: {line}")
+        if not runs:
+            return EXIT_OK
         result = jobs.drill_report(spark, runs, args.output)
     print(f"{result.runs} run(s) analysed in {time.monotonic() - started:.1f}s")
     print(f"report: {result.markdown}")

@@ -96,6 +96,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--scenario=chaos" in argv or any(
+            argv[i:i + 2] == ["--scenario", "chaos"] for i in range(len(argv))):
+        # Random faults and a checker, with options of their own: clone.tools.chaos.
+        from clone.tools.chaos.cli import main as chaos_main
+
+        return chaos_main(argv)
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,

@@ -30,6 +30,7 @@ SCENARIOS: tuple[str, ...] = (
     "partition-pair",
     "partition-active",
     "partition-split",
+    "chaos",
 )
 #: The scenarios that run each server in a network namespace of its own and cut
 #: links with iptables (root only: :mod:`.netns`).
@@ -100,6 +101,8 @@ class DrillConfig:
     split_writes: int = 0
 
     def __post_init__(self) -> None:
+        if self.scenario == "chaos":
+            raise ValueError("chaos runs with clone.tools.chaos (scripts/drill --scenario chaos)")
         if self.scenario not in SCENARIOS:
             raise ValueError(f"unknown scenario {self.scenario!r}; one of {', '.join(SCENARIOS)}")
         if self.clients < 1 or (self.scenario in ("client-restart", "partition-split")

@@ -1,0 +1,5 @@
+import sys
+
+from clone.tools.chaos.cli import main
+
+sys.exit(main())
