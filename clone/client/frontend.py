@@ -66,6 +66,7 @@ from clone.wire.calls import (
     lease_id_of,
     lease_key,
     valid_lease_id,
+    valid_secret,
 )
 from clone.wire.codec import (
     KVMsg,
@@ -637,7 +638,12 @@ class Clone:
         return self._call_write(key, b"", {}, timeout, if_sequence, None)
 
     def lease(
-        self, ttl: float = 2.0, *, timeout: float | None = None, for_key: str | None = None
+        self,
+        ttl: float = 2.0,
+        *,
+        timeout: float | None = None,
+        for_key: str | None = None,
+        secret: str | None = None,
     ) -> Lease:
         """A new lease of ``ttl`` seconds (0.3 s to one year), kept alive by
         this client until revoked, lost or the client closes.
@@ -662,12 +668,19 @@ class Clone:
         ``for_key``, or without it, may write nothing; ``reserved``:
         ``for_key`` is under ``/_clone/lease/``), and :class:`ValueError` for
         a ``for_key`` that is not a key.
+
+        ``secret``: the proof of ownership to use (32 lowercase hex digits)
+        instead of a fresh random one, for a caller that hands the lease to
+        other processes (``clone lease grant``; :meth:`adopt_lease`).
         """
         ttl_text = _format_lease_ttl(ttl)
         key = "" if for_key is None else _build(for_key, b"", {}).key
         uuid = new_uuid()
         # Ours, so that a retry of the grant (same uuid) proves the same owner.
-        secret = secrets.token_hex(16)
+        if secret is None:
+            secret = secrets.token_hex(16)
+        elif not valid_secret(secret):
+            raise ValueError("a lease secret is 32 lowercase hex digits")
         asked = time.monotonic()  # the servers count its ttl from later than this
         reply = self._call(
             OP_LEASE_GRANT,
@@ -684,6 +697,27 @@ class Clone:
             self, reply.lease or lease_id_of(uuid), reply.ttl or float(ttl), reply.secret or secret
         )
         lease._kept_until(asked + lease.ttl)
+        with self._shared:
+            self._leases[lease.id] = lease
+        self._request(
+            _agent.LEASE, [lease.id.encode(), repr(lease.ttl).encode(), lease._secret.encode()]
+        )
+        return lease
+
+    def adopt_lease(self, lease_id: str, ttl: float, *, secret: str = "") -> Lease:
+        """Keep alive a lease granted elsewhere (another process: ``clone lease
+        keep-alive``), proving ownership with its ``secret`` ("" under CURVE,
+        where the certificate is the proof).
+
+        The lease is then this client's like one it was granted: kept alive
+        every ``ttl / 3``, reported lost if a server says it is gone
+        (``not-owner`` for a wrong secret), revoked by :meth:`close` unless
+        revoked or lost before.  Raises ValueError for a malformed id.
+        """
+        if not valid_lease_id(lease_id):
+            raise ValueError(f"lease id {lease_id[:40]!r} is not 32 lowercase hex digits")
+        _format_lease_ttl(ttl)  # the same bounds as a grant's
+        lease = Lease(self, lease_id, float(ttl), secret)
         with self._shared:
             self._leases[lease.id] = lease
         self._request(
