@@ -114,6 +114,7 @@ def test_if_absent_and_if_seq(pair: Pair) -> None:
     assert int(pair.ok("set", "/cas/k", "2", "--if-seq", str(first))) > first
 
 
+@pytest.mark.timeout(900)  # 100 increments and their conflicts: hundreds of processes
 def test_a_shell_cas_loop_of_5_processes_x_20_increments_ends_at_100(
     pair: Pair, tmp_path: Path
 ) -> None:
