@@ -51,10 +51,11 @@ log = logging.getLogger("clone.server.cli")
 def _host_port(text: str) -> str:
     """HOST:PORT, also written tcp://HOST:PORT (what clients take and scripts/run
     prints): one spelling inside, as clone.argtypes.normalize_endpoint does."""
-    text = strip_scheme(text.strip())
+    given, text = text, strip_scheme(text.strip())
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    bad_host = not host or "/" in host  # another scheme, or tcp:// twice
+    if not sep or bad_host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected [tcp://]HOST:PORT, got {given!r}")
     return text
 
 
