@@ -136,9 +136,16 @@ def test_a_shell_cas_loop_of_5_processes_x_20_increments_ends_at_100(
             fi
         done
         """))  # fmt: skip
-    procs = [subprocess.Popen(["sh", str(script)], env=_env(), cwd=ROOT) for _ in range(5)]
-    for proc in procs:
-        assert proc.wait(timeout=600) == 0
+    procs = [subprocess.Popen(["sh", str(script)], env=_env(), cwd=ROOT,
+                              start_new_session=True) for _ in range(5)]  # fmt: skip
+    try:
+        for proc in procs:
+            assert proc.wait(timeout=840) == 0
+    finally:
+        for proc in procs:  # the shells and whatever clone they run now
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
     assert pair.ok("get", "/cas/n") == "100\n"
 
 
@@ -263,6 +270,7 @@ def test_watch_into_a_closed_pipe_exits_without_a_change(pair: Pair) -> None:
     assert time.monotonic() - started < 30
 
 
+@pytest.mark.timeout(180)
 def test_watch_piped_into_head_stops_after_the_first_line(pair: Pair) -> None:
     shell = f"{' '.join(CLONE_CLI)} watch /w/ --servers {pair.servers} --heartbeat 0.1"
     proc = subprocess.Popen(["sh", "-c", f"{shell} | head -1"], stdout=subprocess.PIPE,
@@ -272,7 +280,7 @@ def test_watch_piped_into_head_stops_after_the_first_line(pair: Pair) -> None:
             pair.ok("set", "/w/a", "1")
             return proc.poll() is not None
 
-        eventually(written, timeout=30)  # a write after the watch registered ends it
+        eventually(written, timeout=120)  # a write after the watch registered ends it
         assert proc.stdout is not None and proc.stdout.read() == b"/w/a=1\n"
     finally:
         proc.kill()

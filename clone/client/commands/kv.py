@@ -223,8 +223,10 @@ def _del_prefix(args: argparse.Namespace, client: Clone) -> int:
         return EXIT_OK
     pending = [client.delete_async(key, timeout=args.timeout) for key in keys]
     wait(pending)
-    for fut in pending:
-        fut.result()  # the first failure (ConfirmTimeout, WriteRefused) is the exit's
+    failed = [exc for exc in (fut.exception() for fut in pending) if exc is not None]
+    if failed:
+        fail(f"deleted {len(keys) - len(failed)} of {len(keys)} keys under {args.prefix}")
+        raise failed[0]  # (ConfirmTimeout: exit 3, WriteRefused: exit 4)
     if args.json:
         emit(json.dumps({"prefix": args.prefix, "deleted": len(keys)}))
     else:
