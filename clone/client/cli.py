@@ -254,7 +254,10 @@ def _run(args: argparse.Namespace, client: Clone) -> int:
         now = client.status()
         return f"{now.state} from {now.server}" if now.server else now.state
 
-    with _waiting("sync", args.timeout, sync_status):
+    if args.verbose or sys.stderr.isatty():
+        with _waiting("sync", args.timeout, sync_status):
+            client.wait_synced(args.timeout)
+    else:  # nothing would show: spare a script the import of the progress bar (rich)
         client.wait_synced(args.timeout)
     handler: Callable[[argparse.Namespace, Clone], int] | None = getattr(args, "handler", None)
     if handler is not None:
