@@ -110,7 +110,8 @@ def run_grant(args: argparse.Namespace, client: Clone) -> int:
     secret = given or ("" if curve else secrets.token_hex(16))
     lease = client.lease(args.ttl, timeout=args.timeout, secret=secret or None)
     lease._mark_ended()  # the lease outlives us: our close() must not revoke it
-    shown = lease._secret if not given else ""
+    # Under CURVE the certificate is the proof: the server ignores the secret.
+    shown = "" if given or curve else lease._secret
     if args.json:
         emit(json.dumps({"id": lease.id, "ttl": lease.ttl, "secret": shown or None}))
         return EXIT_OK
