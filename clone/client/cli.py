@@ -1,6 +1,10 @@
 """``clone``: read, write and watch a Clone server pair from the shell.
 
-Argument parsing and printing only; the work is :class:`clone.Clone`.  Exit codes:
+Argument parsing and printing only; the work is :class:`clone.Clone`.  The
+subcommands live one group per module in :mod:`clone.client.commands` (a new
+group is one ``register(sub, common)`` call in :func:`_parser`); the
+connection flags are accepted before or after the subcommand.  Exit codes
+(docs/client.md has the table):
 0 success, 1 key not found, 2 no server answered (or bad usage; for ``clone
 status``: any server did not answer), 3 a write was not confirmed in time, 4 any
 other Clone error, 5 a compare-and-set conflict (``--if-seq``) or a lock not
