@@ -274,7 +274,7 @@ def test_watch_into_a_closed_pipe_exits_without_a_change(pair: Pair) -> None:
 def test_watch_piped_into_head_stops_after_the_first_line(pair: Pair) -> None:
     shell = f"{' '.join(CLONE_CLI)} watch /w/ --servers {pair.servers} --heartbeat 0.1"
     proc = subprocess.Popen(["sh", "-c", f"{shell} | head -1"], stdout=subprocess.PIPE,
-                            env=_env(), cwd=ROOT)  # fmt: skip
+                            env=_env(), cwd=ROOT, start_new_session=True)  # fmt: skip
     try:
         def written() -> bool:
             pair.ok("set", "/w/a", "1")
@@ -283,7 +283,8 @@ def test_watch_piped_into_head_stops_after_the_first_line(pair: Pair) -> None:
         eventually(written, timeout=120)  # a write after the watch registered ends it
         assert proc.stdout is not None and proc.stdout.read() == b"/w/a=1\n"
     finally:
-        proc.kill()
+        if proc.poll() is None:  # the shell, the watch and head
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
 
