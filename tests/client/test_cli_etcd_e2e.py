@@ -273,6 +273,11 @@ def test_watch_into_a_closed_pipe_exits_without_a_change(pair: Pair) -> None:
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.xfail(
+    strict=False,
+    reason="a watch started while other clients write may see none of their changes"
+    " (on main too, with its own watch; reproduced outside pytest): reported to the lead",
+)
 def test_watch_piped_into_head_stops_after_the_first_line(pair: Pair) -> None:
     shell = f"{' '.join(CLONE_CLI)} watch /w/ --servers {pair.servers} --heartbeat 0.1"
     proc = subprocess.Popen(["sh", "-c", f"{shell} | head -1"], stdout=subprocess.PIPE,
@@ -297,3 +302,17 @@ def test_an_empty_value_is_refused_in_shell_words(pair: Pair) -> None:
     assert r.returncode == 2
     assert b"use 'clone del /e/k' to delete" in r.stderr
     assert b"delete()" not in r.stderr
+
+
+def test_watch_since_piped_into_head_stops_after_the_first_line(pair: Pair) -> None:
+    # The first line comes from the history (--since), so it does not depend on
+    # when the watch registered; head then exits and the watch must follow.
+    first = int(pair.ok("set", "/ws/a", "1"))
+    pair.ok("set", "/ws/b", "2")
+    shell = (f"{' '.join(CLONE_CLI)} watch /ws/ --since {first - 1} --servers {pair.servers}"
+             " --heartbeat 0.1; echo rc=$? >&2")  # fmt: skip
+    r = subprocess.run(["sh", "-c", f"({shell}) | head -1"], capture_output=True, env=_env(),
+                       cwd=ROOT, timeout=60)  # fmt: skip
+    assert r.stdout == b"/ws/a=1\n"
+    assert b"rc=141" in r.stderr, r.stderr
+    assert b"Traceback" not in r.stderr
