@@ -5,35 +5,39 @@ imported by ``import clone``.
 """
 
 import logging
+from typing import TYPE_CHECKING, Any
 
-from clone import errors
-from clone.client.frontend import (
-    Clone,
-    CloseReport,
-    Entry,
-    Freshness,
-    Lease,
-    Status,
-    Subscription,
-    clone_get,
-    clone_set,
-)
-from clone.errors import (
-    AgentTimeout,
-    CloneError,
-    ClosedError,
-    ConfirmTimeout,
-    Conflict,
-    HistoryCompacted,
-    LeaseLost,
-    LeaseQuotaExceeded,
-    NotActive,
-    NotJSON,
-    NotOwner,
-    NotSynced,
-    SplitConflict,
-    WriteRefused,
-)
+# Imported when first used (PEP 562), not here: the `clone` command imports
+# clone.client.cli, and `clone --help` should not pay for zmq and the agent.
+if TYPE_CHECKING:
+    from clone import errors
+    from clone.client.frontend import (
+        Clone,
+        CloseReport,
+        Entry,
+        Freshness,
+        Lease,
+        Status,
+        Subscription,
+        clone_get,
+        clone_set,
+    )
+    from clone.errors import (
+        AgentTimeout,
+        CloneError,
+        ClosedError,
+        ConfirmTimeout,
+        Conflict,
+        HistoryCompacted,
+        LeaseLost,
+        LeaseQuotaExceeded,
+        NotActive,
+        NotJSON,
+        NotOwner,
+        NotSynced,
+        SplitConflict,
+        WriteRefused,
+    )
 
 # A library does not choose where its log goes: without this, Python's
 # last-resort handler would print our warnings on the application's stderr.
@@ -65,3 +69,29 @@ __all__ = [
     "clone_set",
     "errors",
 ]
+
+_FROM_FRONTEND = frozenset(
+    {
+        "Clone",
+        "CloseReport",
+        "Entry",
+        "Freshness",
+        "Lease",
+        "Status",
+        "Subscription",
+        "clone_get",
+        "clone_set",
+    }
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_FRONTEND:
+        from clone.client import frontend
+
+        return getattr(frontend, name)
+    if name == "errors" or name in __all__:
+        from clone import errors
+
+        return errors if name == "errors" else getattr(errors, name)
+    raise AttributeError(f"module 'clone' has no attribute {name!r}")

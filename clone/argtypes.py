@@ -21,6 +21,7 @@ __all__ = [
     "normalize_endpoints",
     "positive_float",
     "positive_int",
+    "strip_scheme",
 ]
 
 _SCHEME = "tcp://"
@@ -54,6 +55,12 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def strip_scheme(endpoint: str) -> str:
+    """``tcp://host:port`` -> ``host:port`` (the servers' own flags: --peer,
+    --peer-ha, --upstream); anything else unchanged, for the caller to check."""
+    return endpoint[len(_SCHEME) :] if endpoint.startswith(_SCHEME) else endpoint
+
+
 def normalize_endpoint(endpoint: str) -> str:
     """``host:port`` or ``tcp://host:port`` -> ``tcp://host:port``.
 
@@ -66,7 +73,7 @@ def normalize_endpoint(endpoint: str) -> str:
     if not isinstance(endpoint, str):
         raise TypeError(f"a server endpoint must be str, not {type(endpoint).__name__}")
     text = endpoint.strip()
-    rest = text[len(_SCHEME) :] if text.startswith(_SCHEME) else text
+    rest = strip_scheme(text)
     if "://" in rest:
         raise ValueError(f"server {endpoint!r}: only tcp:// endpoints are supported")
     host, sep, port = rest.rpartition(":")

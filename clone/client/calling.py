@@ -36,6 +36,7 @@ from clone.wire.calls import (
     lease_id_of,
     lease_key,
     valid_lease_id,
+    valid_secret,
 )
 from clone.wire.codec import KVMsg, Properties, new_uuid
 from clone.wire.protocol import TTL_PROPERTY
@@ -59,13 +60,22 @@ class Caller:
     def __init__(self, client: Clone) -> None:
         self._client = client
 
-    def grant(self, ttl: float, timeout: float | None, for_key: str | None) -> Lease:
+    def grant(
+        self,
+        ttl: float,
+        timeout: float | None,
+        for_key: str | None,
+        secret: str | None = None,
+    ) -> Lease:
         """See :meth:`Clone.lease`."""
         ttl_text = format_lease_ttl(ttl)
         key = "" if for_key is None else build(for_key, b"", {}).key
         uuid = new_uuid()
         # Ours, so that a retry of the grant (same uuid) proves the same owner.
-        secret = secrets.token_hex(16)
+        if secret is None:
+            secret = secrets.token_hex(16)
+        elif not valid_secret(secret):
+            raise ValueError("a lease secret is 32 lowercase hex digits")
         asked = time.monotonic()  # the servers count its ttl from later than this
         reply = self.call(
             OP_LEASE_GRANT,

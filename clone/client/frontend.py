@@ -34,6 +34,7 @@ from clone.client.agent import Agent, split_endpoint
 from clone.client.args import (
     as_bytes,
     build,
+    format_lease_ttl,
     format_ttl,
     from_json,
     history_subtree,
@@ -62,6 +63,7 @@ from clone.errors import (
     SplitConflict,
 )
 from clone.security.keys import default_curve_files, load_curve_keys
+from clone.wire.calls import valid_lease_id
 from clone.wire.codec import (
     KVMsg,
     Properties,
@@ -446,7 +448,12 @@ class Clone:
         return self._call_write(key, b"", {}, timeout, if_sequence, None)
 
     def lease(
-        self, ttl: float = 2.0, *, timeout: float | None = None, for_key: str | None = None
+        self,
+        ttl: float = 2.0,
+        *,
+        timeout: float | None = None,
+        for_key: str | None = None,
+        secret: str | None = None,
     ) -> Lease:
         """A new lease of ``ttl`` seconds (0.3 s to one year), kept alive by
         this client until revoked, lost or the client closes.
@@ -471,8 +478,33 @@ class Clone:
         ``for_key``, or without it, may write nothing; ``reserved``:
         ``for_key`` is under ``/_clone/lease/``), and :class:`ValueError` for
         a ``for_key`` that is not a key.
+
+        ``secret``: the proof of ownership to use (32 lowercase hex digits)
+        instead of a fresh random one, for a caller that hands the lease to
+        other processes (``clone lease grant``; :meth:`adopt_lease`).
         """
-        return self._caller.grant(ttl, timeout, for_key)
+        return self._caller.grant(ttl, timeout, for_key, secret)
+
+    def adopt_lease(self, lease_id: str, ttl: float, *, secret: str = "") -> Lease:
+        """Keep alive a lease granted elsewhere (another process: ``clone lease
+        keep-alive``), proving ownership with its ``secret`` ("" under CURVE,
+        where the certificate is the proof).
+
+        The lease is then this client's like one it was granted: kept alive
+        every ``ttl / 3``, reported lost if a server says it is gone
+        (``not-owner`` for a wrong secret), revoked by :meth:`close` unless
+        revoked or lost before.  Raises ValueError for a malformed id.
+        """
+        if not valid_lease_id(lease_id):
+            raise ValueError(f"lease id {lease_id[:40]!r} is not 32 lowercase hex digits")
+        format_lease_ttl(ttl)  # the same bounds as a grant's
+        lease = Lease(self, lease_id, float(ttl), secret)
+        with self._shared:
+            self._leases[lease.id] = lease
+        self._request(
+            _agent.LEASE, [lease.id.encode(), repr(lease.ttl).encode(), lease._secret.encode()]
+        )
+        return lease
 
     def _call_write(
         self,

@@ -29,6 +29,7 @@ from clone.server.delta import DeltaStream
 from clone.server.inflight import InFlight
 from clone.server.metrics import DurationHistogram, SubscriberCount
 from clone.server.pacing import SplitQueue
+from clone.server.rolelog import load_role_changes, save_role_changes
 from clone.server.snapshot import SnapshotStream
 from clone.server.status import StatusLimiter, clone_version
 from clone.server.votes import DeferredVotes
@@ -213,7 +214,11 @@ class ServerBase:
         self._snapshot_started: dict[AnyStream, float] = {}
         self.recent_changes: deque[tuple[int, bytes]] = deque(maxlen=RECENT_CHANGES)
         # (Unix time, from role, to role), oldest first.
-        self.role_changes: deque[tuple[float, str, str]] = deque(maxlen=ROLE_CHANGES)
+        # A durable server keeps them across restarts (clone.server.rolelog).
+        self.role_changes: deque[tuple[float, str, str]] = deque(
+            load_role_changes(config.data_dir, ROLE_CHANGES) if config.data_dir else (),
+            maxlen=ROLE_CHANGES,
+        )
         # For STATUS? (clone.server.status): uptime, its rate limit, the last
         # takeover (Unix time; counted in counters["failovers"]) and our version.
         self._started_at = clock()
@@ -327,6 +332,8 @@ class ServerBase:
     def _note_role(self, was: str, now: str) -> None:
         """A promotion or demotion, for the failover history."""
         self.role_changes.append((self._wallclock(), was, now))
+        if self.config.data_dir is not None:
+            save_role_changes(self.config.data_dir, self.role_changes)
 
     def _turn_over(self, budget: int, stop_at: float) -> bool:
         """Whether a draining handler should give the loop back now.

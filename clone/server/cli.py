@@ -17,7 +17,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from clone.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
+from clone.argtypes import (
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    strip_scheme,
+)
 from clone.errors import CloneError
 from clone.layered import add_config_flags, parse_layered
 from clone.logformat import LOG_FORMATS, formatter
@@ -43,9 +49,13 @@ log = logging.getLogger("clone.server.cli")
 
 
 def _host_port(text: str) -> str:
+    """HOST:PORT, also written tcp://HOST:PORT (what clients take and scripts/run
+    prints): one spelling inside, as clone.argtypes.normalize_endpoint does."""
+    given, text = text, strip_scheme(text.strip())
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    bad_host = not host or "/" in host  # another scheme, or tcp:// twice
+    if not sep or bad_host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected [tcp://]HOST:PORT, got {given!r}")
     return text
 
 
@@ -105,14 +115,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--port", type=_base_port, help="CHP base port P (P, P+1, P+2); default 5556/5566"
     )
-    p.add_argument("--peer", type=_host_port, help="the peer's CHP base port, HOST:PORT")
+    p.add_argument("--peer", type=_host_port, help="the peer's CHP base port, [tcp://]HOST:PORT")
     p.add_argument("--ha-port", type=_port, help="our Binary Star port; default 5003/5004")
-    p.add_argument("--peer-ha", type=_host_port, help="the peer's Binary Star port, HOST:PORT")
+    p.add_argument("--peer-ha", type=_host_port, help="the peer's Binary Star port, [tcp://]HOST:PORT")
     p.add_argument(
         "--upstream",
         type=_upstream,
         help="a relay's upstream: the CHP base ports of the pair's servers (or of another"
-        " relay), HOST:PORT[,HOST:PORT]; required with --relay",
+        " relay), [tcp://]HOST:PORT[,...]; required with --relay",
     )
     p.add_argument("--bind", default="*", help="interface to bind (default: all, '*')")
     p.add_argument(
@@ -426,6 +436,12 @@ def _relay_config(args: argparse.Namespace, common: dict[str, Any]) -> ServerCon
     )
 
 
+#: Exit status of a server that could not start (it never served): restarting it
+#: as it is cannot help, so scripts/run gives up after a few (exit 1: it failed
+#: while serving; 2: flags it refuses).
+EXIT_START_FAILED = 3
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     layered = parse_layered(parser, argv, env_prefix=ENV_PREFIX)
@@ -452,8 +468,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         server.run(handle_signals=True)
     except (CloneError, OSError) as exc:
+        # run() raises only before serving: a port in use, a locked data directory.
         log.error("%s", exc)
-        return 1
+        return EXIT_START_FAILED
     if server.failed is not None:
         return 1
     return 0

@@ -185,6 +185,9 @@ class FollowingMixin(ServerBase):
         followed = self._followed
         assert followed is not None
         self._close_dealer()
+        # The sync's own start: a passive may follow a peer for minutes (it
+        # restarts, we wait) before this request, which the log must not count.
+        self._sync_started = self._clock()
         dealer = self._socket(zmq.DEALER)
         dealer.setsockopt(zmq.RCVHWM, cfg.snapshot_hwm)
         # Ask for KVBATCHes (our peer is one of us): a restart resyncs faster.

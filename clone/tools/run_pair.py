@@ -16,6 +16,14 @@ state, when a stop was asked for, or when a restart is due, so it never polls.
 * A server that exits with status 2 was given flags it refuses; restarting it
   cannot help, so the supervisor stops the other one and exits 2 too.  The
   flags are checked before anything starts, so this is only a safety net.
+* A server that exits with status 3 could not start (a port in use, a locked
+  data directory): after ``start_attempts`` (3) such exits in a row the
+  supervisor stops the other one and exits 1, repeating the server's last
+  line (its error).  Each server's stderr passes through the supervisor, which
+  keeps that line; a server that crashes while serving is restarted as ever.
+
+``--http-port P`` gives the primary P and the backup P+1 (both in the banner):
+the same port for both would keep one of them from starting.
 
 Ports: without ``--port``, the ZeroMQ Guide's pair (primary CHP 5556-5558 and
 Binary Star 5003, backup 5566-5568 and 5004), which the Guide's clients and
@@ -32,6 +40,7 @@ import argparse
 import contextlib
 import ctypes
 import logging
+import os
 import selectors
 import signal
 import socket
@@ -69,6 +78,10 @@ BACKUP_OFFSET = 10
 HA_OFFSET = 3
 #: Exit status of ``clone-server`` (argparse) for flags it refuses.
 _EXIT_USAGE = 2
+#: Exit status of ``clone-server`` when it could not start (clone.server.cli).
+_EXIT_START_FAILED = 3
+#: Our exit status when a server could not start ``start_attempts`` times in a row.
+_EXIT_GAVE_UP = 1
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _PR_SET_PDEATHSIG = 1
@@ -84,6 +97,8 @@ _OWN_FLAGS = (
     "--ha-port",
     "--data-dir",
 )
+# The backup's HTTP port is the primary's plus this (--http-port).
+HTTP_BACKUP_OFFSET = 1
 
 _LOG_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)-7s %(name)s: %(message)s"
 _DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -126,7 +141,11 @@ class PairPorts:
 
 
 def server_argvs(
-    ports: PairPorts, bind: str, extra: Sequence[str] = (), data_root: Path | None = None
+    ports: PairPorts,
+    bind: str,
+    extra: Sequence[str] = (),
+    data_root: Path | None = None,
+    http_port: int | None = None,
 ) -> dict[str, list[str]]:
     """The ``clone-server`` arguments (without the program) of each server.
 
@@ -137,6 +156,10 @@ def server_argvs(
     """
 
     def one(role: str, port: int, ha: int, peer: int, peer_ha: int) -> list[str]:
+        http: list[str] = []
+        if http_port is not None:
+            own = http_port + (HTTP_BACKUP_OFFSET if role == "backup" else 0)
+            http = ["--http-port", str(own)]
         durable = (
             ["--data-dir", str(data_root / f"{role}-{port}")]
             if data_root is not None and "--in-memory" not in extra
@@ -150,6 +173,7 @@ def server_argvs(
             "--peer-ha", f"localhost:{peer_ha}",
             "--bind", bind,
             *durable,
+            *http,
             *extra,
         ]  # fmt: skip
 
@@ -222,6 +246,11 @@ class _Member:
     started_at: float = 0.0
     restart_at: float | None = None
     restarts: int = 0
+    #: Exits with _EXIT_START_FAILED in a row (reset by any other end).
+    start_failures: int = 0
+    #: The last line the server wrote to stderr (its error, when it could not start).
+    last_line: str = ""
+    _partial: bytes = b""
 
 
 @dataclass
@@ -237,6 +266,7 @@ class PairSupervisor:
     commands: dict[str, list[str]]
     policy: RestartPolicy = field(default_factory=RestartPolicy)
     stop_timeout: float = 10.0
+    start_attempts: int = 3
     on_started: Callable[[dict[str, int]], None] | None = None
     clock: Callable[[], float] = time.monotonic
     _members: list[_Member] = field(init=False, default_factory=list)
@@ -253,14 +283,16 @@ class PairSupervisor:
                 if self.on_started is not None:
                     self.on_started({m.name: m.popen.pid for m in self._members if m.popen})
                 stop = self._supervise()
-                if stop is None:  # a server refused its flags
+                if not isinstance(stop, signal.Signals):  # refused flags, cannot start
                     self._stop_all(signal.SIGTERM)
-                    return _EXIT_USAGE
+                    return stop
                 log.info("%s received: stopping both servers", stop.name)
                 self._stop_all(signal.SIGTERM if stop == signal.SIGHUP else stop)
                 return 0
             finally:
                 self._kill_leftovers()
+                for member in self._members:
+                    _drain(member)
 
     # -- signals ---------------------------------------------------------------
 
@@ -285,12 +317,29 @@ class PairSupervisor:
             writer.close()
 
     def _wait(self, timeout: float | None) -> list[signal.Signals]:
-        """Sleep until a signal arrives or ``timeout`` passes; the signals seen."""
+        """Sleep until a signal arrives or ``timeout`` passes, passing on what
+        the servers write to stderr meanwhile; the signals seen."""
         assert self._wake is not None
+        deadline = None if timeout is None else self.clock() + max(0.0, timeout)
         with selectors.DefaultSelector() as sel:
             sel.register(self._wake, selectors.EVENT_READ)
-            if not sel.select(None if timeout is None else max(0.0, timeout)):
-                return []
+            for member in self._members:
+                stderr = None if member.popen is None else member.popen.stderr
+                if stderr is not None and not stderr.closed:
+                    sel.register(stderr, selectors.EVENT_READ, member)
+            while True:
+                left = None if deadline is None else max(0.0, deadline - self.clock())
+                ready = sel.select(left)
+                if not ready:
+                    return []
+                woken = False
+                for key, _ in ready:
+                    if key.data is None:
+                        woken = True
+                    elif not _relay(key.data):
+                        sel.unregister(key.fileobj)
+                if woken:
+                    break
         try:
             data = self._wake.recv(4096)
         except BlockingIOError:
@@ -299,20 +348,33 @@ class PairSupervisor:
 
     # -- the loop --------------------------------------------------------------
 
-    def _supervise(self) -> signal.Signals | None:
-        """Restart whatever dies until a stop signal (returned); None to give up."""
+    def _supervise(self) -> signal.Signals | int:
+        """Restart whatever dies until a stop signal (returned); an exit status
+        to give up with."""
         while True:
             now = self.clock()
             for member in self._members:
                 popen = member.popen  # None only before the first start
                 if member.restart_at is None and popen is not None and popen.poll() is not None:
+                    _drain(member)
                     if popen.returncode == _EXIT_USAGE:
                         log.error(
                             "%s refused its flags (exit status 2, its usage message is "
                             "above): not restarting it; stopping the pair",
                             member.name,
                         )
-                        return None
+                        return _EXIT_USAGE
+                    if popen.returncode == _EXIT_START_FAILED:
+                        member.start_failures += 1
+                        if member.start_failures >= self.start_attempts:
+                            log.error(
+                                "%s could not start, %d times in a row: %s; stopping the pair",
+                                member.name, member.start_failures,
+                                member.last_line or "(it said nothing)",
+                            )  # fmt: skip
+                            return _EXIT_GAVE_UP
+                    else:
+                        member.start_failures = 0
                     self._schedule_restart(member, now)
                 if member.restart_at is not None and now >= member.restart_at:
                     self._start(member, restart=True)
@@ -342,8 +404,11 @@ class PairSupervisor:
         member.popen = subprocess.Popen(
             member.argv,
             stdin=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,  # passed on by _wait, which keeps the last line
             preexec_fn=_child_setup if sys.platform.startswith("linux") else None,
         )
+        assert member.popen.stderr is not None
+        os.set_blocking(member.popen.stderr.fileno(), False)
         if restart:
             member.restarts += 1
             log.info("%s restarted: pid %d (restart %d)", member.name, member.popen.pid,
@@ -380,6 +445,42 @@ class PairSupervisor:
                 member.popen.wait(5)
 
 
+def _relay(member: _Member) -> bool:
+    """Pass on what a server wrote to stderr; False at its end (closed)."""
+    popen = member.popen
+    assert popen is not None and popen.stderr is not None
+    try:
+        chunk = os.read(popen.stderr.fileno(), 65536)
+    except BlockingIOError:
+        return True
+    except OSError:
+        chunk = b""
+    if not chunk:
+        return False
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.buffer.write(chunk)
+        sys.stderr.flush()
+    lines = (member._partial + chunk).split(b"\n")
+    member._partial = lines.pop()[-65536:]
+    said = [line for line in lines if line.strip()]
+    if said:
+        member.last_line = said[-1].decode("utf-8", "replace").strip()
+    return True
+
+
+def _drain(member: _Member) -> None:
+    """What an exited server still had in its pipe, then close it."""
+    popen = member.popen
+    if popen is None or popen.stderr is None or popen.stderr.closed:
+        return
+    while _relay(member):
+        pass
+    if member._partial.strip():
+        member.last_line = member._partial.decode("utf-8", "replace").strip()
+        member._partial = b""
+    popen.stderr.close()
+
+
 def _note_signal(signum: int, frame: FrameType | None) -> None:
     """Nothing to do here: the wakeup socket carries the signal to the loop."""
 
@@ -401,6 +502,13 @@ def _parser() -> argparse.ArgumentParser:
         "P+10..P+12 and Binary Star P+13 (default: the Guide's 5556/5003 and 5566/5004)",
     )
     p.add_argument("--bind", default="*", help="interface both servers bind (default '*')")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        metavar="P",
+        help="serve /metrics, /healthz and the status page: the primary on P, the backup "
+        "on P+1 (default: none)",
+    )
     p.add_argument(
         "--data-root",
         type=Path,
@@ -438,7 +546,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ports = PairPorts.for_base(args.port)
     except ValueError as exc:
         parser.error(str(exc))
-    argvs = server_argvs(ports, args.bind, extra, args.data_root.resolve())
+    if args.http_port is not None and not 0 < args.http_port < 65535:
+        parser.error(f"--http-port {args.http_port}: the pair uses P and P+1, in 1..65535")
+    argvs = server_argvs(
+        ports, args.bind, extra, args.data_root.resolve(), http_port=args.http_port
+    )
     _check_server_flags(parser, argvs)
     logging.basicConfig(level=logging.INFO, format=_LOG_FORMAT, datefmt=_DATE_FORMAT)
 
@@ -453,6 +565,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         )  # fmt: skip
         log.info("clients: --servers tcp://%s:%d,tcp://%s:%d",
                  host, ports.primary, host, ports.backup)  # fmt: skip
+        if args.http_port is not None:
+            log.info("HTTP (/metrics, /healthz, status page): primary http://%s:%d/, "
+                     "backup http://%s:%d/", host, args.http_port,
+                     host, args.http_port + HTTP_BACKUP_OFFSET)  # fmt: skip
 
     server = [sys.executable, "-m", "clone.server.cli"]
     supervisor = PairSupervisor(

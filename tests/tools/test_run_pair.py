@@ -244,3 +244,63 @@ def test_the_supervisor_restores_the_signal_handlers() -> None:
     sup = PairSupervisor({"x": _py(_STOPPER.format(delay=0.1) + "; time.sleep(60)")})
     assert sup.run() == 0
     assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+# -- issue 28: --http-port for both, and a server that cannot start -----------------
+
+
+def test_http_port_gives_the_backup_the_next_port() -> None:
+    argvs = server_argvs(PairPorts.for_base(20000), "127.0.0.1", (), None, http_port=32020)
+    primary = config_from_args(build_parser().parse_args(argvs["primary"]))
+    backup = config_from_args(build_parser().parse_args(argvs["backup"]))
+    assert (primary.http_port, backup.http_port) == (32020, 32021)
+
+
+def test_without_http_port_neither_serves_http() -> None:
+    argvs = server_argvs(PairPorts.for_base(20000), "127.0.0.1")
+    assert not any("--http-port" in argv for argv in argvs.values())
+
+
+@pytest.mark.timeout(30)
+def test_a_member_that_cannot_start_stops_the_pair_with_its_message(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "clone.tools.run_pair")
+    # What clone-server does for a port in use: logs the cause, exits 3.
+    cannot = "import sys; print('ERROR cannot bind the HTTP port *:1: in use', file=sys.stderr);"
+    sup = PairSupervisor(
+        {
+            "bad": _py(cannot + " raise SystemExit(3)"),
+            "other": _py("import time; time.sleep(60)"),
+        },
+        RestartPolicy(initial=0.05, factor=1, cap=0.05, stable_after=30),
+    )
+    code, started, elapsed = _run(sup)
+    assert code == 1
+    assert elapsed < 10
+    text = caplog.text
+    assert (
+        "bad could not start, 3 times in a row: ERROR cannot bind the HTTP port *:1: in use;"
+        " stopping the pair" in text
+    ), text
+    assert text.count("bad restarted") == 2
+    assert _gone(started["other"])
+
+
+@pytest.mark.timeout(30)
+def test_a_member_that_crashes_after_starting_is_still_restarted(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.INFO, "clone.tools.run_pair")
+    # Exit 1 (failed while serving) is not a start failure: no giving up.
+    sup = PairSupervisor(
+        {
+            "crashy": _py("raise SystemExit(1)"),
+            "steady": _py(_STOPPER.format(delay=1.5) + "; time.sleep(60)"),
+        },
+        RestartPolicy(initial=0.05, factor=1, cap=0.05, stable_after=30),
+    )
+    code, _, _ = _run(sup)
+    assert code == 0
+    assert caplog.text.count("crashy restarted") >= 3
+    assert "could not start" not in caplog.text

@@ -95,7 +95,8 @@
       ["term", text(s.term)],
       ["data", s.durable ? s.data_dir : "in memory"],
       ["CURVE", s.curve ? "on" : "off"],
-      ["last role change", time(s.last_failover)],
+      // The newest row of the failover table below (role_changes, newest first).
+      ["last role change", time(s.role_changes && s.role_changes.length ? s.role_changes[0].time : s.last_failover)],
     ]);
     list($("recent"), s.recent, (c) => [fmt(c.sequence), c.key]);
     list($("failovers"), s.role_changes, (c) => [time(c.time), c.from, c.to]);
