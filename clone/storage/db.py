@@ -139,7 +139,11 @@ class Storage:
                 # leaves a clone.db that looks like an empty state.
                 write_state_file(db_path, {}, sequence=0, term=0)
                 logger.info("created a new database %s", db_path)
+                lock.hold_database(db_path)
             else:
+                # Held on the database itself: a deleted LOCK file lets no second
+                # server in (clone.storage.lock).
+                lock.hold_database(db_path)
                 # An older format is upgraded here, after a copy is kept beside it;
                 # a newer one is refused (clone.storage.migrations).
                 migrate_file(db_path)
