@@ -18,9 +18,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from clone.argtypes import non_negative_float, non_negative_int, positive_float, positive_int
-from clone.errors import CloneError
+from clone.errors import CloneError, DataDirTooBig
 from clone.layered import add_config_flags, parse_layered
 from clone.logformat import LOG_FORMATS, formatter
+from clone.server.budget import STORE_FRACTION, default_max_bytes, read_memory_limit
 from clone.server.config import FSYNC_POLICIES, PEER_WAIT_DEFAULT, ServerConfig, ServerMode
 from clone.server.core import CoreSettings
 from clone.server.reactor import CloneServer
@@ -283,10 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument(
         "--max-bytes",
         type=non_negative_int,
-        default=4 * 1024**3,
+        default=None,
         metavar="BYTES",
-        help="most bytes of keys, values and properties the store holds (default"
-        " 4294967296, 4 GiB; 0: no limit)",
+        help="most bytes of keys, values and properties the store holds (default: a"
+        " quarter of the memory the process may use, its cgroup limit or else the"
+        " machine's MemTotal; 0: no limit)",
     )
     limits.add_argument(
         "--max-leases",
@@ -333,6 +335,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _max_bytes(given: int | None) -> int:
+    """``--max-bytes`` as given, else the memory budget's default (clone.server.budget)."""
+    if given is not None:
+        return given
+    limit = read_memory_limit()
+    chosen = default_max_bytes(limit)
+    log.info("--max-bytes defaults to %d: %d%% of %s",
+             chosen, round(STORE_FRACTION * 100),
+             f"{limit.nbytes} bytes ({limit.source})" if limit else "nothing known (4 GiB)")
+    return chosen
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Turn parsed flags into a config, filling in the Guide's example defaults."""
     core = CoreSettings(
@@ -342,7 +356,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         history_max=args.history,
         history_bytes=args.history_bytes,
         max_keys=args.max_keys,
-        max_bytes=args.max_bytes,
+        max_bytes=_max_bytes(args.max_bytes),
         max_leases=args.max_leases,
         max_leases_per_client=args.max_leases_per_client,
     )
@@ -451,6 +465,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     server = CloneServer(config)
     try:
         server.run(handle_signals=True)
+    except DataDirTooBig as exc:
+        log.error("%s", exc)
+        return 2
     except (CloneError, OSError) as exc:
         log.error("%s", exc)
         return 1

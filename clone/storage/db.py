@@ -203,6 +203,21 @@ class Storage:
         """The term last committed."""
         return self._term
 
+    def logical_bytes(self) -> int:
+        """The bytes the state takes in the store (key, seq, uuid, props, body of each row).
+
+        SQLite answers ``length()`` of a blob from the record header, so this
+        reads no values: cheap enough to check a budget before :meth:`load`.
+        """
+        try:
+            row = self._live().execute(
+                "SELECT coalesce(sum(length(key) + length(seq) + length(uuid)"
+                " + length(props) + length(body)), 0) FROM kv"
+            ).fetchone()
+        except sqlite3.Error as exc:
+            raise translate(exc, self._db_path, "measuring") from exc
+        return int(row[0])
+
     def load(self) -> Loaded:
         """Read the whole state and log (once, at start)."""
         conn = self._live()
