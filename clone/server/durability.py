@@ -29,8 +29,8 @@ import time
 from dataclasses import astuple
 
 from clone.errors import StorageError
-from clone.server.budget import check_fits
 from clone.server.base import ServerBase, log
+from clone.server.budget import check_fits
 from clone.server.conflicts import ConflictRecord
 from clone.server.core import Role
 from clone.server.journal import OpKind
