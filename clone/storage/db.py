@@ -154,7 +154,7 @@ class Storage:
                 conn.close()
             lock.release()
             raise
-        checkpointer = Checkpointer(db_path, checkpoint_interval)
+        checkpointer = Checkpointer(db_path, checkpoint_interval, truncate_above=_WAL_SIZE_LIMIT)
         checkpointer.start()
         logger.info("opened %s at sequence %d, term %d (fsync=%s)",
                     db_path, sequence, term, fsync.value)
