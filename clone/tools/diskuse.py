@@ -19,23 +19,18 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from clone import Clone
-from clone.tools.procs import ProcessGroup, ServerAddress, free_base_port, server_argv, wait_listening
+from clone.storage.files import dir_bytes
+from clone.tools.procs import (
+    ProcessGroup,
+    ServerAddress,
+    free_base_port,
+    server_argv,
+    wait_listening,
+)
 
-__all__ = ["dir_bytes", "main"]
+__all__ = ["main"]
 
 log = logging.getLogger(__name__)
-
-
-def dir_bytes(path: Path) -> int:
-    """Bytes allocated on disk by the files under ``path`` (as ``du`` counts them)."""
-    total = 0
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.stat(os.path.join(root, name)).st_blocks * 512
-            except OSError:
-                continue
-    return total
 
 
 def _parser() -> argparse.ArgumentParser:
