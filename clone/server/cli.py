@@ -24,6 +24,7 @@ from clone.logformat import LOG_FORMATS, formatter
 from clone.server.budget import STORE_FRACTION, default_max_bytes, read_memory_limit
 from clone.server.config import FSYNC_POLICIES, PEER_WAIT_DEFAULT, ServerConfig, ServerMode
 from clone.server.core import CoreSettings
+from clone.server.fdlimit import raise_nofile
 from clone.server.reactor import CloneServer
 from clone.wire.protocol import (
     COLLECTOR_OFFSET,
@@ -323,6 +324,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve /metrics (Prometheus), /healthz, /readyz and a live status page on"
         " this port, bound to --bind (default: off)",
     )
+    monitoring.add_argument(
+        "--http-idle-timeout",
+        type=positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="close an HTTP connection idle (or sending one request) this long, and a"
+        " status viewer that answers no ping this long (default 30)",
+    )
+    monitoring.add_argument(
+        "--http-max-connections",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="HTTP connections at once; more are closed when accepted (default 0: a"
+        " quarter of the descriptor limit, at most 1024, so CHP clients keep the rest)",
+    )
+    monitoring.add_argument(
+        "--http-viewers",
+        type=positive_int,
+        default=32,
+        metavar="N",
+        help="status-page viewers at once; a new one takes the slot of one that does not"
+        " read, else is refused (default 32)",
+    )
     p.add_argument("--log-file", help="log here instead of stderr")
     p.add_argument(
         "--log-format",
@@ -379,6 +404,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         trusted_relays=frozenset(args.trusted_relay),
         max_snapshots=args.max_snapshots,
         http_port=args.http_port,
+        http_idle_timeout=args.http_idle_timeout,
+        http_max_connections=args.http_max_connections,
+        http_viewers=args.http_viewers,
     )
     if args.upstream and not args.relay:
         raise ValueError("--upstream is for a relay (--relay) only")
@@ -462,6 +490,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    raise_nofile()  # CHP clients and the HTTP cap (clone.server.fdlimit) share it
     server = CloneServer(config)
     try:
         server.run(handle_signals=True)

@@ -187,6 +187,7 @@ class CloneServer(
         if subscribers is not None:
             out["subscribers"] = subscribers
         out["mode"] = self.config.mode.value
+        out.update(self.http_counters())
         if self.config.data_dir is not None:
             out["data_dir_bytes"] = dir_bytes(Path(self.config.data_dir))
         gatekeeper = self._gatekeeper
