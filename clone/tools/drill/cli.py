@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import sys
 import time
@@ -96,6 +97,17 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    given = list(sys.argv[1:] if argv is None else argv)
+    if "--scenario=hostile" in given or any(
+        pair == ("--scenario", "hostile") for pair in itertools.pairwise(given)
+    ):  # its own flags: clone.tools.hostile.cli
+        from clone.tools.hostile.cli import main as hostile_main
+
+        rest = [a for a in given if a != "--scenario=hostile"]
+        if "--scenario" in rest:
+            i = rest.index("--scenario")
+            del rest[i : i + 2]
+        return hostile_main(rest)
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
