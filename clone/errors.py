@@ -23,6 +23,7 @@ __all__ = [
     "DataDirLocked",
     "DataDirCorrupt",
     "DataDirIncompatible",
+    "DataDirTooBig",
     "SecurityError",
     "WriteRefused",
     "NotOwner",
@@ -120,6 +121,11 @@ class DataDirLocked(StorageError):
 
 class DataDirCorrupt(StorageError):
     """The database in the data directory is unreadable, truncated or not a database."""
+
+
+class DataDirTooBig(StorageError):
+    """The data directory holds more than the store's ``--max-bytes`` budget: loading it
+    would break the budget (and, in a memory-limited container, be killed)."""
 
 
 class DataDirIncompatible(StorageError):

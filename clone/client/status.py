@@ -140,13 +140,27 @@ def _version_text(status: dict[str, Any]) -> str:
     return f"{version} (format {fmt})" if fmt is not None else str(version)
 
 
+def _disk_text(nbytes: object) -> str:
+    """The data directory's size, ``785.2M``; ``-`` in memory or from an older release."""
+    if not isinstance(nbytes, int):
+        return "-"
+    size = float(nbytes)
+    for unit in ("B", "K", "M", "G"):
+        if size < 1024 or unit == "G":
+            return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
+        size /= 1024
+    return "-"  # unreachable
+
+
 def _cell(value: object) -> str:
     return "-" if value is None else str(value)
 
 
 def status_table(statuses: Sequence[dict[str, Any]]) -> list[str]:
     """Aligned lines, a header first: one line per server."""
-    header = ("ENDPOINT", "REACHABLE", "ROLE", "SEQUENCE", "KEYS", "PEER", "UPTIME", "VERSION")
+    header = (
+        "ENDPOINT", "REACHABLE", "ROLE", "SEQUENCE", "KEYS", "DISK", "PEER", "UPTIME", "VERSION",
+    )
     rows = [header]
     for s in statuses:
         reachable = bool(s.get("reachable"))
@@ -157,6 +171,7 @@ def status_table(statuses: Sequence[dict[str, Any]]) -> list[str]:
                 _cell(s.get("role")),
                 _cell(s.get("sequence")),
                 _cell(s.get("keys")),
+                _disk_text(s.get("data_dir_bytes")),
                 _peer_text(s) if reachable else "-",
                 _uptime_text(s.get("uptime")),
                 _version_text(s),

@@ -24,11 +24,13 @@ from clone.argtypes import (
     positive_int,
     strip_scheme,
 )
-from clone.errors import CloneError
+from clone.errors import CloneError, DataDirTooBig
 from clone.layered import add_config_flags, parse_layered
 from clone.logformat import LOG_FORMATS, formatter
+from clone.server.budget import STORE_FRACTION, default_max_bytes, read_memory_limit
 from clone.server.config import FSYNC_POLICIES, PEER_WAIT_DEFAULT, ServerConfig, ServerMode
 from clone.server.core import CoreSettings
+from clone.server.fdlimit import raise_nofile
 from clone.server.reactor import CloneServer
 from clone.wire.protocol import (
     COLLECTOR_OFFSET,
@@ -293,10 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument(
         "--max-bytes",
         type=non_negative_int,
-        default=4 * 1024**3,
+        default=None,
         metavar="BYTES",
-        help="most bytes of keys, values and properties the store holds (default"
-        " 4294967296, 4 GiB; 0: no limit)",
+        help="most bytes of keys, values and properties the store holds (default: a"
+        " quarter of the memory the process may use, its cgroup limit or else the"
+        " machine's MemTotal; 0: no limit)",
     )
     limits.add_argument(
         "--max-leases",
@@ -331,6 +334,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve /metrics (Prometheus), /healthz, /readyz and a live status page on"
         " this port, bound to --bind (default: off)",
     )
+    monitoring.add_argument(
+        "--http-idle-timeout",
+        type=positive_float,
+        default=30.0,
+        metavar="SECONDS",
+        help="close an HTTP connection idle (or sending one request) this long, and a"
+        " status viewer that answers no ping this long (default 30)",
+    )
+    monitoring.add_argument(
+        "--http-max-connections",
+        type=non_negative_int,
+        default=0,
+        metavar="N",
+        help="HTTP connections at once; more are closed when accepted (default 0: a"
+        " quarter of the descriptor limit, at most 1024, so CHP clients keep the rest)",
+    )
+    monitoring.add_argument(
+        "--http-viewers",
+        type=positive_int,
+        default=32,
+        metavar="N",
+        help="status-page viewers at once; a new one takes the slot of one that does not"
+        " read, else is refused (default 32)",
+    )
     p.add_argument("--log-file", help="log here instead of stderr")
     p.add_argument(
         "--log-format",
@@ -343,6 +370,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _max_bytes(given: int | None) -> int:
+    """``--max-bytes`` as given, else the memory budget's default (clone.server.budget)."""
+    if given is not None:
+        return given
+    limit = read_memory_limit()
+    chosen = default_max_bytes(limit)
+    log.info("--max-bytes defaults to %d: %d%% of %s",
+             chosen, round(STORE_FRACTION * 100),
+             f"{limit.nbytes} bytes ({limit.source})" if limit else "nothing known (4 GiB)")
+    return chosen
+
+
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """Turn parsed flags into a config, filling in the Guide's example defaults."""
     core = CoreSettings(
@@ -352,7 +391,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         history_max=args.history,
         history_bytes=args.history_bytes,
         max_keys=args.max_keys,
-        max_bytes=args.max_bytes,
+        max_bytes=_max_bytes(args.max_bytes),
         max_leases=args.max_leases,
         max_leases_per_client=args.max_leases_per_client,
     )
@@ -375,6 +414,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         trusted_relays=frozenset(args.trusted_relay),
         max_snapshots=args.max_snapshots,
         http_port=args.http_port,
+        http_idle_timeout=args.http_idle_timeout,
+        http_max_connections=args.http_max_connections,
+        http_viewers=args.http_viewers,
     )
     if args.upstream and not args.relay:
         raise ValueError("--upstream is for a relay (--relay) only")
@@ -464,9 +506,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = config_from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
+    raise_nofile()  # CHP clients and the HTTP cap (clone.server.fdlimit) share it
     server = CloneServer(config)
     try:
         server.run(handle_signals=True)
+    except DataDirTooBig as exc:
+        log.error("%s", exc)
+        return 2
     except (CloneError, OSError) as exc:
         # run() raises only before serving: a port in use, a locked data directory.
         log.error("%s", exc)

@@ -88,6 +88,13 @@ class ServerConfig:
     #: The HTTP port (docs/operations.md, "Monitoring"): /metrics, /healthz,
     #: /readyz and the status page, bound to ``bind``; None: off.
     http_port: int | None = None
+    #: Seconds an HTTP connection may be idle or send one request's headers or
+    #: body, and a status viewer may leave a ping unanswered (docs/operations.md, "Limits").
+    http_idle_timeout: float = 30.0
+    #: HTTP connections at once; 0: a quarter of the descriptor limit, at most 1024.
+    http_max_connections: int = 0
+    #: Status-page WebSocket viewers at once.
+    http_viewers: int = 32
     #: A relay's upstream: the CHP base ports (``host:port``) of the servers
     #: it relays, in the order it tries them (a pair's two, or another relay).
     upstream: tuple[str, ...] = ()
@@ -97,6 +104,10 @@ class ServerConfig:
             raise ValueError(f"port {self.port} leaves no room for P+1 and P+2")
         if self.http_port is not None and not 0 < self.http_port <= 65535:
             raise ValueError(f"http_port must be in 1..65535, not {self.http_port}")
+        if self.http_idle_timeout <= 0:
+            raise ValueError(f"http_idle_timeout must be positive, not {self.http_idle_timeout}")
+        if self.http_max_connections < 0 or self.http_viewers < 1:
+            raise ValueError("http_max_connections must be >= 0 and http_viewers >= 1")
         if self.heartbeat <= 0:
             raise ValueError(f"heartbeat must be positive, not {self.heartbeat}")
         for name in ("pub_hwm", "collector_hwm", "snapshot_hwm"):

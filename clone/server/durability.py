@@ -30,6 +30,7 @@ from dataclasses import astuple
 
 from clone.errors import StorageError
 from clone.server.base import ServerBase, log
+from clone.server.budget import check_fits
 from clone.server.conflicts import ConflictRecord
 from clone.server.core import Role
 from clone.server.journal import OpKind
@@ -65,6 +66,7 @@ class DurabilityMixin(ServerBase):
         started = time.monotonic()
         storage = Storage.open(cfg.data_dir, fsync=FsyncPolicy(cfg.fsync))
         try:
+            check_fits(storage, cfg.core.max_bytes)
             loaded = storage.load()
             self.core.load(
                 loaded.entries, loaded.sequence, loaded.history, self._wallclock(), self._clock()

@@ -13,8 +13,19 @@ handed to the loop's accept handler once the loop runs; ``_close_all`` stops it.
   (synced, nothing pending); 503 with the reason otherwise.
 * ``/status.json``: the page's data once; ``/ws``: the same pushed at every
   heartbeat (at most 5 a second, at least 1) to a bounded number of WebSocket
-  clients.  A client still writing the previous push skips this one: a slow
-  browser never makes the loop wait or the server's memory grow.
+  clients (``--http-viewers``).  A client still writing the previous push skips
+  this one: a slow browser never makes the loop wait or the server's memory
+  grow.  Every push also sends a WebSocket ping; a viewer that does not read
+  cannot answer it, so one silent for 3 pushes (at least 2 s) is *stale*: a new
+  viewer takes its slot when all are taken, and one silent for
+  ``--http-idle-timeout`` is closed.
+
+Bounds (issue 26): the HTTP server closes a connection idle, or sending a
+request's headers or body, for ``--http-idle-timeout`` seconds (tornado's
+``idle_connection_timeout``, which is also its header timeout, and
+``body_timeout``), and accepts at most ``--http-max-connections`` at once (by
+default a quarter of the descriptor limit, :mod:`.fdlimit`): one beyond it is
+closed as soon as it is accepted, and counted.
 * ``/``: the page itself, plain files from ``clone/server/web/``.
 
 The publisher's connections are counted here too, from a socket monitor
@@ -25,6 +36,7 @@ from __future__ import annotations
 
 import json
 import logging
+import resource
 from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import zmq
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from tornado.httpserver import HTTPServer
+from tornado.iostream import IOStream
 from tornado.netutil import bind_sockets
 from tornado.web import Application, RequestHandler, StaticFileHandler
 from tornado.websocket import WebSocketClosedError, WebSocketHandler
@@ -41,6 +54,7 @@ from zmq.utils.monitor import parse_monitor_message
 from clone.errors import ServerStartError
 from clone.server.base import ServerBase, log
 from clone.server.core import Role, SyncState
+from clone.server.fdlimit import http_connection_cap
 from clone.server.metrics import SubscriberCount, build_registry
 
 if TYPE_CHECKING:
@@ -51,36 +65,79 @@ __all__ = ["MAX_STATUS_SOCKETS", "WEB_DIR", "HttpMixin", "StatusHub"]
 
 #: Where the status page's files are (shipped as package data).
 WEB_DIR = Path(__file__).resolve().parent / "web"
-#: WebSocket clients of the status page at once; more are closed with 1013.
+#: WebSocket clients of the status page at once (``--http-viewers``); a new one
+#: beyond takes a stale viewer's slot, else is closed with 1013.
 MAX_STATUS_SOCKETS = 32
+#: The HTTP port's connection cap before the descriptor limit is known.
+HTTP_CAP_DEFAULT = 1024
 _RATE_SAMPLES = 120  # points of the page's update-rate chart
 _PUSH_MIN = 0.2  # seconds between pushes, at least ...
 _PUSH_MAX = 1.0  # ... and at most
 
 
-class StatusHub:
-    """The status page's WebSocket clients: admit (bounded), push, drop laggards."""
+#: A viewer not heard (a pong, a message) for this long is stale: its slot can go
+#: to a new viewer.  At least this many seconds ...
+_STALE_MIN = 2.0
+#: ... and at least this many pushes (each push sends a ping).
+_STALE_PUSHES = 3
 
-    def __init__(self, limit: int = MAX_STATUS_SOCKETS) -> None:
+
+class StatusHub:
+    """The status page's WebSocket clients: admit (bounded), push, drop laggards.
+
+    Times are passed in (``now``, monotonic seconds): a viewer is *heard* when
+    admitted and at each pong or message (:meth:`heard`); :meth:`broadcast`
+    pings every viewer and closes those silent for ``idle_timeout``; when every
+    slot is taken, :meth:`admit` closes the viewer silent longest, if it is
+    stale, to make room.
+    """
+
+    def __init__(
+        self, limit: int = MAX_STATUS_SOCKETS, *, stale_after: float = _STALE_MIN,
+        idle_timeout: float = 30.0,
+    ) -> None:  # fmt: skip
         self.limit = limit
+        self.stale_after = stale_after
+        self.idle_timeout = idle_timeout
         # socket -> its last write (None once done or never started)
         self._sockets: dict[WebSocketHandler, Awaitable[None] | None] = {}
+        self._heard: dict[WebSocketHandler, float] = {}
         self.pushed = 0
         self.skipped = 0  # pushes not sent to a client still writing the previous one
         self.refused = 0
+        self.evicted = 0  # stale viewers closed to make room for a new one
+        self.timed_out = 0  # viewers closed after idle_timeout of silence
 
     def __len__(self) -> int:
         return len(self._sockets)
 
-    def admit(self, ws: WebSocketHandler) -> bool:
+    def admit(self, ws: WebSocketHandler, now: float) -> bool:
         if len(self._sockets) >= self.limit:
-            self.refused += 1
-            return False
+            oldest = min(self._heard, key=self._heard.__getitem__, default=None)
+            if oldest is None or now - self._heard[oldest] < self.stale_after:
+                self.refused += 1
+                return False
+            self.evicted += 1
+            self._drop(oldest, 1008, "not reading: the slot went to another viewer")
         self._sockets[ws] = None
+        self._heard[ws] = now
         return True
+
+    def heard(self, ws: WebSocketHandler, now: float) -> None:
+        """``ws`` answered a ping (or sent something): it reads."""
+        if ws in self._heard:
+            self._heard[ws] = now
 
     def remove(self, ws: WebSocketHandler) -> None:
         self._sockets.pop(ws, None)
+        self._heard.pop(ws, None)
+
+    def _drop(self, ws: WebSocketHandler, code: int, reason: str) -> None:
+        self.remove(ws)
+        try:
+            ws.close(code, reason)
+        except Exception:  # already gone
+            log.debug("closing a status socket failed", exc_info=True)
 
     def send(self, ws: WebSocketHandler, text: str) -> None:
         """Send unless the previous message to ``ws`` is still being written."""
@@ -91,16 +148,26 @@ class StatusHub:
         try:
             self._sockets[ws] = ws.write_message(text)
         except WebSocketClosedError:
-            self._sockets.pop(ws, None)
+            self.remove(ws)
             return
         self.pushed += 1
 
-    def broadcast(self, text: str) -> None:
+    def broadcast(self, text: str, now: float) -> None:
+        """Push ``text`` and a ping to every viewer; close those silent past ``idle_timeout``."""
         for ws in list(self._sockets):
+            if now - self._heard.get(ws, now) > self.idle_timeout:
+                self.timed_out += 1
+                self._drop(ws, 1001, "idle: no pong")
+                continue
             self.send(ws, text)
+            try:
+                ws.ping()
+            except WebSocketClosedError:
+                self.remove(ws)
 
     def close_all(self) -> None:
         sockets, self._sockets = self._sockets, {}
+        self._heard = {}
         for ws in sockets:
             try:
                 ws.close(1001, "server stopping")
@@ -171,13 +238,16 @@ class _StatusSocket(WebSocketHandler):
 
     def open(self, *args: str, **kwargs: str) -> None:
         hub = self.server._status_hub
-        if not hub.admit(self):
+        if not hub.admit(self, self.server._clock()):
             self.close(1013, "too many status pages open; try again later")
             return
         hub.send(self, json.dumps(self.server.page_status()))
 
     def on_message(self, message: str | bytes) -> None:
-        pass  # the page only listens
+        self.server._status_hub.heard(self, self.server._clock())  # the page only listens
+
+    def on_pong(self, data: bytes) -> None:
+        self.server._status_hub.heard(self, self.server._clock())
 
     def on_close(self) -> None:
         self.server._status_hub.remove(self)
@@ -216,17 +286,36 @@ def _log_request(handler: RequestHandler) -> None:
     )
 
 
+class CappedHTTPServer(HTTPServer):
+    """An HTTPServer that closes a connection beyond ``cap`` as soon as it is accepted."""
+
+    cap = HTTP_CAP_DEFAULT
+    refused = 0
+
+    def handle_stream(self, stream: IOStream, address: tuple[Any, ...]) -> None:
+        if len(self._connections) >= self.cap:
+            self.refused += 1
+            stream.close()
+            return
+        super().handle_stream(stream, address)
+
+
 class HttpMixin(ServerBase):
     """The HTTP port and the publisher's connection count."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._registry: CollectorRegistry | None = None
-        self._http_server: HTTPServer | None = None
+        self._http_server: CappedHTTPServer | None = None
         self._http_sockets: list[socket.socket] = []
         self._http_timer: object | None = None
         self._monitor_stream: ZMQStream | None = None
-        self._status_hub = StatusHub()
+        cfg = self.config
+        self._status_hub = StatusHub(
+            cfg.http_viewers,
+            stale_after=max(_STALE_MIN, _STALE_PUSHES * self._push_interval()),
+            idle_timeout=cfg.http_idle_timeout,
+        )
         self._rate_samples: deque[tuple[float, float]] = deque(maxlen=_RATE_SAMPLES)
         self._rate_last: tuple[float, int] | None = None
 
@@ -321,7 +410,14 @@ class HttpMixin(ServerBase):
                 f"cannot bind the HTTP port {host or '*'}:{port}: {exc}"
             ) from exc
         self._registry = build_registry(self)
-        self._http_server = HTTPServer(make_app(self))
+        timeout = self.config.http_idle_timeout
+        server = CappedHTTPServer(
+            make_app(self), idle_connection_timeout=timeout, body_timeout=timeout
+        )
+        server.cap = self.config.http_max_connections or http_connection_cap(
+            resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        )
+        self._http_server = server
         # add_sockets registers with the current loop: run it on ours.
         loop.add_callback(self._start_http)
         # The rate's baseline: the first tick then measures a real interval.
@@ -330,8 +426,10 @@ class HttpMixin(ServerBase):
         self._rate_last = (self._clock(), self.core.store.sequence)
         self._http_timer = loop.call_later(self._push_interval(), self._on_http_tick)
         log.info(
-            "HTTP port %s:%d: /metrics /healthz /readyz and the status page", host or "*", port
-        )
+            "HTTP port %s:%d: /metrics /healthz /readyz and the status page (at most %d"
+            " connections, %d viewers, idle timeout %g s)",
+            host or "*", port, server.cap, self.config.http_viewers, timeout,
+        )  # fmt: skip
 
     def _start_http(self) -> None:
         server = self._http_server
@@ -362,7 +460,7 @@ class HttpMixin(ServerBase):
         try:
             self._sample_rate()
             if len(self._status_hub):
-                self._status_hub.broadcast(json.dumps(self.page_status()))
+                self._status_hub.broadcast(json.dumps(self.page_status()), self._clock())
         except Exception:
             self.counters["internal_errors"] += 1
             log.exception("internal error in the status push")
@@ -378,6 +476,19 @@ class HttpMixin(ServerBase):
             return
         rate = max(0, seq - last[1]) / (now - last[0])
         self._rate_samples.append((self._wallclock(), rate))
+
+    def http_counters(self) -> dict[str, int]:
+        """The HTTP port's bounds at work, for :meth:`stats` (empty without --http-port)."""
+        if self.config.http_port is None:
+            return {}
+        hub = self._status_hub
+        server = self._http_server
+        return {
+            "http_connections_refused": 0 if server is None else server.refused,
+            "http_viewers_refused": hub.refused,
+            "http_viewers_evicted": hub.evicted,
+            "http_viewers_timed_out": hub.timed_out,
+        }
 
     # -- counting the publisher's connections ---------------------------------
 

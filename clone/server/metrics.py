@@ -240,6 +240,12 @@ class CloneCollector(Collector):
             "Bytes of keys, properties and values held in the store.",
             num("store_bytes"),
         )
+        if "data_dir_bytes" in stats:
+            yield _gauge(
+                "clone_data_dir_bytes",
+                "Bytes the data directory's files take on disk (database, WAL, kept copies).",
+                num("data_dir_bytes"),
+            )
         role = GaugeMetricFamily(
             "clone_role", "The server's role: 1 for the current one.", labels=["role"]
         )

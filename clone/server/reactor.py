@@ -28,6 +28,7 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import zmq
 from tornado.ioloop import IOLoop
@@ -47,6 +48,7 @@ from clone.server.publishing import PublishingMixin
 from clone.server.relaying import RelayMixin
 from clone.server.security import SecurityMixin
 from clone.server.serving import ServingMixin
+from clone.storage.files import dir_bytes
 from clone.storage.schema import FORMAT_VERSION
 from clone.wire.frames import recv_frames, recv_frames_and_first
 from clone.wire.protocol import COLLECTOR_OFFSET, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
@@ -185,6 +187,9 @@ class CloneServer(
         if subscribers is not None:
             out["subscribers"] = subscribers
         out["mode"] = self.config.mode.value
+        out.update(self.http_counters())
+        if self.config.data_dir is not None:
+            out["data_dir_bytes"] = dir_bytes(Path(self.config.data_dir))
         gatekeeper = self._gatekeeper
         if gatekeeper is not None:
             out["zap_admitted"] = gatekeeper.admitted

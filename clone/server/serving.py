@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -34,6 +35,7 @@ from clone.server.base import CLOCK_EVERY, TURN_BUDGET, AnyStream, ServerBase, l
 from clone.server.core import Role
 from clone.server.delta import DeltaStream
 from clone.server.status import PeerView, server_status
+from clone.storage.files import dir_bytes
 from clone.wire.calls import CALL
 from clone.wire.conflicts import CONFLICTS_REQUEST
 from clone.wire.control import view_id
@@ -504,6 +506,7 @@ class ServingMixin(ServerBase):
             uptime=now - self._started_at,
             version=self._version,
             data_dir=cfg.data_dir,
+            data_dir_bytes=None if cfg.data_dir is None else dir_bytes(Path(cfg.data_dir)),
             curve=self._keypair is not None,
             failovers=self.counters["failovers"],
             last_failover=self._last_failover,

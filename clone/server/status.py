@@ -56,6 +56,9 @@ Fields (every one always present; ``null`` where it does not apply):
     release 0.1.0's status, whose format is 1.
 ``data_dir``
     str, the data directory (durable servers), else ``null``.
+``data_dir_bytes``
+    int, bytes the data directory's files take on disk (database, WAL, kept
+    copies); ``null`` in memory.
 ``durable``
     bool, whether updates are written to a data directory before publishing.
 ``curve``
@@ -126,6 +129,7 @@ def server_status(
     subscribers: int | None = None,
     conflicts: int = 0,
     data_format: int = FORMAT_VERSION,
+    data_dir_bytes: int | None = None,
 ) -> dict[str, Any]:
     """The status object (see the module docstring for every field)."""
     in_step = (sync_state == "synced" and pending == 0) if role == "passive" else None
@@ -156,6 +160,7 @@ def server_status(
         "version": version,
         "data_format": data_format,
         "data_dir": data_dir,
+        "data_dir_bytes": data_dir_bytes,
         "durable": data_dir is not None,
         "curve": curve,
         "last_failover": last_failover,

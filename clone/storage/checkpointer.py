@@ -7,11 +7,22 @@ copies committed pages into the database file without waiting for (or blocking)
 the writer.  Once the whole WAL is copied, the writer's next commit starts it
 again from the top, so the file stays small.  :meth:`stop` wakes it through an
 ``Event`` and joins it.
+
+Under a steady stream of writes that restart seldom comes: every passive
+checkpoint copies what was there when it began, the writer has appended more
+by then, and the WAL never empties.  Measured with 512 KB values, 692 MB of data
+took 4.96 GB on disk while the server ran (the WAL), 760 MB after it stopped.
+So once the WAL file is over ``truncate_above`` bytes (and a passive checkpoint
+has done the copying) the thread runs ``wal_checkpoint(TRUNCATE)``: it waits
+for the writer lock (at most its busy timeout, 1 s; the reactor's commit waits
+for it as briefly, since little is left to copy), copies the rest and cuts the
+WAL to zero bytes.  If it cannot get the lock it tries again next time.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sqlite3
 import threading
 from pathlib import Path
@@ -24,11 +35,15 @@ logger = logging.getLogger(__name__)
 class Checkpointer:
     """Runs passive WAL checkpoints of ``db_path`` on a timer in its own thread."""
 
-    def __init__(self, db_path: Path, interval: float) -> None:
+    def __init__(
+        self, db_path: Path, interval: float, truncate_above: int = 64 * 1024 * 1024
+    ) -> None:
         if interval <= 0:
             raise ValueError(f"checkpoint interval must be > 0 seconds, got {interval!r}")
         self._db_path = db_path
         self._interval = interval
+        self._truncate_above = truncate_above
+        self._wal_path = db_path.with_name(db_path.name + "-wal")
         self._stopping = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"clone-checkpoint:{db_path.parent.name}", daemon=True
@@ -36,6 +51,8 @@ class Checkpointer:
         #: Checkpoints run, and the WAL frames the last one had copied (for tests and stats).
         self.runs = 0
         self.last_copied = 0
+        #: TRUNCATE checkpoints that cut a WAL grown past ``truncate_above``.
+        self.truncations = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -72,3 +89,18 @@ class Checkpointer:
         self.last_copied = copied
         if busy:
             logger.debug("WAL checkpoint of %s was busy", self._db_path)
+            return
+        try:
+            wal = os.stat(self._wal_path).st_size
+        except OSError:
+            return
+        if wal <= self._truncate_above:
+            return
+        try:
+            busy, _wal_pages, _copied = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+        except sqlite3.Error:
+            logger.warning("truncating the WAL of %s failed", self._db_path, exc_info=True)
+            return
+        if not busy:
+            self.truncations += 1
+            logger.debug("truncated the %d-byte WAL of %s", wal, self._db_path)

@@ -139,7 +139,11 @@ class Storage:
                 # leaves a clone.db that looks like an empty state.
                 write_state_file(db_path, {}, sequence=0, term=0)
                 logger.info("created a new database %s", db_path)
+                lock.hold_database(db_path)
             else:
+                # Held on the database itself: a deleted LOCK file lets no second
+                # server in (clone.storage.lock).
+                lock.hold_database(db_path)
                 # An older format is upgraded here, after a copy is kept beside it;
                 # a newer one is refused (clone.storage.migrations).
                 migrate_file(db_path)
@@ -150,7 +154,7 @@ class Storage:
                 conn.close()
             lock.release()
             raise
-        checkpointer = Checkpointer(db_path, checkpoint_interval)
+        checkpointer = Checkpointer(db_path, checkpoint_interval, truncate_above=_WAL_SIZE_LIMIT)
         checkpointer.start()
         logger.info("opened %s at sequence %d, term %d (fsync=%s)",
                     db_path, sequence, term, fsync.value)
@@ -198,6 +202,21 @@ class Storage:
     def term(self) -> int:
         """The term last committed."""
         return self._term
+
+    def logical_bytes(self) -> int:
+        """The bytes the state takes in the store (key, seq, uuid, props, body of each row).
+
+        SQLite answers ``length()`` of a blob from the record header, so this
+        reads no values: cheap enough to check a budget before :meth:`load`.
+        """
+        try:
+            row = self._live().execute(
+                "SELECT coalesce(sum(length(key) + length(seq) + length(uuid)"
+                " + length(props) + length(body)), 0) FROM kv"
+            ).fetchone()
+        except sqlite3.Error as exc:
+            raise translate(exc, self._db_path, "measuring") from exc
+        return int(row[0])
 
     def load(self) -> Loaded:
         """Read the whole state and log (once, at start)."""

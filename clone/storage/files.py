@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["fsync_dir", "fsync_file", "replace_durably"]
+__all__ = ["dir_bytes", "fsync_dir", "fsync_file", "replace_durably"]
 
 
 def fsync_file(path: Path) -> None:
@@ -35,3 +35,23 @@ def replace_durably(tmp: Path, target: Path) -> None:
     fsync_file(tmp)
     os.replace(tmp, target)
     fsync_dir(target.parent)
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes the regular files directly in ``path`` take on disk (as ``du`` counts them).
+
+    The data directory holds no subdirectories; its kept copies (``clone.db.v1``,
+    ``replaced-*.db``) count, since they take the same disk.  0 if it is unreadable.
+    """
+    total = 0
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                try:
+                    if entry.is_file(follow_symlinks=False):
+                        total += entry.stat(follow_symlinks=False).st_blocks * 512
+                except OSError:
+                    continue
+    except OSError:
+        return 0
+    return total

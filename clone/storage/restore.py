@@ -44,6 +44,8 @@ def restore_into(
     lock = DirLock(directory)
     lock.acquire()
     try:
+        if db.exists():
+            lock.hold_database(db)  # a server whose LOCK file was deleted still refuses us
         copy_database(source, staged)
         aside = _set_aside(db) if db.exists() else None
         replace_durably(staged, db)

@@ -88,7 +88,8 @@ def test_table() -> None:
         [
             {"endpoint": "tcp://a:1", "reachable": True, "role": "active", "sequence": 10,
              "keys": 4, "peer_state": {"state": "passive", "alive": True},
-             "uptime": 3725.2, "version": "0.2.0", "data_format": 2},
+             "uptime": 3725.2, "version": "0.2.0", "data_format": 2,
+             "data_dir_bytes": 823_132_160},
             {"endpoint": "tcp://c:1", "reachable": True, "role": "passive", "sequence": 10,
              "keys": 4, "peer_state": {"state": "active", "alive": True},
              "uptime": 5.0, "version": "0.1.0"},
@@ -97,15 +98,16 @@ def test_table() -> None:
         ]
     )  # fmt: skip
     assert lines[0].split() == [
-        "ENDPOINT", "REACHABLE", "ROLE", "SEQUENCE", "KEYS", "PEER", "UPTIME", "VERSION",
+        "ENDPOINT", "REACHABLE", "ROLE", "SEQUENCE", "KEYS", "DISK", "PEER", "UPTIME", "VERSION",
     ]  # fmt: skip
     assert lines[1].split() == [
-        "tcp://a:1", "yes", "active", "10", "4", "passive", "(alive)", "1h02m05s", "0.2.0",
+        "tcp://a:1", "yes", "active", "10", "4", "785.0M", "passive", "(alive)", "1h02m05s",
+        "0.2.0",
         "(format", "2)",
     ]  # fmt: skip
     # Release 0.1.0 reports no format: its version alone.
     assert lines[2].split()[-1] == "0.1.0" and "format" not in lines[2]
-    assert lines[3].split() == ["tcp://b:1", "NO", "-", "-", "-", "-", "-", "-"]
+    assert lines[3].split() == ["tcp://b:1", "NO", "-", "-", "-", "-", "-", "-", "-"]
     assert len({line.index("ROLE") for line in lines[:1]}) == 1
     assert len(lines) == 4  # no conflicts: no more lines
 

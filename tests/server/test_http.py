@@ -19,6 +19,7 @@ from clone.logformat import JsonFormatter, formatter
 from clone.release import RELEASE
 from clone.server.cli import build_parser, config_from_args
 from clone.server.config import ServerConfig
+from clone.server.fdlimit import HTTP_CAP_MAX, HTTP_CAP_MIN, http_connection_cap
 from clone.server.http import StatusHub
 from clone.server.metrics import DurationHistogram, SubscriberCount
 from clone.server.reactor import CloneServer
@@ -82,18 +83,72 @@ class _FakeSocket:
         self.last = _Future()
         return self.last
 
+    def ping(self) -> None:
+        self.pings += 1
+
+    def close(self, code: int, reason: str) -> None:
+        self.closed = (code, reason)
+
+    pings = 0
+    closed: tuple[int, str] | None = None
+
 
 def test_status_hub_skips_a_lagging_client_and_is_bounded() -> None:
-    hub = StatusHub(limit=2)
+    hub = StatusHub(limit=2, stale_after=2.0)
     fast, slow, extra = _FakeSocket(), _FakeSocket(), _FakeSocket()
-    assert hub.admit(fast) and hub.admit(slow)  # type: ignore[arg-type]
-    assert not hub.admit(extra)  # type: ignore[arg-type]
+    assert hub.admit(fast, 0.0) and hub.admit(slow, 0.0)  # type: ignore[arg-type]
+    assert not hub.admit(extra, 1.0)  # type: ignore[arg-type]  # nobody stale yet
     for n in range(3):
-        hub.broadcast(str(n))
+        hub.broadcast(str(n), 0.2 * n)
         fast.last.finished = True  # the fast one keeps up; the slow one never does
     assert fast.sent == ["0", "1", "2"]
     assert slow.sent == ["0"]
+    assert fast.pings == slow.pings == 3
     assert hub.skipped == 2 and hub.refused == 1
+
+
+def test_a_viewer_that_does_not_read_loses_its_slot_to_one_that_does() -> None:
+    hub = StatusHub(limit=2, stale_after=2.0)
+    reader, silent, newcomer = _FakeSocket(), _FakeSocket(), _FakeSocket()
+    assert hub.admit(reader, 0.0) and hub.admit(silent, 0.0)  # type: ignore[arg-type]
+    for t in (1.0, 2.0, 3.0):
+        hub.broadcast("s", t)
+        hub.heard(reader, t + 0.01)  # type: ignore[arg-type]  # its pong
+    assert hub.admit(newcomer, 3.5)  # type: ignore[arg-type]
+    assert silent.closed is not None and silent.closed[0] == 1008
+    assert reader.closed is None and hub.evicted == 1 and len(hub) == 2
+    # The newcomer is fresh: a fourth viewer finds nobody stale and is refused.
+    assert not hub.admit(_FakeSocket(), 3.6)  # type: ignore[arg-type]
+
+
+def test_a_viewer_silent_past_the_idle_timeout_is_closed() -> None:
+    hub = StatusHub(limit=4, stale_after=2.0, idle_timeout=10.0)
+    silent = _FakeSocket()
+    assert hub.admit(silent, 0.0)  # type: ignore[arg-type]
+    hub.broadcast("s", 9.0)
+    assert silent.closed is None
+    hub.broadcast("s", 10.5)
+    assert silent.closed is not None and hub.timed_out == 1 and len(hub) == 0
+
+
+def test_http_connection_cap_from_the_descriptor_limit() -> None:
+    assert http_connection_cap(1500) == 375  # the 1,500-descriptor limit
+    assert http_connection_cap(20000) == HTTP_CAP_MAX
+    assert http_connection_cap(32) == HTTP_CAP_MIN
+
+
+def test_http_bound_flags() -> None:
+    parser = build_parser()
+    cfg = config_from_args(parser.parse_args(["--standalone", "--in-memory"]))
+    assert (cfg.http_idle_timeout, cfg.http_max_connections, cfg.http_viewers) == (30.0, 0, 32)
+    cfg = config_from_args(parser.parse_args([
+        "--standalone", "--in-memory", "--http-idle-timeout", "2.5",
+        "--http-max-connections", "10", "--http-viewers", "3",
+    ]))  # fmt: skip
+    assert (cfg.http_idle_timeout, cfg.http_max_connections, cfg.http_viewers) == (2.5, 10, 3)
+    for bad in (["--http-idle-timeout", "0"], ["--http-viewers", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--standalone", *bad])
 
 
 def test_http_port_flag() -> None:

@@ -19,7 +19,8 @@ from clone.storage import FORMAT_VERSION
 FIELDS = {
     "format", "role", "mode", "sequence", "keys", "store_bytes", "pending", "sync_state",
     "in_step", "peer", "peer_state", "ha_state", "epoch", "term", "uptime", "version",
-    "data_dir", "durable", "curve", "last_failover", "failovers", "subscribers", "data_format",
+    "data_dir", "data_dir_bytes", "durable", "curve", "last_failover", "failovers", "subscribers",
+    "data_format",
     "conflicts",
 }  # fmt: skip
 

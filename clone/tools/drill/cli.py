@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import sys
 import time
@@ -103,6 +104,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         from clone.tools.chaos.cli import main as chaos_main
 
         return chaos_main(argv)
+    given = list(argv)
+    if "--scenario=hostile" in given or any(
+        pair == ("--scenario", "hostile") for pair in itertools.pairwise(given)
+    ):  # its own flags: clone.tools.hostile.cli
+        from clone.tools.hostile.cli import main as hostile_main
+
+        rest = [a for a in given if a != "--scenario=hostile"]
+        if "--scenario" in rest:
+            i = rest.index("--scenario")
+            del rest[i : i + 2]
+        return hostile_main(rest)
     args = _parser().parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,

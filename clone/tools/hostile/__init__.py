@@ -1,0 +1,6 @@
+"""``scripts/drill --scenario hostile``: issue 26's attacks against a pair, measured.
+
+:mod:`.attacks` holds each attack (a process of its own), :mod:`.harness` runs
+one against a fresh pair and measures it, :mod:`.cli` runs them in turn and
+prints a line per attack.  docs/drills.md, "Hostile clients".
+"""

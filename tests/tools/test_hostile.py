@@ -1,0 +1,65 @@
+"""The hostile scenario's harness (issue 26): the verdict as a pure function, and
+two cheap attacks run for real against a pair."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from clone.tools.drill.cli import main as drill_main
+from clone.tools.hostile.cli import format_line
+from clone.tools.hostile.harness import AttackResult, judge, run_attack
+
+HEARTBEAT = 1.0
+
+
+def _good() -> AttackResult:
+    return AttackResult(
+        "x", rss_before={"primary": 40 << 20}, rss_peak={"primary": 200 << 20},
+        longest_hugz_gap=1.1, baseline_sync=0.05, sync_under_attack=0.2,
+        writes_confirmed=100, write_p99=0.02, sigterm_seconds=0.3,
+    )  # fmt: skip
+
+
+def test_judge_passes_within_every_bound() -> None:
+    assert judge(_good(), HEARTBEAT) == []
+
+
+@pytest.mark.parametrize(
+    ("change", "text"),
+    [
+        ({"rss_peak": {"primary": 241 << 20}}, "primary RSS 40 -> 241 MB"),
+        ({"longest_hugz_gap": 2.5}, "HUGZ gap 2.50 s > 2 heartbeats"),
+        ({"failover": True}, "failover"),
+        ({"sigterm_seconds": 1.5}, "SIGTERM not obeyed within 1 s"),
+        ({"sigterm_seconds": None}, "SIGTERM not obeyed within 1 s"),
+        ({"confirmed_lost": 3}, "3 confirmed writes lost"),
+        ({"sync_under_attack": 0.3}, "healthy sync 0.30 s > 0.25 s"),
+        ({"sync_under_attack": None}, "healthy sync none > 0.25 s"),
+        ({"exited": {"primary": -9}}, "primary exited with -9 under attack"),
+    ],
+)
+def test_judge_names_each_broken_bound(change: dict[str, object], text: str) -> None:
+    r = _good()
+    for name, value in change.items():
+        setattr(r, name, value)
+    assert judge(r, HEARTBEAT) == [text]
+    assert text in format_line(AttackResult("y", failures=[text]))
+
+
+def test_unknown_attack_is_refused() -> None:
+    assert drill_main(["--scenario", "hostile", "--attacks", "nope"]) == 2
+
+
+@pytest.mark.slow
+def test_two_cheap_attacks_against_a_real_pair(tmp_path: Path) -> None:
+    lock = run_attack("delete-lock", tmp_path / "lock", hold=2, scale=0.01, rate=10)
+    assert lock.failures == [], format_line(lock)
+    assert "refusing: database in use" in lock.note
+    assert lock.writes_confirmed > 0 and lock.confirmed_lost == 0
+    assert lock.sigterm_seconds is not None and set(lock.sigterm) == {"primary", "backup"}
+    idle = run_attack("idle-http", tmp_path / "idle", hold=2, scale=0.01, rate=10)
+    assert idle.rss_peak["primary"] > 0 and idle.baseline_sync is not None
+    assert idle.sync_under_attack is not None
+    assert idle.failures == [], format_line(idle)
