@@ -1,8 +1,8 @@
 """A FastAPI service on Clone: feature flags read per request, with ``clone.aio``.
 
     python scripts/examples/fastapi_service.py tcp://127.0.0.1:5556 8080
-    # or: CLONE_SERVERS=tcp://127.0.0.1:5556 \\
-    #     uvicorn --factory fastapi_service:app_from_env --port 8080
+    # or: CLONE_SERVERS=tcp://127.0.0.1:5556 FLAGS_ADDRESS=10.0.0.7:8080 \\
+    #     uvicorn --app-dir scripts/examples --factory fastapi_service:app_from_env --port 8080
 
 What it shows, with no executor and no bridge written by hand:
 
@@ -98,8 +98,14 @@ def create_app(servers: str, *, node: str = "node-1", address: str = "127.0.0.1:
 
 
 def app_from_env() -> FastAPI:
-    """For ``uvicorn --factory``: the servers from ``CLONE_SERVERS``."""
-    return create_app(os.environ["CLONE_SERVERS"])
+    """For ``uvicorn --factory``: the servers from ``CLONE_SERVERS``; the
+    address registered from ``FLAGS_ADDRESS`` (uvicorn does not tell the app
+    its port), the node's name from ``FLAGS_NODE``."""
+    return create_app(
+        os.environ["CLONE_SERVERS"],
+        node=os.environ.get("FLAGS_NODE", "node-1"),
+        address=os.environ.get("FLAGS_ADDRESS", "127.0.0.1:8080"),
+    )
 
 
 if __name__ == "__main__":
