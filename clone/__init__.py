@@ -4,6 +4,7 @@ The client API lives here; the server is started with ``clone-server`` and is no
 imported by ``import clone``.
 """
 
+import importlib
 import logging
 from typing import TYPE_CHECKING, Any
 
@@ -91,7 +92,9 @@ def __getattr__(name: str) -> Any:
 
         return getattr(frontend, name)
     if name == "errors" or name in __all__:
-        from clone import errors
-
+        # import_module, not "from clone import errors": that form asks this
+        # module for the attribute first and, before the submodule is loaded,
+        # lands back here (a RecursionError on "from clone import NotJSON").
+        errors = importlib.import_module("clone.errors")
         return errors if name == "errors" else getattr(errors, name)
     raise AttributeError(f"module 'clone' has no attribute {name!r}")

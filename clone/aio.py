@@ -1,4 +1,4 @@
-"""The asyncio API: :class:`AsyncClone`, and :class:`Lock` and :class:`Election` to await.
+"""The asyncio API: :class:`AsyncClone`; :class:`Lock`, :class:`Election`, :class:`Registration`.
 
 The same client as :class:`clone.Clone`, with the same semantics: an agent
 thread still owns the sockets and the replica.  What an asyncio application
@@ -46,7 +46,7 @@ from clone.client.results import STOP, CloseReport, Entry, Freshness, Status, Wa
 from clone.errors import ClosedError, NotSynced
 from clone.wire.protocol import TTL_PROPERTY
 
-__all__ = ["AsyncChangeStream", "AsyncClone", "Election", "Lock"]
+__all__ = ["AsyncChangeStream", "AsyncClone", "Election", "Lock", "Registration"]
 
 T = TypeVar("T")
 
@@ -414,6 +414,66 @@ class Lock:
         tb: TracebackType | None,
     ) -> None:
         await self.release()
+
+
+class Registration:
+    """:class:`clone.recipes.Registration` to await: ``async with
+    Registration(c, "/services/api/node-7", b"10.0.0.7:8080", ttl=5):``.
+
+    Entering grants the lease and writes the key (confirmed) in a thread of
+    its own, as the threaded recipe blocks for both; leaving revokes the
+    lease, so the key goes.  After a lost lease the recipe registers again
+    from its own thread (``reregister``), nothing to do in the loop.
+    """
+
+    def __init__(
+        self,
+        client: AsyncClone,
+        key: str,
+        value: bytes | str,
+        ttl: float = 5.0,
+        *,
+        on_lost: Callable[[str], None] | None = None,
+        reregister: bool = True,
+    ) -> None:
+        self._client = client
+        self._args = (key, value, ttl)
+        self._on_lost = on_lost
+        self._reregister = reregister
+        self._registration: recipes.Registration | None = None
+
+    @property
+    def alive(self) -> bool:
+        """Registered now (as far as the servers have said)."""
+        return self._registration is not None and self._registration.alive
+
+    @property
+    def lease(self) -> Lease | None:
+        return None if self._registration is None else self._registration.lease
+
+    async def register(self) -> None:
+        if self._registration is not None:
+            return
+        key, value, ttl = self._args
+        client = self._client.client
+        self._registration = await _in_thread(
+            lambda: recipes.Registration(
+                client, key, value, ttl, on_lost=self._on_lost, reregister=self._reregister
+            )
+        )
+
+    async def close(self) -> None:
+        """Revoke the lease (the key goes with it) and stop registering again."""
+        registration, self._registration = self._registration, None
+        if registration is not None:
+            await _in_thread(registration.close)
+
+    async def __aenter__(self) -> Registration:
+        await self.register()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
 
 
 class Election:

@@ -5,9 +5,9 @@
 ``GET /flags/NAME`` answers the flag's JSON value from the local replica (no
 round trip to the servers, nothing to await), with ``X-Clone-Synced`` saying
 whether the replica is live; ``PUT /flags/NAME`` with a JSON body sets it and
-answers once the active server confirmed it (a following GET sees it).  What
-a FastAPI handler would do, written on asyncio's own streams so that it runs
-with the standard library alone.
+answers once the active server confirmed it (a following GET sees it).  Written on
+asyncio's own streams so that it runs with the standard library alone; the
+same service as a FastAPI app is fastapi_service.py.
 """
 
 from __future__ import annotations

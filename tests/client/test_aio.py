@@ -1,15 +1,16 @@
 """clone.aio against a real server: awaited writes, reads with nothing to
-await, change streams, leases, Lock and Election (pytest-asyncio)."""
+await, change streams, leases, Lock, Election and Registration (pytest-asyncio)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import pytest
 
 from clone import Conflict, NotJSON, NotSynced
-from clone.aio import AsyncClone, Election, Lock
+from clone.aio import AsyncClone, Election, Lock, Registration
 from clone.errors import ClosedError
 from tests.support.clients import endpoint
 from tests.support.servers import ServerProcess, Servers
@@ -83,6 +84,35 @@ async def test_lease_lock_and_election(server: ServerProcess) -> None:
                 leader = await asyncio.wait_for(anext(leaders), 10)
             assert election.is_leader and election.token is not None
             await leaders.aclose()
+
+
+async def _until(condition: Callable[[], bool], ceiling: float, what: str) -> None:
+    deadline = time.monotonic() + ceiling
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {ceiling} s: {what}"
+        await asyncio.sleep(0.02)
+
+
+async def test_registration_to_await_comes_back_after_the_server_forgets_its_lease(
+    server: ServerProcess,
+) -> None:
+    """Registered on entering, registered again (fresh lease) after the
+    in-memory server restarted knowing no leases, and gone on leaving."""
+    lost: list[str] = []
+    async with AsyncClone(endpoint(server), heartbeat=0.1) as c:
+        async with Registration(c, "/svc/web", "127.0.0.1:80", ttl=1.0, on_lost=lost.append) as reg:
+            first = reg.lease
+            assert reg.alive and first is not None and c.get("/svc/web") == b"127.0.0.1:80"
+            await asyncio.to_thread(server.restart)  # the test's own wait, not the client's
+            await c.wait_synced(20)
+            await _until(lambda: bool(lost), 20, "on_lost ran")
+            await _until(
+                lambda: reg.alive and reg.lease is not first and c.get("/svc/web") is not None,
+                20,
+                "registered again",
+            )
+        assert not reg.alive
+        await _until(lambda: c.get("/svc/web") is None, 10, "registration revoked")
 
 
 async def test_reads_take_microseconds_on_the_loop(server: ServerProcess) -> None:

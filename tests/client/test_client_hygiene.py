@@ -112,6 +112,18 @@ def test_agent_timeouts_are_timeout_errors() -> None:
     assert issubclass(AgentTimeout, TimeoutError) and issubclass(AgentTimeout, clone.CloneError)
 
 
+@pytest.mark.parametrize("name", ["NotJSON", "errors", "ConfirmTimeout"])
+def test_an_error_type_imports_first_in_a_fresh_process(name: str) -> None:
+    """``from clone import NotJSON`` as a program's first import of clone
+    (scripts/examples/fastapi_service.py does): once a RecursionError."""
+    code = f"from clone import {name}\nprint({name}.__name__)\n"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().split(".")[-1] == name
+
+
 def test_the_library_prints_nothing_by_itself() -> None:
     """No handler of the application's: our warnings go nowhere (NullHandler),
     not to stderr through Python's last-resort handler."""
