@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
 from tornado.ioloop import IOLoop
@@ -38,6 +38,7 @@ from clone.wire.protocol import MAX_HEARTBEAT_MS
 if TYPE_CHECKING:
     from bstar.reactor import BinaryStar
     from clone.security import Acl, Gatekeeper, KeyPair, Rights
+    from clone.server.sending import Backlog, Burst
     from clone.storage import Storage
     from clone.wire.calls import Reply
 
@@ -97,7 +98,7 @@ class ServerBase:
     def __init__(
         self,
         config: ServerConfig,
-        ctx: zmq.Context | None = None,
+        ctx: zmq.Context[Any] | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
         wallclock: Callable[[], float] = time.time,
@@ -106,7 +107,7 @@ class ServerBase:
         # What every HUGZ tells clients to expect (the codec's range).
         self._heartbeat_ms = min(max(1, round(config.heartbeat * 1000)), MAX_HEARTBEAT_MS)
         self._own_ctx = ctx is None
-        self._ctx: zmq.Context = ctx if ctx is not None else zmq.Context()
+        self._ctx: zmq.Context[Any] = ctx if ctx is not None else zmq.Context[Any]()
         self._clock = clock
         self._wallclock = wallclock
         self.core = ServerCore(
@@ -140,9 +141,9 @@ class ServerBase:
         self._stopping = False
         self._throttle = Throttle(log, clock)
         self._streams: list[ZMQStream] = []
-        self._router: zmq.Socket | None = None
-        self._pub: zmq.Socket | None = None
-        self._collector: zmq.Socket | None = None
+        self._router: zmq.Socket[Any] | None = None
+        self._pub: zmq.Socket[Any] | None = None
+        self._collector: zmq.Socket[Any] | None = None
         self._ha: BinaryStar | None = None  # when paired
         self._snapshots: dict[AnyStream, float] = {}  # stream -> last progress
         # Batched streams: a tracker per KVBATCH that libzmq has not yet written
@@ -174,7 +175,7 @@ class ServerBase:
         self._upstream_heartbeat = config.heartbeat  # its HUGZ interval, as it says
         self._upstream_stale = False  # it is a relay that lost its own upstream
         self._relay_synced_once = False
-        self._upstream_pub: zmq.Socket | None = None  # to every upstream collector
+        self._upstream_pub: zmq.Socket[Any] | None = None  # to every upstream collector
         # A relay's upstream SUB's socket monitor: says why a handshake failed.
         self._upstream_monitor: ZMQStream | None = None
         # A relay's calls (clone.server.relaying): a DEALER on the snapshot port
@@ -278,10 +279,10 @@ class ServerBase:
             0,
         )
 
-    def _socket(self, kind: int, *, bound: bool = False) -> zmq.Socket:
+    def _socket(self, kind: int, *, bound: bool = False) -> zmq.Socket[Any]:
         """A socket with our defaults; with CURVE on, set up as a server if
         ``bound``, else as a client of the peer (clone.server.security)."""
-        sock = self._ctx.socket(kind)
+        sock: zmq.Socket[Any] = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         if kind not in (zmq.PUB, zmq.XPUB):
             cap_message_size(sock)
@@ -289,7 +290,7 @@ class ServerBase:
         return sock
 
     def _stream(
-        self, sock: zmq.Socket, handler: Callable[[list[_F]], None], *, copy: bool = True
+        self, sock: zmq.Socket[Any], handler: Callable[[list[_F]], None], *, copy: bool = True
     ) -> ZMQStream:
         """``handler`` gets bytes, or ``zmq.Frame``s with ``copy=False``."""
         assert self._loop is not None
@@ -350,7 +351,7 @@ class ServerBase:
 
         def request_stop(self) -> None: ...
 
-        def _secure(self, sock: zmq.Socket, *, bound: bool) -> None: ...
+        def _secure(self, sock: zmq.Socket[Any], *, bound: bool) -> None: ...
 
         def _rights_of(self, name: str | None) -> Rights: ...
 
@@ -398,7 +399,14 @@ class ServerBase:
             self, identity: bytes, frames: list[bytes], user: str | None = None, caller: str = ""
         ) -> None: ...
 
-        def _send_reply(self, identity: bytes, reply: Reply) -> None: ...
+        def _send_reply(
+            self,
+            identity: bytes,
+            reply: Reply,
+            *,
+            backlog: Backlog = None,
+            burst: Burst | None = None,
+        ) -> None: ...
 
         def _take_router_backlog(self) -> None: ...
 

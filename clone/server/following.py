@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 from zmq.eventloop.zmqstream import ZMQStream
@@ -20,6 +21,7 @@ from zmq.eventloop.zmqstream import ZMQStream
 from clone.errors import ProtocolError
 from clone.server.base import TURN_BUDGET, ServerBase, log, peer_endpoint
 from clone.server.core import FollowOutcome, Role, SyncState
+from clone.server.sending import send
 from clone.wire.batch import is_kvbatch
 from clone.wire.codec import encode_icanhaz
 from clone.wire.control import is_control
@@ -123,7 +125,7 @@ class FollowingMixin(ServerBase):
 
     def _take_backlog(
         self,
-        sock: zmq.Socket,
+        sock: zmq.Socket[Any],
         handle: Callable[[list[bytes], float, float], object],
         kind: str,
         what: str,
@@ -207,10 +209,9 @@ class FollowingMixin(ServerBase):
         self._peer_dealer = self._stream(dealer, self._on_sync_reply)
         self.core.start_sync()
         self._sync_progress = self._clock()
-        try:
-            dealer.send_multipart(encode_icanhaz(""), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # the sync timeout retries
+        # The first message on a fresh socket: no reply can be hidden by it.
+        # If the pipe is full, the sync timeout retries.
+        send(dealer, encode_icanhaz(""), backlog=None)
         log.debug("asked %s for a snapshot", followed)
 
     def _check_sync_timeout(self) -> None:

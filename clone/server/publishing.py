@@ -10,7 +10,7 @@ kept.
 from __future__ import annotations
 
 from clone.server.base import ServerBase
-from clone.wire.frames import send_frames
+from clone.server.sending import send
 
 __all__ = ["PublishingMixin"]
 
@@ -24,7 +24,10 @@ class PublishingMixin(ServerBase):
             self._outq.append(frames)
         else:
             assert self._pub is not None
-            send_frames(self._pub, frames)
+            # A PUB reads nothing; an XPUB's subscriptions are looked at by
+            # the heartbeat (security._take_subscriptions): the hot path pays
+            # nothing for them.
+            send(self._pub, frames, backlog=None, flags=0)
 
     def _publish_bulk(self, batch: list[list[bytes]]) -> None:
         if not batch:
@@ -46,6 +49,6 @@ class PublishingMixin(ServerBase):
         for _ in range(self.config.snapshot_chunk):
             if not q:
                 return
-            send_frames(pub, q.popleft())
+            send(pub, q.popleft(), backlog=None, flags=0)
         if q:
             self._schedule_outq()
