@@ -28,6 +28,7 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 from tornado.ioloop import IOLoop
@@ -467,7 +468,7 @@ class CloneServer(
         self._outq_hold = True  # _publish queues until the new socket is bound
         self._retry_bind(pub, endpoint, 0)
 
-    def _retry_bind(self, pub: zmq.Socket, endpoint: str, attempt: int) -> None:
+    def _retry_bind(self, pub: zmq.Socket[Any], endpoint: str, attempt: int) -> None:
         try:
             pub.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -485,7 +486,7 @@ class CloneServer(
         if self._outq:
             self._schedule_outq()
 
-    def _install_publisher(self, pub: zmq.Socket) -> None:
+    def _install_publisher(self, pub: zmq.Socket[Any]) -> None:
         self._pub = pub
         self._watch_subscribers(pub)
         if pub.type == zmq.XPUB:
