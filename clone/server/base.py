@@ -29,6 +29,7 @@ from clone.server.delta import DeltaStream
 from clone.server.inflight import InFlight
 from clone.server.metrics import DurationHistogram, SubscriberCount
 from clone.server.pacing import SplitQueue
+from clone.server.publishing import Publisher
 from clone.server.snapshot import SnapshotStream
 from clone.server.status import StatusLimiter, clone_version
 from clone.server.votes import DeferredVotes
@@ -142,7 +143,6 @@ class ServerBase:
         self._throttle = Throttle(log, clock)
         self._streams: list[ZMQStream] = []
         self._router: zmq.Socket[Any] | None = None
-        self._pub: zmq.Socket[Any] | None = None
         self._collector: zmq.Socket[Any] | None = None
         self._ha: BinaryStar | None = None  # when paired
         self._snapshots: dict[AnyStream, float] = {}  # stream -> last progress
@@ -158,9 +158,8 @@ class ServerBase:
         )
         self._deferred_timer: object | None = None
         self._deferred_streams: set[AnyStream] = set()  # served from _deferred
-        self._outq: deque[list[bytes]] = deque()
-        self._outq_scheduled = False
-        self._outq_hold = False  # the publisher is being bound again: queue everything
+        #: The PUB socket's output, in order (a part of its own: clone.server.publishing).
+        self.publisher = Publisher(self._next_turn, config.snapshot_chunk)
         self._taking_backlog = False  # inside _take_router_backlog (no re-entry)
         # Call replies that wait for this turn's commit (clone.server.calling).
         self._replies: list[tuple[bytes, Reply]] = []
@@ -338,10 +337,24 @@ class ServerBase:
         """
         return budget <= 0 or (budget % CLOCK_EVERY == 0 and self._clock() > stop_at)
 
+    @property
+    def _pub(self) -> zmq.Socket[Any] | None:
+        """The publisher's socket (P+1): the publisher part holds it."""
+        return self.publisher.socket
+
+    @_pub.setter
+    def _pub(self, sock: zmq.Socket[Any] | None) -> None:
+        self.publisher.socket = sock
+
+    def _next_turn(self, callback: Callable[[], None]) -> bool:
+        """Run ``callback`` on the loop's next turn; False without a loop."""
+        if self._loop is None:
+            return False
+        self._loop.add_callback(callback)
+        return True
+
     if TYPE_CHECKING:
         # Provided by the other parts of CloneServer.
-
-        def _publish(self, frames: list[bytes]) -> None: ...
 
         def _commit(self) -> list[list[bytes]]: ...
 
@@ -358,8 +371,6 @@ class ServerBase:
         def _count_views(self, updates: list[list[bytes]]) -> None: ...
 
         def _bind_publisher(self, *, rebind: bool = False) -> None: ...
-
-        def _publish_bulk(self, batch: list[list[bytes]]) -> None: ...
 
         def _on_became_active(self) -> None: ...
 

@@ -69,7 +69,7 @@ class FollowingMixin(ServerBase):
         self._record_term()
         batch = self._commit()
         self._close_peer()
-        self._publish_bulk(batch)
+        self.publisher.publish_bulk(batch)
         if not heard:
             log.warning(
                 "serving without having heard the peer since we started (%.1f s of"
@@ -89,7 +89,7 @@ class FollowingMixin(ServerBase):
             taken,
         )
         # Tell subscribers at once that this server is alive and where it stands.
-        self._publish(core.hugz(self._heartbeat_ms))
+        self.publisher.publish(core.hugz(self._heartbeat_ms))
         if self._deferred:
             self._recheck_deferred_soon()  # not from here: we may be inside accept_vote()
 
@@ -158,9 +158,9 @@ class FollowingMixin(ServerBase):
             core.term = self._ha.peer_epoch
         for stream in list(self._snapshots):
             self._abort_snapshot(stream, "server became passive")
-        if self._outq:
-            self.counters["outq_dropped"] += len(self._outq)
-            self._outq.clear()
+        dropped = self.publisher.drop()
+        if dropped:
+            self.counters["outq_dropped"] += dropped
         log.warning(
             "now PASSIVE (was %s): following the active server at %s", was.value, self.config.peer
         )

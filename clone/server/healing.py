@@ -253,7 +253,7 @@ class HealingMixin(ServerBase):
             # heal's count is logged once, when it ends).
             self.counters["split_writes_conflicts"] += 1
             self._split_conflicts_this_heal += 1
-            self._publish(encode_refusal(ANY_WRITER, reply.uuid, "conflict"))
+            self.publisher.publish(encode_refusal(ANY_WRITER, reply.uuid, "conflict"))
             return
         self.counters["split_writes_refused"] += 1
         self._throttle.log(

@@ -315,7 +315,7 @@ class RelayMixin(ServerBase):
                     self._refusal(writer, msg.uuid, msg.reason)
                 elif self._keypair is None and msg.uuid:
                     # A plain relay knows no writers: on to all, as it came.
-                    self._publish(encode_refusal(ANY_WRITER, msg.uuid, msg.reason))
+                    self.publisher.publish(encode_refusal(ANY_WRITER, msg.uuid, msg.reason))
         elif isinstance(msg, ViewHeartbeat):
             self._throttle.log(
                 "upstream_view",
@@ -528,7 +528,7 @@ class RelayMixin(ServerBase):
             if self._keypair is not None:
                 self._refusal(writer, uuid, why)
             else:
-                self._publish(encode_refusal(ANY_WRITER, uuid, why))
+                self.publisher.publish(encode_refusal(ANY_WRITER, uuid, why))
         return False
 
     def _on_relay_collector_secure(self, parts: list[zmq.Frame]) -> None:

@@ -383,7 +383,7 @@ class SecurityMixin(ServerBase):
         """Tell the writer its update was refused (best effort)."""
         if name is None or name == PEER_USER or name not in self._admitted:
             return
-        self._publish(encode_refusal(name, uuid, reason))
+        self.publisher.publish(encode_refusal(name, uuid, reason))
 
     def _rebind_publisher(self) -> None:
         """Close and bind the publisher again: every subscriber re-subscribes
