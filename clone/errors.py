@@ -15,9 +15,8 @@ __all__ = [
     "NotSynced",
     "ProtocolError",
     "ClosedError",
-    "IllegalSyncTransition",
     "ServerStartError",
-    "IllegalTransition",
+    "IllegalTransitionError",
     "StoreFull",
     "StorageError",
     "DataDirLocked",
@@ -94,17 +93,15 @@ class ServerStartError(CloneError):
     """The server could not start (a port in use, a bad endpoint)."""
 
 
-class IllegalSyncTransition(CloneError, RuntimeError):
-    """A sync event that the server core's table has no rule for: a bug in the caller.
+class IllegalTransitionError(CloneError, RuntimeError):
+    """A state machine's table has no rule for a (state, event) pair: a bug in
+    its caller, never caused by what a peer sends.
 
-    Also a ``RuntimeError``, as it was before it joined the ``CloneError`` family,
-    so that code catching that keeps working.
+    One spelling for every table of ours (the server core's sync, the client
+    agent's; ``bstar`` has its own of the same name, as it imports nothing of
+    clone).  Also a ``RuntimeError``, as the server's was before it joined the
+    ``CloneError`` family, so that code catching that keeps working.
     """
-
-
-class IllegalTransition(CloneError):
-    """The client agent's table has no rule for a (state, event) pair: a bug in
-    the agent, never caused by what a server sends."""
 
 
 class StorageError(CloneError):

@@ -74,7 +74,7 @@ What we do differently from the Guide's client, on purpose:
 * Sequences are checked: a KVPUB more than one ahead of the last applied, or a HUGZ
   whose sequence is ahead of it, means we lost updates; we count it and resync
   instead of silently diverging.  HUGZ is never an update.
-* Restricted mode (issue 14): a client whose read rights are limited gets a
+* Restricted mode (CURVE): a client whose read rights are limited gets a
   filtered stream, with holes in the sequence by design, and its KTHXBAI says
   its view (id) and how many updates that view had up to the snapshot.  It
   then takes any higher sequence, counts the updates it applies, and checks
@@ -146,7 +146,7 @@ from clone.client.state import (
 )
 from clone.client.sync import SnapshotSync
 from clone.client.writes import Writes
-from clone.errors import IllegalTransition
+from clone.errors import IllegalTransitionError
 from clone.wire.calls import OP_SET, Call, Reply
 from clone.wire.codec import Hugz, KVMsg
 from clone.wire.control import Refusal, ViewHeartbeat
@@ -158,7 +158,7 @@ __all__ = [
     "AgentConfig",
     "AgentFSM",
     "AgentCounters",
-    "IllegalTransition",
+    "IllegalTransitionError",
     "RequestSnapshot",
     "SendUpdate",
     "Changed",
@@ -260,7 +260,7 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
         try:
             handler = TRANSITIONS[(self.state, event)]
         except KeyError:
-            raise IllegalTransition(
+            raise IllegalTransitionError(
                 f"no transition for {event.name} in {self.state.name}"
             ) from None
         if event in _MESSAGES:

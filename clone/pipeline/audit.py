@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pyspark.sql import DataFrame
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from clone.pipeline.errors import HistoryIncomplete
@@ -165,7 +165,7 @@ def key_changes(updates: DataFrame) -> DataFrame:
     )
 
 
-def key_prefix(depth: int) -> F.Column:
+def key_prefix(depth: int) -> Column:
     """The key up to its ``depth``-th ``/`` after a leading one (``/a/b/c`` at
     depth 1 is ``/a/``, at 2 ``/a/b/``); shallower keys give their parent."""
     if depth < 0:

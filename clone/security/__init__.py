@@ -1,4 +1,4 @@
-"""CURVE security for Clone (issue 14): certificates, the ZAP handler, the ACL.
+"""CURVE security for Clone: certificates, the ZAP handler, the ACL.
 
 Who may connect is decided by :class:`Gatekeeper` (the ZAP handler: the pair's
 own key and the public certificates of the clients directory); what a

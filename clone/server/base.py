@@ -16,7 +16,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import zmq
 from tornado.ioloop import IOLoop
@@ -29,6 +29,7 @@ from clone.server.delta import DeltaStream
 from clone.server.inflight import InFlight
 from clone.server.metrics import DurationHistogram, SubscriberCount
 from clone.server.pacing import SplitQueue
+from clone.server.publishing import Publisher
 from clone.server.rolelog import load_role_changes, save_role_changes
 from clone.server.snapshot import SnapshotStream
 from clone.server.status import StatusLimiter, clone_version
@@ -39,6 +40,7 @@ from clone.wire.protocol import MAX_HEARTBEAT_MS
 if TYPE_CHECKING:
     from bstar.reactor import BinaryStar
     from clone.security import Acl, Gatekeeper, KeyPair, Rights
+    from clone.server.sending import Backlog, Burst
     from clone.storage import Storage
     from clone.wire.calls import Reply
 
@@ -98,7 +100,7 @@ class ServerBase:
     def __init__(
         self,
         config: ServerConfig,
-        ctx: zmq.Context | None = None,
+        ctx: zmq.Context[Any] | None = None,
         *,
         clock: Callable[[], float] = time.monotonic,
         wallclock: Callable[[], float] = time.time,
@@ -107,7 +109,7 @@ class ServerBase:
         # What every HUGZ tells clients to expect (the codec's range).
         self._heartbeat_ms = min(max(1, round(config.heartbeat * 1000)), MAX_HEARTBEAT_MS)
         self._own_ctx = ctx is None
-        self._ctx: zmq.Context = ctx if ctx is not None else zmq.Context()
+        self._ctx: zmq.Context[Any] = ctx if ctx is not None else zmq.Context[Any]()
         self._clock = clock
         self._wallclock = wallclock
         self.core = ServerCore(
@@ -141,9 +143,8 @@ class ServerBase:
         self._stopping = False
         self._throttle = Throttle(log, clock)
         self._streams: list[ZMQStream] = []
-        self._router: zmq.Socket | None = None
-        self._pub: zmq.Socket | None = None
-        self._collector: zmq.Socket | None = None
+        self._router: zmq.Socket[Any] | None = None
+        self._collector: zmq.Socket[Any] | None = None
         self._ha: BinaryStar | None = None  # when paired
         self._snapshots: dict[AnyStream, float] = {}  # stream -> last progress
         # Batched streams: a tracker per KVBATCH that libzmq has not yet written
@@ -158,9 +159,8 @@ class ServerBase:
         )
         self._deferred_timer: object | None = None
         self._deferred_streams: set[AnyStream] = set()  # served from _deferred
-        self._outq: deque[list[bytes]] = deque()
-        self._outq_scheduled = False
-        self._outq_hold = False  # the publisher is being bound again: queue everything
+        #: The PUB socket's output, in order (a part of its own: clone.server.publishing).
+        self.publisher = Publisher(self._next_turn, config.snapshot_chunk)
         self._taking_backlog = False  # inside _take_router_backlog (no re-entry)
         # Call replies that wait for this turn's commit (clone.server.calling).
         self._replies: list[tuple[bytes, Reply]] = []
@@ -175,7 +175,7 @@ class ServerBase:
         self._upstream_heartbeat = config.heartbeat  # its HUGZ interval, as it says
         self._upstream_stale = False  # it is a relay that lost its own upstream
         self._relay_synced_once = False
-        self._upstream_pub: zmq.Socket | None = None  # to every upstream collector
+        self._upstream_pub: zmq.Socket[Any] | None = None  # to every upstream collector
         # A relay's upstream SUB's socket monitor: says why a handshake failed.
         self._upstream_monitor: ZMQStream | None = None
         # A relay's calls (clone.server.relaying): a DEALER on the snapshot port
@@ -283,10 +283,10 @@ class ServerBase:
             0,
         )
 
-    def _socket(self, kind: int, *, bound: bool = False) -> zmq.Socket:
+    def _socket(self, kind: int, *, bound: bool = False) -> zmq.Socket[Any]:
         """A socket with our defaults; with CURVE on, set up as a server if
         ``bound``, else as a client of the peer (clone.server.security)."""
-        sock = self._ctx.socket(kind)
+        sock: zmq.Socket[Any] = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         if kind not in (zmq.PUB, zmq.XPUB):
             cap_message_size(sock)
@@ -294,7 +294,7 @@ class ServerBase:
         return sock
 
     def _stream(
-        self, sock: zmq.Socket, handler: Callable[[list[_F]], None], *, copy: bool = True
+        self, sock: zmq.Socket[Any], handler: Callable[[list[_F]], None], *, copy: bool = True
     ) -> ZMQStream:
         """``handler`` gets bytes, or ``zmq.Frame``s with ``copy=False``."""
         assert self._loop is not None
@@ -344,10 +344,24 @@ class ServerBase:
         """
         return budget <= 0 or (budget % CLOCK_EVERY == 0 and self._clock() > stop_at)
 
+    @property
+    def _pub(self) -> zmq.Socket[Any] | None:
+        """The publisher's socket (P+1): the publisher part holds it."""
+        return self.publisher.socket
+
+    @_pub.setter
+    def _pub(self, sock: zmq.Socket[Any] | None) -> None:
+        self.publisher.socket = sock
+
+    def _next_turn(self, callback: Callable[[], None]) -> bool:
+        """Run ``callback`` on the loop's next turn; False without a loop."""
+        if self._loop is None:
+            return False
+        self._loop.add_callback(callback)
+        return True
+
     if TYPE_CHECKING:
         # Provided by the other parts of CloneServer.
-
-        def _publish(self, frames: list[bytes]) -> None: ...
 
         def _commit(self) -> list[list[bytes]]: ...
 
@@ -357,15 +371,13 @@ class ServerBase:
 
         def request_stop(self) -> None: ...
 
-        def _secure(self, sock: zmq.Socket, *, bound: bool) -> None: ...
+        def _secure(self, sock: zmq.Socket[Any], *, bound: bool) -> None: ...
 
         def _rights_of(self, name: str | None) -> Rights: ...
 
         def _count_views(self, updates: list[list[bytes]]) -> None: ...
 
         def _bind_publisher(self, *, rebind: bool = False) -> None: ...
-
-        def _publish_bulk(self, batch: list[list[bytes]]) -> None: ...
 
         def _on_became_active(self) -> None: ...
 
@@ -405,7 +417,14 @@ class ServerBase:
             self, identity: bytes, frames: list[bytes], user: str | None = None, caller: str = ""
         ) -> None: ...
 
-        def _send_reply(self, identity: bytes, reply: Reply) -> None: ...
+        def _send_reply(
+            self,
+            identity: bytes,
+            reply: Reply,
+            *,
+            backlog: Backlog = None,
+            burst: Burst | None = None,
+        ) -> None: ...
 
         def _take_router_backlog(self) -> None: ...
 

@@ -22,8 +22,8 @@ from clone.security import PEER_USER
 from clone.server.base import ServerBase, who
 from clone.server.core import Role
 from clone.server.ownership import name_principal
+from clone.server.sending import Backlog, Burst, Sent, send
 from clone.wire.calls import Reply, encode_reply
-from clone.wire.frames import NOBLOCK, send_frames
 
 __all__ = ["CallingMixin"]
 
@@ -96,7 +96,8 @@ class CallingMixin(ServerBase):
                 reply.detail,
             )
         if not after_commit:
-            self._send_reply(identity, reply)
+            # From the ROUTER's reader, which looks at the socket again after us.
+            self._send_reply(identity, reply, backlog=None)
             return
         self._replies.append((identity, reply))
         if not self._replies_scheduled and self._loop is not None:
@@ -112,24 +113,26 @@ class CallingMixin(ServerBase):
         self._commit_and_publish()
         if self._storage_error is not None:
             return  # fail-stop: nothing unwritten is confirmed
-        for identity, reply in replies:
-            self._send_reply(identity, reply)
-        # Sent from a callback of ours, not the ROUTER stream's: look at the
-        # requests our sends may have hidden from it (clone.server.serving).
-        self._take_router_backlog()
+        # Sent from a callback of ours, not the ROUTER stream's: the burst
+        # looks at the requests our sends may have hidden (sending.py).
+        with Burst(self._take_router_backlog) as burst:
+            for identity, reply in replies:
+                self._send_reply(identity, reply, burst=burst)
 
-    def _send_reply(self, identity: bytes, reply: Reply) -> None:
+    def _send_reply(
+        self, identity: bytes, reply: Reply, *, backlog: Backlog = None, burst: Burst | None = None
+    ) -> None:
+        """Answer a call on the ROUTER: in ``burst``, or alone, then ``backlog``."""
         sock = self._router
         if sock is None or sock.closed:
             return
-        try:
-            send_frames(sock, [identity, *encode_reply(reply)], NOBLOCK)
-        except zmq.Again:
-            self.counters["call_replies_dropped"] += 1
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            self.counters["call_replies_dropped"] += 1
+        frames = [identity, *encode_reply(reply)]
+        if burst is not None:
+            sent = burst.send(sock, frames)
+        else:
+            sent = send(sock, frames, backlog=backlog)
+        if sent is not Sent.OK:
+            self.counters["call_replies_dropped"] += 1  # its pipe is full, or it is gone
 
 
 def _nothing(key: bytes) -> bool:

@@ -39,7 +39,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from clone.errors import IllegalSyncTransition, LimitExceeded, ProtocolError, StoreFull
+from clone.errors import IllegalTransitionError, LimitExceeded, ProtocolError, StoreFull
 from clone.server.conflicts import ConflictBook, ConflictRecord
 from clone.server.delta import DeltaStream, open_catch_up, open_history
 from clone.server.history import History
@@ -105,7 +105,7 @@ __all__ = [
     "SYNC_TRANSITIONS",
     "CoreSettings",
     "FollowOutcome",
-    "IllegalSyncTransition",
+    "IllegalTransitionError",
     "Role",
     "ServerCore",
     "SyncEvent",
@@ -1726,7 +1726,7 @@ class ServerCore:
         try:
             self.sync_state = SYNC_TRANSITIONS[(self.sync_state, event)]
         except KeyError:
-            raise IllegalSyncTransition(
+            raise IllegalTransitionError(
                 f"sync event {event.name} is not allowed in state {self.sync_state.name}"
             ) from None
 

@@ -175,7 +175,7 @@ class DurabilityMixin(ServerBase):
         return updates
 
     def _commit_and_publish(self) -> None:
-        publish = self._publish
+        publish = self.publisher.publish
         for frames in self._commit():
             publish(frames)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import zmq
 from zmq.eventloop.zmqstream import ZMQStream
@@ -20,6 +21,7 @@ from zmq.eventloop.zmqstream import ZMQStream
 from clone.errors import ProtocolError
 from clone.server.base import TURN_BUDGET, ServerBase, log, peer_endpoint
 from clone.server.core import FollowOutcome, Role, SyncState
+from clone.server.sending import send
 from clone.wire.batch import is_kvbatch
 from clone.wire.codec import encode_icanhaz
 from clone.wire.control import is_control
@@ -67,7 +69,7 @@ class FollowingMixin(ServerBase):
         self._record_term()
         batch = self._commit()
         self._close_peer()
-        self._publish_bulk(batch)
+        self.publisher.publish_bulk(batch)
         if not heard:
             log.warning(
                 "serving without having heard the peer since we started (%.1f s of"
@@ -87,7 +89,7 @@ class FollowingMixin(ServerBase):
             taken,
         )
         # Tell subscribers at once that this server is alive and where it stands.
-        self._publish(core.hugz(self._heartbeat_ms))
+        self.publisher.publish(core.hugz(self._heartbeat_ms))
         if self._deferred:
             self._recheck_deferred_soon()  # not from here: we may be inside accept_vote()
 
@@ -123,7 +125,7 @@ class FollowingMixin(ServerBase):
 
     def _take_backlog(
         self,
-        sock: zmq.Socket,
+        sock: zmq.Socket[Any],
         handle: Callable[[list[bytes], float, float], object],
         kind: str,
         what: str,
@@ -156,9 +158,9 @@ class FollowingMixin(ServerBase):
             core.term = self._ha.peer_epoch
         for stream in list(self._snapshots):
             self._abort_snapshot(stream, "server became passive")
-        if self._outq:
-            self.counters["outq_dropped"] += len(self._outq)
-            self._outq.clear()
+        dropped = self.publisher.drop()
+        if dropped:
+            self.counters["outq_dropped"] += dropped
         log.warning(
             "now PASSIVE (was %s): following the active server at %s", was.value, self.config.peer
         )
@@ -210,10 +212,9 @@ class FollowingMixin(ServerBase):
         self._peer_dealer = self._stream(dealer, self._on_sync_reply)
         self.core.start_sync()
         self._sync_progress = self._clock()
-        try:
-            dealer.send_multipart(encode_icanhaz(""), zmq.NOBLOCK)
-        except zmq.Again:
-            pass  # the sync timeout retries
+        # The first message on a fresh socket: no reply can be hidden by it.
+        # If the pipe is full, the sync timeout retries.
+        send(dealer, encode_icanhaz(""), backlog=None)
         log.debug("asked %s for a snapshot", followed)
 
     def _check_sync_timeout(self) -> None:

@@ -42,6 +42,7 @@ from clone.server.pacing import (
     SPLIT_SEND_STEP,
     send_allowance,
 )
+from clone.server.sending import send_via_stream
 from clone.wire.calls import Reply, decode_call, decode_reply
 from clone.wire.control import encode_refusal
 from clone.wire.protocol import SNAPSHOT_OFFSET
@@ -176,7 +177,7 @@ class HealingMixin(ServerBase):
             if not sends:
                 break
             for frames in sends:
-                stream.send_multipart(frames)
+                send_via_stream(stream, frames)
             allowed -= len(sends)
             out_of_time = self._clock() > stop_at
         self.counters["split_writes_resent"] += queue.resent - resent
@@ -252,7 +253,7 @@ class HealingMixin(ServerBase):
             # heal's count is logged once, when it ends).
             self.counters["split_writes_conflicts"] += 1
             self._split_conflicts_this_heal += 1
-            self._publish(encode_refusal(ANY_WRITER, reply.uuid, "conflict"))
+            self.publisher.publish(encode_refusal(ANY_WRITER, reply.uuid, "conflict"))
             return
         self.counters["split_writes_refused"] += 1
         self._throttle.log(

@@ -492,7 +492,7 @@ class HttpMixin(ServerBase):
 
     # -- counting the publisher's connections ---------------------------------
 
-    def _watch_subscribers(self, pub: zmq.Socket) -> None:
+    def _watch_subscribers(self, pub: zmq.Socket[Any]) -> None:
         """Count ``pub``'s connections from its monitor (with --http-port only)."""
         if self.config.http_port is None:
             return

@@ -3,7 +3,7 @@
 How this works: after a split brain the server that stepped down may hold tens
 of thousands of writes for the winner (docs/failover.md, "Writes of a split
 brain").  Handled at once they block its loop: no heartbeat, no signal, more
-split brains (issue 23 saw 50 s).  So they go through a :class:`SplitQueue`,
+split brains (a drill saw 50 s).  So they go through a :class:`SplitQueue`,
 oldest first, and the reactor (:mod:`clone.server.healing`) asks it for a
 bounded slice per loop turn:
 

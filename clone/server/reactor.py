@@ -29,6 +29,7 @@ import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import zmq
 from tornado.ioloop import IOLoop
@@ -44,7 +45,6 @@ from clone.server.durability import DurabilityMixin
 from clone.server.following import FollowingMixin
 from clone.server.healing import HealingMixin
 from clone.server.http import HttpMixin
-from clone.server.publishing import PublishingMixin
 from clone.server.relaying import RelayMixin
 from clone.server.security import SecurityMixin
 from clone.server.serving import ServingMixin
@@ -71,7 +71,6 @@ class CloneServer(
     FollowingMixin,
     HealingMixin,
     RelayMixin,
-    PublishingMixin,
     DurabilityMixin,
     SecurityMixin,
     HttpMixin,
@@ -180,7 +179,7 @@ class CloneServer(
         out.update(self.counters)
         out["snapshots_in_flight"] = len(self._snapshots)
         out["votes_deferred_held"] = len(self._deferred)
-        out["outq"] = len(self._outq)
+        out["outq"] = len(self.publisher)
         # After a split brain: writes still to send the winner or apply here.
         out["split_writes_queued"] = len(self._split_queue) + self.core.split_left
         subscribers = self.subscribers
@@ -340,7 +339,7 @@ class CloneServer(
         self._close_relay()
         self._snapshots.clear()
         self._in_flight.clear()
-        self._outq.clear()
+        self.publisher.drop()
         for stream in self._streams:
             stream.close(linger=0)
         self._streams.clear()
@@ -374,17 +373,17 @@ class CloneServer(
                 # and the passive would resync.  Publish it first.
                 if self.core.journal:
                     self._commit_and_publish()
-                self._publish(self.core.hugz(self._heartbeat_ms))
+                self.publisher.publish(self.core.hugz(self._heartbeat_ms))
                 self.counters["hugz_sent"] += 1
                 if self._view_counts:
                     for frames in self._view_heartbeats():
-                        self._publish(frames)
+                        self.publisher.publish(frames)
             elif self.core.role is Role.RELAY:
-                self._publish(self._relay_hugz())
+                self.publisher.publish(self._relay_hugz())
                 self.counters["hugz_sent"] += 1
                 if self._view_counts:
                     for frames in self._view_heartbeats():
-                        self._publish(frames)
+                        self.publisher.publish(frames)
             self._take_subscriptions()
         except Exception:
             self.counters["internal_errors"] += 1
@@ -469,10 +468,10 @@ class CloneServer(
             pub.bind(endpoint)
             self._install_publisher(pub)
             return
-        self._outq_hold = True  # _publish queues until the new socket is bound
+        self.publisher.hold()  # publications queue until the new socket is bound
         self._retry_bind(pub, endpoint, 0)
 
-    def _retry_bind(self, pub: zmq.Socket, endpoint: str, attempt: int) -> None:
+    def _retry_bind(self, pub: zmq.Socket[Any], endpoint: str, attempt: int) -> None:
         try:
             pub.bind(endpoint)
         except zmq.ZMQError as exc:
@@ -485,13 +484,10 @@ class CloneServer(
             self._loop.call_later(0.01, self._retry_bind, pub, endpoint, attempt + 1)
             return
         self._install_publisher(pub)
-        self._outq_hold = False
         log.info("publisher bound again at %s: subscribers reconnect under the new rules", endpoint)
-        if self._outq:
-            self._schedule_outq()
 
-    def _install_publisher(self, pub: zmq.Socket) -> None:
-        self._pub = pub
+    def _install_publisher(self, pub: zmq.Socket[Any]) -> None:
+        self.publisher.install(pub)  # what was held goes out from the next turn
         self._watch_subscribers(pub)
         if pub.type == zmq.XPUB:
             self._pub_stream = self._stream(pub, self._on_subscription, copy=False)

@@ -46,8 +46,9 @@ refusal notice the pair sends the relay for a forwarded write is passed on to
 the client that wrote it.  A handshake its upstream refuses is logged
 (rate-limited) from a monitor on the upstream SUB; the relay stays stale.
 
-The decisions (when an upstream counts as lost, whether the relay is stale)
-are small pure functions here, tested with explicit times.
+The decisions (when an upstream counts as lost, whether the relay is stale,
+why a write is refused) are pure functions in :mod:`.relayrules`, and the
+ACL's judgement of a call is :func:`clone.server.access.call_refusal`.
 """
 
 from __future__ import annotations
@@ -61,78 +62,26 @@ from zmq.utils.monitor import parse_monitor_message
 
 from clone.errors import ProtocolError
 from clone.security import PEER_USER, fingerprint
+from clone.server.access import call_refusal
 from clone.server.base import ServerBase, log, peer_endpoint, who
 from clone.server.core import SyncState
+from clone.server.relayrules import forward_refusal, relay_stale, upstream_lost
+from clone.server.sending import Burst, Sent, send
 from clone.wire.calls import (
     CALLER_PROPERTY,
     REPLY,
     Reply,
-    acl_refusal,
     call_uuid,
-    check_call,
-    decode_call,
 )
 from clone.wire.codec import Hugz, decode_properties, decode_update, encode_hugz, encode_properties
 from clone.wire.control import Refusal, ViewHeartbeat, decode_control, encode_refusal
-from clone.wire.frames import NOBLOCK, recv_frames, recv_frames_and_first, send_frames
+from clone.wire.frames import recv_frames, recv_frames_and_first
 from clone.wire.protocol import COLLECTOR_OFFSET, HUGZ, REFUSAL_REASONS, SNAPSHOT_OFFSET
 
-__all__ = ["ANY_WRITER", "RelayMixin", "forward_refusal", "relay_stale", "upstream_lost"]
+__all__ = ["ANY_WRITER", "RelayMixin"]
 
 #: The name a plain relay addresses its refusal notices to: it knows no names.
 ANY_WRITER = "*"
-
-
-def upstream_lost(
-    *,
-    now: float,
-    syncing: bool,
-    sync_started: float,
-    sync_timeout: float,
-    heard: float,
-    heartbeat: float,
-    missed: int,
-) -> bool:
-    """Whether a relay should give up its current upstream for the next one.
-
-    While a sync is outstanding the sync timeout decides (a server that will
-    not answer is passive, or gone); once synced, silence for ``missed``
-    heartbeats of the upstream's own rhythm does (the active sends HUGZ).
-    """
-    if syncing:
-        return now - sync_started >= sync_timeout
-    return now - heard >= heartbeat * missed
-
-
-def relay_stale(
-    *,
-    now: float,
-    synced_once: bool,
-    heard: float,
-    heartbeat: float,
-    missed: int,
-    upstream_stale: bool,
-) -> bool:
-    """Whether a relay's HUGZ should say ``stale=1``.
-
-    Stale: it has never synced, its upstream is silent beyond the missed
-    heartbeats, or its upstream is a relay that says it is stale itself.
-    """
-    return not synced_once or upstream_stale or now - heard >= heartbeat * missed
-
-
-def forward_refusal(*, stale: bool, queued: bool) -> str | None:
-    """Why a client's KVSET is refused instead of forwarded, or None (it was).
-
-    ``stale``: the relay has lost the pair, so nothing is sent at all (the
-    pair would apply it whenever it came back, after its writer gave up).
-    ``queued``: the forwarding PUB took it (False: its queue was full).
-    """
-    if stale:
-        return "stale"
-    if not queued:
-        return "overloaded"
-    return None
 
 
 def _collector(host_port: str) -> str:
@@ -366,7 +315,7 @@ class RelayMixin(ServerBase):
                     self._refusal(writer, msg.uuid, msg.reason)
                 elif self._keypair is None and msg.uuid:
                     # A plain relay knows no writers: on to all, as it came.
-                    self._publish(encode_refusal(ANY_WRITER, msg.uuid, msg.reason))
+                    self.publisher.publish(encode_refusal(ANY_WRITER, msg.uuid, msg.reason))
         elif isinstance(msg, ViewHeartbeat):
             self._throttle.log(
                 "upstream_view",
@@ -449,22 +398,21 @@ class RelayMixin(ServerBase):
                 ),
             )
             return
-        try:
-            send_frames(stream.socket, frames, NOBLOCK)
-        except zmq.Again:
-            self.counters["calls_forward_dropped"] += 1
-            self._take_call_replies(stream)
-            return
-        self.counters["calls_forwarded"] += 1
-        if self._relay_calls.add(uuid, identity, self._clock()):
-            self._throttle.log(
-                "calls_in_flight",
-                logging.WARNING,
-                "%d calls in flight upstream: forgot the oldest (its caller retries)",
-                self._relay_calls.limit,
-            )
-        # Only now that its caller is known: a reply read here is routed.
-        self._take_call_replies(stream)
+        # Sent from the ROUTER's reader, not the DEALER stream's: the burst
+        # looks at the replies our send may have hidden from it, on leaving,
+        # so only once the caller is known (a reply read then is routed).
+        with Burst(lambda: self._take_call_replies(stream)) as burst:
+            if burst.send(stream.socket, frames) is not Sent.OK:
+                self.counters["calls_forward_dropped"] += 1
+                return
+            self.counters["calls_forwarded"] += 1
+            if self._relay_calls.add(uuid, identity, self._clock()):
+                self._throttle.log(
+                    "calls_in_flight",
+                    logging.WARNING,
+                    "%d calls in flight upstream: forgot the oldest (its caller retries)",
+                    self._relay_calls.limit,
+                )
 
     def _with_caller(self, frames: list[bytes], user: str | None, caller: str) -> list[bytes]:
         """The call with ``caller=`` saying who asked us; a ``caller=`` the
@@ -486,26 +434,15 @@ class RelayMixin(ServerBase):
         return out
 
     def _call_refusal(self, frames: list[bytes], user: str | None) -> str | None:
-        """Why our ACL refuses this call to ``user``, or None to forward it.
-
-        A call that does not decode, or asks for something malformed, is
-        forwarded as it is: the pair says precisely what is wrong with it.
-        The rule is the active server's (:func:`~clone.wire.calls.acl_refusal`):
-        a grant that names a key outside the caller's write prefixes is
-        refused here, before the pair makes a lease.
-        """
-        if user == PEER_USER or user in self._write_all:
-            return None
-        if user is None or user not in self._admitted:
-            return "this client is no longer admitted"
-        rights = self._rights_of(user)
-        try:
-            call = decode_call(frames)
-        except ProtocolError:
-            return None
-        if check_call(call) is not None:
-            return None
-        return acl_refusal(call, rights.can_write, bool(rights.write))
+        """Why our ACL refuses this call to ``user``, or None to forward it
+        (:func:`clone.server.access.call_refusal`)."""
+        return call_refusal(
+            frames,
+            user,
+            write_all=self._write_all,
+            admitted=self._admitted,
+            rights_of=self._rights_of,
+        )
 
     def _take_call_replies(self, stream: ZMQStream) -> None:
         """REPLYs our send on the call DEALER may have hidden from its stream.
@@ -541,20 +478,11 @@ class RelayMixin(ServerBase):
         sock = self._router
         if sock is None or sock.closed:
             return
-        try:
-            send_frames(sock, [identity, *frames], NOBLOCK)
-        except zmq.Again:
-            self.counters["call_replies_dropped"] += 1
+        # Sent from the DEALER's callback, not the ROUTER stream's: look at
+        # the requests our send may have hidden from it.
+        if send(sock, [identity, *frames], backlog=self._take_router_backlog) is not Sent.OK:
+            self.counters["call_replies_dropped"] += 1  # its pipe is full, or it went away
             return
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            self.counters["call_replies_dropped"] += 1  # the caller went away
-            return
-        finally:
-            # Sent from the DEALER's callback, not the ROUTER stream's: look
-            # at the requests our send may have hidden from it.
-            self._take_router_backlog()
         self.counters["call_replies_forwarded"] += 1
 
     # -- client writes -----------------------------------------------------------
@@ -581,11 +509,8 @@ class RelayMixin(ServerBase):
         rate-limited, its writer told); whether it was forwarded."""
         queued = False
         if not stale:
-            try:
-                pub.send_multipart(frames, zmq.NOBLOCK)
-                queued = True
-            except zmq.Again:
-                pass
+            # A PUB reads nothing: no backlog to look at.
+            queued = send(pub, frames, backlog=None) is Sent.OK
         why = forward_refusal(stale=stale, queued=queued)
         if why is None:
             self.counters["kvset_forwarded"] += 1
@@ -603,7 +528,7 @@ class RelayMixin(ServerBase):
             if self._keypair is not None:
                 self._refusal(writer, uuid, why)
             else:
-                self._publish(encode_refusal(ANY_WRITER, uuid, why))
+                self.publisher.publish(encode_refusal(ANY_WRITER, uuid, why))
         return False
 
     def _on_relay_collector_secure(self, parts: list[zmq.Frame]) -> None:

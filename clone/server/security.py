@@ -60,6 +60,7 @@ from clone.security import (
     load_public,
     load_secret,
 )
+from clone.server.access import may_write
 from clone.server.base import ServerBase, log
 from clone.server.config import ServerMode
 from clone.server.core import Role
@@ -260,8 +261,12 @@ class SecurityMixin(ServerBase):
             user: str | None = str(first.get("User-Id"))
         except zmq.ZMQError:
             user = None
-        if user in self._write_all or (
-            user in self._admitted and frames and self._rights_of(user).can_write(frames[0])
+        if may_write(
+            user,
+            frames,
+            write_all=self._write_all,
+            admitted=self._admitted,
+            rights_of=self._rights_of,
         ):
             return True, user
         self.counters["kvset_refused_acl"] += 1
@@ -378,7 +383,7 @@ class SecurityMixin(ServerBase):
         """Tell the writer its update was refused (best effort)."""
         if name is None or name == PEER_USER or name not in self._admitted:
             return
-        self._publish(encode_refusal(name, uuid, reason))
+        self.publisher.publish(encode_refusal(name, uuid, reason))
 
     def _rebind_publisher(self) -> None:
         """Close and bind the publisher again: every subscriber re-subscribes

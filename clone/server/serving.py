@@ -34,18 +34,20 @@ from clone.security import PEER_USER
 from clone.server.base import CLOCK_EVERY, TURN_BUDGET, AnyStream, ServerBase, log, who
 from clone.server.core import Role
 from clone.server.delta import DeltaStream
+from clone.server.sending import Burst, Sent, send
 from clone.server.status import PeerView, server_status
 from clone.storage.files import dir_bytes
 from clone.wire.calls import CALL
 from clone.wire.conflicts import CONFLICTS_REQUEST
 from clone.wire.control import view_id
-from clone.wire.delta import SINCE_PROPERTY, SinceRequest, parse_since
-from clone.wire.frames import NOBLOCK, POLLIN, send_frames, send_tracked
+from clone.wire.delta import SinceRequest, parse_since
+from clone.wire.frames import NOBLOCK, POLLIN
 from clone.wire.protocol import (
     APPLIED_PROPERTY,
     APPLIED_VERSION,
     BATCH_PROPERTY,
     BATCH_VERSION,
+    SINCE_PROPERTY,
     STATUS_REQUEST,
     TTL_LEFT_NAME,
     TTL_LEFT_VERSION,
@@ -274,46 +276,43 @@ class ServingMixin(ServerBase):
         # A KVBATCH is thousands of entries: check the clock after each one.
         clock_every = 1 if stream.batch else CLOCK_EVERY
         in_flight = self._in_flight.get(stream)
-        try:
-            for n in range(self.config.snapshot_chunk):
-                if (n + 1) % clock_every == 0 and self._clock() > stop_at:
-                    break
-                if in_flight is not None:
-                    while in_flight and in_flight[0].done:
-                        in_flight.popleft()
-                    if len(in_flight) >= _BATCHES_IN_FLIGHT:
-                        self._stall(stream, sent_before, sent=n > 0)
+        # The pump runs from loop callbacks, not the ROUTER stream's: the
+        # burst looks at the requests its sends may have hidden (sending.py),
+        # after the turn, whichever way the turn ends.
+        with Burst(self._take_router_backlog) as burst:
+            try:
+                for n in range(self.config.snapshot_chunk):
+                    if (n + 1) % clock_every == 0 and self._clock() > stop_at:
+                        break
+                    if in_flight is not None:
+                        while in_flight and in_flight[0].done:
+                            in_flight.popleft()
+                        if len(in_flight) >= _BATCHES_IN_FLIGHT:
+                            self._stall(stream, sent_before)
+                            return
+                    frames = stream.peek()
+                    if frames is None:
+                        # Done, or a long run of keys outside the subtree was
+                        # skipped: either way, give the loop back.
+                        break
+                    sent = burst.send(sock, frames, trackers=in_flight)
+                    if sent is Sent.FULL:
+                        # The requester's pipe is full: wait for it, drop nothing.
+                        self._stall(stream, sent_before)
                         return
-                frames = stream.peek()
-                if frames is None:
-                    # Done, or a long run of keys outside the subtree was
-                    # skipped: either way, give the loop back.
-                    break
-                try:
-                    if in_flight is None:
-                        send_frames(sock, frames, NOBLOCK)
-                    else:
-                        in_flight.append(send_tracked(sock, frames, NOBLOCK))
-                except zmq.Again:
-                    # The requester's pipe is full: wait for it, drop nothing.
-                    self._stall(stream, sent_before, sent=True)
-                    return
-                except zmq.ZMQError as exc:
-                    if exc.errno == zmq.EHOSTUNREACH:
+                    if sent is Sent.GONE:
                         self._unroutable(stream, sent_before)
                         return
-                    raise
-                self._unreachable.pop(stream, None)
-                stream.advance()
-                if stream.done:
-                    break
-        except Exception:
-            self.counters["internal_errors"] += 1
-            log.exception("internal error while streaming a snapshot")
-            self._abort_snapshot(stream, "internal error")
-            return
-        self._note_progress(stream, sent_before)
-        self._take_router_backlog()
+                    self._unreachable.pop(stream, None)
+                    stream.advance()
+                    if stream.done:
+                        break
+            except Exception:
+                self.counters["internal_errors"] += 1
+                log.exception("internal error while streaming a snapshot")
+                self._abort_snapshot(stream, "internal error")
+                return
+            self._note_progress(stream, sent_before)
         if stream.done:
             del self._snapshots[stream]
             started = self._snapshot_started.pop(stream, None)
@@ -373,21 +372,19 @@ class ServingMixin(ServerBase):
         finally:
             self._taking_backlog = False
 
-    def _stall(self, stream: AnyStream, sent_before: int, *, sent: bool) -> None:
+    def _stall(self, stream: AnyStream, sent_before: int) -> None:
         """The requester is not keeping up: try again shortly, drop nothing.
 
-        ``sent``: this turn called send on the ROUTER (even one that found the
-        pipe full or the requester unroutable).  Any send may consume the edge
-        announcing a new request, so look at the backlog then, as a completed
-        turn does, or that request waits until something else stirs the
-        socket (seen: 10 s, with a stream retrying for its unroutable grace).
+        The pump's burst then looks at the ROUTER's backlog if this turn
+        tried a send (even one that found the pipe full or the requester
+        unroutable), or a request hidden by it would wait until something
+        else stirred the socket (seen: 10 s, with a stream retrying for its
+        unroutable grace).
         """
         assert self._loop is not None
         self.counters["snapshot_stalls"] += 1
         self._note_progress(stream, sent_before)
         self._loop.call_later(_STALL_RETRY, self._pump, stream)
-        if sent:
-            self._take_router_backlog()
 
     def _unroutable(self, stream: AnyStream, sent_before: int) -> None:
         """EHOSTUNREACH: the requester went away, or its pipe is only slow to
@@ -395,11 +392,11 @@ class ServingMixin(ServerBase):
         now = self._clock()
         since = self._unreachable.setdefault(stream, now)
         if now - since >= _UNREACHABLE_GRACE:
+            # The pump's burst looks at the backlog our failed send may have hidden.
             self._abort_snapshot(stream, "requester went away", gone=True)
-            self._take_router_backlog()  # our failed send may have hidden a request
             return
         self.counters["snapshot_unroutable_retries"] += 1
-        self._stall(stream, sent_before, sent=True)
+        self._stall(stream, sent_before)
 
     def _evict_unroutable(self) -> None:
         """A request needs a slot: streams whose requester is unroutable now
@@ -467,14 +464,11 @@ class ServingMixin(ServerBase):
             return
         sock = self._router
         assert sock is not None
-        try:
-            send_frames(sock, [identity, *encode_status(self._status())], NOBLOCK)
-        except zmq.Again:
-            c["status_dropped"] += 1  # its pipe is full: it will time out
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EHOSTUNREACH:
-                raise
-            c["status_dropped"] += 1  # gone before the answer
+        # From the ROUTER's reader (its stream's callback, or the backlog loop):
+        # it looks at the socket again after us.
+        sent = send(sock, [identity, *encode_status(self._status())], backlog=None)
+        if sent is not Sent.OK:
+            c["status_dropped"] += 1  # its pipe is full (it will time out), or it is gone
 
     def _status(self) -> dict[str, Any]:
         """This server's status (:mod:`clone.server.status`): gathered here, built there."""

@@ -1,4 +1,4 @@
-"""The durable data directory of one server (issue 13).
+"""The durable data directory of one server.
 
 ``DIR/clone.db`` is a SQLite database in WAL mode holding the state (``kv``), a
 bounded log of recent updates (``log``) and the position (``meta``: sequence,

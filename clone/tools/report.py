@@ -51,7 +51,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[Any]], *, markdown: bo
 
 def markdown_table(headers: Sequence[str], cells: Sequence[Sequence[str]]) -> str:
     """A GitHub markdown table of cells already formatted, unpadded."""
-    return tabulate(
+    table: str = tabulate(
         cells,
         headers=list(headers),
         tablefmt="github",
@@ -59,6 +59,7 @@ def markdown_table(headers: Sequence[str], cells: Sequence[Sequence[str]]) -> st
         numalign=None,
         disable_numparse=True,
     )
+    return table
 
 
 def _cell(value: Any) -> str:

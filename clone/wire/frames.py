@@ -19,6 +19,7 @@ the codec then rejects the message).  No other module needs these tricks.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import zmq
 from zmq.backend import Socket as _BackendSocket
@@ -54,12 +55,12 @@ _raw_send = _BackendSocket.send
 _raw_recv = _BackendSocket.recv
 
 
-def cap_message_size(sock: zmq.Socket, limit: int = MAX_FRAME_BYTES) -> None:
+def cap_message_size(sock: zmq.Socket[Any], limit: int = MAX_FRAME_BYTES) -> None:
     """Make libzmq drop a peer that sends a frame over ``limit`` bytes."""
     sock.setsockopt(zmq.MAXMSGSIZE, limit)
 
 
-def send_frames(sock: zmq.Socket, frames: Sequence[bytes], flags: int = 0) -> None:
+def send_frames(sock: zmq.Socket[Any], frames: Sequence[bytes], flags: int = 0) -> None:
     """send_multipart without the sugar.  With :data:`NOBLOCK`, EAGAIN and
     EHOSTUNREACH can only come from the first frame: a multipart message is
     atomic once its first part is queued."""
@@ -69,7 +70,7 @@ def send_frames(sock: zmq.Socket, frames: Sequence[bytes], flags: int = 0) -> No
     _raw_send(sock, frames[-1], flags)
 
 
-def send_tracked(sock: zmq.Socket, frames: Sequence[bytes], flags: int) -> zmq.MessageTracker:
+def send_tracked(sock: zmq.Socket[Any], frames: Sequence[bytes], flags: int) -> zmq.MessageTracker:
     """:func:`send_frames`, the last frame without a copy and tracked: the
     tracker is done once libzmq has written the whole message out (or dropped
     it with its connection)."""
@@ -81,7 +82,7 @@ def send_tracked(sock: zmq.Socket, frames: Sequence[bytes], flags: int) -> zmq.M
 
 
 def recv_frames_and_first(
-    sock: zmq.Socket, flags: int = NOBLOCK
+    sock: zmq.Socket[Any], flags: int = NOBLOCK
 ) -> tuple[zmq.Frame, list[bytes]]:
     """As :func:`recv_frames`, and the first frame itself, whose connection
     metadata (a CURVE client's ``User-Id``) only a frame can tell."""
@@ -94,7 +95,7 @@ def recv_frames_and_first(
     return first, parts
 
 
-def recv_frames(sock: zmq.Socket, flags: int = NOBLOCK) -> list[bytes]:
+def recv_frames(sock: zmq.Socket[Any], flags: int = NOBLOCK) -> list[bytes]:
     """One whole message, at most :data:`MAX_FRAMES` frames of it kept.
 
     Non-blocking by default (raises ``zmq.Again`` when there is none).

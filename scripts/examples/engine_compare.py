@@ -1,4 +1,4 @@
-"""SQLite (WAL) against LMDB on the server's group-commit workload (issue 13).
+"""SQLite (WAL) against LMDB on the server's group-commit workload.
 
 Groups of 1, 10 and 100 updates of ~100-byte values, each group one transaction
 into a key table and an append log with an fsync; p50/p99/p99.9 commit latency

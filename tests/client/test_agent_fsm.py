@@ -22,7 +22,7 @@ from clone.client.fsm import (
     Changed,
     Confirmed,
     Event,
-    IllegalTransition,
+    IllegalTransitionError,
     Malformed,
     Refused,
     RequestSnapshot,
@@ -169,7 +169,7 @@ def test_missing_pair_is_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
     fsm.connect("tcp://a:1", 0.0)
     table = {k: v for k, v in TRANSITIONS.items() if k != (State.SYNCING, Event.HEARTBEAT)}
     monkeypatch.setattr(fsm_module, "TRANSITIONS", MappingProxyType(table))
-    with pytest.raises(IllegalTransition) as info:
+    with pytest.raises(IllegalTransitionError) as info:
         fsm.update(0, Hugz(0), 0.0)
     assert isinstance(info.value, CloneError)
     assert "HEARTBEAT" in str(info.value) and "SYNCING" in str(info.value)

@@ -3,16 +3,15 @@ flags and config, and the ``stale`` HUGZ property (docs/operations.md, "Relays")
 
 from __future__ import annotations
 
-from typing import Any, cast
-
 import pytest
 
 from clone.security.acl import Rights
+from clone.server.access import call_refusal
 from clone.server.cli import build_parser, config_from_args
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import FollowOutcome, Role, ServerCore, SyncState
 from clone.server.inflight import InFlight
-from clone.server.relaying import RelayMixin, forward_refusal, relay_stale, upstream_lost
+from clone.server.relayrules import forward_refusal, relay_stale, upstream_lost
 from clone.wire.calls import OP_LEASE_GRANT, OP_LEASE_KEEPALIVE, OP_SET, encode_call
 from clone.wire.codec import Hugz, KVMsg, decode_update, encode_hugz, encode_kv, new_uuid
 
@@ -193,15 +192,9 @@ def test_relay_core_follows_and_records_what_it_applies() -> None:
     assert [op.updates for op in core.journal.take()] == [[update]]
 
 
-class _RelayAcl:
-    """What :meth:`RelayMixin._call_refusal` reads of a CURVE relay: "worker"
-    may write under /jobs/ only."""
-
-    _write_all: frozenset[str] = frozenset()
-    _admitted = frozenset({"worker"})
-
-    def _rights_of(self, name: str | None) -> Rights:
-        return Rights(read=(b"",), write=(b"/jobs/",))
+def _worker_rights(name: str | None) -> Rights:
+    """A CURVE relay's ACL: "worker" may write under /jobs/ only."""
+    return Rights(read=(b"",), write=(b"/jobs/",))
 
 
 @pytest.mark.parametrize(
@@ -222,7 +215,9 @@ def test_a_relay_judges_a_call_by_its_acl_key(
     a lock's named grant outside the caller's prefixes never goes upstream."""
     body = b"v" if op == OP_SET else b""
     frames = encode_call(op, new_uuid(), key, props, body)
-    why = RelayMixin._call_refusal(cast(Any, _RelayAcl()), frames, "worker")
+    why = call_refusal(
+        frames, "worker", write_all=(), admitted={"worker"}, rights_of=_worker_rights
+    )
     assert (why is not None) is refused
     if refused:
         assert key in str(why)

@@ -36,8 +36,9 @@ class _Harness:
         self.counters: Counter[str] = Counter()
         self._throttle = Throttle(logging.getLogger("test.relay"), time.monotonic)
         self.published: list[list[bytes]] = []
+        self.publisher = self  # the publisher part: what is published, recorded
 
-    def _publish(self, frames: list[bytes]) -> None:
+    def publish(self, frames: list[bytes]) -> None:
         self.published.append(frames)
 
     def forward(self, pub: zmq.Socket[Any], frames: list[bytes], *, stale: bool) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from clone.errors import CloneError, IllegalSyncTransition, ProtocolError
+from clone.errors import CloneError, IllegalTransitionError, ProtocolError
 from clone.server.core import (
     SYNC_TRANSITIONS,
     CoreSettings,
@@ -132,7 +132,7 @@ def test_every_sync_rule_is_reachable(start: SyncState, event: SyncEvent) -> Non
 
 def test_illegal_sync_transition_raises() -> None:
     core = ServerCore()
-    with pytest.raises(IllegalSyncTransition) as raised:
+    with pytest.raises(IllegalTransitionError) as raised:
         core._sync(SyncEvent.SNAPSHOT_DONE)
     assert isinstance(raised.value, CloneError) and isinstance(raised.value, RuntimeError)
 

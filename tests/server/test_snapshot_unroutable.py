@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import zmq
 
+import clone.server.sending as sending
 import clone.server.serving as serving
 from clone.server.config import ServerConfig
 from clone.server.reactor import CloneServer
@@ -48,14 +49,20 @@ def loaded(request: pytest.FixtureRequest) -> Iterator[tuple[CloneServer, ChpPee
         srv.stop()
 
 
-def _unroutable_sends(monkeypatch: pytest.MonkeyPatch, which: range | None) -> list[int]:
+def _unroutable_sends(
+    monkeypatch: pytest.MonkeyPatch, srv: CloneServer, which: range | None
+) -> list[int]:
     """Make snapshot sends number ``which`` (all from the first when None) fail
-    as EHOSTUNREACH, sending nothing; returns the list of failed send numbers."""
-    real = serving.send_frames
+    as EHOSTUNREACH, sending nothing; returns the list of failed send numbers.
+    Every send of the server goes through clone.server.sending: only those on
+    its ROUTER are counted (the publisher's HUGZ go on as they are)."""
+    real = sending.send_frames
     calls: list[int] = []
     failed: list[int] = []
 
     def send(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None:
+        if sock is not srv._router:
+            return real(sock, frames, flags)
         calls.append(1)
         n = len(calls)
         if which is None or n in which:
@@ -63,7 +70,7 @@ def _unroutable_sends(monkeypatch: pytest.MonkeyPatch, which: range | None) -> l
             raise zmq.ZMQError(zmq.EHOSTUNREACH)
         real(sock, frames, flags)
 
-    monkeypatch.setattr(serving, "send_frames", send)
+    monkeypatch.setattr(sending, "send_frames", send)
     return failed
 
 
@@ -71,7 +78,7 @@ def test_a_requester_unroutable_for_a_moment_gets_its_whole_snapshot(
     loaded: tuple[CloneServer, ChpPeer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     srv, peer = loaded
-    failed = _unroutable_sends(monkeypatch, range(5, 8))
+    failed = _unroutable_sends(monkeypatch, srv, range(5, 8))
     snap = peer.snapshot(timeout=10)
     assert failed == [5, 6, 7]
     assert len(snap.entries) == KEYS and snap.sequence == KEYS
@@ -84,7 +91,7 @@ def test_a_requester_that_stays_unroutable_is_aborted_as_gone(
     loaded: tuple[CloneServer, ChpPeer], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     srv, peer = loaded
-    failed = _unroutable_sends(monkeypatch, None)
+    failed = _unroutable_sends(monkeypatch, srv, None)
     assert peer.dealer is not None
     peer.dealer.send_multipart([b"ICANHAZ?", b""])
     eventually(lambda: srv.counters["snapshots_aborted"] == 1, 10, "the stream to be aborted")
@@ -104,17 +111,19 @@ def test_a_request_needing_a_slot_evicts_an_unroutable_stream(
     once instead of holding it for the grace (made long here)."""
     srv, peer = loaded
     monkeypatch.setattr(serving, "_UNREACHABLE_GRACE", 60.0)
-    real = serving.send_frames
+    real = sending.send_frames
     gone: list[bytes] = []
 
     def send(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None:
+        if sock is not srv._router:
+            return real(sock, frames, flags)
         if not gone:
             gone.append(bytes(frames[0]))  # the first requester's identity
         if bytes(frames[0]) == gone[0]:
             raise zmq.ZMQError(zmq.EHOSTUNREACH)
         real(sock, frames, flags)
 
-    monkeypatch.setattr(serving, "send_frames", send)
+    monkeypatch.setattr(sending, "send_frames", send)
     assert peer.dealer is not None
     peer.dealer.send_multipart([b"ICANHAZ?", b""])  # its stream: unroutable
     eventually(
@@ -137,10 +146,12 @@ def test_a_request_is_seen_while_a_stream_is_unroutable(
     request waits until something else stirs it (seen: 10 s in CI)."""
     srv, peer = loaded
     monkeypatch.setattr(serving, "_UNREACHABLE_GRACE", 60.0)
-    real = serving.send_frames
+    real = sending.send_frames
     first: list[bytes] = []
 
     def send(sock: zmq.Socket, frames: Sequence[Any], flags: int = 0) -> None:
+        if sock is not srv._router:
+            return real(sock, frames, flags)
         if not first:
             first.append(bytes(frames[0]))
         if bytes(frames[0]) == first[0]:
@@ -149,7 +160,7 @@ def test_a_request_is_seen_while_a_stream_is_unroutable(
         else:
             real(sock, frames, flags)
 
-    monkeypatch.setattr(serving, "send_frames", send)
+    monkeypatch.setattr(sending, "send_frames", send)
     assert peer.dealer is not None
     peer.dealer.send_multipart([b"ICANHAZ?", b""])  # its stream stays unroutable
     eventually(

@@ -1,4 +1,4 @@
-"""The calls section: what compare-and-set and leases cost (issue 15).
+"""The calls section: what compare-and-set and leases cost.
 
 Four parts, each on fresh standalone servers, the cases of a part
 interleaved in each repeat so that the machine's mood hits them alike:
@@ -118,7 +118,7 @@ def _await_kvpub(sub: zmq.Socket[Any], uuid: bytes, timeout: float = 10.0) -> No
 
 
 def _dealer(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
-    sock = ctx.socket(zmq.DEALER)
+    sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
     sock.sndhwm = sock.rcvhwm = 0
     sock.linger = 0
     cap_message_size(sock)

@@ -15,7 +15,7 @@ SECTIONS: tuple[str, ...] = (
 )
 #: What runs without naming sections: durability takes minutes (1M-key data
 #: directories), security about two (three servers, repeated, interleaved),
-#: calls about five (CAS and leases, issue 15).
+#: calls about five (CAS and leases).
 DEFAULT_SECTIONS: tuple[str, ...] = ("throughput", "latency", "snapshot", "memory")
 TARGETS: tuple[str, ...] = ("clone", "c-proxy", "py-forwarder")
 
@@ -40,7 +40,7 @@ class BenchConfig:
     snapshot_repeats: int = 3
     snapshot_heartbeat_ms: int = 200
     memory_keys: int = 100_000
-    # durability: in memory against --fsync modes, restart and catch-up (issue 13).
+    # durability: in memory against --fsync modes, restart and catch-up.
     durability_fsyncs: tuple[str, ...] = ("batch", "always", "off")
     # Fewer than throughput_messages: --fsync always commits ~1.5k updates/s here.
     durability_messages: int = 20_000
@@ -52,10 +52,10 @@ class BenchConfig:
     engine_groups: int = 1_000
     # Where durable servers keep their data (a real disk, not tmpfs); removed after.
     durability_dir: Path | None = None
-    # security: plain against CURVE and CURVE + ACL, in memory (issue 14).
+    # security: plain against CURVE and CURVE + ACL, in memory.
     security_messages: int = 50_000
     security_rate: int = 2_000
-    # subscribers: thousands of subscribers, direct and through relays (issue 17).
+    # subscribers: thousands of subscribers, direct and through relays.
     sub_counts: tuple[int, ...] = (1_000, 5_000)
     sub_rate: int = 1_000
     sub_relays: int = 4
@@ -64,7 +64,7 @@ class BenchConfig:
     sub_per_socket: int = 50  # subscribers (TCP connections) per C sink socket
     resync_keys: int = 10_000
     resync_clients: int = 1_000
-    # calls: compare-and-set and leases (issue 15).
+    # calls: compare-and-set and leases.
     calls_rtt: int = 5_000  # sequential CAS calls (and as many confirmed KVSETs) per run
     calls_concurrency: tuple[int, ...] = (1, 8, 32)  # callers, one call in flight each
     calls_seconds: float = 5.0  # per concurrency run

@@ -1,4 +1,4 @@
-"""The durability section: what a data directory costs, and what it buys (issue 13).
+"""The durability section: what a data directory costs, and what it buys.
 
 Side by side in one run, so that the machine's mood hits every mode alike:
 

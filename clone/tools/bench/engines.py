@@ -1,6 +1,6 @@
 """Storage engines compared on the server's workload: SQLite (WAL) against LMDB.
 
-How this works: issue 13 keeps SQLite in WAL mode unless a benchmark shows it
+How this works: the data directory keeps SQLite in WAL mode unless a benchmark shows it
 cannot hold the targets and a better-kept engine can.  Both engines get the
 workload of :class:`clone.storage.Storage` under ``--fsync batch``: a *group*
 of updates (one reactor turn) is one transaction that upserts each key into a

@@ -105,7 +105,7 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _subscribers_targets(d: dict[str, Any], add: Any) -> None:
-    """Issue 17's targets: 1,000 direct subscribers at 1k/s with p99 <= 50 ms, no update
+    """The subscribers targets: 1,000 direct subscribers at 1k/s with p99 <= 50 ms, no update
     lost by any subscriber, and 1,000 clients resynced within 5 s through relays."""
     for part in d.get("errors", {}):
         add(f"subscribers: {part} ran", d["errors"][part][:60], "no error", False)
@@ -124,7 +124,7 @@ def _subscribers_targets(d: dict[str, Any], add: Any) -> None:
 
 
 def _security_targets(d: dict[str, Any], add: Any) -> None:
-    """Issue 14's targets: with CURVE, >= 50% of the plain throughput and p99 <= 2 ms at
+    """The security targets: with CURVE, >= 50% of the plain throughput and p99 <= 2 ms at
     2k/s; and the restricted reader of the ACL run saw its view only, counts equal."""
     for part in d.get("errors", {}):
         add(f"security: {part} ran", d["errors"][part][:60], "no error", False)
@@ -145,7 +145,7 @@ def _security_targets(d: dict[str, Any], add: Any) -> None:
 
 
 def _durability_targets(d: dict[str, Any], add: Any) -> None:
-    """Issue 13's targets: batch keeps 60% of the in-memory throughput and the latency
+    """The durability targets: batch keeps 60% of the in-memory throughput and the latency
     targets; a restart serves within 10 s; a missed 1,000 updates take < 0.5 s."""
     for part in d.get("errors", {}):
         add(f"durability: {part} ran", d["errors"][part][:60], "no error", False)

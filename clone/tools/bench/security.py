@@ -1,4 +1,4 @@
-"""The security section: what CURVE and the ACL cost (issue 14).
+"""The security section: what CURVE and the ACL cost.
 
 Side by side in one run, so that the machine's mood hits every mode alike,
 three standalone servers ``--in-memory`` (no disk in the numbers):

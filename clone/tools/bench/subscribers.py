@@ -1,4 +1,4 @@
-"""The subscribers section: thousands of subscribers, directly and through relays (issue 17).
+"""The subscribers section: thousands of subscribers, directly and through relays.
 
 How this works.  **Fan-out** runs, one per (subscriber count, topology):
 
@@ -441,7 +441,8 @@ def _cpu(pids: Sequence[int]) -> float:
 def _rss_mib(pid: int) -> float:
     import psutil
 
-    return round(psutil.Process(pid).memory_info().rss / 2**20, 1)
+    rss: int = psutil.Process(pid).memory_info().rss
+    return round(rss / 2**20, 1)
 
 
 def _split(total: int, parts: int) -> list[tuple[int, int]]:

@@ -73,7 +73,7 @@ class Target:
 
 @dataclass(frozen=True)
 class CurveOptions:
-    """A ``clone`` target with CURVE on every socket (issue 14).
+    """A ``clone`` target with CURVE on every socket.
 
     The server gets ``--curve-secret``/``--clients`` (and ``--acl`` if given);
     the load generators connect as ``client``.  With ``restricted``, one more

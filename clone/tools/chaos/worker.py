@@ -133,7 +133,8 @@ class Worker:
         time.sleep(self.rng.uniform(0.5, 1.5) / self.args.rate)
 
     def _running(self) -> bool:
-        return time.monotonic() < self.args.until
+        until: float = self.args.until
+        return time.monotonic() < until
 
     # -- roles -----------------------------------------------------------------
 

@@ -1,0 +1,68 @@
+"""Who may write what: the ACL's decisions on a write and on a call, pure.
+
+Why a module of its own: the collector (a KVSET from a CURVE connection)
+and a relay (a CALL? it forwards upstream) ask the same questions of the
+same settings.  Here they are plain functions of a name and the rights the
+server holds, tested without sockets (tests/server/test_access.py); the
+I/O parts count, log and tell the writer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from clone.errors import ProtocolError
+from clone.security import PEER_USER, Rights
+from clone.wire.calls import acl_refusal, check_call, decode_call
+
+__all__ = ["NOT_ADMITTED", "call_refusal", "may_write"]
+
+#: Why a call from a name the clients directory no longer holds is refused.
+NOT_ADMITTED = "this client is no longer admitted"
+
+
+def may_write(
+    user: str | None,
+    frames: list[bytes],
+    *,
+    write_all: Collection[str | None],
+    admitted: Collection[str | None],
+    rights_of: Callable[[str | None], Rights],
+) -> bool:
+    """Whether ``user`` may write the key of a KVSET (``frames[0]``).
+
+    Writers of everything (the peer, names with a write-all grant) may;
+    anyone else must still be admitted and hold a write prefix of the key.
+    """
+    return user in write_all or (
+        user in admitted and bool(frames) and rights_of(user).can_write(frames[0])
+    )
+
+
+def call_refusal(
+    frames: list[bytes],
+    user: str | None,
+    *,
+    write_all: Collection[str | None],
+    admitted: Collection[str | None],
+    rights_of: Callable[[str | None], Rights],
+) -> str | None:
+    """Why the ACL refuses this call to ``user``, or None to let it through.
+
+    A call that does not decode, or asks for something malformed, is let
+    through as it is: the active server says precisely what is wrong with
+    it.  The rule is the active server's (:func:`~clone.wire.calls.acl_refusal`):
+    a grant that names a key outside the caller's write prefixes is refused.
+    """
+    if user == PEER_USER or user in write_all:
+        return None
+    if user is None or user not in admitted:
+        return NOT_ADMITTED
+    rights = rights_of(user)
+    try:
+        call = decode_call(frames)
+    except ProtocolError:
+        return None
+    if check_call(call) is not None:
+        return None
+    return acl_refusal(call, rights.can_write, bool(rights.write))

@@ -1,0 +1,65 @@
+"""docs/architecture.md's tree lists every module: a module added, moved or
+removed without its line there fails here (as the public API is checked)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DOC = ROOT / "docs" / "architecture.md"
+
+# Packages whose tree lists one line per module; the others are described as
+# a whole on their own line (storage/, tools/drill/, ...) and only have to exist.
+PER_MODULE = ("clone", "clone/wire", "clone/server", "clone/client")
+
+_ENTRY = re.compile(r"^(?P<indent> *)(?P<name>[A-Za-z_][\w.]*/?)(?: {2,}|$)")
+
+
+def documented() -> set[str]:
+    """Every path the tree names (``a/b.py``, ``a/b/``), from its indentation."""
+    text = DOC.read_text()
+    block = text.split("## The tree", 1)[1].split("```", 2)[1]
+    stack: list[tuple[int, str]] = []
+    out: set[str] = set()
+    for line in block.splitlines():
+        m = _ENTRY.match(line)
+        if m is None:
+            continue
+        name = m["name"]
+        if not (name.endswith("/") or name.endswith(".py")):
+            continue
+        depth = len(m["indent"])
+        while stack and stack[-1][0] >= depth:
+            stack.pop()
+        path = "".join(p for _, p in stack) + name
+        out.add(path)
+        if name.endswith("/"):
+            stack.append((depth, name))
+    return out
+
+
+def on_disk(package: str) -> set[str]:
+    folder = ROOT / package
+    names = {f"{package}/{p.name}" for p in folder.glob("*.py")}
+    names |= {f"{package}/{p.name}/" for p in folder.iterdir() if (p / "__init__.py").exists()}
+    names |= {f"{package}/{p.name}/" for p in folder.iterdir() if p.is_dir() and p.name == "web"}
+    if package != "clone":
+        names.discard(f"{package}/__init__.py")  # the package's line says it
+    return names
+
+
+def test_the_tree_parses() -> None:
+    got = documented()
+    assert "clone/server/core.py" in got and "clone/wire/" in got and "bstar/" in got
+
+
+def test_every_module_has_its_line() -> None:
+    got = documented()
+    missing = sorted(path for pkg in PER_MODULE for path in on_disk(pkg) - got)
+    assert not missing, "modules missing from docs/architecture.md's tree: " + ", ".join(missing)
+
+
+def test_every_line_names_a_module_that_exists() -> None:
+    stale = sorted(path for path in documented() if not (ROOT / path.rstrip("/")).exists())
+    assert not stale, "docs/architecture.md's tree names what is gone: " + ", ".join(stale)
