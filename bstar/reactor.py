@@ -52,7 +52,6 @@ from bstar.wire import MAX_STATE_FRAME, check_wire_rank, decode_state, encode_st
 
 __all__ = [
     "LINK_MAX_MESSAGE",
-    "RELINK_AFTER",
     "BinaryStar",
     "BinaryStarCounters",
     "RankSource",
@@ -119,11 +118,6 @@ def _rank_verdict(outcome: Outcome) -> str | None:
 #: times the longest state message (:data:`bstar.wire.MAX_STATE_FRAME`).
 LINK_MAX_MESSAGE = max(4096, MAX_STATE_FRAME)
 
-#: Heartbeats of silence from the peer after which our subscriber to its
-#: publisher is replaced by a new one (or ``2 * missed``, if more): well past
-#: the peer's expiry, so that a healthy link never sees it.
-RELINK_AFTER = 8
-
 #: Socket monitor events that matter for fast failover.
 _MONITORED_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
@@ -151,9 +145,6 @@ class BinaryStarCounters:
     #: socket monitor (always 0 with ``fast_failover=False``).
     peer_disconnects: int = 0
     peer_connects: int = 0
-    #: Subscribers to the peer's publisher replaced after ``RELINK_AFTER``
-    #: silent heartbeats (see :meth:`BinaryStar._relink`).
-    relinks: int = 0
 
 
 class _RateLimitedLog:
@@ -285,15 +276,10 @@ class BinaryStar:
         self._callback_errors = 0
         self._disconnects = 0
         self._connects = 0
-        self._relinks = 0
-        # Never within the peer's lifetime, whatever ``missed`` is.
-        self._relink_after = max(RELINK_AFTER, 2 * missed)
-        self._sub_opened = clock()
         self._bad_input_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
         self._rank_error_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
         self._handler_error_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
         self._publisher_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
-        self._relink_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
 
     def __repr__(self) -> str:
         role = "primary" if self.primary else "backup"
@@ -404,7 +390,6 @@ class BinaryStar:
             callback_errors=self._callback_errors,
             peer_disconnects=self._disconnects,
             peer_connects=self._connects,
-            relinks=self._relinks,
         )
 
     # -- application hooks -----------------------------------------------------
@@ -504,10 +489,27 @@ class BinaryStar:
             )
             self._pub_monitor.setsockopt(zmq.LINGER, 0)
             pub.bind(self._local_endpoint)
-            self._open_sub()
+            sub = self._ctx.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.MAXMSGSIZE, LINK_MAX_MESSAGE)
+            self._keep_alive(sub)
+            if self._secure_socket is not None:
+                self._secure_socket(sub, False)
+            self._sub = ZMQStream(sub, self._loop)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            if self._fast_failover:
+                # Before connect(), so that no event is missed. The monitor is a
+                # PAIR socket on an inproc endpoint, made in the SUB's context.
+                # Wrapped at once, so that stop() closes it whatever fails next.
+                self._monitor = ZMQStream(sub.get_monitor_socket(_MONITORED_EVENTS), self._loop)
+                self._monitor.setsockopt(zmq.LINGER, 0)
+            sub.connect(self._peer_endpoint)
         except Exception:
             self.stop()
             raise
+        self._sub.on_recv(self._on_peer_message)
+        if self._monitor is not None:
+            self._monitor.on_recv(self._on_monitor_event)
         if self._pub_monitor is not None:
             self._pub_monitor.on_recv(self._on_publisher_event)
         log.info(
@@ -542,83 +544,6 @@ class BinaryStar:
         sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, interval * self.missed)
         sock.setsockopt(zmq.HEARTBEAT_TTL, interval * self.missed)
 
-    def _open_sub(self) -> None:
-        """Make the SUB on the peer's publisher (and its monitor) and connect it.
-
-        Called by :meth:`start`, and by :meth:`_relink` to replace a
-        subscriber that has heard nothing for ``RELINK_AFTER`` heartbeats.
-        """
-        sub = self._ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.MAXMSGSIZE, LINK_MAX_MESSAGE)
-        self._keep_alive(sub)
-        if self._secure_socket is not None:
-            self._secure_socket(sub, False)
-        self._sub = ZMQStream(sub, self._loop)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        if self._fast_failover:
-            # Before connect(), so that no event is missed. The monitor is a
-            # PAIR socket on an inproc endpoint, made in the SUB's context.
-            # Wrapped at once, so that stop() closes it whatever fails next.
-            self._monitor = ZMQStream(sub.get_monitor_socket(_MONITORED_EVENTS), self._loop)
-            self._monitor.setsockopt(zmq.LINGER, 0)
-        sub.connect(self._peer_endpoint)
-        self._sub.on_recv(self._on_peer_message)
-        if self._monitor is not None:
-            self._monitor.on_recv(self._on_monitor_event)
-        self._sub_opened = self._clock()
-
-    def _close_sub(self) -> None:
-        """Close the SUB and its monitor (monitor first, detached, as libzmq wants)."""
-        if self._monitor is not None:
-            # Detach the monitor from the SUB first, so that libzmq stops writing
-            # events to it, then close our end; both before the SUB goes.
-            if self._sub is not None and not self._sub.closed():
-                try:
-                    self._sub.socket.disable_monitor()
-                except zmq.ZMQError as exc:
-                    log.debug("disable_monitor failed: %s", exc)
-            self._monitor.close(linger=0)
-            self._monitor = None
-        if self._sub is not None:
-            self._sub.close(linger=0)
-            self._sub = None
-
-    def _relink_due(self, now: float) -> bool:
-        """Whether the subscriber has heard nothing for ``RELINK_AFTER``
-        heartbeats (``2 * missed``, if more), counted from the peer's last
-        message or from when the subscriber was made, whichever is later."""
-        contact = self._fsm.last_peer_contact
-        since = self._sub_opened if contact is None else max(contact, self._sub_opened)
-        return now - since >= self._relink_after * self.heartbeat
-
-    def _relink(self) -> None:
-        """Replace a subscriber that has heard nothing for a while with a new one.
-
-        libzmq reconnects a SUB on its own, but only when it sees the
-        connection fail: in chaos run seed 7 (docs/drills.md, "Chaos") the
-        backup's subscriber to the primary's publisher never delivered another
-        message after the link was cut and healed (67 s, until the run
-        stopped; the primary heard the backup all along), so the backup, the
-        loser of the split brain, never learnt that it had lost and kept
-        serving. A new socket starts over every layer that can stay stuck
-        without a failure libzmq sees: the TCP connect and its backed-off SYN
-        retries, the ZMTP handshake, the subscription, the stream's reading.
-        During a real partition this costs one socket and one connect attempt
-        every ``RELINK_AFTER`` heartbeats.
-        """
-        self._relinks += 1
-        self._relink_log.log(
-            logging.INFO,
-            "nothing heard from the peer at %s for %d heartbeats: reconnecting to it"
-            " with a new subscriber (%d so far)",
-            self._peer_endpoint,
-            self._relink_after,
-            self._relinks,
-        )
-        self._close_sub()
-        self._open_sub()
-
     def stop(self) -> None:
         """Cancel the heartbeat and close every socket we own. Safe to call twice."""
         if self._stopped:
@@ -631,6 +556,16 @@ class BinaryStar:
         for stream in self._voters:
             stream.close(linger=0)
         self._voters.clear()
+        if self._monitor is not None:
+            # Detach the monitor from the SUB first, so that libzmq stops writing
+            # events to it, then close our end; both before the SUB goes.
+            if self._sub is not None and not self._sub.closed():
+                try:
+                    self._sub.socket.disable_monitor()
+                except zmq.ZMQError as exc:
+                    log.debug("disable_monitor failed: %s", exc)
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._pub_monitor is not None:
             if self._pub is not None and not self._pub.closed:
                 try:
@@ -639,7 +574,9 @@ class BinaryStar:
                     log.debug("disable_monitor failed: %s", exc)
             self._pub_monitor.close(linger=0)
             self._pub_monitor = None
-        self._close_sub()
+        if self._sub is not None:
+            self._sub.close(linger=0)
+            self._sub = None
         if self._pub is not None:
             self._pub.close(linger=0)
             self._pub = None
@@ -672,8 +609,6 @@ class BinaryStar:
     def _beat(self) -> None:
         self._publish()
         now = self._clock()
-        if self._relink_due(now):
-            self._relink()
         if self._fsm.check_expiry(now):
             contact = self._fsm.last_peer_contact
             log.info(

@@ -198,7 +198,6 @@ class CloneServer(
             out["ha_out_of_range_messages"] = counters.out_of_range_peer_messages
             out["ha_handler_errors"] = counters.handler_errors
             out["ha_subscriber_disconnects"] = counters.subscriber_disconnects
-            out["ha_relinks"] = counters.relinks
         return out
 
     def log_stats(self, level: int = logging.DEBUG) -> None:
