@@ -119,6 +119,17 @@ def _rank_verdict(outcome: Outcome) -> str | None:
 #: times the longest state message (:data:`bstar.wire.MAX_STATE_FRAME`).
 LINK_MAX_MESSAGE = max(4096, MAX_STATE_FRAME)
 
+#: The heartbeat's schedule. Not ``IOLoop.time()``: tornado's is the wall
+#: clock (``time.time``), so a schedule kept on it and handed to ``call_at``
+#: stalls when the clock steps. In chaos run seed 7 the primary's clock
+#: stepped 3600 s forward and back (docs/drills.md, "Chaos"); its next tick
+#: was then an hour away, it published its state only on transitions, and the
+#: backup, the loser of the split brain that followed, never heard it and
+#: stayed active. The loop is only asked for a delay (``call_later``), as
+#: clone.server.reactor does. Not the injectable ``clock`` either: that one
+#: is the state machine's, and a test's fake clock must not stop the timer.
+_monotonic = time.monotonic
+
 #: Socket monitor events that matter for fast failover.
 _MONITORED_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
@@ -527,8 +538,8 @@ class BinaryStar:
             max(self.start_wait, self.heartbeat * self.missed),
         )
         self._publish()
-        self._next_tick = self._loop.time() + self.heartbeat
-        self._timer = self._loop.call_at(self._next_tick, self._on_tick)
+        self._next_tick = _monotonic() + self.heartbeat
+        self._timer = self._loop.call_later(self.heartbeat, self._on_tick)
 
     def _keep_alive(self, sock: zmq.Socket[Any]) -> None:
         """ZMTP heartbeats on the link: a connection silent for ``missed``
@@ -601,11 +612,12 @@ class BinaryStar:
         finally:
             if self.running:
                 # Fixed-rate schedule; if the loop fell behind, skip rather than burst.
+                # On the monotonic clock, with a delay (see _monotonic).
                 self._next_tick += self.heartbeat
-                loop_now = self._loop.time()
-                if self._next_tick <= loop_now:
-                    self._next_tick = loop_now + self.heartbeat
-                self._timer = self._loop.call_at(self._next_tick, self._on_tick)
+                now = _monotonic()
+                if self._next_tick <= now:
+                    self._next_tick = now + self.heartbeat
+                self._timer = self._loop.call_later(self._next_tick - now, self._on_tick)
 
     def _beat(self) -> None:
         self._publish()

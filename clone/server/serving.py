@@ -618,6 +618,12 @@ class ServingMixin(ServerBase):
             return
         from bstar.fsm import State  # paired, so already loaded
 
+        # Heard active since the request came: its client had not lost it.
+        active_at = ha.last_peer_contact if ha.peer_state is State.ACTIVE else None
+        for vote in votes.drop_contradicted(active_at):
+            self.counters["votes_deferred_expired"] += 1
+            self.counters["snapshots_refused"] += 1
+            log.debug("held request from %s dropped: the active spoke since", who(vote.identity))
         if not votes.may_vote(now, active=ha.state is State.ACTIVE, peer_expiry=ha.peer_expiry):
             # Nothing left, or the peer still alive: voting now would only be
             # refused (and counted).

@@ -361,7 +361,11 @@ def test_vote_held_by_the_passive_is_served_once_the_primary_dies(
     slow_servers: Servers, ctx: zmq.Context, peers: list[ChpPeer]
 ) -> None:
     """A client that votes for the backup before the backup knows the primary
-    is dead is answered when it finds out, on the same request: no re-send."""
+    is dead is answered when it finds out, on the same request: no re-send.
+
+    The primary is frozen before the client asks (it is dead to the client,
+    and silent from then on, as a dead process is): a primary heard active
+    after the request contradicts it (the next test)."""
     primary, backup = slow_servers.pair()
     peer = _peer(ctx, peers, primary, backup.port)
     for i in range(20):
@@ -371,6 +375,7 @@ def test_vote_held_by_the_passive_is_served_once_the_primary_dies(
     early = ctx.socket(zmq.DEALER)
     early.setsockopt(zmq.LINGER, 0)
     try:
+        primary.sigstop()
         early.connect(f"tcp://127.0.0.1:{backup.port}")
         early.send_multipart([b"ICANHAZ?", b""])
         assert not early.poll(300), "a passive server with a live peer served a snapshot"
@@ -382,6 +387,39 @@ def test_vote_held_by_the_passive_is_served_once_the_primary_dies(
     stats = _stats(backup)
     assert stats["votes_deferred"] >= 1 and stats["votes_deferred_served"] >= 1, stats
     assert stats["votes_deferred_held"] == 0, stats
+
+
+def test_vote_held_while_the_primary_still_speaks_never_promotes(
+    slow_servers: Servers, ctx: zmq.Context
+) -> None:
+    """Chaos run seed 11: a request the passive held while the active was alive
+    and speaking was replayed as a vote when the active expired after a cut of
+    the Binary Star link alone, and made a split brain. A primary heard active
+    after the request contradicts it: dropped, never a vote."""
+    primary, backup = slow_servers.pair()  # 1 s heartbeats: held up to 4 s, expiry 2 s
+    heard = _stats(backup)["ha_state_messages_received"]
+    early = ctx.socket(zmq.DEALER)
+    early.setsockopt(zmq.LINGER, 0)
+    try:
+        early.connect(f"tcp://127.0.0.1:{backup.port}")
+        early.send_multipart([b"ICANHAZ?", b""])
+        eventually(lambda: _stats(backup)["votes_deferred"] >= 1, what="the request held")
+        # The primary speaks after the request, then falls silent: the backup
+        # expires it about 2 s after that, while the request is still held.
+        eventually(
+            lambda: _stats(backup)["ha_state_messages_received"] >= heard + 2,
+            what="the primary heard after the request",
+        )
+        primary.sigstop()
+        backup.wait_log("presumed dead")
+        assert not early.poll(500), "a held request was served after the active spoke"
+        stats = _stats(backup)
+        assert stats["votes_deferred_served"] == 0, stats
+        assert stats["votes_deferred_expired"] >= 1, stats
+        assert "now ACTIVE" not in backup.log_text()
+    finally:
+        early.close(linger=0)
+        primary.sigcont()
 
 
 def test_request_right_after_the_kill_is_answered_without_resending(

@@ -108,3 +108,35 @@ def test_clear() -> None:
     _hold(votes, b"a", 0.0)
     votes.clear()
     assert not votes and votes.wake_at(0.0) is None
+
+
+def test_requests_held_before_the_active_peer_spoke_again_are_dropped() -> None:
+    """Chaos run seed 11: requests held while the active was alive, replayed at
+    its expiry after a cut of the link alone, made the passive active."""
+    votes = DeferredVotes(limit=10, max_age=2.0)
+    _hold(votes, b"a", 10.0)
+    _hold(votes, b"b", 10.2)
+    _hold(votes, b"c", 10.5)
+    # The active's last heartbeat before the cut, at 10.3: a and b asked before it.
+    dropped = votes.drop_contradicted(10.3)
+    assert [vote.identity for vote in dropped] == [b"a", b"b"]
+    assert [votes.pop().identity for _ in range(len(votes))] == [b"c"]
+
+
+def test_a_request_held_after_the_active_was_last_heard_stays() -> None:
+    """The failover it exists for: the active died (or froze, or was cut off
+    from everyone) before its client asked us."""
+    votes = DeferredVotes(limit=10, max_age=2.0)
+    _hold(votes, b"a", 10.0)
+    assert votes.drop_contradicted(9.75) == []
+    assert votes.drop_contradicted(10.0) == [], "heard at the same moment: no contradiction"
+    assert len(votes) == 1
+
+
+def test_a_peer_not_heard_as_active_contradicts_nothing() -> None:
+    """A primary that yielded at start-up to our newer data is heard PASSIVE
+    while its snapshot request waits here (failover.md, "Cold start and ranks")."""
+    votes = DeferredVotes(limit=10, max_age=2.0)
+    _hold(votes, b"a", 10.0)
+    assert votes.drop_contradicted(None) == []
+    assert len(votes) == 1
