@@ -275,8 +275,10 @@ def test_cli_if_seq_and_lock(servers: Servers, capsys: pytest.CaptureFixture[str
     server = servers.standalone()
     base = ["--servers", endpoint(server), "--heartbeat", "0.1"]
     assert main([*base, "set", "/c", "1", "--if-seq", "0"]) == 0
+    written = int(capsys.readouterr().out.strip())  # set prints the new sequence
     assert main([*base, "set", "/c", "2", "--if-seq", "0"]) == EXIT_CONFLICT
-    current = int(capsys.readouterr().out.strip())
+    current = int(capsys.readouterr().out.strip())  # and the current one when it lost
+    assert current == written
     assert main([*base, "set", "/c", "2", "--if-seq", str(current)]) == 0
     code = main([*base, "lock", "/locks/cli", "--", sys.executable, "-c", "raise SystemExit(7)"])
     assert code == 7

@@ -365,7 +365,9 @@ def test_subscribers_section_through_the_cli(
     assert d["fanout"][0]["relays"] == 0 and len(d["fanout"][1]["rss_mib"]["relays"]) == 2
     rs = d["resync"]
     assert rs["complete"] == 20 and rs["incomplete"] == 0 and len(rs["relays_delivered_s"]) == 2
-    assert 0 < rs["new_active_published_s"] <= rs["snapshot_s"]["first"] <= rs["resync_s"]
+    # (The bench's own observer may see the new active's marker a few ms after
+    # the first client completed: two paths, no order between them.)
+    assert 0 < rs["new_active_published_s"] and 0 < rs["snapshot_s"]["first"] <= rs["resync_s"]
     targets = {t["target"]: t for t in results["targets"]}
     assert targets["subscribers: 20 direct lost updates"]["met"] is True
     assert targets["subscribers: 20 relays lost updates"]["met"] is True

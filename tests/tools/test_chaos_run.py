@@ -32,7 +32,18 @@ def test_a_short_chaos_run_passes_and_its_history_judges_again(
     assert rc == 0, printed
     assert verdict["ok"] is True and verdict["seed"] == SEED
     assert set(verdict["checks"]) == set(CHECKS)
-    assert all(c["status"] == "PASS" for c in verdict["checks"].values()), verdict["checks"]
+    # Every check passes; the counters' check alone may say UNKNOWN, and only
+    # when every counter was incremented during a split brain (this seed's
+    # partition-all can make a short one), which the pair does not promise to
+    # count exactly (docs/failover.md); its notes say so for each counter.
+    statuses = {n: c["status"] for n, c in verdict["checks"].items()}
+    assert all(s == "PASS" for n, s in statuses.items() if n != "cas_counters"), verdict["checks"]
+    cas = verdict["checks"]["cas_counters"]
+    assert cas["status"] == "PASS" or (
+        cas["status"] == "UNKNOWN"
+        and cas["notes"]
+        and all("split brain" in str(note) for note in cas["notes"].values())
+    ), cas
     # Real traffic was judged: confirmed writes, increments, lock holds, leases.
     checked = {n: c["checked"] for n, c in verdict["checks"].items()}
     assert checked["lost_writes"] > 20 and checked["linearizable_cas"] > 10, checked

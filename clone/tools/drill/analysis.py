@@ -740,6 +740,8 @@ def lock_holders(
         held: dict[str, str] = {}
         for ev in events:
             kind, key = ev.get("event"), str(ev.get("key", ""))
+            if not key.startswith(LOCK_PREFIX):
+                continue  # the fenced lock workload's events (lock_fencing judges those)
             if kind == "lock_taken":
                 held[key] = str(ev.get("uuid"))
                 taken += 1

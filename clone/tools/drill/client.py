@@ -79,6 +79,7 @@ from clone.wire.codec import new_uuid
 __all__ = [
     "DEFAULT_SHARED_KEYS",
     "DRILL_PREFIX",
+    "FENCED_LOCK_PREFIX",
     "LOCK_NAME",
     "SHARED_PREFIX",
     "LOCK_PREFIX",
@@ -100,8 +101,8 @@ SHARED_PREFIX = DRILL_PREFIX + "shared/"
 LOCK_PREFIX = DRILL_PREFIX + "lock/"
 DEFAULT_SHARED_KEYS = 8
 #: The one lock the lock workload contends for, in a subtree of its own.
-LOCK_PREFIX = "/drill-lock/"
-LOCK_NAME = LOCK_PREFIX + "one"
+FENCED_LOCK_PREFIX = "/drill-lock/"
+LOCK_NAME = FENCED_LOCK_PREFIX + "one"
 _POLL_S = 0.02
 
 
@@ -269,7 +270,7 @@ class _LockWorkload(threading.Thread):
 
     def run(self) -> None:
         args = self.args
-        client = Clone(None, subtree=LOCK_PREFIX, heartbeat=args.heartbeat,
+        client = Clone(None, subtree=FENCED_LOCK_PREFIX, heartbeat=args.heartbeat,
                        confirm_timeout=args.confirm_timeout)
         with client:
             for endpoint in args.servers.split(","):
