@@ -95,12 +95,22 @@ class Caller:
             reply.secret or secret,
         )
         lease._kept_until(asked + lease.ttl)
-        with self._client._shared:
-            self._client._leases[lease.id] = lease
-        self._client._request(
-            _agent.LEASE, [lease.id.encode(), repr(lease.ttl).encode(), lease._secret.encode()]
-        )
+        self.keep(lease)
         return lease
+
+    def keep(self, lease: Lease, *, oneway: bool = False) -> None:
+        """The client holds ``lease`` from now: listed for close() and its
+        events, and kept alive by the agent every ttl/3.  ``oneway``: handed
+        to the agent without waiting for it (from the event thread, which must
+        not block on the command pipe)."""
+        client = self._client
+        with client._shared:
+            client._leases[lease.id] = lease
+        args = [lease.id.encode(), repr(lease.ttl).encode(), lease._secret.encode()]
+        if oneway:
+            client._send_oneway(_agent.LEASE, args)
+        else:
+            client._request(_agent.LEASE, args)
 
     def call_write(
         self,
@@ -181,11 +191,7 @@ class Caller:
             lease_id = reply.lease or lease_id_of(uuid)
             lease = Lease(self._client, lease_id, reply.ttl or float(ttl), reply.secret or secret)
             lease._kept_until(asked + lease.ttl)
-            with self._client._shared:
-                self._client._leases[lease.id] = lease
-            self._client._send_oneway(
-                _agent.LEASE, [lease.id.encode(), repr(lease.ttl).encode(), lease._secret.encode()]
-            )
+            self.keep(lease, oneway=True)
             return lease
 
         return _then(reply, finish)

@@ -499,11 +499,7 @@ class Clone:
             raise ValueError(f"lease id {lease_id[:40]!r} is not 32 lowercase hex digits")
         format_lease_ttl(ttl)  # the same bounds as a grant's
         lease = Lease(self, lease_id, float(ttl), secret)
-        with self._shared:
-            self._leases[lease.id] = lease
-        self._request(
-            _agent.LEASE, [lease.id.encode(), repr(lease.ttl).encode(), lease._secret.encode()]
-        )
+        self._caller.keep(lease)
         return lease
 
     def _call_write(
