@@ -11,6 +11,7 @@ from __future__ import annotations
 from clone.server.core import FollowOutcome, ServerCore
 from clone.wire.calls import OP_LEASE_GRANT, OP_SET, Call, decode_call, encode_call
 from clone.wire.split import GONE, SplitOrigin, parse_split_origin, split_properties
+from tests.support.split_cores import resync
 
 
 def _uuid(n: int) -> bytes:
@@ -20,18 +21,6 @@ def _uuid(n: int) -> bytes:
 
 def _kvset(key: str, n: int, body: bytes = b"v") -> list[bytes]:
     return [key.encode(), bytes(8), _uuid(n), b"", body]
-
-
-def _resync(loser: ServerCore, winner: ServerCore, now: float) -> FollowOutcome:
-    loser.start_sync()
-    stream = winner.open_snapshot(b"peer", "", applied=True, now=now)
-    outcome = FollowOutcome.OK
-    while not stream.done:
-        frames = stream.peek()
-        if frames is not None:
-            outcome = loser.on_snapshot_reply(list(frames[1:]), now)
-            stream.advance()
-    return outcome
 
 
 def _value(core: ServerCore, key: str) -> bytes | None:
@@ -45,7 +34,7 @@ def _pair() -> tuple[ServerCore, ServerCore]:
     a.term = 1
     a.become_active(0.0)
     b.become_passive()
-    assert _resync(b, a, 0.0) is FollowOutcome.SYNCED
+    assert resync(b, a, 0.0) is FollowOutcome.SYNCED
     b.term = 1
     for n in (1, 2, 3):
         pub = a.on_kvset(_kvset(f"/k/{n}", n, b"before"), 1.0)
@@ -59,7 +48,7 @@ def _pair() -> tuple[ServerCore, ServerCore]:
 def _heal(a: ServerCore, b: ServerCore, now: float = 10.0) -> list[Call]:
     a.become_passive()
     a.term = 2
-    assert _resync(a, b, now) is FollowOutcome.SYNCED
+    assert resync(a, b, now) is FollowOutcome.SYNCED
     return [decode_call(f) for f in a.split_calls]
 
 

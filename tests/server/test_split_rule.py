@@ -20,6 +20,7 @@ from clone.server.core import FollowOutcome, ServerCore
 from clone.server.splitrule import Verdict, judge_split_write
 from clone.wire.calls import OP_LEASE_GRANT, OP_SET, decode_call, encode_call
 from clone.wire.split import GONE, SplitOrigin
+from tests.support.split_cores import resync
 
 KEYS = ("/k/a", "/k/b", "/k/c", "/k/d")
 
@@ -43,15 +44,7 @@ ops_strategy = st.lists(
 
 
 def _resync(loser: ServerCore, winner: ServerCore, now: float) -> None:
-    loser.start_sync()
-    stream = winner.open_snapshot(b"peer", "", applied=True, now=now)
-    outcome = FollowOutcome.OK
-    while not stream.done:
-        frames = stream.peek()
-        if frames is not None:
-            outcome = loser.on_snapshot_reply(list(frames[1:]), now)
-            stream.advance()
-    assert outcome is FollowOutcome.SYNCED
+    assert resync(loser, winner, now) is FollowOutcome.SYNCED
 
 
 def _held(core: ServerCore, key: str) -> bytes | None:

@@ -19,6 +19,7 @@ from clone.server.split import split_writes
 from clone.wire.applied import decode_kvapplied, encode_kvapplied
 from clone.wire.calls import OP_LEASE_GRANT, decode_call, encode_call
 from clone.wire.split import parse_split_origin
+from tests.support.split_cores import resync
 
 
 def _uuid(n: int) -> bytes:
@@ -27,19 +28,6 @@ def _uuid(n: int) -> bytes:
 
 def _kvset(key: str, n: int, body: bytes = b"v", props: str = "") -> list[bytes]:
     return [key.encode(), bytes(8), _uuid(n), props.encode(), body]
-
-
-def _resync(loser: ServerCore, winner: ServerCore, now: float) -> FollowOutcome:
-    """The loser asks the winner for a snapshot (with KVAPPLIED, as our servers do)."""
-    loser.start_sync()
-    stream = winner.open_snapshot(b"peer", "", applied=True, now=now)
-    outcome = FollowOutcome.OK
-    while not stream.done:
-        frames = stream.peek()
-        if frames is not None:
-            outcome = loser.on_snapshot_reply(list(frames[1:]), now)
-            stream.advance()
-    return outcome
 
 
 def _value(core: ServerCore, key: str) -> bytes | None:
@@ -55,7 +43,7 @@ def _split(*, fork_known: bool = True) -> tuple[ServerCore, ServerCore, list[byt
     a.term = 1
     a.become_active(0.0)
     b.become_passive()
-    assert _resync(b, a, 0.0) is FollowOutcome.SYNCED
+    assert resync(b, a, 0.0) is FollowOutcome.SYNCED
     b.term = 1
     for n in (1, 2, 3):  # replicated before the split
         pub = a.on_kvset(_kvset(f"/k/{n}", n, b"before"), 1.0)
@@ -81,7 +69,7 @@ def _split(*, fork_known: bool = True) -> tuple[ServerCore, ServerCore, list[byt
     # The heal: A (lower epoch) steps down and resyncs from B.
     a.become_passive()
     a.term = 2
-    assert _resync(a, b, 10.0) is FollowOutcome.SYNCED
+    assert resync(a, b, 10.0) is FollowOutcome.SYNCED
     return a, b, [_uuid(14)]
 
 
@@ -141,7 +129,7 @@ def test_a_server_that_was_never_active_forwards_nothing() -> None:
     assert b.split_calls == [] and b.counters["split_writes_found"] == 0
     # And a later, ordinary resync of the same loser finds nothing more.
     a.split_calls.clear()
-    assert _resync(a, b, 20.0) is FollowOutcome.SYNCED
+    assert resync(a, b, 20.0) is FollowOutcome.SYNCED
     assert a.split_calls == []
 
 
