@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from clone.server.core import _PROBLEM_COUNTERS, CoreSettings, FollowOutcome, Role, ServerCore
+from clone.server.callcore import _PROBLEM_COUNTERS
+from clone.server.core import CoreSettings, FollowOutcome, Role, ServerCore
 from clone.server.leases import LeaseTable, bound_lease, parse_lease_value
 from clone.server.metrics import CALL_RESULTS
 from clone.wire.calls import (

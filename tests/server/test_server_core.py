@@ -133,7 +133,7 @@ def test_every_sync_rule_is_reachable(start: SyncState, event: SyncEvent) -> Non
 def test_illegal_sync_transition_raises() -> None:
     core = ServerCore()
     with pytest.raises(IllegalTransitionError) as raised:
-        core._sync(SyncEvent.SNAPSHOT_DONE)
+        core.sync.transition(SyncEvent.SNAPSHOT_DONE)
     assert isinstance(raised.value, CloneError) and isinstance(raised.value, RuntimeError)
 
 
