@@ -21,7 +21,8 @@ out deletes its keys, then its own key (:meth:`CallCore.expire_leases`).  The
 
 Sans-IO: frames and ``now`` (wall clock, for the dedup window and a value's
 ``expires``) and ``mono`` (monotonic, for ttls and leases) in, replies out;
-every update applied goes to ``record`` (the history and the journal).
+every update applied (a write, a grant, a lease's deletes) goes to ``record``
+(the history and the journal, the core's one output channel) and nowhere else.
 """
 
 from __future__ import annotations
@@ -437,41 +438,38 @@ class CallCore:
 
     # -- lease lifetimes -----------------------------------------------------
 
-    def expire_leases(self, mono: float, limit: int) -> list[list[bytes]]:
+    def expire_leases(self, mono: float, limit: int) -> None:
         """End the leases due at ``mono`` (at most ``limit``), with their keys."""
-        out: list[list[bytes]] = []
         for lease_id in self.leases.due(mono, limit):
             self.counters["leases_expired"] += 1
-            out += self.end_lease(lease_id, mono)
-        return out
+            self.end_lease(lease_id, mono)
 
-    def end_lease(self, lease_id: str, now: float) -> list[list[bytes]]:
-        """Revoke or expire a lease: delete its keys, then its own key (published)."""
+    def end_lease(self, lease_id: str, now: float) -> None:
+        """Revoke or expire a lease: delete its keys, then its own key."""
         lease = self.leases.pop(lease_id)
         if lease is None:
-            return []
+            return
         store = self.store
-        out: list[list[bytes]] = []
+        deleted = 0
         for raw_key in sorted(lease.keys):
             entry = store.entry(raw_key)
             if entry is not None and bound_lease(entry[2]) == lease_id:
-                out.append(self._delete(raw_key, now))
-        self.counters["lease_keys_deleted"] += len(out)
+                self._delete(raw_key, now)
+                deleted += 1
+        self.counters["lease_keys_deleted"] += deleted
         own = lease_key(lease_id).encode()
         if store.entry(own) is not None:
-            out.append(self._delete(own, now))
-        return out
+            self._delete(own, now)
 
-    def _delete(self, raw_key: bytes, now: float) -> list[bytes]:
+    def _delete(self, raw_key: bytes, now: float) -> None:
         """A server-made delete (no uuid), recorded for commit and publication."""
         frames = self.store.apply(KVMsg(raw_key.decode("utf-8"), 0), now)
         self.counters["kvpub_published"] += 1
         self._record(frames)
-        return frames
 
-    def rebuild_leases(self, now: float) -> list[list[bytes]]:
+    def rebuild_leases(self, now: float) -> None:
         """Becoming active: every stored lease gets a full ttl from ``now``;
-        keys bound to a lease that no longer exists are deleted (returned)."""
+        keys bound to a lease that no longer exists are deleted."""
         leases: list[tuple[str, float]] = []
         owners: list[tuple[str, str | None]] = []
         bindings: list[tuple[str, bytes]] = []
@@ -496,6 +494,7 @@ class CallCore:
             # nobody may use it, and it runs out one ttl from now.
             client = owner if owner is not None and owner.startswith("name:") else ""
             self.leases.adopt(lease_id, owner, client)
-        out = [self._delete(raw_key, now) for raw_key in broken + orphans]
-        self.counters["lease_orphans_deleted"] += len(out)
-        return out
+        gone = broken + orphans
+        for raw_key in gone:
+            self._delete(raw_key, now)
+        self.counters["lease_orphans_deleted"] += len(gone)

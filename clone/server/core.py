@@ -406,10 +406,9 @@ class ServerCore:
 
     # -- client side ---------------------------------------------------------
 
-    def on_kvset(
-        self, frames: Sequence[bytes], now: float, mono: float | None = None
-    ) -> list[bytes] | None:
-        """A KVSET at the collector; returns the KVPUB frames to publish, if any.
+    def on_kvset(self, frames: Sequence[bytes], now: float, mono: float | None = None) -> None:
+        """A KVSET at the collector: applied (as active; its KVPUB goes into
+        the journal, to be committed and published) or parked.
 
         Raises ProtocolError (counted) for a malformed or invalid update.
         """
@@ -424,7 +423,7 @@ class ServerCore:
             uuid = msg.uuid
             if uuid and uuid in self.window:
                 c["kvset_duplicate"] += 1
-                return None
+                return
             reuse: Sequence[bytes] | None = frames
             if frames[0].startswith(_LEASE_PREFIX_RAW) or msg.properties:
                 plain = self.calls.check_kvset(msg, frames[0])
@@ -446,7 +445,7 @@ class ServerCore:
                 self.calls.bind_if_leased(msg, frames[0])
             c["kvpub_published"] += 1
             self._record(out)
-            return out
+            return
         # Passive or starting, or holding client updates while a split brain
         # heals: validate now, so that applying them later cannot fail on it.
         if self.holding:
@@ -463,12 +462,11 @@ class ServerCore:
                 raise
         if msg.uuid and msg.uuid in self.window:
             c["kvset_already_applied"] += 1
-            return None
+            return
         if self.pending.add(msg, now, _mono(mono, now)):
             c["kvset_pending"] += 1
         else:
             c["kvset_duplicate"] += 1
-        return None
 
     def snapshot_request(self, frames: Sequence[bytes]) -> str:
         """Decode an ICANHAZ? (without its identity frame); return the subtree.
@@ -573,16 +571,17 @@ class ServerCore:
 
     # -- roles ---------------------------------------------------------------
 
-    def become_active(self, now: float, mono: float | None = None) -> list[list[bytes]]:
-        """Promotion: apply the pending list, return the KVPUBs to publish.
+    def become_active(self, now: float, mono: float | None = None) -> None:
+        """Promotion: apply the pending list (its KVPUBs, and the deletes of
+        orphaned lease keys, go into the journal).
 
         Every lease gets its whole ttl from ``mono``; a parked write's ttl
         counts from when it arrived.
 
-        Idempotent: a second call while active returns nothing.
+        Idempotent: a second call while active does nothing.
         """
         if self.role is Role.ACTIVE:
-            return []
+            return
         self.counters["promotions"] += 1
         self.sync.stop(now, _mono(mono, now))
         self.role = Role.ACTIVE
@@ -592,10 +591,9 @@ class ServerCore:
         self.calls.take_conditions()  # a new term: its own conditions
         self._fork_keys = None
         store.sequence = max(store.sequence, self.highest_seen)
-        out = self.calls.rebuild_leases(_mono(mono, now))
-        out += self._apply_pending(now)
+        self.calls.rebuild_leases(_mono(mono, now))
+        self._apply_pending(now)
         self.highest_seen = store.sequence
-        return out
 
     def hold_writes(self) -> None:
         """A split brain this active server wins: park client updates (KVSETs)
@@ -606,20 +604,19 @@ class ServerCore:
         if self.role is Role.ACTIVE:
             self.holding = True
 
-    def release_held(self, now: float) -> list[list[bytes]]:
+    def release_held(self, now: float) -> None:
         """End :meth:`hold_writes`: apply what was parked, in arrival order (a
         write the peer forwarded meanwhile is in the uuid window: skipped)."""
         if not self.holding:
-            return []
+            return
         self.holding = False
-        return self._apply_pending(now)
+        self._apply_pending(now)
 
-    def _apply_pending(self, now: float) -> list[list[bytes]]:
+    def _apply_pending(self, now: float) -> None:
         """Apply the pending list as active, in arrival order."""
         c = self.counters
         store = self.store
         calls = self.calls
-        out: list[list[bytes]] = []
         applied = 0
         for parked in self.pending.drain():
             msg = parked.msg
@@ -639,11 +636,9 @@ class ServerCore:
                 self.window.add(msg.uuid, now)
             calls.bind_if_leased(msg, raw_key)
             self._record(pub)
-            out.append(pub)
             applied += 1
         c["pending_applied"] += applied
         c["kvpub_published"] += applied
-        return out
 
     def become_passive(self) -> None:
         """Demotion or first decision: the caller must now start a sync."""
@@ -1019,29 +1014,26 @@ class ServerCore:
 
     # -- time ----------------------------------------------------------------
 
-    def tick(self, now: float, mono: float | None = None) -> list[list[bytes]]:
+    def tick(self, now: float, mono: float | None = None) -> None:
         """Periodic work: age the pending list; expire keys and leases if
         active (on the monotonic ``mono``: a wall-clock step ends nothing).
 
-        Returns the delete KVPUBs to publish (at most ``expiry_batch``; call
-        again soon if :meth:`expiry_due` is still true).
+        The deletes go into the journal (at most ``expiry_batch``; call again
+        soon if :meth:`expiry_due` is still true).
         """
         self.pending.expire(now)
         if self.role is not Role.ACTIVE:
-            return []
+            return
         mono = _mono(mono, now)
         batch = self.settings.expiry_batch
-        out = self.calls.expire_leases(mono, batch)
+        self.calls.expire_leases(mono, batch)
         deletes = self.store.expire(mono, batch)
         if deletes:
             self.counters["expired"] += len(deletes)
             self.counters["kvpub_published"] += len(deletes)
             for m in deletes:
-                frames = encode_kv(m)
-                self._record(frames)
-                out.append(frames)
+                self._record(encode_kv(m))
         self.highest_seen = max(self.highest_seen, self.store.sequence)
-        return out
 
     def expiry_due(self, now: float) -> bool:
         """Whether a key or a lease is due at ``now`` (monotonic, as :meth:`tick`'s ``mono``)."""

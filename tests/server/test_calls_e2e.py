@@ -37,7 +37,6 @@ pytestmark = pytest.mark.slow
 SECRET = "c0" * 16
 
 
-
 def call(
     ctx: zmq.Context,
     server: ServerProcess,
