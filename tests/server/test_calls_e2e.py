@@ -37,6 +37,7 @@ pytestmark = pytest.mark.slow
 SECRET = "c0" * 16
 
 
+
 def call(
     ctx: zmq.Context,
     server: ServerProcess,

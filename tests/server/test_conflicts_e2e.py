@@ -95,7 +95,9 @@ def test_conflicts_are_kept_across_a_restart_listed_applied_and_discarded(
     capsys.readouterr()
     with Clone([endpoint]) as client:
         client.wait_synced(10)
-        eventually(lambda: client.get("/cfg/db/host") == b"loser's /cfg/db/host", 10, "applied")
+        eventually(
+            lambda: client.get("/cfg/db/host") == b"loser's /cfg/db/host", 10, "applied"
+        )
         assert client.get("/cfg/db/port") == b"winner's /cfg/db/port"
         assert client.get("/cfg/new") == b"loser only"
     assert _listing(capsys, endpoint) == []

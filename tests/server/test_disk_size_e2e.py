@@ -28,11 +28,8 @@ def test_status_and_metrics_show_the_data_dir_size(servers: Servers) -> None:
     (status,) = query_status([endpoint], timeout=5)
     assert status["data_dir_bytes"] > 2_000_000
     assert "DISK" in status_table([status])[0]
-    eventually(
-        lambda: metrics(server, http)["clone_data_dir_bytes"] > 2_000_000,
-        10,
-        "clone_data_dir_bytes counts the writes",
-    )
+    eventually(lambda: metrics(server, http)["clone_data_dir_bytes"] > 2_000_000, 10,
+               "clone_data_dir_bytes counts the writes")
 
 
 def test_in_memory_has_no_data_dir_size(servers: Servers) -> None:

@@ -50,6 +50,9 @@ KEYS = 30
 PREFIX = "/d/"
 
 
+
+
+
 class _Writer:
     """Overwrites ``/d/0`` .. ``/d/{KEYS-1}`` with confirmed writes ``v<n>``, round
     robin; remembers the last confirmed ``n`` of every key and the highest

@@ -212,9 +212,8 @@ def test_in_process_http_port(server: tuple[CloneServer, int]) -> None:
     names = {f.name for f in text_string_to_metric_families(body.decode())}
     assert {"clone_sequence", "clone_role", "clone_subscribers", "clone_snapshot_seconds"} <= names
     assert "clone_peer_up" not in names  # standalone: no peer
-    (build,) = [
-        f for f in text_string_to_metric_families(body.decode()) if f.name == "clone_build_info"
-    ]
+    (build,) = [f for f in text_string_to_metric_families(body.decode())
+                if f.name == "clone_build_info"]
     assert [(s.labels, s.value) for s in build.samples] == [
         ({"version": RELEASE, "format": str(FORMAT_VERSION)}, 1.0)
     ]

@@ -120,11 +120,8 @@ def test_the_connection_cap_refuses_beyond_it_while_chp_still_syncs(servers: Ser
         for sock in extra:
             assert _closed_by_server(sock, 30), "a connection beyond the cap was kept"
             sock.close()
-        eventually(
-            lambda: int(read_stats(server)["http_connections_refused"]) >= 6,  # type: ignore[call-overload]
-            30,
-            "refusals counted",
-        )
+        eventually(lambda: int(read_stats(server)["http_connections_refused"]) >= 6,  # type: ignore[call-overload]
+                   30, "refusals counted")
         with Clone(f"tcp://127.0.0.1:{server.port}") as client:
             client.wait_synced(10)
             assert client.set("/cap/k", b"v", wait=True, timeout=10)

@@ -22,7 +22,9 @@ def ids(frames: list[list[bytes]]) -> list[int]:
     return [int.from_bytes(f[2], "big") for f in frames]
 
 
-@pytest.mark.parametrize("kwargs", [{"max_in_flight": 0}, {"resend": 0.0}, {"give_up": -1.0}])
+@pytest.mark.parametrize(
+    "kwargs", [{"max_in_flight": 0}, {"resend": 0.0}, {"give_up": -1.0}]
+)
 def test_limits_must_be_positive(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         SplitQueue(**kwargs)  # type: ignore[arg-type]

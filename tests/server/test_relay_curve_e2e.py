@@ -39,6 +39,7 @@ ALL: tuple[list[str], list[str]] = ([""], [""])
 READER: tuple[list[str], list[str]] = (["/public/"], [])
 
 
+
 @pytest.fixture
 def up(tmp_path: Path) -> CurveKeys:
     """The pair's keys: admin, and the relay's client key, which may read
@@ -124,7 +125,9 @@ def _synced(server: ServerProcess, keys: CurveKeys | None, name: str = "admin") 
     return client
 
 
-def _call(sock: zmq.Socket[Any], op: str, key: str = "", body: bytes = b"", **props: str) -> Reply:
+def _call(
+    sock: zmq.Socket[Any], op: str, key: str = "", body: bytes = b"", **props: str
+) -> Reply:
     """One call on ``sock`` (connected); its reply within 5 s."""
     uuid = new_uuid()
     sock.send_multipart(encode_call(op, uuid, key, tuple(props.items()), body))
@@ -368,7 +371,9 @@ def test_a_plain_relay_of_a_curve_pair_says_why_it_stays_stale(
     assert stale and all(stale), stale
 
 
-def test_calls_follow_the_relay_to_the_new_active(servers: Servers, ctx: zmq.Context[Any]) -> None:
+def test_calls_follow_the_relay_to_the_new_active(
+    servers: Servers, ctx: zmq.Context[Any]
+) -> None:
     primary, backup = servers.pair("--in-memory")
     relay = _relay(servers, [primary.port, backup.port])
     sock = _dealer(ctx, relay)
@@ -382,13 +387,8 @@ def test_calls_follow_the_relay_to_the_new_active(servers: Servers, ctx: zmq.Con
     assert second.ok and second.sequence > first.sequence
 
 
-def _view_stale(
-    ctx: zmq.Context[Any],
-    relay: ServerProcess,
-    keys: CurveKeys,
-    count: int = 5,
-    timeout: float = 30.0,
-) -> list[bool]:
+def _view_stale(ctx: zmq.Context[Any], relay: ServerProcess, keys: CurveKeys, count: int = 5,
+                timeout: float = 30.0) -> list[bool]:
     """The ``stale`` of the next ``count`` view heartbeats the restricted reader
     gets (the ceiling only bounds a hang)."""
     sub = curve_socket(ctx, zmq.SUB, keys, "reader")

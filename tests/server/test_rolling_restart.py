@@ -28,6 +28,7 @@ HB = 0.1
 KEYS = 20
 
 
+
 class _Overwriter:
     """Overwrites ``/r/0`` .. ``/r/{KEYS-1}`` with confirmed writes ``v<n>``, round
     robin, and remembers the last confirmed counter of every key."""
@@ -60,6 +61,8 @@ class _Overwriter:
         self._stop.set()
         self.thread.join(10)
         assert not self.thread.is_alive(), "the writer did not stop"
+
+
 
 
 def _values(server: ServerProcess) -> dict[str, int]:

@@ -36,6 +36,7 @@ ADMIN: tuple[list[str], list[str]] = ([""], [""])
 READER: tuple[list[str], list[str]] = (["/public/"], [])
 
 
+
 @pytest.fixture
 def keys(tmp_path: Path) -> CurveKeys:
     """admin (everything) and reader (reads /public/, writes nothing) admitted;

@@ -36,6 +36,7 @@ def servers(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Servers]
         yield pool
 
 
+
 @pytest.fixture
 def peers(ctx: zmq.Context) -> Iterator[list[ChpPeer]]:
     """Peers created by a test through ``peers.append``; all closed afterwards."""
@@ -99,10 +100,7 @@ def test_sequences_uuid_properties_and_delete(
     delete_id = peer.kvset(b"/k/7", b"")
     (deleted,) = peer.updates(1)
     assert (deleted.key, deleted.body, deleted.sequence, deleted.uuid) == (
-        b"/k/7",
-        b"",
-        51,
-        delete_id,
+        b"/k/7", b"", 51, delete_id
     )
     snap = peer.snapshot()
     assert b"/k/7" not in snap.entries and len(snap.entries) == 49
@@ -138,11 +136,7 @@ def test_ttl_expiry_publishes_a_delete_and_bad_ttl_is_rejected(
     assert set(peer.snapshot().entries) == {b"/eph"}
     expired = peer.wait_for(lambda u: not u.is_hugz, timeout=3.0)
     assert (expired.key, expired.sequence, expired.uuid, expired.props, expired.body) == (
-        b"/eph",
-        2,
-        b"",
-        {},
-        b"",
+        b"/eph", 2, b"", {}, b""
     )
     assert time.time() >= float(pub.props["expires"])
     assert peer.snapshot().entries == {}
@@ -581,10 +575,8 @@ def test_100k_snapshot_is_complete_and_heartbeats_keep_flowing(
     assert count == n
     during = [t for t in hugz_at if start <= t <= end]
     gaps = [b - a for a, b in itertools.pairwise([start, *during, end])]
-    print(
-        f"2 x 100k snapshots in {end - start:.2f} s, {len(during)} HUGZ meanwhile, "
-        f"longest gap {max(gaps):.3f} s"
-    )
+    print(f"2 x 100k snapshots in {end - start:.2f} s, {len(during)} HUGZ meanwhile, "
+          f"longest gap {max(gaps):.3f} s")
     # Heartbeats keep flowing (the Guide's server stalled 2.2 s).  The bound is
     # loose because a 2-core CI box running server, peer and watcher threads
     # deschedules any of them for 100+ ms now and then; with the cores kept

@@ -126,7 +126,9 @@ def test_a_request_needing_a_slot_evicts_an_unroutable_stream(
     monkeypatch.setattr(sending, "send_frames", send)
     assert peer.dealer is not None
     peer.dealer.send_multipart([b"ICANHAZ?", b""])  # its stream: unroutable
-    eventually(lambda: srv.counters["snapshot_unroutable_retries"] > 0, 5, "the first stream stuck")
+    eventually(
+        lambda: srv.counters["snapshot_unroutable_retries"] > 0, 5, "the first stream stuck"
+    )
     peer.use_snapshot_server(srv.config.port)  # asks again on a fresh socket
     snap = peer.snapshot(timeout=10)
     assert len(snap.entries) == KEYS
@@ -161,7 +163,9 @@ def test_a_request_is_seen_while_a_stream_is_unroutable(
     monkeypatch.setattr(sending, "send_frames", send)
     assert peer.dealer is not None
     peer.dealer.send_multipart([b"ICANHAZ?", b""])  # its stream stays unroutable
-    eventually(lambda: srv.counters["snapshot_unroutable_retries"] > 10, 5, "the stream retrying")
+    eventually(
+        lambda: srv.counters["snapshot_unroutable_retries"] > 10, 5, "the stream retrying"
+    )
     other = ChpPeer(peer.ctx)
     try:
         other.connect(srv.config.port)

@@ -283,7 +283,9 @@ def test_the_loser_voted_active_again_applies_the_rest_itself(servers: Servers) 
         primary = pair.primary
         # The winner has taken some; then it dies, and a client votes for the loser.
         with _SchedulerProbe() as host:
-            eventually(lambda: _num(primary, "split_writes_applied") >= 1000, 120, "some delivered")
+            eventually(
+                lambda: _num(primary, "split_writes_applied") >= 1000, 120, "some delivered"
+            )
             _elect_the_loser_again(pair, offset)
             eventually(
                 lambda: _num(primary, "split_writes_queued") == 0, 600, "the rest applied here"

@@ -23,6 +23,7 @@ from tests.support.waiting import eventually
 pytestmark = pytest.mark.slow
 
 
+
 def _endpoints(*servers: ServerProcess) -> list[str]:
     return [f"tcp://127.0.0.1:{s.port}" for s in servers]
 

@@ -183,10 +183,8 @@ def test_last_update_is_the_entry_written_at_the_sequence() -> None:
     store.sequence += 5  # moved without an update (a promotion's jump)
     assert store.last_update() is None
     # A full snapshot: found in the pass replace() makes anyway.
-    entries = {
-        b"/x": ((9).to_bytes(8, "big"), b"x" * 16, b"", b"X"),
-        b"/y": ((4).to_bytes(8, "big"), b"y" * 16, b"", b"Y"),
-    }
+    entries = {b"/x": ((9).to_bytes(8, "big"), b"x" * 16, b"", b"X"),
+               b"/y": ((4).to_bytes(8, "big"), b"y" * 16, b"", b"Y")}
     store.replace(dict(entries), 9)
     assert store.last_update() == [b"/x", *entries[b"/x"]]
     store.replace(dict(entries), 10)  # the last update was a delete

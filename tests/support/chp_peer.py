@@ -97,12 +97,8 @@ class ChpPeer:
     # -- connecting -----------------------------------------------------------
 
     def connect(
-        self,
-        snapshot_port: int,
-        *,
-        updates_from: int | None = None,
-        collectors: Iterable[int] = (),
-        timeout: float = 5.0,
+        self, snapshot_port: int, *, updates_from: int | None = None,
+        collectors: Iterable[int] = (), timeout: float = 5.0,
     ) -> None:
         """Point the DEALER at one server's P, the SUB at ``updates_from`` (a
         base port, default ``snapshot_port``) and the XPUB at each collector
@@ -148,9 +144,7 @@ class ChpPeer:
         self.dealer.send_multipart(frames)
 
     def snapshot(
-        self,
-        subtree: bytes = b"",
-        timeout: float = 5.0,
+        self, subtree: bytes = b"", timeout: float = 5.0,
         on_entry: Callable[[Update], None] | None = None,
     ) -> Snapshot:
         """ICANHAZ? and collect KVSYNCs until KTHXBAI; TimeoutError if none."""
@@ -181,11 +175,7 @@ class ChpPeer:
     # -- updates --------------------------------------------------------------
 
     def kvset(
-        self,
-        key: bytes,
-        value: bytes,
-        *,
-        uuid: bytes | None = None,
+        self, key: bytes, value: bytes, *, uuid: bytes | None = None,
         props: dict[str, str] | None = None,
     ) -> bytes:
         """Send a KVSET to every connected collector; return its uuid."""

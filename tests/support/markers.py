@@ -77,32 +77,12 @@ SPARK_FIXTURE_NAMES = frozenset({"spark"})
 #: Modules whose use means a process is started (matplotlib: its first use on a
 #: machine builds the font cache by running ``fc-list``).
 _PROCESS_MODULES = (
-    "subprocess",
-    "multiprocessing",
-    "concurrent.futures.process",
-    "pty",
-    "matplotlib",
+    "subprocess", "multiprocessing", "concurrent.futures.process", "pty", "matplotlib",
 )
 #: ``os`` functions that start a process (read as attribute names next to ``os``).
 _OS_STARTERS = frozenset(
-    {
-        "fork",
-        "forkpty",
-        "system",
-        "popen",
-        "posix_spawn",
-        "posix_spawnp",
-        "spawnv",
-        "spawnve",
-        "spawnvp",
-        "spawnvpe",
-        "spawnl",
-        "spawnle",
-        "spawnlp",
-        "spawnlpe",
-        "execv",
-        "execve",
-    }
+    {"fork", "forkpty", "system", "popen", "posix_spawn", "posix_spawnp", "spawnv", "spawnve",
+     "spawnvp", "spawnvpe", "spawnl", "spawnle", "spawnlp", "spawnlpe", "execv", "execve"}
 )
 #: Where the reading follows names into: our tests and the tools that start servers.
 _FOLLOW = ("tests.", "clone.tools.")
@@ -238,7 +218,7 @@ def uses(item: pytest.Item) -> Kinds:
     if names & SPARK_FIXTURE_NAMES:
         found.add("spark")
     info = getattr(item, "_fixtureinfo", None)
-    for defs in info.name2fixturedefs.values() if info is not None else ():
+    for defs in (info.name2fixturedefs.values() if info is not None else ()):
         for fixturedef in defs:
             if fixturedef.argname in SPARK_FIXTURE_NAMES:
                 continue  # the session's own code is Spark, not a process of the test
@@ -253,10 +233,9 @@ def process_fixtures(item: pytest.Item) -> list[str]:
     """The fixtures ``item`` uses that start a process (for messages and the check)."""
     info = getattr(item, "_fixtureinfo", None)
     out = []
-    for name, defs in info.name2fixturedefs.items() if info is not None else ():
+    for name, defs in (info.name2fixturedefs.items() if info is not None else ()):
         if name in PROCESS_FIXTURE_NAMES or any(
-            "process" in _reader.code_of(d.func)
-            for d in defs
+            "process" in _reader.code_of(d.func) for d in defs
             if d.argname not in SPARK_FIXTURE_NAMES
         ):
             out.append(name)

@@ -154,11 +154,8 @@ def spark_fixture(request: pytest.FixtureRequest) -> Iterator[SparkSession]:
     session = usable_session()
     yield session
     if request.node.stash.get(_BROKEN, False):
-        log.warning(
-            "%s failed with the session maybe half-way through a call: "
-            "the next Spark test starts a new one",
-            request.node.nodeid,
-        )
+        log.warning("%s failed with the session maybe half-way through a call: "
+                    "the next Spark test starts a new one", request.node.nodeid)
         discard_session()
 
 

@@ -8,7 +8,9 @@ from collections.abc import Callable
 __all__ = ["eventually"]
 
 
-def eventually(check: Callable[[], object], timeout: float = 10.0, what: str = "condition") -> None:
+def eventually(
+    check: Callable[[], object], timeout: float = 10.0, what: str = "condition"
+) -> None:
     """Return once ``check()`` is true; AssertionError after ``timeout`` seconds.
 
     Polls every 10 ms: fast enough for tests that measure nothing with it.
