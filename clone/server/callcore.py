@@ -28,7 +28,7 @@ every update applied (a write, a grant, a lease's deletes) goes to ``record``
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from clone.errors import LimitExceeded, ProtocolError, StoreFull
 from clone.server.history import History
@@ -96,9 +96,9 @@ def _any_key(key: bytes) -> bool:
     return True
 
 
-@dataclass(frozen=True, slots=True)
-class Admitted:
-    """A call that passed :meth:`CallCore.admit`, and whom it runs for."""
+class Admitted(NamedTuple):
+    """A call that passed :meth:`CallCore.admit`, and whom it runs for (a
+    tuple: one is built per call, and a frozen dataclass costs more)."""
 
     call: Call
     caller: str
