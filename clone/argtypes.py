@@ -21,6 +21,7 @@ __all__ = [
     "normalize_endpoints",
     "positive_float",
     "positive_int",
+    "split_endpoint",
     "strip_scheme",
 ]
 
@@ -91,3 +92,16 @@ def normalize_endpoints(servers: str | Iterable[str]) -> list[str]:
     """A comma-separated string or a list of endpoints, each normalized; blanks skipped."""
     items = servers.split(",") if isinstance(servers, str) else servers
     return [normalize_endpoint(item) for item in items if item.strip()]
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``tcp://host:P`` -> (``tcp://host``, P); raises ValueError otherwise."""
+    if not isinstance(endpoint, str):
+        raise TypeError(f"endpoint must be str, not {type(endpoint).__name__}")
+    head, sep, port = endpoint.rpartition(":")
+    if not endpoint.startswith("tcp://") or not sep or not port.isdigit() or head == "tcp":
+        raise ValueError(f"endpoint {endpoint!r} is not of the form tcp://host:port")
+    base = int(port)
+    if not 0 < base <= 65535 - COLLECTOR_OFFSET:
+        raise ValueError(f"endpoint {endpoint!r}: port out of range")
+    return head, base

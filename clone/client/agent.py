@@ -42,34 +42,13 @@ long as its SUB (one per server, never re-created on failover): its inproc
 address is derived from the SUB's descriptor, and binding it again right after a
 close could race with libzmq's teardown.
 
-The pipe protocol, all frames bytes:
-
-* frontend -> agent, one reply each, ``rid`` echoed:
-  ``CONNECT rid endpoint``, ``SET rid confirm_seconds|'' key seq uuid props body``,
-  ``GET rid key``, ``ITEMS rid prefix``, ``STATUS rid``, ``WATCH rid 1|0``,
-  ``CALL rid within_seconds call-frames...`` (the six frames of a CALL?),
-  ``LEASE rid lease_id ttl [secret]`` (keep it alive), ``TERMINATE rid``.  Replies are
-  ``OK rid ...`` or ``ERROR rid text``; an unknown command gets an ERROR too.  A
-  SET or CALL with an empty ``rid`` is one-way: no reply, so writes stream
-  without a round trip each; if it fails, the agent says so with ``FAILED uuid
-  text`` on the event pipe.  The ITEMS reply is one frame, a
-  :mod:`marshal` dump of ``[(key, (sequence, uuid, properties, body)), ...]``:
-  five frames per entry made a 1M-key reply 5M frames, longer to send and split
-  than the command timeout; the frame never leaves the process (inproc), so
-  marshal's lack of checks against hostile input does not matter.
-* agent -> frontend, on the separate event pipe: ``STARTED``, ``CONFIRMED uuid
-  seq`` (8 bytes, the sequence the server gave the write), ``FAILED uuid text``,
-  ``REFUSED uuid reason key`` (the server refused a confirmed write), ``REPLY
-  uuid reply-frames...`` (the four frames of a call's REPLY), ``LEASELOST
-  lease_id why`` (a kept lease is gone), ``STATE state endpoint``, ``CHANGE key
-  seq uuid props body`` (empty body: deleted), ``STOPPED``.
+The pipe protocol (the commands the frontend sends, the replies and events
+the agent sends back) is :mod:`clone.client.verbs`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import marshal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,6 +56,8 @@ from dataclasses import dataclass
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from clone.argtypes import split_endpoint
+from clone.client.agentcommands import Commands
 from clone.client.fsm import (
     Action,
     AgentFSM,
@@ -93,14 +74,30 @@ from clone.client.fsm import (
     SplitConflicted,
     StateChanged,
 )
+from clone.client.verbs import (
+    CALL,
+    CHANGE,
+    CONFIRMED,
+    CONFLICT,
+    ERROR,
+    FAILED,
+    LEASEKEPT,
+    LEASELOST,
+    OK,
+    REFUSED,
+    REPLY,
+    SET,
+    STARTED,
+    STATE,
+    STOPPED,
+)
 from clone.errors import ProtocolError
 from clone.ratelimit import Throttle
 from clone.security import KeyPair, configure_client_socket
 from clone.wire.batch import announced_entries, is_kvbatch
-from clone.wire.calls import decode_call, decode_reply, encode_reply
+from clone.wire.calls import decode_reply, encode_reply
 from clone.wire.codec import (
     KVMsg,
-    decode_kvset,
     decode_update,
     encode_icanhaz,
     encode_kv,
@@ -157,48 +154,6 @@ _MONITORED = (
 # Calls queued on one call DEALER at most (the state machine resends).
 _CALL_HWM = 1000
 
-# Pipe commands and replies.
-CONNECT, SET, GET, ITEMS, STATUS, WATCH, CALL, LEASE, TERMINATE = (
-    b"CONNECT",
-    b"SET",
-    b"GET",
-    b"ITEMS",
-    b"STATUS",
-    b"WATCH",
-    b"CALL",
-    b"LEASE",
-    b"TERMINATE",
-)
-OK, ERROR = b"OK", b"ERROR"
-STARTED, CONFIRMED, FAILED, REFUSED, REPLY, LEASELOST, STATE, CHANGE, STOPPED = (
-    b"STARTED",
-    b"CONFIRMED",
-    b"FAILED",
-    b"REFUSED",
-    b"REPLY",
-    b"LEASELOST",
-    b"STATE",
-    b"CHANGE",
-    b"STOPPED",
-)
-#: A keepalive was answered: ``LEASEKEPT id valid_until`` (monotonic seconds, repr).
-LEASEKEPT = b"LEASEKEPT"
-#: A confirmed write became a split-brain conflict: ``CONFLICT uuid key``.
-CONFLICT = b"CONFLICT"
-
-
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """``tcp://host:P`` -> (``tcp://host``, P); raises ValueError otherwise."""
-    if not isinstance(endpoint, str):
-        raise TypeError(f"endpoint must be str, not {type(endpoint).__name__}")
-    head, sep, port = endpoint.rpartition(":")
-    if not endpoint.startswith("tcp://") or not sep or not port.isdigit() or head == "tcp":
-        raise ValueError(f"endpoint {endpoint!r} is not of the form tcp://host:port")
-    base = int(port)
-    if not 0 < base <= 65535 - COLLECTOR_OFFSET:
-        raise ValueError(f"endpoint {endpoint!r}: port out of range")
-    return head, base
-
 
 @dataclass(slots=True)
 class _Server:
@@ -242,6 +197,7 @@ class Agent:
         self._pub_monitor: zmq.Socket[bytes] | None = None
         self._running = False
         self._bad = Throttle(log, clock)
+        self._answers = Commands(fsm, clock, self._execute, self._add_server, self._stop)
         fsm.emit_changes = False  # until somebody watches
 
     # ------------------------------------------------------------------
@@ -615,6 +571,10 @@ class Agent:
     # ------------------------------------------------------------------
     # Commands from the frontend
 
+    def _stop(self) -> None:
+        """TERMINATE: leave the loop after this turn."""
+        self._running = False
+
     def _command(self, frames: list[bytes]) -> None:
         if len(frames) < 2:
             head = frames[0][:32] if frames else b""
@@ -622,7 +582,7 @@ class Agent:
             return
         verb, rid, args = frames[0], frames[1], frames[2:]
         try:
-            reply = self._answer(verb, args)
+            reply = self._answers.answer(verb, args)
         except (ValueError, TypeError, IndexError, ProtocolError) as exc:
             text = str(exc).encode("utf-8", "replace")
             if rid:
@@ -635,70 +595,3 @@ class Agent:
             return
         if rid:
             self._commands.send_multipart([OK, rid, *reply])
-
-    def _answer(self, verb: bytes, args: list[bytes]) -> list[bytes]:
-        fsm = self._fsm
-        if verb == GET:
-            entry = fsm.get(args[0].decode("utf-8"))
-            return [] if entry is None else encode_kv(entry)
-        if verb == SET:
-            confirm = float(args[0]) if args[0] else None
-            # Decoded to check it and for the FSM's bookkeeping; its frames are
-            # sent as the frontend built them, not encoded again.
-            frames = args[1:]
-            msg = decode_kvset(frames)
-            if confirm is None:
-                self._execute(fsm.write_unconfirmed(msg, self._clock(), frames=frames))
-            else:
-                self._execute(
-                    fsm.write_confirmed(msg, self._clock(), within=confirm, frames=frames)
-                )
-            return []
-        if verb == CALL:
-            call = decode_call(args[1:])
-            self._execute(fsm.call(call, self._clock(), within=float(args[0])))
-            return []
-        if verb == LEASE:
-            secret = args[2].decode("ascii") if len(args) > 2 else ""
-            self._execute(
-                fsm.keep_lease(args[0].decode("ascii"), float(args[1]), self._clock(), secret)
-            )
-            return []
-        if verb == ITEMS:
-            # Version 2: no back-references, which only cost time here.
-            return [marshal.dumps(fsm.rows(args[0].decode("utf-8")), 2)]
-        if verb == STATUS:
-            return [json.dumps(self._status()).encode()]
-        if verb == WATCH:
-            fsm.emit_changes = args[0] == b"1"
-            return []
-        if verb == CONNECT:
-            self._add_server(args[0].decode("utf-8"))
-            return []
-        if verb == TERMINATE:
-            self._running = False
-            # What stopping drops, for close() to say.
-            return [
-                json.dumps({"unsent": fsm.held_writes, "unconfirmed": fsm.pending_writes}).encode()
-            ]
-        raise ValueError(f"unknown command {verb[:32]!r}")
-
-    def _status(self) -> dict[str, object]:
-        fsm = self._fsm
-        current = None if fsm.current is None else fsm.servers[fsm.current]
-        return {
-            "state": fsm.state.value,
-            "server": current,
-            "servers": list(fsm.servers),
-            "subtrees": list(fsm.subtrees),
-            "sequence": fsm.last_sequence,
-            "keys": len(fsm),
-            "pending_writes": fsm.pending_writes,
-            "pending_calls": fsm.pending_calls,
-            "leases": len(fsm.kept_leases),
-            "counters": {
-                **fsm.counters.as_dict(),
-                # A gauge: the silence that would make us fail over now.
-                "silence_timeout_ms": round(1000 * fsm.silence_timeout()),
-            },
-        }

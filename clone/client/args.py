@@ -8,7 +8,7 @@ a JSON value that is not JSON raises :class:`~clone.errors.NotJSON`.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from clone.client.leases import Lease
@@ -26,6 +26,7 @@ __all__ = [
     "from_json",
     "history_subtree",
     "lease_props",
+    "normalize_subtrees",
     "to_json",
 ]
 
@@ -118,3 +119,26 @@ def history_subtree(prefix: str, subtrees: Sequence[str]) -> str:
     except ProtocolError:
         return subtrees[0] if len(subtrees) == 1 else ""
     return prefix
+
+
+def normalize_subtrees(subtrees: str | Iterable[str] | None) -> tuple[str, ...]:
+    """Validated, sorted subtrees with none inside another.
+
+    A key must belong to exactly one subtree, so that it has one snapshot sequence
+    to compare updates with; ``/a/`` already covers ``/a/b/``, and ``''`` covers
+    everything.
+    """
+    if subtrees is None:
+        return ("",)
+    items = [subtrees] if isinstance(subtrees, str) else list(subtrees)
+    if not items:
+        return ("",)
+    for item in items:
+        if not isinstance(item, str):
+            raise TypeError(f"subtree must be str, not {type(item).__name__}")
+        validate_subtree(item.encode("utf-8"))
+    kept: list[str] = []
+    for item in sorted(set(items), key=len):
+        if not any(item.startswith(k) for k in kept):
+            kept.append(item)
+    return tuple(sorted(kept))

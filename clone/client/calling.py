@@ -18,7 +18,7 @@ from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from typing import TYPE_CHECKING, TypeVar
 
-from clone.client import agent as _agent
+from clone.client import verbs
 from clone.client.args import build, check_if_sequence, format_lease_ttl, lease_props
 from clone.client.events import DISPATCH_POLL_S
 from clone.client.leases import Lease
@@ -108,9 +108,9 @@ class Caller:
             client._leases[lease.id] = lease
         args = [lease.id.encode(), repr(lease.ttl).encode(), lease._secret.encode()]
         if oneway:
-            client._send_oneway(_agent.LEASE, args)
+            client._send_oneway(verbs.LEASE, args)
         else:
-            client._request(_agent.LEASE, args)
+            client._request(verbs.LEASE, args)
 
     def call_write(
         self,
@@ -312,7 +312,7 @@ class Caller:
         frames = encode_call(op, uuid, key, props, body)
         fut = self._client._waiters.add_call(uuid, what, timeout)
         try:
-            self._client._send_oneway(_agent.CALL, [repr(float(timeout)).encode(), *frames])
+            self._client._send_oneway(verbs.CALL, [repr(float(timeout)).encode(), *frames])
         except BaseException:
             self._client._waiters.discard(uuid)
             raise

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import signal
 import sys
 import threading
@@ -27,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from clone.client.commands import kv, leases, lock
+from clone.client.commands import admin, kv, leases, lock
 from clone.client.commands.output import (
     EXIT_BROKEN_PIPE,
     EXIT_CONFLICT,
@@ -36,10 +35,12 @@ from clone.client.commands.output import (
     EXIT_OK,
     EXIT_UNCONFIRMED,
     EXIT_UNREACHABLE,
+    discard_stdout,
     emit,
     fail,
     json_line,
     plain_line,
+    waiting,
 )
 from clone.layered import add_config_flags, parse_layered
 
@@ -49,7 +50,6 @@ log = logging.getLogger(__name__)
 # connect, not here: `clone --help` and usage errors need none of it.
 if TYPE_CHECKING:
     from clone.client.frontend import Clone
-    from clone.progress import Progress
 
 __all__ = [
     "EXIT_BROKEN_PIPE",
@@ -248,23 +248,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _waiting(what: str, timeout: float, status: Callable[[], str] | None = None) -> Progress:
-    """The progress of a wait of up to ``timeout`` s: on a terminal, a bar of
-    the time spent (drawn only after a second, gone at the end); elsewhere an
-    INFO line every few seconds, shown with --verbose.  The agent's status does
-    not count a snapshot's keys before it is complete, so time is what we show."""
-    from clone.progress import Progress
-
-    started = time.monotonic()
-
-    def poll(bar: Progress) -> None:
-        bar.update(min(time.monotonic() - started, timeout),
-                   status=status() if status is not None else None)
-
-    return Progress(what, timeout, unit="s", rate=False, poll=poll, poll_every=0.2,
-                    show_after=1.0, transient=True)
-
-
 # A snapshot still arriving is waited for past --timeout, up to this long.
 _SYNC_CAP_S = 600.0
 
@@ -310,7 +293,7 @@ def _run(args: argparse.Namespace, client: Clone) -> int:
         return f"{now.state} from {now.server}" if now.server else now.state
 
     if args.verbose or sys.stderr.isatty():
-        with _waiting("sync", args.timeout, sync_status):
+        with waiting("sync", args.timeout, sync_status):
             _wait_synced(client, args.timeout)
     else:  # nothing would show: spare a script the import of the progress bar (rich)
         _wait_synced(client, args.timeout)
@@ -385,14 +368,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.timeout <= 0 or args.heartbeat <= 0:
         fail("--timeout and --heartbeat must be > 0")
         return EXIT_UNREACHABLE
-    if args.command == "keygen":
-        return _keygen(args)
-    if args.command == "backup":
-        return _backup(args)
-    if args.command == "status":
-        return _status(args)
-    if args.command == "conflicts":
-        return _conflicts(args)
+    if args.command in admin.COMMANDS:
+        return admin.COMMANDS[args.command](args)
     if args.command == "lock":
         args.cmd = lock.lock_command(args)  # before connecting: a usage error exits 2 at once
     usage = kv.check(args) or leases.check(args)
@@ -405,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         servers = normalize_endpoints(args.servers or default_servers())
-        secret, server_key = _curve_files(args)
+        secret, server_key = admin.curve_files(args)
         args.curve_secret_in_use = secret
         client = Clone(
             servers,
@@ -420,7 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(args, client)
     except BrokenPipeError:
-        _discard_stdout()
+        discard_stdout()
         return EXIT_BROKEN_PIPE
     except NotSynced as exc:
         _close_uninterrupted(client)  # its sockets off before the probe's
@@ -449,209 +426,11 @@ def _why_not_synced(args: argparse.Namespace, servers: list[str], exc: Exception
     from clone.client.frontend import load_curve_keys
 
     try:
-        cause = explain(servers, min(args.timeout, 1.0), load_curve_keys(*_curve_files(args)))
+        cause = explain(servers, min(args.timeout, 1.0), load_curve_keys(*admin.curve_files(args)))
     except Exception as probe_failed:  # a diagnosis must never hide the error itself
         logging.getLogger(__name__).info("could not probe the servers: %s", probe_failed)
         cause = None
     return f"{cause} ({exc})" if cause else str(exc)
-
-
-def _curve_files(args: argparse.Namespace) -> tuple[str | None, str | None]:
-    """The pair as resolved from one layer (flags, environment, file); the
-    library's own reading of the environment when the namespace has none (a
-    caller that built it with the bare parser)."""
-    if args.curve_secret is not None or args.server_key is not None:
-        return args.curve_secret, args.server_key
-    from clone.client.frontend import default_curve_files
-
-    return default_curve_files()
-
-
-def _keygen(args: argparse.Namespace) -> int:
-    """``clone keygen --dir DIR NAME``: :func:`clone.security.keygen`."""
-    from clone.errors import SecurityError
-    from clone.security import fingerprint, keygen, load_public
-
-    try:
-        public, secret = keygen(args.dir, args.name)
-        # What the server logs for this key, to tell it apart from others there.
-        print_ = fingerprint(load_public(public))
-    except SecurityError as exc:
-        print(f"clone: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    emit(str(public))
-    emit(str(secret))
-    emit(f"fingerprint {print_}")
-    return EXIT_OK
-
-
-BACKUP_TIMEOUT = 10.0
-
-
-def _backup(args: argparse.Namespace) -> int:
-    """``clone backup FILE``: its own sockets (:mod:`clone.client.backup`), not a
-    :class:`Clone`, which keeps decoded values rather than the frames a
-    restored server must serve byte for byte."""
-    from clone.argtypes import normalize_endpoints
-    from clone.client.backup import check_writable, take_backup, write_backup
-    from clone.client.frontend import default_servers, load_curve_keys
-    from clone.errors import CloneError, NotSynced, SecurityError
-
-    timeout = args.backup_timeout
-    if timeout is None:
-        timeout = args.timeout if args.timeout_given else BACKUP_TIMEOUT
-    if not timeout > 0:
-        print("clone: --timeout must be > 0", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    start = time.monotonic()
-    try:
-        servers = normalize_endpoints(args.servers or default_servers())
-        curve = load_curve_keys(*_curve_files(args))
-        check_writable(args.file)
-        with _waiting("backup", timeout):
-            copy = take_backup(servers, timeout=timeout, silence=2.5 * args.heartbeat,
-                               curve=curve)
-        write_backup(args.file, copy)
-    except (ValueError, TypeError, SecurityError) as exc:
-        print(f"clone: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    except NotSynced as exc:
-        print(f"clone: backup failed: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    except CloneError as exc:
-        print(f"clone: backup to {args.file} failed: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    except KeyboardInterrupt:
-        return 130
-    elapsed = time.monotonic() - start
-    emit(
-        f"wrote {len(copy.entries)} keys at sequence {copy.sequence} to {args.file} "
-        f"in {elapsed:.2f} s"
-    )
-    return EXIT_OK
-
-
-STATUS_TIMEOUT = 2.0
-
-
-def _status(args: argparse.Namespace) -> int:
-    """``clone status [--json]``: STATUS? to every server (:mod:`clone.client.status`).
-
-    Exit 0 when every server answered, 2 when any did not (each is still
-    reported, as unreachable), like ``etcdctl endpoint status``.
-    """
-    import json
-
-    from clone.argtypes import normalize_endpoints
-    from clone.client.frontend import default_servers, load_curve_keys
-    from clone.client.status import query_status, status_table
-    from clone.errors import SecurityError
-
-    timeout = args.status_timeout
-    if timeout is None:
-        timeout = args.timeout if args.timeout_given else STATUS_TIMEOUT
-    if not timeout > 0:
-        print("clone: --timeout must be > 0", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    try:
-        servers = normalize_endpoints(args.servers or default_servers())
-        curve = load_curve_keys(*_curve_files(args))
-        statuses = query_status(servers, timeout, curve=curve)
-    except (ValueError, TypeError, SecurityError) as exc:
-        print(f"clone: {exc}", file=sys.stderr)
-        return EXIT_UNREACHABLE
-    except KeyboardInterrupt:
-        return 130
-    try:
-        if args.json:
-            emit(json.dumps(statuses, ensure_ascii=False))
-        else:
-            for line in status_table(statuses):
-                emit(line)
-    except BrokenPipeError:
-        _discard_stdout()
-        return EXIT_BROKEN_PIPE
-    down = [s["endpoint"] for s in statuses if not s["reachable"]]
-    for endpoint in down:
-        print(f"clone: {endpoint} did not answer within {timeout:g} s", file=sys.stderr)
-    return EXIT_UNREACHABLE if down else EXIT_OK
-
-
-def _conflicts(args: argparse.Namespace) -> int:
-    """``clone conflicts [--json] [--all]`` and ``clone conflicts apply|discard ID``
-    (:mod:`clone.client.conflicts`).  Listing: exit 0, or 2 when a server did
-    not answer (the others' are still listed).  Resolving: 0 done, 1 no such
-    unresolved conflict, 2 no server answered, 4 refused (``acl``, ``not-active``)."""
-    import json
-
-    from clone.argtypes import normalize_endpoints
-    from clone.client.conflicts import conflicts_table, query_conflicts, resolve_conflict
-    from clone.client.frontend import default_servers, load_curve_keys
-    from clone.errors import CloneError, SecurityError
-
-    if (args.action is None) != (args.id is None):
-        fail("conflicts apply|discard needs an ID")
-        return EXIT_UNREACHABLE
-    timeout = args.conflicts_timeout
-    if timeout is None:
-        timeout = args.timeout if args.timeout_given else STATUS_TIMEOUT
-    try:
-        servers = normalize_endpoints(args.servers or default_servers())
-        curve = load_curve_keys(*_curve_files(args))
-        found, silent = query_conflicts(
-            servers, timeout, everything=args.all or args.action is not None, curve=curve
-        )
-    except (ValueError, TypeError, SecurityError) as exc:
-        fail(str(exc))
-        return EXIT_UNREACHABLE
-    except KeyboardInterrupt:
-        return 130
-    for endpoint in silent:
-        fail(f"{endpoint} did not answer within {timeout:g} s")
-    if args.action is None:
-        try:
-            if args.json:
-                emit(json.dumps(found, ensure_ascii=False))
-            else:
-                for line in conflicts_table(found):
-                    emit(line)
-        except BrokenPipeError:
-            _discard_stdout()
-            return EXIT_BROKEN_PIPE
-        return EXIT_UNREACHABLE if silent else EXIT_OK
-    held = [c for c in found if c.get("id") == args.id and c.get("resolution") is None]
-    if not held:
-        fail(f"no unresolved conflict {args.id}")
-        return EXIT_UNREACHABLE if silent else EXIT_MISSING
-    rec = held[0]
-    try:
-        reply = resolve_conflict(
-            rec["server"], args.id, rec["key"], apply=args.action == "apply",
-            timeout=timeout, curve=curve,
-        )  # fmt: skip
-    except (TimeoutError, CloneError) as exc:
-        fail(str(exc))
-        return EXIT_UNREACHABLE
-    if not reply.ok:
-        fail(f"{reply.reason}: {reply.detail}")
-        return EXIT_MISSING if reply.reason == "unknown-conflict" else EXIT_ERROR
-    done = "applied" if args.action == "apply" else "discarded"
-    where = f" at sequence {reply.sequence}" if reply.sequence else ""
-    emit(f"conflict {args.id} on {rec['key']} {done}{where}")
-    return EXIT_OK
-
-
-def _discard_stdout() -> None:
-    """Point stdout at /dev/null: the reader is gone, and without this the
-    interpreter's final flush of what is still buffered fails again and prints
-    "Exception ignored ... BrokenPipeError" on the way out."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError):  # no real file descriptor (stdout replaced in-process)
-        pass
-    finally:
-        os.close(devnull)
 
 
 def _close_uninterrupted(client: Clone) -> None:

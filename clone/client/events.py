@@ -25,7 +25,7 @@ from typing import Any
 
 import zmq
 
-from clone.client import agent as _agent
+from clone.client import verbs
 from clone.client.leases import Lease
 from clone.client.results import STOP, Entry, Watcher
 from clone.errors import (
@@ -296,15 +296,15 @@ class Dispatcher:
         self.conflict_callbacks: list[Callable[[SplitConflict], None]] = []
         self._stop = False
         self._table: dict[bytes, Callable[[list[bytes]], None]] = {
-            _agent.CONFIRMED: self._confirmed,
-            _agent.REPLY: self._replied,
-            _agent.LEASEKEPT: self._lease_kept,
-            _agent.LEASELOST: self._lease_lost,
-            _agent.FAILED: self._failed,
-            _agent.REFUSED: self._refused,
-            _agent.CONFLICT: self._conflict,
-            _agent.CHANGE: self._changed,
-            _agent.STATE: self._state_changed,
+            verbs.CONFIRMED: self._confirmed,
+            verbs.REPLY: self._replied,
+            verbs.LEASEKEPT: self._lease_kept,
+            verbs.LEASELOST: self._lease_lost,
+            verbs.FAILED: self._failed,
+            verbs.REFUSED: self._refused,
+            verbs.CONFLICT: self._conflict,
+            verbs.CHANGE: self._changed,
+            verbs.STATE: self._state_changed,
         }
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
 
@@ -326,7 +326,7 @@ class Dispatcher:
             except zmq.ZMQError as exc:
                 log.error("client event pipe failed: %s", exc)
                 break
-            if frames[0] == _agent.STOPPED:
+            if frames[0] == verbs.STOPPED:
                 self.stopped.set()
                 break
             handler = self._table.get(frames[0])

@@ -30,6 +30,7 @@ import zmq
 
 from clone.argtypes import normalize_endpoint
 from clone.client import agent as _agent
+from clone.client import verbs
 from clone.client.agent import Agent, split_endpoint
 from clone.client.args import (
     as_bytes,
@@ -180,7 +181,7 @@ class Clone:
             )
             self._agent_thread.start()
             evt = self._pipe.events[0]
-            if not evt.poll(int(command_timeout * 1000)) or evt.recv() != _agent.STARTED:
+            if not evt.poll(int(command_timeout * 1000)) or evt.recv() != verbs.STARTED:
                 raise AgentTimeout(f"the client agent did not start within {command_timeout:g} s")
             self._events = Dispatcher(
                 evt,
@@ -236,7 +237,7 @@ class Clone:
             try:
                 if self._pipe.stopped.is_set():
                     raise CloneError("the agent had already stopped")
-                reply = self._pipe.request_locked(_agent.TERMINATE, [], self.command_timeout)
+                reply = self._pipe.request_locked(verbs.TERMINATE, [], self.command_timeout)
                 dropped = json.loads(reply[0]) if reply else {}
             except CloneError as exc:
                 log.warning("client agent did not acknowledge terminate: %s", exc)
@@ -287,7 +288,7 @@ class Clone:
         """
         endpoint = normalize_endpoint(endpoint)
         split_endpoint(endpoint)
-        self._request(_agent.CONNECT, [endpoint.encode()])
+        self._request(verbs.CONNECT, [endpoint.encode()])
         self._servers.append(endpoint)
 
     # How the result is typed: None for a fire-and-forget write, the sequence
@@ -547,7 +548,7 @@ class Clone:
 
     def _write(self, msg: KVMsg, wait: bool, timeout: float | None) -> int | None:
         if not wait:
-            self._send_oneway(_agent.SET, [b"", *encode_kv(msg)])
+            self._send_oneway(verbs.SET, [b"", *encode_kv(msg)])
             return None
         fut = self._write_async(msg, timeout)
         limit = self.confirm_timeout if timeout is None else timeout
@@ -565,7 +566,7 @@ class Clone:
             raise ValueError("timeout must be > 0")
         fut = self._waiters.add_write(msg.uuid, msg.key, timeout)
         try:
-            self._send_oneway(_agent.SET, [repr(float(timeout)).encode(), *encode_kv(msg)])
+            self._send_oneway(verbs.SET, [repr(float(timeout)).encode(), *encode_kv(msg)])
         except BaseException:
             self._waiters.discard(msg.uuid)
             raise
@@ -687,13 +688,13 @@ class Clone:
         # The agent sorts and packs every row in one go: seconds at a million
         # keys on a busy machine.  The wait scales with the keys it holds
         # ("did not answer ITEMS within 5 s" at 1M keys, before).
-        keys = int(json.loads(self._request(_agent.STATUS, [])[0])["keys"])
+        keys = int(json.loads(self._request(verbs.STATUS, [])[0])["keys"])
         pipe = self._pipe
         with pipe.lock:
             if pipe.closed:
                 raise ClosedError("this Clone client is closed")
             reply = pipe.request_locked(
-                _agent.ITEMS,
+                verbs.ITEMS,
                 [prefix.encode("utf-8")],
                 self.command_timeout + keys * _ITEMS_SECONDS_PER_KEY,
             )
@@ -702,7 +703,7 @@ class Clone:
         return rows
 
     def status(self) -> Status:
-        raw = json.loads(self._request(_agent.STATUS, [])[0])
+        raw = json.loads(self._request(verbs.STATUS, [])[0])
         return Status(
             state=raw["state"],
             server=raw["server"],
@@ -825,7 +826,7 @@ class Clone:
 
     def _watch(self) -> None:
         if not self._watching:
-            self._request(_agent.WATCH, [b"1"])
+            self._request(verbs.WATCH, [b"1"])
             self._watching = True
 
 

@@ -17,7 +17,7 @@ import time
 
 import zmq
 
-from clone.client import agent as _agent
+from clone.client import verbs
 from clone.errors import AgentTimeout, CloneError, ClosedError
 
 __all__ = ["PIPE_HWM", "CommandPipe"]
@@ -92,7 +92,7 @@ class CommandPipe:
             if len(reply) >= 2 and reply[1] == rid:
                 break
             log.debug("dropped a late agent reply %r", reply[:2])
-        if reply[0] != _agent.OK:
+        if reply[0] != verbs.OK:
             text = reply[2].decode("utf-8", "replace") if len(reply) > 2 else "?"
             raise CloneError(f"client agent refused {verb.decode()}: {text}")
         return reply[2:]

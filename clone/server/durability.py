@@ -33,7 +33,7 @@ from clone.server.base import ServerBase, log
 from clone.server.budget import check_fits
 from clone.server.conflicts import ConflictRecord
 from clone.server.core import Role
-from clone.server.journal import OpKind
+from clone.server.journal import OpKind, published
 from clone.storage import FsyncPolicy, Storage, restore_into
 
 __all__ = ["DurabilityMixin"]
@@ -136,10 +136,7 @@ class DurabilityMixin(ServerBase):
                 return []
         if not ops:
             return []
-        if len(ops) == 1 and ops[0].kind is OpKind.UPDATES:
-            updates = ops[0].updates
-        else:
-            updates = [frames for op in ops if op.kind is OpKind.UPDATES for frames in op.updates]
+        updates = published(ops)
         storage = self._storage
         if storage is None or self._storage_error is not None:
             if self._storage_error is not None:

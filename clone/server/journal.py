@@ -16,7 +16,10 @@ Three kinds of change, kept in the order they happened:
 * the swap of the staged snapshot for the state, at its KTHXBAI.
 
 Taking the record (:meth:`Journal.take`) hands the caller the operations and
-starts a new record.  Pure: no disk, no clock.
+starts a new record; :func:`published` says which updates in them go out, in
+order.  This is the core's one output channel: its event methods return no
+frames, so a test reads what a server would commit and publish exactly where
+the reactor reads it.  Pure: no disk, no clock.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dataclasses import dataclass, field
 
 from clone.server.store import Entry
 
-__all__ = ["Journal", "Op", "OpKind"]
+__all__ = ["Journal", "Op", "OpKind", "published"]
 
 
 class OpKind(enum.Enum):
@@ -106,3 +109,11 @@ class Journal:
     def _mark(self, op: Op) -> None:
         self._ops.append(op)
         self._updates = self._staging = None
+
+
+def published(ops: list[Op]) -> list[list[bytes]]:
+    """The KVPUB frames of ``ops`` (a :meth:`Journal.take`), in order: what
+    the reactor publishes once they are committed."""
+    if len(ops) == 1 and ops[0].kind is OpKind.UPDATES:
+        return ops[0].updates
+    return [frames for op in ops if op.kind is OpKind.UPDATES for frames in op.updates]

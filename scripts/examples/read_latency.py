@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from clone import Clone
 from clone.aio import AsyncClone
-from clone.client import agent as _agent
+from clone.client import verbs
 from clone.testing import CloneServer
 
 
@@ -51,7 +51,7 @@ def main() -> None:
             c.set("/flags/x", b"1", wait=True)
             print(f"Clone.get, a key present: {per_call(lambda: c.get('/flags/x')):.2f} us")
             print(f"Clone.get, a key absent: {per_call(lambda: c.get('/flags/none')):.2f} us")
-            through_pipe = per_call(lambda: c._request(_agent.GET, [b"/flags/x"]), 5000)
+            through_pipe = per_call(lambda: c._request(verbs.GET, [b"/flags/x"]), 5000)
             print(f"GET through the agent's command pipe (the old path): {through_pipe:.2f} us")
         asyncio.run(on_the_loop(srv.endpoint))
 

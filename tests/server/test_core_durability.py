@@ -10,6 +10,7 @@ from clone.server.journal import OpKind
 from clone.server.snapshot import SnapshotStream
 from clone.wire.codec import encode_kthxbai
 from clone.wire.delta import SinceRequest, encode_kvdelta, update_digest
+from tests.support.published import kvset
 
 
 def _kvset(key: str, body: bytes = b"v", n: int = 1, props: str = "") -> list[bytes]:
@@ -36,10 +37,12 @@ def _follower(durable: bool = True) -> ServerCore:
 
 def test_the_active_journals_what_it_publishes_in_order() -> None:
     core = ServerCore(standalone=True)
-    pubs = [core.on_kvset(_kvset(f"k{i}", n=i + 1), 0.0) for i in range(3)]
+    for i in range(3):
+        assert core.on_kvset(_kvset(f"k{i}", n=i + 1), 0.0) is None  # no frames returned
     (op,) = core.journal.take()
     assert op.kind is OpKind.UPDATES
-    assert op.updates == pubs
+    assert [int.from_bytes(f[1], "big") for f in op.updates] == [1, 2, 3]
+    assert [f[0] for f in op.updates] == [b"k0", b"k1", b"k2"]
     assert not core.journal  # taken
     assert core.history.last == 3
 
@@ -48,18 +51,21 @@ def test_expiry_deletes_are_journalled_like_updates() -> None:
     core = ServerCore(standalone=True)
     core.on_kvset(_kvset("k", props="ttl=1\n"), 100.0)
     core.journal.take()
-    (delete,) = core.tick(101.5)
+    core.tick(101.5)
     (op,) = core.journal.take()
-    assert op.updates == [delete] and delete[4] == b""
+    (delete,) = op.updates
+    assert delete[0] == b"k" and delete[4] == b""
 
 
 def test_a_promotion_journals_the_pending_updates_it_applies() -> None:
     core = ServerCore()
     core.become_passive()
     core.on_kvset(_kvset("x", n=7), 1.0)
-    applied = core.become_active(2.0)
+    assert not core.journal  # parked, not applied
+    core.become_active(2.0)
     (op,) = core.journal.take()
-    assert op.updates == applied and len(applied) == 1
+    (applied,) = op.updates
+    assert applied[0] == b"x" and applied[2] == (7).to_bytes(16, "big")
 
 
 def test_a_full_sync_stages_then_replaces_and_the_history_restarts() -> None:
@@ -125,7 +131,7 @@ def _pair_in_step(n: int) -> tuple[ServerCore, ServerCore]:
     passive = _follower()
     passive.on_snapshot_reply(encode_kthxbai(0), 0.0)
     for i in range(n):
-        pub = active.on_kvset(_kvset(f"k{i % 3}", b"%d" % i, n=i + 1), float(i))
+        pub = kvset(active, _kvset(f"k{i % 3}", b"%d" % i, n=i + 1), float(i))
         assert pub is not None
         assert passive.on_peer_update(pub, float(i)) is FollowOutcome.OK
     passive.journal.take()
@@ -216,10 +222,10 @@ def test_load_restores_state_history_and_dedup_window() -> None:
     assert restarted.store.sequence == 6 and restarted.store.get("k1") == active.store.get("k1")
     assert restarted.history.last == 6 and restarted.highest_seen == 6
     # A client's resend of update 3 (confirmed before the restart) is not applied again.
-    assert restarted.on_kvset(_kvset("k0", b"2", n=3), 20.0) is None
+    assert kvset(restarted, _kvset("k0", b"2", n=3), 20.0) is None
     assert restarted.counters["kvset_duplicate"] == 1
     # Its next sequence follows on.
-    pub = restarted.on_kvset(_kvset("k0", b"new", n=50), 21.0)
+    pub = kvset(restarted, _kvset("k0", b"new", n=50), 21.0)
     assert pub is not None and int.from_bytes(pub[1], "big") == 7
 
 

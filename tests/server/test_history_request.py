@@ -12,6 +12,7 @@ from clone.server.core import CoreSettings, ServerCore
 from clone.server.delta import DeltaStream
 from clone.wire.codec import SnapshotEnd, decode_snapshot_reply
 from clone.wire.delta import DeltaHead, SinceRequest, decode_kvdelta_head, update_digest
+from tests.support.published import kvset
 
 
 def _kvset(key: str, n: int, body: bytes = b"v") -> list[bytes]:
@@ -22,7 +23,7 @@ def _active(keys: Sequence[str], history_max: int = 100) -> tuple[ServerCore, li
     core = ServerCore(CoreSettings(history_max=history_max), standalone=True)
     pubs = []
     for n, key in enumerate(keys, 1):
-        pub = core.on_kvset(_kvset(key, n, body=b"" if key.endswith("!") else b"v"), float(n))
+        pub = kvset(core, _kvset(key, n, body=b"" if key.endswith("!") else b"v"), float(n))
         assert pub is not None
         pubs.append(pub)
     return core, pubs

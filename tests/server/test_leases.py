@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from clone.server.core import _PROBLEM_COUNTERS, CoreSettings, FollowOutcome, Role, ServerCore
+from clone.server.callcore import _PROBLEM_COUNTERS
+from clone.server.core import CoreSettings, FollowOutcome, Role, ServerCore
 from clone.server.leases import LeaseTable, bound_lease, parse_lease_value
 from clone.server.metrics import CALL_RESULTS
 from clone.wire.calls import (
@@ -24,6 +25,7 @@ from clone.wire.calls import (
 from clone.wire.codec import KVMsg, decode_update
 from clone.wire.protocol import MAX_VALUE_BYTES
 from tests.server.test_server_core import _snapshot_of
+from tests.support.published import promote, tick
 
 
 def _uuid(n: int) -> bytes:
@@ -251,10 +253,10 @@ def test_grant_bind_and_expire(active: Calls) -> None:
     for t in (100.6, 101.2, 101.8):
         ka, commit = active.call(OP_LEASE_KEEPALIVE, t, lease=lease)
         assert ka.ok and ka.ttl == 2.0 and not commit
-        assert core.tick(t) == []
+        assert tick(core, t) == []
     assert not published(core)
-    assert core.tick(103.7) == []  # 1.8 + 2.0 = 3.8
-    gone = core.tick(103.8)
+    assert tick(core, 103.7) == []  # 1.8 + 2.0 = 3.8
+    gone = tick(core, 103.8)
     assert [decode_update(f).key for f in gone] == ["/svc/a", LEASE_PREFIX + lease]
     assert "/svc/a" not in core.store and len(core.leases) == 0
     assert core.counters["leases_expired"] == 1 and core.counters["lease_keys_deleted"] == 1
@@ -309,14 +311,14 @@ def test_leases_survive_a_failover_with_a_fresh_ttl() -> None:
         new.on_snapshot_reply(frames, 0.0)
     assert len(new.leases) == 0  # a passive keeps no time
     # The active dies at t=1; the passive takes over at t=3.
-    assert new.become_active(3.0) == []
+    assert promote(new, 3.0) == []
     assert new.role is Role.ACTIVE and len(new.leases) == 2
     calls = Calls(new)
     calls.secrets = old.secrets  # the client keeps its secrets across a failover
     for t in (3.6, 4.2, 4.8):
         assert calls.call(OP_LEASE_KEEPALIVE, t, lease=kept)[0].ok
-    assert new.tick(4.99) == []
-    gone = [decode_update(f).key for f in new.tick(5.0)]
+    assert tick(new, 4.99) == []
+    gone = [decode_update(f).key for f in tick(new, 5.0)]
     assert gone == ["/dead", LEASE_PREFIX + dead]
     assert new.store.get("/kept") is not None
 
@@ -329,7 +331,7 @@ def test_promotion_deletes_keys_of_a_lease_that_is_gone() -> None:
         [b"/orphan", (1).to_bytes(8, "big"), b"", f"lease={'a' * 32}\n".encode(), b"v"], 0.0
     )
     core.on_snapshot_reply([b"KTHXBAI", (1).to_bytes(8, "big"), b"", b"", b""], 0.0)
-    out = core.become_active(1.0)
+    out = promote(core, 1.0)
     assert [decode_update(f).key for f in out] == ["/orphan"]
     assert core.counters["lease_orphans_deleted"] == 1
 
@@ -356,7 +358,7 @@ def test_a_promotion_applies_parked_conditional_writes_only_if_they_still_hold()
     core.on_kvset([b"/k", bytes(8), _uuid(2), b"if_sequence=0\n", b"lost"], 0.5)
     core.on_kvset([b"/k", bytes(8), _uuid(3), b"if_sequence=1\n", b"won"], 0.5)
     assert len(core.pending) == 2
-    out = core.become_active(1.0)
+    out = promote(core, 1.0)
     applied = [decode_update(frames) for frames in out]
     assert [(m.key, m.body, m.properties) for m in applied] == [("/k", b"won", ())]
     assert core.counters["pending_failed"] == 1 and core.counters["kvset_conflict"] == 1
@@ -411,7 +413,7 @@ def test_a_set_retried_after_a_failover_gets_the_first_answer(
         assert new.on_peer_update(frames, 10.2) is FollowOutcome.OK
     assert new.store.sequence == old.core.store.sequence
     # The active dies at t=11; the passive takes over at t=13.
-    assert new.become_active(13.0) == []
+    assert promote(new, 13.0) == []
     new.journal.take()  # what it followed, committed as the reactor would
     retry, commit = Calls(new).call(OP_SET, 13.5, "/k", b"v", uuid=uuid, **props)
     assert (retry.status, retry.sequence) == ("ok", first.sequence) and not commit
@@ -441,7 +443,7 @@ def test_a_set_retried_after_a_failover_to_a_snapshot_synced_passive(overwritten
     new.start_sync()
     for frames in _snapshot_of(old.core, now=10.2):
         new.on_snapshot_reply(frames, 10.2)
-    assert new.become_active(13.0) == []
+    assert promote(new, 13.0) == []
     new.journal.take()
     retry, commit = Calls(new).call(OP_SET, 13.5, "/k", b"v", uuid=uuid)
     assert retry.ok and not commit and new.counters["calls_duplicate"] == 1

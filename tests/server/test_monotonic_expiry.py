@@ -25,6 +25,7 @@ from clone.wire.calls import OP_LEASE_GRANT, encode_call, lease_key
 from clone.wire.codec import KVMsg, decode_properties, encode_kthxbai
 from clone.wire.protocol import MAX_PROPERTIES_BYTES
 from tests.server.test_server_core import _kvset, _snapshot_of
+from tests.support.published import kvset, promote, tick
 
 #: The heartbeat the rule allows as slack after a failover (the default, 1 s).
 HEARTBEAT = 1.0
@@ -36,7 +37,7 @@ STEPS = [-60.0, +60.0]
 
 def _due(core: ServerCore, wall: float, mono: float) -> list[bytes]:
     """The keys the core deletes at this moment (what tick() publishes)."""
-    return [frames[0] for frames in core.tick(wall, mono)]
+    return [frames[0] for frames in tick(core, wall, mono)]
 
 
 # -- pure helpers --------------------------------------------------------------
@@ -100,7 +101,7 @@ def test_lease_table_counts_only_the_clock_it_is_given() -> None:
 def test_a_wall_clock_step_on_the_active_changes_no_key_expiry(step: float) -> None:
     core = ServerCore(standalone=True)
     wall, mono = 1_700_000_000.0, 500.0
-    pub = core.on_kvset(_kvset("/k", props="ttl=20\n"), wall, mono)
+    pub = kvset(core, _kvset("/k", props="ttl=20\n"), wall, mono)
     assert pub is not None
     # The shown expiry is the wall clock's; the deadline is the monotonic one.
     assert decode_properties(pub[3]) == (("ttl", "20"), ("expires", f"{wall + 20:.3f}"))
@@ -162,8 +163,8 @@ class Pair:
         return 1_700_000_000.0 + self.skew + t
 
     def write(self, key: str, ttl: float, t: float, n: int = 1) -> list[bytes]:
-        pub = self.active.on_kvset(
-            _kvset(key, n=n, props=f"ttl={ttl}\n"), self.a_wall(t), self.a_mono(t)
+        pub = kvset(
+            self.active, _kvset(key, n=n, props=f"ttl={ttl}\n"), self.a_wall(t), self.a_mono(t)
         )
         assert pub is not None
         return pub
@@ -295,7 +296,7 @@ def test_a_client_snapshot_sends_entries_as_stored() -> None:
     """Only a peer server that asks gets ttl-left; a client sees the stored
     ``ttl`` (as granted) and ``expires`` (the accepting server's wall clock)."""
     core = ServerCore(standalone=True)
-    pub = core.on_kvset(_kvset("/k", props="ttl=20\n"), 1_700_000_000.0, 10.0)
+    pub = kvset(core, _kvset("/k", props="ttl=20\n"), 1_700_000_000.0, 10.0)
     assert pub is not None
     client = _snapshot_of(core, applied=False)
     assert list(client[0]) == pub  # the KVPUB's frames: what is stored
@@ -319,7 +320,7 @@ def test_a_key_parked_on_the_passive_counts_its_ttl_from_arrival_on_the_monotoni
     core.become_passive()
     core.on_kvset(_kvset("/p", props="ttl=10\n"), 5_000.0, 100.0)
     # The wall clock steps back a minute before the promotion, 2 s later.
-    out = core.become_active(5_000.0 - 60.0 + 2.0, 102.0)
+    out = promote(core, 5_000.0 - 60.0 + 2.0, 102.0)
     assert [frames[0] for frames in out] == [b"/p"]
     assert core.store.deadline("/p") == 110.0
 

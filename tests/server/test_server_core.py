@@ -27,6 +27,7 @@ from clone.wire.codec import (
     encode_kthxbai,
     encode_kv,
 )
+from tests.support.published import kvset, promote, tick
 
 
 def _uuid(n: int) -> bytes:
@@ -76,7 +77,7 @@ class Pair:
 
     def client_set(self, frames: list[bytes], now: float = 0.0, *, to_passive: bool = True) -> None:
         """A client writes to both collectors; the active's KVPUB reaches the passive."""
-        pub = self.active.on_kvset(frames, now)
+        pub = kvset(self.active, frames, now)
         if to_passive:
             self.passive.on_kvset(frames, now)
         if pub is not None:
@@ -133,7 +134,7 @@ def test_every_sync_rule_is_reachable(start: SyncState, event: SyncEvent) -> Non
 def test_illegal_sync_transition_raises() -> None:
     core = ServerCore()
     with pytest.raises(IllegalTransitionError) as raised:
-        core._sync(SyncEvent.SNAPSHOT_DONE)
+        core.sync.transition(SyncEvent.SNAPSHOT_DONE)
     assert isinstance(raised.value, CloneError) and isinstance(raised.value, RuntimeError)
 
 
@@ -142,7 +143,7 @@ def test_illegal_sync_transition_raises() -> None:
 
 def test_active_sequences_and_echoes_uuid_and_properties() -> None:
     core = ServerCore(standalone=True)
-    outs = [core.on_kvset(_kvset(f"k{i}", n=i + 1, props="a=b\n"), now=0.0) for i in range(3)]
+    outs = [kvset(core, _kvset(f"k{i}", n=i + 1, props="a=b\n"), now=0.0) for i in range(3)]
     msgs = [_decode(o) for o in outs if o is not None]
     assert [m.sequence for m in msgs] == [1, 2, 3]
     assert [m.uuid for m in msgs] == [_uuid(1), _uuid(2), _uuid(3)]
@@ -151,18 +152,18 @@ def test_active_sequences_and_echoes_uuid_and_properties() -> None:
 
 def test_active_publishes_a_uuid_at_most_once_in_the_window() -> None:
     core = ServerCore(CoreSettings(dedup_window=2), standalone=True)
-    assert core.on_kvset(_kvset("k", n=1), 0.0) is not None
-    assert core.on_kvset(_kvset("k", n=1), 0.0) is None
+    assert kvset(core, _kvset("k", n=1), 0.0) is not None
+    assert kvset(core, _kvset("k", n=1), 0.0) is None
     core.on_kvset(_kvset("k", n=2), 0.0)
     core.on_kvset(_kvset("k", n=3), 0.0)  # evicts 1
-    assert core.on_kvset(_kvset("k", n=1), 0.0) is not None
+    assert kvset(core, _kvset("k", n=1), 0.0) is not None
     assert core.counters["kvset_duplicate"] == 1
 
 
 def test_uuidless_updates_are_never_deduplicated() -> None:
     core = ServerCore(standalone=True)
-    assert core.on_kvset(_kvset("k", b"1", n=0), 0.0) is not None
-    assert core.on_kvset(_kvset("k", b"1", n=0), 0.0) is not None
+    assert kvset(core, _kvset("k", b"1", n=0), 0.0) is not None
+    assert kvset(core, _kvset("k", b"1", n=0), 0.0) is not None
 
 
 @pytest.mark.parametrize(
@@ -189,9 +190,9 @@ def test_bad_kvsets_are_counted_and_raise(frames: list[bytes], standalone: bool)
 def test_expiry_publishes_a_bare_delete() -> None:
     core = ServerCore(standalone=True)
     core.on_kvset(_kvset("k", props="ttl=2\n"), now=100.0)
-    assert core.tick(101.0) == []
+    assert tick(core, 101.0) == []
     assert core.expiry_due(102.0)
-    (frames,) = core.tick(102.0)
+    (frames,) = tick(core, 102.0)
     assert _decode(frames) == KVMsg("k", 2, b"", (), b"")
     assert core.counters["expired"] == 1
 
@@ -292,7 +293,7 @@ def test_sequence_gap_while_following_asks_for_a_resync() -> None:
     pair = Pair()
     pair.sync()
     pair.active.on_kvset(_kvset("a", n=1), 0.0)  # lost
-    pub = pair.active.on_kvset(_kvset("b", n=2), 0.0)
+    pub = kvset(pair.active, _kvset("b", n=2), 0.0)
     assert pub is not None
     assert pair.passive.on_peer_update(pub, 0.0) is FollowOutcome.RESYNC
     assert pair.passive.counters["peer_gaps"] == 1
@@ -309,7 +310,7 @@ def test_hugz_reveals_a_missed_tail(hugz_seq: int, outcome: FollowOutcome) -> No
 
 def test_stale_peer_updates_are_ignored() -> None:
     pair = Pair()
-    pub = pair.active.on_kvset(_kvset("a", n=1), 0.0)
+    pub = kvset(pair.active, _kvset("a", n=1), 0.0)
     pair.sync()
     assert pub is not None
     assert pair.passive.on_peer_update(pub, 0.0) is FollowOutcome.OK
@@ -322,7 +323,7 @@ def test_pending_is_confirmed_in_either_order() -> None:
     # client copy first, then the active's KVPUB
     pair.client_set(_kvset("a", n=1))
     # KVPUB first, then the late client copy: not parked
-    pub = pair.active.on_kvset(_kvset("b", n=2), 0.0)
+    pub = kvset(pair.active, _kvset("b", n=2), 0.0)
     assert pub is not None
     pair.passive.on_peer_update(pub, 0.0)
     pair.passive.on_kvset(_kvset("b", n=2), 0.0)
@@ -338,7 +339,7 @@ def test_promotion_applies_and_publishes_pending_in_order_with_fresh_sequences()
     pair.passive.on_kvset(_kvset("x", b"1", n=10), now=50.0)
     pair.passive.on_kvset(_kvset("y", b"2", n=11, props="ttl=10\n"), now=51.0)
     pair.passive.on_kvset(_kvset("x", b"3", n=12), now=52.0)
-    outs = [_decode(f) for f in pair.passive.become_active(now=55.0)]
+    outs = [_decode(f) for f in promote(pair.passive, now=55.0)]
     assert [(m.key, m.body, m.sequence) for m in outs] == [
         ("x", b"1", 2),
         ("y", b"2", 3),
@@ -346,9 +347,9 @@ def test_promotion_applies_and_publishes_pending_in_order_with_fresh_sequences()
     ]
     assert outs[1].prop("expires") == "61.000"  # counted from arrival, not promotion
     assert pair.passive.role is Role.ACTIVE
-    assert pair.passive.become_active(now=56.0) == []  # idempotent
+    assert promote(pair.passive, now=56.0) == []  # idempotent
     # a client resending after the failover is deduplicated
-    assert pair.passive.on_kvset(_kvset("x", b"1", n=10), 57.0) is None
+    assert kvset(pair.passive, _kvset("x", b"1", n=10), 57.0) is None
 
 
 def test_new_active_continues_from_the_highest_sequence_seen() -> None:
@@ -358,7 +359,7 @@ def test_new_active_continues_from_the_highest_sequence_seen() -> None:
     # a KVPUB we could not apply (gap) still tells us how far the active got
     pair.passive.on_peer_update(encode_kv(KVMsg("z", 40, _uuid(5), (), b"v")), 0.0)
     pair.passive.become_active(0.0)
-    out = pair.passive.on_kvset(_kvset("k", n=6), 0.0)
+    out = kvset(pair.passive, _kvset("k", n=6), 0.0)
     assert out is not None and _decode(out).sequence == 41
 
 
@@ -368,7 +369,7 @@ def test_promotion_mid_sync_keeps_the_old_state_and_the_pending_list() -> None:
     core.start_sync()
     core.on_snapshot_reply(encode_kv(KVMsg("half", 3, b"", (), b"v")), 0.0)
     core.on_kvset(_kvset("p", n=9), 1.0)
-    outs = core.become_active(2.0)
+    outs = promote(core, 2.0)
     assert "half" not in core.store
     assert [_decode(f).key for f in outs] == ["p"]
     assert core.sync_state is SyncState.IDLE
@@ -377,8 +378,8 @@ def test_promotion_mid_sync_keeps_the_old_state_and_the_pending_list() -> None:
 def test_a_starting_server_parks_updates_until_it_is_told_its_role() -> None:
     core = ServerCore()
     assert core.role is Role.STARTING
-    assert core.on_kvset(_kvset("k", n=1), 0.0) is None
-    assert [_decode(f).key for f in core.become_active(0.0)] == ["k"]
+    assert kvset(core, _kvset("k", n=1), 0.0) is None
+    assert [_decode(f).key for f in promote(core, 0.0)] == ["k"]
 
 
 def test_peer_messages_are_ignored_unless_passive() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from clone.server.core import ServerCore
 from clone.wire.calls import decode_call
 from tests.server.test_split_writes import _split, _uuid, _value
+from tests.support.published import kvset
 
 
 def _elected_again(a: ServerCore) -> None:
@@ -51,7 +52,7 @@ def test_a_write_the_loser_followed_from_the_winner_since_is_not_applied_again()
     reply, _ = b.on_call(k4, 11.0, peer=True)
     assert reply is not None and reply.ok
     first = b.history.since(b.store.sequence - 1)[0]
-    newer = b.on_kvset([b"/k/4", bytes(8), _uuid(99), b"", b"newer"], 12.0)
+    newer = kvset(b, [b"/k/4", bytes(8), _uuid(99), b"", b"newer"], 12.0)
     assert newer is not None
     a.on_peer_update(first, 11.0)
     a.on_peer_update(newer, 12.0)

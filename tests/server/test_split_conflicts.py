@@ -11,6 +11,7 @@ from __future__ import annotations
 from clone.server.core import FollowOutcome, ServerCore
 from clone.wire.calls import OP_LEASE_GRANT, OP_SET, Call, decode_call, encode_call
 from clone.wire.split import GONE, SplitOrigin, parse_split_origin, split_properties
+from tests.support.published import kvset, release
 from tests.support.split_cores import resync
 
 
@@ -37,7 +38,7 @@ def _pair() -> tuple[ServerCore, ServerCore]:
     assert resync(b, a, 0.0) is FollowOutcome.SYNCED
     b.term = 1
     for n in (1, 2, 3):
-        pub = a.on_kvset(_kvset(f"/k/{n}", n, b"before"), 1.0)
+        pub = kvset(a, _kvset(f"/k/{n}", n, b"before"), 1.0)
         assert pub is not None
         b.on_peer_update(pub, 1.0)
     b.term = 2
@@ -101,7 +102,7 @@ def test_a_late_direct_copy_of_a_conflict_is_not_applied() -> None:
     _heal(a, b)
     _forward(a, b)
     # The island client's own copy, stuck in TCP during the cut, arrives now.
-    assert b.on_kvset(_kvset("/k/1", 21, b"loser"), 13.0) is None
+    assert kvset(b, _kvset("/k/1", 21, b"loser"), 13.0) is None
     assert _value(b, "/k/1") == b"winner"
 
 
@@ -227,15 +228,15 @@ def test_the_winner_holds_late_direct_copies_until_the_forwarded_writes_are_judg
     b.hold_writes()  # the split brain is detected: b keeps serving
     # The island client's own copies, stuck in TCP through the cut, arrive first,
     # and a winner-side client's write comes while b holds.
-    assert all(b.on_kvset(frames, 10.5) is None for frames in island)
-    assert b.on_kvset(_kvset("/k/2", 23, b"winner, later"), 10.6) is None
+    assert all(kvset(b, frames, 10.5) is None for frames in island)
+    assert kvset(b, _kvset("/k/2", 23, b"winner, later"), 10.6) is None
     assert b.counters["kvset_held"] == 3 and _value(b, "/k/9") is None
     _heal(a, b)
     assert _forward(a, b) == ["conflict:split", "ok"]
-    released = b.release_held(12.0)
+    released = release(b, 12.0)
     # The island's copies were judged through the forwarded calls; only the
     # winner-side write is applied now, after them.
     assert [frames[0] for frames in released] == [b"/k/2"]
     assert _value(b, "/k/1") == b"winner"
     assert _value(b, "/k/9") == b"island only"
-    assert not b.holding and b.release_held(13.0) == []
+    assert not b.holding and release(b, 13.0) == []

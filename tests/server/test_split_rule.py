@@ -20,6 +20,7 @@ from clone.server.core import FollowOutcome, ServerCore
 from clone.server.splitrule import Verdict, judge_split_write
 from clone.wire.calls import OP_LEASE_GRANT, OP_SET, decode_call, encode_call
 from clone.wire.split import GONE, SplitOrigin
+from tests.support.published import kvset
 from tests.support.split_cores import resync
 
 KEYS = ("/k/a", "/k/b", "/k/c", "/k/d")
@@ -66,7 +67,7 @@ def test_the_heal_never_undoes_the_winner_and_keeps_every_loser_write(
     _resync(b, a, 0.0)
     b.term = 1
     for key in sorted(preset):
-        pub = a.on_kvset([key.encode(), bytes(8), next(uuids), b"", b"fork"], 1.0)
+        pub = kvset(a, [key.encode(), bytes(8), next(uuids), b"", b"fork"], 1.0)
         assert pub is not None
         b.on_peer_update(pub, 1.0)
     b.term = 2
@@ -92,7 +93,7 @@ def test_the_heal_never_undoes_the_winner_and_keeps_every_loser_write(
                     props += [("lease", grant.lease), ("secret", grant.secret)]
                 reply = a.on_call(encode_call(OP_SET, uid, op.key, tuple(props), b"v"), 3.0)[0]
                 assert reply is not None and reply.ok
-            elif core.on_kvset(raw, 3.0) is None:
+            elif kvset(core, raw, 3.0) is None:
                 continue  # a delete of an absent key is still an update; nothing else skips
             if core is a:
                 loser_writes[uid] = (op.key, before)

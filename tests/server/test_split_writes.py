@@ -19,6 +19,7 @@ from clone.server.split import split_writes
 from clone.wire.applied import decode_kvapplied, encode_kvapplied
 from clone.wire.calls import OP_LEASE_GRANT, decode_call, encode_call
 from clone.wire.split import parse_split_origin
+from tests.support.published import kvset, tick
 from tests.support.split_cores import resync
 
 
@@ -46,7 +47,7 @@ def _split(*, fork_known: bool = True) -> tuple[ServerCore, ServerCore, list[byt
     assert resync(b, a, 0.0) is FollowOutcome.SYNCED
     b.term = 1
     for n in (1, 2, 3):  # replicated before the split
-        pub = a.on_kvset(_kvset(f"/k/{n}", n, b"before"), 1.0)
+        pub = kvset(a, _kvset(f"/k/{n}", n, b"before"), 1.0)
         assert pub is not None
         b.on_peer_update(pub, 1.0)
     a.on_kvset(_kvset("/k/4", 4, b"lost in flight"), 2.0)  # published as the link broke
@@ -64,7 +65,7 @@ def _split(*, fork_known: bool = True) -> tuple[ServerCore, ServerCore, list[byt
     b.on_kvset(both, 4.0)  # the island client's copy reached B too
     grant = encode_call(OP_LEASE_GRANT, _uuid(15), "", (("ttl", "5"),))
     assert a.on_call(grant, 4.0)[0] is not None  # a lease key: server-made
-    assert a.tick(5.5)  # /ttl/short expires on A: a delete without uuid
+    assert tick(a, 5.5)  # /ttl/short expires on A: a delete without uuid
     a.on_kvset(_kvset("/k/3", 16, b""), 6.0)  # a client's delete
     # The heal: A (lower epoch) steps down and resyncs from B.
     a.become_passive()

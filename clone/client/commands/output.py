@@ -1,15 +1,20 @@
-"""What every subcommand shares: exit codes and how entries are printed."""
+"""What every subcommand shares: exit codes, how entries are printed, the
+progress of a wait, and a quiet stdout once its reader is gone."""
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import signal
 import sys
+import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from clone.client.results import Entry
+    from clone.progress import Progress
 
 EXIT_OK, EXIT_MISSING, EXIT_UNREACHABLE, EXIT_UNCONFIRMED, EXIT_ERROR = 0, 1, 2, 3, 4
 EXIT_CONFLICT = 5
@@ -56,3 +61,33 @@ def plain_line(entry: Entry) -> str:
     if entry.value is None:
         return f"{entry.key} (deleted)"
     return f"{entry.key}={text(entry.value)}"
+
+
+def waiting(what: str, timeout: float, status: Callable[[], str] | None = None) -> Progress:
+    """The progress of a wait of up to ``timeout`` s: on a terminal, a bar of
+    the time spent (drawn only after a second, gone at the end); elsewhere an
+    INFO line every few seconds, shown with --verbose.  The agent's status does
+    not count a snapshot's keys before it is complete, so time is what we show."""
+    from clone.progress import Progress
+
+    started = time.monotonic()
+
+    def poll(bar: Progress) -> None:
+        bar.update(min(time.monotonic() - started, timeout),
+                   status=status() if status is not None else None)
+
+    return Progress(what, timeout, unit="s", rate=False, poll=poll, poll_every=0.2,
+                    show_after=1.0, transient=True)
+
+
+def discard_stdout() -> None:
+    """Point stdout at /dev/null: the reader is gone, and without this the
+    interpreter's final flush of what is still buffered fails again and prints
+    "Exception ignored ... BrokenPipeError" on the way out."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (stdout replaced in-process)
+        pass
+    finally:
+        os.close(devnull)

@@ -1,0 +1,500 @@
+"""The active server's calls, compare-and-set and leases.
+
+How this works: a client's CALL? (docs/protocol.md, "CALL? / REPLY") is a
+write or a lease operation that gets an answer.  :class:`CallCore` takes one
+in two steps.  :meth:`CallCore.admit` decodes and judges it whatever the
+server's role (malformed, too big, a reserved key, the ACL, who may name a
+caller) and returns the call with the principal it runs for, or the refusal.
+The core (:mod:`clone.server.core`) then checks the role, routes the
+split-brain heal's calls to itself and hands the rest to :meth:`CallCore.run`:
+``set`` (with ``if_sequence``, a compare-and-set, and ``lease``, a key bound
+to a lease), ``lease-grant``, ``lease-keepalive``, ``lease-revoke`` and
+``ahead`` (the lock queue's count).  The same rules judge a plain KVSET that
+names a condition (:meth:`CallCore.check_kvset`).
+
+Leases live in :class:`~clone.server.leases.LeaseTable` with their monotonic
+deadlines; only the active server keeps time for them, so a promotion rebuilds
+them from the store (:meth:`CallCore.rebuild_leases`) and a lease that runs
+out deletes its keys, then its own key (:meth:`CallCore.expire_leases`).  The
+``if_sequence`` of each conditional write applied in this term is kept by uuid
+(:meth:`CallCore.take_conditions`): a split brain's forwarded write carries it.
+
+Sans-IO: frames and ``now`` (wall clock, for the dedup window and a value's
+``expires``) and ``mono`` (monotonic, for ttls and leases) in, replies out;
+every update applied (a write, a grant, a lease's deletes) goes to ``record``
+(the history and the journal, the core's one output channel) and nowhere else.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from clone.errors import LimitExceeded, ProtocolError, StoreFull
+from clone.server.history import History
+from clone.server.leases import (
+    OWNER_PROPERTY,
+    LeaseTable,
+    bound_lease,
+    format_lease_value,
+    lease_owner,
+    parse_lease_value,
+)
+from clone.server.ownership import grant_owner, may_use
+from clone.server.pending import UuidWindow
+from clone.server.store import Store
+from clone.wire.calls import (
+    IF_SEQUENCE_PROPERTY,
+    LEASE_PREFIX,
+    LEASE_PROPERTY,
+    OP_AHEAD,
+    OP_LEASE_GRANT,
+    OP_LEASE_KEEPALIVE,
+    OP_SET,
+    Call,
+    Reply,
+    acl_refusal,
+    call_uuid,
+    check_call,
+    decode_call,
+    lease_id_of,
+    lease_key,
+    parse_lease_ttl,
+)
+from clone.wire.codec import KVMsg
+from clone.wire.protocol import TTL_PROPERTY
+
+__all__ = ["Admitted", "CallCore", "check_condition_syntax", "refused"]
+
+LEASE_PREFIX_RAW = LEASE_PREFIX.encode()
+
+#: The counter of each problem :func:`~clone.wire.calls.check_call` finds.
+_PROBLEM_COUNTERS: dict[str, str] = {
+    "reserved": "calls_reserved",
+    "bad-if-sequence": "calls_bad_if_sequence",
+    "bad-lease": "calls_bad_lease",
+    "bad-ttl": "calls_bad_ttl",
+    "bad-secret": "calls_bad_lease",
+}
+
+
+def refused(uuid: bytes, reason: str, detail: str) -> Reply:
+    return Reply(uuid, "refused", reason=reason, detail=detail)
+
+
+def check_condition_syntax(msg: KVMsg) -> None:
+    """A KVSET's ``if_sequence``/``lease`` must be well-formed (as a call's)."""
+    if msg.prop(IF_SEQUENCE_PROPERTY) is None and msg.prop(LEASE_PROPERTY) is None:
+        return
+    problem = check_call(Call(OP_SET, b"", msg.key, msg.properties, msg.body))
+    if problem is not None:
+        raise ProtocolError(problem[1])
+
+
+def _any_key(key: bytes) -> bool:
+    """No ACL: every key may be written."""
+    return True
+
+
+class Admitted(NamedTuple):
+    """A call that passed :meth:`CallCore.admit`, and whom it runs for (a
+    tuple: one is built per call, and a frozen dataclass costs more)."""
+
+    call: Call
+    caller: str
+
+
+class CallCore:
+    """Calls, CAS and leases on the active server.  One reactor drives it."""
+
+    def __init__(
+        self,
+        *,
+        store: Store,
+        leases: LeaseTable,
+        window: UuidWindow,
+        history: History,
+        counters: dict[str, int],
+        record: Callable[[list[bytes]], None],
+        max_leases_per_client: int,
+        conditions_max: int,
+    ) -> None:
+        self.store = store
+        self.leases = leases
+        self.window = window
+        self.history = history
+        self.counters = counters
+        self._record = record
+        self._quota = max_leases_per_client
+        self._conditions_max = conditions_max
+        # The if_sequence of each conditional write applied as active in this
+        # term, by uuid (a stored update no longer says it).
+        self._conditions: dict[bytes, int] = {}
+
+    # -- admission -----------------------------------------------------------
+
+    def admit(
+        self,
+        frames: Sequence[bytes],
+        *,
+        can_write: Callable[[bytes], bool] | None = None,
+        may_lease: bool = True,
+        caller: str = "",
+        relayed: bool = False,
+    ) -> Admitted | Reply | None:
+        """Judge a CALL? (without its identity frame) before any role or state:
+        the call and its principal, or the refusal (None: no uuid to answer).
+
+        ``can_write``: the caller's write ACL (None: no ACL), judging a call's
+        :func:`~clone.wire.calls.acl_key`; ``may_lease``: whether it may
+        write anywhere, what a call without such a key needs.  ``relayed``:
+        a relay the pair trusts, whose call's ``caller=`` stands for the
+        caller; from anyone else a ``caller=`` on a lease operation is refused.
+        """
+        c = self.counters
+        c["calls_received"] += 1
+        try:
+            call = decode_call(frames)
+        except ProtocolError as exc:
+            oversized = isinstance(exc, LimitExceeded)
+            c["calls_refused_size" if oversized else "calls_invalid"] += 1
+            uuid = call_uuid(frames)
+            if uuid is None:
+                return None
+            return refused(uuid, "size" if oversized else "malformed", str(exc))
+        problem = check_call(call)
+        if problem is not None:
+            c[_PROBLEM_COUNTERS.get(problem[0], "calls_invalid")] += 1
+            return refused(call.uuid, *problem)
+        why = acl_refusal(call, can_write or _any_key, may_lease)
+        if why is not None:
+            c["calls_refused_acl"] += 1
+            return refused(call.uuid, "acl", why)
+        claimed = call.caller
+        if claimed is not None:
+            if relayed:
+                caller = claimed
+            elif call.op != OP_SET or call.lease is not None:
+                # Whose lease it is would rest on an unchecked word: fail closed.
+                # (A write with no lease is the same whoever asked: let it be.)
+                c["calls_refused_acl"] += 1
+                why = "only a relay the pair trusts (--trusted-relay) may name a caller"
+                return refused(call.uuid, "acl", why)
+        return Admitted(call, caller)
+
+    # -- running -------------------------------------------------------------
+
+    def run(self, call: Call, now: float, mono: float, caller: str = "") -> tuple[Reply, bool]:
+        """An admitted call on the active server (not a split write, not a
+        conflict's): its reply and whether it changed the state (and must
+        wait for this turn's commit)."""
+        c = self.counters
+        if call.op == OP_SET:
+            return self.call_set(call, now, mono, caller)
+        if call.op == OP_LEASE_GRANT:
+            return self._call_grant(call, now, mono, caller)
+        if call.op == OP_AHEAD:
+            return self._call_ahead(call), False
+        lease_id = call.lease
+        assert lease_id is not None  # check_call
+        held = self.leases.get(lease_id)
+        if held is None:
+            c["calls_unknown_lease"] += 1
+            return refused(call.uuid, "unknown-lease", f"no lease {lease_id}"), False
+        if not may_use(held.owner, caller, call.secret):
+            return self.not_owner(call.uuid, lease_id, held.owner), False
+        if call.op == OP_LEASE_KEEPALIVE:
+            lease = self.leases.keepalive(lease_id, mono)
+            assert lease is not None  # held
+            c["lease_keepalives"] += 1
+            c["calls_ok"] += 1
+            return Reply(call.uuid, "ok", lease=lease_id, ttl=lease.ttl), False
+        # lease-revoke
+        self.end_lease(lease_id, mono)
+        c["leases_revoked"] += 1
+        c["calls_ok"] += 1
+        return Reply(call.uuid, "ok", self.store.sequence, lease=lease_id, ttl=held.ttl), True
+
+    def _call_ahead(self, call: Call) -> Reply:
+        """How many contenders are ahead of ``call.key`` in its lock's queue.
+
+        The recipe's rule (clone.recipes), told by the server to a contender
+        that may not read the queue: lease-bound keys under the key's parent
+        with a lower sequence.  A scan of the live leases' keys, not of the
+        store: a contender's key is always bound to a lease.
+        """
+        c = self.counters
+        raw = call.key.encode("utf-8")
+        entry = self.store.entry(raw)
+        if entry is None:
+            c["calls_conflict"] += 1
+            return Reply(call.uuid, "conflict", current=0)
+        mine = int.from_bytes(entry[0], "big")
+        prefix = raw[: raw.rfind(b"/") + 1]
+        store = self.store
+        ahead = 0
+        for lease in self.leases.live():
+            for key in lease.keys:
+                if key == raw or not key.startswith(prefix):
+                    continue
+                other = store.entry(key)
+                if (
+                    other is not None
+                    and int.from_bytes(other[0], "big") < mine
+                    and bound_lease(other[2]) == lease.id
+                ):
+                    ahead += 1
+        c["calls_ok"] += 1
+        return Reply(call.uuid, "ok", mine, ahead=ahead)
+
+    def not_owner(self, uuid: bytes, lease_id: str, owner: str | None) -> Reply:
+        self.counters["calls_not_owner"] += 1
+        if owner is None:
+            why = f"lease {lease_id} predates lease ownership: nobody may use it"
+        else:
+            why = f"lease {lease_id} is another client's"
+        return refused(uuid, "not-owner", why)
+
+    def call_set(
+        self, call: Call, now: float, mono: float, caller: str = "", *, ours: bool = False
+    ) -> tuple[Reply, bool]:
+        """A ``set`` call; ``ours``: one of our own split-brain writes applied
+        here (apply_own_split_call), neither a retry nor a stranger's use of
+        its lease (its client proved that when it wrote)."""
+        c = self.counters
+        raw_key = call.key.encode("utf-8")
+        uuid = call.uuid
+        if uuid in self.window and not ours:
+            # A retry of a write we applied: say what the first one got.
+            c["calls_duplicate"] += 1
+            c["calls_ok"] += 1
+            return Reply(uuid, "ok", self.applied_sequence(uuid, raw_key)), False
+        lease_id = call.lease
+        if lease_id is not None:
+            held = self.leases.get(lease_id)
+            if held is None:
+                c["calls_unknown_lease"] += 1
+                return refused(uuid, "unknown-lease", f"no lease {lease_id}"), False
+            if not ours and not may_use(held.owner, caller, call.secret):
+                return self.not_owner(uuid, lease_id, held.owner), False
+        expected = call.if_sequence
+        if expected is not None:
+            current = self.key_sequence(raw_key)
+            if current != expected:
+                c["calls_conflict"] += 1
+                return Reply(uuid, "conflict", current=current), False
+        try:
+            out = self.store.apply(call.as_kvmsg(), mono, wall=now)
+        except StoreFull as exc:
+            c["calls_refused_full"] += 1
+            return refused(uuid, "full", str(exc)), False
+        except LimitExceeded as exc:
+            c["calls_refused_size"] += 1
+            return refused(uuid, "size", str(exc)), False
+        except ProtocolError as exc:
+            c["calls_invalid"] += 1
+            return refused(uuid, "malformed", str(exc)), False
+        self.window.add(uuid, now)
+        if lease_id is not None:
+            self.leases.bind(lease_id, raw_key)
+        if expected is not None:
+            self._note_condition(uuid, expected)
+        c["kvpub_published"] += 1
+        c["calls_ok"] += 1
+        self._record(out)
+        return Reply(uuid, "ok", self.store.sequence), True
+
+    def _call_grant(
+        self, call: Call, now: float, mono: float, caller: str = ""
+    ) -> tuple[Reply, bool]:
+        c = self.counters
+        uuid = call.uuid
+        lease_id = lease_id_of(uuid)
+        held = self.leases.get(lease_id)
+        if held is not None:
+            # A retry: answered only to the owner (the id is public, and the
+            # reply hands the secret back).
+            if not may_use(held.owner, caller, call.secret):
+                return self.not_owner(uuid, lease_id, held.owner), False
+            c["calls_duplicate"] += 1
+            c["calls_ok"] += 1
+            seq = self.key_sequence(lease_key(lease_id).encode())
+            return Reply(
+                uuid, "ok", seq, lease=lease_id, ttl=held.ttl, secret=call.secret or ""
+            ), False
+        if uuid in self.window:
+            # Granted once, and gone since (expired or revoked).
+            c["calls_unknown_lease"] += 1
+            why = f"lease {lease_id} expired or was revoked"
+            return refused(uuid, "unknown-lease", why), False
+        if self.leases.full:
+            c["calls_refused_busy"] += 1
+            return refused(
+                uuid, "busy", f"the server holds {len(self.leases)} leases, its --max-leases"
+            ), False
+        quota = self._quota
+        if caller and self.leases.held_by(caller) >= quota:
+            c["calls_refused_lease_quota"] += 1
+            why = f"this client holds {quota} leases, its --max-leases-per-client"
+            return refused(uuid, "lease-quota", why), False
+        ttl = parse_lease_ttl(call.prop(TTL_PROPERTY))
+        owner, secret = grant_owner(caller, call.secret)
+        msg = KVMsg(
+            lease_key(lease_id), 0, uuid, ((OWNER_PROPERTY, owner),), format_lease_value(ttl)
+        )
+        try:
+            out = self.store.apply(msg, mono, wall=now)
+        except StoreFull as exc:
+            c["calls_refused_full"] += 1
+            return refused(uuid, "full", str(exc)), False
+        self.window.add(uuid, now)
+        self.leases.grant(lease_id, ttl, mono)
+        self.leases.adopt(lease_id, owner, caller)
+        c["leases_granted"] += 1
+        c["kvpub_published"] += 1
+        c["calls_ok"] += 1
+        self._record(out)
+        return Reply(uuid, "ok", self.store.sequence, lease=lease_id, ttl=ttl, secret=secret), True
+
+    # -- conditions (what a split write carries) -----------------------------
+
+    def _note_condition(self, uuid: bytes, expected: int) -> None:
+        """A conditional write applied as active: what its split write says.
+        Bounded like the history it would be forwarded from."""
+        conditions = self._conditions
+        conditions[uuid] = expected
+        if len(conditions) > self._conditions_max:
+            del conditions[next(iter(conditions))]
+
+    def take_conditions(self) -> dict[bytes, int]:
+        """The conditions noted in this term, by uuid; a new term starts empty."""
+        conditions, self._conditions = self._conditions, {}
+        return conditions
+
+    # -- a KVSET that names a condition --------------------------------------
+
+    def check_kvset(self, msg: KVMsg, raw_key: bytes) -> KVMsg:
+        """The call rules for a KVSET applied as active (or at a promotion).
+
+        Returns the message to store: ``msg``, or a copy without its
+        ``if_sequence`` (a condition is never stored).  Raises ProtocolError
+        (counted) when it may not be applied.
+        """
+        c = self.counters
+        if raw_key.startswith(LEASE_PREFIX_RAW):
+            c["kvset_reserved"] += 1
+            raise ProtocolError(f"key {msg.key[:80]!r}: keys under {LEASE_PREFIX} are the server's")
+        expected_text = msg.prop(IF_SEQUENCE_PROPERTY)
+        lease_id = msg.prop(LEASE_PROPERTY)
+        if expected_text is None and lease_id is None:
+            return msg
+        try:
+            check_condition_syntax(msg)
+        except ProtocolError:
+            c["kvset_invalid"] += 1
+            raise
+        if lease_id is not None and lease_id not in self.leases:
+            c["kvset_unknown_lease"] += 1
+            raise ProtocolError(f"write to {msg.key[:80]!r} names lease {lease_id}, which is gone")
+        if lease_id is not None:
+            # A KVSET proves no ownership (no secret, no reply): binding a key
+            # to a lease is a call's job (docs/protocol.md, "Lease ownership").
+            c["kvset_lease_refused"] += 1
+            raise ProtocolError(
+                f"write to {msg.key[:80]!r} names lease {lease_id}: bind keys to a lease"
+                " with a CALL? set, which proves its owner"
+            )
+        if expected_text is None:
+            return msg
+        current = self.key_sequence(raw_key)
+        if current != int(expected_text):
+            c["kvset_conflict"] += 1
+            raise ProtocolError(
+                f"write to {msg.key[:80]!r} expected sequence {expected_text},"
+                f" the key is at {current}"
+            )
+        if msg.uuid:
+            self._note_condition(msg.uuid, current)
+        return KVMsg(msg.key, 0, msg.uuid, msg.with_props(**{IF_SEQUENCE_PROPERTY: None}), msg.body)
+
+    def bind_if_leased(self, msg: KVMsg, raw_key: bytes) -> None:
+        lease_id = msg.prop(LEASE_PROPERTY)
+        if lease_id is not None:
+            self.leases.bind(lease_id, raw_key)
+
+    # -- sequences -----------------------------------------------------------
+
+    def key_sequence(self, raw_key: bytes) -> int:
+        """A key's sequence as a compare-and-set sees it: 0 when absent."""
+        entry = self.store.entry(raw_key)
+        return 0 if entry is None else int.from_bytes(entry[0], "big")
+
+    def applied_sequence(self, uuid: bytes, raw_key: bytes) -> int:
+        """The sequence the update with ``uuid`` got (0 if no longer known)."""
+        entry = self.store.entry(raw_key)
+        if entry is not None and entry[1] == uuid:
+            return int.from_bytes(entry[0], "big")
+        return self.history.sequence_of(uuid) or 0
+
+    # -- lease lifetimes -----------------------------------------------------
+
+    def expire_leases(self, mono: float, limit: int) -> None:
+        """End the leases due at ``mono`` (at most ``limit``), with their keys."""
+        for lease_id in self.leases.due(mono, limit):
+            self.counters["leases_expired"] += 1
+            self.end_lease(lease_id, mono)
+
+    def end_lease(self, lease_id: str, now: float) -> None:
+        """Revoke or expire a lease: delete its keys, then its own key."""
+        lease = self.leases.pop(lease_id)
+        if lease is None:
+            return
+        store = self.store
+        deleted = 0
+        for raw_key in sorted(lease.keys):
+            entry = store.entry(raw_key)
+            if entry is not None and bound_lease(entry[2]) == lease_id:
+                self._delete(raw_key, now)
+                deleted += 1
+        self.counters["lease_keys_deleted"] += deleted
+        own = lease_key(lease_id).encode()
+        if store.entry(own) is not None:
+            self._delete(own, now)
+
+    def _delete(self, raw_key: bytes, now: float) -> None:
+        """A server-made delete (no uuid), recorded for commit and publication."""
+        frames = self.store.apply(KVMsg(raw_key.decode("utf-8"), 0), now)
+        self.counters["kvpub_published"] += 1
+        self._record(frames)
+
+    def rebuild_leases(self, now: float) -> None:
+        """Becoming active: every stored lease gets a full ttl from ``now``;
+        keys bound to a lease that no longer exists are deleted."""
+        leases: list[tuple[str, float]] = []
+        owners: list[tuple[str, str | None]] = []
+        bindings: list[tuple[str, bytes]] = []
+        broken: list[bytes] = []
+        for raw_key, entry in self.store.entries_with_properties_or_prefix(LEASE_PREFIX_RAW):
+            if raw_key.startswith(LEASE_PREFIX_RAW):
+                ttl = parse_lease_value(entry[3])
+                lease_id = raw_key[len(LEASE_PREFIX_RAW) :].decode("utf-8", "replace")
+                if ttl is None:
+                    broken.append(raw_key)
+                else:
+                    leases.append((lease_id, ttl))
+                    owners.append((lease_id, lease_owner(entry[2])))
+                continue
+            bound = bound_lease(entry[2])
+            if bound is not None:
+                bindings.append((bound, raw_key))
+        orphans = self.leases.rebuild(leases, bindings, now)
+        for lease_id, owner in owners:
+            # A certificate name counts against its quota again; a secret's
+            # holder is not known here; no owner (an older data directory):
+            # nobody may use it, and it runs out one ttl from now.
+            client = owner if owner is not None and owner.startswith("name:") else ""
+            self.leases.adopt(lease_id, owner, client)
+        gone = broken + orphans
+        for raw_key in gone:
+            self._delete(raw_key, now)
+        self.counters["lease_orphans_deleted"] += len(gone)
