@@ -199,6 +199,9 @@ class ServerBase:
         # are held (wall clock), and when the peer's sync finished streaming.
         self._hold_started: float | None = None
         self._hold_sync_done: float | None = None
+        # Losing one: when we stepped down (wall clock), until the client
+        # updates parked since are dropped (HealingMixin._check_stepped_down).
+        self._stepped_down_at: float | None = None
         self._peer_syncs: set[AnyStream] = set()
         # Took over by a failover, and the peer has not synced from us since.
         self._await_peer_sync = False
@@ -231,6 +234,7 @@ class ServerBase:
                 "snapshots_served",
                 "snapshots_aborted",
                 "snapshots_refused",
+                "snapshots_held_heal",
                 "votes_deferred",
                 "votes_deferred_served",
                 "votes_deferred_expired",
@@ -439,6 +443,10 @@ class ServerBase:
         def _start_hold(self, why: str) -> None: ...
 
         def _check_hold(self) -> None: ...
+
+        def _heal_defers_clients(self) -> bool: ...
+
+        def _check_stepped_down(self) -> None: ...
 
         def _peer_sync_done(self) -> None: ...
 

@@ -57,6 +57,12 @@ HOLD_GRACE = 1.0
 HOLD_FIRST_CALL = 3.0
 HOLD_MAX = 10.0
 
+#: Losing a split brain, client updates parked after the step-down are kept
+#: this many times the peer's presumed-dead time (``--missed`` heartbeats, the
+#: silence after which our clients fail over too), at least until our sync
+#: from the winner is done; then those the winner did not publish are dropped.
+STEPPED_DOWN_QUIET = 2
+
 #: The topic of notices for whichever client wrote the uuid (docs/protocol.md:
 #: a loser cannot name the writer of a split write, so every client hears it
 #: and acts only on a uuid of its own).
@@ -325,6 +331,48 @@ class HealingMixin(ServerBase):
             held,
             now - started,
         )
+
+    def _heal_defers_clients(self) -> bool:
+        """Whether a client's snapshot request waits (unanswered) for the
+        hold to end: we hold because a split brain heals, and the loser's
+        forwarded writes have begun to come.  A snapshot taken now lacks
+        those still to come; the island client that confirmed them on the
+        loser, failing over to us, would see them vanish from its view and
+        come back as they are applied.  The peer's own sync is never held."""
+        started = self._hold_started
+        core = self.core
+        return started is not None and core.holding and core.split_call_at >= started
+
+    # -- the loser's side: updates that reached us after we stepped down ------
+
+    def _check_stepped_down(self) -> None:
+        """Housekeeping: once our clients have had time to leave us after a
+        split brain's step-down (STEPPED_DOWN_QUIET times the peer's
+        presumed-dead time) and our sync from the winner is done, drop the
+        client updates parked since that the winner has not published
+        (core.drop_pending_since).  Elected again before that, we apply them
+        at the promotion as any passive does."""
+        at = self._stepped_down_at
+        if at is None:
+            return
+        core = self.core
+        if core.role is not Role.PASSIVE:
+            self._stepped_down_at = None
+            return
+        cfg = self.config
+        quiet = STEPPED_DOWN_QUIET * cfg.ha_missed * cfg.heartbeat
+        if self._wallclock() < at + quiet or core.sync_state is not SyncState.SYNCED:
+            return
+        self._stepped_down_at = None
+        gone = core.drop_pending_since(at)
+        if gone:
+            log.warning(
+                "dropped %d client updates that reached us after we stepped down and that"
+                " the active at %s never applied: their writers still followed us (a"
+                " confirmed one is resent to the active by its client)",
+                gone,
+                self._followed,
+            )
 
     def _close_split_soon(self) -> None:
         """Done with the DEALER: no more sends on it now, and closed from a
