@@ -326,6 +326,7 @@ class HealingMixin(ServerBase):
         held = len(core.pending)
         core.release_held(now)
         self._commit_and_publish()
+        self._answer_heal_requests()
         log.info(
             "released %d client updates held through the split brain's heal after %.2f s",
             held,
@@ -342,6 +343,17 @@ class HealingMixin(ServerBase):
         started = self._hold_started
         core = self.core
         return started is not None and core.holding and core.split_call_at >= started
+
+    def _answer_heal_requests(self) -> None:
+        """The hold is over: serve the client snapshot requests it held
+        (still active: a server that stepped down meanwhile drops them, and
+        their clients ask elsewhere)."""
+        requests = list(self._heal_requests)
+        self._heal_requests.clear()
+        if self.core.role is not Role.ACTIVE:
+            return
+        for identity, subtree, options in requests:
+            self._serve(identity, subtree, **options)
 
     # -- the loser's side: updates that reached us after we stepped down ------
 

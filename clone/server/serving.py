@@ -160,8 +160,12 @@ class ServingMixin(ServerBase):
             # Healing a split brain: the loser's writes are still coming in,
             # and a client synced now would lose them from its view until
             # they came (the island's own confirmed writes gone, then back).
-            # Unanswered, as a passive's; the client asks again.
+            # Held, and answered when the hold ends (a client that asks again
+            # meanwhile is answered on its new connection; the old one's
+            # stream is dropped as unroutable).
             self.counters["snapshots_held_heal"] += 1
+            self._heal_requests.append((identity, subtree, {
+                "batch": batch, "since": since, "user": user, "ttl_left": ttl_left}))
             log.debug("snapshot request from %s held: healing a split brain", who(identity))
             return
         ha = self._ha
