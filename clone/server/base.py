@@ -50,9 +50,9 @@ __all__ = ["AnyStream", "ServerBase", "peer_endpoint"]
 # STATUS? answers per second, and at once: enough for every monitor of a pair,
 # too few for a flood to take the loop from clients and the peer.
 _STATUS_RATE = 20.0
+_STATUS_BURST = 40
 #: Client snapshot requests a server healing a split brain holds at most.
 HEAL_REQUESTS = 8
-_STATUS_BURST = 40
 
 #: A reply being streamed from the snapshot port: the state, or a catch-up.
 AnyStream = SnapshotStream | DeltaStream
@@ -202,6 +202,8 @@ class ServerBase:
         # are held (wall clock), and when the peer's sync finished streaming.
         self._hold_started: float | None = None
         self._hold_sync_done: float | None = None
+        # Binary Star showed us the split brain this hold is for.
+        self._hold_split_seen = False
         # Client snapshot requests held while we heal one (identity, subtree,
         # the _serve options), answered when the hold ends; the newest
         # HEAL_REQUESTS: a client asks again on a fresh socket every quarter

@@ -282,6 +282,7 @@ class HealingMixin(ServerBase):
         if ha is None or self.core.role is not Role.ACTIVE or ha.state is not BStarState.ACTIVE:
             return  # we are the one stepping down
         self._start_hold("won a split brain")
+        self._hold_split_seen = True
 
     def _start_hold(self, why: str) -> None:
         """Hold client updates until the peer's sync has streamed and what it
@@ -323,6 +324,7 @@ class HealingMixin(ServerBase):
         if not (quiet or now >= started + HOLD_MAX or not core.holding):
             return
         self._hold_started = self._hold_sync_done = None
+        self._hold_split_seen = False
         held = len(core.pending)
         core.release_held(now)
         self._commit_and_publish()
@@ -334,15 +336,21 @@ class HealingMixin(ServerBase):
         )
 
     def _heal_defers_clients(self) -> bool:
-        """Whether a client's snapshot request waits (unanswered) for the
-        hold to end: we hold because a split brain heals, and the loser's
-        forwarded writes have begun to come.  A snapshot taken now lacks
-        those still to come; the island client that confirmed them on the
-        loser, failing over to us, would see them vanish from its view and
-        come back as they are applied.  The peer's own sync is never held."""
+        """Whether a client's snapshot request waits for the hold to end: we
+        hold because a split brain heals (Binary Star showed it to us, or the
+        loser's forwarded writes have begun to come; a hold at the peer's
+        first sync alone may be a restarted peer's, with nothing to forward).
+        A snapshot taken now lacks the loser's writes still to come; the
+        island client that confirmed them on the loser, failing over to us,
+        would see them vanish from its view and come back as they are
+        applied.  The peer's own sync is never held."""
         started = self._hold_started
         core = self.core
-        return started is not None and core.holding and core.split_call_at >= started
+        return (
+            started is not None
+            and core.holding
+            and (self._hold_split_seen or core.split_call_at >= started)
+        )
 
     def _answer_heal_requests(self) -> None:
         """The hold is over: serve the client snapshot requests it held
