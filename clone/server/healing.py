@@ -337,20 +337,27 @@ class HealingMixin(ServerBase):
 
     def _heal_defers_clients(self) -> bool:
         """Whether a client's snapshot request waits for the hold to end: we
-        hold because a split brain heals (Binary Star showed it to us, or the
-        loser's forwarded writes have begun to come; a hold at the peer's
-        first sync alone may be a restarted peer's, with nothing to forward).
-        A snapshot taken now lacks the loser's writes still to come; the
-        island client that confirmed them on the loser, failing over to us,
-        would see them vanish from its view and come back as they are
-        applied.  The peer's own sync is never held."""
+        hold because a split brain heals.  Binary Star showed it to us; or
+        the peer, passive, announces the epoch it was elected at, below ours
+        (it was active since it started: it lost the split brain and stepped
+        down, often before we saw both active); or its forwarded writes have
+        begun to come (they only start once its sync from us is done).  A hold
+        at the peer's first sync alone may be a restarted peer's, with nothing
+        to forward.  A snapshot taken now lacks the loser's writes still to
+        come; the island client that confirmed them on the loser, failing
+        over to us, would see them vanish from its view and come back as they
+        are applied.  The peer's own sync is never held."""
         started = self._hold_started
         core = self.core
-        return (
-            started is not None
-            and core.holding
-            and (self._hold_split_seen or core.split_call_at >= started)
+        if started is None or not core.holding:
+            return False
+        ha = self._ha
+        loser = (
+            ha is not None
+            and ha.peer_state is BStarState.PASSIVE
+            and 0 < ha.peer_announced_epoch < ha.epoch
         )
+        return self._hold_split_seen or loser or core.split_call_at >= started
 
     def _answer_heal_requests(self) -> None:
         """The hold is over: serve the client snapshot requests it held
