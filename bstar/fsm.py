@@ -503,6 +503,8 @@ class BinaryStarFSM:
         self._peer_lost_at: float | None = None
         self._epoch = epoch
         self._peer_epoch = 0
+        # The epoch in the peer's last state message (0 after a restart).
+        self._peer_announced_epoch = 0
         # Whether the peer's expiry has been reported yet, so it is reported once.
         self._expiry_reported = False
         # The conflict already reported and still going on, so it is reported once.
@@ -552,6 +554,13 @@ class BinaryStarFSM:
         our next election must still outbid every epoch we have heard of.
         """
         return self._peer_epoch
+
+    @property
+    def peer_announced_epoch(self) -> int:
+        """The epoch in the peer's last state message: 0 from a peer never
+        active since it started, its election's epoch from one that was (a
+        passive peer announcing one lost a split brain and stepped down)."""
+        return self._peer_announced_epoch
 
     @property
     def rank(self) -> Rank:
@@ -700,6 +709,7 @@ class BinaryStarFSM:
         # treating a live but misconfigured peer as dead could let us grab votes.
         self._peer_state = reported
         self._peer_epoch = max(self._peer_epoch, epoch)
+        self._peer_announced_epoch = epoch
         self._peer_rank = rank
         self._last_peer_contact = now
         self._peer_lost_at = None  # heard again: back to heartbeat expiry

@@ -326,6 +326,11 @@ class BinaryStar:
         return self._fsm.peer_epoch
 
     @property
+    def peer_announced_epoch(self) -> int:
+        """The epoch in the peer's last state message (see the state machine's)."""
+        return self._fsm.peer_announced_epoch
+
+    @property
     def rank(self) -> Rank:
         """Our data rank as last read from the ``rank`` callable (``(0, 0)`` without one)."""
         return self._fsm.rank

@@ -398,6 +398,7 @@ class Agent:
         if server.collecting and self._pub is not None:
             server.collecting = False
             self._pub.disconnect(server.address(COLLECTOR_OFFSET))
+            log.info("lost %s: not queueing writes for it until we hear it again", server.endpoint)
 
     def _collect_again(self, index: int, server: _Server) -> None:
         """Its publisher is back: our writes go to its collector again, after
@@ -407,6 +408,7 @@ class Agent:
             return
         server.collecting = True
         self._pub.connect(server.address(COLLECTOR_OFFSET))
+        log.info("heard %s again: writing to it again", server.endpoint)
         self._execute(self._fsm.server_reconnected(index, self._clock()))
 
     def _malformed(self, index: int, what: str, exc: ProtocolError) -> None:

@@ -549,6 +549,12 @@ class AgentState:
         actions: list[Action] = []
         if self._subtree_of(msg.key) is not None:
             old = self._map.get(msg.key)
+            if old is not None and old[0] >= msg.sequence:
+                # The fuzzy snapshot already gave us a newer value: an update
+                # its stream carried after KTHXBAI (our subscription lagged
+                # the snapshot, as a connection that TCP backed off does
+                # after a partition) must not take the key back.
+                return self._confirm_if_pending(msg.uuid, msg.sequence)
             new = _stored(msg) if msg.body else None
             if new is not None:
                 self._map[msg.key] = new

@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from clone.server.sending import Backlog, Burst
     from clone.storage import Storage
     from clone.wire.calls import Reply
+    from clone.wire.delta import SinceRequest
 
 __all__ = ["AnyStream", "ServerBase", "peer_endpoint"]
 
@@ -50,6 +51,8 @@ __all__ = ["AnyStream", "ServerBase", "peer_endpoint"]
 # too few for a flood to take the loop from clients and the peer.
 _STATUS_RATE = 20.0
 _STATUS_BURST = 40
+#: Client snapshot requests a server healing a split brain holds at most.
+HEAL_REQUESTS = 8
 
 #: A reply being streamed from the snapshot port: the state, or a catch-up.
 AnyStream = SnapshotStream | DeltaStream
@@ -199,6 +202,18 @@ class ServerBase:
         # are held (wall clock), and when the peer's sync finished streaming.
         self._hold_started: float | None = None
         self._hold_sync_done: float | None = None
+        # Binary Star showed us the split brain this hold is for.
+        self._hold_split_seen = False
+        # Client snapshot requests held while we heal one (identity, subtree,
+        # the _serve options), answered when the hold ends; the newest
+        # HEAL_REQUESTS: a client asks again on a fresh socket every quarter
+        # heartbeat, and only its last request can still be routed.
+        self._heal_requests: deque[tuple[bytes, str, dict[str, Any]]] = deque(
+            maxlen=HEAL_REQUESTS
+        )
+        # Losing one: when we stepped down (wall clock), until the client
+        # updates parked since are dropped (HealingMixin._check_stepped_down).
+        self._stepped_down_at: float | None = None
         self._peer_syncs: set[AnyStream] = set()
         # Took over by a failover, and the peer has not synced from us since.
         self._await_peer_sync = False
@@ -231,6 +246,7 @@ class ServerBase:
                 "snapshots_served",
                 "snapshots_aborted",
                 "snapshots_refused",
+                "snapshots_held_heal",
                 "votes_deferred",
                 "votes_deferred_served",
                 "votes_deferred_expired",
@@ -439,6 +455,23 @@ class ServerBase:
         def _start_hold(self, why: str) -> None: ...
 
         def _check_hold(self) -> None: ...
+
+        def _heal_defers_clients(self) -> bool: ...
+
+        def _check_stepped_down(self) -> None: ...
+
+        def _serve(
+            self,
+            identity: bytes,
+            subtree: str,
+            *,
+            deferred: bool = False,
+            batch: bool = False,
+            applied: bool = False,
+            since: SinceRequest | None = None,
+            user: str | None = None,
+            ttl_left: bool = False,
+        ) -> None: ...
 
         def _peer_sync_done(self) -> None: ...
 

@@ -146,6 +146,7 @@ COUNTERS = (
     "applied_ids_received",
     "pending_already_applied",
     "pending_unverifiable",
+    "pending_stepped_down",
     "promotions",
     "demotions",
     "split_writes_found",
@@ -603,6 +604,20 @@ class ServerCore:
         not applied ahead of them (docs/failover.md, "Writes of a split brain")."""
         if self.role is Role.ACTIVE:
             self.holding = True
+
+    def drop_pending_since(self, since: float) -> int:
+        """Stepped down after a split brain: drop the parked client updates
+        that arrived at or after ``since`` (the demotion) and that the active
+        has not published by now; how many.
+
+        Their writers still followed us when they sent them.  A confirmed one
+        is resent to the winner by its client after its failover; any other
+        reached only us, and applied at a promotion of ours it would land
+        after what the winner confirmed since (docs/failover.md, "Writes of a
+        split brain")."""
+        gone = self.pending.retain(lambda parked: parked.arrived < since)
+        self.counters["pending_stepped_down"] += gone
+        return gone
 
     def release_held(self, now: float) -> None:
         """End :meth:`hold_writes`: apply what was parked, in arrival order (a

@@ -154,6 +154,8 @@ class FollowingMixin(ServerBase):
         core.become_passive()
         if was is not Role.PASSIVE:
             self._note_role(was.value, core.role.value)
+        if was is Role.ACTIVE:
+            self._stepped_down_at = self._wallclock()  # a split brain's loser
         if self._ha is not None:
             core.term = self._ha.peer_epoch
         for stream in list(self._snapshots):

@@ -57,6 +57,12 @@ HOLD_GRACE = 1.0
 HOLD_FIRST_CALL = 3.0
 HOLD_MAX = 10.0
 
+#: Losing a split brain, client updates parked after the step-down are kept
+#: this many times the peer's presumed-dead time (``--missed`` heartbeats, the
+#: silence after which our clients fail over too), at least until our sync
+#: from the winner is done; then those the winner did not publish are dropped.
+STEPPED_DOWN_QUIET = 2
+
 #: The topic of notices for whichever client wrote the uuid (docs/protocol.md:
 #: a loser cannot name the writer of a split write, so every client hears it
 #: and acts only on a uuid of its own).
@@ -276,6 +282,7 @@ class HealingMixin(ServerBase):
         if ha is None or self.core.role is not Role.ACTIVE or ha.state is not BStarState.ACTIVE:
             return  # we are the one stepping down
         self._start_hold("won a split brain")
+        self._hold_split_seen = True
 
     def _start_hold(self, why: str) -> None:
         """Hold client updates until the peer's sync has streamed and what it
@@ -317,14 +324,82 @@ class HealingMixin(ServerBase):
         if not (quiet or now >= started + HOLD_MAX or not core.holding):
             return
         self._hold_started = self._hold_sync_done = None
+        self._hold_split_seen = False
         held = len(core.pending)
         core.release_held(now)
         self._commit_and_publish()
+        self._answer_heal_requests()
         log.info(
             "released %d client updates held through the split brain's heal after %.2f s",
             held,
             now - started,
         )
+
+    def _heal_defers_clients(self) -> bool:
+        """Whether a client's snapshot request waits for the hold to end: we
+        hold because a split brain heals.  Binary Star showed it to us; or
+        the peer, passive, announces the epoch it was elected at, below ours
+        (it was active since it started: it lost the split brain and stepped
+        down, often before we saw both active); or its forwarded writes have
+        begun to come (they only start once its sync from us is done).  A hold
+        at the peer's first sync alone may be a restarted peer's, with nothing
+        to forward.  A snapshot taken now lacks the loser's writes still to
+        come; the island client that confirmed them on the loser, failing
+        over to us, would see them vanish from its view and come back as they
+        are applied.  The peer's own sync is never held."""
+        started = self._hold_started
+        core = self.core
+        if started is None or not core.holding:
+            return False
+        ha = self._ha
+        loser = (
+            ha is not None
+            and ha.peer_state is BStarState.PASSIVE
+            and 0 < ha.peer_announced_epoch < ha.epoch
+        )
+        return self._hold_split_seen or loser or core.split_call_at >= started
+
+    def _answer_heal_requests(self) -> None:
+        """The hold is over: serve the client snapshot requests it held
+        (still active: a server that stepped down meanwhile drops them, and
+        their clients ask elsewhere)."""
+        requests = list(self._heal_requests)
+        self._heal_requests.clear()
+        if self.core.role is not Role.ACTIVE:
+            return
+        for identity, subtree, options in requests:
+            self._serve(identity, subtree, **options)
+
+    # -- the loser's side: updates that reached us after we stepped down ------
+
+    def _check_stepped_down(self) -> None:
+        """Housekeeping: once our clients have had time to leave us after a
+        split brain's step-down (STEPPED_DOWN_QUIET times the peer's
+        presumed-dead time) and our sync from the winner is done, drop the
+        client updates parked since that the winner has not published
+        (core.drop_pending_since).  Elected again before that, we apply them
+        at the promotion as any passive does."""
+        at = self._stepped_down_at
+        if at is None:
+            return
+        core = self.core
+        if core.role is not Role.PASSIVE:
+            self._stepped_down_at = None
+            return
+        cfg = self.config
+        quiet = STEPPED_DOWN_QUIET * cfg.ha_missed * cfg.heartbeat
+        if self._wallclock() < at + quiet or core.sync_state is not SyncState.SYNCED:
+            return
+        self._stepped_down_at = None
+        gone = core.drop_pending_since(at)
+        if gone:
+            log.warning(
+                "dropped %d client updates that reached us after we stepped down and that"
+                " the active at %s never applied: their writers still followed us (a"
+                " confirmed one is resent to the active by its client)",
+                gone,
+                self._followed,
+            )
 
     def _close_split_soon(self) -> None:
         """Done with the DEALER: no more sends on it now, and closed from a

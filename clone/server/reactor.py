@@ -413,6 +413,7 @@ class CloneServer(
             self._check_stalled_snapshots()
             self._check_split_writes()
             self._check_hold()
+            self._check_stepped_down()
             if self._deferred:
                 # The peer's expiry may have moved earlier (Binary Star saw its
                 # connection drop); the timer only knows the old one.

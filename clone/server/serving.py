@@ -156,6 +156,18 @@ class ServingMixin(ServerBase):
                 "icanhaz", logging.WARNING, "dropped a request from %s: %s", who(identity), exc
             )
             return
+        if not applied and self._heal_defers_clients():
+            # Healing a split brain: the loser's writes are still coming in,
+            # and a client synced now would lose them from its view until
+            # they came (the island's own confirmed writes gone, then back).
+            # Held, and answered when the hold ends (a client that asks again
+            # meanwhile is answered on its new connection; the old one's
+            # stream is dropped as unroutable).
+            self.counters["snapshots_held_heal"] += 1
+            self._heal_requests.append((identity, subtree, {
+                "batch": batch, "since": since, "user": user, "ttl_left": ttl_left}))
+            log.debug("snapshot request from %s held: healing a split brain", who(identity))
+            return
         ha = self._ha
         if ha is not None and not ha.accept_vote():
             # Binary Star: a server that may not serve stays silent.  If only

@@ -994,3 +994,15 @@ def test_an_election_after_a_peer_at_the_bound_saturates_there() -> None:
             BinaryStarFSM(True, 0.0, epoch=bad)
         with pytest.raises(ValueError):
             fsm.receive_peer_state(A, clock.now, bad)
+
+
+def test_the_peers_announced_epoch_is_its_last_message_s_and_peer_epoch_the_highest() -> None:
+    """A split brain's loser, passive again, still announces the epoch it was
+    elected at (clone's winner reads it: docs/failover.md, "Late copies"); a
+    restarted peer announces 0, though ``peer_epoch`` keeps the highest."""
+    fsm = _reach(BAK, A)  # the backup took over at epoch 2; the primary had 1
+    assert fsm.peer_announced_epoch == 1
+    fsm.receive_peer_state(S, 2.5, epoch=1)  # the loser stepped down
+    assert (fsm.peer_state, fsm.peer_announced_epoch, fsm.epoch) == (S, 1, 2)
+    fsm.receive_peer_state(P, 3.0, epoch=0)  # it restarted
+    assert (fsm.peer_announced_epoch, fsm.peer_epoch) == (0, 1)

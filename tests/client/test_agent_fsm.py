@@ -1065,3 +1065,66 @@ def test_a_writes_frames_are_sent_as_the_frontend_built_them() -> None:
     assert isinstance(again, SendUpdate) and again.msg == msg and again.frames is None
     (oneway,) = fsm.write(msg, 2.0, confirm_within=None, frames=frames)
     assert isinstance(oneway, SendUpdate) and oneway.frames is frames
+
+
+def test_an_update_older_than_the_fuzzy_snapshots_entry_arriving_after_it_is_skipped() -> None:
+    """The subscription lagged the snapshot (a connection TCP backed off
+    through a partition delivers late): updates between KTHXBAI's sequence and
+    a fuzzy entry's arrive after the sync, and must not take the key back."""
+    fsm = AgentFSM(None, CFG)
+    srv = MemoryServer(0)
+    srv.apply("a", b"1")
+    fsm.connect("tcp://a:1", 0.0)
+    snap = srv.snapshot()  # [a@1, KTHXBAI(1)]
+    late = [srv.apply("a", b"2"), srv.apply("a", b"3")]
+    snapshot_reply(fsm, 0, srv.map["a"], 0.1)  # fuzzy: a@3
+    snapshot_reply(fsm, 0, snap[-1], 0.1)
+    assert fsm.state is State.ACTIVE and fsm.get("a") == srv.map["a"]
+    assert fsm.update(0, late[0], 0.2) == []  # a@2: older than the a@3 held
+    assert fsm.get("a") == srv.map["a"] and fsm.last_sequence == 2
+    assert fsm.update(0, late[1], 0.2) == []  # a@3 itself: nothing changes
+    changed = fsm.update(0, srv.apply("a", b"4"), 0.3)
+    assert [(a.key, a.entry.body if a.entry else None) for a in changed
+            if isinstance(a, Changed)] == [("a", b"4")]
+
+
+@settings(max_examples=200, deadline=None)
+@given(before=_ops, during=_ops, after=_ops, cut=st.integers(0, 30), lag=st.integers(0, 30))
+def test_no_key_goes_back_whatever_the_subscription_lags(
+    before: list[tuple[str, bytes]],
+    during: list[tuple[str, bytes]],
+    after: list[tuple[str, bytes]],
+    cut: int,
+    lag: int,
+) -> None:
+    """A fuzzy snapshot (entries as of ``cut`` updates past KTHXBAI), and the
+    updates published meanwhile reaching the client partly before the end of
+    the sync and partly (``lag`` of them, the last) after it: every change the
+    client reports moves its key forward, and it ends equal to the server."""
+    srv = MemoryServer(0)
+    for k, v in before:
+        srv.apply(k, v)
+    fsm = AgentFSM(None, CFG)
+    fsm.emit_changes = True
+    fsm.connect("tcp://a:1", 0.0)
+    snap_seq = srv.seq
+    published = [srv.apply(k, v) for k, v in during]
+    replay = MemoryServer(0)
+    for k, v in [*before, *during[: min(cut, len(during))]]:
+        replay.apply(k, v)
+    split = max(0, len(published) - lag)
+    seen: dict[str, int] = {}
+    actions: list[object] = []
+    for update in published[:split]:
+        actions += fsm.update(0, update, 0.1)
+    for m in sorted(replay.map.values(), key=lambda m: m.key):
+        actions += snapshot_reply(fsm, 0, m, 0.2)
+    actions += snapshot_reply(fsm, 0, SnapshotEnd(snap_seq), 0.2)
+    for update in [*published[split:], *(srv.apply(k, v) for k, v in after)]:
+        actions += fsm.update(0, update, 0.3)
+    for a in actions:
+        if isinstance(a, Changed) and a.entry is not None:
+            assert a.entry.sequence >= seen.get(a.key, 0), (a.key, a.entry.sequence, seen)
+            seen[a.key] = a.entry.sequence
+    assert fsm.state is State.ACTIVE
+    assert {m.key: m.body for m in fsm.items()} == {k: m.body for k, m in srv.map.items()}

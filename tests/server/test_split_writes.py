@@ -206,3 +206,30 @@ def test_a_split_write_bound_to_a_lease_the_winner_holds_needs_its_owner(caller:
         (kept,) = winner.conflicts.records()
         assert (kept.key, kept.reason, kept.loser_uuid) == (b"/c", "lease-owner", _uuid(3))
         assert winner.store.entry(b"/c") is None
+
+
+def test_the_loser_drops_the_client_updates_that_reached_it_after_it_stepped_down() -> None:
+    """Its clients still follow it for a moment: a copy the winner also got
+    is confirmed by the winner's KVPUB; one that reached only the loser is
+    dropped (counted), never applied at a later promotion over the winner's
+    writes (the drill's island client, whose link to the winner was reset)."""
+    a, b, _ = _split()  # A stepped down at 10.0 and resynced from B
+    for frames in (_kvset("/k/1", 30, b"island, late"), _kvset("/k/both2", 31, b"to both")):
+        assert a.on_kvset(frames, 10.5) is None
+    pub = b.on_kvset(_kvset("/k/both2", 31, b"to both"), 10.6)
+    assert pub is not None
+    a.on_peer_update(pub, 10.7)  # the winner's KVPUB confirms that copy
+    assert len(a.pending) == 1
+    assert a.drop_pending_since(10.0) == 1
+    assert len(a.pending) == 0 and a.counters["pending_stepped_down"] == 1
+    a.become_active(20.0)  # elected again later: nothing of the island's comes back
+    assert _value(a, "/k/1") == b"written on B"
+
+
+def test_updates_parked_before_the_step_down_are_not_the_losers_to_drop() -> None:
+    core = ServerCore()
+    core.become_passive()
+    core.on_kvset(_kvset("/k/early", 40), 5.0)
+    core.on_kvset(_kvset("/k/late", 41), 12.0)
+    assert core.drop_pending_since(10.0) == 1
+    assert [p.msg.key for p in core.pending.drain()] == ["/k/early"]

@@ -2,8 +2,9 @@
 faults; every check passes, the output files exist, and the checker run again
 on the saved history gives the same verdict.
 
-Slow: about a minute.  Without root the partition and disk faults are left out
-(the run says so); the faults it can do still run.
+Slow: a minute of faults, about 80 s in all on a busy machine.  Without root
+the partition and disk faults are left out (the run says so); the faults it
+can do still run.
 """
 
 from __future__ import annotations
@@ -18,32 +19,27 @@ from clone.tools.chaos.checker import CHECKS
 from clone.tools.drill import cli
 
 SEED = 1  # as root: kill-both, a clock step, partition-all (plan.json)
+DURATION = 60  # seconds of faults and traffic, as issue 30 asks
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)  # a minute of faults, then the settling and the judging, on a busy host
 def test_a_short_chaos_run_passes_and_its_history_judges_again(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "chaos"
-    rc = cli.main(["--scenario", "chaos", "--duration", "15", "--seed", str(SEED),
+    rc = cli.main(["--scenario", "chaos", "--duration", str(DURATION), "--seed", str(SEED),
                    "--out", str(out), "--gap", "2", "4", "--length", "1", "3"])
     printed = capsys.readouterr().out
     verdict = json.loads((out / "verdict.json").read_text())
     assert rc == 0, printed
     assert verdict["ok"] is True and verdict["seed"] == SEED
     assert set(verdict["checks"]) == set(CHECKS)
-    # Every check passes; the counters' check alone may say UNKNOWN, and only
-    # when every counter was incremented during a split brain (this seed's
-    # partition-all can make a short one), which the pair does not promise to
-    # count exactly (docs/failover.md); its notes say so for each counter.
+    # Every check passes, the counters' too: an increment in a split brain is
+    # judged by the heal's rule (docs/drills.md, "Split brains"), not skipped.
     statuses = {n: c["status"] for n, c in verdict["checks"].items()}
-    assert all(s == "PASS" for n, s in statuses.items() if n != "cas_counters"), verdict["checks"]
-    cas = verdict["checks"]["cas_counters"]
-    assert cas["status"] == "PASS" or (
-        cas["status"] == "UNKNOWN"
-        and cas["notes"]
-        and all("split brain" in str(note) for note in cas["notes"].values())
-    ), cas
+    assert all(s == "PASS" for s in statuses.values()), verdict["checks"]
+    assert verdict["checks"]["cas_counters"]["checked"] >= 1, verdict["checks"]["cas_counters"]
     # Real traffic was judged: confirmed writes, increments, lock holds, leases.
     checked = {n: c["checked"] for n, c in verdict["checks"].items()}
     assert checked["lost_writes"] > 20 and checked["linearizable_cas"] > 10, checked

@@ -310,6 +310,12 @@ class Topology:
                     "--reject-with", "tcp-reset")
             self._in(ISLAND, "iptables", "-A", _CHAINS["OUTPUT"], *rule)
             self.cuts.append(f"{self.namespace(ISLAND)} {_CHAINS['OUTPUT']} {' '.join(rule)}")
+            # The RST that REJECT makes comes into the island "from" ``peer``:
+            # dropped by the rule below, it never reached the socket, which
+            # then retried each refused segment locally every 0.5 s and
+            # delivered them all at the heal, as through a silent cut.
+            self._keep(ISLAND, "INPUT", "-s", self.address(peer), "-p", "tcp",
+                       "--tcp-flags", "RST", "RST")
         self._drop(ISLAND, "INPUT", "-s", self.address(peer))
         self._drop(peer, "INPUT", "-s", island)
 
