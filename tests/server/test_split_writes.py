@@ -215,8 +215,8 @@ def test_the_loser_drops_the_client_updates_that_reached_it_after_it_stepped_dow
     writes (the drill's island client, whose link to the winner was reset)."""
     a, b, _ = _split()  # A stepped down at 10.0 and resynced from B
     for frames in (_kvset("/k/1", 30, b"island, late"), _kvset("/k/both2", 31, b"to both")):
-        assert a.on_kvset(frames, 10.5) is None
-    pub = b.on_kvset(_kvset("/k/both2", 31, b"to both"), 10.6)
+        assert kvset(a, frames, 10.5) is None  # parked: a passive publishes nothing
+    pub = kvset(b, _kvset("/k/both2", 31, b"to both"), 10.6)
     assert pub is not None
     a.on_peer_update(pub, 10.7)  # the winner's KVPUB confirms that copy
     assert len(a.pending) == 1
