@@ -189,6 +189,14 @@ class CloneServer(
         out.update(self.http_counters())
         if self.config.data_dir is not None:
             out["data_dir_bytes"] = dir_bytes(Path(self.config.data_dir))
+        storage = self._storage
+        if storage is not None:
+            # Where the durable commit's time goes (docs/benchmarks.md, issue 27).
+            timing = storage.timing
+            out["commits"] = timing.commits
+            out["commit_write_us"] = round(timing.write_s * 1e6)
+            out["commit_sync_us"] = round(timing.sync_s * 1e6)
+            out["commit_max_us"] = round(timing.max_s * 1e6)
         gatekeeper = self._gatekeeper
         if gatekeeper is not None:
             out["zap_admitted"] = gatekeeper.admitted

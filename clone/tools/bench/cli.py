@@ -31,6 +31,10 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(float(x)) for x in text.split(",") if x)
 
 
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="scripts/bench",
@@ -59,6 +63,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="durability: keys in the restart and catch-up data directories (1M)")
     p.add_argument("--durability-messages", type=int,
                    help="durability: messages per throughput run (20000)")
+    p.add_argument("--durability-parts", type=_words,
+                   help="durability: parts to run, of throughput,latency,restart,catch_up,engines"
+                   " (all)")
+    p.add_argument("--durability-fsyncs", type=_words,
+                   help="durability: --fsync policies of the throughput and latency runs"
+                   " (batch,always,off)")
+    p.add_argument("--no-redis", action="store_true",
+                   help="durability: no Redis appendfsync-always row even if redis-server exists")
     p.add_argument("--durability-dir", type=Path,
                    help="durability, calls: where durable servers keep their data (default: in the"
                    " log directory; use a real disk, not tmpfs)")
@@ -131,6 +143,13 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         value = getattr(args, arg)
         if value is not None:
             changes[name] = value
+    if args.durability_fsyncs is not None:
+        changes["durability_fsyncs"] = args.durability_fsyncs
+        changes["durability_latency_fsyncs"] = args.durability_fsyncs
+    if args.durability_parts is not None:
+        changes["durability_parts"] = args.durability_parts
+    if args.no_redis:
+        changes["durability_redis"] = False
     changes["profile_dir"] = args.profile
     changes["log_dir"] = args.log_dir or args.out.parent / (args.out.stem + "-logs")
     return BenchConfig.quick(**changes) if args.quick else replace(BenchConfig(), **changes)

@@ -45,7 +45,12 @@ class BenchConfig:
     # Fewer than throughput_messages: --fsync always commits ~1.5k updates/s here.
     durability_messages: int = 20_000
     durability_rate: int = 2_000
-    durability_latency_fsyncs: tuple[str, ...] = ("batch", "off")
+    durability_latency_fsyncs: tuple[str, ...] = ("batch", "always", "off")
+    # Which parts of the durability section run (all by default).
+    durability_parts: tuple[str, ...] = ("throughput", "latency", "restart", "catch_up",
+                                         "engines")
+    # A Redis appendfsync-always row next to the clone rows, when redis-server is installed.
+    durability_redis: bool = True
     durability_keys: int = 1_000_000
     durability_missed: int = 1_000
     durability_restarts: int = 2

@@ -8,6 +8,7 @@ pyzmq forwarder (see :mod:`clone.tools.bench`); every section runs through
 from __future__ import annotations
 
 import contextlib
+import json
 import queue
 import shutil
 import time
@@ -49,6 +50,8 @@ __all__ = [
     "ServerOptions",
     "Target",
     "cpu_seconds",
+    "final_stats",
+    "server_summary",
     "load_keys",
     "rss",
     "running_target",
@@ -69,6 +72,9 @@ class Target:
     curve: ClientCurve | None = None
     #: What the restricted reader (:attr:`CurveOptions.restricted`) counted, once stopped.
     restricted: dict[str, Any] | None = None
+    #: A clone-server's counters as it logged them when stopped (its last
+    #: ``stats: {json}`` line), once the ``with`` block of :func:`running_target` ends.
+    server_stats: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,7 @@ def running_target(
                 yield target
         finally:
             proc.stop()
+            target.server_stats = final_stats(proc.log_text())
             if opts.data_dir is not None:
                 shutil.rmtree(opts.data_dir, ignore_errors=True)
         return
@@ -292,6 +299,31 @@ def traffic(
         raise RuntimeError(f"{target.name}: the writer did not report")
     return writer_res, sorted((r for r in got if r["role"] == "watcher"), key=lambda r: r["idx"])
 
+
+
+def final_stats(log_text: str) -> dict[str, Any] | None:
+    """The counters of the last ``stats: {json}`` line of a server's log (a
+    stopping server logs one), or None."""
+    at = log_text.rfind("stats: {")
+    if at < 0:
+        return None
+    line = log_text[at + len("stats: "):].split("\n", 1)[0]
+    try:
+        stats = json.loads(line)
+    except ValueError:
+        return None
+    return stats if isinstance(stats, dict) else None
+
+
+#: What a run keeps of a clone-server's final counters.
+_SERVER_KEYS = ("sequence", "heartbeat_max_late_ms", "commits", "commit_write_us",
+                "commit_sync_us", "commit_max_us")
+
+
+def server_summary(target: Target) -> dict[str, Any]:
+    """The final counters a run reports about a clone target (empty for the ceilings)."""
+    stats = target.server_stats or {}
+    return {k: stats[k] for k in _SERVER_KEYS if k in stats}
 
 
 def cpu_seconds(pid: int) -> tuple[float, float]:
