@@ -299,12 +299,8 @@ class Storage:
             if term != self._term:
                 self.set_position(self._sequence, term)
             return
-        if self._fsync is FsyncPolicy.ALWAYS:
-            last = len(updates) - 1
-            for i, update in enumerate(updates):
-                self._write_group((update,), (ats[i],), term, keep_from if i == last else None)
-        else:
-            self._write_group(updates, ats, term, keep_from)
+        # One transaction, so one fsync, for the whole group under every policy.
+        self._write_group(updates, ats, term, keep_from)
 
     def _write_group(
         self,
