@@ -71,6 +71,7 @@ from clone.wire.calls import (
     OP_CONFLICT_APPLY,
     OP_LEASE_GRANT,
     OP_LEASE_KEEPALIVE,
+    OP_LEASE_KEEPALIVES,
     OP_SET,
     Call,
     Reply,
@@ -80,6 +81,7 @@ from clone.wire.calls import (
     decode_call,
     lease_id_of,
     lease_key,
+    parse_keepalives,
     parse_lease_ttl,
 )
 from clone.wire.codec import (
@@ -237,6 +239,7 @@ COUNTERS = (
     "leases_revoked",
     "leases_expired",
     "lease_keepalives",
+    "lease_keepalive_batches",
     "lease_keys_deleted",
     "lease_orphans_deleted",
 )
@@ -1201,6 +1204,8 @@ class ServerCore:
             return self._call_ahead(call), False
         if call.op in CONFLICT_OPS:
             return self._call_conflict(call, now, mono)
+        if call.op == OP_LEASE_KEEPALIVES:
+            return self._call_keepalives(call, mono, caller), False
         lease_id = call.lease
         assert lease_id is not None  # check_call
         held = self.leases.get(lease_id)
@@ -1220,6 +1225,31 @@ class ServerCore:
         c["leases_revoked"] += 1
         c["calls_ok"] += 1
         return Reply(call.uuid, "ok", self.store.sequence, lease=lease_id, ttl=held.ttl), True
+
+    def _call_keepalives(self, call: Call, mono: float, caller: str) -> Reply:
+        """Many leases kept alive by one call (issue 27: a client holding
+        10,000 leases sent 10,000 keepalives a ttl/3).  Each lease is judged
+        as its own ``lease-keepalive`` would be; the ones not kept are listed
+        with their reason, and the call itself is ``ok``."""
+        c = self.counters
+        leases = self.leases
+        gone: list[tuple[str, str]] = []
+        kept = 0
+        for lease_id, secret in parse_keepalives(call.body):
+            held = leases.get(lease_id)
+            if held is None:
+                c["calls_unknown_lease"] += 1
+                gone.append((lease_id, "unknown-lease"))
+            elif not may_use(held.owner, caller, secret):
+                c["calls_not_owner"] += 1
+                gone.append((lease_id, "not-owner"))
+            else:
+                leases.keepalive(lease_id, mono)
+                kept += 1
+        c["lease_keepalives"] += kept
+        c["lease_keepalive_batches"] += 1
+        c["calls_ok"] += 1
+        return Reply(call.uuid, "ok", kept=kept, gone=tuple(gone))
 
     def _call_ahead(self, call: Call) -> Reply:
         """How many contenders are ahead of ``call.key`` in its lock's queue.

@@ -320,19 +320,22 @@ def test_calls_section_through_the_cli(
             assert r["conflict_rate_median"] == 0 and r["ok_per_caller_min"] > 0
         assert r["ok_per_caller_min"] <= r["ok_per_caller_max"] and r["abandoned_max_ms"] >= 0
         assert r["chained"]
-    zero, held, idle, elsewhere = d["leases"]["runs"]
-    assert [(r["leases"], r["kept_alive"], r["elsewhere"])
-            for r in (zero, held, idle, elsewhere)] == [
-        (0, True, False), (100, True, False), (100, False, False), (100, True, True)]
+    zero, held, batched, idle, elsewhere = d["leases"]["runs"]
+    assert [(r["leases"], r["kept_alive"], r["elsewhere"], r["batched"])
+            for r in (zero, held, batched, idle, elsewhere)] == [
+        (0, True, False, False), (100, True, False, False), (100, True, False, True),
+        (100, False, False, False), (100, True, True, False)]
     assert "keepalives_per_s_median" not in zero and "keepalives_per_s_median" not in idle
-    for kept in (held, elsewhere):
+    for kept in (held, batched, elsewhere):
         assert kept["keepalives_per_s_median"] > 0
         assert kept["keepalive_not_ok"] == 0 and kept["keepalive_unanswered"] == 0
-    for r in (zero, held, idle, elsewhere):
+    for r in (zero, held, batched, idle, elsewhere):
         assert r["lost"] == 0 and r["latency"]["count"] == 250 and r["delivered"] == 1.0
         assert r["rate_median"] > 0 and r["server_cpu_pct_median"] >= 0
     assert set(d["leases"]["throughput_ratios"]) == {
-        "100_leases_vs_0", "100_leases_held_idle_vs_0", "100_leases_elsewhere_vs_0"}
+        "100_leases_vs_0", "100_leases_batched_vs_0", "100_leases_held_idle_vs_0",
+        "100_leases_elsewhere_vs_0"}
+    assert "kept alive by batched keepalives" in printed
     assert "on another server (control)" in printed
     assert not (tmp_path / "logs" / "calls-data").exists()  # data dirs removed
 

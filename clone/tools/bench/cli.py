@@ -100,6 +100,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="calls: plain writes/s measured next to the leases (2000)")
     p.add_argument("--calls-messages", type=int,
                    help="calls: plain writes of the throughput run next to the leases (20000)")
+    p.add_argument("--calls-parts", type=_words,
+                   help="calls: parts to run, of rtt,concurrency,leases (all)")
     p.add_argument("--repeats", type=int,
                    help="throughput/latency: runs of each case, median reported (default 3)")
     p.add_argument("--probes", type=int,
@@ -148,6 +150,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         changes["durability_latency_fsyncs"] = args.durability_fsyncs
     if args.durability_parts is not None:
         changes["durability_parts"] = args.durability_parts
+    if args.calls_parts is not None:
+        changes["calls_parts"] = args.calls_parts
     if args.no_redis:
         changes["durability_redis"] = False
     changes["profile_dir"] = args.profile

@@ -77,6 +77,7 @@ class BenchConfig:
     calls_lease_ttl: float = 3.0  # kept alive every ttl/3
     calls_write_rate: int = 2_000  # plain writes/s next to the leases (latency)
     calls_messages: int = 20_000  # plain writes next to the leases (throughput)
+    calls_parts: tuple[str, ...] = ("rtt", "concurrency", "leases")  # which parts run
     # Subscribers measured by a Python watcher process each; the others are C sinks.
     probes: int = 1
     # Throughput and latency runs are repeated, interleaved; the median is reported.
