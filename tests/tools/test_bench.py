@@ -177,6 +177,11 @@ def test_snapshot_and_memory_sections_through_the_cli(
     assert snap["hugz_max_gap_s"] is not None and snap["hugz_max_gap_s"] > 0
     mem = results["sections"]["memory"]
     assert mem["keys"] == 2000 and mem["rss_empty"] > 0 and mem["rss_loaded"] > 0
+    # In memory and durable, each with its bytes over key+value (issue 27).
+    assert [(r["mode"], r["keys"]) for r in mem["runs"]] == [
+        ("in-memory", 2000), ("fsync-batch", 2000)]
+    for r in mem["runs"]:
+        assert r["over_key_value"] == pytest.approx(r["bytes_per_key"] - 19 - 100, abs=0.2)
     assert "| keys |" in md.read_text()
 
 

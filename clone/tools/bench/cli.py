@@ -58,7 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", type=_ints, help="latency: offered rates, e.g. 1000,2000,5000,10000")
     p.add_argument("--rate-seconds", type=float, help="latency: seconds per rate")
     p.add_argument("--snapshot-sizes", type=_ints, help="snapshot: key counts, e.g. 10000,100000")
-    p.add_argument("--memory-keys", type=int, help="memory: keys to load")
+    p.add_argument("--memory-keys", type=_ints,
+                   help="memory: keys to load, or sizes, e.g. 100000,1000000")
     p.add_argument("--durability-keys", type=int,
                    help="durability: keys in the restart and catch-up data directories (1M)")
     p.add_argument("--durability-messages", type=int,
@@ -120,7 +121,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         ("rates", "rates"),
         ("rate_seconds", "rate_seconds"),
         ("snapshot_sizes", "snapshot_sizes"),
-        ("memory_keys", "memory_keys"),
         ("durability_keys", "durability_keys"),
         ("durability_messages", "durability_messages"),
         ("durability_dir", "durability_dir"),
@@ -150,6 +150,9 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         changes["durability_latency_fsyncs"] = args.durability_fsyncs
     if args.durability_parts is not None:
         changes["durability_parts"] = args.durability_parts
+    if args.memory_keys is not None:
+        changes["memory_keys"] = args.memory_keys[0]
+        changes["memory_sizes"] = args.memory_keys
     if args.calls_parts is not None:
         changes["calls_parts"] = args.calls_parts
     if args.no_redis:
