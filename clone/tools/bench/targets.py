@@ -350,8 +350,14 @@ def rss(pid: int) -> int:
     return int(psutil.Process(pid).memory_info().rss)
 
 
-def load_keys(ctx: zmq.Context[Any], target: Target, n: int, size: int) -> float:
-    """Set keys ``/bench/snap/0000000`` .. in the server; seconds until all applied."""
+def load_keys(ctx: zmq.Context[Any], target: Target, n: int, size: int,
+              chunk: int | None = None) -> float:
+    """Set keys ``/bench/snap/0000000`` .. in the server; seconds until all applied.
+
+    ``chunk``: wait for each ``chunk`` keys to be applied before sending more,
+    so that the server's receive queue stays small (the memory section: a
+    queue of a million messages leaves its high-water in the RSS).
+    """
     done = ctx.socket(zmq.SUB)
     done.setsockopt(zmq.SUBSCRIBE, DONE_PREFIX)
     cap_message_size(done)
@@ -364,20 +370,26 @@ def load_keys(ctx: zmq.Context[Any], target: Target, n: int, size: int) -> float
     t0 = time.monotonic()
     send = pub.send_multipart
     prefix = SNAP_SUBTREE.encode()
-    for i in range(n):
-        send([prefix + b"%07d" % i, ZERO_SEQ, uuid(i), b"", body])
-    # A sentinel after the keys: when it comes back, every key before it is applied.
-    # Resent until seen, because the first one may precede our subscription.
-    deadline = time.monotonic() + 60 + n / 2000
+    step = chunk or n
     k = 0
     try:
-        while time.monotonic() < deadline:
-            send(kvset(DONE_PREFIX + str(k).encode(), b"d", (1 << 41) + k))
-            k += 1
-            if done.poll(500):
-                recv_frames(done)
-                return time.monotonic() - t0
-        raise RuntimeError(f"loading {n} keys did not finish in time")
+        for start in range(0, n, step):
+            for i in range(start, min(n, start + step)):
+                send([prefix + b"%07d" % i, ZERO_SEQ, uuid(i), b"", body])
+            # A sentinel after the keys: when it comes back, every key before it is
+            # applied.  Resent until seen, because the first one may precede our
+            # subscription.
+            deadline = time.monotonic() + 60 + step / 2000
+            while True:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"loading {n} keys did not finish in time")
+                send(kvset(DONE_PREFIX + str(k).encode(), b"d", (1 << 41) + k))
+                k += 1
+                if done.poll(500):
+                    while done.poll(0):  # earlier sentinels of this chunk too
+                        recv_frames(done)
+                    break
+        return time.monotonic() - t0
     finally:
         pub.close(linger=0)
         done.close(linger=0)
