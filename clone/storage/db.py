@@ -56,6 +56,14 @@ logger = logging.getLogger(__name__)
 #: [key, seq8, uuid, props, body] (an empty body is a delete), the term, and ``at``.
 Update = tuple[list[bytes], int, float]
 
+#: The log is trimmed once ``keep_from`` has moved this far since the last
+#: trim (the first ``keep_from`` after open always trims).  A trim every
+#: commit dirtied the log's first page each time: 5.4 WAL pages per
+#: single-update commit instead of 4.1 (issue 27, docs/benchmarks.md).  The
+#: log then holds up to this many rows more than asked, which a restart's
+#: history drops as it loads (it keeps its newest updates).
+TRIM_EVERY = 1024
+
 #: The WAL is reset to this size when it restarts, so one burst does not keep a
 #: big file around.
 _WAL_SIZE_LIMIT = 64 * 1024 * 1024
@@ -124,6 +132,7 @@ class Storage:
         self._sequence = sequence
         self._term = term
         self.timing = CommitTiming()
+        self._trimmed_from: int | None = None  # the keep_from of the last trim
 
     # -- opening and closing -------------------------------------------------
 
@@ -285,7 +294,8 @@ class Storage:
 
         The state, the log, and meta's sequence (the last update's) and term
         change together.  ``at`` is one time for all or one per update;
-        ``keep_from`` trims the log below that sequence in the same commit.
+        ``keep_from`` trims the log below that sequence in the same commit,
+        once it has moved :data:`TRIM_EVERY` since the last trim.
         """
         ats = _times(at, len(updates))
         for update in updates:
@@ -335,9 +345,13 @@ class Storage:
                 log_rows,
             )
             _set_meta(conn, sequence, term)
-            if keep_from is not None:
+            trimmed = self._trimmed_from
+            trim = keep_from is not None and (trimmed is None or keep_from - trimmed >= TRIM_EVERY)
+            if trim:
                 conn.execute("DELETE FROM log WHERE seq < ?", (keep_from,))
         self._sequence, self._term = sequence, term
+        if trim:
+            self._trimmed_from = keep_from
 
     def set_position(self, sequence: int, term: int) -> None:
         """Record a new sequence and term alone (e.g. a promotion bumps the term)."""
@@ -371,6 +385,7 @@ class Storage:
             conn.execute("DELETE FROM log")
             _set_meta(conn, sequence, term)
         self._sequence, self._term = sequence, term
+        self._trimmed_from = None
 
     def abort_replace(self) -> None:
         """Drop the staged state, if any; the current one is untouched."""
