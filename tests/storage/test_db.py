@@ -201,9 +201,9 @@ def test_the_log_is_trimmed_once_keep_from_moved_trim_every(
     for keep in range(6, 6 + TRIM_EVERY - 1):  # keep_from creeps up: no trim
         seq += 1
         s.append([upd(b"k", seq)], term=1, at=0.0, keep_from=keep)
-    first = [int.from_bytes(f[1], "big") for f, _, _ in s.load().history][0]
+    first = int.from_bytes(s.load().history[0][0][1], "big")
     assert first == 5
     seq += 1
     s.append([upd(b"k", seq)], term=1, at=0.0, keep_from=5 + TRIM_EVERY)  # moved far enough
-    first = [int.from_bytes(f[1], "big") for f, _, _ in s.load().history][0]
+    first = int.from_bytes(s.load().history[0][0][1], "big")
     assert first == 5 + TRIM_EVERY
