@@ -15,7 +15,13 @@ deadline the call is dropped without a word: the frontend, which holds the
 same deadline, raises :class:`~clone.errors.NotActive`.
 
 Leases: the frontend registers a granted lease (:meth:`Calls.keep_lease`); every
-``ttl / 3`` we send a ``lease-keepalive`` with a fresh uuid and no waiter.  An
+``ttl / 3`` we send a ``lease-keepalive`` with a fresh uuid and no waiter.
+Holding more than one, we send one ``lease-keepalives`` call for every lease
+due and every lease due within half an interval more (so that a client's
+leases fall into step and travel together: one message per client, as etcd
+keeps one keepalive stream per client); its reply names the leases not kept.
+A server or relay that refuses the batched call (an older one answers
+``malformed``) gets one call per lease from then on.  An
 unanswered keepalive is resent like any call, and replaced by the next one when
 that is due.  A keepalive refused for any reason but ``not-active``
 (``unknown-lease``: it expired, or someone revoked it) means the lease cannot
@@ -49,12 +55,15 @@ from clone.client.state import (
 )
 from clone.wire.calls import (
     LEASE_PROPERTY,
+    MAX_KEEPALIVES_PER_CALL,
     OP_LEASE_KEEPALIVE,
+    OP_LEASE_KEEPALIVES,
     OP_LEASE_REVOKE,
     SECRET_PROPERTY,
     Call,
     Reply,
     encode_call,
+    encode_keepalives,
     valid_lease_id,
     valid_secret,
 )
@@ -115,6 +124,8 @@ class Calls(AgentState):
             log.debug("%s answered a call not-active; will ask again", self.servers[server])
             return []
         del self._calls[reply.uuid]
+        if pending.leases:
+            return self._batch_reply(pending, reply, now)
         if pending.lease is None:
             if reply.ok and pending.frames[1] == b"set":
                 self._remember_confirmed(reply.uuid, pending.frames[3].decode("utf-8", "replace"))
@@ -147,9 +158,12 @@ class Calls(AgentState):
     def _calls_due(self, now: float) -> list[Action]:
         """Keepalives due, calls past their deadline, resends due or owed to a
         new server or a completed sync."""
-        for lease_id, kept in self._leases.items():
-            if now >= kept.next_keepalive:
-                self._keepalive(lease_id, kept, now)  # sent below, with the rest
+        due = [lid for lid, kept in self._leases.items() if now >= kept.next_keepalive]
+        if due and self._batch_keepalives and len(self._leases) > 1:
+            self._keepalive_batches(now)  # sent below, with the rest
+        else:
+            for lease_id in due:
+                self._keepalive(lease_id, self._leases[lease_id], now)
         route = self._route()
         rerouted = route != self._call_route
         self._call_route = route
@@ -198,6 +212,69 @@ class Calls(AgentState):
         frames = encode_call(OP_LEASE_KEEPALIVE, uuid, properties=props)
         self._calls[uuid] = _PendingCall(tuple(frames), _NEVER, now, lease=lease_id)
 
+    def _keepalive_batches(self, now: float) -> None:
+        """``lease-keepalives`` calls for the leases due and those due within
+        half an interval more, replacing their unanswered keepalives."""
+        group = [
+            (lease_id, kept)
+            for lease_id, kept in self._leases.items()
+            if now >= kept.next_keepalive - kept.ttl / (2 * KEEPALIVES_PER_TTL)
+        ]
+        if len(group) == 1:
+            self._keepalive(*group[0], now)
+            return
+        replaced = {kept.inflight for _, kept in group if kept.inflight is not None}
+        for at in range(0, len(group), MAX_KEEPALIVES_PER_CALL):
+            chunk = group[at:at + MAX_KEEPALIVES_PER_CALL]
+            uuid = self.new_call_id()
+            for _, kept in chunk:
+                kept.inflight = uuid
+                kept.inflight_at = now
+                kept.next_keepalive = now + kept.ttl / KEEPALIVES_PER_TTL
+            self.counters.keepalives += len(chunk)
+            self.counters.keepalive_batches += 1
+            body = encode_keepalives([(lease_id, kept.secret) for lease_id, kept in chunk])
+            frames = encode_call(OP_LEASE_KEEPALIVES, uuid, body=body)
+            self._calls[uuid] = _PendingCall(
+                tuple(frames), _NEVER, now, leases=tuple(lid for lid, _ in chunk), made=now
+            )
+        # An older keepalive all of whose leases are in a new call is moot.
+        still = {k.inflight for k in self._leases.values() if k.inflight is not None}
+        for old in replaced - still:
+            self._calls.pop(old, None)
+
+    def _batch_reply(self, pending: _PendingCall, reply: Reply, now: float) -> list[Action]:
+        """The answer to a ``lease-keepalives``: each lease kept, or gone with
+        its reason; a refusal of the call itself means the server does not
+        take batches (or judged the call as a whole): one call per lease."""
+        actions: list[Action] = []
+        if not reply.ok or reply.kept is None:
+            self._batch_keepalives = False
+            log.warning("a server refused a batched keepalive (%s); keeping each lease alive"
+                        " with its own call from now on", reply.reason or reply.status)
+            for lease_id in pending.leases:
+                kept = self._leases.get(lease_id)
+                if kept is not None and kept.inflight == reply.uuid:
+                    kept.inflight = None
+                    kept.next_keepalive = now  # at the next tick, one by one
+            return actions
+        gone = dict(reply.gone)
+        for lease_id in pending.leases:
+            kept = self._leases.get(lease_id)
+            if kept is None:
+                continue  # revoked meanwhile
+            if kept.inflight == reply.uuid:
+                kept.inflight = None
+            why = gone.get(lease_id)
+            if why is None:
+                actions.append(LeaseKept(lease_id, pending.made + kept.ttl))
+                continue
+            log.warning("lease %s is gone: a keepalive was refused, %s", lease_id, why)
+            self._stop_keeping(lease_id)
+            self.counters.leases_lost += 1
+            actions.append(LeaseGone(lease_id, why))
+        return actions
+
     def _kept_reply(self, lease_id: str, reply: Reply) -> list[Action]:
         """The answer to a keepalive: kept (ok), or gone (any refusal)."""
         kept = self._leases.get(lease_id)
@@ -218,5 +295,12 @@ class Calls(AgentState):
 
     def _stop_keeping(self, lease_id: str) -> None:
         kept = self._leases.pop(lease_id, None)
-        if kept is not None and kept.inflight is not None:
+        if kept is None or kept.inflight is None:
+            return
+        pending = self._calls.get(kept.inflight)
+        # A batched keepalive stays while it keeps another lease alive.
+        if pending is not None and not any(
+            lid in self._leases and self._leases[lid].inflight == kept.inflight
+            for lid in pending.leases
+        ):
             self._calls.pop(kept.inflight, None)

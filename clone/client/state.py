@@ -195,6 +195,7 @@ class AgentCounters:
     calls_not_active: int = 0
     late_replies: int = 0
     keepalives: int = 0  # lease keepalives sent (each a fresh call)
+    keepalive_batches: int = 0  # lease-keepalives calls sent, each for many leases
     writes_as_calls: int = 0  # writes sent as calls (restricted mode: every write)
     leases_lost: int = 0  # kept leases a server said are gone
     # Restricted mode: view heartbeats whose count differed from ours (a resync),
@@ -234,6 +235,10 @@ class _PendingCall:
     next_send: float  # _NEVER: not sent yet, no server to send it to
     lease: str | None = None  # a keepalive of this kept lease: nobody waits on it
     sends: int = 0
+    #: A lease-keepalives call: the kept leases it names (nobody waits on it),
+    #: and when it was made (each lease is then valid until then + its ttl).
+    leases: tuple[str, ...] = ()
+    made: float = 0.0
 
 
 @dataclass(slots=True)
@@ -308,6 +313,9 @@ class AgentState:
         # again at once (clone.client.calls).
         self._calls: dict[bytes, _PendingCall] = {}
         self._leases: dict[str, _KeptLease] = {}
+        # Whether the servers take lease-keepalives (issue 27); False from the
+        # first refusal of one (an older server or relay): one call per lease.
+        self._batch_keepalives = True
         self._call_route: tuple[int | None, int] = (None, 0)
         # Silence allowed while active, per server that said its heartbeat.
         self._advertised_timeout: dict[int, float] = {}

@@ -33,6 +33,7 @@ from clone.server.publishing import Publisher
 from clone.server.rolelog import load_role_changes, save_role_changes
 from clone.server.snapshot import SnapshotStream
 from clone.server.status import StatusLimiter, clone_version
+from clone.server.turns import TurnBudget
 from clone.server.votes import DeferredVotes
 from clone.wire.frames import cap_message_size
 from clone.wire.protocol import MAX_HEARTBEAT_MS
@@ -125,6 +126,8 @@ class ServerBase:
         self._storage: Storage | None = None
         self._data_term = 0  # the term our stored data was last written under
         self._storage_error: BaseException | None = None  # set once: fail-stop
+        # How long a collector turn drains, leaving room for its commit (clone.server.turns).
+        self._turns = TurnBudget(TURN_BUDGET)
         # Security (clone.server.security): all None / empty without --curve-secret.
         self._keypair: KeyPair | None = None
         self._gatekeeper: Gatekeeper | None = None

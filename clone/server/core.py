@@ -187,6 +187,7 @@ COUNTERS = (
     "leases_revoked",
     "leases_expired",
     "lease_keepalives",
+    "lease_keepalive_batches",
     "lease_keys_deleted",
     "lease_orphans_deleted",
 )

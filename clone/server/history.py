@@ -19,20 +19,28 @@ a full resync).  A new history is empty and accepts any first update.
 The database log can drop rows below :attr:`History.keep_from`: this history
 never needs them again.
 
-An index from each held update's uuid to its sequence answers "what sequence
+An index from each held update's uuid to its frames (which hold its
+sequence: no int object per update) answers "what sequence
 did the write with this uuid get" in O(1) (a retried call, and every write a
 split brain's loser forwards, asks it: a scan per write stalled a healing
 server for a minute).  It changes only where the ring does: an append adds
 (the newest update with a uuid wins, as a newest-first scan would find it), an
 eviction removes the entry if it still names the evicted update, a restart or
 reset clears it.  Sans-IO: no sockets, no clock, no database.
+
+The term each update was written under is kept as runs, ``(first sequence,
+term)`` per change of term, not beside each update: terms change once per
+failover, and a ``(frames, term)`` pair per held update cost 64 bytes each,
+6.4 MB of a full 100,000-update history (issue 27, the memory per key).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Iterable, Sequence
 from itertools import islice
+from math import inf
 
 __all__ = ["History"]
 
@@ -62,6 +70,7 @@ class History:
         "_index",
         "_max_bytes",
         "_max_updates",
+        "_terms",
         "_updates",
         "restarts",
     )
@@ -73,7 +82,10 @@ class History:
             raise ValueError(f"max_bytes must be at least 1, not {max_bytes}")
         self._max_updates = max_updates
         self._max_bytes = max_bytes
-        self._updates: deque[_Entry] = deque()
+        self._updates: deque[_Frames] = deque()
+        # (first sequence, term) at each change of term, oldest first; the
+        # first run may start before the oldest held update (evicted below it).
+        self._terms: list[tuple[int, int]] = []
         # The sequence the history starts after: the first update is _base + 1.
         self._base = 0
         # Whether _base is known (reset() or an update seen): until then, any
@@ -81,7 +93,7 @@ class History:
         self._anchored = False
         self._bytes = 0
         # uuid -> the sequence of the newest held update with it.
-        self._index: dict[_Uuid, int] = {}
+        self._index: dict[_Uuid, _Frames] = {}
         #: Times the history was cleared because an update did not follow.
         self.restarts = 0
 
@@ -104,24 +116,33 @@ class History:
                 self.restarts += 1
             updates.clear()
             self._index.clear()
+            self._terms.clear()
             self._bytes = 0
             self._base = seq - 1
         self._anchored = True
         stored = frames if type(frames) is tuple else tuple(frames)
-        updates.append((stored, term))
+        updates.append(stored)
+        terms = self._terms
+        if not terms or terms[-1][1] != term:
+            terms.append((seq, term))
         index = self._index
-        index[stored[2]] = seq
+        index[stored[2]] = stored
         self._bytes += _size(stored)
         # Evict the oldest, but never the newest: it anchors the next append.
         while len(updates) > 1 and (
             len(updates) > self._max_updates or self._bytes > self._max_bytes
         ):
-            old, _ = updates.popleft()
+            old = updates.popleft()
             self._bytes -= _size(old)
             self._base += 1
             # A newer update with the same uuid keeps its entry.
-            if index.get(old[2]) == self._base:
+            if index.get(old[2]) is old:
                 del index[old[2]]
+        # Runs wholly below the oldest held update are no one's any more.
+        first = self._base + 1
+        if len(terms) > 1 and terms[1][0] <= first:
+            while len(terms) > 1 and terms[1][0] <= first:
+                del terms[0]
 
     def reset(self, sequence: int) -> None:
         """Empty the history; the next update will be ``sequence + 1``.
@@ -133,6 +154,7 @@ class History:
             raise ValueError(f"sequence must not be negative, not {sequence}")
         self._updates.clear()
         self._index.clear()
+        self._terms.clear()
         self._bytes = 0
         self._base = sequence
         self._anchored = True
@@ -186,23 +208,33 @@ class History:
         if not self.covers(seq):
             raise ValueError(f"history ({self._base}, {self.last}] does not cover {seq}")
         count = self._base + len(self._updates) - seq
-        out = [frames for frames, _ in islice(reversed(self._updates), count)]
+        out = list(islice(reversed(self._updates), count))
         out.reverse()
         return out
 
     def sequence_of(self, uuid: _Uuid) -> int | None:
         """The sequence of the newest held update with ``uuid``, if any: O(1)."""
-        return self._index.get(uuid)
+        frames = self._index.get(uuid)
+        return None if frames is None else int.from_bytes(frames[1], "big")
 
     def written_under(self, term: int) -> list[_Frames]:
         """The held updates recorded under ``term``, oldest first: what a
         server wrote while active in it (a demoted one's split-brain writes
         are among them)."""
-        return [frames for frames, t in self._updates if t == term]
+        out: list[_Frames] = []
+        terms, updates, base = self._terms, self._updates, self._base
+        for i, (start, t) in enumerate(terms):
+            if t != term:
+                continue
+            end = terms[i + 1][0] if i + 1 < len(terms) else base + len(updates) + 1
+            lo, hi = max(start - base - 1, 0), max(end - base - 1, 0)
+            out.extend(islice(updates, lo, hi))
+        return out
 
     def entry(self, seq: int) -> _Entry | None:
         """The update at ``seq`` and its term, or None if not held."""
         index = seq - self._base - 1
         if 0 <= index < len(self._updates):
-            return self._updates[index]
+            terms = self._terms
+            return self._updates[index], terms[bisect_right(terms, (seq, inf)) - 1][1]
         return None

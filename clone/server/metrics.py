@@ -323,6 +323,11 @@ class CloneCollector(Collector):
             "Lease keepalives accepted (never published).",
             num("lease_keepalives"),
         )
+        yield _counter(
+            "clone_lease_keepalive_batches",
+            "lease-keepalives calls answered, each keeping many leases alive.",
+            num("lease_keepalive_batches"),
+        )
         if server.config.mode is ServerMode.RELAY:
             relayed = CounterMetricFamily(
                 "clone_relay_calls",

@@ -463,7 +463,8 @@ class RelayMixin(ServerBase):
 
     def _on_call_reply(self, frames: list[bytes]) -> None:
         """A REPLY from the upstream: to the caller of its uuid, at once or never."""
-        if len(frames) != 4 or frames[0] != REPLY or len(frames[1]) != 16:
+        # 4 frames, or 5 answering a lease-keepalives (clone.wire.calls).
+        if len(frames) not in (4, 5) or frames[0] != REPLY or len(frames[1]) != 16:
             self._throttle.log(
                 "call_reply",
                 logging.WARNING,

@@ -155,9 +155,11 @@ def _bench_tables(results: dict[str, Any], markdown: bool) -> list[tuple[str, st
         out.append((
             "Server memory",
             table(
-                ["keys", "value bytes", "RSS empty MiB", "RSS loaded MiB", "bytes/key"],
-                [[m["keys"], m["value_size"], m["rss_empty"] / 2**20, m["rss_loaded"] / 2**20,
-                  m["bytes_per_key"]]],
+                ["server", "keys", "value bytes", "RSS empty MiB", "RSS loaded MiB", "bytes/key",
+                 "over key+value"],
+                [[r.get("mode", "in-memory"), r["keys"], r["value_size"], r["rss_empty"] / 2**20,
+                  r["rss_loaded"] / 2**20, r["bytes_per_key"], r.get("over_key_value", "-")]
+                 for r in m.get("runs", [m])],
                 markdown=markdown,
             ),
         ))

@@ -72,6 +72,8 @@ __all__ = [
     "OP_SET",
     "OP_LEASE_GRANT",
     "OP_LEASE_KEEPALIVE",
+    "OP_LEASE_KEEPALIVES",
+    "MAX_KEEPALIVES_PER_CALL",
     "OP_LEASE_REVOKE",
     "OP_AHEAD",
     "OP_CONFLICT_APPLY",
@@ -93,9 +95,11 @@ __all__ = [
     "decode_call",
     "decode_reply",
     "encode_call",
+    "encode_keepalives",
     "encode_reply",
     "is_call",
     "lease_id_of",
+    "parse_keepalives",
     "lease_key",
     "parse_lease_ttl",
     "valid_lease_id",
@@ -110,6 +114,12 @@ OP_SET: Final = "set"
 OP_LEASE_GRANT: Final = "lease-grant"
 OP_LEASE_KEEPALIVE: Final = "lease-keepalive"
 OP_LEASE_REVOKE: Final = "lease-revoke"
+#: Our extension of the lease calls (issue 27): many leases kept alive by one
+#: call, its body a line ``<id>[ <secret>]`` per lease; its reply lists the
+#: leases not kept in a fifth frame (docs/protocol.md, "Batched keepalives").
+OP_LEASE_KEEPALIVES: Final = "lease-keepalives"
+#: The most leases one ``lease-keepalives`` call may name (about 650 KB of body).
+MAX_KEEPALIVES_PER_CALL: Final = 10_000
 #: How many lease-bound keys under a key's parent have a lower sequence: what
 #: a lock contender that may write but not read its lock's prefix asks.
 OP_AHEAD: Final = "ahead"
@@ -118,7 +128,8 @@ OP_CONFLICT_APPLY: Final = "conflict-apply"
 OP_CONFLICT_DISCARD: Final = "conflict-discard"
 CONFLICT_OPS: Final = frozenset({OP_CONFLICT_APPLY, OP_CONFLICT_DISCARD})
 OPS: Final = frozenset(
-    {OP_SET, OP_LEASE_GRANT, OP_LEASE_KEEPALIVE, OP_LEASE_REVOKE, OP_AHEAD, *CONFLICT_OPS}
+    {OP_SET, OP_LEASE_GRANT, OP_LEASE_KEEPALIVE, OP_LEASE_KEEPALIVES, OP_LEASE_REVOKE, OP_AHEAD,
+     *CONFLICT_OPS}
 )
 #: A conflict call's property: the conflict's id.
 CONFLICT_PROPERTY: Final = "conflict"
@@ -161,6 +172,7 @@ REASONS: Final = frozenset(
 )
 
 _AHEAD_PROPERTY = "ahead"
+_KEPT_PROPERTY = "kept"
 _NOT_STORED = frozenset({IF_SEQUENCE_PROPERTY, SECRET_PROPERTY, CALLER_PROPERTY})
 _STATUSES = frozenset({"ok", "conflict", "refused"})
 _LEASE_ID_RE = re.compile(r"[0-9a-f]{32}")
@@ -168,6 +180,10 @@ _SECRET_RE = re.compile(r"[0-9a-f]{32}")
 #: A principal: ``name:<certificate name>`` or ``addr:<peer address>``.
 _PRINCIPAL_RE = re.compile(r"(name|addr):[^\n=]{1,200}")
 _UINT_RE = re.compile(r"[0-9]{1,20}")
+#: A ``lease-keepalives`` body, checked in one C-level match: a line per lease.
+_KEEPALIVES_RE = re.compile(rb"(?:[0-9a-f]{32}(?: [0-9a-f]{32})?\n)+")
+#: A batched keepalive's reply body: a line ``<id> <reason>`` per lease not kept.
+_GONE_RE = re.compile(rb"(?:[0-9a-f]{32} [a-z-]{1,40}\n)*")
 _SEQ_MAX = 2**64 - 1
 #: A lease lives at least this long: a keepalive every third of it must be
 #: possible over a real network, and a shorter one is a unit mistake (ms for s).
@@ -235,6 +251,10 @@ class Reply:
     secret: str = ""
     #: An ``ahead`` call's answer, else None.
     ahead: int | None = None
+    #: A ``lease-keepalives`` reply: how many leases were kept (else None)...
+    kept: int | None = None
+    #: ... and the (id, reason) of each lease that was not.
+    gone: tuple[tuple[str, str], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -277,6 +297,23 @@ def parse_lease_ttl(text: str | None) -> float:
             f"lease ttl {text[:40]!r} is out of range ({MIN_LEASE_TTL:g} to {MAX_TTL_SECONDS:g} s)"
         )
     return ttl
+
+
+def encode_keepalives(leases: Sequence[tuple[str, str]]) -> bytes:
+    """The body of a ``lease-keepalives`` call: (id, secret or "") per lease."""
+    return b"".join(
+        f"{lease_id} {secret}\n".encode() if secret else f"{lease_id}\n".encode()
+        for lease_id, secret in leases
+    )
+
+
+def parse_keepalives(body: bytes) -> list[tuple[str, str | None]]:
+    """(id, secret or None) per line of a checked ``lease-keepalives`` body."""
+    out: list[tuple[str, str | None]] = []
+    for line in body.decode("ascii").split("\n")[:-1]:
+        lease_id, _, secret = line.partition(" ")
+        out.append((lease_id, secret or None))
+    return out
 
 
 def encode_call(
@@ -334,6 +371,13 @@ def decode_call(frames: Sequence[bytes]) -> Call:
         if body:
             raise ProtocolError(f"CALL? {op} takes no body")
         key = validate_key(bytes(frames[3]), reserved_ok=False) if frames[3] else ""
+    elif op == OP_LEASE_KEEPALIVES:
+        if frames[3] or not body:
+            raise ProtocolError(f"CALL? {op} takes no key and a body")
+        if len(body) > MAX_VALUE_BYTES:
+            raise LimitExceeded(f"a {op} body of {len(body)} bytes is over the"
+                                f" {MAX_VALUE_BYTES}-byte limit")
+        key = ""
     elif op == OP_AHEAD:
         if body or not frames[3]:
             raise ProtocolError(f"CALL? {op} takes a key and no body")
@@ -412,6 +456,13 @@ def check_call(call: Call) -> tuple[str, str] | None:
         return None
     if call.op == OP_AHEAD:
         return None
+    if call.op == OP_LEASE_KEEPALIVES:
+        if _KEEPALIVES_RE.fullmatch(call.body) is None:
+            return ("bad-lease", "a lease-keepalives body is a line '<32 hex id>[ <32 hex"
+                    " secret>]' per lease")
+        if call.body.count(b"\n") > MAX_KEEPALIVES_PER_CALL:
+            return ("size", f"over {MAX_KEEPALIVES_PER_CALL} leases in one lease-keepalives")
+        return None
     if call.op in CONFLICT_OPS:
         text = call.prop(CONFLICT_PROPERTY)
         if text is None or _UINT_RE.fullmatch(text) is None:
@@ -454,13 +505,20 @@ def encode_reply(reply: Reply) -> list[bytes]:
         props.append((SECRET_PROPERTY, reply.secret))
     if reply.ahead is not None:
         props.append((_AHEAD_PROPERTY, str(reply.ahead)))
-    return [REPLY, reply.uuid, reply.sequence.to_bytes(8, "big"), encode_properties(tuple(props))]
+    frames = [REPLY, reply.uuid, reply.sequence.to_bytes(8, "big")]
+    if reply.kept is None:
+        return [*frames, encode_properties(tuple(props))]
+    # A batched keepalive's reply: the leases not kept, one line each, in a
+    # fifth frame (only a caller of lease-keepalives ever gets one).
+    props.append((_KEPT_PROPERTY, str(reply.kept)))
+    gone = "".join(f"{lease_id} {why}\n" for lease_id, why in reply.gone).encode()
+    return [*frames, encode_properties(tuple(props)), gone]
 
 
 def decode_reply(frames: Sequence[bytes]) -> Reply:
     """A REPLY, or ProtocolError saying what was wrong."""
-    if len(frames) != 4:
-        raise ProtocolError(f"REPLY has {len(frames)} frames, expected 4")
+    if len(frames) not in (4, 5):
+        raise ProtocolError(f"REPLY has {len(frames)} frames, expected 4 (or 5)")
     if frames[0] != REPLY:
         raise ProtocolError(f"expected REPLY, got {bytes(frames[0][:16])!r}")
     uuid = bytes(frames[1])
@@ -502,6 +560,7 @@ def decode_reply(frames: Sequence[bytes]) -> Reply:
             ttl = parse_lease_ttl(props[TTL_PROPERTY])
         except ValueError as exc:
             raise ProtocolError(f"REPLY {exc}") from None
+    kept, gone = _batch_answer(props.get(_KEPT_PROPERTY), frames[4] if len(frames) == 5 else None)
     return Reply(
         uuid,
         status,
@@ -513,4 +572,26 @@ def decode_reply(frames: Sequence[bytes]) -> Reply:
         ttl=ttl,
         secret=secret,
         ahead=ahead,
+        kept=kept,
+        gone=gone,
     )
+
+
+def _batch_answer(
+    kept_text: str | None, body: bytes | None
+) -> tuple[int | None, tuple[tuple[str, str], ...]]:
+    """A batched keepalive reply's ``kept=`` and fifth frame (both or neither)."""
+    if kept_text is None and body is None:
+        return None, ()
+    if kept_text is None or body is None:
+        raise ProtocolError("a REPLY with kept= has a fifth frame, and only it")
+    if _UINT_RE.fullmatch(kept_text) is None:
+        raise ProtocolError(f"REPLY kept {kept_text[:40]!r} is not a count")
+    raw = bytes(body)
+    if _GONE_RE.fullmatch(raw) is None:
+        raise ProtocolError("a REPLY's leases not kept are not '<id> <reason>' lines")
+    gone = tuple(
+        (lease_id, why)
+        for lease_id, _, why in (line.partition(" ") for line in raw.decode().split("\n")[:-1])
+    )
+    return int(kept_text), gone

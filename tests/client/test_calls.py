@@ -23,11 +23,13 @@ from clone.client.fsm import (
 from clone.wire.calls import (
     OP_LEASE_GRANT,
     OP_LEASE_KEEPALIVE,
+    OP_LEASE_KEEPALIVES,
     OP_LEASE_REVOKE,
     OP_SET,
     Call,
     Reply,
     decode_call,
+    parse_keepalives,
 )
 from clone.wire.codec import Hugz, KVMsg, new_uuid
 from clone.wire.control import ViewHeartbeat
@@ -379,3 +381,80 @@ def test_a_kept_leases_keepalives_carry_its_secret() -> None:
     assert keepalive.op == "lease-keepalive" and keepalive.secret == secret
     with pytest.raises(ValueError):
         fsm.keep_lease(LEASE, 3.0, 0.0, "not-hex")
+
+
+# --------------------------------------------------------------------------
+# Batched keepalives (issue 27): one lease-keepalives call for a client's leases
+
+LEASES = [f"{n:032x}" for n in range(1, 5)]
+
+
+def keeping_many(starts: tuple[float, ...] = (0.0, 0.0, 0.0, 0.0)) -> AgentFSM:
+    fsm, _ = synced()
+    ids = itertools.count(1)
+    fsm.new_call_id = lambda: next(ids).to_bytes(16, "big")
+    for lease, start in zip(LEASES, starts, strict=True):
+        fsm.keep_lease(lease, 3.0, start, "5e" * 16 if lease == LEASES[0] else "")
+    return fsm
+
+
+def test_a_client_keeps_all_its_leases_alive_with_one_call() -> None:
+    fsm = keeping_many()
+    [(server, call)] = sent_calls(fsm.tick(1.0))
+    assert server == 0 and call.op == OP_LEASE_KEEPALIVES and call.uuid == uid(1)
+    assert parse_keepalives(call.body) == [
+        (LEASES[0], "5e" * 16), *((lease, None) for lease in LEASES[1:])]
+    assert fsm.counters.keepalives == 4 and fsm.counters.keepalive_batches == 1
+    gone = ((LEASES[3], "unknown-lease"),)
+    actions = fsm.replied(0, Reply(uid(1), "ok", kept=3, gone=gone), 1.1)
+    assert actions == [*(LeaseKept(lease, 4.0) for lease in LEASES[:3]),
+                       LeaseGone(LEASES[3], "unknown-lease")]
+    assert fsm.kept_leases == tuple(LEASES[:3]) and fsm.pending_calls == 0
+
+
+def test_leases_due_soon_join_the_call_so_they_fall_into_step() -> None:
+    # Due at 1.0, 1.4, 1.9 and 2.0: the first call also takes the one due
+    # within half an interval (0.5 s); at 1.9 all four are within it, and from
+    # then on they travel together, one call per interval.
+    fsm = keeping_many((0.0, 0.4, 0.9, 1.0))
+    [(_, first)] = sent_calls(fsm.tick(1.0))
+    assert [lid for lid, _ in parse_keepalives(first.body)] == LEASES[:2]
+    fsm.replied(0, Reply(first.uuid, "ok", kept=2), 1.05)
+    for t in (1.9, 2.9, 3.9):
+        fsm.update(0, _hugz(), t)
+        assert fsm.tick(t - 0.05) == []
+        [(_, together)] = sent_calls(fsm.tick(t))
+        assert sorted(lid for lid, _ in parse_keepalives(together.body)) == LEASES
+        fsm.replied(0, Reply(together.uuid, "ok", kept=4), t + 0.05)
+    assert fsm.counters.keepalive_batches == 4
+
+
+def test_a_server_that_refuses_batches_gets_one_call_per_lease() -> None:
+    fsm = keeping_many()
+    [(_, call)] = sent_calls(fsm.tick(1.0))
+    # An older server does not know the operation.
+    assert fsm.replied(0, refused(call.uuid, "malformed"), 1.05) == []
+    assert fsm.kept_leases == tuple(LEASES) and fsm.counters.leases_lost == 0
+    singles = sent_calls(fsm.tick(1.1))
+    assert sorted(c.lease for _, c in singles) == LEASES
+    assert all(c.op == OP_LEASE_KEEPALIVE for _, c in singles)
+
+
+def test_a_batch_is_resent_to_the_new_active_after_a_failover() -> None:
+    fsm = keeping_many()
+    [(_, call)] = sent_calls(fsm.tick(1.0))
+    fsm.server_disconnected(0, 1.1)
+    [(server, again)] = sent_calls(fsm.tick(1.1))
+    assert server == 1 and again == call
+    actions = fsm.replied(1, Reply(call.uuid, "ok", kept=4), 1.2)
+    assert actions == [LeaseKept(lease, 4.0) for lease in LEASES]
+
+
+def test_revoking_one_lease_keeps_the_batch_for_the_others() -> None:
+    fsm = keeping_many()
+    [(_, call)] = sent_calls(fsm.tick(1.0))
+    revoke = Call(OP_LEASE_REVOKE, new_uuid(), properties=(("lease", LEASES[0]),))
+    fsm.call(revoke, 1.05, within=5.0)
+    assert fsm.pending_calls == 2  # the batch still keeps the three others
+    actions = fsm.replied(0, Reply(call.uuid, "ok", kept=4), 1.1)
+    assert actions == [LeaseKept(lease, 4.0) for lease in LEASES[1:]]

@@ -175,3 +175,48 @@ def test_calls_to_a_pair_with_no_active_server_raise_not_active(servers: Servers
         with pytest.raises(NotActive, match="within 1 s"):
             c.set("/k", "v", if_sequence=0, timeout=1.0)
         assert time.monotonic() - start < 3.0
+
+
+def _many_leases(holder: Clone, n: int, ttl: float) -> list:  # list[Lease]
+    leases = [holder.lease(ttl) for _ in range(n)]
+    for i, lease in enumerate(leases):
+        holder.set(f"/many/{i}", "up", lease=lease)
+    return leases
+
+
+def test_many_leases_are_kept_alive_by_batched_keepalives(servers: Servers) -> None:
+    """Issue 27: a client's leases fall into step and one lease-keepalives call
+    keeps them all alive; none is lost, every key stays."""
+    server = servers.standalone()
+    with client(server) as holder, client(server) as reader:
+        leases = _many_leases(holder, 200, 1.0)
+        start = holder.status().counters["keepalive_batches"]
+        # Several ttls' worth of batches (a batch per ttl/3 once in step).
+        eventually(lambda: holder.status().counters["keepalive_batches"] - start >= 9, 15,
+                   "nine batched keepalives")
+        counters = holder.status().counters
+        assert all(lease.alive for lease in leases)
+        assert counters["leases_lost"] == 0
+        # One call per batch, not per lease.
+        assert counters["keepalives"] >= 20 * counters["keepalive_batches"]
+        eventually(lambda: all(reader.get(f"/many/{i}") == b"up" for i in range(200)), 5)
+
+
+def test_batched_keepalives_follow_a_failover(servers: Servers) -> None:
+    primary, backup = servers.pair()
+    with client(primary, backup) as holder:
+        leases = _many_leases(holder, 50, 1.0)
+        primary.kill9()
+        eventually(
+            lambda: (
+                holder.status().server == endpoint(backup) and holder.status().state == "active"
+            ),
+            10,
+            "failover to the backup",
+        )
+        start = holder.status().counters["keepalive_batches"]
+        eventually(lambda: holder.status().counters["keepalive_batches"] - start >= 6, 15,
+                   "batched keepalives reach the new active")
+        assert all(lease.alive for lease in leases)
+        with client(backup) as fresh:
+            assert all(fresh.get(f"/many/{i}") == b"up" for i in range(50))

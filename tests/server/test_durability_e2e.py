@@ -429,3 +429,103 @@ def test_in_memory_servers_forget_everything_when_both_die(servers: Servers) -> 
     active, _ = start_both(primary, backup)
     assert _snapshot(active, b"") == ({}, 0)
     assert not servers.data_dir("primary").exists() and not servers.data_dir("backup").exists()
+
+
+# -- 8. --fsync always: group commits, and a kill right after confirmations ---
+
+
+def test_fsync_always_confirms_whole_turns_and_a_kill9_right_after_loses_none(
+    servers: Servers,
+) -> None:
+    """Issue 27: `always` commits a turn's updates in one transaction now.  A
+    writer blasts 3,000 KVSETs (so turns hold many updates); a subscriber
+    reads the KVPUBs, which confirm them; the moment it has 500 the server
+    is killed -9.  On restart every confirmed update is there, and the stats
+    show fewer commits than updates (groups, not a commit per update)."""
+    import zmq
+
+    from clone.wire.protocol import COLLECTOR_OFFSET, PUBLISHER_OFFSET
+
+    server = servers.standalone("--fsync", "always")
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"/g/")
+    sub.connect(f"tcp://127.0.0.1:{server.port + PUBLISHER_OFFSET}")
+    pub = ctx.socket(zmq.PUB)
+    pub.sndhwm = 0
+    pub.connect(f"tcp://127.0.0.1:{server.port + COLLECTOR_OFFSET}")
+    confirmed: dict[bytes, int] = {}
+    try:
+        # Until the subscription is in: a probe write comes back.
+        def probe() -> bool:
+            pub.send_multipart([b"/g/probe", bytes(8), uuid4_bytes(), b"", b"p"])
+            return bool(sub.poll(100))
+
+        eventually(probe, 10, "the subscription in place")
+        while sub.poll(200):
+            sub.recv_multipart()
+        for i in range(3000):
+            pub.send_multipart([b"/g/%d" % (i % 700), bytes(8), uuid4_bytes(), b"", b"v%d" % i])
+        deadline = time.monotonic() + 30
+        while len(confirmed) < 500 and time.monotonic() < deadline:
+            if sub.poll(100):
+                key, seq, _uuid, _props, _body = sub.recv_multipart()
+                confirmed[key] = int.from_bytes(seq, "big")
+        server.kill9()  # right after the 500th confirmation
+        while sub.poll(0):  # KVPUBs already sent before the kill: confirmed too
+            key, seq, _uuid, _props, _body = sub.recv_multipart()
+            confirmed[key] = int.from_bytes(seq, "big")
+    finally:
+        sub.close(linger=0)
+        pub.close(linger=0)
+        ctx.term()
+    assert len(confirmed) >= 500, "the writes were not confirmed in time"
+    server.restart()
+    server.wait_serving()
+    with raw_peer() as peer:
+        peer.use_snapshot_server(server.port)
+        snap = peer.snapshot(b"/g/", timeout=10)
+    lost = {k: n for k, n in confirmed.items()
+            if k not in snap.entries or snap.entries[k].sequence < n}
+    assert not lost, f"confirmed updates lost after kill -9 with --fsync always: {lost}"
+    # Groups, not a commit per update: 2,000 more in a burst, counted by the server.
+    before = read_stats(server)
+    _bulk_write(server, 2000)
+    after = read_stats(server)
+    updates = after["sequence"] - before["sequence"]
+    assert updates >= 2000 and after["commits"] - before["commits"] < updates / 2, after
+
+
+def _bulk_write(server: ServerProcess, n: int) -> None:
+    """``n`` KVSETs as fast as they go, then until the last one's KVPUB is back."""
+    import zmq
+
+    from clone.wire.protocol import COLLECTOR_OFFSET, PUBLISHER_OFFSET
+
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"/bulk/last")
+    sub.connect(f"tcp://127.0.0.1:{server.port + PUBLISHER_OFFSET}")
+    pub = ctx.socket(zmq.PUB)
+    pub.sndhwm = 0
+    pub.connect(f"tcp://127.0.0.1:{server.port + COLLECTOR_OFFSET}")
+    try:
+        time.sleep(0.3)  # the subscription reaches the server (the last one is resent anyway)
+        for i in range(n):
+            pub.send_multipart([b"/bulk/%d" % i, bytes(8), uuid4_bytes(), b"", b"x" * 100])
+
+        def last_back() -> bool:
+            pub.send_multipart([b"/bulk/last", bytes(8), uuid4_bytes(), b"", b"end"])
+            return bool(sub.poll(200))
+
+        eventually(last_back, 30, "the burst applied")
+    finally:
+        sub.close(linger=0)
+        pub.close(linger=0)
+        ctx.term()
+
+
+def uuid4_bytes() -> bytes:
+    import uuid
+
+    return uuid.uuid4().bytes

@@ -251,12 +251,32 @@ def test_sequence_of_matches_a_newest_first_scan(
 
 def test_held_updates_are_not_tracked_by_the_garbage_collector() -> None:
     """100,000 held updates must not be walked by every full collection (a
-    list always is; a tuple of bytes is untracked by a collection, and the
-    (frames, term) tuple holding it by the next)."""
+    list always is; a tuple of bytes is untracked by a collection).  The
+    (frames, term) pair of entry() is made when asked: terms are kept as runs."""
     h = History(1000, 1 << 20)
     for seq in range(1, 101):
         h.append([b"/k", seq.to_bytes(8, "big"), b"u%d" % seq, b"", b"v"], term=1)
     gc.collect()
-    gc.collect()
     held = [h.entry(seq) for seq in range(1, 101)]
-    assert not any(gc.is_tracked(entry) or gc.is_tracked(entry[0]) for entry in held if entry)
+    assert all(entry is not None for entry in held)
+    assert not any(gc.is_tracked(entry[0]) for entry in held if entry)
+
+
+def test_terms_are_runs_and_follow_eviction_and_restarts() -> None:
+    """Issue 27: a term per change, not per update; entry() and written_under()
+    read the runs, which shrink as old updates are evicted."""
+    h = History(4, 1 << 20)
+    terms = [1, 1, 2, 2, 2, 3, 3]
+    for seq, term in enumerate(terms, start=1):
+        h.append([b"/k", seq.to_bytes(8, "big"), b"u%d" % seq, b"", b"v"], term=term)
+    assert (h.first, h.last) == (4, 7)
+    assert [h.entry(seq)[1] for seq in range(4, 8)] == [2, 2, 3, 3]  # type: ignore[index]
+    assert h.entry(3) is None
+    assert [int.from_bytes(f[1], "big") for f in h.written_under(2)] == [4, 5]
+    assert [int.from_bytes(f[1], "big") for f in h.written_under(3)] == [6, 7]
+    assert h.written_under(1) == []
+    assert h._terms == [(3, 2), (6, 3)]  # the run of term 1 went with its updates
+    h.append([b"/k", (20).to_bytes(8, "big"), b"u20", b"", b"v"], term=5)  # a restart
+    assert h._terms == [(20, 5)] and h.entry(20)[1] == 5  # type: ignore[index]
+    h.reset(30)
+    assert h._terms == [] and h.written_under(5) == []

@@ -107,3 +107,19 @@ def test_a_killed_lease_holder_behind_a_relay_loses_its_key_within_ttl_and_a_hea
     # after it, plus delivery.
     assert on_pair_after <= ttl + HEARTBEAT + 0.25, on_pair_after
     assert on_relay_after <= ttl + HEARTBEAT + 0.35, on_relay_after
+
+
+def test_batched_keepalives_through_a_relay(servers: Servers) -> None:
+    """Issue 27: a client's lease-keepalives call and its five-frame reply pass
+    the relay (the reply names the leases not kept); every lease stays."""
+    primary, backup = servers.pair("--in-memory")
+    relay = servers.relay(primary, backup)
+    with synced_client(relay) as client:
+        leases = [client.lease(ttl=1.0) for _ in range(30)]
+        start = client.status().counters["keepalive_batches"]
+        eventually(lambda: client.status().counters["keepalive_batches"] - start >= 6, 15,
+                   "batched keepalives through the relay")
+        assert all(lease.alive for lease in leases), [x.why for x in leases if not x.alive]
+        assert client.status().counters["leases_lost"] == 0
+    stats = read_stats(relay)
+    assert stats["call_replies_forwarded"] >= 6

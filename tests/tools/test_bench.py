@@ -9,6 +9,7 @@ order, a snapshot complete -- never how fast anything was.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -176,6 +177,11 @@ def test_snapshot_and_memory_sections_through_the_cli(
     assert snap["hugz_max_gap_s"] is not None and snap["hugz_max_gap_s"] > 0
     mem = results["sections"]["memory"]
     assert mem["keys"] == 2000 and mem["rss_empty"] > 0 and mem["rss_loaded"] > 0
+    # In memory and durable, each with its bytes over key+value (issue 27).
+    assert [(r["mode"], r["keys"]) for r in mem["runs"]] == [
+        ("in-memory", 2000), ("fsync-batch", 2000)]
+    for r in mem["runs"]:
+        assert r["over_key_value"] == pytest.approx(r["bytes_per_key"] - 19 - 100, abs=0.2)
     assert "| keys |" in md.read_text()
 
 
@@ -196,16 +202,27 @@ def test_durability_section_through_the_cli(
     d = results["sections"]["durability"]
     assert "errors" not in d, d.get("errors")
     tput = {r["mode"]: r for r in d["throughput"]["runs"]}
-    assert set(tput) == {"in-memory", "batch", "always", "off"}
+    # The Redis appendfsync-always row when redis-server is installed, else a message.
+    redis = ("redis-always",) if shutil.which("redis-server") else ()
+    if not redis:
+        assert "redis-always: skipped, redis-server is not installed" in printed
+    assert set(tput) == {"in-memory", "batch", "always", "off", *redis}
     for r in tput.values():  # the server's publisher never drops
         assert r["rate_median"] > 0 and r["delivered"] == 1.0
-    modes = ("batch", "always", "off")
+    modes = ("batch", "always", "off", *redis)
     assert set(d["throughput"]["ratios"]) == {f"{m}_vs_in-memory" for m in modes}
-    assert [r["mode"] for r in d["latency"]] == ["in-memory", "batch", "off"]
+    assert [r["mode"] for r in d["latency"]] == ["in-memory", "batch", "always", "off", *redis]
     for r in d["latency"]:
         lat = r["latency"]
         assert r["lost"] == 0 and lat["count"] == 1000
         assert 0 < lat["p50_ms"] <= lat["p99_ms"] <= lat["p99_9_ms"] <= lat["max_ms"]
+    # The servers' own account: heartbeat lateness, and each durable commit's parts.
+    for r in [*d["throughput"]["runs"], *d["latency"]]:
+        if r["mode"] in ("in-memory", "batch", "always", "off"):
+            assert r["heartbeat_max_late_ms"] >= 0, r
+        if r["mode"] in ("batch", "always", "off"):
+            assert r["commits"] > 0 and r["updates_per_commit"] >= 1, r
+            assert r["commit_write_us_mean"] > 0 and r["commit_sync_us_mean"] > 0, r
     (restart,) = d["restart"]["runs"]
     assert restart["keys"] == restart["sequence"] == 5000
     assert 0 <= restart["load_s"] <= restart["serving_s"]
@@ -308,19 +325,22 @@ def test_calls_section_through_the_cli(
             assert r["conflict_rate_median"] == 0 and r["ok_per_caller_min"] > 0
         assert r["ok_per_caller_min"] <= r["ok_per_caller_max"] and r["abandoned_max_ms"] >= 0
         assert r["chained"]
-    zero, held, idle, elsewhere = d["leases"]["runs"]
-    assert [(r["leases"], r["kept_alive"], r["elsewhere"])
-            for r in (zero, held, idle, elsewhere)] == [
-        (0, True, False), (100, True, False), (100, False, False), (100, True, True)]
+    zero, held, batched, idle, elsewhere = d["leases"]["runs"]
+    assert [(r["leases"], r["kept_alive"], r["elsewhere"], r["batched"])
+            for r in (zero, held, batched, idle, elsewhere)] == [
+        (0, True, False, False), (100, True, False, False), (100, True, False, True),
+        (100, False, False, False), (100, True, True, False)]
     assert "keepalives_per_s_median" not in zero and "keepalives_per_s_median" not in idle
-    for kept in (held, elsewhere):
+    for kept in (held, batched, elsewhere):
         assert kept["keepalives_per_s_median"] > 0
         assert kept["keepalive_not_ok"] == 0 and kept["keepalive_unanswered"] == 0
-    for r in (zero, held, idle, elsewhere):
+    for r in (zero, held, batched, idle, elsewhere):
         assert r["lost"] == 0 and r["latency"]["count"] == 250 and r["delivered"] == 1.0
         assert r["rate_median"] > 0 and r["server_cpu_pct_median"] >= 0
     assert set(d["leases"]["throughput_ratios"]) == {
-        "100_leases_vs_0", "100_leases_held_idle_vs_0", "100_leases_elsewhere_vs_0"}
+        "100_leases_vs_0", "100_leases_batched_vs_0", "100_leases_held_idle_vs_0",
+        "100_leases_elsewhere_vs_0"}
+    assert "kept alive by batched keepalives" in printed
     assert "on another server (control)" in printed
     assert not (tmp_path / "logs" / "calls-data").exists()  # data dirs removed
 
@@ -373,3 +393,23 @@ def test_subscribers_section_through_the_cli(
     assert targets["subscribers: 20 relays lost updates"]["met"] is True
     assert "subscribers: resync of 20 clients (500 keys) via 2 relays s" in targets
     assert rc == 0
+
+
+def test_final_stats_reads_the_last_stats_line_of_a_server_log() -> None:
+    from clone.tools.bench.targets import final_stats
+
+    text = ('x stats: {"sequence": 1}\n'
+            'y INFO clone.server: stats: {"sequence": 9, "heartbeat_max_late_ms": 3}\nz\n')
+    assert final_stats(text) == {"sequence": 9, "heartbeat_max_late_ms": 3}
+    assert final_stats("no stats here\n") is None
+    assert final_stats('stats: {"cut short\n') is None
+
+
+def test_durability_parts_and_fsyncs_from_the_cli() -> None:
+    args = cli._parser().parse_args(
+        ["durability", "--durability-parts", "throughput,latency",
+         "--durability-fsyncs", "batch,always", "--no-redis"])
+    cfg = cli.config_from_args(args)
+    assert cfg.durability_parts == ("throughput", "latency")
+    assert cfg.durability_fsyncs == cfg.durability_latency_fsyncs == ("batch", "always")
+    assert cfg.durability_redis is False

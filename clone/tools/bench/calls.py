@@ -65,13 +65,16 @@ from clone.tools.procs import ProcessGroup
 from clone.wire.calls import (
     IF_SEQUENCE_PROPERTY,
     LEASE_PROPERTY,
+    MAX_KEEPALIVES_PER_CALL,
     OP_LEASE_GRANT,
     OP_LEASE_KEEPALIVE,
+    OP_LEASE_KEEPALIVES,
     OP_SET,
     SECRET_PROPERTY,
     Reply,
     decode_reply,
     encode_call,
+    encode_keepalives,
 )
 from clone.wire.codec import new_uuid
 from clone.wire.frames import cap_message_size, recv_frames
@@ -280,10 +283,15 @@ def callers_main(snapshot_ep: str, callers: int, contended: bool, seconds: float
 
 
 def lease_main(snapshot_ep: str, leases: int, ttl: float, keepalive: bool, window: int,
-               ready: MpEvent, stop: MpEvent, results: Any) -> None:
+               ready: MpEvent, stop: MpEvent, results: Any, batched: bool = False) -> None:
     """Grant ``leases`` leases (``window`` grants in flight), keep each alive every ttl/3
     (if ``keepalive``) until ``stop``; report the replies, the lag behind the schedule,
-    the reply latency."""
+    the reply latency.
+
+    ``batched``: as the client agent does (clone.client.calls), one
+    ``lease-keepalives`` call for every lease due and every lease due within
+    half an interval, instead of a ``lease-keepalive`` each; once all are
+    granted they are kept in step (one call per interval for all of them)."""
     ctx: zmq.Context[Any] = zmq.Context()
     dealer = _dealer(ctx, snapshot_ep)
     interval = ttl / 3
@@ -291,6 +299,7 @@ def lease_main(snapshot_ep: str, leases: int, ttl: float, keepalive: bool, windo
     secret = os.urandom(16).hex()
     grant_props = ((TTL_PROPERTY, repr(float(ttl))), (SECRET_PROPERTY, secret))
     pending: dict[bytes, tuple[bool, float]] = {}  # uuid -> (is a keepalive, sent)
+    half = interval / 2
     due: collections.deque[tuple[float, str]] = collections.deque()
     statuses: collections.Counter[str] = collections.Counter()
     lag, ka_lat = LatencyHistogram(), LatencyHistogram()
@@ -307,6 +316,22 @@ def lease_main(snapshot_ep: str, leases: int, ttl: float, keepalive: bool, windo
                 dealer.send_multipart(encode_call(OP_LEASE_GRANT, u, properties=grant_props))
                 pending[u] = (False, now)
                 asked += 1
+            if batched and due and due[0][0] <= now:
+                group = []
+                while due and due[0][0] <= now + half:
+                    group.append(due.popleft())
+                for at in range(0, len(group), MAX_KEEPALIVES_PER_CALL):
+                    u = new_uuid()
+                    chunk = group[at:at + MAX_KEEPALIVES_PER_CALL]
+                    dealer.send_multipart(encode_call(
+                        OP_LEASE_KEEPALIVES, u,
+                        body=encode_keepalives([(lease, secret) for _, lease in chunk])))
+                    pending[u] = (True, now)
+                for t_due, lease in group:
+                    if t_granted and t_due <= now:
+                        lag.record_seconds(now - t_due)
+                    due.append((now + interval, lease))
+                keepalives += len(group)
             while due and due[0][0] <= now:
                 t_due, lease = due.popleft()
                 u = new_uuid()
@@ -338,12 +363,19 @@ def lease_main(snapshot_ep: str, leases: int, ttl: float, keepalive: bool, windo
                         # From now on spread evenly over ttl/3, most urgent first: the
                         # grants came in bursts, and keepalives in bursts would measure
                         # the bursts (each holds the server's loop for milliseconds).
+                        # Batched, all of them in step: one call per interval.
                         t_granted, step = now, interval / leases
                         due = collections.deque(
-                            (now + j * step, lid) for j, (_, lid) in enumerate(sorted(due)))
+                            (now if batched else now + j * step, lid)
+                            for j, (_, lid) in enumerate(sorted(due)))
                         ready.set()
                     continue
-                statuses[reply.status if reply.status != "refused" else reply.reason] += 1
+                if reply.kept is not None:  # a lease-keepalives: each lease counts
+                    statuses["ok"] += reply.kept
+                    for _, why in reply.gone:
+                        statuses[why] += 1
+                else:
+                    statuses[reply.status if reply.status != "refused" else reply.reason] += 1
                 ka_lat.record_seconds(now - sent)
                 if not t_steady and t_granted and now - t_granted >= interval:
                     t_steady, k_steady = now, keepalives
@@ -535,7 +567,7 @@ def _plain_writes(cfg: BenchConfig, target: Target) -> dict[str, Any]:
 
 
 def _leases_once(cfg: BenchConfig, group: ProcessGroup, leases: int,
-                 kept: bool, elsewhere: bool = False) -> dict[str, Any]:
+                 kept: bool, elsewhere: bool = False, batched: bool = False) -> dict[str, Any]:
     """One lease case.  ``elsewhere``: the control, the same driver keeping its
     leases alive on a second server while the plain writes go to the first, so
     what the driver and its server cost the two shared cores is told apart from
@@ -549,7 +581,8 @@ def _leases_once(cfg: BenchConfig, group: ProcessGroup, leases: int,
             if leases:
                 driven = other if other is not None else target
                 driver = MP.Process(target=lease_main, args=(
-                    driven.snapshot_endpoint, leases, ttl, kept, 500, ready, stop, results),
+                    driven.snapshot_endpoint, leases, ttl, kept, 500, ready, stop, results,
+                    batched),
                     daemon=True)
                 driver.start()
                 if not ready.wait(30 + leases / 500):
@@ -569,6 +602,7 @@ def _leases_once(cfg: BenchConfig, group: ProcessGroup, leases: int,
     run["leases"] = leases
     run["kept_alive"] = kept
     run["elsewhere"] = elsewhere
+    run["batched"] = batched
     run["server_cpu_pct"] = round(100 * (sum(cpu1) - sum(cpu0)) / (t1 - t0), 1)
     run["server_main_cpu_pct"] = round(100 * (cpu1[0] - cpu0[0]) / (t1 - t0), 1)
     if drv is not None:
@@ -592,36 +626,44 @@ def _maybe_target(
         yield other
 
 
-def _lease_label(leases: int, kept: bool, elsewhere: bool) -> str:
+def _lease_label(leases: int, kept: bool, elsewhere: bool, batched: bool = False) -> str:
     if elsewhere:
         return f"{leases:,} kept alive on another server (control)"
+    if batched:
+        return f"{leases:,} kept alive by batched keepalives"
     return f"{leases:,}" + ("" if kept else " held, no keepalives")
 
 
 def _lease_cases(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]:
-    cases = [(0, True, False), *((n, True, False) for n in cfg.calls_leases)]
+    """0 leases, then each of ``calls_leases`` kept alive a call per lease (what
+    a client before issue 27 sent) and with batched keepalives (what the agent
+    sends now), the most held idle, the fewest kept alive on another server."""
+    cases = [(0, True, False, False)]
+    for n in cfg.calls_leases:
+        cases += [(n, True, False, False), (n, True, False, True)]
     if cfg.calls_leases:
-        cases.append((max(cfg.calls_leases), False, False))
-        cases.append((min(cfg.calls_leases), True, True))
-    ones: dict[tuple[int, bool, bool], list[dict[str, Any]]] = {c: [] for c in cases}
+        cases.append((max(cfg.calls_leases), False, False, False))
+        cases.append((min(cfg.calls_leases), True, True, False))
+    ones: dict[tuple[int, bool, bool, bool], list[dict[str, Any]]] = {c: [] for c in cases}
     for rep in range(cfg.repeats):
-        for leases, kept, elsewhere in cases:
-            one = _leases_once(cfg, group, leases, kept, elsewhere)
-            ones[(leases, kept, elsewhere)].append(one)
+        for leases, kept, elsewhere, batched in cases:
+            one = _leases_once(cfg, group, leases, kept, elsewhere, batched)
+            ones[(leases, kept, elsewhere, batched)].append(one)
             drv = one.get("driver")
             extra = (f"; {drv['keepalives_per_s']:,} keepalives/s, {drv['statuses']}, lag p99 "
                      f"{drv['lag']['p99_ms']:.1f} ms" if drv and kept else "")
-            say(f"  {_lease_label(leases, kept, elsewhere)} leases: server CPU "
+            say(f"  {_lease_label(leases, kept, elsewhere, batched)} leases: server CPU "
                 f"{one['server_cpu_pct']}% idle; plain "
                 f"{cfg.calls_write_rate}/s {_ms(one['latency'])} (lost {one['lost']}); "
                 f"throughput {one['rate']:,} msg/s{extra}{_repeat(cfg, rep)}")
     runs = []
-    for (leases, kept, elsewhere), reps in ones.items():
+    for (leases, kept, elsewhere, batched), reps in ones.items():
         median = _median_run(reps, lambda o: o["latency"]["p99_ms"])
         run: dict[str, Any] = {
             "leases": leases,
             "kept_alive": kept,
             "elsewhere": elsewhere,
+            "batched": batched,
             "ttl": cfg.calls_lease_ttl if kept else _IDLE_LEASE_TTL,
             "server_cpu_pct_median": statistics.median(o["server_cpu_pct"] for o in reps),
             "server_cpu_pcts": [o["server_cpu_pct"] for o in reps],
@@ -650,7 +692,8 @@ def _lease_cases(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, A
         runs.append(run)
     base = runs[0]["rate_median"]
     ratios = {f"{r['leases']}_leases{'' if r['kept_alive'] else '_held_idle'}"
-              f"{'_elsewhere' if r.get('elsewhere') else ''}_vs_0":
+              f"{'_elsewhere' if r.get('elsewhere') else ''}"
+              f"{'_batched' if r.get('batched') else ''}_vs_0":
               round(r["rate_median"] / base, 3) for r in runs[1:] if base}
     return {"runs": runs, "throughput_ratios": ratios}
 
@@ -670,6 +713,8 @@ def run_calls(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]
     out: dict[str, Any] = {"data_dir": str(base.resolve())}
     try:
         for name, part in parts.items():
+            if name not in cfg.calls_parts:
+                continue
             try:
                 out[name] = part()
             except Exception as exc:
@@ -726,7 +771,8 @@ def calls_tables(section: dict[str, Any], *, markdown: bool = False) -> list[tup
                            "server CPU % (idle)", f"plain {runs[0]['write_rate']:,}/s p50 ms",
                            "p99 ms", "p99.9 ms", "p99 of each repeat", "lost",
                            "plain msg/s (median)", "each repeat"],
-                          [[_lease_label(r["leases"], r["kept_alive"], r.get("elsewhere", False)),
+                          [[_lease_label(r["leases"], r["kept_alive"], r.get("elsewhere", False),
+                                         r.get("batched", False)),
                             r.get("keepalives_per_s_median", "-"),
                             r.get("keepalive_not_ok", "-"), r.get("keepalive_lag_p99_ms", "-"),
                             r["server_cpu_pct_median"], r["latency"]["p50_ms"],

@@ -31,6 +31,10 @@ def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(float(x)) for x in text.split(",") if x)
 
 
+def _words(text: str) -> tuple[str, ...]:
+    return tuple(x.strip() for x in text.split(",") if x.strip())
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="scripts/bench",
@@ -54,11 +58,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--rates", type=_ints, help="latency: offered rates, e.g. 1000,2000,5000,10000")
     p.add_argument("--rate-seconds", type=float, help="latency: seconds per rate")
     p.add_argument("--snapshot-sizes", type=_ints, help="snapshot: key counts, e.g. 10000,100000")
-    p.add_argument("--memory-keys", type=int, help="memory: keys to load")
+    p.add_argument("--memory-keys", type=_ints,
+                   help="memory: keys to load, or sizes, e.g. 100000,1000000")
     p.add_argument("--durability-keys", type=int,
                    help="durability: keys in the restart and catch-up data directories (1M)")
     p.add_argument("--durability-messages", type=int,
                    help="durability: messages per throughput run (20000)")
+    p.add_argument("--durability-parts", type=_words,
+                   help="durability: parts to run, of throughput,latency,restart,catch_up,engines"
+                   " (all)")
+    p.add_argument("--durability-fsyncs", type=_words,
+                   help="durability: --fsync policies of the throughput and latency runs"
+                   " (batch,always,off)")
+    p.add_argument("--no-redis", action="store_true",
+                   help="durability: no Redis appendfsync-always row even if redis-server exists")
     p.add_argument("--durability-dir", type=Path,
                    help="durability, calls: where durable servers keep their data (default: in the"
                    " log directory; use a real disk, not tmpfs)")
@@ -88,6 +101,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="calls: plain writes/s measured next to the leases (2000)")
     p.add_argument("--calls-messages", type=int,
                    help="calls: plain writes of the throughput run next to the leases (20000)")
+    p.add_argument("--calls-parts", type=_words,
+                   help="calls: parts to run, of rtt,concurrency,leases (all)")
     p.add_argument("--repeats", type=int,
                    help="throughput/latency: runs of each case, median reported (default 3)")
     p.add_argument("--probes", type=int,
@@ -106,7 +121,6 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         ("rates", "rates"),
         ("rate_seconds", "rate_seconds"),
         ("snapshot_sizes", "snapshot_sizes"),
-        ("memory_keys", "memory_keys"),
         ("durability_keys", "durability_keys"),
         ("durability_messages", "durability_messages"),
         ("durability_dir", "durability_dir"),
@@ -131,6 +145,18 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         value = getattr(args, arg)
         if value is not None:
             changes[name] = value
+    if args.durability_fsyncs is not None:
+        changes["durability_fsyncs"] = args.durability_fsyncs
+        changes["durability_latency_fsyncs"] = args.durability_fsyncs
+    if args.durability_parts is not None:
+        changes["durability_parts"] = args.durability_parts
+    if args.memory_keys is not None:
+        changes["memory_keys"] = args.memory_keys[0]
+        changes["memory_sizes"] = args.memory_keys
+    if args.calls_parts is not None:
+        changes["calls_parts"] = args.calls_parts
+    if args.no_redis:
+        changes["durability_redis"] = False
     changes["profile_dir"] = args.profile
     changes["log_dir"] = args.log_dir or args.out.parent / (args.out.stem + "-logs")
     return BenchConfig.quick(**changes) if args.quick else replace(BenchConfig(), **changes)

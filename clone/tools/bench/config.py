@@ -40,12 +40,21 @@ class BenchConfig:
     snapshot_repeats: int = 3
     snapshot_heartbeat_ms: int = 200
     memory_keys: int = 100_000
+    # Sizes of the memory section (issue 27: 100k and 1M in one run); () = memory_keys alone.
+    memory_sizes: tuple[int, ...] = ()
+    # A durable server (--fsync batch) measured beside the in-memory one.
+    memory_durable: bool = True
     # durability: in memory against --fsync modes, restart and catch-up.
     durability_fsyncs: tuple[str, ...] = ("batch", "always", "off")
     # Fewer than throughput_messages: --fsync always commits ~1.5k updates/s here.
     durability_messages: int = 20_000
     durability_rate: int = 2_000
-    durability_latency_fsyncs: tuple[str, ...] = ("batch", "off")
+    durability_latency_fsyncs: tuple[str, ...] = ("batch", "always", "off")
+    # Which parts of the durability section run (all by default).
+    durability_parts: tuple[str, ...] = ("throughput", "latency", "restart", "catch_up",
+                                         "engines")
+    # A Redis appendfsync-always row next to the clone rows, when redis-server is installed.
+    durability_redis: bool = True
     durability_keys: int = 1_000_000
     durability_missed: int = 1_000
     durability_restarts: int = 2
@@ -72,6 +81,7 @@ class BenchConfig:
     calls_lease_ttl: float = 3.0  # kept alive every ttl/3
     calls_write_rate: int = 2_000  # plain writes/s next to the leases (latency)
     calls_messages: int = 20_000  # plain writes next to the leases (throughput)
+    calls_parts: tuple[str, ...] = ("rtt", "concurrency", "leases")  # which parts run
     # Subscribers measured by a Python watcher process each; the others are C sinks.
     probes: int = 1
     # Throughput and latency runs are repeated, interleaved; the median is reported.

@@ -36,6 +36,12 @@ from clone.storage import DATA_FILE, write_state_file
 from clone.tools.bench.config import BenchConfig, Say
 from clone.tools.bench.engines import compare_engines
 from clone.tools.bench.latency import latency_once
+from clone.tools.bench.redisref import (
+    REDIS_ALWAYS,
+    redis_latency_once,
+    redis_server,
+    redis_throughput_once,
+)
 from clone.tools.bench.targets import ServerOptions, Target, load_keys
 from clone.tools.bench.throughput import throughput_once
 from clone.tools.drill.analysis import nearest_rank
@@ -54,6 +60,8 @@ __all__ = ["durability_tables", "run_durability"]
 log = logging.getLogger(__name__)
 
 IN_MEMORY = "in-memory"
+#: clone-server's default heartbeat (--heartbeat), when the bench does not set one.
+_DEFAULT_HEARTBEAT_MS = 250
 _LOADED = re.compile(rb"data directory .*?: (\d+) keys at sequence (\d+).*? loaded in ([\d.]+) s")
 _SYNCED = re.compile(rb"synced from (\S+) \(([^)]+)\): (\d+) keys at sequence (\d+) in ([\d.]+) s")
 _EMPTY_SUBTREE = b"/bench/nothing-here/"
@@ -66,23 +74,29 @@ def _options(base: Path, mode: str) -> ServerOptions:
 
 
 def _throughput(cfg: BenchConfig, group: ProcessGroup, base: Path, say: Say) -> dict[str, Any]:
-    modes = (IN_MEMORY, *cfg.durability_fsyncs)
+    modes = (IN_MEMORY, *cfg.durability_fsyncs, *_redis_mode(cfg, say))
     rates: dict[str, list[int]] = {m: [] for m in modes}
     delivered: dict[str, list[float]] = {m: [] for m in modes}
+    servers: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for rep in range(cfg.repeats):
         for mode in modes:
-            # --fsync always commits a whole turn's updates one by one before it
-            # publishes any: seconds of silence, then a burst; the watcher waits.
-            one = throughput_once(cfg, group, "clone", 1, rep, _options(base, mode),
-                                  messages=cfg.durability_messages, idle_s=30.0)
+            if mode == REDIS_ALWAYS:
+                one = redis_throughput_once(_redis_exe(), base / "redis", cfg.durability_messages,
+                                            cfg.value_size)
+            else:
+                # A long idle wait: a stalled server (a turn of fsyncs) is slow, not done.
+                one = throughput_once(cfg, group, "clone", 1, rep, _options(base, mode),
+                                      messages=cfg.durability_messages, idle_s=30.0)
             rates[mode].append(one["rate"])
             delivered[mode].append(one["delivered"])
+            servers[mode].append(one.get("server", {}))
             say(f"  throughput {mode:>12}: {one['rate']:>8,} msg/s (delivered "
-                f"{one['delivered']:.1%})"
+                f"{one['delivered']:.1%}){_server_note(one.get('server', {}), cfg)}"
                 + (f" [repeat {rep + 1}/{cfg.repeats}]" if cfg.repeats > 1 else ""))
     runs: list[dict[str, Any]] = [
         {"mode": m, "messages": cfg.durability_messages, "rate_median": round(
-            statistics.median(rates[m])), "rates": rates[m], "delivered": min(delivered[m])}
+            statistics.median(rates[m])), "rates": rates[m], "delivered": min(delivered[m]),
+         **_server_fields(servers[m], cfg)}
         for m in modes
     ]
     memory = next(r["rate_median"] for r in runs if r["mode"] == IN_MEMORY)
@@ -92,17 +106,22 @@ def _throughput(cfg: BenchConfig, group: ProcessGroup, base: Path, say: Say) -> 
 
 
 def _latency(cfg: BenchConfig, group: ProcessGroup, base: Path, say: Say) -> list[dict[str, Any]]:
-    modes = (IN_MEMORY, *cfg.durability_latency_fsyncs)
+    modes = (IN_MEMORY, *cfg.durability_latency_fsyncs, *_redis_mode(cfg, say))
     rate = cfg.durability_rate
     reps: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for rep in range(cfg.repeats):
         for mode in modes:
-            one = latency_once(cfg, group, "clone", rate, 1, rep, _options(base, mode))
+            if mode == REDIS_ALWAYS:
+                one = redis_latency_once(_redis_exe(), base / "redis", rate, cfg.rate_seconds,
+                                         cfg.value_size)
+            else:
+                one = latency_once(cfg, group, "clone", rate, 1, rep, _options(base, mode))
             reps[mode].append(one)
             lat = one["latency"]
             say(f"  latency {mode:>12} {rate}/s: p50 {lat['p50_ms']:.3f} p99 {lat['p99_ms']:.3f} "
                 f"p99.9 {lat['p99_9_ms']:.3f} max {lat['max_ms']:.3f} ms (lost {one['lost']}, "
                 f"writer lag p99 {one['writer_lag']['p99_ms']:.3f})"
+                f"{_server_note(one.get('server', {}), cfg)}"
                 + (f" [repeat {rep + 1}/{cfg.repeats}]" if cfg.repeats > 1 else ""))
     runs = []
     for mode, ones in reps.items():
@@ -117,9 +136,63 @@ def _latency(cfg: BenchConfig, group: ProcessGroup, base: Path, say: Say) -> lis
             "lost": sum(o["lost"] for o in ones),
             "repeats": [{k: o["latency"][k] for k in ("p50_ms", "p99_ms", "p99_9_ms", "max_ms")}
                         for o in ones],
+            **_server_fields([o.get("server", {}) for o in ones], cfg),
             **({"profile": median["profile"]} if "profile" in median else {}),
         })
     return runs
+
+
+def _redis_exe() -> str:
+    exe = redis_server()
+    assert exe is not None
+    return exe
+
+
+def _redis_mode(cfg: BenchConfig, say: Say) -> tuple[str, ...]:
+    """The Redis ``appendfsync always`` row, when asked for and installed."""
+    if not cfg.durability_redis:
+        return ()
+    if redis_server() is None:
+        say("  redis-always: skipped, redis-server is not installed"
+            " (Debian: apt-get install redis-server)")
+        return ()
+    return (REDIS_ALWAYS,)
+
+
+def _server_note(server: dict[str, Any], cfg: BenchConfig) -> str:
+    """The server's own account of a run: its worst heartbeat and its commits."""
+    if not server:
+        return ""
+    note = f"; heartbeat max late {server.get('heartbeat_max_late_ms', '?')} ms"
+    commits = server.get("commits")
+    if commits:
+        note += (f", {commits:,} commits: write {server['commit_write_us'] / commits:.0f} us"
+                 f" + COMMIT {server['commit_sync_us'] / commits:.0f} us each,"
+                 f" max {server['commit_max_us'] / 1000:.1f} ms")
+    return note
+
+
+def _server_fields(servers: list[dict[str, Any]], cfg: BenchConfig) -> dict[str, Any]:
+    """Per mode: the worst heartbeat lateness over the repeats and, for durable
+    servers, the mean commit's statement and COMMIT (fsync) times."""
+    servers = [s for s in servers if s]
+    if not servers:
+        return {}
+    late = max(int(s.get("heartbeat_max_late_ms", 0)) for s in servers)
+    heartbeat_ms = cfg.server_heartbeat_ms or _DEFAULT_HEARTBEAT_MS
+    out: dict[str, Any] = {"heartbeat_max_late_ms": late,
+                           "heartbeat_late_over_interval": late > heartbeat_ms}
+    commits = sum(int(s.get("commits", 0)) for s in servers)
+    if commits:
+        out["commits"] = commits
+        out["commit_write_us_mean"] = round(
+            sum(int(s["commit_write_us"]) for s in servers) / commits, 1)
+        out["commit_sync_us_mean"] = round(
+            sum(int(s["commit_sync_us"]) for s in servers) / commits, 1)
+        out["commit_max_ms"] = round(max(int(s["commit_max_us"]) for s in servers) / 1000, 2)
+        out["updates_per_commit"] = round(
+            sum(int(s.get("sequence", 0)) for s in servers) / commits, 1)
+    return out
 
 
 def _entries(n: int, value_size: int) -> Iterator[tuple[bytes, tuple[bytes, bytes, bytes, bytes]]]:
@@ -318,8 +391,13 @@ def run_durability(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str,
         ),
     }
     out: dict[str, Any] = {"data_dir": str(base.resolve())}
+    unknown = set(cfg.durability_parts) - set(parts)
+    if unknown:
+        raise ValueError(f"unknown durability parts {sorted(unknown)}; choose from {list(parts)}")
     try:
         for name, part in parts.items():
+            if name not in cfg.durability_parts:
+                continue
             try:
                 out[name] = part()
             except Exception as exc:
@@ -354,9 +432,10 @@ _Table = Callable[..., str]
 
 def _throughput_table(tput: dict[str, Any], table: _Table, markdown: bool) -> tuple[str, str]:
     text = table(
-        ["server", "messages", "msg/s (median)", "each repeat", "delivered"],
+        ["server", "messages", "msg/s (median)", "each repeat", "delivered",
+         *_SERVER_COLUMNS],
         [[r["mode"], r["messages"], r["rate_median"], " / ".join(f"{x:,}" for x in r["rates"]),
-          f"{r['delivered']:.1%}"] for r in tput["runs"]],
+          f"{r['delivered']:.1%}", *_server_cells(r)] for r in tput["runs"]],
         markdown=markdown,
     )
     if tput["ratios"]:
@@ -370,13 +449,30 @@ def _latency_table(runs: list[dict[str, Any]], table: _Table, markdown: bool) ->
         f"Durability: latency at {runs[0]['rate']:,} updates/s (ms)",
         table(
             ["server", "p50", "p99", "p99.9", "max", "lost", "writer lag p99",
-             "p99 of each repeat"],
+             "p99 of each repeat", *_SERVER_COLUMNS],
             [[r["mode"], r["latency"]["p50_ms"], r["latency"]["p99_ms"], r["latency"]["p99_9_ms"],
               r["latency"]["max_ms"], r["lost"], r["writer_lag_p99_ms"],
-              " / ".join(f"{x['p99_ms']:.2f}" for x in r["repeats"])] for r in runs],
+              " / ".join(f"{x['p99_ms']:.2f}" for x in r["repeats"]), *_server_cells(r)]
+             for r in runs],
             markdown=markdown,
         ),
     )
+
+
+#: The server's own account of a mode's runs (clone rows only).
+_SERVER_COLUMNS = ("heartbeat max late ms", "updates/commit", "statements us/commit",
+                   "COMMIT us/commit", "longest commit ms")
+
+
+def _server_cells(run: dict[str, Any]) -> list[Any]:
+    if "heartbeat_max_late_ms" not in run:
+        return ["-"] * len(_SERVER_COLUMNS)
+    late = f"{run['heartbeat_max_late_ms']:,}" + (
+        " (over 1 interval)" if run.get("heartbeat_late_over_interval") else "")
+    if "commits" not in run:
+        return [late, "-", "-", "-", "-"]
+    return [late, run["updates_per_commit"], run["commit_write_us_mean"],
+            run["commit_sync_us_mean"], run["commit_max_ms"]]
 
 
 def _recovery_table(section: dict[str, Any], table: _Table, markdown: bool) -> tuple[str, str]:

@@ -6,7 +6,7 @@ from typing import Any
 
 from clone.tools.bench.config import BenchConfig, Say
 from clone.tools.bench.profiling import Profiler
-from clone.tools.bench.targets import ServerOptions, running_target, traffic
+from clone.tools.bench.targets import ServerOptions, running_target, server_summary, traffic
 from clone.tools.drill.analysis import nearest_rank
 from clone.tools.histogram import LatencyHistogram
 from clone.tools.procs import ProcessGroup
@@ -57,6 +57,8 @@ def latency_once(
     }
     if target.restricted is not None:
         run["restricted_reader"] = target.restricted
+    if summary := server_summary(target):
+        run["server"] = summary
     if prof.summary:
         run["profile"] = prof.summary
     return run

@@ -95,8 +95,14 @@ def evaluate_targets(results: dict[str, Any]) -> list[dict[str, Any]]:
                 add("1M client sync s", sync, "<= 5", sync is not None and sync <= 5)
                 add("1M no heartbeat missed", run["hugz_max_gap_s"], "gap <= 1.5 hb",
                     not run["hugz_missed"])
+    if "memory" in s:
+        for run in s["memory"].get("runs", []):
+            add(f"memory {run['mode']} {run['keys']:,} keys: B/key over key+value",
+                run["over_key_value"], "<= 300", run["over_key_value"] <= 300)
     if "durability" in s:
         _durability_targets(s["durability"], add)
+    if "calls" in s:
+        _lease_targets(s["calls"], add)
     if "security" in s:
         _security_targets(s["security"], add)
     if "subscribers" in s:
@@ -144,6 +150,23 @@ def _security_targets(d: dict[str, Any], add: Any) -> None:
             f"{len(readers)} runs", "all", reader_ok(readers))
 
 
+def _lease_targets(d: dict[str, Any], add: Any) -> None:
+    """Issue 27: 10,000 leases kept alive by batched keepalives, none wrongly
+    expired, and plain writes at 80% of their throughput without leases."""
+    leases = d.get("leases")
+    if not leases:
+        return
+    for run in leases["runs"]:
+        if run.get("batched"):
+            n = f"{run['leases']:,}"
+            add(f"calls: {n} leases batched, keepalives not ok", run.get("keepalive_not_ok"),
+                "0", run.get("keepalive_not_ok") == 0)
+            ratio = leases["throughput_ratios"].get(f"{run['leases']}_leases_batched_vs_0")
+            if ratio is not None:
+                add(f"calls: plain throughput, {n} leases batched / 0", ratio, ">= 0.8",
+                    ratio >= 0.8)
+
+
 def _durability_targets(d: dict[str, Any], add: Any) -> None:
     """The durability targets: batch keeps 60% of the in-memory throughput and the latency
     targets; a restart serves within 10 s; a missed 1,000 updates take < 0.5 s."""
@@ -153,6 +176,23 @@ def _durability_targets(d: dict[str, Any], add: Any) -> None:
         ratio = d["throughput"]["ratios"].get("batch_vs_in-memory")
         if ratio is not None:
             add("durability: fsync batch throughput / in-memory", ratio, ">= 0.6", ratio >= 0.6)
+        for run in d["throughput"]["runs"]:
+            if run["mode"] == "always":  # issue 27
+                add("durability: fsync always msg/s", run["rate_median"], ">= 10000",
+                    run["rate_median"] >= 10_000)
+    for part in ("throughput", "latency"):
+        runs = d.get(part, {}).get("runs", []) if part == "throughput" else d.get(part, [])
+        for run in runs:
+            if run["mode"] == "always" and "heartbeat_max_late_ms" in run:
+                add(f"durability: fsync always ({part}) heartbeat late by over an interval",
+                    run["heartbeat_max_late_ms"], "no",
+                    not run["heartbeat_late_over_interval"])
+    redis = next((r for r in d.get("latency", []) if r["mode"] == "redis-always"), None)
+    batch = next((r for r in d.get("latency", []) if r["mode"] == "batch"), None)
+    if redis is not None and batch is not None:
+        add("durability: batch p99 / Redis appendfsync-always p99",
+            round(batch["latency"]["p99_ms"] / max(redis["latency"]["p99_ms"], 1e-9), 2),
+            "<= 1", batch["latency"]["p99_ms"] <= redis["latency"]["p99_ms"])
     for run in d.get("latency", []):
         if run["mode"] == "batch":
             lat, rate = run["latency"], f"{run['rate'] // 1000}k/s"

@@ -8,6 +8,7 @@ pyzmq forwarder (see :mod:`clone.tools.bench`); every section runs through
 from __future__ import annotations
 
 import contextlib
+import json
 import queue
 import shutil
 import time
@@ -49,6 +50,8 @@ __all__ = [
     "ServerOptions",
     "Target",
     "cpu_seconds",
+    "final_stats",
+    "server_summary",
     "load_keys",
     "rss",
     "running_target",
@@ -69,6 +72,9 @@ class Target:
     curve: ClientCurve | None = None
     #: What the restricted reader (:attr:`CurveOptions.restricted`) counted, once stopped.
     restricted: dict[str, Any] | None = None
+    #: A clone-server's counters as it logged them when stopped (its last
+    #: ``stats: {json}`` line), once the ``with`` block of :func:`running_target` ends.
+    server_stats: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +173,7 @@ def running_target(
                 yield target
         finally:
             proc.stop()
+            target.server_stats = final_stats(proc.log_text())
             if opts.data_dir is not None:
                 shutil.rmtree(opts.data_dir, ignore_errors=True)
         return
@@ -294,6 +301,31 @@ def traffic(
 
 
 
+def final_stats(log_text: str) -> dict[str, Any] | None:
+    """The counters of the last ``stats: {json}`` line of a server's log (a
+    stopping server logs one), or None."""
+    at = log_text.rfind("stats: {")
+    if at < 0:
+        return None
+    line = log_text[at + len("stats: "):].split("\n", 1)[0]
+    try:
+        stats = json.loads(line)
+    except ValueError:
+        return None
+    return stats if isinstance(stats, dict) else None
+
+
+#: What a run keeps of a clone-server's final counters.
+_SERVER_KEYS = ("sequence", "heartbeat_max_late_ms", "commits", "commit_write_us",
+                "commit_sync_us", "commit_max_us")
+
+
+def server_summary(target: Target) -> dict[str, Any]:
+    """The final counters a run reports about a clone target (empty for the ceilings)."""
+    stats = target.server_stats or {}
+    return {k: stats[k] for k in _SERVER_KEYS if k in stats}
+
+
 def cpu_seconds(pid: int) -> tuple[float, float]:
     """CPU seconds (user + system) ``pid`` has used: its main thread's, its other threads'.
 
@@ -318,8 +350,14 @@ def rss(pid: int) -> int:
     return int(psutil.Process(pid).memory_info().rss)
 
 
-def load_keys(ctx: zmq.Context[Any], target: Target, n: int, size: int) -> float:
-    """Set keys ``/bench/snap/0000000`` .. in the server; seconds until all applied."""
+def load_keys(ctx: zmq.Context[Any], target: Target, n: int, size: int,
+              chunk: int | None = None) -> float:
+    """Set keys ``/bench/snap/0000000`` .. in the server; seconds until all applied.
+
+    ``chunk``: wait for each ``chunk`` keys to be applied before sending more,
+    so that the server's receive queue stays small (the memory section: a
+    queue of a million messages leaves its high-water in the RSS).
+    """
     done = ctx.socket(zmq.SUB)
     done.setsockopt(zmq.SUBSCRIBE, DONE_PREFIX)
     cap_message_size(done)
@@ -332,20 +370,26 @@ def load_keys(ctx: zmq.Context[Any], target: Target, n: int, size: int) -> float
     t0 = time.monotonic()
     send = pub.send_multipart
     prefix = SNAP_SUBTREE.encode()
-    for i in range(n):
-        send([prefix + b"%07d" % i, ZERO_SEQ, uuid(i), b"", body])
-    # A sentinel after the keys: when it comes back, every key before it is applied.
-    # Resent until seen, because the first one may precede our subscription.
-    deadline = time.monotonic() + 60 + n / 2000
+    step = chunk or n
     k = 0
     try:
-        while time.monotonic() < deadline:
-            send(kvset(DONE_PREFIX + str(k).encode(), b"d", (1 << 41) + k))
-            k += 1
-            if done.poll(500):
-                recv_frames(done)
-                return time.monotonic() - t0
-        raise RuntimeError(f"loading {n} keys did not finish in time")
+        for start in range(0, n, step):
+            for i in range(start, min(n, start + step)):
+                send([prefix + b"%07d" % i, ZERO_SEQ, uuid(i), b"", body])
+            # A sentinel after the keys: when it comes back, every key before it is
+            # applied.  Resent until seen, because the first one may precede our
+            # subscription.
+            deadline = time.monotonic() + 60 + step / 2000
+            while True:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"loading {n} keys did not finish in time")
+                send(kvset(DONE_PREFIX + str(k).encode(), b"d", (1 << 41) + k))
+                k += 1
+                if done.poll(500):
+                    while done.poll(0):  # earlier sentinels of this chunk too
+                        recv_frames(done)
+                    break
+        return time.monotonic() - t0
     finally:
         pub.close(linger=0)
         done.close(linger=0)

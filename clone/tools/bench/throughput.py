@@ -7,7 +7,13 @@ from typing import Any
 
 from clone.tools.bench.config import BenchConfig, Say
 from clone.tools.bench.profiling import Profiler
-from clone.tools.bench.targets import ServerOptions, cpu_seconds, running_target, traffic
+from clone.tools.bench.targets import (
+    ServerOptions,
+    cpu_seconds,
+    running_target,
+    server_summary,
+    traffic,
+)
 from clone.tools.procs import ProcessGroup
 
 __all__ = ["run_throughput", "throughput_once"]
@@ -64,6 +70,8 @@ def throughput_once(
         }
     if target.restricted is not None:
         run["restricted_reader"] = target.restricted
+    if summary := server_summary(target):
+        run["server"] = summary
     if prof.summary:
         run["profile"] = prof.summary
     return run
