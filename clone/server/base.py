@@ -152,6 +152,9 @@ class ServerBase:
         # its share of --snapshot-bytes (clone.server.snapwindow).
         self._snapshot_budget = SnapshotBudget(config.snapshot_bytes, config.max_snapshots)
         self._in_flight: dict[AnyStream, SendWindow] = {}
+        # The same windows by requester, kept after a stream ends until what
+        # libzmq holds for that requester is written (or its connection dropped).
+        self._peer_windows: dict[bytes, SendWindow] = {}
         # Streams waiting for their turn of the loop's snapshot slice, in order
         # (clone.server.serving: _wake, _pump_turn), and whether a turn is due.
         self._pump_queue: dict[AnyStream, None] = {}

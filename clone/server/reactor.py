@@ -232,6 +232,10 @@ class CloneServer(
         router = self._socket(zmq.ROUTER, bound=True)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDHWM, cfg.snapshot_hwm)
+        # A requester whose connection has taken nothing for the stall timeout
+        # (a zero TCP window: it reads nothing) is dropped by the kernel, and
+        # libzmq frees what it held for it (clone.server.snapwindow).
+        router.setsockopt(zmq.TCP_MAXRT, int(cfg.snapshot_stall_timeout * 1000))
         router.bind(f"{base}:{cfg.port + SNAPSHOT_OFFSET}")
         self._router = router
         self._bind_publisher()
@@ -344,6 +348,7 @@ class CloneServer(
         self._close_relay()
         self._snapshots.clear()
         self._in_flight.clear()
+        self._peer_windows.clear()
         self._pump_queue.clear()
         self._waiting.clear()
         self.publisher.drop()

@@ -266,7 +266,7 @@ class ServingMixin(ServerBase):
             if self._await_peer_sync and self.core.role is Role.ACTIVE:
                 self._await_peer_sync = False
                 self._start_hold("the peer's first sync since we took over")
-        self._in_flight[stream] = SendWindow(self._snapshot_budget.window)
+        self._in_flight[stream] = self._window_of(identity)
         if deferred:
             self._deferred_streams.add(stream)
         log.debug(
@@ -303,7 +303,7 @@ class ServingMixin(ServerBase):
         """Hold a request that found every slot taken by a reader, bounded in
         number and age (:data:`_WAITING_MAX`, :data:`_WAITING_MAX_AGE`)."""
         waiting = self._waiting
-        waiting.pop(identity, None)  # asked again: keep the newest
+        waiting.pop(identity, None)  # asked again: keep the newest, last
         if len(waiting) >= _WAITING_MAX:
             oldest = next(iter(waiting))
             del waiting[oldest]
@@ -319,8 +319,9 @@ class ServingMixin(ServerBase):
         )
 
     def _admit_waiting(self) -> None:
-        """Serve waiting requests while slots are free; drop those too old
-        (their requester has asked again on a fresh socket by then)."""
+        """Serve waiting requests while slots are free or a requester that
+        reads nothing gives one up; drop those too old (their requester has
+        asked again on a fresh socket by then)."""
         waiting = self._waiting
         if not waiting:
             return
@@ -330,8 +331,13 @@ class ServingMixin(ServerBase):
             waiting.clear()
             return
         cutoff = self._clock() - _WAITING_MAX_AGE
-        while waiting and len(self._snapshots) < self.config.max_snapshots:
-            identity = next(iter(waiting))
+        while waiting:
+            if len(self._snapshots) >= self.config.max_snapshots and not self._evict_stalest():
+                break
+            # Newest first: an older request's client has likely asked again
+            # on a fresh socket, and a burst of requesters that read nothing
+            # must not stand between a reader and the next slot.
+            identity = next(reversed(waiting))
             at, how = waiting.pop(identity)
             if at < cutoff:
                 self.counters["snapshots_refused"] += 1
@@ -340,6 +346,25 @@ class ServingMixin(ServerBase):
         for identity in [i for i, (at, _) in waiting.items() if at < cutoff]:
             del waiting[identity]
             self.counters["snapshots_refused"] += 1
+
+    def _window_of(self, identity: bytes) -> SendWindow:
+        """The requester's byte window: the one it still has, with what its
+        earlier streams left in its pipe, or a new one."""
+        window = self._peer_windows.get(identity)
+        if window is None:
+            window = self._peer_windows[identity] = SendWindow(self._snapshot_budget.window)
+        return window
+
+    def _forget_settled_windows(self) -> None:
+        """Drop the windows of requesters without a stream whose bytes are
+        written (or freed with their dropped connection)."""
+        busy = {stream.identity for stream in self._snapshots}
+        windows = self._peer_windows
+        for identity in [i for i in windows if i not in busy]:
+            window = windows[identity]
+            window.update()
+            if window.settled:
+                del windows[identity]
 
     def _wake(self, stream: AnyStream) -> None:
         """Give ``stream`` a turn in the loop's snapshot slice (once, in order)."""
@@ -384,7 +409,7 @@ class ServingMixin(ServerBase):
         assert sock is not None
         window = self._in_flight.get(stream)
         if window is None:
-            window = self._in_flight[stream] = SendWindow(self._snapshot_budget.window)
+            window = self._in_flight[stream] = self._window_of(stream.identity)
         self._note_progress(stream, window)
         # A KVBATCH is thousands of entries: check the clock after each one.
         clock_every = 1 if stream.batch else CLOCK_EVERY
@@ -582,7 +607,10 @@ class ServingMixin(ServerBase):
 
     def _check_stalled_snapshots(self) -> None:
         """Abort the streams whose requester read nothing for
-        ``snapshot_stall_timeout``: their bytes and their slot go back."""
+        ``snapshot_stall_timeout``: their slot goes back (their bytes when the
+        kernel drops the connection: ``TCP_MAXRT``, set in the reactor)."""
+        if self._peer_windows:
+            self._forget_settled_windows()
         if not self._snapshots:
             self._admit_waiting()
             return

@@ -10,9 +10,9 @@ from clone.errors import DataDirTooBig
 from clone.server.budget import (
     STORE_FRACTION,
     MemoryLimit,
-    collector_hwm,
     _cgroup_dirs,
     check_fits,
+    collector_hwm,
     default_max_bytes,
     memory_limit,
 )

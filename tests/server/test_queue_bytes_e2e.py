@@ -91,9 +91,11 @@ def test_snapshot_requesters_that_never_read_pin_a_bounded_number_of_bytes(
         took = time.monotonic() - started
         stats = read_stats(solo)
         assert stats["snapshots_evicted"] >= 1, stats
-        # And after --snapshot-stall-timeout each of the rest loses its stream.
-        eventually(lambda: read_stats(solo)["snapshots_idle_aborted"] >= 15, 60,
-                   "the non-readers' streams aborted")  # fmt: skip
+        # And after --snapshot-stall-timeout each of the rest loses its stream
+        # (its connection too: TCP_MAXRT, so its queued bytes are freed).
+        eventually(lambda: read_stats(solo)["snapshots_in_flight"] == 0, 60,
+                   "the non-readers' streams gone")  # fmt: skip
+        assert read_stats(solo)["snapshots_aborted"] >= 15
     assert rss.peak - before < 60 * MB, (before >> 20, rss.peak >> 20)
     assert took < 30, took
     assert "aborted after" in solo.log_text()
@@ -138,5 +140,5 @@ def test_a_flood_of_512_kb_writes_is_queued_in_bytes_not_messages(
         eventually(lambda: read_stats(solo)["kvset_received"] >= 600, 120, "the flood applied")
     assert rss.peak - before < 150 * MB, (before >> 20, rss.peak >> 20)
     stats = read_stats(solo)
-    assert stats["collector_turns_cut"] > 0, stats  # 8 MiB per turn at most
+    assert stats["collector_turns_cut"] > 0, stats  # 4 MiB per turn at most
     flood.close()

@@ -8,6 +8,7 @@ import pytest
 
 from clone.server.snapwindow import (
     FIRST_WINDOW,
+    GROW_AFTER,
     RETRY_MAX,
     RETRY_MIN,
     SendWindow,
@@ -64,7 +65,26 @@ def test_the_window_ends_on_a_tracked_message_so_a_reader_always_reopens_it() ->
         t.done = True
     assert window.update() is True
     assert window.in_flight == 0 and window.done_bytes == 64 * KB
-    assert window.window == 128 * KB  # doubled: it reads
+    assert window.settled
+    # 64 KiB read could be the kernel's send buffer filling: no growth yet.
+    assert window.window == 64 * KB
+
+
+def _read_all(window: SendWindow, size: int) -> None:
+    for t in _fill(window, size):
+        t.done = True
+    window.update()
+
+
+def test_a_reader_past_what_the_kernel_could_take_gets_a_doubling_window() -> None:
+    window = SendWindow(1 * MB)
+    while window.done_bytes < GROW_AFTER:
+        assert window.window == FIRST_WINDOW
+        _read_all(window, 4 * KB)
+    assert window.window == 2 * FIRST_WINDOW
+    for _ in range(10):
+        _read_all(window, 4 * KB)
+    assert window.window == 1 * MB  # its share, no more
 
 
 def test_checkpoints_complete_in_order_and_count_every_byte_before_them() -> None:
@@ -80,13 +100,12 @@ def test_checkpoints_complete_in_order_and_count_every_byte_before_them() -> Non
 
 def test_slow_start_stops_at_the_share() -> None:
     window = SendWindow(200 * KB, first=64 * KB)
-    for _ in range(5):
-        for t in _fill(window, 8 * KB):
-            t.done = True
-        window.update()
+    while window.window < 200 * KB:
+        _read_all(window, 8 * KB)
     assert window.window == 200 * KB
     _fill(window, 8 * KB)
     assert window.in_flight < 200 * KB + 8 * KB
+    assert not window.settled
 
 
 def test_one_message_larger_than_the_window_still_goes_when_it_is_empty() -> None:
@@ -100,14 +119,19 @@ def test_one_message_larger_than_the_window_still_goes_when_it_is_empty() -> Non
     assert window.may_send() and window.in_flight == 0
 
 
+def test_requesters_that_never_read_hold_their_first_window_and_one_message() -> None:
+    windows = [SendWindow(1 * MB) for _ in range(200)]
+    for w in windows:
+        _fill(w, 60 * KB)
+    assert sum(w.in_flight for w in windows) <= 200 * (FIRST_WINDOW + 60 * KB)
+
+
 def test_all_streams_together_stay_within_the_budget_plus_one_message_each() -> None:
     budget = SnapshotBudget(64 * MB, 64)
     windows = [SendWindow(budget.window) for _ in range(64)]
     for w in windows:  # every requester reads until its window is at its share
-        for _ in range(10):
-            for t in _fill(w, 60 * KB):
-                t.done = True
-            w.update()
+        while w.window < budget.window:
+            _read_all(w, 60 * KB)
         _fill(w, 60 * KB)  # and then stops reading
     assert all(w.window == budget.window for w in windows)
     total = sum(w.in_flight for w in windows)

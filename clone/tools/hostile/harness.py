@@ -278,15 +278,18 @@ class _Pair:
                 cg.rmdir()
 
 
-def _wait_ready(proc: ManagedProcess, deadline: float) -> bool:
+def _wait_line(proc: ManagedProcess, deadline: float, *words: str) -> str | None:
+    """The first of ``words`` the attack process printed on a line of its own."""
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError):
-            if b"\nready\n" in proc.log_path.read_bytes():
-                return True
+            text = proc.log_path.read_bytes()
+            for word in words:
+                if f"\n{word}\n".encode() in text:
+                    return word
         if not proc.alive:
-            return False
+            return None
         time.sleep(0.1)
-    return False
+    return None
 
 
 def run_attack(
@@ -334,8 +337,16 @@ def run_attack(
         started = time.time()
         say(f"[{attack}] attack starting")
         attacker = _start_attack(attack, pair, result, scale)
-        if attacker is not None and not _wait_ready(attacker, time.monotonic() + 300):
-            result.note += f" the attack never got ready (see {attacker.log_path})"
+        if attacker is not None:
+            deadline = time.monotonic() + 300
+            if _wait_line(attacker, deadline, "loaded", "ready") == "loaded":
+                # The same store without the attack: the baseline to compare with.
+                loaded = _timed_sync(endpoints, 60)
+                if loaded is not None:
+                    result.baseline_sync = loaded
+                attacker.signal(signal.SIGUSR1)
+            if _wait_line(attacker, deadline, "ready") is None:
+                result.note += f" the attack never got ready (see {attacker.log_path})"
         hold_end = time.monotonic() + hold
         result.sync_under_attack = _timed_sync(endpoints, max(10.0, hold))
         time.sleep(max(0.0, hold_end - time.monotonic()))
