@@ -114,7 +114,7 @@ def default_max_bytes(limit: MemoryLimit | None, fallback: int = 4 * 1024**3) ->
 
 #: Bytes of client updates one loop turn takes from the collector at most (the
 #: rest wait in the socket, within its byte-derived high-water mark).
-COLLECTOR_TURN_BYTES = 4 * 1024 * 1024
+COLLECTOR_TURN_BYTES = 2 * 1024 * 1024
 
 
 def collector_hwm(collector_bytes: int, largest: int, hwm: int) -> int:

@@ -140,5 +140,5 @@ def test_a_flood_of_512_kb_writes_is_queued_in_bytes_not_messages(
         eventually(lambda: read_stats(solo)["kvset_received"] >= 600, 120, "the flood applied")
     assert rss.peak - before < 150 * MB, (before >> 20, rss.peak >> 20)
     stats = read_stats(solo)
-    assert stats["collector_turns_cut"] > 0, stats  # 4 MiB per turn at most
+    assert stats["collector_turns_cut"] > 0, stats  # 2 MiB per turn at most
     flood.close()
