@@ -329,11 +329,11 @@ def build_parser() -> argparse.ArgumentParser:
     limits.add_argument(
         "--snapshot-bytes",
         type=positive_int,
-        default=64 * 1024 * 1024,
+        default=128 * 1024 * 1024,
         metavar="BYTES",
         help="bytes of all snapshot streams together that may wait unwritten in the server;"
-        " each stream may hold an equal share (1/--max-snapshots) and waits when it is"
-        " full (default 67108864, 64 MiB)",
+        " each requester may hold an equal share (1/--max-snapshots: 2 MiB, two KVBATCHes)"
+        " and waits when it is full (default 134217728, 128 MiB)",
     )
     limits.add_argument(
         "--snapshot-stall-timeout",

@@ -58,7 +58,7 @@ class ServerConfig:
     max_snapshots: int = 64
     #: Bytes of all snapshot streams together that libzmq may hold unwritten
     #: (clone.server.snapwindow); each stream gets 1/max_snapshots of it.
-    snapshot_bytes: int = 64 * 1024 * 1024
+    snapshot_bytes: int = 128 * 1024 * 1024
     #: Bytes one writer's connection may queue in the collector (P+2): its
     #: RCVHWM is this over the largest message (clone.server.budget).
     collector_bytes: int = 32 * 1024 * 1024

@@ -90,11 +90,12 @@ class SnapshotBudget:
 class SendWindow:
     """One stream's bytes sent, and how many of them libzmq has written out.
 
-    The window starts small (:data:`FIRST_WINDOW`) and, once the requester has
-    read :data:`GROW_AFTER` bytes, doubles each time it reads a checkpoint, up
-    to its share (``limit``), as TCP's slow start does: a requester that never
-    reads holds 64 KiB and costs the loop a few dozen sends, not a whole
-    share's, and one that reads is at full speed after a few round trips.
+    The window starts small (:data:`FIRST_WINDOW`) and becomes the
+    requester's whole share (``limit``) once it has read :data:`GROW_AFTER`
+    bytes.  A requester that never reads still seems to read what the
+    kernel's buffers take, so anything less would let it grow; held to 64 KiB
+    it costs the loop a few dozen sends, and a reader gets its share after
+    4 MiB (four KVBATCHes).
 
     One window per *requester* (its routing id), kept after its stream ends
     until libzmq has written what it holds: a stream aborted or replaced
@@ -130,7 +131,9 @@ class SendWindow:
             _, self.done_bytes = checkpoints.popleft()
             moved = True
         if moved and self.window < self.limit and self.done_bytes >= GROW_AFTER:
-            self.window = min(self.limit, self.window * 2)
+            # It has read more than the kernel's buffers could have taken: a
+            # reader, which gets its whole share.
+            self.window = self.limit
         return moved
 
     @property

@@ -98,7 +98,7 @@ def test_the_queue_flags_reach_the_config() -> None:
     assert (cfg.snapshot_bytes, cfg.collector_bytes, cfg.snapshot_stall_timeout) == (
         1000, 2000, 2.5)  # fmt: skip
     default = config_from_args(build_parser().parse_args(["--standalone"]))
-    assert default.snapshot_bytes == 64 * 1024 * 1024
+    assert default.snapshot_bytes == 128 * 1024 * 1024
     assert default.collector_bytes == 32 * 1024 * 1024
     assert default.snapshot_stall_timeout == 10.0
 
