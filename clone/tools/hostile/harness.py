@@ -345,6 +345,7 @@ def run_attack(
                 if loaded is not None:
                     result.baseline_sync = loaded
                 attacker.signal(signal.SIGUSR1)
+                started = time.time()  # the HUGZ gaps of the attack, not of its preload
             if _wait_line(attacker, deadline, "ready") is None:
                 result.note += f" the attack never got ready (see {attacker.log_path})"
         hold_end = time.monotonic() + hold
