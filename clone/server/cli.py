@@ -174,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="most client updates a passive server holds back (default 100000)",
     )
     p.add_argument(
+        "--pending-max-bytes",
+        type=non_negative_int,
+        default=64 * 1024 * 1024,
+        metavar="BYTES",
+        help="... and most bytes of them, keys and values; the oldest go first"
+        " (default 67108864, 64 MiB; 0: no byte limit)",
+    )
+    p.add_argument(
         "--pending-max-age",
         type=positive_float,
         default=30.0,
@@ -416,6 +424,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         dedup_window=args.dedup_window,
         pending_max=args.pending_max,
         pending_max_age=args.pending_max_age,
+        pending_max_bytes=args.pending_max_bytes,
         history_max=args.history,
         history_bytes=args.history_bytes,
         max_keys=args.max_keys,
