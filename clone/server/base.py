@@ -32,6 +32,7 @@ from clone.server.pacing import SplitQueue
 from clone.server.publishing import Publisher
 from clone.server.rolelog import load_role_changes, save_role_changes
 from clone.server.snapshot import SnapshotStream
+from clone.server.snapwindow import SendWindow, SnapshotBudget
 from clone.server.status import StatusLimiter, clone_version
 from clone.server.turns import TurnBudget
 from clone.server.votes import DeferredVotes
@@ -153,9 +154,23 @@ class ServerBase:
         self._collector: zmq.Socket[Any] | None = None
         self._ha: BinaryStar | None = None  # when paired
         self._snapshots: dict[AnyStream, float] = {}  # stream -> last progress
-        # Batched streams: a tracker per KVBATCH that libzmq has not yet written
-        # to the connection, oldest first (see _BATCHES_IN_FLIGHT).
-        self._in_flight: dict[AnyStream, deque[zmq.MessageTracker]] = {}
+        # Each stream's bytes handed to libzmq and not yet written out, within
+        # its share of --snapshot-bytes (clone.server.snapwindow).
+        self._snapshot_budget = SnapshotBudget(config.snapshot_bytes, config.max_snapshots)
+        self._in_flight: dict[AnyStream, SendWindow] = {}
+        # The same windows by requester, kept after a stream ends until what
+        # libzmq holds for that requester is written (or its connection dropped).
+        self._peer_windows: dict[bytes, SendWindow] = {}
+        # Streams waiting for their turn of the loop's snapshot slice, in order
+        # (clone.server.serving: _wake, _pump_turn), and whether a turn is due.
+        self._pump_queue: dict[AnyStream, None] = {}
+        self._pump_scheduled = False
+        # The end of this loop turn's slice for the first messages of newly
+        # served streams (None: not opened this turn).
+        self._serve_slice_end: float | None = None
+        # Requests that found every snapshot slot taken: requester -> (when,
+        # how to serve it), oldest first; served as slots free, bounded.
+        self._waiting: dict[bytes, tuple[float, dict[str, Any]]] = {}
         # Streams whose last send said EHOSTUNREACH, and since when (see
         # _UNREACHABLE_GRACE): gone, or only a pipe libzmq has not reactivated.
         self._unreachable: dict[AnyStream, float] = {}
@@ -257,6 +272,11 @@ class ServerBase:
                 "votes_deferred_gone",
                 "snapshot_stalls",
                 "snapshot_unroutable_retries",
+                "snapshots_idle_aborted",
+                "snapshots_evicted",
+                "snapshots_replaced",
+                "snapshots_queued",
+                "collector_turns_cut",
                 "split_writes_applied",
                 "split_writes_refused",
                 "split_writes_conflicts",

@@ -34,7 +34,9 @@ if TYPE_CHECKING:
     from clone.storage import Storage
 
 __all__ = [
+    "COLLECTOR_TURN_BYTES",
     "check_fits",
+    "collector_hwm",
     "STORE_FRACTION",
     "MemoryLimit",
     "default_max_bytes",
@@ -108,6 +110,29 @@ def default_max_bytes(limit: MemoryLimit | None, fallback: int = 4 * 1024**3) ->
     if limit is None:
         return fallback
     return max(1, int(limit.nbytes * STORE_FRACTION))
+
+
+#: Bytes of client updates one loop turn takes from the collector at most (the
+#: rest wait in the socket, within its byte-derived high-water mark).
+COLLECTOR_TURN_BYTES = 2 * 1024 * 1024
+
+
+def collector_hwm(collector_bytes: int, largest: int, hwm: int) -> int:
+    """The collector's RCVHWM: at most ``collector_bytes`` of ``largest``-byte
+    messages (``MAXMSGSIZE``, which libzmq enforces), and at most ``hwm``
+    (``--hwm``; 0: no count limit).  At least 1.
+
+    Why: libzmq counts a pipe's messages, not its bytes.  At the default
+    100,000 a writer's 512 KB updates could queue 50 GB in the server while it
+    applied a few hundred a second; that, not the store, is what killed servers
+    in a 700 MB cgroup.  Bounding the count by the largest message a writer may
+    send bounds the bytes whatever it sends; small updates are hardly slowed,
+    since libzmq refills the pipe while the loop drains it.
+    """
+    if largest < 1 or collector_bytes < 1:
+        raise ValueError("collector_bytes and the largest message must be >= 1")
+    by_bytes = max(1, collector_bytes // largest)
+    return by_bytes if hwm == 0 else max(1, min(hwm, by_bytes))
 
 
 def _cgroup_dirs(proc_cgroup: str, root: Path) -> list[Path]:

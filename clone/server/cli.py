@@ -174,6 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="most client updates a passive server holds back (default 100000)",
     )
     p.add_argument(
+        "--pending-max-bytes",
+        type=non_negative_int,
+        default=64 * 1024 * 1024,
+        metavar="BYTES",
+        help="... and most bytes of them, keys and values; the oldest go first"
+        " (default 67108864, 64 MiB; 0: no byte limit)",
+    )
+    p.add_argument(
         "--pending-max-age",
         type=positive_float,
         default=30.0,
@@ -322,7 +330,35 @@ def build_parser() -> argparse.ArgumentParser:
         type=positive_int,
         default=64,
         metavar="N",
-        help="snapshot streams in flight at once; more requests are not answered (default 64)",
+        help="snapshot streams in flight at once; when all are taken, one whose requester"
+        " has read nothing for 0.25 s gives its slot to a new request, else the request is"
+        " not answered (default 64)",
+    )
+    limits.add_argument(
+        "--snapshot-bytes",
+        type=positive_int,
+        default=128 * 1024 * 1024,
+        metavar="BYTES",
+        help="bytes of all snapshot streams together that may wait unwritten in the server;"
+        " each requester may hold an equal share (1/--max-snapshots: 2 MiB, two KVBATCHes)"
+        " and waits when it is full (default 134217728, 128 MiB)",
+    )
+    limits.add_argument(
+        "--snapshot-stall-timeout",
+        type=positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a snapshot requester that reads nothing for this long loses its stream and"
+        " its slot (default 10)",
+    )
+    limits.add_argument(
+        "--collector-bytes",
+        type=positive_int,
+        default=32 * 1024 * 1024,
+        metavar="BYTES",
+        help="bytes of updates one writer's connection may queue in the server: the"
+        " collector's high-water mark is this over the largest message (1 MiB + 64 KiB),"
+        " at most --hwm (default 33554432, 32 MiB: 30 messages)",
     )
     monitoring = p.add_argument_group(
         "monitoring", "metrics, health and the status page (docs/operations.md, 'Monitoring')"
@@ -388,6 +424,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         dedup_window=args.dedup_window,
         pending_max=args.pending_max,
         pending_max_age=args.pending_max_age,
+        pending_max_bytes=args.pending_max_bytes,
         history_max=args.history,
         history_bytes=args.history_bytes,
         max_keys=args.max_keys,
@@ -413,6 +450,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         acl=args.acl,
         trusted_relays=frozenset(args.trusted_relay),
         max_snapshots=args.max_snapshots,
+        snapshot_bytes=args.snapshot_bytes,
+        snapshot_stall_timeout=args.snapshot_stall_timeout,
+        collector_bytes=args.collector_bytes,
         http_port=args.http_port,
         http_idle_timeout=args.http_idle_timeout,
         http_max_connections=args.http_max_connections,

@@ -52,8 +52,16 @@ class ServerConfig:
     collector_hwm: int = 100_000
     snapshot_hwm: int = 10_000
     snapshot_chunk: int = 1_000
-    snapshot_stall_timeout: float = 30.0
+    #: Seconds a snapshot requester may read nothing before its stream is
+    #: aborted and its slot freed (docs/operations.md, "Limits").
+    snapshot_stall_timeout: float = 10.0
     max_snapshots: int = 64
+    #: Bytes of all snapshot streams together that libzmq may hold unwritten
+    #: (clone.server.snapwindow); each stream gets 1/max_snapshots of it.
+    snapshot_bytes: int = 128 * 1024 * 1024
+    #: Bytes one writer's connection may queue in the collector (P+2): its
+    #: RCVHWM is this over the largest message (clone.server.budget).
+    collector_bytes: int = 32 * 1024 * 1024
     collector_batch: int = 1_000
     sync_timeout: float = 0.0  # 0: max(5 heartbeats, 2 s)
     max_deferred_votes: int = 1_000
@@ -117,7 +125,12 @@ class ServerConfig:
             raise ValueError("deferred_vote_max_age must be >= 0 (0 = 2 * missed heartbeats)")
         if self.max_deferred_votes < 0:
             raise ValueError("max_deferred_votes must be >= 0 (0 = never defer)")
-        for name in ("snapshot_chunk", "collector_batch", "max_snapshots"):
+        if self.snapshot_stall_timeout <= 0:
+            raise ValueError(
+                f"snapshot_stall_timeout must be positive, not {self.snapshot_stall_timeout}"
+            )
+        for name in ("snapshot_chunk", "collector_batch", "max_snapshots", "snapshot_bytes",
+                     "collector_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1")
         if self.fsync not in FSYNC_POLICIES:

@@ -213,6 +213,8 @@ class CoreSettings:
     dedup_window: int = 65_536
     pending_max: int = 100_000
     pending_max_age: float = 30.0
+    #: ... and its bytes (keys and values; 0: no byte bound), issue 26.
+    pending_max_bytes: int = 64 * 1024 * 1024
     sync_buffer_max: int = 200_000
     expiry_batch: int = 10_000
     #: The update history kept for catch-up (docs/operations.md, "Durability").
@@ -321,7 +323,9 @@ class ServerCore:
         #: sets it on every role change.
         self.term = 0
         self.window = UuidWindow(settings.dedup_window)
-        self.pending = PendingList(settings.pending_max, settings.pending_max_age)
+        self.pending = PendingList(
+            settings.pending_max, settings.pending_max_age, settings.pending_max_bytes
+        )
         #: The leases, their deadlines and keys: meaningful on the active
         #: server only, rebuilt from the store when it becomes active.
         self.leases = LeaseTable(settings.max_leases)

@@ -20,6 +20,7 @@ from zmq.eventloop.zmqstream import ZMQStream
 
 from clone.errors import ProtocolError
 from clone.server.base import TURN_BUDGET, ServerBase, log, peer_endpoint
+from clone.server.budget import COLLECTOR_TURN_BYTES
 from clone.server.core import FollowOutcome, Role, SyncState
 from clone.server.sending import send
 from clone.wire.batch import is_kvbatch
@@ -260,6 +261,7 @@ class FollowingMixin(ServerBase):
         stop_at = self._clock() + TURN_BUDGET
         now = self._wallclock()
         budget = self.config.collector_batch
+        room = COLLECTOR_TURN_BYTES  # and bytes: 512 KB updates made 32 MB commits
         relay = core.role is Role.RELAY
         clock = self._clock
         while True:
@@ -290,7 +292,8 @@ class FollowingMixin(ServerBase):
             # Decide to yield *before* taking the next message, never after:
             # a message received and then abandoned is lost for good.
             budget -= 1
-            if self._turn_over(budget, stop_at):
+            room -= sum(map(len, frames))
+            if self._turn_over(budget, stop_at) or room <= 0:
                 return
             if sub is None or sub is not self._peer_sub or sub.closed():
                 return

@@ -116,22 +116,30 @@ class PendingUpdate:
 class PendingList:
     """Client updates the active server has not yet republished, oldest first.
 
-    Bounded by count and by age so a passive whose active never echoes (a
-    client writing only to the passive, an active that rejected the update)
-    cannot grow without limit.  Drops are counted in :attr:`dropped`.
+    Bounded by count, by bytes (keys and values; 0: no byte bound) and by age
+    so a passive whose active never echoes (a client writing only to the
+    passive, an active that rejected the update) cannot grow without limit:
+    a flood of 512 KB writes to a passive server held 100,000 of them in a
+    700 MB cgroup's memory and got it killed.  Drops are counted in
+    :attr:`dropped`.
     """
 
-    __slots__ = ("_items", "dropped", "max_age", "max_items")
+    __slots__ = ("_items", "dropped", "max_age", "max_bytes", "max_items", "nbytes")
 
-    def __init__(self, max_items: int, max_age: float) -> None:
+    def __init__(self, max_items: int, max_age: float, max_bytes: int = 0) -> None:
         if max_items < 1:
             raise ValueError(f"max_items must be at least 1, not {max_items}")
         if max_age <= 0:
             raise ValueError(f"max_age must be positive, not {max_age}")
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be >= 0, not {max_bytes}")
         self.max_items = max_items
         self.max_age = max_age
+        self.max_bytes = max_bytes
         self._items: OrderedDict[Hashable, PendingUpdate] = OrderedDict()
         self.dropped = 0
+        #: The keys' and values' bytes parked.
+        self.nbytes = 0
 
     def __len__(self) -> int:
         return len(self._items)
@@ -150,17 +158,28 @@ class PendingList:
         are the most likely to be still missing from the active server.
         """
         uid = update_id(msg)
-        if uid in self._items:
+        items = self._items
+        if uid in items:
             return False
-        if len(self._items) >= self.max_items:
-            self._items.popitem(last=False)
+        size = _size(msg)
+        while items and (
+            len(items) >= self.max_items
+            or (self.max_bytes and self.nbytes + size > self.max_bytes)
+        ):
+            _, old = items.popitem(last=False)
+            self.nbytes -= _size(old.msg)
             self.dropped += 1
-        self._items[uid] = PendingUpdate(msg, now, now if mono is None else mono)
+        items[uid] = PendingUpdate(msg, now, now if mono is None else mono)
+        self.nbytes += size
         return True
 
     def confirm(self, uid: Hashable) -> bool:
         """The active server applied ``uid``: forget it.  True if it was parked."""
-        return self._items.pop(uid, None) is not None
+        old = self._items.pop(uid, None)
+        if old is None:
+            return False
+        self.nbytes -= _size(old.msg)
+        return True
 
     def expire(self, now: float) -> int:
         """Drop updates older than ``max_age``; return how many were dropped."""
@@ -172,6 +191,7 @@ class PendingList:
             if first.arrived > cutoff:
                 break
             items.popitem(last=False)
+            self.nbytes -= _size(first.msg)
             n += 1
         self.dropped += n
         return n
@@ -185,10 +205,17 @@ class PendingList:
         items = self._items
         before = len(items)
         self._items = OrderedDict((uid, p) for uid, p in items.items() if keep(p))
+        self.nbytes = sum(_size(p.msg) for p in self._items.values())
         return before - len(self._items)
 
     def drain(self) -> list[PendingUpdate]:
         """Everything parked, in arrival order, leaving the list empty."""
         out = list(self._items.values())
         self._items.clear()
+        self.nbytes = 0
         return out
+
+
+def _size(msg: KVMsg) -> int:
+    """What a parked update costs, as the byte bound counts it: key and value."""
+    return len(msg.key) + len(msg.body)

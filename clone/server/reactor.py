@@ -38,6 +38,7 @@ from clone.errors import LimitExceeded, ProtocolError, ServerStartError, StoreFu
 from clone.release import RELEASE
 from clone.server.admin import AdminMixin
 from clone.server.base import log
+from clone.server.budget import COLLECTOR_TURN_BYTES, collector_hwm
 from clone.server.calling import CallingMixin
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import Role
@@ -50,7 +51,7 @@ from clone.server.security import SecurityMixin
 from clone.server.serving import ServingMixin
 from clone.storage.files import dir_bytes
 from clone.storage.schema import FORMAT_VERSION
-from clone.wire.frames import recv_frames, recv_frames_and_first
+from clone.wire.frames import MAX_FRAME_BYTES, recv_frames, recv_frames_and_first
 from clone.wire.protocol import COLLECTOR_OFFSET, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
 
 # ServerConfig, ServerMode and ServerStartError are re-exported: this module is
@@ -239,11 +240,19 @@ class CloneServer(
         router = self._socket(zmq.ROUTER, bound=True)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDHWM, cfg.snapshot_hwm)
+        # A requester whose connection has taken nothing for the stall timeout
+        # (a zero TCP window: it reads nothing) is dropped by the kernel, and
+        # libzmq frees what it held for it (clone.server.snapwindow).
+        router.setsockopt(zmq.TCP_MAXRT, int(cfg.snapshot_stall_timeout * 1000))
         router.bind(f"{base}:{cfg.port + SNAPSHOT_OFFSET}")
         self._router = router
         self._bind_publisher()
         collector = self._socket(zmq.SUB, bound=True)
-        collector.setsockopt(zmq.RCVHWM, cfg.collector_hwm)
+        # Bounded in bytes per writer: --collector-bytes of the largest frame
+        # libzmq lets in (MAXMSGSIZE, set by _socket), clone.server.budget.
+        collector.setsockopt(
+            zmq.RCVHWM, collector_hwm(cfg.collector_bytes, MAX_FRAME_BYTES, cfg.collector_hwm)
+        )
         collector.setsockopt(zmq.SUBSCRIBE, b"")
         collector.bind(f"{base}:{cfg.port + COLLECTOR_OFFSET}")
         self._collector = collector
@@ -347,6 +356,9 @@ class CloneServer(
         self._close_relay()
         self._snapshots.clear()
         self._in_flight.clear()
+        self._peer_windows.clear()
+        self._pump_queue.clear()
+        self._waiting.clear()
         self.publisher.drop()
         for stream in self._streams:
             stream.close(linger=0)
@@ -523,18 +535,28 @@ class CloneServer(
         wallclock = self._wallclock
         clock = self._clock
         batch = self.config.collector_batch
+        room = COLLECTOR_TURN_BYTES
         while True:
             try:
                 core.on_kvset(frames, wallclock(), clock())
             except ProtocolError as exc:
                 self._throttle.log("kvset", logging.WARNING, "dropped a client update: %s", exc)
             batch -= 1
-            if self._turn_over(batch, stop_at):
+            room -= sum(map(len, frames))
+            if self._turn_over(batch, stop_at) or self._bytes_over(room):
                 return
             try:
                 frames = recv_frames(sock)
             except zmq.Again:
                 return
+
+    def _bytes_over(self, room: int) -> bool:
+        """This turn took its :data:`COLLECTOR_TURN_BYTES` of updates: the rest
+        wait for the next turn, after the commit and the heartbeat."""
+        if room > 0:
+            return False
+        self.counters["collector_turns_cut"] += 1
+        return True
 
     def _on_collector_secure(self, parts: list[zmq.Frame]) -> None:
         """CURVE: as :meth:`_on_collector`, each update checked against its
@@ -552,12 +574,14 @@ class CloneServer(
         sock = self._collector
         assert sock is not None
         batch = self.config.collector_batch
+        room = COLLECTOR_TURN_BYTES
         first = parts[0]
         frames = [part.bytes for part in parts]
         while True:
             self._take_secure_kvset(first, frames)
             batch -= 1
-            if self._turn_over(batch, stop_at):
+            room -= sum(map(len, frames))
+            if self._turn_over(batch, stop_at) or self._bytes_over(room):
                 return
             try:
                 # The fast receive, keeping only the first frame as an object.

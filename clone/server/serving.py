@@ -23,7 +23,6 @@ token bucket, with :func:`~clone.server.status.server_status`.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from clone.server.base import CLOCK_EVERY, TURN_BUDGET, AnyStream, ServerBase, l
 from clone.server.core import Role
 from clone.server.delta import DeltaStream
 from clone.server.sending import Burst, Sent, send
+from clone.server.snapwindow import SendWindow, retry_delay, stalest
 from clone.server.status import PeerView, server_status
 from clone.storage.files import dir_bytes
 from clone.wire.calls import CALL
@@ -56,12 +56,17 @@ from clone.wire.status import encode_status
 
 __all__ = ["ServingMixin"]
 
-_STALL_RETRY = 0.005  # seconds before retrying a snapshot send that hit the HWM
-# KVBATCHes per batched snapshot that libzmq may hold unsent.  The socket's
-# high-water mark counts messages, and snapshot_hwm batches could be a whole
-# snapshot; this keeps what a slow requester can pin in our memory to a few MB
-# (at most this many times MAX_BATCH_BYTES) while the pipe stays full.
-_BATCHES_IN_FLIGHT = 4
+# All snapshot streams together send for at most this long per loop turn
+# (each stream also at most --snapshot-chunk messages and its byte window).
+SNAPSHOT_SLICE = TURN_BUDGET
+# When every slot is taken, a stream whose requester has read nothing for this
+# long gives its slot to a new request.  Under our client's re-ask interval (a
+# quarter heartbeat at the default 250 ms): a reader always reads within it.
+_SLOT_IDLE = 0.25
+# Requests that wait for a slot at most, and for how long: a client re-asks on
+# a fresh socket every quarter heartbeat, so an older request has no reader.
+_WAITING_MAX = 1000
+_WAITING_MAX_AGE = 2.0
 # How long a requester's identity may stay unroutable (EHOSTUNREACH) before its
 # stream is aborted as gone.  With ROUTER_MANDATORY libzmq also says
 # EHOSTUNREACH for a live peer whose pipe it marked inactive when the pipe was
@@ -211,16 +216,26 @@ class ServingMixin(ServerBase):
             # The vote was accepted; make sure the promotion happened first.
             # (A relay serves its copy at any time: it has no vote to win.)
             self._on_became_active()
+        for old in [s for s in self._snapshots if s.identity == identity]:
+            # The same requester asked again on the same socket: it gave up on
+            # the stream it had (one stream per requester, never two interleaved).
+            self.counters["snapshots_replaced"] += 1
+            self._abort_snapshot(old, "the requester asked again")
         if len(self._snapshots) >= self.config.max_snapshots:
             self._evict_unroutable()
         if len(self._snapshots) >= self.config.max_snapshots:
-            self.counters["snapshots_refused"] += 1
-            self._throttle.log(
-                "snapshots_full",
-                logging.WARNING,
-                "%d snapshots already in flight; request from %s not served",
-                len(self._snapshots),
-                who(identity),
+            self._evict_stalest()
+        if len(self._snapshots) >= self.config.max_snapshots:
+            # Every slot holds a requester that reads: wait for one to free.
+            self._wait_for_slot(
+                identity,
+                subtree=subtree,
+                deferred=deferred,
+                batch=batch,
+                applied=applied,
+                since=since,
+                user=user,
+                ttl_left=ttl_left,
             )
             return
         allowed: tuple[bytes, ...] | None = None
@@ -263,8 +278,7 @@ class ServingMixin(ServerBase):
             if self._await_peer_sync and self.core.role is Role.ACTIVE:
                 self._await_peer_sync = False
                 self._start_hold("the peer's first sync since we took over")
-        if batch:
-            self._in_flight[stream] = deque()
+        self._in_flight[stream] = self._window_of(identity)
         if deferred:
             self._deferred_streams.add(stream)
         log.debug(
@@ -275,19 +289,143 @@ class ServingMixin(ServerBase):
             stream.sequence,
             ", batched" if batch else "",
         )
-        self._pump(stream)
+        # Its first messages now while this turn's slice for new streams
+        # lasts (a small snapshot is done at once, its slot free again), else
+        # in the next turn: a storm of requests must not each send a chunk
+        # within one turn.
+        end = self._serve_slice()
+        if self._clock() < end:
+            self._pump(stream, end)
+        else:
+            self._wake(stream)
 
-    def _pump(self, stream: AnyStream) -> None:
-        """Send one chunk of ``stream``, then yield to the loop."""
+    def _serve_slice(self) -> float:
+        """The end of this loop turn's slice for newly served streams."""
+        end = self._serve_slice_end
+        if end is None:
+            end = self._serve_slice_end = self._clock() + SNAPSHOT_SLICE
+            assert self._loop is not None
+            self._loop.add_callback(self._end_serve_slice)
+        return end
+
+    def _end_serve_slice(self) -> None:
+        self._serve_slice_end = None
+
+    def _wait_for_slot(self, identity: bytes, **how: Any) -> None:
+        """Hold a request that found every slot taken by a reader, bounded in
+        number and age (:data:`_WAITING_MAX`, :data:`_WAITING_MAX_AGE`)."""
+        waiting = self._waiting
+        waiting.pop(identity, None)  # asked again: keep the newest, last
+        if len(waiting) >= _WAITING_MAX:
+            oldest = next(iter(waiting))
+            del waiting[oldest]
+            self.counters["snapshots_refused"] += 1
+        waiting[identity] = (self._clock(), how)
+        self.counters["snapshots_queued"] += 1
+        self._throttle.log(
+            "snapshots_full",
+            logging.INFO,
+            "%d snapshots in flight: requests wait for a slot (%d waiting)",
+            len(self._snapshots),
+            len(waiting),
+        )
+
+    def _admit_waiting(self) -> None:
+        """Serve waiting requests while slots are free or a requester that
+        reads nothing gives one up; drop those too old (their requester has
+        asked again on a fresh socket by then)."""
+        waiting = self._waiting
+        if not waiting:
+            return
+        if self.core.role in (Role.STARTING, Role.PASSIVE) or self._stopping:
+            # Their vote was won by the active server we no longer are.
+            self.counters["snapshots_refused"] += len(waiting)
+            waiting.clear()
+            return
+        cutoff = self._clock() - _WAITING_MAX_AGE
+        while waiting:
+            if len(self._snapshots) >= self.config.max_snapshots and not self._evict_stalest():
+                break
+            # Newest first: an older request's client has likely asked again
+            # on a fresh socket, and a burst of requesters that read nothing
+            # must not stand between a reader and the next slot.
+            identity = next(reversed(waiting))
+            at, how = waiting.pop(identity)
+            if at < cutoff:
+                self.counters["snapshots_refused"] += 1
+                continue
+            self._serve(identity, **how)
+        for identity in [i for i, (at, _) in waiting.items() if at < cutoff]:
+            del waiting[identity]
+            self.counters["snapshots_refused"] += 1
+
+    def _window_of(self, identity: bytes) -> SendWindow:
+        """The requester's byte window: the one it still has, with what its
+        earlier streams left in its pipe, or a new one."""
+        window = self._peer_windows.get(identity)
+        if window is None:
+            window = self._peer_windows[identity] = SendWindow(self._snapshot_budget.window)
+        return window
+
+    def _forget_settled_windows(self) -> None:
+        """Drop the windows of requesters without a stream whose bytes are
+        written (or freed with their dropped connection)."""
+        busy = {stream.identity for stream in self._snapshots}
+        windows = self._peer_windows
+        for identity in [i for i in windows if i not in busy]:
+            window = windows[identity]
+            window.update()
+            if window.settled:
+                del windows[identity]
+
+    def _wake(self, stream: AnyStream) -> None:
+        """Give ``stream`` a turn in the loop's snapshot slice (once, in order)."""
+        if stream not in self._snapshots or self._loop is None or self._stopping:
+            return
+        self._pump_queue[stream] = None
+        if not self._pump_scheduled:
+            self._pump_scheduled = True
+            self._loop.add_callback(self._pump_turn)
+
+    def _pump_turn(self) -> None:
+        """One loop turn's share of snapshot streaming: the streams that wait,
+        round robin, until :data:`SNAPSHOT_SLICE` is spent; the rest wait for
+        the next turn, after the loop has looked at its sockets and timers.
+
+        Each stream used to pump from a callback of its own, each with a whole
+        turn's budget, so 200 streams took 2.3 s of one loop turn: the HUGZ
+        stopped and the backup took over.
+        """
+        self._pump_scheduled = False
+        queue = self._pump_queue
+        stop_at = self._clock() + SNAPSHOT_SLICE
+        for _ in range(len(queue)):
+            if not queue:
+                break
+            stream = next(iter(queue))
+            del queue[stream]
+            self._pump(stream, stop_at)
+            if self._clock() > stop_at:
+                break
+        if queue and not self._pump_scheduled and self._loop is not None:
+            self._pump_scheduled = True
+            self._loop.add_callback(self._pump_turn)
+        self._admit_waiting()
+
+    def _pump(self, stream: AnyStream, stop_at: float) -> None:
+        """Send ``stream``'s next messages until ``stop_at``, its chunk, or its
+        byte window (:mod:`.snapwindow`) is full; then yield to the loop."""
         if stream not in self._snapshots or self._loop is None:
             return  # aborted meanwhile
         sock = self._router
         assert sock is not None
-        sent_before = stream.sent
-        stop_at = self._clock() + TURN_BUDGET
+        window = self._in_flight.get(stream)
+        if window is None:
+            window = self._in_flight[stream] = self._window_of(stream.identity)
+        self._note_progress(stream, window)
         # A KVBATCH is thousands of entries: check the clock after each one.
         clock_every = 1 if stream.batch else CLOCK_EVERY
-        in_flight = self._in_flight.get(stream)
+        trackers: list[zmq.MessageTracker] = []
         # The pump runs from loop callbacks, not the ROUTER stream's: the
         # burst looks at the requests its sends may have hidden (sending.py),
         # after the turn, whichever way the turn ends.
@@ -296,25 +434,29 @@ class ServingMixin(ServerBase):
                 for n in range(self.config.snapshot_chunk):
                     if (n + 1) % clock_every == 0 and self._clock() > stop_at:
                         break
-                    if in_flight is not None:
-                        while in_flight and in_flight[0].done:
-                            in_flight.popleft()
-                        if len(in_flight) >= _BATCHES_IN_FLIGHT:
-                            self._stall(stream, sent_before)
-                            return
+                    if not window.may_send():
+                        self._stall(stream, window)
+                        return
                     frames = stream.peek()
                     if frames is None:
                         # Done, or a long run of keys outside the subtree was
                         # skipped: either way, give the loop back.
                         break
-                    sent = burst.send(sock, frames, trackers=in_flight)
+                    nbytes = sum(map(len, frames))
+                    if window.track_next(nbytes):
+                        sent = burst.send(sock, frames, trackers=trackers)
+                        tracker = trackers.pop() if sent is Sent.OK else None
+                    else:
+                        sent = burst.send(sock, frames)
+                        tracker = None
                     if sent is Sent.FULL:
                         # The requester's pipe is full: wait for it, drop nothing.
-                        self._stall(stream, sent_before)
+                        self._stall(stream, window)
                         return
                     if sent is Sent.GONE:
-                        self._unroutable(stream, sent_before)
+                        self._unroutable(stream, window)
                         return
+                    window.sent(nbytes, tracker)
                     self._unreachable.pop(stream, None)
                     stream.advance()
                     if stream.done:
@@ -324,7 +466,8 @@ class ServingMixin(ServerBase):
                 log.exception("internal error while streaming a snapshot")
                 self._abort_snapshot(stream, "internal error")
                 return
-            self._note_progress(stream, sent_before)
+        if stream not in self._snapshots:
+            return  # a request the burst took after it replaced or evicted this stream
         if stream.done:
             del self._snapshots[stream]
             started = self._snapshot_started.pop(stream, None)
@@ -350,7 +493,7 @@ class ServingMixin(ServerBase):
                 stream.sequence,
             )
             return
-        self._loop.add_callback(self._pump, stream)
+        self._wake(stream)
 
     def _take_router_backlog(self) -> None:
         """Handle snapshot requests that our own sends may have hidden.
@@ -384,21 +527,24 @@ class ServingMixin(ServerBase):
         finally:
             self._taking_backlog = False
 
-    def _stall(self, stream: AnyStream, sent_before: int) -> None:
-        """The requester is not keeping up: try again shortly, drop nothing.
+    def _stall(self, stream: AnyStream, window: SendWindow) -> None:
+        """The requester is not keeping up (its byte window or its pipe is
+        full): look again shortly, drop nothing.
 
-        The pump's burst then looks at the ROUTER's backlog if this turn
-        tried a send (even one that found the pipe full or the requester
-        unroutable), or a request hidden by it would wait until something
-        else stirred the socket (seen: 10 s, with a stream retrying for its
-        unroutable grace).
+        Soon after progress, seldom once it has read nothing for a while
+        (:func:`~clone.server.snapwindow.retry_delay`).  The pump's burst then
+        looks at the ROUTER's backlog if this turn tried a send (even one that
+        found the pipe full or the requester unroutable), or a request hidden
+        by it would wait until something else stirred the socket (seen: 10 s,
+        with a stream retrying for its unroutable grace).
         """
         assert self._loop is not None
         self.counters["snapshot_stalls"] += 1
-        self._note_progress(stream, sent_before)
-        self._loop.call_later(_STALL_RETRY, self._pump, stream)
+        now = self._clock()
+        last = self._note_progress(stream, window)
+        self._loop.call_later(retry_delay(now - last), self._wake, stream)
 
-    def _unroutable(self, stream: AnyStream, sent_before: int) -> None:
+    def _unroutable(self, stream: AnyStream, window: SendWindow) -> None:
         """EHOSTUNREACH: the requester went away, or its pipe is only slow to
         reactivate; abort once it has stayed unroutable for the grace."""
         now = self._clock()
@@ -408,7 +554,7 @@ class ServingMixin(ServerBase):
             self._abort_snapshot(stream, "requester went away", gone=True)
             return
         self.counters["snapshot_unroutable_retries"] += 1
-        self._stall(stream, sent_before)
+        self._stall(stream, window)
 
     def _evict_unroutable(self) -> None:
         """A request needs a slot: streams whose requester is unroutable now
@@ -422,14 +568,34 @@ class ServingMixin(ServerBase):
         for stream in list(self._unreachable):
             self._abort_snapshot(stream, "requester went away", gone=True)
 
-    def _note_progress(self, stream: AnyStream, sent_before: int) -> None:
-        if stream.sent != sent_before and stream in self._snapshots:
+    def _evict_stalest(self) -> bool:
+        """A request needs a slot and none is free: the stream whose requester
+        has read nothing for longest gives up its own, if for at least
+        :data:`_SLOT_IDLE` (a requester that reads nothing must not keep
+        one that reads from being served).  True if one was freed."""
+        for stream, window in self._in_flight.items():
+            self._note_progress(stream, window)
+        now = self._clock()
+        victim = stalest(self._snapshots, now, _SLOT_IDLE, exclude=self._peer_syncs)
+        if victim is None:
+            return False
+        idle = now - self._snapshots[victim]
+        self.counters["snapshots_evicted"] += 1
+        self._abort_snapshot(victim, f"its slot went to a new request ({idle:.1f} s unread)")
+        return True
+
+    def _note_progress(self, stream: AnyStream, window: SendWindow) -> float:
+        """Whether the requester read since we last looked (its checkpoints);
+        the time of its last progress."""
+        if window.update() and stream in self._snapshots:
             self._snapshots[stream] = self._clock()
+        return self._snapshots.get(stream, self._clock())
 
     def _abort_snapshot(self, stream: AnyStream, why: str, *, gone: bool = False) -> None:
         self._peer_syncs.discard(stream)
         self._snapshot_started.pop(stream, None)
         self._unreachable.pop(stream, None)
+        self._pump_queue.pop(stream, None)
         if self._snapshots.pop(stream, None) is None:
             return
         self._in_flight.pop(stream, None)
@@ -452,12 +618,22 @@ class ServingMixin(ServerBase):
         )
 
     def _check_stalled_snapshots(self) -> None:
+        """Abort the streams whose requester read nothing for
+        ``snapshot_stall_timeout``: their slot goes back (their bytes when the
+        kernel drops the connection: ``TCP_MAXRT``, set in the reactor)."""
+        if self._peer_windows:
+            self._forget_settled_windows()
         if not self._snapshots:
+            self._admit_waiting()
             return
+        for stream, window in self._in_flight.items():
+            self._note_progress(stream, window)
         cutoff = self._clock() - self.config.snapshot_stall_timeout
         for stream, last in list(self._snapshots.items()):
             if last < cutoff:
+                self.counters["snapshots_idle_aborted"] += 1
                 self._abort_snapshot(stream, "requester stopped reading")
+        self._admit_waiting()
 
     # -- status [extension] ----------------------------------------------------
 

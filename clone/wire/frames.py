@@ -77,7 +77,13 @@ def send_tracked(sock: zmq.Socket[Any], frames: Sequence[bytes], flags: int) -> 
     more = flags | _SNDMORE
     for frame in frames[:-1]:
         _raw_send(sock, frame, more)
-    tracker: zmq.MessageTracker = _raw_send(sock, frames[-1], flags, copy=False, track=True)
+    # A Frame of our own: given bytes under zmq.COPY_THRESHOLD (64 KiB), pyzmq
+    # copies them and returns a tracker that is already done, so a 60 KiB
+    # KVSYNC looked written the moment it was queued.
+    last = zmq.Frame(frames[-1], track=True, copy=False)
+    _raw_send(sock, last, flags, copy=False, track=True)
+    tracker: zmq.MessageTracker | None = last.tracker
+    assert tracker is not None
     return tracker
 
 

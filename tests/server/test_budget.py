@@ -12,6 +12,7 @@ from clone.server.budget import (
     MemoryLimit,
     _cgroup_dirs,
     check_fits,
+    collector_hwm,
     default_max_bytes,
     memory_limit,
 )
@@ -75,6 +76,31 @@ def test_flag_given_wins_and_unset_comes_from_the_budget() -> None:
     assert given.core.max_bytes == 123
     unset = config_from_args(build_parser().parse_args(["--standalone"]))
     assert unset.core.max_bytes > 0 and unset.core.max_bytes != 4 * 1024**3
+
+
+def test_collector_hwm_bounds_a_writers_queue_in_bytes() -> None:
+    mib = 1024 * 1024
+    largest = mib + 64 * 1024  # MAXMSGSIZE: libzmq drops a sender of a larger frame
+    assert collector_hwm(32 * mib, largest, 100_000) == 30
+    assert collector_hwm(32 * mib, largest, 10) == 10  # --hwm is lower: it wins
+    assert collector_hwm(32 * mib, largest, 0) == 30  # --hwm 0: bytes alone
+    assert collector_hwm(1, largest, 100_000) == 1  # never 0 (libzmq: unlimited)
+    # Whatever a writer sends, its queue holds at most collector_bytes (+ nothing).
+    assert collector_hwm(32 * mib, largest, 100_000) * largest <= 32 * mib
+    with pytest.raises(ValueError):
+        collector_hwm(0, largest, 1)
+
+
+def test_the_queue_flags_reach_the_config() -> None:
+    args = ["--standalone", "--snapshot-bytes", "1000", "--collector-bytes", "2000",
+            "--snapshot-stall-timeout", "2.5"]  # fmt: skip
+    cfg = config_from_args(build_parser().parse_args(args))
+    assert (cfg.snapshot_bytes, cfg.collector_bytes, cfg.snapshot_stall_timeout) == (
+        1000, 2000, 2.5)  # fmt: skip
+    default = config_from_args(build_parser().parse_args(["--standalone"]))
+    assert default.snapshot_bytes == 128 * 1024 * 1024
+    assert default.collector_bytes == 32 * 1024 * 1024
+    assert default.snapshot_stall_timeout == 10.0
 
 
 def _state(data_dir: Path, nbytes: int) -> None:

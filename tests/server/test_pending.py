@@ -54,6 +54,34 @@ def test_pending_is_bounded_by_count_dropping_the_oldest() -> None:
     assert pending.dropped == 2
 
 
+def test_pending_is_bounded_by_bytes_dropping_the_oldest() -> None:
+    # Keys of 1 byte, values of 512 KB: 4 fit in 2 MiB + 4 bytes, the 5th pushes one out.
+    kb512 = b"v" * (512 * 1024)
+    pending = PendingList(max_items=100_000, max_age=60, max_bytes=4 * (1 + len(kb512)))
+    for i in range(6):
+        pending.add(_msg(i, body=kb512), now=0.0)
+    assert [p.msg.uuid[-1] for p in pending] == [2, 3, 4, 5]
+    assert pending.dropped == 2 and pending.nbytes == 4 * (1 + len(kb512))
+    assert pending.confirm(_msg(3).uuid)
+    assert pending.nbytes == 3 * (1 + len(kb512))
+    pending.expire(now=61.0)
+    assert pending.nbytes == 0 and len(pending) == 0
+    # One update larger than the bound is still parked (alone).
+    pending.add(_msg(9, body=kb512 * 5), now=0.0)
+    assert len(pending) == 1
+
+
+def test_pending_bytes_follow_retain_and_drain() -> None:
+    pending = PendingList(max_items=10, max_age=60, max_bytes=0)  # 0: no byte bound
+    for i in range(4):
+        pending.add(_msg(i, body=b"x" * 10), now=0.0)
+    assert pending.nbytes == 4 * 11
+    pending.retain(lambda p: p.msg.uuid[-1] % 2 == 0)
+    assert pending.nbytes == 2 * 11
+    pending.drain()
+    assert pending.nbytes == 0
+
+
 def test_pending_is_bounded_by_age() -> None:
     pending = PendingList(max_items=100, max_age=10)
     for i in range(5):

@@ -291,6 +291,10 @@ def test_failover_serves_full_state_and_publishes_the_failover_window(
     _caught_up(backup, got[-1].sequence)  # the backup's copy of the last KVPUBs landed
     primary.kill9()
     window = [peer.kvset(b"/w/%d" % i, b"w%d" % i, props={"ttl": "60"}) for i in range(100)]
+    # The backup has taken every window write before the vote: its collector
+    # queue is bounded in bytes (30 messages), so the last ones could still be
+    # in the socket when the snapshot starts (they would follow as KVPUBs).
+    eventually(lambda: _stats(backup)["pending"] >= 100, 30, "the window parked")
     snap = _snapshot_with_retry(peer, backup.port)
     assert snap.kvsync_count == 300
     assert {k: u.body for k, u in snap.entries.items() if k.startswith(b"/k/")} == {

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import pytest
+
+import clone.server.snapshot as snapshot_module
 from clone.server.snapshot import SCAN_BUDGET, SnapshotStream
 from clone.server.store import Store
 from clone.wire.batch import KVBatch, decode_kvbatch
@@ -151,6 +154,39 @@ def test_batches_stop_at_the_byte_target_and_lose_nothing() -> None:
         last = len(batch.raw_keys[-1]) + len(batch.bodies[-1])
         assert payload - last < BATCH_TARGET_BYTES  # the target was not reached before the last
     assert len(batches) == 5  # five values of a fifth reach it; the last batch has three
+
+
+def test_large_values_are_sized_before_they_are_encoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 200 values of 512 KB: each batch is encoded from the two or three values
+    # it takes, never from all that remain (that was 100 MB per batch here,
+    # 660 MB per batch in the hostile drill's disk attack: 23 s of one turn).
+    encoded: list[int] = []
+
+    def counting(keys: list[bytes], entries: list[object]) -> list[bytes]:
+        encoded.append(len(keys))
+        return real(keys, entries)
+
+    real = snapshot_module.encode_kvbatch
+    monkeypatch.setattr(snapshot_module, "encode_kvbatch", counting)
+    store = Store()
+    value = b"v" * (512 * 1024)
+    keys = [f"/big/{i:03d}" for i in range(200)]
+    for key in keys:
+        store.apply(KVMsg(key, 0, b"", (), value), now=0.0)
+    stream = SnapshotStream(b"id", "", store, batch=True)
+    largest = 0
+    batches = []
+    while not stream.done:
+        frames = stream.peek()
+        if frames is None:
+            continue
+        largest = max(largest, sum(map(len, frames)))
+        stream.advance()
+        if not stream.done:
+            batches.append(decode_kvbatch(frames[1:]))
+    assert [m.key for m in _entries(batches)] == keys
+    assert largest < BATCH_TARGET_BYTES + len(value) + 64 * 1024
+    assert max(encoded) <= 3, encoded  # one value past the 1 MiB target at most
 
 
 def test_a_sparse_subtree_in_batch_mode_yields_after_the_scan_budget() -> None:

@@ -9,7 +9,7 @@ import pytest
 
 from clone.tools.drill.cli import main as drill_main
 from clone.tools.hostile.cli import format_line
-from clone.tools.hostile.harness import AttackResult, judge, run_attack
+from clone.tools.hostile.harness import AttackResult, final_stats, judge, run_attack
 
 HEARTBEAT = 1.0
 
@@ -46,6 +46,28 @@ def test_judge_names_each_broken_bound(change: dict[str, object], text: str) -> 
         setattr(r, name, value)
     assert judge(r, HEARTBEAT) == [text]
     assert text in format_line(AttackResult("y", failures=[text]))
+
+
+def test_the_data_an_attack_stored_is_allowed_on_top_of_the_allowance() -> None:
+    r = _good()
+    r.rss_peak = {"primary": 400 << 20}  # 40 MB before: 360 MB more
+    assert judge(r, HEARTBEAT) == ["primary RSS 40 -> 400 MB"]
+    r.store_bytes = {"primary": 175 << 20}  # its --max-bytes share in a 700 MB cgroup
+    assert judge(r, HEARTBEAT) == []
+
+
+def test_a_failed_restart_fails_the_attack() -> None:
+    r = _good()
+    r.restart = {"primary": None, "backup": "exited -9 after the restart"}
+    assert judge(r, HEARTBEAT) == ["backup restart: exited -9 after the restart"]
+
+
+def test_final_stats_reads_the_last_stats_line() -> None:
+    log = ("x INFO stats: {\"store_bytes\": 1}\n"
+           "y INFO stats: {\"store_bytes\": 7, \"kvset_refused_full\": 3}\n"
+           "z INFO server stopped\n")  # fmt: skip
+    assert final_stats(log) == {"store_bytes": 7, "kvset_refused_full": 3}
+    assert final_stats("nothing\n") == {}
 
 
 def test_unknown_attack_is_refused() -> None:

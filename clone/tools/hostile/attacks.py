@@ -6,7 +6,9 @@ snapshot port P, publisher P+1, collector P+2).  Each is a careless or hostile
 client as the issue's table describes; ``--scale`` (0 < S <= 1) shrinks the
 volumes for a quick run or a test.  The process prints ``ready`` once its
 attack is in place (a preload written, its sockets connected) and keeps it up
-until it is told to stop, so the harness measures the server under it.
+until it is told to stop, so the harness measures the server under it.  An
+attack on a preloaded store prints ``loaded`` first and waits for SIGUSR1, so
+that the harness can time a healthy sync of that store without the attack.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from clone.wire.protocol import COLLECTOR_OFFSET, ICANHAZ, PUBLISHER_OFFSET
 __all__ = ["ATTACKS", "main"]
 
 _stop = threading.Event()
+_go = threading.Event()
 
 
 def _kvset(key: bytes, body: bytes, i: int) -> list[bytes]:
@@ -38,24 +41,57 @@ def _kvset(key: bytes, body: bytes, i: int) -> list[bytes]:
     return [key, bytes(8), uuid, b"", body]
 
 
-def _preload(ctx: zmq.Context[Any], host: str, port: int, keys: int, size: int,
-             prefix: bytes) -> None:  # fmt: skip
-    """Write ``keys`` values of ``size`` bytes (fire and forget, paced by the HWM)."""
+def _flood_applied(ctx: zmq.Context[Any], host: str, port: int, keys: int, size: int,
+                   prefix: bytes, rounds: int, timeout: float = 900.0) -> None:  # fmt: skip
+    """Write ``keys`` values of ``size`` bytes ``rounds`` times, fire and forget
+    but none dropped on our side (no send limit), and return once the server
+    has taken all of them: a marker key, written first and overwritten last
+    with a value of the same size (so a full store does not refuse it), comes
+    back on the publisher."""
+    marker = prefix + b"~marker"
+    sub = ctx.socket(zmq.SUB)
+    sub.linger = 0
+    sub.setsockopt(zmq.SUBSCRIBE, marker)
+    sub.connect(f"tcp://{host}:{port + PUBLISHER_OFFSET}")
     pub = ctx.socket(zmq.PUB)
-    pub.linger = 5000
-    pub.sndhwm = 1000
+    pub.linger = 0
+    pub.sndhwm = 0  # the queue is ours: the server takes what its bounds let in
     pub.connect(f"tcp://{host}:{port + COLLECTOR_OFFSET}")
-    time.sleep(0.5)  # the collector's SUB joins before the first message
+
+    def marker_back(value: bytes, wait: float) -> bool:
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and not _stop.is_set():
+            if sub.poll(200) and sub.recv_multipart()[-1] == value:
+                return True
+        return False
+
+    while not _stop.is_set():  # the PUB drops what it sends before it is connected
+        pub.send_multipart(_kvset(marker, b"0", 0))
+        if marker_back(b"0", 0.5):
+            break
     body = os.urandom(size)
-    for i in range(keys):
-        pub.send_multipart(_kvset(prefix + str(i).encode(), body, i))
-        if i % 200 == 199:
-            time.sleep(0.02)
+    for r in range(rounds):
+        for i in range(keys):
+            if _stop.is_set():
+                return
+            pub.send_multipart(_kvset(prefix + str(i).encode(), body[r:] + body[:r], i))
+    pub.send_multipart(_kvset(marker, b"1", 1))
+    marker_back(b"1", timeout)
     pub.close()
+    sub.close()
 
 
 def _ready() -> None:
     print("ready", flush=True)
+
+
+def _loaded() -> None:
+    """Say the preload is in and wait for SIGUSR1 before attacking: the harness
+    times a healthy sync of the same data first, so the attack is compared with
+    the store it attacks, not with an empty one."""
+    print("loaded", flush=True)
+    while not _go.wait(0.2) and not _stop.is_set():
+        pass
 
 
 def _hold() -> None:
@@ -135,14 +171,16 @@ def _requesters(ctx: zmq.Context[Any], host: str, port: int, count: int) -> None
 def snapshot_requesters(ctx: zmq.Context[Any], host: str, port: int, http: int,
                         scale: float) -> None:  # fmt: skip
     """200 requesters that send ICANHAZ? and never read, over 20k keys of 1 KB."""
-    _preload(ctx, host, port, max(100, int(20_000 * scale)), 1024, b"/hostile/snap/")
+    _flood_applied(ctx, host, port, max(100, int(20_000 * scale)), 1024, b"/hostile/snap/", 1)
+    _loaded()
     _requesters(ctx, host, port, max(4, int(200 * scale)))
 
 
 def snapshot_requesters_big(ctx: zmq.Context[Any], host: str, port: int, http: int,
                             scale: float) -> None:  # fmt: skip
     """64 such requesters over 60 KiB values (a 96 MB store)."""
-    _preload(ctx, host, port, max(20, int(1600 * scale)), 60 * 1024, b"/hostile/big/")
+    _flood_applied(ctx, host, port, max(20, int(1600 * scale)), 60 * 1024, b"/hostile/big/", 1)
+    _loaded()
     _requesters(ctx, host, port, max(2, int(64 * scale)))
 
 
@@ -180,10 +218,10 @@ def idle_http(ctx: zmq.Context[Any], host: str, port: int, http: int, scale: flo
 
 
 def disk(ctx: zmq.Context[Any], host: str, port: int, http: int, scale: float) -> None:
-    """660 MB of 512 KB values, written twice (old versions become free pages)."""
+    """660 MB of 512 KB values, written twice (old versions become free pages);
+    ready once the server has taken every write (applied, or refused ``full``)."""
     keys = max(4, int(1320 * scale))
-    for _ in range(2):
-        _preload(ctx, host, port, keys, 512 * 1024, b"/hostile/disk/")
+    _flood_applied(ctx, host, port, keys, 512 * 1024, b"/hostile/disk/", rounds=2)
     _ready()
     _hold()
 
@@ -208,6 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--scale", type=float, default=1.0)
     args = p.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda *_: _stop.set())
+    signal.signal(signal.SIGUSR1, lambda *_: _go.set())
     ctx: zmq.Context[Any] = zmq.Context()
     try:
         ATTACKS[args.attack](ctx, args.host, args.port, args.http_port, args.scale)

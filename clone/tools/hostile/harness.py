@@ -20,6 +20,7 @@ below which a busy 2-core machine's noise dominates).
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import shutil
@@ -46,7 +47,7 @@ from clone.tools.procs import (
 )
 from clone.wire.protocol import DEFAULT_HEARTBEAT_MS, PUBLISHER_OFFSET
 
-__all__ = ["HARNESS_ATTACKS", "AttackResult", "judge", "run_attack"]
+__all__ = ["HARNESS_ATTACKS", "AttackResult", "final_stats", "judge", "run_attack"]
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,8 @@ log = logging.getLogger(__name__)
 HARNESS_ATTACKS = ("delete-lock", "memory-cgroup")
 RSS_ALLOWANCE = 200 * 1024 * 1024
 SYNC_FLOOR = 0.25
-_CGROUP_V1 = Path("/sys/fs/cgroup/memory")
+_CGROUP_ROOT = Path("/sys/fs/cgroup")
+_CGROUP_V1 = _CGROUP_ROOT / "memory"
 
 
 @dataclass
@@ -78,6 +80,14 @@ class AttackResult:
     sigterm: dict[str, float | None] = field(default_factory=dict)
     data_dir_bytes: dict[str, int] = field(default_factory=dict)
     exited: dict[str, int | None] = field(default_factory=dict)
+    #: Each server's store at the end (its stats line at SIGTERM): the data an
+    #: attack that writes was allowed to keep, on top of the RSS allowance ...
+    store_bytes: dict[str, int] = field(default_factory=dict)
+    #: ... and the writes it refused ``full`` (``kvset_refused_full``).
+    refused_full: dict[str, int] = field(default_factory=dict)
+    #: memory-cgroup: each server restarted in its cgroup: None if it loaded
+    #: and served, else why not.
+    restart: dict[str, str | None] = field(default_factory=dict)
     note: str = ""
     failures: list[str] = field(default_factory=list)
 
@@ -90,7 +100,9 @@ def judge(r: AttackResult, heartbeat: float) -> list[str]:
     out: list[str] = []
     for name, peak in r.rss_peak.items():
         before = r.rss_before.get(name, 0)
-        if peak > before + RSS_ALLOWANCE:
+        # The store's own growth is under --max-bytes (clone.server.budget);
+        # what an attack may add beyond the data it wrote is the allowance.
+        if peak > before + RSS_ALLOWANCE + r.store_bytes.get(name, 0):
             out.append(f"{name} RSS {before >> 20} -> {peak >> 20} MB")
     if r.longest_hugz_gap > 2 * heartbeat:
         out.append(f"HUGZ gap {r.longest_hugz_gap:.2f} s > 2 heartbeats")
@@ -108,6 +120,9 @@ def judge(r: AttackResult, heartbeat: float) -> list[str]:
     for name, code in r.exited.items():
         if code is not None and name != "intruder":
             out.append(f"{name} exited with {code} under attack")
+    for name, why in r.restart.items():
+        if why is not None:
+            out.append(f"{name} restart: {why}")
     return out
 
 
@@ -175,8 +190,35 @@ class _Writer:
                 i += 1
 
 
-def _cgroup(name: str, limit: int) -> Path | None:
-    """A cgroup v1 memory group limited to ``limit`` bytes, or None where not allowed."""
+def _v2_root() -> tuple[Path | None, str]:
+    """A cgroup v2 hierarchy with the memory controller, or None and why not."""
+    for root in (_CGROUP_ROOT, _CGROUP_ROOT / "unified"):
+        try:
+            controllers = (root / "cgroup.controllers").read_text().split()
+        except OSError:
+            continue
+        if "memory" in controllers:
+            return root, ""
+        return None, (f"cgroup v2 at {root} offers no memory controller (cgroup.controllers:"
+                      f" {' '.join(controllers) or 'none'}; it is bound to the v1 hierarchy)")
+    return None, "no cgroup v2 hierarchy mounted"
+
+
+def _cgroup(name: str, limit: int) -> tuple[Path | None, str]:
+    """A memory cgroup limited to ``limit`` bytes (v2 where it has the memory
+    controller, else v1), or None where not allowed; and what was used or why not."""
+    root, why_not_v2 = _v2_root()
+    if root is not None:
+        path = root / name
+        try:
+            path.mkdir(exist_ok=True)
+            (path / "memory.max").write_text(str(limit))
+            with contextlib.suppress(OSError):
+                (path / "memory.swap.max").write_text("0")
+        except OSError as exc:
+            why_not_v2 = f"cgroup v2 at {root}: {exc}"
+        else:
+            return path, f"cgroup v2 {path}"
     path = _CGROUP_V1 / name
     try:
         path.mkdir(exist_ok=True)
@@ -184,9 +226,10 @@ def _cgroup(name: str, limit: int) -> Path | None:
         with contextlib.suppress(OSError):
             (path / "memory.memsw.limit_in_bytes").write_text(str(limit))
     except OSError as exc:
-        log.warning("no memory cgroup here (%s): memory-cgroup runs unconfined", exc)
-        return None
-    return path
+        log.warning("no memory cgroup here (%s; %s): memory-cgroup runs unconfined",
+                    why_not_v2, exc)
+        return None, f"no memory cgroup: {why_not_v2}; v1: {exc}"
+    return path, f"cgroup v1 {path} ({why_not_v2})"
 
 
 class _Pair:
@@ -202,9 +245,11 @@ class _Pair:
         self.heartbeat_ms = heartbeat_ms
         self.extra = extra
         self.cgroups: dict[str, Path] = {}
+        self.cgroup_note = ""
         if cgroup_limit is not None:
             for name in self.addr:
-                cg = _cgroup(f"clone-hostile-{os.getpid()}-{name}", cgroup_limit)
+                cg, self.cgroup_note = _cgroup(f"clone-hostile-{os.getpid()}-{name}",
+                                               cgroup_limit)  # fmt: skip
                 if cg is not None:
                     self.cgroups[name] = cg
 
@@ -233,15 +278,18 @@ class _Pair:
                 cg.rmdir()
 
 
-def _wait_ready(proc: ManagedProcess, deadline: float) -> bool:
+def _wait_line(proc: ManagedProcess, deadline: float, *words: str) -> str | None:
+    """The first of ``words`` the attack process printed on a line of its own."""
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError):
-            if b"\nready\n" in proc.log_path.read_bytes():
-                return True
+            text = proc.log_path.read_bytes()
+            for word in words:
+                if f"\n{word}\n".encode() in text:
+                    return word
         if not proc.alive:
-            return False
+            return None
         time.sleep(0.1)
-    return False
+    return None
 
 
 def run_attack(
@@ -289,8 +337,17 @@ def run_attack(
         started = time.time()
         say(f"[{attack}] attack starting")
         attacker = _start_attack(attack, pair, result, scale)
-        if attacker is not None and not _wait_ready(attacker, time.monotonic() + 300):
-            result.note += f" the attack never got ready (see {attacker.log_path})"
+        if attacker is not None:
+            deadline = time.monotonic() + 300
+            if _wait_line(attacker, deadline, "loaded", "ready") == "loaded":
+                # The same store without the attack: the baseline to compare with.
+                loaded = _timed_sync(endpoints, 60)
+                if loaded is not None:
+                    result.baseline_sync = loaded
+                attacker.signal(signal.SIGUSR1)
+                started = time.time()  # the HUGZ gaps of the attack, not of its preload
+            if _wait_line(attacker, deadline, "ready") is None:
+                result.note += f" the attack never got ready (see {attacker.log_path})"
         hold_end = time.monotonic() + hold
         result.sync_under_attack = _timed_sync(endpoints, max(10.0, hold))
         time.sleep(max(0.0, hold_end - time.monotonic()))
@@ -317,10 +374,55 @@ def run_attack(
         times = list(result.sigterm.values())
         result.sigterm_seconds = None if None in times or not times else max(
             t for t in times if t is not None)
+        for n, p in procs.items():
+            stats = final_stats(p.log_tail(400))
+            result.store_bytes[n] = int(stats.get("store_bytes", 0))
+            result.refused_full[n] = int(stats.get("kvset_refused_full", 0))
+        if attack == "memory-cgroup":
+            result.restart = _restart(procs, endpoints)
+            result.note += (
+                "; refused full p:{} b:{}; stored MB p:{:.0f} b:{:.0f}; restart: {}".format(
+                    result.refused_full.get("primary", 0), result.refused_full.get("backup", 0),
+                    result.store_bytes.get("primary", 0) / 2**20,
+                    result.store_bytes.get("backup", 0) / 2**20,
+                    "both loaded and served" if not any(result.restart.values()) else "FAILED",
+                ))
     finally:
         pair.close()
     result.failures = judge(result, heartbeat)
     return result
+
+
+def final_stats(log_text: str) -> dict[str, Any]:
+    """The last ``stats: {json}`` line in a server's log (it logs one at SIGTERM)."""
+    for line in reversed(log_text.splitlines()):
+        at = line.find("stats: {")
+        if at >= 0:
+            with contextlib.suppress(ValueError):
+                found: dict[str, Any] = json.loads(line[at + len("stats: "):])
+                return found
+    return {}
+
+
+def _restart(procs: dict[str, ManagedProcess], endpoints: list[str],
+             hold: float = 10.0) -> dict[str, str | None]:  # fmt: skip
+    """Start both servers again (in their cgroups: the same command line) on the
+    data they kept; each must load, serve a healthy sync and stay up ``hold`` s."""
+    why: dict[str, str | None] = dict.fromkeys(procs)
+    for p in procs.values():
+        p.start()
+    if _timed_sync(endpoints, 120) is None:
+        for n in procs:
+            why[n] = "no healthy sync within 120 s of the restart"
+    deadline = time.monotonic() + hold
+    while time.monotonic() < deadline and all(p.alive for p in procs.values()):
+        time.sleep(0.2)
+    for n, p in procs.items():
+        if not p.alive:
+            why[n] = f"exited {p.returncode} after the restart"
+    for p in procs.values():
+        p.stop(5)
+    return why
 
 
 def _sigterm(procs: dict[str, ManagedProcess]) -> dict[str, float | None]:
@@ -354,8 +456,8 @@ def _start_attack(
             result.failures.append("second server not refused")
         return None
     if attack == "memory-cgroup":  # the disk attack's 512 KB writes, inside the cgroups
-        result.note = ("servers in 700 MB cgroups" if pair.cgroups
-                       else "no cgroup here: unconfined")
+        result.note = (f"servers in 700 MB cgroups: {pair.cgroup_note}" if pair.cgroups
+                       else f"unconfined: {pair.cgroup_note}")
         attack = "disk"
     a = pair.addr["primary"]
     return pair.group.add(f"attack-{attack}", python_module_argv(
