@@ -258,15 +258,15 @@ class FollowingMixin(ServerBase):
         stop_at = self._clock() + TURN_BUDGET
         now = self._wallclock()
         budget = self.config.collector_batch
-        relay = core.role is Role.RELAY
+        link = self.relay if core.role is Role.RELAY else None
         clock = self._clock
         while True:
             outcome = FollowOutcome.OK
-            if relay:
-                self._heard_upstream(frames)
-            if relay and is_control(frames):
+            if link is not None:
+                link.heard(frames)
+            if link is not None and is_control(frames):
                 # The upstream's notices to our own key (CURVE): not updates.
-                self._on_upstream_control(frames)
+                link.on_control(frames)
             else:
                 try:
                     # Read after the message: a ttl in it counts from no earlier than its arrival.
@@ -310,8 +310,9 @@ class FollowingMixin(ServerBase):
             self.core.term = self._ha.peer_epoch
         core = self.core
         self._sync_progress = stop_at = self._clock()
-        if core.role is Role.RELAY:
-            self._upstream_heard = stop_at
+        link = self.relay if core.role is Role.RELAY else None
+        if link is not None:
+            link.heard_now()
         stop_at += TURN_BUDGET
         clock = self._clock
         now = self._wallclock()
@@ -333,8 +334,10 @@ class FollowingMixin(ServerBase):
                 )
                 outcome = FollowOutcome.OK
             if outcome is FollowOutcome.SYNCED:
-                if core.role is Role.RELAY:
-                    self._relay_synced()
+                if link is not None:
+                    link.synced()
+                    if core.last_sync == "full":
+                        self._views_replaced()
                 log.info(
                     "synced from %s (%s): %d keys at sequence %d in %.2f s",
                     self._followed,

@@ -34,23 +34,23 @@ from typing import Any
 import zmq
 from tornado.ioloop import IOLoop
 
-from clone.errors import LimitExceeded, ProtocolError, ServerStartError, StoreFull
+from clone.errors import ServerStartError
 from clone.release import RELEASE
 from clone.server.admin import AdminMixin
-from clone.server.base import TURN_BUDGET, log
-from clone.server.calling import CallingMixin
+from clone.server.base import PartSockets, log
+from clone.server.calling import Caller
+from clone.server.collecting import Applier, Collector, Judge, Sink
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import Role
 from clone.server.durability import DurabilityMixin
 from clone.server.following import FollowingMixin
 from clone.server.healing import HealingMixin
 from clone.server.http import HttpMixin
-from clone.server.relaying import RelayMixin
+from clone.server.relaying import RelayLink
 from clone.server.security import SecurityMixin
 from clone.server.serving import ServingMixin
 from clone.storage.files import dir_bytes
 from clone.storage.schema import FORMAT_VERSION
-from clone.wire.frames import recv_frames, recv_frames_and_first
 from clone.wire.protocol import COLLECTOR_OFFSET, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
 
 # ServerConfig, ServerMode and ServerStartError are re-exported: this module is
@@ -66,11 +66,9 @@ def _tcp(host_port: str) -> str:
 
 class CloneServer(
     AdminMixin,
-    CallingMixin,
     ServingMixin,
     FollowingMixin,
     HealingMixin,
-    RelayMixin,
     DurabilityMixin,
     SecurityMixin,
     HttpMixin,
@@ -242,21 +240,8 @@ class CloneServer(
         # Zero-copy frames: only a Frame can tell the requester's ZMTP metadata.
         self._on_router_guarded = self._guard(self._on_router)
         self._stream(router, self._on_router, copy=False)
-        if cfg.mode is ServerMode.RELAY:
-            # A relay applies nothing itself: writes go on to the pair (over
-            # CURVE, those its ACL allows: the User-Id is on the message).
-            if self._keypair is not None:
-                self._stream(collector, self._on_relay_collector_secure, copy=False)
-            else:
-                self._stream(collector, self._on_relay_collector)
-        elif self._keypair is not None:
-            # The sender's User-Id (metadata) decides whether it may write.
-            self._stream(collector, self._on_collector_secure, copy=False)
-        else:
-            self._stream(collector, self._on_collector)
-        if cfg.mode is ServerMode.RELAY:
-            self._start_relay()
-        elif cfg.mode is not ServerMode.STANDALONE:
+        self._build_parts(router, collector)
+        if cfg.mode is not ServerMode.STANDALONE and cfg.mode is not ServerMode.RELAY:
             from bstar.reactor import BinaryStar  # only paired servers need it
 
             assert cfg.ha_port is not None and cfg.peer_ha is not None
@@ -310,6 +295,83 @@ class CloneServer(
             log.info("standalone: active at once")
         self._open_http()
 
+    def _build_parts(self, router: zmq.Socket[Any], collector: zmq.Socket[Any]) -> None:
+        """The parts built on the bound sockets: a relay's link (started: it
+        follows its first upstream), the caller and the collector."""
+        cfg = self.config
+        secure = self._keypair is not None
+        refuse = self._refusal if secure else None
+        link: RelayLink | None = None
+        if cfg.mode is ServerMode.RELAY:
+            link = self.relay = RelayLink(
+                cfg,
+                self.core,
+                self.shared,
+                self.access,
+                PartSockets(self),
+                router=router,
+                router_backlog=self._take_router_backlog,
+                upstream_keypair=self._upstream_keypair,
+                follow=self._follow_upstream,
+                close_follow=self._close_peer,
+                sync_progress=lambda: self._sync_progress,
+                reply=self._send_reply,
+                publish=self.publisher.publish,
+                refuse=refuse,
+            )
+            link.start()
+        self.caller = Caller(
+            self.core,
+            self.shared,
+            self.access,
+            router,
+            commit=self._commit_for_replies,
+            router_backlog=self._take_router_backlog,
+            next_turn=self._next_turn,
+            trusted_relays=cfg.trusted_relays,
+            forward=link.forward_call if link is not None else None,
+        )
+        # One collector, composed: a relay forwards what a server applies,
+        # and under CURVE each write is judged by its sender's rights first.
+        sink: Sink
+        if link is not None:
+            assert link.forwarder is not None
+            sink = link.forwarder
+        else:
+            sink = Applier(self.core, self.shared, end_turn=self._commit_and_publish, refuse=refuse)
+        judge: Judge | None = None
+        if secure:
+            # A relay tells every refused writer; a server only while active
+            # (a passive one parks writes for the pending list, unjudged).
+            judge = self._judge_always if link is not None else self._judge_while_active
+        self.collector = part = Collector(
+            collector, self.shared, sink, batch=cfg.collector_batch, judge=judge
+        )
+        if part.secure:
+            self._stream(collector, part.on_frames, copy=False)
+        else:
+            self._stream(collector, part.on_message)
+
+    def _judge_while_active(self, first: zmq.Frame, frames: list[bytes]) -> tuple[bool, str | None]:
+        return self._acl_writer(first, frames, notify=self.core.role is Role.ACTIVE)
+
+    def _judge_always(self, first: zmq.Frame, frames: list[bytes]) -> tuple[bool, str | None]:
+        return self._acl_writer(first, frames, notify=True)
+
+    def _follow_upstream(self) -> zmq.Socket[Any] | None:
+        """Follow the relay's upstream; the SUB if a fresh one was opened."""
+        fresh = self._peer_sub is None
+        self._follow()
+        sub = self._peer_sub
+        return sub.socket if fresh and sub is not None else None
+
+    def _commit_for_replies(self) -> bool:
+        """Commit and publish this turn; whether its changes may be confirmed."""
+        if self._stopping:
+            return False
+        self._commit_and_publish()
+        return self._storage_error is None  # fail-stop: nothing unwritten is confirmed
+
     def _shutdown(self) -> None:
         if self._stopping:
             return
@@ -336,7 +398,8 @@ class CloneServer(
             self._ha.stop()
         self._close_peer()
         self._close_split()
-        self._close_relay()
+        if self.relay is not None:
+            self.relay.close()
         self._snapshots.clear()
         self._in_flight.clear()
         self.publisher.drop()
@@ -379,7 +442,8 @@ class CloneServer(
                     for frames in self._view_heartbeats():
                         self.publisher.publish(frames)
             elif self.core.role is Role.RELAY:
-                self.publisher.publish(self._relay_hugz())
+                assert self.relay is not None
+                self.publisher.publish(self.relay.hugz(self._heartbeat_ms))
                 self.counters["hugz_sent"] += 1
                 if self._view_counts:
                     for frames in self._view_heartbeats():
@@ -408,8 +472,8 @@ class CloneServer(
             if self.core.expiry_due(mono):
                 delay = 0.0  # more due than one batch: continue next turn
             self._check_sync_timeout()
-            if self.core.role is Role.RELAY:
-                self._check_upstream()
+            if self.relay is not None:
+                self.relay.check()
             self._check_stalled_snapshots()
             self._check_split_writes()
             self._check_hold()
@@ -491,80 +555,3 @@ class CloneServer(
         self._watch_subscribers(pub)
         if pub.type == zmq.XPUB:
             self._pub_stream = self._stream(pub, self._on_subscription, copy=False)
-
-    # -- the collector: client updates ---------------------------------------
-
-    def _on_collector(self, frames: list[bytes]) -> None:
-        """A batch of client updates: apply, commit them in one transaction, publish."""
-        try:
-            self._drain_collector(frames)
-        finally:
-            self._commit_and_publish()
-
-    def _drain_collector(self, frames: list[bytes]) -> None:
-        core = self.core
-        sock = self._collector
-        assert sock is not None
-        wallclock = self._wallclock
-        clock = self._clock
-        stop_at = clock() + TURN_BUDGET
-        batch = self.config.collector_batch
-        while True:
-            try:
-                core.on_kvset(frames, wallclock(), clock())
-            except ProtocolError as exc:
-                self._throttle.log("kvset", logging.WARNING, "dropped a client update: %s", exc)
-            batch -= 1
-            if self._turn_over(batch, stop_at):
-                return
-            try:
-                frames = recv_frames(sock)
-            except zmq.Again:
-                return
-
-    def _on_collector_secure(self, parts: list[zmq.Frame]) -> None:
-        """CURVE: as :meth:`_on_collector`, each update checked against its
-        sender's write prefixes first (its ZAP User-Id is on the message)."""
-        try:
-            self._drain_collector_secure(parts)
-        finally:
-            self._commit_and_publish()
-
-    def _drain_collector_secure(self, parts: list[zmq.Frame]) -> None:
-        sock = self._collector
-        assert sock is not None
-        stop_at = self._clock() + TURN_BUDGET
-        batch = self.config.collector_batch
-        first = parts[0]
-        frames = [part.bytes for part in parts]
-        while True:
-            self._take_secure_kvset(first, frames)
-            batch -= 1
-            if self._turn_over(batch, stop_at):
-                return
-            try:
-                # The fast receive, keeping only the first frame as an object.
-                first, frames = recv_frames_and_first(sock)
-            except zmq.Again:
-                return
-
-    def _take_secure_kvset(self, first: zmq.Frame, frames: list[bytes]) -> None:
-        core = self.core
-        active = core.role is Role.ACTIVE
-        allowed, user = self._acl_writer(first, frames, notify=active)
-        if not allowed:
-            return
-        try:
-            core.on_kvset(frames, self._wallclock(), self._clock())
-        except StoreFull as exc:
-            self._throttle.log(
-                "kvset_full", logging.WARNING, "refused a write by %s: %s", user, exc
-            )
-            if active:
-                self._refusal(user, frames[2], "full")
-        except LimitExceeded as exc:
-            self._throttle.log("kvset", logging.WARNING, "dropped a client update: %s", exc)
-            if active and len(frames) == 5:
-                self._refusal(user, frames[2], "size")
-        except ProtocolError as exc:
-            self._throttle.log("kvset", logging.WARNING, "dropped a client update: %s", exc)

@@ -47,7 +47,6 @@ import zmq
 
 from clone.errors import SecurityError
 from clone.security import (
-    NOTHING,
     PEER_USER,
     Acl,
     ClientKeys,
@@ -60,10 +59,8 @@ from clone.security import (
     load_public,
     load_secret,
 )
-from clone.server.access import may_write
 from clone.server.base import ServerBase, log
 from clone.server.config import ServerMode
-from clone.server.core import Role
 from clone.wire.control import (
     encode_refusal,
     encode_view_heartbeat,
@@ -138,6 +135,7 @@ class SecurityMixin(ServerBase):
         gatekeeper = Gatekeeper(self._ctx, keypair.public, keys, log=log)
         gatekeeper.start()
         self._keypair = keypair
+        self.access.secure = True
         self._gatekeeper = gatekeeper
         self._install_acl(keys, acl)
         log.info(
@@ -238,10 +236,7 @@ class SecurityMixin(ServerBase):
 
     def _install_acl(self, keys: ClientKeys, acl: Acl) -> None:
         self._acl = acl
-        self._admitted = {*keys.names.values(), PEER_USER}
-        self._rights = {name: acl.rights(name) for name in self._admitted}
-        # Who may write every key: their writes skip the prefix check (hot path).
-        self._write_all = {name for name, r in self._rights.items() if b"" in r.write}
+        self.access.install({name: acl.rights(name) for name in {*keys.names.values(), PEER_USER}})
         views = {view_id(prefixes): prefixes for prefixes in acl.views()}
         # Keep the counts of views that stay: their subscribers' bases stay valid.
         self._view_counts = {vid: self._view_counts.get(vid, 0) for vid in views}
@@ -261,13 +256,7 @@ class SecurityMixin(ServerBase):
             user: str | None = str(first.get("User-Id"))
         except zmq.ZMQError:
             user = None
-        if may_write(
-            user,
-            frames,
-            write_all=self._write_all,
-            admitted=self._admitted,
-            rights_of=self._rights_of,
-        ):
+        if self.access.may_write(user, frames):
             return True, user
         self.counters["kvset_refused_acl"] += 1
         self._throttle.log(
@@ -283,9 +272,7 @@ class SecurityMixin(ServerBase):
 
     def _rights_of(self, name: str | None) -> Rights:
         """A connection's rights: nothing for an unknown or removed name."""
-        if name is None:
-            return NOTHING
-        return self._rights.get(name, NOTHING)
+        return self.access.rights_of(name)
 
     # -- sockets -------------------------------------------------------------
 
@@ -373,11 +360,18 @@ class SecurityMixin(ServerBase):
     def _view_heartbeats(self) -> list[list[bytes]]:
         sequence = self.core.store.sequence
         # A relay's restricted clients are told it is stale as its HUGZ tell the others.
-        stale = self.core.role is Role.RELAY and self._relay_stale()
+        stale = self.relay is not None and self.relay.stale()
         return [
             encode_view_heartbeat(vid, sequence, self._heartbeat_ms, count, stale=stale)
             for vid, count in self._view_counts.items()
         ]
+
+    def _views_replaced(self) -> None:
+        """A relay's copy was replaced without publishing the difference.
+        Plain clients see our sequence jump; restricted ones only compare
+        counts, so each view's moves on by one: its clients resync."""
+        for vid in self._view_counts:
+            self._view_counts[vid] += 1
 
     def _refusal(self, name: str | None, uuid: bytes, reason: str) -> None:
         """Tell the writer its update was refused (best effort)."""
