@@ -43,6 +43,7 @@ if TYPE_CHECKING:
     from clone.security import Acl, Gatekeeper, KeyPair, Rights
     from clone.server.calling import Caller
     from clone.server.collecting import Collector
+    from clone.server.following import Follower
     from clone.server.relaying import RelayLink
     from clone.server.sending import Backlog, Burst
     from clone.storage import Storage
@@ -165,11 +166,10 @@ class ServerBase:
         # The parts built once the sockets are bound (clone.server.reactor).
         self.caller: Caller | None = None
         self.collector: Collector | None = None
+        self.follower: Follower | None = None  # a pair member's or a relay's
         self._pub_stream: ZMQStream | None = None  # the XPUB's (CURVE) subscriptions
-        self._peer_sub: ZMQStream | None = None
         # A relay's link to its upstream (clone.server.relaying), once bound.
         self.relay: RelayLink | None = None
-        self._peer_dealer: ZMQStream | None = None
         # After a split brain (clone.server.healing): our writes the winner has
         # not answered yet, paced (clone.server.pacing), the DEALER they go on,
         # and whether a slice of them is already scheduled for the next turn.
@@ -185,8 +185,6 @@ class ServerBase:
         self._peer_syncs: set[AnyStream] = set()
         # Took over by a failover, and the peer has not synced from us since.
         self._await_peer_sync = False
-        self._sync_progress = 0.0
-        self._sync_started = 0.0
         self._hugz_timer: object | None = None
         self._house_timer: object | None = None
         self._stats_timer: object | None = None
@@ -374,6 +372,16 @@ class ServerBase:
         if self.caller is not None:
             self.caller.send_reply(identity, reply, backlog=backlog, burst=burst)
 
+    def _follow(self) -> None:
+        """Follow the followed server (the follower part's)."""
+        if self.follower is not None:
+            self.follower.follow()
+
+    def _close_peer(self) -> None:
+        """Stop following it: its SUB and sync DEALER closed."""
+        if self.follower is not None:
+            self.follower.close()
+
     if TYPE_CHECKING:
         # Provided by the other parts of CloneServer.
 
@@ -395,17 +403,10 @@ class ServerBase:
 
         def _on_became_active(self) -> None: ...
 
-        def _views_replaced(self) -> None: ...
 
         def _abort_snapshot(self, stream: AnyStream, why: str, *, gone: bool = False) -> None: ...
 
         def _recheck_deferred_soon(self) -> None: ...
-
-        def _request_snapshot(self) -> None: ...
-
-        def _follow(self) -> None: ...
-
-        def _close_peer(self) -> None: ...
 
         def _refusal(self, name: str | None, uuid: bytes, reason: str) -> None: ...
 

@@ -43,10 +43,11 @@ from clone.server.collecting import Applier, Collector, Judge, Sink
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import Role
 from clone.server.durability import DurabilityMixin
-from clone.server.following import FollowingMixin
+from clone.server.following import Follower
 from clone.server.healing import HealingMixin
 from clone.server.http import HttpMixin
 from clone.server.relaying import RelayLink
+from clone.server.roles import RoleMixin
 from clone.server.security import SecurityMixin
 from clone.server.serving import ServingMixin
 from clone.storage.files import dir_bytes
@@ -67,7 +68,7 @@ def _tcp(host_port: str) -> str:
 class CloneServer(
     AdminMixin,
     ServingMixin,
-    FollowingMixin,
+    RoleMixin,
     HealingMixin,
     DurabilityMixin,
     SecurityMixin,
@@ -302,7 +303,23 @@ class CloneServer(
         secure = self._keypair is not None
         refuse = self._refusal if secure else None
         link: RelayLink | None = None
-        if cfg.mode is ServerMode.RELAY:
+        follower: Follower | None = None
+        if cfg.mode is not ServerMode.STANDALONE:
+            follower = self.follower = Follower(
+                cfg,
+                self.core,
+                self.shared,
+                PartSockets(self),
+                followed=lambda: self._followed,
+                term=self._peer_term,
+                after_turn=self._commit_and_publish
+                if cfg.mode is ServerMode.RELAY
+                else self._commit_followed,
+                next_turn=self._next_turn,
+                fork_known=self._split_fork_known,
+                synced=self._forward_split_writes,
+            )
+        if follower is not None and cfg.mode is ServerMode.RELAY:
             link = self.relay = RelayLink(
                 cfg,
                 self.core,
@@ -312,13 +329,15 @@ class CloneServer(
                 router=router,
                 router_backlog=self._take_router_backlog,
                 upstream_keypair=self._upstream_keypair,
-                follow=self._follow_upstream,
-                close_follow=self._close_peer,
-                sync_progress=lambda: self._sync_progress,
+                follow=follower.follow,
+                close_follow=follower.close,
+                sync_progress=lambda: follower.sync_progress,
                 reply=self._send_reply,
                 publish=self.publisher.publish,
                 refuse=refuse,
+                views_replaced=self._views_replaced,
             )
+            follower.upstream = link
             link.start()
         self.caller = Caller(
             self.core,
@@ -358,12 +377,12 @@ class CloneServer(
     def _judge_always(self, first: zmq.Frame, frames: list[bytes]) -> tuple[bool, str | None]:
         return self._acl_writer(first, frames, notify=True)
 
-    def _follow_upstream(self) -> zmq.Socket[Any] | None:
-        """Follow the relay's upstream; the SUB if a fresh one was opened."""
-        fresh = self._peer_sub is None
-        self._follow()
-        sub = self._peer_sub
-        return sub.socket if fresh and sub is not None else None
+    def _peer_term(self) -> int | None:
+        """The followed server's term: Binary Star's peer epoch (None unpaired)."""
+        return self._ha.peer_epoch if self._ha is not None else None
+
+    def _commit_followed(self) -> None:
+        self._commit()
 
     def _commit_for_replies(self) -> bool:
         """Commit and publish this turn; whether its changes may be confirmed."""
@@ -471,7 +490,8 @@ class CloneServer(
             self._commit_and_publish()
             if self.core.expiry_due(mono):
                 delay = 0.0  # more due than one batch: continue next turn
-            self._check_sync_timeout()
+            if self.follower is not None:
+                self.follower.check_timeout()
             if self.relay is not None:
                 self.relay.check()
             self._check_stalled_snapshots()

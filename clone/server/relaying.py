@@ -213,8 +213,8 @@ class RelayLink:
     ``follow`` (the follower starts following :attr:`followed`, returning the
     SUB it opened, or None if it had one), ``close_follow`` (it stops),
     ``sync_progress`` (when the follower's sync last moved), ``reply``
-    (answer a caller: the caller part's), ``publish`` and ``refuse``
-    (security's, None without CURVE).
+    (answer a caller: the caller part's), ``publish``, ``refuse``
+    (security's, None without CURVE) and ``views_replaced`` (security's).
     """
 
     def __init__(
@@ -234,6 +234,7 @@ class RelayLink:
         reply: Callable[[bytes, Reply], None],
         publish: Callable[[list[bytes]], None],
         refuse: Refuse | None,
+        views_replaced: Callable[[], None],
     ) -> None:
         self._config = config
         self._core = core
@@ -251,6 +252,7 @@ class RelayLink:
         self._reply = reply
         self._publish = publish
         self._refuse = refuse
+        self._views_replaced = views_replaced
         self._index = 0
         self.followed: str = config.upstream[0]
         self._heard = 0.0  # the clock when the followed server last spoke
@@ -385,9 +387,13 @@ class RelayLink:
         self._heard = self._clock()
 
     def synced(self) -> None:
-        """A sync from the followed server finished: calls can go there."""
+        """A sync from the followed server finished: calls can go there.
+        A full one replaced our copy without publishing the difference:
+        ``views_replaced`` (security's) moves each restricted view on."""
         self._synced_once = True
         self._heard = self._clock()
+        if self._core.last_sync == "full":
+            self._views_replaced()
         self._open_call_dealer()
 
     def check(self) -> None:
