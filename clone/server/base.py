@@ -1,12 +1,16 @@
-"""The state and socket helpers that every part of a :class:`CloneServer` shares.
+"""The state and socket helpers that the remaining mixins of a :class:`CloneServer` share.
 
-How this works: the server is one object assembled from mixins that each do
-one job (:mod:`.serving`, :mod:`.following`, :mod:`.publishing`, and
-:mod:`.reactor` for the life cycle and timers).  They share the attributes set
-up here and call each other's methods directly on ``self``: a mixin adds no
-indirection per message, where collaborator objects would add an attribute
-load and a bound call on the collector and publish paths.  The methods one
-part calls on another are declared here for the type checker only.
+How this works: the server owns parts, objects built with only what they
+need (the caller, the collector, the follower, a relay's link, the
+conflicts desk, the publisher: docs/architecture.md, "Parts"), and is still
+assembled from mixins for the duties that are not parts yet
+(:mod:`.serving`, :mod:`.roles`, :mod:`.healing`, :mod:`.durability`,
+:mod:`.security`, :mod:`.http`, and :mod:`.reactor` for the life cycle and
+timers).  The mixins share the attributes set up here and call each other's
+methods directly on ``self``; the methods one calls on another are declared
+here for the type checker only.  Thin methods (``_on_call``,
+``_answer_conflicts``, ``_follow``...) let a mixin reach a part without
+knowing it.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from clone.wire.protocol import MAX_HEARTBEAT_MS
 if TYPE_CHECKING:
     from bstar.reactor import BinaryStar
     from clone.security import Acl, Gatekeeper, KeyPair, Rights
+    from clone.server.admin import ConflictsDesk
     from clone.server.calling import Caller
     from clone.server.collecting import Collector
     from clone.server.following import Follower
@@ -167,6 +172,7 @@ class ServerBase:
         self.caller: Caller | None = None
         self.collector: Collector | None = None
         self.follower: Follower | None = None  # a pair member's or a relay's
+        self.conflicts_desk: ConflictsDesk | None = None
         self._pub_stream: ZMQStream | None = None  # the XPUB's (CURVE) subscriptions
         # A relay's link to its upstream (clone.server.relaying), once bound.
         self.relay: RelayLink | None = None
@@ -372,6 +378,11 @@ class ServerBase:
         if self.caller is not None:
             self.caller.send_reply(identity, reply, backlog=backlog, burst=burst)
 
+    def _answer_conflicts(self, identity: bytes, parts: list[zmq.Frame]) -> None:
+        """A CONFLICTS? from the ROUTER's reader: the conflicts desk's."""
+        if self.conflicts_desk is not None:
+            self.conflicts_desk.on_request(identity, parts)
+
     def _follow(self) -> None:
         """Follow the followed server (the follower part's)."""
         if self.follower is not None:
@@ -415,8 +426,6 @@ class ServerBase:
         ) -> tuple[bool, str | None]: ...
 
         def _view_heartbeats(self) -> list[list[bytes]]: ...
-
-        def _answer_conflicts(self, identity: bytes, parts: list[zmq.Frame]) -> None: ...
 
         def _take_router_backlog(self) -> None: ...
 

@@ -6,15 +6,18 @@ How this works: one tornado IOLoop (owned, never the global one) drives
   and snapshot streams, in :mod:`.serving`;
 * the PUBLISHER PUB (P+1): KVPUBs, bulk output in order, in :mod:`.publishing`,
   and HUGZ every heartbeat while active, from the timer here;
-* the COLLECTOR SUB (P+2): KVSETs, drained in batches per readiness event, here;
+* the COLLECTOR SUB (P+2): KVSETs, drained in batches per readiness event, by
+  the :class:`~.collecting.Collector` part;
 * when passive: a SUB on the peer's publisher and a DEALER on its snapshot port
-  (a fresh one per attempt, with a timeout), to follow the active server, in
-  :mod:`.following` (with the promotion and demotion callbacks);
+  (a fresh one per attempt, with a timeout), to follow the active server, by
+  the :class:`~.following.Follower` part (promotion and demotion: :mod:`.roles`);
 * :class:`bstar.reactor.BinaryStar` on the HA ports, which decides the role.
 
-This module holds the life cycle (bind, run, stop), the timers, the stats and
-the collector; :mod:`.base` the state the parts share.  The parts are mixins
-of one :class:`CloneServer`, so a message costs no extra indirection.
+This module holds the life cycle (bind, run, stop), the timers and the stats,
+and builds the parts the server owns once its sockets are bound (the caller,
+the collector, the follower, a relay's link, the conflicts desk), each with
+only what it needs (docs/architecture.md, "Parts").  The duties not yet parts
+are mixins of one :class:`CloneServer` over :mod:`.base`'s shared attributes.
 
 Every handler is wrapped: bad input is counted and logged (rate-limited) and
 an unexpected exception is logged with its traceback; nothing stops the loop.
@@ -36,7 +39,7 @@ from tornado.ioloop import IOLoop
 
 from clone.errors import ServerStartError
 from clone.release import RELEASE
-from clone.server.admin import AdminMixin
+from clone.server.admin import ConflictsDesk
 from clone.server.base import PartSockets, log
 from clone.server.calling import Caller
 from clone.server.collecting import Applier, Collector, Judge, Sink
@@ -66,7 +69,6 @@ def _tcp(host_port: str) -> str:
 
 
 class CloneServer(
-    AdminMixin,
     ServingMixin,
     RoleMixin,
     HealingMixin,
@@ -349,6 +351,9 @@ class CloneServer(
             next_turn=self._next_turn,
             trusted_relays=cfg.trusted_relays,
             forward=link.forward_call if link is not None else None,
+        )
+        self.conflicts_desk = ConflictsDesk(
+            self.core, self.shared, self.access, router, self._status_limiter
         )
         # One collector, composed: a relay forwards what a server applies,
         # and under CURVE each write is judged by its sender's rights first.

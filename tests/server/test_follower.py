@@ -41,7 +41,7 @@ class _Sockets:
         return sock
 
     def stream(self, sock: zmq.Socket[Any], handler: Callable[[list[bytes]], None]) -> ZMQStream:
-        self.handlers[sock.type] = handler
+        self.handlers[int(sock.type)] = handler
         return ZMQStream(sock, self.loop)
 
     def forget(self, stream: ZMQStream) -> None:
@@ -69,7 +69,7 @@ class _Active:
         assert self.router.poll(10_000), "no snapshot request"
         identity, *frames = self.router.recv_multipart()
         assert frames[0] == ICANHAZ
-        return identity
+        return bytes(identity)
 
     def close(self) -> None:
         self.router.close(0)
