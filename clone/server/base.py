@@ -31,7 +31,7 @@ from clone.server.access import Access
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import ServerCore
 from clone.server.delta import DeltaStream
-from clone.server.metrics import DurationHistogram, SubscriberCount
+from clone.server.metrics import DurationHistogram
 from clone.server.pacing import SplitQueue
 from clone.server.publishing import Publisher
 from clone.server.rolelog import load_role_changes, save_role_changes
@@ -212,7 +212,6 @@ class ServerBase:
         self._status_limiter = StatusLimiter(_STATUS_RATE, _STATUS_BURST, self._started_at)
         self._last_failover: float | None = None
         self._version = clone_version()
-        self._subscriber_count: SubscriberCount | None = None
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "snapshots_served",
@@ -413,7 +412,6 @@ class ServerBase:
         def _bind_publisher(self, *, rebind: bool = False) -> None: ...
 
         def _on_became_active(self) -> None: ...
-
 
         def _abort_snapshot(self, stream: AnyStream, why: str, *, gone: bool = False) -> None: ...
 

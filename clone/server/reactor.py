@@ -48,7 +48,7 @@ from clone.server.core import Role
 from clone.server.durability import DurabilityMixin
 from clone.server.following import Follower
 from clone.server.healing import HealingMixin
-from clone.server.http import HttpMixin
+from clone.server.monitoring import MonitoringMixin
 from clone.server.relaying import RelayLink
 from clone.server.roles import RoleMixin
 from clone.server.security import SecurityMixin
@@ -74,7 +74,7 @@ class CloneServer(
     HealingMixin,
     DurabilityMixin,
     SecurityMixin,
-    HttpMixin,
+    MonitoringMixin,
 ):
     """One member of a Clone server pair (or a standalone server).
 
