@@ -35,6 +35,7 @@ from clone.server.metrics import DurationHistogram
 from clone.server.pacing import SplitQueue
 from clone.server.publishing import Publisher
 from clone.server.rolelog import load_role_changes, save_role_changes
+from clone.server.security import Security
 from clone.server.shared import CLOCK_EVERY, TURN_BUDGET, Shared, peer_endpoint
 from clone.server.snapshot import SnapshotStream
 from clone.server.status import StatusLimiter, clone_version
@@ -44,7 +45,7 @@ from clone.wire.protocol import MAX_HEARTBEAT_MS
 
 if TYPE_CHECKING:
     from bstar.reactor import BinaryStar
-    from clone.security import Acl, Gatekeeper, KeyPair, Rights
+    from clone.security import KeyPair, Rights
     from clone.server.admin import ConflictsDesk
     from clone.server.calling import Caller
     from clone.server.collecting import Collector
@@ -128,20 +129,9 @@ class ServerBase:
         self._storage: Storage | None = None
         self._data_term = 0  # the term our stored data was last written under
         self._storage_error: BaseException | None = None  # set once: fail-stop
-        # Security (clone.server.security): all None / empty without --curve-secret.
-        self._keypair: KeyPair | None = None
-        self._gatekeeper: Gatekeeper | None = None
-        # A relay's CURVE towards its upstream (its own client key pair, the
-        # upstream's public key); None: it follows in clear text.
-        self._upstream_keypair: KeyPair | None = None
-        self._upstream_server_key: bytes | None = None
-        self._acl: Acl | None = None
         # Who is admitted and their rights (clone.server.access): what the
         # parts read; the security part installs them.
         self.access = Access()
-        self._views: dict[str, tuple[bytes, ...]] = {}  # view id -> read prefixes
-        self._view_counts: dict[str, int] = {}  # view id -> updates published in it
-        self._view_prefixes: list[tuple[str, tuple[bytes, ...]]] = []
         self._loop: IOLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -270,6 +260,11 @@ class ServerBase:
         )
         #: What every part is handed: the clocks, these counters, the throttle.
         self.shared = Shared(self._throttle, clock, wallclock, self.counters)
+        #: Keys, the ZAP handler, the ACL and the views (clone.server.security):
+        #: all None / empty without --curve-secret.
+        self.security = Security(
+            config, self._ctx, self.shared, self.access, publish=self.publisher.publish
+        )
 
     @property
     def _followed(self) -> str | None:
@@ -282,6 +277,29 @@ class ServerBase:
     @property
     def _admitted(self) -> set[str]:
         return self.access.admitted
+
+    @property
+    def _keypair(self) -> KeyPair | None:
+        """Our CURVE key pair (the security part's); None: in clear text."""
+        return self.security.keypair
+
+    @property
+    def _view_counts(self) -> dict[str, int]:
+        return self.security.view_counts
+
+    @property
+    def _view_prefixes(self) -> list[tuple[str, tuple[bytes, ...]]]:
+        return self.security.view_prefixes
+
+    def _rights_of(self, name: str | None) -> Rights:
+        """A connection's rights: nothing for an unknown or removed name."""
+        return self.access.rights_of(name)
+
+    def _count_views(self, updates: list[list[bytes]]) -> None:
+        self.security.count_views(updates)
+
+    def _secure(self, sock: zmq.Socket[Any], *, bound: bool) -> None:
+        self.security.secure(sock, bound=bound)
 
     @property
     def _write_all(self) -> set[str]:
@@ -403,12 +421,6 @@ class ServerBase:
 
         def request_stop(self) -> None: ...
 
-        def _secure(self, sock: zmq.Socket[Any], *, bound: bool) -> None: ...
-
-        def _rights_of(self, name: str | None) -> Rights: ...
-
-        def _count_views(self, updates: list[list[bytes]]) -> None: ...
-
         def _bind_publisher(self, *, rebind: bool = False) -> None: ...
 
         def _on_became_active(self) -> None: ...
@@ -416,14 +428,6 @@ class ServerBase:
         def _abort_snapshot(self, stream: AnyStream, why: str, *, gone: bool = False) -> None: ...
 
         def _recheck_deferred_soon(self) -> None: ...
-
-        def _refusal(self, name: str | None, uuid: bytes, reason: str) -> None: ...
-
-        def _acl_writer(
-            self, first: zmq.Frame, frames: list[bytes], *, notify: bool
-        ) -> tuple[bool, str | None]: ...
-
-        def _view_heartbeats(self) -> list[list[bytes]]: ...
 
         def _take_router_backlog(self) -> None: ...
 

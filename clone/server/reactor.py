@@ -51,7 +51,6 @@ from clone.server.healing import HealingMixin
 from clone.server.monitoring import MonitoringMixin
 from clone.server.relaying import RelayLink
 from clone.server.roles import RoleMixin
-from clone.server.security import SecurityMixin
 from clone.server.serving import ServingMixin
 from clone.storage.files import dir_bytes
 from clone.storage.schema import FORMAT_VERSION
@@ -73,7 +72,6 @@ class CloneServer(
     RoleMixin,
     HealingMixin,
     DurabilityMixin,
-    SecurityMixin,
     MonitoringMixin,
 ):
     """One member of a Clone server pair (or a standalone server).
@@ -109,7 +107,7 @@ class CloneServer(
         self._loop = loop
         try:
             self._open_storage()
-            self._open_security()
+            self.security.open()
             self._setup()
         except BaseException as exc:
             self._start_error = exc
@@ -190,7 +188,7 @@ class CloneServer(
         out.update(self.http_counters())
         if self.config.data_dir is not None:
             out["data_dir_bytes"] = dir_bytes(Path(self.config.data_dir))
-        gatekeeper = self._gatekeeper
+        gatekeeper = self.security.gatekeeper
         if gatekeeper is not None:
             out["zap_admitted"] = gatekeeper.admitted
             out["zap_refused"] = gatekeeper.refused
@@ -260,7 +258,7 @@ class CloneServer(
                 epoch=self._data_term,
                 start_wait=cfg.effective_peer_wait,
                 rank=self._rank if cfg.data_dir is not None else None,
-                secure_socket=self._secure_bstar if self._keypair is not None else None,
+                secure_socket=self.security.secure_bstar if self._keypair is not None else None,
             )
             ha.on_active(self._on_became_active)
             ha.on_passive(self._on_became_passive)
@@ -303,7 +301,7 @@ class CloneServer(
         follows its first upstream), the caller and the collector."""
         cfg = self.config
         secure = self._keypair is not None
-        refuse = self._refusal if secure else None
+        refuse = self.security.refusal if secure else None
         link: RelayLink | None = None
         follower: Follower | None = None
         if cfg.mode is not ServerMode.STANDALONE:
@@ -330,14 +328,14 @@ class CloneServer(
                 PartSockets(self),
                 router=router,
                 router_backlog=self._take_router_backlog,
-                upstream_keypair=self._upstream_keypair,
+                upstream_keypair=self.security.upstream_keypair,
                 follow=follower.follow,
                 close_follow=follower.close,
                 sync_progress=lambda: follower.sync_progress,
                 reply=self._send_reply,
                 publish=self.publisher.publish,
                 refuse=refuse,
-                views_replaced=self._views_replaced,
+                views_replaced=self.security.views_replaced,
             )
             follower.upstream = link
             link.start()
@@ -377,10 +375,10 @@ class CloneServer(
             self._stream(collector, part.on_message)
 
     def _judge_while_active(self, first: zmq.Frame, frames: list[bytes]) -> tuple[bool, str | None]:
-        return self._acl_writer(first, frames, notify=self.core.role is Role.ACTIVE)
+        return self.security.judge(first, frames, notify=self.core.role is Role.ACTIVE)
 
     def _judge_always(self, first: zmq.Frame, frames: list[bytes]) -> tuple[bool, str | None]:
-        return self._acl_writer(first, frames, notify=True)
+        return self.security.judge(first, frames, notify=True)
 
     def _peer_term(self) -> int | None:
         """The followed server's term: Binary Star's peer epoch (None unpaired)."""
@@ -435,7 +433,7 @@ class CloneServer(
                 sock.close(linger=0)
         self._pub_stream = None
         # Only now: a CURVE socket must never outlive its ZAP handler.
-        self._close_security()
+        self.security.close()
         self._close_storage()
 
     # -- timers --------------------------------------------------------------
@@ -460,19 +458,12 @@ class CloneServer(
                 # and the passive would resync.  Publish it first.
                 if self.core.journal:
                     self._commit_and_publish()
-                self.publisher.publish(self.core.hugz(self._heartbeat_ms))
-                self.counters["hugz_sent"] += 1
-                if self._view_counts:
-                    for frames in self._view_heartbeats():
-                        self.publisher.publish(frames)
-            elif self.core.role is Role.RELAY:
-                assert self.relay is not None
-                self.publisher.publish(self.relay.hugz(self._heartbeat_ms))
-                self.counters["hugz_sent"] += 1
-                if self._view_counts:
-                    for frames in self._view_heartbeats():
-                        self.publisher.publish(frames)
-            self._take_subscriptions()
+                self._publish_hugz(self.core.hugz(self._heartbeat_ms), stale=False)
+            elif self.relay is not None:
+                self._publish_hugz(self.relay.hugz(self._heartbeat_ms), stale=self.relay.stale())
+            if self._pub_stream is not None and self._pub is not None:
+                # Subscriptions our sends may have hidden from the XPUB's stream.
+                self.security.take_subscriptions(self._pub)
         except Exception:
             self.counters["internal_errors"] += 1
             log.exception("internal error in heartbeat")
@@ -482,6 +473,16 @@ class CloneServer(
         if self._next_hugz <= now:
             self._next_hugz = now + self.config.heartbeat
         self._hugz_timer = loop.call_later(self._next_hugz - now, self._on_heartbeat)
+
+    def _publish_hugz(self, hugz: list[bytes], *, stale: bool) -> None:
+        """Our HUGZ, then each restricted view's (a relay's say ``stale`` too)."""
+        self.publisher.publish(hugz)
+        self.counters["hugz_sent"] += 1
+        security = self.security
+        if security.view_counts:
+            sequence = self.core.store.sequence
+            for frames in security.view_heartbeats(sequence, self._heartbeat_ms, stale=stale):
+                self.publisher.publish(frames)
 
     def _on_housekeeping(self) -> None:
         loop = self._loop
@@ -580,3 +581,14 @@ class CloneServer(
         self._watch_subscribers(pub)
         if pub.type == zmq.XPUB:
             self._pub_stream = self._stream(pub, self._on_subscription, copy=False)
+
+    def _on_subscription(self, parts: list[zmq.Frame]) -> None:
+        if self._pub is not None:
+            self.security.on_subscription(self._pub, parts)
+
+    def _reload_security(self) -> None:
+        """SIGHUP: if rights shrank, every subscriber reconnects to a new publisher
+        and is decided under the new rules."""
+        if self.security.reload() and self._pub is not None:
+            self.counters["publisher_rebinds"] += 1
+            self._bind_publisher(rebind=True)
