@@ -52,8 +52,8 @@ ACL's judgement of a call is :meth:`clone.server.access.Access.call_refusal`.
 
 The I/O is two parts the server owns: a :class:`RelayLink` (which upstream,
 its liveness, the call DEALER and who asked each call, the handshake monitor)
-and, inside it, a :class:`Forwarder` (the PUB to the pair's collectors and
-who wrote each write), which is the relay's collector sink
+and, inside it, a :class:`~.forwarding.Forwarder` (the PUB to the pair's
+collectors and who wrote each write), which is the relay's collector sink
 (:mod:`.collecting`).  Following itself (the SUB, the syncs) is the
 follower's (:mod:`.following`); the link asks it to follow and to stop.
 """
@@ -69,12 +69,13 @@ from zmq.eventloop.zmqstream import ZMQStream
 from zmq.utils.monitor import parse_monitor_message
 
 from clone.errors import ProtocolError
-from clone.security import PEER_USER, KeyPair, fingerprint
+from clone.security import KeyPair, fingerprint
 from clone.server.access import Access
 from clone.server.config import ServerConfig
 from clone.server.core import ServerCore, SyncState
+from clone.server.forwarding import ANY_WRITER, Forwarder, Refuse
 from clone.server.inflight import InFlight
-from clone.server.relayrules import forward_refusal, relay_stale, upstream_lost
+from clone.server.relayrules import relay_stale, upstream_lost
 from clone.server.sending import Backlog, Burst, Sent, send
 from clone.server.shared import Shared, Sockets, peer_endpoint
 from clone.wire.calls import CALLER_PROPERTY, REPLY, Reply, call_uuid
@@ -83,20 +84,14 @@ from clone.wire.control import Refusal, ViewHeartbeat, decode_control, encode_re
 from clone.wire.frames import recv_frames
 from clone.wire.protocol import COLLECTOR_OFFSET, HUGZ, REFUSAL_REASONS, SNAPSHOT_OFFSET
 
-__all__ = ["ANY_WRITER", "Forwarder", "RelayLink"]
+__all__ = ["RelayLink"]
 
 log = logging.getLogger("clone.server.reactor")
 
-#: The name a plain relay addresses its refusal notices to: it knows no names.
-ANY_WRITER = "*"
-
-# What a relay remembers of what it forwarded (clone.server.inflight): calls
-# until their REPLY (a client's call times out well before), writes until a
-# refusal notice could still come back (the pair answers within a turn).
+# What a relay remembers of the calls it forwarded (clone.server.inflight):
+# until their REPLY (a client's call times out well before).
 RELAY_CALLS_MAX = 10_000
 RELAY_CALL_TTL = 30.0
-RELAY_WRITES_MAX = 65_536
-RELAY_WRITE_TTL = 10.0
 
 # REPLYs taken after one forwarded call at most (see _take_call_replies).
 _REPLIES_PER_SEND = 100
@@ -113,95 +108,8 @@ _MONITORED = (
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
 
-#: Tell a named writer its write (by uuid) was refused, and why (security's).
-Refuse = Callable[["str | None", bytes, str], None]
-
-
 def _who(identity: bytes) -> str:
     return identity.hex() if identity else "?"
-
-
-class Forwarder:
-    """Client writes on to the pair's collectors, from one PUB, or refused.
-
-    The relay's collector sink (:class:`clone.server.collecting.Sink`): once
-    per turn it asks ``stale`` (the link's), then forwards or refuses each
-    KVSET.  Serving over CURVE (``refuse`` given) a refusal goes to the
-    writer by name and the writer of each forwarded write is remembered in
-    ``writers``, so that the pair's refusal can reach it; a plain relay
-    ``publish``es its refusals to :data:`ANY_WRITER`.
-    """
-
-    def __init__(
-        self,
-        pub: zmq.Socket[Any],
-        shared: Shared,
-        *,
-        stale: Callable[[], bool],
-        publish: Callable[[list[bytes]], None],
-        refuse: Refuse | None = None,
-        writers: InFlight[str] | None = None,
-    ) -> None:
-        self.pub = pub
-        self._shared = shared
-        self._counters = shared.counters
-        self._stale = stale
-        self._publish = publish
-        self._refuse = refuse
-        self.writers: InFlight[str] = (
-            writers if writers is not None else InFlight(RELAY_WRITES_MAX, RELAY_WRITE_TTL)
-        )
-        self._turn_stale = False
-        self._turn_now = 0.0
-
-    def begin(self) -> None:
-        self._turn_stale = self._stale()
-        self._turn_now = self._shared.clock()
-
-    def take(self, frames: list[bytes], writer: str | None) -> None:
-        if self.forward(frames, stale=self._turn_stale, writer=writer):
-            if (
-                writer is not None
-                and len(frames) == 5
-                and len(frames[2]) == 16
-                and writer != PEER_USER
-            ):
-                self.writers.add(frames[2], writer, self._turn_now)
-
-    def end(self) -> None:
-        pass
-
-    def forward(self, frames: list[bytes], *, stale: bool, writer: str | None = None) -> bool:
-        """One KVSET to the pair's collectors, or refused (counted, logged
-        rate-limited, its writer told); whether it was forwarded."""
-        queued = False
-        if not stale:
-            # A PUB reads nothing: no backlog to look at.
-            queued = send(self.pub, frames, backlog=None) is Sent.OK
-        why = forward_refusal(stale=stale, queued=queued)
-        if why is None:
-            self._counters["kvset_forwarded"] += 1
-            return True
-        self._counters["kvset_refused_stale" if stale else "kvset_forward_dropped"] += 1
-        self._shared.throttle.log(
-            "kvset_" + why,
-            logging.WARNING,
-            "refused a write%s: %s",
-            f" by {writer}" if writer else "",
-            "we have lost the pair (stale)" if stale else "our queue to the pair is full",
-        )
-        uuid = frames[2] if len(frames) == 5 else b""
-        if len(uuid) == 16:
-            if self._refuse is not None:
-                self._refuse(writer, uuid, why)
-            else:
-                self._publish(encode_refusal(ANY_WRITER, uuid, why))
-        return False
-
-    def close(self) -> None:
-        self.writers.clear()
-        if not self.pub.closed:
-            self.pub.close(linger=0)
 
 
 class RelayLink:

@@ -1,5 +1,5 @@
 """How a relay forwards one KVSET, on real zmq sockets but no server process:
-the relay's :class:`~clone.server.relaying.Forwarder` part, driven alone, with
+the relay's :class:`~clone.server.forwarding.Forwarder` part, driven alone, with
 a PUB set up as the relay's upstream PUB (``ZMQ_IMMEDIATE``, ``XPUB_NODROP``)
 and a collector SUB on loopback.
 
@@ -21,7 +21,7 @@ import pytest
 import zmq
 
 from clone.ratelimit import Throttle
-from clone.server.relaying import ANY_WRITER, Forwarder
+from clone.server.forwarding import ANY_WRITER, Forwarder
 from clone.server.shared import Shared
 from clone.wire.control import Refusal, decode_control
 from tests.support.ports import free_port
