@@ -30,26 +30,24 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 from tornado.ioloop import IOLoop
 from zmq.eventloop.zmqstream import ZMQStream
-from zmq.utils.monitor import parse_monitor_message
 
 from bstar.errors import BinaryStarError, PeerNumberOutOfRange, PeerStateError
-from bstar.fsm import (
-    NO_RANK,
-    BinaryStarFSM,
-    Conflict,
-    FsmCounters,
-    Outcome,
-    Rank,
-    State,
-    TieBreak,
+from bstar.fsm import BinaryStarFSM, Conflict, Outcome, Rank, State
+from bstar.link import LINK_MAX_MESSAGE, PairLink, check_link_arguments
+from bstar.report import (
+    AFTER_EXPIRY,
+    BinaryStarCounters,
+    IoCounts,
+    RateLimitedLog,
+    describe_rank,
+    rank_verdict,
 )
-from bstar.wire import MAX_STATE_FRAME, check_wire_rank, decode_state, encode_state
+from bstar.wire import check_wire_rank, decode_state, encode_state
 
 __all__ = [
     "LINK_MAX_MESSAGE",
@@ -77,48 +75,6 @@ RankSource = Callable[[], Rank]
 #: Bad input from the network is logged at most once per this many seconds.
 _LOG_INTERVAL = 10.0
 
-#: What a dead peer means in each state, for the one log line about it.
-_AFTER_EXPIRY = {
-    State.PRIMARY: "the next client vote makes us active",
-    State.BACKUP: "votes stay refused until the primary has been seen",
-    State.ACTIVE: "still serving",
-    State.PASSIVE: "the next client vote fails over",
-}
-
-
-#: The tie-breaks that compare data ranks, for the log line that explains them.
-_RANK_TIE_BREAKS = frozenset(
-    {TieBreak.RANK, TieBreak.RANK_NEEDS_NEWER, TieBreak.RANK_YIELDS_TO_NEWER}
-)
-
-
-def _describe_rank(rank: Rank) -> str:
-    return "no data" if rank == NO_RANK else f"term {rank[0]}, sequence {rank[1]}"
-
-
-def _rank_verdict(outcome: Outcome) -> str | None:
-    """Why the ranks made us yield or go ahead, for an operator; None if they did not."""
-    peer = outcome.peer_rank
-    if outcome.tie_break not in _RANK_TIE_BREAKS or peer is None:
-        return None
-    if outcome.rank == peer == NO_RANK:  # in-memory servers: the Guide's rules, nothing to say
-        return None
-    ours, theirs = _describe_rank(outcome.rank), _describe_rank(peer)
-    if outcome.yielded:
-        if outcome.rank < peer:
-            return f"yielding: peer's data ({theirs}) is newer than ours ({ours})"
-        return f"yielding: peer's data ({theirs}) is as new as ours ({ours})"
-    if outcome.rank > peer:
-        return f"going ahead: our data ({ours}) is newer than the peer's ({theirs})"
-    return f"going ahead: our data ({ours}) is as new as the peer's ({theirs})"
-
-
-#: ZMQ_MAXMSGSIZE of both sockets of the pair link, in bytes: libzmq drops a
-#: connection whose frame header claims more, before it allocates anything.
-#: Room for the CURVE handshake's commands, which count too, and about 60
-#: times the longest state message (:data:`bstar.wire.MAX_STATE_FRAME`).
-LINK_MAX_MESSAGE = max(4096, MAX_STATE_FRAME)
-
 #: The heartbeat's schedule. Not ``IOLoop.time()``: tornado's is the wall
 #: clock (``time.time``), so a schedule kept on it and handed to ``call_at``
 #: stalls when the clock steps. In chaos run seed 7 the primary's clock
@@ -129,60 +85,6 @@ LINK_MAX_MESSAGE = max(4096, MAX_STATE_FRAME)
 #: clone.server.reactor does. Not the injectable ``clock`` either: that one
 #: is the state machine's, and a test's fake clock must not stop the timer.
 _monotonic = time.monotonic
-
-#: Socket monitor events that matter for fast failover.
-_MONITORED_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
-
-
-@dataclass(frozen=True, slots=True)
-class BinaryStarCounters:
-    """Counters of the state machine plus those of the I/O around it."""
-
-    fsm: FsmCounters
-    state_messages_sent: int = 0
-    state_messages_received: int = 0
-    malformed_peer_messages: int = 0
-    #: Of the malformed ones: an epoch, term or sequence above ``MAX_EPOCH``.
-    out_of_range_peer_messages: int = 0
-    #: Heartbeat ticks or peer messages whose handling raised (logged with the
-    #: traceback; the heartbeat goes on).
-    handler_errors: int = 0
-    #: Connections to our state publisher that closed (the peer's, when it
-    #: reconnects; any sender's that libzmq cut off for a frame above
-    #: ``LINK_MAX_MESSAGE``).
-    subscriber_disconnects: int = 0
-    rejected_peer_events: int = 0
-    callback_errors: int = 0
-    #: Connections to the peer's publisher lost / (re)established, as seen by the
-    #: socket monitor (always 0 with ``fast_failover=False``).
-    peer_disconnects: int = 0
-    peer_connects: int = 0
-
-
-class _RateLimitedLog:
-    """Log at most one message per interval and say how many were held back.
-
-    A peer stuck sending garbage at the heartbeat rate must not flood the log.
-    """
-
-    def __init__(self, logger: logging.Logger, interval: float, clock: Callable[[], float]):
-        self._logger = logger
-        self._interval = interval
-        self._clock = clock
-        self._last: float | None = None
-        self._suppressed = 0
-
-    def log(self, level: int, msg: str, *args: object, exc_info: bool = False) -> None:
-        now = self._clock()
-        if self._last is not None and now - self._last < self._interval:
-            self._suppressed += 1
-            return
-        if self._suppressed:
-            msg += " (%d similar messages suppressed)"
-            args = (*args, self._suppressed)
-        self._logger.log(level, msg, *args, exc_info=exc_info)
-        self._last = now
-        self._suppressed = 0
 
 
 class BinaryStar:
@@ -234,18 +136,7 @@ class BinaryStar:
         rank: RankSource | None = None,
         secure_socket: SocketSetup | None = None,
     ) -> None:
-        if not isinstance(ctx, zmq.Context):
-            raise TypeError(f"ctx must be a zmq.Context, got {type(ctx).__name__}")
-        if not isinstance(loop, IOLoop):
-            raise TypeError(f"loop must be a tornado IOLoop, got {type(loop).__name__}")
-        endpoints = {"local_endpoint": local_endpoint, "peer_endpoint": peer_endpoint}
-        for name, endpoint in endpoints.items():
-            if not isinstance(endpoint, str) or not endpoint:
-                raise ValueError(f"{name} must be a non-empty endpoint string, got {endpoint!r}")
-        if local_endpoint == peer_endpoint:
-            raise ValueError(f"local and peer endpoints are both {local_endpoint!r}")
-        if not isinstance(fast_failover, bool):
-            raise TypeError(f"fast_failover must be a bool, got {type(fast_failover).__name__}")
+        check_link_arguments(ctx, loop, local_endpoint, peer_endpoint, fast_failover)
         if rank is not None and not callable(rank):
             raise TypeError(f"rank must be a callable or None, got {type(rank).__name__}")
         self._ctx = ctx
@@ -270,28 +161,15 @@ class BinaryStar:
         self._on_passive: list[StateCallback] = []
         self._on_split_brain: list[StateCallback] = []
         self._voters: list[ZMQStream] = []
-        self._pub: zmq.Socket[Any] | None = None
-        self._sub: ZMQStream | None = None
-        self._monitor: ZMQStream | None = None
-        self._pub_monitor: ZMQStream | None = None
+        self._link: PairLink | None = None
         self._timer: object | None = None
         self._next_tick = 0.0
         self._started = False
         self._stopped = False
-        self._sent = 0
-        self._received = 0
-        self._malformed = 0
-        self._out_of_range = 0
-        self._handler_errors = 0
-        self._subscriber_disconnects = 0
-        self._rejected = 0
-        self._callback_errors = 0
-        self._disconnects = 0
-        self._connects = 0
-        self._bad_input_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
-        self._rank_error_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
-        self._handler_error_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
-        self._publisher_log = _RateLimitedLog(log, _LOG_INTERVAL, clock)
+        self._io = IoCounts()
+        self._bad_input_log = RateLimitedLog(log, _LOG_INTERVAL, clock)
+        self._rank_error_log = RateLimitedLog(log, _LOG_INTERVAL, clock)
+        self._handler_error_log = RateLimitedLog(log, _LOG_INTERVAL, clock)
 
     def __repr__(self) -> str:
         role = "primary" if self.primary else "backup"
@@ -395,19 +273,9 @@ class BinaryStar:
 
     @property
     def counters(self) -> BinaryStarCounters:
-        return BinaryStarCounters(
-            fsm=self._fsm.counters,
-            state_messages_sent=self._sent,
-            state_messages_received=self._received,
-            malformed_peer_messages=self._malformed,
-            out_of_range_peer_messages=self._out_of_range,
-            handler_errors=self._handler_errors,
-            subscriber_disconnects=self._subscriber_disconnects,
-            rejected_peer_events=self._rejected,
-            callback_errors=self._callback_errors,
-            peer_disconnects=self._disconnects,
-            peer_connects=self._connects,
-        )
+        link = self._link
+        closed = link.subscriber_disconnects if link is not None else 0
+        return self._io.snapshot(self._fsm.counters, subscriber_disconnects=closed)
 
     # -- application hooks -----------------------------------------------------
 
@@ -492,43 +360,23 @@ class BinaryStar:
             start_wait=old.start_wait,
         )
         self._refresh_rank()
+        link = PairLink(
+            self._ctx,
+            self._loop,
+            self._local_endpoint,
+            self._peer_endpoint,
+            heartbeat=self.heartbeat,
+            missed=self.missed,
+            fast_failover=self._fast_failover,
+            secure_socket=self._secure_socket,
+            clock=self._clock,
+        )
+        self._link = link
         try:
-            pub = self._ctx.socket(zmq.PUB)
-            self._pub = pub
-            pub.setsockopt(zmq.LINGER, 0)
-            pub.setsockopt(zmq.MAXMSGSIZE, LINK_MAX_MESSAGE)
-            self._keep_alive(pub)
-            if self._secure_socket is not None:
-                self._secure_socket(pub, True)
-            # Counts the connections libzmq closes, oversized frames included.
-            self._pub_monitor = ZMQStream(
-                pub.get_monitor_socket(zmq.EVENT_DISCONNECTED), self._loop
-            )
-            self._pub_monitor.setsockopt(zmq.LINGER, 0)
-            pub.bind(self._local_endpoint)
-            sub = self._ctx.socket(zmq.SUB)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.MAXMSGSIZE, LINK_MAX_MESSAGE)
-            self._keep_alive(sub)
-            if self._secure_socket is not None:
-                self._secure_socket(sub, False)
-            self._sub = ZMQStream(sub, self._loop)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            if self._fast_failover:
-                # Before connect(), so that no event is missed. The monitor is a
-                # PAIR socket on an inproc endpoint, made in the SUB's context.
-                # Wrapped at once, so that stop() closes it whatever fails next.
-                self._monitor = ZMQStream(sub.get_monitor_socket(_MONITORED_EVENTS), self._loop)
-                self._monitor.setsockopt(zmq.LINGER, 0)
-            sub.connect(self._peer_endpoint)
+            link.open(self._on_peer_message, self._on_peer_connected, self._on_peer_disconnected)
         except Exception:
             self.stop()
             raise
-        self._sub.on_recv(self._on_peer_message)
-        if self._monitor is not None:
-            self._monitor.on_recv(self._on_monitor_event)
-        if self._pub_monitor is not None:
-            self._pub_monitor.on_recv(self._on_publisher_event)
         log.info(
             "binary star %s starting: publishing at %s, peer at %s, heartbeat %.3f s x %d%s,"
             " epoch %d, %s, waiting at least %.3f s for the peer",
@@ -539,27 +387,12 @@ class BinaryStar:
             self.missed,
             ", fast failover on a lost connection" if self._fast_failover else "",
             self.epoch,
-            "no data rank" if self._rank_source is None else _describe_rank(self.rank),
+            "no data rank" if self._rank_source is None else describe_rank(self.rank),
             max(self.start_wait, self.heartbeat * self.missed),
         )
         self._publish()
         self._next_tick = _monotonic() + self.heartbeat
         self._timer = self._loop.call_later(self.heartbeat, self._on_tick)
-
-    def _keep_alive(self, sock: zmq.Socket[Any]) -> None:
-        """ZMTP heartbeats on the link: a connection silent for ``missed``
-        heartbeats is closed and made again.
-
-        Without them a connection cut by a partition stays open through it,
-        and once healed waits for TCP's retransmission back-off (seconds, up
-        to two minutes) before anything flows: both servers stayed active
-        for about 6 s after a 7.5 s cut in the partition drill.  A fresh
-        connection carries the next state message at once.
-        """
-        interval = max(1, round(self.heartbeat * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, interval * self.missed)
-        sock.setsockopt(zmq.HEARTBEAT_TTL, interval * self.missed)
 
     def stop(self) -> None:
         """Cancel the heartbeat and close every socket we own. Safe to call twice."""
@@ -573,30 +406,8 @@ class BinaryStar:
         for stream in self._voters:
             stream.close(linger=0)
         self._voters.clear()
-        if self._monitor is not None:
-            # Detach the monitor from the SUB first, so that libzmq stops writing
-            # events to it, then close our end; both before the SUB goes.
-            if self._sub is not None and not self._sub.closed():
-                try:
-                    self._sub.socket.disable_monitor()
-                except zmq.ZMQError as exc:
-                    log.debug("disable_monitor failed: %s", exc)
-            self._monitor.close(linger=0)
-            self._monitor = None
-        if self._pub_monitor is not None:
-            if self._pub is not None and not self._pub.closed:
-                try:
-                    self._pub.disable_monitor()
-                except zmq.ZMQError as exc:
-                    log.debug("disable_monitor failed: %s", exc)
-            self._pub_monitor.close(linger=0)
-            self._pub_monitor = None
-        if self._sub is not None:
-            self._sub.close(linger=0)
-            self._sub = None
-        if self._pub is not None:
-            self._pub.close(linger=0)
-            self._pub = None
+        if self._link is not None:  # kept: its counts outlive it
+            self._link.close()
         log.info("binary star stopped in state %s", self.state.name)
 
     # -- internals -------------------------------------------------------------
@@ -634,12 +445,12 @@ class BinaryStar:
                 self._peer_endpoint,
                 "never heard" if contact is None else f"silent for {now - contact:.3f} s",
                 self.state.name,
-                _AFTER_EXPIRY[self.state],
+                AFTER_EXPIRY[self.state],
             )
 
     def _handler_failed(self, what: str) -> None:
         """Count and log (rate-limited, with the traceback) a handler that raised."""
-        self._handler_errors += 1
+        self._io.handler_errors += 1
         self._handler_error_log.log(logging.ERROR, "%s failed; going on", what, exc_info=True)
 
     def _on_peer_message(self, frames: list[bytes]) -> None:
@@ -651,13 +462,13 @@ class BinaryStar:
             self._handler_failed("handling a peer state message")
 
     def _peer_message(self, frames: list[bytes]) -> None:
-        self._received += 1
+        self._io.received += 1
         try:
             report = decode_state(frames, self._peer_endpoint)
         except PeerStateError as exc:
-            self._malformed += 1
+            self._io.malformed += 1
             if isinstance(exc, PeerNumberOutOfRange):
-                self._out_of_range += 1
+                self._io.out_of_range += 1
             self._bad_input_log.log(logging.WARNING, "dropped state message: %s", exc)
             return
         self._refresh_rank()
@@ -666,7 +477,7 @@ class BinaryStar:
         try:
             outcome = self._fsm.receive_peer_state(report.state, now, report.epoch, report.rank)
         except BinaryStarError as exc:
-            self._rejected += 1
+            self._io.rejected += 1
             self._bad_input_log.log(logging.ERROR, "rejected peer state: %s", exc)
             return
         if was_silent:
@@ -675,50 +486,29 @@ class BinaryStar:
                 self._peer_endpoint,
                 report.state.name,
                 report.epoch,
-                _describe_rank(report.rank),
-                _describe_rank(self.rank),
+                describe_rank(report.rank),
+                describe_rank(self.rank),
             )
         self._react(outcome)
 
-    def _on_monitor_event(self, frames: list[bytes]) -> None:
-        """A socket monitor event about our connection to the peer's publisher."""
-        if not self.running:
-            return
-        try:
-            event = parse_monitor_message(frames)["event"]
-        except (RuntimeError, ValueError) as exc:  # a libzmq we do not understand
-            self._bad_input_log.log(logging.WARNING, "dropped monitor event: %s", exc)
-            return
-        if event == zmq.EVENT_CONNECTED:
-            self._connects += 1
+    def _on_peer_connected(self) -> None:
+        """The link's monitor: connected to the peer's publisher (fast failover)."""
+        if self.running:
+            self._io.connects += 1
             self._fsm.peer_connected(self._clock())
             log.debug("connected to the peer at %s", self._peer_endpoint)
-        elif event == zmq.EVENT_DISCONNECTED:
-            self._disconnects += 1
-            self._on_peer_disconnected()
-
-    def _on_publisher_event(self, frames: list[bytes]) -> None:
-        """A connection to our state publisher closed: the peer reconnecting, or
-        libzmq cutting off a sender of a frame above ``LINK_MAX_MESSAGE`` (it
-        reports no more than that)."""
-        if not self.running:
-            return
-        self._subscriber_disconnects += 1
-        self._publisher_log.log(
-            logging.INFO,
-            "a connection to our state publisher at %s closed (%d so far): the peer"
-            " reconnecting, or an oversized or malformed frame cut off",
-            self._local_endpoint,
-            self._subscriber_disconnects,
-        )
 
     def _on_peer_disconnected(self) -> None:
+        """The link's monitor: our connection to the peer's publisher closed."""
+        if not self.running:
+            return
+        self._io.disconnects += 1
         # What the peer sent before its connection closed is already queued on the
         # SUB socket (libzmq queues it before it reports the disconnect), but the
         # loop may not have handed it to us yet. Read it first, or a last
         # heartbeat processed after the loss would undo it.
-        if self._sub is not None:
-            self._sub.flush(zmq.POLLIN)
+        if self._link is not None:
+            self._link.take_queued()
         if not self.running:  # a callback run by the flush stopped us
             return
         now = self._clock()
@@ -737,7 +527,7 @@ class BinaryStar:
             "peer connection lost: %s closed; presumed dead; in state %s, %s",
             self._peer_endpoint,
             self.state.name,
-            _AFTER_EXPIRY[self.state],
+            AFTER_EXPIRY[self.state],
         )
 
     def _react(self, outcome: Outcome) -> None:
@@ -758,7 +548,7 @@ class BinaryStar:
             )
         if not outcome.changed:
             return
-        verdict = _rank_verdict(outcome)
+        verdict = rank_verdict(outcome)
         log.info(
             "%s -> %s on %s (epoch %d): %s%s",
             outcome.previous.name,
@@ -783,26 +573,23 @@ class BinaryStar:
         try:
             self._fsm.set_rank(check_wire_rank(self._rank_source()))
         except Exception:
-            self._callback_errors += 1
+            self._io.callback_errors += 1
             self._rank_error_log.log(
                 logging.ERROR,
                 "rank callback %r failed; keeping %s",
                 self._rank_source,
-                _describe_rank(self.rank),
+                describe_rank(self.rank),
                 exc_info=True,
             )
 
     def _publish(self) -> None:
-        if self._pub is None:
+        link = self._link
+        if link is None:
             return
         self._refresh_rank()
         rank = None if self._rank_source is None else self.rank
-        try:
-            self._pub.send_multipart(encode_state(self.state, self.epoch, rank), zmq.NOBLOCK)
-        except zmq.Again:
-            # PUB drops rather than blocks; nothing to do until the next tick.
-            return
-        self._sent += 1
+        if link.publish(encode_state(self.state, self.epoch, rank)):
+            self._io.sent += 1
 
     def _fire(self, callbacks: list[StateCallback], what: str) -> None:
         for callback in list(callbacks):
@@ -813,5 +600,5 @@ class BinaryStar:
         try:
             callback(*args)
         except Exception:
-            self._callback_errors += 1
+            self._io.callback_errors += 1
             log.exception("%s callback %r failed", what, callback)

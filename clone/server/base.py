@@ -1,12 +1,16 @@
-"""The state and socket helpers that every part of a :class:`CloneServer` shares.
+"""The state and socket helpers that the remaining mixins of a :class:`CloneServer` share.
 
-How this works: the server is one object assembled from mixins that each do
-one job (:mod:`.serving`, :mod:`.following`, :mod:`.publishing`, and
-:mod:`.reactor` for the life cycle and timers).  They share the attributes set
-up here and call each other's methods directly on ``self``: a mixin adds no
-indirection per message, where collaborator objects would add an attribute
-load and a bound call on the collector and publish paths.  The methods one
-part calls on another are declared here for the type checker only.
+How this works: the server owns parts, objects built with only what they
+need (the caller, the collector, the follower, a relay's link, the
+conflicts desk, the publisher: docs/architecture.md, "Parts"), and is still
+assembled from mixins for the duties that are not parts yet
+(:mod:`.serving`, :mod:`.roles`, :mod:`.healing`, :mod:`.durability`,
+:mod:`.security`, :mod:`.http`, and :mod:`.reactor` for the life cycle and
+timers).  The mixins share the attributes set up here and call each other's
+methods directly on ``self``; the methods one calls on another are declared
+here for the type checker only.  Thin methods (``_on_call``,
+``_answer_conflicts``, ``_follow``...) let a mixin reach a part without
+knowing it.
 """
 
 from __future__ import annotations
@@ -23,14 +27,16 @@ from tornado.ioloop import IOLoop
 from zmq.eventloop.zmqstream import ZMQStream
 
 from clone.ratelimit import Throttle
+from clone.server.access import Access
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import ServerCore
 from clone.server.delta import DeltaStream
-from clone.server.inflight import InFlight
-from clone.server.metrics import DurationHistogram, SubscriberCount
+from clone.server.metrics import DurationHistogram
 from clone.server.pacing import SplitQueue
 from clone.server.publishing import Publisher
 from clone.server.rolelog import load_role_changes, save_role_changes
+from clone.server.security import Security
+from clone.server.shared import CLOCK_EVERY, TURN_BUDGET, Shared, peer_endpoint
 from clone.server.snapshot import SnapshotStream
 from clone.server.snapwindow import SendWindow, SnapshotBudget
 from clone.server.status import StatusLimiter, clone_version
@@ -41,13 +47,18 @@ from clone.wire.protocol import MAX_HEARTBEAT_MS
 
 if TYPE_CHECKING:
     from bstar.reactor import BinaryStar
-    from clone.security import Acl, Gatekeeper, KeyPair, Rights
+    from clone.security import KeyPair, Rights
+    from clone.server.admin import ConflictsDesk
+    from clone.server.calling import Caller
+    from clone.server.collecting import Collector
+    from clone.server.following import Follower
+    from clone.server.relaying import RelayLink
     from clone.server.sending import Backlog, Burst
     from clone.storage import Storage
     from clone.wire.calls import Reply
     from clone.wire.delta import SinceRequest
 
-__all__ = ["AnyStream", "ServerBase", "peer_endpoint"]
+__all__ = ["CLOCK_EVERY", "TURN_BUDGET", "AnyStream", "ServerBase", "peer_endpoint"]
 
 # STATUS? answers per second, and at once: enough for every monitor of a pair,
 # too few for a flood to take the loop from clients and the peer.
@@ -65,35 +76,31 @@ log = logging.getLogger("clone.server.reactor")
 
 _F = TypeVar("_F", bytes, zmq.Frame)
 
-# Wall-time budget of one handler call that drains a socket or streams a
-# snapshot chunk.  The count limits alone are not enough: on a loaded host a
-# batch of 1000 took up to 190 ms of wall time, and timers (HUGZ) waited for it.
-TURN_BUDGET = 0.01
-CLOCK_EVERY = 64  # a draining handler reads the clock once per this many messages
 # The monitoring rings (clone.server.http): the last changed keys (never
 # values) and the last role changes, for the status page.
 RECENT_CHANGES = 50
 ROLE_CHANGES = 20
 
 
-# What a relay remembers of what it forwarded (clone.server.inflight): calls
-# until their REPLY (a client's call times out well before), writes until a
-# refusal notice could still come back (the pair answers within a turn).
-RELAY_CALLS_MAX = 10_000
-RELAY_CALL_TTL = 30.0
-RELAY_WRITES_MAX = 65_536
-RELAY_WRITE_TTL = 10.0
-
-
-def peer_endpoint(host_port: str, offset: int) -> str:
-    """The endpoint of a peer's or upstream's socket: its base port ``host:port``
-    plus ``offset`` (SNAPSHOT_OFFSET, PUBLISHER_OFFSET, COLLECTOR_OFFSET)."""
-    host, _, port = host_port.rpartition(":")
-    return f"tcp://{host}:{int(port) + offset}"
-
-
 def who(identity: bytes) -> str:
     return identity.hex() if identity else "?"
+
+
+class PartSockets:
+    """The server's sockets as its parts open them (:class:`.shared.Sockets`):
+    our defaults, CURVE as the security settings say, streams on our loop."""
+
+    def __init__(self, server: ServerBase) -> None:
+        self._server = server
+
+    def socket(self, kind: int) -> zmq.Socket[Any]:
+        return self._server._socket(kind)
+
+    def stream(self, sock: zmq.Socket[Any], handler: Callable[[list[bytes]], None]) -> ZMQStream:
+        return self._server._stream(sock, handler)
+
+    def forget(self, stream: ZMQStream) -> None:
+        self._server._forget(stream)
 
 
 class ServerBase:
@@ -129,20 +136,9 @@ class ServerBase:
         self._storage_error: BaseException | None = None  # set once: fail-stop
         # How long a collector turn drains, leaving room for its commit (clone.server.turns).
         self._turns = TurnBudget(TURN_BUDGET)
-        # Security (clone.server.security): all None / empty without --curve-secret.
-        self._keypair: KeyPair | None = None
-        self._gatekeeper: Gatekeeper | None = None
-        # A relay's CURVE towards its upstream (its own client key pair, the
-        # upstream's public key); None: it follows in clear text.
-        self._upstream_keypair: KeyPair | None = None
-        self._upstream_server_key: bytes | None = None
-        self._acl: Acl | None = None
-        self._admitted: set[str] = set()  # names whose connections count
-        self._rights: dict[str, Rights] = {}
-        self._write_all: set[str] = set()  # names whose write prefixes include b""
-        self._views: dict[str, tuple[bytes, ...]] = {}  # view id -> read prefixes
-        self._view_counts: dict[str, int] = {}  # view id -> updates published in it
-        self._view_prefixes: list[tuple[str, tuple[bytes, ...]]] = []
+        # Who is admitted and their rights (clone.server.access): what the
+        # parts read; the security part installs them.
+        self.access = Access()
         self._loop: IOLoop | None = None
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
@@ -183,31 +179,14 @@ class ServerBase:
         #: The PUB socket's output, in order (a part of its own: clone.server.publishing).
         self.publisher = Publisher(self._next_turn, config.snapshot_chunk)
         self._taking_backlog = False  # inside _take_router_backlog (no re-entry)
-        # Call replies that wait for this turn's commit (clone.server.calling).
-        self._replies: list[tuple[bytes, Reply]] = []
-        self._replies_scheduled = False
+        # The parts built once the sockets are bound (clone.server.reactor).
+        self.caller: Caller | None = None
+        self.collector: Collector | None = None
+        self.follower: Follower | None = None  # a pair member's or a relay's
+        self.conflicts_desk: ConflictsDesk | None = None
         self._pub_stream: ZMQStream | None = None  # the XPUB's (CURVE) subscriptions
-        self._peer_sub: ZMQStream | None = None
-        # The server we follow: the peer while passive; a relay's current
-        # upstream (clone.server.relaying), which changes at a failover.
-        self._followed: str | None = config.upstream[0] if config.upstream else config.peer
-        self._upstream_index = 0
-        self._upstream_heard = 0.0  # the clock when the followed server last spoke
-        self._upstream_heartbeat = config.heartbeat  # its HUGZ interval, as it says
-        self._upstream_stale = False  # it is a relay that lost its own upstream
-        self._relay_synced_once = False
-        self._upstream_pub: zmq.Socket[Any] | None = None  # to every upstream collector
-        # A relay's upstream SUB's socket monitor: says why a handshake failed.
-        self._upstream_monitor: ZMQStream | None = None
-        # A relay's calls (clone.server.relaying): a DEALER on the snapshot port
-        # of the upstream it synced from, and who asked each call it forwarded.
-        self._call_dealer: ZMQStream | None = None
-        self._call_upstream: str | None = None
-        self._relay_calls: InFlight[bytes] = InFlight(RELAY_CALLS_MAX, RELAY_CALL_TTL)
-        # ... and, serving over CURVE, who wrote each KVSET it forwarded, so that
-        # the pair's refusal notice (to the relay's key) reaches the writer.
-        self._relay_writers: InFlight[str] = InFlight(RELAY_WRITES_MAX, RELAY_WRITE_TTL)
-        self._peer_dealer: ZMQStream | None = None
+        # A relay's link to its upstream (clone.server.relaying), once bound.
+        self.relay: RelayLink | None = None
         # After a split brain (clone.server.healing): our writes the winner has
         # not answered yet, paced (clone.server.pacing), the DEALER they go on,
         # and whether a slice of them is already scheduled for the next turn.
@@ -235,8 +214,6 @@ class ServerBase:
         self._peer_syncs: set[AnyStream] = set()
         # Took over by a failover, and the peer has not synced from us since.
         self._await_peer_sync = False
-        self._sync_progress = 0.0
-        self._sync_started = 0.0
         self._hugz_timer: object | None = None
         self._house_timer: object | None = None
         self._stats_timer: object | None = None
@@ -258,7 +235,6 @@ class ServerBase:
         self._status_limiter = StatusLimiter(_STATUS_RATE, _STATUS_BURST, self._started_at)
         self._last_failover: float | None = None
         self._version = clone_version()
-        self._subscriber_count: SubscriberCount | None = None
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "snapshots_served",
@@ -321,6 +297,52 @@ class ServerBase:
             ),
             0,
         )
+        #: What every part is handed: the clocks, these counters, the throttle.
+        self.shared = Shared(self._throttle, clock, wallclock, self.counters)
+        #: Keys, the ZAP handler, the ACL and the views (clone.server.security):
+        #: all None / empty without --curve-secret.
+        self.security = Security(
+            config, self._ctx, self.shared, self.access, publish=self.publisher.publish
+        )
+
+    @property
+    def _followed(self) -> str | None:
+        """The server we follow: the peer while passive; a relay's current
+        upstream (its link's), which changes at a failover."""
+        if self.relay is not None:
+            return self.relay.followed
+        return self.config.upstream[0] if self.config.upstream else self.config.peer
+
+    @property
+    def _admitted(self) -> set[str]:
+        return self.access.admitted
+
+    @property
+    def _keypair(self) -> KeyPair | None:
+        """Our CURVE key pair (the security part's); None: in clear text."""
+        return self.security.keypair
+
+    @property
+    def _view_counts(self) -> dict[str, int]:
+        return self.security.view_counts
+
+    @property
+    def _view_prefixes(self) -> list[tuple[str, tuple[bytes, ...]]]:
+        return self.security.view_prefixes
+
+    def _rights_of(self, name: str | None) -> Rights:
+        """A connection's rights: nothing for an unknown or removed name."""
+        return self.access.rights_of(name)
+
+    def _count_views(self, updates: list[list[bytes]]) -> None:
+        self.security.count_views(updates)
+
+    def _secure(self, sock: zmq.Socket[Any], *, bound: bool) -> None:
+        self.security.secure(sock, bound=bound)
+
+    @property
+    def _write_all(self) -> set[str]:
+        return self.access.write_all
 
     def _socket(self, kind: int, *, bound: bool = False) -> zmq.Socket[Any]:
         """A socket with our defaults; with CURVE on, set up as a server if
@@ -399,6 +421,34 @@ class ServerBase:
         self._loop.add_callback(callback)
         return True
 
+    # -- the parts, as the mixins still call them -------------------------------
+
+    def _on_call(self, identity: bytes, parts: list[zmq.Frame]) -> None:
+        """A CALL? from the ROUTER's reader: the caller part's."""
+        if self.caller is not None:
+            self.caller.on_call(identity, parts)
+
+    def _send_reply(
+        self, identity: bytes, reply: Reply, *, backlog: Backlog = None, burst: Burst | None = None
+    ) -> None:
+        if self.caller is not None:
+            self.caller.send_reply(identity, reply, backlog=backlog, burst=burst)
+
+    def _answer_conflicts(self, identity: bytes, parts: list[zmq.Frame]) -> None:
+        """A CONFLICTS? from the ROUTER's reader: the conflicts desk's."""
+        if self.conflicts_desk is not None:
+            self.conflicts_desk.on_request(identity, parts)
+
+    def _follow(self) -> None:
+        """Follow the followed server (the follower part's)."""
+        if self.follower is not None:
+            self.follower.follow()
+
+    def _close_peer(self) -> None:
+        """Stop following it: its SUB and sync DEALER closed."""
+        if self.follower is not None:
+            self.follower.close()
+
     if TYPE_CHECKING:
         # Provided by the other parts of CloneServer.
 
@@ -410,60 +460,13 @@ class ServerBase:
 
         def request_stop(self) -> None: ...
 
-        def _secure(self, sock: zmq.Socket[Any], *, bound: bool) -> None: ...
-
-        def _rights_of(self, name: str | None) -> Rights: ...
-
-        def _count_views(self, updates: list[list[bytes]]) -> None: ...
-
         def _bind_publisher(self, *, rebind: bool = False) -> None: ...
 
         def _on_became_active(self) -> None: ...
 
-        def _abort_snapshot(
-            self, stream: AnyStream, why: str, *, gone: bool = False
-        ) -> None: ...
+        def _abort_snapshot(self, stream: AnyStream, why: str, *, gone: bool = False) -> None: ...
 
         def _recheck_deferred_soon(self) -> None: ...
-
-        def _request_snapshot(self) -> None: ...
-
-        def _follow(self) -> None: ...
-
-        def _close_peer(self) -> None: ...
-
-        def _heard_upstream(self, frames: list[bytes]) -> None: ...
-
-        def _relay_synced(self) -> None: ...
-
-        def _relay_stale(self) -> bool: ...
-
-        def _on_upstream_control(self, frames: list[bytes]) -> None: ...
-
-        def _refusal(self, name: str | None, uuid: bytes, reason: str) -> None: ...
-
-        def _acl_writer(
-            self, first: zmq.Frame, frames: list[bytes], *, notify: bool
-        ) -> tuple[bool, str | None]: ...
-
-        def _view_heartbeats(self) -> list[list[bytes]]: ...
-
-        def _on_call(self, identity: bytes, parts: list[zmq.Frame]) -> None: ...
-
-        def _answer_conflicts(self, identity: bytes, parts: list[zmq.Frame]) -> None: ...
-
-        def _forward_call(
-            self, identity: bytes, frames: list[bytes], user: str | None = None, caller: str = ""
-        ) -> None: ...
-
-        def _send_reply(
-            self,
-            identity: bytes,
-            reply: Reply,
-            *,
-            backlog: Backlog = None,
-            burst: Burst | None = None,
-        ) -> None: ...
 
         def _take_router_backlog(self) -> None: ...
 

@@ -1,31 +1,43 @@
 """CALL? on the snapshot port: answer writes and lease operations (I/O side).
 
-How this works: :meth:`ServerCore.on_call` decides (sans-IO); this part reads
-the caller's rights from its connection (CURVE), sends the reply, and holds back
-a reply that reports a change until that change is on disk: such replies wait
-in a list that one callback per loop turn flushes after a single commit, the
-same group commit the collector's updates get (docs/protocol.md, "CALL? /
-REPLY").  A reply never blocks the reactor: it is sent without waiting, and
-dropped if the caller has gone or its pipe is full (the caller retries with the
-same uuid, which the server deduplicates).  A relay does not decide calls: it
-forwards them to the pair (:mod:`.relaying`).
+How this works: :meth:`ServerCore.on_call` decides (sans-IO); the
+:class:`Caller` part reads the caller's rights from its connection (CURVE),
+sends the reply, and holds back a reply that reports a change until that
+change is on disk: such replies wait in a list that one callback per loop
+turn flushes after a single commit, the same group commit the collector's
+updates get (docs/protocol.md, "CALL? / REPLY").  A reply never blocks the
+reactor: it is sent without waiting, and dropped if the caller has gone or
+its pipe is full (the caller retries with the same uuid, which the server
+deduplicates).  A relay does not decide calls: its caller forwards them to the
+pair (the relay link, :mod:`.relaying`).
+
+The part is built with what it touches and nothing else: the core, the
+access settings, the ROUTER socket and the callbacks for the commit, the
+ROUTER's backlog and the next loop turn; ``tests/server/test_caller.py``
+drives it alone on a real ROUTER.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection
+from typing import Any
 
 import zmq
 
 from clone.security import PEER_USER
-from clone.server.base import ServerBase, who
-from clone.server.core import Role
+from clone.server.access import Access
+from clone.server.core import ServerCore
 from clone.server.ownership import name_principal
 from clone.server.sending import Backlog, Burst, Sent, send
+from clone.server.shared import Shared
 from clone.wire.calls import Reply, encode_reply
 
-__all__ = ["CallingMixin"]
+__all__ = ["Caller", "Forward"]
+
+#: How a relay's caller hands a call on: (identity, frames from b"CALL?" on,
+#: the caller's CURVE name or None, its principal).
+Forward = Callable[[bytes, list[bytes], "str | None", str], None]
 
 #: Refusals that say something about the caller, worth a (rate-limited) line.
 _LOGGED_REASONS = frozenset(
@@ -45,86 +57,129 @@ _LOGGED_REASONS = frozenset(
 )
 
 
-class CallingMixin(ServerBase):
-    """Answer CALL?s; commit before confirming."""
+def _who(identity: bytes) -> str:
+    return identity.hex() if identity else "?"
 
-    def _on_call(self, identity: bytes, parts: list[zmq.Frame]) -> None:
+
+class Caller:
+    """Answer CALL?s on the ROUTER; commit before confirming.
+
+    ``commit`` commits and publishes this turn's changes and says whether
+    they are on disk (False: the server is stopping or failed to write, so
+    nothing is confirmed).  ``router_backlog`` reads the requests a send from
+    outside the ROUTER's own callback may have hidden (:mod:`.sending`).
+    ``next_turn`` runs a callback on the loop's next turn (False: no loop).
+    ``forward`` is given to a relay's caller only: every call goes there.
+    """
+
+    def __init__(
+        self,
+        core: ServerCore,
+        shared: Shared,
+        access: Access,
+        router: zmq.Socket[Any],
+        *,
+        commit: Callable[[], bool],
+        router_backlog: Backlog,
+        next_turn: Callable[[Callable[[], None]], bool],
+        trusted_relays: Collection[str] = (),
+        forward: Forward | None = None,
+    ) -> None:
+        self._core = core
+        self._shared = shared
+        self._counters = shared.counters
+        self._access = access
+        self._router = router
+        self._commit = commit
+        self._router_backlog = router_backlog
+        self._next_turn = next_turn
+        self._trusted = trusted_relays
+        self._forward = forward
+        # Replies that wait for this turn's commit, and whether a flush is due.
+        self._replies: list[tuple[bytes, Reply]] = []
+        self._scheduled = False
+
+    @property
+    def waiting(self) -> int:
+        """Replies held for the next commit."""
+        return len(self._replies)
+
+    def on_call(self, identity: bytes, parts: list[zmq.Frame]) -> None:
+        """A CALL? read from the ROUTER: ``parts`` from the empty delimiter on."""
         frames = [part.bytes for part in parts[1:]]
+        access = self._access
         user: str | None = None
-        if self._keypair is not None:
+        if access.secure:
             try:
                 user = str(parts[1].get("User-Id"))
             except zmq.ZMQError:
                 user = None
-        if self.core.role is Role.RELAY:
+        if self._forward is not None:
             # The relay checks its own client's rights; the pair, the relay's.
-            self._forward_call(identity, frames, user, _principal(parts[1], user))
+            self._forward(identity, frames, user, _principal(parts[1], user))
             return
         can_write: Callable[[bytes], bool] | None = None
         may_lease = True
-        if self._keypair is not None:
-            if user != PEER_USER and user not in self._write_all:
-                if user in self._admitted:
-                    rights = self._rights_of(user)
+        if access.secure:
+            if user != PEER_USER and user not in access.write_all:
+                if user in access.admitted:
+                    rights = access.rights_of(user)
                     can_write, may_lease = rights.can_write, bool(rights.write)
                 else:
                     can_write, may_lease = _nothing, False
-        reply, after_commit = self.core.on_call(
+        shared = self._shared
+        reply, after_commit = self._core.on_call(
             frames,
-            self._wallclock(),
-            self._clock(),
+            shared.wallclock(),
+            shared.clock(),
             can_write=can_write,
             may_lease=may_lease,
             caller=_principal(parts[1], user),
-            relayed=user is not None and user in self.config.trusted_relays,
+            relayed=user is not None and user in self._trusted,
             # Without CURVE nobody can be told from the peer: the split
             # properties are accepted from anyone, as every write is.
-            peer=self._keypair is None or user == PEER_USER,
+            peer=not access.secure or user == PEER_USER,
         )
         if reply is None:
-            self._throttle.log(
-                "call", logging.WARNING, "dropped a CALL? from %s: no uuid", who(identity)
+            shared.throttle.log(
+                "call", logging.WARNING, "dropped a CALL? from %s: no uuid", _who(identity)
             )
             return
         if reply.reason in _LOGGED_REASONS:
-            self._throttle.log(
+            shared.throttle.log(
                 "call_" + reply.reason,
                 logging.WARNING,
                 "refused a call from %s (%s): %s",
-                who(identity),
+                _who(identity),
                 reply.reason,
                 reply.detail,
             )
         if not after_commit:
             # From the ROUTER's reader, which looks at the socket again after us.
-            self._send_reply(identity, reply, backlog=None)
+            self.send_reply(identity, reply, backlog=None)
             return
         self._replies.append((identity, reply))
-        if not self._replies_scheduled and self._loop is not None:
-            self._replies_scheduled = True
-            self._loop.add_callback(self._flush_replies)
+        if not self._scheduled:
+            self._scheduled = self._next_turn(self.flush)
 
-    def _flush_replies(self) -> None:
+    def flush(self) -> None:
         """Once per turn: commit what the calls changed, then confirm them."""
-        self._replies_scheduled = False
+        self._scheduled = False
         replies, self._replies = self._replies, []
-        if self._stopping:
-            return
-        self._commit_and_publish()
-        if self._storage_error is not None:
-            return  # fail-stop: nothing unwritten is confirmed
+        if not self._commit():
+            return  # stopping, or fail-stop: nothing unwritten is confirmed
         # Sent from a callback of ours, not the ROUTER stream's: the burst
         # looks at the requests our sends may have hidden (sending.py).
-        with Burst(self._take_router_backlog) as burst:
+        with Burst(self._router_backlog) as burst:
             for identity, reply in replies:
-                self._send_reply(identity, reply, burst=burst)
+                self.send_reply(identity, reply, burst=burst)
 
-    def _send_reply(
+    def send_reply(
         self, identity: bytes, reply: Reply, *, backlog: Backlog = None, burst: Burst | None = None
     ) -> None:
         """Answer a call on the ROUTER: in ``burst``, or alone, then ``backlog``."""
         sock = self._router
-        if sock is None or sock.closed:
+        if sock.closed:
             return
         frames = [identity, *encode_reply(reply)]
         if burst is not None:
@@ -132,7 +187,7 @@ class CallingMixin(ServerBase):
         else:
             sent = send(sock, frames, backlog=backlog)
         if sent is not Sent.OK:
-            self.counters["call_replies_dropped"] += 1  # its pipe is full, or it is gone
+            self._counters["call_replies_dropped"] += 1  # its pipe is full, or it is gone
 
 
 def _nothing(key: bytes) -> bool:

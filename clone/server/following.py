@@ -1,28 +1,44 @@
-"""Roles, and following the active peer while passive.
+"""Following a server (the active peer while passive, a relay's upstream): a part.
 
-How this works: Binary Star's callbacks promote or demote the server.  A
-passive server subscribes to the active peer's publisher and asks its snapshot
-port for a full copy on a fresh DEALER per attempt (so stale replies cannot
-mix in), with a timeout; the core (:mod:`.core`) stages the snapshot, buffers
-the KVPUBs that arrive meanwhile and says when to resync.  At promotion,
-whatever the old active had already sent and whatever clients sent us is taken
-from the sockets first, so that no confirmed write is lost or reordered.
+How this works: a :class:`Follower` subscribes to the followed server's
+publisher and asks its snapshot port for a full copy on a fresh DEALER per
+attempt (so stale replies cannot mix in), with a timeout; the core
+(:mod:`.core`) stages the snapshot, buffers the KVPUBs that arrive meanwhile
+and says when to resync.  Each turn of updates or of a sync reply ends with
+``after_turn``: a passive server commits what it followed, a relay commits
+and publishes it (the journal holds exactly what the core applied).
+
+The part is built with the config and core, the shared clocks and counters,
+the server's sockets, and callbacks: ``followed`` (which server, ``host:port``:
+the peer, or the relay link's current upstream), ``term`` (the followed
+server's term, from Binary Star; None unpaired), ``after_turn``,
+``next_turn``, and the healer's two hooks (``fork_known``: the split writes
+can go as soon as the winner's fork is known; ``synced``: a passive's sync
+finished).  A relay's follower also tells its :class:`Upstream` (the relay
+link) what it heard.  ``tests/server/test_follower.py`` drives it alone
+against a fake active on loopback.
+
+The role callbacks that promote or demote the server (and take what the
+old active already sent, :meth:`Follower.take_backlog`) are the role
+switch's (:mod:`.roles`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import zmq
 from zmq.eventloop.zmqstream import ZMQStream
 
 from clone.errors import ProtocolError
-from clone.server.base import TURN_BUDGET, ServerBase, log, peer_endpoint
+from clone.ratelimit import Throttle
 from clone.server.budget import COLLECTOR_TURN_BYTES
-from clone.server.core import FollowOutcome, Role, SyncState
+from clone.server.config import ServerConfig
+from clone.server.core import FollowOutcome, Role, ServerCore, SyncState
 from clone.server.sending import send
+from clone.server.shared import CLOCK_EVERY, TURN_BUDGET, Shared, Sockets, peer_endpoint
 from clone.wire.batch import is_kvbatch
 from clone.wire.codec import encode_icanhaz
 from clone.wire.control import is_control
@@ -36,65 +52,123 @@ from clone.wire.protocol import (
     TTL_LEFT_METADATA,
 )
 
-__all__ = ["FollowingMixin"]
+__all__ = ["Follower", "Upstream", "take_backlog"]
+
+log = logging.getLogger("clone.server.reactor")
 
 
-class FollowingMixin(ServerBase):
-    """Take a role; while passive, keep a copy of the active peer's state."""
+class Upstream(Protocol):
+    """What a relay's follower tells the relay link (clone.server.relaying)."""
 
-    # -- roles ---------------------------------------------------------------
+    def heard(self, frames: list[bytes]) -> None:
+        """A message from the followed server's publisher."""
 
-    def _on_became_active(self) -> None:
-        core = self.core
-        if core.role is Role.ACTIVE:
-            return
-        was = core.role
-        taken = self._take_peer_backlog()
-        self._take_collector_backlog()
-        # What the old active sent is written under its term, before ours starts.
-        self._commit()
-        pending = len(core.pending)
-        assert self._ha is not None
-        heard = self._ha.heard_peer
-        core.term = self._ha.epoch
-        core.become_active(self._wallclock(), self._clock())
-        self._apply_split_writes_here()
-        self._note_role(was.value, core.role.value)
-        if was is Role.PASSIVE:
-            self.counters["failovers"] += 1
-            self._last_failover = self._wallclock()
-            # Took over from a peer presumed dead: if it was active meanwhile
-            # (a split brain), its first sync from us is its step-down, and its
-            # clients' writes race its forwarded ones (clone.server.healing).
-            self._await_peer_sync = True
-        self._record_term()
-        batch = self._commit()
-        self._close_peer()
-        self.publisher.publish_bulk(batch)
-        if not heard:
-            log.warning(
-                "serving without having heard the peer since we started (%.1f s of"
-                " --peer-wait): our state (term %d, sequence %d) may be older than the peer's",
-                self.config.effective_peer_wait,
-                self._data_term,
-                core.store.sequence,
-            )
-        log.warning(
-            "now ACTIVE (was %s): serving at sequence %d, %d keys; published %d of %d "
-            "pending updates; took %d updates the old active had sent",
-            was.value,
-            core.store.sequence,
-            len(core.store),
-            len(batch),
-            pending,
-            taken,
-        )
-        # Tell subscribers at once that this server is alive and where it stands.
-        self.publisher.publish(core.hugz(self._heartbeat_ms))
-        if self._deferred:
-            self._recheck_deferred_soon()  # not from here: we may be inside accept_vote()
+    def on_control(self, frames: list[bytes]) -> None:
+        """A control message (NUL-led topic) on that stream: not an update."""
 
-    def _take_peer_backlog(self) -> int:
+    def heard_now(self) -> None:
+        """A turn of the sync reply: the followed server's snapshot port answers."""
+
+    def synced(self) -> None:
+        """A sync finished."""
+
+
+def take_backlog(
+    sock: zmq.Socket[Any],
+    handle: Callable[[list[bytes], float, float], object],
+    shared: Shared,
+    kind: str,
+    what: str,
+) -> int:
+    """Hand every message queued on ``sock`` to ``handle`` now; how many.
+
+    Bounded by the socket's high-water mark, and done once per promotion;
+    bad input is logged (rate-limited by ``kind``) and skipped.
+    """
+    now = shared.wallclock()
+    taken = 0
+    while True:
+        try:
+            frames = recv_frames(sock)
+        except zmq.Again:
+            return taken
+        taken += 1
+        try:
+            handle(frames, now, shared.clock())
+        except ProtocolError as exc:
+            shared.throttle.log(kind, logging.WARNING, "dropped %s: %s", what, exc)
+
+
+class Follower:
+    """Keep a copy of the followed server's state: a SUB and a sync DEALER."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        core: ServerCore,
+        shared: Shared,
+        sockets: Sockets,
+        *,
+        followed: Callable[[], str | None],
+        term: Callable[[], int | None],
+        after_turn: Callable[[], None],
+        next_turn: Callable[[Callable[[], None]], bool],
+        fork_known: Callable[[], None],
+        synced: Callable[[], None],
+        upstream: Upstream | None = None,
+    ) -> None:
+        self._config = config
+        self._core = core
+        self._shared = shared
+        self._counters = shared.counters
+        self._throttle: Throttle = shared.throttle
+        self._clock = shared.clock
+        self._sockets = sockets
+        self._followed = followed
+        self._term = term
+        self._after_turn = after_turn
+        self._next_turn = next_turn
+        self._fork_known = fork_known
+        self._synced = synced
+        self.upstream = upstream
+        self._sub: ZMQStream | None = None
+        self._dealer: ZMQStream | None = None
+        #: When the current sync last moved (a reply turn), on the clock.
+        self.sync_progress = 0.0
+        self._sync_started = 0.0
+
+    @property
+    def following(self) -> bool:
+        """Whether the SUB on the followed server's publisher is open."""
+        return self._sub is not None
+
+    # -- start, stop -----------------------------------------------------------
+
+    def follow(self) -> zmq.Socket[Any] | None:
+        """Follow :attr:`followed`: its publisher (kept while we follow), and
+        a sync.  Returns the SUB if this opened a fresh one."""
+        fresh: zmq.Socket[Any] | None = None
+        if self._sub is None:
+            followed = self._followed()
+            assert followed is not None
+            sub = self._sockets.socket(zmq.SUB)
+            sub.setsockopt(zmq.RCVHWM, self._config.collector_hwm)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(peer_endpoint(followed, PUBLISHER_OFFSET))
+            self._sub = self._sockets.stream(sub, self.on_update)
+            fresh = sub
+        self._sync_started = self._clock()
+        self.request_snapshot()
+        return fresh
+
+    def close(self) -> None:
+        """Stop following: close the sync DEALER and the SUB."""
+        self._close_dealer()
+        sub, self._sub = self._sub, None
+        if sub is not None:
+            self._sockets.forget(sub)
+
+    def take_backlog(self) -> int:
         """Before a promotion, take every message the old active already sent.
 
         A busy passive may hold thousands of the old active's KVPUBs unread in
@@ -103,174 +177,100 @@ class FollowingMixin(ServerBase):
         order, like any followed update (a gap stops that, and the pending list
         covers the rest).  Returns how many messages were taken.
         """
-        sub = self._peer_sub
+        sub = self._sub
         if sub is None or sub.closed():
             return 0
-        return self._take_backlog(
-            sub.socket, self.core.on_peer_update, "peer_update", "a message from the peer"
-        )
+        return take_backlog(
+            sub.socket, self._core.on_peer_update, self._shared, "peer_update",
+            "a message from the peer",
+        )  # fmt: skip
 
-    def _take_collector_backlog(self) -> None:
-        """Before a promotion, park every client update already received.
+    # -- the sync ---------------------------------------------------------------
 
-        A client's copy of a write the old active confirmed may still sit
-        unread in our collector queue (we were busy, say with a sync).  Read
-        after the promotion it would be applied only after we had served
-        snapshots without it: clients would see the key go back, then forward.
-        Parked now, it is applied with the pending list, before any snapshot.
-        """
-        sock = self._collector
-        if sock is None or self.core.role is Role.ACTIVE:
-            return
-        self._take_backlog(sock, self.core.on_kvset, "kvset", "a client update")
-
-    def _take_backlog(
-        self,
-        sock: zmq.Socket[Any],
-        handle: Callable[[list[bytes], float, float], object],
-        kind: str,
-        what: str,
-    ) -> int:
-        """Hand every message queued on ``sock`` to ``handle`` now; how many.
-
-        Bounded by the socket's high-water mark, and done once per promotion;
-        bad input is logged (rate-limited by ``kind``) and skipped.
-        """
-        now = self._wallclock()
-        taken = 0
-        while True:
-            try:
-                frames = recv_frames(sock)
-            except zmq.Again:
-                return taken
-            taken += 1
-            try:
-                handle(frames, now, self._clock())
-            except ProtocolError as exc:
-                self._throttle.log(kind, logging.WARNING, "dropped %s: %s", what, exc)
-
-    def _on_became_passive(self) -> None:
-        core = self.core
-        was = core.role
-        core.become_passive()
-        if was is not Role.PASSIVE:
-            self._note_role(was.value, core.role.value)
-        if was is Role.ACTIVE:
-            self._stepped_down_at = self._wallclock()  # a split brain's loser
-        if self._ha is not None:
-            core.term = self._ha.peer_epoch
-        for stream in list(self._snapshots):
-            self._abort_snapshot(stream, "server became passive")
-        dropped = self.publisher.drop()
-        if dropped:
-            self.counters["outq_dropped"] += dropped
-        log.warning(
-            "now PASSIVE (was %s): following the active server at %s", was.value, self.config.peer
-        )
-        self._follow()
-
-    # -- following the active peer -------------------------------------------
-
-    def _follow(self) -> None:
-        cfg = self.config
-        followed = self._followed
-        assert followed is not None
-        if self._peer_sub is None:
-            sub = self._socket(zmq.SUB)
-            sub.setsockopt(zmq.RCVHWM, cfg.collector_hwm)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            sub.connect(peer_endpoint(followed, PUBLISHER_OFFSET))
-            self._peer_sub = self._stream(sub, self._on_peer_update)
-        self._sync_started = self._clock()
-        self._request_snapshot()
-
-    def _request_snapshot(self) -> None:
+    def request_snapshot(self) -> None:
         """(Re)start a sync on a fresh DEALER, so stale replies cannot mix in."""
-        cfg = self.config
-        followed = self._followed
+        followed = self._followed()
         assert followed is not None
+        core = self._core
         self._close_dealer()
         # The sync's own start: a passive may follow a peer for minutes (it
         # restarts, we wait) before this request, which the log must not count.
         self._sync_started = self._clock()
-        dealer = self._socket(zmq.DEALER)
-        dealer.setsockopt(zmq.RCVHWM, cfg.snapshot_hwm)
+        dealer = self._sockets.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.RCVHWM, self._config.snapshot_hwm)
         # Ask for KVBATCHes (our peer is one of us): a restart resyncs faster.
         try:
             dealer.setsockopt(zmq.METADATA, BATCH_METADATA)
             # ... and for the ids it applied, to reconcile our pending list
             # (a relay has none: it asks as a client does).
-            if self.core.role is not Role.RELAY:
+            if core.role is not Role.RELAY:
                 dealer.setsockopt(zmq.METADATA, APPLIED_METADATA)
             # ... and for the time each ephemeral key has left (clone.server.ttl).
             dealer.setsockopt(zmq.METADATA, TTL_LEFT_METADATA)
             # ... and, holding a state, only for what followed it (a catch-up).
-            since = self.core.catch_up_request()
+            since = core.catch_up_request()
             if since is not None:
                 dealer.setsockopt(zmq.METADATA, since_metadata(since.sequence, since.digest))
             cap_message_size(dealer, MAX_SYNC_FRAME_BYTES)
         except zmq.ZMQError:  # a libzmq older than 4.3: the standard stream
             log.debug("this libzmq cannot send ZMTP metadata; syncing without KVBATCH")
         dealer.connect(peer_endpoint(followed, SNAPSHOT_OFFSET))
-        self._peer_dealer = self._stream(dealer, self._on_sync_reply)
-        self.core.start_sync()
-        self._sync_progress = self._clock()
+        self._dealer = self._sockets.stream(dealer, self.on_sync_reply)
+        core.start_sync()
+        self.sync_progress = self._clock()
         # The first message on a fresh socket: no reply can be hidden by it.
         # If the pipe is full, the sync timeout retries.
         send(dealer, encode_icanhaz(""), backlog=None)
         log.debug("asked %s for a snapshot", followed)
 
-    def _check_sync_timeout(self) -> None:
-        core = self.core
-        if core.role is Role.RELAY:
-            return  # clone.server.relaying decides: it may fail over upstream
+    def check_timeout(self) -> None:
+        """Housekeeping: a passive's sync that has not moved for the sync
+        timeout is asked again (a relay's link decides for a relay: it may
+        move to another upstream)."""
+        core = self._core
         if core.role is not Role.PASSIVE or core.sync_state is not SyncState.SYNCING:
             return
         now = self._clock()
-        if now - self._sync_progress < self.config.effective_sync_timeout:
+        if now - self.sync_progress < self._config.effective_sync_timeout:
             return
-        self.counters["sync_timeouts"] += 1
+        self._counters["sync_timeouts"] += 1
         self._throttle.log(
             "sync_timeout",
             logging.WARNING,
             "no snapshot from the active server at %s for %.1f s; asking again",
-            self.config.peer,
-            now - self._sync_progress,
+            self._config.peer,
+            now - self.sync_progress,
         )
-        self._request_snapshot()
+        self.request_snapshot()
 
-    def _on_peer_update(self, frames: list[bytes]) -> None:
-        """KVPUBs from the active: apply in order, then journal them in one commit
-        (a relay publishes them instead: it has no journal)."""
+    # -- the streams ------------------------------------------------------------
+
+    def on_update(self, frames: list[bytes]) -> None:
+        """KVPUBs from the followed server: apply in order, then the turn's end."""
         try:
             self._follow_updates(frames)
         finally:
-            self._commit_followed()
-
-    def _commit_followed(self) -> None:
-        if self.core.role is Role.RELAY:
-            self._commit_and_publish()
-        else:
-            self._commit()
+            self._after_turn()
 
     def _follow_updates(self, frames: list[bytes]) -> None:
-        sub = self._peer_sub
-        if self._ha is not None:
-            self.core.term = self._ha.peer_epoch
-        core = self.core
-        stop_at = self._clock() + TURN_BUDGET
-        now = self._wallclock()
-        budget = self.config.collector_batch
-        room = COLLECTOR_TURN_BYTES  # and bytes: 512 KB updates made 32 MB commits
-        relay = core.role is Role.RELAY
+        sub = self._sub
+        core = self._core
+        term = self._term()
+        if term is not None:
+            core.term = term
         clock = self._clock
+        stop_at = clock() + TURN_BUDGET
+        now = self._shared.wallclock()
+        budget = self._config.collector_batch
+        room = COLLECTOR_TURN_BYTES  # and bytes: 512 KB updates made 32 MB commits
+        upstream = self.upstream if core.role is Role.RELAY else None
         while True:
             outcome = FollowOutcome.OK
-            if relay:
-                self._heard_upstream(frames)
-            if relay and is_control(frames):
+            if upstream is not None:
+                upstream.heard(frames)
+            if upstream is not None and is_control(frames):
                 # The upstream's notices to our own key (CURVE): not updates.
-                self._on_upstream_control(frames)
+                upstream.on_control(frames)
             else:
                 try:
                     # Read after the message: a ttl in it counts from no earlier than its arrival.
@@ -284,102 +284,97 @@ class FollowingMixin(ServerBase):
                         "gap",
                         logging.INFO,
                         "missed updates from %s (have %d, it is at %d); resyncing",
-                        self._followed,
+                        self._followed(),
                         core.store.sequence,
                         core.highest_seen,
                     )
-                    self._request_snapshot()
+                    self.request_snapshot()
             # Decide to yield *before* taking the next message, never after:
             # a message received and then abandoned is lost for good.
             budget -= 1
             room -= sum(map(len, frames))
             if self._turn_over(budget, stop_at) or room <= 0:
                 return
-            if sub is None or sub is not self._peer_sub or sub.closed():
+            if sub is None or sub is not self._sub or sub.closed():
                 return
             try:
                 frames = recv_frames(sub.socket)
             except zmq.Again:
                 return
 
-    def _on_sync_reply(self, frames: list[bytes]) -> None:
-        """A turn of the snapshot (or catch-up) we asked for, then its commit."""
+    def on_sync_reply(self, frames: list[bytes]) -> None:
+        """A turn of the snapshot (or catch-up) we asked for, then the turn's end."""
         try:
             self._take_sync_reply(frames)
         finally:
-            self._commit_followed()
+            self._after_turn()
 
     def _take_sync_reply(self, frames: list[bytes]) -> None:
-        dealer = self._peer_dealer
-        if self._ha is not None:
-            self.core.term = self._ha.peer_epoch
-        core = self.core
-        self._sync_progress = stop_at = self._clock()
-        if core.role is Role.RELAY:
-            self._upstream_heard = stop_at
-        stop_at += TURN_BUDGET
+        dealer = self._dealer
+        core = self._core
+        term = self._term()
+        if term is not None:
+            core.term = term
         clock = self._clock
-        now = self._wallclock()
-        budget = self.config.collector_batch
+        self.sync_progress = stop_at = clock()
+        upstream = self.upstream if core.role is Role.RELAY else None
+        if upstream is not None:
+            upstream.heard_now()
+        stop_at += TURN_BUDGET
+        now = self._shared.wallclock()
+        budget = self._config.collector_batch
         while True:
             try:
                 # Read after the message: a ttl in it counts from no earlier than its arrival.
                 outcome = core.on_snapshot_reply(frames, now, clock())
-                if (
-                    core.split_left
-                    and not self._split_queue
-                    and not self._split_scheduled
-                    and core.role is Role.PASSIVE
-                ):
-                    self._forward_split_writes()  # the fork is known: send them now
+                if core.split_left and core.role is Role.PASSIVE:
+                    self._fork_known()  # the fork is known: the healer sends them now
             except ProtocolError as exc:
                 self._throttle.log(
                     "sync_reply", logging.WARNING, "dropped a snapshot entry from the peer: %s", exc
                 )
                 outcome = FollowOutcome.OK
             if outcome is FollowOutcome.SYNCED:
-                if core.role is Role.RELAY:
-                    self._relay_synced()
+                if upstream is not None:
+                    upstream.synced()
                 log.info(
                     "synced from %s (%s): %d keys at sequence %d in %.2f s",
-                    self._followed,
+                    self._followed(),
                     core.last_sync,
                     len(core.store),
                     core.store.sequence,
-                    self._clock() - self._sync_started,
+                    clock() - self._sync_started,
                 )
                 if core.role is Role.PASSIVE:
-                    self._forward_split_writes()
-                assert self._loop is not None
-                self._loop.add_callback(self._close_dealer_if, dealer)
+                    self._synced()
+                self._next_turn(lambda: self._close_dealer_if(dealer))
                 return
             if outcome is FollowOutcome.RESYNC:
                 self._throttle.log("gap", logging.INFO, "updates missed during the sync; resyncing")
-                self._request_snapshot()
+                self.request_snapshot()
                 return
             budget -= 1
             if self._turn_over(budget, stop_at):
                 return
-            if is_kvbatch(frames) and self._clock() > stop_at:
+            if is_kvbatch(frames) and clock() > stop_at:
                 return  # a KVBATCH is thousands of entries: check after each one
-            if dealer is None or dealer is not self._peer_dealer or dealer.closed():
+            if dealer is None or dealer is not self._dealer or dealer.closed():
                 return
             try:
                 frames = recv_frames(dealer.socket)
             except zmq.Again:
                 return
 
+    def _turn_over(self, budget: int, stop_at: float) -> bool:
+        """Out of messages for this turn, or (checked every CLOCK_EVERY
+        messages, since a clock read is not free) out of time."""
+        return budget <= 0 or (budget % CLOCK_EVERY == 0 and self._clock() > stop_at)
+
     def _close_dealer_if(self, dealer: ZMQStream | None) -> None:
-        if dealer is not None and dealer is self._peer_dealer:
+        if dealer is not None and dealer is self._dealer:
             self._close_dealer()
 
     def _close_dealer(self) -> None:
-        dealer, self._peer_dealer = self._peer_dealer, None
+        dealer, self._dealer = self._dealer, None
         if dealer is not None:
-            self._forget(dealer)
-
-    def _close_peer(self) -> None:
-        self._close_dealer()
-        sub, self._peer_sub = self._peer_sub, None
-        if sub is not None:
-            self._forget(sub)
+            self._sockets.forget(dealer)

@@ -5,6 +5,9 @@ How this works: a :class:`tornado.web.Application` served by an
 ZeroMQ sockets; nothing here runs in another thread.  The listening socket is
 bound in ``_setup`` (so a port in use stops the start with a clear message) and
 handed to the loop's accept handler once the loop runs; ``_close_all`` stops it.
+The port is a part, :class:`HttpPort`, that reads its server only through a
+narrow :class:`StatusSource` (``tests/server/test_http.py`` drives it with a
+fake one); the server's side of that is :mod:`.monitoring`.
 
 * ``/metrics``: Prometheus text from this server's own registry
   (:mod:`.metrics`), built from its state at each scrape.
@@ -39,11 +42,12 @@ import logging
 import resource
 from collections import deque
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import zmq
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from tornado.httpserver import HTTPServer
+from tornado.ioloop import IOLoop
 from tornado.iostream import IOStream
 from tornado.netutil import bind_sockets
 from tornado.web import Application, RequestHandler, StaticFileHandler
@@ -52,18 +56,28 @@ from zmq.eventloop.zmqstream import ZMQStream
 from zmq.utils.monitor import parse_monitor_message
 
 from clone.errors import ServerStartError
-from clone.server.base import ServerBase, log
-from clone.server.core import Role, SyncState
+from clone.server.config import ServerConfig
 from clone.server.fdlimit import http_connection_cap
-from clone.server.metrics import SubscriberCount, build_registry
+from clone.server.metrics import MonitoredServer, SubscriberCount, build_registry
+from clone.server.shared import Shared, Sockets
 
 if TYPE_CHECKING:
     import socket
     from collections.abc import Awaitable
 
-__all__ = ["MAX_STATUS_SOCKETS", "WEB_DIR", "HttpMixin", "StatusHub"]
+__all__ = [
+    "MAX_STATUS_SOCKETS",
+    "WEB_DIR",
+    "HttpPort",
+    "PublisherWatch",
+    "StatusHub",
+    "StatusSource",
+]
 
 #: Where the status page's files are (shipped as package data).
+# The reactor's logger: operators filter on it, and the tests read its lines.
+log = logging.getLogger("clone.server.reactor")
+
 WEB_DIR = Path(__file__).resolve().parent / "web"
 #: WebSocket clients of the status page at once (``--http-viewers``); a new one
 #: beyond takes a stale viewer's slot, else is closed with 1013.
@@ -181,8 +195,8 @@ def _done(fut: Awaitable[None]) -> bool:
 
 
 class _Handler(RequestHandler):
-    def initialize(self, server: HttpMixin) -> None:
-        self.server = server
+    def initialize(self, port: HttpPort) -> None:
+        self.port = port
 
     def set_default_headers(self) -> None:
         self.set_header("Cache-Control", "no-store")
@@ -195,7 +209,7 @@ class _Handler(RequestHandler):
 
 class _MetricsHandler(_Handler):
     def get(self) -> None:
-        registry = self.server._registry
+        registry = self.port.registry
         assert registry is not None
         self.set_header("Content-Type", CONTENT_TYPE_LATEST)
         self.finish(generate_latest(registry))
@@ -203,10 +217,9 @@ class _MetricsHandler(_Handler):
 
 class _HealthHandler(_Handler):
     def get(self) -> None:
-        server = self.server
-        core = server.core
-        body: dict[str, Any] = {"role": core.role.value, "sequence": core.store.sequence}
-        if server._stopping or server._storage_error is not None:
+        serving, role, sequence = self.port.source.health()
+        body: dict[str, Any] = {"role": role, "sequence": sequence}
+        if not serving:
             body["reason"] = "stopping"
             self._json(503, body)
         else:
@@ -215,47 +228,42 @@ class _HealthHandler(_Handler):
 
 class _ReadyHandler(_Handler):
     def get(self) -> None:
-        server = self.server
-        ready, reason = server.readiness()
-        core = server.core
-        body = {
-            "ready": ready,
-            "role": core.role.value,
-            "sequence": core.store.sequence,
-            "reason": reason,
-        }
+        source = self.port.source
+        ready, reason = source.readiness()
+        _, role, sequence = source.health()
+        body = {"ready": ready, "role": role, "sequence": sequence, "reason": reason}
         self._json(200 if ready else 503, body)
 
 
 class _StatusJsonHandler(_Handler):
     def get(self) -> None:
-        self._json(200, self.server.page_status())
+        self._json(200, self.port.page_status())
 
 
 class _StatusSocket(WebSocketHandler):
-    def initialize(self, server: HttpMixin) -> None:
-        self.server = server
+    def initialize(self, port: HttpPort) -> None:
+        self.port = port
 
     def open(self, *args: str, **kwargs: str) -> None:
-        hub = self.server._status_hub
-        if not hub.admit(self, self.server._clock()):
+        hub = self.port.hub
+        if not hub.admit(self, self.port.clock()):
             self.close(1013, "too many status pages open; try again later")
             return
-        hub.send(self, json.dumps(self.server.page_status()))
+        hub.send(self, json.dumps(self.port.page_status()))
 
     def on_message(self, message: str | bytes) -> None:
-        self.server._status_hub.heard(self, self.server._clock())  # the page only listens
+        self.port.hub.heard(self, self.port.clock())  # the page only listens
 
     def on_pong(self, data: bytes) -> None:
-        self.server._status_hub.heard(self, self.server._clock())
+        self.port.hub.heard(self, self.port.clock())
 
     def on_close(self) -> None:
-        self.server._status_hub.remove(self)
+        self.port.hub.remove(self)
 
 
-def make_app(server: HttpMixin) -> Application:
+def make_app(port: HttpPort) -> Application:
     """The routes of the HTTP port."""
-    args = {"server": server}
+    args = {"port": port}
     return Application(
         [
             (r"/metrics", _MetricsHandler, args),
@@ -300,189 +308,64 @@ class CappedHTTPServer(HTTPServer):
         super().handle_stream(stream, address)
 
 
-class HttpMixin(ServerBase):
-    """The HTTP port and the publisher's connection count."""
+class StatusSource(MonitoredServer, Protocol):
+    """What the HTTP port reads of its server: the metrics' view
+    (:class:`~clone.server.metrics.MonitoredServer`), its health and the
+    page's fields.  Narrow on purpose: the port never touches the server's
+    sockets or state; a test passes any object with these."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._registry: CollectorRegistry | None = None
-        self._http_server: CappedHTTPServer | None = None
-        self._http_sockets: list[socket.socket] = []
-        self._http_timer: object | None = None
-        self._monitor_stream: ZMQStream | None = None
-        cfg = self.config
-        self._status_hub = StatusHub(
-            cfg.http_viewers,
+    def health(self) -> tuple[bool, str, int]:
+        """Whether it serves (not stopping, not failed), its role and sequence."""
+        ...
+
+    def page_fields(self) -> dict[str, Any]:
+        """Everything the status page shows but the update rate (ours)."""
+        ...
+
+
+class HttpPort:
+    """The HTTP port: /metrics, /healthz, /readyz, the status page and its pushes.
+
+    Built with the server's config (the ``--http-*`` flags, the bind address
+    and the heartbeat), the shared clocks and counters, the loop it serves on
+    and a :class:`StatusSource`.  :meth:`open` binds (or raises
+    :class:`~clone.errors.ServerStartError`); serving starts with the loop;
+    :meth:`close` stops it.  The update rate is sampled here, from the
+    source's sequence, once per push.
+    """
+
+    def __init__(
+        self, config: ServerConfig, shared: Shared, loop: IOLoop, source: StatusSource
+    ) -> None:
+        self._config = config
+        self._shared = shared
+        self.clock = shared.clock
+        self._loop = loop
+        self.source = source
+        self.registry: CollectorRegistry | None = None
+        self._server: CappedHTTPServer | None = None
+        self._sockets: list[socket.socket] = []
+        self._timer: object | None = None
+        self._closed = False
+        self.hub = StatusHub(
+            config.http_viewers,
             stale_after=max(_STALE_MIN, _STALE_PUSHES * self._push_interval()),
-            idle_timeout=cfg.http_idle_timeout,
+            idle_timeout=config.http_idle_timeout,
         )
         self._rate_samples: deque[tuple[float, float]] = deque(maxlen=_RATE_SAMPLES)
         self._rate_last: tuple[float, int] | None = None
 
-    if TYPE_CHECKING:
-
-        def _status(self) -> dict[str, Any]: ...
-
-        def stats(self) -> dict[str, int | float | str]: ...
-
-    # -- what the endpoints report -------------------------------------------
-
-    @property
-    def subscribers(self) -> int | None:
-        """Connections to the publisher, when counted (with --http-port)."""
-        count = self._subscriber_count
-        return None if count is None else count.value
-
-    @property
-    def peer_alive(self) -> bool:
-        ha = self._ha
-        return ha is not None and ha.peer_alive
-
-    def readiness(self) -> tuple[bool, str]:
-        """Whether a failover to (or a read from) this server now loses nothing, and why."""
-        core = self.core
-        if self._stopping or self._storage_error is not None:
-            return False, "stopping"
-        role = core.role
-        if role is Role.ACTIVE:
-            return True, "active"
-        if role is Role.STARTING:
-            return False, "starting: Binary Star has not decided the role yet"
-        if core.sync_state is not SyncState.SYNCED:
-            return False, f"passive and {core.sync_state.value}: not in step with the active"
-        pending = len(core.pending)
-        if pending:
-            return False, f"passive with {pending} client updates pending"
-        return True, "passive, in step with the active"
-
     def page_status(self) -> dict[str, Any]:
-        """What the status page shows: the status, plus rings, rate, limits and counters."""
-        out = dict(self._status())
-        out["subscribers"] = self.subscribers
-        ready, reason = self.readiness()
-        cfg = self.config
-        core = cfg.core
-        stats = self.stats()
-        hist = self.snapshot_seconds
-        out.update(
-            time=self._wallclock(),
-            ready=ready,
-            ready_reason=reason,
-            heartbeat=cfg.heartbeat,
-            rate=self._rate_samples[-1][1] if self._rate_samples else 0.0,
-            rate_history=[[round(t, 3), round(r, 2)] for t, r in self._rate_samples],
-            recent=[
-                {"sequence": seq, "key": key.decode("utf-8", "replace")}
-                for seq, key in reversed(self.recent_changes)
-            ],
-            role_changes=[
-                {"time": t, "from": was, "to": now} for t, was, now in reversed(self.role_changes)
-            ],
-            limits={
-                "max_keys": core.max_keys,
-                "max_bytes": core.max_bytes,
-                "max_snapshots": cfg.max_snapshots,
-                "pending_max": core.pending_max,
-                "pending_max_age": core.pending_max_age,
-                "dedup_window": core.dedup_window,
-                "history_max": core.history_max,
-                "pub_hwm": cfg.pub_hwm,
-            },
-            snapshots={"count": hist.count, "seconds_total": round(hist.total, 6)},
-            counters={k: v for k, v in sorted(stats.items()) if isinstance(v, int | float)},
-        )
+        """What the status page shows: the source's fields and the update rate."""
+        out = self.source.page_fields()
+        out["rate"] = self._rate_samples[-1][1] if self._rate_samples else 0.0
+        out["rate_history"] = [[round(t, 3), round(r, 2)] for t, r in self._rate_samples]
         return out
 
-    # -- life cycle -----------------------------------------------------------
-
-    def _open_http(self) -> None:
-        """Bind the HTTP port (if configured); serving starts with the loop."""
-        port = self.config.http_port
-        if port is None:
-            return
-        loop = self._loop
-        assert loop is not None
-        host = "" if self.config.bind in ("*", "") else self.config.bind
-        try:
-            self._http_sockets = bind_sockets(port, host or None)
-        except OSError as exc:
-            raise ServerStartError(
-                f"cannot bind the HTTP port {host or '*'}:{port}: {exc}"
-            ) from exc
-        self._registry = build_registry(self)
-        timeout = self.config.http_idle_timeout
-        server = CappedHTTPServer(
-            make_app(self), idle_connection_timeout=timeout, body_timeout=timeout
-        )
-        server.cap = self.config.http_max_connections or http_connection_cap(
-            resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        )
-        self._http_server = server
-        # add_sockets registers with the current loop: run it on ours.
-        loop.add_callback(self._start_http)
-        # The rate's baseline: the first tick then measures a real interval.
-        # Taken at the first tick instead, writes made before it were never
-        # counted (seen on a loaded machine, where that tick came late).
-        self._rate_last = (self._clock(), self.core.store.sequence)
-        self._http_timer = loop.call_later(self._push_interval(), self._on_http_tick)
-        log.info(
-            "HTTP port %s:%d: /metrics /healthz /readyz and the status page (at most %d"
-            " connections, %d viewers, idle timeout %g s)",
-            host or "*", port, server.cap, self.config.http_viewers, timeout,
-        )  # fmt: skip
-
-    def _start_http(self) -> None:
-        server = self._http_server
-        if server is not None and self._http_sockets and not self._stopping:
-            sockets, self._http_sockets = self._http_sockets, []
-            server.add_sockets(sockets)
-
-    def _close_http(self) -> None:
-        if self._http_timer is not None and self._loop is not None:
-            self._loop.remove_timeout(self._http_timer)
-        self._http_timer = None
-        self._status_hub.close_all()
-        server, self._http_server = self._http_server, None
-        if server is not None:
-            server.stop()
-        for sock in self._http_sockets:  # bound but never served
-            sock.close()
-        self._http_sockets = []
-        self._monitor_stream = None  # closed with the other streams
-
-    def _push_interval(self) -> float:
-        return min(max(self.config.heartbeat, _PUSH_MIN), _PUSH_MAX)
-
-    def _on_http_tick(self) -> None:
-        loop = self._loop
-        if loop is None or self._stopping:
-            return
-        try:
-            self._sample_rate()
-            if len(self._status_hub):
-                self._status_hub.broadcast(json.dumps(self.page_status()), self._clock())
-        except Exception:
-            self.counters["internal_errors"] += 1
-            log.exception("internal error in the status push")
-        self._http_timer = loop.call_later(self._push_interval(), self._on_http_tick)
-
-    def _sample_rate(self) -> None:
-        """Updates a second since the last sample, from the sequence (either role)."""
-        now = self._clock()
-        seq = self.core.store.sequence
-        last = self._rate_last
-        self._rate_last = (now, seq)
-        if last is None or now <= last[0]:
-            return
-        rate = max(0, seq - last[1]) / (now - last[0])
-        self._rate_samples.append((self._wallclock(), rate))
-
-    def http_counters(self) -> dict[str, int]:
-        """The HTTP port's bounds at work, for :meth:`stats` (empty without --http-port)."""
-        if self.config.http_port is None:
-            return {}
-        hub = self._status_hub
-        server = self._http_server
+    def counters(self) -> dict[str, int]:
+        """The HTTP port's bounds at work, for the server's stats."""
+        hub = self.hub
+        server = self._server
         return {
             "http_connections_refused": 0 if server is None else server.refused,
             "http_viewers_refused": hub.refused,
@@ -490,15 +373,102 @@ class HttpMixin(ServerBase):
             "http_viewers_timed_out": hub.timed_out,
         }
 
-    # -- counting the publisher's connections ---------------------------------
+    # -- life cycle -----------------------------------------------------------
 
-    def _watch_subscribers(self, pub: zmq.Socket[Any]) -> None:
-        """Count ``pub``'s connections from its monitor (with --http-port only)."""
-        if self.config.http_port is None:
+    def open(self) -> None:
+        """Bind the HTTP port; serving starts with the loop."""
+        cfg = self._config
+        port = cfg.http_port
+        assert port is not None
+        host = "" if cfg.bind in ("*", "") else cfg.bind
+        try:
+            self._sockets = bind_sockets(port, host or None)
+        except OSError as exc:
+            raise ServerStartError(
+                f"cannot bind the HTTP port {host or '*'}:{port}: {exc}"
+            ) from exc
+        self.registry = build_registry(self.source)
+        timeout = cfg.http_idle_timeout
+        server = CappedHTTPServer(
+            make_app(self), idle_connection_timeout=timeout, body_timeout=timeout
+        )
+        server.cap = cfg.http_max_connections or http_connection_cap(
+            resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        )
+        self._server = server
+        # add_sockets registers with the current loop: run it on ours.
+        self._loop.add_callback(self._start)
+        # The rate's baseline: the first tick then measures a real interval.
+        # Taken at the first tick instead, writes made before it were never
+        # counted (seen on a loaded machine, where that tick came late).
+        self._rate_last = (self.clock(), self.source.health()[2])
+        self._timer = self._loop.call_later(self._push_interval(), self._on_tick)
+        log.info(
+            "HTTP port %s:%d: /metrics /healthz /readyz and the status page (at most %d"
+            " connections, %d viewers, idle timeout %g s)",
+            host or "*", port, server.cap, cfg.http_viewers, timeout,
+        )  # fmt: skip
+
+    def _start(self) -> None:
+        server = self._server
+        if server is not None and self._sockets and not self._closed:
+            sockets, self._sockets = self._sockets, []
+            server.add_sockets(sockets)
+
+    def close(self) -> None:
+        self._closed = True
+        if self._timer is not None:
+            self._loop.remove_timeout(self._timer)
+        self._timer = None
+        self.hub.close_all()
+        server, self._server = self._server, None
+        if server is not None:
+            server.stop()
+        for sock in self._sockets:  # bound but never served
+            sock.close()
+        self._sockets = []
+
+    def _push_interval(self) -> float:
+        return min(max(self._config.heartbeat, _PUSH_MIN), _PUSH_MAX)
+
+    def _on_tick(self) -> None:
+        if self._closed:
             return
-        old, self._monitor_stream = self._monitor_stream, None
+        try:
+            self.sample_rate()
+            if len(self.hub):
+                self.hub.broadcast(json.dumps(self.page_status()), self.clock())
+        except Exception:
+            self._shared.counters["internal_errors"] += 1
+            log.exception("internal error in the status push")
+        self._timer = self._loop.call_later(self._push_interval(), self._on_tick)
+
+    def sample_rate(self) -> None:
+        """Updates a second since the last sample, from the sequence (either role)."""
+        now = self.clock()
+        seq = self.source.health()[2]
+        last = self._rate_last
+        self._rate_last = (now, seq)
+        if last is None or now <= last[0]:
+            return
+        rate = max(0, seq - last[1]) / (now - last[0])
+        self._rate_samples.append((self._shared.wallclock(), rate))
+
+
+class PublisherWatch:
+    """Count the publisher's connections from a socket monitor (with
+    ``--http-port`` only): what ``subscribers`` reports."""
+
+    def __init__(self, sockets: Sockets) -> None:
+        self._sockets = sockets
+        self.count: SubscriberCount | None = None
+        self._stream: ZMQStream | None = None
+
+    def watch(self, pub: zmq.Socket[Any]) -> None:
+        """Count ``pub``'s connections (a new count: the old socket is gone)."""
+        old, self._stream = self._stream, None
         if old is not None:
-            self._forget(old)
+            self._sockets.forget(old)
         secure = pub.type == zmq.XPUB
         events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
         if secure:
@@ -509,12 +479,15 @@ class HttpMixin(ServerBase):
                 "EVENT_HANDSHAKE_FAILED_AUTH",
             ):
                 events |= getattr(zmq, name, 0)
-        self._subscriber_count = SubscriberCount(secure=secure)
+        self.count = SubscriberCount(secure=secure)
         monitor = pub.get_monitor_socket(events)
         monitor.setsockopt(zmq.LINGER, 0)
-        self._monitor_stream = self._stream(monitor, self._on_pub_monitor)
+        self._stream = self._sockets.stream(monitor, self._on_event)
 
-    def _on_pub_monitor(self, frames: list[bytes]) -> None:
-        count = self._subscriber_count
+    def _on_event(self, frames: list[bytes]) -> None:
+        count = self.count
         if count is not None:
             count.on_event(int(parse_monitor_message(frames)["event"]))
+
+    def close(self) -> None:
+        self._stream = None  # closed with the server's other streams

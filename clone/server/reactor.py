@@ -6,15 +6,18 @@ How this works: one tornado IOLoop (owned, never the global one) drives
   and snapshot streams, in :mod:`.serving`;
 * the PUBLISHER PUB (P+1): KVPUBs, bulk output in order, in :mod:`.publishing`,
   and HUGZ every heartbeat while active, from the timer here;
-* the COLLECTOR SUB (P+2): KVSETs, drained in batches per readiness event, here;
+* the COLLECTOR SUB (P+2): KVSETs, drained in batches per readiness event, by
+  the :class:`~.collecting.Collector` part;
 * when passive: a SUB on the peer's publisher and a DEALER on its snapshot port
-  (a fresh one per attempt, with a timeout), to follow the active server, in
-  :mod:`.following` (with the promotion and demotion callbacks);
+  (a fresh one per attempt, with a timeout), to follow the active server, by
+  the :class:`~.following.Follower` part (promotion and demotion: :mod:`.roles`);
 * :class:`bstar.reactor.BinaryStar` on the HA ports, which decides the role.
 
-This module holds the life cycle (bind, run, stop), the timers, the stats and
-the collector; :mod:`.base` the state the parts share.  The parts are mixins
-of one :class:`CloneServer`, so a message costs no extra indirection.
+This module holds the life cycle (bind, run, stop), the timers and the stats,
+and builds the parts the server owns once its sockets are bound (the caller,
+the collector, the follower, a relay's link, the conflicts desk), each with
+only what it needs (docs/architecture.md, "Parts").  The duties not yet parts
+are mixins of one :class:`CloneServer` over :mod:`.base`'s shared attributes.
 
 Every handler is wrapped: bad input is counted and logged (rate-limited) and
 an unexpected exception is logged with its traceback; nothing stops the loop.
@@ -34,24 +37,25 @@ from typing import Any
 import zmq
 from tornado.ioloop import IOLoop
 
-from clone.errors import LimitExceeded, ProtocolError, ServerStartError, StoreFull
+from clone.errors import ServerStartError
 from clone.release import RELEASE
-from clone.server.admin import AdminMixin
-from clone.server.base import log
-from clone.server.budget import COLLECTOR_TURN_BYTES, collector_hwm
-from clone.server.calling import CallingMixin
+from clone.server.admin import ConflictsDesk
+from clone.server.base import PartSockets, log
+from clone.server.budget import collector_hwm
+from clone.server.calling import Caller
+from clone.server.collecting import Applier, Collector, Judge, Sink
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import Role
 from clone.server.durability import DurabilityMixin
-from clone.server.following import FollowingMixin
+from clone.server.following import Follower
 from clone.server.healing import HealingMixin
-from clone.server.http import HttpMixin
-from clone.server.relaying import RelayMixin
-from clone.server.security import SecurityMixin
+from clone.server.monitoring import MonitoringMixin
+from clone.server.relaying import RelayLink
+from clone.server.roles import RoleMixin
 from clone.server.serving import ServingMixin
 from clone.storage.files import dir_bytes
 from clone.storage.schema import FORMAT_VERSION
-from clone.wire.frames import MAX_FRAME_BYTES, recv_frames, recv_frames_and_first
+from clone.wire.frames import MAX_FRAME_BYTES
 from clone.wire.protocol import COLLECTOR_OFFSET, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
 
 # ServerConfig, ServerMode and ServerStartError are re-exported: this module is
@@ -66,15 +70,11 @@ def _tcp(host_port: str) -> str:
 
 
 class CloneServer(
-    AdminMixin,
-    CallingMixin,
     ServingMixin,
-    FollowingMixin,
+    RoleMixin,
     HealingMixin,
-    RelayMixin,
     DurabilityMixin,
-    SecurityMixin,
-    HttpMixin,
+    MonitoringMixin,
 ):
     """One member of a Clone server pair (or a standalone server).
 
@@ -109,7 +109,7 @@ class CloneServer(
         self._loop = loop
         try:
             self._open_storage()
-            self._open_security()
+            self.security.open()
             self._setup()
         except BaseException as exc:
             self._start_error = exc
@@ -198,7 +198,7 @@ class CloneServer(
             out["commit_write_us"] = round(timing.write_s * 1e6)
             out["commit_sync_us"] = round(timing.sync_s * 1e6)
             out["commit_max_us"] = round(timing.max_s * 1e6)
-        gatekeeper = self._gatekeeper
+        gatekeeper = self.security.gatekeeper
         if gatekeeper is not None:
             out["zap_admitted"] = gatekeeper.admitted
             out["zap_refused"] = gatekeeper.refused
@@ -259,21 +259,8 @@ class CloneServer(
         # Zero-copy frames: only a Frame can tell the requester's ZMTP metadata.
         self._on_router_guarded = self._guard(self._on_router)
         self._stream(router, self._on_router, copy=False)
-        if cfg.mode is ServerMode.RELAY:
-            # A relay applies nothing itself: writes go on to the pair (over
-            # CURVE, those its ACL allows: the User-Id is on the message).
-            if self._keypair is not None:
-                self._stream(collector, self._on_relay_collector_secure, copy=False)
-            else:
-                self._stream(collector, self._on_relay_collector)
-        elif self._keypair is not None:
-            # The sender's User-Id (metadata) decides whether it may write.
-            self._stream(collector, self._on_collector_secure, copy=False)
-        else:
-            self._stream(collector, self._on_collector)
-        if cfg.mode is ServerMode.RELAY:
-            self._start_relay()
-        elif cfg.mode is not ServerMode.STANDALONE:
+        self._build_parts(router, collector)
+        if cfg.mode is not ServerMode.STANDALONE and cfg.mode is not ServerMode.RELAY:
             from bstar.reactor import BinaryStar  # only paired servers need it
 
             assert cfg.ha_port is not None and cfg.peer_ha is not None
@@ -289,7 +276,7 @@ class CloneServer(
                 epoch=self._data_term,
                 start_wait=cfg.effective_peer_wait,
                 rank=self._rank if cfg.data_dir is not None else None,
-                secure_socket=self._secure_bstar if self._keypair is not None else None,
+                secure_socket=self.security.secure_bstar if self._keypair is not None else None,
             )
             ha.on_active(self._on_became_active)
             ha.on_passive(self._on_became_passive)
@@ -327,6 +314,109 @@ class CloneServer(
             log.info("standalone: active at once")
         self._open_http()
 
+    def _build_parts(self, router: zmq.Socket[Any], collector: zmq.Socket[Any]) -> None:
+        """The parts built on the bound sockets: a relay's link (started: it
+        follows its first upstream), the caller and the collector."""
+        cfg = self.config
+        secure = self._keypair is not None
+        refuse = self.security.refusal if secure else None
+        link: RelayLink | None = None
+        follower: Follower | None = None
+        if cfg.mode is not ServerMode.STANDALONE:
+            follower = self.follower = Follower(
+                cfg,
+                self.core,
+                self.shared,
+                PartSockets(self),
+                followed=lambda: self._followed,
+                term=self._peer_term,
+                after_turn=self._commit_and_publish
+                if cfg.mode is ServerMode.RELAY
+                else self._commit_followed,
+                next_turn=self._next_turn,
+                fork_known=self._split_fork_known,
+                synced=self._forward_split_writes,
+            )
+        if follower is not None and cfg.mode is ServerMode.RELAY:
+            link = self.relay = RelayLink(
+                cfg,
+                self.core,
+                self.shared,
+                self.access,
+                PartSockets(self),
+                router=router,
+                router_backlog=self._take_router_backlog,
+                upstream_keypair=self.security.upstream_keypair,
+                follow=follower.follow,
+                close_follow=follower.close,
+                sync_progress=lambda: follower.sync_progress,
+                reply=self._send_reply,
+                publish=self.publisher.publish,
+                refuse=refuse,
+                views_replaced=self.security.views_replaced,
+            )
+            follower.upstream = link
+            link.start()
+        self.caller = Caller(
+            self.core,
+            self.shared,
+            self.access,
+            router,
+            commit=self._commit_for_replies,
+            router_backlog=self._take_router_backlog,
+            next_turn=self._next_turn,
+            trusted_relays=cfg.trusted_relays,
+            forward=link.forward_call if link is not None else None,
+        )
+        self.conflicts_desk = ConflictsDesk(
+            self.core, self.shared, self.access, router, self._status_limiter
+        )
+        # One collector, composed: a relay forwards what a server applies,
+        # and under CURVE each write is judged by its sender's rights first.
+        sink: Sink
+        if link is not None:
+            assert link.forwarder is not None
+            sink = link.forwarder
+        else:
+            sink = Applier(self.core, self.shared, end_turn=self._commit_and_publish, refuse=refuse)
+        judge: Judge | None = None
+        if secure:
+            # A relay tells every refused writer; a server only while active
+            # (a passive one parks writes for the pending list, unjudged).
+            judge = self._judge_always if link is not None else self._judge_while_active
+        self.collector = part = Collector(
+            collector,
+            self.shared,
+            sink,
+            batch=cfg.collector_batch,
+            judge=judge,
+            turns=None if link is not None else self._turns,
+        )
+        if part.secure:
+            self._stream(collector, part.on_frames, copy=False)
+        else:
+            self._stream(collector, part.on_message)
+
+    def _judge_while_active(self, first: zmq.Frame, frames: list[bytes]) -> tuple[bool, str | None]:
+        return self.security.judge(first, frames, notify=self.core.role is Role.ACTIVE)
+
+    def _judge_always(self, first: zmq.Frame, frames: list[bytes]) -> tuple[bool, str | None]:
+        return self.security.judge(first, frames, notify=True)
+
+    def _peer_term(self) -> int | None:
+        """The followed server's term: Binary Star's peer epoch (None unpaired)."""
+        return self._ha.peer_epoch if self._ha is not None else None
+
+    def _commit_followed(self) -> None:
+        self._commit()
+
+    def _commit_for_replies(self) -> bool:
+        """Commit and publish this turn; whether its changes may be confirmed."""
+        if self._stopping:
+            return False
+        self._commit_and_publish()
+        return self._storage_error is None  # fail-stop: nothing unwritten is confirmed
+
     def _shutdown(self) -> None:
         if self._stopping:
             return
@@ -353,7 +443,8 @@ class CloneServer(
             self._ha.stop()
         self._close_peer()
         self._close_split()
-        self._close_relay()
+        if self.relay is not None:
+            self.relay.close()
         self._snapshots.clear()
         self._in_flight.clear()
         self._peer_windows.clear()
@@ -368,7 +459,7 @@ class CloneServer(
                 sock.close(linger=0)
         self._pub_stream = None
         # Only now: a CURVE socket must never outlive its ZAP handler.
-        self._close_security()
+        self.security.close()
         self._close_storage()
 
     # -- timers --------------------------------------------------------------
@@ -393,18 +484,12 @@ class CloneServer(
                 # and the passive would resync.  Publish it first.
                 if self.core.journal:
                     self._commit_and_publish()
-                self.publisher.publish(self.core.hugz(self._heartbeat_ms))
-                self.counters["hugz_sent"] += 1
-                if self._view_counts:
-                    for frames in self._view_heartbeats():
-                        self.publisher.publish(frames)
-            elif self.core.role is Role.RELAY:
-                self.publisher.publish(self._relay_hugz())
-                self.counters["hugz_sent"] += 1
-                if self._view_counts:
-                    for frames in self._view_heartbeats():
-                        self.publisher.publish(frames)
-            self._take_subscriptions()
+                self._publish_hugz(self.core.hugz(self._heartbeat_ms), stale=False)
+            elif self.relay is not None:
+                self._publish_hugz(self.relay.hugz(self._heartbeat_ms), stale=self.relay.stale())
+            if self._pub_stream is not None and self._pub is not None:
+                # Subscriptions our sends may have hidden from the XPUB's stream.
+                self.security.take_subscriptions(self._pub)
         except Exception:
             self.counters["internal_errors"] += 1
             log.exception("internal error in heartbeat")
@@ -414,6 +499,16 @@ class CloneServer(
         if self._next_hugz <= now:
             self._next_hugz = now + self.config.heartbeat
         self._hugz_timer = loop.call_later(self._next_hugz - now, self._on_heartbeat)
+
+    def _publish_hugz(self, hugz: list[bytes], *, stale: bool) -> None:
+        """Our HUGZ, then each restricted view's (a relay's say ``stale`` too)."""
+        self.publisher.publish(hugz)
+        self.counters["hugz_sent"] += 1
+        security = self.security
+        if security.view_counts:
+            sequence = self.core.store.sequence
+            for frames in security.view_heartbeats(sequence, self._heartbeat_ms, stale=stale):
+                self.publisher.publish(frames)
 
     def _on_housekeeping(self) -> None:
         loop = self._loop
@@ -427,9 +522,10 @@ class CloneServer(
             self._commit_and_publish()
             if self.core.expiry_due(mono):
                 delay = 0.0  # more due than one batch: continue next turn
-            self._check_sync_timeout()
-            if self.core.role is Role.RELAY:
-                self._check_upstream()
+            if self.follower is not None:
+                self.follower.check_timeout()
+            if self.relay is not None:
+                self.relay.check()
             self._check_stalled_snapshots()
             self._check_split_writes()
             self._check_hold()
@@ -513,99 +609,13 @@ class CloneServer(
         if pub.type == zmq.XPUB:
             self._pub_stream = self._stream(pub, self._on_subscription, copy=False)
 
-    # -- the collector: client updates ---------------------------------------
+    def _on_subscription(self, parts: list[zmq.Frame]) -> None:
+        if self._pub is not None:
+            self.security.on_subscription(self._pub, parts)
 
-    def _on_collector(self, frames: list[bytes]) -> None:
-        """A batch of client updates: apply, commit them in one transaction, publish.
-
-        The drain leaves room in the turn for the commit (clone.server.turns)."""
-        clock = self._clock
-        started = clock()
-        try:
-            self._drain_collector(frames, self._turns.drain_until(started))
-        finally:
-            drained = clock()
-            self._commit_and_publish()
-            self._turns.observe(drained - started, clock() - drained)
-
-    def _drain_collector(self, frames: list[bytes], stop_at: float) -> None:
-        core = self.core
-        sock = self._collector
-        assert sock is not None
-        wallclock = self._wallclock
-        clock = self._clock
-        batch = self.config.collector_batch
-        room = COLLECTOR_TURN_BYTES
-        while True:
-            try:
-                core.on_kvset(frames, wallclock(), clock())
-            except ProtocolError as exc:
-                self._throttle.log("kvset", logging.WARNING, "dropped a client update: %s", exc)
-            batch -= 1
-            room -= sum(map(len, frames))
-            if self._turn_over(batch, stop_at) or self._bytes_over(room):
-                return
-            try:
-                frames = recv_frames(sock)
-            except zmq.Again:
-                return
-
-    def _bytes_over(self, room: int) -> bool:
-        """This turn took its :data:`COLLECTOR_TURN_BYTES` of updates: the rest
-        wait for the next turn, after the commit and the heartbeat."""
-        if room > 0:
-            return False
-        self.counters["collector_turns_cut"] += 1
-        return True
-
-    def _on_collector_secure(self, parts: list[zmq.Frame]) -> None:
-        """CURVE: as :meth:`_on_collector`, each update checked against its
-        sender's write prefixes first (its ZAP User-Id is on the message)."""
-        clock = self._clock
-        started = clock()
-        try:
-            self._drain_collector_secure(parts, self._turns.drain_until(started))
-        finally:
-            drained = clock()
-            self._commit_and_publish()
-            self._turns.observe(drained - started, clock() - drained)
-
-    def _drain_collector_secure(self, parts: list[zmq.Frame], stop_at: float) -> None:
-        sock = self._collector
-        assert sock is not None
-        batch = self.config.collector_batch
-        room = COLLECTOR_TURN_BYTES
-        first = parts[0]
-        frames = [part.bytes for part in parts]
-        while True:
-            self._take_secure_kvset(first, frames)
-            batch -= 1
-            room -= sum(map(len, frames))
-            if self._turn_over(batch, stop_at) or self._bytes_over(room):
-                return
-            try:
-                # The fast receive, keeping only the first frame as an object.
-                first, frames = recv_frames_and_first(sock)
-            except zmq.Again:
-                return
-
-    def _take_secure_kvset(self, first: zmq.Frame, frames: list[bytes]) -> None:
-        core = self.core
-        active = core.role is Role.ACTIVE
-        allowed, user = self._acl_writer(first, frames, notify=active)
-        if not allowed:
-            return
-        try:
-            core.on_kvset(frames, self._wallclock(), self._clock())
-        except StoreFull as exc:
-            self._throttle.log(
-                "kvset_full", logging.WARNING, "refused a write by %s: %s", user, exc
-            )
-            if active:
-                self._refusal(user, frames[2], "full")
-        except LimitExceeded as exc:
-            self._throttle.log("kvset", logging.WARNING, "dropped a client update: %s", exc)
-            if active and len(frames) == 5:
-                self._refusal(user, frames[2], "size")
-        except ProtocolError as exc:
-            self._throttle.log("kvset", logging.WARNING, "dropped a client update: %s", exc)
+    def _reload_security(self) -> None:
+        """SIGHUP: if rights shrank, every subscriber reconnects to a new publisher
+        and is decided under the new rules."""
+        if self.security.reload() and self._pub is not None:
+            self.counters["publisher_rebinds"] += 1
+            self._bind_publisher(rebind=True)

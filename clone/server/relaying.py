@@ -48,12 +48,20 @@ the client that wrote it.  A handshake its upstream refuses is logged
 
 The decisions (when an upstream counts as lost, whether the relay is stale,
 why a write is refused) are pure functions in :mod:`.relayrules`, and the
-ACL's judgement of a call is :func:`clone.server.access.call_refusal`.
+ACL's judgement of a call is :meth:`clone.server.access.Access.call_refusal`.
+
+The I/O is two parts the server owns: a :class:`RelayLink` (which upstream,
+its liveness, the call DEALER and who asked each call, the handshake monitor)
+and, inside it, a :class:`~.forwarding.Forwarder` (the PUB to the pair's
+collectors and who wrote each write), which is the relay's collector sink
+(:mod:`.collecting`).  Following itself (the SUB, the syncs) is the
+follower's (:mod:`.following`); the link asks it to follow and to stop.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -61,37 +69,34 @@ from zmq.eventloop.zmqstream import ZMQStream
 from zmq.utils.monitor import parse_monitor_message
 
 from clone.errors import ProtocolError
-from clone.security import PEER_USER, fingerprint
-from clone.server.access import call_refusal
-from clone.server.base import ServerBase, log, peer_endpoint, who
-from clone.server.core import SyncState
-from clone.server.relayrules import forward_refusal, relay_stale, upstream_lost
-from clone.server.sending import Burst, Sent, send
-from clone.wire.calls import (
-    CALLER_PROPERTY,
-    REPLY,
-    Reply,
-    call_uuid,
-)
+from clone.security import KeyPair, fingerprint
+from clone.server.access import Access
+from clone.server.config import ServerConfig
+from clone.server.core import ServerCore, SyncState
+from clone.server.forwarding import ANY_WRITER, Forwarder, Refuse
+from clone.server.inflight import InFlight
+from clone.server.relayrules import relay_stale, upstream_lost
+from clone.server.sending import Backlog, Burst, Sent, send
+from clone.server.shared import Shared, Sockets, peer_endpoint
+from clone.wire.calls import CALLER_PROPERTY, REPLY, Reply, call_uuid
 from clone.wire.codec import Hugz, decode_properties, decode_update, encode_hugz, encode_properties
 from clone.wire.control import Refusal, ViewHeartbeat, decode_control, encode_refusal
-from clone.wire.frames import recv_frames, recv_frames_and_first
+from clone.wire.frames import recv_frames
 from clone.wire.protocol import COLLECTOR_OFFSET, HUGZ, REFUSAL_REASONS, SNAPSHOT_OFFSET
 
-__all__ = ["ANY_WRITER", "RelayMixin"]
+__all__ = ["RelayLink"]
 
-#: The name a plain relay addresses its refusal notices to: it knows no names.
-ANY_WRITER = "*"
+log = logging.getLogger("clone.server.reactor")
 
+# What a relay remembers of the calls it forwarded (clone.server.inflight):
+# until their REPLY (a client's call times out well before).
+RELAY_CALLS_MAX = 10_000
+RELAY_CALL_TTL = 30.0
 
-def _collector(host_port: str) -> str:
-    return peer_endpoint(host_port, COLLECTOR_OFFSET)
-
-
-# Handshake failures on the upstream SUB worth an operator's attention.  The
-# value of an AUTH failure is the ZAP status code (400: key not admitted).
 # REPLYs taken after one forwarded call at most (see _take_call_replies).
 _REPLIES_PER_SEND = 100
+# Handshake failures on the upstream SUB worth an operator's attention.  The
+# value of an AUTH failure is the ZAP status code (400: key not admitted).
 _HANDSHAKE_FAILED: dict[int, str] = {
     zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused our key",
     zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "failed the handshake",
@@ -103,70 +108,137 @@ _MONITORED = (
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
 )
 
+def _who(identity: bytes) -> str:
+    return identity.hex() if identity else "?"
 
-class RelayMixin(ServerBase):
-    """Follow an upstream with failover; forward writes; heartbeat with staleness."""
 
-    def _start_relay(self) -> None:
-        cfg = self.config
-        pub = self._socket(zmq.PUB)
+class RelayLink:
+    """Follow an upstream with failover; forward calls; heartbeat with staleness.
+
+    Built with the relay's config and core, the access settings of its own
+    clients, its key towards the upstream (None: clear text), the ROUTER its
+    callers are on (and the look at its backlog), and the callbacks:
+    ``follow`` (the follower starts following :attr:`followed`, returning the
+    SUB it opened, or None if it had one), ``close_follow`` (it stops),
+    ``sync_progress`` (when the follower's sync last moved), ``reply``
+    (answer a caller: the caller part's), ``publish``, ``refuse``
+    (security's, None without CURVE) and ``views_replaced`` (security's).
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        core: ServerCore,
+        shared: Shared,
+        access: Access,
+        sockets: Sockets,
+        *,
+        router: zmq.Socket[Any],
+        router_backlog: Backlog,
+        upstream_keypair: KeyPair | None,
+        follow: Callable[[], zmq.Socket[Any] | None],
+        close_follow: Callable[[], None],
+        sync_progress: Callable[[], float],
+        reply: Callable[[bytes, Reply], None],
+        publish: Callable[[list[bytes]], None],
+        refuse: Refuse | None,
+        views_replaced: Callable[[], None],
+    ) -> None:
+        self._config = config
+        self._core = core
+        self._shared = shared
+        self._counters = shared.counters
+        self._clock = shared.clock
+        self._access = access
+        self._sockets = sockets
+        self._router = router
+        self._router_backlog = router_backlog
+        self._upstream_keypair = upstream_keypair
+        self._follow = follow
+        self._close_follow = close_follow
+        self._sync_progress = sync_progress
+        self._reply = reply
+        self._publish = publish
+        self._refuse = refuse
+        self._views_replaced = views_replaced
+        self._index = 0
+        self.followed: str = config.upstream[0]
+        self._heard = 0.0  # the clock when the followed server last spoke
+        self._heartbeat = config.heartbeat  # its HUGZ interval, as it says
+        self._upstream_stale = False  # it is a relay that lost its own upstream
+        self._synced_once = False
+        self.forwarder: Forwarder | None = None
+        # The upstream SUB we watch, and its socket monitor (why a handshake failed).
+        self._watched: zmq.Socket[Any] | None = None
+        self._monitor: ZMQStream | None = None
+        # A DEALER on the snapshot port of the upstream we synced from, and
+        # who asked each call we forwarded.
+        self._call_dealer: ZMQStream | None = None
+        self._call_upstream: str | None = None
+        self.calls: InFlight[bytes] = InFlight(RELAY_CALLS_MAX, RELAY_CALL_TTL)
+
+    # -- start, stop -------------------------------------------------------------
+
+    def start(self) -> None:
+        """The PUB to every upstream collector, then follow the first upstream."""
+        cfg = self._config
+        pub = self._sockets.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, cfg.collector_hwm)
         # Queue only for a collector that is there, and say when a queue is
         # full rather than drop: either way the writer is told (module doc).
         pub.setsockopt(zmq.IMMEDIATE, 1)
         pub.setsockopt(zmq.XPUB_NODROP, 1)
         for host_port in cfg.upstream:
-            pub.connect(_collector(host_port))
-        self._upstream_pub = pub
-        self._upstream_heard = self._clock()
-        log.info("relay of %s: following %s", ", ".join(cfg.upstream), self._followed)
-        self._sync_started = self._clock()
+            pub.connect(peer_endpoint(host_port, COLLECTOR_OFFSET))
+        self.forwarder = Forwarder(
+            pub, self._shared, stale=self.stale, publish=self._publish, refuse=self._refuse
+        )
+        self._heard = self._clock()
+        log.info("relay of %s: following %s", ", ".join(cfg.upstream), self.followed)
         self._follow_upstream()
 
     def _follow_upstream(self) -> None:
-        """Follow ``_followed``, watching its SUB's handshakes."""
-        fresh = self._peer_sub is None
-        self._follow()
-        sub = self._peer_sub
-        if fresh and sub is not None:
-            self._watch_upstream(sub.socket)
+        """Follow :attr:`followed`, watching its SUB's handshakes."""
+        sub = self._follow()
+        if sub is not None:
+            self._watch(sub)
 
-    def _close_relay(self) -> None:
-        self._close_upstream_monitor()
+    def close(self) -> None:
+        self._close_monitor()
         self._close_call_dealer()
-        self._relay_calls.clear()
-        self._relay_writers.clear()
-        pub, self._upstream_pub = self._upstream_pub, None
-        if pub is not None and not pub.closed:
-            pub.close(linger=0)
+        self.calls.clear()
+        forwarder, self.forwarder = self.forwarder, None
+        if forwarder is not None:
+            forwarder.close()
 
     # -- why the upstream does not answer ---------------------------------------
 
-    def _watch_upstream(self, sock: zmq.Socket[Any]) -> None:
+    def _watch(self, sock: zmq.Socket[Any]) -> None:
         """A socket monitor on the upstream SUB: a refused key is otherwise
         only silence.  Diagnosis only: without a monitor the relay works."""
-        self._close_upstream_monitor()
+        self._close_monitor()
         try:
             monitor = sock.get_monitor_socket(_MONITORED)
         except zmq.ZMQError as exc:
             log.debug("no socket monitor on the upstream SUB: %s", exc)
             return
         monitor.setsockopt(zmq.LINGER, 0)
-        self._upstream_monitor = self._stream(monitor, self._on_upstream_monitor)
+        self._watched = sock
+        self._monitor = self._sockets.stream(monitor, self._on_monitor)
 
-    def _close_upstream_monitor(self) -> None:
-        stream, self._upstream_monitor = self._upstream_monitor, None
+    def _close_monitor(self) -> None:
+        stream, self._monitor = self._monitor, None
+        sub, self._watched = self._watched, None
         if stream is None:
             return
-        sub = self._peer_sub
-        if sub is not None and not sub.closed():
+        if sub is not None and not sub.closed:
             try:
-                sub.socket.disable_monitor()
+                sub.disable_monitor()
             except zmq.ZMQError:
                 pass
-        self._forget(stream)
+        self._sockets.forget(stream)
 
-    def _on_upstream_monitor(self, frames: list[bytes]) -> None:
+    def _on_monitor(self, frames: list[bytes]) -> None:
         try:
             event = parse_monitor_message(frames)
         except (ValueError, RuntimeError):  # a libzmq we do not understand
@@ -174,7 +246,7 @@ class RelayMixin(ServerBase):
         failed = _HANDSHAKE_FAILED.get(int(event["event"]))
         if failed is None:
             return
-        self.counters["upstream_handshake_failures"] += 1
+        self._counters["upstream_handshake_failures"] += 1
         keypair = self._upstream_keypair
         if keypair is None:
             hint = (
@@ -184,15 +256,15 @@ class RelayMixin(ServerBase):
         else:
             hint = (
                 f"our key {fingerprint(keypair.public)} (--upstream-curve-secret"
-                f" {self.config.upstream_curve_secret}) must be in the upstream's clients"
+                f" {self._config.upstream_curve_secret}) must be in the upstream's clients"
                 " directory (then SIGHUP it), and --upstream-server-key must be its"
                 " public certificate"
             )
-        self._throttle.log(
+        self._shared.throttle.log(
             "upstream_handshake",
             logging.WARNING,
             "upstream %s %s (event value %s); we stay stale: %s",
-            self._followed,
+            self.followed,
             failed,
             event.get("value"),
             hint,
@@ -200,9 +272,9 @@ class RelayMixin(ServerBase):
 
     # -- the upstream ----------------------------------------------------------
 
-    def _heard_upstream(self, frames: list[bytes]) -> None:
+    def heard(self, frames: list[bytes]) -> None:
         """Any message from the followed server's publisher: it is alive."""
-        self._upstream_heard = self._clock()
+        self._heard = self._clock()
         if frames and frames[0] == HUGZ:
             try:
                 hugz = decode_update(frames)
@@ -210,120 +282,125 @@ class RelayMixin(ServerBase):
                 return  # the core counts and logs it
             if isinstance(hugz, Hugz):
                 if hugz.heartbeat:
-                    self._upstream_heartbeat = hugz.heartbeat
+                    self._heartbeat = hugz.heartbeat
                 stale = hugz.stale
                 if stale != self._upstream_stale:
                     self._upstream_stale = stale
                     log.warning(
-                        "upstream %s says it is %s", self._followed, "stale" if stale else "fresh"
+                        "upstream %s says it is %s", self.followed, "stale" if stale else "fresh"
                     )
 
-    def _relay_synced(self) -> None:
-        if not self._relay_synced_once:
-            self._relay_synced_once = True
-        self._upstream_heard = self._clock()
-        if self.core.last_sync == "full" and self._view_counts:
-            # The copy was replaced without publishing the difference.  Plain
-            # clients see our sequence jump; restricted ones only compare
-            # counts, so each view's moves on by one: its clients resync.
-            for vid in self._view_counts:
-                self._view_counts[vid] += 1
+    def heard_now(self) -> None:
+        """The followed server's snapshot port answered: it is alive."""
+        self._heard = self._clock()
+
+    def synced(self) -> None:
+        """A sync from the followed server finished: calls can go there.
+        A full one replaced our copy without publishing the difference:
+        ``views_replaced`` (security's) moves each restricted view on."""
+        self._synced_once = True
+        self._heard = self._clock()
+        if self._core.last_sync == "full":
+            self._views_replaced()
         self._open_call_dealer()
 
-    def _check_upstream(self) -> None:
+    def check(self) -> None:
         """Housekeeping: forget old requests; give up a silent (or
         unanswering) upstream for the next."""
-        cfg = self.config
+        cfg = self._config
         now = self._clock()
-        self._relay_calls.expire(now)
-        self._relay_writers.expire(now)
+        self.calls.expire(now)
+        if self.forwarder is not None:
+            self.forwarder.writers.expire(now)
+        syncing = self._core.sync_state is SyncState.SYNCING
         if not upstream_lost(
             now=now,
-            syncing=self.core.sync_state is SyncState.SYNCING,
-            sync_started=self._sync_progress,
+            syncing=syncing,
+            sync_started=self._sync_progress(),
             sync_timeout=cfg.effective_sync_timeout,
-            heard=self._upstream_heard,
-            heartbeat=max(self._upstream_heartbeat, cfg.heartbeat),
+            heard=self._heard,
+            heartbeat=max(self._heartbeat, cfg.heartbeat),
             missed=cfg.ha_missed,
         ):
             return
-        was = self._followed
-        self._upstream_index = (self._upstream_index + 1) % len(cfg.upstream)
-        self._followed = cfg.upstream[self._upstream_index]
+        was = self.followed
+        self._index = (self._index + 1) % len(cfg.upstream)
+        self.followed = cfg.upstream[self._index]
         self._upstream_stale = False
-        self.counters["upstream_switches"] += 1
-        self._throttle.log(
+        self._counters["upstream_switches"] += 1
+        self._shared.throttle.log(
             "upstream_switch",
             logging.WARNING,
             "upstream %s %s; following %s (serving our copy at sequence %d meanwhile)",
             was,
-            "did not answer our snapshot request"
-            if self.core.sync_state is SyncState.SYNCING
-            else "is silent",
-            self._followed,
-            self.core.store.sequence,
+            "did not answer our snapshot request" if syncing else "is silent",
+            self.followed,
+            self._core.store.sequence,
         )
-        self._close_upstream_monitor()
+        self._close_monitor()
         self._close_call_dealer()
-        self._close_peer()
-        # _upstream_heard stays: until the new upstream speaks, we are stale.
-        self._sync_started = now
+        self._close_follow()
+        # _heard stays: until the new upstream speaks, we are stale.
         self._follow_upstream()
 
-    def _relay_stale(self) -> bool:
-        cfg = self.config
+    def stale(self) -> bool:
+        """Whether our HUGZ say ``stale=1`` (:func:`.relayrules.relay_stale`)."""
+        cfg = self._config
         return relay_stale(
             now=self._clock(),
-            synced_once=self._relay_synced_once,
-            heard=self._upstream_heard,
-            heartbeat=max(self._upstream_heartbeat, cfg.heartbeat),
+            synced_once=self._synced_once,
+            heard=self._heard,
+            heartbeat=max(self._heartbeat, cfg.heartbeat),
             missed=cfg.ha_missed,
             upstream_stale=self._upstream_stale,
         )
 
-    def _relay_hugz(self) -> list[bytes]:
-        return encode_hugz(self.core.store.sequence, self._heartbeat_ms, stale=self._relay_stale())
+    def hugz(self, heartbeat_ms: int) -> list[bytes]:
+        """Our own HUGZ: our sequence, and whether we have lost the pair."""
+        return encode_hugz(self._core.store.sequence, heartbeat_ms, stale=self.stale())
 
-    def _on_upstream_control(self, frames: list[bytes]) -> None:
+    def on_control(self, frames: list[bytes]) -> None:
         """A control message from the upstream's CURVE publisher, to our key.
 
         A refusal notice answers a write we forwarded: it goes on to the
         client that wrote it.  A view heartbeat means the upstream gives our
         key restricted read rights: a relay's copy must be whole, so say so.
         """
+        throttle = self._shared.throttle
         try:
             msg = decode_control(frames)
         except ProtocolError as exc:
-            self._throttle.log(
-                "upstream_control", logging.WARNING, "dropped a control message: %s", exc
-            )
+            throttle.log("upstream_control", logging.WARNING, "dropped a control message: %s", exc)
             return
         if isinstance(msg, Refusal):
-            self.counters["kvset_refused_upstream"] += 1
-            writer = self._relay_writers.take(msg.uuid, self._clock())
-            self._throttle.log(
+            self._counters["kvset_refused_upstream"] += 1
+            forwarder = self.forwarder
+            writer = None
+            if forwarder is not None:
+                writer = forwarder.writers.take(msg.uuid, self._clock())
+            throttle.log(
                 "kvset_refused_upstream",
                 logging.WARNING,
                 "upstream %s refused a write we forwarded%s (%s)%s",
-                self._followed,
+                self.followed,
                 f" for {writer}" if writer else "",
                 msg.reason,
                 ": its ACL judges our key's write prefixes" if msg.reason == "acl" else "",
             )
             if msg.reason in REFUSAL_REASONS:
-                if writer is not None:
-                    self._refusal(writer, msg.uuid, msg.reason)
-                elif self._keypair is None and msg.uuid:
+                if writer is not None and self._refuse is not None:
+                    self._refuse(writer, msg.uuid, msg.reason)
+                elif self._refuse is None and msg.uuid:
                     # A plain relay knows no writers: on to all, as it came.
-                    self.publisher.publish(encode_refusal(ANY_WRITER, msg.uuid, msg.reason))
+                    self._publish(encode_refusal(ANY_WRITER, msg.uuid, msg.reason))
         elif isinstance(msg, ViewHeartbeat):
-            self._throttle.log(
+            throttle.log(
                 "upstream_view",
                 logging.ERROR,
                 "upstream %s gives our key restricted read rights (view %s): a relay"
-                " needs read = [\"\"] in its ACL, or its copy has holes and it keeps"
+                ' needs read = [""] in its ACL, or its copy has holes and it keeps'
                 " resyncing",
-                self._followed,
+                self.followed,
                 msg.view,
             )
 
@@ -332,15 +409,14 @@ class RelayMixin(ServerBase):
     def _open_call_dealer(self) -> None:
         """A DEALER on the snapshot port of the upstream we synced from
         (kept while we follow it: calls are answered by the active server)."""
-        followed = self._followed
+        followed = self.followed
         if self._call_dealer is not None and self._call_upstream == followed:
             return
         self._close_call_dealer()
-        assert followed is not None
-        dealer = self._socket(zmq.DEALER)
-        dealer.setsockopt(zmq.SNDHWM, self.config.snapshot_hwm)
+        dealer = self._sockets.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.SNDHWM, self._config.snapshot_hwm)
         dealer.connect(peer_endpoint(followed, SNAPSHOT_OFFSET))
-        self._call_dealer = self._stream(dealer, self._on_call_reply)
+        self._call_dealer = self._sockets.stream(dealer, self._on_call_reply)
         self._call_upstream = followed
 
     def _close_call_dealer(self) -> None:
@@ -348,9 +424,9 @@ class RelayMixin(ServerBase):
         stream, self._call_dealer = self._call_dealer, None
         self._call_upstream = None
         if stream is not None:
-            self._forget(stream)
+            self._sockets.forget(stream)
 
-    def _forward_call(
+    def forward_call(
         self, identity: bytes, frames: list[bytes], user: str | None = None, caller: str = ""
     ) -> None:
         """A client's CALL? (``frames`` from b"CALL?" on): to the upstream.
@@ -363,30 +439,29 @@ class RelayMixin(ServerBase):
         call we cannot forward now is answered ``not-active`` (the caller
         retries) or dropped (it times out and retries); never held.
         """
+        throttle = self._shared.throttle
         uuid = call_uuid(frames)
         if uuid is None:
-            self._throttle.log(
-                "call", logging.WARNING, "dropped a CALL? from %s: no uuid", who(identity)
+            throttle.log(
+                "call", logging.WARNING, "dropped a CALL? from %s: no uuid", _who(identity)
             )
             return
-        if self._keypair is not None:
-            why = self._call_refusal(frames, user)
+        if self._access.secure:
+            why = self._access.call_refusal(frames, user)
             if why is not None:
-                self.counters["calls_forward_refused_acl"] += 1
-                self._throttle.log(
-                    "call_acl", logging.WARNING, "refused a call from %s: %s", user, why
-                )
-                self._send_reply(identity, Reply(uuid, "refused", reason="acl", detail=why))
+                self._counters["calls_forward_refused_acl"] += 1
+                throttle.log("call_acl", logging.WARNING, "refused a call from %s: %s", user, why)
+                self._reply(identity, Reply(uuid, "refused", reason="acl", detail=why))
                 return
         if self._upstream_keypair is not None and caller:
             frames = self._with_caller(frames, user, caller)
         stream = self._call_dealer
-        if stream is None or stream.closed() or self._relay_stale():
+        if stream is None or stream.closed() or self.stale():
             # Stale but not yet moved on (up to a housekeeping turn): the
             # upstream is silent, a call sent there would only time out.
             unsynced = stream is None or stream.closed()
-            self.counters["calls_forward_not_synced"] += 1
-            self._send_reply(
+            self._counters["calls_forward_not_synced"] += 1
+            self._reply(
                 identity,
                 Reply(
                     uuid,
@@ -403,15 +478,15 @@ class RelayMixin(ServerBase):
         # so only once the caller is known (a reply read then is routed).
         with Burst(lambda: self._take_call_replies(stream)) as burst:
             if burst.send(stream.socket, frames) is not Sent.OK:
-                self.counters["calls_forward_dropped"] += 1
+                self._counters["calls_forward_dropped"] += 1
                 return
-            self.counters["calls_forwarded"] += 1
-            if self._relay_calls.add(uuid, identity, self._clock()):
-                self._throttle.log(
+            self._counters["calls_forwarded"] += 1
+            if self.calls.add(uuid, identity, self._clock()):
+                throttle.log(
                     "calls_in_flight",
                     logging.WARNING,
                     "%d calls in flight upstream: forgot the oldest (its caller retries)",
-                    self._relay_calls.limit,
+                    self.calls.limit,
                 )
 
     def _with_caller(self, frames: list[bytes], user: str | None, caller: str) -> list[bytes]:
@@ -425,24 +500,13 @@ class RelayMixin(ServerBase):
             props = decode_properties(frames[4])
         except ProtocolError:
             return frames
-        if user is not None and user in self.config.trusted_relays:
+        if user is not None and user in self._config.trusted_relays:
             if any(name == CALLER_PROPERTY for name, _ in props):
                 return frames
         kept = tuple((n, v) for n, v in props if n != CALLER_PROPERTY)
         out = list(frames)
         out[4] = encode_properties((*kept, (CALLER_PROPERTY, caller)))
         return out
-
-    def _call_refusal(self, frames: list[bytes], user: str | None) -> str | None:
-        """Why our ACL refuses this call to ``user``, or None to forward it
-        (:func:`clone.server.access.call_refusal`)."""
-        return call_refusal(
-            frames,
-            user,
-            write_all=self._write_all,
-            admitted=self._admitted,
-            rights_of=self._rights_of,
-        )
 
     def _take_call_replies(self, stream: ZMQStream) -> None:
         """REPLYs our send on the call DEALER may have hidden from its stream.
@@ -465,97 +529,23 @@ class RelayMixin(ServerBase):
         """A REPLY from the upstream: to the caller of its uuid, at once or never."""
         # 4 frames, or 5 answering a lease-keepalives (clone.wire.calls).
         if len(frames) not in (4, 5) or frames[0] != REPLY or len(frames[1]) != 16:
-            self._throttle.log(
+            self._shared.throttle.log(
                 "call_reply",
                 logging.WARNING,
                 "dropped a malformed answer to a forwarded call from %s",
                 self._call_upstream,
             )
             return
-        identity = self._relay_calls.take(frames[1], self._clock())
+        identity = self.calls.take(frames[1], self._clock())
         if identity is None:
-            self.counters["call_replies_unmatched"] += 1  # its caller gave up long ago
+            self._counters["call_replies_unmatched"] += 1  # its caller gave up long ago
             return
         sock = self._router
-        if sock is None or sock.closed:
+        if sock.closed:
             return
         # Sent from the DEALER's callback, not the ROUTER stream's: look at
         # the requests our send may have hidden from it.
-        if send(sock, [identity, *frames], backlog=self._take_router_backlog) is not Sent.OK:
-            self.counters["call_replies_dropped"] += 1  # its pipe is full, or it went away
+        if send(sock, [identity, *frames], backlog=self._router_backlog) is not Sent.OK:
+            self._counters["call_replies_dropped"] += 1  # its pipe is full, or it went away
             return
-        self.counters["call_replies_forwarded"] += 1
-
-    # -- client writes -----------------------------------------------------------
-
-    def _on_relay_collector(self, frames: list[bytes]) -> None:
-        """KVSETs from our clients: forwarded as they are to the pair's
-        collectors, or refused with a notice to everyone (we know no names)."""
-        pub = self._upstream_pub
-        sock = self._collector
-        if pub is None or sock is None:
-            return
-        stale = self._relay_stale()
-        for _ in range(self.config.collector_batch):
-            self._forward_kvset(pub, frames, stale, None)
-            try:
-                frames = recv_frames(sock)
-            except zmq.Again:
-                return
-
-    def _forward_kvset(
-        self, pub: zmq.Socket[Any], frames: list[bytes], stale: bool, writer: str | None
-    ) -> bool:
-        """One KVSET to the pair's collectors, or refused (counted, logged
-        rate-limited, its writer told); whether it was forwarded."""
-        queued = False
-        if not stale:
-            # A PUB reads nothing: no backlog to look at.
-            queued = send(pub, frames, backlog=None) is Sent.OK
-        why = forward_refusal(stale=stale, queued=queued)
-        if why is None:
-            self.counters["kvset_forwarded"] += 1
-            return True
-        self.counters["kvset_refused_stale" if stale else "kvset_forward_dropped"] += 1
-        self._throttle.log(
-            "kvset_" + why,
-            logging.WARNING,
-            "refused a write%s: %s",
-            f" by {writer}" if writer else "",
-            "we have lost the pair (stale)" if stale else "our queue to the pair is full",
-        )
-        uuid = frames[2] if len(frames) == 5 else b""
-        if len(uuid) == 16:
-            if self._keypair is not None:
-                self._refusal(writer, uuid, why)
-            else:
-                self.publisher.publish(encode_refusal(ANY_WRITER, uuid, why))
-        return False
-
-    def _on_relay_collector_secure(self, parts: list[zmq.Frame]) -> None:
-        """As :meth:`_on_relay_collector`, serving over CURVE: each KVSET is
-        checked against its writer's rights in *our* ACL first (refused with a
-        notice, as the pair does), and its writer remembered, so that a
-        refusal by the pair reaches it too."""
-        pub = self._upstream_pub
-        sock = self._collector
-        if pub is None or sock is None:
-            return
-        first = parts[0]
-        frames = [part.bytes for part in parts]
-        now = self._clock()
-        stale = self._relay_stale()
-        for _ in range(self.config.collector_batch):
-            writer = self._relay_write_allowed(first, frames)
-            if writer is not None and self._forward_kvset(pub, frames, stale, writer):
-                if len(frames) == 5 and len(frames[2]) == 16 and writer != PEER_USER:
-                    self._relay_writers.add(frames[2], writer, now)
-            try:
-                first, frames = recv_frames_and_first(sock)
-            except zmq.Again:
-                return
-
-    def _relay_write_allowed(self, first: zmq.Frame, frames: list[bytes]) -> str | None:
-        """The writer's name if our ACL lets it write this key; else None (refused)."""
-        allowed, user = self._acl_writer(first, frames, notify=True)
-        return user if allowed else None
+        self._counters["call_replies_forwarded"] += 1

@@ -17,7 +17,7 @@ certificate name) and its :class:`~clone.security.acl.Rights`:
 * **Snapshots** (the snapshot port): only keys under the requester's read
   prefixes; a restricted requester's KTHXBAI carries its view id and count.
 * **The update stream**: the publisher is an XPUB in manual mode, and
-  :meth:`SecurityMixin._on_subscription` maps what a connection asks for to
+  :meth:`Security.on_subscription` maps what a connection asks for to
   what it may receive (docs/protocol.md, "Security"); each view of restricted
   readers gets its own heartbeat with the count of updates published in it.
 
@@ -36,22 +36,29 @@ that every subscriber reconnects and its subscriptions are decided afresh
 
 Fail closed everywhere: an unknown name, a missing ACL table or a name the
 reload removed means no access.
+
+All of it is one part, :class:`Security`, built with the config, the zmq
+context, the shared clocks and counters, the :class:`~.access.Access`
+settings it installs (the other parts read them) and a way to publish a
+notice; ``tests/server/test_security_part.py`` drives it alone.  The server
+binds the publisher again when :meth:`Security.reload` says rights shrank.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from clone.errors import SecurityError
 from clone.security import (
-    NOTHING,
     PEER_USER,
     Acl,
     ClientKeys,
     Gatekeeper,
+    KeyPair,
     Rights,
     configure_client_socket,
     configure_server_socket,
@@ -60,10 +67,9 @@ from clone.security import (
     load_public,
     load_secret,
 )
-from clone.server.access import may_write
-from clone.server.base import ServerBase, log
-from clone.server.config import ServerMode
-from clone.server.core import Role
+from clone.server.access import Access
+from clone.server.config import ServerConfig, ServerMode
+from clone.server.shared import Shared
 from clone.wire.control import (
     encode_refusal,
     encode_view_heartbeat,
@@ -72,7 +78,9 @@ from clone.wire.control import (
     view_topic,
 )
 
-__all__ = ["SecurityMixin", "subscription_topics"]
+__all__ = ["Security", "subscription_topics"]
+
+log = logging.getLogger("clone.server.reactor")
 
 # Every first byte but NUL: a reader of everything gets keys and HUGZ, never
 # another user's control topic.
@@ -108,16 +116,47 @@ def subscription_topics(topic: bytes, rights: Rights, name: str) -> list[bytes]:
     return out
 
 
-class SecurityMixin(ServerBase):
-    """Keys, the ZAP handler, the ACL and the filtered update stream."""
+class Security:
+    """Keys, the ZAP handler, the ACL and the filtered update stream.
+
+    Without ``--curve-secret`` (and, for a relay, ``--upstream-curve-secret``)
+    every key is None and every method lets everything through, as the
+    server did before CURVE: :attr:`Access.secure` stays False.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        ctx: zmq.Context[Any],
+        shared: Shared,
+        access: Access,
+        *,
+        publish: Callable[[list[bytes]], None],
+    ) -> None:
+        self._config = config
+        self._ctx = ctx
+        self._shared = shared
+        self._counters = shared.counters
+        self.access = access
+        self._publish = publish
+        self.keypair: KeyPair | None = None
+        self.gatekeeper: Gatekeeper | None = None
+        # A relay's CURVE towards its upstream (its own client key pair, the
+        # upstream's public key); None: it follows in clear text.
+        self.upstream_keypair: KeyPair | None = None
+        self.upstream_server_key: bytes | None = None
+        self.acl: Acl | None = None
+        self.views: dict[str, tuple[bytes, ...]] = {}  # view id -> read prefixes
+        self.view_counts: dict[str, int] = {}  # view id -> updates published in it
+        self.view_prefixes: list[tuple[str, tuple[bytes, ...]]] = []
 
     # -- start, reload, stop ---------------------------------------------------
 
-    def _open_security(self) -> None:
+    def open(self) -> None:
         """Load the keys and the ACL and start the ZAP handler (before any bind)."""
-        cfg = self.config
+        cfg = self._config
         if cfg.mode is ServerMode.RELAY:
-            self._open_upstream_security()
+            self._open_upstream()
         if cfg.curve_secret is None:
             log.warning(
                 "no --curve-secret: anyone who can reach the ports reads and writes every"
@@ -126,7 +165,7 @@ class SecurityMixin(ServerBase):
             return
         assert cfg.clients_dir is not None
         keypair = load_secret(cfg.curve_secret)
-        if keypair.public == self._upstream_server_key:
+        if keypair.public == self.upstream_server_key:
             log.warning(
                 "--curve-secret is the pair's own certificate: whoever reads this relay's"
                 " files can act as a server of the pair; give the relay its own (clone"
@@ -137,8 +176,9 @@ class SecurityMixin(ServerBase):
         self._report_keys(keys, acl)
         gatekeeper = Gatekeeper(self._ctx, keypair.public, keys, log=log)
         gatekeeper.start()
-        self._keypair = keypair
-        self._gatekeeper = gatekeeper
+        self.keypair = keypair
+        self.access.secure = True
+        self.gatekeeper = gatekeeper
         self._install_acl(keys, acl)
         log.info(
             "CURVE on every socket: %d client certificates from %s; %s",
@@ -147,13 +187,13 @@ class SecurityMixin(ServerBase):
             f"ACL {cfg.acl}" if cfg.acl else "no --acl: every admitted client reads and writes all",
         )
 
-    def _open_upstream_security(self) -> None:
+    def _open_upstream(self) -> None:
         """A relay's key pair and its upstream's public key, if it follows over CURVE.
 
         Fail closed: a certificate that does not load stops the relay here,
         before any socket exists, naming the flag and the file.
         """
-        cfg = self.config
+        cfg = self._config
         if cfg.upstream_curve_secret is None:
             log.warning(
                 "no --upstream-curve-secret: following %s in clear text (a CURVE pair"
@@ -176,8 +216,8 @@ class SecurityMixin(ServerBase):
                 " admits this relay as its peer, with every right and no ACL; give the"
                 " relay its own client certificate (clone keygen)"
             )
-        self._upstream_keypair = keypair
-        self._upstream_server_key = server_key
+        self.upstream_keypair = keypair
+        self.upstream_server_key = server_key
         log.info(
             "CURVE towards the upstream: our key %s (%s), the upstream's %s (%s)",
             fingerprint(keypair.public),
@@ -186,39 +226,41 @@ class SecurityMixin(ServerBase):
             cfg.upstream_server_key,
         )
 
-    def _close_security(self) -> None:
+    def close(self) -> None:
         """Stop the ZAP handler: only once every CURVE socket is closed."""
-        gatekeeper, self._gatekeeper = self._gatekeeper, None
+        gatekeeper, self.gatekeeper = self.gatekeeper, None
         if gatekeeper is not None:
             gatekeeper.stop()
 
-    def _reload_security(self) -> None:
-        """SIGHUP: read the clients directory and the ACL again."""
-        cfg = self.config
-        gatekeeper = self._gatekeeper
+    def reload(self) -> bool:
+        """SIGHUP: read the clients directory and the ACL again.  Whether the
+        publisher must be bound again (a key removed, or read rights changed)."""
+        cfg = self._config
+        gatekeeper = self.gatekeeper
         if gatekeeper is None:
             log.info("SIGHUP: no --curve-secret, nothing to reload")
-            return
+            return False
         assert cfg.clients_dir is not None
         try:
             keys = load_client_keys(cfg.clients_dir)
             acl = Acl.load(cfg.acl) if cfg.acl is not None else Acl.allow_all()
         except SecurityError as exc:
-            self.counters["security_reload_errors"] += 1
+            self._counters["security_reload_errors"] += 1
             log.error("SIGHUP: %s; keeping the clients and ACL loaded before", exc)
-            return
+            return False
         self._report_keys(keys, acl)
-        old_names = set(self._admitted)
-        old_rights = {name: self._rights_of(name) for name in old_names}
+        access = self.access
+        old_names = set(access.admitted)
+        old_rights = {name: access.rights_of(name) for name in old_names}
         gatekeeper.replace_keys(keys)
         self._install_acl(keys, acl)
-        removed = old_names - set(self._admitted)
+        removed = old_names - set(access.admitted)
         narrowed = [
             name
             for name in old_names - removed
-            if self._rights_of(name).read != old_rights[name].read
+            if access.rights_of(name).read != old_rights[name].read
         ]
-        self.counters["security_reloads"] += 1
+        self._counters["security_reloads"] += 1
         log.warning(
             "SIGHUP: %d client certificates, %s; removed %s, read rights changed for %s",
             len(keys),
@@ -226,8 +268,7 @@ class SecurityMixin(ServerBase):
             sorted(removed) or "none",
             sorted(narrowed) or "none",
         )
-        if removed or narrowed:
-            self._rebind_publisher()
+        return bool(removed or narrowed)
 
     def _report_keys(self, keys: ClientKeys, acl: Acl) -> None:
         for problem in keys.problems:
@@ -237,18 +278,17 @@ class SecurityMixin(ServerBase):
             log.warning("ACL table [client.%s] has no certificate in the clients directory", name)
 
     def _install_acl(self, keys: ClientKeys, acl: Acl) -> None:
-        self._acl = acl
-        self._admitted = {*keys.names.values(), PEER_USER}
-        self._rights = {name: acl.rights(name) for name in self._admitted}
-        # Who may write every key: their writes skip the prefix check (hot path).
-        self._write_all = {name for name, r in self._rights.items() if b"" in r.write}
+        self.acl = acl
+        self.access.install({name: acl.rights(name) for name in {*keys.names.values(), PEER_USER}})
         views = {view_id(prefixes): prefixes for prefixes in acl.views()}
         # Keep the counts of views that stay: their subscribers' bases stay valid.
-        self._view_counts = {vid: self._view_counts.get(vid, 0) for vid in views}
-        self._views = views
-        self._view_prefixes = [(vid, prefixes) for vid, prefixes in views.items() if prefixes]
+        self.view_counts = {vid: self.view_counts.get(vid, 0) for vid in views}
+        self.views = views
+        self.view_prefixes = [(vid, prefixes) for vid, prefixes in views.items() if prefixes]
 
-    def _acl_writer(
+    # -- writes ------------------------------------------------------------------
+
+    def judge(
         self, first: zmq.Frame, frames: list[bytes], *, notify: bool
     ) -> tuple[bool, str | None]:
         """Whether the sender of a KVSET (``first``: its first frame, which
@@ -261,16 +301,10 @@ class SecurityMixin(ServerBase):
             user: str | None = str(first.get("User-Id"))
         except zmq.ZMQError:
             user = None
-        if may_write(
-            user,
-            frames,
-            write_all=self._write_all,
-            admitted=self._admitted,
-            rights_of=self._rights_of,
-        ):
+        if self.access.may_write(user, frames):
             return True, user
-        self.counters["kvset_refused_acl"] += 1
-        self._throttle.log(
+        self._counters["kvset_refused_acl"] += 1
+        self._shared.throttle.log(
             "kvset_acl",
             logging.WARNING,
             "refused a write by %s to %r: not under its write prefixes",
@@ -278,43 +312,41 @@ class SecurityMixin(ServerBase):
             frames[0][:80] if frames else b"",
         )
         if notify and len(frames) == 5 and len(frames[2]) in (0, 16):
-            self._refusal(user, frames[2], "acl")
+            self.refusal(user, frames[2], "acl")
         return False, user
 
-    def _rights_of(self, name: str | None) -> Rights:
-        """A connection's rights: nothing for an unknown or removed name."""
-        if name is None:
-            return NOTHING
-        return self._rights.get(name, NOTHING)
+    def refusal(self, name: str | None, uuid: bytes, reason: str) -> None:
+        """Tell the writer its update was refused (best effort)."""
+        if name is None or name == PEER_USER or name not in self.access.admitted:
+            return
+        self._publish(encode_refusal(name, uuid, reason))
 
     # -- sockets -------------------------------------------------------------
 
-    def _secure(self, sock: zmq.Socket[Any], *, bound: bool) -> None:
+    def secure(self, sock: zmq.Socket[Any], *, bound: bool) -> None:
         """CURVE for one socket, before it binds (server) or connects to the
         peer (with the pair's key) or, for a relay, to its upstream (with its own)."""
-        keypair = self._keypair
+        keypair = self.keypair
         if bound:
             if keypair is not None:
                 configure_server_socket(sock, keypair)
             return
-        if self.config.mode is ServerMode.RELAY:
-            upstream = self._upstream_keypair
+        if self._config.mode is ServerMode.RELAY:
+            upstream = self.upstream_keypair
             if upstream is not None:
-                assert self._upstream_server_key is not None
-                configure_client_socket(sock, upstream, self._upstream_server_key)
+                assert self.upstream_server_key is not None
+                configure_client_socket(sock, upstream, self.upstream_server_key)
             return
         if keypair is not None:
             configure_client_socket(sock, keypair, keypair.public)
 
-    def _secure_bstar(self, sock: zmq.Socket[Any], bound: bool) -> None:
-        self._secure(sock, bound=bound)
+    def secure_bstar(self, sock: zmq.Socket[Any], bound: bool) -> None:
+        self.secure(sock, bound=bound)
 
     # -- the update stream ---------------------------------------------------
 
-    def _on_subscription(self, parts: list[zmq.Frame]) -> None:
+    def on_subscription(self, pub: zmq.Socket[Any], parts: list[zmq.Frame]) -> None:
         """XPUB_MANUAL: decide what this connection receives (one message each)."""
-        sock = self._pub
-        assert sock is not None
         frame = parts[0]
         raw = frame.bytes
         if not raw or raw[0] not in (0, 1):
@@ -324,18 +356,19 @@ class SecurityMixin(ServerBase):
         except zmq.ZMQError:
             name = None
         option = zmq.SUBSCRIBE if raw[0] == 1 else zmq.UNSUBSCRIBE
-        if name is None or name not in self._admitted:
+        access = self.access
+        if name is None or name not in access.admitted:
             # libzmq drops a closed connection's subscriptions itself (the
             # unsubscriptions it reports then carry no name): only a refused
             # subscription counts.
             if option == zmq.SUBSCRIBE:
-                self.counters["subscriptions_refused"] += 1
+                self._counters["subscriptions_refused"] += 1
             return
-        for topic in subscription_topics(raw[1:], self._rights_of(name), name):
-            sock.setsockopt(option, topic)
-        self.counters["subscriptions"] += 1
+        for topic in subscription_topics(raw[1:], access.rights_of(name), name):
+            pub.setsockopt(option, topic)
+        self._counters["subscriptions"] += 1
 
-    def _take_subscriptions(self) -> None:
+    def take_subscriptions(self, pub: zmq.Socket[Any]) -> None:
         """Handle subscription messages our own sends on the XPUB may have hidden.
 
         Every send on a socket may consume the edge of its file descriptor
@@ -346,23 +379,22 @@ class SecurityMixin(ServerBase):
         heartbeat calls this after its own sends: a subscription waits at most
         one heartbeat, and the hot path pays nothing.
         """
-        stream, sock = self._pub_stream, self._pub
-        if stream is None or sock is None or sock.closed:
+        if pub.closed:
             return
         for _ in range(_SUBSCRIPTIONS_PER_HEARTBEAT):
-            if not sock.poll(0, zmq.POLLIN):
+            if not pub.poll(0, zmq.POLLIN):
                 return
             try:
-                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                parts = pub.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            self.counters["subscriptions_at_heartbeat"] += 1
-            self._on_subscription(parts)
+            self._counters["subscriptions_at_heartbeat"] += 1
+            self.on_subscription(pub, parts)
 
-    def _count_views(self, updates: list[list[bytes]]) -> None:
+    def count_views(self, updates: list[list[bytes]]) -> None:
         """Count the published updates of each view (for its heartbeat)."""
-        counts = self._view_counts
-        for vid, prefixes in self._view_prefixes:
+        counts = self.view_counts
+        for vid, prefixes in self.view_prefixes:
             n = 0
             for frames in updates:
                 if frames[0].startswith(prefixes):
@@ -370,25 +402,19 @@ class SecurityMixin(ServerBase):
             if n:
                 counts[vid] += n
 
-    def _view_heartbeats(self) -> list[list[bytes]]:
-        sequence = self.core.store.sequence
-        # A relay's restricted clients are told it is stale as its HUGZ tell the others.
-        stale = self.core.role is Role.RELAY and self._relay_stale()
+    def view_heartbeats(
+        self, sequence: int, heartbeat_ms: int, *, stale: bool
+    ) -> list[list[bytes]]:
+        """Each view's heartbeat: our sequence and the count published in it
+        (``stale``: a relay's restricted clients are told as the others)."""
         return [
-            encode_view_heartbeat(vid, sequence, self._heartbeat_ms, count, stale=stale)
-            for vid, count in self._view_counts.items()
+            encode_view_heartbeat(vid, sequence, heartbeat_ms, count, stale=stale)
+            for vid, count in self.view_counts.items()
         ]
 
-    def _refusal(self, name: str | None, uuid: bytes, reason: str) -> None:
-        """Tell the writer its update was refused (best effort)."""
-        if name is None or name == PEER_USER or name not in self._admitted:
-            return
-        self.publisher.publish(encode_refusal(name, uuid, reason))
-
-    def _rebind_publisher(self) -> None:
-        """Close and bind the publisher again: every subscriber re-subscribes
-        and is decided under the new rules."""
-        if self._pub is None:
-            return
-        self.counters["publisher_rebinds"] += 1
-        self._bind_publisher(rebind=True)
+    def views_replaced(self) -> None:
+        """A relay's copy was replaced without publishing the difference.
+        Plain clients see our sequence jump; restricted ones only compare
+        counts, so each view's moves on by one: its clients resync."""
+        for vid in self.view_counts:
+            self.view_counts[vid] += 1

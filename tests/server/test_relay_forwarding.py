@@ -1,11 +1,12 @@
 """How a relay forwards one KVSET, on real zmq sockets but no server process:
-:meth:`RelayMixin._forward_kvset` with a PUB set up as the relay's upstream PUB
-(``ZMQ_IMMEDIATE``, ``XPUB_NODROP``) and a collector SUB on loopback.
+the relay's :class:`~clone.server.forwarding.Forwarder` part, driven alone, with
+a PUB set up as the relay's upstream PUB (``ZMQ_IMMEDIATE``, ``XPUB_NODROP``)
+and a collector SUB on loopback.
 
 What a full queue does cannot be shown reliably with whole processes (the
 relay would go stale first); here the collector simply stops reading.  The
-harness holds what the method uses of a server: counters, a throttle and the
-publisher, recorded.  Every socket is closed with linger 0.
+part is built with what it needs: the PUB, the shared counters and throttle,
+and a ``publish`` that records.  Every socket is closed with linger 0.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import pytest
 import zmq
 
 from clone.ratelimit import Throttle
-from clone.server.relaying import ANY_WRITER, RelayMixin
+from clone.server.forwarding import ANY_WRITER, Forwarder
+from clone.server.shared import Shared
 from clone.wire.control import Refusal, decode_control
 from tests.support.ports import free_port
 
@@ -28,21 +30,28 @@ UUID = bytes(range(16))
 
 
 class _Harness:
-    """The parts of a plain relay that forwarding touches."""
+    """A plain relay's forwarder, with what it publishes recorded."""
 
-    _keypair = None
-
-    def __init__(self) -> None:
+    def __init__(self, pub: zmq.Socket[Any], *, named: bool = False) -> None:
         self.counters: Counter[str] = Counter()
-        self._throttle = Throttle(logging.getLogger("test.relay"), time.monotonic)
+        throttle = Throttle(logging.getLogger("test.relay"), time.monotonic)
+        self.shared = Shared(throttle, counters=self.counters)
         self.published: list[list[bytes]] = []
-        self.publisher = self  # the publisher part: what is published, recorded
+        self.told: list[tuple[str | None, bytes, str]] = []
+        self.stale = False
+        self.part = Forwarder(
+            pub,
+            self.shared,
+            stale=lambda: self.stale,
+            publish=self.published.append,
+            refuse=self._refuse if named else None,
+        )
 
-    def publish(self, frames: list[bytes]) -> None:
-        self.published.append(frames)
+    def _refuse(self, name: str | None, uuid: bytes, reason: str) -> None:
+        self.told.append((name, uuid, reason))
 
-    def forward(self, pub: zmq.Socket[Any], frames: list[bytes], *, stale: bool) -> bool:
-        return RelayMixin._forward_kvset(self, pub, frames, stale, None)  # type: ignore[arg-type]
+    def forward(self, frames: list[bytes], *, stale: bool) -> bool:
+        return self.part.forward(frames, stale=stale)
 
     def refusals(self) -> list[Refusal]:
         out = [decode_control(frames) for frames in self.published]
@@ -90,8 +99,8 @@ def test_a_fresh_relay_forwards_and_tells_nobody(
     link: tuple[zmq.Socket[Any], zmq.Socket[Any]],
 ) -> None:
     pub, sub = link
-    relay = _Harness()
-    assert relay.forward(pub, _kvset(1), stale=False)
+    relay = _Harness(pub)
+    assert relay.forward(_kvset(1), stale=False)
     assert sub.poll(2000) and sub.recv_multipart() == _kvset(1)
     assert relay.counters["kvset_forwarded"] == 1 and not relay.published
 
@@ -100,14 +109,14 @@ def test_a_stale_relay_sends_nothing_and_refuses_to_everyone(
     link: tuple[zmq.Socket[Any], zmq.Socket[Any]],
 ) -> None:
     pub, sub = link
-    relay = _Harness()
+    relay = _Harness(pub)
     frames = [b"/k", bytes(8), UUID, b"", b"v"]
-    assert not relay.forward(pub, frames, stale=True)
+    assert not relay.forward(frames, stale=True)
     assert not sub.poll(300)
     assert relay.refusals() == [Refusal(ANY_WRITER, UUID, "stale")]
     assert relay.counters["kvset_refused_stale"] == 1 and relay.counters["kvset_forwarded"] == 0
     # A KVSET without a uuid names no write to refuse: counted, no notice.
-    assert not relay.forward(pub, [b"/k", bytes(8), b"", b"", b"v"], stale=True)
+    assert not relay.forward([b"/k", bytes(8), b"", b"", b"v"], stale=True)
     assert relay.counters["kvset_refused_stale"] == 2 and len(relay.published) == 1
 
 
@@ -115,10 +124,10 @@ def test_a_full_queue_to_the_pair_refuses_overloaded(
     link: tuple[zmq.Socket[Any], zmq.Socket[Any]],
 ) -> None:
     pub, _sub = link  # the collector reads no more
-    relay = _Harness()
+    relay = _Harness(pub)
     sent = 0
     for n in range(1, 10_001):
-        if not relay.forward(pub, _kvset(n, 64 * 1024), stale=False):
+        if not relay.forward(_kvset(n, 64 * 1024), stale=False):
             break
         sent += 1
     else:
@@ -127,3 +136,25 @@ def test_a_full_queue_to_the_pair_refuses_overloaded(
     assert relay.counters["kvset_forward_dropped"] == 1
     (refusal,) = relay.refusals()
     assert (refusal.reason, refusal.uuid) == ("overloaded", (sent + 1).to_bytes(16, "big"))
+
+
+def test_as_the_collectors_sink_it_asks_stale_once_a_turn_and_remembers_writers(
+    link: tuple[zmq.Socket[Any], zmq.Socket[Any]],
+) -> None:
+    """Serving over CURVE: a forwarded write's writer is remembered (so the
+    pair's refusal reaches it), a refusal goes to the writer by name.  (One
+    write per link: its pipes hold one message and reopen lazily.)"""
+    pub, sub = link
+    relay = _Harness(pub, named=True)
+    relay.part.begin()
+    relay.part.take([b"/k", bytes(8), UUID, b"", b"v"], "alice")
+    relay.stale = True  # read at a turn's start only: this turn still forwards
+    relay.part.end()
+    assert sub.poll(2000) and sub.recv_multipart()[2] == UUID
+    assert relay.counters["kvset_forwarded"] == 1
+    assert relay.part.writers.take(UUID, time.monotonic()) == "alice"
+    relay.part.begin()  # now stale: refused, told by name, nothing published
+    relay.part.take([b"/k", bytes(8), UUID, b"", b"v"], "alice")
+    relay.part.end()
+    assert relay.told == [("alice", UUID, "stale")] and not relay.published
+    assert relay.counters["kvset_refused_stale"] == 1

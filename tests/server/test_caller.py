@@ -1,0 +1,149 @@
+"""The caller part (clone.server.calling.Caller) driven alone: a real ROUTER and
+DEALER on loopback, a real ServerCore, fake clocks, and the commit, backlog
+and next-turn callbacks recorded.  No server, no loop."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+
+from clone.ratelimit import Throttle
+from clone.server.access import Access
+from clone.server.calling import Caller
+from clone.server.core import ServerCore
+from clone.server.shared import Shared
+from clone.wire.calls import OP_SET, Reply, decode_reply, encode_call
+
+UUID = bytes(range(16))
+
+
+class _Rig:
+    """One Caller over a ROUTER, with what it calls recorded."""
+
+    def __init__(self, router: zmq.Socket[Any], dealer: zmq.Socket[Any], core: ServerCore) -> None:
+        self.router, self.dealer, self.core = router, dealer, core
+        self.now = 1000.0
+        self.shared = Shared(
+            Throttle(logging.getLogger("test.caller"), lambda: self.now),
+            clock=lambda: self.now,
+            wallclock=lambda: 1.7e9 + self.now,
+            counters={"call_replies_dropped": 0},
+        )
+        self.commits = 0
+        self.on_disk = True
+        self.looks = 0
+        self.turns: list[Callable[[], None]] = []
+        self.forwarded: list[tuple[bytes, list[bytes], str | None, str]] = []
+
+    def caller(self, *, relay: bool = False) -> Caller:
+        return Caller(
+            self.core,
+            self.shared,
+            Access(),
+            self.router,
+            commit=self._commit,
+            router_backlog=self._look,
+            next_turn=self._next_turn,
+            forward=self._forward if relay else None,
+        )
+
+    def _commit(self) -> bool:
+        self.commits += 1
+        self.core.journal.take()
+        return self.on_disk
+
+    def _next_turn(self, callback: Callable[[], None]) -> bool:
+        self.turns.append(callback)
+        return True
+
+    def _look(self) -> None:
+        self.looks += 1
+
+    def _forward(self, identity: bytes, frames: list[bytes], user: str | None, who: str) -> None:
+        self.forwarded.append((identity, frames, user, who))
+
+    def call(self, caller: Caller, frames: list[bytes]) -> None:
+        """The DEALER sends; the ROUTER's reader hands the call to the part."""
+        self.dealer.send_multipart(frames)
+        assert self.router.poll(10_000)
+        parts = self.router.recv_multipart(copy=False)
+        caller.on_call(parts[0].bytes, parts)
+
+    def reply(self, timeout_ms: int = 10_000) -> Reply | None:
+        if not self.dealer.poll(timeout_ms):
+            return None
+        return decode_reply(self.dealer.recv_multipart())
+
+
+@pytest.fixture
+def rig(ctx: zmq.Context[Any]) -> Iterator[_Rig]:
+    router = ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    dealer = ctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        yield _Rig(router, dealer, ServerCore(standalone=True))
+    finally:
+        dealer.close(0)
+        router.close(0)
+
+
+def test_a_change_is_confirmed_only_after_the_turns_commit(rig: _Rig) -> None:
+    caller = rig.caller()
+    rig.call(caller, encode_call(OP_SET, UUID, "/k", (), b"v"))
+    rig.call(caller, encode_call(OP_SET, bytes(range(1, 17)), "/j", (), b"w"))
+    # Applied, held, one flush scheduled for both; nothing sent yet.
+    assert rig.core.store.sequence == 2
+    assert caller.waiting == 2 and len(rig.turns) == 1 and rig.commits == 0
+    assert rig.reply(timeout_ms=100) is None
+    rig.turns.pop()()
+    assert rig.commits == 1 and caller.waiting == 0
+    first, second = rig.reply(), rig.reply()
+    assert first is not None and (first.uuid, first.status, first.sequence) == (UUID, "ok", 1)
+    assert second is not None and second.sequence == 2
+    # Sent from outside the ROUTER's callback: one look at its backlog for the burst.
+    assert rig.looks == 1
+
+
+def test_nothing_unwritten_is_confirmed(rig: _Rig) -> None:
+    caller = rig.caller()
+    rig.on_disk = False  # the commit failed (or the server is stopping)
+    rig.call(caller, encode_call(OP_SET, UUID, "/k", (), b"v"))
+    rig.turns.pop()()
+    assert rig.commits == 1
+    assert rig.reply(timeout_ms=200) is None
+    assert rig.looks == 0  # no send tried: no look
+
+
+def test_a_refusal_is_answered_at_once_from_the_readers_turn(rig: _Rig) -> None:
+    passive = ServerCore()  # not active: every call is refused, nothing to commit
+    rig.core = passive
+    caller = rig.caller()
+    rig.call(caller, encode_call(OP_SET, UUID, "/k", (), b"v"))
+    reply = rig.reply()
+    assert reply is not None and (reply.status, reply.reason) == ("refused", "not-active")
+    assert not rig.turns and rig.commits == 0
+    assert rig.looks == 0  # the ROUTER's own reader looks again after us
+
+
+def test_a_reply_to_a_caller_gone_is_counted(rig: _Rig) -> None:
+    caller = rig.caller()
+    caller.send_reply(b"nobody", Reply(UUID, "ok", sequence=1), backlog=None)
+    assert rig.shared.counters["call_replies_dropped"] == 1
+
+
+def test_a_relays_caller_forwards_every_call_with_its_principal(rig: _Rig) -> None:
+    caller = rig.caller(relay=True)
+    frames = encode_call(OP_SET, UUID, "/k", (), b"v")
+    rig.call(caller, frames)
+    ((identity, forwarded, user, who),) = rig.forwarded
+    assert forwarded == frames and user is None  # no CURVE: no name
+    assert who.startswith("addr:127.0.0.1")
+    assert identity and rig.core.store.sequence == 0 and not rig.turns
