@@ -141,7 +141,7 @@ def test_it_follows_the_first_upstream_and_is_stale_until_synced(rig: _Rig) -> N
     first, _second = rig.config.upstream
     assert rig.follows == [first] and rig.link.followed == first
     assert rig.link.stale()
-    rig.core.last_sync = "full"
+    rig.core.sync.last_sync = "full"  # as SyncCore records a full sync
     rig.link.synced()
     assert not rig.link.stale()
     assert rig.views_moved == 1  # a full sync: restricted views move on
