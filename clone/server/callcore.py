@@ -6,7 +6,8 @@ in two steps.  :meth:`CallCore.admit` decodes and judges it whatever the
 server's role (malformed, too big, a reserved key, the ACL, who may name a
 caller) and returns the call with the principal it runs for, or the refusal.
 The core (:mod:`clone.server.core`) then checks the role, routes the
-split-brain heal's calls to itself and hands the rest to :meth:`CallCore.run`:
+split-brain heal's calls to :mod:`clone.server.splitcore` and hands the rest to
+:meth:`CallCore.run`:
 ``set`` (with ``if_sequence``, a compare-and-set, and ``lease``, a key bound
 to a lease), ``lease-grant``, ``lease-keepalive``, ``lease-revoke`` and
 ``ahead`` (the lock queue's count).  The same rules judge a plain KVSET that
@@ -27,7 +28,7 @@ every update applied (a write, a grant, a lease's deletes) goes to ``record``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
 from clone.errors import LimitExceeded, ProtocolError, StoreFull
@@ -41,7 +42,7 @@ from clone.server.leases import (
     parse_lease_value,
 )
 from clone.server.ownership import grant_owner, may_use
-from clone.server.pending import UuidWindow
+from clone.server.pending import PendingUpdate, UuidWindow
 from clone.server.store import Store
 from clone.wire.calls import (
     IF_SEQUENCE_PROPERTY,
@@ -147,11 +148,19 @@ class CallCore:
         """Judge a CALL? (without its identity frame) before any role or state:
         the call and its principal, or the refusal (None: no uuid to answer).
 
-        ``can_write``: the caller's write ACL (None: no ACL), judging a call's
-        :func:`~clone.wire.calls.acl_key`; ``may_lease``: whether it may
-        write anywhere, what a call without such a key needs.  ``relayed``:
-        a relay the pair trusts, whose call's ``caller=`` stands for the
-        caller; from anyone else a ``caller=`` on a lease operation is refused.
+        ``can_write``: the caller's write ACL (CURVE; None: no ACL), judging a
+        call's :func:`~clone.wire.calls.acl_key` (a ``set``'s key, a grant's
+        named key); ``may_lease``: whether it may write anywhere, what a call
+        without such a key needs (an unnamed grant, a keepalive, a revoke).
+        The rule itself is :func:`~clone.wire.calls.acl_refusal`, shared with
+        the relays.  ``caller``: the caller's principal
+        (:mod:`clone.server.ownership`); only a lease's owner may keep it
+        alive, revoke it or bind a key to it (``not-owner``).  ``relayed``: a
+        relay the pair trusts, whose call's ``caller=`` stands for the caller;
+        from anyone else a ``caller=`` on a lease operation is refused.
+
+        Each refusal has its own counter (``size``, ``malformed``, ...), so an
+        operator can tell a client sending nonsense from one sending too much.
         """
         c = self.counters
         c["calls_received"] += 1
@@ -453,6 +462,36 @@ class CallCore:
         if msg.uuid:
             self._note_condition(msg.uuid, current)
         return KVMsg(msg.key, 0, msg.uuid, msg.with_props(**{IF_SEQUENCE_PROPERTY: None}), msg.body)
+
+    def apply_parked(self, parked_updates: Iterable[PendingUpdate], now: float) -> None:
+        """Apply parked client updates as active, in the order given (a
+        promotion's pending list, a hold's end): each by :meth:`check_kvset`'s
+        rules, with its ttl counted from when it arrived; one already applied
+        (its uuid in the window) is skipped, one now refused is dropped."""
+        c = self.counters
+        store = self.store
+        applied = 0
+        for parked in parked_updates:
+            msg = parked.msg
+            if msg.uuid and msg.uuid in self.window:
+                c["pending_skipped"] += 1
+                continue
+            raw_key = msg.key.encode("utf-8")
+            try:
+                if msg.properties:
+                    msg = self.check_kvset(msg, raw_key)
+                # ttl counts from when the client sent it, not from now.
+                pub = store.apply(msg, parked.mono, wall=parked.arrived)
+            except ProtocolError:
+                c["pending_failed"] += 1
+                continue
+            if msg.uuid:
+                self.window.add(msg.uuid, now)
+            self.bind_if_leased(msg, raw_key)
+            self._record(pub)
+            applied += 1
+        c["pending_applied"] += applied
+        c["kvpub_published"] += applied
 
     def bind_if_leased(self, msg: KVMsg, raw_key: bytes) -> None:
         lease_id = msg.prop(LEASE_PROPERTY)

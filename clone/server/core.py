@@ -22,8 +22,10 @@ it out).  It decides by the server's role what an event means and routes it:
   backwards.
 * **A split brain's heal** (docs/failover.md, "Writes of a split brain"): the
   demoted side keeps what it wrote as active and sends it to the winner as
-  calls; the winner judges them (:mod:`clone.server.splitrule`).  That part
-  stays here, fed by the sync's two hooks.
+  calls; the winner judges them (:mod:`clone.server.splitrule`) and keeps
+  those it does not apply as conflicts.  That is
+  :class:`~clone.server.splitcore.SplitCore`'s, fed by the sync's two hooks;
+  the core holds client updates while it wins one (:meth:`ServerCore.hold_writes`).
 
 One output channel: every update applied, in any role, is recorded in
 :attr:`ServerCore.journal` (and the history), and that record is what the
@@ -37,23 +39,20 @@ it and carries on.
 from __future__ import annotations
 
 import enum
-from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 from clone.errors import IllegalTransitionError, ProtocolError, StoreFull
-from clone.server.callcore import Admitted, CallCore, check_condition_syntax
-from clone.server.callcore import refused as _refused
+from clone.server.callcore import Admitted, CallCore, check_condition_syntax, refused
 from clone.server.conflicts import ConflictBook, ConflictRecord
-from clone.server.delta import DeltaStream, open_catch_up, open_history
+from clone.server.coresettings import COUNTERS, CoreSettings
+from clone.server.delta import DeltaStream, open_stream
 from clone.server.history import History
 from clone.server.journal import Journal
 from clone.server.leases import LeaseTable
 from clone.server.pending import PendingList, UuidWindow
 from clone.server.snapshot import SnapshotStream
-from clone.server.split import split_writes
-from clone.server.splitrule import Verdict, judge_split_write
-from clone.server.store import Entry, Served, Store
+from clone.server.splitcore import SplitCore
+from clone.server.store import Entry, Store
 from clone.server.synccore import (
     APPLIED_SPAN_MARGIN,
     SYNC_TRANSITIONS,
@@ -64,30 +63,11 @@ from clone.server.synccore import (
 )
 from clone.server.ttl import parse_ttl
 from clone.wire.applied import encode_kvapplied, uuid_ids
-from clone.wire.calls import (
-    CONFLICT_OPS,
-    CONFLICT_PROPERTY,
-    LEASE_PREFIX,
-    LEASE_PROPERTY,
-    OP_CONFLICT_APPLY,
-    OP_SET,
-    Call,
-    Reply,
-    decode_call,
-)
-from clone.wire.codec import (
-    KVMsg,
-    Properties,
-    decode_icanhaz,
-    decode_kvset,
-    decode_properties,
-    encode_hugz,
-    encode_kv,
-    encode_properties,
-)
+from clone.wire.calls import CONFLICT_OPS, LEASE_PREFIX, OP_SET, Reply
+from clone.wire.codec import Properties, decode_icanhaz, decode_kvset, encode_hugz, encode_kv
 from clone.wire.delta import SinceRequest
 from clone.wire.protocol import TTL_PROPERTY
-from clone.wire.split import SPLIT_PROPERTIES, SplitOrigin, parse_split_origin, uuid_time
+from clone.wire.split import SPLIT_PROPERTIES
 
 __all__ = [
     "APPLIED_SPAN_MARGIN",
@@ -115,188 +95,12 @@ class Role(enum.Enum):
 #: The roles that keep a copy of another server's state, in its sequences.
 _FOLLOWERS = frozenset((Role.PASSIVE, Role.RELAY))
 
-#: Every counter :attr:`ServerCore.counters` holds, all starting at zero.
-COUNTERS = (
-    "kvset_received",
-    "kvset_invalid",
-    "kvset_duplicate",
-    "kvset_pending",
-    "kvset_held",
-    "kvset_already_applied",
-    "kvset_refused_full",
-    "kvpub_published",
-    "expired",
-    "snapshot_requests",
-    "snapshot_invalid",
-    "peer_updates",
-    "peer_stale",
-    "peer_gaps",
-    "peer_invalid",
-    "peer_ignored",
-    "sync_buffer_overflow",
-    "syncs_started",
-    "syncs_completed",
-    "syncs_full",
-    "syncs_catchup",
-    "catchup_updates_received",
-    "snapshot_entries_received",
-    "pending_applied",
-    "pending_skipped",
-    "pending_failed",
-    "applied_ids_received",
-    "pending_already_applied",
-    "pending_unverifiable",
-    "pending_stepped_down",
-    "promotions",
-    "demotions",
-    "split_writes_found",
-    "split_writes_expired",
-    "split_writes_unverified",
-    "split_writes_held",
-    # The winner's side of a heal (clone.server.splitrule, clone.server.conflicts).
-    "split_calls_received",
-    "split_calls_applied",
-    "split_conflicts",
-    "split_calls_refused_not_peer",
-    "conflicts_applied",
-    "conflicts_discarded",
-    # Calls (CALL?/REPLY) and leases: docs/protocol.md, "CALL? / REPLY".
-    "calls_received",
-    "calls_ok",
-    "calls_duplicate",
-    "calls_conflict",
-    "calls_invalid",
-    "calls_not_active",
-    "calls_unknown_lease",
-    "calls_refused_full",
-    "calls_refused_size",
-    "calls_refused_busy",
-    "calls_refused_acl",
-    "calls_reserved",
-    "calls_bad_if_sequence",
-    "calls_bad_lease",
-    "calls_bad_ttl",
-    "calls_not_owner",
-    "calls_refused_lease_quota",
-    "calls_unknown_conflict",
-    "kvset_conflict",
-    "kvset_unknown_lease",
-    "kvset_lease_refused",
-    "kvset_reserved",
-    "leases_granted",
-    "leases_revoked",
-    "leases_expired",
-    "lease_keepalives",
-    "lease_keepalive_batches",
-    "lease_keys_deleted",
-    "lease_orphans_deleted",
-)
-
-
-@dataclass(slots=True)
-class _Kept:
-    """A demoted active's writes kept for the winner, with what its rule needs."""
-
-    written: Sequence[Sequence[bytes]]
-    fork: int
-    at: float
-    term: int
-    conditions: dict[bytes, int]
-    #: Each key's last update converted so far (clone.server.split, ``last``).
-    last: dict[bytes, bytes] = field(default_factory=dict)
-
-
-@dataclass(frozen=True, slots=True)
-class CoreSettings:
-    """The limits of a server core (see docs/operations.md for the defaults' reasons)."""
-
-    dedup_window: int = 65_536
-    pending_max: int = 100_000
-    pending_max_age: float = 30.0
-    #: ... and its bytes (keys and values; 0: no byte bound), issue 26.
-    pending_max_bytes: int = 64 * 1024 * 1024
-    sync_buffer_max: int = 200_000
-    expiry_batch: int = 10_000
-    #: The update history kept for catch-up (docs/operations.md, "Durability").
-    history_max: int = 100_000
-    history_bytes: int = 64 * 1024 * 1024
-    #: The most keys and bytes (keys, values, properties) the store holds; a
-    #: write beyond them is refused (docs/operations.md, "Limits").  0: no limit.
-    max_keys: int = 10_000_000
-    max_bytes: int = 4 * 1024**3
-    #: The most leases the active server holds; a grant beyond is refused (busy).
-    max_leases: int = 100_000
-    #: The most leases one client (principal: docs/operations.md, "Leases")
-    #: holds; a grant beyond is refused (lease-quota).
-    max_leases_per_client: int = 1_000
-
-    def __post_init__(self) -> None:
-        for name in (
-            "dedup_window",
-            "pending_max",
-            "sync_buffer_max",
-            "expiry_batch",
-            "history_max",
-            "history_bytes",
-            "max_leases",
-            "max_leases_per_client",
-        ):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
-        if self.pending_max_age <= 0:
-            raise ValueError(f"pending_max_age must be positive, not {self.pending_max_age}")
-
-
 _LEASE_PREFIX_RAW = LEASE_PREFIX.encode()
 
 
 def _mono(mono: float | None, now: float) -> float:
     """The monotonic time given, or ``now`` for a caller with one clock (a test)."""
     return now if mono is None else mono
-
-
-_check_condition_syntax = check_condition_syntax
-
-
-def _split_conflict_reply(rec: ConflictRecord) -> Reply:
-    """The answer to a split write kept as conflict ``rec``: status conflict,
-    reason ``split``, the record's id in the detail (docs/protocol.md)."""
-    return Reply(
-        rec.loser_uuid,
-        "conflict",
-        current=rec.winner_seq,
-        reason="split",
-        detail=f"conflict {rec.id}: {rec.reason}",
-    )
-
-
-def _without_split(call: Call) -> Call:
-    """A split write as the plain ``set`` it is, without the peer-only properties."""
-    props = tuple((n, v) for n, v in call.properties if n not in SPLIT_PROPERTIES)
-    return Call(call.op, call.uuid, call.key, props, call.body)
-
-
-def _conflict(
-    call: Call, origin: SplitOrigin, verdict: Verdict, entry: Entry | None, now: float
-) -> ConflictRecord:
-    """The record of a split write not applied, with the winner's value of its key."""
-    winner_uuid = None if entry is None else bytes(entry[1])
-    return ConflictRecord(
-        id=0,
-        key=call.key.encode("utf-8"),
-        reason=verdict.value,
-        loser_uuid=call.uuid,
-        loser_props=encode_properties(call.properties),
-        loser_body=call.body,
-        loser_at=origin.at,
-        loser_term=origin.term,
-        winner_seq=0 if entry is None else int.from_bytes(entry[0], "big"),
-        winner_uuid=winner_uuid,
-        winner_props=None if entry is None else bytes(entry[2]),
-        winner_body=None if entry is None else bytes(entry[3]),
-        winner_at=None if not winner_uuid else uuid_time(winner_uuid),
-        recorded=now,
-    )
 
 
 class ServerCore:
@@ -342,6 +146,21 @@ class ServerCore:
             max_leases_per_client=settings.max_leases_per_client,
             conditions_max=settings.history_max,
         )
+        #: Split-brain writes of a loser this server did not apply (the winner's side).
+        self.conflicts = ConflictBook()
+        #: The split-brain heal: kept writes as calls, the winner's judging.
+        self.split = SplitCore(
+            store=self.store,
+            history=self.history,
+            window=self.window,
+            pending=self.pending,
+            leases=self.leases,
+            calls=self.calls,
+            conflicts=self.conflicts,
+            counters=self.counters,
+            record=self._record,
+            peer_fork=lambda: self.sync.peer_fork,
+        )
         #: Following the active: syncs, ordered KVPUBs, pending reconciliation.
         self.sync = SyncCore(
             store=self.store,
@@ -352,42 +171,15 @@ class ServerCore:
             counters=self.counters,
             record=self._record,
             sync_buffer_max=settings.sync_buffer_max,
-            fork_known=self._split_fork_known,
-            synced=self._settle_split_writes,
+            fork_known=self.split.fork_known,
+            synced=self.split.synced,
         )
         #: The sequence we had applied when we last became active (KVAPPLIED's
         #: ``fork``): a peer active at the same time forwards its writes after it.
         self.promoted_at: int | None = None
-        # Demoted from active: the updates we wrote in our term, until the
-        # winner's fork says which it lacks (clone.server.split).
-        self._written_as_active: Sequence[Sequence[bytes]] = []
-        # After a split brain, the writes kept for the winner and its fork (and
-        # the time they were kept), turned into SET calls a slice at a time
-        # (take_split_calls: 100k at once blocked the loop); how far into the
-        # first the conversion is; and the calls converted but not yet taken.
-        self._split_kept: deque[_Kept] = deque()
-        self._split_kept_at = 0
-        self._split_converted: list[list[bytes]] = []
-        # The ids the winner said it applied, at the resync that kept them:
-        # elected again, we must not apply those a second time.
-        self._split_peer_applied: set[bytes] | frozenset[bytes] = frozenset()
-        #: Writes of ours after a split brain that no fork let us sort (logged once).
-        self.split_unverified = 0
-        # At a demotion, the if_sequence of each conditional write we applied
-        # as active in that term, by uuid, and the term we wrote under: what a
-        # split write carries.
-        self._written_conditions: dict[bytes, int] = {}
-        self._written_term = 0
-        # Judging split writes: the fork, the sequence the history was read up
-        # to, and every key updated after the fork (None: the history does
-        # not reach back to it).
-        self._fork_keys: tuple[int, int, set[bytes] | None] | None = None
-        #: Split-brain writes of a loser this server did not apply (the winner's side).
-        self.conflicts = ConflictBook()
         #: Winning a split brain: client updates are parked until the loser's
-        #: forwarded writes are in (hold_writes); when the last of those came.
+        #: forwarded writes are in (hold_writes).
         self.holding = False
-        self.split_call_at = 0.0
 
     # -- what the sync knows -------------------------------------------------
 
@@ -462,7 +254,7 @@ class ServerCore:
         if msg.properties:
             try:
                 parse_ttl(msg.prop(TTL_PROPERTY))
-                _check_condition_syntax(msg)
+                check_condition_syntax(msg)
             except ProtocolError:
                 c["kvset_invalid"] += 1
                 raise
@@ -503,20 +295,13 @@ class ServerCore:
     ) -> SnapshotStream | DeltaStream:
         """Start streaming the current state under ``subtree`` to ``identity``.
 
-        ``batch``: the requester negotiated KVBATCH (:mod:`clone.wire.batch`).
         ``applied``: it asked for the applied-update list (:mod:`clone.wire.applied`),
-        which then goes first, as of ``now``.  ``since``: it holds our state
-        up to a sequence and asks only for what followed (:mod:`clone.wire.delta`);
-        it gets that if the history still reaches back to it, else the whole state.
-        A history request (``since`` without a digest, a client's) always gets
-        a delta, filtered by ``subtree`` and ``allowed``, or a compacted reply.
-        ``allowed``: the requester may read only keys under these prefixes
+        which then goes first, as of ``now``.  ``since`` (:mod:`clone.wire.delta`)
+        decides between a delta and the whole state, ``clock`` how ephemeral
+        entries go out (:func:`~clone.server.delta.open_stream`).  ``allowed``:
+        the requester may read only keys under these prefixes
         (clone.server.security); ``end_properties`` go into its KTHXBAI.
-        ``clock`` (monotonic; given for a peer server that asked for it) is read
-        as entries go out, so that an ephemeral key carries the time it has
-        left (:meth:`Store.served`); without it entries go out as stored.
         """
-        served = self._served(clock)
         preamble: list[list[bytes]] = []
         if applied:
             window = self.window
@@ -524,51 +309,18 @@ class ServerCore:
             preamble = encode_kvapplied(
                 self.store.sequence, uuid_ids(window.ids()), window.span(now), fork
             )
-        if since is not None and since.history:
-            # A client's history request: the updates it asked for, or why not;
-            # never a snapshot.
-            return open_history(
-                self.history,
-                since,
-                identity,
-                self.store.sequence,
-                preamble,
-                subtree=subtree,
-                allowed=allowed,
-                end_properties=end_properties,
-            )
-        if since is not None and not subtree and allowed is None:
-            delta = open_catch_up(
-                self.history,
-                since,
-                identity,
-                self.store.sequence,
-                preamble,
-                served=served,
-            )
-            if delta is not None:
-                return delta
-        return SnapshotStream(
+        return open_stream(
+            self.store,
+            self.history,
             identity,
             subtree,
-            self.store,
+            preamble,
             batch=batch,
-            preamble=preamble,
+            since=since,
             allowed=allowed,
             end_properties=end_properties,
-            served=served,
+            clock=clock,
         )
-
-    def _served(self, clock: Callable[[], float] | None) -> Served | None:
-        """How entries go out to a peer: an ephemeral one with the time it has left."""
-        if clock is None:
-            return None
-        store = self.store
-
-        def served(raw_key: bytes, entry: Entry) -> Entry:
-            return store.served(raw_key, entry, clock())
-
-        return served
 
     def hugz(self, heartbeat_ms: int | None = None) -> list[bytes]:
         """A heartbeat carrying the current highest sequence and, given
@@ -593,12 +345,11 @@ class ServerCore:
         self.role = Role.ACTIVE
         store = self.store
         self.promoted_at = store.sequence
-        self._written_as_active = []
+        self.split.promoted()
         self.calls.take_conditions()  # a new term: its own conditions
-        self._fork_keys = None
         store.sequence = max(store.sequence, self.highest_seen)
         self.calls.rebuild_leases(_mono(mono, now))
-        self._apply_pending(now)
+        self.calls.apply_parked(self.pending.drain(), now)
         self.highest_seen = store.sequence
 
     def hold_writes(self) -> None:
@@ -612,17 +363,8 @@ class ServerCore:
 
     def drop_pending_since(self, since: float) -> int:
         """Stepped down after a split brain: drop the parked client updates
-        that arrived at or after ``since`` (the demotion) and that the active
-        has not published by now; how many.
-
-        Their writers still followed us when they sent them.  A confirmed one
-        is resent to the winner by its client after its failover; any other
-        reached only us, and applied at a promotion of ours it would land
-        after what the winner confirmed since (docs/failover.md, "Writes of a
-        split brain")."""
-        gone = self.pending.retain(lambda parked: parked.arrived < since)
-        self.counters["pending_stepped_down"] += gone
-        return gone
+        that arrived since the demotion (:meth:`SplitCore.drop_pending_since`)."""
+        return self.split.drop_pending_since(since)
 
     def release_held(self, now: float) -> None:
         """End :meth:`hold_writes`: apply what was parked, in arrival order (a
@@ -630,35 +372,7 @@ class ServerCore:
         if not self.holding:
             return
         self.holding = False
-        self._apply_pending(now)
-
-    def _apply_pending(self, now: float) -> None:
-        """Apply the pending list as active, in arrival order."""
-        c = self.counters
-        store = self.store
-        calls = self.calls
-        applied = 0
-        for parked in self.pending.drain():
-            msg = parked.msg
-            if msg.uuid and msg.uuid in self.window:
-                c["pending_skipped"] += 1
-                continue
-            raw_key = msg.key.encode("utf-8")
-            try:
-                if msg.properties:
-                    msg = calls.check_kvset(msg, raw_key)
-                # ttl counts from when the client sent it, not from now.
-                pub = store.apply(msg, parked.mono, wall=parked.arrived)
-            except ProtocolError:
-                c["pending_failed"] += 1
-                continue
-            if msg.uuid:
-                self.window.add(msg.uuid, now)
-            calls.bind_if_leased(msg, raw_key)
-            self._record(pub)
-            applied += 1
-        c["pending_applied"] += applied
-        c["kvpub_published"] += applied
+        self.calls.apply_parked(self.pending.drain(), now)
 
     def become_passive(self) -> None:
         """Demotion or first decision: the caller must now start a sync."""
@@ -666,9 +380,7 @@ class ServerCore:
         if self.role is Role.ACTIVE:
             self.counters["demotions"] += 1
             # What we wrote as active: the winner of a split brain may lack some.
-            self._written_as_active = self.history.written_under(self.term)
-            self._written_term = self.term
-            self._written_conditions = self.calls.take_conditions()
+            self.split.demoted(self.term)
         self.promoted_at = None
         self.role = Role.PASSIVE
         # Only the active server keeps time for leases; a new one rebuilds them.
@@ -706,92 +418,57 @@ class ServerCore:
             return FollowOutcome.OK
         return self.sync.on_snapshot_reply(frames, now, _mono(mono, now))
 
-    def _split_fork_known(self, now: float, peer_applied: set[bytes] | None) -> None:
-        """The sync's hook: the winner's fork is known before its snapshot."""
-        if self._written_as_active and self._peer_fork is not None:
-            self._settle_split_writes(now, peer_applied)
-
-    def _settle_split_writes(self, now: float, peer_applied: set[bytes] | None) -> None:
-        """Synced after a demotion: keep, as calls, what we wrote that the
-        active (elected while we were active too) cannot hold."""
-        written, self._written_as_active = self._written_as_active, []
-        if not written:
-            return
-        self._split_peer_applied = peer_applied or frozenset()
-        c = self.counters
-        if self._peer_fork is None:
-            # A Guide peer, or ours from before forks: we cannot tell which of
-            # our writes it lacks, and resending all would undo newer ones.
-            c["split_writes_unverified"] += len(written)
-            self.split_unverified += len(written)
-            return
-        # Converted to calls later, a slice per loop turn (take_split_calls),
-        # with what the winner's rule needs of each (clone.wire.split).
-        conditions, self._written_conditions = self._written_conditions, {}
-        self._split_kept.append(
-            _Kept(written, self._peer_fork, now, self._written_term, conditions)
-        )
+    # -- the split-brain heal (clone.server.splitcore) ------------------------
 
     @property
     def split_left(self) -> int:
-        """Kept split-brain writes not yet taken as calls (an upper bound on
-        the calls to come: some will be left out)."""
-        kept = sum(len(k.written) for k in self._split_kept)
-        return len(self._split_converted) + kept - self._split_kept_at
+        """Kept split-brain writes not yet taken as calls (:attr:`SplitCore.left`)."""
+        return self.split.left
 
     def take_split_calls(self, limit: int) -> list[list[bytes]]:
-        """The next SET calls for the active peer after a split brain: the
-        converted ones, then :func:`split_writes` of at most ``limit`` more
-        kept writes (the ttl left is counted from when they were kept)."""
-        out, self._split_converted = self._split_converted, []
-        kept = self._split_kept
-        c = self.counters
-        while kept and limit > 0:
-            first = kept[0]
-            start = self._split_kept_at
-            part = first.written[start : start + limit]
-            limit -= len(part)
-            self._split_kept_at = start + len(part)
-            if self._split_kept_at >= len(first.written):
-                kept.popleft()
-                self._split_kept_at = 0
-            # The previous write of a key may be in an earlier slice:
-            # first.last carries it from slice to slice (clone.server.split).
-            split = split_writes(
-                part,
-                first.fork,
-                first.at,
-                term=first.term,
-                conditions=first.conditions,
-                last=first.last,
-            )
-            out += split.calls
-            c["split_writes_found"] += len(split.calls)
-            c["split_writes_expired"] += split.expired
-        return out
+        """The next SET calls for the active peer (:meth:`SplitCore.take_calls`)."""
+        return self.split.take_calls(limit)
 
     @property
     def split_calls(self) -> list[list[bytes]]:
-        """Every SET call still to send the active peer after a split brain,
-        all converted at once (tests; the reactor takes slices instead).
-        The list itself: clearing it drops them."""
-        calls = self.take_split_calls(self.split_left)
-        self._split_converted = calls
-        return calls
+        """Every SET call still to send the active peer (tests; clearing drops them)."""
+        return self.split.all_calls
 
     def drop_split_calls(self) -> int:
         """Forget the kept writes not yet taken; returns how many there were."""
-        left = self.split_left
-        self._split_kept.clear()
-        self._split_kept_at = 0
-        self._split_converted = []
-        self._split_peer_applied = frozenset()
-        return left
+        return self.split.drop_calls()
 
     @property
-    def _peer_fork(self) -> int | None:
-        """The fork the peer's KVAPPLIED named in this sync (the split-brain heal's)."""
-        return self.sync.peer_fork
+    def split_unverified(self) -> int:
+        """Writes of ours after a split brain that no fork let us sort (logged once)."""
+        return self.split.unverified
+
+    @split_unverified.setter
+    def split_unverified(self, value: int) -> None:
+        self.split.unverified = value
+
+    @property
+    def split_call_at(self) -> float:
+        """When the last split write of a loser came (the winner's hold ends after it)."""
+        return self.split.call_at
+
+    def apply_own_split_call(
+        self, frames: Sequence[bytes], now: float, mono: float | None = None
+    ) -> Reply | None:
+        """Elected again before the winner answered it: apply one of our own
+        split-brain calls here (:meth:`SplitCore.apply_own`; None if the frames
+        are not a call)."""
+        assert self.role is Role.ACTIVE
+        return self.split.apply_own(frames, now, _mono(mono, now))
+
+    def resolve_conflict(
+        self, cid: int, action: str, now: float, mono: float | None = None
+    ) -> ConflictRecord:
+        """An operator's word on conflict ``cid``: ``apply`` or ``discard``
+        (:meth:`SplitCore.resolve`).  ValueError saying why not (unknown,
+        resolved, not active)."""
+        not_active = None if self.role is Role.ACTIVE else f"this server is {self.role.value}"
+        return self.split.resolve(cid, action, now, _mono(mono, now), not_active=not_active)
 
     # -- calls and leases (clone.server.callcore) -----------------------------
 
@@ -812,25 +489,12 @@ class ServerCore:
 
         The reply is None only for a call too broken to answer (no uuid).
         Leases and a ``set``'s ttl count on the monotonic ``mono``.
-        ``can_write``: the caller's write ACL (CURVE), None for no ACL; it
-        judges a call's :func:`~clone.wire.calls.acl_key` (a ``set``'s key, a
-        grant's named key).  ``may_lease``: whether the caller may write
-        somewhere at all, which is what a call without such a key needs (an
-        unnamed grant, a keepalive, a revoke).  The rule itself is
-        :func:`~clone.wire.calls.acl_refusal`, shared with the relays.
-
-        ``caller``: the caller's principal (:mod:`clone.server.ownership`);
-        ``relayed``: it is a relay the pair trusts, so the call's ``caller=``
-        names who asked it and stands for the caller; from anyone else a
-        ``caller=`` is refused.  Only a lease's owner may keep it alive,
-        revoke it or bind a key to it (``not-owner``).
-
-        Each refusal has its own counter (``size``, ``malformed``, ...), so an
-        operator can tell a client sending nonsense from one sending too much.
-
+        ``can_write``, ``may_lease``, ``caller`` and ``relayed`` (the write ACL
+        and the principal) are :meth:`CallCore.admit`'s, judged before any role.
         ``peer``: the caller is the peer server (or there is no way to tell:
         no CURVE).  Only a peer's ``set`` may carry the split-brain properties
-        (:mod:`clone.wire.split`); it is then judged by the heal's rule.
+        (:mod:`clone.wire.split`); it is then judged by the heal's rule
+        (:meth:`SplitCore.on_call`).
         """
         admitted = self.calls.admit(
             frames, can_write=can_write, may_lease=may_lease, caller=caller, relayed=relayed
@@ -840,198 +504,13 @@ class ServerCore:
         call, caller = admitted.call, admitted.caller
         if self.role is not Role.ACTIVE:
             self.counters["calls_not_active"] += 1
-            return _refused(call.uuid, "not-active", f"this server is {self.role.value}"), False
+            return refused(call.uuid, "not-active", f"this server is {self.role.value}"), False
         mono = _mono(mono, now)
         if call.op == OP_SET and any(name in SPLIT_PROPERTIES for name, _ in call.properties):
-            return self._call_split(call, now, mono, peer, caller)
+            return self.split.on_call(call, now, mono, peer, caller)
         if call.op in CONFLICT_OPS:
-            return self._call_conflict(call, now, mono)
+            return self.split.on_conflict_call(call, now, mono)
         return self.calls.run(call, now, mono, caller)
-
-    def _applied_sequence(self, uuid: bytes, raw_key: bytes) -> int:
-        """The sequence the update with ``uuid`` got (0 if no longer known)."""
-        return self.calls.applied_sequence(uuid, raw_key)
-
-    def apply_own_split_call(
-        self, frames: Sequence[bytes], now: float, mono: float | None = None
-    ) -> Reply | None:
-        """Elected again before the winner answered it: apply one of our own
-        split-brain calls here (None if the frames are not a call).
-
-        Not through :meth:`on_call`: our uuid window holds its id (we applied
-        the write once, before the resync replaced our state with the
-        winner's), so it would be answered as a duplicate and applied nowhere.
-        It is applied unless the state we hold now has it: the winner said it
-        had applied it (its KVAPPLIED at that resync), or we followed the
-        winner's update with that id since, or it is its key's current value.
-        """
-        assert self.role is Role.ACTIVE
-        try:
-            call = decode_call(frames)
-        except ProtocolError:
-            self.counters["calls_invalid"] += 1
-            return None
-        raw_key = call.key.encode("utf-8")
-        held = self._applied_sequence(call.uuid, raw_key)
-        if held or call.uuid in self._split_peer_applied:
-            self.counters["split_writes_held"] += 1
-            return Reply(call.uuid, "ok", held)
-        try:
-            origin = parse_split_origin(call.properties)
-        except ValueError:
-            origin = None  # ours: cannot happen; applied as before the rule
-        if origin is None:
-            return self._call_set(call, now, _mono(mono, now), ours=True)[0]
-        # The state we hold is the winner's since the resync: its rule, here.
-        known = self.conflicts.of_uuid(call.uuid)
-        if known is not None:
-            return _split_conflict_reply(known)
-        return self._judge_split(call, origin, now, _mono(mono, now), ours=True)[0]
-
-    def _call_set(
-        self, call: Call, now: float, mono: float, caller: str = "", *, ours: bool = False
-    ) -> tuple[Reply, bool]:
-        """A ``set`` call (:meth:`CallCore.call_set`)."""
-        return self.calls.call_set(call, now, mono, caller, ours=ours)
-
-    def _call_split(
-        self, call: Call, now: float, mono: float, peer: bool, caller: str = ""
-    ) -> tuple[Reply, bool]:
-        """A write the loser of a split brain forwards: applied by the rule of
-        :mod:`clone.server.splitrule`, or kept as a conflict and answered so."""
-        c = self.counters
-        uuid = call.uuid
-        if not peer:
-            c["split_calls_refused_not_peer"] += 1
-            return _refused(uuid, "acl", "split_* properties are the peer server's"), False
-        try:
-            origin = parse_split_origin(call.properties)
-        except ValueError as exc:
-            c["calls_invalid"] += 1
-            return _refused(uuid, "malformed", str(exc)), False
-        assert origin is not None
-        c["split_calls_received"] += 1
-        self.split_call_at = now
-        known = self.conflicts.of_uuid(uuid)
-        if known is not None:
-            # A resend of a write already judged: the same answer.
-            return _split_conflict_reply(known), False
-        if uuid in self.window:
-            return self._call_set(_without_split(call), now, mono, caller)
-        return self._judge_split(call, origin, now, mono, caller)
-
-    def _judge_split(
-        self,
-        call: Call,
-        origin: SplitOrigin,
-        now: float,
-        mono: float,
-        caller: str = "",
-        *,
-        ours: bool = False,
-    ) -> tuple[Reply, bool]:
-        """Apply a split write by the rule, or keep it as a conflict."""
-        c = self.counters
-        uuid = call.uuid
-        plain = _without_split(call)
-        raw_key = call.key.encode("utf-8")
-        entry = self.store.entry(raw_key)
-        lease_id = call.lease
-        verdict = judge_split_write(
-            origin,
-            lease=lease_id,
-            lease_alive=lease_id is not None and lease_id in self.leases,
-            changed_since_fork=self._changed_since(raw_key, origin.fork, entry),
-            current_uuid=None if entry is None else bytes(entry[1]),
-        )
-        if verdict is Verdict.APPLY:
-            reply, changed = self._call_set(plain, now, mono, caller, ours=ours)
-            if reply.ok:
-                c["split_calls_applied"] += 1
-            if reply.ok or reply.reason != "not-owner":
-                return reply, changed
-            # Nothing is dropped silently: kept for an operator, as any conflict.
-            verdict = Verdict.LEASE_OWNER
-        rec = self.conflicts.record(_conflict(plain, origin, verdict, entry, now))
-        # A late direct copy of the write (its client reached us at last) must
-        # not apply what the rule refused: its uuid counts as seen.
-        self.window.add(uuid, now)
-        c["split_conflicts"] += 1
-        return _split_conflict_reply(rec), True
-
-    def _changed_since(self, raw_key: bytes, fork: int, entry: Entry | None) -> bool:
-        """Whether we updated ``raw_key`` after sequence ``fork`` (True when
-        the history no longer reaches back that far and the key is absent)."""
-        if entry is not None:
-            return int.from_bytes(entry[0], "big") > fork
-        cached = self._fork_keys
-        history = self.history
-        if cached is None or cached[0] != fork:
-            keys: set[bytes] | None = None
-            if history.covers(fork):
-                keys = {frames[0] for frames in history.since(fork)}
-            cached = (fork, self.store.sequence, keys)
-        else:
-            seen, keys = cached[1], cached[2]
-            if keys is not None and seen < self.store.sequence:
-                if history.covers(seen):
-                    keys.update(frames[0] for frames in history.since(seen))
-                else:
-                    keys = None
-            cached = (fork, self.store.sequence, keys)
-        self._fork_keys = cached
-        keys = cached[2]
-        return keys is None or raw_key in keys
-
-    def resolve_conflict(
-        self, cid: int, action: str, now: float, mono: float | None = None
-    ) -> ConflictRecord:
-        """An operator's word on conflict ``cid``: ``apply`` writes the loser's
-        value now (a new update, published), ``discard`` only marks it.
-        ValueError saying why not (unknown, resolved, not active)."""
-        rec = self.conflicts.get(cid)
-        if rec is None:
-            raise ValueError(f"no conflict {cid}")
-        if rec.resolution is not None:
-            raise ValueError(f"conflict {cid} was {rec.resolution} already")
-        if action == "apply":
-            if self.role is not Role.ACTIVE:
-                raise ValueError(f"this server is {self.role.value}")
-            props = tuple(
-                (n, v) for n, v in decode_properties(rec.loser_props) if n != LEASE_PROPERTY
-            )
-            msg = KVMsg(rec.key.decode("utf-8"), 0, rec.loser_uuid, props, rec.loser_body)
-            self._record(self.store.apply(msg, _mono(mono, now), wall=now))
-            self.counters["kvpub_published"] += 1
-            self.counters["conflicts_applied"] += 1
-            done = self.conflicts.resolve(cid, "applied")
-        elif action == "discard":
-            self.counters["conflicts_discarded"] += 1
-            done = self.conflicts.resolve(cid, "discarded")
-        else:
-            raise ValueError(f"a conflict is applied or discarded, not {action!r}")
-        return done
-
-    def _call_conflict(self, call: Call, now: float, mono: float) -> tuple[Reply, bool]:
-        """An operator applies or discards a conflict; the ACL has judged its key."""
-        c = self.counters
-        cid = int(call.prop(CONFLICT_PROPERTY) or 0)  # check_call: a whole number
-        rec = self.conflicts.get(cid)
-        if rec is None or rec.key != call.key.encode("utf-8") or rec.resolution is not None:
-            c["calls_unknown_conflict"] += 1
-            why = (
-                f"no conflict {cid}"
-                if rec is None
-                else f"conflict {cid} is for another key"
-                if rec.key != call.key.encode("utf-8")
-                else f"conflict {cid} was {rec.resolution} already"
-            )
-            return _refused(call.uuid, "unknown-conflict", why), False
-        action = "apply" if call.op == OP_CONFLICT_APPLY else "discard"
-        self.resolve_conflict(cid, action, now, mono)
-        c["calls_ok"] += 1
-        seq = self.store.sequence if action == "apply" else 0
-        return Reply(call.uuid, "ok", seq), True
 
     # -- time ----------------------------------------------------------------
 
@@ -1104,32 +583,10 @@ class ServerCore:
         now: float = 0.0,
         mono: float | None = None,
     ) -> None:
-        """Start from the state a data directory held (before serving anything).
-
-        The update log becomes the history (what a peer's catch-up is served
-        from) and its ids the deduplication window, so a client's resend of
-        a write confirmed before the restart is still recognised.
-
-        Monotonic time does not survive a restart, and the wall clock may have
-        stepped while we were down, so neither says how long a key has left:
-        every ephemeral key gets its stored ``ttl`` again from ``mono`` (at
-        least what it had left when it was written; never less), and every
-        lease its whole ttl.
-        """
+        """Start from the state a data directory held, before serving anything
+        (:meth:`SyncCore.restore`)."""
         mono = _mono(mono, now)
-        self.store.replace(entries, sequence, mono)
-        if history:
-            self.history.reset(int.from_bytes(history[0][0][1], "big") - 1)
-            self.history.load(history)
-        if self.history.last != sequence:
-            # A log that does not end at the state's sequence describes some
-            # other state: serve no catch-up from it.
-            self.history.reset(sequence)
-        window = self.window
-        for frames, _term, at in history:
-            if frames[2]:
-                window.add(frames[2], at)
-        self.highest_seen = max(self.highest_seen, sequence)
+        self.sync.restore(entries, sequence, history, mono)
         if self.role is Role.ACTIVE:
             # A standalone server serves at once: its leases start a full ttl now.
             self.calls.rebuild_leases(mono)

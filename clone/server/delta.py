@@ -31,19 +31,22 @@ the requested subtree and, for a restricted requester, under its read
 prefixes (so the delta may skip sequences: it is exact within that filter),
 or -- when the history no longer reaches back to N -- a KVDELTA saying
 ``compacted=<oldest held>`` followed directly by KTHXBAI.
+
+:func:`open_stream` chooses among the three for a request (history, catch-up
+or the whole state as a snapshot); the core calls it for every ICANHAZ?.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from clone.server.history import History
-from clone.server.snapshot import effective_prefixes
-from clone.server.store import Served
+from clone.server.snapshot import SnapshotStream, effective_prefixes
+from clone.server.store import Entry, Served, Store
 from clone.wire.codec import Properties, encode_kthxbai
 from clone.wire.delta import SinceRequest, encode_kvdelta, update_digest
 
-__all__ = ["DeltaStream", "open_catch_up", "open_history"]
+__all__ = ["DeltaStream", "open_catch_up", "open_history", "open_stream"]
 
 
 class DeltaStream:
@@ -262,6 +265,63 @@ def open_history(
         preamble=preamble,
         subtree=subtree,
         filtered=filtered,
+        end_properties=end_properties,
+        served=served,
+    )
+
+
+def open_stream(
+    store: Store,
+    history: History,
+    identity: bytes,
+    subtree: str,
+    preamble: Sequence[Sequence[bytes]] = (),
+    *,
+    batch: bool = False,
+    since: SinceRequest | None = None,
+    allowed: Sequence[bytes] | None = None,
+    end_properties: Properties = (),
+    clock: Callable[[], float] | None = None,
+) -> SnapshotStream | DeltaStream:
+    """What a snapshot request gets, after ``preamble``: a client's history
+    request (``since`` without a digest) always a delta or a compacted reply
+    (:func:`open_history`); a peer's catch-up request the updates it lacks if
+    the history still reaches back to it (:func:`open_catch_up`; never for a
+    subtree or a restricted requester); otherwise the whole state under
+    ``subtree`` (KVBATCH if ``batch``).  ``clock`` (monotonic; a peer
+    server's request) is read as entries go out, so that an ephemeral key
+    carries the time it has left (:meth:`Store.served`)."""
+    served: Served | None = None
+    if clock is not None:
+        read = clock
+
+        def served(raw_key: bytes, entry: Entry) -> Entry:
+            return store.served(raw_key, entry, read())
+
+    if since is not None and since.history:
+        # A client's history request: the updates it asked for, or why not;
+        # never a snapshot.
+        return open_history(
+            history,
+            since,
+            identity,
+            store.sequence,
+            preamble,
+            subtree=subtree,
+            allowed=allowed,
+            end_properties=end_properties,
+        )
+    if since is not None and not subtree and allowed is None:
+        delta = open_catch_up(history, since, identity, store.sequence, preamble, served=served)
+        if delta is not None:
+            return delta
+    return SnapshotStream(
+        identity,
+        subtree,
+        store,
+        batch=batch,
+        preamble=preamble,
+        allowed=allowed,
         end_properties=end_properties,
         served=served,
     )

@@ -22,7 +22,8 @@ the pending list) and ``mono`` (monotonic, for ttls) in, outcomes out; every
 update applied goes to ``record`` (the history and the journal), snapshot
 staging to the journal directly.  The core (:mod:`clone.server.core`) decides
 when this runs (only in a follower role) and gives it two hooks for the
-split-brain heal, which it keeps itself.
+split-brain heal (:mod:`clone.server.splitcore`).  A restart's state, read
+from the data directory, also comes in here (:meth:`SyncCore.restore`).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ class FollowOutcome(enum.Enum):
 #: queue in its collector socket), so the list's reach is shortened by this.
 APPLIED_SPAN_MARGIN = 1.0
 
-#: ``(now, ids the peer applied or None)``: the core's split-brain heal, told
+#: ``(now, ids the peer applied or None)``: the split-brain heal, told
 #: when the peer's fork is known (before the snapshot's first entry) and when
 #: the sync completed.
 SplitHook = Callable[[float, "set[bytes] | None"], None]
@@ -222,6 +223,40 @@ class SyncCore:
         if last is None:
             return None
         return SinceRequest(seq, update_digest(last))
+
+    def restore(
+        self,
+        entries: dict[bytes, Entry],
+        sequence: int,
+        history: Sequence[tuple[list[bytes], int, float]],
+        mono: float,
+    ) -> None:
+        """A restart: the state starts from what a data directory held (before
+        serving or following anything), as a sync would start it from a snapshot.
+
+        The update log becomes the history (what a peer's catch-up is served
+        from) and its ids the deduplication window, so a client's resend of
+        a write confirmed before the restart is still recognised.
+
+        Monotonic time does not survive a restart, and the wall clock may have
+        stepped while we were down, so neither says how long a key has left:
+        every ephemeral key gets its stored ``ttl`` again from ``mono`` (at
+        least what it had left when it was written; never less).  (Leases are
+        the core's: each gets its whole ttl when it is rebuilt.)
+        """
+        self.store.replace(entries, sequence, mono)
+        if history:
+            self.history.reset(int.from_bytes(history[0][0][1], "big") - 1)
+            self.history.load(history)
+        if self.history.last != sequence:
+            # A log that does not end at the state's sequence describes some
+            # other state: serve no catch-up from it.
+            self.history.reset(sequence)
+        window = self.window
+        for frames, _term, at in history:
+            if frames[2]:
+                window.add(frames[2], at)
+        self.highest_seen = max(self.highest_seen, sequence)
 
     # -- the peer's publisher ------------------------------------------------
 

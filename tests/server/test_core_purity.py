@@ -1,5 +1,6 @@
-"""The core and its two parts stay sans-IO: no sockets, no clock, no logging
-on their paths (events and ``now`` in, replies and outcomes out)."""
+"""The core, its three parts (calls, sync, split-brain heal), its settings and
+the stream opener stay sans-IO: no sockets, no clock, no logging on their paths
+(events and ``now`` in, replies and outcomes out)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CORE = ("clone/server/core.py", "clone/server/callcore.py", "clone/server/synccore.py")
+CORE = (
+    "clone/server/core.py",
+    "clone/server/callcore.py",
+    "clone/server/synccore.py",
+    "clone/server/splitcore.py",
+    "clone/server/coresettings.py",
+    "clone/server/delta.py",
+)
 #: What a sans-IO module must not import (house style, "Sans-IO cores").
 BANNED = {"zmq", "tornado", "time", "socket", "asyncio", "threading", "logging", "sqlite3"}
 
