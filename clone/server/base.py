@@ -33,6 +33,13 @@ from clone.server.publishing import Publisher
 from clone.server.rolelog import load_role_changes, save_role_changes
 from clone.server.snapshot import SnapshotStream
 from clone.server.status import StatusLimiter, clone_version
+from clone.server.subscribers import (
+    InboundWatch,
+    SubscriptionGate,
+    SubscriptionReader,
+    drop_connection,
+)
+from clone.server.subscriptions import SubscriptionLedger, SubscriptionLimits
 from clone.server.votes import DeferredVotes
 from clone.wire.frames import cap_message_size
 from clone.wire.protocol import MAX_HEARTBEAT_MS
@@ -165,7 +172,9 @@ class ServerBase:
         # Call replies that wait for this turn's commit (clone.server.calling).
         self._replies: list[tuple[bytes, Reply]] = []
         self._replies_scheduled = False
-        self._pub_stream: ZMQStream | None = None  # the XPUB's (CURVE) subscriptions
+        self._pub_stream: SubscriptionReader | None = None  # the XPUB's subscriptions
+        self._inbound_watch: InboundWatch | None = None  # floods of them (its own thread)
+        self._pub_hwm = 0  # the publisher's SNDHWM, from --max-subscriber-bytes
         self._peer_sub: ZMQStream | None = None
         # The server we follow: the peer while passive; a relay's current
         # upstream (clone.server.relaying), which changes at a failover.
@@ -259,6 +268,10 @@ class ServerBase:
                 "kvset_refused_acl",
                 "subscriptions",
                 "subscriptions_refused",
+                "subscriptions_over_limit",
+                "subscribers_dropped",
+                "subscribers_flooding",
+                "subscribers_slow",
                 "subscriptions_at_heartbeat",
                 "security_reloads",
                 "security_reload_errors",
@@ -282,6 +295,24 @@ class ServerBase:
             ),
             0,
         )
+
+        # The publisher's subscriptions, judged per connection (a part of its
+        # own: clone.server.subscribers); the topics come from security.
+        self.subscription_gate = SubscriptionGate(
+            SubscriptionLedger(
+                SubscriptionLimits(config.max_subscriptions, config.max_subscription_bytes)
+            ),
+            self._subscription_topics,
+            self.counters,
+            self._throttle,
+            clock,
+            TURN_BUDGET,
+            drop_connection,
+        )
+
+    def _subscription_topics(self, frame: zmq.Frame, topic: bytes) -> list[bytes] | None:
+        """What a connection asking for ``topic`` gets (security overrides it)."""
+        return [topic]
 
     def _socket(self, kind: int, *, bound: bool = False) -> zmq.Socket[Any]:
         """A socket with our defaults; with CURVE on, set up as a server if
@@ -378,6 +409,8 @@ class ServerBase:
         def _count_views(self, updates: list[list[bytes]]) -> None: ...
 
         def _bind_publisher(self, *, rebind: bool = False) -> None: ...
+
+        def _on_pub_monitor(self, event: int, value: int) -> None: ...
 
         def _on_became_active(self) -> None: ...
 

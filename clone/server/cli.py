@@ -32,6 +32,12 @@ from clone.server.config import FSYNC_POLICIES, PEER_WAIT_DEFAULT, ServerConfig,
 from clone.server.core import CoreSettings
 from clone.server.fdlimit import raise_nofile
 from clone.server.reactor import CloneServer
+from clone.server.subscriptions import (
+    DEFAULT_MAX_SUBSCRIBER_BYTES,
+    DEFAULT_MAX_SUBSCRIPTION_BYTES,
+    DEFAULT_MAX_SUBSCRIPTIONS,
+    DROP_AFTER_REFUSALS,
+)
 from clone.wire.protocol import (
     COLLECTOR_OFFSET,
     DEFAULT_BACKUP_HA_PORT,
@@ -324,6 +330,33 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="snapshot streams in flight at once; more requests are not answered (default 64)",
     )
+    limits.add_argument(
+        "--max-subscriptions",
+        type=non_negative_int,
+        default=DEFAULT_MAX_SUBSCRIPTIONS,
+        metavar="N",
+        help="topics one connection to the publisher may subscribe to; one more is"
+        f" refused, and a connection refused {DROP_AFTER_REFUSALS} times is dropped"
+        f" (default {DEFAULT_MAX_SUBSCRIPTIONS}; 0: no limit)",
+    )
+    limits.add_argument(
+        "--max-subscription-bytes",
+        type=non_negative_int,
+        default=DEFAULT_MAX_SUBSCRIPTION_BYTES,
+        metavar="BYTES",
+        help="bytes of topics one connection to the publisher may subscribe to, as"
+        f" --max-subscriptions (default {DEFAULT_MAX_SUBSCRIPTION_BYTES}; 0: no limit)",
+    )
+    limits.add_argument(
+        "--max-subscriber-bytes",
+        type=non_negative_int,
+        default=DEFAULT_MAX_SUBSCRIBER_BYTES,
+        metavar="BYTES",
+        help="bytes of unsent updates one subscriber may have queued; beyond them its"
+        " updates are dropped (it sees a gap and resyncs): the publisher's high-water"
+        " mark is BYTES / the largest update, if lower than --hwm"
+        f" (default {DEFAULT_MAX_SUBSCRIBER_BYTES}; 0: --hwm only)",
+    )
     monitoring = p.add_argument_group(
         "monitoring", "metrics, health and the status page (docs/operations.md, 'Monitoring')"
     )
@@ -413,6 +446,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         acl=args.acl,
         trusted_relays=frozenset(args.trusted_relay),
         max_snapshots=args.max_snapshots,
+        max_subscriptions=args.max_subscriptions,
+        max_subscription_bytes=args.max_subscription_bytes,
+        max_subscriber_bytes=args.max_subscriber_bytes,
         http_port=args.http_port,
         http_idle_timeout=args.http_idle_timeout,
         http_max_connections=args.http_max_connections,

@@ -48,8 +48,6 @@ from tornado.iostream import IOStream
 from tornado.netutil import bind_sockets
 from tornado.web import Application, RequestHandler, StaticFileHandler
 from tornado.websocket import WebSocketClosedError, WebSocketHandler
-from zmq.eventloop.zmqstream import ZMQStream
-from zmq.utils.monitor import parse_monitor_message
 
 from clone.errors import ServerStartError
 from clone.server.base import ServerBase, log
@@ -309,7 +307,6 @@ class HttpMixin(ServerBase):
         self._http_server: CappedHTTPServer | None = None
         self._http_sockets: list[socket.socket] = []
         self._http_timer: object | None = None
-        self._monitor_stream: ZMQStream | None = None
         cfg = self.config
         self._status_hub = StatusHub(
             cfg.http_viewers,
@@ -448,7 +445,6 @@ class HttpMixin(ServerBase):
         for sock in self._http_sockets:  # bound but never served
             sock.close()
         self._http_sockets = []
-        self._monitor_stream = None  # closed with the other streams
 
     def _push_interval(self) -> float:
         return min(max(self.config.heartbeat, _PUSH_MIN), _PUSH_MAX)
@@ -492,14 +488,11 @@ class HttpMixin(ServerBase):
 
     # -- counting the publisher's connections ---------------------------------
 
-    def _watch_subscribers(self, pub: zmq.Socket[Any]) -> None:
-        """Count ``pub``'s connections from its monitor (with --http-port only)."""
-        if self.config.http_port is None:
-            return
-        old, self._monitor_stream = self._monitor_stream, None
-        if old is not None:
-            self._forget(old)
-        secure = pub.type == zmq.XPUB
+    def _watch_subscribers(self, pub: zmq.Socket[Any]) -> zmq.Socket[Any]:
+        """``pub``'s monitor socket, for the inbound watch (clone.server.subscribers),
+        which passes its events to :meth:`_on_pub_monitor`; with --http-port they
+        count the connections."""
+        secure = self._keypair is not None
         events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
         if secure:
             for name in (
@@ -509,12 +502,14 @@ class HttpMixin(ServerBase):
                 "EVENT_HANDSHAKE_FAILED_AUTH",
             ):
                 events |= getattr(zmq, name, 0)
-        self._subscriber_count = SubscriberCount(secure=secure)
+        if self.config.http_port is not None:
+            self._subscriber_count = SubscriberCount(secure=secure)
         monitor = pub.get_monitor_socket(events)
         monitor.setsockopt(zmq.LINGER, 0)
-        self._monitor_stream = self._stream(monitor, self._on_pub_monitor)
+        return monitor
 
-    def _on_pub_monitor(self, frames: list[bytes]) -> None:
+    def _on_pub_monitor(self, event: int, value: int) -> None:
+        self.subscription_gate.on_event(event, value)
         count = self._subscriber_count
         if count is not None:
-            count.on_event(int(parse_monitor_message(frames)["event"]))
+            count.on_event(event)

@@ -50,9 +50,9 @@ class Publisher:
             self._queue.append(frames)
             return
         assert self.socket is not None
-        # A PUB reads nothing; an XPUB's subscriptions are looked at by the
-        # heartbeat (security._take_subscriptions): the hot path pays
-        # nothing for them.
+        # The XPUB's subscriptions are read by their own handler and looked
+        # at by the heartbeat (security._take_subscriptions): the hot path
+        # pays nothing for them.
         send(self.socket, frames, backlog=None, flags=0)
 
     def publish_bulk(self, batch: list[list[bytes]]) -> None:

@@ -48,10 +48,21 @@ from clone.server.http import HttpMixin
 from clone.server.relaying import RelayMixin
 from clone.server.security import SecurityMixin
 from clone.server.serving import ServingMixin
+from clone.server.subscribers import (
+    SLOW_AFTER,
+    SUBSCRIPTION_RCVHWM,
+    InboundWatch,
+    SubscriptionReader,
+)
+from clone.server.subscriptions import MAX_TOPIC_BYTES, InboundAllowance, subscriber_hwm
 from clone.storage.files import dir_bytes
 from clone.storage.schema import FORMAT_VERSION
 from clone.wire.frames import recv_frames, recv_frames_and_first
-from clone.wire.protocol import COLLECTOR_OFFSET, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
+from clone.wire.protocol import (
+    COLLECTOR_OFFSET,
+    PUBLISHER_OFFSET,
+    SNAPSHOT_OFFSET,
+)
 
 # ServerConfig, ServerMode and ServerStartError are re-exported: this module is
 # where callers have always found them.
@@ -340,6 +351,11 @@ class CloneServer(
         self._snapshots.clear()
         self._in_flight.clear()
         self.publisher.drop()
+        watch, self._inbound_watch = self._inbound_watch, None
+        if watch is not None:
+            watch.stop()
+        if self._pub_stream is not None:
+            self._pub_stream.close()
         for stream in self._streams:
             stream.close(linger=0)
         self._streams.clear()
@@ -444,8 +460,9 @@ class CloneServer(
     # -- the publisher -------------------------------------------------------
 
     def _bind_publisher(self, *, rebind: bool = False) -> None:
-        """Bind the publisher (P+1): a PUB, or with CURVE an XPUB in manual
-        mode whose subscriptions clone.server.security decides.
+        """Bind the publisher (P+1): an XPUB in manual mode, whose
+        subscriptions the subscription gate (clone.server.subscribers) judges
+        per connection and clone.server.security maps to what each may read.
 
         ``rebind`` closes the current one first (SIGHUP took rights away);
         until the port is free again, publications wait in the ordered output
@@ -456,14 +473,18 @@ class CloneServer(
         old, self._pub = self._pub, None
         endpoint = f"tcp://{cfg.bind}:{cfg.port + PUBLISHER_OFFSET}"
         if old_stream is not None:
-            self._forget(old_stream)
-        elif old is not None and not old.closed:
+            old_stream.close()
+        if old is not None and not old.closed:
             old.close(linger=0)
-        secure = self._keypair is not None
-        pub = self._socket(zmq.XPUB if secure else zmq.PUB, bound=True)
-        pub.setsockopt(zmq.SNDHWM, cfg.pub_hwm)
-        if secure:
-            pub.setsockopt(zmq.XPUB_MANUAL, 1)
+        pub = self._socket(zmq.XPUB, bound=True)
+        # A subscriber's queue: at most --max-subscriber-bytes of the largest updates.
+        self._pub_hwm = subscriber_hwm(cfg.max_subscriber_bytes, cfg.pub_hwm)
+        pub.setsockopt(zmq.SNDHWM, self._pub_hwm)
+        # Subscriptions: none applied but by us, none longer than a subtree,
+        # and few taken in from one connection ahead of the gate.
+        pub.setsockopt(zmq.XPUB_MANUAL, 1)
+        pub.setsockopt(zmq.MAXMSGSIZE, 1 + MAX_TOPIC_BYTES)
+        pub.setsockopt(zmq.RCVHWM, SUBSCRIPTION_RCVHWM)
         if not rebind:
             pub.bind(endpoint)
             self._install_publisher(pub)
@@ -488,9 +509,58 @@ class CloneServer(
 
     def _install_publisher(self, pub: zmq.Socket[Any]) -> None:
         self.publisher.install(pub)  # what was held goes out from the next turn
-        self._watch_subscribers(pub)
-        if pub.type == zmq.XPUB:
-            self._pub_stream = self._stream(pub, self._on_subscription, copy=False)
+        self.subscription_gate.reset()  # a new socket: no connection yet
+        assert self._loop is not None
+        self._pub_stream = SubscriptionReader(pub, self._loop, self._on_subscription)
+        self._start_inbound_watch(self._watch_subscribers(pub))
+
+    def _start_inbound_watch(self, monitor: zmq.Socket[Any]) -> None:
+        """The thread that reads ``monitor`` and stops the floods the loop
+        cannot see (clone.server.subscribers)."""
+        old, self._inbound_watch = self._inbound_watch, None
+        if old is not None:
+            old.stop()
+        loop = self._loop
+        assert loop is not None
+        watch = InboundWatch(
+            monitor,
+            InboundAllowance.for_limits(self.subscription_gate.ledger.limits),
+            lambda event, value: loop.add_callback(self._on_pub_monitor, event, value),
+            lambda peer, received: loop.add_callback(self._on_inbound_drop, peer, received),
+            lambda peer, waiting: loop.add_callback(self._on_slow_subscriber, peer, waiting),
+        )
+        watch.start()
+        self._inbound_watch = watch
+
+    def _on_inbound_drop(self, peer: str, received: int) -> None:
+        """The inbound watch shut a publisher connection down: it sent more than
+        subscribing within the caps takes."""
+        self.counters["subscribers_dropped"] += 1
+        self.counters["subscribers_flooding"] += 1
+        self._throttle.log(
+            "subscriber_flood",
+            logging.WARNING,
+            "subscriber %s sent %d bytes to the publisher, more than subscribing within"
+            " --max-subscriptions and --max-subscription-bytes takes: connection dropped",
+            peer,
+            received,
+        )
+
+    def _on_slow_subscriber(self, peer: str, waiting: int) -> None:
+        """The inbound watch saw a subscriber read nothing for a while."""
+        self.counters["subscribers_slow"] += 1
+        self._throttle.log(
+            "subscriber_slow",
+            logging.WARNING,
+            "subscriber %s has read nothing for %.0f s (%d bytes wait in the kernel): once"
+            " %d updates (--max-subscriber-bytes %d) wait for it here, its further updates"
+            " are dropped; it sees the gap and resyncs when it reads again",
+            peer,
+            SLOW_AFTER,
+            waiting,
+            self._pub_hwm,
+            self.config.max_subscriber_bytes,
+        )
 
     # -- the collector: client updates ---------------------------------------
 

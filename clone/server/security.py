@@ -17,9 +17,10 @@ certificate name) and its :class:`~clone.security.acl.Rights`:
 * **Snapshots** (the snapshot port): only keys under the requester's read
   prefixes; a restricted requester's KTHXBAI carries its view id and count.
 * **The update stream**: the publisher is an XPUB in manual mode, and
-  :meth:`SecurityMixin._on_subscription` maps what a connection asks for to
-  what it may receive (docs/protocol.md, "Security"); each view of restricted
-  readers gets its own heartbeat with the count of updates published in it.
+  :meth:`SecurityMixin._subscription_topics` maps what a connection asks for
+  to what it may receive, once clone.server.subscribers has checked its caps
+  (docs/protocol.md, "Security"); each view of restricted readers gets its
+  own heartbeat with the count of updates published in it.
 
 A relay (``--relay``, :mod:`.relaying`) does both sides independently: its
 bound sockets are CURVE servers with ``--curve-secret`` exactly as above (its
@@ -32,7 +33,8 @@ SIGHUP reloads the clients directory and the ACL.  A file that does not load
 keeps the old one (logged).  New certificates are admitted at once; if a key
 was removed or anyone's read rights changed, the publisher is bound again so
 that every subscriber reconnects and its subscriptions are decided afresh
-(clients see a short gap and resync): libzmq cannot drop one subscriber.
+(clients see a short gap and resync): a socket of libzmq has no call to
+forget one connection's subscriptions.
 
 Fail closed everywhere: an unknown name, a missing ACL table or a name the
 reload removed means no access.
@@ -64,6 +66,7 @@ from clone.server.access import may_write
 from clone.server.base import ServerBase, log
 from clone.server.config import ServerMode
 from clone.server.core import Role
+from clone.server.subscribers import PER_TURN
 from clone.wire.control import (
     encode_refusal,
     encode_view_heartbeat,
@@ -77,9 +80,6 @@ __all__ = ["SecurityMixin", "subscription_topics"]
 # Every first byte but NUL: a reader of everything gets keys and HUGZ, never
 # another user's control topic.
 _ALL_BUT_CONTROL = [bytes([b]) for b in range(1, 256)]
-# Subscription messages the heartbeat's check handles at most (see
-# _take_subscriptions); more wait for the next heartbeat or the socket's event.
-_SUBSCRIPTIONS_PER_HEARTBEAT = 1000
 
 
 def subscription_topics(topic: bytes, rights: Rights, name: str) -> list[bytes]:
@@ -311,29 +311,27 @@ class SecurityMixin(ServerBase):
 
     # -- the update stream ---------------------------------------------------
 
-    def _on_subscription(self, parts: list[zmq.Frame]) -> None:
-        """XPUB_MANUAL: decide what this connection receives (one message each)."""
+    def _on_subscription(self) -> bool:
+        """The publisher's subscription messages: the gate judges them per
+        connection (clone.server.subscribers), a bounded number per turn;
+        True if it stopped at its budget."""
         sock = self._pub
-        assert sock is not None
-        frame = parts[0]
-        raw = frame.bytes
-        if not raw or raw[0] not in (0, 1):
-            return
+        if sock is None or sock.closed:
+            return False
+        return self.subscription_gate.take(sock) >= PER_TURN
+
+    def _subscription_topics(self, frame: zmq.Frame, topic: bytes) -> list[bytes] | None:
+        """What a connection asking for ``topic`` gets: in plain mode what it
+        asks; with CURVE what its name may read (None: not admitted)."""
+        if self._keypair is None:
+            return [topic]
         try:
             name: str | None = str(frame.get("User-Id"))
         except zmq.ZMQError:
             name = None
-        option = zmq.SUBSCRIBE if raw[0] == 1 else zmq.UNSUBSCRIBE
         if name is None or name not in self._admitted:
-            # libzmq drops a closed connection's subscriptions itself (the
-            # unsubscriptions it reports then carry no name): only a refused
-            # subscription counts.
-            if option == zmq.SUBSCRIBE:
-                self.counters["subscriptions_refused"] += 1
-            return
-        for topic in subscription_topics(raw[1:], self._rights_of(name), name):
-            sock.setsockopt(option, topic)
-        self.counters["subscriptions"] += 1
+            return None
+        return subscription_topics(topic, self._rights_of(name), name)
 
     def _take_subscriptions(self) -> None:
         """Handle subscription messages our own sends on the XPUB may have hidden.
@@ -344,20 +342,15 @@ class SecurityMixin(ServerBase):
         nothing, not even HUGZ, until something else stirred the socket (seen
         in CI: 25 snapshots served to a client, 1 subscription handled).  The
         heartbeat calls this after its own sends: a subscription waits at most
-        one heartbeat, and the hot path pays nothing.
+        one heartbeat, and the hot path pays nothing.  Bounded like a turn of
+        the socket's own handler.
         """
         stream, sock = self._pub_stream, self._pub
         if stream is None or sock is None or sock.closed:
             return
-        for _ in range(_SUBSCRIPTIONS_PER_HEARTBEAT):
-            if not sock.poll(0, zmq.POLLIN):
-                return
-            try:
-                parts = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self.counters["subscriptions_at_heartbeat"] += 1
-            self._on_subscription(parts)
+        if not sock.poll(0, zmq.POLLIN):
+            return
+        self.counters["subscriptions_at_heartbeat"] += self.subscription_gate.take(sock)
 
     def _count_views(self, updates: list[list[bytes]]) -> None:
         """Count the published updates of each view (for its heartbeat)."""

@@ -1,0 +1,118 @@
+"""The subscription ledger and the subscriber budget's high-water mark, with literal values."""
+
+from __future__ import annotations
+
+import pytest
+
+from clone.server.subscriptions import (
+    MAX_PUBLICATION_BYTES,
+    SubscriptionLedger,
+    SubscriptionLimits,
+    Verdict,
+    subscriber_hwm,
+)
+from clone.wire.protocol import MAX_KEY_BYTES, MAX_PROPERTIES_BYTES, MAX_VALUE_BYTES
+
+
+def ledger(count: int = 3, nbytes: int = 10, drop_after: int = 2) -> SubscriptionLedger:
+    return SubscriptionLedger(SubscriptionLimits(count, nbytes, drop_after))
+
+
+def test_accepts_up_to_the_count_then_refuses_then_drops() -> None:
+    led = ledger(count=3, nbytes=0, drop_after=2)
+    assert [led.subscribe(7, t) for t in (b"/a", b"/b", b"/c")] == [Verdict.ACCEPT] * 3
+    assert led.held(7) == (3, 6)
+    assert led.subscribe(7, b"/d") is Verdict.REFUSE
+    assert led.subscribe(7, b"/e") is Verdict.DROP
+    # What libzmq had read from it before the drop is ignored, even a topic it held.
+    assert led.subscribe(7, b"/a") is Verdict.IGNORE
+    assert led.held(7) == (0, 0)
+
+
+def test_bytes_cap_counts_topic_bytes() -> None:
+    led = ledger(count=0, nbytes=10, drop_after=5)
+    assert led.subscribe(1, b"0123456789") is Verdict.ACCEPT  # exactly 10: at the cap
+    assert led.subscribe(1, b"x") is Verdict.REFUSE
+    assert led.held(1) == (1, 10)
+    assert led.unsubscribe(1, b"0123456789")
+    assert led.subscribe(1, b"x") is Verdict.ACCEPT
+    assert led.held(1) == (1, 1)
+
+
+def test_a_topic_held_again_is_accepted_without_counting_twice() -> None:
+    led = ledger(count=1, nbytes=0)
+    assert led.subscribe(1, b"") is Verdict.ACCEPT
+    assert led.subscribe(1, b"") is Verdict.ACCEPT
+    assert led.held(1) == (1, 0)
+
+
+def test_connections_are_counted_apart() -> None:
+    led = ledger(count=1, nbytes=0, drop_after=1)
+    assert led.subscribe(1, b"/a") is Verdict.ACCEPT
+    assert led.subscribe(2, b"/a") is Verdict.ACCEPT
+    assert led.subscribe(1, b"/b") is Verdict.DROP
+    assert led.subscribe(2, b"/a") is Verdict.ACCEPT
+
+
+def test_unsubscribe_of_a_topic_not_held_is_not_applied() -> None:
+    led = ledger()
+    assert not led.unsubscribe(1, b"/never")
+    led.subscribe(1, b"/a")
+    assert led.unsubscribe(1, b"/a")
+    assert not led.unsubscribe(1, b"/a")
+
+
+def test_a_new_connection_on_a_reused_descriptor_starts_clean() -> None:
+    led = ledger(count=1, nbytes=0, drop_after=1)
+    led.subscribe(5, b"/a")
+    assert led.subscribe(5, b"/b") is Verdict.DROP
+    led.connected(5)  # the monitor's ACCEPTED for a new connection on fd 5
+    assert led.subscribe(5, b"/b") is Verdict.ACCEPT
+    led.disconnected(5)
+    assert len(led) == 0
+    assert led.held(5) == (0, 0)
+
+
+def test_no_limits() -> None:
+    led = ledger(count=0, nbytes=0)
+    for i in range(1000):
+        assert led.subscribe(1, b"/%d" % i) is Verdict.ACCEPT
+
+
+@pytest.mark.parametrize(
+    ("count", "nbytes", "drop_after"), [(-1, 0, 1), (0, -1, 1), (1, 1, 0)]
+)
+def test_bad_limits(count: int, nbytes: int, drop_after: int) -> None:
+    with pytest.raises(ValueError):
+        SubscriptionLimits(count, nbytes, drop_after)
+
+
+def test_largest_publication_covers_the_protocol_limits() -> None:
+    assert MAX_PUBLICATION_BYTES >= MAX_KEY_BYTES + MAX_VALUE_BYTES + MAX_PROPERTIES_BYTES + 24
+
+
+@pytest.mark.parametrize(
+    ("budget", "hwm", "largest", "expected"),
+    [
+        (64 * 2**20, 100_000, 2**20, 64),  # the budget binds
+        (64 * 2**20, 10, 2**20, 10),  # --hwm binds when lower
+        (100, 100_000, 2**20, 1),  # a budget below one update still lets one through
+        (0, 5000, 2**20, 5000),  # no budget: --hwm alone
+        (64 * 2**20, 0, 2**20, 64),  # no --hwm: the budget alone
+        (0, 0, 2**20, 0),  # neither: libzmq's no limit
+    ],
+)
+def test_subscriber_hwm(budget: int, hwm: int, largest: int, expected: int) -> None:
+    assert subscriber_hwm(budget, hwm, largest) == expected
+
+
+def test_subscriber_hwm_holds_in_bytes_for_any_mix() -> None:
+    budget = 256 * 2**20
+    hwm = subscriber_hwm(budget, 100_000)
+    assert hwm * MAX_PUBLICATION_BYTES <= budget
+    assert (hwm + 1) * MAX_PUBLICATION_BYTES > budget
+
+
+def test_subscriber_hwm_rejects_negative() -> None:
+    with pytest.raises(ValueError):
+        subscriber_hwm(-1, 0)
