@@ -53,7 +53,7 @@ DEFAULT_MAX_SUBSCRIPTION_BYTES = 1024
 #: Refusals after which a connection that keeps asking is dropped.
 DROP_AFTER_REFUSALS = 8
 #: Unsent updates one subscriber may have queued in the server, in bytes.
-DEFAULT_MAX_SUBSCRIBER_BYTES = 64 * 1024 * 1024
+DEFAULT_MAX_SUBSCRIBER_BYTES = 256 * 1024 * 1024
 
 # The largest KVPUB the server publishes: a key (1 KiB), a value (1 MiB),
 # properties (4 KiB), the sequence and uuid, and ZMTP framing (5 frames of at

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from zmq.utils.monitor import parse_monitor_message
 from clone.server.subscribers import drop_connection
 from tests.support.clients import synced_client
 from tests.support.curve import CurveKeys, curve_socket, wait_serving_curve
+from tests.support.ports import free_base_port, free_port
 from tests.support.servers import ServerProcess, Servers, read_stats
 from tests.support.waiting import eventually
 
@@ -53,7 +55,10 @@ def _stat(server: ServerProcess, name: str) -> int:
 def test_subscriptions_beyond_the_caps_are_refused_then_the_connection_dropped(
     servers: Servers, ctx: zmq.Context[Any]
 ) -> None:
-    server = servers.standalone("--max-subscriptions", "4", "--max-subscription-bytes", "64")
+    http = free_port()
+    server = servers.standalone(
+        "--max-subscriptions", "4", "--max-subscription-bytes", "64", "--http-port", str(http)
+    )
     with synced_client(server) as healthy:
         xsub, monitor = _xsub(ctx, server)
         _wait_event(monitor, zmq.EVENT_CONNECTED)
@@ -68,6 +73,10 @@ def test_subscriptions_beyond_the_caps_are_refused_then_the_connection_dropped(
         assert stats["subscriptions_over_limit"] == 8
         assert stats["subscribers_dropped"] == 1
         assert server.wait_log("kept subscribing beyond 4 topics or 64 bytes")
+        with urllib.request.urlopen(f"http://127.0.0.1:{http}/metrics", timeout=WAIT) as r:
+            body = r.read().decode()
+        assert 'clone_subscriptions_refused_total{reason="over-limit"} 8.0' in body
+        assert 'clone_subscribers_cut_total{reason="over-limit"} 1.0' in body
         # The others are untouched: the client still writes and hears its writes.
         healthy.set("/after", b"1", wait=True, timeout=WAIT)
         assert healthy.status().counters.get("resyncs", 0) <= 1
@@ -214,12 +223,41 @@ def test_a_subscriber_over_its_budget_loses_updates_and_resyncs(
         def caught_up() -> bool:
             lines = (tmp_path / "slow.out").read_text().splitlines()
             last = lines[-1].split() if lines else []
-            # "state <value> <gaps> <resyncs>"
-            return len(last) == 4 and last[1] == "b'done'" and int(last[2]) >= 1
+            # "state <value> <gaps> <resyncs>": whether it noticed by the
+            # sequence gap or by its own freeze (the agent's thaw check), it
+            # must have fetched a fresh snapshot to hold the last value.
+            return len(last) == 4 and last[1] == "b'done'" and int(last[3]) >= 1
 
-        eventually(caught_up, 60, "the slow client to see the gap and resync")
+        eventually(caught_up, 60, "the slow client to resync")
     finally:
         proc.send_signal(signal.SIGCONT)
         proc.kill()
         proc.wait(10)
         out.close()
+
+
+def test_caps_hold_on_a_relay(servers: Servers, ctx: zmq.Context[Any]) -> None:
+    upstream = servers.standalone()
+    port = free_base_port()
+    args = [
+        "--relay",
+        "--port", str(port),
+        "--upstream", f"127.0.0.1:{upstream.port}",
+        "--bind", "127.0.0.1",
+        "--heartbeat", str(servers.heartbeat_ms),
+        "--max-subscriptions", "2",
+        "--verbose",
+    ]  # fmt: skip
+    relay = servers.spawn("relay", args, port, None)
+    relay.wait_log("synced from")
+    relay.wait_serving()
+    xsub, monitor = _xsub(ctx, relay)
+    _wait_event(monitor, zmq.EVENT_CONNECTED)
+    for i in range(10):
+        xsub.send(b"\x01/r/%d" % i)
+    _wait_event(monitor, zmq.EVENT_DISCONNECTED)
+    stats = read_stats(relay)
+    assert stats["subscriptions_over_limit"] == 8
+    assert stats["subscribers_dropped"] == 1
+    with synced_client(relay) as client:  # the relay still serves
+        client.set("/via-relay", b"1", wait=True, timeout=WAIT)
