@@ -7,6 +7,7 @@ the slow subscriber.  A real client checks that the others are untouched.
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import subprocess
@@ -261,3 +262,32 @@ def test_caps_hold_on_a_relay(servers: Servers, ctx: zmq.Context[Any]) -> None:
     assert stats["subscribers_dropped"] == 1
     with synced_client(relay) as client:  # the relay still serves
         client.set("/via-relay", b"1", wait=True, timeout=WAIT)
+
+
+def test_a_subscriber_over_its_budget_sees_a_sequence_gap(
+    servers: Servers, ctx: zmq.Context[Any]
+) -> None:
+    """The cut itself: libzmq drops that subscriber's updates past the budget's
+    high-water mark (2 here), so what it reads later has a hole in its sequence."""
+    server = servers.standalone("--in-memory", "--max-subscriber-bytes", str(3 * 2**20))
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, 1)
+    sub.setsockopt(zmq.RCVBUF, 4096)
+    sub.setsockopt(zmq.SUBSCRIBE, b"/slow/")
+    sub.connect(f"tcp://127.0.0.1:{server.port + 1}")
+    with synced_client(server) as writer:
+        writer.set("/slow/first", b"1", wait=True, timeout=WAIT)
+        assert sub.poll(int(WAIT * 1000)), "the raw subscriber is not subscribed"
+        value = os.urandom(60 * 1024)
+        for i in range(400):  # 24 MB while it reads nothing
+            writer.set(f"/slow/k{i % 50}", value)
+        writer.set("/slow/last", b"1", wait=True, timeout=WAIT)
+    sequences = []
+    while sub.poll(2000):
+        frames = sub.recv_multipart()
+        sequences.append(int.from_bytes(frames[1], "big"))
+    assert sequences, "it received nothing at all"
+    assert len(sequences) < 402, "nothing was dropped for it"
+    holes = [b for a, b in itertools.pairwise(sequences) if b != a + 1]
+    assert holes, f"no gap in {len(sequences)} updates"
