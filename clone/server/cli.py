@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -553,9 +554,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         # run() raises only before serving: a port in use, a locked data directory.
         log.error("%s", exc)
         return EXIT_START_FAILED
-    if server.failed is not None:
-        return 1
-    return 0
+    code = 1 if server.failed is not None else 0
+    if argv is None:  # a process of its own, not a caller's function call
+        _exit_now(code)
+    return code
+
+
+def _exit_now(code: int) -> None:
+    """Exit without tearing the interpreter down.
+
+    Why: by now every socket, the context, the data directory and the threads
+    are closed, and what is left (freeing every module's objects) took 0.3 to
+    1.7 s on a loaded 2-core machine after ``server stopped`` was logged, so a
+    SIGTERM was not obeyed within a second (issue 26's drill).  The log is
+    flushed first; the exit code is the same.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
