@@ -1,11 +1,20 @@
-"""The subscription ledger and the subscriber budget's high-water mark, with literal values."""
+"""The subscription ledger, the inbound allowance and the subscriber budget's
+high-water mark, with literal values; the inbound watch with an explicit clock."""
 
 from __future__ import annotations
 
-import pytest
+import socket
+import struct
+import time
+from typing import Any
 
+import pytest
+import zmq
+
+from clone.server.subscribers import InboundWatch
 from clone.server.subscriptions import (
     MAX_PUBLICATION_BYTES,
+    InboundAllowance,
     SubscriptionLedger,
     SubscriptionLimits,
     Verdict,
@@ -116,3 +125,74 @@ def test_subscriber_hwm_holds_in_bytes_for_any_mix() -> None:
 def test_subscriber_hwm_rejects_negative() -> None:
     with pytest.raises(ValueError):
         subscriber_hwm(-1, 0)
+
+
+def test_inbound_allowance_from_the_caps() -> None:
+    allowance = InboundAllowance.for_limits(SubscriptionLimits(16, 1024))
+    assert allowance is not None
+    assert allowance.burst == 2 * (1024 + 64 * 16) + 2048 == 6144
+    assert allowance.allows(6144, 0.0)
+    assert not allowance.allows(6145, 0.0)
+    assert allowance.allows(6145 + 1023, 1.0)  # 1 KiB/s for ZMTP heartbeats
+    assert not allowance.allows(6144 + 2049, 2.0)
+    assert InboundAllowance.for_limits(SubscriptionLimits(0, 1024)) is None
+    assert InboundAllowance.for_limits(SubscriptionLimits(16, 0)) is None
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_inbound_watch_shuts_down_a_connection_past_its_allowance() -> None:
+    """The kernel's byte count, an explicit clock, a real TCP connection (no zmq
+    peer): past the allowance the connection is shut down and reported; within
+    it, nothing happens; a descriptor that is now another socket is left alone."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    monitor = ctx.socket(zmq.PAIR)  # never polled here: events are fed by hand
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server_side, _ = listener.accept()
+    clock = _Clock()
+    events: list[tuple[int, int]] = []
+    drops: list[tuple[str, int]] = []
+    watch = InboundWatch(
+        monitor,
+        InboundAllowance(burst=1000, rate=0.0),
+        lambda e, v: events.append((e, v)),
+        lambda peer, n: drops.append((peer, n)),
+        clock=clock,
+    )
+    try:
+        fd = server_side.fileno()
+        watch.event(zmq.EVENT_ACCEPTED, fd)
+        assert events == [(zmq.EVENT_ACCEPTED, fd)]
+        client.sendall(b"x" * 1000)
+        _eventually_received(server_side, 1000)
+        assert watch.check(clock.now) == 0 and not drops
+        client.sendall(b"x")
+        _eventually_received(server_side, 1001)
+        clock.now += 0.01  # past the next check (every 2 ms in the first second)
+        assert watch.check(clock.now) == 1
+        assert drops == [("127.0.0.1", 1001)]
+        client.settimeout(10)
+        assert client.recv(10) == b""  # the peer sees the end
+        assert server_side.fileno() == fd  # our descriptor was not closed under us
+    finally:
+        watch.stop()
+        for s in (client, server_side, listener):
+            s.close()
+        ctx.term()
+
+
+def _eventually_received(sock: socket.socket, n: int) -> None:
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 136)
+        if struct.unpack_from("=Q", info, 128)[0] >= n:
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"the kernel never counted {n} bytes")
