@@ -424,7 +424,11 @@ class SubscriptionGate:
             conn = os.fstat(fd).st_ino
         except OSError:
             return  # closed since: its topics went with it
-        self._inodes[fd] = conn
+        before = self._inodes.get(fd)
+        if before != conn:
+            if before is not None:  # a closed connection's DISCONNECTED is still on its way
+                self.ledger.disconnected(before)
+            self._inodes[fd] = conn
         topic = raw[1:]
         if raw[0] == 0:
             if self.ledger.unsubscribe(conn, topic):
