@@ -174,7 +174,6 @@ class ServerBase:
         self._replies_scheduled = False
         self._pub_stream: SubscriptionReader | None = None  # the XPUB's subscriptions
         self._inbound_watch: InboundWatch | None = None  # floods of them (its own thread)
-        self._pub_hwm = 0  # the publisher's SNDHWM, from --max-subscriber-bytes
         self._peer_sub: ZMQStream | None = None
         # The server we follow: the peer while passive; a relay's current
         # upstream (clone.server.relaying), which changes at a failover.
@@ -272,6 +271,7 @@ class ServerBase:
                 "subscribers_dropped",
                 "subscribers_flooding",
                 "subscribers_slow",
+                "subscribers_over_budget",
                 "subscriptions_at_heartbeat",
                 "security_reloads",
                 "security_reload_errors",

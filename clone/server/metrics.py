@@ -292,12 +292,18 @@ class CloneCollector(Collector):
         yield refused_subs
         cut = CounterMetricFamily(
             "clone_subscribers_cut",
-            "Publisher connections dropped for subscribing past their caps or flooding,"
-            " and subscribers reported slow (their updates beyond the budget are dropped).",
+            "Publisher connections dropped for subscribing past their caps, flooding or"
+            " reading nothing past --max-subscriber-bytes, and subscribers reported slow.",
             labels=["reason"],
         )
-        cut.add_metric(["over-limit"], num("subscribers_dropped") - num("subscribers_flooding"))
+        over_limit = (
+            num("subscribers_dropped")
+            - num("subscribers_flooding")
+            - num("subscribers_over_budget")
+        )
+        cut.add_metric(["over-limit"], over_limit)
         cut.add_metric(["flooding"], num("subscribers_flooding"))
+        cut.add_metric(["over-budget"], num("subscribers_over_budget"))
         cut.add_metric(["slow"], num("subscribers_slow"))
         yield cut
         yield _counter(

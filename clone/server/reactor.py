@@ -54,7 +54,7 @@ from clone.server.subscribers import (
     InboundWatch,
     SubscriptionReader,
 )
-from clone.server.subscriptions import MAX_TOPIC_BYTES, InboundAllowance, subscriber_hwm
+from clone.server.subscriptions import MAX_TOPIC_BYTES, InboundAllowance
 from clone.storage.files import dir_bytes
 from clone.storage.schema import FORMAT_VERSION
 from clone.wire.frames import recv_frames, recv_frames_and_first
@@ -477,9 +477,9 @@ class CloneServer(
         if old is not None and not old.closed:
             old.close(linger=0)
         pub = self._socket(zmq.XPUB, bound=True)
-        # A subscriber's queue: at most --max-subscriber-bytes of the largest updates.
-        self._pub_hwm = subscriber_hwm(cfg.max_subscriber_bytes, cfg.pub_hwm)
-        pub.setsockopt(zmq.SNDHWM, self._pub_hwm)
+        # A subscriber's queue: --hwm messages; in bytes, the inbound watch
+        # cuts one off that reads nothing past --max-subscriber-bytes.
+        pub.setsockopt(zmq.SNDHWM, cfg.pub_hwm)
         # Subscriptions: none applied but by us, none longer than a subtree,
         # and few taken in from one connection ahead of the gate.
         pub.setsockopt(zmq.XPUB_MANUAL, 1)
@@ -528,6 +528,9 @@ class CloneServer(
             lambda event, value: loop.add_callback(self._on_pub_monitor, event, value),
             lambda peer, received: loop.add_callback(self._on_inbound_drop, peer, received),
             lambda peer, waiting: loop.add_callback(self._on_slow_subscriber, peer, waiting),
+            budget=self.config.max_subscriber_bytes,
+            published=lambda: self.publisher.sent_bytes,
+            on_cut=lambda peer, queued: loop.add_callback(self._on_subscriber_cut, peer, queued),
         )
         watch.start()
         self._inbound_watch = watch
@@ -552,13 +555,26 @@ class CloneServer(
         self._throttle.log(
             "subscriber_slow",
             logging.WARNING,
-            "subscriber %s has read nothing for %.0f s (%d bytes wait in the kernel): once"
-            " %d updates (--max-subscriber-bytes %d) wait for it here, its further updates"
-            " are dropped; it sees the gap and resyncs when it reads again",
+            "subscriber %s has read nothing for %.0f s (%d bytes wait in the kernel); it is"
+            " cut off once %d more bytes are published (--max-subscriber-bytes)",
             peer,
             SLOW_AFTER,
             waiting,
-            self._pub_hwm,
+            self.config.max_subscriber_bytes,
+        )
+
+    def _on_subscriber_cut(self, peer: str, queued: int) -> None:
+        """The inbound watch cut off a subscriber that read nothing past its budget."""
+        self.counters["subscribers_dropped"] += 1
+        self.counters["subscribers_over_budget"] += 1
+        self._throttle.log(
+            "subscriber_over_budget",
+            logging.WARNING,
+            "subscriber %s read nothing while %d bytes were published for it, past"
+            " --max-subscriber-bytes %d: connection dropped (its queue goes with it; it"
+            " resyncs when it reads again)",
+            peer,
+            queued,
             self.config.max_subscriber_bytes,
         )
 

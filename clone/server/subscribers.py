@@ -157,8 +157,14 @@ class InboundWatch:
     kernel (``TCP_INFO``), every ``young_every`` in its first second (when a
     flooding XSUB replays every topic it ever sent) and every ``old_every``
     after; one past its :class:`InboundAllowance` is shut down and ``on_drop``
-    is called with its peer and byte count.  Every monitor event is passed on
-    to ``on_event`` (the loop's connection count).  It needs nothing from the
+    is called with its peer and byte count.  The same counts tell a subscriber
+    that reads nothing (data waits in the kernel, none acknowledged): it is
+    reported once per stall (``on_slow``) and, once more than ``budget``
+    bytes were published (``published``, the publisher's running count) since
+    it last acknowledged anything, cut off (``on_cut``): its connection, and
+    with it its queue in libzmq, goes; its client sees the loss and resyncs.
+    Every monitor event is passed on to ``on_event`` (the loop's connection
+    count).  It needs nothing from the
     loop, so it works while a flood keeps the loop inside libzmq (which lets
     go of the interpreter lock there).  ``allowance`` None: events only.
     """
@@ -171,6 +177,9 @@ class InboundWatch:
         on_drop: Callable[[str, int], None],
         on_slow: Callable[[str, int], None] | None = None,
         *,
+        budget: int = 0,
+        published: Callable[[], int] | None = None,
+        on_cut: Callable[[str, int], None] | None = None,
         young_every: float = 0.002,
         old_every: float = 0.05,
         clock: Callable[[], float] = time.monotonic,
@@ -180,6 +189,9 @@ class InboundWatch:
         self._on_event = on_event
         self._on_drop = on_drop
         self._on_slow = on_slow
+        self._budget = budget
+        self._published = published
+        self._on_cut = on_cut
         self._young_every = young_every
         self._old_every = old_every
         self._clock = clock
@@ -233,7 +245,7 @@ class InboundWatch:
             except OSError:
                 ino = -1
             now = self._clock()
-            self._conns[value] = _Conn(ino, now, now, 0, now)
+            self._conns[value] = _Conn(ino, now, now, 0, now, self._sent())
         elif event == zmq.EVENT_DISCONNECTED:
             self._conns.pop(value, None)
         self._on_event(event, value)
@@ -259,32 +271,53 @@ class InboundWatch:
                     dropped += 1
                     self._on_drop(peer, received)
                 continue
-            self._check_slow(fd, conn, now, acked, notsent)
+            if self._check_slow(fd, conn, now, acked, notsent):
+                dropped += 1
         return dropped
 
-    def _check_slow(self, fd: int, conn: _Conn, now: float, acked: int, notsent: int) -> None:
+    def _sent(self) -> int:
+        return 0 if self._published is None else self._published()
+
+    def _check_slow(self, fd: int, conn: _Conn, now: float, acked: int, notsent: int) -> bool:
+        """Report a subscriber that stopped reading; cut it off (True) once more
+        than the budget was published since it last acknowledged anything."""
+        sent = self._sent()
         if acked != conn.acked or not notsent:
-            conn.acked, conn.acked_at, conn.slow = acked, now, False
-            return
+            conn.acked, conn.acked_at, conn.slow, conn.sent_at = acked, now, False, sent
+            return False
+        # Everything published since it stopped is queued for it, at most
+        # (less if it subscribes to part of the stream).
+        queued = sent - conn.sent_at
+        if self._budget and queued > self._budget:
+            peer = _shut_down(fd, conn.ino)
+            if peer is not None:
+                self._conns.pop(fd, None)
+                if self._on_cut is not None:
+                    self._on_cut(peer, queued)
+                return True
         if conn.slow or now - conn.acked_at < SLOW_AFTER or self._on_slow is None:
-            return
+            return False
         conn.slow = True  # once per stall
         peer = _peer_of(fd, conn.ino)
         if peer is not None:
             self._on_slow(peer, notsent)
+        return False
 
 
 class _Conn:
     """What the watch knows of one connection."""
 
-    __slots__ = ("acked", "acked_at", "due", "ino", "since", "slow")
+    __slots__ = ("acked", "acked_at", "due", "ino", "sent_at", "since", "slow")
 
-    def __init__(self, ino: int, since: float, due: float, acked: int, acked_at: float) -> None:
+    def __init__(
+        self, ino: int, since: float, due: float, acked: int, acked_at: float, sent_at: int
+    ) -> None:
         self.ino = ino
         self.since = since
         self.due = due
         self.acked = acked  # bytes the subscriber acknowledged, at the last change
         self.acked_at = acked_at
+        self.sent_at = sent_at  # bytes the server had published then
         self.slow = False  # reported slow since it last acknowledged anything
 
 

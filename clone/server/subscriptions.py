@@ -32,11 +32,9 @@ __all__ = [
     "DEFAULT_MAX_SUBSCRIBER_BYTES",
     "DROP_AFTER_REFUSALS",
     "InboundAllowance",
-    "MAX_PUBLICATION_BYTES",
     "SubscriptionLedger",
     "SubscriptionLimits",
     "Verdict",
-    "subscriber_hwm",
 ]
 
 #: The longest topic one subscription message may carry: a longer one makes
@@ -52,15 +50,8 @@ DEFAULT_MAX_SUBSCRIPTIONS = 16
 DEFAULT_MAX_SUBSCRIPTION_BYTES = 1024
 #: Refusals after which a connection that keeps asking is dropped.
 DROP_AFTER_REFUSALS = 8
-#: Unsent updates one subscriber may have queued in the server, in bytes.
+#: Bytes published while a subscriber reads nothing before it is cut off.
 DEFAULT_MAX_SUBSCRIBER_BYTES = 256 * 1024 * 1024
-
-# The largest KVPUB the server publishes: a key (1 KiB), a value (1 MiB),
-# properties (4 KiB), the sequence and uuid, and ZMTP framing (5 frames of at
-# most 9 header bytes).  Kept here, not imported, so the module stays pure of
-# the wire package's imports; tests check it against clone.wire.protocol.
-MAX_PUBLICATION_BYTES = 1024 + 1024 * 1024 + 4096 + 8 + 16 + 5 * 9
-
 
 class Verdict(Enum):
     """What the publisher does with one subscription message."""
@@ -149,23 +140,6 @@ class SubscriptionLedger:
         acct.topics.discard(topic)
         acct.nbytes -= len(topic)
         return True
-
-
-def subscriber_hwm(budget: int, hwm: int, largest: int = MAX_PUBLICATION_BYTES) -> int:
-    """The publisher's SNDHWM (messages) that keeps one subscriber's queue within ``budget`` bytes.
-
-    libzmq counts a pipe's queue in messages; the largest message the server
-    publishes is ``largest`` bytes, so ``budget // largest`` messages can never
-    hold more than ``budget`` bytes, whatever mix of sizes is queued.
-    ``hwm`` (``--hwm``, a count) still applies when it is lower; 0 for either
-    means no limit from it (libzmq's 0 is no limit at all).
-    """
-    if budget < 0 or hwm < 0 or largest < 1:
-        raise ValueError("budget and hwm must be >= 0, largest >= 1")
-    if budget == 0:
-        return hwm
-    derived = max(1, budget // largest)
-    return derived if hwm == 0 else min(hwm, derived)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
-"""The subscription ledger, the inbound allowance and the subscriber budget's
-high-water mark, with literal values; the inbound watch with an explicit clock."""
+"""The subscription ledger and the inbound allowance with literal values; the
+inbound watch (floods, stalled subscribers) with an explicit clock."""
 
 from __future__ import annotations
 
@@ -13,14 +13,11 @@ import zmq
 
 from clone.server.subscribers import InboundWatch
 from clone.server.subscriptions import (
-    MAX_PUBLICATION_BYTES,
     InboundAllowance,
     SubscriptionLedger,
     SubscriptionLimits,
     Verdict,
-    subscriber_hwm,
 )
-from clone.wire.protocol import MAX_KEY_BYTES, MAX_PROPERTIES_BYTES, MAX_VALUE_BYTES
 
 
 def ledger(count: int = 3, nbytes: int = 10, drop_after: int = 2) -> SubscriptionLedger:
@@ -96,37 +93,6 @@ def test_bad_limits(count: int, nbytes: int, drop_after: int) -> None:
         SubscriptionLimits(count, nbytes, drop_after)
 
 
-def test_largest_publication_covers_the_protocol_limits() -> None:
-    assert MAX_PUBLICATION_BYTES >= MAX_KEY_BYTES + MAX_VALUE_BYTES + MAX_PROPERTIES_BYTES + 24
-
-
-@pytest.mark.parametrize(
-    ("budget", "hwm", "largest", "expected"),
-    [
-        (64 * 2**20, 100_000, 2**20, 64),  # the budget binds
-        (64 * 2**20, 10, 2**20, 10),  # --hwm binds when lower
-        (100, 100_000, 2**20, 1),  # a budget below one update still lets one through
-        (0, 5000, 2**20, 5000),  # no budget: --hwm alone
-        (64 * 2**20, 0, 2**20, 64),  # no --hwm: the budget alone
-        (0, 0, 2**20, 0),  # neither: libzmq's no limit
-    ],
-)
-def test_subscriber_hwm(budget: int, hwm: int, largest: int, expected: int) -> None:
-    assert subscriber_hwm(budget, hwm, largest) == expected
-
-
-def test_subscriber_hwm_holds_in_bytes_for_any_mix() -> None:
-    budget = 256 * 2**20
-    hwm = subscriber_hwm(budget, 100_000)
-    assert hwm * MAX_PUBLICATION_BYTES <= budget
-    assert (hwm + 1) * MAX_PUBLICATION_BYTES > budget
-
-
-def test_subscriber_hwm_rejects_negative() -> None:
-    with pytest.raises(ValueError):
-        subscriber_hwm(-1, 0)
-
-
 def test_inbound_allowance_from_the_caps() -> None:
     allowance = InboundAllowance.for_limits(SubscriptionLimits(16, 1024))
     assert allowance is not None
@@ -196,3 +162,57 @@ def _eventually_received(sock: socket.socket, n: int) -> None:
             return
         time.sleep(0.005)
     raise AssertionError(f"the kernel never counted {n} bytes")
+
+
+def test_inbound_watch_cuts_off_a_subscriber_that_reads_nothing_past_its_budget() -> None:
+    """A real TCP connection whose peer never reads, the publisher's byte count
+    by hand: reported slow after 1 s, cut off once more than the budget was
+    published since it last acknowledged anything."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    monitor = ctx.socket(zmq.PAIR)
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    server_side, _ = listener.accept()
+    server_side.setblocking(False)
+    clock = _Clock()
+    published = [0]
+    slow: list[tuple[str, int]] = []
+    cuts: list[tuple[str, int]] = []
+    watch = InboundWatch(
+        monitor,
+        None,
+        lambda e, v: None,
+        lambda peer, n: None,
+        lambda peer, n: slow.append((peer, n)),
+        budget=1_000_000,
+        published=lambda: published[0],
+        on_cut=lambda peer, n: cuts.append((peer, n)),
+        clock=clock,
+    )
+    try:
+        watch.event(zmq.EVENT_ACCEPTED, server_side.fileno())
+        chunk = b"u" * 65536
+        try:  # fill the kernel both ways: the peer reads nothing
+            while True:
+                published[0] += server_side.send(chunk)
+        except BlockingIOError:
+            pass
+        watch.check(clock.now)  # the last acknowledgement seen
+        clock.now += 2.0
+        watch.check(clock.now)
+        assert len(slow) == 1 and slow[0][0] == "127.0.0.1" and not cuts
+        clock.now += 0.1
+        published[0] += 999_999  # queued in the server, not yet past the budget
+        watch.check(clock.now)
+        assert not cuts
+        published[0] += 2
+        clock.now += 0.1
+        assert watch.check(clock.now) == 1
+        assert cuts == [("127.0.0.1", 1_000_001)]
+        assert len(slow) == 1  # reported once per stall
+    finally:
+        watch.stop()
+        for s in (client, server_side, listener):
+            s.close()
+        ctx.term()

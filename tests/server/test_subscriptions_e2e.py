@@ -7,7 +7,6 @@ the slow subscriber.  A real client checks that the others are untouched.
 
 from __future__ import annotations
 
-import itertools
 import os
 import signal
 import subprocess
@@ -202,7 +201,6 @@ with Clone([sys.argv[1]], heartbeat=0.1, server_timeout=1.0) as c:
 def test_a_subscriber_over_its_budget_loses_updates_and_resyncs(
     servers: Servers, tmp_path: Path
 ) -> None:
-    # 3 MiB: a high-water mark of 2 of the largest updates.
     server = servers.standalone("--max-subscriber-bytes", str(3 * 2**20))
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     out = (tmp_path / "slow.out").open("w+")
@@ -220,8 +218,8 @@ def test_a_subscriber_over_its_budget_loses_updates_and_resyncs(
             for i in range(400):  # 24 MB: past every kernel buffer on the way
                 writer.set(f"/slow/k{i % 50}", value)
             writer.set("/slow/last", b"done", wait=True, timeout=WAIT)
-        eventually(lambda: _stat(server, "subscribers_slow") >= 1, WAIT, "the slow report")
-        assert server.wait_log("has read nothing for")
+        eventually(lambda: _stat(server, "subscribers_over_budget") >= 1, WAIT, "the cut")
+        assert server.wait_log("past --max-subscriber-bytes 3145728: connection dropped")
         proc.send_signal(signal.SIGCONT)
 
         def caught_up() -> bool:
@@ -267,11 +265,11 @@ def test_caps_hold_on_a_relay(servers: Servers, ctx: zmq.Context[Any]) -> None:
         client.set("/via-relay", b"1", wait=True, timeout=WAIT)
 
 
-def test_a_subscriber_over_its_budget_sees_a_sequence_gap(
+def test_a_subscriber_over_its_budget_is_cut_off_and_loses_its_queue(
     servers: Servers, ctx: zmq.Context[Any]
 ) -> None:
-    """The cut itself: libzmq drops that subscriber's updates past the budget's
-    high-water mark (2 here), so what it reads later has a hole in its sequence."""
+    """The cut itself: a subscriber that reads nothing while more than its budget
+    is published loses its connection and its queue (libzmq reconnects it)."""
     server = servers.standalone("--in-memory", "--max-subscriber-bytes", str(3 * 2**20))
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
@@ -280,17 +278,24 @@ def test_a_subscriber_over_its_budget_sees_a_sequence_gap(
     sub.setsockopt(zmq.SUBSCRIBE, b"/slow/")
     sub.connect(f"tcp://127.0.0.1:{server.port + 1}")
     with synced_client(server) as writer:
-        writer.set("/slow/first", b"1", wait=True, timeout=WAIT)
-        assert sub.poll(int(WAIT * 1000)), "the raw subscriber is not subscribed"
+        # Its subscription travels on its own: write until it hears one.
+        def heard() -> bool:
+            writer.set("/slow/first", b"1", wait=True, timeout=WAIT)
+            return bool(sub.poll(100))
+
+        eventually(heard, WAIT, "the raw subscriber to be subscribed")
+        while sub.poll(100):
+            sub.recv_multipart()
         value = os.urandom(60 * 1024)
         for i in range(400):  # 24 MB while it reads nothing
             writer.set(f"/slow/k{i % 50}", value)
         writer.set("/slow/last", b"1", wait=True, timeout=WAIT)
+    eventually(lambda: _stat(server, "subscribers_over_budget") >= 1, WAIT, "the cut")
     sequences = []
     while sub.poll(2000):
         frames = sub.recv_multipart()
         sequences.append(int.from_bytes(frames[1], "big"))
-    assert sequences, "it received nothing at all"
-    assert len(sequences) < 402, "nothing was dropped for it"
-    holes = [b for a, b in itertools.pairwise(sequences) if b != a + 1]
-    assert holes, f"no gap in {len(sequences)} updates"
+    # Of the 401 updates written while it read nothing it gets what its own
+    # buffers held before the cut and what came after its reconnection.
+    assert len(sequences) < 401, "nothing was dropped for it"
+    assert sequences == sorted(sequences)
