@@ -353,10 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
         type=non_negative_int,
         default=DEFAULT_MAX_SUBSCRIBER_BYTES,
         metavar="BYTES",
-        help="bytes of unsent updates one subscriber may have queued; beyond them its"
-        " updates are dropped (it sees a gap and resyncs): the publisher's high-water"
-        " mark is BYTES / the largest update, if lower than --hwm"
-        f" (default {DEFAULT_MAX_SUBSCRIBER_BYTES}; 0: --hwm only)",
+        help="bytes published while a subscriber acknowledges nothing before it is cut"
+        " off (its connection and queue dropped; it resyncs); --hwm still bounds its"
+        f" queue in messages (default {DEFAULT_MAX_SUBSCRIBER_BYTES}; 0: --hwm only)",
     )
     monitoring = p.add_argument_group(
         "monitoring", "metrics, health and the status page (docs/operations.md, 'Monitoring')"

@@ -105,8 +105,8 @@ class ServerConfig:
     #: asking is dropped (docs/operations.md, "Limits"); 0: no limit.
     max_subscriptions: int = DEFAULT_MAX_SUBSCRIPTIONS
     max_subscription_bytes: int = DEFAULT_MAX_SUBSCRIPTION_BYTES
-    #: Bytes of unsent updates one subscriber may have queued: the publisher's
-    #: high-water mark is derived from it (clone.server.subscriptions); 0: ``pub_hwm`` only.
+    #: Bytes published while a subscriber acknowledges nothing before the
+    #: inbound watch cuts it off (clone.server.subscribers); 0: ``pub_hwm`` only.
     max_subscriber_bytes: int = DEFAULT_MAX_SUBSCRIBER_BYTES
     #: A relay's upstream: the CHP base ports (``host:port``) of the servers
     #: it relays, in the order it tries them (a pair's two, or another relay).

@@ -51,7 +51,7 @@ DEFAULT_MAX_SUBSCRIPTION_BYTES = 1024
 #: Refusals after which a connection that keeps asking is dropped.
 DROP_AFTER_REFUSALS = 8
 #: Bytes published while a subscriber reads nothing before it is cut off.
-DEFAULT_MAX_SUBSCRIBER_BYTES = 256 * 1024 * 1024
+DEFAULT_MAX_SUBSCRIBER_BYTES = 64 * 1024 * 1024
 
 class Verdict(Enum):
     """What the publisher does with one subscription message."""
