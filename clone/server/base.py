@@ -40,6 +40,13 @@ from clone.server.shared import CLOCK_EVERY, TURN_BUDGET, Shared, peer_endpoint
 from clone.server.snapshot import SnapshotStream
 from clone.server.snapwindow import SendWindow, SnapshotBudget
 from clone.server.status import StatusLimiter, clone_version
+from clone.server.subscribers import (
+    InboundWatch,
+    SubscriptionGate,
+    SubscriptionReader,
+    drop_connection,
+)
+from clone.server.subscriptions import SubscriptionLedger, SubscriptionLimits
 from clone.server.turns import TurnBudget
 from clone.server.votes import DeferredVotes
 from clone.wire.frames import cap_message_size
@@ -184,7 +191,8 @@ class ServerBase:
         self.collector: Collector | None = None
         self.follower: Follower | None = None  # a pair member's or a relay's
         self.conflicts_desk: ConflictsDesk | None = None
-        self._pub_stream: ZMQStream | None = None  # the XPUB's (CURVE) subscriptions
+        self._pub_stream: SubscriptionReader | None = None  # the XPUB's subscriptions
+        self._inbound_watch: InboundWatch | None = None  # floods of them (its own thread)
         # A relay's link to its upstream (clone.server.relaying), once bound.
         self.relay: RelayLink | None = None
         # After a split brain (clone.server.healing): our writes the winner has
@@ -274,6 +282,11 @@ class ServerBase:
                 "kvset_refused_acl",
                 "subscriptions",
                 "subscriptions_refused",
+                "subscriptions_over_limit",
+                "subscribers_dropped",
+                "subscribers_flooding",
+                "subscribers_slow",
+                "subscribers_over_budget",
                 "subscriptions_at_heartbeat",
                 "security_reloads",
                 "security_reload_errors",
@@ -303,6 +316,19 @@ class ServerBase:
         #: all None / empty without --curve-secret.
         self.security = Security(
             config, self._ctx, self.shared, self.access, publish=self.publisher.publish
+        )
+        # The publisher's subscriptions, judged per connection (a part of its
+        # own: clone.server.subscribers); the topics come from security.
+        self.subscription_gate = SubscriptionGate(
+            SubscriptionLedger(
+                SubscriptionLimits(config.max_subscriptions, config.max_subscription_bytes)
+            ),
+            self.security.subscription_topics,
+            self.counters,
+            self._throttle,
+            clock,
+            TURN_BUDGET,
+            drop_connection,
         )
 
     @property
@@ -343,6 +369,7 @@ class ServerBase:
     @property
     def _write_all(self) -> set[str]:
         return self.access.write_all
+
 
     def _socket(self, kind: int, *, bound: bool = False) -> zmq.Socket[Any]:
         """A socket with our defaults; with CURVE on, set up as a server if
@@ -461,6 +488,8 @@ class ServerBase:
         def request_stop(self) -> None: ...
 
         def _bind_publisher(self, *, rebind: bool = False) -> None: ...
+
+        def _on_pub_monitor(self, event: int, value: int) -> None: ...
 
         def _on_became_active(self) -> None: ...
 

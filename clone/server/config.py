@@ -11,6 +11,11 @@ import enum
 from dataclasses import dataclass, field
 
 from clone.server.core import CoreSettings
+from clone.server.subscriptions import (
+    DEFAULT_MAX_SUBSCRIBER_BYTES,
+    DEFAULT_MAX_SUBSCRIPTION_BYTES,
+    DEFAULT_MAX_SUBSCRIPTIONS,
+)
 from clone.wire.protocol import DEFAULT_HEARTBEAT_MS, DEFAULT_MISSED_HEARTBEATS
 
 __all__ = ["FSYNC_POLICIES", "PEER_WAIT_DEFAULT", "ServerConfig", "ServerMode"]
@@ -103,6 +108,14 @@ class ServerConfig:
     http_max_connections: int = 0
     #: Status-page WebSocket viewers at once.
     http_viewers: int = 32
+    #: Topics and bytes of topics one publisher connection may subscribe to;
+    #: beyond them a subscription is refused, and a connection that keeps
+    #: asking is dropped (docs/operations.md, "Limits"); 0: no limit.
+    max_subscriptions: int = DEFAULT_MAX_SUBSCRIPTIONS
+    max_subscription_bytes: int = DEFAULT_MAX_SUBSCRIPTION_BYTES
+    #: Bytes published while a subscriber acknowledges nothing before the
+    #: inbound watch cuts it off (clone.server.subscribers); 0: ``pub_hwm`` only.
+    max_subscriber_bytes: int = DEFAULT_MAX_SUBSCRIBER_BYTES
     #: A relay's upstream: the CHP base ports (``host:port``) of the servers
     #: it relays, in the order it tries them (a pair's two, or another relay).
     upstream: tuple[str, ...] = ()
@@ -118,7 +131,14 @@ class ServerConfig:
             raise ValueError("http_max_connections must be >= 0 and http_viewers >= 1")
         if self.heartbeat <= 0:
             raise ValueError(f"heartbeat must be positive, not {self.heartbeat}")
-        for name in ("pub_hwm", "collector_hwm", "snapshot_hwm"):
+        for name in (
+            "pub_hwm",
+            "collector_hwm",
+            "snapshot_hwm",
+            "max_subscriptions",
+            "max_subscription_bytes",
+            "max_subscriber_bytes",
+        ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0 (0 = no limit)")
         if self.deferred_vote_max_age < 0:

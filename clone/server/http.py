@@ -52,14 +52,12 @@ from tornado.iostream import IOStream
 from tornado.netutil import bind_sockets
 from tornado.web import Application, RequestHandler, StaticFileHandler
 from tornado.websocket import WebSocketClosedError, WebSocketHandler
-from zmq.eventloop.zmqstream import ZMQStream
-from zmq.utils.monitor import parse_monitor_message
 
 from clone.errors import ServerStartError
 from clone.server.config import ServerConfig
 from clone.server.fdlimit import http_connection_cap
 from clone.server.metrics import MonitoredServer, SubscriberCount, build_registry
-from clone.server.shared import Shared, Sockets
+from clone.server.shared import Shared
 
 if TYPE_CHECKING:
     import socket
@@ -70,6 +68,7 @@ __all__ = [
     "WEB_DIR",
     "HttpPort",
     "PublisherWatch",
+    "publisher_events",
     "StatusHub",
     "StatusSource",
 ]
@@ -456,38 +455,37 @@ class HttpPort:
 
 
 class PublisherWatch:
-    """Count the publisher's connections from a socket monitor (with
-    ``--http-port`` only): what ``subscribers`` reports."""
+    """Count the publisher's connections (with ``--http-port`` only): what
+    ``subscribers`` reports.  Fed the events of the publisher's monitor, which
+    the inbound watch (clone.server.subscribers) reads on its own thread and
+    hands to the loop: one monitor, two readers of its events."""
 
-    def __init__(self, sockets: Sockets) -> None:
-        self._sockets = sockets
+    def __init__(self) -> None:
         self.count: SubscriberCount | None = None
-        self._stream: ZMQStream | None = None
 
-    def watch(self, pub: zmq.Socket[Any]) -> None:
-        """Count ``pub``'s connections (a new count: the old socket is gone)."""
-        old, self._stream = self._stream, None
-        if old is not None:
-            self._sockets.forget(old)
-        secure = pub.type == zmq.XPUB
-        events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
-        if secure:
-            for name in (
-                "EVENT_HANDSHAKE_SUCCEEDED",
-                "EVENT_HANDSHAKE_FAILED_NO_DETAIL",
-                "EVENT_HANDSHAKE_FAILED_PROTOCOL",
-                "EVENT_HANDSHAKE_FAILED_AUTH",
-            ):
-                events |= getattr(zmq, name, 0)
+    def watch(self, secure: bool) -> None:
+        """A new publisher socket: a new count."""
         self.count = SubscriberCount(secure=secure)
-        monitor = pub.get_monitor_socket(events)
-        monitor.setsockopt(zmq.LINGER, 0)
-        self._stream = self._sockets.stream(monitor, self._on_event)
 
-    def _on_event(self, frames: list[bytes]) -> None:
+    def on_event(self, event: int) -> None:
         count = self.count
         if count is not None:
-            count.on_event(int(parse_monitor_message(frames)["event"]))
+            count.on_event(event)
 
     def close(self) -> None:
-        self._stream = None  # closed with the server's other streams
+        self.count = None
+
+
+def publisher_events(secure: bool) -> int:
+    """The monitor events of the publisher that the inbound watch and the
+    connection count need (the handshakes only under CURVE)."""
+    events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
+    if secure:
+        for name in (
+            "EVENT_HANDSHAKE_SUCCEEDED",
+            "EVENT_HANDSHAKE_FAILED_NO_DETAIL",
+            "EVENT_HANDSHAKE_FAILED_PROTOCOL",
+            "EVENT_HANDSHAKE_FAILED_AUTH",
+        ):
+            events |= getattr(zmq, name, 0)
+    return events

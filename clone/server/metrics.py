@@ -281,6 +281,31 @@ class CloneCollector(Collector):
                 "Connections to the update publisher (see docs/operations.md, Monitoring).",
                 subscribers,
             )
+        refused_subs = CounterMetricFamily(
+            "clone_subscriptions_refused",
+            "Subscription messages on the publisher refused, by reason (docs/operations.md,"
+            " Limits).",
+            labels=["reason"],
+        )
+        refused_subs.add_metric(["over-limit"], num("subscriptions_over_limit"))
+        refused_subs.add_metric(["not-admitted"], num("subscriptions_refused"))
+        yield refused_subs
+        cut = CounterMetricFamily(
+            "clone_subscribers_cut",
+            "Publisher connections dropped for subscribing past their caps, flooding or"
+            " reading nothing past --max-subscriber-bytes, and subscribers reported slow.",
+            labels=["reason"],
+        )
+        over_limit = (
+            num("subscribers_dropped")
+            - num("subscribers_flooding")
+            - num("subscribers_over_budget")
+        )
+        cut.add_metric(["over-limit"], over_limit)
+        cut.add_metric(["flooding"], num("subscribers_flooding"))
+        cut.add_metric(["over-budget"], num("subscribers_over_budget"))
+        cut.add_metric(["slow"], num("subscribers_slow"))
+        yield cut
         yield _counter(
             "clone_failovers",
             "Times this server took over as active from a passive role.",

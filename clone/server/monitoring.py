@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from clone.server.base import PartSockets, ServerBase
+from clone.server.base import ServerBase
 from clone.server.core import Role, SyncState
-from clone.server.http import HttpPort, PublisherWatch
+from clone.server.http import HttpPort, PublisherWatch, publisher_events
 
 __all__ = ["MonitoringMixin"]
 
@@ -137,10 +137,20 @@ class MonitoringMixin(ServerBase):
         if self._publisher_watch is not None:
             self._publisher_watch.close()
 
-    def _watch_subscribers(self, pub: zmq.Socket[Any]) -> None:
-        """Count ``pub``'s connections from its monitor (with --http-port only)."""
-        if self.config.http_port is None:
-            return
-        if self._publisher_watch is None:
-            self._publisher_watch = PublisherWatch(PartSockets(self))
-        self._publisher_watch.watch(pub)
+    def _watch_subscribers(self, pub: zmq.Socket[Any]) -> zmq.Socket[Any]:
+        """``pub``'s monitor socket, for the inbound watch (clone.server.subscribers),
+        which hands its events to :meth:`_on_pub_monitor`; with --http-port they
+        also count the connections."""
+        secure = self.security.keypair is not None
+        if self.config.http_port is not None:
+            if self._publisher_watch is None:
+                self._publisher_watch = PublisherWatch()
+            self._publisher_watch.watch(secure)
+        monitor = pub.get_monitor_socket(publisher_events(secure))
+        monitor.setsockopt(zmq.LINGER, 0)
+        return monitor
+
+    def _on_pub_monitor(self, event: int, value: int) -> None:
+        self.subscription_gate.on_event(event, value)
+        if self._publisher_watch is not None:
+            self._publisher_watch.on_event(event)

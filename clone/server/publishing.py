@@ -39,6 +39,9 @@ class Publisher:
         self._queue: deque[list[bytes]] = deque()
         self._scheduled = False
         self._held = False  # the socket is being bound again: queue everything
+        #: Bytes handed to the socket so far (the inbound watch measures a
+        #: stalled subscriber's queue by it: clone.server.subscribers).
+        self.sent_bytes = 0
 
     def __len__(self) -> int:
         """Publications queued (the ``outq`` gauge)."""
@@ -50,10 +53,11 @@ class Publisher:
             self._queue.append(frames)
             return
         assert self.socket is not None
-        # A PUB reads nothing; an XPUB's subscriptions are looked at by the
-        # heartbeat (security._take_subscriptions): the hot path pays
-        # nothing for them.
+        # The XPUB's subscriptions are read by their own handler and looked
+        # at by the heartbeat (security._take_subscriptions): the hot path
+        # pays nothing for them.
         send(self.socket, frames, backlog=None, flags=0)
+        self.sent_bytes += sum(map(len, frames))
 
     def publish_bulk(self, batch: list[list[bytes]]) -> None:
         """Many publications, sent a chunk per loop turn after what is queued."""
@@ -93,6 +97,8 @@ class Publisher:
         for _ in range(self._chunk):
             if not q:
                 return
-            send(pub, q.popleft(), backlog=None, flags=0)
+            frames = q.popleft()
+            send(pub, frames, backlog=None, flags=0)
+            self.sent_bytes += sum(map(len, frames))
         if q:
             self._schedule_drain()

@@ -53,6 +53,14 @@ from clone.server.monitoring import MonitoringMixin
 from clone.server.relaying import RelayLink
 from clone.server.roles import RoleMixin
 from clone.server.serving import ServingMixin
+from clone.server.subscribers import (
+    PER_TURN,
+    SLOW_AFTER,
+    SUBSCRIPTION_RCVHWM,
+    InboundWatch,
+    SubscriptionReader,
+)
+from clone.server.subscriptions import MAX_TOPIC_BYTES, InboundAllowance
 from clone.storage.files import dir_bytes
 from clone.storage.schema import FORMAT_VERSION
 from clone.wire.frames import MAX_FRAME_BYTES
@@ -451,6 +459,11 @@ class CloneServer(
         self._pump_queue.clear()
         self._waiting.clear()
         self.publisher.drop()
+        watch, self._inbound_watch = self._inbound_watch, None
+        if watch is not None:
+            watch.stop()
+        if self._pub_stream is not None:
+            self._pub_stream.close()
         for stream in self._streams:
             stream.close(linger=0)
         self._streams.clear()
@@ -487,9 +500,8 @@ class CloneServer(
                 self._publish_hugz(self.core.hugz(self._heartbeat_ms), stale=False)
             elif self.relay is not None:
                 self._publish_hugz(self.relay.hugz(self._heartbeat_ms), stale=self.relay.stale())
-            if self._pub_stream is not None and self._pub is not None:
-                # Subscriptions our sends may have hidden from the XPUB's stream.
-                self.security.take_subscriptions(self._pub)
+            # Subscriptions our sends may have hidden from the XPUB's reader.
+            self._take_subscriptions()
         except Exception:
             self.counters["internal_errors"] += 1
             log.exception("internal error in heartbeat")
@@ -561,8 +573,9 @@ class CloneServer(
     # -- the publisher -------------------------------------------------------
 
     def _bind_publisher(self, *, rebind: bool = False) -> None:
-        """Bind the publisher (P+1): a PUB, or with CURVE an XPUB in manual
-        mode whose subscriptions clone.server.security decides.
+        """Bind the publisher (P+1): an XPUB in manual mode, whose
+        subscriptions the subscription gate (clone.server.subscribers) judges
+        per connection and clone.server.security maps to what each may read.
 
         ``rebind`` closes the current one first (SIGHUP took rights away);
         until the port is free again, publications wait in the ordered output
@@ -573,14 +586,18 @@ class CloneServer(
         old, self._pub = self._pub, None
         endpoint = f"tcp://{cfg.bind}:{cfg.port + PUBLISHER_OFFSET}"
         if old_stream is not None:
-            self._forget(old_stream)
-        elif old is not None and not old.closed:
+            old_stream.close()
+        if old is not None and not old.closed:
             old.close(linger=0)
-        secure = self._keypair is not None
-        pub = self._socket(zmq.XPUB if secure else zmq.PUB, bound=True)
+        pub = self._socket(zmq.XPUB, bound=True)
+        # A subscriber's queue: --hwm messages; in bytes, the inbound watch
+        # cuts one off that reads nothing past --max-subscriber-bytes.
         pub.setsockopt(zmq.SNDHWM, cfg.pub_hwm)
-        if secure:
-            pub.setsockopt(zmq.XPUB_MANUAL, 1)
+        # Subscriptions: none applied but by us, none longer than a subtree,
+        # and few taken in from one connection ahead of the gate.
+        pub.setsockopt(zmq.XPUB_MANUAL, 1)
+        pub.setsockopt(zmq.MAXMSGSIZE, 1 + MAX_TOPIC_BYTES)
+        pub.setsockopt(zmq.RCVHWM, SUBSCRIPTION_RCVHWM)
         if not rebind:
             pub.bind(endpoint)
             self._install_publisher(pub)
@@ -605,13 +622,102 @@ class CloneServer(
 
     def _install_publisher(self, pub: zmq.Socket[Any]) -> None:
         self.publisher.install(pub)  # what was held goes out from the next turn
-        self._watch_subscribers(pub)
-        if pub.type == zmq.XPUB:
-            self._pub_stream = self._stream(pub, self._on_subscription, copy=False)
+        self.subscription_gate.reset()  # a new socket: no connection yet
+        assert self._loop is not None
+        self._pub_stream = SubscriptionReader(pub, self._loop, self._on_subscription)
+        self._start_inbound_watch(self._watch_subscribers(pub))
 
-    def _on_subscription(self, parts: list[zmq.Frame]) -> None:
-        if self._pub is not None:
-            self.security.on_subscription(self._pub, parts)
+    def _start_inbound_watch(self, monitor: zmq.Socket[Any]) -> None:
+        """The thread that reads ``monitor`` and stops the floods the loop
+        cannot see (clone.server.subscribers)."""
+        old, self._inbound_watch = self._inbound_watch, None
+        if old is not None:
+            old.stop()
+        loop = self._loop
+        assert loop is not None
+        watch = InboundWatch(
+            monitor,
+            InboundAllowance.for_limits(self.subscription_gate.ledger.limits),
+            lambda event, value: loop.add_callback(self._on_pub_monitor, event, value),
+            lambda peer, received: loop.add_callback(self._on_inbound_drop, peer, received),
+            lambda peer, waiting: loop.add_callback(self._on_slow_subscriber, peer, waiting),
+            budget=self.config.max_subscriber_bytes,
+            published=lambda: self.publisher.sent_bytes,
+            on_cut=lambda peer, queued: loop.add_callback(self._on_subscriber_cut, peer, queued),
+        )
+        watch.start()
+        self._inbound_watch = watch
+
+    def _on_inbound_drop(self, peer: str, received: int) -> None:
+        """The inbound watch shut a publisher connection down: it sent more than
+        subscribing within the caps takes."""
+        self.counters["subscribers_dropped"] += 1
+        self.counters["subscribers_flooding"] += 1
+        self._throttle.log(
+            "subscriber_flood",
+            logging.WARNING,
+            "subscriber %s sent %d bytes to the publisher, more than subscribing within"
+            " --max-subscriptions and --max-subscription-bytes takes: connection dropped",
+            peer,
+            received,
+        )
+
+    def _on_slow_subscriber(self, peer: str, waiting: int) -> None:
+        """The inbound watch saw a subscriber read nothing for a while."""
+        self.counters["subscribers_slow"] += 1
+        self._throttle.log(
+            "subscriber_slow",
+            logging.WARNING,
+            "subscriber %s has read nothing for %.0f s (%d bytes wait in the kernel); it is"
+            " cut off once %d more bytes are published (--max-subscriber-bytes)",
+            peer,
+            SLOW_AFTER,
+            waiting,
+            self.config.max_subscriber_bytes,
+        )
+
+    def _on_subscriber_cut(self, peer: str, queued: int) -> None:
+        """The inbound watch cut off a subscriber that read nothing past its budget."""
+        self.counters["subscribers_dropped"] += 1
+        self.counters["subscribers_over_budget"] += 1
+        self._throttle.log(
+            "subscriber_over_budget",
+            logging.WARNING,
+            "subscriber %s read nothing while %d bytes were published for it, past"
+            " --max-subscriber-bytes %d: connection dropped (its queue goes with it; it"
+            " resyncs when it reads again)",
+            peer,
+            queued,
+            self.config.max_subscriber_bytes,
+        )
+
+    def _on_subscription(self) -> bool:
+        """The publisher's subscription messages: the gate judges them per
+        connection (clone.server.subscribers), a bounded number per turn;
+        True if it stopped at its budget."""
+        sock = self._pub
+        if sock is None or sock.closed:
+            return False
+        return self.subscription_gate.take(sock) >= PER_TURN
+
+    def _take_subscriptions(self) -> None:
+        """Handle subscription messages our own sends on the XPUB may have hidden.
+
+        Every send on a socket may consume the edge of its file descriptor
+        that announces an incoming message, so the reader would not wake for
+        a subscription that arrived meanwhile, and its client would hear
+        nothing, not even HUGZ, until something else stirred the socket (seen
+        in CI: 25 snapshots served to a client, 1 subscription handled).  The
+        heartbeat calls this after its own sends: a subscription waits at most
+        one heartbeat, and the hot path pays nothing.  Bounded like a turn of
+        the socket's own reader.
+        """
+        sock = self._pub
+        if self._pub_stream is None or sock is None or sock.closed:
+            return
+        if not sock.poll(0, zmq.POLLIN):
+            return
+        self.counters["subscriptions_at_heartbeat"] += self.subscription_gate.take(sock)
 
     def _reload_security(self) -> None:
         """SIGHUP: if rights shrank, every subscriber reconnects to a new publisher

@@ -17,9 +17,10 @@ certificate name) and its :class:`~clone.security.acl.Rights`:
 * **Snapshots** (the snapshot port): only keys under the requester's read
   prefixes; a restricted requester's KTHXBAI carries its view id and count.
 * **The update stream**: the publisher is an XPUB in manual mode, and
-  :meth:`Security.on_subscription` maps what a connection asks for to
-  what it may receive (docs/protocol.md, "Security"); each view of restricted
-  readers gets its own heartbeat with the count of updates published in it.
+  :meth:`Security.subscription_topics` maps what a connection asks for to
+  what it may receive, once clone.server.subscribers has checked its caps
+  (docs/protocol.md, "Security"); each view of restricted readers gets its own
+  heartbeat with the count of updates published in it.
 
 A relay (``--relay``, :mod:`.relaying`) does both sides independently: its
 bound sockets are CURVE servers with ``--curve-secret`` exactly as above (its
@@ -32,7 +33,8 @@ SIGHUP reloads the clients directory and the ACL.  A file that does not load
 keeps the old one (logged).  New certificates are admitted at once; if a key
 was removed or anyone's read rights changed, the publisher is bound again so
 that every subscriber reconnects and its subscriptions are decided afresh
-(clients see a short gap and resync): libzmq cannot drop one subscriber.
+(clients see a short gap and resync): a socket of libzmq has no call to
+forget one connection's subscriptions.
 
 Fail closed everywhere: an unknown name, a missing ACL table or a name the
 reload removed means no access.
@@ -85,9 +87,6 @@ log = logging.getLogger("clone.server.reactor")
 # Every first byte but NUL: a reader of everything gets keys and HUGZ, never
 # another user's control topic.
 _ALL_BUT_CONTROL = [bytes([b]) for b in range(1, 256)]
-# Subscription messages the heartbeat's check handles at most (see
-# _take_subscriptions); more wait for the next heartbeat or the socket's event.
-_SUBSCRIPTIONS_PER_HEARTBEAT = 1000
 
 
 def subscription_topics(topic: bytes, rights: Rights, name: str) -> list[bytes]:
@@ -345,51 +344,20 @@ class Security:
 
     # -- the update stream ---------------------------------------------------
 
-    def on_subscription(self, pub: zmq.Socket[Any], parts: list[zmq.Frame]) -> None:
-        """XPUB_MANUAL: decide what this connection receives (one message each)."""
-        frame = parts[0]
-        raw = frame.bytes
-        if not raw or raw[0] not in (0, 1):
-            return
+    def subscription_topics(self, frame: zmq.Frame, topic: bytes) -> list[bytes] | None:
+        """What a connection asking for ``topic`` gets (the subscription gate's
+        question, clone.server.subscribers): in plain mode what it asks; with
+        CURVE what its name may read (None: not admitted)."""
+        if self.keypair is None:
+            return [topic]
         try:
             name: str | None = str(frame.get("User-Id"))
         except zmq.ZMQError:
             name = None
-        option = zmq.SUBSCRIBE if raw[0] == 1 else zmq.UNSUBSCRIBE
         access = self.access
         if name is None or name not in access.admitted:
-            # libzmq drops a closed connection's subscriptions itself (the
-            # unsubscriptions it reports then carry no name): only a refused
-            # subscription counts.
-            if option == zmq.SUBSCRIBE:
-                self._counters["subscriptions_refused"] += 1
-            return
-        for topic in subscription_topics(raw[1:], access.rights_of(name), name):
-            pub.setsockopt(option, topic)
-        self._counters["subscriptions"] += 1
-
-    def take_subscriptions(self, pub: zmq.Socket[Any]) -> None:
-        """Handle subscription messages our own sends on the XPUB may have hidden.
-
-        Every send on a socket may consume the edge of its file descriptor
-        that announces an incoming message, so the ZMQStream would not wake
-        for a subscription that arrived meanwhile, and its client would hear
-        nothing, not even HUGZ, until something else stirred the socket (seen
-        in CI: 25 snapshots served to a client, 1 subscription handled).  The
-        heartbeat calls this after its own sends: a subscription waits at most
-        one heartbeat, and the hot path pays nothing.
-        """
-        if pub.closed:
-            return
-        for _ in range(_SUBSCRIPTIONS_PER_HEARTBEAT):
-            if not pub.poll(0, zmq.POLLIN):
-                return
-            try:
-                parts = pub.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            self._counters["subscriptions_at_heartbeat"] += 1
-            self.on_subscription(pub, parts)
+            return None
+        return subscription_topics(topic, access.rights_of(name), name)
 
     def count_views(self, updates: list[list[bytes]]) -> None:
         """Count the published updates of each view (for its heartbeat)."""
