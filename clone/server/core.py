@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from clone.errors import IllegalTransitionError, ProtocolError, StoreFull
 from clone.server.callcore import Admitted, CallCore, check_condition_syntax
 from clone.server.callcore import refused as _refused
-from clone.server.conflicts import ConflictBook, ConflictRecord
+from clone.server.conflicts import DEFAULT_MAX_CONFLICT_BYTES, ConflictBook, ConflictRecord
 from clone.server.delta import DeltaStream, open_catch_up, open_history
 from clone.server.history import History
 from clone.server.journal import Journal
@@ -229,6 +229,8 @@ class CoreSettings:
     #: The most leases one client (principal: docs/operations.md, "Leases")
     #: holds; a grant beyond is refused (lease-quota).
     max_leases_per_client: int = 1_000
+    #: The bytes of split-brain conflicts kept (clone.server.conflicts); 0: no bound.
+    max_conflict_bytes: int = DEFAULT_MAX_CONFLICT_BYTES
 
     def __post_init__(self) -> None:
         for name in (
@@ -383,7 +385,7 @@ class ServerCore:
         # not reach back to it).
         self._fork_keys: tuple[int, int, set[bytes] | None] | None = None
         #: Split-brain writes of a loser this server did not apply (the winner's side).
-        self.conflicts = ConflictBook()
+        self.conflicts = ConflictBook(settings.max_conflict_bytes)
         #: Winning a split brain: client updates are parked until the loser's
         #: forwarded writes are in (hold_writes); when the last of those came.
         self.holding = False
