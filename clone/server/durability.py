@@ -138,7 +138,8 @@ class DurabilityMixin(ServerBase):
         heal's conflicts change no key) in one of their own, which waits
         briefly for the checkpointer's lock and, if it is still held, is
         tried again next turn: a conflict is in memory and answered already,
-        so a late row costs nothing, and a busy database must not stop the server.
+        so a late row risks only a crash in between (its writer was told all
+        the same), and a busy database must not stop the server.
         """
         ops = self.core.journal.take()
         book = self.core.conflicts
