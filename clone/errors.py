@@ -112,6 +112,12 @@ class StorageError(CloneError):
     """
 
 
+class StorageBusy(StorageError):
+    """A write found the database locked by another connection (SQLITE_BUSY)
+    for longer than its busy timeout; nothing was written, and it may be tried
+    again."""
+
+
 class DataDirLocked(StorageError):
     """Another server process holds this data directory (its lock file is taken)."""
 

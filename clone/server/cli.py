@@ -30,6 +30,7 @@ from clone.layered import add_config_flags, parse_layered
 from clone.logformat import LOG_FORMATS, formatter
 from clone.server.budget import STORE_FRACTION, default_max_bytes, read_memory_limit
 from clone.server.config import FSYNC_POLICIES, PEER_WAIT_DEFAULT, ServerConfig, ServerMode
+from clone.server.conflicts import DEFAULT_MAX_CONFLICT_BYTES
 from clone.server.core import CoreSettings
 from clone.server.fdlimit import raise_nofile
 from clone.server.reactor import CloneServer
@@ -333,6 +334,15 @@ def build_parser() -> argparse.ArgumentParser:
         " address); a grant beyond is refused, reason lease-quota (default 1000)",
     )
     limits.add_argument(
+        "--max-conflict-bytes",
+        type=non_negative_int,
+        default=DEFAULT_MAX_CONFLICT_BYTES,
+        metavar="BYTES",
+        help="most bytes of split-brain conflicts the winner keeps, in memory and in its"
+        " data directory; beyond it the oldest resolved ones are dropped, then the oldest"
+        " unresolved ones, counted (default 67108864, 64 MiB; 0: no limit)",
+    )
+    limits.add_argument(
         "--max-snapshots",
         type=positive_int,
         default=64,
@@ -464,6 +474,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_bytes=_max_bytes(args.max_bytes),
         max_leases=args.max_leases,
         max_leases_per_client=args.max_leases_per_client,
+        max_conflict_bytes=args.max_conflict_bytes,
     )
     common = dict(
         bind=args.bind,

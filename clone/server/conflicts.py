@@ -10,16 +10,40 @@ the reactor last wrote them to the data directory (``clone.storage.conflicts``).
 An operator lists them (``clone conflicts``) and resolves each once: *applied*
 (the loser's value is written now, as a new update) or *discarded*.
 
+The book is bounded in bytes (``--max-conflict-bytes``, issue 26): a long split
+with a busy island must not fill the disk or the memory.  Each record counts
+:func:`record_bytes` (its byte strings plus :data:`RECORD_OVERHEAD`).  Beyond
+the budget the oldest *resolved* records go first -- an operator has already
+acted on them -- then the oldest unresolved ones, each of those counted in
+:attr:`ConflictBook.dropped` (``clone_split_conflicts_dropped_total``).  What
+was dropped is listed for the data directory too (:meth:`take_dropped`), so the
+table keeps the same bound and a restart loads no more than the budget.
+
 Pure: no database, no clock (times are arguments).
 """
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = ["RESOLUTIONS", "ConflictBook", "ConflictRecord"]
+__all__ = [
+    "DEFAULT_MAX_CONFLICT_BYTES",
+    "RECORD_OVERHEAD",
+    "RESOLUTIONS",
+    "ConflictBook",
+    "ConflictRecord",
+    "record_bytes",
+]
+
+#: The default of ``--max-conflict-bytes``: room for ~1,000 conflicts of 64 KiB
+#: values, a small share of a server's memory budget.
+DEFAULT_MAX_CONFLICT_BYTES = 64 * 1024 * 1024
+#: What a record costs beyond its byte strings: its numbers and the book's and
+#: the table's bookkeeping (an estimate, so that empty values still count).
+RECORD_OVERHEAD = 128
 
 #: What an operator may do with a conflict, and the ``resolution`` it then has.
 RESOLUTIONS = {"apply": "applied", "discard": "discarded"}
@@ -75,37 +99,98 @@ class ConflictRecord:
         }
 
 
-class ConflictBook:
-    """Every conflict this server holds; what is new or resolved since the last write."""
+def record_bytes(rec: ConflictRecord) -> int:
+    """What ``rec`` counts against the budget: its byte strings plus the overhead."""
+    return (
+        RECORD_OVERHEAD
+        + len(rec.key)
+        + len(rec.reason)
+        + len(rec.loser_uuid)
+        + len(rec.loser_props)
+        + len(rec.loser_body)
+        + len(rec.winner_uuid or b"")
+        + len(rec.winner_props or b"")
+        + len(rec.winner_body or b"")
+    )
 
-    def __init__(self) -> None:
+
+class ConflictBook:
+    """Every conflict this server holds; what is new, resolved or dropped since the last write.
+
+    ``max_bytes`` bounds the records' :func:`record_bytes` (0: no bound).
+    """
+
+    def __init__(self, max_bytes: int = DEFAULT_MAX_CONFLICT_BYTES) -> None:
+        if max_bytes < 0:
+            raise ValueError(f"max_bytes must be 0 (no bound) or more, not {max_bytes}")
+        self.max_bytes = max_bytes
         self._records: dict[int, ConflictRecord] = {}
         self._by_uuid: dict[bytes, int] = {}
         self._next_id = 1
         #: Conflicts recorded since this server started (``clone_split_conflicts_total``).
         self.total = 0
-        self._unresolved = 0
-        # Not yet in the data directory: new records, and resolutions.
+        #: The bytes the records held count (:func:`record_bytes`).
+        self.nbytes = 0
+        #: Unresolved records dropped over the budget since start
+        #: (``clone_split_conflicts_dropped_total``), and resolved ones trimmed.
+        self.dropped = 0
+        self.trimmed = 0
+        # Unresolved ids, oldest first (ids only grow); resolved ids, a heap.
+        self._unresolved: dict[int, None] = {}
+        self._resolved: list[int] = []
+        # Not yet in the data directory: new records, resolutions, drops.
         self._dirty: dict[int, ConflictRecord] = {}
+        self._gone: set[int] = set()
 
     def load(self, records: Iterable[ConflictRecord]) -> None:
-        """The records a data directory held (at start, before anything is recorded)."""
+        """The records a data directory held, oldest first (at start, before
+        anything is recorded); a budget smaller than they are trims them."""
         for rec in records:
-            self._records[rec.id] = rec
-            self._by_uuid[rec.loser_uuid] = rec.id
+            self._add(rec)
             self._next_id = max(self._next_id, rec.id + 1)
-            self._unresolved += rec.resolution is None
+        self._trim()
 
     def record(self, rec: ConflictRecord) -> ConflictRecord:
-        """Keep ``rec`` under the next id (its own ``id`` is ignored)."""
+        """Keep ``rec`` under the next id (its own ``id`` is ignored).
+
+        The record returned may already be dropped, if alone it is over the budget.
+        """
         kept = replace(rec, id=self._next_id)
         self._next_id += 1
-        self._records[kept.id] = kept
-        self._by_uuid[kept.loser_uuid] = kept.id
+        self._add(kept)
         self.total += 1
-        self._unresolved += 1
         self._dirty[kept.id] = kept
+        self._trim()
         return kept
+
+    def _add(self, rec: ConflictRecord) -> None:
+        self._records[rec.id] = rec
+        self._by_uuid[rec.loser_uuid] = rec.id
+        self.nbytes += record_bytes(rec)
+        if rec.resolution is None:
+            self._unresolved[rec.id] = None
+        else:
+            heapq.heappush(self._resolved, rec.id)
+
+    def _trim(self) -> None:
+        """Drop the oldest resolved records, then the oldest unresolved, until
+        the records fit the budget."""
+        if not self.max_bytes:
+            return
+        while self.nbytes > self.max_bytes and self._records:
+            if self._resolved:
+                cid = heapq.heappop(self._resolved)
+                self.trimmed += 1
+            else:
+                cid = next(iter(self._unresolved))
+                del self._unresolved[cid]
+                self.dropped += 1
+            rec = self._records.pop(cid)
+            self.nbytes -= record_bytes(rec)
+            if self._by_uuid.get(rec.loser_uuid) == cid:
+                del self._by_uuid[rec.loser_uuid]
+            self._dirty.pop(cid, None)
+            self._gone.add(cid)
 
     def of_uuid(self, uuid: bytes) -> ConflictRecord | None:
         """The conflict the loser's write ``uuid`` became, if it became one."""
@@ -127,7 +212,8 @@ class ConflictBook:
             raise ValueError(f"conflict {cid} was {rec.resolution} already")
         done = replace(rec, resolution=resolution)
         self._records[cid] = done
-        self._unresolved -= 1
+        del self._unresolved[cid]
+        heapq.heappush(self._resolved, cid)
         self._dirty[cid] = done
         return done
 
@@ -141,7 +227,7 @@ class ConflictBook:
 
     @property
     def unresolved(self) -> int:
-        return self._unresolved
+        return len(self._unresolved)
 
     def __len__(self) -> int:
         return len(self._records)
@@ -150,3 +236,17 @@ class ConflictBook:
         """What changed since the last call, for the data directory (then forgotten)."""
         out, self._dirty = list(self._dirty.values()), {}
         return out
+
+    def take_dropped(self) -> list[int]:
+        """The ids dropped over the budget since the last call, to delete from
+        the data directory (then forgotten)."""
+        out, self._gone = sorted(self._gone), set()
+        return out
+
+    def put_back(self, dirty: Iterable[ConflictRecord], dropped: Iterable[int]) -> None:
+        """What a write that did not happen took (the database was busy): to be
+        taken again by the next one.  A record changed or dropped since stays so."""
+        for rec in dirty:
+            if rec.id in self._records and rec.id not in self._dirty:
+                self._dirty[rec.id] = self._records[rec.id]
+        self._gone.update(dropped)

@@ -147,7 +147,7 @@ class ServerCore:
             conditions_max=settings.history_max,
         )
         #: Split-brain writes of a loser this server did not apply (the winner's side).
-        self.conflicts = ConflictBook()
+        self.conflicts = ConflictBook(settings.max_conflict_bytes)
         #: The split-brain heal: kept writes as calls, the winner's judging.
         self.split = SplitCore(
             store=self.store,

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from clone.server.conflicts import DEFAULT_MAX_CONFLICT_BYTES
+
 __all__ = ["COUNTERS", "CoreSettings"]
 
 #: Every counter :attr:`~clone.server.core.ServerCore.counters` holds, all starting at zero.
@@ -116,6 +118,7 @@ class CoreSettings:
     #: The most leases one client (principal: docs/operations.md, "Leases")
     #: holds; a grant beyond is refused (lease-quota).
     max_leases_per_client: int = 1_000
+    max_conflict_bytes: int = DEFAULT_MAX_CONFLICT_BYTES
 
     def __post_init__(self) -> None:
         for name in (

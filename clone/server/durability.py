@@ -24,11 +24,12 @@ the journal is still taken each turn, for publishing, and nothing is written.
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import time
 from dataclasses import astuple
 
-from clone.errors import StorageError
+from clone.errors import StorageBusy, StorageError
 from clone.server.base import ServerBase, log
 from clone.server.budget import check_fits
 from clone.server.conflicts import ConflictRecord
@@ -36,7 +37,12 @@ from clone.server.core import Role
 from clone.server.journal import OpKind, published
 from clone.storage import FsyncPolicy, Storage, restore_into
 
-__all__ = ["DurabilityMixin"]
+__all__ = ["CONFLICTS_BUSY_WAIT", "DurabilityMixin"]
+
+#: How long a turn's conflicts-only write waits for a lock the checkpointer
+#: holds before leaving them for a later turn (seconds): the loop's turn, not
+#: the 2 s an update's commit may wait.
+CONFLICTS_BUSY_WAIT = 0.05
 
 
 class DurabilityMixin(ServerBase):
@@ -125,19 +131,52 @@ class DurabilityMixin(ServerBase):
 
     def _commit(self) -> list[list[bytes]]:
         """Write this turn's changes in one transaction; return the updates,
-        in order, which may now be published.  Nothing on a write failure."""
+        in order, which may now be published.  Nothing on a write failure.
+
+        The conflicts recorded, resolved or dropped this turn go in the
+        transaction of the turn's updates; in a turn without updates (a
+        heal's conflicts change no key) in one of their own, which waits
+        briefly for the checkpointer's lock and, if it is still held, is
+        tried again next turn: a conflict is in memory and answered already,
+        so a late row risks only a crash in between (its writer was told all
+        the same), and a busy database must not stop the server.
+        """
         ops = self.core.journal.take()
-        dirty = self.core.conflicts.take_dirty()
-        if dirty and self._storage is not None and self._storage_error is None:
+        book = self.core.conflicts
+        if book.dropped != self.counters.get("split_conflicts_dropped", 0):
+            self._conflicts_dropped(book.dropped)
+        dirty = book.take_dirty()
+        dropped = book.take_dropped()
+        storage = self._storage
+        if storage is None or self._storage_error is not None:
+            dirty, dropped = [], []
+        rows = [astuple(r) for r in dirty]
+        if (
+            storage is not None
+            and (rows or dropped)
+            and not any(op.kind is OpKind.UPDATES for op in ops)
+        ):
             try:
-                self._storage.write_conflicts([astuple(r) for r in dirty])
+                storage.write_conflicts(rows, dropped, busy_timeout=CONFLICTS_BUSY_WAIT)
+            except StorageBusy as exc:
+                book.put_back(dirty, dropped)
+                self.counters["conflict_writes_deferred"] = (
+                    self.counters.get("conflict_writes_deferred", 0) + 1
+                )
+                self._throttle.log(
+                    "conflicts-busy",
+                    logging.WARNING,
+                    "recording split-brain conflicts waits: %s; they are kept in memory and"
+                    " written at a later turn",
+                    exc,
+                )
             except (sqlite3.Error, OSError, StorageError) as exc:
                 self._storage_failed(exc)
                 return []
+            rows, dropped = [], []
         if not ops:
             return []
         updates = published(ops)
-        storage = self._storage
         if storage is None or self._storage_error is not None:
             if self._storage_error is not None:
                 return []
@@ -155,7 +194,10 @@ class DurabilityMixin(ServerBase):
                         term=term,
                         at=self._wallclock(),
                         keep_from=self.core.history.keep_from,
+                        conflict_rows=rows,
+                        conflict_drops=dropped,
                     )
+                    rows, dropped = [], []
                 elif kind is OpKind.STAGE:
                     storage.stage(op.staged)
                 elif kind is OpKind.BEGIN_REPLACE:
@@ -170,6 +212,20 @@ class DurabilityMixin(ServerBase):
             self._count_views(updates)
         self._note_changes(updates)
         return updates
+
+    def _conflicts_dropped(self, dropped: int) -> None:
+        """Unresolved conflicts went over ``--max-conflict-bytes``: counted
+        (``clone_split_conflicts_dropped_total``), warned at most once per interval."""
+        self.counters["split_conflicts_dropped"] = dropped
+        self._throttle.log(
+            "conflicts-dropped",
+            logging.WARNING,
+            "%d unresolved split-brain conflicts dropped since start, the oldest first:"
+            " they held more than --max-conflict-bytes (%d); resolve them sooner"
+            " (clone conflicts) or raise the budget",
+            dropped,
+            self.core.conflicts.max_bytes,
+        )
 
     def _commit_and_publish(self) -> None:
         publish = self.publisher.publish

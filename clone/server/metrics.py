@@ -383,6 +383,11 @@ class CloneCollector(Collector):
             num("split_conflicts_unresolved"),
         )
         yield _counter(
+            "clone_split_conflicts_dropped",
+            "Unresolved split-brain conflicts dropped, oldest first, over --max-conflict-bytes.",
+            num("split_conflicts_dropped"),
+        )
+        yield _counter(
             "clone_internal_errors",
             "Unexpected exceptions logged by handlers.",
             num("internal_errors"),

@@ -3,7 +3,8 @@
 How this works: the server's :class:`~clone.server.conflicts.ConflictBook`
 holds the records; at each group commit the reactor hands this module the
 ones recorded or resolved since the last, as rows in the table's column
-order (:data:`COLUMNS`), and they are written in one transaction.  At start
+order (:data:`COLUMNS`), and the ids dropped over the book's byte budget;
+they are written in the turn's transaction (the updates', if it has any).  At start
 they are read back, so a restart of the winner keeps every conflict and its
 resolution.  Plain blocking SQLite, short and bounded like the rest of
 :mod:`clone.storage`; no server types (rows are tuples).
@@ -15,7 +16,7 @@ import sqlite3
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["COLUMNS", "ConflictRow", "read_conflicts", "write_conflicts"]
+__all__ = ["COLUMNS", "ConflictRow", "delete_conflicts", "read_conflicts", "write_conflicts"]
 
 #: The table's columns, in the order of a row.
 COLUMNS = (
@@ -50,6 +51,12 @@ def write_conflicts(conn: sqlite3.Connection, rows: Iterable[Sequence[Any]]) -> 
         if len(row) != len(COLUMNS):
             raise ValueError(f"a conflict row has {len(COLUMNS)} columns, not {len(row)}")
     conn.executemany(_INSERT, batch)
+
+
+def delete_conflicts(conn: sqlite3.Connection, ids: Iterable[int]) -> None:
+    """Delete the rows of ``ids`` (dropped over the budget; the caller holds
+    the transaction)."""
+    conn.executemany("DELETE FROM conflicts WHERE id = ?", [(int(i),) for i in ids])
 
 
 def read_conflicts(conn: sqlite3.Connection) -> list[ConflictRow]:

@@ -64,6 +64,10 @@ Update = tuple[list[bytes], int, float]
 #: history drops as it loads (it keeps its newest updates).
 TRIM_EVERY = 1024
 
+#: How long the reactor's connection waits for a lock another connection holds
+#: (the checkpointer's TRUNCATE) before a write fails with SQLITE_BUSY.
+BUSY_TIMEOUT = 2.0
+
 #: The WAL is reset to this size when it restarts, so one burst does not keep a
 #: big file around.
 _WAL_SIZE_LIMIT = 64 * 1024 * 1024
@@ -289,13 +293,17 @@ class Storage:
         term: int,
         at: float | Sequence[float],
         keep_from: int | None = None,
+        conflict_rows: Sequence[Sequence[object]] = (),
+        conflict_drops: Sequence[int] = (),
     ) -> None:
         """Commit one group of updates (5 KVPUB frames each), in order.
 
         The state, the log, and meta's sequence (the last update's) and term
         change together.  ``at`` is one time for all or one per update;
         ``keep_from`` trims the log below that sequence in the same commit,
-        once it has moved :data:`TRIM_EVERY` since the last trim.
+        once it has moved :data:`TRIM_EVERY` since the last trim.  The
+        turn's conflict changes (:meth:`write_conflicts`) go in the same
+        commit: one writer, one transaction per turn.
         """
         ats = _times(at, len(updates))
         for update in updates:
@@ -308,9 +316,10 @@ class Storage:
         if not updates:
             if term != self._term:
                 self.set_position(self._sequence, term)
+            self.write_conflicts(conflict_rows, conflict_drops)
             return
         # One transaction, so one fsync, for the whole group under every policy.
-        self._write_group(updates, ats, term, keep_from)
+        self._write_group(updates, ats, term, keep_from, conflict_rows, conflict_drops)
 
     def _write_group(
         self,
@@ -318,6 +327,8 @@ class Storage:
         ats: Sequence[float],
         term: int,
         keep_from: int | None,
+        conflict_rows: Sequence[Sequence[object]] = (),
+        conflict_drops: Sequence[int] = (),
     ) -> None:
         # Within one transaction only each key's last update matters to kv, so
         # sets and deletes can go in two executemany calls without reordering.
@@ -349,6 +360,10 @@ class Storage:
             trim = keep_from is not None and (trimmed is None or keep_from - trimmed >= TRIM_EVERY)
             if trim:
                 conn.execute("DELETE FROM log WHERE seq < ?", (keep_from,))
+            if conflict_rows:
+                conflicts.write_conflicts(conn, conflict_rows)
+            if conflict_drops:
+                conflicts.delete_conflicts(conn, conflict_drops)
         self._sequence, self._term = sequence, term
         if trim:
             self._trimmed_from = keep_from
@@ -405,11 +420,27 @@ class Storage:
 
     # -- split-brain conflicts (clone.storage.conflicts) -----------------------
 
-    def write_conflicts(self, rows: Sequence[Sequence[object]]) -> None:
-        """Record new or resolved conflicts, in one transaction."""
-        if rows:
-            with self._transaction("recording conflicts in") as conn:
+    def write_conflicts(
+        self,
+        rows: Sequence[Sequence[object]],
+        dropped: Sequence[int] = (),
+        *,
+        busy_timeout: float | None = None,
+    ) -> None:
+        """Record new or resolved conflicts and delete dropped ones, in one transaction.
+
+        ``busy_timeout`` (seconds) replaces the connection's wait for a lock
+        held elsewhere (the checkpointer's) for this transaction alone: a
+        caller that can try again later waits less.  A lock still held raises
+        :class:`~clone.errors.StorageBusy`, with nothing written.
+        """
+        if not rows and not dropped:
+            return
+        with self._transaction("recording conflicts in", busy_timeout) as conn:
+            if rows:
                 conflicts.write_conflicts(conn, rows)
+            if dropped:
+                conflicts.delete_conflicts(conn, dropped)
 
     def read_conflicts(self) -> list[tuple[Any, ...]]:
         """Every conflict the data directory holds, oldest first."""
@@ -426,11 +457,20 @@ class Storage:
         return self._conn
 
     @contextmanager
-    def _transaction(self, doing: str) -> Iterator[sqlite3.Connection]:
+    def _transaction(
+        self, doing: str, busy_timeout: float | None = None
+    ) -> Iterator[sqlite3.Connection]:
         conn = self._live()
         try:
             started = perf_counter()
-            conn.execute("BEGIN IMMEDIATE")
+            if busy_timeout is not None:
+                conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout * 1000)}")
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                finally:
+                    conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT * 1000)}")
+            else:
+                conn.execute("BEGIN IMMEDIATE")
             try:
                 yield conn
             except BaseException:
@@ -476,7 +516,7 @@ def _connect(db_path: Path, fsync: FsyncPolicy) -> sqlite3.Connection:
     precheck_file(db_path)
     try:
         # check_same_thread=False: opened at start, then used by the reactor thread.
-        conn = sqlite3.connect(db_path, isolation_level=None, timeout=2.0,
+        conn = sqlite3.connect(db_path, isolation_level=None, timeout=BUSY_TIMEOUT,
                                check_same_thread=False)
     except sqlite3.Error as exc:
         raise translate(exc, db_path, "opening") from exc

@@ -25,7 +25,7 @@ import sqlite3
 import time
 from pathlib import Path
 
-from clone.errors import DataDirCorrupt, DataDirIncompatible, StorageError
+from clone.errors import DataDirCorrupt, DataDirIncompatible, StorageBusy, StorageError
 from clone.release import RELEASE
 
 __all__ = [
@@ -126,6 +126,8 @@ def translate(exc: sqlite3.Error | OverflowError, path: Path, doing: str) -> Sto
         )
     if name == "SQLITE_FULL":
         return StorageError(f"the disk holding {path} is full ({exc}) while {doing}: free space")
+    if name.startswith("SQLITE_BUSY"):
+        return StorageBusy(f"{doing} {path} failed: {exc} ({name})")
     return StorageError(f"{doing} {path} failed: {exc} ({name or type(exc).__name__})")
 
 

@@ -6,6 +6,7 @@ import pytest
 
 from clone.server.cli import build_parser, config_from_args
 from clone.server.config import ServerConfig, ServerMode
+from clone.server.core import ServerCore
 
 
 def _config(*argv: str) -> ServerConfig:
@@ -70,3 +71,12 @@ def test_lease_ownership_flags() -> None:
     assert _config("--standalone", "--max-leases-per-client", "7").core.max_leases_per_client == 7
     with pytest.raises(ValueError, match="--trusted-relay needs --curve-secret"):
         _config("--standalone", "--trusted-relay", "relay1")
+
+
+def test_max_conflict_bytes_flag() -> None:
+    """--max-conflict-bytes: 64 MiB by default, 0 for no bound, the core's book uses it."""
+    assert _config("--standalone").core.max_conflict_bytes == 64 * 1024 * 1024
+    cfg = _config("--standalone", "--max-conflict-bytes", "0")
+    assert cfg.core.max_conflict_bytes == 0
+    assert ServerCore(_config("--standalone", "--max-conflict-bytes", "4096").core
+                      ).conflicts.max_bytes == 4096
