@@ -59,6 +59,7 @@ __all__ = [
     "SocketSetup",
     "StateCallback",
     "VoteHandler",
+    "keep_alive",
 ]
 
 log = logging.getLogger(__name__)
@@ -132,6 +133,32 @@ _monotonic = time.monotonic
 
 #: Socket monitor events that matter for fast failover.
 _MONITORED_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
+
+
+def keep_alive(sock: zmq.Socket[Any], heartbeat: float, missed: int) -> None:
+    """ZMTP heartbeats on the link: a connection silent for ``missed``
+    heartbeats is closed and made again.
+
+    Without them a connection cut by a partition stays open through it,
+    and once healed waits for TCP's retransmission back-off (seconds, up
+    to two minutes) before anything flows: both servers stayed active
+    for about 6 s after a 7.5 s cut in the partition drill.  A fresh
+    connection carries the next state message at once.
+    """
+    interval = max(1, round(heartbeat * 1000))
+    # No receive limit on a socket with ZMTP heartbeats (libzmq issue
+    # 3937): when a stalled loop lets the pipe fill, libzmq stops reading
+    # the connection, so it cannot see the peer's PINGs either; the
+    # heartbeat then kills a healthy connection, and on the reconnection a
+    # stale "pipe has room again" from the old one aborts the process
+    # (``Assertion failed: _input_stopped (src/stream_engine_base.cpp:396)``,
+    # seen killing a backup under a bulk load).  An unbounded pipe never
+    # stops the input; the link carries a few small state messages per
+    # heartbeat, so what a stall queues stays small.
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, interval * missed)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, interval * missed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -542,19 +569,7 @@ class BinaryStar:
         self._timer = self._loop.call_later(self.heartbeat, self._on_tick)
 
     def _keep_alive(self, sock: zmq.Socket[Any]) -> None:
-        """ZMTP heartbeats on the link: a connection silent for ``missed``
-        heartbeats is closed and made again.
-
-        Without them a connection cut by a partition stays open through it,
-        and once healed waits for TCP's retransmission back-off (seconds, up
-        to two minutes) before anything flows: both servers stayed active
-        for about 6 s after a 7.5 s cut in the partition drill.  A fresh
-        connection carries the next state message at once.
-        """
-        interval = max(1, round(self.heartbeat * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, interval * self.missed)
-        sock.setsockopt(zmq.HEARTBEAT_TTL, interval * self.missed)
+        keep_alive(sock, self.heartbeat, self.missed)
 
     def stop(self) -> None:
         """Cancel the heartbeat and close every socket we own. Safe to call twice."""
