@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +52,9 @@ log = logging.getLogger(__name__)
 
 _WRITE, _STOP = b"W", b"S"
 _TICK_S = 0.05
+#: With no active server, how often each server's port is tried, and for how long.
+_PROBE_EVERY_S = 0.5
+_PROBE_TIMEOUT_S = 0.2
 _OP_SET = OP_SET.encode()
 #: The properties of a plain ``ok`` REPLY, as the server encodes them.
 _OK_PROPERTIES = encode_properties((("status", "ok"),))
@@ -74,7 +78,11 @@ class WriteRouter:
     ``heard(i, now)``: server ``i`` sent HUGZ.  ``current``: the server writes
     go to (None: none is known active).  A server is active while heard within
     ``server_timeout``; the pair is dead when no server was heard for
-    ``dead_after`` (counted from the start, or from the last HUGZ).
+    ``dead_after`` (counted from the start, or from the last HUGZ), or sooner,
+    after ``server_timeout``, when every server *refused* a connection since
+    it was last heard (``probed(i, refused=True)``: no process listens there,
+    a certainty that silence is not).  So a Spark partition that starts after
+    the pair died gives up in about a second instead of waiting ``dead_after``.
     """
 
     servers: int
@@ -83,13 +91,16 @@ class WriteRouter:
     started: float
     current: int | None = None
     last_heard: list[float | None] = field(default_factory=list)
+    refused: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.last_heard = [None] * self.servers
+        self.refused = [False] * self.servers
 
     def heard(self, index: int, now: float) -> bool:
         """Record a HUGZ; True when ``index`` becomes the current server."""
         self.last_heard[index] = now
+        self.refused[index] = False
         if self.current is None:
             self.current = index
             return True
@@ -110,11 +121,20 @@ class WriteRouter:
                             self.current, self.server_timeout)  # fmt: skip
                 self.current = None
 
+    def probed(self, index: int, *, refused: bool) -> None:
+        """A connection to server ``index`` was refused, or accepted."""
+        self.refused[index] = refused
+
     def dead(self, now: float) -> bool:
-        """No server heard for ``dead_after`` seconds."""
+        """No server heard for ``dead_after`` seconds, or every server
+        refusing connections and none heard for ``server_timeout``."""
+        if self.current is not None:
+            return False
         heard = [t for t in self.last_heard if t is not None]
-        last = max(heard) if heard else self.started
-        return self.current is None and now - last > self.dead_after
+        silent = now - (max(heard) if heard else self.started)
+        if all(self.refused):
+            return silent > min(self.server_timeout, self.dead_after)
+        return silent > self.dead_after
 
 
 class WriteLink:
@@ -140,6 +160,9 @@ class WriteLink:
     ) -> None:
         self.router = router
         self._clock = clock
+        self._hosts = [(host.removeprefix("tcp://"), base + SNAPSHOT_OFFSET)
+                       for host, base in endpoints]  # fmt: skip
+        self._next_probe = 0.0
         self.poller = zmq.Poller()
         self.pending: dict[bytes, _Pending] = {}
         self._subs: list[zmq.Socket[bytes]] = []
@@ -189,8 +212,18 @@ class WriteLink:
         router = self.router
         router.tick(now)
         pending = self.pending
+        if router.current is None and now >= self._next_probe:
+            self._next_probe = now + _PROBE_EVERY_S
+            self._probe()
         if router.dead(now):
-            why = NotActive(f"no Clone server sent a heartbeat for {router.dead_after:g}s")
+            if all(router.refused):
+                why = NotActive(
+                    f"no Clone server sent a heartbeat for "
+                    f"{min(router.server_timeout, router.dead_after):g}s, "
+                    "and every one refused a connection"
+                )
+            else:
+                why = NotActive(f"no Clone server sent a heartbeat for {router.dead_after:g}s")
             return self.fail_all(why)
         settled: list[_Settled] = []
         for uuid, entry in list(pending.items()):
@@ -200,6 +233,19 @@ class WriteLink:
             elif entry.sent_to is None or entry.sent_to != router.current:
                 self._send(uuid)
         return settled
+
+    def _probe(self) -> None:
+        """No server is active: try a TCP connection to each, to tell a dead
+        pair (refused at once) from a slow one."""
+        for index, (host, port) in enumerate(self._hosts):
+            try:
+                socket.create_connection((host.strip("[]"), port), timeout=_PROBE_TIMEOUT_S).close()
+            except ConnectionRefusedError:
+                self.router.probed(index, refused=True)
+            except OSError:  # a timeout, no route: not a certainty
+                self.router.probed(index, refused=False)
+            else:
+                self.router.probed(index, refused=False)
 
     def fail_all(self, exc: BaseException) -> list[_Settled]:
         settled: list[_Settled] = [(uuid, exc) for uuid in self.pending]
@@ -323,7 +369,9 @@ class BulkWriter:
             if left <= 0:
                 raise NotSynced(f"no active Clone server sent a heartbeat in {timeout:g}s")
             link.handle(dict(link.poller.poll(max(1, int(min(left, _TICK_S) * 1000)))))
-            link.router.tick(self._clock())
+            link.tick()
+            if link.router.dead(self._clock()):
+                raise NotSynced("no Clone server accepts connections (the pair is down)")
 
     def submit(self, key: str, value: bytes | str, ttl: float = 0.0) -> bytes:
         """Send a write (or hold it until a server is active); its uuid."""
