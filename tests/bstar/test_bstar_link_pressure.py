@@ -51,8 +51,14 @@ def test_a_stalled_link_under_a_flood_lives() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(
+    zmq.zmq_version_info() > (4, 3, 5),
+    reason="libzmq newer than 4.3.5 may have fixed issue 3937 (its PR 4830): the control "
+    "would not abort",
+)
 def test_the_same_pressure_with_a_bounded_pipe_aborts_in_libzmq() -> None:
-    """The control: libzmq's default receive limit (1000), same flood, same stalls."""
+    """The control: libzmq's default receive limit (1000), same flood, same stalls
+    (libzmq 4.3.5, the one pyzmq 27 ships, aborts within a second here)."""
     done = _run("--seconds", "60", "--rcvhwm", "1000")
     assert done.returncode == -signal.SIGABRT, (done.returncode, done.stderr[-2000:])
     assert "_input_stopped" in done.stderr
