@@ -88,7 +88,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--value-bytes", type=int, default=100)
-    parser.add_argument("--max-in-flight", type=int, default=64)
+    parser.add_argument("--max-in-flight", type=int, default=256)
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--output", default="results/bench_pipeline.json")
     args = parser.parse_args()

@@ -115,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument(
         "--max-in-flight",
         type=positive_int,
-        default=64,
-        help="unconfirmed writes per partition (default 64)",
+        default=256,
+        help="unconfirmed writes per partition (default 256)",
     )
     load.add_argument(
         "--confirm-timeout",

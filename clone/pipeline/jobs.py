@@ -160,7 +160,7 @@ def load_table(
     fmt: str = "parquet",
     columns: LoadColumns | None = None,
     rejects: str | None = None,
-    max_in_flight: int = 64,
+    max_in_flight: int = 256,
     confirm_timeout: float = 30.0,
     heartbeat: float = 1.0,
     curve_files: tuple[str | None, str | None] = (None, None),

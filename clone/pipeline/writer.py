@@ -81,7 +81,9 @@ class WriterConfig:
     #: The load's --subtree (the write-only client subscribes to HUGZ only:
     #: the keys were checked against it when the rows were validated).
     subtree: str | None = None
-    max_in_flight: int = 64
+    #: 256: a quarter less server CPU per row than 64 (bigger turns, fewer
+    #: commits per row); measured in docs/benchmarks.md.
+    max_in_flight: int = 256
     confirm_timeout: float = 30.0
     attempts: int = 3
     max_failures: int = 10
