@@ -23,7 +23,7 @@ from zmq.utils.monitor import parse_monitor_message
 from bstar.report import RateLimitedLog
 from bstar.wire import MAX_STATE_FRAME
 
-__all__ = ["LINK_MAX_MESSAGE", "PairLink", "check_link_arguments"]
+__all__ = ["LINK_MAX_MESSAGE", "PairLink", "check_link_arguments", "keep_alive"]
 
 log = logging.getLogger("bstar.reactor")
 
@@ -59,6 +59,32 @@ def check_link_arguments(
     if not isinstance(fast_failover, bool):
         raise TypeError(f"fast_failover must be a bool, got {type(fast_failover).__name__}")
 
+
+
+def keep_alive(sock: zmq.Socket[Any], heartbeat: float, missed: int) -> None:
+    """ZMTP heartbeats on the link: a connection silent for ``missed``
+    heartbeats is closed and made again.
+
+    Without them a connection cut by a partition stays open through it,
+    and once healed waits for TCP's retransmission back-off (seconds, up
+    to two minutes) before anything flows: both servers stayed active
+    for about 6 s after a 7.5 s cut in the partition drill.  A fresh
+    connection carries the next state message at once.
+    """
+    interval = max(1, round(heartbeat * 1000))
+    # No receive limit on a socket with ZMTP heartbeats (libzmq issue
+    # 3937): when a stalled loop lets the pipe fill, libzmq stops reading
+    # the connection, so it cannot see the peer's PINGs either; the
+    # heartbeat then kills a healthy connection, and on the reconnection a
+    # stale "pipe has room again" from the old one aborts the process
+    # (``Assertion failed: _input_stopped (src/stream_engine_base.cpp:396)``,
+    # seen killing a backup under a bulk load).  An unbounded pipe never
+    # stops the input; the link carries a few small state messages per
+    # heartbeat, so what a stall queues stays small.
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
+    sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, interval * missed)
+    sock.setsockopt(zmq.HEARTBEAT_TTL, interval * missed)
 
 class PairLink:
     """The link's sockets: open, publish, read what is queued, close."""
@@ -173,19 +199,7 @@ class PairLink:
         )
 
     def _keep_alive(self, sock: zmq.Socket[Any]) -> None:
-        """ZMTP heartbeats on the link: a connection silent for ``missed``
-        heartbeats is closed and made again.
-
-        Without them a connection cut by a partition stays open through it,
-        and once healed waits for TCP's retransmission back-off (seconds, up
-        to two minutes) before anything flows: both servers stayed active
-        for about 6 s after a 7.5 s cut in the partition drill.  A fresh
-        connection carries the next state message at once.
-        """
-        interval = max(1, round(self._heartbeat * 1000))
-        sock.setsockopt(zmq.HEARTBEAT_IVL, interval)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, interval * self._missed)
-        sock.setsockopt(zmq.HEARTBEAT_TTL, interval * self._missed)
+        keep_alive(sock, self._heartbeat, self._missed)
 
     def publish(self, frames: Sequence[bytes]) -> bool:
         """Announce a state message; False if not sent (closed, or the PUB's

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -41,16 +42,26 @@ from clone.argtypes import normalize_endpoint
 from clone.client.agent import split_endpoint
 from clone.errors import CloneError, ClosedError, ConfirmTimeout, NotActive, NotSynced
 from clone.security import KeyPair, configure_client_socket
-from clone.wire.calls import OP_SET, decode_reply, encode_call
-from clone.wire.codec import new_uuid, validate_key
+from clone.wire.calls import CALL, OP_SET, REPLY, decode_reply
+from clone.wire.codec import encode_properties, new_uuid, validate_key
 from clone.wire.protocol import HUGZ, PUBLISHER_OFFSET, SNAPSHOT_OFFSET, TTL_PROPERTY
 
-__all__ = ["WriteOnlyClone", "WriteRouter"]
+__all__ = ["BulkWriter", "WriteLink", "WriteOnlyClone", "WriteRouter", "set_frames"]
 
 log = logging.getLogger(__name__)
 
 _WRITE, _STOP = b"W", b"S"
 _TICK_S = 0.05
+#: With no active server, how often each server's port is tried, and for how long.
+_PROBE_EVERY_S = 0.5
+_PROBE_TIMEOUT_S = 0.2
+_OP_SET = OP_SET.encode()
+#: The properties of a plain ``ok`` REPLY, as the server encodes them.
+_OK_PROPERTIES = encode_properties((("status", "ok"),))
+
+
+#: A write settled: its uuid and its sequence, or why it failed.
+_Settled = tuple[bytes, "int | BaseException"]
 
 
 @dataclass(slots=True)
@@ -67,7 +78,11 @@ class WriteRouter:
     ``heard(i, now)``: server ``i`` sent HUGZ.  ``current``: the server writes
     go to (None: none is known active).  A server is active while heard within
     ``server_timeout``; the pair is dead when no server was heard for
-    ``dead_after`` (counted from the start, or from the last HUGZ).
+    ``dead_after`` (counted from the start, or from the last HUGZ), or sooner,
+    after ``server_timeout``, when every server *refused* a connection since
+    it was last heard (``probed(i, refused=True)``: no process listens there,
+    a certainty that silence is not).  So a Spark partition that starts after
+    the pair died gives up in about a second instead of waiting ``dead_after``.
     """
 
     servers: int
@@ -76,13 +91,16 @@ class WriteRouter:
     started: float
     current: int | None = None
     last_heard: list[float | None] = field(default_factory=list)
+    refused: list[bool] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.last_heard = [None] * self.servers
+        self.refused = [False] * self.servers
 
     def heard(self, index: int, now: float) -> bool:
         """Record a HUGZ; True when ``index`` becomes the current server."""
         self.last_heard[index] = now
+        self.refused[index] = False
         if self.current is None:
             self.current = index
             return True
@@ -103,11 +121,283 @@ class WriteRouter:
                             self.current, self.server_timeout)  # fmt: skip
                 self.current = None
 
+    def probed(self, index: int, *, refused: bool) -> None:
+        """A connection to server ``index`` was refused, or accepted."""
+        self.refused[index] = refused
+
     def dead(self, now: float) -> bool:
-        """No server heard for ``dead_after`` seconds."""
+        """No server heard for ``dead_after`` seconds, or every server
+        refusing connections and none heard for ``server_timeout``."""
+        if self.current is not None:
+            return False
         heard = [t for t in self.last_heard if t is not None]
-        last = max(heard) if heard else self.started
-        return self.current is None and now - last > self.dead_after
+        silent = now - (max(heard) if heard else self.started)
+        if all(self.refused):
+            return silent > min(self.server_timeout, self.dead_after)
+        return silent > self.dead_after
+
+
+class WriteLink:
+    """The sockets of a write-only client and what moves on them; one thread's.
+
+    A SUB (HUGZ only) and a DEALER per server, made by the thread that uses
+    them, in the process that uses them: a ZeroMQ socket must not be shared
+    between threads, and neither a socket nor its context may cross a fork
+    (Spark's Python workers are forked).  :meth:`send` queues or sends a
+    ``set`` call, :meth:`handle` reads what the poll found and :meth:`tick`
+    judges overdue writes; each returns the writes it settled, as ``(uuid,
+    sequence or exception)``.  The decisions are :class:`WriteRouter`'s.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        endpoints: Sequence[tuple[str, int]],
+        router: WriteRouter,
+        *,
+        curve: tuple[KeyPair, bytes] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.router = router
+        self._clock = clock
+        self._hosts = [(host.removeprefix("tcp://"), base + SNAPSHOT_OFFSET)
+                       for host, base in endpoints]  # fmt: skip
+        self._next_probe = 0.0
+        self.poller = zmq.Poller()
+        self.pending: dict[bytes, _Pending] = {}
+        self._subs: list[zmq.Socket[bytes]] = []
+        self._dealers: list[zmq.Socket[bytes]] = []
+        self._index: dict[zmq.Socket[bytes], int] = {}
+        for index, (host, base) in enumerate(endpoints):
+            sub = ctx.socket(zmq.SUB)
+            dealer = ctx.socket(zmq.DEALER)
+            for sock in (sub, dealer):
+                sock.linger = 0
+                if curve is not None:
+                    configure_client_socket(sock, *curve)
+                self._index[sock] = index
+                self.poller.register(sock, zmq.POLLIN)
+            sub.setsockopt(zmq.SUBSCRIBE, HUGZ)
+            sub.connect(f"{host}:{base + PUBLISHER_OFFSET}")
+            dealer.connect(f"{host}:{base + SNAPSHOT_OFFSET}")
+            self._subs.append(sub)
+            self._dealers.append(dealer)
+
+    def send(self, uuid: bytes, frames: list[bytes], deadline: float) -> None:
+        """Send a call now if a server is active, else when one is."""
+        self.pending[uuid] = _Pending(frames, deadline)
+        self._send(uuid)
+
+    def handle(self, events: dict[zmq.Socket[bytes], int]) -> list[_Settled]:
+        """Read every message waiting on the sockets ``events`` names."""
+        settled: list[_Settled] = []
+        for sock in self._subs:
+            if sock in events:
+                self._read_hugz(sock)
+        for sock in self._dealers:
+            if sock in events:
+                index = self._index[sock]
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    self._on_reply(index, frames, settled)
+        return settled
+
+    def tick(self) -> list[_Settled]:
+        """Forget a silent server, fail overdue writes (or all, when the pair
+        is dead), send what waits for the current server."""
+        now = self._clock()
+        router = self.router
+        router.tick(now)
+        pending = self.pending
+        if router.current is None and now >= self._next_probe:
+            self._next_probe = now + _PROBE_EVERY_S
+            self._probe()
+        if router.dead(now):
+            if all(router.refused):
+                why = NotActive(
+                    f"no Clone server sent a heartbeat for "
+                    f"{min(router.server_timeout, router.dead_after):g}s, "
+                    "and every one refused a connection"
+                )
+            else:
+                why = NotActive(f"no Clone server sent a heartbeat for {router.dead_after:g}s")
+            return self.fail_all(why)
+        settled: list[_Settled] = []
+        for uuid, entry in list(pending.items()):
+            if now >= entry.deadline:
+                del pending[uuid]
+                settled.append((uuid, ConfirmTimeout("write not confirmed in time")))
+            elif entry.sent_to is None or entry.sent_to != router.current:
+                self._send(uuid)
+        return settled
+
+    def _probe(self) -> None:
+        """No server is active: try a TCP connection to each, to tell a dead
+        pair (refused at once) from a slow one."""
+        for index, (host, port) in enumerate(self._hosts):
+            try:
+                socket.create_connection((host.strip("[]"), port), timeout=_PROBE_TIMEOUT_S).close()
+            except ConnectionRefusedError:
+                self.router.probed(index, refused=True)
+            except OSError:  # a timeout, no route: not a certainty
+                self.router.probed(index, refused=False)
+            else:
+                self.router.probed(index, refused=False)
+
+    def fail_all(self, exc: BaseException) -> list[_Settled]:
+        settled: list[_Settled] = [(uuid, exc) for uuid in self.pending]
+        self.pending.clear()
+        return settled
+
+    def close(self) -> None:
+        for sock in (*self._subs, *self._dealers):
+            sock.close(linger=0)
+
+    def _read_hugz(self, sock: zmq.Socket[bytes]) -> None:
+        index = self._index[sock]
+        while True:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if frames[0] == HUGZ and self.router.heard(index, self._clock()):
+                log.debug("writing to server %d", index)
+                for uuid in list(self.pending):  # resent with the same uuid
+                    self._send(uuid)
+
+    def _send(self, uuid: bytes) -> None:
+        current = self.router.current
+        entry = self.pending.get(uuid)
+        if current is None or entry is None:
+            return
+        try:
+            self._dealers[current].send_multipart(entry.frames, zmq.NOBLOCK)
+        except zmq.Again:
+            return  # queue full: sent again by the next tick
+        entry.sent_to = current
+
+    def _on_reply(self, index: int, frames: list[bytes], settled: list[_Settled]) -> None:
+        pending = self.pending
+        if len(frames) == 4 and frames[3] == _OK_PROPERTIES and frames[0] == REPLY:
+            # The common answer, without building a Reply (a bulk load's hot path).
+            uuid = frames[1]
+            if pending.pop(uuid, None) is not None and len(frames[2]) == 8:
+                settled.append((uuid, int.from_bytes(frames[2], "big")))
+            return
+        try:
+            reply = decode_reply(frames)
+        except CloneError as exc:
+            log.warning("server %d sent a bad reply: %s", index, exc)
+            return
+        if reply.uuid not in pending:
+            return  # answered already (a retry's second reply)
+        if reply.ok:
+            del pending[reply.uuid]
+            settled.append((reply.uuid, reply.sequence))
+        elif reply.reason == "not-active":
+            pending[reply.uuid].sent_to = None
+            self.router.not_active(index)
+        else:
+            del pending[reply.uuid]
+            settled.append((reply.uuid, CloneError(f"refused ({reply.reason}): {reply.detail}")))
+
+
+def set_frames(key: str, value: bytes | str, ttl: float = 0.0) -> tuple[bytes, list[bytes]]:
+    """A ``set`` call's uuid and frames, the value and key checked as the
+    server will (ValueError for an empty value: it would delete the key)."""
+    body = value.encode("utf-8") if isinstance(value, str) else bytes(value)
+    if not body:
+        raise ValueError("an empty value would delete the key")
+    raw = key.encode("utf-8")
+    validate_key(raw)
+    props = _encode_ttl(ttl) if ttl else b""
+    uuid = new_uuid()
+    return uuid, [CALL, _OP_SET, uuid, raw, props, body]
+
+
+def _encode_ttl(ttl: float) -> bytes:
+    return encode_properties(((TTL_PROPERTY, repr(float(ttl))),))
+
+
+class BulkWriter:
+    """Pipelined ``set`` calls from the caller's own thread: no I/O thread,
+    no futures (a bulk load's hot path: :mod:`clone.pipeline.writer`).
+
+    :meth:`submit` sends a write and returns its uuid; :meth:`poll` waits up
+    to ``timeout`` for answers and returns the writes settled, as ``(uuid,
+    sequence or exception)`` (:class:`~clone.errors.ConfirmTimeout`,
+    :class:`~clone.errors.NotActive` when the pair is dead, a refusal).  The
+    same failover rules as :class:`WriteOnlyClone` (same uuid to the next
+    active server).  Make it in the thread and process that use it.
+    """
+
+    def __init__(
+        self,
+        servers: Sequence[str],
+        *,
+        curve: tuple[KeyPair, bytes] | None = None,
+        server_timeout: float = 2.5,
+        confirm_timeout: float = 30.0,
+        dead_after: float = 10.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if not servers:
+            raise ValueError("no servers given")
+        endpoints = [split_endpoint(normalize_endpoint(s)) for s in servers]
+        self.confirm_timeout = confirm_timeout
+        self._clock = clock
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        router = WriteRouter(len(servers), server_timeout, dead_after, clock())
+        self._link = WriteLink(self._ctx, endpoints, router, curve=curve, clock=clock)
+        self._next_tick = clock() + _TICK_S
+        self._closed = False
+
+    @property
+    def outstanding(self) -> int:
+        """Writes sent (or waiting for an active server) and not yet settled."""
+        return len(self._link.pending)
+
+    def wait_synced(self, timeout: float = 10.0) -> None:
+        """Wait until a server has sent HUGZ (NotSynced after ``timeout``)."""
+        deadline = self._clock() + timeout
+        link = self._link
+        while link.router.current is None:
+            left = deadline - self._clock()
+            if left <= 0:
+                raise NotSynced(f"no active Clone server sent a heartbeat in {timeout:g}s")
+            link.handle(dict(link.poller.poll(max(1, int(min(left, _TICK_S) * 1000)))))
+            link.tick()
+            if link.router.dead(self._clock()):
+                raise NotSynced("no Clone server accepts connections (the pair is down)")
+
+    def submit(self, key: str, value: bytes | str, ttl: float = 0.0) -> bytes:
+        """Send a write (or hold it until a server is active); its uuid."""
+        if self._closed:
+            raise ClosedError("this bulk writer is closed")
+        uuid, frames = set_frames(key, value, ttl)
+        self._link.send(uuid, frames, self._clock() + self.confirm_timeout)
+        return uuid
+
+    def poll(self, timeout: float) -> list[_Settled]:
+        """Wait up to ``timeout`` s for answers; the writes settled meanwhile."""
+        link = self._link
+        wait = max(0, min(int(timeout * 1000), int(_TICK_S * 1000)))
+        settled = link.handle(dict(link.poller.poll(wait)))
+        now = self._clock()
+        if now >= self._next_tick:
+            self._next_tick = now + _TICK_S
+            settled.extend(link.tick())
+        return settled
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._link.close()
+        self._ctx.term()
 
 
 class WriteOnlyClone:
@@ -115,7 +405,7 @@ class WriteOnlyClone:
 
     The subset of :class:`clone.Clone` a loader needs: :meth:`wait_synced`
     (here: wait until an active server is known), :meth:`set_async` and
-    :meth:`close`.
+    :meth:`close`.  Its I/O thread drives a :class:`WriteLink`.
     """
 
     def __init__(
@@ -161,21 +451,14 @@ class WriteOnlyClone:
         self, key: str, value: bytes | str, ttl: float = 0.0, *, timeout: float | None = None
     ) -> Future[int]:
         """Send a write; the future gets its sequence, or the error."""
-        body = value.encode("utf-8") if isinstance(value, str) else bytes(value)
-        if not body:
-            raise ValueError("an empty value would delete the key")
-        validate_key(key.encode("utf-8"))
-        props = ((TTL_PROPERTY, repr(float(ttl))),) if ttl else ()
-        uuid = new_uuid()
+        uuid, frames = set_frames(key, value, ttl)
         limit = self.confirm_timeout if timeout is None else timeout
         fut: Future[int] = Future()
         with self._lock:
             if self._closed:
                 raise ClosedError("this write-only client is closed")
             self._futures[uuid] = fut
-            self._pipe.send_multipart(
-                [_WRITE, repr(limit).encode(), *encode_call(OP_SET, uuid, key, props, body)]
-            )
+            self._pipe.send_multipart([_WRITE, repr(limit).encode(), *frames])
         return fut
 
     def close(self) -> None:
@@ -197,122 +480,50 @@ class WriteOnlyClone:
 
     # -- the I/O thread ---------------------------------------------------
 
-    def _settle(self, uuid: bytes, result: int | BaseException) -> None:
-        with self._lock:
-            fut = self._futures.pop(uuid, None)
-        if fut is None:
-            return
-        if isinstance(result, BaseException):
-            fut.set_exception(result)
-        else:
-            fut.set_result(result)
+    def _settle(self, settled: list[_Settled]) -> None:
+        for uuid, result in settled:
+            with self._lock:
+                fut = self._futures.pop(uuid, None)
+            if fut is None:
+                continue
+            if isinstance(result, BaseException):
+                fut.set_exception(result)
+            else:
+                fut.set_result(result)
 
     def _run(self, address: str) -> None:
         pipe = self._ctx.socket(zmq.PAIR)
         pipe.linger = 0
         pipe.connect(address)
-        subs, dealers = [], []
-        poller = zmq.Poller()
-        poller.register(pipe, zmq.POLLIN)
-        for host, base in self._endpoints:
-            sub = self._ctx.socket(zmq.SUB)
-            dealer = self._ctx.socket(zmq.DEALER)
-            for sock in (sub, dealer):
-                sock.linger = 0
-                if self._curve is not None:
-                    configure_client_socket(sock, *self._curve)
-            sub.setsockopt(zmq.SUBSCRIBE, HUGZ)
-            sub.connect(f"{host}:{base + PUBLISHER_OFFSET}")
-            dealer.connect(f"{host}:{base + SNAPSHOT_OFFSET}")
-            poller.register(sub, zmq.POLLIN)
-            poller.register(dealer, zmq.POLLIN)
-            subs.append(sub)
-            dealers.append(dealer)
-        pending: dict[bytes, _Pending] = {}
-        router = self._router
+        link = WriteLink(self._ctx, self._endpoints, self._router, curve=self._curve,
+                         clock=self._clock)  # fmt: skip
+        link.poller.register(pipe, zmq.POLLIN)
         try:
             while True:
-                for sock, _ in poller.poll(int(_TICK_S * 1000)):
-                    if sock is pipe:
-                        frames = pipe.recv_multipart()
-                        if frames[0] == _STOP:
-                            for uuid in list(pending):
-                                self._settle(uuid, ClosedError("the client was closed"))
-                            return
-                        limit = float(frames[1])
-                        call = frames[2:]
-                        pending[call[2]] = _Pending(call, self._clock() + limit)
-                        self._send(dealers, pending, call[2])
-                    elif sock in subs:
-                        index = subs.index(sock)
-                        if sock.recv_multipart()[0] == HUGZ and router.heard(index, self._clock()):
-                            log.debug("writing to server %d", index)
-                            self._active.set()
-                            for uuid in list(pending):  # resent with the same uuid
-                                self._send(dealers, pending, uuid)
-                    else:
-                        self._on_reply(dealers.index(sock), sock.recv_multipart(), pending)
-                self._tick(dealers, pending)
+                events = dict(link.poller.poll(int(_TICK_S * 1000)))
+                if pipe in events:
+                    frames = pipe.recv_multipart()
+                    if frames[0] == _STOP:
+                        self._settle(link.fail_all(ClosedError("the client was closed")))
+                        return
+                    call = frames[2:]
+                    link.send(call[2], call, self._clock() + float(frames[1]))
+                self._settle(link.handle(events))
+                if self._router.current is not None:
+                    self._active.set()
+                self._settle(link.tick())
+                if self._router.current is None:
+                    self._active.clear()
         except Exception as exc:  # a bug: no future may wait forever for this thread
             log.exception("the write-only client's thread failed")
             with self._lock:
                 self._closed = True
                 waiting = list(self._futures)
-            for uuid in waiting:
-                self._settle(uuid, CloneError(f"the write-only client failed: {exc}"))
+            self._settle([(uuid, CloneError(f"the write-only client failed: {exc}"))
+                          for uuid in waiting])  # fmt: skip
         finally:
-            for sock in (pipe, *subs, *dealers):
-                sock.close(linger=0)
-
-    def _send(self, dealers: list[zmq.Socket[bytes]], pending: dict[bytes, _Pending],
-              uuid: bytes) -> None:  # fmt: skip
-        current = self._router.current
-        entry = pending.get(uuid)
-        if current is None or entry is None:
-            return
-        try:
-            dealers[current].send_multipart(entry.frames, zmq.NOBLOCK)
-        except zmq.Again:
-            return  # queue full: sent again by the next tick
-        entry.sent_to = current
-
-    def _on_reply(self, index: int, frames: list[bytes], pending: dict[bytes, _Pending]) -> None:
-        try:
-            reply = decode_reply(frames)
-        except CloneError as exc:
-            log.warning("server %d sent a bad reply: %s", index, exc)
-            return
-        if reply.uuid not in pending:
-            return  # answered already (a retry's second reply)
-        if reply.ok:
-            del pending[reply.uuid]
-            self._settle(reply.uuid, reply.sequence)
-        elif reply.reason == "not-active":
-            pending[reply.uuid].sent_to = None
-            self._router.not_active(index)
-        else:
-            del pending[reply.uuid]
-            self._settle(reply.uuid, CloneError(f"refused ({reply.reason}): {reply.detail}"))
-
-    def _tick(self, dealers: list[zmq.Socket[bytes]], pending: dict[bytes, _Pending]) -> None:
-        now = self._clock()
-        router = self._router
-        router.tick(now)
-        if router.current is None:
-            self._active.clear()
-        if router.dead(now):
-            for uuid in list(pending):
-                del pending[uuid]
-                self._settle(uuid, NotActive(
-                    f"no Clone server sent a heartbeat for {router.dead_after:g}s"
-                ))  # fmt: skip
-            return
-        for uuid, entry in list(pending.items()):
-            if now >= entry.deadline:
-                del pending[uuid]
-                self._settle(uuid, ConfirmTimeout("write not confirmed in time"))
-            elif entry.sent_to is None or entry.sent_to != router.current:
-                self._send(dealers, pending, uuid)
+            pipe.close(linger=0)
+            link.close()
 
 
 _pipes = itertools.count()

@@ -36,6 +36,35 @@ ROOT = Path(__file__).resolve().parents[2]
 log = logging.getLogger(__name__)
 
 
+def _cpu_seconds(pids: set[int], *, tree: bool = False) -> float:
+    """User + system CPU seconds of ``pids`` (and, with ``tree``, of all their
+    descendants, with the children they reaped), from /proc; 0 where unreadable.
+
+    On a machine shared with other work, wall-clock rates say little; the CPU
+    a load costs per row says what an idle machine of as many cores could do.
+    """
+    stats: dict[int, tuple[int, float]] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        cpu = sum(int(f) for f in fields[11:15]) / tick  # utime stime cutime cstime
+        stats[int(entry)] = (int(fields[1]), cpu)
+    chosen = set(pids)
+    if tree:
+        grew = True
+        while grew:
+            more = {pid for pid, (ppid, _) in stats.items() if ppid in chosen} - chosen
+            chosen |= more
+            grew = bool(more)
+    return sum(stats[pid][1] for pid in chosen if pid in stats)
+
+
 def _make_table(path: Path, rows: int, value_bytes: int) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -59,7 +88,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--value-bytes", type=int, default=100)
-    parser.add_argument("--max-in-flight", type=int, default=64)
+    parser.add_argument("--max-in-flight", type=int, default=256)
     parser.add_argument("--master", default="local[2]")
     parser.add_argument("--output", default="results/bench_pipeline.json")
     args = parser.parse_args()
@@ -115,11 +144,23 @@ def main() -> int:
                 table = Path(tmp) / f"t{rows}.parquet"
                 _make_table(table, rows, args.value_bytes)
                 before, sizes = stats(), log_sizes()
+                load_avg = os.getloadavg()[0]
+                server_cpu = _cpu_seconds({p.pid for p in procs})
+                spark_cpu = _cpu_seconds({os.getpid()}, tree=True) - _cpu_seconds(
+                    {p.pid for p in procs}, tree=True
+                )
                 load = jobs.load_table(
                     spark, servers, str(table), max_in_flight=args.max_in_flight,
                     rejects=os.path.join(tmp, "rejects"),
                 )  # fmt: skip
                 after = stats()
+                server_cpu = _cpu_seconds({p.pid for p in procs}) - server_cpu
+                spark_cpu = (
+                    _cpu_seconds({os.getpid()}, tree=True)
+                    - _cpu_seconds({p.pid for p in procs}, tree=True)
+                    - spark_cpu
+                )
+                load_avg_after = os.getloadavg()[0]
                 started = time.monotonic()
                 meta = jobs.export_snapshot(spark, servers, os.path.join(tmp, f"export{rows}"),
                                             subtree=f"/bench/{rows}/")  # fmt: skip
@@ -140,6 +181,11 @@ def main() -> int:
                     "load_rows_per_s": round(load.written / load.write_seconds),
                     "load_rows_per_s_end_to_end": round(load.written / load.seconds),
                     "load_partitions": load.partitions,
+                    "load_average_before_after": [round(load_avg, 1), round(load_avg_after, 1)],
+                    # CPU per row written: the two servers, and this process
+                    # with Spark's JVM and Python workers (the writers).
+                    "load_cpu_us_per_row_servers": round(server_cpu * 1e6 / load.written),
+                    "load_cpu_us_per_row_spark": round(spark_cpu * 1e6 / load.written),
                     "failovers": sum(
                         int(str(a.get("failovers") or 0)) - int(str(b.get("failovers") or 0))
                         for a, b in zip(after, before, strict=True)

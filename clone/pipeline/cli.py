@@ -115,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     load.add_argument(
         "--max-in-flight",
         type=positive_int,
-        default=64,
-        help="unconfirmed writes per partition (default 64)",
+        default=256,
+        help="unconfirmed writes per partition (default 256)",
     )
     load.add_argument(
         "--confirm-timeout",
@@ -327,6 +327,11 @@ def _audit(args: argparse.Namespace) -> int:
     if diff is not None:
         print("diff:    " + ", ".join(f"{result.diff.get(k, 0)} {k}"
                                        for k in ("added", "removed", "changed")))  # fmt: skip
+    if result.slowest is not None:
+        name, secs = result.slowest
+        total = sum(t for _, t in result.stages)
+        print(f"time:    {total:.1f} s; slowest stage {name}, {secs:.1f} s ("
+              + ", ".join(f"{n} {t:.1f}" for n, t in result.stages) + ")")  # fmt: skip
     print(f"report:  {result.markdown}")
     return EXIT_OK
 

@@ -11,7 +11,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -116,9 +116,10 @@ def _write_manifest(
     os.replace(tmp, path)
 
 
-def _resume_from(path: str, source: str, rows: int) -> tuple[int, dict[int, str]]:
+def _resume_from(path: str, source: str, rows: int | None) -> tuple[int, dict[int, str]]:
     """(partitions, confirmed-through key per partition) of a manifest that
-    matches this input; an :class:`InputError` saying why not otherwise."""
+    matches this input (and its ``rows`` to write, unless None: not counted
+    yet); an :class:`InputError` saying why not otherwise."""
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
@@ -131,7 +132,7 @@ def _resume_from(path: str, source: str, rows: int) -> tuple[int, dict[int, str]
         raise InputError(f"manifest {path} does not exist") from None
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         raise InputError(f"manifest {path} is not a load manifest: {exc}") from None
-    if expected != (os.path.abspath(source), rows):
+    if expected != (os.path.abspath(source), expected[1] if rows is None else rows):
         raise InputError(
             f"manifest {path} is for {expected[0]} with {expected[1]} rows to write, "
             f"not {os.path.abspath(source)} with {rows}"
@@ -141,11 +142,14 @@ def _resume_from(path: str, source: str, rows: int) -> tuple[int, dict[int, str]
     return partitions, through
 
 
-def _write_partitions(rows: int, parallelism: int) -> int:
-    """Partitions to write with: every core busy, and (for progress lines and
-    retries) no more than ~100k rows each, but each partition opens a client
-    that syncs the subtree first, so never many more than the cores."""
-    return max(1, min(max(parallelism, -(-rows // 100_000)), parallelism * 4))
+def _write_partitions(parallelism: int) -> int:
+    """Partitions to write with: four per core, so every core stays busy
+    while a partition ends.  Chosen before the rows are counted: the input is
+    partitioned by key once, before validation, and the validation's window
+    (duplicate keys) and the writers use that same partitioning, so the rows
+    are shuffled once, not twice (a partition's client costs one heartbeat
+    to open: it copies nothing)."""
+    return max(1, parallelism * 4)
 
 
 def load_table(
@@ -156,7 +160,7 @@ def load_table(
     fmt: str = "parquet",
     columns: LoadColumns | None = None,
     rejects: str | None = None,
-    max_in_flight: int = 64,
+    max_in_flight: int = 256,
     confirm_timeout: float = 30.0,
     heartbeat: float = 1.0,
     curve_files: tuple[str | None, str | None] = (None, None),
@@ -192,6 +196,18 @@ def load_table(
     started = time.monotonic()
     curve = curve_keys(*curve_files)
     df = read_table(spark, path, fmt)
+    through: dict[int, str] = {}
+    if resume is not None:
+        partitions, through = _resume_from(resume, path, None)
+    else:
+        partitions = _write_partitions(spark.sparkContext.defaultParallelism)
+    if cols.key in df.columns:  # else with_reject_reason says it is missing
+        # By key into partitions, in key order within each (below): the same
+        # rows go to the same partition in the same order on a rerun, so
+        # "every row up to key K of partition P is confirmed" is all a
+        # manifest needs to say.  Done before validation, whose window by key
+        # then needs no shuffle of its own.
+        df = df.repartition(partitions, F.col(cols.key))
     checked = with_reject_reason(df, cols)
     active = find_active(servers, timeout=max(1.0, 3 * heartbeat), curve=curve)
     log.info("active server: %s", active)
@@ -220,11 +236,8 @@ def load_table(
             rejected_rows(checked).write.mode("overwrite").json(rejects_path)
             log.info("%d rejected rows written to %s", rejected, rejects_path)
 
-        parallelism = spark.sparkContext.defaultParallelism
-        partitions = _write_partitions(to_write, parallelism)
-        through: dict[int, str] = {}
         if resume is not None:
-            partitions, through = _resume_from(resume, path, to_write)
+            _resume_from(resume, path, to_write)
         config = WriterConfig(
             servers=tuple(servers),
             subtree=cols.subtree or None,
@@ -236,12 +249,9 @@ def load_table(
             resume=tuple(sorted(through.items())),
         )
         log.info("writing %d rows in %d partitions", to_write, partitions)
-        # By key into partitions, in key order within each: the same rows go to
-        # the same partition in the same order on a rerun, so "every row up to
-        # key K of partition P is confirmed" is all a manifest needs to say.
-        records = (
-            write_records(checked).repartition(partitions, "key").sortWithinPartitions("key")
-        )
+        # Partitioned by key above; the sort is the window's already (Spark
+        # drops it when the plan shows that), asked for here all the same.
+        records = write_records(checked).sortWithinPartitions("key")
         write_started = time.monotonic()
         with stage_progress(spark, f"load {to_write:,} rows"):
             results = records.mapInArrow(arrow_partition_writer(config), RESULT_SCHEMA).collect()
@@ -511,6 +521,30 @@ class AuditResult:
     #: only they are in ``rates/``.
     timed: int = 0
     rate_window: float = 60.0
+    #: Seconds each stage took, in order (``bounds``: the refusal decided from
+    #: the inputs' bounds; ``read``: the updates read, deduplicated, cached
+    #: and counted; then each table written, and the report).
+    stages: list[tuple[str, float]] = field(default_factory=list)
+
+    @property
+    def slowest(self) -> tuple[str, float] | None:
+        """The stage that took longest."""
+        return max(self.stages, key=lambda stage: stage[1]) if self.stages else None
+
+
+class _Stopwatch:
+    """Times an audit's stages one after the other (Spark is lazy: a stage's
+    time is the work its own actions set off)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._since = clock()
+        self.stages: list[tuple[str, float]] = []
+
+    def done(self, name: str) -> None:
+        now = self._clock()
+        self.stages.append((name, round(now - self._since, 3)))
+        self._since = now
 
 
 def _audit_inputs(spark: SparkSession, paths: Sequence[str]) -> tuple[Any, Any, list[Any]]:
@@ -596,9 +630,11 @@ def audit(
 
     # Refuse first: what can be rebuilt follows from the inputs' bounds, read
     # without a single update or key; only then is anything read in bulk.
+    watch = _Stopwatch()
     cov = A.coverage([_audit_span(path) for path in inputs])
     for seq in ([] if at is None else [at]) + ([] if diff is None else list(diff)):
         A.plan_state(cov, seq)
+    watch.done("bounds")
     raw, states, spans = _audit_inputs(spark, inputs)
     cov = A.coverage(spans)
     updates = A.distinct_updates(raw).persist(StorageLevel.MEMORY_AND_DISK)
@@ -624,6 +660,7 @@ def audit(
         os.makedirs(output, exist_ok=True)
         notes: list[str] = []
         result = AuditResult(out("report.md"), out("report.png"), cov.describe(), updates.count())
+        watch.done("read")
         # The state at --at, else at the newest sequence held if it can be.
         target = cov.last if at is None else at
         try:
@@ -636,17 +673,21 @@ def audit(
             snapshot.orderBy("key").write.mode("overwrite").parquet(out("state_at"))
             result.state_at = target
             result.state_keys = spark.read.parquet(out("state_at")).count()
+        watch.done("state_at")
         A.key_changes(updates).orderBy("seq").write.mode("overwrite").parquet(out("changes"))
+        watch.done("changes")
         result.rate_window = rate_window
         result.timed = updates.filter(updates["at"].isNotNull()).count()
         A.prefix_write_rates(updates, depth, rate_window).write.mode("overwrite").parquet(
             out("rates")
         )
         rate_rows = [r.asDict() for r in spark.read.parquet(out("rates")).collect()]
+        watch.done("rates")
         A.prefix_writes_per_block(updates, depth, bucket).write.mode("overwrite").parquet(
             out("blocks")
         )
         block_rows = [r.asDict() for r in spark.read.parquet(out("blocks")).collect()]
+        watch.done("blocks")
         if diff is not None:
             lo, hi = diff
             A.state_diff(state(lo), state(hi)).orderBy("key").write.mode("overwrite").parquet(
@@ -654,10 +695,13 @@ def audit(
             )
             counts = spark.read.parquet(out("diff")).groupBy("status").count().collect()
             result.diff = {str(r["status"]): int(r["count"]) for r in counts}
+            watch.done("diff")
     finally:
         updates.unpersist()
     result.notes = notes
     report.render_audit_plot(rate_rows, block_rows, depth, bucket, rate_window, result.plot)
+    watch.done("report")
+    result.stages = watch.stages
     with open(result.markdown, "w", encoding="utf-8") as fh:
         fh.write(
             report.render_audit_markdown(result, spans, rate_rows, block_rows, depth, bucket, diff)

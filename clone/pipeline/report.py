@@ -478,4 +478,11 @@ def render_audit_markdown(
         lines += [f"## Differences between {diff[0]} and {diff[1]}", ""]
         counts = [[k, result.diff.get(k, 0)] for k in ("added", "removed", "changed")]
         lines += [tabulate(counts, ["status", "keys"], "github"), "", "Keys in `diff/`.", ""]
+    stages = list(getattr(result, "stages", []))
+    if stages:
+        lines += ["## Time", ""]
+        lines += [tabulate([[name, f"{secs:.1f}"] for name, secs in stages],
+                           ["stage", "seconds"], "github"), ""]  # fmt: skip
+        name, secs = max(stages, key=lambda stage: stage[1])
+        lines += [f"Slowest stage: {name} ({secs:.1f} s of {sum(t for _, t in stages):.1f} s).", ""]
     return "\n".join(lines).rstrip() + "\n"

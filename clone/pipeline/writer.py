@@ -27,11 +27,9 @@ it with a fake client); :func:`arrow_partition_writer` adapts it to Spark's
 from __future__ import annotations
 
 import logging
-import queue
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -61,13 +59,16 @@ Row = tuple[str, bytes, float]
 
 
 class ClientLike(Protocol):
-    """What the writer needs of :class:`clone.Clone`."""
+    """What the writer needs of :class:`clone.client.writeonly.BulkWriter`."""
+
+    @property
+    def outstanding(self) -> int: ...  # writes sent and not yet settled
 
     def wait_synced(self, timeout: float = ...) -> None: ...
 
-    def set_async(
-        self, key: str, value: bytes | str, ttl: float = ..., *, timeout: float | None = ...
-    ) -> Future[Any]: ...  # resolves to the sequence (unused here)
+    def submit(self, key: str, value: bytes | str, ttl: float = ...) -> bytes: ...
+
+    def poll(self, timeout: float) -> list[tuple[bytes, int | BaseException]]: ...
 
     def close(self) -> None: ...
 
@@ -80,7 +81,9 @@ class WriterConfig:
     #: The load's --subtree (the write-only client subscribes to HUGZ only:
     #: the keys were checked against it when the rows were validated).
     subtree: str | None = None
-    max_in_flight: int = 64
+    #: 256: a quarter less server CPU per row than 64 (bigger turns, fewer
+    #: commits per row); measured in docs/benchmarks.md.
+    max_in_flight: int = 256
     confirm_timeout: float = 30.0
     attempts: int = 3
     max_failures: int = 10
@@ -151,10 +154,10 @@ class PartitionResult:
 
 def _default_client(config: WriterConfig) -> ClientLike:
     from clone.client.frontend import load_curve_keys
-    from clone.client.writeonly import WriteOnlyClone
+    from clone.client.writeonly import BulkWriter
 
     curve_secret, server_key = executor_curve_files(config)
-    return WriteOnlyClone(
+    return BulkWriter(
         list(config.servers),
         curve=load_curve_keys(curve_secret, server_key),
         # At least half a second of silence before failing over: with a fast
@@ -175,19 +178,19 @@ class _Slot:
         self.done = False
 
 
-_Done = tuple["Future[None]", Row, int, _Slot]
+#: How long one wait for answers lasts before the loop looks again.
+_POLL_S = 1.0
 
 
 class _Window:
-    """At most ``size`` confirmed writes outstanding; results come back on a queue."""
+    """At most ``max_in_flight`` writes outstanding, settled as answers come."""
 
     def __init__(self, client: ClientLike, config: WriterConfig, result: PartitionResult) -> None:
         self._client = client
         self._config = config
         self._result = result
-        self._done: queue.SimpleQueue[_Done] = queue.SimpleQueue()
+        self._writes: dict[bytes, tuple[Row, int, _Slot]] = {}
         self._order: deque[_Slot] = deque()
-        self.outstanding = 0
 
     def submit(self, row: Row, attempt: int = 1, slot: _Slot | None = None) -> None:
         key, value, ttl = row
@@ -195,41 +198,42 @@ class _Window:
             slot = _Slot(key)
             self._order.append(slot)
         try:
-            fut = self._client.set_async(key, value, ttl, timeout=self._config.confirm_timeout)
+            uuid = self._client.submit(key, value, ttl)
         except (CloneError, ValueError, TypeError) as exc:  # closed client, bad row
             self._fail(key, exc)
             return
-        self.outstanding += 1
-        fut.add_done_callback(lambda f: self._done.put((f, row, attempt, slot)))
+        self._writes[uuid] = (row, attempt, slot)
 
     def wait_for_room(self) -> None:
-        while self.outstanding >= self._config.max_in_flight:
-            self._settle(self._done.get())
-        while not self._done.empty():
-            self._settle(self._done.get_nowait())
+        while self._client.outstanding >= self._config.max_in_flight:
+            self._settle(self._client.poll(_POLL_S))
 
     def drain(self) -> None:
-        while self.outstanding:
-            self._settle(self._done.get())
+        while self._writes:
+            self._settle(self._client.poll(_POLL_S))
 
-    def _settle(self, item: _Done) -> None:
-        fut, row, attempt, slot = item
-        self.outstanding -= 1
-        exc = fut.exception()
-        if exc is None:
-            self._result.written += 1
-            slot.done = True
-            while self._order and self._order[0].done:  # rows confirmed in order so far
-                self._result.confirmed_through = self._order.popleft().key
-            return
-        key = row[0]
-        config = self._config
-        if isinstance(exc, ConfirmTimeout) and attempt < config.attempts:
-            log.warning("write %d/%d of %r not confirmed: %s", attempt, config.attempts, key, exc)
-            self._result.retries += 1
-            self.submit(row, attempt + 1, slot)  # a fresh uuid: a new write, not a resend
-            return
-        self._fail(key, exc)
+    def _settle(self, settled: list[tuple[bytes, int | BaseException]]) -> None:
+        result = self._result
+        for uuid, outcome in settled:
+            entry = self._writes.pop(uuid, None)
+            if entry is None:
+                continue
+            row, attempt, slot = entry
+            if not isinstance(outcome, BaseException):
+                result.written += 1
+                slot.done = True
+                continue
+            config = self._config
+            if isinstance(outcome, ConfirmTimeout) and attempt < config.attempts:
+                log.warning("write %d/%d of %r not confirmed: %s",
+                            attempt, config.attempts, row[0], outcome)  # fmt: skip
+                result.retries += 1
+                self.submit(row, attempt + 1, slot)  # a fresh uuid: a new write, not a resend
+                continue
+            self._fail(row[0], outcome)
+        order = self._order
+        while order and order[0].done:  # rows confirmed in order so far
+            result.confirmed_through = order.popleft().key
 
     def _fail(self, key: str, exc: BaseException) -> None:
         self._result.failed += 1
@@ -244,7 +248,8 @@ def write_partition(
     clock: Callable[[], float] = time.monotonic,
 ) -> PartitionResult:
     """Write ``(key, value, ttl)`` rows with confirmation; never raises for a
-    failed write (it is counted, with the first error kept)."""
+    failed write (it is counted, with the first error kept).  The client is
+    made here, in the thread (and forked worker process) that uses it."""
     result = PartitionResult(partition)
     started = clock()
     try:

@@ -35,6 +35,7 @@ __all__ = [
     "cap_message_size",
     "recv_frames",
     "recv_frames_and_first",
+    "recv_zero_copy",
     "send_frames",
     "send_tracked",
 ]
@@ -99,6 +100,18 @@ def recv_frames_and_first(
         if len(parts) < MAX_FRAMES:
             parts.append(frame.bytes)
     return first, parts
+
+
+def recv_zero_copy(sock: zmq.Socket[Any], flags: int = NOBLOCK) -> list[zmq.Frame]:
+    """``recv_multipart(flags, copy=False)`` without its ``RCVMORE`` option
+    read per frame (each an enum conversion in pyzmq): the frame says whether
+    more follow.  Every frame is kept, as recv_multipart keeps them."""
+    frame = _raw_recv(sock, flags, False)
+    parts = [frame]
+    while frame.more:
+        frame = _raw_recv(sock, flags, False)
+        parts.append(frame)
+    return parts
 
 
 def recv_frames(sock: zmq.Socket[Any], flags: int = NOBLOCK) -> list[bytes]:

@@ -57,3 +57,26 @@ def test_no_server_at_all_fails_every_write_after_dead_after() -> None:
     finally:
         client.close()
     client.close()
+
+
+def test_every_server_refusing_is_dead_after_server_timeout() -> None:
+    router = WriteRouter(2, server_timeout=1.0, dead_after=10.0, started=0.0)
+    router.probed(0, refused=True)
+    assert not router.dead(2.0)  # server 1 may still be slow, not gone
+    router.probed(1, refused=True)
+    assert not router.dead(0.9)
+    assert router.dead(1.1)  # both refuse: no process listens; no need to wait 10 s
+
+
+def test_a_heartbeat_or_an_accepted_connection_clears_a_refusal() -> None:
+    router = WriteRouter(2, server_timeout=1.0, dead_after=10.0, started=0.0)
+    router.probed(0, refused=True)
+    router.probed(1, refused=True)
+    router.probed(1, refused=False)  # listening (maybe slow): silence rules again
+    assert not router.dead(5.0)
+    assert router.dead(10.1)
+    router.heard(0, 11.0)
+    router.tick(12.2)  # silent: no longer current
+    router.probed(1, refused=True)
+    assert router.current is None and router.refused == [False, True]
+    assert not router.dead(12.5)  # server 0 was heard lately, and may come back

@@ -9,6 +9,7 @@ reconstructed from a bounded history) are checked without a network.
 from __future__ import annotations
 
 import json
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -213,7 +214,17 @@ def test_audit_reports_rates_from_known_times_and_says_when_they_are_unknown(
     code = main(["audit", "--input", str(timed), str(again), str(later), "--output", str(out),
                  "--rate-window", "10", "--bucket", "5", "-q"])  # fmt: skip
     assert code == 0, capsys.readouterr().err
-    assert "rates:   from the 8 of 10 updates with a time\n" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "rates:   from the 8 of 10 updates with a time\n" in printed
+    # Each stage's time, the slowest named (issue 29: the audit's time, and
+    # the stage that dominates it).
+    timing = re.search(r"^time:    ([\d.]+) s; slowest stage (\w+), ([\d.]+) s \((.*)\)$",
+                       printed, re.MULTILINE)  # fmt: skip
+    assert timing is not None, printed
+    stages = [part.split() for part in timing.group(4).split(", ")]
+    assert [name for name, _ in stages] == STAGES
+    assert timing.group(2) in STAGES
+    assert float(timing.group(3)) == max(float(t) for _, t in stages)
     assert rate_rows(pq.read_table(out / "rates").to_pylist()) == TIMED_RATES
     blocks = {(r["prefix"], r["bucket"]): r["writes"]
               for r in pq.read_table(out / "blocks").to_pylist()}  # fmt: skip
@@ -228,6 +239,8 @@ def test_audit_reports_rates_from_known_times_and_says_when_they_are_unknown(
         ["/cfg/", "2", "0.05", "0.1", "1970-01-01 00:16:40 UTC"],
     ]
     assert (out / "report.png").stat().st_size > 0
+    assert [row[0] for row in markdown_table(report, ["stage", "seconds"])] == STAGES
+    assert f"Slowest stage: {timing.group(2)} (" in report
 
     # Network exports only: no rate is made up, and the report says why.
     out = tmp_path / "network"
@@ -242,6 +255,19 @@ def test_audit_reports_rates_from_known_times_and_says_when_they_are_unknown(
     assert markdown_table(report, ["prefix", "writes", "deletes"]) == [
         ["/app/", "7", "2"], ["/cfg/", "3", "0"],
     ]  # fmt: skip
+
+
+STAGES = ["bounds", "read", "state_at", "changes", "rates", "blocks", "report"]
+
+
+def test_stopwatch_times_stages_one_after_the_other() -> None:
+    from clone.pipeline.jobs import _Stopwatch
+
+    ticks = iter([10.0, 10.5, 12.0, 12.25])
+    watch = _Stopwatch(clock=lambda: next(ticks))
+    for name in ("bounds", "read", "report"):
+        watch.done(name)
+    assert watch.stages == [("bounds", 0.5), ("read", 1.5), ("report", 0.25)]
 
 
 # -- a real server ------------------------------------------------------------
