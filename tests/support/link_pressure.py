@@ -21,7 +21,7 @@ import time
 
 import zmq
 
-from bstar.reactor import keep_alive
+from bstar.link import keep_alive
 
 
 def main() -> int:
