@@ -209,6 +209,9 @@ class ServerBase:
         self._hold_sync_done: float | None = None
         # Binary Star showed us the split brain this hold is for.
         self._hold_split_seen = False
+        # The peer's sync said it stepped down from active (a split brain's
+        # loser, STEPPED_DOWN_PROPERTY): this hold is a heal's.
+        self._peer_stepped_down = False
         # Client snapshot requests held while we heal one (identity, subtree,
         # the _serve options), answered when the hold ends; the newest
         # HEAL_REQUESTS: a client asks again on a fresh socket every quarter

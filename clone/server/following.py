@@ -49,6 +49,7 @@ from clone.wire.protocol import (
     BATCH_METADATA,
     PUBLISHER_OFFSET,
     SNAPSHOT_OFFSET,
+    STEPPED_DOWN_METADATA,
     TTL_LEFT_METADATA,
 )
 
@@ -116,6 +117,7 @@ class Follower:
         fork_known: Callable[[], None],
         synced: Callable[[], None],
         upstream: Upstream | None = None,
+        stepped_down: Callable[[], bool] = lambda: False,
     ) -> None:
         self._config = config
         self._core = core
@@ -128,6 +130,7 @@ class Follower:
         self._term = term
         self._after_turn = after_turn
         self._next_turn = next_turn
+        self._stepped_down = stepped_down
         self._fork_known = fork_known
         self._synced = synced
         self.upstream = upstream
@@ -205,6 +208,10 @@ class Follower:
             # (a relay has none: it asks as a client does).
             if core.role is not Role.RELAY:
                 dealer.setsockopt(zmq.METADATA, APPLIED_METADATA)
+            # ... and, a split brain's loser, that we have writes to forward
+            # (the winner holds client snapshots until they are in).
+            if self._stepped_down():
+                dealer.setsockopt(zmq.METADATA, STEPPED_DOWN_METADATA)
             # ... and for the time each ephemeral key has left (clone.server.ttl).
             dealer.setsockopt(zmq.METADATA, TTL_LEFT_METADATA)
             # ... and, holding a state, only for what followed it (a catch-up).

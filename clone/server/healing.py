@@ -324,7 +324,7 @@ class HealingMixin(ServerBase):
         if not (quiet or now >= started + HOLD_MAX or not core.holding):
             return
         self._hold_started = self._hold_sync_done = None
-        self._hold_split_seen = False
+        self._hold_split_seen = self._peer_stepped_down = False
         held = len(core.pending)
         core.release_held(now)
         self._commit_and_publish()
@@ -338,26 +338,25 @@ class HealingMixin(ServerBase):
     def _heal_defers_clients(self) -> bool:
         """Whether a client's snapshot request waits for the hold to end: we
         hold because a split brain heals.  Binary Star showed it to us; or
-        the peer, passive, announces the epoch it was elected at, below ours
-        (it was active since it started: it lost the split brain and stepped
-        down, often before we saw both active); or its forwarded writes have
-        begun to come (they only start once its sync from us is done).  A hold
-        at the peer's first sync alone may be a restarted peer's, with nothing
-        to forward.  A snapshot taken now lacks the loser's writes still to
-        come; the island client that confirmed them on the loser, failing
-        over to us, would see them vanish from its view and come back as they
-        are applied.  The peer's own sync is never held."""
+        the peer's sync said it stepped down from active in this run (it lost
+        the split brain, often before we saw both active:
+        ``STEPPED_DOWN_PROPERTY``); or its forwarded writes have begun to
+        come (they only start once its sync from us is done).  A hold at the
+        peer's first sync alone is a restarted peer's, with nothing of this
+        run to forward: its clients are not held (once the epoch it announced
+        decided it, and a restarted peer announces the epoch it saved: every
+        client of the pair waited out the hold after a failover and a
+        restart).  A snapshot taken while a loser's writes are still to come
+        lacks them; the island client that confirmed them on the loser,
+        failing over to us, would see them vanish from its view and come back
+        as they are applied.  The peer's own sync is never held."""
         started = self._hold_started
         core = self.core
         if started is None or not core.holding:
             return False
-        ha = self._ha
-        loser = (
-            ha is not None
-            and ha.peer_state is BStarState.PASSIVE
-            and 0 < ha.peer_announced_epoch < ha.epoch
+        return (
+            self._hold_split_seen or self._peer_stepped_down or core.split_call_at >= started
         )
-        return self._hold_split_seen or loser or core.split_call_at >= started
 
     def _answer_heal_requests(self) -> None:
         """The hold is over: serve the client snapshot requests it held

@@ -344,6 +344,7 @@ class CloneServer(
                 next_turn=self._next_turn,
                 fork_known=self._split_fork_known,
                 synced=self._forward_split_writes,
+                stepped_down=lambda: self._stepped_down_at is not None,
             )
         if follower is not None and cfg.mode is ServerMode.RELAY:
             link = self.relay = RelayLink(

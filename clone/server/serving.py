@@ -49,6 +49,7 @@ from clone.wire.protocol import (
     BATCH_VERSION,
     SINCE_PROPERTY,
     STATUS_REQUEST,
+    STEPPED_DOWN_PROPERTY,
     TTL_LEFT_NAME,
     TTL_LEFT_VERSION,
 )
@@ -120,6 +121,12 @@ def _wants_ttl_left(frame: zmq.Frame) -> bool:
     return _has_metadata(frame, TTL_LEFT_NAME, TTL_LEFT_VERSION)
 
 
+def _stepped_down(frame: zmq.Frame) -> bool:
+    """A peer's sync that says it stepped down from active in this run: a
+    split brain's loser, with writes to forward (clone.server.healing)."""
+    return _has_metadata(frame, STEPPED_DOWN_PROPERTY, "1")
+
+
 def _wants_applied(frame: zmq.Frame) -> bool:
     """The applied-update list first: a peer server's sync (:mod:`clone.wire.applied`)."""
     return _has_metadata(frame, APPLIED_PROPERTY, APPLIED_VERSION)
@@ -143,6 +150,8 @@ class ServingMixin(ServerBase):
             return
         batch = len(parts) > 1 and _wants_batches(parts[1])
         applied = len(parts) > 1 and _wants_applied(parts[1])
+        if applied and _stepped_down(parts[1]):
+            self._peer_stepped_down = True  # the heal defers client snapshots
         ttl_left = len(parts) > 1 and _wants_ttl_left(parts[1])
         since: SinceRequest | None = None
         if len(parts) > 1:

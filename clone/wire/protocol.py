@@ -46,6 +46,8 @@ __all__ = [
     "APPLIED_PROPERTY",
     "APPLIED_VERSION",
     "APPLIED_METADATA",
+    "STEPPED_DOWN_PROPERTY",
+    "STEPPED_DOWN_METADATA",
     "MAX_APPLIED_IDS",
     "KVDELTA",
     "SINCE_PROPERTY",
@@ -138,6 +140,12 @@ KVAPPLIED: Final = b"KVAPPLIED"
 APPLIED_PROPERTY: Final = "X-CHP-Applied"
 APPLIED_VERSION: Final = "1"
 APPLIED_METADATA: Final = f"{APPLIED_PROPERTY}:{APPLIED_VERSION}".encode()
+#: [extension] On a peer's sync request: it stepped down from active in this
+#: run (a split brain's loser), so it has writes of its term to forward, and
+#: the winner holds client snapshots until they are in (clone.server.healing).
+#: A restarted peer, with nothing of this run to forward, does not say it.
+STEPPED_DOWN_PROPERTY: Final = "X-CHP-Stepped-Down"
+STEPPED_DOWN_METADATA: Final = f"{STEPPED_DOWN_PROPERTY}:1".encode()
 # Update ids (16-byte uuids) per KVAPPLIED message: 64 KiB of ids.
 MAX_APPLIED_IDS: Final = 4096
 
