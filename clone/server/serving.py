@@ -450,7 +450,9 @@ class ServingMixin(ServerBase):
                         sent = burst.send(sock, frames)
                         tracker = None
                     if sent is Sent.FULL:
-                        # The requester's pipe is full: wait for it, drop nothing.
+                        # The requester's pipe is full: wait for it, drop
+                        # nothing, and track the next message (its progress).
+                        window.blocked()
                         self._stall(stream, window)
                         return
                     if sent is Sent.GONE:
