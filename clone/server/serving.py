@@ -459,7 +459,9 @@ class ServingMixin(ServerBase):
                         sent = burst.send(sock, frames)
                         tracker = None
                     if sent is Sent.FULL:
-                        # The requester's pipe is full: wait for it, drop nothing.
+                        # The requester's pipe is full: wait for it, drop
+                        # nothing, and track the next message (its progress).
+                        window.blocked()
                         self._stall(stream, window)
                         return
                     if sent is Sent.GONE:
@@ -583,11 +585,17 @@ class ServingMixin(ServerBase):
         """A request needs a slot and none is free: the stream whose requester
         has read nothing for longest gives up its own, if for at least
         :data:`_SLOT_IDLE` (a requester that reads nothing must not keep
-        one that reads from being served).  True if one was freed."""
+        one that reads from being served).  True if one was freed.
+
+        A stream waiting for its turn in the pump (``_pump_queue``) waits for
+        us, not for its requester: in a storm of requests on a busy machine
+        new streams waited that long before their first send, and were
+        evicted, their requesters never answered."""
         for stream, window in self._in_flight.items():
             self._note_progress(stream, window)
         now = self._clock()
-        victim = stalest(self._snapshots, now, _SLOT_IDLE, exclude=self._peer_syncs)
+        busy = [*self._peer_syncs, *self._pump_queue]
+        victim = stalest(self._snapshots, now, _SLOT_IDLE, exclude=busy)
         if victim is None:
             return False
         idle = now - self._snapshots[victim]

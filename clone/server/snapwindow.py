@@ -13,7 +13,12 @@ How it is measured: tracking every message (a zero-copy send with a
 last checkpoint reach a quarter of the window, or when it fills the window.
 libzmq writes one connection's messages in order, so once a checkpoint is done
 every byte before it has left too.  A full window always ends with a tracked
-message, so a reader that keeps reading always opens it again.
+message, so a reader that keeps reading always opens it again.  So does a full
+pipe (``--snapshot-hwm`` messages queued): the first message sent after it is
+tracked (:meth:`SendWindow.blocked`).  A reader's window grows to its whole
+share (64 MiB with ``--max-snapshots 2``), a checkpoint then came only every
+16 MiB, and a reader paced by its pipe rather than its window showed no
+progress for that long: it was aborted as stalled while it read.
 
 A requester *reads* when its checkpoints complete; that, not our sends, is its
 progress (:attr:`SendWindow.done_bytes`), and what the stall and slot rules
@@ -104,7 +109,15 @@ class SendWindow:
     stacked 330 MB there).
     """
 
-    __slots__ = ("_checkpoints", "_untracked", "done_bytes", "limit", "sent_bytes", "window")
+    __slots__ = (
+        "_checkpoints",
+        "_track_next",
+        "_untracked",
+        "done_bytes",
+        "limit",
+        "sent_bytes",
+        "window",
+    )
 
     def __init__(self, limit: int, first: int | None = None) -> None:
         if limit < 1:
@@ -116,6 +129,7 @@ class SendWindow:
         #: Bytes libzmq has written (as of the last completed checkpoint).
         self.done_bytes = 0
         self._untracked = 0  # bytes sent since the last checkpoint
+        self._track_next = False  # the pipe was full: track the next message
         self._checkpoints: deque[tuple[Tracker, int]] = deque()
 
     @property
@@ -146,11 +160,20 @@ class SendWindow:
         """Whether another message may go: the window is not full (an empty one always)."""
         return self.in_flight < self.window
 
+    def blocked(self) -> None:
+        """The requester's pipe was full (its high-water mark), whatever the
+        window: the next message sent is tracked, so a requester that drains
+        its pipe shows it reads within one pipe's worth of messages."""
+        if self._untracked:
+            self._track_next = True
+
     def track_next(self, nbytes: int) -> bool:
         """Whether the next message, of ``nbytes``, must be tracked: it closes a
-        quarter-window's worth of untracked bytes, or fills the window."""
+        quarter-window's worth of untracked bytes, fills the window, or is the
+        first since the pipe was full."""
         return (
-            self._untracked + nbytes >= max(1, self.window // 4)
+            self._track_next
+            or self._untracked + nbytes >= max(1, self.window // 4)
             or self.in_flight + nbytes >= self.window
         )
 
@@ -161,6 +184,7 @@ class SendWindow:
             self._untracked += nbytes
         else:
             self._untracked = 0
+            self._track_next = False
             self._checkpoints.append((tracker, self.sent_bytes))
 
 

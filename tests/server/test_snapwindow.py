@@ -86,6 +86,32 @@ def test_a_reader_past_what_the_kernel_could_take_gets_its_share() -> None:
     assert 2 * MB <= window.in_flight < 2 * MB + 4 * KB
 
 
+def test_a_reader_paced_by_its_full_pipe_shows_progress_with_a_large_window() -> None:
+    """A reader's window grown to a 64 MiB share is tracked every 16 MiB; when
+    its pipe (the high-water mark), not the window, stops the sends, the first
+    message after the full pipe is tracked, so its reading shows at once
+    (it used to show nothing for 16 MiB and was aborted as stalled)."""
+    window = SendWindow(64 * MB, first=64 * MB)
+    for _ in range(10):  # a pipe's worth, none tracked
+        assert not window.track_next(4 * KB)
+        window.sent(4 * KB)
+    window.blocked()  # the eleventh found the pipe full
+    assert window.track_next(4 * KB)
+    tracker = FakeTracker()
+    window.sent(4 * KB, tracker)
+    assert not window.track_next(4 * KB)  # only the first after the full pipe
+    assert not window.update()
+    tracker.done = True  # the requester drained its pipe
+    assert window.update() and window.done_bytes == 44 * KB
+
+
+def test_a_full_pipe_right_after_a_checkpoint_adds_no_tracking() -> None:
+    window = SendWindow(64 * MB, first=64 * MB)
+    window.sent(4 * KB, FakeTracker())
+    window.blocked()  # nothing untracked: the last message is a checkpoint already
+    assert not window.track_next(4 * KB)
+
+
 def test_checkpoints_complete_in_order_and_count_every_byte_before_them() -> None:
     window = SendWindow(1 * MB, first=16 * KB)
     trackers = _fill(window, 1 * KB)
