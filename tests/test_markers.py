@@ -99,6 +99,24 @@ def test_every_spark_test_is_marked_grouped_and_given_a_patient_timeout(
         assert "spark" in groups, item.nodeid
 
 
+def test_a_spark_test_with_its_own_spark_processes_is_not_queued_behind_the_group(
+    collected: list[pytest.Item],
+) -> None:
+    """The local-cluster and spark-submit tests start their own JVMs as child
+    processes: in the ``spark`` group they only lengthened the one worker's
+    queue, which bounded the whole run's time."""
+    children = [
+        i for i in collected
+        if i.get_closest_marker("spark") is not None
+        and "spark" not in getattr(i, "fixturenames", ())
+    ]
+    names = {i.name for i in children}
+    assert {"test_audit_on_local_cluster", "test_spark_submit_load_on_local_cluster"} <= names
+    for item in children:
+        assert _timeout(item) >= SPARK_TIMEOUT, item.nodeid
+        assert "spark" not in [m.args[0] for m in item.iter_markers("xdist_group")], item.nodeid
+
+
 def test_the_quick_set_holds_no_process_and_no_spark_test(collected: list[pytest.Item]) -> None:
     quick = [
         i for i in collected

@@ -268,8 +268,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.spark)
         if item.get_closest_marker("spark") is not None:
             _timeout(item, SPARK_TIMEOUT, "thread" if under_xdist else "signal")
-            # One worker runs the Spark tests (loadgroup): one JVM, not one per core.
-            item.add_marker(pytest.mark.xdist_group("spark"))
+            if SPARK_FIXTURE_NAMES & set(getattr(item, "fixturenames", ())):
+                # One worker runs the tests of the shared session (loadgroup):
+                # one JVM, not one per core.  A Spark test without the fixture
+                # runs its Spark in child processes (spark-submit, a
+                # local-cluster, the CLI): nothing to share, so it runs on
+                # whichever worker is free, next to the group, not after it.
+                item.add_marker(pytest.mark.xdist_group("spark"))
         elif item.get_closest_marker("slow") is not None:
             _timeout(item, SLOW_TIMEOUT, None)
         if "netns" in found:
