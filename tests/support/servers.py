@@ -325,9 +325,18 @@ class Servers:
             primary.wait_serving()
         return primary, backup
 
-    def stop_all(self) -> None:
-        for server in self.started:
-            server.terminate(timeout=5.0)
+    def stop_all(self, timeout: float = 5.0) -> None:
+        """SIGTERM to every server at once, then wait for each (SIGKILL after
+        ``timeout`` s): one after the other, a test's pair and relays took the
+        sum of their exits at every teardown."""
+        running = [server for server in self.started if server.alive]
+        for server in running:
+            server.process.thaw()  # a frozen process cannot act on SIGTERM
+            server.process.signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for server in running:
+            if server.process.wait(max(0.0, deadline - time.monotonic())) is None:
+                server.kill9()
 
     def dump_logs(self) -> str:
         parts = []
@@ -379,6 +388,10 @@ def answers_icanhaz(
                 between()
             dealer = ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
+            # Retry the connection every 10 ms, not libzmq's 100: a server that
+            # binds its port just after our first try is seen at once, at
+            # every one of the suite's server starts.
+            dealer.setsockopt(zmq.RECONNECT_IVL, 10)
             try:
                 dealer.connect(f"tcp://127.0.0.1:{port}")
                 dealer.send_multipart([b"ICANHAZ?", subtree])
