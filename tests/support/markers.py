@@ -58,6 +58,7 @@ import pytest
 
 __all__ = [
     "ALL_ITEMS",
+    "GroupIds",
     "SLOW_TIMEOUT",
     "SPARK_TIMEOUT",
     "ProcessInFastTest",
@@ -282,6 +283,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group("netns"))
 
 
+class GroupIds:
+    """Gives each grouped test the ``@group`` suffix xdist's ``loadgroup``
+    schedules by, when xdist could not.
+
+    xdist tells its scheduler a test's group by appending ``@name`` to the
+    test's id on the worker (``item._nodeid = ...``).  pytest 9 keeps the id
+    in ``item._id`` and ignores ``_nodeid``: with xdist 3.8 the groups were
+    silently dropped, every Spark test's worker started its own session and
+    two partition drills could pick the same subnet at once.  So the suffix is
+    added here (a plugin of its own: after xdist's hook), in xdist's own form,
+    wherever it is missing.
+    """
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(
+        self, config: pytest.Config, items: list[pytest.Item]
+    ) -> None:
+        if not getattr(config.option, "loadgroup", False):
+            return
+        for item in items:
+            names = sorted({
+                str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                for m in item.iter_markers("xdist_group")
+            })
+            if not names or item.nodeid.rfind("@") > item.nodeid.rfind("]"):
+                continue  # no group, or xdist's suffix is there
+            if hasattr(item, "_id"):  # pytest 9's id
+                from _pytest.nodeid import NodeId
+
+                item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
+
+
 # --------------------------------------------------------------------------
 # 2. The run-time check: a fast test starts no process
 
@@ -335,6 +368,8 @@ def _install() -> None:
 def pytest_configure(config: pytest.Config) -> None:
     # xdist registers it too; without xdist (-p no:xdist) --strict-markers needs it here.
     config.addinivalue_line("markers", "xdist_group(name): run on the worker of that group")
+    if not config.pluginmanager.has_plugin("clone-xdist-group-ids"):
+        config.pluginmanager.register(GroupIds(), "clone-xdist-group-ids")
     if sys.platform.startswith("linux"):
         _install()
 
