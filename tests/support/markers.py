@@ -41,6 +41,13 @@ tests/conftest.py registers this module as a plugin.  It does three things:
    the next Spark test starts a new one.  (pytest-timeout's
    ``timeout_func_only`` would not help: it only leaves fixtures out of the
    time; the call is still interrupted.)
+
+4. **Groups that reach xdist.**  The Spark tests of the shared session run on
+   one worker (``xdist_group("spark")``), the partition drills on one
+   (``"netns"``); a Spark test that starts its own JVMs in child processes
+   is not grouped.  :class:`GroupIds` writes the ``@group`` suffix into the
+   test's id that xdist's scheduler reads, which xdist 3.8 cannot do under
+   pytest 9.
 """
 
 from __future__ import annotations
