@@ -13,6 +13,13 @@ gives them to every test that uses a real process or Spark (through its own
 code or any fixture), and fails a test that is neither but starts a process.
 """
 
+from tests.support import bytecode
+
+# Before any module of ours is imported and any process started: with
+# PYTHONDONTWRITEBYTECODE set, a bytecode cache outside the checkout instead of
+# none (tests/support/bytecode.py; issue 24, the suite's time).
+bytecode.enable()
+
 pytest_plugins = [
     "tests.support.servers",
     "tests.support.spark_session",

@@ -9,6 +9,7 @@ fast test that starts a process, before the process exists.
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ from tests.support.markers import (
     ALL_ITEMS,
     SLOW_TIMEOUT,
     SPARK_TIMEOUT,
+    GroupIds,
     paused,
     process_fixtures,
 )
@@ -97,6 +99,47 @@ def test_every_spark_test_is_marked_grouped_and_given_a_patient_timeout(
         assert _timeout(item) >= SPARK_TIMEOUT, item.nodeid
         groups = [m.args[0] for m in item.iter_markers("xdist_group")]
         assert "spark" in groups, item.nodeid
+
+
+def test_a_spark_test_with_its_own_spark_processes_is_not_queued_behind_the_group(
+    collected: list[pytest.Item],
+) -> None:
+    """The local-cluster and spark-submit tests start their own JVMs as child
+    processes: in the ``spark`` group they only lengthened the one worker's
+    queue, which bounded the whole run's time."""
+    children = [
+        i for i in collected
+        if i.get_closest_marker("spark") is not None
+        and "spark" not in getattr(i, "fixturenames", ())
+    ]
+    names = {i.name for i in children}
+    assert {"test_audit_on_local_cluster", "test_spark_submit_load_on_local_cluster"} <= names
+    for item in children:
+        assert _timeout(item) >= SPARK_TIMEOUT, item.nodeid
+        assert "spark" not in [m.args[0] for m in item.iter_markers("xdist_group")], item.nodeid
+
+
+def test_a_grouped_test_carries_the_group_in_its_id_for_xdist(pytester: pytest.Pytester) -> None:
+    """xdist's loadgroup schedules by an ``@group`` suffix of the test's id,
+    which xdist 3.8 cannot set under pytest 9: GroupIds sets it, once."""
+    items = pytester.getitems(
+        "import pytest\n"
+        "@pytest.mark.xdist_group('spark')\n"
+        "def test_a(): pass\n"
+        "@pytest.mark.parametrize('x', ['a@b'])\n"
+        "@pytest.mark.xdist_group('netns')\n"
+        "def test_b(x): pass\n"
+        "def test_c(): pass\n"
+    )
+    ids = [i.nodeid for i in items]
+    config = types.SimpleNamespace(option=types.SimpleNamespace(loadgroup=False))
+    hook = GroupIds()
+    hook.pytest_collection_modifyitems(config, items)  # type: ignore[arg-type]
+    assert [i.nodeid for i in items] == ids  # not under loadgroup: as they are
+    config.option.loadgroup = True
+    hook.pytest_collection_modifyitems(config, items)  # type: ignore[arg-type]
+    hook.pytest_collection_modifyitems(config, items)  # type: ignore[arg-type]
+    assert [i.nodeid for i in items] == [f"{ids[0]}@spark", f"{ids[1]}@netns", ids[2]]
 
 
 def test_the_quick_set_holds_no_process_and_no_spark_test(collected: list[pytest.Item]) -> None:

@@ -21,8 +21,6 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import uuid6
-
 from clone.errors import LimitExceeded, ProtocolError
 from clone.wire.protocol import (
     HEARTBEAT_PROPERTY,
@@ -85,6 +83,8 @@ def new_uuid() -> bytes:
     The one function here that reads the clock and draws randomness; the I/O
     layers call it and hand the result in (:meth:`KVMsg.build` never draws).
     """
+    import uuid6  # here: its import reads package metadata, ~50 ms of every server start
+
     return uuid6.uuid7().bytes
 
 

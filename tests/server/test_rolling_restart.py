@@ -83,7 +83,7 @@ def _preload(server: ServerProcess, count: int) -> None:
         peer.kvset(b"/marker/done", b"1")
         eventually(
             lambda: b"/marker/done" in peer.snapshot(b"/marker/", timeout=10.0).entries,
-            30,
+            120,  # 200,000 writes: 47 s on a machine at load average 20
             "the preload",
         )
 
@@ -124,7 +124,7 @@ def _stop_and_take_over(
     before = dict(w.confirmed)
     active.signal(sig)
     active.terminate(5)
-    passive.wait_log("now ACTIVE", timeout=15, after=offset)
+    passive.wait_log("now ACTIVE", timeout=60, after=offset)
     _assert_no_revert(before, passive)
     _let_writes_flow(w)
 
@@ -135,7 +135,7 @@ def _restart(server: ServerProcess, sig: int) -> None:
     server.signal(sig)
     server.terminate(5)
     server.start()
-    server.wait_log("synced from", timeout=30, after=offset)
+    server.wait_log("synced from", timeout=60, after=offset)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "kill9"])
@@ -169,7 +169,7 @@ def test_restart_passive_during_a_large_snapshot_keeps_confirmed_values(
         backup.kill9()
         backup.start()
         # Kill it again in the middle of its snapshot, then let it sync.
-        backup.wait_log("asked", timeout=15, after=offset)
+        backup.wait_log("asked", timeout=60, after=offset)
         _restart(backup, signal.SIGKILL)
         _let_writes_flow(w)
         _stop_and_take_over(w, primary, backup, signal.SIGKILL)

@@ -41,6 +41,13 @@ tests/conftest.py registers this module as a plugin.  It does three things:
    the next Spark test starts a new one.  (pytest-timeout's
    ``timeout_func_only`` would not help: it only leaves fixtures out of the
    time; the call is still interrupted.)
+
+4. **Groups that reach xdist.**  The Spark tests of the shared session run on
+   one worker (``xdist_group("spark")``), the partition drills on one
+   (``"netns"``); a Spark test that starts its own JVMs in child processes
+   is not grouped.  :class:`GroupIds` writes the ``@group`` suffix into the
+   test's id that xdist's scheduler reads, which xdist 3.8 cannot do under
+   pytest 9.
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ import pytest
 
 __all__ = [
     "ALL_ITEMS",
+    "GroupIds",
     "SLOW_TIMEOUT",
     "SPARK_TIMEOUT",
     "ProcessInFastTest",
@@ -268,13 +276,50 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.spark)
         if item.get_closest_marker("spark") is not None:
             _timeout(item, SPARK_TIMEOUT, "thread" if under_xdist else "signal")
-            # One worker runs the Spark tests (loadgroup): one JVM, not one per core.
-            item.add_marker(pytest.mark.xdist_group("spark"))
+            if SPARK_FIXTURE_NAMES & set(getattr(item, "fixturenames", ())):
+                # One worker runs the tests of the shared session (loadgroup):
+                # one JVM, not one per core.  A Spark test without the fixture
+                # runs its Spark in child processes (spark-submit, a
+                # local-cluster, the CLI): nothing to share, so it runs on
+                # whichever worker is free, next to the group, not after it.
+                item.add_marker(pytest.mark.xdist_group("spark"))
         elif item.get_closest_marker("slow") is not None:
             _timeout(item, SLOW_TIMEOUT, None)
         if "netns" in found:
             # Partition drills pick a free subnet, then use it: one at a time.
             item.add_marker(pytest.mark.xdist_group("netns"))
+
+
+class GroupIds:
+    """Gives each grouped test the ``@group`` suffix xdist's ``loadgroup``
+    schedules by, when xdist could not.
+
+    xdist tells its scheduler a test's group by appending ``@name`` to the
+    test's id on the worker (``item._nodeid = ...``).  pytest 9 keeps the id
+    in ``item._id`` and ignores ``_nodeid``: with xdist 3.8 the groups were
+    silently dropped, every Spark test's worker started its own session and
+    two partition drills could pick the same subnet at once.  So the suffix is
+    added here (a plugin of its own: after xdist's hook), in xdist's own form,
+    wherever it is missing.
+    """
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(
+        self, config: pytest.Config, items: list[pytest.Item]
+    ) -> None:
+        if not getattr(config.option, "loadgroup", False):
+            return
+        for item in items:
+            names = sorted({
+                str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                for m in item.iter_markers("xdist_group")
+            })
+            if not names or item.nodeid.rfind("@") > item.nodeid.rfind("]"):
+                continue  # no group, or xdist's suffix is there
+            if hasattr(item, "_id"):  # pytest 9's id
+                from _pytest.nodeid import NodeId
+
+                item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
 # --------------------------------------------------------------------------
@@ -330,6 +375,8 @@ def _install() -> None:
 def pytest_configure(config: pytest.Config) -> None:
     # xdist registers it too; without xdist (-p no:xdist) --strict-markers needs it here.
     config.addinivalue_line("markers", "xdist_group(name): run on the worker of that group")
+    if not config.pluginmanager.has_plugin("clone-xdist-group-ids"):
+        config.pluginmanager.register(GroupIds(), "clone-xdist-group-ids")
     if sys.platform.startswith("linux"):
         _install()
 

@@ -32,6 +32,9 @@ every server's log (pytest shows it under "Captured stderr teardown").
   libfaketime's, to step its wall clock).
 * ``servers.spawn(name, args, port, ha_port) -> ServerProcess`` -- any other
   command line (e.g. a server paired with a fake peer), tracked for teardown.
+* ``standalone()`` and ``pair()`` start again on other ports (up to three
+  tries) when a server found a port it was given taken by another process
+  meanwhile ("Address already in use"; with ``wait`` only).
 * ``servers.heartbeat_ms`` -- the ``--heartbeat`` given to every server (default
   100, so failover tests take a fraction of a second per heartbeat).
 * Durable by default, as ``clone-server`` is: each server of ``standalone()`` and
@@ -77,6 +80,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import zmq
@@ -98,6 +102,7 @@ __all__ = [
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
+_T = TypeVar("_T")
 DEFAULT_HEARTBEAT_MS = 100
 #: The default ceiling of every wait here (a log line, serving, stats): it only
 #: bounds a hang.  On a machine kept busy, a server took 10 s from exec to its
@@ -266,13 +271,33 @@ class Servers:
         wait: bool = True,
         env: dict[str, str] | None = None,
     ) -> ServerProcess:
-        port = free_base_port()
-        args = ["--standalone", "--port", str(port), *self._common(), *self._durable(name, extra)]
-        args += extra
-        server = self.spawn(name, args, port, None, env)
-        if wait:
-            server.wait_serving()
-        return server
+        def start() -> ServerProcess:
+            port = free_base_port()
+            args = ["--standalone", "--port", str(port), *self._common(),
+                    *self._durable(name, extra), *extra]  # fmt: skip
+            server = self.spawn(name, args, port, None, env)
+            if wait:
+                server.wait_serving()
+            return server
+
+        return self._on_free_ports(start)
+
+    def _on_free_ports(self, start: Callable[[], _T]) -> _T:
+        """``start()``, again on other ports if a server found one of its
+        ports taken: a port is free when drawn, but another process on the
+        machine (the other xdist worker, a drill) may bind it before the
+        server does.  Only with ``wait``: the failure is seen while waiting."""
+        for attempt in range(3):
+            before = len(self.started)
+            try:
+                return start()
+            except RuntimeError as exc:
+                if "Address already in use" not in str(exc) or attempt == 2:
+                    raise
+                for server in self.started[before:]:
+                    server.terminate(timeout=5.0)
+                del self.started[before:]
+        raise AssertionError("not reached")
 
     def relay(self, *upstream: ServerProcess, name: str = "relay") -> ServerProcess:
         """A plain relay (``--relay``) of ``upstream``, synced and serving."""
@@ -300,8 +325,6 @@ class Servers:
         ``env`` adds variables to a server's environment, by role
         (``"primary"``, ``"backup"``)."""
         envs = env or {}
-        p_port, b_port = free_base_port(), free_base_port()
-        p_ha, b_ha = free_port(), free_port()
 
         def args(role: str, port: int, ha: int, peer: int, peer_ha: int) -> list[str]:
             return [
@@ -315,19 +338,33 @@ class Servers:
                 *extra,
             ]  # fmt: skip
 
-        p_args = args("primary", p_port, p_ha, b_port, b_ha)
-        b_args = args("backup", b_port, b_ha, p_port, p_ha)
-        primary = self.spawn("primary", p_args, p_port, p_ha, envs.get("primary"))
-        backup = self.spawn("backup", b_args, b_port, b_ha, envs.get("backup"))
-        if wait:
-            primary.wait_log("now ACTIVE")
-            backup.wait_log("synced from")
-            primary.wait_serving()
-        return primary, backup
+        def start() -> tuple[ServerProcess, ServerProcess]:
+            p_port, b_port = free_base_port(), free_base_port()
+            p_ha, b_ha = free_port(), free_port()
+            p_args = args("primary", p_port, p_ha, b_port, b_ha)
+            b_args = args("backup", b_port, b_ha, p_port, p_ha)
+            primary = self.spawn("primary", p_args, p_port, p_ha, envs.get("primary"))
+            backup = self.spawn("backup", b_args, b_port, b_ha, envs.get("backup"))
+            if wait:
+                primary.wait_log("now ACTIVE")
+                backup.wait_log("synced from")
+                primary.wait_serving()
+            return primary, backup
 
-    def stop_all(self) -> None:
-        for server in self.started:
-            server.terminate(timeout=5.0)
+        return self._on_free_ports(start)
+
+    def stop_all(self, timeout: float = 5.0) -> None:
+        """SIGTERM to every server at once, then wait for each (SIGKILL after
+        ``timeout`` s): one after the other, a test's pair and relays took the
+        sum of their exits at every teardown."""
+        running = [server for server in self.started if server.alive]
+        for server in running:
+            server.process.thaw()  # a frozen process cannot act on SIGTERM
+            server.process.signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        for server in running:
+            if server.process.wait(max(0.0, deadline - time.monotonic())) is None:
+                server.kill9()
 
     def dump_logs(self) -> str:
         parts = []
@@ -379,6 +416,10 @@ def answers_icanhaz(
                 between()
             dealer = ctx.socket(zmq.DEALER)
             dealer.setsockopt(zmq.LINGER, 0)
+            # Retry the connection every 10 ms, not libzmq's 100: a server that
+            # binds its port just after our first try is seen at once, at
+            # every one of the suite's server starts.
+            dealer.setsockopt(zmq.RECONNECT_IVL, 10)
             try:
                 dealer.connect(f"tcp://127.0.0.1:{port}")
                 dealer.send_multipart([b"ICANHAZ?", subtree])

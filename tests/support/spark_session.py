@@ -3,8 +3,8 @@
 tests/conftest.py registers this module as a plugin, so tests take a ``spark``
 argument.  Starting Spark costs
 about ten seconds, so the session is built once per process (once per xdist
-worker; tests/support/markers.py puts the Spark tests in one xdist group, so
-one worker runs them all) and stopped when the run ends.
+worker; tests/support/markers.py puts the tests that take this fixture in one
+xdist group, so one worker runs them all) and stopped when the run ends.
 
 A Spark test that fails may leave the session unusable: a timeout that
 interrupted a Py4J call leaves the gateway out of step (the JVM's answer to the
