@@ -346,6 +346,11 @@ class Servers:
             primary = self.spawn("primary", p_args, p_port, p_ha, envs.get("primary"))
             backup = self.spawn("backup", b_args, b_port, b_ha, envs.get("backup"))
             if wait:
+                # Both bound first: a server that lost a port to another
+                # process exits, and the other one would wait for it in vain
+                # (seen: the primary's "now ACTIVE" timed out after 60 s).
+                primary.wait_log("primary server:")
+                backup.wait_log("backup server:")
                 primary.wait_log("now ACTIVE")
                 backup.wait_log("synced from")
                 primary.wait_serving()
