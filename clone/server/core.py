@@ -345,9 +345,9 @@ class ServerCore:
         self.role = Role.ACTIVE
         store = self.store
         self.promoted_at = store.sequence
-        self.split.promoted()
         self.calls.take_conditions()  # a new term: its own conditions
         store.sequence = max(store.sequence, self.highest_seen)
+        self.split.promoted(self.promoted_at, store.sequence)
         self.calls.rebuild_leases(_mono(mono, now))
         self.calls.apply_parked(self.pending.drain(), now)
         self.highest_seen = store.sequence

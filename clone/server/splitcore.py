@@ -152,6 +152,8 @@ class SplitCore:
         self._written: Sequence[Sequence[bytes]] = []
         self._written_term = 0
         self._written_conditions: dict[bytes, int] = {}
+        # Our promotion's fork and the sequence our updates follow (promoted).
+        self._jump = (0, 0)
         # The writes kept for the winner and its fork (and the time they were
         # kept), turned into SET calls a slice at a time; how far into the
         # first the conversion is; and the calls converted but not yet taken.
@@ -172,11 +174,16 @@ class SplitCore:
 
     # -- roles ---------------------------------------------------------------
 
-    def promoted(self) -> None:
+    def promoted(self, fork: int, own_from: int) -> None:
         """Became active: nothing of an earlier term is kept to settle, and
-        the keys changed since a fork are read afresh."""
+        the keys changed since a fork are read afresh.  ``fork``: the
+        sequence we had applied; ``own_from``: the one our own updates as
+        active follow (the promotion carries on from the highest sequence
+        seen anywhere, so it may jump past the fork: no update of ours lies
+        between the two)."""
         self._written = []
         self._fork_keys = None
+        self._jump = (fork, own_from)
 
     def demoted(self, term: int) -> None:
         """Demoted from active in ``term``: keep what we wrote in it (and the
@@ -386,8 +393,17 @@ class SplitCore:
         the history no longer reaches back that far and the key is absent)."""
         if entry is not None:
             return int.from_bytes(entry[0], "big") > fork
-        cached = self._fork_keys
         history = self.history
+        jumped_from, own_from = self._jump
+        if jumped_from <= fork <= own_from and not history.covers(fork):
+            # Our promotion jumped from the fork to the highest sequence seen
+            # anywhere: we wrote nothing in between, and the history starts
+            # at the jump.  Read from there, or every absent key would be
+            # "changed" and every loser write to a new key a conflict (seen:
+            # a chaos run's confirmed writes to keys only their writer used,
+            # kept as conflicts after a split brain).
+            fork = own_from
+        cached = self._fork_keys
         if cached is None or cached[0] != fork:
             keys: set[bytes] | None = None
             if history.covers(fork):

@@ -233,3 +233,32 @@ def test_updates_parked_before_the_step_down_are_not_the_losers_to_drop() -> Non
     core.on_kvset(_kvset("/k/late", 41), 12.0)
     assert core.drop_pending_since(10.0) == 1
     assert [p.msg.key for p in core.pending.drain()] == ["/k/early"]
+
+
+def test_a_promotion_that_jumped_past_the_fork_still_applies_a_loser_write_to_a_new_key() -> None:
+    """The winner's promotion carries on from the highest sequence it has
+    seen anywhere, so its own updates start past its fork and its history
+    does not reach back to the fork.  A key it never wrote is unchanged
+    since the fork all the same: the loser's write to it is applied, not
+    kept as a conflict (a chaos run: confirmed writes to keys only their
+    writer used ended as conflicts, missing from the final state)."""
+    winner = ServerCore()
+    winner.become_passive()
+    winner.highest_seen = 50  # heard from the peer, never applied here
+    winner.become_active(0.0)
+    fork = winner.promoted_at
+    assert fork == 0 and winner.store.sequence == 50
+    assert kvset(winner, _kvset("/winner/own", 1, b"w"), 1.0) is not None  # sequence 51
+    assert not winner.history.covers(fork)
+    written = [[b"/loser/new", (7).to_bytes(8, "big"), _uuid(2), b"", b"from the loser"]]
+    out = split_writes(written, fork, 2.0)
+    reply = winner.on_call(out.calls[0], 2.0, peer=True, caller=PEER_PRINCIPAL)[0]
+    assert reply is not None and reply.ok, reply
+    assert _value(winner, "/loser/new") == b"from the loser"
+    assert not winner.conflicts.records()
+    # A key the winner did write after the fork is still the winner's.
+    written = [[b"/winner/own", (8).to_bytes(8, "big"), _uuid(3), b"", b"older"]]
+    reply = winner.on_call(split_writes(written, fork, 3.0).calls[0], 3.0, peer=True,
+                           caller=PEER_PRINCIPAL)[0]  # fmt: skip
+    assert reply is not None and reply.status == "conflict"
+    assert _value(winner, "/winner/own") == b"w"
