@@ -402,7 +402,8 @@ class SnapshotSync(AgentState):
                 self.counters.resent += 1
                 actions.append(SendUpdate(p.msg))
         if self._held:
-            self._probe_at = 0.0  # a new sync, maybe a new server: probe at once
+            # A new sync, maybe a new server: probe at once, its own wait.
+            self._probe_at, self._probing_since = 0.0, None
             actions.extend(self._probe(now))
         return actions
 
