@@ -258,7 +258,8 @@ class Clone:
         self.close_report = report
         if report.dropped:
             log.warning(
-                "closing dropped %d unsent write(s) (no server had answered), %d write(s) "
+                "closing dropped %d unsent write(s) (held: no server had answered, or "
+                "republished our first write yet), %d write(s) "
                 "not yet confirmed and %d waiting call(s)",
                 report.unsent_writes,
                 report.unconfirmed_writes,

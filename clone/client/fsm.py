@@ -320,6 +320,7 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
 
         Another server than ours: until its next heartbeat says whether it is
         active, count it as possibly so (writes wait a moment: writes.py)."""
+        self._collector_lost(server)
         if server != self.current and self.state is State.ACTIVE:
             self.note_other_active(now)
         return []
@@ -330,9 +331,17 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
         Only the current server matters; losing another one is just counted.
         """
         self.counters.disconnects += 1
+        self._collector_lost(server)
         if server != self.current:
             return []
         return self.handle(Event.SERVER_DISCONNECTED, server, None, now)
+
+    def _collector_lost(self, server: int) -> None:
+        """The agent disconnects our PUB from a server it lost and connects it
+        again when it hears it: a new connection, whose subscription may come
+        after our next writes, to be proven again (writes.py)."""
+        if self._collector_proven == server:
+            self._collector_proven = None
 
     def tick(self, now: float) -> list[Action]:
         """Let time pass: resends and expired confirmed writes (not table rows:

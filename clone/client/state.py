@@ -185,6 +185,10 @@ class AgentCounters:
     refused_writes: int = 0  # confirmed writes failed by a refusal notice
     split_conflicts: int = 0  # our writes a split brain's heal kept as conflicts
     split_held_writes: int = 0  # writes held while two servers showed themselves active
+    # Writes sent to prove that our PUB reaches the current server's collector
+    # (resent until it republishes one), and the proofs given up on (writes.py).
+    collector_probes: int = 0
+    collector_unproven: int = 0
     # Calls (CALL?/REPLY: compare-and-set, leases): made by the application,
     # sent again (resend_interval, a failover, a completed sync), given up at
     # the caller's deadline, answered "not-active" (kept, sent again later),
@@ -304,6 +308,11 @@ class AgentState:
         # loser may tell us one became a conflict after it was confirmed.
         self._confirmed_lately: dict[bytes, str] = {}
         self._held: list[KVMsg] = []  # writes made before the first snapshot
+        # The server whose collector our PUB is known to reach (it republished
+        # a write we sent it), the next probe, and when probing began (writes.py).
+        self._collector_proven: int | None = None
+        self._probe_at = 0.0
+        self._probing_since: float | None = None
         # When a server other than ours last showed itself active while we were
         # active on ours: two actives, a split brain healing (clone.client.writes).
         self.other_active_at: float | None = None
@@ -398,6 +407,8 @@ class AgentState:
             times.append(self._silence_at)
         if self._reask_at is not None:
             times.append(self._reask_at)
+        if self._held and self.state is State.ACTIVE and self.other_active_at is None:
+            times.append(self._probe_at)  # the next probe, or at once once proven
         if self._held and self.other_active_at is not None:
             times.append(
                 min(
@@ -574,13 +585,49 @@ class AgentState:
         actions.extend(self._confirm_if_pending(msg.uuid, msg.sequence))
         return actions
 
+    def _probe(self, now: float) -> list[Action]:
+        """Send the first held write alone, again every ``resend_interval``
+        (same uuid: servers deduplicate), until the current server
+        republishes it (:meth:`_note_republished`): then our PUB is known to
+        reach its collector, and the rest follow in order.
+
+        A snapshot proves nothing about our PUB: it is another connection,
+        and a PUB drops every message until the collector's subscription has
+        reached it, which on a busy machine can come after the snapshot; the
+        fire-and-forget writes sent meanwhile were lost without a trace.
+        """
+        if self._probing_since is None:
+            self._probing_since = now
+        if now < self._probe_at:
+            return []
+        self._probe_at = now + self.config.resend_interval
+        self.counters.collector_probes += 1
+        return [SendUpdate(self._held[0])]
+
+    def _collector_unproven(self) -> bool:
+        """Whether our writes wait for a probe's proof (clone.client.writes);
+        restricted writes are calls, which need none."""
+        return self.view is None and self._collector_proven != self.current
+
+    def _note_republished(self, uuid: bytes) -> None:
+        """An update from the current server carried ``uuid``: if it is our probe's, our
+        PUB reaches that server's collector; the held writes go at the next
+        tick (at once: :meth:`next_deadline`)."""
+        if uuid and self._collector_unproven() and self._held and self._held[0].uuid == uuid:
+            self._collector_proven = self.current
+            del self._held[0]  # applied already: no need to send it again
+            self._probe_at = 0.0
+            self._probing_since = None
+
     def _mark_published(self, uuid: bytes, sequence: int) -> None:
+        self._note_republished(uuid)
         pending = self._pending.get(uuid) if uuid else None
         if pending is not None:
             pending.published = True
             pending.sequence = sequence
 
     def _confirm_if_pending(self, uuid: bytes, sequence: int) -> list[Action]:
+        self._note_republished(uuid)
         pending = self._pending.pop(uuid, None) if uuid else None
         if pending is not None:
             self._remember_confirmed(uuid, pending.msg.key)

@@ -372,13 +372,27 @@ class SnapshotSync(AgentState):
             if entry is not None and entry[1] == uuid:
                 p.published = True
                 p.sequence = entry[0]
-        flushed, self._held = self._held, []
+        if self._held:
+            probe = self._held[0]
+            entry = current.get(probe.key)
+            if entry is not None and entry[1] == probe.uuid:
+                self._note_republished(probe.uuid)  # our probe is in the new map
+        if self._collector_unproven():
+            # Not yet known to reach this server's collector: the first held
+            # write goes alone, as a probe, the rest when it is seen (writes.py).
+            flushed = []
+            still = {msg.uuid for msg in self._held}
+        else:
+            flushed, self._held = self._held, []
+            still = set()
         actions.extend(SendUpdate(msg) for msg in flushed)
         held_uuids = {msg.uuid for msg in flushed}
         for uuid, p in list(self._pending.items()):
             if p.published:
                 del self._pending[uuid]
                 actions.append(Confirmed(uuid, p.sequence))
+            elif uuid in still:
+                p.next_send = _NEVER  # sent once the collector is proven
             elif uuid in held_uuids or p.by_call:
                 # (A write sent as a call is resent by the calls' own rules.)
                 p.next_send = _NEVER if p.by_call else now + self.config.resend_interval
@@ -387,6 +401,10 @@ class SnapshotSync(AgentState):
                 p.next_send = now + self.config.resend_interval
                 self.counters.resent += 1
                 actions.append(SendUpdate(p.msg))
+        if self._held:
+            # A new sync, maybe a new server: probe at once, its own wait.
+            self._probe_at, self._probing_since = 0.0, None
+            actions.extend(self._probe(now))
         return actions
 
 

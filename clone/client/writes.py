@@ -2,11 +2,16 @@
 
 How this works: a write before the first snapshot is held (a PUB drops what it
 cannot deliver, and until a server has answered us we cannot know that ours
-reaches one).  A confirmed write is remembered by uuid until the current server
-republishes it, and sent again (same uuid: servers deduplicate) every
-``resend_interval`` and after every resync, until it is seen or expires.  These
-are not table rows: a write is a command from the application, not an event
-from a server, and resends are a timer, the same in every state.  A mixin over
+reaches one).  Nor does a snapshot show it: it comes on another connection,
+and our PUB drops writes until the collector's subscription reaches it.  So
+after each sync (and after our PUB reconnects) the first write goes alone, as
+a probe, resent until the current server republishes it, and the writes after
+it are held behind it, in order (:meth:`AgentState._probe`).  A confirmed
+write is remembered by uuid until the current server republishes it, and sent
+again (same uuid: servers deduplicate) every ``resend_interval`` and after
+every resync, until it is seen or expires.  These are not table rows: a write
+is a command from the application, not an event from a server, and resends
+are a timer, the same in every state.  A mixin over
 :class:`~clone.client.state.AgentState`; sans-IO.
 """
 
@@ -50,7 +55,12 @@ class Writes(AgentState):
         Held, not sent: before the first snapshot, and while another server
         than ours shows itself active too (:meth:`split_seen`).
         """
-        held = not self.counters.snapshots or self.split_seen(now)
+        held = (
+            not self.counters.snapshots
+            or self.split_seen(now)
+            or self._collector_unproven()
+            or bool(self._held)  # behind earlier ones: in order
+        )
         if confirm_within is not None:
             if not msg.uuid:
                 raise ValueError("a confirmed write needs a uuid")
@@ -60,7 +70,14 @@ class Writes(AgentState):
             # Until the first snapshot we cannot know that our PUB reaches any
             # collector (a PUB drops what it cannot deliver); hold the writes.
             self._held.append(msg)
-            return []
+            if not self.counters.snapshots:
+                return []
+            # Out at once if nothing holds it but a proof (as the probe, or
+            # released by one): with the frames the frontend built.
+            return [
+                SendUpdate(msg, frames) if a == SendUpdate(msg) else a
+                for a in self._release_held(now)
+            ]
         return [SendUpdate(msg, frames)]
 
     def split_seen(self, now: float) -> bool:
@@ -81,13 +98,35 @@ class Writes(AgentState):
         """Held writes go out once nothing holds them any more (tick)."""
         if self.split_seen(now) or self.state is not State.ACTIVE:
             return []
+        if self._collector_unproven() and not self._give_up_proof(now):
+            return self._probe(now)
         released, self._held = self._held, []
         for msg in released:
             pending = self._pending.get(msg.uuid)
             if pending is not None:
                 pending.next_send = now + self.config.resend_interval
-        self.counters.split_held_writes += len(released)
+        if self.other_active_at is not None:  # (else held for a proof only)
+            self.counters.split_held_writes += len(released)
+        self._probing_since = None
         return [SendUpdate(msg) for msg in released]
+
+    def _give_up_proof(self, now: float) -> bool:
+        """Whether to stop waiting for a probe's republication: a copy the
+        server deduplicated is never republished (its first was, and we missed
+        it), so after ``server_timeout`` the writes go out unproven, as they
+        did before probes, rather than being held for ever."""
+        since = self._probing_since
+        if since is None or now - since < self.config.server_timeout:
+            return False
+        self.counters.collector_unproven += 1
+        log.warning(
+            "no write of ours republished by %s within %.1f s; sending %d held writes anyway",
+            None if self.current is None else self.servers[self.current],
+            self.config.server_timeout,
+            len(self._held),
+        )
+        self._collector_proven = self.current
+        return True
 
     def refused(self, server: int, refusal: Refusal, now: float) -> list[Action]:
         """A refusal notice: fail the confirmed write it names at once.
@@ -102,6 +141,7 @@ class Writes(AgentState):
         if server != self.current:
             self.counters.foreign += 1
             return []
+        self._note_republished(refusal.uuid)  # refused, but it reached the collector
         pending = self._pending.pop(refusal.uuid, None) if refusal.uuid else None
         if pending is None:
             log.debug("server refused a write we do not wait on (%s)", refusal.reason)

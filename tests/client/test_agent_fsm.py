@@ -122,6 +122,18 @@ def synced(servers: int = 2, subtrees: str | list[str] | None = None) -> tuple:
     return fsm, srvs
 
 
+def prove_collector(fsm: AgentFSM, srv: MemoryServer, now: float) -> KVMsg:
+    """A first write after the sync goes alone, as a probe; its update from
+    ``srv`` shows our PUB reaches that server's collector, and the writes
+    after it go out at once."""
+    probe = KVMsg.build("probe", b"p", uuid=new_uuid())
+    assert fsm.write(probe, now, confirm_within=None) == [SendUpdate(probe)]
+    published = srv.apply("probe", b"p", probe.uuid)
+    fsm.update(srv.index, published, now)
+    assert fsm.tick(now) == [] and fsm.held_writes == 0
+    return published
+
+
 def test_table_covers_every_state_and_event() -> None:
     for state, event in itertools.product(State, Event):
         assert (state, event) in TRANSITIONS, (state, event)
@@ -633,14 +645,15 @@ def test_confirmed_write_is_confirmed_when_its_uuid_comes_back() -> None:
 
 
 def test_unconfirmed_write_is_resent_then_given_up() -> None:
-    fsm, _ = synced()
+    fsm, (srv, _) = synced()
+    prove_collector(fsm, srv, 0.5)
     msg = KVMsg.build("k", b"v", uuid=new_uuid())
     fsm.write(msg, 1.0, confirm_within=2.0)
-    fsm.update(0, Hugz(0), 1.2)
+    fsm.update(0, Hugz(srv.seq), 1.2)
     assert fsm.tick(1.4) == []
     assert fsm.tick(1.5) == [SendUpdate(msg)]
     assert fsm.tick(2.0) == [SendUpdate(msg)]
-    fsm.update(0, Hugz(0), 2.5)
+    fsm.update(0, Hugz(srv.seq), 2.5)
     assert fsm.tick(3.0) == []
     assert fsm.pending_writes == 0 and fsm.counters.expired_writes == 1
 
@@ -750,6 +763,57 @@ def test_new_uuid_is_sixteen_bytes() -> None:
     assert len(new_uuid()) == 16
 
 
+def test_writes_after_the_snapshot_wait_until_the_collector_republishes_one() -> None:
+    """CI: a dump lacked /pipe/0000..0177, writes a server never received.  A
+    snapshot comes on another connection than our PUB's, and a PUB drops
+    every message until the collector's subscription reaches it: the first
+    fire-and-forget writes after the sync were lost.  Now the first goes
+    alone, again every resend_interval, and the rest follow it, in order,
+    once the server republished it."""
+    fsm, (srv, _) = synced()
+    first, second, third, fourth = (
+        KVMsg.build(f"/pipe/{i:04d}", b"x", uuid=new_uuid()) for i in range(4)
+    )
+    assert fsm.write(first, 1.0, confirm_within=None) == [SendUpdate(first)]  # the probe
+    assert fsm.write(second, 1.0, confirm_within=None) == []
+    assert fsm.write(third, 1.01, confirm_within=None) == []
+    assert fsm.held_writes == 3
+    assert fsm.next_deadline() == 1.0 + CFG.resend_interval
+    assert fsm.tick(1.2) == []
+    # The PUB dropped it (nothing came back): the probe again, alone.
+    assert fsm.tick(1.5) == [SendUpdate(first)]
+    assert fsm.counters.collector_probes == 2
+    fsm.update(0, srv.apply(first.key, b"x", first.uuid), 1.6)
+    assert fsm.next_deadline() == 0.0
+    assert fsm.tick(1.6) == [SendUpdate(second), SendUpdate(third)]  # not the probe again
+    assert fsm.write(fourth, 1.7, confirm_within=None) == [SendUpdate(fourth)]
+    # Our PUB reconnects to that server's collector: a new link, proven again.
+    fsm.server_disconnected(1, 1.8)  # not the collector we proved: nothing changes
+    assert fsm.write(KVMsg.build("/a", b"1", uuid=new_uuid()), 1.8, confirm_within=None) != []
+    fsm.server_reconnected(0, 1.9)
+    fifth = KVMsg.build("/b", b"1", uuid=new_uuid())
+    sixth = KVMsg.build("/c", b"1", uuid=new_uuid())
+    assert fsm.write(fifth, 1.9, confirm_within=None) == [SendUpdate(fifth)]
+    assert fsm.write(sixth, 1.9, confirm_within=None) == []
+
+
+def test_a_probe_never_republished_stops_holding_writes_after_the_server_timeout() -> None:
+    """A resent probe the server deduplicated is never republished (we missed
+    the first copy's update): the writes go unproven rather than never."""
+    fsm, (srv, _) = synced()
+    probe, held = (KVMsg.build(k, b"x", uuid=new_uuid()) for k in ("/p", "/q"))
+    assert fsm.write(probe, 1.0, confirm_within=None) == [SendUpdate(probe)]
+    assert fsm.write(held, 1.0, confirm_within=None) == []
+    now = 1.0
+    while now < 1.0 + CFG.server_timeout - 0.5:
+        now += 0.5
+        fsm.update(0, Hugz(srv.seq), now)  # alive, but our probe never shows
+        assert fsm.tick(now) == [SendUpdate(probe)]
+    fsm.update(0, Hugz(srv.seq), 1.0 + CFG.server_timeout)
+    assert fsm.tick(1.0 + CFG.server_timeout) == [SendUpdate(probe), SendUpdate(held)]
+    assert fsm.counters.collector_unproven == 1 and fsm.held_writes == 0
+
+
 def test_writes_before_the_first_snapshot_are_held_until_it_completes() -> None:
     fsm = AgentFSM(None, CFG)
     fsm.connect("tcp://a:1", 0.0)
@@ -759,9 +823,15 @@ def test_writes_before_the_first_snapshot_are_held_until_it_completes() -> None:
     assert fsm.write(confirmed, 0.0, confirm_within=5.0) == []
     assert not any(isinstance(a, SendUpdate) for a in fsm.tick(1.0))  # no resend while held
     actions = snapshot_reply(fsm, 0, SnapshotEnd(0), 1.1)
+    # The first goes alone, as the probe of our PUB's link to the collector.
     sends = [a.msg for a in actions if isinstance(a, SendUpdate)]
-    assert sends == [early, confirmed]
-    assert fsm.write(KVMsg.build("c", b"3", uuid=new_uuid()), 1.2, confirm_within=None) != []
+    assert sends == [early]
+    later = KVMsg.build("c", b"3", uuid=new_uuid())
+    assert fsm.write(later, 1.2, confirm_within=None) == []  # behind the probe
+    fsm.update(0, KVMsg("a", 1, early.uuid, (), b"1"), 1.3)
+    assert fsm.next_deadline() == 0.0  # the rest go at once
+    assert fsm.tick(1.3) == [SendUpdate(confirmed), SendUpdate(later)]
+    assert fsm.write(KVMsg.build("d", b"4", uuid=new_uuid()), 1.4, confirm_within=None) != []
 
 
 # --------------------------------------------------------------------------

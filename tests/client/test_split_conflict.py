@@ -19,7 +19,7 @@ from clone.client.state import CONFIRMED_REMEMBERED
 from clone.errors import SplitConflict, WriteRefused
 from clone.wire.codec import Hugz, KVMsg, new_uuid
 from clone.wire.control import Refusal
-from tests.client.test_agent_fsm import MemoryServer, synced
+from tests.client.test_agent_fsm import MemoryServer, prove_collector, synced
 
 
 def _synced() -> tuple[AgentFSM, MemoryServer]:
@@ -78,6 +78,7 @@ def test_the_exception_is_a_write_refused_with_the_key() -> None:
 
 def test_writes_wait_while_two_servers_show_themselves_active() -> None:
     fsm, srv = _synced()  # active on server 0 (CFG: heartbeat 1 s)
+    prove_collector(fsm, srv, 0.5)
     # Server 1's HUGZ says it is active too: a split brain is healing.
     fsm.update(1, Hugz(500, 0.25), 1.0)
     msg = KVMsg.build("/k", b"v", uuid=new_uuid())
@@ -90,7 +91,8 @@ def test_writes_wait_while_two_servers_show_themselves_active() -> None:
     assert SendUpdate(msg) in fsm.tick(3.0)
     assert fsm.counters.split_held_writes == 1
     # Confirmed as usual.
-    assert Confirmed(msg.uuid, 1) in fsm.update(0, srv.apply("/k", b"v", msg.uuid), 3.1)
+    published = srv.apply("/k", b"v", msg.uuid)
+    assert Confirmed(msg.uuid, published.sequence) in fsm.update(0, published, 3.1)
 
 
 def test_two_actives_never_hold_writes_for_long() -> None:
