@@ -132,9 +132,11 @@ def test_a_request_needing_a_slot_evicts_an_unroutable_stream(
     peer.use_snapshot_server(srv.config.port)  # asks again on a fresh socket
     snap = peer.snapshot(timeout=10)
     assert len(snap.entries) == KEYS
+    # The server's thread counts the stream served after its last send: the
+    # peer may have read the whole snapshot first (seen in CI, under load).
+    eventually(lambda: srv.counters["snapshots_served"] == 1, 10, "the stream counted served")
     assert srv.counters["snapshots_aborted"] == 1
     assert srv.counters["snapshots_refused"] == 0
-    assert srv.counters["snapshots_served"] == 1
 
 
 def test_a_request_is_seen_while_a_stream_is_unroutable(
