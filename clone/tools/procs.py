@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import logging
 import os
 import random
@@ -103,13 +104,30 @@ def _load_prctl() -> None:
             _prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
 
 
-def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+def _set_pdeathsig(sig: int) -> None:  # runs in the child between fork and exec
     with contextlib.suppress(Exception):
         if _prctl is not None:
-            _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-        else:
-            libc = ctypes.CDLL("libc.so.6", use_errno=True)
-            libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+            _prctl(_PR_SET_PDEATHSIG, int(sig))
+
+
+def with_pdeathsig(
+    argv: list[str], sig: signal.Signals = signal.SIGKILL
+) -> tuple[list[str], Callable[[], None] | None]:
+    """``argv`` made to die with us: through util-linux's ``setpriv``, else a
+    ``preexec_fn``.
+
+    ``setpriv`` first: a ``preexec_fn`` runs Python in the child between fork
+    and exec, which the ``subprocess`` docs call unsafe in a threaded parent
+    (the suite's workers run client and zmq threads); a child stuck there
+    leaves ``Popen`` waiting for its exec forever (a CI run's test hung past
+    its 180 s timeout while starting a server).  ``setpriv`` sets the signal
+    and execs, so the pid is the program's own.
+    """
+    setpriv = shutil.which("setpriv")
+    if setpriv is not None:
+        return [setpriv, "--pdeathsig", sig.name.removeprefix("SIG"), "--", *argv], None
+    _load_prctl()
+    return argv, functools.partial(_set_pdeathsig, sig)
 
 
 def python_module_argv(module: str, *args: str) -> list[str]:
@@ -224,20 +242,22 @@ class ManagedProcess:
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.starts += 1
         pdeathsig = self.die_with_parent and sys.platform.startswith("linux")
+        argv = self.argv
+        preexec: Callable[[], None] | None = None
         if pdeathsig:
-            _load_prctl()
+            argv, preexec = with_pdeathsig(argv)
         with open(self.log_path, "ab") as logf:
             stamp = time.strftime("%H:%M:%S")
             logf.write(f"=== {stamp} start #{self.starts}: {' '.join(self.argv)}\n".encode())
             logf.flush()
             self.popen = subprocess.Popen(
-                self.argv,
+                argv,
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
                 stderr=subprocess.STDOUT,
                 env=env,
                 cwd=self.cwd,
-                preexec_fn=_set_pdeathsig if pdeathsig else None,
+                preexec_fn=preexec,
             )
         self.frozen = False
         log.debug("started %s pid %d: %s", self.name, self.popen.pid, self.argv)

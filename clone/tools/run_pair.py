@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import os
 import selectors
@@ -52,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
 
+from clone.tools.procs import with_pdeathsig
 from clone.wire.protocol import (
     DEFAULT_BACKUP_HA_PORT,
     DEFAULT_BACKUP_PORT,
@@ -84,7 +84,6 @@ _EXIT_START_FAILED = 3
 _EXIT_GAVE_UP = 1
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-_PR_SET_PDEATHSIG = 1
 # Flags the supervisor sets itself for each server; passing them through would
 # give both servers the same role or the same ports.
 # --data-dir too: two servers must not share one (--data-root moves both).
@@ -225,14 +224,6 @@ def _describe_exit(returncode: int) -> str:
         except ValueError:
             return f"killed by signal {-returncode}"
     return f"exit status {returncode}"
-
-
-def _child_setup() -> None:  # runs in the child between fork and exec
-    # A supervisor killed with -9 cannot stop its servers; the kernel does it.
-    # SIGTERM, not SIGKILL: the server then closes its sockets cleanly.
-    with contextlib.suppress(Exception):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -401,11 +392,17 @@ class PairSupervisor:
     def _start(self, member: _Member, *, restart: bool) -> None:
         member.restart_at = None
         member.started_at = self.clock()
+        argv, preexec = member.argv, None
+        if sys.platform.startswith("linux"):
+            # A supervisor killed with -9 cannot stop its servers; the kernel
+            # does it.  SIGTERM, not SIGKILL: the server then closes its
+            # sockets cleanly.
+            argv, preexec = with_pdeathsig(member.argv, signal.SIGTERM)
         member.popen = subprocess.Popen(
-            member.argv,
+            argv,
             stdin=subprocess.DEVNULL,
             stderr=subprocess.PIPE,  # passed on by _wait, which keeps the last line
-            preexec_fn=_child_setup if sys.platform.startswith("linux") else None,
+            preexec_fn=preexec,
         )
         assert member.popen.stderr is not None
         os.set_blocking(member.popen.stderr.fileno(), False)

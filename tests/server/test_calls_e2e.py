@@ -165,6 +165,11 @@ def test_the_passive_refuses_and_the_new_active_knows_the_lease(
     assert call(ctx, primary, OP_SET, "/svc/x", b"1", lease=lease).ok
     refused = call(ctx, backup, OP_SET, "/svc/y", b"1", if_sequence="0")
     assert refused.reason == "not-active"
+    # Mirroring is asynchronous: a kill -9 before the backup has the grant
+    # loses it (seen in CI, 30 ms after the set).  This test is about the
+    # backup knowing a lease it mirrored, so wait for it to follow first.
+    top = read_stats(primary)["sequence"]
+    eventually(lambda: read_stats(backup)["sequence"] == top, 10, "the backup to follow")
     primary.kill9()
     # The backup takes over when a client votes for it (a snapshot request).
     assert answers_icanhaz(backup.port, 10.0, b"")
