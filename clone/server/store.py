@@ -180,6 +180,12 @@ class Store:
         held = self._map.get(raw_key)
         return None if held is None else _unpack(held)
 
+    def packed(self, raw_key: bytes) -> bytes | None:
+        """The packed bytes held for ``raw_key``, if it is held packed: for the
+        history to share rather than copy (:mod:`clone.server.history`)."""
+        held = self._map.get(raw_key)
+        return held if type(held) is bytes else None
+
     def entries(self, raw_keys: Sequence[bytes]) -> list[Entry | None]:
         """:meth:`entry` for many keys at once, in C (a batched snapshot's lookup)."""
         found = list(map(self._map.get, raw_keys))
