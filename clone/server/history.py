@@ -46,7 +46,7 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 from math import inf
 
@@ -203,10 +203,18 @@ class History:
         self._base = sequence
         self._anchored = True
 
-    def load(self, rows: Iterable[tuple[Sequence[bytes], int, float]]) -> None:
-        """Append the database log's rows ``(frames, term, at)``, oldest first."""
+    def load(
+        self,
+        rows: Iterable[tuple[Sequence[bytes], int, float]],
+        packed_of: Callable[[bytes], bytes | None] | None = None,
+    ) -> None:
+        """Append the database log's rows ``(frames, term, at)``, oldest first.
+
+        ``packed_of``: the store's packed entry of a key (``Store.packed``), to
+        share as :meth:`append` does (a restart's history then costs what a
+        running server's does)."""
         for frames, term, _at in rows:
-            self.append(frames, term)
+            self.append(frames, term, None if packed_of is None else packed_of(frames[0]))
 
     # ----------------------------------------------------------------------
     # Queries

@@ -313,3 +313,20 @@ def test_an_update_the_store_holds_packed_is_shared_and_read_back_as_frames() ->
     assert store.packed(b"/p") is None
     h.append(frames, term=8, packed=None)
     assert h.since(6) == [tuple(frames)] and h.sequence_of(b"\x0a" * 16) == 7
+
+
+def test_load_shares_the_store_packed_entries_when_given_them() -> None:
+    """A restart: the log's rows become the history, sharing the store's packed
+    entries (of the keys whose stored entry is that very update)."""
+    from clone.server.store import Store
+    from clone.wire.codec import KVMsg
+
+    store = Store()
+    rows = [(store.apply(KVMsg(f"/k{i % 3}", 0, bytes([i]) * 16, (), b"v"), 0.0), 1, 0.0)
+            for i in range(1, 7)]
+    h = History(100, 1 << 20)
+    h.load(rows, store.packed)
+    assert h.since(0) == [tuple(frames) for frames, _, _ in rows]
+    shared = [held for held in h._updates if len(held) == 2]
+    assert [held[0] for held in shared] == [b"/k1", b"/k2", b"/k0"]  # the last write of each
+    assert all(held[1] is store.packed(held[0]) for held in shared)
