@@ -47,8 +47,9 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from itertools import islice
+from itertools import islice, repeat
 from math import inf
+from operator import itemgetter
 
 __all__ = ["History"]
 
@@ -77,6 +78,25 @@ def _frames(held: _Held) -> _Frames:
         key, packed = held
         return (key, packed[:8], packed[8:24], b"", packed[24:])
     return held
+
+
+_KEY = itemgetter(0)
+_PACKED_OF = itemgetter(1)
+_SEQ = itemgetter(slice(0, 8))
+_UUID = itemgetter(slice(8, 24))
+_BODY = itemgetter(slice(24, None))
+
+
+def _frames_of(held: list[_Held]) -> list[_Frames]:
+    """:func:`_frames` of many: in C when all are packed (the usual case: a
+    catch-up or a demotion may read 100,000 of them, 0.15-0.3 s one by one
+    in Python on a loaded machine)."""
+    if set(map(len, held)) != {_PACKED}:
+        return list(map(_frames, held))
+    packed = list(map(_PACKED_OF, held))
+    return list(
+        zip(map(_KEY, held), map(_SEQ, packed), map(_UUID, packed), repeat(b""), map(_BODY, packed))
+    )
 
 
 def _uuid(held: _Held) -> bytes:
@@ -260,9 +280,9 @@ class History:
         if not self.covers(seq):
             raise ValueError(f"history ({self._base}, {self.last}] does not cover {seq}")
         count = self._base + len(self._updates) - seq
-        out = list(map(_frames, islice(reversed(self._updates), count)))
-        out.reverse()
-        return out
+        held = list(islice(reversed(self._updates), count))
+        held.reverse()
+        return _frames_of(held)
 
     def sequence_of(self, uuid: _Uuid) -> int | None:
         """The sequence of the newest held update with ``uuid``, if any: O(1)."""
@@ -273,15 +293,15 @@ class History:
         """The held updates recorded under ``term``, oldest first: what a
         server wrote while active in it (a demoted one's split-brain writes
         are among them)."""
-        out: list[_Frames] = []
+        out: list[_Held] = []
         terms, updates, base = self._terms, self._updates, self._base
         for i, (start, t) in enumerate(terms):
             if t != term:
                 continue
             end = terms[i + 1][0] if i + 1 < len(terms) else base + len(updates) + 1
             lo, hi = max(start - base - 1, 0), max(end - base - 1, 0)
-            out.extend(map(_frames, islice(updates, lo, hi)))
-        return out
+            out.extend(islice(updates, lo, hi))
+        return _frames_of(out)
 
     def entry(self, seq: int) -> _Entry | None:
         """The update at ``seq`` and its term, or None if not held."""
