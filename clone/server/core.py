@@ -570,7 +570,8 @@ class ServerCore:
 
     def _record(self, frames: list[bytes]) -> None:
         """An update was applied: into the history and the journal."""
-        self.history.append(frames, self.term)
+        # The store's packed entry, when it holds this update so: shared, not copied.
+        self.history.append(frames, self.term, self.store.packed(frames[0]))
         self.journal.update(frames)
 
     # -- a restart -----------------------------------------------------------

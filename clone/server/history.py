@@ -28,6 +28,14 @@ server for a minute).  It changes only where the ring does: an append adds
 eviction removes the entry if it still names the evicted update, a restart or
 reset clears it.  Sans-IO: no sockets, no clock, no database.
 
+An update the store holds packed (:mod:`clone.server.store`: no properties,
+a 16-byte uuid) is held here as ``(key, packed)``, the store's own ``bytes``
+object, and turned back into its five frames when read: at 100,000 keys the
+default history holds one update per key, and its own sequence, uuid and
+value objects cost about 200 bytes per key next to the store's packed copy
+(issue 27, the memory per key).  When the key is written again the store
+lets go of the old packed object and the history keeps it alone.
+
 The term each update was written under is kept as runs, ``(first sequence,
 term)`` per change of term, not beside each update: terms change once per
 failover, and a ``(frames, term)`` pair per held update cost 64 bytes each,
@@ -38,9 +46,10 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Iterable, Sequence
-from itertools import islice
+from collections.abc import Callable, Iterable, Sequence
+from itertools import islice, repeat
 from math import inf
+from operator import itemgetter
 
 __all__ = ["History"]
 
@@ -51,10 +60,51 @@ _UPDATE_FRAMES = 5
 # the loop during a split brain's heal, on a loaded machine.
 _Frames = tuple[bytes, ...]
 _Entry = tuple[_Frames, int]  # an update's frames and the term it was written under
+# What is held per update: its frames, or (key, packed) -- the store's packed
+# entry: sequence (8), uuid (16), body; no properties.
+_Held = tuple[bytes, ...]
+_PACKED = 2
 
 
-def _size(frames: Sequence[bytes]) -> int:
-    return len(frames[0]) + len(frames[1]) + len(frames[2]) + len(frames[3]) + len(frames[4])
+def _size(held: Sequence[bytes]) -> int:
+    if len(held) == _PACKED:
+        return len(held[0]) + len(held[1])
+    return len(held[0]) + len(held[1]) + len(held[2]) + len(held[3]) + len(held[4])
+
+
+def _frames(held: _Held) -> _Frames:
+    """An update's five frames from what is held for it."""
+    if len(held) == _PACKED:
+        key, packed = held
+        return (key, packed[:8], packed[8:24], b"", packed[24:])
+    return held
+
+
+_KEY = itemgetter(0)
+_PACKED_OF = itemgetter(1)
+_SEQ = itemgetter(slice(0, 8))
+_UUID = itemgetter(slice(8, 24))
+_BODY = itemgetter(slice(24, None))
+
+
+def _frames_of(held: list[_Held]) -> list[_Frames]:
+    """:func:`_frames` of many: in C when all are packed (the usual case: a
+    catch-up or a demotion may read 100,000 of them, 0.15-0.3 s one by one
+    in Python on a loaded machine)."""
+    if set(map(len, held)) != {_PACKED}:
+        return list(map(_frames, held))
+    packed = list(map(_PACKED_OF, held))
+    return list(
+        zip(map(_KEY, held), map(_SEQ, packed), map(_UUID, packed), repeat(b""), map(_BODY, packed))
+    )
+
+
+def _uuid(held: _Held) -> bytes:
+    return held[1][8:24] if len(held) == _PACKED else held[2]
+
+
+def _seq_frame(held: _Held) -> bytes:
+    return held[1][:8] if len(held) == _PACKED else held[1]
 
 
 _Uuid = bytes  # the class below has a property named bytes
@@ -82,7 +132,7 @@ class History:
             raise ValueError(f"max_bytes must be at least 1, not {max_bytes}")
         self._max_updates = max_updates
         self._max_bytes = max_bytes
-        self._updates: deque[_Frames] = deque()
+        self._updates: deque[_Held] = deque()
         # (first sequence, term) at each change of term, oldest first; the
         # first run may start before the oldest held update (evicted below it).
         self._terms: list[tuple[int, int]] = []
@@ -92,18 +142,21 @@ class History:
         # first update is accepted without counting a restart.
         self._anchored = False
         self._bytes = 0
-        # uuid -> the sequence of the newest held update with it.
-        self._index: dict[_Uuid, _Frames] = {}
+        # uuid -> the newest held update with it (its sequence is in it).
+        self._index: dict[_Uuid, _Held] = {}
         #: Times the history was cleared because an update did not follow.
         self.restarts = 0
 
     # ----------------------------------------------------------------------
     # Changes
 
-    def append(self, frames: Sequence[bytes], term: int) -> None:
+    def append(self, frames: Sequence[bytes], term: int, packed: bytes | None = None) -> None:
         """Add the update ``frames`` (a KVPUB's 5 frames) written under ``term``.
 
-        The history keeps a tuple of the frames (a tuple given is kept as is).
+        The history keeps a tuple of the frames (a tuple given is kept as is),
+        or ``(key, packed)`` when ``packed`` is the store's packed form of this
+        very update (checked: no properties, its length, sequence and uuid; a
+        sequence names one update).
         """
         if len(frames) != _UPDATE_FRAMES or len(frames[1]) != 8:
             raise ValueError("an update is 5 frames with an 8-byte sequence")
@@ -120,13 +173,23 @@ class History:
             self._bytes = 0
             self._base = seq - 1
         self._anchored = True
-        stored = frames if type(frames) is tuple else tuple(frames)
+        stored: _Held
+        if (
+            packed is not None
+            and not frames[3]
+            and len(packed) == 24 + len(frames[4])
+            and packed.startswith(frames[1])
+            and packed[8:24] == frames[2]
+        ):
+            stored = (frames[0], packed)
+        else:
+            stored = frames if type(frames) is tuple else tuple(frames)
         updates.append(stored)
         terms = self._terms
         if not terms or terms[-1][1] != term:
             terms.append((seq, term))
         index = self._index
-        index[stored[2]] = stored
+        index[frames[2]] = stored
         self._bytes += _size(stored)
         # Evict the oldest, but never the newest: it anchors the next append.
         while len(updates) > 1 and (
@@ -136,8 +199,9 @@ class History:
             self._bytes -= _size(old)
             self._base += 1
             # A newer update with the same uuid keeps its entry.
-            if index.get(old[2]) is old:
-                del index[old[2]]
+            uuid = _uuid(old)
+            if index.get(uuid) is old:
+                del index[uuid]
         # Runs wholly below the oldest held update are no one's any more.
         first = self._base + 1
         if len(terms) > 1 and terms[1][0] <= first:
@@ -159,10 +223,18 @@ class History:
         self._base = sequence
         self._anchored = True
 
-    def load(self, rows: Iterable[tuple[Sequence[bytes], int, float]]) -> None:
-        """Append the database log's rows ``(frames, term, at)``, oldest first."""
+    def load(
+        self,
+        rows: Iterable[tuple[Sequence[bytes], int, float]],
+        packed_of: Callable[[bytes], bytes | None] | None = None,
+    ) -> None:
+        """Append the database log's rows ``(frames, term, at)``, oldest first.
+
+        ``packed_of``: the store's packed entry of a key (``Store.packed``), to
+        share as :meth:`append` does (a restart's history then costs what a
+        running server's does)."""
         for frames, term, _at in rows:
-            self.append(frames, term)
+            self.append(frames, term, None if packed_of is None else packed_of(frames[0]))
 
     # ----------------------------------------------------------------------
     # Queries
@@ -208,20 +280,20 @@ class History:
         if not self.covers(seq):
             raise ValueError(f"history ({self._base}, {self.last}] does not cover {seq}")
         count = self._base + len(self._updates) - seq
-        out = list(islice(reversed(self._updates), count))
-        out.reverse()
-        return out
+        held = list(islice(reversed(self._updates), count))
+        held.reverse()
+        return _frames_of(held)
 
     def sequence_of(self, uuid: _Uuid) -> int | None:
         """The sequence of the newest held update with ``uuid``, if any: O(1)."""
-        frames = self._index.get(uuid)
-        return None if frames is None else int.from_bytes(frames[1], "big")
+        held = self._index.get(uuid)
+        return None if held is None else int.from_bytes(_seq_frame(held), "big")
 
     def written_under(self, term: int) -> list[_Frames]:
         """The held updates recorded under ``term``, oldest first: what a
         server wrote while active in it (a demoted one's split-brain writes
         are among them)."""
-        out: list[_Frames] = []
+        out: list[_Held] = []
         terms, updates, base = self._terms, self._updates, self._base
         for i, (start, t) in enumerate(terms):
             if t != term:
@@ -229,12 +301,12 @@ class History:
             end = terms[i + 1][0] if i + 1 < len(terms) else base + len(updates) + 1
             lo, hi = max(start - base - 1, 0), max(end - base - 1, 0)
             out.extend(islice(updates, lo, hi))
-        return out
+        return _frames_of(out)
 
     def entry(self, seq: int) -> _Entry | None:
         """The update at ``seq`` and its term, or None if not held."""
         index = seq - self._base - 1
         if 0 <= index < len(self._updates):
             terms = self._terms
-            return self._updates[index], terms[bisect_right(terms, (seq, inf)) - 1][1]
+            return _frames(self._updates[index]), terms[bisect_right(terms, (seq, inf)) - 1][1]
         return None

@@ -8,6 +8,13 @@ key frame and each value is an :data:`Entry`, a tuple of four ``bytes``
 (sequence, uuid, properties, body).  Tuples of bytes are untracked by Python's
 garbage collector, so a million keys add nothing to a full GC pass (a million
 ``KVMsg`` objects made one take 0.16 s, long enough to delay a heartbeat).
+
+Held packed (issue 27, the memory per key): the map keeps the common entry, no
+properties and a 16-byte uuid, as *one* ``bytes`` of sequence, uuid and body
+(a 100-byte value: 157 bytes, against 72 for the tuple plus 41, 49 and 133 for
+its three objects), and any other entry as its tuple.  Reads hand out the
+:data:`Entry` tuple as before, sliced from the packed bytes (a batch of them in
+C); what callers see did not change.
 Two ways in:
 
 * :meth:`Store.apply` -- the active server's path.  A client's KVSET gets the
@@ -31,6 +38,9 @@ seconds, passed in.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from itertools import repeat
+from operator import itemgetter
+from typing import TypeAlias, cast
 
 from clone.errors import LimitExceeded, ProtocolError, StoreFull
 from clone.server.ttl import ExpiryHeap, format_expires, parse_ttl, with_ttl_left
@@ -46,6 +56,43 @@ Entry = tuple[bytes, bytes, bytes, bytes]
 #: An entry as it goes out in a snapshot or catch-up to a peer server, given
 #: its raw key (:meth:`Store.served` with the clock read at the time).
 Served = Callable[[bytes, Entry], Entry]
+
+
+#: What the map holds for a key: an :data:`Entry` packed into one ``bytes``
+#: (sequence, uuid, body: no properties, a 16-byte uuid) or, otherwise, as is.
+_Held: TypeAlias = bytes | Entry
+
+# The columns of packed entries, sliced in C (itemgetter of a slice).
+_SEQ = itemgetter(slice(0, 8))
+_UUID = itemgetter(slice(8, 24))
+_BODY = itemgetter(slice(24, None))
+_PACKED_UUID = 16
+
+
+def _pack(entry: Entry) -> _Held:
+    """The form the map holds ``entry`` in (see the module docstring)."""
+    seq, uuid, props, body = entry
+    if props or len(uuid) != _PACKED_UUID or len(seq) != 8:
+        return entry
+    return b"".join((seq, uuid, body))
+
+
+def _unpack(held: _Held) -> Entry:
+    if isinstance(held, bytes):
+        return (held[:8], held[8:24], b"", held[24:])
+    return held
+
+
+def _held_seq(held: _Held) -> bytes:
+    """The sequence frame of a held entry."""
+    return held[:8] if isinstance(held, bytes) else held[0]
+
+
+def _held_size(held: _Held) -> int:
+    """Bytes of a held entry's frames (sequence, uuid, properties, body)."""
+    if isinstance(held, bytes):
+        return len(held)
+    return len(held[0]) + len(held[1]) + len(held[2]) + len(held[3])
 
 
 def _has_prop(props: Properties, name: str) -> str | None:
@@ -99,7 +146,7 @@ class Store:
     )
 
     def __init__(self, sequence: int = 0, *, max_keys: int = 0, max_bytes: int = 0) -> None:
-        self._map: dict[bytes, Entry] = {}
+        self._map: dict[bytes, _Held] = {}
         self._expiry: ExpiryHeap[bytes] = ExpiryHeap()
         self.sequence = sequence
         # The key of the newest write (see last_update); checked against its
@@ -127,16 +174,28 @@ class Store:
 
     def get(self, key: str) -> KVMsg | None:
         """The stored message for ``key``, decoded (not for hot paths), or None."""
-        entry = self._map.get(key.encode("utf-8"))
-        return None if entry is None else _msg_of(key, entry)
+        held = self._map.get(key.encode("utf-8"))
+        return None if held is None else _msg_of(key, _unpack(held))
 
     def entry(self, raw_key: bytes) -> Entry | None:
         """The stored frames for a raw key frame: what a snapshot sends."""
-        return self._map.get(raw_key)
+        held = self._map.get(raw_key)
+        return None if held is None else _unpack(held)
+
+    def packed(self, raw_key: bytes) -> bytes | None:
+        """The packed bytes held for ``raw_key``, if it is held packed: for the
+        history to share rather than copy (:mod:`clone.server.history`)."""
+        held = self._map.get(raw_key)
+        return held if type(held) is bytes else None
 
     def entries(self, raw_keys: Sequence[bytes]) -> list[Entry | None]:
         """:meth:`entry` for many keys at once, in C (a batched snapshot's lookup)."""
-        return list(map(self._map.get, raw_keys))
+        found = list(map(self._map.get, raw_keys))
+        if set(map(type, found)) == {bytes}:
+            # All packed (the usual batch): the columns sliced and zipped in C.
+            packed = cast(list[bytes], found)
+            return list(zip(map(_SEQ, packed), map(_UUID, packed), repeat(b""), map(_BODY, packed)))
+        return [None if held is None else _unpack(held) for held in found]
 
     def keys(self) -> list[str]:
         """The keys as text, in insertion order (for tests and tools)."""
@@ -161,19 +220,20 @@ class Store:
         key = self._last_key
         if key is None:
             return None
-        entry = self._map.get(key)
-        if entry is None or int.from_bytes(entry[0], "big") != self.sequence:
+        held = self._map.get(key)
+        if held is None or int.from_bytes(_held_seq(held), "big") != self.sequence:
             return None
-        return [key, *entry]
+        return [key, *_unpack(held)]
 
     def entries_with_properties_or_prefix(self, prefix: bytes) -> list[tuple[bytes, Entry]]:
         """The entries with properties, or whose key starts with ``prefix``: a
         promotion's scan for leases and the keys bound to them (one pass in C
         over the map; most entries have no properties)."""
+        # Packed entries have no properties: only tuples can have them.
         return [
-            (key, entry)
-            for key, entry in self._map.items()
-            if entry[2] or key.startswith(prefix)
+            (key, _unpack(held))
+            for key, held in self._map.items()
+            if (not isinstance(held, bytes) and held[2]) or key.startswith(prefix)
         ]
 
     def deadline(self, key: str) -> float | None:
@@ -200,7 +260,7 @@ class Store:
         if deadline is None:
             return entry
         stored = self._map.get(raw_key)
-        if stored is None or stored[0] != entry[0]:
+        if stored is None or _held_seq(stored) != entry[0]:
             return entry
         props = with_ttl_left(entry[2], deadline - now)
         return entry if props is None else (entry[0], entry[1], props, entry[3])
@@ -310,7 +370,7 @@ class Store:
                 )
             grows = size
         else:
-            grows = size - (len(key) + sum(map(len, old)))
+            grows = size - (len(key) + _held_size(old))
         if self.max_bytes and grows > 0 and self.nbytes + grows > self.max_bytes:
             raise StoreFull(
                 f"the store holds {self.nbytes} bytes; {grows} more for key {key[:80]!r}"
@@ -328,7 +388,7 @@ class Store:
             old = self._map.pop(key, None)
             if old is None:
                 continue
-            self.nbytes -= len(key) + sum(map(len, old))
+            self.nbytes -= len(key) + _held_size(old)
             self.sequence += 1
             out.append(KVMsg(key.decode("utf-8"), self.sequence))
         return out
@@ -357,17 +417,17 @@ class Store:
         ephemeral entry expires at its deadline in ``deadlines`` (monotonic, by
         key: when it was received plus the time it had left) or else its
         ``ttl`` after ``now``: a state loaded from disk gives every such key its
-        stored ``ttl`` again from the start.
+        stored ``ttl`` again from the start.  The entries are packed in place.
         """
-        self._map = entries
-        self.sequence = sequence
-        self.nbytes = sum(map(len, entries)) + sum(
-            len(a) + len(b) + len(c) + len(d) for a, b, c, d in entries.values()
-        )
         due: dict[bytes, float] = {}
         last = sequence.to_bytes(8, "big")
         self._last_key = None
+        nbytes = sum(map(len, entries))
+        held_map = cast(dict[bytes, _Held], entries)
         for key, entry in entries.items():
+            nbytes += len(entry[0]) + len(entry[1]) + len(entry[2]) + len(entry[3])
+            # Replacing a value while iterating is safe: the dict's size does not change.
+            held_map[key] = _pack(entry)
             if entry[0] == last:
                 self._last_key = key
             props = entry[2]
@@ -377,15 +437,18 @@ class Store:
                     if deadlines is not None:
                         deadline = deadlines.get(key, deadline)
                     due[key] = deadline
+        self._map = held_map
+        self.sequence = sequence
+        self.nbytes = nbytes
         self._expiry.rebuild(due)
 
     def _put(self, key: bytes, entry: Entry, deadline: float | None) -> None:
         old = self._map.get(key)
         if old is not None:
-            self.nbytes -= len(key) + len(old[0]) + len(old[1]) + len(old[2]) + len(old[3])
+            self.nbytes -= len(key) + _held_size(old)
         if entry[3]:
             self.nbytes += len(key) + len(entry[0]) + len(entry[1]) + len(entry[2]) + len(entry[3])
-            self._map[key] = entry
+            self._map[key] = _pack(entry)
             if deadline is not None:
                 self._expiry.schedule(key, deadline)
             elif self._expiry:

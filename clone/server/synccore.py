@@ -247,7 +247,7 @@ class SyncCore:
         self.store.replace(entries, sequence, mono)
         if history:
             self.history.reset(int.from_bytes(history[0][0][1], "big") - 1)
-            self.history.load(history)
+            self.history.load(history, self.store.packed)
         if self.history.last != sequence:
             # A log that does not end at the state's sequence describes some
             # other state: serve no catch-up from it.

@@ -280,3 +280,53 @@ def test_terms_are_runs_and_follow_eviction_and_restarts() -> None:
     assert h._terms == [(20, 5)] and h.entry(20)[1] == 5  # type: ignore[index]
     h.reset(30)
     assert h._terms == [] and h.written_under(5) == []
+
+
+def test_an_update_the_store_holds_packed_is_shared_and_read_back_as_frames() -> None:
+    """Issue 27: with the store's packed entry, the history holds (key, packed)
+    and hands out the same five frames as if it had held them."""
+    from clone.server.store import Store
+    from clone.wire.codec import KVMsg
+
+    store = Store()
+    h = History(3, 1 << 20)
+    sent = []
+    for i in range(1, 6):
+        uuid = bytes([i]) * 16
+        frames = store.apply(KVMsg(f"/k{i % 2}", 0, uuid, (), b"v%d" % i), 0.0)
+        packed = store.packed(frames[0])
+        assert packed is not None
+        h.append(frames, term=7, packed=packed)
+        sent.append(tuple(frames))
+        assert h.bytes == sum(map(size, sent[-3:]))
+    assert h._updates[-1][1] is store.packed(b"/k1")  # the store's object, not a copy
+    assert h.since(2) == sent[2:]
+    assert h.entry(4) == (sent[3], 7) and h.written_under(7) == sent[2:]
+    assert [h.sequence_of(bytes([i]) * 16) for i in range(1, 6)] == [None, None, 3, 4, 5]
+    # A packed form that is not this update's (an older write of the key) is not used.
+    old = store.packed(b"/k0")
+    frames = store.apply(KVMsg("/k0", 0, b"\x09" * 16, (), b"new"), 0.0)
+    h.append(frames, term=7, packed=old)
+    assert len(h._updates[-1]) == 5 and h.since(5) == [tuple(frames)]
+    # With properties: never packed.
+    frames = store.apply(KVMsg("/p", 0, b"\x0a" * 16, (("a", "1"),), b"x"), 0.0)
+    assert store.packed(b"/p") is None
+    h.append(frames, term=8, packed=None)
+    assert h.since(6) == [tuple(frames)] and h.sequence_of(b"\x0a" * 16) == 7
+
+
+def test_load_shares_the_store_packed_entries_when_given_them() -> None:
+    """A restart: the log's rows become the history, sharing the store's packed
+    entries (of the keys whose stored entry is that very update)."""
+    from clone.server.store import Store
+    from clone.wire.codec import KVMsg
+
+    store = Store()
+    rows = [(store.apply(KVMsg(f"/k{i % 3}", 0, bytes([i]) * 16, (), b"v"), 0.0), 1, 0.0)
+            for i in range(1, 7)]
+    h = History(100, 1 << 20)
+    h.load(rows, store.packed)
+    assert h.since(0) == [tuple(frames) for frames, _, _ in rows]
+    shared = [held for held in h._updates if len(held) == 2]
+    assert [held[0] for held in shared] == [b"/k1", b"/k2", b"/k0"]  # the last write of each
+    assert all(held[1] is store.packed(held[0]) for held in shared)

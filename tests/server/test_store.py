@@ -166,8 +166,46 @@ def test_stored_entries_are_not_tracked_by_the_garbage_collector() -> None:
     store = Store()
     msg = _set("k")
     store.apply(msg, now=0.0, frames=encode_kv(msg))
+    store.apply(_set("p", props=(("x", "1"),)), now=0.0)  # held as its tuple
     gc.collect()
-    assert not gc.is_tracked(store.entry(b"k"))
+    # What the map holds (packed bytes, or an untracked tuple of bytes).
+    assert not any(map(gc.is_tracked, store._map.values()))
+
+
+def _entry(seq: int, uuid: bytes = U1, props: bytes = b"", body: bytes = b"v") -> tuple[bytes, ...]:
+    return (seq.to_bytes(8, "big"), uuid, props, body)
+
+
+def test_entries_read_back_the_same_whether_held_packed_or_not() -> None:
+    """Issue 27: entries without properties and with a 16-byte uuid are held as
+    one bytes; every read hands out the same Entry as the tuple form would."""
+    plain = _entry(1, body=b"x" * 100)
+    with_props = _entry(2, props=b"a=1\n")
+    short_uuid = _entry(3, uuid=b"")
+    store = Store()
+    store.replace({b"/a": plain, b"/b": with_props, b"/c": short_uuid}, 3)  # type: ignore[dict-item]
+    assert isinstance(store._map[b"/a"], bytes) and len(store._map[b"/a"]) == 8 + 16 + 100
+    assert isinstance(store._map[b"/b"], tuple) and isinstance(store._map[b"/c"], tuple)
+    assert store.entry(b"/a") == plain and store.entry(b"/b") == with_props
+    assert store.entries([b"/a", b"/a"]) == [plain, plain]  # all packed: the C path
+    assert store.entries([b"/a", b"/x", b"/b", b"/c"]) == [plain, None, with_props, short_uuid]
+    assert store.entries([]) == []
+    assert store.last_update() == [b"/c", *short_uuid]
+    assert store.entries_with_properties_or_prefix(b"/a") == [(b"/a", plain), (b"/b", with_props)]
+    assert store.nbytes == sum(len(k) + sum(map(len, e)) for k, e in
+                               [(b"/a", plain), (b"/b", with_props), (b"/c", short_uuid)])
+    # Overwrite packed with a tuple and back: the byte count follows.
+    store.apply(_set("/a", props=(("y", "2"),)), now=0.0)
+    assert isinstance(store._map[b"/a"], tuple)
+    pub = store.apply(_set("/a", body=b"z" * 7), now=0.0)
+    assert isinstance(store._map[b"/a"], bytes)
+    assert store.entry(b"/a") == tuple(pub[1:]) and store.last_update() == pub
+    assert store.nbytes == sum(len(k) + sum(map(len, e)) for k, e in
+                               [(b"/a", tuple(pub[1:])), (b"/b", with_props), (b"/c", short_uuid)])
+    store.apply(_set("/a", body=b""), now=0.0)  # a delete
+    assert store.entry(b"/a") is None
+    assert store.nbytes == sum(len(k) + sum(map(len, e)) for k, e in
+                               [(b"/b", with_props), (b"/c", short_uuid)])
 
 
 def test_last_update_is_the_entry_written_at_the_sequence() -> None:

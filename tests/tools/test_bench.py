@@ -362,7 +362,8 @@ def test_subscribers_section_through_the_cli(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """20 subscribers direct and through 2 relays, and 20 requesters resyncing through
-    the relays after a failover: every number present and sane, nothing lost."""
+    the relays, and 20 directly on the pair, after a failover: every number present
+    and sane, nothing lost."""
     out = tmp_path / "bench.json"
     rc = cli.main(["--quick", "subscribers", "--sub-counts", "20", "--sub-relays", "2",
                    "--resync-clients", "20", "--resync-keys", "500", "--rate-seconds", "0.5",
@@ -388,10 +389,17 @@ def test_subscribers_section_through_the_cli(
     # (The bench's own observer may see the new active's marker a few ms after
     # the first client completed: two paths, no order between them.)
     assert 0 < rs["new_active_published_s"] and 0 < rs["snapshot_s"]["first"] <= rs["resync_s"]
+    direct = d["resync_direct"]
+    assert direct["topology"] == "direct" and direct["relays"] == 0
+    assert direct["complete"] == 20 and direct["incomplete"] == 0
+    assert len(direct["relays_delivered_s"]) == 1  # the new active itself
+    assert 0 < direct["snapshot_s"]["first"] <= direct["resync_s"]
     targets = {t["target"]: t for t in results["targets"]}
     assert targets["subscribers: 20 direct lost updates"]["met"] is True
     assert targets["subscribers: 20 relays lost updates"]["met"] is True
     assert "subscribers: resync of 20 clients (500 keys) via 2 relays s" in targets
+    assert "subscribers: resync of 20 clients (500 keys) direct s" in targets
+    assert "clients (500 keys) directly on the pair after kill -9" in printed
     assert rc == 0
 
 
@@ -403,6 +411,15 @@ def test_final_stats_reads_the_last_stats_line_of_a_server_log() -> None:
     assert final_stats(text) == {"sequence": 9, "heartbeat_max_late_ms": 3}
     assert final_stats("no stats here\n") is None
     assert final_stats('stats: {"cut short\n') is None
+
+
+def test_resync_topologies_from_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    args = cli._parser().parse_args(["subscribers", "--resync-topologies", "direct"])
+    assert cli.config_from_args(args).resync_topologies == ("direct",)
+    assert BenchConfig().resync_topologies == ("relays", "direct")
+    with pytest.raises(SystemExit):
+        cli.main(["subscribers", "--resync-topologies", "relays,sideways"])
+    assert "sideways" in capsys.readouterr().err
 
 
 def test_durability_parts_and_fsyncs_from_the_cli() -> None:

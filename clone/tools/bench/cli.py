@@ -88,6 +88,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resync-keys", type=int, help="subscribers: keys of the resync run (10000)")
     p.add_argument("--resync-clients", type=int,
                    help="subscribers: snapshot requesters of the resync run (1000)")
+    p.add_argument("--resync-topologies", type=_words,
+                   help="subscribers: resync runs, of relays,direct (both)")
     p.add_argument("--calls-rtt", type=int,
                    help="calls: sequential CAS calls (and confirmed KVSETs) per run (5000)")
     p.add_argument("--calls-concurrency", type=_ints,
@@ -155,6 +157,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         changes["memory_sizes"] = args.memory_keys
     if args.calls_parts is not None:
         changes["calls_parts"] = args.calls_parts
+    if args.resync_topologies is not None:
+        changes["resync_topologies"] = args.resync_topologies
     if args.no_redis:
         changes["durability_redis"] = False
     changes["profile_dir"] = args.profile
@@ -168,6 +172,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [x for x in args.sections if x not in SECTIONS]
     if unknown:
         parser.error(f"unknown section(s) {', '.join(unknown)}; choose from {', '.join(SECTIONS)}")
+    bad = sorted(set(args.resync_topologies or ()) - {"relays", "direct"})
+    if bad:
+        parser.error(f"--resync-topologies: unknown {', '.join(bad)}; choose from relays, direct")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -73,6 +73,8 @@ class BenchConfig:
     sub_per_socket: int = 50  # subscribers (TCP connections) per C sink socket
     resync_keys: int = 10_000
     resync_clients: int = 1_000
+    # Where the resync's clients are: behind the relays, and/or on the pair itself.
+    resync_topologies: tuple[str, ...] = ("relays", "direct")
     # calls: compare-and-set and leases.
     calls_rtt: int = 5_000  # sequential CAS calls (and as many confirmed KVSETs) per run
     calls_concurrency: tuple[int, ...] = (1, 8, 32)  # callers, one call in flight each

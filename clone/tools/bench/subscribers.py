@@ -51,7 +51,13 @@ resync time is from the kill until the last of them holds a complete snapshot
 resynced from its relay after the failover; a relay whose catch-up kept its
 sequence needs no client to resync at all.  The relays get ``--max-snapshots``
 above their share of requesters (the default, 64, leaves the others
-unanswered until they retry).
+unanswered until they retry).  The same run ``direct`` (``resync_topologies``):
+no relays, the requesters on the backup, where a client of the pair goes when
+the active dies, and the pair with ``--max-snapshots`` above the requesters;
+the backup's own publisher tells them it holds the marker.  A backup takes
+over only when a client asks it for a snapshot (the vote), so there the driver
+asks it for an empty subtree every 0.25 s from the kill, as the first
+client to fail over would.
 """
 
 from __future__ import annotations
@@ -105,6 +111,7 @@ _FRAMES_PER_UPDATE = 5
 _RETRY_S = 2.0  # a resync requester that heard nothing for this long asks again
 _IDLE_S = 3.0  # a subscriber that got nothing for this long after the writer is done
 _MARKER = (SNAP_SUBTREE + "failover").encode()
+_VOTE_SUBTREE = b"/bench/vote/"  # an empty subtree: the vote's snapshot is one KTHXBAI
 
 
 def raise_nofile() -> int:
@@ -634,9 +641,14 @@ def _load(ctx: zmq.Context[Any], target: Target, port: int, keys: int, size: int
 
 
 def _write_marker(ctx: zmq.Context[Any], ports: Sequence[int],
-                  timeout: float) -> tuple[float, int]:
+                  timeout: float, vote_port: int | None = None) -> tuple[float, int]:
     """Send the marker to every server's collector until one publishes it:
-    when it did, and the marker's sequence."""
+    when it did, and the marker's sequence.
+
+    ``vote_port``: also ask the server there for a snapshot (of an empty
+    subtree) every 0.25 s, as the first client to fail over to it would.  A
+    backup takes over only when a client asks it (Binary Star's vote); with
+    relays, their own resync is that request."""
     pub = ctx.socket(zmq.PUB)
     pub.sndhwm = 0
     sub = ctx.socket(zmq.SUB)
@@ -645,11 +657,21 @@ def _write_marker(ctx: zmq.Context[Any], ports: Sequence[int],
     for p in ports:
         pub.connect(f"tcp://127.0.0.1:{p + COLLECTOR_OFFSET}")
         sub.connect(f"tcp://127.0.0.1:{p + PUBLISHER_OFFSET}")
+    voter = None
+    if vote_port is not None:
+        voter = ctx.socket(zmq.DEALER)
+        voter.linger = 0
+        cap_message_size(voter, MAX_SYNC_FRAME_BYTES)
+        voter.connect(f"tcp://127.0.0.1:{vote_port + SNAPSHOT_OFFSET}")
     msg = kvset(_MARKER, b"after the failover", 1 << 42)  # one uuid: one update
     deadline = time.monotonic() + timeout
+    voted = 0.0
     try:
         while time.monotonic() < deadline:
             pub.send_multipart(msg)
+            if voter is not None and time.monotonic() - voted >= 0.25:
+                voter.send_multipart([b"ICANHAZ?", _VOTE_SUBTREE])
+                voted = time.monotonic()
             if sub.poll(50):
                 frames = recv_frames(sub)
                 return time.monotonic(), int.from_bytes(frames[1], "big")
@@ -657,15 +679,23 @@ def _write_marker(ctx: zmq.Context[Any], ports: Sequence[int],
     finally:
         pub.close(linger=0)
         sub.close(linger=0)
+        if voter is not None:
+            voter.close(linger=0)
 
 
-def _resync(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]:
-    keys, clients, nrelays = cfg.resync_keys, cfg.resync_clients, cfg.sub_relays
+def _resync(cfg: BenchConfig, group: ProcessGroup, say: Say,
+            topology: str = "relays") -> dict[str, Any]:
+    """One resync run: the clients behind the relays (``relays``) or on the pair
+    itself, where a client goes to the backup when the active dies (``direct``)."""
+    keys, clients = cfg.resync_keys, cfg.resync_clients
+    nrelays = cfg.sub_relays if topology == "relays" else 0
     me = ServerAddress("primary", free_base_port(3), free_port())
     peer = ServerAddress("backup", free_base_port(3), free_port())
     tag = len(group.procs)
-    primary = group.add(f"clone-primary-{tag}", server_argv("primary", me, peer))
-    backup = group.add(f"clone-backup-{tag}", server_argv("backup", peer, me))
+    # Direct, the pair serves every client: a slot each (as the relays get).
+    extra = ("--max-snapshots", str(clients + 16)) if topology == "direct" else ()
+    primary = group.add(f"clone-primary-{tag}", server_argv("primary", me, peer, extra=extra))
+    backup = group.add(f"clone-backup-{tag}", server_argv("backup", peer, me, extra=extra))
     ctx: zmq.Context[Any] = zmq.Context()
     relays: list[tuple[ManagedProcess, int]] = []
     try:
@@ -674,10 +704,15 @@ def _resync(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]:
         target = Target("clone-primary", f"tcp://127.0.0.1:{me.port + COLLECTOR_OFFSET}",
                         f"tcp://127.0.0.1:{me.port + PUBLISHER_OFFSET}", primary.pid)
         _load(ctx, target, me.port, keys, cfg.value_size)
-        per_relay = -(-clients // nrelays)
-        relays = _start_relays(group, [me.port, peer.port], nrelays, "resync", per_relay + 16)
+        if nrelays:
+            per_relay = -(-clients // nrelays)
+            relays = _start_relays(group, [me.port, peer.port], nrelays, "resync",
+                                   per_relay + 16)
+            ports = [port for _, port in relays]
+        else:
+            ports = [peer.port]  # the backup: where a client fails over to
         endpoints = [(f"tcp://127.0.0.1:{port + PUBLISHER_OFFSET}",
-                      f"tcp://127.0.0.1:{port + SNAPSHOT_OFFSET}") for _, port in relays]
+                      f"tcp://127.0.0.1:{port + SNAPSHOT_OFFSET}") for port in ports]
         ready, results, stop = MP.Queue(), MP.Queue(), MP.Event()
         marker_seq = MP.Value("q", 0)
         slices = _split(clients, cfg.sub_processes)
@@ -693,7 +728,8 @@ def _resync(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]:
             time.sleep(1.0)  # connected
             t_kill = time.monotonic()
             primary.kill9()
-            t_marker, marker_seq.value = _write_marker(ctx, [me.port, peer.port], 30)
+            t_marker, marker_seq.value = _write_marker(
+                ctx, [me.port, peer.port], 30, None if nrelays else peer.port)
             got = []
             end = time.monotonic() + 30
             with contextlib.suppress(queue.Empty):
@@ -719,6 +755,7 @@ def _resync(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]:
         how.update({int(rel): h for rel, h in r["how"].items()})
     complete = [g for g in range(clients) if g in done and entries.get(g) == keys + 1]
     result: dict[str, Any] = {
+        "topology": topology,
         "keys": keys,
         "clients": clients,
         "relays": nrelays,
@@ -740,7 +777,8 @@ def _resync(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]:
                                 "last": round(times[-1], 3)}
     if len(complete) == clients:
         result["resync_s"] = result["snapshot_s"]["last"]
-    say(f"  resync of {clients:,} clients ({keys:,} keys) via {nrelays} relays after kill -9: "
+    via = f"via {nrelays} relays" if nrelays else "directly on the pair"
+    say(f"  resync of {clients:,} clients ({keys:,} keys) {via} after kill -9: "
         f"new active published at {result['new_active_published_s']} s, relays delivered "
         f"{result['relays_delivered_s']} s, all complete at {result['resync_s']} s "
         f"({len(complete)}/{clients} complete, {result['retries']} retries)")
@@ -766,12 +804,15 @@ def run_subscribers(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str
                 f"{lat['max_ms']:.2f} ms ({run['probes']} probes); lost {run['lost']} "
                 f"({run['sinks_with_loss']} sinks); server CPU "
                 f"{run['server_cpu_pct']}%, RSS {run['rss_mib']} MiB")
-    try:
-        out["resync"] = _resync(cfg, group, say)
-    except Exception as exc:
-        log.exception("subscribers: resync failed")
-        say(f"  resync FAILED: {exc}")
-        out.setdefault("errors", {})["resync"] = repr(exc)[:2000]
+    for topology in cfg.resync_topologies:
+        # "resync" (through the relays) as before; "resync_direct" on the pair.
+        name = "resync" if topology == "relays" else f"resync_{topology}"
+        try:
+            out[name] = _resync(cfg, group, say, topology)
+        except Exception as exc:
+            log.exception("subscribers: %s failed", name)
+            say(f"  {name} FAILED: {exc}")
+            out.setdefault("errors", {})[name] = repr(exc)[:2000]
     return out
 
 
@@ -799,18 +840,21 @@ def subscribers_tables(section: dict[str, Any], *,
                 markdown=markdown,
             ),
         ))
-    rs = section.get("resync")
-    if rs:
+    resyncs = [section[k] for k in ("resync", "resync_direct") if section.get(k)]
+    if resyncs:
         out.append((
             "Subscribers: resync after kill -9 of the active (s from the kill)",
             table(
-                ["clients", "keys", "relays", "new active published", "relays had it (told by)",
+                ["clients", "keys", "relays", "new active published",
+                 "relays (or the new active) had it (told by)",
                  "first / median / last snapshot complete", "complete", "retries", "resync"],
-                [[rs["clients"], rs["keys"], rs["relays"], rs["new_active_published_s"],
+                [[rs["clients"], rs["keys"], rs["relays"] or "direct",
+                  rs["new_active_published_s"],
                   " / ".join(str(x) for x in rs["relays_delivered_s"])
                   + f" ({', '.join(rs['relays_told_by'])})",
                   " / ".join(str(rs["snapshot_s"].get(k)) for k in ("first", "median", "last")),
-                  f"{rs['complete']}/{rs['clients']}", rs.get("retries", "-"), rs["resync_s"]]],
+                  f"{rs['complete']}/{rs['clients']}", rs.get("retries", "-"), rs["resync_s"]]
+                 for rs in resyncs],
                 markdown=markdown,
             ),
         ))
