@@ -97,6 +97,9 @@ def test_every_spark_test_is_marked_grouped_and_given_a_patient_timeout(
     for item in users:
         assert item.get_closest_marker("spark") is not None, item.nodeid
         assert _timeout(item) >= SPARK_TIMEOUT, item.nodeid
+        # Never the thread method: it ends the worker, and xdist's loadgroup
+        # then hangs the run when it replaces it.
+        assert item.get_closest_marker("timeout").kwargs.get("method") == "signal", item.nodeid
         groups = [m.args[0] for m in item.iter_markers("xdist_group")]
         assert "spark" in groups, item.nodeid
 

@@ -26,21 +26,22 @@ tests/conftest.py registers this module as a plugin.  It does three things:
    method) stays for the fast tests.  ``slow`` tests get at least
    :data:`SLOW_TIMEOUT`: their servers run on a machine that may be busy, and
    the ceiling only bounds a hang.  ``spark`` tests get at least
-   :data:`SPARK_TIMEOUT` and the **thread** method under xdist: pytest-timeout's
-   ``signal`` method raises inside whatever Python is running, which for a
-   Spark test is mostly a Py4J call waiting for the JVM's answer; the answer
-   then arrives for the *next* call and every later Spark test in the session
-   fails (``KeyError: 'm'``, "... does not exist in the JVM").  The thread
-   method dumps the stacks and ends the worker process instead; its JVM ends
-   with it (the gateway exits when its parent's pipe closes), xdist starts a
-   new worker, and that worker starts a new Spark session: one test fails, not
-   thirty.  Without xdist the thread method would end the whole run, so there
-   the ``signal`` method stays, and the ``spark`` fixture
-   (tests/support/spark_session.py) throws the session away after a Spark test
-   that failed with anything but an AssertionError (a timeout among them), so
-   the next Spark test starts a new one.  (pytest-timeout's
-   ``timeout_func_only`` would not help: it only leaves fixtures out of the
-   time; the call is still interrupted.)
+   :data:`SPARK_TIMEOUT`, with the ``signal`` method like every other test.
+   The signal raises inside whatever Python is running, which for a Spark
+   test is mostly a Py4J call waiting for the JVM's answer; the answer would
+   then arrive for the *next* call and every later Spark test would fail
+   (``KeyError: 'm'``, "... does not exist in the JVM").  So the ``spark``
+   fixture (tests/support/spark_session.py) kills the JVM after a Spark test
+   that failed with anything but an AssertionError (a timeout among them), and
+   the next Spark test starts a new session: one test fails, not thirty.
+   Not the ``thread`` method: it ends the whole worker process, and xdist
+   3.8's ``loadgroup`` scheduler then hangs the run for good once it replaces
+   the worker (pytest-xdist issues 1323, 1327 and 1378: the crashed worker's
+   finished work goes back on the queue).  A CI run under load did exactly
+   that: a Spark test ran out of time, the worker was replaced, and the run
+   sat idle until it was stopped.  (pytest-timeout's ``timeout_func_only``
+   would not help: it only leaves fixtures out of the time; the call is still
+   interrupted.)
 
 4. **Groups that reach xdist.**  The Spark tests of the shared session run on
    one worker (``xdist_group("spark")``), the partition drills on one
@@ -266,7 +267,6 @@ def _timeout(item: pytest.Item, floor: float, method: str | None) -> None:
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects and xdist reads the groups
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    under_xdist = "PYTEST_XDIST_WORKER" in os.environ
     config.stash[ALL_ITEMS] = items[:]  # before -m deselects: for tests/test_markers.py
     for item in items:
         found = uses(item)
@@ -275,7 +275,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "spark" in found and item.get_closest_marker("spark") is None:
             item.add_marker(pytest.mark.spark)
         if item.get_closest_marker("spark") is not None:
-            _timeout(item, SPARK_TIMEOUT, "thread" if under_xdist else "signal")
+            _timeout(item, SPARK_TIMEOUT, "signal")
             if SPARK_FIXTURE_NAMES & set(getattr(item, "fixturenames", ())):
                 # One worker runs the tests of the shared session (loadgroup):
                 # one JVM, not one per core.  A Spark test without the fixture
