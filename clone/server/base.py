@@ -29,8 +29,9 @@ from zmq.eventloop.zmqstream import ZMQStream
 from clone.ratelimit import Throttle
 from clone.server.access import Access
 from clone.server.config import ServerConfig, ServerMode
-from clone.server.core import ServerCore
+from clone.server.core import Role, ServerCore
 from clone.server.delta import DeltaStream
+from clone.server.durability import Durability
 from clone.server.metrics import DurationHistogram
 from clone.server.pacing import SplitQueue
 from clone.server.publishing import Publisher
@@ -61,7 +62,6 @@ if TYPE_CHECKING:
     from clone.server.following import Follower
     from clone.server.relaying import RelayLink
     from clone.server.sending import Backlog, Burst
-    from clone.storage import Storage
     from clone.wire.calls import Reply
     from clone.wire.delta import SinceRequest
 
@@ -137,10 +137,6 @@ class ServerBase:
             durable=config.data_dir is not None,
             relay=config.mode is ServerMode.RELAY,
         )
-        # The data directory (clone.server.durability), open while serving.
-        self._storage: Storage | None = None
-        self._data_term = 0  # the term our stored data was last written under
-        self._storage_error: BaseException | None = None  # set once: fail-stop
         # How long a collector turn drains, leaving room for its commit (clone.server.turns).
         self._turns = TurnBudget(TURN_BUDGET)
         # Who is admitted and their rights (clone.server.access): what the
@@ -315,6 +311,16 @@ class ServerBase:
         )
         #: What every part is handed: the clocks, these counters, the throttle.
         self.shared = Shared(self._throttle, clock, wallclock, self.counters)
+        #: The data directory (a part: clone.server.durability), open while serving.
+        self.durability = Durability(
+            config,
+            self.core,
+            self.shared,
+            publish=self.publisher.publish,
+            ha_term=self._ha_term,
+            committed=self._committed,
+            stop=self.request_stop,
+        )
         #: Keys, the ZAP handler, the ACL and the views (clone.server.security):
         #: all None / empty without --curve-secret.
         self.security = Security(
@@ -333,6 +339,20 @@ class ServerBase:
             TURN_BUDGET,
             drop_connection,
         )
+
+    def _ha_term(self) -> int | None:
+        """The term new writes are recorded under while paired: our epoch
+        while active, the active peer's while we follow it (None unpaired)."""
+        ha = self._ha
+        if ha is None:
+            return None
+        return ha.epoch if self.core.role is Role.ACTIVE else ha.peer_epoch
+
+    def _committed(self, updates: list[list[bytes]]) -> None:
+        """A commit's updates: counted per view, their keys remembered."""
+        if self._view_prefixes:
+            self._count_views(updates)
+        self._note_changes(updates)
 
     @property
     def _followed(self) -> str | None:
@@ -481,12 +501,6 @@ class ServerBase:
 
     if TYPE_CHECKING:
         # Provided by the other parts of CloneServer.
-
-        def _commit(self) -> list[list[bytes]]: ...
-
-        def _commit_and_publish(self) -> None: ...
-
-        def _record_term(self) -> None: ...
 
         def request_stop(self) -> None: ...
 

@@ -205,7 +205,7 @@ class HealingMixin(ServerBase):
                 reply = core.apply_own_split_call(frames, now, self._clock())
                 if reply is not None:
                     self._tally_split_write(reply, frames)
-        self._commit_and_publish()
+        self.durability.commit_and_publish()
         return bool(queue) or bool(core.split_left)
 
     def _check_split_writes(self) -> None:
@@ -327,7 +327,7 @@ class HealingMixin(ServerBase):
         self._hold_split_seen = self._peer_stepped_down = False
         held = len(core.pending)
         core.release_held(now)
-        self._commit_and_publish()
+        self.durability.commit_and_publish()
         self._answer_heal_requests()
         log.info(
             "released %d client updates held through the split brain's heal after %.2f s",

@@ -53,13 +53,13 @@ class MonitoringMixin(ServerBase):
     def health(self) -> tuple[bool, str, int]:
         """Whether we serve (not stopping, no failed write), our role and sequence."""
         core = self.core
-        serving = not self._stopping and self._storage_error is None
+        serving = not self._stopping and self.durability.error is None
         return serving, core.role.value, core.store.sequence
 
     def readiness(self) -> tuple[bool, str]:
         """Whether a failover to (or a read from) this server now loses nothing, and why."""
         core = self.core
-        if self._stopping or self._storage_error is not None:
+        if self._stopping or self.durability.error is not None:
             return False, "stopping"
         role = core.role
         if role is Role.ACTIVE:

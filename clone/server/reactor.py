@@ -46,7 +46,6 @@ from clone.server.calling import Caller
 from clone.server.collecting import Applier, Collector, Judge, Sink
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import Role
-from clone.server.durability import DurabilityMixin
 from clone.server.following import Follower
 from clone.server.healing import HealingMixin
 from clone.server.monitoring import MonitoringMixin
@@ -81,7 +80,6 @@ class CloneServer(
     ServingMixin,
     RoleMixin,
     HealingMixin,
-    DurabilityMixin,
     MonitoringMixin,
 ):
     """One member of a Clone server pair (or a standalone server).
@@ -116,7 +114,7 @@ class CloneServer(
         loop = IOLoop(make_current=False)
         self._loop = loop
         try:
-            self._open_storage()
+            self.durability.open()
             self.security.open()
             self._setup()
         except BaseException as exc:
@@ -150,7 +148,7 @@ class CloneServer(
     def failed(self) -> BaseException | None:
         """Why the server stopped on its own (a write to the data directory
         failed), or None."""
-        return self._storage_error
+        return self.durability.error
 
     def start(self, timeout: float = 10.0) -> None:
         """Run in a background thread; return once bound (or raise why not)."""
@@ -198,7 +196,7 @@ class CloneServer(
         out.update(self.http_counters())
         if self.config.data_dir is not None:
             out["data_dir_bytes"] = dir_bytes(Path(self.config.data_dir))
-        storage = self._storage
+        storage = self.durability.storage
         if storage is not None:
             # Where the durable commit's time goes (docs/benchmarks.md, issue 27).
             timing = storage.timing
@@ -281,9 +279,9 @@ class CloneServer(
                 heartbeat=cfg.heartbeat,
                 missed=cfg.ha_missed,
                 clock=self._clock,
-                epoch=self._data_term,
+                epoch=self.durability.data_term,
                 start_wait=cfg.effective_peer_wait,
-                rank=self._rank if cfg.data_dir is not None else None,
+                rank=self.durability.rank if cfg.data_dir is not None else None,
                 secure_socket=self.security.secure_bstar if self._keypair is not None else None,
             )
             ha.on_active(self._on_became_active)
@@ -338,7 +336,7 @@ class CloneServer(
                 PartSockets(self),
                 followed=lambda: self._followed,
                 term=self._peer_term,
-                after_turn=self._commit_and_publish
+                after_turn=self.durability.commit_and_publish
                 if cfg.mode is ServerMode.RELAY
                 else self._commit_followed,
                 next_turn=self._next_turn,
@@ -387,7 +385,9 @@ class CloneServer(
             assert link.forwarder is not None
             sink = link.forwarder
         else:
-            sink = Applier(self.core, self.shared, end_turn=self._commit_and_publish, refuse=refuse)
+            sink = Applier(
+                self.core, self.shared, end_turn=self.durability.commit_and_publish, refuse=refuse
+            )
         judge: Judge | None = None
         if secure:
             # A relay tells every refused writer; a server only while active
@@ -417,14 +417,14 @@ class CloneServer(
         return self._ha.peer_epoch if self._ha is not None else None
 
     def _commit_followed(self) -> None:
-        self._commit()
+        self.durability.commit()
 
     def _commit_for_replies(self) -> bool:
         """Commit and publish this turn; whether its changes may be confirmed."""
         if self._stopping:
             return False
-        self._commit_and_publish()
-        return self._storage_error is None  # fail-stop: nothing unwritten is confirmed
+        self.durability.commit_and_publish()
+        return self.durability.error is None  # fail-stop: nothing unwritten is confirmed
 
     def _shutdown(self) -> None:
         if self._stopping:
@@ -474,7 +474,7 @@ class CloneServer(
         self._pub_stream = None
         # Only now: a CURVE socket must never outlive its ZAP handler.
         self.security.close()
-        self._close_storage()
+        self.durability.close()
 
     # -- timers --------------------------------------------------------------
 
@@ -497,7 +497,7 @@ class CloneServer(
                 # would announce a sequence nobody was sent, and every client
                 # and the passive would resync.  Publish it first.
                 if self.core.journal:
-                    self._commit_and_publish()
+                    self.durability.commit_and_publish()
                 self._publish_hugz(self.core.hugz(self._heartbeat_ms), stale=False)
             elif self.relay is not None:
                 self._publish_hugz(self.relay.hugz(self._heartbeat_ms), stale=self.relay.stale())
@@ -532,7 +532,7 @@ class CloneServer(
             # Keys and leases expire on the monotonic clock: a wall step ends nothing.
             mono = self._clock()
             self.core.tick(self._wallclock(), mono)
-            self._commit_and_publish()
+            self.durability.commit_and_publish()
             if self.core.expiry_due(mono):
                 delay = 0.0  # more due than one batch: continue next turn
             if self.follower is not None:

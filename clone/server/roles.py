@@ -34,7 +34,7 @@ class RoleMixin(ServerBase):
         taken = follower.take_backlog() if follower is not None else 0
         self._take_collector_backlog()
         # What the old active sent is written under its term, before ours starts.
-        self._commit()
+        self.durability.commit()
         pending = len(core.pending)
         assert self._ha is not None
         heard = self._ha.heard_peer
@@ -49,8 +49,8 @@ class RoleMixin(ServerBase):
             # (a split brain), its first sync from us is its step-down, and its
             # clients' writes race its forwarded ones (clone.server.healing).
             self._await_peer_sync = True
-        self._record_term()
-        batch = self._commit()
+        self.durability.record_term()
+        batch = self.durability.commit()
         self._close_peer()
         self.publisher.publish_bulk(batch)
         if not heard:
@@ -58,7 +58,7 @@ class RoleMixin(ServerBase):
                 "serving without having heard the peer since we started (%.1f s of"
                 " --peer-wait): our state (term %d, sequence %d) may be older than the peer's",
                 self.config.effective_peer_wait,
-                self._data_term,
+                self.durability.data_term,
                 core.store.sequence,
             )
         log.warning(
