@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -26,21 +25,21 @@ import zmq
 from tornado.ioloop import IOLoop
 from zmq.eventloop.zmqstream import ZMQStream
 
+from bstar.fsm import State as BStarState
 from clone.ratelimit import Throttle
 from clone.server.access import Access
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import Role, ServerCore
 from clone.server.delta import DeltaStream
 from clone.server.durability import Durability
-from clone.server.metrics import DurationHistogram
-from clone.server.pacing import SplitQueue
+from clone.server.healing import Healer
+from clone.server.monitoring import Monitor
 from clone.server.publishing import Publisher
-from clone.server.rolelog import load_role_changes, save_role_changes
 from clone.server.security import Security
 from clone.server.shared import CLOCK_EVERY, TURN_BUDGET, Shared, peer_endpoint
 from clone.server.snapshot import SnapshotStream
 from clone.server.snapwindow import SendWindow, SnapshotBudget
-from clone.server.status import StatusLimiter, clone_version
+from clone.server.status import StatusLimiter
 from clone.server.subscribers import (
     InboundWatch,
     SubscriptionGate,
@@ -71,8 +70,6 @@ __all__ = ["CLOCK_EVERY", "TURN_BUDGET", "AnyStream", "ServerBase", "peer_endpoi
 # too few for a flood to take the loop from clients and the peer.
 _STATUS_RATE = 20.0
 _STATUS_BURST = 40
-#: Client snapshot requests a server healing a split brain holds at most.
-HEAL_REQUESTS = 8
 
 #: A reply being streamed from the snapshot port: the state, or a catch-up.
 AnyStream = SnapshotStream | DeltaStream
@@ -82,11 +79,6 @@ AnyStream = SnapshotStream | DeltaStream
 log = logging.getLogger("clone.server.reactor")
 
 _F = TypeVar("_F", bytes, zmq.Frame)
-
-# The monitoring rings (clone.server.http): the last changed keys (never
-# values) and the last role changes, for the status page.
-RECENT_CHANGES = 50
-ROLE_CHANGES = 20
 
 
 def who(identity: bytes) -> str:
@@ -191,57 +183,15 @@ class ServerBase:
         self._inbound_watch: InboundWatch | None = None  # floods of them (its own thread)
         # A relay's link to its upstream (clone.server.relaying), once bound.
         self.relay: RelayLink | None = None
-        # After a split brain (clone.server.healing): our writes the winner has
-        # not answered yet, paced (clone.server.pacing), the DEALER they go on,
-        # and whether a slice of them is already scheduled for the next turn.
-        self._split_queue = SplitQueue()
-        self._split_dealer: ZMQStream | None = None
-        self._split_scheduled = False
-        # Of this heal's writes, how many the winner kept as conflicts (logged once).
-        self._split_conflicts_this_heal = 0
-        # Winning a split brain (clone.server.healing): since when client updates
-        # are held (wall clock), and when the peer's sync finished streaming.
-        self._hold_started: float | None = None
-        self._hold_sync_done: float | None = None
-        # Binary Star showed us the split brain this hold is for.
-        self._hold_split_seen = False
-        # The peer's sync said it stepped down from active (a split brain's
-        # loser, STEPPED_DOWN_PROPERTY): this hold is a heal's.
-        self._peer_stepped_down = False
-        # Client snapshot requests held while we heal one (identity, subtree,
-        # the _serve options), answered when the hold ends; the newest
-        # HEAL_REQUESTS: a client asks again on a fresh socket every quarter
-        # heartbeat, and only its last request can still be routed.
-        self._heal_requests: deque[tuple[bytes, str, dict[str, Any]]] = deque(
-            maxlen=HEAL_REQUESTS
-        )
-        # Losing one: when we stepped down (wall clock), until the client
-        # updates parked since are dropped (HealingMixin._check_stepped_down).
-        self._stepped_down_at: float | None = None
+        # The peer's sync streams (clone.server.serving): a heal waits for them.
         self._peer_syncs: set[AnyStream] = set()
-        # Took over by a failover, and the peer has not synced from us since.
-        self._await_peer_sync = False
         self._hugz_timer: object | None = None
         self._house_timer: object | None = None
         self._stats_timer: object | None = None
         self._next_hugz = 0.0
-        # Monitoring (clone.server.http, clone.server.metrics): cheap records
-        # of what the counters do not hold.
-        self.snapshot_seconds = DurationHistogram()
         self._snapshot_started: dict[AnyStream, float] = {}
-        self.recent_changes: deque[tuple[int, bytes]] = deque(maxlen=RECENT_CHANGES)
-        # (Unix time, from role, to role), oldest first.
-        # A durable server keeps them across restarts (clone.server.rolelog).
-        self.role_changes: deque[tuple[float, str, str]] = deque(
-            load_role_changes(config.data_dir, ROLE_CHANGES) if config.data_dir else (),
-            maxlen=ROLE_CHANGES,
-        )
-        # For STATUS? (clone.server.status): uptime, its rate limit, the last
-        # takeover (Unix time; counted in counters["failovers"]) and our version.
-        self._started_at = clock()
-        self._status_limiter = StatusLimiter(_STATUS_RATE, _STATUS_BURST, self._started_at)
-        self._last_failover: float | None = None
-        self._version = clone_version()
+        # STATUS? and CONFLICTS? answers, one rate limit (clone.server.status).
+        self._status_limiter = StatusLimiter(_STATUS_RATE, _STATUS_BURST, clock())
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "snapshots_served",
@@ -321,6 +271,32 @@ class ServerBase:
             committed=self._committed,
             stop=self.request_stop,
         )
+        #: Health, readiness, STATUS, the status page; the HTTP port (a part:
+        #: clone.server.monitoring).
+        self.monitor = Monitor(
+            config,
+            self.core,
+            self.shared,
+            ha=lambda: self._ha,
+            curve=lambda: self._keypair is not None,
+            stats=lambda: self.stats(),
+            serving=lambda: not self._stopping and self.durability.error is None,
+        )
+        #: After a split brain (a part: clone.server.healing): the loser's
+        #: writes to the winner; the winner's hold while it heals.
+        self.healer = Healer(
+            config,
+            self.core,
+            self.shared,
+            PartSockets(self),
+            next_turn=self._next_turn,
+            followed=lambda: self._followed,
+            commit_and_publish=self.durability.commit_and_publish,
+            publish=self.publisher.publish,
+            won_split=self._bstar_active,
+            serve=lambda identity, subtree, options: self._serve(identity, subtree, **options),
+            stopping=lambda: self._stopping,
+        )
         #: Keys, the ZAP handler, the ACL and the views (clone.server.security):
         #: all None / empty without --curve-secret.
         self.security = Security(
@@ -348,11 +324,16 @@ class ServerBase:
             return None
         return ha.epoch if self.core.role is Role.ACTIVE else ha.peer_epoch
 
+    def _bstar_active(self) -> bool:
+        """Binary Star says we are active (a split brain we see is one we win)."""
+        ha = self._ha
+        return ha is not None and ha.state is BStarState.ACTIVE
+
     def _committed(self, updates: list[list[bytes]]) -> None:
         """A commit's updates: counted per view, their keys remembered."""
         if self._view_prefixes:
             self._count_views(updates)
-        self._note_changes(updates)
+        self.monitor.note_changes(updates)
 
     @property
     def _followed(self) -> str | None:
@@ -431,21 +412,6 @@ class ServerBase:
             self._streams.remove(stream)
         stream.close(linger=0)
 
-    def _note_changes(self, updates: list[list[bytes]]) -> None:
-        """Remember the keys (never the values) of the last updates of a commit."""
-        if not updates:
-            return
-        ring = self.recent_changes
-        for frames in updates[-RECENT_CHANGES:]:
-            seq = frames[1]
-            ring.append((int.from_bytes(seq, "big") if len(seq) == 8 else 0, frames[0]))
-
-    def _note_role(self, was: str, now: str) -> None:
-        """A promotion or demotion, for the failover history."""
-        self.role_changes.append((self._wallclock(), was, now))
-        if self.config.data_dir is not None:
-            save_role_changes(self.config.data_dir, self.role_changes)
-
     def _turn_over(self, budget: int, stop_at: float) -> bool:
         """Whether a draining handler should give the loop back now.
 
@@ -504,9 +470,9 @@ class ServerBase:
 
         def request_stop(self) -> None: ...
 
-        def _bind_publisher(self, *, rebind: bool = False) -> None: ...
+        def stats(self) -> dict[str, int | float | str]: ...
 
-        def _on_pub_monitor(self, event: int, value: int) -> None: ...
+        def _bind_publisher(self, *, rebind: bool = False) -> None: ...
 
         def _on_became_active(self) -> None: ...
 
@@ -515,22 +481,6 @@ class ServerBase:
         def _recheck_deferred_soon(self) -> None: ...
 
         def _take_router_backlog(self) -> None: ...
-
-        def _forward_split_writes(self) -> None: ...
-
-        def _apply_split_writes_here(self) -> None: ...
-
-        def _check_split_writes(self) -> None: ...
-
-        def _on_split_brain(self) -> None: ...
-
-        def _start_hold(self, why: str) -> None: ...
-
-        def _check_hold(self) -> None: ...
-
-        def _heal_defers_clients(self) -> bool: ...
-
-        def _check_stepped_down(self) -> None: ...
 
         def _serve(
             self,
@@ -544,7 +494,3 @@ class ServerBase:
             user: str | None = None,
             ttl_left: bool = False,
         ) -> None: ...
-
-        def _peer_sync_done(self) -> None: ...
-
-        def _close_split(self) -> None: ...

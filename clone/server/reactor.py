@@ -47,8 +47,6 @@ from clone.server.collecting import Applier, Collector, Judge, Sink
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import Role
 from clone.server.following import Follower
-from clone.server.healing import HealingMixin
-from clone.server.monitoring import MonitoringMixin
 from clone.server.relaying import RelayLink
 from clone.server.roles import RoleMixin
 from clone.server.serving import ServingMixin
@@ -79,8 +77,6 @@ def _tcp(host_port: str) -> str:
 class CloneServer(
     ServingMixin,
     RoleMixin,
-    HealingMixin,
-    MonitoringMixin,
 ):
     """One member of a Clone server pair (or a standalone server).
 
@@ -188,12 +184,12 @@ class CloneServer(
         out["votes_deferred_held"] = len(self._deferred)
         out["outq"] = len(self.publisher)
         # After a split brain: writes still to send the winner or apply here.
-        out["split_writes_queued"] = len(self._split_queue) + self.core.split_left
-        subscribers = self.subscribers
+        out["split_writes_queued"] = self.healer.queued + self.core.split_left
+        subscribers = self.monitor.subscribers
         if subscribers is not None:
             out["subscribers"] = subscribers
         out["mode"] = self.config.mode.value
-        out.update(self.http_counters())
+        out.update(self.monitor.http_counters())
         if self.config.data_dir is not None:
             out["data_dir_bytes"] = dir_bytes(Path(self.config.data_dir))
         storage = self.durability.storage
@@ -286,7 +282,7 @@ class CloneServer(
             )
             ha.on_active(self._on_became_active)
             ha.on_passive(self._on_became_passive)
-            ha.on_split_brain(self._on_split_brain)
+            ha.on_split_brain(self.healer.on_split_brain)
             self._ha = ha
             ha.start()
         self._next_hugz = self._clock() + cfg.heartbeat
@@ -318,7 +314,7 @@ class CloneServer(
         )
         if cfg.mode is ServerMode.STANDALONE:
             log.info("standalone: active at once")
-        self._open_http()
+        self.monitor.open_http(loop)
 
     def _build_parts(self, router: zmq.Socket[Any], collector: zmq.Socket[Any]) -> None:
         """The parts built on the bound sockets: a relay's link (started: it
@@ -340,9 +336,9 @@ class CloneServer(
                 if cfg.mode is ServerMode.RELAY
                 else self._commit_followed,
                 next_turn=self._next_turn,
-                fork_known=self._split_fork_known,
-                synced=self._forward_split_writes,
-                stepped_down=lambda: self._stepped_down_at is not None,
+                fork_known=self.healer.fork_known,
+                synced=self.healer.forward,
+                stepped_down=lambda: self.healer.stepped_down,
             )
         if follower is not None and cfg.mode is ServerMode.RELAY:
             link = self.relay = RelayLink(
@@ -447,11 +443,11 @@ class CloneServer(
         self._deferred_timer = None
         self._deferred.clear()
         self._deferred_streams.clear()
-        self._close_http()
+        self.monitor.close_http()
         if self._ha is not None:
             self._ha.stop()
         self._close_peer()
-        self._close_split()
+        self.healer.close()
         if self.relay is not None:
             self.relay.close()
         self._snapshots.clear()
@@ -540,9 +536,7 @@ class CloneServer(
             if self.relay is not None:
                 self.relay.check()
             self._check_stalled_snapshots()
-            self._check_split_writes()
-            self._check_hold()
-            self._check_stepped_down()
+            self.healer.check()
             if self._deferred:
                 # The peer's expiry may have moved earlier (Binary Star saw its
                 # connection drop); the timer only knows the old one.
@@ -626,7 +620,9 @@ class CloneServer(
         self.subscription_gate.reset()  # a new socket: no connection yet
         assert self._loop is not None
         self._pub_stream = SubscriptionReader(pub, self._loop, self._on_subscription)
-        self._start_inbound_watch(self._watch_subscribers(pub))
+        self._start_inbound_watch(
+            self.monitor.watch_subscribers(pub, self.security.keypair is not None)
+        )
 
     def _start_inbound_watch(self, monitor: zmq.Socket[Any]) -> None:
         """The thread that reads ``monitor`` and stops the floods the loop
@@ -648,6 +644,12 @@ class CloneServer(
         )
         watch.start()
         self._inbound_watch = watch
+
+    def _on_pub_monitor(self, event: int, value: int) -> None:
+        """An event of the publisher's monitor: the subscription gate's, and
+        the monitor's count of connections."""
+        self.subscription_gate.on_event(event, value)
+        self.monitor.on_pub_event(event)
 
     def _on_inbound_drop(self, peer: str, received: int) -> None:
         """The inbound watch shut a publisher connection down: it sent more than

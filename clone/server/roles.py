@@ -40,15 +40,14 @@ class RoleMixin(ServerBase):
         heard = self._ha.heard_peer
         core.term = self._ha.epoch
         core.become_active(self._wallclock(), self._clock())
-        self._apply_split_writes_here()
-        self._note_role(was.value, core.role.value)
+        self.healer.apply_here()
+        self.monitor.note_role(was.value, core.role.value)
         if was is Role.PASSIVE:
-            self.counters["failovers"] += 1
-            self._last_failover = self._wallclock()
+            self.monitor.note_failover()
             # Took over from a peer presumed dead: if it was active meanwhile
             # (a split brain), its first sync from us is its step-down, and its
             # clients' writes race its forwarded ones (clone.server.healing).
-            self._await_peer_sync = True
+            self.healer.took_over()
         self.durability.record_term()
         batch = self.durability.commit()
         self._close_peer()
@@ -76,12 +75,6 @@ class RoleMixin(ServerBase):
         if self._deferred:
             self._recheck_deferred_soon()  # not from here: we may be inside accept_vote()
 
-    def _split_fork_known(self) -> None:
-        """The follower learnt the winner's fork: the healer sends the split
-        writes now, unless it has begun already."""
-        if not self._split_queue and not self._split_scheduled:
-            self._forward_split_writes()
-
     def _take_collector_backlog(self) -> None:
         """Before a promotion, park every client update already received.
 
@@ -101,9 +94,9 @@ class RoleMixin(ServerBase):
         was = core.role
         core.become_passive()
         if was is not Role.PASSIVE:
-            self._note_role(was.value, core.role.value)
+            self.monitor.note_role(was.value, core.role.value)
         if was is Role.ACTIVE:
-            self._stepped_down_at = self._wallclock()  # a split brain's loser
+            self.healer.demoted()  # a split brain's loser
         if self._ha is not None:
             core.term = self._ha.peer_epoch
         for stream in list(self._snapshots):

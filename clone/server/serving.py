@@ -23,7 +23,6 @@ token bucket, with :func:`~clone.server.status.server_status`.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
 import zmq
@@ -35,8 +34,6 @@ from clone.server.core import Role
 from clone.server.delta import DeltaStream
 from clone.server.sending import Burst, Sent, send
 from clone.server.snapwindow import SendWindow, retry_delay, stalest
-from clone.server.status import PeerView, server_status
-from clone.storage.files import dir_bytes
 from clone.wire.calls import CALL
 from clone.wire.conflicts import CONFLICTS_REQUEST
 from clone.wire.control import view_id
@@ -150,8 +147,9 @@ class ServingMixin(ServerBase):
             return
         batch = len(parts) > 1 and _wants_batches(parts[1])
         applied = len(parts) > 1 and _wants_applied(parts[1])
-        if applied and _stepped_down(parts[1]):
-            self._peer_stepped_down = True  # the heal defers client snapshots
+        if applied:
+            # The peer's sync; a loser's says so (the heal defers client snapshots).
+            self.healer.peer_sync_started(stepped_down=_stepped_down(parts[1]))
         ttl_left = len(parts) > 1 and _wants_ttl_left(parts[1])
         since: SinceRequest | None = None
         if len(parts) > 1:
@@ -170,7 +168,7 @@ class ServingMixin(ServerBase):
                 "icanhaz", logging.WARNING, "dropped a request from %s: %s", who(identity), exc
             )
             return
-        if not applied and self._heal_defers_clients():
+        if not applied and self.healer.defers_clients():
             # Healing a split brain: the loser's writes are still coming in,
             # and a client synced now would lose them from its view until
             # they came (the island's own confirmed writes gone, then back).
@@ -178,8 +176,8 @@ class ServingMixin(ServerBase):
             # meanwhile is answered on its new connection; the old one's
             # stream is dropped as unroutable).
             self.counters["snapshots_held_heal"] += 1
-            self._heal_requests.append((identity, subtree, {
-                "batch": batch, "since": since, "user": user, "ttl_left": ttl_left}))
+            self.healer.hold_request(identity, subtree, {
+                "batch": batch, "since": since, "user": user, "ttl_left": ttl_left})
             log.debug("snapshot request from %s held: healing a split brain", who(identity))
             return
         ha = self._ha
@@ -284,9 +282,7 @@ class ServingMixin(ServerBase):
         self._snapshots[stream] = self._snapshot_started[stream] = self._clock()
         if applied:
             self._peer_syncs.add(stream)  # the peer's sync: a heal waits for it
-            if self._await_peer_sync and self.core.role is Role.ACTIVE:
-                self._await_peer_sync = False
-                self._start_hold("the peer's first sync since we took over")
+            self.healer.peer_sync_served()
         self._in_flight[stream] = self._window_of(identity)
         if deferred:
             self._deferred_streams.add(stream)
@@ -483,13 +479,13 @@ class ServingMixin(ServerBase):
             del self._snapshots[stream]
             started = self._snapshot_started.pop(stream, None)
             if started is not None:
-                self.snapshot_seconds.observe(self._clock() - started)
+                self.monitor.snapshot_seconds.observe(self._clock() - started)
             self._in_flight.pop(stream, None)
             self._unreachable.pop(stream, None)
             self._deferred_streams.discard(stream)
             if stream in self._peer_syncs:
                 self._peer_syncs.discard(stream)
-                self._peer_sync_done()
+                self.healer.peer_sync_done()
             c = self.counters
             c["snapshots_served"] += 1
             c["snapshot_entries_sent"] += stream.sent
@@ -673,49 +669,9 @@ class ServingMixin(ServerBase):
         assert sock is not None
         # From the ROUTER's reader (its stream's callback, or the backlog loop):
         # it looks at the socket again after us.
-        sent = send(sock, [identity, *encode_status(self._status())], backlog=None)
+        sent = send(sock, [identity, *encode_status(self.monitor.status())], backlog=None)
         if sent is not Sent.OK:
             c["status_dropped"] += 1  # its pipe is full (it will time out), or it is gone
-
-    def _status(self) -> dict[str, Any]:
-        """This server's status (:mod:`clone.server.status`): gathered here, built there."""
-        core = self.core
-        cfg = self.config
-        now = self._clock()
-        peer: PeerView | None = None
-        ha = self._ha
-        if ha is not None:
-            contact = ha.last_peer_contact
-            peer_state = ha.peer_state
-            peer = PeerView(
-                endpoint=cfg.peer,
-                ha_state=ha.state.name.lower(),
-                epoch=ha.epoch,
-                peer_state=None if peer_state is None else peer_state.name.lower(),
-                peer_alive=ha.peer_alive,
-                last_contact_age=None if contact is None else now - contact,
-            )
-        return server_status(
-            role=core.role.value,
-            mode=cfg.mode.value,
-            sequence=core.store.sequence,
-            keys=len(core.store),
-            store_bytes=core.store.nbytes,
-            pending=len(core.pending),
-            sync_state=core.sync_state.value,
-            term=core.term,
-            uptime=now - self._started_at,
-            version=self._version,
-            data_dir=cfg.data_dir,
-            data_dir_bytes=None if cfg.data_dir is None else dir_bytes(Path(cfg.data_dir)),
-            curve=self._keypair is not None,
-            failovers=self.counters["failovers"],
-            last_failover=self._last_failover,
-            peer=peer,
-            # Counted by the HTTP part (clone.server.http) when it watches the publisher.
-            subscribers=getattr(self, "subscribers", None),
-            conflicts=core.conflicts.unresolved,
-        )
 
     # -- deferred votes --------------------------------------------------------
 
