@@ -30,15 +30,12 @@ from clone.ratelimit import Throttle
 from clone.server.access import Access
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import Role, ServerCore
-from clone.server.delta import DeltaStream
 from clone.server.durability import Durability
 from clone.server.healing import Healer
 from clone.server.monitoring import Monitor
 from clone.server.publishing import Publisher
 from clone.server.security import Security
 from clone.server.shared import CLOCK_EVERY, TURN_BUDGET, Shared, peer_endpoint
-from clone.server.snapshot import SnapshotStream
-from clone.server.snapwindow import SendWindow, SnapshotBudget
 from clone.server.status import StatusLimiter
 from clone.server.subscribers import (
     InboundWatch,
@@ -48,7 +45,6 @@ from clone.server.subscribers import (
 )
 from clone.server.subscriptions import SubscriptionLedger, SubscriptionLimits
 from clone.server.turns import TurnBudget
-from clone.server.votes import DeferredVotes
 from clone.wire.frames import cap_message_size
 from clone.wire.protocol import MAX_HEARTBEAT_MS
 
@@ -61,18 +57,17 @@ if TYPE_CHECKING:
     from clone.server.following import Follower
     from clone.server.relaying import RelayLink
     from clone.server.sending import Backlog, Burst
+    from clone.server.serving import SnapshotPort
+    from clone.server.streaming import SnapshotStreams
+    from clone.server.voting import HeldVotes
     from clone.wire.calls import Reply
-    from clone.wire.delta import SinceRequest
 
-__all__ = ["CLOCK_EVERY", "TURN_BUDGET", "AnyStream", "ServerBase", "peer_endpoint"]
+__all__ = ["CLOCK_EVERY", "TURN_BUDGET", "ServerBase", "peer_endpoint"]
 
 # STATUS? answers per second, and at once: enough for every monitor of a pair,
 # too few for a flood to take the loop from clients and the peer.
 _STATUS_RATE = 20.0
 _STATUS_BURST = 40
-
-#: A reply being streamed from the snapshot port: the state, or a catch-up.
-AnyStream = SnapshotStream | DeltaStream
 
 # One logger for the whole reactor, whichever module a line comes from: operators
 # filter on it, and the tests read its lines.
@@ -104,9 +99,6 @@ class PartSockets:
 
 class ServerBase:
     """The shared state of one server; see :class:`clone.server.reactor.CloneServer`."""
-
-    # The snapshot port's handler wrapped by _guard, set when the sockets are bound.
-    _on_router_guarded: Callable[[list[zmq.Frame]], None]
 
     def __init__(
         self,
@@ -144,37 +136,13 @@ class ServerBase:
         self._router: zmq.Socket[Any] | None = None
         self._collector: zmq.Socket[Any] | None = None
         self._ha: BinaryStar | None = None  # when paired
-        self._snapshots: dict[AnyStream, float] = {}  # stream -> last progress
-        # Each stream's bytes handed to libzmq and not yet written out, within
-        # its share of --snapshot-bytes (clone.server.snapwindow).
-        self._snapshot_budget = SnapshotBudget(config.snapshot_bytes, config.max_snapshots)
-        self._in_flight: dict[AnyStream, SendWindow] = {}
-        # The same windows by requester, kept after a stream ends until what
-        # libzmq holds for that requester is written (or its connection dropped).
-        self._peer_windows: dict[bytes, SendWindow] = {}
-        # Streams waiting for their turn of the loop's snapshot slice, in order
-        # (clone.server.serving: _wake, _pump_turn), and whether a turn is due.
-        self._pump_queue: dict[AnyStream, None] = {}
-        self._pump_scheduled = False
-        # The end of this loop turn's slice for the first messages of newly
-        # served streams (None: not opened this turn).
-        self._serve_slice_end: float | None = None
-        # Requests that found every snapshot slot taken: requester -> (when,
-        # how to serve it), oldest first; served as slots free, bounded.
-        self._waiting: dict[bytes, tuple[float, dict[str, Any]]] = {}
-        # Streams whose last send said EHOSTUNREACH, and since when (see
-        # _UNREACHABLE_GRACE): gone, or only a pipe libzmq has not reactivated.
-        self._unreachable: dict[AnyStream, float] = {}
-        # Snapshot requests held for a later vote (the policy: clone.server.votes).
-        self._deferred = DeferredVotes(
-            config.max_deferred_votes, config.effective_deferred_vote_max_age
-        )
-        self._deferred_timer: object | None = None
-        self._deferred_streams: set[AnyStream] = set()  # served from _deferred
         #: The PUB socket's output, in order (a part of its own: clone.server.publishing).
         self.publisher = Publisher(self._next_turn, config.snapshot_chunk)
-        self._taking_backlog = False  # inside _take_router_backlog (no re-entry)
         # The parts built once the sockets are bound (clone.server.reactor).
+        # The snapshot port (P): its reader, its streams, its held votes.
+        self.snapshot_port: SnapshotPort | None = None
+        self.streams: SnapshotStreams | None = None
+        self.votes: HeldVotes | None = None
         self.caller: Caller | None = None
         self.collector: Collector | None = None
         self.follower: Follower | None = None  # a pair member's or a relay's
@@ -183,13 +151,10 @@ class ServerBase:
         self._inbound_watch: InboundWatch | None = None  # floods of them (its own thread)
         # A relay's link to its upstream (clone.server.relaying), once bound.
         self.relay: RelayLink | None = None
-        # The peer's sync streams (clone.server.serving): a heal waits for them.
-        self._peer_syncs: set[AnyStream] = set()
         self._hugz_timer: object | None = None
         self._house_timer: object | None = None
         self._stats_timer: object | None = None
         self._next_hugz = 0.0
-        self._snapshot_started: dict[AnyStream, float] = {}
         # STATUS? and CONFLICTS? answers, one rate limit (clone.server.status).
         self._status_limiter = StatusLimiter(_STATUS_RATE, _STATUS_BURST, clock())
         self.counters: dict[str, int] = dict.fromkeys(
@@ -294,7 +259,7 @@ class ServerBase:
             commit_and_publish=self.durability.commit_and_publish,
             publish=self.publisher.publish,
             won_split=self._bstar_active,
-            serve=lambda identity, subtree, options: self._serve(identity, subtree, **options),
+            serve=self._serve_held,
             stopping=lambda: self._stopping,
         )
         #: Keys, the ZAP handler, the ACL and the views (clone.server.security):
@@ -323,6 +288,11 @@ class ServerBase:
         if ha is None:
             return None
         return ha.epoch if self.core.role is Role.ACTIVE else ha.peer_epoch
+
+    def _serve_held(self, identity: bytes, subtree: str, options: dict[str, Any]) -> None:
+        """A snapshot request the healer held: served now."""
+        if self.streams is not None:
+            self.streams.serve(identity, subtree, **options)
 
     def _bstar_active(self) -> bool:
         """Binary Star says we are active (a split brain we see is one we win)."""
@@ -475,22 +445,3 @@ class ServerBase:
         def _bind_publisher(self, *, rebind: bool = False) -> None: ...
 
         def _on_became_active(self) -> None: ...
-
-        def _abort_snapshot(self, stream: AnyStream, why: str, *, gone: bool = False) -> None: ...
-
-        def _recheck_deferred_soon(self) -> None: ...
-
-        def _take_router_backlog(self) -> None: ...
-
-        def _serve(
-            self,
-            identity: bytes,
-            subtree: str,
-            *,
-            deferred: bool = False,
-            batch: bool = False,
-            applied: bool = False,
-            since: SinceRequest | None = None,
-            user: str | None = None,
-            ttl_left: bool = False,
-        ) -> None: ...

@@ -49,7 +49,8 @@ from clone.server.core import Role
 from clone.server.following import Follower
 from clone.server.relaying import RelayLink
 from clone.server.roles import RoleMixin
-from clone.server.serving import ServingMixin
+from clone.server.serving import SnapshotPort
+from clone.server.streaming import SnapshotStreams
 from clone.server.subscribers import (
     PER_TURN,
     SLOW_AFTER,
@@ -58,6 +59,7 @@ from clone.server.subscribers import (
     SubscriptionReader,
 )
 from clone.server.subscriptions import MAX_TOPIC_BYTES, InboundAllowance
+from clone.server.voting import HeldVotes
 from clone.storage.files import dir_bytes
 from clone.storage.schema import FORMAT_VERSION
 from clone.wire.frames import MAX_FRAME_BYTES
@@ -75,7 +77,6 @@ def _tcp(host_port: str) -> str:
 
 
 class CloneServer(
-    ServingMixin,
     RoleMixin,
 ):
     """One member of a Clone server pair (or a standalone server).
@@ -180,8 +181,8 @@ class CloneServer(
         """Counters and gauges: the core's, the I/O layer's and Binary Star's."""
         out: dict[str, int | float | str] = dict(self.core.stats())
         out.update(self.counters)
-        out["snapshots_in_flight"] = len(self._snapshots)
-        out["votes_deferred_held"] = len(self._deferred)
+        out["snapshots_in_flight"] = len(self.streams) if self.streams is not None else 0
+        out["votes_deferred_held"] = len(self.votes) if self.votes is not None else 0
         out["outq"] = len(self.publisher)
         # After a split brain: writes still to send the winner or apply here.
         out["split_writes_queued"] = self.healer.queued + self.core.split_left
@@ -258,9 +259,7 @@ class CloneServer(
         collector.setsockopt(zmq.SUBSCRIBE, b"")
         collector.bind(f"{base}:{cfg.port + COLLECTOR_OFFSET}")
         self._collector = collector
-        # Zero-copy frames: only a Frame can tell the requester's ZMTP metadata.
-        self._on_router_guarded = self._guard(self._on_router)
-        self._stream(router, self._on_router, copy=False)
+        self._build_serving(router)
         self._build_parts(router, collector)
         if cfg.mode is not ServerMode.STANDALONE and cfg.mode is not ServerMode.RELAY:
             from bstar.reactor import BinaryStar  # only paired servers need it
@@ -316,12 +315,61 @@ class CloneServer(
             log.info("standalone: active at once")
         self.monitor.open_http(loop)
 
+    def _build_serving(self, router: zmq.Socket[Any]) -> None:
+        """The snapshot port's parts on the bound ROUTER: its streams, its
+        held votes and its reader (on the loop, with zero-copy frames: only
+        a Frame can tell the requester's ZMTP metadata)."""
+        loop = self._loop
+        assert loop is not None
+        secure = self._keypair is not None
+        stopping = lambda: self._stopping  # noqa: E731
+        streams = self.streams = SnapshotStreams(
+            self.config,
+            self.core,
+            self.shared,
+            self.access,
+            router,
+            loop,
+            secure=secure,
+            backlog=lambda: port.take_backlog(),
+            promote=self._on_became_active,
+            peer_sync_opened=self.healer.peer_sync_served,
+            peer_sync_done=self.healer.peer_sync_done,
+            view_count=lambda vid: self.security.view_counts.get(vid, 0),
+            durations=self.monitor.snapshot_seconds,
+            stopping=stopping,
+        )
+        votes = self.votes = HeldVotes(
+            self.config, self.shared, loop, ha=lambda: self._ha, serve=streams.serve,
+            stopping=stopping,
+        )  # fmt: skip
+        port = self.snapshot_port = SnapshotPort(
+            self.core,
+            self.shared,
+            self.access,
+            router,
+            loop,
+            secure=secure,
+            healer=self.healer,
+            votes=votes,
+            serve=streams.serve,
+            on_call=self._on_call,
+            on_conflicts=self._answer_conflicts,
+            status=self.monitor.status,
+            status_limiter=self._status_limiter,
+            ha=lambda: self._ha,
+        )
+        port.set_guarded(self._guard(port.on_router))
+        self._stream(router, port.on_router, copy=False)
+
     def _build_parts(self, router: zmq.Socket[Any], collector: zmq.Socket[Any]) -> None:
         """The parts built on the bound sockets: a relay's link (started: it
         follows its first upstream), the caller and the collector."""
         cfg = self.config
         secure = self._keypair is not None
         refuse = self.security.refusal if secure else None
+        port = self.snapshot_port
+        assert port is not None
         link: RelayLink | None = None
         follower: Follower | None = None
         if cfg.mode is not ServerMode.STANDALONE:
@@ -348,7 +396,7 @@ class CloneServer(
                 self.access,
                 PartSockets(self),
                 router=router,
-                router_backlog=self._take_router_backlog,
+                router_backlog=port.take_backlog,
                 upstream_keypair=self.security.upstream_keypair,
                 follow=follower.follow,
                 close_follow=follower.close,
@@ -366,7 +414,7 @@ class CloneServer(
             self.access,
             router,
             commit=self._commit_for_replies,
-            router_backlog=self._take_router_backlog,
+            router_backlog=port.take_backlog,
             next_turn=self._next_turn,
             trusted_relays=cfg.trusted_relays,
             forward=link.forward_call if link is not None else None,
@@ -435,14 +483,13 @@ class CloneServer(
     def _close_all(self) -> None:
         loop = self._loop
         if loop is not None:
-            timers = (self._hugz_timer, self._house_timer, self._stats_timer, self._deferred_timer)
+            timers = (self._hugz_timer, self._house_timer, self._stats_timer)
             for timer in timers:
                 if timer is not None:
                     loop.remove_timeout(timer)
         self._hugz_timer = self._house_timer = self._stats_timer = None
-        self._deferred_timer = None
-        self._deferred.clear()
-        self._deferred_streams.clear()
+        if self.votes is not None:
+            self.votes.close()
         self.monitor.close_http()
         if self._ha is not None:
             self._ha.stop()
@@ -450,11 +497,10 @@ class CloneServer(
         self.healer.close()
         if self.relay is not None:
             self.relay.close()
-        self._snapshots.clear()
-        self._in_flight.clear()
-        self._peer_windows.clear()
-        self._pump_queue.clear()
-        self._waiting.clear()
+        if self.streams is not None:
+            self.streams.close()
+        if self.snapshot_port is not None:
+            self.snapshot_port.close()
         self.publisher.drop()
         watch, self._inbound_watch = self._inbound_watch, None
         if watch is not None:
@@ -535,12 +581,11 @@ class CloneServer(
                 self.follower.check_timeout()
             if self.relay is not None:
                 self.relay.check()
-            self._check_stalled_snapshots()
+            if self.streams is not None:
+                self.streams.check_stalled()
             self.healer.check()
-            if self._deferred:
-                # The peer's expiry may have moved earlier (Binary Star saw its
-                # connection drop); the timer only knows the old one.
-                self._recheck_deferred()
+            if self.votes is not None:
+                self.votes.recheck_if_held()
         except Exception:
             self.counters["internal_errors"] += 1
             log.exception("internal error in housekeeping")

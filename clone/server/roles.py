@@ -72,8 +72,8 @@ class RoleMixin(ServerBase):
         )
         # Tell subscribers at once that this server is alive and where it stands.
         self.publisher.publish(core.hugz(self._heartbeat_ms))
-        if self._deferred:
-            self._recheck_deferred_soon()  # not from here: we may be inside accept_vote()
+        if self.votes is not None:
+            self.votes.recheck_soon_if_held()  # not from here: we may be inside accept_vote()
 
     def _take_collector_backlog(self) -> None:
         """Before a promotion, park every client update already received.
@@ -99,8 +99,8 @@ class RoleMixin(ServerBase):
             self.healer.demoted()  # a split brain's loser
         if self._ha is not None:
             core.term = self._ha.peer_epoch
-        for stream in list(self._snapshots):
-            self._abort_snapshot(stream, "server became passive")
+        if self.streams is not None:
+            self.streams.abort_all("server became passive")
         dropped = self.publisher.drop()
         if dropped:
             self.counters["outq_dropped"] += dropped
