@@ -276,6 +276,10 @@ class Durability:
             self.core.conflicts.max_bytes,
         )
 
+    def commit_only(self) -> None:
+        """Commit this turn's changes, publish nothing (a passive's turn of following)."""
+        self.commit()
+
     def commit_and_publish(self) -> None:
         publish = self._publish
         for frames in self.commit():

@@ -49,7 +49,7 @@ from clone.server.access import Access
 from clone.server.admin import ConflictsDesk
 from clone.server.budget import collector_hwm
 from clone.server.calling import Caller
-from clone.server.collecting import Applier, Collector, Judge, Sink
+from clone.server.collecting import Collector
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import Role, ServerCore
 from clone.server.durability import Durability
@@ -68,8 +68,10 @@ from clone.server.status import StatusLimiter
 from clone.server.streaming import SnapshotStreams
 from clone.server.subscribers import SubscriptionGate, drop_connection
 from clone.server.subscriptions import SubscriptionLedger, SubscriptionLimits
+from clone.server.timers import Timers
 from clone.server.turns import TurnBudget
 from clone.server.voting import HeldVotes
+from clone.server.wiring import build_parts, build_roles, build_serving, build_timers
 from clone.storage.files import dir_bytes
 from clone.storage.schema import FORMAT_VERSION
 from clone.wire.frames import MAX_FRAME_BYTES
@@ -83,7 +85,6 @@ if TYPE_CHECKING:
 # where callers have always found them.
 __all__ = ["CloneServer", "ServerConfig", "ServerMode", "ServerStartError"]
 
-_HOUSEKEEPING = 0.1  # seconds between expiry / sync-timeout / deferred-vote checks
 # STATUS? answers per second, and at once: enough for every monitor of a pair,
 # too few for a flood to take the loop from clients and the peer.
 _STATUS_RATE = 20.0
@@ -151,10 +152,6 @@ class CloneServer:
         self._router: zmq.Socket[Any] | None = None
         self._collector: zmq.Socket[Any] | None = None
         self._ha: BinaryStar | None = None  # when paired
-        self._hugz_timer: object | None = None
-        self._house_timer: object | None = None
-        self._stats_timer: object | None = None
-        self._next_hugz = 0.0
         # STATUS? and CONFLICTS? answers, one rate limit (clone.server.status).
         self._status_limiter = StatusLimiter(_STATUS_RATE, _STATUS_BURST, clock())
         #: The I/O layer's counters (clone.server.shared.IO_COUNTERS).
@@ -233,6 +230,8 @@ class CloneServer:
         self.relay: RelayLink | None = None
         # Binary Star's on_active / on_passive (clone.server.roles).
         self.roles: RoleSwitch | None = None
+        # The heartbeat, housekeeping and stats timers (clone.server.timers).
+        self.timers: Timers | None = None
 
     # -- life cycle ------------------------------------------------------------
 
@@ -410,8 +409,8 @@ class CloneServer:
         collector.setsockopt(zmq.SUBSCRIBE, b"")
         collector.bind(f"{base}:{cfg.port + COLLECTOR_OFFSET}")
         self._collector = collector
-        self._build_serving(router)
-        self._build_parts(router, collector)
+        build_serving(self, router)
+        build_parts(self, router, collector)
         if cfg.mode is not ServerMode.STANDALONE and cfg.mode is not ServerMode.RELAY:
             from bstar.reactor import BinaryStar  # only paired servers need it
 
@@ -433,18 +432,15 @@ class CloneServer:
                 else None,
             )
             self._ha = ha
-        roles = self.roles = self._build_roles(collector)
+        roles = self.roles = build_roles(self, collector)
         paired = self._ha
         if paired is not None:
             paired.on_active(roles.on_active)
             paired.on_passive(roles.on_passive)
             paired.on_split_brain(self.healer.on_split_brain)
             paired.start()
-        self._next_hugz = self._clock() + cfg.heartbeat
-        self._hugz_timer = loop.call_later(cfg.heartbeat, self._on_heartbeat)
-        self._house_timer = loop.call_later(_HOUSEKEEPING, self._on_housekeeping)
-        if cfg.stats_interval > 0:
-            self._stats_timer = loop.call_later(cfg.stats_interval, self._on_stats_timer)
+        self.timers = build_timers(self)
+        self.timers.start()
         peer = (
             f"; peer {cfg.peer}, binary star {base}:{cfg.ha_port} <-> {_tcp(cfg.peer_ha or '')}"
             if cfg.mode not in (ServerMode.STANDALONE, ServerMode.RELAY)
@@ -471,180 +467,6 @@ class CloneServer:
             log.info("standalone: active at once")
         self.monitor.open_http(loop)
 
-    def _build_serving(self, router: zmq.Socket[Any]) -> None:
-        """The snapshot port's parts on the bound ROUTER: its streams, its
-        held votes and its reader (on the loop, with zero-copy frames: only
-        a Frame can tell the requester's ZMTP metadata)."""
-        loop = self._loop
-        assert loop is not None
-        secure = self.security.keypair is not None
-        stopping = lambda: self._stopping  # noqa: E731
-        streams = self.streams = SnapshotStreams(
-            self.config,
-            self.core,
-            self.shared,
-            self.access,
-            router,
-            loop,
-            secure=secure,
-            backlog=lambda: port.take_backlog(),
-            promote=self._promote,
-            peer_sync_opened=self.healer.peer_sync_served,
-            peer_sync_done=self.healer.peer_sync_done,
-            view_count=lambda vid: self.security.view_counts.get(vid, 0),
-            durations=self.monitor.snapshot_seconds,
-            stopping=stopping,
-        )
-        votes = self.votes = HeldVotes(
-            self.config, self.shared, loop, ha=lambda: self._ha, serve=streams.serve,
-            stopping=stopping,
-        )  # fmt: skip
-        port = self.snapshot_port = SnapshotPort(
-            self.core,
-            self.shared,
-            self.access,
-            router,
-            loop,
-            secure=secure,
-            healer=self.healer,
-            votes=votes,
-            serve=streams.serve,
-            on_call=self._on_call,
-            on_conflicts=self._answer_conflicts,
-            status=self.monitor.status,
-            status_limiter=self._status_limiter,
-            ha=lambda: self._ha,
-        )
-        port.set_guarded(self.sockets.guard(port.on_router))
-        self.sockets.stream(router, port.on_router, copy=False)
-
-    def _build_parts(self, router: zmq.Socket[Any], collector: zmq.Socket[Any]) -> None:
-        """The parts built on the bound sockets: a relay's link (started: it
-        follows its first upstream), the caller and the collector."""
-        cfg = self.config
-        secure = self.security.keypair is not None
-        refuse = self.security.refusal if secure else None
-        port = self.snapshot_port
-        assert port is not None
-        link: RelayLink | None = None
-        follower: Follower | None = None
-        if cfg.mode is not ServerMode.STANDALONE:
-            follower = self.follower = Follower(
-                cfg,
-                self.core,
-                self.shared,
-                self.sockets,
-                followed=self._followed,
-                term=self._peer_term,
-                after_turn=self.durability.commit_and_publish
-                if cfg.mode is ServerMode.RELAY
-                else self._commit_followed,
-                next_turn=self._next_turn,
-                fork_known=self.healer.fork_known,
-                synced=self.healer.forward,
-                stepped_down=lambda: self.healer.stepped_down,
-            )
-        if follower is not None and cfg.mode is ServerMode.RELAY:
-            link = self.relay = RelayLink(
-                cfg,
-                self.core,
-                self.shared,
-                self.access,
-                self.sockets,
-                router=router,
-                router_backlog=port.take_backlog,
-                upstream_keypair=self.security.upstream_keypair,
-                follow=follower.follow,
-                close_follow=follower.close,
-                sync_progress=lambda: follower.sync_progress,
-                reply=self._send_reply,
-                publish=self.publisher.publish,
-                refuse=refuse,
-                views_replaced=self.security.views_replaced,
-            )
-            follower.upstream = link
-            link.start()
-        self.caller = Caller(
-            self.core,
-            self.shared,
-            self.access,
-            router,
-            commit=self._commit_for_replies,
-            router_backlog=port.take_backlog,
-            next_turn=self._next_turn,
-            trusted_relays=cfg.trusted_relays,
-            forward=link.forward_call if link is not None else None,
-        )
-        self.conflicts_desk = ConflictsDesk(
-            self.core, self.shared, self.access, router, self._status_limiter
-        )
-        # One collector, composed: a relay forwards what a server applies,
-        # and under CURVE each write is judged by its sender's rights first.
-        sink: Sink
-        if link is not None:
-            assert link.forwarder is not None
-            sink = link.forwarder
-        else:
-            sink = Applier(
-                self.core, self.shared, end_turn=self.durability.commit_and_publish, refuse=refuse
-            )
-        judge: Judge | None = None
-        if secure:
-            # A relay tells every refused writer; a server only while active
-            # (a passive one parks writes for the pending list, unjudged).
-            judge = self._judge_always if link is not None else self._judge_while_active
-        self.collector = part = Collector(
-            collector,
-            self.shared,
-            sink,
-            batch=cfg.collector_batch,
-            judge=judge,
-            turns=None if link is not None else self._turns,
-        )
-        if part.secure:
-            self.sockets.stream(collector, part.on_frames, copy=False)
-        else:
-            self.sockets.stream(collector, part.on_message)
-
-    def _build_roles(self, collector: zmq.Socket[Any]) -> RoleSwitch:
-        """The role switch, last: it reaches every part a role change touches."""
-        assert self.streams is not None and self.votes is not None
-        return RoleSwitch(
-            self.config,
-            self.core,
-            self.shared,
-            ha=self._ha,
-            collector=collector,
-            follower=self.follower,
-            durability=self.durability,
-            healer=self.healer,
-            monitor=self.monitor,
-            publisher=self.publisher,
-            streams=self.streams,
-            votes=self.votes,
-            heartbeat_ms=self._heartbeat_ms,
-        )
-
-    def _judge_while_active(self, first: zmq.Frame, frames: list[bytes]) -> tuple[bool, str | None]:
-        return self.security.judge(first, frames, notify=self.core.role is Role.ACTIVE)
-
-    def _judge_always(self, first: zmq.Frame, frames: list[bytes]) -> tuple[bool, str | None]:
-        return self.security.judge(first, frames, notify=True)
-
-    def _peer_term(self) -> int | None:
-        """The followed server's term: Binary Star's peer epoch (None unpaired)."""
-        return self._ha.peer_epoch if self._ha is not None else None
-
-    def _commit_followed(self) -> None:
-        self.durability.commit()
-
-    def _commit_for_replies(self) -> bool:
-        """Commit and publish this turn; whether its changes may be confirmed."""
-        if self._stopping:
-            return False
-        self.durability.commit_and_publish()
-        return self.durability.error is None  # fail-stop: nothing unwritten is confirmed
-
     def _shutdown(self) -> None:
         if self._stopping:
             return
@@ -656,13 +478,8 @@ class CloneServer:
         self._loop.stop()
 
     def _close_all(self) -> None:
-        loop = self._loop
-        if loop is not None:
-            timers = (self._hugz_timer, self._house_timer, self._stats_timer)
-            for timer in timers:
-                if timer is not None:
-                    loop.remove_timeout(timer)
-        self._hugz_timer = self._house_timer = self._stats_timer = None
+        if self.timers is not None:
+            self.timers.stop()
         if self.votes is not None:
             self.votes.close()
         self.monitor.close_http()
@@ -688,86 +505,7 @@ class CloneServer:
         self.security.close()
         self.durability.close()
 
-    # -- timers ----------------------------------------------------------------
-
-    def _on_heartbeat(self) -> None:
-        loop = self._loop
-        if loop is None or self._stopping:
-            return
-        # How late the reactor ran this timer: the operator's measure of a
-        # blocked loop (and what clients would see as a heartbeat gap).
-        late_ms = int((self._clock() - self._next_hugz) * 1000)
-        if late_ms > self.counters["heartbeat_max_late_ms"]:
-            self.counters["heartbeat_max_late_ms"] = late_ms
-            if late_ms > 1000 * self.config.heartbeat:
-                log.warning("heartbeat ran %d ms late: the reactor was blocked", late_ms)
-        try:
-            if self.core.role is Role.ACTIVE:
-                # A call's update is applied in the ROUTER's handler but
-                # committed and published by a callback after it
-                # (clone.server.calling); a timer that runs between the two
-                # would announce a sequence nobody was sent, and every client
-                # and the passive would resync.  Publish it first.
-                if self.core.journal:
-                    self.durability.commit_and_publish()
-                self._publish_hugz(self.core.hugz(self._heartbeat_ms), stale=False)
-            elif self.relay is not None:
-                self._publish_hugz(self.relay.hugz(self._heartbeat_ms), stale=self.relay.stale())
-            # Subscriptions our sends may have hidden from the XPUB's reader.
-            if self.publisher_port is not None:
-                self.publisher_port.take_subscriptions()
-        except Exception:
-            self.counters["internal_errors"] += 1
-            log.exception("internal error in heartbeat")
-        # Fixed rate; after a stall skip ahead rather than burst.
-        self._next_hugz += self.config.heartbeat
-        now = self._clock()
-        if self._next_hugz <= now:
-            self._next_hugz = now + self.config.heartbeat
-        self._hugz_timer = loop.call_later(self._next_hugz - now, self._on_heartbeat)
-
-    def _publish_hugz(self, hugz: list[bytes], *, stale: bool) -> None:
-        """Our HUGZ, then each restricted view's (a relay's say ``stale`` too)."""
-        self.publisher.publish(hugz)
-        self.counters["hugz_sent"] += 1
-        security = self.security
-        if security.view_counts:
-            sequence = self.core.store.sequence
-            for frames in security.view_heartbeats(sequence, self._heartbeat_ms, stale=stale):
-                self.publisher.publish(frames)
-
-    def _on_housekeeping(self) -> None:
-        loop = self._loop
-        if loop is None or self._stopping:
-            return
-        delay = _HOUSEKEEPING
-        try:
-            # Keys and leases expire on the monotonic clock: a wall step ends nothing.
-            mono = self._clock()
-            self.core.tick(self._wallclock(), mono)
-            self.durability.commit_and_publish()
-            if self.core.expiry_due(mono):
-                delay = 0.0  # more due than one batch: continue next turn
-            if self.follower is not None:
-                self.follower.check_timeout()
-            if self.relay is not None:
-                self.relay.check()
-            if self.streams is not None:
-                self.streams.check_stalled()
-            self.healer.check()
-            if self.votes is not None:
-                self.votes.recheck_if_held()
-        except Exception:
-            self.counters["internal_errors"] += 1
-            log.exception("internal error in housekeeping")
-        self._house_timer = loop.call_later(delay, self._on_housekeeping)
-
-    def _on_stats_timer(self) -> None:
-        if self._loop is None or self._stopping:
-            return
-        if log.isEnabledFor(logging.DEBUG):
-            self.log_stats(logging.DEBUG)
-        self._stats_timer = self._loop.call_later(self.config.stats_interval, self._on_stats_timer)
+    # -- signals ---------------------------------------------------------------
 
     def _on_signal(self, name: str) -> None:
         log.info("%s received", name)
