@@ -56,7 +56,7 @@ __all__ = ["SnapshotPort"]
 
 log = logging.getLogger("clone.server.reactor")
 
-# Snapshot requests handled after one pump turn at most (see _take_router_backlog).
+# Snapshot requests handled after one pump turn at most (see SnapshotPort.take_backlog).
 _ROUTER_BACKLOG_BATCH = 100
 
 
