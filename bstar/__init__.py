@@ -9,6 +9,7 @@ silent *and* a client asks it to. See ``docs/failover.md`` for the rules.
 * :mod:`bstar.wire` the state message format (state, election epoch and, for a
   server that keeps its data on disk, the data rank);
 * :mod:`bstar.reactor` the sockets and timers on a tornado IOLoop.
+* :mod:`bstar.hooks` the types of the callbacks an application hands it.
 """
 
 from bstar.errors import (

@@ -38,6 +38,7 @@ from zmq.eventloop.zmqstream import ZMQStream
 
 from bstar.errors import BinaryStarError, PeerNumberOutOfRange, PeerStateError
 from bstar.fsm import BinaryStarFSM, Conflict, Outcome, Rank, State
+from bstar.hooks import RankSource, SocketSetup, StateCallback, VoteHandler
 from bstar.link import LINK_MAX_MESSAGE, PairLink, check_link_arguments
 from bstar.report import (
     AFTER_EXPIRY,
@@ -60,17 +61,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-#: Called with no arguments when the server becomes active, passive, or detects
-#: split brain.
-StateCallback = Callable[[], object]
-#: Called with a socket before it binds (True) or connects (False): see BinaryStar.
-SocketSetup = Callable[[zmq.Socket[Any], bool], object]
-#: Called with the voter stream and the received frames when a vote is accepted;
-#: reply on the stream if the protocol needs a reply.
-VoteHandler = Callable[[ZMQStream, list[bytes]], object]
-#: Returns how new the application's data is now: ``(term, sequence)``.
-RankSource = Callable[[], Rank]
 
 #: Bad input from the network is logged at most once per this many seconds.
 _LOG_INTERVAL = 10.0

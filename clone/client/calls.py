@@ -42,14 +42,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from clone.client.state import (
-    _NEVER,
+from clone.client.actions import (
     Action,
-    AgentState,
     CallReplied,
     LeaseGone,
     LeaseKept,
     SendCall,
+)
+from clone.client.state import (
+    _NEVER,
+    AgentState,
     _KeptLease,
     _PendingCall,
 )

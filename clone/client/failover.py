@@ -12,7 +12,12 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from clone.client.state import Action, AgentState
+from clone.client.actions import (
+    Action,
+)
+from clone.client.state import (
+    AgentState,
+)
 from clone.wire.codec import Hugz, KVMsg
 from clone.wire.control import ViewHeartbeat
 

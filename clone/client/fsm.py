@@ -119,13 +119,8 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any, Final
 
-from clone.client.calls import Calls
-from clone.client.failover import Failover
-from clone.client.state import (
-    _NEVER,
+from clone.client.actions import (
     Action,
-    AgentConfig,
-    AgentCounters,
     CallReplied,
     Changed,
     Confirmed,
@@ -140,9 +135,20 @@ from clone.client.state import (
     SplitConflicted,
     State,
     StateChanged,
+)
+from clone.client.agentconfig import (
+    AgentConfig,
+    AgentCounters,
+)
+from clone.client.args import (
+    normalize_subtrees,
+)
+from clone.client.calls import Calls
+from clone.client.failover import Failover
+from clone.client.state import (
+    _NEVER,
     _Pending,
     _shows_active,
-    normalize_subtrees,
 )
 from clone.client.sync import SnapshotSync
 from clone.client.writes import Writes

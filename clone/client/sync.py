@@ -29,15 +29,17 @@ from __future__ import annotations
 import logging
 from itertools import repeat
 
-from clone.client.state import (
-    _BODY,
-    _NEVER,
+from clone.client.actions import (
     Action,
-    AgentState,
     Changed,
     Confirmed,
     SendUpdate,
     State,
+)
+from clone.client.state import (
+    _BODY,
+    _NEVER,
+    AgentState,
     _differs,
     _message,
     _shows_active,

@@ -322,6 +322,17 @@ def _encode_ttl(ttl: float) -> bytes:
     return encode_properties(((TTL_PROPERTY, repr(float(ttl))),))
 
 
+def _routing(
+    servers: Sequence[str], server_timeout: float, dead_after: float, now: float
+) -> tuple[list[tuple[str, int]], WriteRouter]:
+    """What both writers start from: each server's endpoint and the router
+    over them (``ValueError`` without a server)."""
+    if not servers:
+        raise ValueError("no servers given")
+    endpoints = [split_endpoint(normalize_endpoint(s)) for s in servers]
+    return endpoints, WriteRouter(len(endpoints), server_timeout, dead_after, now)
+
+
 class BulkWriter:
     """Pipelined ``set`` calls from the caller's own thread: no I/O thread,
     no futures (a bulk load's hot path: :mod:`clone.pipeline.writer`).
@@ -344,13 +355,10 @@ class BulkWriter:
         dead_after: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not servers:
-            raise ValueError("no servers given")
-        endpoints = [split_endpoint(normalize_endpoint(s)) for s in servers]
+        endpoints, router = _routing(servers, server_timeout, dead_after, clock())
         self.confirm_timeout = confirm_timeout
         self._clock = clock
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        router = WriteRouter(len(servers), server_timeout, dead_after, clock())
         self._link = WriteLink(self._ctx, endpoints, router, curve=curve, clock=clock)
         self._next_tick = clock() + _TICK_S
         self._closed = False
@@ -418,12 +426,9 @@ class WriteOnlyClone:
         dead_after: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        if not servers:
-            raise ValueError("no servers given")
-        self._endpoints = [split_endpoint(normalize_endpoint(s)) for s in servers]
+        self._endpoints, self._router = _routing(servers, server_timeout, dead_after, clock())
         self.confirm_timeout = confirm_timeout
         self._clock = clock
-        self._router = WriteRouter(len(servers), server_timeout, dead_after, clock())
         self._curve = curve
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._lock = threading.Lock()

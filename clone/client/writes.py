@@ -19,15 +19,17 @@ from __future__ import annotations
 
 import logging
 
-from clone.client.state import (
-    _NEVER,
-    SPLIT_HOLD_MAX,
+from clone.client.actions import (
     Action,
-    AgentState,
     Refused,
     SendUpdate,
     SplitConflicted,
     State,
+)
+from clone.client.state import (
+    _NEVER,
+    SPLIT_HOLD_MAX,
+    AgentState,
     _Pending,
 )
 from clone.wire.codec import KVMsg

@@ -27,17 +27,21 @@ from __future__ import annotations
 import logging
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import astuple
 
 from clone.errors import StorageBusy, StorageError
-from clone.server.base import ServerBase, log
 from clone.server.budget import check_fits
+from clone.server.config import ServerConfig
 from clone.server.conflicts import ConflictRecord
-from clone.server.core import Role
+from clone.server.core import ServerCore
 from clone.server.journal import OpKind, published
+from clone.server.shared import Shared
 from clone.storage import FsyncPolicy, Storage, restore_into
 
-__all__ = ["CONFLICTS_BUSY_WAIT", "DurabilityMixin"]
+__all__ = ["CONFLICTS_BUSY_WAIT", "Durability"]
+
+log = logging.getLogger("clone.server.reactor")
 
 #: How long a turn's conflicts-only write waits for a lock the checkpointer
 #: holds before leaving them for a later turn (seconds): the loop's turn, not
@@ -45,12 +49,63 @@ __all__ = ["CONFLICTS_BUSY_WAIT", "DurabilityMixin"]
 CONFLICTS_BUSY_WAIT = 0.05
 
 
-class DurabilityMixin(ServerBase):
-    """Open, load, commit and close the data directory."""
+class Durability:
+    """Open, load, commit and close the data directory (a part of the server).
+
+    It owns the :class:`~clone.storage.Storage`, the term our stored data was
+    last written under and the write error that stopped the server (set
+    once: fail-stop).  Built with the core whose journal it commits and four
+    callbacks: ``publish`` (the publisher's, for :meth:`commit_and_publish`),
+    ``ha_term`` (the term new writes go under while paired: our epoch while
+    active, the peer's while following; None unpaired, when the stored term
+    stays), ``committed`` (the updates of each commit, for the views' counts
+    and the monitoring ring) and ``stop`` (the server's, at a write error).
+    ``tests/server/test_durability_part.py`` drives it alone.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        core: ServerCore,
+        shared: Shared,
+        *,
+        publish: Callable[[list[bytes]], None],
+        ha_term: Callable[[], int | None],
+        committed: Callable[[list[list[bytes]]], None],
+        stop: Callable[[], None],
+    ) -> None:
+        self.config = config
+        self.core = core
+        self.counters = shared.counters
+        self._throttle = shared.throttle
+        self._clock = shared.clock
+        self._wallclock = shared.wallclock
+        self._publish = publish
+        self._ha_term = ha_term
+        self._committed = committed
+        self.request_stop = stop
+        self._storage: Storage | None = None
+        self._data_term = 0  # the term our stored data was last written under
+        self._storage_error: BaseException | None = None  # set once: fail-stop
+
+    @property
+    def storage(self) -> Storage | None:
+        """The open data directory (None in memory, or before start and after stop)."""
+        return self._storage
+
+    @property
+    def data_term(self) -> int:
+        """The term our stored data was last written under (Binary Star's epoch at start)."""
+        return self._data_term
+
+    @property
+    def error(self) -> BaseException | None:
+        """The write error that stopped the server (fail-stop), or None."""
+        return self._storage_error
 
     # -- start and stop ------------------------------------------------------
 
-    def _open_storage(self) -> None:
+    def open(self) -> None:
         """Open the data directory (restoring a backup into it first, if asked)
         and load its state into the core.  Raises StorageError with a message
         an operator can act on; the server then does not start."""
@@ -105,7 +160,7 @@ class DurabilityMixin(ServerBase):
             cfg.fsync,
         )
 
-    def _close_storage(self) -> None:
+    def close(self) -> None:
         storage, self._storage = self._storage, None
         if storage is not None:
             try:
@@ -115,21 +170,19 @@ class DurabilityMixin(ServerBase):
 
     # -- the rank Binary Star announces ----------------------------------------
 
-    def _rank(self) -> tuple[int, int]:
+    def rank(self) -> tuple[int, int]:
         """How new our data is: (term of the last write, sequence)."""
         return (self._data_term, self.core.store.sequence)
 
     def _current_term(self) -> int:
         """The term new writes are recorded under: our epoch while active,
         the active peer's while we follow it."""
-        ha = self._ha
-        if ha is None:
-            return self._data_term
-        return ha.epoch if self.core.role is Role.ACTIVE else ha.peer_epoch
+        term = self._ha_term()
+        return self._data_term if term is None else term
 
     # -- group commit --------------------------------------------------------
 
-    def _commit(self) -> list[list[bytes]]:
+    def commit(self) -> list[list[bytes]]:
         """Write this turn's changes in one transaction; return the updates,
         in order, which may now be published.  Nothing on a write failure.
 
@@ -180,9 +233,7 @@ class DurabilityMixin(ServerBase):
         if storage is None or self._storage_error is not None:
             if self._storage_error is not None:
                 return []
-            if self._view_prefixes:
-                self._count_views(updates)
-            self._note_changes(updates)
+            self._committed(updates)
             return updates
         term = self._current_term()
         try:
@@ -208,9 +259,7 @@ class DurabilityMixin(ServerBase):
             self._storage_failed(exc)
             return []
         self._data_term = term
-        if self._view_prefixes:
-            self._count_views(updates)
-        self._note_changes(updates)
+        self._committed(updates)
         return updates
 
     def _conflicts_dropped(self, dropped: int) -> None:
@@ -227,12 +276,16 @@ class DurabilityMixin(ServerBase):
             self.core.conflicts.max_bytes,
         )
 
-    def _commit_and_publish(self) -> None:
-        publish = self.publisher.publish
-        for frames in self._commit():
+    def commit_only(self) -> None:
+        """Commit this turn's changes, publish nothing (a passive's turn of following)."""
+        self.commit()
+
+    def commit_and_publish(self) -> None:
+        publish = self._publish
+        for frames in self.commit():
             publish(frames)
 
-    def _record_term(self) -> None:
+    def record_term(self) -> None:
         """A promotion: later writes carry our new epoch; record it even
         before the first one, so our rank says we were elected after the peer."""
         storage = self._storage

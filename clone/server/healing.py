@@ -13,7 +13,7 @@ ourselves.
 A split can leave 100,000 writes.  None of this handles them at once: the
 writes become calls, are sent (at most :data:`~clone.server.pacing.SPLIT_IN_FLIGHT`
 unanswered) or applied here in slices, one slice per loop turn
-(:meth:`HealingMixin._split_turn`, the one place that does it), each bounded
+(:meth:`Healer._split_turn`, the one place that does it), each bounded
 in count and in time (``TURN_BUDGET``); the next turn is scheduled with
 ``add_callback``, so heartbeats, signals and clients run in between.  What to
 touch next is decided by :mod:`clone.server.pacing` (pure).
@@ -25,14 +25,16 @@ brain is an incident an operator wants to read about.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import zmq
+from zmq.eventloop.zmqstream import ZMQStream
 
-from bstar.fsm import State as BStarState
 from clone.errors import ProtocolError
-from clone.server.base import TURN_BUDGET, ServerBase, log, peer_endpoint
-from clone.server.core import Role, SyncState
+from clone.server.config import ServerConfig
+from clone.server.core import Role, ServerCore, SyncState
 from clone.server.pacing import (
     SPLIT_APPLY_SLICE,
     SPLIT_CONVERT_SLICE,
@@ -40,14 +42,25 @@ from clone.server.pacing import (
     SPLIT_GIVE_UP,
     SPLIT_IN_FLIGHT,
     SPLIT_SEND_STEP,
+    SplitQueue,
     send_allowance,
 )
 from clone.server.sending import send_via_stream
+from clone.server.shared import TURN_BUDGET, Shared, Sockets, peer_endpoint
 from clone.wire.calls import Reply, decode_call, decode_reply
 from clone.wire.control import encode_refusal
 from clone.wire.protocol import SNAPSHOT_OFFSET
 
-__all__ = ["ANY_WRITER", "HealingMixin"]
+__all__ = ["ANY_WRITER", "HEAL_REQUESTS", "Healer", "Serve"]
+
+log = logging.getLogger("clone.server.reactor")
+
+#: Client snapshot requests a server healing a split brain holds at most.
+HEAL_REQUESTS = 8
+
+#: Serve a held snapshot request: the requester, its subtree, the options of
+#: the snapshot port's ``serve``.
+Serve = Callable[[bytes, str, dict[str, Any]], None]
 
 #: Winning a split brain, client updates are held until the peer's sync has
 #: streamed and no forwarded write came for HOLD_GRACE seconds (HOLD_FIRST_CALL
@@ -69,10 +82,147 @@ STEPPED_DOWN_QUIET = 2
 ANY_WRITER = "*"
 
 
-class HealingMixin(ServerBase):
-    """Forward a demoted active's split-brain writes to the winner, in slices."""
+class Healer:
+    """Forward a demoted active's split-brain writes to the winner, in slices;
+    as the winner, hold client updates (and client snapshots) while it heals.
 
-    def _forward_split_writes(self) -> None:
+    A part of the server: it owns the split writes' queue and DEALER, the
+    hold's times and the snapshot requests it holds.  Built with the core,
+    its sockets and the callbacks it needs: ``next_turn`` (the loop's
+    ``add_callback``; False without a loop), ``followed`` (the winner's
+    address), ``commit_and_publish`` (the durability part's), ``publish``
+    (the publisher's), ``won_split`` (Binary Star is active: a split brain
+    seen by us is one we win), ``serve`` (the snapshot port's, for the
+    requests held) and ``stopping``.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        core: ServerCore,
+        shared: Shared,
+        sockets: Sockets,
+        *,
+        next_turn: Callable[[Callable[[], None]], bool],
+        followed: Callable[[], str | None],
+        commit_and_publish: Callable[[], None],
+        publish: Callable[[list[bytes]], None],
+        won_split: Callable[[], bool],
+        serve: Serve,
+        stopping: Callable[[], bool],
+    ) -> None:
+        self.config = config
+        self.core = core
+        self.counters = shared.counters
+        self._throttle = shared.throttle
+        self._clock = shared.clock
+        self._wallclock = shared.wallclock
+        self._sockets = sockets
+        self._next_turn = next_turn
+        self._followed_of = followed
+        self._commit_and_publish = commit_and_publish
+        self._publish = publish
+        self._won_split = won_split
+        self._serve = serve
+        self._stopping_of = stopping
+        # Our writes the winner has not answered yet, paced
+        # (clone.server.pacing), the DEALER they go on, and whether a slice of
+        # them is already scheduled for the next turn.
+        self._split_queue = SplitQueue()
+        self._split_dealer: ZMQStream | None = None
+        self._split_scheduled = False
+        # Of this heal's writes, how many the winner kept as conflicts (logged once).
+        self._split_conflicts_this_heal = 0
+        # Winning a split brain: since when client updates are held (wall
+        # clock), and when the peer's sync finished streaming.
+        self._hold_started: float | None = None
+        self._hold_sync_done: float | None = None
+        # Binary Star showed us the split brain this hold is for.
+        self._hold_split_seen = False
+        # The peer's sync said it stepped down from active (a split brain's
+        # loser, STEPPED_DOWN_PROPERTY): this hold is a heal's.
+        self._peer_stepped_down = False
+        # Client snapshot requests held while we heal one (identity, subtree,
+        # the serve options), answered when the hold ends; the newest
+        # HEAL_REQUESTS: a client asks again on a fresh socket every quarter
+        # heartbeat, and only its last request can still be routed.
+        self._heal_requests: deque[tuple[bytes, str, dict[str, Any]]] = deque(
+            maxlen=HEAL_REQUESTS
+        )
+        # Losing one: when we stepped down (wall clock), until the client
+        # updates parked since are dropped (_check_stepped_down).
+        self._stepped_down_at: float | None = None
+        # Took over by a failover, and the peer has not synced from us since.
+        self._await_peer_sync = False
+
+    @property
+    def _followed(self) -> str | None:
+        return self._followed_of()
+
+    @property
+    def _stopping(self) -> bool:
+        return self._stopping_of()
+
+    # -- what the server and the other parts tell it ---------------------------
+
+    @property
+    def queued(self) -> int:
+        """Split writes converted to calls and not yet answered or applied."""
+        return len(self._split_queue)
+
+    @property
+    def stepped_down(self) -> bool:
+        """We stepped down from active (a split brain's loser) and still
+        keep the client updates parked since."""
+        return self._stepped_down_at is not None
+
+    def demoted(self) -> None:
+        """We were active and are passive now: a split brain's loser."""
+        self._stepped_down_at = self._wallclock()
+
+    def took_over(self) -> None:
+        """A failover made us active: the peer's first sync from us may be
+        a split brain's loser stepping down (its clients' writes race its
+        forwarded ones)."""
+        self._await_peer_sync = True
+
+    def peer_sync_started(self, *, stepped_down: bool) -> None:
+        """The peer asked us for a sync; ``stepped_down``: it says it lost a
+        split brain (the heal defers client snapshots)."""
+        if stepped_down:
+            self._peer_stepped_down = True
+
+    def peer_sync_served(self) -> None:
+        """The peer's sync stream is open: if it is its first since we took
+        over, hold client updates until what it forwards is in."""
+        if self._await_peer_sync and self.core.role is Role.ACTIVE:
+            self._await_peer_sync = False
+            self._start_hold("the peer's first sync since we took over")
+
+    def hold_request(self, identity: bytes, subtree: str, options: dict[str, Any]) -> None:
+        """Hold a client's snapshot request until the heal's hold ends."""
+        self._heal_requests.append((identity, subtree, options))
+
+    def check(self) -> None:
+        """Housekeeping: resends and give-up, the hold's end, the parked
+        updates of a step-down."""
+        self._check_split_writes()
+        self._check_hold()
+        self._check_stepped_down()
+
+    def close(self) -> None:
+        """The server stops: the DEALER closed at once."""
+        self._close_split()
+
+    # -- the loser's side: its split writes, to the winner ----------------------
+
+    def fork_known(self) -> None:
+        """The follower learnt the winner's fork: send the split writes now,
+        unless it has begun already."""
+        if not self._split_queue and not self._split_scheduled:
+            self.forward()
+
+    def forward(self) -> None:
         """Synced after a demotion: start sending what the core kept."""
         core = self.core
         if core.split_unverified:
@@ -102,7 +252,7 @@ class HealingMixin(ServerBase):
         )
         self._schedule_split_turn()
 
-    def _apply_split_writes_here(self) -> None:
+    def apply_here(self) -> None:
         """Elected again before the winner answered them all: ours to apply,
         a slice per turn from the next one on."""
         self._close_split_soon()
@@ -114,10 +264,9 @@ class HealingMixin(ServerBase):
             self._schedule_split_turn()
 
     def _schedule_split_turn(self) -> None:
-        if self._split_scheduled or self._loop is None or self._stopping:
+        if self._split_scheduled or self._stopping:
             return
-        self._split_scheduled = True
-        self._loop.add_callback(self._split_turn_guarded)
+        self._split_scheduled = self._next_turn(self._split_turn_guarded)
 
     def _split_turn_guarded(self) -> None:
         self._split_scheduled = False
@@ -163,9 +312,9 @@ class HealingMixin(ServerBase):
         if not queue:
             return bool(core.split_left)
         if self._split_dealer is None:
-            dealer = self._socket(zmq.DEALER)
+            dealer = self._sockets.socket(zmq.DEALER)
             dealer.connect(peer_endpoint(followed, SNAPSHOT_OFFSET))
-            self._split_dealer = self._stream(dealer, self._on_split_reply)
+            self._split_dealer = self._sockets.stream(dealer, self._on_split_reply)
             queue.restart(self._clock())
         resent = queue.resent
         allowed = send_allowance(queue.answered_up_to, core.store.sequence)
@@ -259,7 +408,7 @@ class HealingMixin(ServerBase):
             # heal's count is logged once, when it ends).
             self.counters["split_writes_conflicts"] += 1
             self._split_conflicts_this_heal += 1
-            self.publisher.publish(encode_refusal(ANY_WRITER, reply.uuid, "conflict"))
+            self._publish(encode_refusal(ANY_WRITER, reply.uuid, "conflict"))
             return
         self.counters["split_writes_refused"] += 1
         self._throttle.log(
@@ -273,13 +422,12 @@ class HealingMixin(ServerBase):
 
     # -- the winner's side: hold client updates until the loser's are in -------
 
-    def _on_split_brain(self) -> None:
+    def on_split_brain(self) -> None:
         """Binary Star saw the peer active too.  If we keep serving, the peer
         steps down, resyncs and forwards its writes; until then its clients'
         updates may still reach us directly, late, and must not go ahead of
         those (core.hold_writes)."""
-        ha = self._ha
-        if ha is None or self.core.role is not Role.ACTIVE or ha.state is not BStarState.ACTIVE:
+        if self.core.role is not Role.ACTIVE or not self._won_split():
             return  # we are the one stepping down
         self._start_hold("won a split brain")
         self._hold_split_seen = True
@@ -303,7 +451,8 @@ class HealingMixin(ServerBase):
             HOLD_MAX,
         )
 
-    def _peer_sync_done(self) -> None:
+    def peer_sync_done(self) -> None:
+        """The peer's sync has streamed."""
         if self._hold_started is not None:
             self._hold_sync_done = self._wallclock()
 
@@ -335,7 +484,7 @@ class HealingMixin(ServerBase):
             now - started,
         )
 
-    def _heal_defers_clients(self) -> bool:
+    def defers_clients(self) -> bool:
         """Whether a client's snapshot request waits for the hold to end: we
         hold because a split brain heals.  Binary Star showed it to us; or
         the peer's sync said it stepped down from active in this run (it lost
@@ -367,7 +516,7 @@ class HealingMixin(ServerBase):
         if self.core.role is not Role.ACTIVE:
             return
         for identity, subtree, options in requests:
-            self._serve(identity, subtree, **options)
+            self._serve(identity, subtree, options)
 
     # -- the loser's side: updates that reached us after we stepped down ------
 
@@ -408,10 +557,9 @@ class HealingMixin(ServerBase):
         dealer, self._split_dealer = self._split_dealer, None
         if dealer is None:
             return
-        if self._loop is None:
-            self._forget(dealer)
-        else:
-            self._loop.add_callback(self._forget, dealer)
+        forget = self._sockets.forget
+        if not self._next_turn(lambda: forget(dealer)):
+            forget(dealer)
 
     def _log_heal_conflicts(self) -> None:
         """Once per heal: how many of our writes the active kept as conflicts."""
@@ -428,4 +576,4 @@ class HealingMixin(ServerBase):
         self._log_heal_conflicts()
         dealer, self._split_dealer = self._split_dealer, None
         if dealer is not None:
-            self._forget(dealer)
+            self._sockets.forget(dealer)

@@ -2,39 +2,160 @@
 
 How this works: the HTTP port (:class:`~clone.server.http.HttpPort`) is a
 part that reads its server only through the narrow
-:class:`~clone.server.http.StatusSource`; this mixin is the server's side of
-that contract, computed from the core and the other duties' state at each
-request, and it owns the port and the count of the publisher's connections.
-
-Why this is still a mixin: the page's fields come from nearly every duty
-(the snapshot port's status, the stats, the monitoring rings, Binary Star),
-which are mixins this round; the port itself no longer sees any of them.
+:class:`~clone.server.http.StatusSource`; :class:`Monitor` is the server's
+side of that contract, a part of its own.  It owns what the counters do not
+hold (the snapshot durations, the last changed keys, the role changes, the
+last takeover), the port and the count of the publisher's connections, and
+computes health, readiness, STATUS (:mod:`.status`) and the page's fields
+from the core, Binary Star and the server's stats at each request.
 """
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import zmq
+from tornado.ioloop import IOLoop
 
-from clone.server.base import ServerBase
-from clone.server.core import Role, SyncState
+from clone.server.config import ServerConfig
+from clone.server.core import Role, ServerCore, SyncState
 from clone.server.http import HttpPort, PublisherWatch, publisher_events
+from clone.server.metrics import DurationHistogram
+from clone.server.rolelog import load_role_changes, save_role_changes
+from clone.server.shared import Shared
+from clone.server.status import PeerView, clone_version, server_status
+from clone.storage.files import dir_bytes
 
-__all__ = ["MonitoringMixin"]
+if TYPE_CHECKING:
+    from bstar.reactor import BinaryStar
+
+__all__ = ["RECENT_CHANGES", "ROLE_CHANGES", "Monitor"]
+
+# The monitoring rings: the last changed keys (never values) and the last
+# role changes, for the status page.
+RECENT_CHANGES = 50
+ROLE_CHANGES = 20
 
 
-class MonitoringMixin(ServerBase):
-    """Health, readiness and the status page's fields; the HTTP port."""
+class Monitor:
+    """Health, readiness, STATUS and the status page's fields; the HTTP port.
 
-    _http: HttpPort | None = None
-    _publisher_watch: PublisherWatch | None = None
+    A part of the server, and the :class:`~clone.server.http.StatusSource`
+    its HTTP port reads.  Built with the config, the core, the shared clocks
+    and counters, and four callbacks: ``ha`` (Binary Star, None unpaired or
+    before the sockets are bound), ``curve`` (whether CURVE is on),
+    ``stats`` (the server's counters and gauges) and ``serving`` (not
+    stopping, no failed write).
+    ``tests/server/test_monitor.py`` drives it alone.
+    """
 
-    if TYPE_CHECKING:
+    def __init__(
+        self,
+        config: ServerConfig,
+        core: ServerCore,
+        shared: Shared,
+        *,
+        ha: Callable[[], BinaryStar | None],
+        curve: Callable[[], bool],
+        stats: Callable[[], dict[str, int | float | str]],
+        serving: Callable[[], bool],
+    ) -> None:
+        self.config = config
+        self.core = core
+        self.counters = shared.counters
+        self._clock = shared.clock
+        self._wallclock = shared.wallclock
+        self._shared = shared
+        self._ha_of = ha
+        self._curve = curve
+        self.stats = stats
+        self._serving = serving
+        self._http: HttpPort | None = None
+        self._publisher_watch: PublisherWatch | None = None
+        #: How long each snapshot took to stream (the metrics' histogram).
+        self.snapshot_seconds = DurationHistogram()
+        #: (sequence, key) of the last updates committed, oldest first.
+        self.recent_changes: deque[tuple[int, bytes]] = deque(maxlen=RECENT_CHANGES)
+        #: (Unix time, from role, to role), oldest first.  A durable server
+        #: keeps them across restarts (clone.server.rolelog).
+        self.role_changes: deque[tuple[float, str, str]] = deque(
+            load_role_changes(config.data_dir, ROLE_CHANGES) if config.data_dir else (),
+            maxlen=ROLE_CHANGES,
+        )
+        # For STATUS? (clone.server.status): uptime, the last takeover (Unix
+        # time; counted in counters["failovers"]) and our version.
+        self._started_at = shared.clock()
+        self.last_failover: float | None = None
+        self._version = clone_version()
 
-        def _status(self) -> dict[str, Any]: ...
+    @property
+    def _ha(self) -> BinaryStar | None:
+        return self._ha_of()
 
-        def stats(self) -> dict[str, int | float | str]: ...
+    # -- what the server tells it ----------------------------------------------
+
+    def note_changes(self, updates: list[list[bytes]]) -> None:
+        """Remember the keys (never the values) of the last updates of a commit."""
+        if not updates:
+            return
+        ring = self.recent_changes
+        for frames in updates[-RECENT_CHANGES:]:
+            seq = frames[1]
+            ring.append((int.from_bytes(seq, "big") if len(seq) == 8 else 0, frames[0]))
+
+    def note_role(self, was: str, now: str) -> None:
+        """A promotion or demotion, for the failover history."""
+        self.role_changes.append((self._wallclock(), was, now))
+        if self.config.data_dir is not None:
+            save_role_changes(self.config.data_dir, self.role_changes)
+
+    def note_failover(self) -> None:
+        """We took over from a peer presumed dead."""
+        self.counters["failovers"] += 1
+        self.last_failover = self._wallclock()
+
+    def status(self) -> dict[str, Any]:
+        """This server's status (:mod:`clone.server.status`): gathered here, built there."""
+        core = self.core
+        cfg = self.config
+        now = self._clock()
+        peer: PeerView | None = None
+        ha = self._ha
+        if ha is not None:
+            contact = ha.last_peer_contact
+            peer_state = ha.peer_state
+            peer = PeerView(
+                endpoint=cfg.peer,
+                ha_state=ha.state.name.lower(),
+                epoch=ha.epoch,
+                peer_state=None if peer_state is None else peer_state.name.lower(),
+                peer_alive=ha.peer_alive,
+                last_contact_age=None if contact is None else now - contact,
+            )
+        return server_status(
+            role=core.role.value,
+            mode=cfg.mode.value,
+            sequence=core.store.sequence,
+            keys=len(core.store),
+            store_bytes=core.store.nbytes,
+            pending=len(core.pending),
+            sync_state=core.sync_state.value,
+            term=core.term,
+            uptime=now - self._started_at,
+            version=self._version,
+            data_dir=cfg.data_dir,
+            data_dir_bytes=None if cfg.data_dir is None else dir_bytes(Path(cfg.data_dir)),
+            curve=self._curve(),
+            failovers=self.counters["failovers"],
+            last_failover=self.last_failover,
+            peer=peer,
+            # Counted by the HTTP part (clone.server.http) when it watches the publisher.
+            subscribers=self.subscribers,
+            conflicts=core.conflicts.unresolved,
+        )
 
     # -- the StatusSource the HTTP port reads ---------------------------------
 
@@ -53,13 +174,12 @@ class MonitoringMixin(ServerBase):
     def health(self) -> tuple[bool, str, int]:
         """Whether we serve (not stopping, no failed write), our role and sequence."""
         core = self.core
-        serving = not self._stopping and self._storage_error is None
-        return serving, core.role.value, core.store.sequence
+        return self._serving(), core.role.value, core.store.sequence
 
     def readiness(self) -> tuple[bool, str]:
         """Whether a failover to (or a read from) this server now loses nothing, and why."""
         core = self.core
-        if self._stopping or self._storage_error is not None:
+        if not self._serving():
             return False, "stopping"
         role = core.role
         if role is Role.ACTIVE:
@@ -75,7 +195,7 @@ class MonitoringMixin(ServerBase):
 
     def page_fields(self) -> dict[str, Any]:
         """What the status page shows, but the update rate (the HTTP port's)."""
-        out = dict(self._status())
+        out = dict(self.status())
         out["subscribers"] = self.subscribers
         ready, reason = self.readiness()
         cfg = self.config
@@ -121,27 +241,25 @@ class MonitoringMixin(ServerBase):
 
     # -- life cycle -----------------------------------------------------------
 
-    def _open_http(self) -> None:
+    def open_http(self, loop: IOLoop) -> None:
         """Bind the HTTP port (if configured); serving starts with the loop."""
         if self.config.http_port is None:
             return
-        assert self._loop is not None
-        port = HttpPort(self.config, self.shared, self._loop, self)
+        port = HttpPort(self.config, self._shared, loop, self)
         self._http = port
         port.open()
 
-    def _close_http(self) -> None:
+    def close_http(self) -> None:
         port, self._http = self._http, None
         if port is not None:
             port.close()
         if self._publisher_watch is not None:
             self._publisher_watch.close()
 
-    def _watch_subscribers(self, pub: zmq.Socket[Any]) -> zmq.Socket[Any]:
+    def watch_subscribers(self, pub: zmq.Socket[Any], secure: bool) -> zmq.Socket[Any]:
         """``pub``'s monitor socket, for the inbound watch (clone.server.subscribers),
-        which hands its events to :meth:`_on_pub_monitor`; with --http-port they
+        whose events the server hands to :meth:`on_pub_event`; with --http-port they
         also count the connections."""
-        secure = self.security.keypair is not None
         if self.config.http_port is not None:
             if self._publisher_watch is None:
                 self._publisher_watch = PublisherWatch()
@@ -150,7 +268,7 @@ class MonitoringMixin(ServerBase):
         monitor.setsockopt(zmq.LINGER, 0)
         return monitor
 
-    def _on_pub_monitor(self, event: int, value: int) -> None:
-        self.subscription_gate.on_event(event, value)
+    def on_pub_event(self, event: int) -> None:
+        """An event of the publisher's monitor: a connection counted."""
         if self._publisher_watch is not None:
             self._publisher_watch.on_event(event)

@@ -14,10 +14,13 @@ How this works: one tornado IOLoop (owned, never the global one) drives
 * :class:`bstar.reactor.BinaryStar` on the HA ports, which decides the role.
 
 This module holds the life cycle (bind, run, stop), the timers and the stats,
-and builds the parts the server owns once its sockets are bound (the caller,
-the collector, the follower, a relay's link, the conflicts desk), each with
-only what it needs (docs/architecture.md, "Parts").  The duties not yet parts
-are mixins of one :class:`CloneServer` over :mod:`.base`'s shared attributes.
+and builds the parts the server owns, each with only what it needs and
+talking to the others only through the callbacks it was built with
+(docs/architecture.md, "Parts"): those that need no socket at once (the
+durability, the monitor, the healer, the security), the others once their
+sockets are bound (the snapshot port's reader, streams and held votes, the
+publisher's port, the caller, the collector, the follower, a relay's link,
+the conflicts desk, and last the role switch that Binary Star calls).
 
 Every handler is wrapped: bad input is counted and logged (rate-limited) and
 an unexpected exception is logged with its traceback; nothing stops the loop.
@@ -30,60 +33,73 @@ import json
 import logging
 import signal
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import zmq
 from tornado.ioloop import IOLoop
 
+from bstar.fsm import State as BStarState
 from clone.errors import ServerStartError
+from clone.ratelimit import Throttle
 from clone.release import RELEASE
+from clone.server.access import Access
 from clone.server.admin import ConflictsDesk
-from clone.server.base import PartSockets, log
 from clone.server.budget import collector_hwm
 from clone.server.calling import Caller
-from clone.server.collecting import Applier, Collector, Judge, Sink
+from clone.server.collecting import Collector
 from clone.server.config import ServerConfig, ServerMode
-from clone.server.core import Role
-from clone.server.durability import DurabilityMixin
+from clone.server.core import Role, ServerCore
+from clone.server.durability import Durability
 from clone.server.following import Follower
-from clone.server.healing import HealingMixin
-from clone.server.monitoring import MonitoringMixin
+from clone.server.healing import Healer
+from clone.server.monitoring import Monitor
+from clone.server.publisherport import PublisherPort
+from clone.server.publishing import Publisher
 from clone.server.relaying import RelayLink
-from clone.server.roles import RoleMixin
-from clone.server.serving import ServingMixin
-from clone.server.subscribers import (
-    PER_TURN,
-    SLOW_AFTER,
-    SUBSCRIPTION_RCVHWM,
-    InboundWatch,
-    SubscriptionReader,
-)
-from clone.server.subscriptions import MAX_TOPIC_BYTES, InboundAllowance
+from clone.server.roles import RoleSwitch
+from clone.server.security import Security
+from clone.server.serving import SnapshotPort
+from clone.server.shared import IO_COUNTERS, TURN_BUDGET, Shared
+from clone.server.sockets import ServerSockets
+from clone.server.status import StatusLimiter
+from clone.server.streaming import SnapshotStreams
+from clone.server.subscribers import SubscriptionGate, drop_connection
+from clone.server.subscriptions import SubscriptionLedger, SubscriptionLimits
+from clone.server.timers import Timers
+from clone.server.turns import TurnBudget
+from clone.server.voting import HeldVotes
+from clone.server.wiring import build_parts, build_roles, build_serving, build_timers
 from clone.storage.files import dir_bytes
 from clone.storage.schema import FORMAT_VERSION
 from clone.wire.frames import MAX_FRAME_BYTES
-from clone.wire.protocol import COLLECTOR_OFFSET, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
+from clone.wire.protocol import COLLECTOR_OFFSET, MAX_HEARTBEAT_MS, SNAPSHOT_OFFSET
+
+if TYPE_CHECKING:
+    from bstar.reactor import BinaryStar
+    from clone.wire.calls import Reply
 
 # ServerConfig, ServerMode and ServerStartError are re-exported: this module is
 # where callers have always found them.
 __all__ = ["CloneServer", "ServerConfig", "ServerMode", "ServerStartError"]
 
-_HOUSEKEEPING = 0.1  # seconds between expiry / sync-timeout / deferred-vote checks
+# STATUS? answers per second, and at once: enough for every monitor of a pair,
+# too few for a flood to take the loop from clients and the peer.
+_STATUS_RATE = 20.0
+_STATUS_BURST = 40
+
+# One logger for the whole reactor, whichever module a line comes from: operators
+# filter on it, and the tests read its lines.
+log = logging.getLogger("clone.server.reactor")
 
 
 def _tcp(host_port: str) -> str:
     return host_port if "://" in host_port else f"tcp://{host_port}"
 
 
-class CloneServer(
-    ServingMixin,
-    RoleMixin,
-    HealingMixin,
-    DurabilityMixin,
-    MonitoringMixin,
-):
+class CloneServer:
     """One member of a Clone server pair (or a standalone server).
 
     ``run()`` serves in the calling thread until :meth:`stop`; ``start()`` runs
@@ -101,7 +117,123 @@ class CloneServer(
     and two clocks can never disagree about whether something is due.
     """
 
-    # -- life cycle ----------------------------------------------------------
+    def __init__(
+        self,
+        config: ServerConfig,
+        ctx: zmq.Context[Any] | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        wallclock: Callable[[], float] = time.time,
+    ) -> None:
+        self.config = config
+        # What every HUGZ tells clients to expect (the codec's range).
+        self._heartbeat_ms = min(max(1, round(config.heartbeat * 1000)), MAX_HEARTBEAT_MS)
+        self._own_ctx = ctx is None
+        self._ctx: zmq.Context[Any] = ctx if ctx is not None else zmq.Context[Any]()
+        self._clock = clock
+        self._wallclock = wallclock
+        self.core = ServerCore(
+            config.core,
+            standalone=config.mode is ServerMode.STANDALONE,
+            durable=config.data_dir is not None,
+            relay=config.mode is ServerMode.RELAY,
+        )
+        # How long a collector turn drains, leaving room for its commit (clone.server.turns).
+        self._turns = TurnBudget(TURN_BUDGET)
+        # Who is admitted and their rights (clone.server.access): what the
+        # parts read; the security part installs them.
+        self.access = Access()
+        self._loop: IOLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
+        self._stopping = False
+        self._throttle = Throttle(log, clock)
+        self._router: zmq.Socket[Any] | None = None
+        self._collector: zmq.Socket[Any] | None = None
+        self._ha: BinaryStar | None = None  # when paired
+        # STATUS? and CONFLICTS? answers, one rate limit (clone.server.status).
+        self._status_limiter = StatusLimiter(_STATUS_RATE, _STATUS_BURST, clock())
+        #: The I/O layer's counters (clone.server.shared.IO_COUNTERS).
+        self.counters: dict[str, int] = dict.fromkeys(IO_COUNTERS, 0)
+        #: What every part is handed: the clocks, these counters, the throttle.
+        self.shared = Shared(self._throttle, clock, wallclock, self.counters)
+        #: The PUB socket's output, in order (a part of its own: clone.server.publishing).
+        self.publisher = Publisher(self._next_turn, config.snapshot_chunk)
+        #: Keys, the ZAP handler, the ACL and the views (clone.server.security):
+        #: all None / empty without --curve-secret.
+        self.security = Security(
+            config, self._ctx, self.shared, self.access, publish=self.publisher.publish
+        )
+        #: How every part opens its sockets (clone.server.sockets).
+        self.sockets = ServerSockets(self._ctx, self.security, self.counters)
+        #: The data directory (a part: clone.server.durability), open while serving.
+        self.durability = Durability(
+            config,
+            self.core,
+            self.shared,
+            publish=self.publisher.publish,
+            ha_term=self._ha_term,
+            committed=self._committed,
+            stop=self.request_stop,
+        )
+        #: Health, readiness, STATUS, the status page; the HTTP port (a part:
+        #: clone.server.monitoring).
+        self.monitor = Monitor(
+            config,
+            self.core,
+            self.shared,
+            ha=lambda: self._ha,
+            curve=lambda: self.security.keypair is not None,
+            stats=self.stats,
+            serving=lambda: not self._stopping and self.durability.error is None,
+        )
+        #: After a split brain (a part: clone.server.healing): the loser's
+        #: writes to the winner; the winner's hold while it heals.
+        self.healer = Healer(
+            config,
+            self.core,
+            self.shared,
+            self.sockets,
+            next_turn=self._next_turn,
+            followed=self._followed,
+            commit_and_publish=self.durability.commit_and_publish,
+            publish=self.publisher.publish,
+            won_split=self._bstar_active,
+            serve=self._serve_held,
+            stopping=lambda: self._stopping,
+        )
+        # The publisher's subscriptions, judged per connection (a part of its
+        # own: clone.server.subscribers); the topics come from security.
+        self.subscription_gate = SubscriptionGate(
+            SubscriptionLedger(
+                SubscriptionLimits(config.max_subscriptions, config.max_subscription_bytes)
+            ),
+            self.security.subscription_topics,
+            self.counters,
+            self._throttle,
+            clock,
+            TURN_BUDGET,
+            drop_connection,
+        )
+        # The parts built once the sockets are bound (_setup).
+        # The snapshot port (P): its reader, its streams, its held votes.
+        self.snapshot_port: SnapshotPort | None = None
+        self.streams: SnapshotStreams | None = None
+        self.votes: HeldVotes | None = None
+        self.publisher_port: PublisherPort | None = None  # the XPUB (P+1)
+        self.caller: Caller | None = None
+        self.collector: Collector | None = None
+        self.follower: Follower | None = None  # a pair member's or a relay's
+        self.conflicts_desk: ConflictsDesk | None = None
+        # A relay's link to its upstream (clone.server.relaying).
+        self.relay: RelayLink | None = None
+        # Binary Star's on_active / on_passive (clone.server.roles).
+        self.roles: RoleSwitch | None = None
+        # The heartbeat, housekeeping and stats timers (clone.server.timers).
+        self.timers: Timers | None = None
+
+    # -- life cycle ------------------------------------------------------------
 
     @property
     def loop(self) -> IOLoop | None:
@@ -114,9 +246,9 @@ class CloneServer(
         (log the stats) handlers; only the main thread may do that.
         """
         loop = IOLoop(make_current=False)
-        self._loop = loop
+        self._loop = self.sockets.loop = loop
         try:
-            self._open_storage()
+            self.durability.open()
             self.security.open()
             self._setup()
         except BaseException as exc:
@@ -150,7 +282,7 @@ class CloneServer(
     def failed(self) -> BaseException | None:
         """Why the server stopped on its own (a write to the data directory
         failed), or None."""
-        return self._storage_error
+        return self.durability.error
 
     def start(self, timeout: float = 10.0) -> None:
         """Run in a background thread; return once bound (or raise why not)."""
@@ -186,19 +318,19 @@ class CloneServer(
         """Counters and gauges: the core's, the I/O layer's and Binary Star's."""
         out: dict[str, int | float | str] = dict(self.core.stats())
         out.update(self.counters)
-        out["snapshots_in_flight"] = len(self._snapshots)
-        out["votes_deferred_held"] = len(self._deferred)
+        out["snapshots_in_flight"] = len(self.streams) if self.streams is not None else 0
+        out["votes_deferred_held"] = len(self.votes) if self.votes is not None else 0
         out["outq"] = len(self.publisher)
         # After a split brain: writes still to send the winner or apply here.
-        out["split_writes_queued"] = len(self._split_queue) + self.core.split_left
-        subscribers = self.subscribers
+        out["split_writes_queued"] = self.healer.queued + self.core.split_left
+        subscribers = self.monitor.subscribers
         if subscribers is not None:
             out["subscribers"] = subscribers
         out["mode"] = self.config.mode.value
-        out.update(self.http_counters())
+        out.update(self.monitor.http_counters())
         if self.config.data_dir is not None:
             out["data_dir_bytes"] = dir_bytes(Path(self.config.data_dir))
-        storage = self._storage
+        storage = self.durability.storage
         if storage is not None:
             # Where the durable commit's time goes (docs/benchmarks.md, issue 27).
             timing = storage.timing
@@ -238,14 +370,14 @@ class CloneServer(
                 self._start_error = exc
             self._ready.set()
 
-    # -- setup / teardown ----------------------------------------------------
+    # -- setup / teardown ------------------------------------------------------
 
     def _setup(self) -> None:
         cfg = self.config
         loop = self._loop
         assert loop is not None
         base = f"tcp://{cfg.bind}"
-        router = self._socket(zmq.ROUTER, bound=True)
+        router = self.sockets.socket(zmq.ROUTER, bound=True)
         router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         router.setsockopt(zmq.SNDHWM, cfg.snapshot_hwm)
         # A requester whose connection has taken nothing for the stall timeout
@@ -254,8 +386,21 @@ class CloneServer(
         router.setsockopt(zmq.TCP_MAXRT, int(cfg.snapshot_stall_timeout * 1000))
         router.bind(f"{base}:{cfg.port + SNAPSHOT_OFFSET}")
         self._router = router
-        self._bind_publisher()
-        collector = self._socket(zmq.SUB, bound=True)
+        self.publisher_port = PublisherPort(
+            cfg,
+            self.shared,
+            self.publisher,
+            self.subscription_gate,
+            self.sockets,
+            loop,
+            watch_subscribers=lambda pub: self.monitor.watch_subscribers(
+                pub, self.security.keypair is not None
+            ),
+            on_pub_event=self.monitor.on_pub_event,
+            stop=self.request_stop,
+        )
+        self.publisher_port.bind()
+        collector = self.sockets.socket(zmq.SUB, bound=True)
         # Bounded in bytes per writer: --collector-bytes of the largest frame
         # libzmq lets in (MAXMSGSIZE, set by _socket), clone.server.budget.
         collector.setsockopt(
@@ -264,10 +409,8 @@ class CloneServer(
         collector.setsockopt(zmq.SUBSCRIBE, b"")
         collector.bind(f"{base}:{cfg.port + COLLECTOR_OFFSET}")
         self._collector = collector
-        # Zero-copy frames: only a Frame can tell the requester's ZMTP metadata.
-        self._on_router_guarded = self._guard(self._on_router)
-        self._stream(router, self._on_router, copy=False)
-        self._build_parts(router, collector)
+        build_serving(self, router)
+        build_parts(self, router, collector)
         if cfg.mode is not ServerMode.STANDALONE and cfg.mode is not ServerMode.RELAY:
             from bstar.reactor import BinaryStar  # only paired servers need it
 
@@ -281,21 +424,23 @@ class CloneServer(
                 heartbeat=cfg.heartbeat,
                 missed=cfg.ha_missed,
                 clock=self._clock,
-                epoch=self._data_term,
+                epoch=self.durability.data_term,
                 start_wait=cfg.effective_peer_wait,
-                rank=self._rank if cfg.data_dir is not None else None,
-                secure_socket=self.security.secure_bstar if self._keypair is not None else None,
+                rank=self.durability.rank if cfg.data_dir is not None else None,
+                secure_socket=self.security.secure_bstar
+                if self.security.keypair is not None
+                else None,
             )
-            ha.on_active(self._on_became_active)
-            ha.on_passive(self._on_became_passive)
-            ha.on_split_brain(self._on_split_brain)
             self._ha = ha
-            ha.start()
-        self._next_hugz = self._clock() + cfg.heartbeat
-        self._hugz_timer = loop.call_later(cfg.heartbeat, self._on_heartbeat)
-        self._house_timer = loop.call_later(_HOUSEKEEPING, self._on_housekeeping)
-        if cfg.stats_interval > 0:
-            self._stats_timer = loop.call_later(cfg.stats_interval, self._on_stats_timer)
+        roles = self.roles = build_roles(self, collector)
+        paired = self._ha
+        if paired is not None:
+            paired.on_active(roles.on_active)
+            paired.on_passive(roles.on_passive)
+            paired.on_split_brain(self.healer.on_split_brain)
+            paired.start()
+        self.timers = build_timers(self)
+        self.timers.start()
         peer = (
             f"; peer {cfg.peer}, binary star {base}:{cfg.ha_port} <-> {_tcp(cfg.peer_ha or '')}"
             if cfg.mode not in (ServerMode.STANDALONE, ServerMode.RELAY)
@@ -320,111 +465,7 @@ class CloneServer(
         )
         if cfg.mode is ServerMode.STANDALONE:
             log.info("standalone: active at once")
-        self._open_http()
-
-    def _build_parts(self, router: zmq.Socket[Any], collector: zmq.Socket[Any]) -> None:
-        """The parts built on the bound sockets: a relay's link (started: it
-        follows its first upstream), the caller and the collector."""
-        cfg = self.config
-        secure = self._keypair is not None
-        refuse = self.security.refusal if secure else None
-        link: RelayLink | None = None
-        follower: Follower | None = None
-        if cfg.mode is not ServerMode.STANDALONE:
-            follower = self.follower = Follower(
-                cfg,
-                self.core,
-                self.shared,
-                PartSockets(self),
-                followed=lambda: self._followed,
-                term=self._peer_term,
-                after_turn=self._commit_and_publish
-                if cfg.mode is ServerMode.RELAY
-                else self._commit_followed,
-                next_turn=self._next_turn,
-                fork_known=self._split_fork_known,
-                synced=self._forward_split_writes,
-                stepped_down=lambda: self._stepped_down_at is not None,
-            )
-        if follower is not None and cfg.mode is ServerMode.RELAY:
-            link = self.relay = RelayLink(
-                cfg,
-                self.core,
-                self.shared,
-                self.access,
-                PartSockets(self),
-                router=router,
-                router_backlog=self._take_router_backlog,
-                upstream_keypair=self.security.upstream_keypair,
-                follow=follower.follow,
-                close_follow=follower.close,
-                sync_progress=lambda: follower.sync_progress,
-                reply=self._send_reply,
-                publish=self.publisher.publish,
-                refuse=refuse,
-                views_replaced=self.security.views_replaced,
-            )
-            follower.upstream = link
-            link.start()
-        self.caller = Caller(
-            self.core,
-            self.shared,
-            self.access,
-            router,
-            commit=self._commit_for_replies,
-            router_backlog=self._take_router_backlog,
-            next_turn=self._next_turn,
-            trusted_relays=cfg.trusted_relays,
-            forward=link.forward_call if link is not None else None,
-        )
-        self.conflicts_desk = ConflictsDesk(
-            self.core, self.shared, self.access, router, self._status_limiter
-        )
-        # One collector, composed: a relay forwards what a server applies,
-        # and under CURVE each write is judged by its sender's rights first.
-        sink: Sink
-        if link is not None:
-            assert link.forwarder is not None
-            sink = link.forwarder
-        else:
-            sink = Applier(self.core, self.shared, end_turn=self._commit_and_publish, refuse=refuse)
-        judge: Judge | None = None
-        if secure:
-            # A relay tells every refused writer; a server only while active
-            # (a passive one parks writes for the pending list, unjudged).
-            judge = self._judge_always if link is not None else self._judge_while_active
-        self.collector = part = Collector(
-            collector,
-            self.shared,
-            sink,
-            batch=cfg.collector_batch,
-            judge=judge,
-            turns=None if link is not None else self._turns,
-        )
-        if part.secure:
-            self._stream(collector, part.on_frames, copy=False)
-        else:
-            self._stream(collector, part.on_message)
-
-    def _judge_while_active(self, first: zmq.Frame, frames: list[bytes]) -> tuple[bool, str | None]:
-        return self.security.judge(first, frames, notify=self.core.role is Role.ACTIVE)
-
-    def _judge_always(self, first: zmq.Frame, frames: list[bytes]) -> tuple[bool, str | None]:
-        return self.security.judge(first, frames, notify=True)
-
-    def _peer_term(self) -> int | None:
-        """The followed server's term: Binary Star's peer epoch (None unpaired)."""
-        return self._ha.peer_epoch if self._ha is not None else None
-
-    def _commit_followed(self) -> None:
-        self._commit()
-
-    def _commit_for_replies(self) -> bool:
-        """Commit and publish this turn; whether its changes may be confirmed."""
-        if self._stopping:
-            return False
-        self._commit_and_publish()
-        return self._storage_error is None  # fail-stop: nothing unwritten is confirmed
+        self.monitor.open_http(loop)
 
     def _shutdown(self) -> None:
         if self._stopping:
@@ -437,127 +478,34 @@ class CloneServer(
         self._loop.stop()
 
     def _close_all(self) -> None:
-        loop = self._loop
-        if loop is not None:
-            timers = (self._hugz_timer, self._house_timer, self._stats_timer, self._deferred_timer)
-            for timer in timers:
-                if timer is not None:
-                    loop.remove_timeout(timer)
-        self._hugz_timer = self._house_timer = self._stats_timer = None
-        self._deferred_timer = None
-        self._deferred.clear()
-        self._deferred_streams.clear()
-        self._close_http()
+        if self.timers is not None:
+            self.timers.stop()
+        if self.votes is not None:
+            self.votes.close()
+        self.monitor.close_http()
         if self._ha is not None:
             self._ha.stop()
-        self._close_peer()
-        self._close_split()
+        if self.follower is not None:
+            self.follower.close()
+        self.healer.close()
         if self.relay is not None:
             self.relay.close()
-        self._snapshots.clear()
-        self._in_flight.clear()
-        self._peer_windows.clear()
-        self._pump_queue.clear()
-        self._waiting.clear()
+        if self.streams is not None:
+            self.streams.close()
+        if self.snapshot_port is not None:
+            self.snapshot_port.close()
         self.publisher.drop()
-        watch, self._inbound_watch = self._inbound_watch, None
-        if watch is not None:
-            watch.stop()
-        if self._pub_stream is not None:
-            self._pub_stream.close()
-        for stream in self._streams:
-            stream.close(linger=0)
-        self._streams.clear()
-        for sock in (self._router, self._pub, self._collector):
+        if self.publisher_port is not None:
+            self.publisher_port.close()
+        self.sockets.close()
+        for sock in (self._router, self._collector):
             if sock is not None and not sock.closed:
                 sock.close(linger=0)
-        self._pub_stream = None
         # Only now: a CURVE socket must never outlive its ZAP handler.
         self.security.close()
-        self._close_storage()
+        self.durability.close()
 
-    # -- timers --------------------------------------------------------------
-
-    def _on_heartbeat(self) -> None:
-        loop = self._loop
-        if loop is None or self._stopping:
-            return
-        # How late the reactor ran this timer: the operator's measure of a
-        # blocked loop (and what clients would see as a heartbeat gap).
-        late_ms = int((self._clock() - self._next_hugz) * 1000)
-        if late_ms > self.counters["heartbeat_max_late_ms"]:
-            self.counters["heartbeat_max_late_ms"] = late_ms
-            if late_ms > 1000 * self.config.heartbeat:
-                log.warning("heartbeat ran %d ms late: the reactor was blocked", late_ms)
-        try:
-            if self.core.role is Role.ACTIVE:
-                # A call's update is applied in the ROUTER's handler but
-                # committed and published by a callback after it
-                # (clone.server.calling); a timer that runs between the two
-                # would announce a sequence nobody was sent, and every client
-                # and the passive would resync.  Publish it first.
-                if self.core.journal:
-                    self._commit_and_publish()
-                self._publish_hugz(self.core.hugz(self._heartbeat_ms), stale=False)
-            elif self.relay is not None:
-                self._publish_hugz(self.relay.hugz(self._heartbeat_ms), stale=self.relay.stale())
-            # Subscriptions our sends may have hidden from the XPUB's reader.
-            self._take_subscriptions()
-        except Exception:
-            self.counters["internal_errors"] += 1
-            log.exception("internal error in heartbeat")
-        # Fixed rate; after a stall skip ahead rather than burst.
-        self._next_hugz += self.config.heartbeat
-        now = self._clock()
-        if self._next_hugz <= now:
-            self._next_hugz = now + self.config.heartbeat
-        self._hugz_timer = loop.call_later(self._next_hugz - now, self._on_heartbeat)
-
-    def _publish_hugz(self, hugz: list[bytes], *, stale: bool) -> None:
-        """Our HUGZ, then each restricted view's (a relay's say ``stale`` too)."""
-        self.publisher.publish(hugz)
-        self.counters["hugz_sent"] += 1
-        security = self.security
-        if security.view_counts:
-            sequence = self.core.store.sequence
-            for frames in security.view_heartbeats(sequence, self._heartbeat_ms, stale=stale):
-                self.publisher.publish(frames)
-
-    def _on_housekeeping(self) -> None:
-        loop = self._loop
-        if loop is None or self._stopping:
-            return
-        delay = _HOUSEKEEPING
-        try:
-            # Keys and leases expire on the monotonic clock: a wall step ends nothing.
-            mono = self._clock()
-            self.core.tick(self._wallclock(), mono)
-            self._commit_and_publish()
-            if self.core.expiry_due(mono):
-                delay = 0.0  # more due than one batch: continue next turn
-            if self.follower is not None:
-                self.follower.check_timeout()
-            if self.relay is not None:
-                self.relay.check()
-            self._check_stalled_snapshots()
-            self._check_split_writes()
-            self._check_hold()
-            self._check_stepped_down()
-            if self._deferred:
-                # The peer's expiry may have moved earlier (Binary Star saw its
-                # connection drop); the timer only knows the old one.
-                self._recheck_deferred()
-        except Exception:
-            self.counters["internal_errors"] += 1
-            log.exception("internal error in housekeeping")
-        self._house_timer = loop.call_later(delay, self._on_housekeeping)
-
-    def _on_stats_timer(self) -> None:
-        if self._loop is None or self._stopping:
-            return
-        if log.isEnabledFor(logging.DEBUG):
-            self.log_stats(logging.DEBUG)
-        self._stats_timer = self._loop.call_later(self.config.stats_interval, self._on_stats_timer)
+    # -- signals ---------------------------------------------------------------
 
     def _on_signal(self, name: str) -> None:
         log.info("%s received", name)
@@ -571,158 +519,71 @@ class CloneServer(
             self.counters["internal_errors"] += 1
             log.exception("internal error in %s", getattr(fn, "__name__", fn))
 
-    # -- the publisher -------------------------------------------------------
-
-    def _bind_publisher(self, *, rebind: bool = False) -> None:
-        """Bind the publisher (P+1): an XPUB in manual mode, whose
-        subscriptions the subscription gate (clone.server.subscribers) judges
-        per connection and clone.server.security maps to what each may read.
-
-        ``rebind`` closes the current one first (SIGHUP took rights away);
-        until the port is free again, publications wait in the ordered output
-        queue, so none is lost for the subscribers that come back.
-        """
-        cfg = self.config
-        old_stream, self._pub_stream = self._pub_stream, None
-        old, self._pub = self._pub, None
-        endpoint = f"tcp://{cfg.bind}:{cfg.port + PUBLISHER_OFFSET}"
-        if old_stream is not None:
-            old_stream.close()
-        if old is not None and not old.closed:
-            old.close(linger=0)
-        pub = self._socket(zmq.XPUB, bound=True)
-        # A subscriber's queue: --hwm messages; in bytes, the inbound watch
-        # cuts one off that reads nothing past --max-subscriber-bytes.
-        pub.setsockopt(zmq.SNDHWM, cfg.pub_hwm)
-        # Subscriptions: none applied but by us, none longer than a subtree,
-        # and few taken in from one connection ahead of the gate.
-        pub.setsockopt(zmq.XPUB_MANUAL, 1)
-        pub.setsockopt(zmq.MAXMSGSIZE, 1 + MAX_TOPIC_BYTES)
-        pub.setsockopt(zmq.RCVHWM, SUBSCRIPTION_RCVHWM)
-        if not rebind:
-            pub.bind(endpoint)
-            self._install_publisher(pub)
-            return
-        self.publisher.hold()  # publications queue until the new socket is bound
-        self._retry_bind(pub, endpoint, 0)
-
-    def _retry_bind(self, pub: zmq.Socket[Any], endpoint: str, attempt: int) -> None:
-        try:
-            pub.bind(endpoint)
-        except zmq.ZMQError as exc:
-            if exc.errno != zmq.EADDRINUSE or attempt >= 200 or self._loop is None:
-                pub.close(linger=0)
-                log.critical("cannot bind the publisher again at %s: %s; stopping", endpoint, exc)
-                self.request_stop()
-                return
-            # The old socket's port is released by libzmq's I/O thread shortly.
-            self._loop.call_later(0.01, self._retry_bind, pub, endpoint, attempt + 1)
-            return
-        self._install_publisher(pub)
-        log.info("publisher bound again at %s: subscribers reconnect under the new rules", endpoint)
-
-    def _install_publisher(self, pub: zmq.Socket[Any]) -> None:
-        self.publisher.install(pub)  # what was held goes out from the next turn
-        self.subscription_gate.reset()  # a new socket: no connection yet
-        assert self._loop is not None
-        self._pub_stream = SubscriptionReader(pub, self._loop, self._on_subscription)
-        self._start_inbound_watch(self._watch_subscribers(pub))
-
-    def _start_inbound_watch(self, monitor: zmq.Socket[Any]) -> None:
-        """The thread that reads ``monitor`` and stops the floods the loop
-        cannot see (clone.server.subscribers)."""
-        old, self._inbound_watch = self._inbound_watch, None
-        if old is not None:
-            old.stop()
-        loop = self._loop
-        assert loop is not None
-        watch = InboundWatch(
-            monitor,
-            InboundAllowance.for_limits(self.subscription_gate.ledger.limits),
-            lambda event, value: loop.add_callback(self._on_pub_monitor, event, value),
-            lambda peer, received: loop.add_callback(self._on_inbound_drop, peer, received),
-            lambda peer, waiting: loop.add_callback(self._on_slow_subscriber, peer, waiting),
-            budget=self.config.max_subscriber_bytes,
-            published=lambda: self.publisher.sent_bytes,
-            on_cut=lambda peer, queued: loop.add_callback(self._on_subscriber_cut, peer, queued),
-        )
-        watch.start()
-        self._inbound_watch = watch
-
-    def _on_inbound_drop(self, peer: str, received: int) -> None:
-        """The inbound watch shut a publisher connection down: it sent more than
-        subscribing within the caps takes."""
-        self.counters["subscribers_dropped"] += 1
-        self.counters["subscribers_flooding"] += 1
-        self._throttle.log(
-            "subscriber_flood",
-            logging.WARNING,
-            "subscriber %s sent %d bytes to the publisher, more than subscribing within"
-            " --max-subscriptions and --max-subscription-bytes takes: connection dropped",
-            peer,
-            received,
-        )
-
-    def _on_slow_subscriber(self, peer: str, waiting: int) -> None:
-        """The inbound watch saw a subscriber read nothing for a while."""
-        self.counters["subscribers_slow"] += 1
-        self._throttle.log(
-            "subscriber_slow",
-            logging.WARNING,
-            "subscriber %s has read nothing for %.0f s (%d bytes wait in the kernel); it is"
-            " cut off once %d more bytes are published (--max-subscriber-bytes)",
-            peer,
-            SLOW_AFTER,
-            waiting,
-            self.config.max_subscriber_bytes,
-        )
-
-    def _on_subscriber_cut(self, peer: str, queued: int) -> None:
-        """The inbound watch cut off a subscriber that read nothing past its budget."""
-        self.counters["subscribers_dropped"] += 1
-        self.counters["subscribers_over_budget"] += 1
-        self._throttle.log(
-            "subscriber_over_budget",
-            logging.WARNING,
-            "subscriber %s read nothing while %d bytes were published for it, past"
-            " --max-subscriber-bytes %d: connection dropped (its queue goes with it; it"
-            " resyncs when it reads again)",
-            peer,
-            queued,
-            self.config.max_subscriber_bytes,
-        )
-
-    def _on_subscription(self) -> bool:
-        """The publisher's subscription messages: the gate judges them per
-        connection (clone.server.subscribers), a bounded number per turn;
-        True if it stopped at its budget."""
-        sock = self._pub
-        if sock is None or sock.closed:
-            return False
-        return self.subscription_gate.take(sock) >= PER_TURN
-
-    def _take_subscriptions(self) -> None:
-        """Handle subscription messages our own sends on the XPUB may have hidden.
-
-        Every send on a socket may consume the edge of its file descriptor
-        that announces an incoming message, so the reader would not wake for
-        a subscription that arrived meanwhile, and its client would hear
-        nothing, not even HUGZ, until something else stirred the socket (seen
-        in CI: 25 snapshots served to a client, 1 subscription handled).  The
-        heartbeat calls this after its own sends: a subscription waits at most
-        one heartbeat, and the hot path pays nothing.  Bounded like a turn of
-        the socket's own reader.
-        """
-        sock = self._pub
-        if self._pub_stream is None or sock is None or sock.closed:
-            return
-        if not sock.poll(0, zmq.POLLIN):
-            return
-        self.counters["subscriptions_at_heartbeat"] += self.subscription_gate.take(sock)
-
     def _reload_security(self) -> None:
         """SIGHUP: if rights shrank, every subscriber reconnects to a new publisher
         and is decided under the new rules."""
-        if self.security.reload() and self._pub is not None:
+        port = self.publisher_port
+        if self.security.reload() and port is not None and self.publisher.socket is not None:
             self.counters["publisher_rebinds"] += 1
-            self._bind_publisher(rebind=True)
+            port.bind(rebind=True)
+
+    # -- how the parts reach each other -----------------------------------------
+
+    def _followed(self) -> str | None:
+        """The server we follow: the peer while passive; a relay's current
+        upstream (its link's), which changes at a failover."""
+        if self.relay is not None:
+            return self.relay.followed
+        return self.config.upstream[0] if self.config.upstream else self.config.peer
+
+    def _ha_term(self) -> int | None:
+        """The term new writes are recorded under while paired: our epoch
+        while active, the active peer's while we follow it (None unpaired)."""
+        ha = self._ha
+        if ha is None:
+            return None
+        return ha.epoch if self.core.role is Role.ACTIVE else ha.peer_epoch
+
+    def _bstar_active(self) -> bool:
+        """Binary Star says we are active (a split brain we see is one we win)."""
+        ha = self._ha
+        return ha is not None and ha.state is BStarState.ACTIVE
+
+    def _committed(self, updates: list[list[bytes]]) -> None:
+        """A commit's updates: counted per view, their keys remembered."""
+        security = self.security
+        if security.view_prefixes:
+            security.count_views(updates)
+        self.monitor.note_changes(updates)
+
+    def _serve_held(self, identity: bytes, subtree: str, options: dict[str, Any]) -> None:
+        """A snapshot request the healer held: served now."""
+        if self.streams is not None:
+            self.streams.serve(identity, subtree, **options)
+
+    def _promote(self) -> None:
+        """A vote we won while starting or passive: the promotion first."""
+        if self.roles is not None:
+            self.roles.on_active()
+
+    def _on_call(self, identity: bytes, parts: list[zmq.Frame]) -> None:
+        """A CALL? from the ROUTER's reader: the caller part's."""
+        if self.caller is not None:
+            self.caller.on_call(identity, parts)
+
+    def _send_reply(self, identity: bytes, reply: Reply) -> None:
+        """A relay's REPLY from upstream, back on the ROUTER: the caller's."""
+        if self.caller is not None:
+            self.caller.send_reply(identity, reply, backlog=None)
+
+    def _answer_conflicts(self, identity: bytes, parts: list[zmq.Frame]) -> None:
+        """A CONFLICTS? from the ROUTER's reader: the conflicts desk's."""
+        if self.conflicts_desk is not None:
+            self.conflicts_desk.on_request(identity, parts)
+
+    def _next_turn(self, callback: Callable[[], None]) -> bool:
+        """Run ``callback`` on the loop's next turn; False without a loop."""
+        if self._loop is None:
+            return False
+        self._loop.add_callback(callback)
+        return True

@@ -7,25 +7,84 @@ pending list and publishes the result; a demotion aborts the snapshots being
 served, drops the unsent output and starts following the active peer (the
 :class:`~clone.server.following.Follower` part).
 
-Why this is still a mixin: a role change touches nearly every duty at once
-(the durability's commit and term, the healer's split writes, the snapshot
-port's streams and held votes, the publisher), and those are mixins this
-round; once they are parts this becomes the server's own method over them.
+A role change touches nearly every duty at once (the durability's commit and
+term, the healer's split writes, the snapshot streams and held votes, the
+publisher, the follower, the monitor's history), so :class:`RoleSwitch` is the
+one part built with all of them, last, and it talks to each only through its
+public methods.
 """
 
 from __future__ import annotations
 
-from clone.server.base import ServerBase, log
-from clone.server.core import Role
-from clone.server.following import take_backlog
+import logging
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["RoleMixin"]
+import zmq
+
+from clone.server.config import ServerConfig
+from clone.server.core import Role, ServerCore
+from clone.server.durability import Durability
+from clone.server.following import Follower, take_backlog
+from clone.server.healing import Healer
+from clone.server.monitoring import Monitor
+from clone.server.publishing import Publisher
+from clone.server.shared import Shared
+from clone.server.streaming import SnapshotStreams
+from clone.server.voting import HeldVotes
+
+if TYPE_CHECKING:
+    from bstar.reactor import BinaryStar
+
+__all__ = ["RoleSwitch"]
+
+log = logging.getLogger("clone.server.reactor")
 
 
-class RoleMixin(ServerBase):
-    """Take a role (Binary Star's ``on_active`` / ``on_passive``)."""
+class RoleSwitch:
+    """Take a role (Binary Star's ``on_active`` / ``on_passive``).
 
-    def _on_became_active(self) -> None:
+    A part of the server, built once the others are: ``ha`` (Binary Star,
+    whose epochs are the terms; None unpaired), ``collector`` (the SUB whose
+    unread client updates a promotion parks first), the follower (None for
+    a standalone server), and the parts a role change reaches.
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        core: ServerCore,
+        shared: Shared,
+        *,
+        ha: BinaryStar | None,
+        collector: zmq.Socket[Any],
+        follower: Follower | None,
+        durability: Durability,
+        healer: Healer,
+        monitor: Monitor,
+        publisher: Publisher,
+        streams: SnapshotStreams,
+        votes: HeldVotes,
+        heartbeat_ms: int,
+    ) -> None:
+        self.config = config
+        self.core = core
+        self.shared = shared
+        self.counters = shared.counters
+        self._clock = shared.clock
+        self._wallclock = shared.wallclock
+        self._ha = ha
+        self._collector = collector
+        self.follower = follower
+        self.durability = durability
+        self.healer = healer
+        self.monitor = monitor
+        self.publisher = publisher
+        self.streams = streams
+        self.votes = votes
+        self._heartbeat_ms = heartbeat_ms
+
+    def on_active(self) -> None:
+        """Binary Star made us active (or a vote we won did, first)."""
         core = self.core
         if core.role is Role.ACTIVE:
             return
@@ -34,31 +93,31 @@ class RoleMixin(ServerBase):
         taken = follower.take_backlog() if follower is not None else 0
         self._take_collector_backlog()
         # What the old active sent is written under its term, before ours starts.
-        self._commit()
+        self.durability.commit()
         pending = len(core.pending)
         assert self._ha is not None
         heard = self._ha.heard_peer
         core.term = self._ha.epoch
         core.become_active(self._wallclock(), self._clock())
-        self._apply_split_writes_here()
-        self._note_role(was.value, core.role.value)
+        self.healer.apply_here()
+        self.monitor.note_role(was.value, core.role.value)
         if was is Role.PASSIVE:
-            self.counters["failovers"] += 1
-            self._last_failover = self._wallclock()
+            self.monitor.note_failover()
             # Took over from a peer presumed dead: if it was active meanwhile
             # (a split brain), its first sync from us is its step-down, and its
             # clients' writes race its forwarded ones (clone.server.healing).
-            self._await_peer_sync = True
-        self._record_term()
-        batch = self._commit()
-        self._close_peer()
+            self.healer.took_over()
+        self.durability.record_term()
+        batch = self.durability.commit()
+        if follower is not None:
+            follower.close()  # the peer's SUB and sync DEALER
         self.publisher.publish_bulk(batch)
         if not heard:
             log.warning(
                 "serving without having heard the peer since we started (%.1f s of"
                 " --peer-wait): our state (term %d, sequence %d) may be older than the peer's",
                 self.config.effective_peer_wait,
-                self._data_term,
+                self.durability.data_term,
                 core.store.sequence,
             )
         log.warning(
@@ -73,14 +132,7 @@ class RoleMixin(ServerBase):
         )
         # Tell subscribers at once that this server is alive and where it stands.
         self.publisher.publish(core.hugz(self._heartbeat_ms))
-        if self._deferred:
-            self._recheck_deferred_soon()  # not from here: we may be inside accept_vote()
-
-    def _split_fork_known(self) -> None:
-        """The follower learnt the winner's fork: the healer sends the split
-        writes now, unless it has begun already."""
-        if not self._split_queue and not self._split_scheduled:
-            self._forward_split_writes()
+        self.votes.recheck_soon_if_held()  # not from here: we may be inside accept_vote()
 
     def _take_collector_backlog(self) -> None:
         """Before a promotion, park every client update already received.
@@ -92,26 +144,27 @@ class RoleMixin(ServerBase):
         Parked now, it is applied with the pending list, before any snapshot.
         """
         sock = self._collector
-        if sock is None or self.core.role is Role.ACTIVE:
+        if sock.closed or self.core.role is Role.ACTIVE:
             return
         take_backlog(sock, self.core.on_kvset, self.shared, "kvset", "a client update")
 
-    def _on_became_passive(self) -> None:
+    def on_passive(self) -> None:
+        """Binary Star made us passive: follow the active peer."""
         core = self.core
         was = core.role
         core.become_passive()
         if was is not Role.PASSIVE:
-            self._note_role(was.value, core.role.value)
+            self.monitor.note_role(was.value, core.role.value)
         if was is Role.ACTIVE:
-            self._stepped_down_at = self._wallclock()  # a split brain's loser
+            self.healer.demoted()  # a split brain's loser
         if self._ha is not None:
             core.term = self._ha.peer_epoch
-        for stream in list(self._snapshots):
-            self._abort_snapshot(stream, "server became passive")
+        self.streams.abort_all("server became passive")
         dropped = self.publisher.drop()
         if dropped:
             self.counters["outq_dropped"] += dropped
         log.warning(
             "now PASSIVE (was %s): following the active server at %s", was.value, self.config.peer
         )
-        self._follow()
+        if self.follower is not None:
+            self.follower.follow()

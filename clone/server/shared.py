@@ -21,13 +21,82 @@ from zmq.eventloop.zmqstream import ZMQStream
 
 from clone.ratelimit import Throttle
 
-__all__ = ["CLOCK_EVERY", "TURN_BUDGET", "Shared", "Sockets", "peer_endpoint"]
+__all__ = ["CLOCK_EVERY", "IO_COUNTERS", "TURN_BUDGET", "Shared", "Sockets", "peer_endpoint"]
 
 # Wall-time budget of one handler call that drains a socket or streams a
 # snapshot chunk.  The count limits alone are not enough: on a loaded host a
 # batch of 1000 took up to 190 ms of wall time, and timers (HUGZ) waited for it.
 TURN_BUDGET = 0.01
 CLOCK_EVERY = 64  # a draining handler reads the clock once per this many messages
+
+
+#: The name of every counter of the server's I/O layer (its parts'), all
+#: starting at zero; the core's own are clone.server.coresettings.COUNTERS.
+#: ``CloneServer.stats`` reports both.  A table, one name a line.
+IO_COUNTERS: tuple[str, ...] = (
+    "snapshots_served",
+    "snapshots_aborted",
+    "snapshots_refused",
+    "snapshots_held_heal",
+    "votes_deferred",
+    "votes_deferred_served",
+    "votes_deferred_expired",
+    "votes_deferred_overflow",
+    "votes_deferred_gone",
+    "snapshot_stalls",
+    "snapshot_unroutable_retries",
+    "snapshots_idle_aborted",
+    "snapshots_evicted",
+    "snapshots_replaced",
+    "snapshots_queued",
+    "collector_turns_cut",
+    "split_writes_applied",
+    "split_writes_refused",
+    "split_writes_conflicts",
+    "conflicts_requests",
+    "conflicts_dropped",
+    "split_writes_resent",
+    "split_writes_abandoned",
+    "snapshot_entries_sent",
+    "snapshots_batched",
+    "snapshot_batches_sent",
+    "hugz_sent",
+    "heartbeat_max_late_ms",
+    "outq_dropped",
+    "sync_timeouts",
+    "internal_errors",
+    "storage_errors",
+    "catchups_served",
+    "client_catchups_served",
+    "kvset_refused_acl",
+    "subscriptions",
+    "subscriptions_refused",
+    "subscriptions_over_limit",
+    "subscribers_dropped",
+    "subscribers_flooding",
+    "subscribers_slow",
+    "subscribers_over_budget",
+    "subscriptions_at_heartbeat",
+    "security_reloads",
+    "security_reload_errors",
+    "publisher_rebinds",
+    "failovers",
+    "upstream_switches",
+    "kvset_forwarded",
+    "kvset_forward_dropped",
+    "kvset_refused_stale",
+    "status_requests",
+    "status_dropped",
+    "call_replies_dropped",
+    "calls_forwarded",
+    "calls_forward_dropped",
+    "calls_forward_not_synced",
+    "calls_forward_refused_acl",
+    "call_replies_forwarded",
+    "call_replies_unmatched",
+    "kvset_refused_upstream",
+    "upstream_handshake_failures",
+)
 
 
 def peer_endpoint(host_port: str, offset: int) -> str:

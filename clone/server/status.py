@@ -3,7 +3,7 @@
 How this works: :func:`server_status` is a pure function of plain inputs (no
 zmq, no clock reads: times come in as arguments), so it is tested with
 explicit values; the server gathers those inputs in one thin method
-(``ServingMixin._status``) and answers a ``STATUS?`` on the snapshot port with
+(``Monitor.status``) and answers a ``STATUS?`` on the snapshot port with
 the result (docs/protocol.md, **[extension: status]**).  The HTTP status page
 and ``/metrics`` reuse it.  It never holds keys or values: any client admitted
 under CURVE may read it.

@@ -1,6 +1,6 @@
 """How long the collector may drain so that draining *and* committing fit one turn.
 
-Why: a collector turn receives updates until :data:`~clone.server.base.TURN_BUDGET`
+Why: a collector turn receives updates until :data:`~clone.server.shared.TURN_BUDGET`
 runs out, then commits them in one transaction and publishes them.  The budget
 used to bound the receiving only: the commit came on top, and with
 ``--fsync always`` (then a transaction and an fsync per update) a turn of 1,000

@@ -230,9 +230,9 @@ def test_in_process_http_port(server: tuple[CloneServer, int]) -> None:
             sub.setsockopt(zmq.LINGER, 0)
             sub.connect(f"tcp://127.0.0.1:{srv.config.port + 1}")
             subs.append(sub)
-        eventually(lambda: srv.subscribers == 2, 5, "two subscribers")
+        eventually(lambda: srv.monitor.subscribers == 2, 5, "two subscribers")
         subs.pop().close()
-        eventually(lambda: srv.subscribers == 1, 5, "one subscriber left")
+        eventually(lambda: srv.monitor.subscribers == 1, 5, "one subscriber left")
     finally:
         ctx.destroy(linger=0)
 
@@ -256,7 +256,7 @@ def test_writes_made_before_the_first_push_are_in_the_rate(
         eventually(lambda: srv.core.store.sequence == 5, 5, "the writes applied")
 
         def rates() -> list[float]:
-            return [r for _, r in srv.page_status()["rate_history"]]
+            return [r for _, r in srv.monitor.page_status()["rate_history"]]
 
         eventually(lambda: len(rates()) >= 2, 5, "two rate samples")
         assert any(r > 0 for r in rates()), rates()

@@ -17,7 +17,7 @@ import pytest
 import zmq
 
 import clone.server.sending as sending
-import clone.server.serving as serving
+import clone.server.streaming as streaming
 from clone.server.config import ServerConfig
 from clone.server.reactor import CloneServer
 from tests.support.chp_peer import ChpPeer
@@ -110,7 +110,7 @@ def test_a_request_needing_a_slot_evicts_an_unroutable_stream(
     unroutable for good: that stream gives up its slot to a new request at
     once instead of holding it for the grace (made long here)."""
     srv, peer = loaded
-    monkeypatch.setattr(serving, "_UNREACHABLE_GRACE", 60.0)
+    monkeypatch.setattr(streaming, "_UNREACHABLE_GRACE", 60.0)
     real = sending.send_frames
     gone: list[bytes] = []
 
@@ -147,7 +147,7 @@ def test_a_request_is_seen_while_a_stream_is_unroutable(
     request: the retries must look at the socket's backlog themselves, or a
     request waits until something else stirs it (seen: 10 s in CI)."""
     srv, peer = loaded
-    monkeypatch.setattr(serving, "_UNREACHABLE_GRACE", 60.0)
+    monkeypatch.setattr(streaming, "_UNREACHABLE_GRACE", 60.0)
     real = sending.send_frames
     first: list[bytes] = []
 

@@ -1,0 +1,91 @@
+"""How the server opens its sockets: our defaults, CURVE, streams on our loop.
+
+Why a module of its own: every part that opens a socket (the follower, the
+healer's DEALER, a relay's link, the publisher's port) needs the same three
+things: linger 0 and the size caps, CURVE set up as the security part says
+(a server socket only while the ZAP handler runs), and a stream on the
+server's loop whose handler is guarded, so that a bug is logged and counted,
+never fatal.  :class:`ServerSockets` does them once; parts see it through the
+narrow :class:`~clone.server.shared.Sockets` protocol.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import zmq
+from tornado.ioloop import IOLoop
+from zmq.eventloop.zmqstream import ZMQStream
+
+from clone.server.security import Security
+from clone.wire.frames import cap_message_size
+
+__all__ = ["ServerSockets"]
+
+log = logging.getLogger("clone.server.reactor")
+
+_F = TypeVar("_F", bytes, zmq.Frame)
+
+
+class ServerSockets:
+    """The server's sockets and streams (:class:`~clone.server.shared.Sockets`).
+
+    ``loop`` is set when the server runs; every stream opened is closed by
+    :meth:`close` at the server's stop, whatever part opened it.
+    """
+
+    def __init__(
+        self, ctx: zmq.Context[Any], security: Security, counters: dict[str, int]
+    ) -> None:
+        self._ctx = ctx
+        self._security = security
+        self._counters = counters
+        self.loop: IOLoop | None = None
+        self._streams: list[ZMQStream] = []
+
+    def socket(self, kind: int, *, bound: bool = False) -> zmq.Socket[Any]:
+        """A socket with our defaults; with CURVE on, set up as a server if
+        ``bound``, else as a client of the peer (clone.server.security)."""
+        sock: zmq.Socket[Any] = self._ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if kind not in (zmq.PUB, zmq.XPUB):
+            cap_message_size(sock)
+        self._security.secure(sock, bound=bound)
+        return sock
+
+    def stream(
+        self, sock: zmq.Socket[Any], handler: Callable[[list[_F]], None], *, copy: bool = True
+    ) -> ZMQStream:
+        """``handler`` gets bytes, or ``zmq.Frame``s with ``copy=False``."""
+        assert self.loop is not None
+        stream = ZMQStream(sock, self.loop)
+        stream.on_recv(self.guard(handler), copy=copy)
+        self._streams.append(stream)
+        return stream
+
+    def guard(self, handler: Callable[[list[_F]], None]) -> Callable[[list[_F]], None]:
+        """Wrap a socket handler so that a bug is logged, never fatal."""
+        counters = self._counters
+
+        def guarded(frames: list[_F]) -> None:
+            try:
+                handler(frames)
+            except Exception:
+                counters["internal_errors"] += 1
+                log.exception("internal error in %s", handler.__name__)
+
+        return guarded
+
+    def forget(self, stream: ZMQStream) -> None:
+        """Stop reading ``stream`` and close its socket."""
+        if stream in self._streams:
+            self._streams.remove(stream)
+        stream.close(linger=0)
+
+    def close(self) -> None:
+        """Close every stream still open (the server stops)."""
+        for stream in self._streams:
+            stream.close(linger=0)
+        self._streams.clear()

@@ -1,0 +1,584 @@
+"""Snapshot streams on the snapshot port (ROUTER, P): slots, windows, the pump.
+
+How this works: an accepted request becomes a
+:class:`~clone.server.snapshot.SnapshotStream` (or a catch-up,
+:class:`~clone.server.delta.DeltaStream`) pumped a chunk per loop turn with
+``ROUTER_MANDATORY`` and non-blocking sends, all streams together within one
+slice of the turn (:data:`SNAPSHOT_SLICE`).  EAGAIN pauses that stream and
+retries shortly (no entry is dropped); EHOSTUNREACH aborts it after a grace;
+a stream that makes no progress for ``snapshot_stall_timeout`` is aborted.
+Each requester's bytes in libzmq are bounded by its window
+(:mod:`.snapwindow`); when every slot is taken a requester that reads nothing
+gives its slot up, or the request waits for one, bounded.
+
+:class:`SnapshotStreams` is a part of the server: it owns the streams and
+their windows, the pump's queue and the requests waiting for a slot.  The
+port's reader (:mod:`.serving`) and the held votes (:mod:`.voting`) hand it
+requests through :meth:`SnapshotStreams.serve`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+from tornado.ioloop import IOLoop
+
+from clone.security import PEER_USER
+from clone.server.access import Access
+from clone.server.config import ServerConfig
+from clone.server.core import Role, ServerCore
+from clone.server.delta import DeltaStream
+from clone.server.metrics import DurationHistogram
+from clone.server.sending import Burst, Sent
+from clone.server.shared import CLOCK_EVERY, TURN_BUDGET, Shared
+from clone.server.snapshot import SnapshotStream
+from clone.server.snapwindow import SendWindow, SnapshotBudget, retry_delay, stalest
+from clone.wire.control import view_id
+from clone.wire.delta import SinceRequest
+
+__all__ = ["SNAPSHOT_SLICE", "AnyStream", "SnapshotStreams", "who"]
+
+log = logging.getLogger("clone.server.reactor")
+
+#: A reply being streamed from the snapshot port: the state, or a catch-up.
+AnyStream = SnapshotStream | DeltaStream
+
+# All snapshot streams together send for at most this long per loop turn
+# (each stream also at most --snapshot-chunk messages and its byte window).
+SNAPSHOT_SLICE = TURN_BUDGET
+# When every slot is taken, a stream whose requester has read nothing for this
+# long gives its slot to a new request.  Under our client's re-ask interval (a
+# quarter heartbeat at the default 250 ms): a reader always reads within it.
+_SLOT_IDLE = 0.25
+# Requests that wait for a slot at most, and for how long: a client re-asks on
+# a fresh socket every quarter heartbeat, so an older request has no reader.
+_WAITING_MAX = 1000
+_WAITING_MAX_AGE = 2.0
+# How long a requester's identity may stay unroutable (EHOSTUNREACH) before its
+# stream is aborted as gone.  With ROUTER_MANDATORY libzmq also says
+# EHOSTUNREACH for a live peer whose pipe it marked inactive when the pipe was
+# full and has not reactivated yet (libzmq issue 2348): a slow reader, not a
+# vanished one.  Aborting at once cost such a client its whole snapshot.
+_UNREACHABLE_GRACE = 0.5
+
+
+def who(identity: bytes) -> str:
+    return identity.hex() if identity else "?"
+
+
+class SnapshotStreams:
+    """Stream snapshots for accepted requests: slots, stalls, aborts.
+
+    Built with the ROUTER it sends on and the loop it schedules turns on,
+    and with callbacks: ``backlog`` (the port reader's look at the ROUTER's
+    backlog after a send outside its callback: :mod:`.sending`), ``promote``
+    (the role switch: a won vote makes a starting or passive server active
+    first), ``peer_sync_opened`` / ``peer_sync_done`` (the healer's: a
+    peer's sync began or finished streaming), ``view_count`` (security's
+    count of a restricted view's keys) and ``stopping``.  ``access`` gives
+    each requester's read rights under CURVE (``secure``); ``durations``
+    records how long each stream took (the metrics' histogram).
+    """
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        core: ServerCore,
+        shared: Shared,
+        access: Access,
+        router: zmq.Socket[Any],
+        loop: IOLoop,
+        *,
+        secure: bool,
+        backlog: Callable[[], None],
+        promote: Callable[[], None],
+        peer_sync_opened: Callable[[], None],
+        peer_sync_done: Callable[[], None],
+        view_count: Callable[[str], int],
+        durations: DurationHistogram,
+        stopping: Callable[[], bool],
+    ) -> None:
+        self.config = config
+        self.core = core
+        self.counters = shared.counters
+        self._throttle = shared.throttle
+        self._clock = shared.clock
+        self._wallclock = shared.wallclock
+        self._access = access
+        self._router: zmq.Socket[Any] | None = router
+        self._loop: IOLoop | None = loop  # None once closed: nothing more is scheduled
+        self._secure = secure
+        self._backlog = backlog
+        self._promote = promote
+        self._peer_sync_opened = peer_sync_opened
+        self._peer_sync_done = peer_sync_done
+        self._view_count = view_count
+        self._durations = durations
+        self._stopping_of = stopping
+        self._snapshots: dict[AnyStream, float] = {}  # stream -> last progress
+        self._snapshot_started: dict[AnyStream, float] = {}
+        # Each stream's bytes handed to libzmq and not yet written out, within
+        # its share of --snapshot-bytes (clone.server.snapwindow).
+        self._snapshot_budget = SnapshotBudget(config.snapshot_bytes, config.max_snapshots)
+        self._in_flight: dict[AnyStream, SendWindow] = {}
+        # The same windows by requester, kept after a stream ends until what
+        # libzmq holds for that requester is written (or its connection dropped).
+        self._peer_windows: dict[bytes, SendWindow] = {}
+        # Streams waiting for their turn of the loop's snapshot slice, in order
+        # (_wake, _pump_turn), and whether a turn is due.
+        self._pump_queue: dict[AnyStream, None] = {}
+        self._pump_scheduled = False
+        # The end of this loop turn's slice for the first messages of newly
+        # served streams (None: not opened this turn).
+        self._serve_slice_end: float | None = None
+        # Requests that found every slot taken: requester -> (when, how to
+        # serve it), oldest first; served as slots free, bounded.
+        self._waiting: dict[bytes, tuple[float, dict[str, Any]]] = {}
+        # Streams whose last send said EHOSTUNREACH, and since when (see
+        # _UNREACHABLE_GRACE): gone, or only a pipe libzmq has not reactivated.
+        self._unreachable: dict[AnyStream, float] = {}
+        self._deferred_streams: set[AnyStream] = set()  # served from a held vote
+        # The peer's sync streams: a heal waits for them.
+        self._peer_syncs: set[AnyStream] = set()
+
+    @property
+    def _stopping(self) -> bool:
+        return self._stopping_of()
+
+    def __len__(self) -> int:
+        """Streams in flight."""
+        return len(self._snapshots)
+
+    def abort_all(self, why: str) -> None:
+        """Abort every stream (the server became passive)."""
+        for stream in list(self._snapshots):
+            self.abort(stream, why)
+
+    def close(self) -> None:
+        """The server stops: every stream and waiting request dropped."""
+        self._loop = None
+        self._router = None
+        self._snapshots.clear()
+        self._in_flight.clear()
+        self._peer_windows.clear()
+        self._pump_queue.clear()
+        self._waiting.clear()
+        self._deferred_streams.clear()
+        self._peer_syncs.clear()
+
+    def serve(
+        self,
+        identity: bytes,
+        subtree: str,
+        *,
+        deferred: bool = False,
+        batch: bool = False,
+        applied: bool = False,
+        since: SinceRequest | None = None,
+        user: str | None = None,
+        ttl_left: bool = False,
+    ) -> None:
+        """Stream a snapshot for an accepted vote (in KVBATCHes if ``batch``,
+        after the applied-update list if ``applied``), or only the updates
+        after ``since`` when the history still holds them (a client's history
+        request: those or a compacted reply, never a snapshot).  ``ttl_left``:
+        ephemeral entries carry the time they have left (a peer server's sync)."""
+        if self.core.role in (Role.STARTING, Role.PASSIVE):
+            # The vote was accepted; make sure the promotion happened first.
+            # (A relay serves its copy at any time: it has no vote to win.)
+            self._promote()
+        for old in [s for s in self._snapshots if s.identity == identity]:
+            # The same requester asked again on the same socket: it gave up on
+            # the stream it had (one stream per requester, never two interleaved).
+            self.counters["snapshots_replaced"] += 1
+            self.abort(old, "the requester asked again")
+        if len(self._snapshots) >= self.config.max_snapshots:
+            self._evict_unroutable()
+        if len(self._snapshots) >= self.config.max_snapshots:
+            self._evict_stalest()
+        if len(self._snapshots) >= self.config.max_snapshots:
+            # Every slot holds a requester that reads: wait for one to free.
+            self._wait_for_slot(
+                identity,
+                subtree=subtree,
+                deferred=deferred,
+                batch=batch,
+                applied=applied,
+                since=since,
+                user=user,
+                ttl_left=ttl_left,
+            )
+            return
+        allowed: tuple[bytes, ...] | None = None
+        end_properties: tuple[tuple[str, str], ...] = ()
+        if self._secure:
+            # CURVE: the requester's rights decide what the snapshot holds;
+            # the peer-only extensions are for the pair's own key alone.
+            rights = self._access.rights_of(user if user in self._access.admitted else None)
+            if user != PEER_USER:
+                # A client's history request stays, filtered by its read
+                # prefixes below.  A digest catch-up extends the requester's
+                # whole map, so it is for those who may read everything: a
+                # restricted client's view count comes only from the KTHXBAI
+                # of a filtered snapshot.
+                applied = False
+                if since is not None and not since.history and not rights.read_all:
+                    since = None
+            if not rights.read_all:
+                allowed = rights.read
+                vid = view_id(rights.read)
+                count = self._view_count(vid)
+                end_properties = (("view", vid), ("view_count", str(count)))
+        stream = self.core.open_snapshot(
+            identity,
+            subtree,
+            batch=batch,
+            applied=applied,
+            now=self._wallclock(),
+            clock=self._clock if ttl_left else None,
+            since=since,
+            allowed=allowed,
+            end_properties=end_properties,
+        )
+        if isinstance(stream, DeltaStream) and since is not None and not since.history:
+            # The peer always asks for the applied list too; a client never does.
+            self.counters["catchups_served" if applied else "client_catchups_served"] += 1
+        self._snapshots[stream] = self._snapshot_started[stream] = self._clock()
+        if applied:
+            self._peer_syncs.add(stream)  # the peer's sync: a heal waits for it
+            self._peer_sync_opened()
+        self._in_flight[stream] = self._window_of(identity)
+        if deferred:
+            self._deferred_streams.add(stream)
+        log.debug(
+            "snapshot for %s: subtree %r, up to %d keys at sequence %d%s",
+            who(identity),
+            subtree,
+            stream.total_keys,
+            stream.sequence,
+            ", batched" if batch else "",
+        )
+        # Its first messages now while this turn's slice for new streams
+        # lasts (a small snapshot is done at once, its slot free again), else
+        # in the next turn: a storm of requests must not each send a chunk
+        # within one turn.
+        end = self._serve_slice()
+        if self._clock() < end:
+            self._pump(stream, end)
+        else:
+            self._wake(stream)
+
+    def _serve_slice(self) -> float:
+        """The end of this loop turn's slice for newly served streams."""
+        end = self._serve_slice_end
+        if end is None:
+            end = self._serve_slice_end = self._clock() + SNAPSHOT_SLICE
+            assert self._loop is not None
+            self._loop.add_callback(self._end_serve_slice)
+        return end
+
+    def _end_serve_slice(self) -> None:
+        self._serve_slice_end = None
+
+    def _wait_for_slot(self, identity: bytes, **how: Any) -> None:
+        """Hold a request that found every slot taken by a reader, bounded in
+        number and age (:data:`_WAITING_MAX`, :data:`_WAITING_MAX_AGE`)."""
+        waiting = self._waiting
+        waiting.pop(identity, None)  # asked again: keep the newest, last
+        if len(waiting) >= _WAITING_MAX:
+            oldest = next(iter(waiting))
+            del waiting[oldest]
+            self.counters["snapshots_refused"] += 1
+        waiting[identity] = (self._clock(), how)
+        self.counters["snapshots_queued"] += 1
+        self._throttle.log(
+            "snapshots_full",
+            logging.INFO,
+            "%d snapshots in flight: requests wait for a slot (%d waiting)",
+            len(self._snapshots),
+            len(waiting),
+        )
+
+    def _admit_waiting(self) -> None:
+        """Serve waiting requests while slots are free or a requester that
+        reads nothing gives one up; drop those too old (their requester has
+        asked again on a fresh socket by then)."""
+        waiting = self._waiting
+        if not waiting:
+            return
+        if self.core.role in (Role.STARTING, Role.PASSIVE) or self._stopping:
+            # Their vote was won by the active server we no longer are.
+            self.counters["snapshots_refused"] += len(waiting)
+            waiting.clear()
+            return
+        cutoff = self._clock() - _WAITING_MAX_AGE
+        while waiting:
+            if len(self._snapshots) >= self.config.max_snapshots and not self._evict_stalest():
+                break
+            # Newest first: an older request's client has likely asked again
+            # on a fresh socket, and a burst of requesters that read nothing
+            # must not stand between a reader and the next slot.
+            identity = next(reversed(waiting))
+            at, how = waiting.pop(identity)
+            if at < cutoff:
+                self.counters["snapshots_refused"] += 1
+                continue
+            self.serve(identity, **how)
+        for identity in [i for i, (at, _) in waiting.items() if at < cutoff]:
+            del waiting[identity]
+            self.counters["snapshots_refused"] += 1
+
+    def _window_of(self, identity: bytes) -> SendWindow:
+        """The requester's byte window: the one it still has, with what its
+        earlier streams left in its pipe, or a new one."""
+        window = self._peer_windows.get(identity)
+        if window is None:
+            window = self._peer_windows[identity] = SendWindow(self._snapshot_budget.window)
+        return window
+
+    def _forget_settled_windows(self) -> None:
+        """Drop the windows of requesters without a stream whose bytes are
+        written (or freed with their dropped connection)."""
+        busy = {stream.identity for stream in self._snapshots}
+        windows = self._peer_windows
+        for identity in [i for i in windows if i not in busy]:
+            window = windows[identity]
+            window.update()
+            if window.settled:
+                del windows[identity]
+
+    def _wake(self, stream: AnyStream) -> None:
+        """Give ``stream`` a turn in the loop's snapshot slice (once, in order)."""
+        if stream not in self._snapshots or self._loop is None or self._stopping:
+            return
+        self._pump_queue[stream] = None
+        if not self._pump_scheduled:
+            self._pump_scheduled = True
+            self._loop.add_callback(self._pump_turn)
+
+    def _pump_turn(self) -> None:
+        """One loop turn's share of snapshot streaming: the streams that wait,
+        round robin, until :data:`SNAPSHOT_SLICE` is spent; the rest wait for
+        the next turn, after the loop has looked at its sockets and timers.
+
+        Each stream used to pump from a callback of its own, each with a whole
+        turn's budget, so 200 streams took 2.3 s of one loop turn: the HUGZ
+        stopped and the backup took over.
+        """
+        self._pump_scheduled = False
+        queue = self._pump_queue
+        stop_at = self._clock() + SNAPSHOT_SLICE
+        for _ in range(len(queue)):
+            if not queue:
+                break
+            stream = next(iter(queue))
+            del queue[stream]
+            self._pump(stream, stop_at)
+            if self._clock() > stop_at:
+                break
+        if queue and not self._pump_scheduled and self._loop is not None:
+            self._pump_scheduled = True
+            self._loop.add_callback(self._pump_turn)
+        self._admit_waiting()
+
+    def _pump(self, stream: AnyStream, stop_at: float) -> None:
+        """Send ``stream``'s next messages until ``stop_at``, its chunk, or its
+        byte window (:mod:`.snapwindow`) is full; then yield to the loop."""
+        if stream not in self._snapshots or self._loop is None:
+            return  # aborted meanwhile
+        sock = self._router
+        assert sock is not None
+        window = self._in_flight.get(stream)
+        if window is None:
+            window = self._in_flight[stream] = self._window_of(stream.identity)
+        self._note_progress(stream, window)
+        # A KVBATCH is thousands of entries: check the clock after each one.
+        clock_every = 1 if stream.batch else CLOCK_EVERY
+        trackers: list[zmq.MessageTracker] = []
+        # The pump runs from loop callbacks, not the ROUTER stream's: the
+        # burst looks at the requests its sends may have hidden (sending.py),
+        # after the turn, whichever way the turn ends.
+        with Burst(self._backlog) as burst:
+            try:
+                for n in range(self.config.snapshot_chunk):
+                    if (n + 1) % clock_every == 0 and self._clock() > stop_at:
+                        break
+                    if not window.may_send():
+                        self._stall(stream, window)
+                        return
+                    frames = stream.peek()
+                    if frames is None:
+                        # Done, or a long run of keys outside the subtree was
+                        # skipped: either way, give the loop back.
+                        break
+                    nbytes = sum(map(len, frames))
+                    if window.track_next(nbytes):
+                        sent = burst.send(sock, frames, trackers=trackers)
+                        tracker = trackers.pop() if sent is Sent.OK else None
+                    else:
+                        sent = burst.send(sock, frames)
+                        tracker = None
+                    if sent is Sent.FULL:
+                        # The requester's pipe is full: wait for it, drop
+                        # nothing, and track the next message (its progress).
+                        window.blocked()
+                        self._stall(stream, window)
+                        return
+                    if sent is Sent.GONE:
+                        self._unroutable(stream, window)
+                        return
+                    window.sent(nbytes, tracker)
+                    self._unreachable.pop(stream, None)
+                    stream.advance()
+                    if stream.done:
+                        break
+            except Exception:
+                self.counters["internal_errors"] += 1
+                log.exception("internal error while streaming a snapshot")
+                self.abort(stream, "internal error")
+                return
+        if stream not in self._snapshots:
+            return  # a request the burst took after it replaced or evicted this stream
+        if stream.done:
+            del self._snapshots[stream]
+            started = self._snapshot_started.pop(stream, None)
+            if started is not None:
+                self._durations.observe(self._clock() - started)
+            self._in_flight.pop(stream, None)
+            self._unreachable.pop(stream, None)
+            self._deferred_streams.discard(stream)
+            if stream in self._peer_syncs:
+                self._peer_syncs.discard(stream)
+                self._peer_sync_done()
+            c = self.counters
+            c["snapshots_served"] += 1
+            c["snapshot_entries_sent"] += stream.sent
+            if stream.batch:
+                c["snapshots_batched"] += 1
+                c["snapshot_batches_sent"] += stream.batches_sent
+            log.debug(
+                "snapshot for %s done: %d entries in %d messages, sequence %d",
+                who(stream.identity),
+                stream.sent,
+                stream.batches_sent if stream.batch else stream.sent,
+                stream.sequence,
+            )
+            return
+        self._wake(stream)
+
+    def _stall(self, stream: AnyStream, window: SendWindow) -> None:
+        """The requester is not keeping up (its byte window or its pipe is
+        full): look again shortly, drop nothing.
+
+        Soon after progress, seldom once it has read nothing for a while
+        (:func:`~clone.server.snapwindow.retry_delay`).  The pump's burst then
+        looks at the ROUTER's backlog if this turn tried a send (even one that
+        found the pipe full or the requester unroutable), or a request hidden
+        by it would wait until something else stirred the socket (seen: 10 s,
+        with a stream retrying for its unroutable grace).
+        """
+        assert self._loop is not None
+        self.counters["snapshot_stalls"] += 1
+        now = self._clock()
+        last = self._note_progress(stream, window)
+        self._loop.call_later(retry_delay(now - last), self._wake, stream)
+
+    def _unroutable(self, stream: AnyStream, window: SendWindow) -> None:
+        """EHOSTUNREACH: the requester went away, or its pipe is only slow to
+        reactivate; abort once it has stayed unroutable for the grace."""
+        now = self._clock()
+        since = self._unreachable.setdefault(stream, now)
+        if now - since >= _UNREACHABLE_GRACE:
+            # The pump's burst looks at the backlog our failed send may have hidden.
+            self.abort(stream, "requester went away", gone=True)
+            return
+        self.counters["snapshot_unroutable_retries"] += 1
+        self._stall(stream, window)
+
+    def _evict_unroutable(self) -> None:
+        """A request needs a slot: streams whose requester is unroutable now
+        give theirs up at once, as gone, instead of after the grace.
+
+        The grace protects a live reader libzmq briefly calls unroutable; a
+        client that asks again on a fresh socket leaves its old stream
+        unroutable for good, and holding its slot for the grace turned away
+        other requests (the relay resync bench: a third more retries).
+        """
+        for stream in list(self._unreachable):
+            self.abort(stream, "requester went away", gone=True)
+
+    def _evict_stalest(self) -> bool:
+        """A request needs a slot and none is free: the stream whose requester
+        has read nothing for longest gives up its own, if for at least
+        :data:`_SLOT_IDLE` (a requester that reads nothing must not keep
+        one that reads from being served).  True if one was freed.
+
+        A stream waiting for its turn in the pump (``_pump_queue``) waits for
+        us, not for its requester: in a storm of requests on a busy machine
+        new streams waited that long before their first send, and were
+        evicted, their requesters never answered."""
+        for stream, window in self._in_flight.items():
+            self._note_progress(stream, window)
+        now = self._clock()
+        busy = [*self._peer_syncs, *self._pump_queue]
+        victim = stalest(self._snapshots, now, _SLOT_IDLE, exclude=busy)
+        if victim is None:
+            return False
+        idle = now - self._snapshots[victim]
+        self.counters["snapshots_evicted"] += 1
+        self.abort(victim, f"its slot went to a new request ({idle:.1f} s unread)")
+        return True
+
+    def _note_progress(self, stream: AnyStream, window: SendWindow) -> float:
+        """Whether the requester read since we last looked (its checkpoints);
+        the time of its last progress."""
+        if window.update() and stream in self._snapshots:
+            self._snapshots[stream] = self._clock()
+        return self._snapshots.get(stream, self._clock())
+
+    def abort(self, stream: AnyStream, why: str, *, gone: bool = False) -> None:
+        self._peer_syncs.discard(stream)
+        self._snapshot_started.pop(stream, None)
+        self._unreachable.pop(stream, None)
+        self._pump_queue.pop(stream, None)
+        if self._snapshots.pop(stream, None) is None:
+            return
+        self._in_flight.pop(stream, None)
+        if stream in self._deferred_streams:
+            self._deferred_streams.discard(stream)
+            if gone and stream.sent == 0:
+                # Expected: the client asked again on a fresh DEALER (or moved
+                # on) while its request was held; its old socket is closed.
+                self.counters["votes_deferred_gone"] += 1
+                log.debug("deferred snapshot request from %s: requester gone", who(stream.identity))
+                return
+        self.counters["snapshots_aborted"] += 1
+        self._throttle.log(
+            "snapshot_abort",
+            logging.INFO,
+            "snapshot for %s aborted after %d entries: %s",
+            who(stream.identity),
+            stream.sent,
+            why,
+        )
+
+    def check_stalled(self) -> None:
+        """Abort the streams whose requester read nothing for
+        ``snapshot_stall_timeout``: their slot goes back (their bytes when the
+        kernel drops the connection: ``TCP_MAXRT``, set in the reactor)."""
+        if self._peer_windows:
+            self._forget_settled_windows()
+        if not self._snapshots:
+            self._admit_waiting()
+            return
+        for stream, window in self._in_flight.items():
+            self._note_progress(stream, window)
+        cutoff = self._clock() - self.config.snapshot_stall_timeout
+        for stream, last in list(self._snapshots.items()):
+            if last < cutoff:
+                self.counters["snapshots_idle_aborted"] += 1
+                self.abort(stream, "requester stopped reading")
+        self._admit_waiting()

@@ -1,0 +1,191 @@
+"""The server's timers: the heartbeat, housekeeping and the stats line.
+
+How this works: three timers on the server's loop, each scheduled on the
+server's one clock (``call_later`` with a delay computed from it, so a fake
+clock moves every deadline).  The heartbeat runs at a fixed rate, skipping
+ahead after a stall rather than bursting, and measures how late the loop ran
+it (``heartbeat_max_late_ms``, a warning past a whole heartbeat): while
+active it publishes the turn's pending commit and then HUGZ (each restricted
+view's too); a relay publishes its link's HUGZ.  Housekeeping, every 100 ms
+(at once again while more keys are due than one batch), expires keys and
+leases, commits and publishes, and asks each part whether something is due:
+the follower's sync timeout, a relay's upstream, stalled snapshots, the
+healer, the held votes.
+
+:class:`Timers` is a part built last, with the parts it drives; nothing calls
+it but the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from tornado.ioloop import IOLoop
+
+from clone.server.config import ServerConfig
+from clone.server.core import Role, ServerCore
+from clone.server.durability import Durability
+from clone.server.following import Follower
+from clone.server.healing import Healer
+from clone.server.publisherport import PublisherPort
+from clone.server.publishing import Publisher
+from clone.server.relaying import RelayLink
+from clone.server.security import Security
+from clone.server.shared import Shared
+from clone.server.streaming import SnapshotStreams
+from clone.server.voting import HeldVotes
+
+__all__ = ["HOUSEKEEPING", "Timers"]
+
+log = logging.getLogger("clone.server.reactor")
+
+HOUSEKEEPING = 0.1  # seconds between expiry / sync-timeout / deferred-vote checks
+
+
+class Timers:
+    """The heartbeat, housekeeping and stats timers of one server."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        core: ServerCore,
+        shared: Shared,
+        loop: IOLoop,
+        *,
+        heartbeat_ms: int,
+        publisher: Publisher,
+        publisher_port: PublisherPort,
+        security: Security,
+        durability: Durability,
+        healer: Healer,
+        streams: SnapshotStreams,
+        votes: HeldVotes,
+        follower: Follower | None,
+        relay: RelayLink | None,
+        log_stats: Callable[[int], None],
+        stopping: Callable[[], bool],
+    ) -> None:
+        self.config = config
+        self.core = core
+        self.counters = shared.counters
+        self._clock = shared.clock
+        self._wallclock = shared.wallclock
+        self._loop: IOLoop | None = loop  # None once stopped
+        self._heartbeat_ms = heartbeat_ms
+        self.publisher = publisher
+        self.publisher_port = publisher_port
+        self.security = security
+        self.durability = durability
+        self.healer = healer
+        self.streams = streams
+        self.votes = votes
+        self.follower = follower
+        self.relay = relay
+        self.log_stats = log_stats
+        self._stopping_of = stopping
+        self._hugz_timer: object | None = None
+        self._house_timer: object | None = None
+        self._stats_timer: object | None = None
+        self._next_hugz = 0.0
+
+    @property
+    def _stopping(self) -> bool:
+        return self._stopping_of()
+
+    def start(self) -> None:
+        """The first heartbeat in one heartbeat, housekeeping and the stats soon."""
+        loop = self._loop
+        assert loop is not None
+        cfg = self.config
+        self._next_hugz = self._clock() + cfg.heartbeat
+        self._hugz_timer = loop.call_later(cfg.heartbeat, self._on_heartbeat)
+        self._house_timer = loop.call_later(HOUSEKEEPING, self._on_housekeeping)
+        if cfg.stats_interval > 0:
+            self._stats_timer = loop.call_later(cfg.stats_interval, self._on_stats_timer)
+
+    def stop(self) -> None:
+        """Remove every timer; none runs again."""
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            timers = (self._hugz_timer, self._house_timer, self._stats_timer)
+            for timer in timers:
+                if timer is not None:
+                    loop.remove_timeout(timer)
+        self._hugz_timer = self._house_timer = self._stats_timer = None
+
+    def _on_heartbeat(self) -> None:
+        loop = self._loop
+        if loop is None or self._stopping:
+            return
+        # How late the reactor ran this timer: the operator's measure of a
+        # blocked loop (and what clients would see as a heartbeat gap).
+        late_ms = int((self._clock() - self._next_hugz) * 1000)
+        if late_ms > self.counters["heartbeat_max_late_ms"]:
+            self.counters["heartbeat_max_late_ms"] = late_ms
+            if late_ms > 1000 * self.config.heartbeat:
+                log.warning("heartbeat ran %d ms late: the reactor was blocked", late_ms)
+        try:
+            if self.core.role is Role.ACTIVE:
+                # A call's update is applied in the ROUTER's handler but
+                # committed and published by a callback after it
+                # (clone.server.calling); a timer that runs between the two
+                # would announce a sequence nobody was sent, and every client
+                # and the passive would resync.  Publish it first.
+                if self.core.journal:
+                    self.durability.commit_and_publish()
+                self._publish_hugz(self.core.hugz(self._heartbeat_ms), stale=False)
+            elif self.relay is not None:
+                self._publish_hugz(self.relay.hugz(self._heartbeat_ms), stale=self.relay.stale())
+            # Subscriptions our sends may have hidden from the XPUB's reader.
+            self.publisher_port.take_subscriptions()
+        except Exception:
+            self.counters["internal_errors"] += 1
+            log.exception("internal error in heartbeat")
+        # Fixed rate; after a stall skip ahead rather than burst.
+        self._next_hugz += self.config.heartbeat
+        now = self._clock()
+        if self._next_hugz <= now:
+            self._next_hugz = now + self.config.heartbeat
+        self._hugz_timer = loop.call_later(self._next_hugz - now, self._on_heartbeat)
+
+    def _publish_hugz(self, hugz: list[bytes], *, stale: bool) -> None:
+        """Our HUGZ, then each restricted view's (a relay's say ``stale`` too)."""
+        self.publisher.publish(hugz)
+        self.counters["hugz_sent"] += 1
+        security = self.security
+        if security.view_counts:
+            sequence = self.core.store.sequence
+            for frames in security.view_heartbeats(sequence, self._heartbeat_ms, stale=stale):
+                self.publisher.publish(frames)
+
+    def _on_housekeeping(self) -> None:
+        loop = self._loop
+        if loop is None or self._stopping:
+            return
+        delay = HOUSEKEEPING
+        try:
+            # Keys and leases expire on the monotonic clock: a wall step ends nothing.
+            mono = self._clock()
+            self.core.tick(self._wallclock(), mono)
+            self.durability.commit_and_publish()
+            if self.core.expiry_due(mono):
+                delay = 0.0  # more due than one batch: continue next turn
+            if self.follower is not None:
+                self.follower.check_timeout()
+            if self.relay is not None:
+                self.relay.check()
+            self.streams.check_stalled()
+            self.healer.check()
+            self.votes.recheck_if_held()
+        except Exception:
+            self.counters["internal_errors"] += 1
+            log.exception("internal error in housekeeping")
+        self._house_timer = loop.call_later(delay, self._on_housekeeping)
+
+    def _on_stats_timer(self) -> None:
+        if self._loop is None or self._stopping:
+            return
+        if log.isEnabledFor(logging.DEBUG):
+            self.log_stats(logging.DEBUG)
+        self._stats_timer = self._loop.call_later(self.config.stats_interval, self._on_stats_timer)

@@ -1,0 +1,234 @@
+"""How a server's parts are built and wired once its sockets are bound.
+
+Why a module of its own: :mod:`.reactor` is the server's life cycle (bind,
+run, stop), its timers' owner and its stats; this is its wiring, read on its
+own: which part is built with which socket and which callbacks, so the
+arrows of docs/architecture.md ("Parts": who calls whom) can be checked in
+one place.  Construction only: nothing here runs after the server starts,
+and no part keeps a reference to the server, only to the callbacks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import zmq
+
+from clone.server.admin import ConflictsDesk
+from clone.server.calling import Caller
+from clone.server.collecting import Applier, Collector, Judge, Sink
+from clone.server.config import ServerMode
+from clone.server.core import Role
+from clone.server.following import Follower
+from clone.server.relaying import RelayLink
+from clone.server.roles import RoleSwitch
+from clone.server.serving import SnapshotPort
+from clone.server.streaming import SnapshotStreams
+from clone.server.timers import Timers
+from clone.server.voting import HeldVotes
+
+if TYPE_CHECKING:
+    from clone.server.reactor import CloneServer
+
+__all__ = ["build_parts", "build_roles", "build_serving", "build_timers"]
+
+
+def build_serving(server: CloneServer, router: zmq.Socket[Any]) -> None:
+    """The snapshot port's parts on the bound ROUTER: its streams, its
+    held votes and its reader (on the loop, with zero-copy frames: only
+    a Frame can tell the requester's ZMTP metadata)."""
+    loop = server._loop
+    assert loop is not None
+    secure = server.security.keypair is not None
+    stopping = lambda: server._stopping  # noqa: E731
+    streams = server.streams = SnapshotStreams(
+        server.config,
+        server.core,
+        server.shared,
+        server.access,
+        router,
+        loop,
+        secure=secure,
+        backlog=lambda: port.take_backlog(),
+        promote=server._promote,
+        peer_sync_opened=server.healer.peer_sync_served,
+        peer_sync_done=server.healer.peer_sync_done,
+        view_count=lambda vid: server.security.view_counts.get(vid, 0),
+        durations=server.monitor.snapshot_seconds,
+        stopping=stopping,
+    )
+    votes = server.votes = HeldVotes(
+        server.config, server.shared, loop, ha=lambda: server._ha, serve=streams.serve,
+        stopping=stopping,
+    )  # fmt: skip
+    port = server.snapshot_port = SnapshotPort(
+        server.core,
+        server.shared,
+        server.access,
+        router,
+        loop,
+        secure=secure,
+        healer=server.healer,
+        votes=votes,
+        serve=streams.serve,
+        on_call=server._on_call,
+        on_conflicts=server._answer_conflicts,
+        status=server.monitor.status,
+        status_limiter=server._status_limiter,
+        ha=lambda: server._ha,
+    )
+    port.set_guarded(server.sockets.guard(port.on_router))
+    server.sockets.stream(router, port.on_router, copy=False)
+
+def build_parts(
+    server: CloneServer, router: zmq.Socket[Any], collector: zmq.Socket[Any]
+) -> None:
+    """The parts built on the bound sockets: a relay's link (started: it
+    follows its first upstream), the caller and the collector."""
+    cfg = server.config
+    secure = server.security.keypair is not None
+    refuse = server.security.refusal if secure else None
+    port = server.snapshot_port
+    assert port is not None
+    link: RelayLink | None = None
+    follower: Follower | None = None
+    if cfg.mode is not ServerMode.STANDALONE:
+        follower = server.follower = Follower(
+            cfg,
+            server.core,
+            server.shared,
+            server.sockets,
+            followed=server._followed,
+            term=lambda: _peer_term(server),
+            # A relay republishes what it followed; a passive only commits it.
+            after_turn=server.durability.commit_and_publish
+            if cfg.mode is ServerMode.RELAY
+            else server.durability.commit_only,
+            next_turn=server._next_turn,
+            fork_known=server.healer.fork_known,
+            synced=server.healer.forward,
+            stepped_down=lambda: server.healer.stepped_down,
+        )
+    if follower is not None and cfg.mode is ServerMode.RELAY:
+        link = server.relay = RelayLink(
+            cfg,
+            server.core,
+            server.shared,
+            server.access,
+            server.sockets,
+            router=router,
+            router_backlog=port.take_backlog,
+            upstream_keypair=server.security.upstream_keypair,
+            follow=follower.follow,
+            close_follow=follower.close,
+            sync_progress=lambda: follower.sync_progress,
+            reply=server._send_reply,
+            publish=server.publisher.publish,
+            refuse=refuse,
+            views_replaced=server.security.views_replaced,
+        )
+        follower.upstream = link
+        link.start()
+    server.caller = Caller(
+        server.core,
+        server.shared,
+        server.access,
+        router,
+        commit=lambda: _commit_for_replies(server),
+        router_backlog=port.take_backlog,
+        next_turn=server._next_turn,
+        trusted_relays=cfg.trusted_relays,
+        forward=link.forward_call if link is not None else None,
+    )
+    server.conflicts_desk = ConflictsDesk(
+        server.core, server.shared, server.access, router, server._status_limiter
+    )
+    # One collector, composed: a relay forwards what a server applies,
+    # and under CURVE each write is judged by its sender's rights first.
+    sink: Sink
+    if link is not None:
+        assert link.forwarder is not None
+        sink = link.forwarder
+    else:
+        sink = Applier(
+            server.core, server.shared, end_turn=server.durability.commit_and_publish, refuse=refuse
+        )
+    judge: Judge | None = None
+    if secure:
+        # A relay tells every refused writer; a server only while active
+        # (a passive one parks writes for the pending list, unjudged).
+        security = server.security
+        if link is not None:
+            judge = lambda first, frames: security.judge(first, frames, notify=True)  # noqa: E731
+        else:
+            judge = lambda first, frames: security.judge(  # noqa: E731
+                first, frames, notify=server.core.role is Role.ACTIVE
+            )
+    server.collector = part = Collector(
+        collector,
+        server.shared,
+        sink,
+        batch=cfg.collector_batch,
+        judge=judge,
+        turns=None if link is not None else server._turns,
+    )
+    if part.secure:
+        server.sockets.stream(collector, part.on_frames, copy=False)
+    else:
+        server.sockets.stream(collector, part.on_message)
+
+def build_roles(server: CloneServer, collector: zmq.Socket[Any]) -> RoleSwitch:
+    """The role switch, last: it reaches every part a role change touches."""
+    assert server.streams is not None and server.votes is not None
+    return RoleSwitch(
+        server.config,
+        server.core,
+        server.shared,
+        ha=server._ha,
+        collector=collector,
+        follower=server.follower,
+        durability=server.durability,
+        healer=server.healer,
+        monitor=server.monitor,
+        publisher=server.publisher,
+        streams=server.streams,
+        votes=server.votes,
+        heartbeat_ms=server._heartbeat_ms,
+    )
+
+def _peer_term(server: CloneServer) -> int | None:
+    """The followed server's term: Binary Star's peer epoch (None unpaired)."""
+    return server._ha.peer_epoch if server._ha is not None else None
+
+def _commit_for_replies(server: CloneServer) -> bool:
+    """Commit and publish this turn; whether its changes may be confirmed."""
+    if server._stopping:
+        return False
+    server.durability.commit_and_publish()
+    return server.durability.error is None  # fail-stop: nothing unwritten is confirmed
+
+
+def build_timers(server: CloneServer) -> Timers:
+    """The heartbeat, housekeeping and stats timers, last: they drive the parts."""
+    loop = server.loop
+    assert loop is not None
+    assert server.streams is not None and server.votes is not None
+    assert server.publisher_port is not None
+    return Timers(
+        server.config,
+        server.core,
+        server.shared,
+        loop,
+        heartbeat_ms=server._heartbeat_ms,
+        publisher=server.publisher,
+        publisher_port=server.publisher_port,
+        security=server.security,
+        durability=server.durability,
+        healer=server.healer,
+        streams=server.streams,
+        votes=server.votes,
+        follower=server.follower,
+        relay=server.relay,
+        log_stats=server.log_stats,
+        stopping=lambda: server._stopping,
+    )

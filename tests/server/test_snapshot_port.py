@@ -1,0 +1,269 @@
+"""The snapshot port's parts alone (clone.server.serving, streaming, voting):
+a real ROUTER and DEALERs on loopback, a standalone core, the server's loop
+run by the test until a condition holds, and plain callbacks in place of the
+caller, the conflicts desk, the monitor and the role switch."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import zmq
+from tornado.ioloop import IOLoop
+
+from clone.ratelimit import Throttle
+from clone.server.access import Access
+from clone.server.config import ServerConfig
+from clone.server.core import ServerCore
+from clone.server.healing import Healer
+from clone.server.metrics import DurationHistogram
+from clone.server.serving import SnapshotPort
+from clone.server.shared import Shared
+from clone.server.status import StatusLimiter
+from clone.server.streaming import SnapshotStreams
+from clone.server.voting import HeldVotes
+from clone.wire.calls import CALL
+from clone.wire.conflicts import CONFLICTS_REQUEST
+from clone.wire.frames import recv_zero_copy
+from clone.wire.protocol import ICANHAZ, KTHXBAI, STATUS_REQUEST
+from tests.support.ports import free_base_port
+
+KEYS = 2000
+
+
+class _Rig:
+    def __init__(self, ctx: zmq.Context[Any], *, max_snapshots: int = 4) -> None:
+        self.ctx = ctx
+        self.port = free_base_port()
+        self.config = ServerConfig(port=self.port, max_snapshots=max_snapshots, snapshot_chunk=10)
+        self.core = ServerCore(self.config.core, standalone=True)
+        self.core.become_active(0.0)
+        for n in range(KEYS):
+            frames = [b"/k/%d" % n, bytes(8), (n + 1).to_bytes(16, "big"), b"", b"v"]
+            self.core.on_kvset(frames, 0.0, 0.0)
+        self.core.journal.take()
+        self.counters: dict[str, int] = dict.fromkeys(
+            (
+                "snapshots_served", "snapshots_aborted", "snapshots_refused",
+                "snapshots_held_heal", "snapshot_stalls", "snapshot_unroutable_retries",
+                "snapshots_idle_aborted", "snapshots_evicted", "snapshots_replaced",
+                "snapshots_queued", "snapshot_entries_sent", "snapshots_batched",
+                "snapshot_batches_sent", "internal_errors", "catchups_served",
+                "client_catchups_served", "status_requests", "status_dropped",
+                "votes_deferred", "votes_deferred_served", "votes_deferred_expired",
+                "votes_deferred_overflow", "votes_deferred_gone", "failovers",
+            ),
+            0,
+        )  # fmt: skip
+        self.shared = Shared(
+            Throttle(logging.getLogger("test.snapshot_port"), time.monotonic),
+            counters=self.counters,
+        )
+        self.loop = IOLoop(make_current=False)
+        self.router = ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        self.router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.router.bind(f"tcp://127.0.0.1:{self.port}")
+        self.calls: list[bytes] = []
+        self.conflicts: list[bytes] = []
+        self.promotions = 0
+        self.durations = DurationHistogram()
+        self.healer = Healer(
+            self.config,
+            self.core,
+            self.shared,
+            _NoSockets(),
+            next_turn=self._next_turn,
+            followed=lambda: None,
+            commit_and_publish=lambda: None,
+            publish=lambda frames: None,
+            won_split=lambda: True,
+            serve=lambda identity, subtree, options: self.streams.serve(
+                identity, subtree, **options
+            ),
+            stopping=lambda: False,
+        )
+        self.streams = SnapshotStreams(
+            self.config,
+            self.core,
+            self.shared,
+            Access(),
+            self.router,
+            self.loop,
+            secure=False,
+            backlog=lambda: self.part.take_backlog(),
+            promote=self._promote,
+            peer_sync_opened=self.healer.peer_sync_served,
+            peer_sync_done=self.healer.peer_sync_done,
+            view_count=lambda vid: 0,
+            durations=self.durations,
+            stopping=lambda: False,
+        )
+        self.votes = HeldVotes(
+            self.config, self.shared, self.loop, ha=lambda: None, serve=self.streams.serve,
+            stopping=lambda: False,
+        )  # fmt: skip
+        self.part = SnapshotPort(
+            self.core,
+            self.shared,
+            Access(),
+            self.router,
+            self.loop,
+            secure=False,
+            healer=self.healer,
+            votes=self.votes,
+            serve=self.streams.serve,
+            on_call=lambda identity, parts: self.calls.append(parts[1].bytes),
+            on_conflicts=lambda identity, parts: self.conflicts.append(parts[1].bytes),
+            status=lambda: {"role": "active"},
+            status_limiter=StatusLimiter(20.0, 40, time.monotonic()),
+            ha=lambda: None,
+        )
+
+    def _next_turn(self, callback: Callable[[], None]) -> bool:
+        self.loop.add_callback(callback)
+        return True
+
+    def _promote(self) -> None:
+        self.promotions += 1
+
+    def dealer(self) -> zmq.Socket[Any]:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(f"tcp://127.0.0.1:{self.port}")
+        return sock
+
+    def read(self) -> None:
+        """What the ROUTER's stream does: the next request to the reader."""
+        assert self.router.poll(10_000), "no request arrived"
+        self.part.on_router(recv_zero_copy(self.router))
+
+    def run_until(self, done: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+        """Run the loop (the pump's turns, its retries) until ``done``."""
+
+        async def wait() -> None:
+            deadline = time.monotonic() + timeout
+            while not done():
+                assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                await asyncio.sleep(0.005)
+
+        self.loop.run_sync(wait)
+
+    def close(self) -> None:
+        self.votes.close()
+        self.streams.close()
+        self.part.close()
+        self.router.close(0)
+        self.loop.close(all_fds=False)
+
+
+class _NoSockets:
+    def socket(self, kind: int) -> zmq.Socket[Any]:
+        raise AssertionError("no socket expected")
+
+    def stream(self, sock: zmq.Socket[Any], handler: Callable[[list[bytes]], None]) -> Any:
+        raise AssertionError("no stream expected")
+
+    def forget(self, stream: Any) -> None:
+        raise AssertionError("no stream expected")
+
+
+@pytest.fixture
+def rig(ctx: zmq.Context[Any]) -> Iterator[_Rig]:
+    rig = _Rig(ctx)
+    try:
+        yield rig
+    finally:
+        rig.close()
+
+
+def _snapshot(rig: _Rig, dealer: zmq.Socket[Any]) -> list[list[bytes]]:
+    """Read a whole snapshot (KVSYNCs, then KTHXBAI) while the loop pumps it."""
+    got: list[list[bytes]] = []
+
+    def done() -> bool:
+        while dealer.poll(0):
+            got.append(dealer.recv_multipart())
+        return bool(got) and got[-1][0] == KTHXBAI
+
+    rig.run_until(done, "the whole snapshot")
+    return got
+
+
+def test_a_request_is_streamed_in_chunks_then_counted(rig: _Rig) -> None:
+    dealer = rig.dealer()
+    dealer.send_multipart([ICANHAZ, b""])
+    rig.read()
+    got = _snapshot(rig, dealer)
+    assert sorted(m[0] for m in got[:-1]) == sorted(b"/k/%d" % n for n in range(KEYS))
+    assert int.from_bytes(got[-1][1], "big") == KEYS  # KTHXBAI says the sequence
+    rig.run_until(lambda: rig.counters["snapshots_served"] == 1, "the stream counted")
+    assert rig.counters["snapshot_entries_sent"] == KEYS
+    assert rig.durations.count == 1 and len(rig.streams) == 0
+    dealer.close(0)
+
+
+def test_status_calls_and_conflicts_go_where_they_belong(rig: _Rig) -> None:
+    dealer = rig.dealer()
+    dealer.send_multipart([STATUS_REQUEST])
+    rig.read()
+    assert dealer.poll(10_000) and rig.counters["status_requests"] == 1
+    dealer.recv_multipart()
+    dealer.send_multipart([CALL, b"x"])
+    rig.read()
+    dealer.send_multipart([CONFLICTS_REQUEST, b"y"])
+    rig.read()
+    assert rig.calls == [CALL] and rig.conflicts == [CONFLICTS_REQUEST]
+    assert len(rig.streams) == 0  # none of them is a snapshot
+    dealer.close(0)
+
+
+def test_a_request_waits_for_a_slot_and_is_served_when_one_frees(
+    ctx: zmq.Context[Any],
+) -> None:
+    rig = _Rig(ctx, max_snapshots=1)
+    try:
+        first, second = rig.dealer(), rig.dealer()
+        first.send_multipart([ICANHAZ, b""])
+        rig.read()
+        second.send_multipart([ICANHAZ, b""])
+        rig.read()
+        # The first requester reads (it is no idle slot holder): the second waits.
+        assert _snapshot(rig, first)[-1][0] == KTHXBAI
+        assert _snapshot(rig, second)[-1][0] == KTHXBAI
+        assert rig.counters["snapshots_queued"] >= 1
+        rig.run_until(lambda: rig.counters["snapshots_served"] == 2, "both counted")
+        assert rig.counters["snapshots_refused"] == 0
+        first.close(0)
+        second.close(0)
+    finally:
+        rig.close()
+
+
+def test_a_client_request_waits_while_a_split_brain_heals(rig: _Rig) -> None:
+    rig.healer.on_split_brain()  # won: client snapshots wait for the heal
+    dealer = rig.dealer()
+    dealer.send_multipart([ICANHAZ, b"/a/"])
+    rig.read()
+    assert rig.counters["snapshots_held_heal"] == 1 and len(rig.streams) == 0
+    rig.healer.check()
+    assert len(rig.streams) == 0  # still healing
+    dealer.close(0)
+
+
+def test_requests_hidden_by_the_pumps_sends_are_read_by_its_backlog_look(rig: _Rig) -> None:
+    """The pump sends from loop callbacks, which can consume the edge that
+    would wake the ROUTER's stream: its burst reads the backlog itself, so
+    requests that came meanwhile are served without the stream waking."""
+    dealers = [rig.dealer() for _ in range(3)]
+    for dealer in dealers:
+        dealer.send_multipart([ICANHAZ, b""])
+    rig.read()  # the stream's one wake-up; the first stream's turns look for the rest
+    for dealer in dealers:
+        assert _snapshot(rig, dealer)[-1][0] == KTHXBAI
+        dealer.close(0)
+    rig.run_until(lambda: rig.counters["snapshots_served"] == 3, "all three counted")
