@@ -68,6 +68,14 @@ and a lost connection does not shorten it (a peer that is not up yet refuses or
 drops connections, which says nothing about its data). After the first contact
 it plays no part.
 
+A server whose data was last written while it followed its peer (it stopped
+as the passive one) is *behind*: the peer went on confirming writes after our
+last one, for as long as it lived. Serving alone after the start wait would
+hand clients that older state and, once the peer is back, its newer rank loses
+to our later election: the writes it confirmed are lost. So ``behind_peer``
+refuses every vote in the start states until the peer has been heard; then the
+ranks decide as above. Such a server waits for its peer however long it takes.
+
 Why this module is longer than the house's 600 lines: about 190 of its lines
 are this docstring and the others, 85 the transition table and its rows'
 reasons; the code is under 400 lines, one table and the small rules it names.
@@ -258,6 +266,9 @@ class Rule:
     conflict: Conflict | None = None
     yield_state: State | None = None
     tie_break: TieBreak = TieBreak.ROLE
+    #: A vote here makes a server that has never heard its peer active: refused
+    #: while the server is behind its peer (``BinaryStarFSM(behind_peer=True)``).
+    lone_start: bool = False
 
     def yields(
         self,
@@ -324,6 +335,7 @@ TRANSITIONS: Final[Mapping[tuple[State, Event], Rule]] = MappingProxyType(
             _A,
             "backup silent for the whole expiry period and a client voted for us",
             vote=VotePolicy.ACCEPT_IF_PEER_DEAD,
+            lone_start=True,
         ),
         # BACKUP: configured backup, peer not heard yet.
         (_B, Event.PEER_PRIMARY): Rule(
@@ -345,6 +357,7 @@ TRANSITIONS: Final[Mapping[tuple[State, Event], Rule]] = MappingProxyType(
             "a backup serves only after it has seen the primary, or once a start wait"
             " passed without a word from it (a durable server that starts alone)",
             vote=VotePolicy.ACCEPT_IF_WAITED_ALONE,
+            lone_start=True,
         ),
         # ACTIVE: serving. The only normal way out is death.
         (_A, Event.PEER_PRIMARY): Rule(_A, "peer restarted and goes passive on seeing us"),
@@ -465,6 +478,8 @@ class BinaryStarFSM:
     ``start_wait`` is how long, at least, a server that has never heard its peer
     waits before it may accept a vote (see the module docstring). ``rank`` is how
     new our data is; the application keeps it current with :meth:`set_rank`.
+    ``behind_peer`` says that our data was last written while we followed the
+    peer: no vote makes us active before we have heard it (module docstring).
     """
 
     def __init__(
@@ -477,6 +492,7 @@ class BinaryStarFSM:
         epoch: int = 0,
         start_wait: float = 0.0,
         rank: Rank = NO_RANK,
+        behind_peer: bool = False,
     ) -> None:
         if not isinstance(primary, bool):
             raise TypeError(f"primary must be a bool, got {type(primary).__name__}")
@@ -489,6 +505,9 @@ class BinaryStarFSM:
             raise TypeError(f"start_wait must be a number, got {type(start_wait).__name__}")
         if not (start_wait >= 0 and math.isfinite(start_wait)):
             raise ValueError(f"start_wait must be a finite number >= 0, got {start_wait!r}")
+        if not isinstance(behind_peer, bool):
+            raise TypeError(f"behind_peer must be a bool, got {type(behind_peer).__name__}")
+        self._behind_peer = behind_peer
         self._rank = check_rank(rank)
         self._peer_rank = NO_RANK
         self._start_wait = float(start_wait)
@@ -581,6 +600,17 @@ class BinaryStarFSM:
     def start_wait(self) -> float:
         """The least time a server that has never heard its peer waits before serving."""
         return self._start_wait
+
+    @property
+    def behind_peer(self) -> bool:
+        """Whether our data was last written while we followed the peer."""
+        return self._behind_peer
+
+    @property
+    def waits_for_peer(self) -> bool:
+        """Whether votes in the start states are refused until the peer is heard:
+        we are behind it and have not heard it yet."""
+        return self._behind_peer and not self.heard_peer
 
     @property
     def heard_peer(self) -> bool:
@@ -762,6 +792,8 @@ class BinaryStarFSM:
                 vote = Vote.ACCEPTED if waited else Vote.REFUSED
             else:
                 vote = Vote.REFUSED if self.peer_alive(now) else Vote.ACCEPTED
+            if rule.lone_start and self.waits_for_peer:
+                vote = Vote.REFUSED
             if vote is Vote.ACCEPTED:
                 self._votes_accepted += 1
             else:

@@ -108,6 +108,9 @@ class BinaryStar:
     given, returns how new our data is; our state messages then carry it and the
     start-up rules compare it with the peer's. Without it we announce no rank,
     which the peer reads as ``(0, 0)``, and the Guide's rules apply unchanged.
+    ``behind_peer`` (a durable server whose data was last written while it
+    followed the peer) refuses votes that would make it active before the peer
+    has been heard, however long that takes (:mod:`bstar.fsm`).
 
     ``secure_socket``, if given, is called with each socket before it binds
     (``bound=True``: our publisher) or connects (``bound=False``: the SUB on the
@@ -134,6 +137,7 @@ class BinaryStar:
         epoch: int = 0,
         start_wait: float = 0.0,
         rank: RankSource | None = None,
+        behind_peer: bool = False,
         secure_socket: SocketSetup | None = None,
     ) -> None:
         check_link_arguments(ctx, loop, local_endpoint, peer_endpoint, fast_failover)
@@ -156,7 +160,10 @@ class BinaryStar:
             missed=missed,
             epoch=epoch,
             start_wait=start_wait,
+            behind_peer=behind_peer,
         )
+        # Whether the refusal of votes while behind the peer was logged.
+        self._said_behind = False
         self._on_active: list[StateCallback] = []
         self._on_passive: list[StateCallback] = []
         self._on_split_brain: list[StateCallback] = []
@@ -339,6 +346,14 @@ class BinaryStar:
         self._refresh_rank()
         outcome = self._fsm.client_request(self._clock() if now is None else now)
         self._react(outcome)
+        if not outcome.accepted and self._fsm.waits_for_peer and not self._said_behind:
+            self._said_behind = True
+            log.warning(
+                "refusing client votes until the peer is heard: our data (term %d,"
+                " sequence %d) was last written while we followed it, so it may hold"
+                " newer confirmed writes (docs/failover.md, 'Cold start and ranks')",
+                *self._fsm.rank,
+            )
         return outcome.accepted
 
     # -- life cycle ------------------------------------------------------------
@@ -358,6 +373,7 @@ class BinaryStar:
             missed=old.missed,
             epoch=old.epoch,
             start_wait=old.start_wait,
+            behind_peer=old.behind_peer,
         )
         self._refresh_rank()
         link = PairLink(

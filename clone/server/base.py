@@ -140,6 +140,8 @@ class ServerBase:
         # The data directory (clone.server.durability), open while serving.
         self._storage: Storage | None = None
         self._data_term = 0  # the term our stored data was last written under
+        # Whether our stored data was last written while we followed the peer.
+        self._data_following = False
         self._storage_error: BaseException | None = None  # set once: fail-stop
         # How long a collector turn drains, leaving room for its commit (clone.server.turns).
         self._turns = TurnBudget(TURN_BUDGET)
@@ -487,6 +489,8 @@ class ServerBase:
         def _commit_and_publish(self) -> None: ...
 
         def _record_term(self) -> None: ...
+
+        def _record_following(self, following: bool) -> None: ...
 
         def request_stop(self) -> None: ...
 

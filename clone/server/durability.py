@@ -92,6 +92,7 @@ class DurabilityMixin(ServerBase):
             raise
         self._storage = storage
         self._data_term = loaded.term
+        self._data_following = loaded.following
         self.core.term = loaded.term
         log.info(
             "data directory %s: %d keys at sequence %d (term %d), %d updates of history,"
@@ -245,6 +246,21 @@ class DurabilityMixin(ServerBase):
             self._storage_failed(exc)
             return
         self._data_term = term
+
+    def _record_following(self, following: bool) -> None:
+        """A role change: record whether we now follow the peer, before we
+        publish as the active or apply the peer's first update as the passive.
+        Restarted from data written as a follower, we wait for the peer
+        instead of serving alone (``BinaryStar(behind_peer=True)``)."""
+        storage = self._storage
+        if storage is None or following == self._data_following or self._storage_error is not None:
+            return
+        try:
+            storage.record_following(following)
+        except (sqlite3.Error, OSError, StorageError) as exc:
+            self._storage_failed(exc)
+            return
+        self._data_following = following
 
     def _storage_failed(self, exc: BaseException) -> None:
         """Fail-stop: what is in memory can no longer be made durable."""

@@ -284,6 +284,7 @@ class CloneServer(
                 epoch=self._data_term,
                 start_wait=cfg.effective_peer_wait,
                 rank=self._rank if cfg.data_dir is not None else None,
+                behind_peer=self._data_following,
                 secure_socket=self.security.secure_bstar if self._keypair is not None else None,
             )
             ha.on_active(self._on_became_active)
@@ -291,6 +292,11 @@ class CloneServer(
             ha.on_split_brain(self._on_split_brain)
             self._ha = ha
             ha.start()
+        elif cfg.mode is ServerMode.STANDALONE and self._data_following:
+            # The way to serve alone the data of a pair's passive whose peer is
+            # gone for good: from now on this server writes, its data is the newest.
+            log.warning("serving alone data last written as a pair's passive")
+            self._record_following(False)
         self._next_hugz = self._clock() + cfg.heartbeat
         self._hugz_timer = loop.call_later(cfg.heartbeat, self._on_heartbeat)
         self._house_timer = loop.call_later(_HOUSEKEEPING, self._on_housekeeping)

@@ -50,6 +50,7 @@ class RoleMixin(ServerBase):
             # clients' writes race its forwarded ones (clone.server.healing).
             self._await_peer_sync = True
         self._record_term()
+        self._record_following(False)
         batch = self._commit()
         self._close_peer()
         self.publisher.publish_bulk(batch)
@@ -106,6 +107,7 @@ class RoleMixin(ServerBase):
             self._stepped_down_at = self._wallclock()  # a split brain's loser
         if self._ha is not None:
             core.term = self._ha.peer_epoch
+        self._record_following(True)
         for stream in list(self._snapshots):
             self._abort_snapshot(stream, "server became passive")
         dropped = self.publisher.drop()

@@ -27,6 +27,7 @@ from bstar import (
     Rank,
     State,
     TieBreak,
+    Vote,
     decode_state,
     encode_state,
     yields_on_rank,
@@ -42,9 +43,23 @@ OLD, MID, NEW = (5, 120), (5, 130), (6, 3)  # lexicographic: the term counts fir
 RANKS = st.tuples(st.integers(0, 3), st.integers(0, 3))
 
 
-def _fsm(primary: bool, rank: Rank = NO_RANK, start_wait: float = 0.0) -> BinaryStarFSM:
+def _fsm(
+    primary: bool,
+    rank: Rank = NO_RANK,
+    start_wait: float = 0.0,
+    *,
+    epoch: int = 0,
+    behind_peer: bool = False,
+) -> BinaryStarFSM:
     return BinaryStarFSM(
-        primary, 0.0, heartbeat=HEARTBEAT, missed=MISSED, rank=rank, start_wait=start_wait
+        primary,
+        0.0,
+        heartbeat=HEARTBEAT,
+        missed=MISSED,
+        rank=rank,
+        start_wait=start_wait,
+        epoch=epoch,
+        behind_peer=behind_peer,
     )
 
 
@@ -603,3 +618,46 @@ def test_a_backup_that_heard_the_primary_keeps_the_guides_rule() -> None:
     # Heard once: the primary is starting too; only it may decide.
     assert not fsm.client_request(100.0).accepted
     assert fsm.state is State.BACKUP
+
+
+# -- a server restarted from data it wrote as the passive ---------------------
+
+
+def test_only_the_two_start_votes_are_lone_starts() -> None:
+    lone = {key for key, rule in TRANSITIONS.items() if rule.lone_start}
+    assert lone == {(P, Event.CLIENT_REQUEST), (B, Event.CLIENT_REQUEST)}
+
+
+@pytest.mark.parametrize("primary", [PRI, BAK], ids=["primary", "backup"])
+def test_a_server_behind_its_peer_never_serves_before_hearing_it(primary: bool) -> None:
+    """Chaos run seed 7: the primary fail-stopped as the passive at (43, 9566),
+    the backup confirmed writes to 9642 and fail-stopped too; the primary,
+    restarted alone, served after its start wait and its later election
+    (term 44) outranked the backup's newer writes when it came back.  Behind
+    its peer, a server waits for it, whatever the time."""
+    fsm = _fsm(primary, start_wait=10.0, epoch=43, rank=(43, 9566), behind_peer=True)
+    assert fsm.waits_for_peer
+    for now in (9.9, 10.0, 100.0, 10_000.0):
+        outcome = fsm.client_request(now)
+        assert not outcome.accepted and outcome.vote is Vote.REFUSED
+    assert fsm.state is (P if primary else B) and fsm.epoch == 43
+    # The peer is back with the writes we lack: it serves, we follow.
+    peer = B if primary else P
+    outcome = fsm.receive_peer_state(peer, 10_001.0, epoch=43, rank=(43, 9642))
+    assert outcome.yielded and outcome.state is not State.ACTIVE and not fsm.waits_for_peer
+    fsm.receive_peer_state(A, 10_001.1, epoch=44, rank=(44, 9642))
+    assert fsm.state is State.PASSIVE
+
+
+@pytest.mark.parametrize("primary", [PRI, BAK], ids=["primary", "backup"])
+def test_a_server_behind_its_peer_still_serves_when_its_data_is_newer(primary: bool) -> None:
+    """Behind only means "wait to hear the peer": the ranks still decide."""
+    fsm = _fsm(primary, start_wait=10.0, epoch=43, rank=(43, 9642), behind_peer=True)
+    peer = B if primary else P
+    outcome = fsm.receive_peer_state(peer, 1.0, epoch=43, rank=(43, 9566))
+    assert outcome.state is State.ACTIVE and fsm.epoch == 44
+
+
+def test_behind_peer_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="behind_peer"):
+        BinaryStarFSM(True, 0.0, behind_peer=1)  # type: ignore[arg-type]

@@ -292,6 +292,62 @@ def test_a_lone_server_waits_for_its_peer_then_serves_its_state(servers: Servers
     _assert_one_active(primary, backup)
 
 
+def test_a_lone_server_that_stopped_as_the_passive_waits_for_its_peer(
+    servers: Servers,
+) -> None:
+    """Chaos run seed 7: the passive fail-stopped (a full disk), the active went
+    on confirming writes, then fail-stopped too and could not start for a while.
+    The old passive, started alone, served its older state after --peer-wait,
+    and when the other came back its newer data lost to that later election:
+    its confirmed writes were gone and every client saw keys go back.  A server
+    restarted from data written as a follower now waits for its peer."""
+    primary, backup = servers.pair()
+    with synced_client(primary, backup, heartbeat=HB) as c, _Writer(c) as w:
+        w.flow(50)
+        # Make the backup the active one and the primary its follower.
+        offset = backup.log_size()
+        primary.kill9()
+        _take_over(backup, offset)
+        offset = primary.log_size()
+        primary.start()
+        primary.wait_log("now PASSIVE", 15, after=offset)
+        primary.wait_log("synced from", 15, after=offset)
+        w.flow(50)
+        # The follower dies; the active confirms writes it alone holds.
+        primary.kill9()
+        w.flow(100)
+        backup.kill9()
+    assert w.max_sequence > 0
+
+    set_arg(primary, "--peer-wait", "0.5")
+    offset = primary.log_size()
+    primary.start()
+    with raw_peer() as peer:
+        peer.use_snapshot_server(primary.port)
+
+        def refused() -> bool:
+            # Each ICANHAZ? is a vote; refused ones are never answered.
+            assert peer.no_snapshot_reply(0.3), "the old passive served alone"
+            tail = primary.log_path.read_bytes()[offset:]
+            return b"refusing client votes until the peer is heard" in tail
+
+        eventually(refused, 20, "the lone old passive to refuse a vote")
+        # Well past its --peer-wait, it still refuses.
+        assert peer.no_snapshot_reply(1.5), "the old passive served alone"
+    tail = primary.log_path.read_bytes()[offset:]
+    assert b"now ACTIVE" not in tail, tail.decode(errors="replace")[-2000:]
+
+    offsets = {s.name: s.log_size() for s in (primary, backup)}
+    backup.start()
+    backup.wait_log("now ACTIVE", 15, after=offsets[backup.name])
+    primary.wait_log("now PASSIVE", 15, after=offsets[primary.name])
+    _assert_one_active(backup, primary)
+    _assert_kept(w, backup)
+
+
+# -- 4. catch-up from the passive's sequence, or a full snapshot --------------
+
+
 # -- 4. catch-up from the passive's sequence, or a full snapshot --------------
 
 
