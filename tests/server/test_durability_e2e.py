@@ -32,6 +32,7 @@ import pytest
 
 from clone import Clone
 from clone.errors import CloneError
+from clone.storage.db import Storage
 from tests.support.clients import raw_peer, synced_client
 from tests.support.servers import (
     ServerProcess,
@@ -343,6 +344,23 @@ def test_a_lone_server_that_stopped_as_the_passive_waits_for_its_peer(
     primary.wait_log("now PASSIVE", 15, after=offsets[primary.name])
     _assert_one_active(backup, primary)
     _assert_kept(w, backup)
+
+
+def test_a_standalone_start_makes_the_old_passives_data_its_own(servers: Servers) -> None:
+    """The way out when the peer of a server that stopped as the passive is
+    gone for good: one start as ``--standalone`` records it as the writer."""
+    data = servers.data_dir("old-passive")
+    storage = Storage.open(data)
+    storage.record_following(True)
+    storage.close()
+    server = servers.standalone("--data-dir", str(data), name="old-passive")
+    server.wait_log("serving alone data last written as a pair's passive", 10)
+    assert server.terminate() == 0
+    storage = Storage.open(data)
+    try:
+        assert not storage.load().following
+    finally:
+        storage.close()
 
 
 # -- 4. catch-up from the passive's sequence, or a full snapshot --------------
