@@ -348,13 +348,29 @@ class BinaryStar:
         self._react(outcome)
         if not outcome.accepted and self._fsm.waits_for_peer and not self._said_behind:
             self._said_behind = True
-            log.warning(
-                "refusing client votes until the peer is heard: our data (term %d,"
-                " sequence %d) was last written while we followed it, so it may hold"
-                " newer confirmed writes (docs/failover.md, 'Cold start and ranks')",
-                *self._fsm.rank,
-            )
+            if self._fsm.state is State.PASSIVE:
+                log.warning(
+                    "refusing client votes until our sync from the active peer completes:"
+                    " our data (term %d, sequence %d) is older than what it confirmed"
+                    " (docs/failover.md, 'Cold start and ranks')",
+                    *self._fsm.rank,
+                )
+            else:
+                log.warning(
+                    "refusing client votes until the peer is heard: our data (term %d,"
+                    " sequence %d) was last written while we followed it, so it may hold"
+                    " newer confirmed writes (docs/failover.md, 'Cold start and ranks')",
+                    *self._fsm.rank,
+                )
         return outcome.accepted
+
+    def set_behind_peer(self, behind: bool) -> None:
+        """Our data may be older than what the peer confirmed (a passive that
+        has not caught up yet): votes that would make us active are refused
+        until this is cleared (:meth:`bstar.fsm.BinaryStarFSM.set_behind_peer`)."""
+        if behind and not self._fsm.behind_peer:
+            self._said_behind = False  # a new episode: say it again
+        self._fsm.set_behind_peer(behind)
 
     # -- life cycle ------------------------------------------------------------
 

@@ -349,7 +349,7 @@ class CloneServer(
                 else self._commit_followed,
                 next_turn=self._next_turn,
                 fork_known=self._split_fork_known,
-                synced=self._forward_split_writes,
+                synced=self._on_synced,
                 stepped_down=lambda: self._stepped_down_at is not None,
             )
         if follower is not None and cfg.mode is ServerMode.RELAY:

@@ -77,6 +77,14 @@ class RoleMixin(ServerBase):
         if self._deferred:
             self._recheck_deferred_soon()  # not from here: we may be inside accept_vote()
 
+    def _on_synced(self) -> None:
+        """A sync from the active peer completed: we hold what it confirmed
+        (up to replication lag, which the clients' pending lists cover), so a
+        vote may make us active again; then the healer sends any split writes."""
+        if self._ha is not None:
+            self._ha.set_behind_peer(False)
+        self._forward_split_writes()
+
     def _split_fork_known(self) -> None:
         """The follower learnt the winner's fork: the healer sends the split
         writes now, unless it has begun already."""
@@ -107,6 +115,10 @@ class RoleMixin(ServerBase):
             self._stepped_down_at = self._wallclock()  # a split brain's loser
         if self._ha is not None:
             core.term = self._ha.peer_epoch
+            if self._storage is not None:
+                # Until the first sync from the active completes our data is
+                # older than what it confirmed: no vote makes us active on it.
+                self._ha.set_behind_peer(True)
         self._record_following(True)
         for stream in list(self._snapshots):
             self._abort_snapshot(stream, "server became passive")
