@@ -588,6 +588,26 @@ def test_watchers_that_disagree_on_order_are_caught() -> None:
     assert {"watchers", "reverts"} <= failed(h)
 
 
+def test_a_transition_seen_again_after_a_resync_in_a_split_brain_keeps_the_order() -> None:
+    # Chaos run seed 7 at 571 s: watch1 saw 13, 14, then (resynced to the
+    # split brain's other side) 13 again; watch0 saw 13, 14.  Outside a split
+    # brain the same history is an order violation (the test above).
+    again = [
+        _seen("watch1", 13, counter_value(2, "cas1.2"), 3.6, key="/chaos/counter/0"),
+        _seen("watch1", 14, counter_value(3, "cas0.2"), 9.2, key="/chaos/counter/0"),
+        _seen("watch0", 14, counter_value(3, "cas0.2"), 9.3, key="/chaos/counter/0"),
+        {"proc": "watch1", "f": "resync", "t0": 9.35, "t1": 9.35, "epoch": 2},
+        {**_seen("watch1", 13, counter_value(2, "cas1.2"), 9.4, key="/chaos/counter/0"),
+         "epoch": 2},
+    ]
+    split = [
+        {"proc": "nemesis", "f": "active", "t0": 9.0, "server": "primary+backup"},
+        {"proc": "nemesis", "f": "active", "t0": 9.5, "server": "primary"},
+    ]
+    assert "watchers" in failed([*good(), *again])
+    assert "watchers" not in failed([*good(), *again, *split])
+
+
 def test_a_late_or_surviving_lease_key_is_caught() -> None:
     h = _edit(good(), {"key": "/chaos/lease/lease1", "f": "update"}, t1=3.0 + 1.0 + BOUND + 0.5)
     assert failed(h) == {"leases"}

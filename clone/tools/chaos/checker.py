@@ -677,7 +677,15 @@ def check_watchers(history: Sequence[Record]) -> Verdict:
     # A transition is (sequence, value): in a split brain both servers number.
     orders: dict[str, dict[str, list[tuple[int, str]]]] = defaultdict(dict)
     for (proc, key), seen in per.items():
-        seqs = [(int(r["seq"]), str(r.get("value"))) for r in seen]
+        seqs: list[tuple[int, str]] = []
+        for r in seen:
+            s = (int(r["seq"]), str(r.get("value")))
+            # Resynced in a split brain, a watcher may be shown the other side's
+            # older state: a transition seen again there is no new one (the
+            # reverts check judges the going back).
+            if s in seqs and _in_split(windows, r["t1"], r["t1"]):
+                continue
+            seqs.append(s)
         orders[key][proc] = seqs
         for a, b in itertools.pairwise(seen):
             sa, sb = int(a["seq"]), int(b["seq"])
