@@ -68,7 +68,19 @@ and a lost connection does not shorten it (a peer that is not up yet refuses or
 drops connections, which says nothing about its data). After the first contact
 it plays no part.
 
-Why this module is longer than the house's 600 lines: about 190 of its lines
+A server whose data was last written while it followed its peer (it stopped
+as the passive one) is *behind*: the peer went on confirming writes after our
+last one, for as long as it lived. Serving alone after the start wait would
+hand clients that older state and, once the peer is back, its newer rank loses
+to our later election: the writes it confirmed are lost. So ``behind_peer``
+refuses every vote in the start states until the peer has been heard; then the
+ranks decide as above. Such a server waits for its peer however long it takes.
+A passive server that has not yet caught up with the active it follows (a
+restarted one before its first sync completes) is behind in the same way: the
+application says so with :meth:`BinaryStarFSM.set_behind_peer`, and the
+passive's vote row refuses until it is cleared. Becoming active clears it.
+
+Why this module is longer than the house's 600 lines: about 200 of its lines
 are this docstring and the others, 85 the transition table and its rows'
 reasons; the code is under 400 lines, one table and the small rules it names.
 """
@@ -258,6 +270,9 @@ class Rule:
     conflict: Conflict | None = None
     yield_state: State | None = None
     tie_break: TieBreak = TieBreak.ROLE
+    #: A vote here makes a server active on data the peer may have outgrown:
+    #: refused while the server is behind its peer (:attr:`BinaryStarFSM.waits_for_peer`).
+    refused_behind: bool = False
 
     def yields(
         self,
@@ -324,6 +339,7 @@ TRANSITIONS: Final[Mapping[tuple[State, Event], Rule]] = MappingProxyType(
             _A,
             "backup silent for the whole expiry period and a client voted for us",
             vote=VotePolicy.ACCEPT_IF_PEER_DEAD,
+            refused_behind=True,
         ),
         # BACKUP: configured backup, peer not heard yet.
         (_B, Event.PEER_PRIMARY): Rule(
@@ -345,6 +361,7 @@ TRANSITIONS: Final[Mapping[tuple[State, Event], Rule]] = MappingProxyType(
             "a backup serves only after it has seen the primary, or once a start wait"
             " passed without a word from it (a durable server that starts alone)",
             vote=VotePolicy.ACCEPT_IF_WAITED_ALONE,
+            refused_behind=True,
         ),
         # ACTIVE: serving. The only normal way out is death.
         (_A, Event.PEER_PRIMARY): Rule(_A, "peer restarted and goes passive on seeing us"),
@@ -384,6 +401,7 @@ TRANSITIONS: Final[Mapping[tuple[State, Event], Rule]] = MappingProxyType(
             _A,
             "failover: the peer expired and a client voted for us",
             vote=VotePolicy.ACCEPT_IF_PEER_DEAD,
+            refused_behind=True,
         ),
     }
 )
@@ -465,6 +483,8 @@ class BinaryStarFSM:
     ``start_wait`` is how long, at least, a server that has never heard its peer
     waits before it may accept a vote (see the module docstring). ``rank`` is how
     new our data is; the application keeps it current with :meth:`set_rank`.
+    ``behind_peer`` says that our data was last written while we followed the
+    peer: no vote makes us active before we have heard it (module docstring).
     """
 
     def __init__(
@@ -477,6 +497,7 @@ class BinaryStarFSM:
         epoch: int = 0,
         start_wait: float = 0.0,
         rank: Rank = NO_RANK,
+        behind_peer: bool = False,
     ) -> None:
         if not isinstance(primary, bool):
             raise TypeError(f"primary must be a bool, got {type(primary).__name__}")
@@ -489,6 +510,9 @@ class BinaryStarFSM:
             raise TypeError(f"start_wait must be a number, got {type(start_wait).__name__}")
         if not (start_wait >= 0 and math.isfinite(start_wait)):
             raise ValueError(f"start_wait must be a finite number >= 0, got {start_wait!r}")
+        if not isinstance(behind_peer, bool):
+            raise TypeError(f"behind_peer must be a bool, got {type(behind_peer).__name__}")
+        self._behind_peer = behind_peer
         self._rank = check_rank(rank)
         self._peer_rank = NO_RANK
         self._start_wait = float(start_wait)
@@ -581,6 +605,27 @@ class BinaryStarFSM:
     def start_wait(self) -> float:
         """The least time a server that has never heard its peer waits before serving."""
         return self._start_wait
+
+    @property
+    def behind_peer(self) -> bool:
+        """Whether our data was last written while we followed the peer."""
+        return self._behind_peer
+
+    def set_behind_peer(self, behind: bool) -> None:
+        """Whether our data may be older than what the peer confirmed: set by a
+        passive until it has caught up with the active it follows."""
+        if not isinstance(behind, bool):
+            raise TypeError(f"behind must be a bool, got {type(behind).__name__}")
+        self._behind_peer = behind
+
+    @property
+    def waits_for_peer(self) -> bool:
+        """Whether a vote would be refused because we are behind the peer: in
+        the start states until it has been heard, in PASSIVE until the
+        application says we have caught up (:meth:`set_behind_peer`)."""
+        if not self._behind_peer:
+            return False
+        return self._state is State.PASSIVE or not self.heard_peer
 
     @property
     def heard_peer(self) -> bool:
@@ -762,6 +807,8 @@ class BinaryStarFSM:
                 vote = Vote.ACCEPTED if waited else Vote.REFUSED
             else:
                 vote = Vote.REFUSED if self.peer_alive(now) else Vote.ACCEPTED
+            if rule.refused_behind and self.waits_for_peer:
+                vote = Vote.REFUSED
             if vote is Vote.ACCEPTED:
                 self._votes_accepted += 1
             else:
@@ -778,6 +825,7 @@ class BinaryStarFSM:
             self._state = target
             self._ongoing_conflict = None  # whatever it was, we moved out of it
             if target is State.ACTIVE:
+                self._behind_peer = False  # we write now: the newest data is ours
                 # A new election: outbid every epoch known on either side, so that
                 # a stale active (say, a primary thawing from a freeze) loses to us.
                 # Saturates at MAX_EPOCH, which only a peer claiming it could

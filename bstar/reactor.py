@@ -98,6 +98,9 @@ class BinaryStar:
     given, returns how new our data is; our state messages then carry it and the
     start-up rules compare it with the peer's. Without it we announce no rank,
     which the peer reads as ``(0, 0)``, and the Guide's rules apply unchanged.
+    ``behind_peer`` (a durable server whose data was last written while it
+    followed the peer) refuses votes that would make it active before the peer
+    has been heard, however long that takes (:mod:`bstar.fsm`).
 
     ``secure_socket``, if given, is called with each socket before it binds
     (``bound=True``: our publisher) or connects (``bound=False``: the SUB on the
@@ -124,6 +127,7 @@ class BinaryStar:
         epoch: int = 0,
         start_wait: float = 0.0,
         rank: RankSource | None = None,
+        behind_peer: bool = False,
         secure_socket: SocketSetup | None = None,
     ) -> None:
         check_link_arguments(ctx, loop, local_endpoint, peer_endpoint, fast_failover)
@@ -146,7 +150,10 @@ class BinaryStar:
             missed=missed,
             epoch=epoch,
             start_wait=start_wait,
+            behind_peer=behind_peer,
         )
+        # Whether the refusal of votes while behind the peer was logged.
+        self._said_behind = False
         self._on_active: list[StateCallback] = []
         self._on_passive: list[StateCallback] = []
         self._on_split_brain: list[StateCallback] = []
@@ -329,7 +336,31 @@ class BinaryStar:
         self._refresh_rank()
         outcome = self._fsm.client_request(self._clock() if now is None else now)
         self._react(outcome)
+        if not outcome.accepted and self._fsm.waits_for_peer and not self._said_behind:
+            self._said_behind = True
+            if self._fsm.state is State.PASSIVE:
+                log.warning(
+                    "refusing client votes until our sync from the active peer completes:"
+                    " our data (term %d, sequence %d) is older than what it confirmed"
+                    " (docs/failover.md, 'Cold start and ranks')",
+                    *self._fsm.rank,
+                )
+            else:
+                log.warning(
+                    "refusing client votes until the peer is heard: our data (term %d,"
+                    " sequence %d) was last written while we followed it, so it may hold"
+                    " newer confirmed writes (docs/failover.md, 'Cold start and ranks')",
+                    *self._fsm.rank,
+                )
         return outcome.accepted
+
+    def set_behind_peer(self, behind: bool) -> None:
+        """Our data may be older than what the peer confirmed (a passive that
+        has not caught up yet): votes that would make us active are refused
+        until this is cleared (:meth:`bstar.fsm.BinaryStarFSM.set_behind_peer`)."""
+        if behind and not self._fsm.behind_peer:
+            self._said_behind = False  # a new episode: say it again
+        self._fsm.set_behind_peer(behind)
 
     # -- life cycle ------------------------------------------------------------
 
@@ -348,6 +379,7 @@ class BinaryStar:
             missed=old.missed,
             epoch=old.epoch,
             start_wait=old.start_wait,
+            behind_peer=old.behind_peer,
         )
         self._refresh_rank()
         link = PairLink(

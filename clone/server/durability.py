@@ -86,6 +86,8 @@ class Durability:
         self.request_stop = stop
         self._storage: Storage | None = None
         self._data_term = 0  # the term our stored data was last written under
+        # Whether our stored data was last written while we followed the peer.
+        self._data_following = False
         self._storage_error: BaseException | None = None  # set once: fail-stop
 
     @property
@@ -97,6 +99,12 @@ class Durability:
     def data_term(self) -> int:
         """The term our stored data was last written under (Binary Star's epoch at start)."""
         return self._data_term
+
+    @property
+    def data_following(self) -> bool:
+        """Whether our stored data was last written as the pair's passive: then
+        a restart waits for the peer instead of serving alone."""
+        return self._data_following
 
     @property
     def error(self) -> BaseException | None:
@@ -147,6 +155,7 @@ class Durability:
             raise
         self._storage = storage
         self._data_term = loaded.term
+        self._data_following = loaded.following
         self.core.term = loaded.term
         log.info(
             "data directory %s: %d keys at sequence %d (term %d), %d updates of history,"
@@ -298,6 +307,21 @@ class Durability:
             self._storage_failed(exc)
             return
         self._data_term = term
+
+    def record_following(self, following: bool) -> None:
+        """A role change: record whether we now follow the peer, before we
+        publish as the active or apply the peer's first update as the passive.
+        Restarted from data written as a follower, we wait for the peer
+        instead of serving alone (``BinaryStar(behind_peer=True)``)."""
+        storage = self._storage
+        if storage is None or following == self._data_following or self._storage_error is not None:
+            return
+        try:
+            storage.record_following(following)
+        except (sqlite3.Error, OSError, StorageError) as exc:
+            self._storage_failed(exc)
+            return
+        self._data_following = following
 
     def _storage_failed(self, exc: BaseException) -> None:
         """Fail-stop: what is in memory can no longer be made durable."""

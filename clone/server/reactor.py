@@ -427,11 +427,17 @@ class CloneServer:
                 epoch=self.durability.data_term,
                 start_wait=cfg.effective_peer_wait,
                 rank=self.durability.rank if cfg.data_dir is not None else None,
+                behind_peer=self.durability.data_following,
                 secure_socket=self.security.secure_bstar
                 if self.security.keypair is not None
                 else None,
             )
             self._ha = ha
+        elif cfg.mode is ServerMode.STANDALONE and self.durability.data_following:
+            # The way to serve alone the data of a pair's passive whose peer is
+            # gone for good: from now on this server writes, its data is the newest.
+            log.warning("serving alone data last written as a pair's passive")
+            self.durability.record_following(False)
         roles = self.roles = build_roles(self, collector)
         paired = self._ha
         if paired is not None:

@@ -108,6 +108,7 @@ class RoleSwitch:
             # clients' writes race its forwarded ones (clone.server.healing).
             self.healer.took_over()
         self.durability.record_term()
+        self.durability.record_following(False)
         batch = self.durability.commit()
         if follower is not None:
             follower.close()  # the peer's SUB and sync DEALER
@@ -134,6 +135,14 @@ class RoleSwitch:
         self.publisher.publish(core.hugz(self._heartbeat_ms))
         self.votes.recheck_soon_if_held()  # not from here: we may be inside accept_vote()
 
+    def on_synced(self) -> None:
+        """A sync from the active peer completed: we hold what it confirmed
+        (up to replication lag, which the clients' pending lists cover), so a
+        vote may make us active again; then the healer sends any split writes."""
+        if self._ha is not None:
+            self._ha.set_behind_peer(False)
+        self.healer.forward()
+
     def _take_collector_backlog(self) -> None:
         """Before a promotion, park every client update already received.
 
@@ -159,6 +168,11 @@ class RoleSwitch:
             self.healer.demoted()  # a split brain's loser
         if self._ha is not None:
             core.term = self._ha.peer_epoch
+            if self.durability.storage is not None:
+                # Until the first sync from the active completes our data is
+                # older than what it confirmed: no vote makes us active on it.
+                self._ha.set_behind_peer(True)
+        self.durability.record_following(True)
         self.streams.abort_all("server became passive")
         dropped = self.publisher.drop()
         if dropped:

@@ -106,7 +106,8 @@ def build_parts(
             else server.durability.commit_only,
             next_turn=server._next_turn,
             fork_known=server.healer.fork_known,
-            synced=server.healer.forward,
+            # Built before the role switch, which clears "behind the peer" first.
+            synced=lambda: _synced(server),
             stepped_down=lambda: server.healer.stepped_down,
         )
     if follower is not None and cfg.mode is ServerMode.RELAY:
@@ -195,6 +196,13 @@ def build_roles(server: CloneServer, collector: zmq.Socket[Any]) -> RoleSwitch:
         votes=server.votes,
         heartbeat_ms=server._heartbeat_ms,
     )
+
+def _synced(server: CloneServer) -> None:
+    """A sync from the active completed: the role switch (built after the
+    follower) clears "behind the peer", then the healer forwards split writes."""
+    assert server.roles is not None
+    server.roles.on_synced()
+
 
 def _peer_term(server: CloneServer) -> int | None:
     """The followed server's term: Binary Star's peer epoch (None unpaired)."""

@@ -99,6 +99,9 @@ class Loaded:
     term: int
     #: The log, oldest first.
     history: list[Update]
+    #: Whether the data was last written while the server followed its peer
+    #: (meta's ``following`` row; absent, as in files written before it: no).
+    following: bool = False
 
 
 @dataclass(slots=True)
@@ -277,12 +280,13 @@ class Storage:
                 )
             ]
             sequence, term = read_position(conn, self._db_path)
+            row = conn.execute("SELECT value FROM meta WHERE name = 'following'").fetchone()
         except (sqlite3.Error, OverflowError) as exc:
             raise translate(exc, self._db_path, "loading") from exc
         finally:
             if collecting:
                 gc.enable()
-        return Loaded(entries, sequence, term, history)
+        return Loaded(entries, sequence, term, history, following=row is not None and row[0] == 1)
 
     # -- writing -------------------------------------------------------------
 
@@ -373,6 +377,17 @@ class Storage:
         with self._transaction("recording the position in") as conn:
             _set_meta(conn, sequence, term)
         self._sequence, self._term = sequence, term
+
+    def record_following(self, following: bool) -> None:
+        """Record whether the server now follows its peer (passive) or writes
+        (active).  A server that restarts from data it wrote while following
+        knows the peer may hold newer confirmed writes (docs/failover.md,
+        "Cold start and ranks")."""
+        with self._transaction("recording the role in") as conn:
+            conn.execute(
+                "INSERT OR REPLACE INTO meta (name, value) VALUES ('following', ?)",
+                (1 if following else 0,),
+            )
 
     # -- full resync from the peer --------------------------------------------
 

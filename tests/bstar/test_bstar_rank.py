@@ -27,6 +27,7 @@ from bstar import (
     Rank,
     State,
     TieBreak,
+    Vote,
     decode_state,
     encode_state,
     yields_on_rank,
@@ -42,9 +43,23 @@ OLD, MID, NEW = (5, 120), (5, 130), (6, 3)  # lexicographic: the term counts fir
 RANKS = st.tuples(st.integers(0, 3), st.integers(0, 3))
 
 
-def _fsm(primary: bool, rank: Rank = NO_RANK, start_wait: float = 0.0) -> BinaryStarFSM:
+def _fsm(
+    primary: bool,
+    rank: Rank = NO_RANK,
+    start_wait: float = 0.0,
+    *,
+    epoch: int = 0,
+    behind_peer: bool = False,
+) -> BinaryStarFSM:
     return BinaryStarFSM(
-        primary, 0.0, heartbeat=HEARTBEAT, missed=MISSED, rank=rank, start_wait=start_wait
+        primary,
+        0.0,
+        heartbeat=HEARTBEAT,
+        missed=MISSED,
+        rank=rank,
+        start_wait=start_wait,
+        epoch=epoch,
+        behind_peer=behind_peer,
     )
 
 
@@ -603,3 +618,83 @@ def test_a_backup_that_heard_the_primary_keeps_the_guides_rule() -> None:
     # Heard once: the primary is starting too; only it may decide.
     assert not fsm.client_request(100.0).accepted
     assert fsm.state is State.BACKUP
+
+
+# -- a server restarted from data it wrote as the passive ---------------------
+
+
+def test_only_the_votes_that_make_a_server_active_are_refused_behind() -> None:
+    rows = {key for key, rule in TRANSITIONS.items() if rule.refused_behind}
+    assert rows == {(P, Event.CLIENT_REQUEST), (B, Event.CLIENT_REQUEST), (S, Event.CLIENT_REQUEST)}
+
+
+def test_a_passive_behind_the_active_takes_no_vote_until_it_caught_up() -> None:
+    """Chaos run seed 7 with the first fix: a restarted primary went passive,
+    its sync not done when the active died; a vote made it active on its older
+    state.  The application marks it behind until its first sync completes."""
+    fsm = _fsm(PRI, start_wait=10.0, epoch=32, rank=(32, 5806))
+    fsm.receive_peer_state(A, 0.5, epoch=33, rank=(32, 5838))
+    assert fsm.state is S
+    fsm.set_behind_peer(True)
+    assert fsm.waits_for_peer
+    # The active dies: its expiry passes, a client votes.
+    for now in (2.0, 100.0):
+        assert not fsm.client_request(now).accepted
+    assert fsm.state is S
+    # Synced before it died (say): the next vote is a normal failover.
+    fsm.set_behind_peer(False)
+    outcome = fsm.client_request(101.0)
+    assert outcome.accepted and fsm.state is A and fsm.epoch == 34
+
+
+def test_becoming_active_clears_behind() -> None:
+    fsm = _fsm(PRI, start_wait=10.0, epoch=3, rank=(3, 50), behind_peer=True)
+    fsm.receive_peer_state(B, 1.0, epoch=3, rank=(3, 40))  # our data is newer: serve
+    assert fsm.state is A and not fsm.behind_peer and not fsm.waits_for_peer
+
+
+def test_a_restarted_follower_stays_behind_once_passive_until_told() -> None:
+    # Behind from its start (data written as the passive), it hears the active
+    # and stands by: still behind until the application says it caught up.
+    fsm = _fsm(BAK, start_wait=10.0, epoch=5, rank=(5, 10), behind_peer=True)
+    fsm.receive_peer_state(A, 1.0, epoch=6, rank=(6, 20))
+    assert fsm.state is S and fsm.waits_for_peer
+    assert not fsm.client_request(50.0).accepted
+
+
+@pytest.mark.parametrize("primary", [PRI, BAK], ids=["primary", "backup"])
+def test_a_server_behind_its_peer_never_serves_before_hearing_it(primary: bool) -> None:
+    """Chaos run seed 7: the primary fail-stopped as the passive at (43, 9566),
+    the backup confirmed writes to 9642 and fail-stopped too; the primary,
+    restarted alone, served after its start wait and its later election
+    (term 44) outranked the backup's newer writes when it came back.  Behind
+    its peer, a server waits for it, whatever the time."""
+    fsm = _fsm(primary, start_wait=10.0, epoch=43, rank=(43, 9566), behind_peer=True)
+    assert fsm.waits_for_peer
+    for now in (9.9, 10.0, 100.0, 10_000.0):
+        outcome = fsm.client_request(now)
+        assert not outcome.accepted and outcome.vote is Vote.REFUSED
+    assert fsm.state is (P if primary else B) and fsm.epoch == 43
+    # The peer is back with the writes we lack: it serves, we follow.
+    peer = B if primary else P
+    outcome = fsm.receive_peer_state(peer, 10_001.0, epoch=43, rank=(43, 9642))
+    assert outcome.yielded and outcome.state is not State.ACTIVE
+    fsm.receive_peer_state(A, 10_001.1, epoch=44, rank=(44, 9642))
+    # Passive now, and behind until its sync from the active completes.
+    assert fsm.state is State.PASSIVE and fsm.waits_for_peer
+
+
+@pytest.mark.parametrize("primary", [PRI, BAK], ids=["primary", "backup"])
+def test_a_server_behind_its_peer_still_serves_when_its_data_is_newer(primary: bool) -> None:
+    """Behind only means "wait to hear the peer": the ranks still decide."""
+    fsm = _fsm(primary, start_wait=10.0, epoch=43, rank=(43, 9642), behind_peer=True)
+    peer = B if primary else P
+    outcome = fsm.receive_peer_state(peer, 1.0, epoch=43, rank=(43, 9566))
+    assert outcome.state is State.ACTIVE and fsm.epoch == 44
+
+
+def test_behind_peer_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="behind_peer"):
+        BinaryStarFSM(True, 0.0, behind_peer=1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="behind"):
+        BinaryStarFSM(True, 0.0).set_behind_peer(1)  # type: ignore[arg-type]

@@ -32,6 +32,7 @@ import pytest
 
 from clone import Clone
 from clone.errors import CloneError
+from clone.storage.db import Storage
 from tests.support.clients import raw_peer, synced_client
 from tests.support.servers import (
     ServerProcess,
@@ -290,6 +291,133 @@ def test_a_lone_server_waits_for_its_peer_then_serves_its_state(servers: Servers
     synced = log_line(backup, "synced from", after=offset)
     assert f":{primary.port} " in synced, synced
     _assert_one_active(primary, backup)
+
+
+def test_a_lone_server_that_stopped_as_the_passive_waits_for_its_peer(
+    servers: Servers,
+) -> None:
+    """Chaos run seed 7: the passive fail-stopped (a full disk), the active went
+    on confirming writes, then fail-stopped too and could not start for a while.
+    The old passive, started alone, served its older state after --peer-wait,
+    and when the other came back its newer data lost to that later election:
+    its confirmed writes were gone and every client saw keys go back.  A server
+    restarted from data written as a follower now waits for its peer."""
+    primary, backup = servers.pair()
+    with synced_client(primary, backup, heartbeat=HB) as c, _Writer(c) as w:
+        w.flow(50)
+        # Make the backup the active one and the primary its follower.
+        offset = backup.log_size()
+        primary.kill9()
+        _take_over(backup, offset)
+        offset = primary.log_size()
+        primary.start()
+        primary.wait_log("now PASSIVE", 15, after=offset)
+        primary.wait_log("synced from", 15, after=offset)
+        w.flow(50)
+        # The follower dies; the active confirms writes it alone holds.
+        primary.kill9()
+        w.flow(100)
+        backup.kill9()
+    assert w.max_sequence > 0
+
+    set_arg(primary, "--peer-wait", "0.5")
+    offset = primary.log_size()
+    primary.start()
+    with raw_peer() as peer:
+        peer.use_snapshot_server(primary.port)
+
+        def refused() -> bool:
+            # Each ICANHAZ? is a vote; refused ones are never answered.
+            assert peer.no_snapshot_reply(0.3), "the old passive served alone"
+            tail = primary.log_path.read_bytes()[offset:]
+            return b"refusing client votes until the peer is heard" in tail
+
+        eventually(refused, 20, "the lone old passive to refuse a vote")
+        # Well past its --peer-wait, it still refuses.
+        assert peer.no_snapshot_reply(1.5), "the old passive served alone"
+    tail = primary.log_path.read_bytes()[offset:]
+    assert b"now ACTIVE" not in tail, tail.decode(errors="replace")[-2000:]
+
+    offsets = {s.name: s.log_size() for s in (primary, backup)}
+    backup.start()
+    backup.wait_log("now ACTIVE", 15, after=offsets[backup.name])
+    primary.wait_log("now PASSIVE", 15, after=offsets[primary.name])
+    _assert_one_active(backup, primary)
+    _assert_kept(w, backup)
+
+
+def _grow_offline(data: Path, count: int) -> None:
+    """``count`` more keys under ``/big/`` in a stopped server's data directory,
+    written as its own (so that a sync of its state takes seconds)."""
+    storage = Storage.open(data)
+    try:
+        first = storage.sequence + 1
+        updates = [
+            [b"/big/%d" % i, (first + i).to_bytes(8, "big"), i.to_bytes(16, "big"), b"", b"x" * 32]
+            for i in range(count)
+        ]
+        storage.append(updates, term=storage.term, at=time.time(), keep_from=first + count - 10)
+    finally:
+        storage.close()
+
+
+def test_a_passive_that_has_not_synced_yet_never_takes_over(servers: Servers) -> None:
+    """Chaos run seed 7 again, with the first fix: the primary, restarted
+    behind, heard the active backup and went passive; 0.65 s later, before its
+    sync had completed, the backup fail-stopped and a client's vote made the
+    primary active on its older state; the backup's confirmed writes were lost
+    when it came back under the lower term.  Until its first sync from the
+    active completes, a passive takes no vote."""
+    primary, backup = servers.pair()
+    primary.terminate()
+    backup.terminate()
+    _grow_offline(servers.data_dir("primary"), 200_000)
+    offset = primary.log_size()
+    primary.start()
+    primary.wait_serving(60)  # alone, its data written as the active: after --peer-wait
+    primary.wait_log("now ACTIVE", 10, after=offset)
+
+    offset = backup.log_size()
+    backup.start()
+    backup.wait_log("now PASSIVE", 60, after=offset)
+    primary.kill9()  # long before 200,000 keys are synced
+    tail = backup.log_path.read_bytes()[offset:]
+    assert b"synced from" not in tail, "the sync was over before the kill: no test"
+    with raw_peer() as peer:
+        peer.use_snapshot_server(backup.port)
+
+        def refused() -> bool:
+            assert peer.no_snapshot_reply(0.3), "the passive took over before its sync"
+            return b"refusing client votes until our sync" in backup.log_path.read_bytes()[offset:]
+
+        eventually(refused, 20, "the unsynced passive to refuse a vote")
+    assert b"now ACTIVE" not in backup.log_path.read_bytes()[offset:]
+
+    offsets = {s.name: s.log_size() for s in (primary, backup)}
+    primary.start()
+    primary.wait_log("now ACTIVE", 60, after=offsets[primary.name])
+    backup.wait_log("synced from", 120, after=offsets[backup.name])
+    _assert_one_active(primary, backup)
+
+
+def test_a_standalone_start_makes_the_old_passives_data_its_own(servers: Servers) -> None:
+    """The way out when the peer of a server that stopped as the passive is
+    gone for good: one start as ``--standalone`` records it as the writer."""
+    data = servers.data_dir("old-passive")
+    storage = Storage.open(data)
+    storage.record_following(True)
+    storage.close()
+    server = servers.standalone("--data-dir", str(data), name="old-passive")
+    server.wait_log("serving alone data last written as a pair's passive", 10)
+    assert server.terminate() == 0
+    storage = Storage.open(data)
+    try:
+        assert not storage.load().following
+    finally:
+        storage.close()
+
+
+# -- 4. catch-up from the passive's sequence, or a full snapshot --------------
 
 
 # -- 4. catch-up from the passive's sequence, or a full snapshot --------------

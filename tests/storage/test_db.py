@@ -106,6 +106,19 @@ def test_set_position(data_dir: Path, open_storage: OpenStorage) -> None:
     assert (loaded.sequence, loaded.term, loaded.entries) == (41, 5, {})
 
 
+def test_the_role_a_server_wrote_under_survives_a_restart(
+        data_dir: Path, open_storage: OpenStorage) -> None:
+    storage = open_storage(data_dir)
+    assert not storage.load().following  # a new directory: never followed anyone
+    storage.record_following(True)
+    storage.close()
+    storage = open_storage(data_dir)
+    assert storage.load().following
+    storage.record_following(False)
+    storage.close()
+    assert not open_storage(data_dir).load().following
+
+
 @pytest.mark.parametrize("bad", [[b"k", b"\0" * 8, b"u", b""], [b"k", b"\1", b"u", b"", b"v"]])
 def test_malformed_update_is_a_value_error(
         data_dir: Path, open_storage: OpenStorage, bad: list[bytes]) -> None:
