@@ -206,6 +206,9 @@ class CloneServer(
             out["commit_write_us"] = round(timing.write_s * 1e6)
             out["commit_sync_us"] = round(timing.sync_s * 1e6)
             out["commit_max_us"] = round(timing.max_s * 1e6)
+            # A commit that waited for the checkpointer's lock; TRUNCATEs done / given up.
+            out["commit_busy_waits"] = storage.busy_waits
+            out["wal_truncations"], out["wal_truncations_busy"] = storage.wal_truncations()
         gatekeeper = self.security.gatekeeper
         if gatekeeper is not None:
             out["zap_admitted"] = gatekeeper.admitted
