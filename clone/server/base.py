@@ -31,8 +31,10 @@ from clone.server.access import Access
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import ServerCore
 from clone.server.delta import DeltaStream
+from clone.server.door import PublisherDoor
 from clone.server.metrics import DurationHistogram
 from clone.server.pacing import SplitQueue
+from clone.server.penalty import FloodPenalty
 from clone.server.publishing import Publisher
 from clone.server.rolelog import load_role_changes, save_role_changes
 from clone.server.security import Security
@@ -44,7 +46,7 @@ from clone.server.subscribers import (
     InboundWatch,
     SubscriptionGate,
     SubscriptionReader,
-    drop_connection,
+    drop_connection_from,
 )
 from clone.server.subscriptions import SubscriptionLedger, SubscriptionLimits
 from clone.server.turns import TurnBudget
@@ -193,6 +195,11 @@ class ServerBase:
         self.conflicts_desk: ConflictsDesk | None = None
         self._pub_stream: SubscriptionReader | None = None  # the XPUB's subscriptions
         self._inbound_watch: InboundWatch | None = None  # floods of them (its own thread)
+        #: Hosts cut off for flooding the publisher, refused at its handshake
+        #: for a while (clone.server.penalty); asked by the door (plain mode,
+        #: its own thread) or the Gatekeeper (CURVE).
+        self.flood_penalty = FloodPenalty()
+        self._door: PublisherDoor | None = None
         # A relay's link to its upstream (clone.server.relaying), once bound.
         self.relay: RelayLink | None = None
         # After a split brain (clone.server.healing): our writes the winner has
@@ -331,8 +338,17 @@ class ServerBase:
             self._throttle,
             clock,
             TURN_BUDGET,
-            drop_connection,
+            self._drop_flooder,
         )
+
+    def _drop_flooder(self, fd: int, ino: int) -> bool:
+        """Cut a publisher connection that kept subscribing past its caps, and
+        put its address under a flood penalty; whether it was cut."""
+        peer = drop_connection_from(fd, ino)
+        if peer is None:
+            return False
+        self.flood_penalty.punish(peer, self._clock())
+        return True
 
     @property
     def _followed(self) -> str | None:

@@ -39,6 +39,7 @@ from tornado.ioloop import IOLoop
 
 from clone.errors import ServerStartError
 from clone.release import RELEASE
+from clone.security.zap import PUBLISHER_DOMAIN
 from clone.server.admin import ConflictsDesk
 from clone.server.base import PartSockets, log
 from clone.server.budget import collector_hwm
@@ -46,6 +47,7 @@ from clone.server.calling import Caller
 from clone.server.collecting import Applier, Collector, Judge, Sink
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import Role
+from clone.server.door import PublisherDoor
 from clone.server.durability import DurabilityMixin
 from clone.server.following import Follower
 from clone.server.healing import HealingMixin
@@ -56,6 +58,7 @@ from clone.server.serving import ServingMixin
 from clone.server.subscribers import (
     PER_TURN,
     SLOW_AFTER,
+    SUBSCRIPTION_RCVBUF,
     SUBSCRIPTION_RCVHWM,
     InboundWatch,
     SubscriptionReader,
@@ -209,6 +212,8 @@ class CloneServer(
             # A commit that waited for the checkpointer's lock; TRUNCATEs done / given up.
             out["commit_busy_waits"] = storage.busy_waits
             out["wal_truncations"], out["wal_truncations_busy"] = storage.wal_truncations()
+        out["flood_penalties"] = self.flood_penalty.punished
+        out["flood_penalty_refused"] = self.flood_penalty.refused
         gatekeeper = self.security.gatekeeper
         if gatekeeper is not None:
             out["zap_admitted"] = gatekeeper.admitted
@@ -475,6 +480,9 @@ class CloneServer(
             if sock is not None and not sock.closed:
                 sock.close(linger=0)
         self._pub_stream = None
+        door, self._door = self._door, None
+        if door is not None:
+            door.stop()
         # Only now: a CURVE socket must never outlive its ZAP handler.
         self.security.close()
         self._close_storage()
@@ -602,12 +610,31 @@ class CloneServer(
         pub.setsockopt(zmq.XPUB_MANUAL, 1)
         pub.setsockopt(zmq.MAXMSGSIZE, 1 + MAX_TOPIC_BYTES)
         pub.setsockopt(zmq.RCVHWM, SUBSCRIPTION_RCVHWM)
+        pub.setsockopt(zmq.RCVBUF, SUBSCRIPTION_RCVBUF)
+        self._guard_door(pub)
         if not rebind:
             pub.bind(endpoint)
             self._install_publisher(pub)
             return
         self.publisher.hold()  # publications queue until the new socket is bound
         self._retry_bind(pub, endpoint, 0)
+
+    def _guard_door(self, pub: zmq.Socket[Any]) -> None:
+        """Refuse penalized hosts at the publisher's handshake (clone.server.penalty):
+        its own ZAP domain, asked of the Gatekeeper under CURVE, else of the
+        publisher's door, started here once."""
+        gatekeeper = self.security.gatekeeper
+        if gatekeeper is not None:
+            gatekeeper.penalty = self.flood_penalty.admits
+        elif self._door is None:
+            door = PublisherDoor(self._ctx, self.flood_penalty.admits, self._clock)
+            try:
+                door.start()
+            except zmq.ZMQError as exc:
+                log.warning("no flood penalty at the publisher's door: %s", exc)
+                return
+            self._door = door
+        pub.zap_domain = PUBLISHER_DOMAIN
 
     def _retry_bind(self, pub: zmq.Socket[Any], endpoint: str, attempt: int) -> None:
         try:
@@ -643,7 +670,7 @@ class CloneServer(
             monitor,
             InboundAllowance.for_limits(self.subscription_gate.ledger.limits),
             lambda event, value: loop.add_callback(self._on_pub_monitor, event, value),
-            lambda peer, received: loop.add_callback(self._on_inbound_drop, peer, received),
+            lambda peer, received: self._flood_cut(loop, peer, received),
             lambda peer, waiting: loop.add_callback(self._on_slow_subscriber, peer, waiting),
             budget=self.config.max_subscriber_bytes,
             published=lambda: self.publisher.sent_bytes,
@@ -651,6 +678,12 @@ class CloneServer(
         )
         watch.start()
         self._inbound_watch = watch
+
+    def _flood_cut(self, loop: IOLoop, peer: str, received: int) -> None:
+        """From the inbound watch's thread: the penalty at once (the loop may be
+        inside libzmq), the counting on the loop."""
+        self.flood_penalty.punish(peer, self._clock())
+        loop.add_callback(self._on_inbound_drop, peer, received)
 
     def _on_inbound_drop(self, peer: str, received: int) -> None:
         """The inbound watch shut a publisher connection down: it sent more than
