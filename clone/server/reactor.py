@@ -211,7 +211,9 @@ class CloneServer(
             out["commit_max_us"] = round(timing.max_s * 1e6)
             # A commit that waited for the checkpointer's lock; TRUNCATEs done / given up.
             out["commit_busy_waits"] = storage.busy_waits
-            out["wal_truncations"], out["wal_truncations_busy"] = storage.wal_truncations()
+            done, busy, longest = storage.wal_truncations()
+            out["wal_truncations"], out["wal_truncations_busy"] = done, busy
+            out["wal_truncate_max_us"] = round(longest * 1e6)
         out["flood_penalties"] = self.flood_penalty.punished
         out["flood_penalty_refused"] = self.flood_penalty.refused
         gatekeeper = self.security.gatekeeper

@@ -19,8 +19,9 @@ holding it copies what the passive left, syncs the database file and waits (its
 busy handler) for every reader to leave the WAL.  So the thread truncates only
 when little is left to copy -- the passive pass before it left at most
 ``catch_up_frames`` frames (1 MiB) behind; else it runs another passive pass at
-once, each copying only what the writer added during the last -- and its
-connection waits at most ``truncate_wait`` (0.1 s) for the lock and for readers:
+0.25 s later, each copying only what the writer added during the last -- and
+its connection waits at most ``truncate_wait`` (0.5 s, half the 1 s it waited
+before) for the lock and for readers:
 a reader pinned to an old snapshot (a ``clone backup`` copying the database)
 makes it give up and try again later, counted in ``truncations_busy``, rather
 than hold the lock for the reader's lifetime.  The writer's commit waits for
@@ -34,6 +35,7 @@ import logging
 import os
 import sqlite3
 import threading
+import time
 from enum import Enum
 from pathlib import Path
 
@@ -45,8 +47,9 @@ logger = logging.getLogger(__name__)
 #: of 4 KiB pages): the TRUNCATE copies them with the writer locked out.
 CATCH_UP_FRAMES = 256
 
-#: The pause between passive passes while catching up with the writer.
-CATCH_UP_PAUSE = 0.05
+#: The pause between passive passes while catching up with the writer: each
+#: pass syncs the WAL file, which the writer's commits sync too.
+CATCH_UP_PAUSE = 0.25
 
 
 class Next(Enum):
@@ -96,7 +99,7 @@ class Checkpointer:
         db_path: Path,
         interval: float,
         truncate_above: int = 64 * 1024 * 1024,
-        truncate_wait: float = 0.1,
+        truncate_wait: float = 0.5,
     ) -> None:
         if interval <= 0:
             raise ValueError(f"checkpoint interval must be > 0 seconds, got {interval!r}")
@@ -116,6 +119,8 @@ class Checkpointer:
         self.truncations = 0
         #: TRUNCATEs that gave up within ``truncate_wait`` (the writer or a reader held on).
         self.truncations_busy = 0
+        #: The longest TRUNCATE, seconds: what a commit may have waited for it.
+        self.truncate_max_s = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -165,12 +170,15 @@ class Checkpointer:
         step = plan(busy, wal_frames, copied, wal, self._truncate_above, copied_before)
         if step is not Next.TRUNCATE:
             return step
+        started = time.monotonic()
         try:
             busy, _wal_frames, _copied = conn.execute(
                 "PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
         except sqlite3.Error:
             logger.warning("truncating the WAL of %s failed", self._db_path, exc_info=True)
             return Next.WAIT
+        took = time.monotonic() - started
+        self.truncate_max_s = max(self.truncate_max_s, took)
         if busy:
             self.truncations_busy += 1
             logger.debug("truncating the %d-byte WAL of %s was busy", wal, self._db_path)

@@ -248,9 +248,11 @@ class Storage:
         """The term last committed."""
         return self._term
 
-    def wal_truncations(self) -> tuple[int, int]:
-        """The checkpointer's TRUNCATEs: done, and given up within its short wait."""
-        return self._checkpointer.truncations, self._checkpointer.truncations_busy
+    def wal_truncations(self) -> tuple[int, int, float]:
+        """The checkpointer's TRUNCATEs: done, given up within its short wait,
+        and the longest one's seconds (what a commit may have waited)."""
+        c = self._checkpointer
+        return c.truncations, c.truncations_busy, c.truncate_max_s
 
     def logical_bytes(self) -> int:
         """The bytes the state takes in the store (key, seq, uuid, props, body of each row).
