@@ -40,6 +40,7 @@ from clone.security.certs import ClientKeys, KeyPair, fingerprint
 from clone.security.names import PEER_USER
 
 __all__ = [
+    "PUBLISHER_DOMAIN",
     "ZAP_DOMAIN",
     "ZAP_ENDPOINT",
     "Gatekeeper",
@@ -48,6 +49,9 @@ __all__ = [
 ]
 
 ZAP_DOMAIN = b"clone"
+#: The publisher's ZAP domain (CURVE and plain): its handshakes are also
+#: refused while their address is under a flood penalty (clone.server.penalty).
+PUBLISHER_DOMAIN = b"clone-publisher"
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"  # fixed by the ZAP specification (RFC 27)
 
 
@@ -89,6 +93,16 @@ class _CloneAuthenticator(ThreadAuthenticator, _ReleasingAuthenticator):
             self._gatekeeper._refuse_mechanism(msg[5], msg[3])
             self._send_zap_reply(msg[1], b"400", b"CURVE required")
             return
+        penalty = self._gatekeeper.penalty
+        if len(msg) >= 6 and msg[2] == PUBLISHER_DOMAIN and penalty is not None:
+            try:
+                admitted = penalty(msg[3].decode("ascii", "replace"), time.monotonic())
+            except Exception:  # a bug here must not kill the ZAP thread
+                self.log.exception("ZAP: the flood penalty failed; going on to the key")
+                admitted = True
+            if not admitted:
+                self._send_zap_reply(msg[1], b"300", b"flood penalty")
+                return
         await super().handle_zap_message(msg)
 
     def callback(self, domain: str, z85_key: bytes) -> bool:
@@ -141,6 +155,9 @@ class Gatekeeper:
         self._admitted = 0
         self._refused = 0
         self._auth: _CloneAuthenticator | None = None
+        #: Asked (from the ZAP thread) about each handshake on the publisher's
+        #: domain: ``penalty(address, now)``, False to refuse (clone.server.penalty).
+        self.penalty: Callable[[str, float], bool] | None = None
         self._warn_pair_in(client_keys)
 
     # -- lifecycle -------------------------------------------------------
@@ -155,6 +172,7 @@ class Gatekeeper:
             raise RuntimeError("Gatekeeper already started")
         auth = _CloneAuthenticator(self, self._ctx, self._log.getChild("zap"))
         auth.configure_curve_callback(ZAP_DOMAIN.decode(), credentials_provider=auth)
+        auth.configure_curve_callback(PUBLISHER_DOMAIN.decode(), credentials_provider=auth)
         try:
             auth.start()
         except zmq.ZMQError as e:

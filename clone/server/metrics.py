@@ -307,6 +307,17 @@ class CloneCollector(Collector):
         cut.add_metric(["slow"], num("subscribers_slow"))
         yield cut
         yield _counter(
+            "clone_flood_penalties",
+            "Publisher connections cut off for flooding (or subscribing past their caps)"
+            " whose address was then put under a flood penalty.",
+            num("flood_penalties"),
+        )
+        yield _counter(
+            "clone_flood_penalty_refused",
+            "Publisher handshakes refused because their address was under a flood penalty.",
+            num("flood_penalty_refused"),
+        )
+        yield _counter(
             "clone_failovers",
             "Times this server took over as active from a passive role.",
             num("failovers"),

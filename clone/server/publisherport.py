@@ -19,13 +19,17 @@ from typing import Any
 import zmq
 from tornado.ioloop import IOLoop
 
+from clone.security.zap import PUBLISHER_DOMAIN, Gatekeeper
 from clone.server.config import ServerConfig
+from clone.server.door import PublisherDoor
+from clone.server.penalty import FloodPenalty
 from clone.server.publishing import Publisher
 from clone.server.shared import Shared
 from clone.server.sockets import ServerSockets
 from clone.server.subscribers import (
     PER_TURN,
     SLOW_AFTER,
+    SUBSCRIPTION_RCVBUF,
     SUBSCRIPTION_RCVHWM,
     InboundWatch,
     SubscriptionGate,
@@ -47,7 +51,9 @@ class PublisherPort:
     ``watch_subscribers`` (the monitor's: the XPUB's monitor socket, which
     also counts the connections with --http-port), ``on_pub_event`` (the
     monitor's count of them) and ``stop`` (the server's, when the port
-    cannot be bound again).
+    cannot be bound again); ``penalty``, the hosts cut off for flooding, which
+    its door (plain mode, a thread of its own) or the server's Gatekeeper
+    (CURVE) refuses at the handshake, before libzmq attaches them.
     """
 
     def __init__(
@@ -62,6 +68,10 @@ class PublisherPort:
         watch_subscribers: Callable[[zmq.Socket[Any]], zmq.Socket[Any]],
         on_pub_event: Callable[[int], None],
         stop: Callable[[], None],
+        penalty: FloodPenalty,
+        gatekeeper: Callable[[], Gatekeeper | None],
+        ctx: zmq.Context[Any],
+        clock: Callable[[], float],
     ) -> None:
         self.config = config
         self.counters = shared.counters
@@ -75,6 +85,11 @@ class PublisherPort:
         self.request_stop = stop
         self._pub_stream: SubscriptionReader | None = None  # the XPUB's subscriptions
         self._inbound_watch: InboundWatch | None = None  # floods of them (its own thread)
+        self.flood_penalty = penalty
+        self._gatekeeper = gatekeeper
+        self._ctx = ctx
+        self._clock = clock
+        self._door: PublisherDoor | None = None
 
     @property
     def _pub(self) -> zmq.Socket[Any] | None:
@@ -98,6 +113,9 @@ class PublisherPort:
         sock = self._pub
         if sock is not None and not sock.closed:
             sock.close(linger=0)
+        door, self._door = self._door, None
+        if door is not None:
+            door.stop()
 
     def bind(self, *, rebind: bool = False) -> None:
         """Bind the publisher (P+1): an XPUB in manual mode, whose
@@ -125,12 +143,31 @@ class PublisherPort:
         pub.setsockopt(zmq.XPUB_MANUAL, 1)
         pub.setsockopt(zmq.MAXMSGSIZE, 1 + MAX_TOPIC_BYTES)
         pub.setsockopt(zmq.RCVHWM, SUBSCRIPTION_RCVHWM)
+        pub.setsockopt(zmq.RCVBUF, SUBSCRIPTION_RCVBUF)
+        self._guard_door(pub)
         if not rebind:
             pub.bind(endpoint)
             self._install_publisher(pub)
             return
         self.publisher.hold()  # publications queue until the new socket is bound
         self._retry_bind(pub, endpoint, 0)
+
+    def _guard_door(self, pub: zmq.Socket[Any]) -> None:
+        """Refuse penalized hosts at the publisher's handshake (clone.server.penalty):
+        its own ZAP domain, asked of the Gatekeeper under CURVE, else of the
+        publisher's door, started here once."""
+        gatekeeper = self._gatekeeper()
+        if gatekeeper is not None:
+            gatekeeper.penalty = self.flood_penalty.admits
+        elif self._door is None:
+            door = PublisherDoor(self._ctx, self.flood_penalty.admits, self._clock)
+            try:
+                door.start()
+            except zmq.ZMQError as exc:
+                log.warning("no flood penalty at the publisher's door: %s", exc)
+                return
+            self._door = door
+        pub.zap_domain = PUBLISHER_DOMAIN
 
     def _retry_bind(self, pub: zmq.Socket[Any], endpoint: str, attempt: int) -> None:
         try:
@@ -166,7 +203,7 @@ class PublisherPort:
             monitor,
             InboundAllowance.for_limits(self.subscription_gate.ledger.limits),
             lambda event, value: loop.add_callback(self._on_pub_monitor, event, value),
-            lambda peer, received: loop.add_callback(self._on_inbound_drop, peer, received),
+            lambda peer, received: self._flood_cut(loop, peer, received),
             lambda peer, waiting: loop.add_callback(self._on_slow_subscriber, peer, waiting),
             budget=self.config.max_subscriber_bytes,
             published=lambda: self.publisher.sent_bytes,
@@ -174,6 +211,12 @@ class PublisherPort:
         )
         watch.start()
         self._inbound_watch = watch
+
+    def _flood_cut(self, loop: IOLoop, peer: str, received: int) -> None:
+        """From the inbound watch's thread: the penalty at once (the loop may be
+        inside libzmq), the counting on the loop."""
+        self.flood_penalty.punish(peer, self._clock())
+        loop.add_callback(self._on_inbound_drop, peer, received)
 
     def _on_pub_monitor(self, event: int, value: int) -> None:
         """An event of the publisher's monitor: the subscription gate's, and

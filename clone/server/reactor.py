@@ -56,6 +56,7 @@ from clone.server.durability import Durability
 from clone.server.following import Follower
 from clone.server.healing import Healer
 from clone.server.monitoring import Monitor
+from clone.server.penalty import FloodPenalty
 from clone.server.publisherport import PublisherPort
 from clone.server.publishing import Publisher
 from clone.server.relaying import RelayLink
@@ -66,7 +67,7 @@ from clone.server.shared import IO_COUNTERS, TURN_BUDGET, Shared
 from clone.server.sockets import ServerSockets
 from clone.server.status import StatusLimiter
 from clone.server.streaming import SnapshotStreams
-from clone.server.subscribers import SubscriptionGate, drop_connection
+from clone.server.subscribers import SubscriptionGate, drop_connection_from
 from clone.server.subscriptions import SubscriptionLedger, SubscriptionLimits
 from clone.server.timers import Timers
 from clone.server.turns import TurnBudget
@@ -214,8 +215,12 @@ class CloneServer:
             self._throttle,
             clock,
             TURN_BUDGET,
-            drop_connection,
+            self._drop_flooder,
         )
+        #: Hosts cut off for flooding the publisher, refused at its handshake
+        #: for a while (clone.server.penalty); asked by the publisher port's
+        #: door (plain mode, its own thread) or the Gatekeeper (CURVE).
+        self.flood_penalty = FloodPenalty()
         # The parts built once the sockets are bound (_setup).
         # The snapshot port (P): its reader, its streams, its held votes.
         self.snapshot_port: SnapshotPort | None = None
@@ -338,6 +343,13 @@ class CloneServer:
             out["commit_write_us"] = round(timing.write_s * 1e6)
             out["commit_sync_us"] = round(timing.sync_s * 1e6)
             out["commit_max_us"] = round(timing.max_s * 1e6)
+            # A commit that waited for the checkpointer's lock; TRUNCATEs done / given up.
+            out["commit_busy_waits"] = storage.busy_waits
+            done, busy, longest = storage.wal_truncations()
+            out["wal_truncations"], out["wal_truncations_busy"] = done, busy
+            out["wal_truncate_max_us"] = round(longest * 1e6)
+        out["flood_penalties"] = self.flood_penalty.punished
+        out["flood_penalty_refused"] = self.flood_penalty.refused
         gatekeeper = self.security.gatekeeper
         if gatekeeper is not None:
             out["zap_admitted"] = gatekeeper.admitted
@@ -398,6 +410,10 @@ class CloneServer:
             ),
             on_pub_event=self.monitor.on_pub_event,
             stop=self.request_stop,
+            penalty=self.flood_penalty,
+            gatekeeper=lambda: self.security.gatekeeper,
+            ctx=self._ctx,
+            clock=self._clock,
         )
         self.publisher_port.bind()
         collector = self.sockets.socket(zmq.SUB, bound=True)
@@ -510,6 +526,15 @@ class CloneServer:
         # Only now: a CURVE socket must never outlive its ZAP handler.
         self.security.close()
         self.durability.close()
+
+    def _drop_flooder(self, fd: int, ino: int) -> bool:
+        """Cut a publisher connection that kept subscribing past its caps, and
+        put its address under a flood penalty; whether it was cut."""
+        peer = drop_connection_from(fd, ino)
+        if peer is None:
+            return False
+        self.flood_penalty.punish(peer, self._clock())
+        return True
 
     # -- signals ---------------------------------------------------------------
 

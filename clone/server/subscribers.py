@@ -52,11 +52,13 @@ from clone.server.subscriptions import InboundAllowance, SubscriptionLedger, Ver
 __all__ = [
     "PER_TURN",
     "SLOW_AFTER",
+    "SUBSCRIPTION_RCVBUF",
     "SUBSCRIPTION_RCVHWM",
     "InboundWatch",
     "SubscriptionGate",
     "SubscriptionReader",
     "drop_connection",
+    "drop_connection_from",
 ]
 
 log = logging.getLogger(__name__)
@@ -68,6 +70,11 @@ PER_TURN = 1000
 #: trie as it takes it in (in our thread, during any call on the socket), so
 #: this bounds the work and memory a flood costs before the gate sees it.
 SUBSCRIPTION_RCVHWM = 32
+#: The kernel's receive buffer of each publisher connection (``SO_RCVBUF``;
+#: Linux doubles it): a subscriber sends only its handshake and a few topics,
+#: and what a flooder got into the buffer before the inbound watch cut it off
+#: is still read and stored by libzmq after the cut.
+SUBSCRIPTION_RCVBUF = 4096
 
 #: The topics a connection gets for a topic it asked for (``frame`` carries its
 #: identity); None: none, refused (the callback counts why).
@@ -89,6 +96,12 @@ _TCP_INFO_LEN = _NOTSENT_AT + _NOTSENT.size
 #: A subscriber with updates waiting that acknowledged nothing for this long is
 #: reported slow (once per stall): its queue in the server is filling.
 SLOW_AFTER = 1.0
+
+
+def drop_connection_from(fd: int, ino: int) -> str | None:
+    """:func:`drop_connection`, returning the address of the peer cut off (None:
+    nothing was)."""
+    return _shut_down(fd, ino)
 
 
 def drop_connection(fd: int, ino: int) -> bool:

@@ -12,11 +12,21 @@ Under a steady stream of writes that restart seldom comes: every passive
 checkpoint copies what was there when it began, the writer has appended more
 by then, and the WAL never empties.  Measured with 512 KB values, 692 MB of data
 took 4.96 GB on disk while the server ran (the WAL), 760 MB after it stopped.
-So once the WAL file is over ``truncate_above`` bytes (and a passive checkpoint
-has done the copying) the thread runs ``wal_checkpoint(TRUNCATE)``: it waits
-for the writer lock (at most its busy timeout, 1 s; the reactor's commit waits
-for it as briefly, since little is left to copy), copies the rest and cuts the
-WAL to zero bytes.  If it cannot get the lock it tries again next time.
+So once the WAL file is over ``truncate_above`` bytes the thread runs
+``wal_checkpoint(TRUNCATE)``, which copies the rest and cuts the WAL to zero
+bytes.  That one blocks the writer: it takes the writer lock first, and while
+holding it copies what the passive left, syncs the database file and waits (its
+busy handler) for every reader to leave the WAL.  So the thread truncates only
+when little is left to copy -- the passive pass before it left at most
+``catch_up_frames`` frames (1 MiB) behind; else it runs another passive pass at
+0.25 s later, each copying only what the writer added during the last -- and
+its connection waits at most ``truncate_wait`` (0.5 s, half the 1 s it waited
+before) for the lock and for readers:
+a reader pinned to an old snapshot (a ``clone backup`` copying the database)
+makes it give up and try again later, counted in ``truncations_busy``, rather
+than hold the lock for the reader's lifetime.  The writer's commit waits for
+the lock the TRUNCATE holds, however long, and never fails on it
+(``clone.storage.db``, ``BUSY_CEILING``).
 """
 
 from __future__ import annotations
@@ -25,24 +35,78 @@ import logging
 import os
 import sqlite3
 import threading
+import time
+from enum import Enum
 from pathlib import Path
 
-__all__ = ["Checkpointer"]
+__all__ = ["Checkpointer", "Next", "plan"]
 
 logger = logging.getLogger(__name__)
+
+#: Frames a passive pass may leave uncopied for a TRUNCATE to follow it (1 MiB
+#: of 4 KiB pages): the TRUNCATE copies them with the writer locked out.
+CATCH_UP_FRAMES = 256
+
+#: The pause between passive passes while catching up with the writer: each
+#: pass syncs the WAL file, which the writer's commits sync too.
+CATCH_UP_PAUSE = 0.25
+
+
+class Next(Enum):
+    """What the thread does after a passive checkpoint."""
+
+    #: Nothing until the next interval: the WAL is small, or the pass was busy.
+    WAIT = "wait"
+    #: Another passive pass soon: the WAL is over its limit but too much is
+    #: left to copy for a TRUNCATE to hold the writer lock briefly.
+    CATCH_UP = "catch-up"
+    #: TRUNCATE now: the WAL is over its limit and almost all of it is copied.
+    TRUNCATE = "truncate"
+
+
+def plan(
+    busy: int,
+    wal_frames: int,
+    copied: int,
+    wal_bytes: int,
+    truncate_above: int,
+    copied_before: int = -1,
+    catch_up_frames: int = CATCH_UP_FRAMES,
+) -> Next:
+    """Decide from one passive checkpoint's result (``busy``, the WAL's
+    frames, the frames copied), the WAL file's size and the frames the pass
+    before had copied (``copied_before``, -1 if none) what comes next.
+
+    A pass that copied what the one before had is held back by a reader
+    (a passive checkpoint copies nothing past the oldest reader's snapshot):
+    passing again at once would only spin, and a TRUNCATE would wait for it."""
+    if busy or wal_bytes <= truncate_above:
+        return Next.WAIT
+    if wal_frames < 0 or copied < 0:  # not in WAL mode: nothing to cut
+        return Next.WAIT
+    if wal_frames - copied <= catch_up_frames:
+        return Next.TRUNCATE
+    if copied != copied_before:  # moved on (or the WAL started again from the top)
+        return Next.CATCH_UP
+    return Next.WAIT
 
 
 class Checkpointer:
     """Runs passive WAL checkpoints of ``db_path`` on a timer in its own thread."""
 
     def __init__(
-        self, db_path: Path, interval: float, truncate_above: int = 64 * 1024 * 1024
+        self,
+        db_path: Path,
+        interval: float,
+        truncate_above: int = 64 * 1024 * 1024,
+        truncate_wait: float = 0.5,
     ) -> None:
         if interval <= 0:
             raise ValueError(f"checkpoint interval must be > 0 seconds, got {interval!r}")
         self._db_path = db_path
         self._interval = interval
         self._truncate_above = truncate_above
+        self._truncate_wait = truncate_wait
         self._wal_path = db_path.with_name(db_path.name + "-wal")
         self._stopping = threading.Event()
         self._thread = threading.Thread(
@@ -53,6 +117,10 @@ class Checkpointer:
         self.last_copied = 0
         #: TRUNCATE checkpoints that cut a WAL grown past ``truncate_above``.
         self.truncations = 0
+        #: TRUNCATEs that gave up within ``truncate_wait`` (the writer or a reader held on).
+        self.truncations_busy = 0
+        #: The longest TRUNCATE, seconds: what a commit may have waited for it.
+        self.truncate_max_s = 0.0
 
     def start(self) -> None:
         self._thread.start()
@@ -68,39 +136,53 @@ class Checkpointer:
 
     def _run(self) -> None:
         try:
-            conn = sqlite3.connect(self._db_path, isolation_level=None, timeout=1.0)
+            conn = sqlite3.connect(self._db_path, isolation_level=None,
+                                   timeout=self._truncate_wait)
         except sqlite3.Error:
             logger.exception("checkpoint thread cannot open %s; the WAL will grow "
                              "until close()", self._db_path)
             return
         try:
-            while not self._stopping.wait(self._interval):
-                self._checkpoint(conn)
+            pause = self._interval
+            while not self._stopping.wait(pause):
+                pause = self._interval
+                if self._checkpoint(conn) is Next.CATCH_UP:
+                    pause = min(CATCH_UP_PAUSE, self._interval)
         finally:
             conn.close()
 
-    def _checkpoint(self, conn: sqlite3.Connection) -> None:
+    def _checkpoint(self, conn: sqlite3.Connection) -> Next:
         try:
-            busy, _wal_pages, copied = conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+            busy, wal_frames, copied = conn.execute(
+                "PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         except sqlite3.Error:
             logger.warning("WAL checkpoint of %s failed", self._db_path, exc_info=True)
-            return
+            return Next.WAIT
         self.runs += 1
-        self.last_copied = copied
+        copied_before, self.last_copied = self.last_copied, copied
         if busy:
             logger.debug("WAL checkpoint of %s was busy", self._db_path)
-            return
+            return Next.WAIT
         try:
             wal = os.stat(self._wal_path).st_size
         except OSError:
-            return
-        if wal <= self._truncate_above:
-            return
+            return Next.WAIT
+        step = plan(busy, wal_frames, copied, wal, self._truncate_above, copied_before)
+        if step is not Next.TRUNCATE:
+            return step
+        started = time.monotonic()
         try:
-            busy, _wal_pages, _copied = conn.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
+            busy, _wal_frames, _copied = conn.execute(
+                "PRAGMA wal_checkpoint(TRUNCATE)").fetchone()
         except sqlite3.Error:
             logger.warning("truncating the WAL of %s failed", self._db_path, exc_info=True)
-            return
-        if not busy:
-            self.truncations += 1
-            logger.debug("truncated the %d-byte WAL of %s", wal, self._db_path)
+            return Next.WAIT
+        took = time.monotonic() - started
+        self.truncate_max_s = max(self.truncate_max_s, took)
+        if busy:
+            self.truncations_busy += 1
+            logger.debug("truncating the %d-byte WAL of %s was busy", wal, self._db_path)
+            return Next.WAIT
+        self.truncations += 1
+        logger.debug("truncated the %d-byte WAL of %s", wal, self._db_path)
+        return Next.WAIT

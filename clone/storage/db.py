@@ -21,6 +21,7 @@ import gc
 import logging
 import os
 import sqlite3
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -64,9 +65,17 @@ Update = tuple[list[bytes], int, float]
 #: history drops as it loads (it keeps its newest updates).
 TRIM_EVERY = 1024
 
-#: How long the reactor's connection waits for a lock another connection holds
-#: (the checkpointer's TRUNCATE) before a write fails with SQLITE_BUSY.
+#: How long the reactor's connection waits, at a time, for a lock another
+#: connection holds (the checkpointer's TRUNCATE) before SQLite says SQLITE_BUSY.
 BUSY_TIMEOUT = 2.0
+
+#: How long a commit keeps waiting for that lock, in all: a busy checkpoint
+#: must never fail a commit (its writes would be lost, and the server would
+#: fail-stop), so SQLITE_BUSY at BEGIN is tried again until this much time has
+#: gone.  Our checkpointer lets go of the lock within its ``truncate_wait``;
+#: only a foreign connection holding the database (an sqlite3 shell left in a
+#: transaction) lasts this long, and that is a fault to stop on.
+BUSY_CEILING = 30.0
 
 #: The WAL is reset to this size when it restarts, so one burst does not keep a
 #: big file around.
@@ -139,6 +148,8 @@ class Storage:
         self._sequence = sequence
         self._term = term
         self.timing = CommitTiming()
+        #: Times a transaction met SQLITE_BUSY at BEGIN and waited again (stats, tests).
+        self.busy_waits = 0
         self._trimmed_from: int | None = None  # the keep_from of the last trim
 
     # -- opening and closing -------------------------------------------------
@@ -239,6 +250,12 @@ class Storage:
     def term(self) -> int:
         """The term last committed."""
         return self._term
+
+    def wal_truncations(self) -> tuple[int, int, float]:
+        """The checkpointer's TRUNCATEs: done, given up within its short wait,
+        and the longest one's seconds (what a commit may have waited)."""
+        c = self._checkpointer
+        return c.truncations, c.truncations_busy, c.truncate_max_s
 
     def logical_bytes(self) -> int:
         """The bytes the state takes in the store (key, seq, uuid, props, body of each row).
@@ -485,7 +502,7 @@ class Storage:
                 finally:
                     conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT * 1000)}")
             else:
-                conn.execute("BEGIN IMMEDIATE")
+                self._begin_waiting(conn, started, doing)
             try:
                 yield conn
             except BaseException:
@@ -506,6 +523,32 @@ class Storage:
             if conn.in_transaction:
                 conn.execute("ROLLBACK")
             raise translate(exc, self._db_path, doing) from exc
+
+    def _begin_waiting(self, conn: sqlite3.Connection, started: float, doing: str) -> None:
+        """BEGIN IMMEDIATE, waiting out a lock held elsewhere for up to
+        :data:`BUSY_CEILING`: nothing is written before BEGIN, so trying again
+        is safe, and the connection's own wait (:data:`BUSY_TIMEOUT`) is
+        shorter than a checkpoint's TRUNCATE may hold the lock on a slow disk."""
+        logged = -1.0
+        while True:
+            attempt = perf_counter()
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                return
+            except sqlite3.OperationalError as exc:
+                if not getattr(exc, "sqlite_errorname", "").startswith("SQLITE_BUSY"):
+                    raise
+                now = perf_counter()
+                if now - started >= BUSY_CEILING:
+                    raise
+                self.busy_waits += 1
+                if now - logged >= 1.0:  # each wait is BUSY_TIMEOUT long: rarely more
+                    logged = now
+                    logger.warning("%s %s waits for the database lock (%.1f s so far,"
+                                   " up to %.0f s): %s", doing, self._db_path,
+                                   now - started, BUSY_CEILING, exc)
+                if now - attempt < 0.01:
+                    time.sleep(0.01)  # a BUSY that did not wait: no hot loop
 
 
 def _ensure_dir(path: Path, create: bool) -> None:

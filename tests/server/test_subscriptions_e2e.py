@@ -299,3 +299,110 @@ def test_a_subscriber_over_its_budget_is_cut_off_and_loses_its_queue(
     # buffers held before the cut and what came after its reconnection.
     assert len(sequences) < 401, "nothing was dropped for it"
     assert sequences == sorted(sequences)
+
+
+def _handshake(monitor: zmq.Socket[Any]) -> bool:
+    """Whether a connection's handshake succeeded (True) or the server closed
+    it first (False: the door's temporary refusal, 300, closes it silently:
+    no ERROR is sent, as RFC 27 asks, and libzmq just reconnects later)."""
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        if not monitor.poll(100):
+            continue
+        event = parse_monitor_message(monitor.recv_multipart())["event"]
+        if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            return True
+        if event == zmq.EVENT_DISCONNECTED:
+            return False
+    raise AssertionError(f"no handshake outcome within {WAIT} s")
+
+
+def _flood_from(ctx: zmq.Context[Any], server: ServerProcess, source: str) -> bool:
+    """One raw XSUB from ``source`` that floods the publisher with valid topics
+    once its handshake succeeds: True if it was admitted (and then cut off),
+    False if the server closed it before its handshake."""
+    sock = ctx.socket(zmq.XSUB)
+    sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+    sock.connect(f"tcp://{source}:0;127.0.0.1:{server.port + 1}")
+    try:
+        if not _handshake(monitor):
+            return False
+        topic = b"\x01/flood/" + b"f" * 193
+        for _ in range(2000):
+            sock.send(topic)
+        _wait_event(monitor, zmq.EVENT_DISCONNECTED)
+        return True
+    finally:
+        monitor.close(linger=0)
+        sock.close(linger=0)
+
+
+def test_a_host_cut_off_for_flooding_is_refused_at_the_handshake_for_a_while(
+    servers: Servers, ctx: zmq.Context[Any]
+) -> None:
+    """The flood penalty (clone.server.penalty): after a cut, the flooder's
+    address is refused by the publisher's door (plain mode) before libzmq
+    gives it a pipe (status 300: closed without a word, it retries later);
+    each cut that follows a penalty doubles the next, so a
+    refusal comes however slow the machine; another host is untouched."""
+    server = servers.standalone("--in-memory")
+    with synced_client(server) as healthy:
+        admitted = 0
+        while _flood_from(ctx, server, "127.0.0.2"):
+            admitted += 1
+            assert admitted < 8, "never refused"
+        stats = read_stats(server)
+        assert int(str(stats["flood_penalties"])) >= 1
+        assert int(str(stats["flood_penalty_refused"])) >= 1
+        assert int(str(stats["subscribers_flooding"])) + int(
+            str(stats["subscribers_dropped"])) >= 1
+        # Another host (127.0.0.1) connects and syncs meanwhile, and the
+        # healthy client's own connections were never touched.
+        with synced_client(server, timeout=WAIT) as fresh:
+            fresh.set("/after-penalty", b"1", wait=True, timeout=WAIT)
+        healthy.set("/after-penalty", b"2", wait=True, timeout=WAIT)
+
+
+def test_the_flood_penalty_holds_under_curve(
+    servers: Servers, ctx: zmq.Context[Any], tmp_path: Path
+) -> None:
+    """Under CURVE the Gatekeeper asks the same penalty on the publisher's
+    domain: an admitted key that kept subscribing past its caps is refused
+    from the same address at its next handshake, while the penalty runs.
+    (libzmq's CURVE server then holds the refused connection, silent, until
+    its handshake times out, 30 s; NULL closes it at once.)"""
+    keys = CurveKeys.make(tmp_path / "sec", admitted=("t1",))
+    keys.write_acl({"t1": (["/t1/"], ["/t1/"])})
+    server = servers.standalone(
+        *keys.server_args(), "--in-memory", "--max-subscriptions", "2", wait=False
+    )
+    wait_serving_curve(server, keys, "t1")
+    refused = False
+    for _ in range(8):
+        before = _stat(server, "flood_penalty_refused")
+        sock = curve_socket(ctx, zmq.XSUB, keys, "t1")
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        sock.connect(f"tcp://127.0.0.3:0;127.0.0.1:{server.port + 1}")
+        try:
+            # Either the server refuses this handshake (its counter moves)
+            # or, the penalty over on a slow machine, it succeeds: flood again.
+            def outcome(m: zmq.Socket[Any] = monitor, was: int = before) -> bool:
+                return bool(m.poll(0)) or _stat(server, "flood_penalty_refused") > was
+
+            eventually(outcome, WAIT, "a handshake outcome")
+            if not monitor.poll(0):
+                refused = True
+                break
+            for i in range(10):  # 2 accepted, 8 refused: dropped and penalized
+                sock.send(b"\x01/t1/%d" % i)
+            eventually(lambda: _stat(server, "flood_penalties") >= 1, WAIT, "a penalty")
+        finally:
+            monitor.close(linger=0)
+            sock.close(linger=0)
+    assert refused, "the penalized address was never refused"
+    # The same key from another address is admitted to the publisher.
+    other = curve_socket(ctx, zmq.XSUB, keys, "t1")
+    monitor = other.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    other.connect(f"tcp://127.0.0.1:{server.port + 1}")
+    _wait_event(monitor, zmq.EVENT_HANDSHAKE_SUCCEEDED)

@@ -123,6 +123,39 @@ def sub_flood(ctx: zmq.Context[Any], host: str, port: int, http: int, scale: flo
     _hold()
 
 
+def sub_flood_valid(ctx: zmq.Context[Any], host: str, port: int, http: int,
+                    scale: float) -> None:  # fmt: skip
+    """16 raw XSUB sockets send valid (200-byte) subscriptions as fast as they
+    can, for as long as the attack is held: each cycles through its own 500
+    distinct topics (a scale of them), and libzmq's XSUB replays every topic it
+    ever sent each time its connection comes back (every 100 ms after a drop).
+    Each message is under the publisher's ``MAXMSGSIZE``, so what stops it is
+    the server's per-connection caps, its inbound watch and its flood penalty.
+    It connects from the address ``CLONE_HOSTILE_SOURCE`` (default 127.0.0.2:
+    another host than the healthy client's 127.0.0.1, as a misbehaving node
+    of a fleet would be; empty: the system's choice)."""
+    source = os.environ.get("CLONE_HOSTILE_SOURCE", "127.0.0.2")
+    via = f"{source}:0;" if source else ""
+    socks = []
+    for _ in range(16):
+        s = ctx.socket(zmq.XSUB)
+        s.linger = 0
+        s.sndhwm = 0
+        s.connect(f"tcp://{via}{host}:{port + PUBLISHER_OFFSET}")
+        socks.append(s)
+    per = 200
+    count = max(16, int(500 * scale))
+    topics = [[b"\x01/" + os.urandom(per).hex().encode()[: per - 2] for _ in range(count)]
+              for _ in socks]
+    _ready()
+    i = 0
+    while not _stop.is_set():
+        for s, own in zip(socks, topics, strict=True):
+            with contextlib.suppress(zmq.Again):
+                s.send(own[i % count], zmq.NOBLOCK)
+        i += 1
+
+
 def slow_subscribers(ctx: zmq.Context[Any], host: str, port: int, http: int,
                      scale: float) -> None:  # fmt: skip
     """10 subscribers that never read while 60 KiB values are written."""
@@ -228,6 +261,7 @@ def disk(ctx: zmq.Context[Any], host: str, port: int, http: int, scale: float) -
 
 ATTACKS: dict[str, Callable[[zmq.Context[Any], str, int, int, float], None]] = {
     "sub-flood": sub_flood,
+    "sub-flood-valid": sub_flood_valid,
     "slow-subscribers": slow_subscribers,
     "snapshot-requesters": snapshot_requesters,
     "snapshot-requesters-big": snapshot_requesters_big,

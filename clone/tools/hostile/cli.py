@@ -17,7 +17,8 @@ __all__ = ["ALL_ATTACKS", "format_line", "main"]
 
 #: In the order of the issue's table.
 ALL_ATTACKS = (
-    "sub-flood", "slow-subscribers", "snapshot-requesters", "snapshot-requesters-big",
+    "sub-flood", "sub-flood-valid", "slow-subscribers", "snapshot-requesters",
+    "snapshot-requesters-big",
     "memory-cgroup", "disk", "ws-viewers", "idle-http", "delete-lock",
 )  # fmt: skip
 assert set(ALL_ATTACKS) == set(ATTACKS) | set(HARNESS_ATTACKS)
