@@ -136,3 +136,22 @@ def test_a_batch_that_does_not_decode_changes_nothing() -> None:
     assert "entry 1 is cut short" in reply.detail and not after_commit
     assert core.store.sequence == 0 and _published(core) == []
     assert core.counters["calls_invalid"] == 1
+
+
+def test_a_relay_refuses_a_restricted_callers_batch_key_by_key_before_forwarding() -> None:
+    """A relay judges its caller's call before it forwards it (the pair then
+    judges the relay's own, wider rights): the same rule, key by key."""
+    from clone.security import Rights
+    from clone.server.access import call_refusal
+
+    rights = {"writer": Rights(read=(b"",), write=(b"/fleet/mine/",))}
+
+    def judge(keys: list[bytes]) -> str | None:
+        body = encode_set_many([(_uuid(i + 1), key, b"", b"v") for i, key in enumerate(keys)])
+        frames = encode_call(OP_SET_MANY, _uuid(900), "", (), body)
+        return call_refusal(frames, "writer", write_all=set(), admitted={"writer"},
+                            rights_of=lambda name: rights[str(name)])  # fmt: skip
+
+    assert judge([b"/fleet/mine/a", b"/fleet/mine/b"]) is None
+    why = judge([b"/fleet/mine/a", b"/fleet/theirs/b"])
+    assert why is not None and "/fleet/theirs/b" in why
