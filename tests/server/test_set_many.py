@@ -155,3 +155,17 @@ def test_a_relay_refuses_a_restricted_callers_batch_key_by_key_before_forwarding
     assert judge([b"/fleet/mine/a", b"/fleet/mine/b"]) is None
     why = judge([b"/fleet/mine/a", b"/fleet/theirs/b"])
     assert why is not None and "/fleet/theirs/b" in why
+
+
+def test_a_batch_over_the_byte_limit_is_refused_for_its_size_and_changes_nothing() -> None:
+    from clone.wire.calls import MAX_SET_MANY_BYTES
+
+    core = ServerCore(standalone=True)
+    half = b"x" * (MAX_SET_MANY_BYTES // 2)
+    body = encode_set_many([(_uuid(1), b"/a", b"", half)]) + encode_set_many(
+        [(_uuid(2), b"/b", b"", half)]
+    )
+    reply, after_commit = core.on_call(encode_call(OP_SET_MANY, _uuid(7), "", (), body), 1.0)
+    assert reply is not None and (reply.status, reply.reason) == ("refused", "size")
+    assert f"{MAX_SET_MANY_BYTES}-byte limit" in reply.detail and not after_commit
+    assert core.store.sequence == 0 and core.counters["calls_refused_size"] == 1
