@@ -255,10 +255,16 @@ def _snapshot_from(
                         frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    silence.heard(clock())
                     if sock is sub:
                         stream.append(decode_update(frames))
+                        # Until the snapshot ends only its own messages say it
+                        # is still coming: a server that aborted it (a stalled
+                        # requester) goes on sending HUGZ, and counting them
+                        # left the 10M export waiting forever.
+                        if end is not None:
+                            silence.heard(clock())
                         continue
+                    silence.heard(clock())
                     if is_kvbatch(frames):
                         batch = decode_kvbatch(frames)
                         entries.update(zip(batch.keys, batch.messages(), strict=True))
