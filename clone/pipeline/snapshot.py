@@ -78,6 +78,10 @@ class Snapshot:
     subtree: str
 
 
+#: Snapshot messages libzmq may queue for the reader (see _snapshot_from).
+_SNAPSHOT_RCVHWM = 16
+
+
 class SilenceClock:
     """How long a server has been silent: the time since it was last *heard*.
 
@@ -220,6 +224,12 @@ def _snapshot_from(
     sub = subs.sockets[index]
     dealer = ctx.socket(zmq.DEALER)
     dealer.linger = 0
+    # Few batches queued on our side: libzmq then reads the connection as we
+    # handle them, and the server sees its stream move.  At the default (1,000
+    # messages, 4M entries) the queue took ~47 s to handle, the server's send
+    # window stood still for its --snapshot-stall-timeout (10 s), and it
+    # aborted the 10M export's stream as stalled.
+    dealer.rcvhwm = _SNAPSHOT_RCVHWM
     if curve is not None:
         configure_client_socket(dealer, *curve)
     try:
