@@ -447,8 +447,9 @@ class WriteLink:
             settled.append((uuid, outcome))
         elif isinstance(outcome, BaseException):
             self.reconfirm_failed += 1
-            log.warning("a write confirmed before the failover was not confirmed again: %s",
-                        outcome)  # fmt: skip
+            if self.reconfirm_failed % 1000 == 1:  # the first, then one line per 1,000
+                log.warning("%d writes confirmed before the failover not confirmed again: %s",
+                            self.reconfirm_failed, outcome)  # fmt: skip
         else:
             self.reconfirmed += 1
 
