@@ -32,6 +32,7 @@ import logging
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -42,7 +43,18 @@ from clone.argtypes import normalize_endpoint
 from clone.client.agent import split_endpoint
 from clone.errors import CloneError, ClosedError, ConfirmTimeout, NotActive, NotSynced
 from clone.security import KeyPair, configure_client_socket
-from clone.wire.calls import CALL, OP_SET, REPLY, decode_reply
+from clone.wire.calls import (
+    CALL,
+    MAX_SET_MANY_BYTES,
+    MAX_SET_MANY_ENTRIES,
+    OP_SET,
+    OP_SET_MANY,
+    REPLY,
+    SET_MANY_ENTRY_OVERHEAD,
+    Reply,
+    decode_reply,
+    encode_set_many,
+)
 from clone.wire.codec import encode_properties, new_uuid, validate_key
 from clone.wire.protocol import HUGZ, PUBLISHER_OFFSET, SNAPSHOT_OFFSET, TTL_PROPERTY
 
@@ -56,6 +68,17 @@ _TICK_S = 0.05
 _PROBE_EVERY_S = 0.5
 _PROBE_TIMEOUT_S = 0.2
 _OP_SET = OP_SET.encode()
+_OP_SET_MANY = OP_SET_MANY.encode()
+#: What a server that does not know ``set-many`` says (clone.wire.calls.decode_call).
+_UNKNOWN_OP = "unknown CALL? operation"
+#: The writes confirmed most recently, kept to be sent again after a failover
+#: (:class:`WriteLink`): at most this many, and this many bytes of key,
+#: properties and value.  Half the servers' default --dedup-window (65,536
+#: ids), so that the new active server still knows each one it applied.
+RECONFIRM_ROWS = 32_768
+RECONFIRM_BYTES = 16 * 1024 * 1024
+#: How long a write sent again after a failover may take to be confirmed.
+_RECONFIRM_S = 30.0
 #: The properties of a plain ``ok`` REPLY, as the server encodes them.
 _OK_PROPERTIES = encode_properties((("status", "ok"),))
 
@@ -69,6 +92,11 @@ class _Pending:
     frames: list[bytes]
     deadline: float
     sent_to: int | None = None
+    #: Waiting in the link's queue for the next ``set-many`` (batching only).
+    queued: bool = False
+    #: A write confirmed by a server we left, sent again to the new active
+    #: one (its answer is not reported: the write was settled already).
+    reconfirm: bool = False
 
 
 @dataclass(slots=True)
@@ -157,9 +185,25 @@ class WriteLink:
         *,
         curve: tuple[KeyPair, bytes] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        batch_rows: int = 0,
     ) -> None:
+        if not 0 <= batch_rows <= MAX_SET_MANY_ENTRIES:
+            raise ValueError(f"batch_rows is 0 (no batches) to {MAX_SET_MANY_ENTRIES}")
         self.router = router
         self._clock = clock
+        #: Rows per ``set-many`` call (0: a ``set`` call per row).  Set to 0
+        #: for good when a server says it does not know ``set-many``.
+        self.batch_rows = batch_rows
+        self._queue: list[bytes] = []
+        #: The rows of each ``set-many`` sent and not answered, by the call's
+        #: uuid, and the server it went to.
+        self._batches: dict[bytes, tuple[list[bytes], int]] = {}
+        # The last writes confirmed, and by which server (see _remember).
+        self._confirmed: deque[tuple[bytes, list[bytes], int, int]] = deque()
+        self._confirmed_bytes = 0
+        #: Writes sent again after a failover (reconfirmed, or given up).
+        self.reconfirmed = 0
+        self.reconfirm_failed = 0
         self._hosts = [(host.removeprefix("tcp://"), base + SNAPSHOT_OFFSET)
                        for host, base in endpoints]  # fmt: skip
         self._next_probe = 0.0
@@ -184,9 +228,74 @@ class WriteLink:
             self._dealers.append(dealer)
 
     def send(self, uuid: bytes, frames: list[bytes], deadline: float) -> None:
-        """Send a call now if a server is active, else when one is."""
-        self.pending[uuid] = _Pending(frames, deadline)
-        self._send(uuid)
+        """Send a call now if a server is active, else when one is; batching,
+        queue it, and send the queue once it holds ``batch_rows`` rows."""
+        self.pending[uuid] = entry = _Pending(frames, deadline)
+        if not self.batch_rows:
+            self._send(uuid)
+            return
+        entry.queued = True
+        self._queue.append(uuid)
+        if len(self._queue) >= self.batch_rows:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send the queued rows to the current server as ``set-many`` calls
+        of up to ``batch_rows`` rows and :data:`MAX_SET_MANY_BYTES` bytes; a
+        row too big to share a call goes alone, as a ``set``."""
+        current = self.router.current
+        if current is None or not self._queue:
+            return
+        queue, self._queue = self._queue, []
+        pending = self.pending
+        limit = self.batch_rows or 1
+        chunk: list[bytes] = []
+        size = 0
+        for uuid in queue:
+            entry = pending.get(uuid)
+            if entry is None:
+                continue
+            entry.queued = False
+            frames = entry.frames
+            need = SET_MANY_ENTRY_OVERHEAD + len(frames[3]) + len(frames[4]) + len(frames[5])
+            if need > MAX_SET_MANY_BYTES or not self.batch_rows:
+                self._send(uuid)
+                continue
+            if chunk and (len(chunk) >= limit or size + need > MAX_SET_MANY_BYTES):
+                self._send_batch(current, chunk)
+                chunk, size = [], 0
+            chunk.append(uuid)
+            size += need
+        if chunk:
+            self._send_batch(current, chunk)
+
+    def _send_batch(self, current: int, uuids: list[bytes]) -> None:
+        pending = self.pending
+        entries = [pending[uuid].frames for uuid in uuids]
+        body = encode_set_many([(f[2], f[3], f[4], f[5]) for f in entries])
+        call_id = new_uuid()
+        try:
+            self._dealers[current].send_multipart(
+                [CALL, _OP_SET_MANY, call_id, b"", b"", body], zmq.NOBLOCK
+            )
+        except zmq.Again:  # queue full: queued again, sent by the next tick
+            for uuid in uuids:
+                pending[uuid].queued = True
+            self._queue.extend(uuids)
+            return
+        self._batches[call_id] = (uuids, current)
+        for uuid in uuids:
+            pending[uuid].sent_to = current
+
+    def _resend(self, uuid: bytes) -> None:
+        """A row not answered by the current server: sent again, same uuid."""
+        if not self.batch_rows:
+            self._send(uuid)
+            return
+        entry = self.pending.get(uuid)
+        if entry is not None and not entry.queued:
+            entry.queued = True
+            self._queue.append(uuid)
 
     def handle(self, events: dict[zmq.Socket[bytes], int]) -> list[_Settled]:
         """Read every message waiting on the sockets ``events`` names."""
@@ -229,9 +338,17 @@ class WriteLink:
         for uuid, entry in list(pending.items()):
             if now >= entry.deadline:
                 del pending[uuid]
-                settled.append((uuid, ConfirmTimeout("write not confirmed in time")))
+                self._settle(uuid, entry, -1, ConfirmTimeout("write not confirmed in time"),
+                             settled)  # fmt: skip
             elif entry.sent_to is None or entry.sent_to != router.current:
-                self._send(uuid)
+                self._resend(uuid)
+        if self._batches:
+            # Forget calls whose server is no longer current or whose rows all
+            # settled: their rows were (or will be) sent again.
+            for call_id, (uuids, server) in list(self._batches.items()):
+                if server != router.current or not any(u in pending for u in uuids):
+                    del self._batches[call_id]
+        self.flush()
         return settled
 
     def _probe(self) -> None:
@@ -248,8 +365,11 @@ class WriteLink:
                 self.router.probed(index, refused=False)
 
     def fail_all(self, exc: BaseException) -> list[_Settled]:
-        settled: list[_Settled] = [(uuid, exc) for uuid in self.pending]
+        settled: list[_Settled] = [(uuid, exc) for uuid, entry in self.pending.items()
+                                   if not entry.reconfirm]  # fmt: skip
         self.pending.clear()
+        self._queue.clear()
+        self._batches.clear()
         return settled
 
     def close(self) -> None:
@@ -265,8 +385,10 @@ class WriteLink:
                 return
             if frames[0] == HUGZ and self.router.heard(index, self._clock()):
                 log.debug("writing to server %d", index)
+                self._reconfirm(index)
                 for uuid in list(self.pending):  # resent with the same uuid
-                    self._send(uuid)
+                    self._resend(uuid)
+                self.flush()
 
     def _send(self, uuid: bytes) -> None:
         current = self.router.current
@@ -284,25 +406,128 @@ class WriteLink:
         if len(frames) == 4 and frames[3] == _OK_PROPERTIES and frames[0] == REPLY:
             # The common answer, without building a Reply (a bulk load's hot path).
             uuid = frames[1]
-            if pending.pop(uuid, None) is not None and len(frames[2]) == 8:
-                settled.append((uuid, int.from_bytes(frames[2], "big")))
+            entry = pending.pop(uuid, None)
+            if entry is not None and len(frames[2]) == 8:
+                self._settle(uuid, entry, index, int.from_bytes(frames[2], "big"), settled)
             return
         try:
             reply = decode_reply(frames)
         except CloneError as exc:
             log.warning("server %d sent a bad reply: %s", index, exc)
             return
+        batch = self._batches.pop(reply.uuid, None)
+        if batch is not None:
+            self._on_batch_reply(index, reply, batch[0], settled)
+            return
         if reply.uuid not in pending:
             return  # answered already (a retry's second reply)
         if reply.ok:
-            del pending[reply.uuid]
-            settled.append((reply.uuid, reply.sequence))
+            self._settle(reply.uuid, pending.pop(reply.uuid), index, reply.sequence, settled)
         elif reply.reason == "not-active":
             pending[reply.uuid].sent_to = None
             self.router.not_active(index)
         else:
-            del pending[reply.uuid]
-            settled.append((reply.uuid, CloneError(f"refused ({reply.reason}): {reply.detail}")))
+            why = CloneError(f"refused ({reply.reason}): {reply.detail}")
+            self._settle(reply.uuid, pending.pop(reply.uuid), index, why, settled)
+
+
+    def _settle(
+        self,
+        uuid: bytes,
+        entry: _Pending,
+        index: int,
+        outcome: int | BaseException,
+        settled: list[_Settled],
+    ) -> None:
+        """A write's answer: reported (unless it was only sent again after a
+        failover), and remembered if server ``index`` confirmed it."""
+        if not isinstance(outcome, BaseException):
+            self._remember(uuid, entry.frames, index)
+        if not entry.reconfirm:
+            settled.append((uuid, outcome))
+        elif isinstance(outcome, BaseException):
+            self.reconfirm_failed += 1
+            if self.reconfirm_failed % 1000 == 1:  # the first, then one line per 1,000
+                log.warning("%d writes confirmed before the failover not confirmed again: %s",
+                            self.reconfirm_failed, outcome)  # fmt: skip
+        else:
+            self.reconfirmed += 1
+
+    def _remember(self, uuid: bytes, frames: list[bytes], index: int) -> None:
+        """Keep the last writes confirmed (:data:`RECONFIRM_ROWS`,
+        :data:`RECONFIRM_BYTES`): a server confirms a write once it is on its
+        disk, and replicates it to its peer afterwards, so the writes it
+        confirmed just before it died may never have reached the server that
+        takes over."""
+        size = len(frames[3]) + len(frames[4]) + len(frames[5])
+        confirmed = self._confirmed
+        confirmed.append((uuid, frames, index, size))
+        self._confirmed_bytes += size
+        while len(confirmed) > RECONFIRM_ROWS or self._confirmed_bytes > RECONFIRM_BYTES:
+            self._confirmed_bytes -= confirmed.popleft()[3]
+
+    def _reconfirm(self, index: int) -> None:
+        """Server ``index`` became the current one: send it again, with their
+        uuids, the last writes another server confirmed.  It applies only
+        those it does not hold (it deduplicates by uuid): the tail the old
+        active confirmed and died before replicating."""
+        now = self._clock()
+        pending = self.pending
+        again = 0
+        for uuid, frames, server, _ in self._confirmed:
+            if server != index and uuid not in pending:
+                pending[uuid] = _Pending(frames, now + _RECONFIRM_S, reconfirm=True)
+                again += 1
+        self._confirmed.clear()
+        self._confirmed_bytes = 0
+        if again:
+            log.info("sending %d writes confirmed by the last server to server %d again",
+                     again, index)  # fmt: skip
+
+    def _on_batch_reply(
+        self, index: int, reply: Reply, uuids: list[bytes], settled: list[_Settled]
+    ) -> None:
+        """A ``set-many``'s reply: each row settled by its own entry's answer.
+
+        Refused as a whole, nothing was applied: ``not-active`` waits for the
+        next active server, as a ``set`` does; any other refusal (a server
+        that does not know ``set-many``, an ACL that refuses one of the keys)
+        sends each row again as its own ``set``, so that each gets its own
+        answer.  A server that does not know the call gets no more batches.
+        """
+        pending = self.pending
+        if reply.ok and reply.sequences is not None and len(reply.sequences) == len(uuids):
+            failed = {i: (why, detail) for i, why, detail in reply.failures}
+            for i, (uuid, sequence) in enumerate(zip(uuids, reply.sequences, strict=True)):
+                entry = pending.pop(uuid, None)
+                if entry is None:
+                    continue  # settled already (a resent row's first answer)
+                problem = failed.get(i)
+                outcome: int | BaseException = sequence
+                if problem is not None and problem[0] == "conflict":
+                    outcome = CloneError(f"conflict: the key is at {problem[1]}")
+                elif problem is not None:
+                    outcome = CloneError(f"refused ({problem[0]}): {problem[1]}")
+                self._settle(uuid, entry, index, outcome, settled)
+            return
+        if reply.reason == "not-active":
+            for uuid in uuids:
+                if uuid in pending:
+                    pending[uuid].sent_to = None
+            self.router.not_active(index)
+            return
+        if reply.ok:
+            log.warning("server %d answered a set-many of %d rows with %s sequences",
+                        index, len(uuids), len(reply.sequences or ()))  # fmt: skip
+        elif _UNKNOWN_OP in reply.detail and self.batch_rows:
+            log.warning("server %d does not know set-many: a set call per row from now on",
+                        index)  # fmt: skip
+            self.batch_rows = 0
+        for uuid in uuids:
+            entry = pending.get(uuid)
+            if entry is not None and not entry.queued:
+                entry.sent_to = None
+                self._send(uuid)
 
 
 def set_frames(key: str, value: bytes | str, ttl: float = 0.0) -> tuple[bytes, list[bytes]]:
@@ -343,6 +568,13 @@ class BulkWriter:
     :class:`~clone.errors.NotActive` when the pair is dead, a refusal).  The
     same failover rules as :class:`WriteOnlyClone` (same uuid to the next
     active server).  Make it in the thread and process that use it.
+
+    With ``batch_rows`` (the default, 64) writes are sent ``batch_rows`` at a
+    time as one ``set-many`` call (docs/protocol.md, "Batched sets"): the
+    queue goes out when it is full and at every :meth:`poll`.  Each row keeps
+    its own uuid and answer.  Against a server that does not know the call
+    the writer falls back to a ``set`` per row by itself; ``batch_rows=0``
+    never batches.
     """
 
     def __init__(
@@ -354,12 +586,14 @@ class BulkWriter:
         confirm_timeout: float = 30.0,
         dead_after: float = 10.0,
         clock: Callable[[], float] = time.monotonic,
+        batch_rows: int = 64,
     ) -> None:
         endpoints, router = _routing(servers, server_timeout, dead_after, clock())
         self.confirm_timeout = confirm_timeout
         self._clock = clock
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._link = WriteLink(self._ctx, endpoints, router, curve=curve, clock=clock)
+        self._link = WriteLink(self._ctx, endpoints, router, curve=curve, clock=clock,
+                               batch_rows=batch_rows)  # fmt: skip
         self._next_tick = clock() + _TICK_S
         self._closed = False
 
@@ -367,6 +601,11 @@ class BulkWriter:
     def outstanding(self) -> int:
         """Writes sent (or waiting for an active server) and not yet settled."""
         return len(self._link.pending)
+
+    @property
+    def reconfirmed(self) -> tuple[int, int]:
+        """Writes sent again after a failover: (confirmed again, given up)."""
+        return self._link.reconfirmed, self._link.reconfirm_failed
 
     def wait_synced(self, timeout: float = 10.0) -> None:
         """Wait until a server has sent HUGZ (NotSynced after ``timeout``)."""
@@ -392,6 +631,7 @@ class BulkWriter:
     def poll(self, timeout: float) -> list[_Settled]:
         """Wait up to ``timeout`` s for answers; the writes settled meanwhile."""
         link = self._link
+        link.flush()  # a partial batch goes out before we wait for answers
         wait = max(0, min(int(timeout * 1000), int(_TICK_S * 1000)))
         settled = link.handle(dict(link.poller.poll(wait)))
         now = self._clock()

@@ -78,6 +78,10 @@ class Snapshot:
     subtree: str
 
 
+#: Snapshot messages libzmq may queue for the reader (see _snapshot_from).
+_SNAPSHOT_RCVHWM = 16
+
+
 class SilenceClock:
     """How long a server has been silent: the time since it was last *heard*.
 
@@ -220,6 +224,12 @@ def _snapshot_from(
     sub = subs.sockets[index]
     dealer = ctx.socket(zmq.DEALER)
     dealer.linger = 0
+    # Few batches queued on our side: libzmq then reads the connection as we
+    # handle them, and the server sees its stream move.  At the default (1,000
+    # messages, 4M entries) the queue took ~47 s to handle, the server's send
+    # window stood still for its --snapshot-stall-timeout (10 s), and it
+    # aborted the 10M export's stream as stalled.
+    dealer.rcvhwm = _SNAPSHOT_RCVHWM
     if curve is not None:
         configure_client_socket(dealer, *curve)
     try:
@@ -255,10 +265,16 @@ def _snapshot_from(
                         frames = sock.recv_multipart(zmq.NOBLOCK)
                     except zmq.Again:
                         break
-                    silence.heard(clock())
                     if sock is sub:
                         stream.append(decode_update(frames))
+                        # Until the snapshot ends only its own messages say it
+                        # is still coming: a server that aborted it (a stalled
+                        # requester) goes on sending HUGZ, and counting them
+                        # left the 10M export waiting forever.
+                        if end is not None:
+                            silence.heard(clock())
                         continue
+                    silence.heard(clock())
                     if is_kvbatch(frames):
                         batch = decode_kvbatch(frames)
                         entries.update(zip(batch.keys, batch.messages(), strict=True))

@@ -84,6 +84,9 @@ class WriterConfig:
     #: 256: a quarter less server CPU per row than 64 (bigger turns, fewer
     #: commits per row); measured in docs/benchmarks.md.
     max_in_flight: int = 256
+    #: Rows per ``set-many`` call (0: a ``set`` call per row); measured in
+    #: docs/benchmarks.md.
+    batch_rows: int = 64
     confirm_timeout: float = 30.0
     attempts: int = 3
     max_failures: int = 10
@@ -165,6 +168,7 @@ def _default_client(config: WriterConfig) -> ClientLike:
         server_timeout=max(2.5 * config.heartbeat, 0.5),
         confirm_timeout=config.confirm_timeout,
         dead_after=config.dead_after,
+        batch_rows=config.batch_rows,
     )
 
 

@@ -66,6 +66,7 @@ from clone.wire.calls import (
 )
 from clone.wire.codec import KVMsg
 from clone.wire.protocol import TTL_PROPERTY
+from clone.wire.split import SPLIT_PROPERTIES
 
 __all__ = ["Admitted", "CallCore", "check_condition_syntax", "refused"]
 
@@ -173,6 +174,22 @@ class CallCore:
             if uuid is None:
                 return None
             return refused(uuid, "size" if oversized else "malformed", str(exc))
+        return self.judge(call, can_write=can_write, may_lease=may_lease, caller=caller,
+                          relayed=relayed)  # fmt: skip
+
+    def judge(
+        self,
+        call: Call,
+        *,
+        can_write: Callable[[bytes], bool] | None = None,
+        may_lease: bool = True,
+        caller: str = "",
+        relayed: bool = False,
+    ) -> Admitted | Reply:
+        """:meth:`admit`'s rules for a decoded call: what it asks for
+        (:func:`~clone.wire.calls.check_call`), the ACL, who may name a
+        caller.  Also each entry of a ``set-many``, as its own ``set``."""
+        c = self.counters
         problem = check_call(call)
         if problem is not None:
             c[_PROBLEM_COUNTERS.get(problem[0], "calls_invalid")] += 1
@@ -227,6 +244,51 @@ class CallCore:
         c["leases_revoked"] += 1
         c["calls_ok"] += 1
         return Reply(call.uuid, "ok", self.store.sequence, lease=lease_id, ttl=held.ttl), True
+
+    def run_many(
+        self,
+        call: Call,
+        now: float,
+        mono: float,
+        caller: str = "",
+        *,
+        can_write: Callable[[bytes], bool] | None = None,
+        may_lease: bool = True,
+    ) -> tuple[Reply, bool]:
+        """A ``set-many`` on the active server, within this one turn: each
+        entry judged by the rules of a ``set`` call (:meth:`judge`: what it
+        asks for, the ACL key by key; a split write's properties are a peer's
+        single ``set`` only) and applied by :meth:`call_set` as an ordinary
+        update with its own sequence and KVPUB, deduplicated by its own uuid.
+        One reply: ``ok`` with each entry's sequence (0 and a reason for an
+        entry not applied); it waits for the turn's commit if any entry did."""
+        c = self.counters
+        c["set_many_calls"] += 1
+        c["set_many_entries"] += len(call.entries)
+        sequences: list[int] = []
+        failures: list[tuple[int, str, str]] = []
+        changed = False
+        for index, entry in enumerate(call.entries):
+            judged = self.judge(entry, can_write=can_write, may_lease=may_lease, caller=caller)
+            if isinstance(judged, Reply):
+                reply = judged
+            elif any(name in SPLIT_PROPERTIES for name, _ in entry.properties):
+                c["calls_invalid"] += 1
+                reply = refused(entry.uuid, "malformed", "a split write is a single set call")
+            else:
+                reply, applied = self.call_set(entry, now, mono, caller)
+                changed = changed or applied
+            if reply.ok:
+                sequences.append(reply.sequence)
+                continue
+            sequences.append(0)
+            if reply.status == "conflict":
+                failures.append((index, "conflict", str(reply.current)))
+            else:
+                failures.append((index, reply.reason, reply.detail))
+        reply = Reply(call.uuid, "ok", self.store.sequence, sequences=tuple(sequences),
+                      failures=tuple(failures))  # fmt: skip
+        return reply, changed
 
     def _call_keepalives(self, call: Call, mono: float, caller: str) -> Reply:
         """Many leases kept alive by one call (a client holding 10,000 leases

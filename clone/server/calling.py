@@ -154,6 +154,19 @@ class Caller:
                 reply.reason,
                 reply.detail,
             )
+        if reply.failures and reply.failures[0][1] in _LOGGED_REASONS:
+            index, reason, detail = reply.failures[0]
+            shared.throttle.log(
+                "call_set_many",
+                logging.WARNING,
+                "refused %d of the %d entries of a set-many from %s, the first (%d, %s): %s",
+                len(reply.failures),
+                len(reply.sequences or ()),
+                _who(identity),
+                index,
+                reason,
+                detail,
+            )
         if not after_commit:
             # From the ROUTER's reader, which looks at the socket again after us.
             self.send_reply(identity, reply, backlog=None)

@@ -63,7 +63,7 @@ from clone.server.synccore import (
 )
 from clone.server.ttl import parse_ttl
 from clone.wire.applied import encode_kvapplied, uuid_ids
-from clone.wire.calls import CONFLICT_OPS, LEASE_PREFIX, OP_SET, Reply
+from clone.wire.calls import CONFLICT_OPS, LEASE_PREFIX, OP_SET, OP_SET_MANY, Reply
 from clone.wire.codec import Properties, decode_icanhaz, decode_kvset, encode_hugz, encode_kv
 from clone.wire.delta import SinceRequest
 from clone.wire.protocol import TTL_PROPERTY
@@ -510,6 +510,9 @@ class ServerCore:
             return self.split.on_call(call, now, mono, peer, caller)
         if call.op in CONFLICT_OPS:
             return self.split.on_conflict_call(call, now, mono)
+        if call.op == OP_SET_MANY:
+            return self.calls.run_many(call, now, mono, caller, can_write=can_write,
+                                       may_lease=may_lease)  # fmt: skip
         return self.calls.run(call, now, mono, caller)
 
     # -- time ----------------------------------------------------------------

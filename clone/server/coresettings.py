@@ -90,6 +90,8 @@ COUNTERS = (
     "leases_expired",
     "lease_keepalives",
     "lease_keepalive_batches",
+    "set_many_calls",
+    "set_many_entries",
     "lease_keys_deleted",
     "lease_orphans_deleted",
 )

@@ -364,6 +364,17 @@ class CloneCollector(Collector):
             "lease-keepalives calls answered, each keeping many leases alive.",
             num("lease_keepalive_batches"),
         )
+        yield _counter(
+            "clone_set_many_calls",
+            "set-many calls answered, each writing many keys (each entry also counts"
+            " as a call in clone_calls_total).",
+            num("set_many_calls"),
+        )
+        yield _counter(
+            "clone_set_many_entries",
+            "Entries carried by set-many calls.",
+            num("set_many_entries"),
+        )
         if server.config.mode is ServerMode.RELAY:
             relayed = CounterMetricFamily(
                 "clone_relay_calls",

@@ -8,7 +8,9 @@ and get exactly one *reply* from an active server (docs/protocol.md, "CALL?")::
     CALL?   [b"CALL?", op, uuid, key, properties, body]        6 frames
     REPLY   [b"REPLY", uuid, sequence, properties]             4 frames
 
-* ``op``: ``set`` (a write; an empty body deletes), ``lease-grant``,
+* ``op``: ``set`` (a write; an empty body deletes), ``set-many`` (many
+  ``set``s in one call, each with its own uuid: :func:`encode_set_many`),
+  ``lease-grant``,
   ``lease-keepalive``, ``lease-revoke``, or an operator's ``conflict-apply``
   and ``conflict-discard`` (``conflict=<id>``, the conflict's key in ``key``:
   docs/protocol.md, "CONFLICTS?").
@@ -51,6 +53,7 @@ reason instead of dropping it.
 from __future__ import annotations
 
 import re
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
@@ -70,6 +73,10 @@ __all__ = [
     "REPLY",
     "OPS",
     "OP_SET",
+    "OP_SET_MANY",
+    "MAX_SET_MANY_BYTES",
+    "MAX_SET_MANY_ENTRIES",
+    "SET_MANY_ENTRY_OVERHEAD",
     "OP_LEASE_GRANT",
     "OP_LEASE_KEEPALIVE",
     "OP_LEASE_KEEPALIVES",
@@ -94,6 +101,8 @@ __all__ = [
     "call_uuid",
     "decode_call",
     "decode_reply",
+    "decode_set_many",
+    "encode_set_many",
     "encode_call",
     "encode_keepalives",
     "encode_reply",
@@ -111,6 +120,17 @@ CALL: Final = b"CALL?"
 REPLY: Final = b"REPLY"
 
 OP_SET: Final = "set"
+#: Our extension of the calls (issue 29): many ``set``s in one call and one
+#: reply, for a bulk load whose rows each cost a call's receive and reply
+#: (docs/protocol.md, "Batched sets").  Each entry carries its own uuid and is
+#: judged and applied as its own ``set`` would be.
+OP_SET_MANY: Final = "set-many"
+#: The most bytes a ``set-many`` body may hold: the value limit, so that a
+#: batch fits every frame cap a ``set`` fits (the server's MAXMSGSIZE).
+MAX_SET_MANY_BYTES: Final = MAX_VALUE_BYTES
+#: The most entries one ``set-many`` may carry: a batch is applied within one
+#: loop turn, and 1,024 sets are a few tens of milliseconds of it.
+MAX_SET_MANY_ENTRIES: Final = 1024
 OP_LEASE_GRANT: Final = "lease-grant"
 OP_LEASE_KEEPALIVE: Final = "lease-keepalive"
 OP_LEASE_REVOKE: Final = "lease-revoke"
@@ -128,8 +148,8 @@ OP_CONFLICT_APPLY: Final = "conflict-apply"
 OP_CONFLICT_DISCARD: Final = "conflict-discard"
 CONFLICT_OPS: Final = frozenset({OP_CONFLICT_APPLY, OP_CONFLICT_DISCARD})
 OPS: Final = frozenset(
-    {OP_SET, OP_LEASE_GRANT, OP_LEASE_KEEPALIVE, OP_LEASE_KEEPALIVES, OP_LEASE_REVOKE, OP_AHEAD,
-     *CONFLICT_OPS}
+    {OP_SET, OP_SET_MANY, OP_LEASE_GRANT, OP_LEASE_KEEPALIVE, OP_LEASE_KEEPALIVES,
+     OP_LEASE_REVOKE, OP_AHEAD, *CONFLICT_OPS}
 )
 #: A conflict call's property: the conflict's id.
 CONFLICT_PROPERTY: Final = "conflict"
@@ -173,6 +193,9 @@ REASONS: Final = frozenset(
 
 _AHEAD_PROPERTY = "ahead"
 _KEPT_PROPERTY = "kept"
+_ENTRIES_PROPERTY = "entries"
+#: A set-many reply's line per entry not applied: index, reason, detail.
+_FAILURE_RE = re.compile(rb"(?:[0-9]{1,5} [a-z-]{1,40} [^\n]{0,800}\n)*")
 _NOT_STORED = frozenset({IF_SEQUENCE_PROPERTY, SECRET_PROPERTY, CALLER_PROPERTY})
 _STATUSES = frozenset({"ok", "conflict", "refused"})
 _LEASE_ID_RE = re.compile(r"[0-9a-f]{32}")
@@ -200,6 +223,8 @@ class Call:
     key: str = ""
     properties: Properties = ()
     body: bytes = b""
+    #: A ``set-many``'s entries, each a ``set`` Call (decoded from the body).
+    entries: tuple[Call, ...] = ()
 
     def prop(self, name: str) -> str | None:
         for pname, value in self.properties:
@@ -255,6 +280,11 @@ class Reply:
     kept: int | None = None
     #: ... and the (id, reason) of each lease that was not.
     gone: tuple[tuple[str, str], ...] = ()
+    #: A ``set-many`` reply: each entry's sequence, in order (0: not applied)...
+    sequences: tuple[int, ...] | None = None
+    #: ... and (index, reason, detail) of each entry not applied: a refusal's
+    #: reason, or ``conflict`` with the key's sequence now as the detail.
+    failures: tuple[tuple[int, str, str], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -316,6 +346,86 @@ def parse_keepalives(body: bytes) -> list[tuple[str, str | None]]:
     return out
 
 
+#: A ``set-many`` entry's header after its uuid: key, properties and value
+#: lengths (big-endian 16, 16 and 32 bits).
+_ENTRY_HEAD = struct.Struct(">HHI")
+#: The bytes an entry takes besides its key, properties and value.
+SET_MANY_ENTRY_OVERHEAD: Final = 16 + _ENTRY_HEAD.size
+
+
+def encode_set_many(entries: Sequence[tuple[bytes, bytes, bytes, bytes]]) -> bytes:
+    """The body of a ``set-many`` call: (uuid, key, properties, value) per
+    entry, each as a ``set`` call's frames 2 to 5 (properties encoded).
+
+    ValueError when it would not be accepted as a whole: no entries, more than
+    :data:`MAX_SET_MANY_ENTRIES`, over :data:`MAX_SET_MANY_BYTES`, a uuid that
+    is not 16 bytes.  Each entry's content is the server's to judge.
+    """
+    if not entries:
+        raise ValueError("a set-many call needs at least one entry")
+    if len(entries) > MAX_SET_MANY_ENTRIES:
+        raise ValueError(f"{len(entries)} entries are over the {MAX_SET_MANY_ENTRIES} a"
+                         " set-many may carry")
+    pack = _ENTRY_HEAD.pack
+    parts: list[bytes] = []
+    for uuid, key, props, value in entries:
+        if len(uuid) != 16:
+            raise ValueError(f"a set's uuid is 16 bytes, not {len(uuid)}")
+        if len(key) > 0xFFFF or len(props) > 0xFFFF:
+            raise ValueError("a set-many entry's key or properties are over 64 KiB")
+        parts += (uuid, pack(len(key), len(props), len(value)), key, props, value)
+    body = b"".join(parts)
+    if len(body) > MAX_SET_MANY_BYTES:
+        raise ValueError(f"a set-many body of {len(body)} bytes is over the"
+                         f" {MAX_SET_MANY_BYTES}-byte limit")
+    return body
+
+
+def decode_set_many(body: bytes) -> tuple[Call, ...]:
+    """A ``set-many`` body's entries as ``set`` Calls, each checked as a
+    ``set`` call's frames are by :func:`decode_call` (uuid, key syntax, value
+    size, properties), or ProtocolError (LimitExceeded for a size) naming the
+    entry: a batch that does not decode is refused whole, nothing applied.
+
+    An entry may not carry ``caller=`` (a relay names the caller of the whole
+    call, on the call).
+    """
+    if not body:
+        raise ProtocolError("CALL? set-many takes a body of one entry or more")
+    if len(body) > MAX_SET_MANY_BYTES:
+        raise LimitExceeded(f"a set-many body of {len(body)} bytes is over the"
+                            f" {MAX_SET_MANY_BYTES}-byte limit")
+    unpack = _ENTRY_HEAD.unpack_from
+    head = _ENTRY_HEAD.size
+    end = len(body)
+    entries: list[Call] = []
+    at = 0
+    while at < end:
+        index = len(entries)
+        if index >= MAX_SET_MANY_ENTRIES:
+            raise LimitExceeded(f"a set-many carries over {MAX_SET_MANY_ENTRIES} entries")
+        if end - at < SET_MANY_ENTRY_OVERHEAD:
+            raise ProtocolError(f"set-many entry {index} is cut short (header)")
+        uuid = body[at : at + 16]
+        klen, plen, vlen = unpack(body, at + 16)
+        at += 16 + head
+        if end - at < klen + plen + vlen:
+            raise ProtocolError(f"set-many entry {index} is cut short (its lengths say"
+                                f" {klen + plen + vlen} bytes, {end - at} are left)")
+        try:
+            key = validate_key(body[at : at + klen], reserved_ok=False)
+            at += klen
+            props = decode_properties(body[at : at + plen]) if plen else ()
+            at += plen
+        except ProtocolError as exc:
+            raise type(exc)(f"set-many entry {index}: {exc}") from None
+        if any(name == CALLER_PROPERTY for name, _ in props):
+            raise ProtocolError(f"set-many entry {index}: caller= belongs on the call")
+        entries.append(Call(OP_SET, uuid, key, props, body[at : at + vlen]))
+        at += vlen
+    return tuple(entries)
+
+
 def encode_call(
     op: str, uuid: bytes, key: str = "", properties: Properties = (), body: bytes = b""
 ) -> list[bytes]:
@@ -363,6 +473,10 @@ def decode_call(frames: Sequence[bytes]) -> Call:
                 f"value of {len(body)} bytes for key {key[:80]!r} is over the "
                 f"{MAX_VALUE_BYTES}-byte limit"
             )
+    elif op == OP_SET_MANY:
+        if frames[3]:
+            raise ProtocolError(f"CALL? {op} takes no key (each entry has its own)")
+        return Call(op, uuid, "", props, body, decode_set_many(body))
     elif op in CONFLICT_OPS:
         if body:
             raise ProtocolError(f"CALL? {op} takes no body")
@@ -420,6 +534,12 @@ def acl_refusal(
     (the caller's write list is not empty): a lease is worth nothing to a
     client that can write no key to bind to it.
     """
+    if call.op == OP_SET_MANY:
+        # Key by key: one entry the caller may not write refuses the batch.
+        for index, entry in enumerate(call.entries):
+            if not can_write(entry.key.encode("utf-8")):
+                return f"the ACL does not let you write {entry.key!r} (set-many entry {index})"
+        return None
     key = acl_key(call)
     if key is not None:
         if can_write(key.encode("utf-8")):
@@ -455,6 +575,14 @@ def check_call(call: Call) -> tuple[str, str] | None:
             return ("reserved", f"keys under {LEASE_PREFIX} are the server's leases")
         return None
     if call.op == OP_AHEAD:
+        return None
+    if call.op == OP_SET_MANY:
+        # The call's own properties: only a relay's caller= (checked above).
+        # Each entry is judged as its own set when it is run.
+        for name, _ in call.properties:
+            if name != CALLER_PROPERTY:
+                return ("malformed", f"a set-many call takes no {name[:40]!r} property: each"
+                        " entry carries its own")
         return None
     if call.op == OP_LEASE_KEEPALIVES:
         if _KEEPALIVES_RE.fullmatch(call.body) is None:
@@ -506,6 +634,15 @@ def encode_reply(reply: Reply) -> list[bytes]:
     if reply.ahead is not None:
         props.append((_AHEAD_PROPERTY, str(reply.ahead)))
     frames = [REPLY, reply.uuid, reply.sequence.to_bytes(8, "big")]
+    if reply.sequences is not None:
+        # A set-many's reply: each entry's sequence (8 bytes, 0: not applied),
+        # then a line "<index> <reason> <detail>" per entry not applied, in a
+        # fifth frame (only a caller of set-many ever gets one).
+        props.append((_ENTRIES_PROPERTY, str(len(reply.sequences))))
+        seqs = struct.pack(f">{len(reply.sequences)}Q", *reply.sequences)
+        lines = "".join(f"{index} {why} {_detail(detail)}\n"
+                        for index, why, detail in reply.failures).encode()
+        return [*frames, encode_properties(tuple(props)), seqs + lines]
     if reply.kept is None:
         return [*frames, encode_properties(tuple(props))]
     # A batched keepalive's reply: the leases not kept, one line each, in a
@@ -560,7 +697,15 @@ def decode_reply(frames: Sequence[bytes]) -> Reply:
             ttl = parse_lease_ttl(props[TTL_PROPERTY])
         except ValueError as exc:
             raise ProtocolError(f"REPLY {exc}") from None
-    kept, gone = _batch_answer(props.get(_KEPT_PROPERTY), frames[4] if len(frames) == 5 else None)
+    fifth = frames[4] if len(frames) == 5 else None
+    sequences: tuple[int, ...] | None = None
+    failures: tuple[tuple[int, str, str], ...] = ()
+    if _ENTRIES_PROPERTY in props:
+        if fifth is None or _KEPT_PROPERTY in props:
+            raise ProtocolError("a REPLY with entries= has a fifth frame, and no kept=")
+        sequences, failures = _set_many_answer(props[_ENTRIES_PROPERTY], bytes(fifth))
+        fifth = None
+    kept, gone = _batch_answer(props.get(_KEPT_PROPERTY), fifth)
     return Reply(
         uuid,
         status,
@@ -574,7 +719,33 @@ def decode_reply(frames: Sequence[bytes]) -> Reply:
         ahead=ahead,
         kept=kept,
         gone=gone,
+        sequences=sequences,
+        failures=failures,
     )
+
+
+def _set_many_answer(
+    count_text: str, raw: bytes
+) -> tuple[tuple[int, ...], tuple[tuple[int, str, str], ...]]:
+    """A set-many reply's ``entries=`` and fifth frame: the sequences, then
+    the lines of the entries not applied."""
+    if _UINT_RE.fullmatch(count_text) is None or int(count_text) > MAX_SET_MANY_ENTRIES:
+        raise ProtocolError(f"REPLY entries {count_text[:40]!r} is not a set-many's count")
+    count = int(count_text)
+    if len(raw) < 8 * count:
+        raise ProtocolError(f"a set-many REPLY has {len(raw)} bytes for {count} sequences")
+    sequences = struct.unpack_from(f">{count}Q", raw)
+    rest = raw[8 * count :]
+    if _FAILURE_RE.fullmatch(rest) is None:
+        raise ProtocolError("a set-many REPLY's failures are not '<index> <reason> <detail>'"
+                            " lines")
+    failures: list[tuple[int, str, str]] = []
+    for line in rest.decode("utf-8", "replace").split("\n")[:-1]:
+        index, why, detail = line.split(" ", 2)
+        if int(index) >= count:
+            raise ProtocolError(f"a set-many REPLY names entry {index} of {count}")
+        failures.append((int(index), why, detail))
+    return sequences, tuple(failures)
 
 
 def _batch_answer(

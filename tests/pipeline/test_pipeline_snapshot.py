@@ -138,3 +138,28 @@ def test_a_large_snapshot_arrives_in_kvbatches_whole(
     assert {k: (m.body, m.sequence, m.properties) for k, m in snap.entries.items()} == held
     assert dict(snap.entries["/big/00007"].properties)["ttl"] == "3600"
     assert sum(batches) == 20_000 and len(batches) >= 5, batches
+
+
+def test_heartbeats_do_not_keep_a_snapshot_that_stopped_coming_alive() -> None:
+    """A server that sends HUGZ but no more of the snapshot (one that aborted
+    the stream of a requester it took for stalled) is given up after the
+    timeout; its HUGZ prove it is alive, not that the snapshot is coming."""
+    with FakeServer() as fake:
+        fake.publish("/s/a", b"1")
+        fake.answer_snapshots = False
+        failed: list[BaseException] = []
+
+        def export() -> None:
+            try:
+                take_snapshot([fake.endpoint], "/s/", timeout=0.5)
+            except BaseException as exc:
+                failed.append(exc)
+
+        reader = threading.Thread(target=export, daemon=True)
+        started = time.monotonic()
+        reader.start()
+        reader.join(60)  # a ceiling only: it gives up after 0.5 s of no snapshot
+        assert not reader.is_alive(), "the snapshot reader still waits, fed by HUGZ"
+        assert time.monotonic() - started < 60
+    assert len(failed) == 1 and isinstance(failed[0], ServersUnreachable)
+    assert "delivered a snapshot" in str(failed[0])

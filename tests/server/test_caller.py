@@ -147,3 +147,22 @@ def test_a_relays_caller_forwards_every_call_with_its_principal(rig: _Rig) -> No
     assert forwarded == frames and user is None  # no CURVE: no name
     assert who.startswith("addr:127.0.0.1")
     assert identity and rig.core.store.sequence == 0 and not rig.turns
+
+
+def test_a_set_many_is_confirmed_after_the_commit_and_its_refused_entries_logged(
+    rig: _Rig, caplog: pytest.LogCaptureFixture
+) -> None:
+    from clone.wire.calls import OP_SET_MANY, encode_set_many
+
+    caller = rig.caller()
+    body = encode_set_many([(bytes(range(1, 17)), b"/a", b"", b"1"),
+                            (bytes(range(2, 18)), b"/_clone/lease/" + b"ab" * 16, b"", b"x"),
+                            (bytes(range(3, 19)), b"/b", b"", b"2")])  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="test.caller"):
+        rig.call(caller, encode_call(OP_SET_MANY, UUID, "", (), body))
+    assert caller.waiting == 1 and rig.reply(timeout_ms=100) is None  # held for the commit
+    assert "refused 1 of the 3 entries of a set-many" in caplog.text and "reserved" in caplog.text
+    rig.turns.pop()()
+    reply = rig.reply()
+    assert reply is not None and reply.ok and reply.sequences == (1, 0, 2)
+    assert [(i, why) for i, why, _ in reply.failures] == [(1, "reserved")]
