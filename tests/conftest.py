@@ -17,7 +17,7 @@ from tests.support import bytecode
 
 # Before any module of ours is imported and any process started: with
 # PYTHONDONTWRITEBYTECODE set, a bytecode cache outside the checkout instead of
-# none (tests/support/bytecode.py; issue 24, the suite's time).
+# none (tests/support/bytecode.py; the suite's time on a loaded machine).
 bytecode.enable()
 
 pytest_plugins = [
@@ -27,11 +27,11 @@ pytest_plugins = [
     # What a user of the library enables: clone_server and fake_clone.
     "clone.testing.pytest_plugin",
     # --- markers: slow/spark given by code, the quick set's no-process guard,
-    # timeouts per marker (issue 24; see tests/support/markers.py) ---
+    # timeouts per marker (see tests/support/markers.py) ---
     "tests.support.markers",
 ]
 
-# --- hypothesis on a busy machine (issue 24): no per-example deadline and no
+# --- hypothesis on a busy machine: no per-example deadline and no
 # "input generation is slow" health check; a loaded machine made both fail
 # tests whose properties held (tests/wire/test_status.py::test_round_trip).
 # A test's own @settings still wins for what it sets. ---

@@ -63,3 +63,40 @@ def test_every_module_has_its_line() -> None:
 def test_every_line_names_a_module_that_exists() -> None:
     stale = sorted(path for path in documented() if not (ROOT / path.rstrip("/")).exists())
     assert not stale, "docs/architecture.md's tree names what is gone: " + ", ".join(stale)
+
+
+# "issue 27" means nothing to a reader without the tracker, and the tracker's
+# numbers outlive their meaning: code and docs say what they refer to in
+# words.  Another project's bug is cited as owner/name#N (zeromq/libzmq#3937).
+_ISSUE_NUMBER = re.compile(r"\bissues? #?\d", re.IGNORECASE)
+NO_ISSUE_NUMBERS = ("clone", "bstar", "scripts", "docs")
+
+
+def _texts() -> list[Path]:
+    files = [ROOT / "README.md"]
+    for top in NO_ISSUE_NUMBERS:
+        files += [
+            p for p in (ROOT / top).rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts
+            and p.suffix not in (".pyc", ".png", ".jpg", ".ico", ".gz", ".db")
+        ]
+    return files
+
+
+def test_no_issue_numbers_in_code_or_docs() -> None:
+    found = []
+    for path in _texts():
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:
+            continue
+        for n, line in enumerate(text.splitlines(), 1):
+            if _ISSUE_NUMBER.search(line):
+                found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:80]}")
+    assert not found, "issue numbers (say in words what they refer to):\n" + "\n".join(found)
+
+
+def test_the_issue_number_check_sees_them() -> None:
+    assert _ISSUE_NUMBER.search("fixed in issue 27's second round")
+    assert _ISSUE_NUMBER.search("(Issue 26, the byte bounds)")
+    assert not _ISSUE_NUMBER.search("zeromq/libzmq#3937, an issue 'tis")

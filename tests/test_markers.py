@@ -78,7 +78,7 @@ def test_the_files_the_issue_names_are_slow_where_they_start_servers(
     collected: list[pytest.Item],
 ) -> None:
     """test_backup, test_relay_e2e, test_history_e2e and test_request_storm
-    started servers without the marker (issue 24)."""
+    started servers without the marker."""
     for name in ("test_backup.py", "test_relay_e2e.py", "test_history_e2e.py",
                  "test_request_storm.py"):
         serving = [

@@ -1,7 +1,9 @@
 """The client: the ``Clone`` frontend, its agent thread, and the ``clone`` command.
 
-Holds the frontend that application threads call (:mod:`.frontend`), the agent
-thread that owns the sockets (:mod:`.agent`), the agent's sans-IO state machine
+Holds the frontend that application threads call (:mod:`.frontend`: the
+writes and calls, over the reads of :mod:`.reads` and the threads and
+lifecycle of :mod:`.handle`), the agent thread that owns the sockets
+(:mod:`.agent`), the agent's sans-IO state machine
 (:mod:`.fsm`: its inputs and table, over :mod:`.state`, with the rules of a sync
 in :mod:`.sync`, of failing over in :mod:`.failover`, of writes in
 :mod:`.writes` and of calls and lease keepalives in :mod:`.calls`), the

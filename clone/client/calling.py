@@ -42,7 +42,7 @@ from clone.wire.codec import KVMsg, Properties, new_uuid
 from clone.wire.protocol import TTL_PROPERTY
 
 if TYPE_CHECKING:
-    from clone.client.frontend import Clone
+    from clone.client.handle import ClientHandle
 
 __all__ = ["Caller"]
 
@@ -57,7 +57,7 @@ CLOSE_REVOKE_S = 2.0
 class Caller:
     """Calls and leases for one client (its pipe, waiters and lease table)."""
 
-    def __init__(self, client: Clone) -> None:
+    def __init__(self, client: ClientHandle) -> None:
         self._client = client
 
     def grant(

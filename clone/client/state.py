@@ -170,7 +170,7 @@ class AgentState:
         # again at once (clone.client.calls).
         self._calls: dict[bytes, _PendingCall] = {}
         self._leases: dict[str, _KeptLease] = {}
-        # Whether the servers take lease-keepalives (issue 27); False from the
+        # Whether the servers take lease-keepalives (batched keepalives); False from the
         # first refusal of one (an older server or relay): one call per lease.
         self._batch_keepalives = True
         self._call_route: tuple[int | None, int] = (None, 0)

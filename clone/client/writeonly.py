@@ -2,8 +2,8 @@
 
 How this works: :class:`Clone` keeps a replica of its subtree, so it asks the
 active server for a snapshot before it writes; with a million keys and eight
-Spark partitions that is eight copies of the store, the pressure issue 29
-describes.  :class:`WriteOnlyClone` keeps nothing.  It subscribes to the
+Spark partitions that is eight copies of the store, the pressure a
+million-row load puts on the servers.  :class:`WriteOnlyClone` keeps nothing.  It subscribes to the
 servers' HUGZ only (the active server sends them; no update reaches it) and
 sends each write as a ``set`` CALL? on a DEALER to the active server's
 snapshot port; the REPLY, sent after the update is committed, confirms it

@@ -126,7 +126,7 @@ def _text(value: bytes | str | None) -> str | None:
 def read_data_dir_span(path: str) -> HistorySpan:
     """What a data directory holds, from its bounds alone (two indexed reads,
     no update or key read): the audit decides from this whether a state can be
-    rebuilt before it reads anything in bulk (issue 29)."""
+    rebuilt before it reads anything in bulk (at a million rows)."""
     from clone.storage.schema import DATA_FILE, connect_readonly, read_position, verify
 
     db = Path(path)

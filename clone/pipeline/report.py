@@ -245,7 +245,7 @@ def render_plot(data: ReportData, path: str) -> None:
             left.scatter(offsets, values, s=12, alpha=0.6, color="tab:blue", zorder=3)
         # p50/p99 in each scenario's axis label, one line each, and p99 as a
         # marker on its box: text placed next to the boxes overlapped the
-        # neighbour's box and label (issue 29).
+        # neighbour's box and label (at a million rows).
         by_name = {str(p["scenario"]): p for p in data.percentiles}
         labels = []
         for i, s in enumerate(scenarios, start=1):

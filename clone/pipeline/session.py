@@ -88,7 +88,7 @@ logger.tsm.level = error
 """
 # Without -v: a task's failure reaches Python as an exception, which the CLI
 # turns into one line; the executor's own ERROR line with the Java trace
-# would only repeat it at length (issue 29).
+# would only repeat it at length.
 _QUIET_TASKS = """\
 logger.executor.name = org.apache.spark.executor.Executor
 logger.executor.level = off

@@ -85,7 +85,7 @@ _SNAPSHOT_RCVHWM = 16
 class SilenceClock:
     """How long a server has been silent: the time since it was last *heard*.
 
-    The rule (issue 29): handling what arrived (a thousand KVBATCHes of a large
+    The rule (from loads of a million rows): handling what arrived (a thousand KVBATCHes of a large
     store) takes our time, not the server's, so it never counts as silence.
     The reader gives up only when :meth:`expired` and a poll that waited
     nothing found nothing waiting; every message read calls :meth:`heard`.

@@ -6,7 +6,7 @@ of the store (no snapshot, whatever the store's size), hears the servers'
 HUGZ only, and sends each row as a ``set`` call that the active server
 answers once the update is committed.  So a partition starts writing as soon
 as it has heard one heartbeat, and a load puts no snapshot pressure on the
-pair (issue 29: eight partitions each copying a 1.1M-key store first).
+pair (at a million rows: eight partitions each copying a 1.1M-key store first).
 
 The partition's one thread keeps up to ``max_in_flight`` writes outstanding;
 their futures (completed by the client's I/O thread) report back on a

@@ -494,7 +494,7 @@ def _exit_now(code: int) -> None:
     Why: by now every socket, the context, the data directory and the threads
     are closed, and what is left (freeing every module's objects) took 0.3 to
     1.7 s on a loaded 2-core machine after ``server stopped`` was logged, so a
-    SIGTERM was not obeyed within a second (issue 26's drill).  The log is
+    SIGTERM was not obeyed within a second (the hostile drill).  The log is
     flushed first; the exit code is the same.
     """
     logging.shutdown()

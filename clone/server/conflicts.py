@@ -10,7 +10,7 @@ the reactor last wrote them to the data directory (``clone.storage.conflicts``).
 An operator lists them (``clone conflicts``) and resolves each once: *applied*
 (the loser's value is written now, as a new update) or *discarded*.
 
-The book is bounded in bytes (``--max-conflict-bytes``, issue 26): a long split
+The book is bounded in bytes (``--max-conflict-bytes``, like every buffer): a long split
 with a busy island must not fill the disk or the memory.  Each record counts
 :func:`record_bytes` (its byte strings plus :data:`RECORD_OVERHEAD`).  Beyond
 the budget the oldest *resolved* records go first -- an operator has already

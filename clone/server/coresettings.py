@@ -104,7 +104,8 @@ class CoreSettings:
     dedup_window: int = 65_536
     pending_max: int = 100_000
     pending_max_age: float = 30.0
-    #: ... and its bytes (keys and values; 0: no byte bound), issue 26.
+    #: ... and its bytes (keys and values; 0: no byte bound): no client
+    #: may take the server's memory.
     pending_max_bytes: int = 64 * 1024 * 1024
     sync_buffer_max: int = 200_000
     expiry_batch: int = 10_000

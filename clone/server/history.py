@@ -33,13 +33,13 @@ a 16-byte uuid) is held here as ``(key, packed)``, the store's own ``bytes``
 object, and turned back into its five frames when read: at 100,000 keys the
 default history holds one update per key, and its own sequence, uuid and
 value objects cost about 200 bytes per key next to the store's packed copy
-(issue 27, the memory per key).  When the key is written again the store
+(the memory per key at fleet scale).  When the key is written again the store
 lets go of the old packed object and the history keeps it alone.
 
 The term each update was written under is kept as runs, ``(first sequence,
 term)`` per change of term, not beside each update: terms change once per
 failover, and a ``(frames, term)`` pair per held update cost 64 bytes each,
-6.4 MB of a full 100,000-update history (issue 27, the memory per key).
+6.4 MB of a full 100,000-update history (the memory per key at fleet scale).
 """
 
 from __future__ import annotations

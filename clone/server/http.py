@@ -23,7 +23,7 @@ fake one); the server's side of that is :mod:`.monitoring`.
   viewer takes its slot when all are taken, and one silent for
   ``--http-idle-timeout`` is closed.
 
-Bounds (issue 26): the HTTP server closes a connection idle, or sending a
+Bounds (no connection may take the loop): the HTTP server closes a connection idle, or sending a
 request's headers or body, for ``--http-idle-timeout`` seconds (tornado's
 ``idle_connection_timeout``, which is also its header timeout, and
 ``body_timeout``), and accepts at most ``--http-max-connections`` at once (by

@@ -337,7 +337,7 @@ class CloneServer:
             out["data_dir_bytes"] = dir_bytes(Path(self.config.data_dir))
         storage = self.durability.storage
         if storage is not None:
-            # Where the durable commit's time goes (docs/benchmarks.md, issue 27).
+            # Where the durable commit's time goes (docs/benchmarks.md, durable writes).
             timing = storage.timing
             out["commits"] = timing.commits
             out["commit_write_us"] = round(timing.write_s * 1e6)

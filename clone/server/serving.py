@@ -266,7 +266,7 @@ class SnapshotPort:
                 # No poll(0) first: a non-blocking receive asks the socket the
                 # same, and pyzmq's poll builds a Poller each time (with the
                 # RCVMORE reads recv_multipart makes, a tenth of the server's
-                # time under a bulk load of calls, issue 29).
+                # time under a bulk load of calls, the Spark pipeline's writers).
                 try:
                     parts = recv_zero_copy(sock, NOBLOCK)
                 except zmq.Again:

@@ -9,7 +9,7 @@ key frame and each value is an :data:`Entry`, a tuple of four ``bytes``
 garbage collector, so a million keys add nothing to a full GC pass (a million
 ``KVMsg`` objects made one take 0.16 s, long enough to delay a heartbeat).
 
-Held packed (issue 27, the memory per key): the map keeps the common entry, no
+Held packed (the memory per key at fleet scale): the map keeps the common entry, no
 properties and a 16-byte uuid, as *one* ``bytes`` of sequence, uuid and body
 (a 100-byte value: 157 bytes, against 72 for the tuple plus 41, 49 and 133 for
 its three objects), and any other entry as its tuple.  Reads hand out the

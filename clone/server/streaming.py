@@ -60,7 +60,7 @@ _WAITING_MAX_AGE = 2.0
 # How long a requester's identity may stay unroutable (EHOSTUNREACH) before its
 # stream is aborted as gone.  With ROUTER_MANDATORY libzmq also says
 # EHOSTUNREACH for a live peer whose pipe it marked inactive when the pipe was
-# full and has not reactivated yet (libzmq issue 2348): a slow reader, not a
+# full and has not reactivated yet (zeromq/libzmq#2348): a slow reader, not a
 # vanished one.  Aborting at once cost such a client its whole snapshot.
 _UNREACHABLE_GRACE = 0.5
 

@@ -5,7 +5,7 @@ runs out, then commits them in one transaction and publishes them.  The budget
 used to bound the receiving only: the commit came on top, and with
 ``--fsync always`` (then a transaction and an fsync per update) a turn of 1,000
 updates held the loop for seconds, so heartbeats went out 10 s late
-(issue 27).  With one commit per turn the commit is shorter, but it still
+(durable writes at fsync latency).  With one commit per turn the commit is shorter, but it still
 grows with the turn's updates and is the slower half on a slow disk.
 
 So the drain's deadline leaves room for the commit: it is the budget divided

@@ -60,7 +60,7 @@ Update = tuple[list[bytes], int, float]
 #: The log is trimmed once ``keep_from`` has moved this far since the last
 #: trim (the first ``keep_from`` after open always trims).  A trim every
 #: commit dirtied the log's first page each time: 5.4 WAL pages per
-#: single-update commit instead of 4.1 (issue 27, docs/benchmarks.md).  The
+#: single-update commit instead of 4.1 (docs/benchmarks.md, durable writes).  The
 #: log then holds up to this many rows more than asked, which a restart's
 #: history drops as it loads (it keeps its newest updates).
 TRIM_EVERY = 1024
@@ -86,7 +86,7 @@ class FsyncPolicy(enum.Enum):
     """How durable a commit is; the trade is commit latency."""
 
     #: synchronous=FULL and one commit per append() call (one reactor turn):
-    #: since issue 27 the same group commit as ``batch``, kept as a name for
+    #: now the same group commit as ``batch``, kept as a name for
     #: the configurations that say it.  Redis's ``appendfsync always`` also
     #: fsyncs once per event loop, not once per command; a commit per update
     #: cost up to 1,000 fsyncs back to back in one turn (a 10 s stall).

@@ -957,7 +957,7 @@ def test_decode_returns_a_report_or_raises_peer_state_error(frames: list[bytes])
     assert len(frames) == 1
 
 
-# -- bounds (issue 23) ------------------------------------------------------------
+# -- bounds -----------------------------------------------------------------------
 
 
 def test_the_epoch_bound_fits_sqlite_and_the_wire() -> None:

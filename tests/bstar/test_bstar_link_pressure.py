@@ -1,6 +1,6 @@
-"""libzmq issue 3937 on the Binary Star link: a stalled reader, a flooding peer, ZMTP heartbeats.
+"""zeromq/libzmq#3937 on the Binary Star link: a stalled reader, a flooding peer, ZMTP heartbeats.
 
-The combination that aborted a backup under a bulk load (issue 29) is a
+The combination that aborted a backup under a bulk load (the Spark pipeline's) is a
 connection with ZMTP heartbeats whose input libzmq stopped because the
 receive pipe was full.  bstar's link sockets take no receive limit, so the
 input never stops; the control run, the same with libzmq's default limit,
@@ -53,7 +53,7 @@ def test_a_stalled_link_under_a_flood_lives() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(
     zmq.zmq_version_info() > (4, 3, 5),
-    reason="libzmq newer than 4.3.5 may have fixed issue 3937 (its PR 4830): the control "
+    reason="libzmq newer than 4.3.5 may have fixed zeromq/libzmq#3937 (its #4830): the control "
     "would not abort",
 )
 def test_the_same_pressure_with_a_bounded_pipe_aborts_in_libzmq() -> None:

@@ -645,7 +645,7 @@ def test_a_peer_claiming_an_epoch_above_the_maximum_is_refused_and_counted(
     ctx: zmq.Context,
     loop: IOLoop,
 ) -> None:
-    """Issue 23: b"3:99999999999999999999" made a primary step down, and its
+    """A hostile peer: b"3:99999999999999999999" made a primary step down, and its
     next election an epoch the wire could not carry.  Refused now, whatever
     the field: epoch, term or sequence."""
     pa, pb = (_endpoint(p) for p in free_ports(2))

@@ -304,7 +304,7 @@ def test_keepalives_without_a_server_wait_for_one() -> None:
     assert len(keepalives(fsm.tick(0.4))) == 1
 
 
-# -- write-only prefixes (issue 23, point 7) -------------------------------------
+# -- write-only prefixes --------------------------------------------------------
 
 
 def _restricted_write() -> tuple[AgentFSM, KVMsg]:
@@ -384,7 +384,7 @@ def test_a_kept_leases_keepalives_carry_its_secret() -> None:
 
 
 # --------------------------------------------------------------------------
-# Batched keepalives (issue 27): one lease-keepalives call for a client's leases
+# Batched keepalives: one lease-keepalives call for a client's leases
 
 LEASES = [f"{n:032x}" for n in range(1, 5)]
 

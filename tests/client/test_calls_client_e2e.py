@@ -185,7 +185,7 @@ def _many_leases(holder: Clone, n: int, ttl: float) -> list:  # list[Lease]
 
 
 def test_many_leases_are_kept_alive_by_batched_keepalives(servers: Servers) -> None:
-    """Issue 27: a client's leases fall into step and one lease-keepalives call
+    """A client's leases fall into step and one lease-keepalives call
     keeps them all alive; none is lost, every key stays."""
     server = servers.standalone()
     with client(server) as holder, client(server) as reader:

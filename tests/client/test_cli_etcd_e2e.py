@@ -1,4 +1,4 @@
-"""The ``clone`` command at etcdctl's level (issue 28), through the real
+"""The ``clone`` command at etcdctl's level, through the real
 command (``python -m clone.client.cli``, as the console script runs it) in
 subprocesses against a real pair: get/set with sequences and bytes, del
 --prefix, leases, elections, flags after the subcommand, errors that name

@@ -1,4 +1,4 @@
-"""The ``clone`` command's parsing and local rules (issue 28), without servers:
+"""The ``clone`` command's parsing and local rules, without servers:
 flags after the subcommand, ``-w json``, usage errors in shell words, exact
 value bytes, lease ownership as ``lease list`` matches it, and a CLI module
 that does not import the client library."""

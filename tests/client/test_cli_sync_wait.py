@@ -1,5 +1,5 @@
 """``clone``'s sync wait: --timeout bounds the wait for an answer, not a snapshot
-that is arriving (a million keys on a busy machine, issue 29)."""
+that is arriving (a million keys on a busy machine)."""
 
 from __future__ import annotations
 

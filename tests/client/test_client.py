@@ -109,7 +109,7 @@ def test_api_misuse_raises_value_or_type_errors(server: FakeServer) -> None:
         with pytest.raises(ValueError):
             c.set("HUGZ", b"v")
         with pytest.raises(ValueError):
-            c.connect("udp://localhost:5556")  # host:port alone is tcp (issue 11)
+            c.connect("udp://localhost:5556")  # host:port alone is tcp
         with pytest.raises(ValueError):
             c.connect("localhost")
         with pytest.raises(TypeError):

@@ -214,7 +214,7 @@ def test_failback_a_client_that_lists_the_passive_first_finds_the_active_at_once
     servers: Servers,
     record_property: Callable[[str, object], None],
 ) -> None:
-    """Issue 11.  After a failover the old primary comes back passive; a new
+    """A rolling restart.  After a failover the old primary comes back passive; a new
     client that lists it first used to wait its whole snapshot timeout (2.5 s
     at the client defaults) before asking the backup.  The backup's HUGZ show
     it is the active one, so the client asks it within one heartbeat (100 ms

@@ -1,4 +1,4 @@
-"""Leases, compare-and-set, locks and elections across real processes (issue 15).
+"""Leases, compare-and-set, locks and elections across real processes.
 
 Each contender is a separate process (``tests/support/coord_worker.py``) with
 its own client, so a test can ``kill -9`` it the way a node dies: nobody says

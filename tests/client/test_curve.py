@@ -1,4 +1,4 @@
-"""The client over CURVE (issue 14): keys, refused keys, refused writes, a
+"""The client over CURVE: keys, refused keys, refused writes, a
 filtered stream, ``clone keygen`` and the CURVE options of the CLI and backup.
 
 ``CurveServer`` is a tiny CHP server in raw pyzmq whose three sockets are CURVE

@@ -1,4 +1,4 @@
-"""Restricted mode and refusal notices in the agent's state machine (issue 14).
+"""Restricted mode and refusal notices in the agent's state machine.
 
 No sockets, a fake clock.  ``FilteredServer`` plays one of our servers for a
 client with limited read rights, as docs/protocol.md ("Security: CURVE, ACLs

@@ -1,4 +1,4 @@
-"""``clone status`` without a server (issue 16): the table, unreachable servers,
+"""``clone status`` without a server: the table, unreachable servers,
 usage errors, and a fake server that answers STATUS? (or garbage)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Write-only ACL prefixes (issue 23, point 7), on a real CURVE server.
+"""Write-only ACL prefixes, on a real CURVE server.
 
 The writer's ACL is ``read = ["/public/"]``, ``write = ["/nodes/"]``: it may
 write keys it may never see.  A confirmed write, a compare-and-set and a lock

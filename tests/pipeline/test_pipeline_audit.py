@@ -216,7 +216,7 @@ def test_audit_reports_rates_from_known_times_and_says_when_they_are_unknown(
     assert code == 0, capsys.readouterr().err
     printed = capsys.readouterr().out
     assert "rates:   from the 8 of 10 updates with a time\n" in printed
-    # Each stage's time, the slowest named (issue 29: the audit's time, and
+    # Each stage's time, the slowest named (the audit's time at a million rows, and
     # the stage that dominates it).
     timing = re.search(r"^time:    ([\d.]+) s; slowest stage (\w+), ([\d.]+) s \((.*)\)$",
                        printed, re.MULTILINE)  # fmt: skip

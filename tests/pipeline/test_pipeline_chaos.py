@@ -1,5 +1,5 @@
 """drill-report on a chaos run: Spark reads the same history.jsonl the chaos
-checker judged and computes the same figures (issue 30)."""
+checker judged and computes the same figures."""
 
 from __future__ import annotations
 

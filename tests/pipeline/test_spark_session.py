@@ -1,5 +1,5 @@
-"""The ``spark`` fixture survives what used to fail every later Spark test
-(issue 24): a JVM that died, and a Py4J call interrupted half-way, as
+"""The ``spark`` fixture survives what used to fail every later Spark test:
+a JVM that died, and a Py4J call interrupted half-way, as
 pytest-timeout's ``signal`` method does to a Spark test that runs too long."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The status page in a real browser (issue 16): headless Chromium through
+"""The status page in a real browser: headless Chromium through
 Selenium against a live pair; the numbers change on the page, without a
 reload, after writes and after a failover.  A screenshot is kept in
 docs/status-page.png (refreshed with CLONE_UPDATE_SCREENSHOT=1).

@@ -1,4 +1,4 @@
-"""CALL?/REPLY and leases on real ``clone-server`` processes (issue 15), asked
+"""CALL?/REPLY and leases on real ``clone-server`` processes, asked
 by a raw DEALER, so these tests hold the server to the wire contract of
 docs/protocol.md whatever the client library does.
 
@@ -195,7 +195,7 @@ def _moved(before: dict[str, object], after: dict[str, object]) -> dict[str, int
 def test_bad_input_gets_its_reason_and_its_counter_and_changes_nothing(
     servers: Servers, ctx: zmq.Context
 ) -> None:
-    """Each bad call of issue 15, sent raw (no client library to refuse it
+    """Each bad call docs/protocol.md lists, sent raw (no client library to refuse it
     first): the reason of docs/protocol.md, exactly one count on its own
     counter, and no change at all -- the sequence stays, /k keeps its value,
     and an expired lease is not brought back by a keepalive."""

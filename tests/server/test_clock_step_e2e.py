@@ -1,5 +1,5 @@
-"""A real server pair whose wall clocks are stepped with libfaketime (issue 23,
-point 4): a step of ±60 s on either server expires no lease early, and a TTL
+"""A real server pair whose wall clocks are stepped with libfaketime: a
+step of ±60 s on either server expires no lease early, and a TTL
 key lives its ttl (at most about a heartbeat more) across a failover and a
 restart.
 

@@ -1,4 +1,4 @@
-"""The byte budget of split-brain conflicts (``--max-conflict-bytes``, issue 26).
+"""The byte budget of split-brain conflicts (``--max-conflict-bytes``).
 
 Pure: a :class:`ConflictBook` with explicit records and budgets; the sizes are
 worked out by hand from :func:`record_bytes` (128 bytes of overhead plus the

@@ -1,4 +1,4 @@
-"""The data directory's size in ``clone status`` and ``/metrics`` (issue 26)."""
+"""The data directory's size in ``clone status`` and ``/metrics``."""
 
 from __future__ import annotations
 

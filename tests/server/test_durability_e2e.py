@@ -1,4 +1,4 @@
-"""Durability end to end (issue 13): real ``clone-server`` pairs on data directories.
+"""Durability end to end: real ``clone-server`` pairs on data directories.
 
 What a data directory must guarantee, with processes killed by SIGKILL:
 
@@ -565,7 +565,7 @@ def test_in_memory_servers_forget_everything_when_both_die(servers: Servers) -> 
 def test_fsync_always_confirms_whole_turns_and_a_kill9_right_after_loses_none(
     servers: Servers,
 ) -> None:
-    """Issue 27: `always` commits a turn's updates in one transaction now.  A
+    """`always` commits a turn's updates in one transaction now.  A
     writer blasts 3,000 KVSETs (so turns hold many updates); a subscriber
     reads the KVPUBs, which confirm them; the moment it has 500 the server
     is killed -9.  On restart every confirmed update is there, and the stats

@@ -263,7 +263,7 @@ def test_held_updates_are_not_tracked_by_the_garbage_collector() -> None:
 
 
 def test_terms_are_runs_and_follow_eviction_and_restarts() -> None:
-    """Issue 27: a term per change, not per update; entry() and written_under()
+    """A term per change, not per update; entry() and written_under()
     read the runs, which shrink as old updates are evicted."""
     h = History(4, 1 << 20)
     terms = [1, 1, 2, 2, 2, 3, 3]
@@ -283,7 +283,7 @@ def test_terms_are_runs_and_follow_eviction_and_restarts() -> None:
 
 
 def test_an_update_the_store_holds_packed_is_shared_and_read_back_as_frames() -> None:
-    """Issue 27: with the store's packed entry, the history holds (key, packed)
+    """With the store's packed entry, the history holds (key, packed)
     and hands out the same five frames as if it had held them."""
     from clone.server.store import Store
     from clone.wire.codec import KVMsg

@@ -1,4 +1,4 @@
-"""The HTTP port's bounds against a real server (issue 26): idle and half-sent
+"""The HTTP port's bounds against a real server: idle and half-sent
 requests are closed, a viewer that does not read loses its slot to one that
 does, and the connection cap refuses beyond it while CHP clients still sync."""
 

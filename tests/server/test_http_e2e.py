@@ -1,4 +1,4 @@
-"""End-to-end ``--http-port`` (issue 16): real ``clone-server`` processes, their
+"""End-to-end ``--http-port``: real ``clone-server`` processes, their
 /metrics parsed with prometheus_client's parser, /healthz and /readyz on both
 servers of a pair, and the status WebSocket.
 

@@ -1,4 +1,4 @@
-"""``lease-keepalives`` (issue 27): many leases kept alive by one call, in the
+"""``lease-keepalives``: many leases kept alive by one call, in the
 server core with explicit times, and its wire form (clone.wire.calls)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Lease ownership and the per-client quota (issue 23, point 1), in the server
+"""Lease ownership and the per-client quota, in the server
 core with explicit times, and the rule itself (clone.server.ownership).
 
 Only the client that took a lease may keep it alive, revoke it or bind keys to

@@ -1,4 +1,4 @@
-"""Lease ownership and the per-client quota on real processes (issue 23, point 1).
+"""Lease ownership and the per-client quota on real processes.
 
 A tenant reads another client's lease id from a key's ``lease=`` property (any
 reader can) and tries to revoke it, keep it alive and bind a key to it:

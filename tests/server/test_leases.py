@@ -1,4 +1,4 @@
-"""Leases and compare-and-set in the server core (issue 15), with explicit times.
+"""Leases and compare-and-set in the server core, with explicit times.
 
 The core is driven by raw CALL? frames; an active core's journal is what would
 be published, and a passive core follows it the way the sockets would.

@@ -1,4 +1,4 @@
-"""Ephemeral keys and leases on the monotonic clock (issue 23, point 4), with
+"""Ephemeral keys and leases on the monotonic clock, with
 the two clocks injected separately: ``wall`` is what ``time.time`` would say,
 ``mono`` what ``time.monotonic`` would.  A step of ``wall`` must change no
 expiry; after a failover a key must live at least its granted time and at most

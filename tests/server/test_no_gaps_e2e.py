@@ -1,4 +1,4 @@
-"""No spurious gaps (issue 23, point 8): every sequence a server announces is
+"""No spurious gaps: every sequence a server announces is
 one its subscribers were sent.
 
 A call's update (a compare-and-set, a lease grant or revoke) is applied in the

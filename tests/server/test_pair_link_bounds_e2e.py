@@ -1,4 +1,4 @@
-"""Hostile input on the Binary Star link of a real server (issue 23, point 6).
+"""Hostile input on the Binary Star link of a real server.
 
 A real primary whose backup is this test: a PUB bound at its peer endpoint
 that announces BACKUP every 50 ms, and a SUB on its own state publisher that

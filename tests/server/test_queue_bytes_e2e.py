@@ -1,4 +1,4 @@
-"""Issue 26, the server's queues bounded in bytes, against real servers with raw
+"""The server's queues bounded in bytes, against real servers with raw
 zmq sockets as the attackers: snapshot requesters that never read, and a writer
 that floods the collector with 512 KB updates.  Each checks the server's memory
 (psutil RSS) against what the same attack took before the bounds, the counters

@@ -1,4 +1,4 @@
-"""Relays over CURVE, and calls through relays, on real processes (issue 17).
+"""Relays over CURVE, and calls through relays, on real processes.
 
 Two sets of keys: ``up`` is the pair's (its certificate, its clients
 directory, which holds the relay's own client key ``relay``, and its ACL);

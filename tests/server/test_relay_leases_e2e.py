@@ -1,4 +1,4 @@
-"""Leases through a relay, end to end (issue 17): a client that knows only the
+"""Leases through a relay, end to end: a client that knows only the
 relay takes a lease, binds a key to it and keeps it alive through the relay's
 forwarded calls, across a kill -9 of the pair's active; its revoke, or its
 death, deletes the key on the pair and on the relay.
@@ -110,7 +110,7 @@ def test_a_killed_lease_holder_behind_a_relay_loses_its_key_within_ttl_and_a_hea
 
 
 def test_batched_keepalives_through_a_relay(servers: Servers) -> None:
-    """Issue 27: a client's lease-keepalives call and its five-frame reply pass
+    """A client's lease-keepalives call and its five-frame reply pass
     the relay (the reply names the leases not kept); every lease stays."""
     primary, backup = servers.pair("--in-memory")
     relay = servers.relay(primary, backup)

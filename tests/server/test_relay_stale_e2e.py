@@ -1,4 +1,4 @@
-"""A relay that lost the pair refuses nothing silently (issue 17).
+"""A relay that lost the pair refuses nothing silently.
 
 A client that knows only the relay gets, while the relay is stale, a prompt
 :class:`~clone.errors.WriteRefused` (reason ``stale``) for a confirmed write

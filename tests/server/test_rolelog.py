@@ -1,4 +1,4 @@
-"""The failover history in the data directory (issue 28): kept across a
+"""The failover history in the data directory: kept across a
 restart, garbage ignored, never fatal."""
 
 from __future__ import annotations

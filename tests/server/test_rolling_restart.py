@@ -1,4 +1,4 @@
-"""A rolling restart must never revert a confirmed write (issue 11).
+"""A rolling restart must never revert a confirmed write.
 
 The steps of an ordinary rolling upgrade, with real ``clone-server`` processes:
 a writer keeps overwriting a few keys with confirmed writes; the passive server

@@ -1,4 +1,4 @@
-"""End-to-end security (issue 14): real ``clone-server`` processes with CURVE,
+"""End-to-end security: real ``clone-server`` processes with CURVE,
 a clients directory and an ACL, real :class:`clone.Clone` clients, and raw
 pyzmq sockets where a test must see the frames themselves.
 

@@ -1,5 +1,5 @@
 """clone-server's endpoint flags take both spellings, and a server that cannot
-start exits 3 (issue 28)."""
+start exits 3."""
 
 from __future__ import annotations
 

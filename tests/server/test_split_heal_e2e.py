@@ -1,4 +1,4 @@
-"""A split brain of 100,000 writes heals in bounded steps (issue 23, point 5).
+"""A split brain of 100,000 writes heals in bounded steps.
 
 Real processes: a durable pair with the server default heartbeat (250 ms),
 whose Binary Star link (and only that) runs through a :class:`CuttableLink` on
@@ -303,7 +303,7 @@ def test_sigterm_stops_a_server_within_1s_in_the_middle_of_a_heal(
 ) -> None:
     """``sending``: the loser is delivering its writes to the winner;
     ``applying``: voted active again, it is applying them itself (the state
-    in which issue 23 saw SIGTERM ignored for more than 50 s)."""
+    in which a server was once seen to leave SIGTERM ignored for more than 50 s)."""
     pair, offset = _split_with_backlog(servers)
     try:
         primary = pair.primary

@@ -1,4 +1,4 @@
-"""The status object and the STATUS? rate limit (issue 16): pure, explicit values."""
+"""The status object and the STATUS? rate limit: pure, explicit values."""
 
 from __future__ import annotations
 

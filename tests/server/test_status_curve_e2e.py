@@ -1,4 +1,4 @@
-"""STATUS? under CURVE (issue 16): an admitted client gets the status, with
+"""STATUS? under CURVE: an admitted client gets the status, with
 ``curve: true``, even a reader with no rights beyond /public/; a key the pair
 does not know gets no answer."""
 

@@ -1,4 +1,4 @@
-"""End-to-end STATUS? (issue 16): real ``clone-server`` processes asked by
+"""End-to-end STATUS?: real ``clone-server`` processes asked by
 ``clone status`` and by a raw DEALER.
 
 Heartbeats are 100 ms (``tests.support.servers``).  Every wait has a deadline;

@@ -3,7 +3,7 @@
 The WAL checkpointer's TRUNCATE holds the database's writer lock while it
 copies, syncs and waits for readers; on a slow disk that once outlasted the
 reactor's 2 s busy timeout, the commit failed with SQLITE_BUSY and the server
-fail-stopped (issue 26).  Here another connection holds the lock for as long as
+fail-stopped.  Here another connection holds the lock for as long as
 the test decides -- past that 2 s, until the server has logged that it waits --
 so the contention is deterministic.  The write then lands, is confirmed, and
 the server has counted no storage error.

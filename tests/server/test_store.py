@@ -177,7 +177,7 @@ def _entry(seq: int, uuid: bytes = U1, props: bytes = b"", body: bytes = b"v") -
 
 
 def test_entries_read_back_the_same_whether_held_packed_or_not() -> None:
-    """Issue 27: entries without properties and with a 16-byte uuid are held as
+    """Entries without properties and with a 16-byte uuid are held as
     one bytes; every read hands out the same Entry as the tuple form would."""
     plain = _entry(1, body=b"x" * 100)
     with_props = _entry(2, props=b"a=1\n")

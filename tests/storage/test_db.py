@@ -169,7 +169,7 @@ def test_a_number_too_large_for_sqlite_is_a_storage_error(
         data_dir: Path, open_storage: OpenStorage, term: int) -> None:
     """sqlite3 raises OverflowError, not one of its errors, for such an int: the
     server's commit path catches StorageError, so it must arrive as one
-    (issue 23: a write stayed in memory only, and the loop took the error)."""
+    (once a write stayed in memory only, and the loop took the error)."""
     storage = open_storage(data_dir)
     storage.append([upd(b"a", 1)], term=1, at=0.0)
     with pytest.raises(StorageError, match="appending to") as failed:
@@ -185,7 +185,7 @@ def test_a_number_too_large_for_sqlite_is_a_storage_error(
 def test_a_group_is_one_commit_under_every_policy(
     data_dir: Path, open_storage: OpenStorage, policy: FsyncPolicy
 ) -> None:
-    """Issue 27: `always` used to commit (and fsync) each update of a turn on its
+    """`always` used to commit (and fsync) each update of a turn on its
     own, up to 1,000 back to back; now a group is one transaction for every
     policy, and its timing is counted once."""
     s = open_storage(data_dir, fsync=policy)
@@ -203,7 +203,7 @@ def test_a_group_is_one_commit_under_every_policy(
 def test_the_log_is_trimmed_once_keep_from_moved_trim_every(
     data_dir: Path, open_storage: OpenStorage
 ) -> None:
-    """Issue 27: a trim every commit dirtied the log's first page each time
+    """A trim every commit dirtied the log's first page each time
     (5.4 WAL pages per single-update commit instead of 4.1); the log is now
     trimmed when keep_from has moved TRIM_EVERY since the last trim."""
     from clone.storage.db import TRIM_EVERY

@@ -1,4 +1,4 @@
-"""A worker process for the coordination tests (issue 15): a real client in its
+"""A worker process for the coordination tests: a real client in its
 own process, so a test can ``kill -9`` it and watch the servers clean up.
 
     python -m tests.support.coord_worker MODE ENDPOINTS ARGS...

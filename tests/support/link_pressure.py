@@ -1,4 +1,4 @@
-"""A Binary Star link socket under the pressure of libzmq issue 3937, in a process of its own.
+"""A Binary Star link socket under the pressure of zeromq/libzmq#3937, in a process of its own.
 
     python -m tests.support.link_pressure --seconds 5 [--rcvhwm N]
 

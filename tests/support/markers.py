@@ -36,7 +36,7 @@ tests/conftest.py registers this module as a plugin.  It does three things:
    the next Spark test starts a new session: one test fails, not thirty.
    Not the ``thread`` method: it ends the whole worker process, and xdist
    3.8's ``loadgroup`` scheduler then hangs the run for good once it replaces
-   the worker (pytest-xdist issues 1323, 1327 and 1378: the crashed worker's
+   the worker (pytest-dev/pytest-xdist#1323, #1327 and #1378: the crashed worker's
    finished work goes back on the queue).  A CI run under load did exactly
    that: a Spark test ran out of time, the worker was replaced, and the run
    sat idle until it was stopped.  (pytest-timeout's ``timeout_func_only``

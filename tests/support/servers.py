@@ -106,7 +106,7 @@ _T = TypeVar("_T")
 DEFAULT_HEARTBEAT_MS = 100
 #: The default ceiling of every wait here (a log line, serving, stats): it only
 #: bounds a hang.  On a machine kept busy, a server took 10 s from exec to its
-#: first log line (issue 24's load check); an idle one takes well under 1 s.
+#: first log line (the load check); an idle one takes well under 1 s.
 WAIT = 60.0
 
 
@@ -438,7 +438,7 @@ def answers_icanhaz(
         ctx.term()
 
 
-# -- durability helpers (issue 13) ---------------------------------------------
+# -- durability helpers ------------------------------------------------------
 
 
 def read_stats(server: ServerProcess, timeout: float = WAIT) -> dict[str, object]:

@@ -5,7 +5,7 @@ forwards to the peer's real Binary Star port; :meth:`CuttableLink.cut` closes
 every connection through it and refuses new ones (accepted and closed at once)
 until :meth:`CuttableLink.heal`.  That partitions the Binary Star link of a
 pair on loopback, without root, network namespaces or iptables, while clients
-still reach both servers (the split of issue 23, point 5).
+still reach both servers (the split whose heal must not stall).
 
 Usage::
 

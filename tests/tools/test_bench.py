@@ -177,7 +177,7 @@ def test_snapshot_and_memory_sections_through_the_cli(
     assert snap["hugz_max_gap_s"] is not None and snap["hugz_max_gap_s"] > 0
     mem = results["sections"]["memory"]
     assert mem["keys"] == 2000 and mem["rss_empty"] > 0 and mem["rss_loaded"] > 0
-    # In memory and durable, each with its bytes over key+value (issue 27).
+    # In memory and durable, each with its bytes over key+value.
     assert [(r["mode"], r["keys"]) for r in mem["runs"]] == [
         ("in-memory", 2000), ("fsync-batch", 2000)]
     for r in mem["runs"]:

@@ -1,4 +1,4 @@
-"""The chaos checker on histories made by hand and by a sequential model (issue 30).
+"""The chaos checker on histories made by hand and by a sequential model.
 
 Known-bad histories (a lost write, a revert, a non-linearizable compare-and-set,
 a stale fenced token, a watcher's gap, a late lease) must each be caught by the

@@ -1,4 +1,4 @@
-"""A short real chaos run (issue 30): a server pair, recording clients, seeded
+"""A short real chaos run: a server pair, recording clients, seeded
 faults; every check passes, the output files exist, and the checker run again
 on the saved history gives the same verdict.
 
@@ -19,7 +19,7 @@ from clone.tools.chaos.checker import CHECKS
 from clone.tools.drill import cli
 
 SEED = 1  # as root: kill-both, a clock step, partition-all (plan.json)
-DURATION = 60  # seconds of faults and traffic, as issue 30 asks
+DURATION = 60  # seconds of faults and traffic, as docs/drills.md asks
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""The hostile scenario's harness (issue 26): the verdict as a pure function, and
+"""The hostile scenario's harness: the verdict as a pure function, and
 two cheap attacks run for real against a pair."""
 
 from __future__ import annotations

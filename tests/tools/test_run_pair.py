@@ -246,7 +246,7 @@ def test_the_supervisor_restores_the_signal_handlers() -> None:
     assert {sig: signal.getsignal(sig) for sig in before} == before
 
 
-# -- issue 28: --http-port for both, and a server that cannot start -----------------
+# -- --http-port for both, and a server that cannot start -----------------
 
 
 def test_http_port_gives_the_backup_the_next_port() -> None:

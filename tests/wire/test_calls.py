@@ -1,4 +1,4 @@
-"""CALL? / REPLY (issue 15): frames, round trips, checks, and total decoders."""
+"""CALL? / REPLY: frames, round trips, checks, and total decoders."""
 
 from __future__ import annotations
 

@@ -331,7 +331,7 @@ def test_properties_decoder_is_total(raw: bytes) -> None:
 
 
 # --------------------------------------------------------------------------
-# Issue 14: KTHXBAI properties (the view of a restricted requester), NUL keys
+# Security: KTHXBAI properties (the view of a restricted requester), NUL keys
 
 
 def test_kthxbai_without_properties_is_byte_identical() -> None:

@@ -1,4 +1,4 @@
-"""Control messages (issue 14): view heartbeats and refusal notices, byte-exact
+"""Control messages: view heartbeats and refusal notices, byte-exact
 frames from docs/protocol.md, round trips and a total decoder."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""STATUS? / STATUS (issue 16): byte-exact frames, round trips and a total decoder."""
+"""STATUS? / STATUS: byte-exact frames, round trips and a total decoder."""
 
 from __future__ import annotations
 

@@ -636,7 +636,7 @@ def _lease_label(leases: int, kept: bool, elsewhere: bool, batched: bool = False
 
 def _lease_cases(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, Any]:
     """0 leases, then each of ``calls_leases`` kept alive a call per lease (what
-    a client before issue 27 sent) and with batched keepalives (what the agent
+    a client before batched keepalives sent) and with batched keepalives (what the agent
     sends now), the most held idle, the fewest kept alive on another server."""
     cases = [(0, True, False, False)]
     for n in cfg.calls_leases:

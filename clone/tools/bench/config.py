@@ -40,7 +40,7 @@ class BenchConfig:
     snapshot_repeats: int = 3
     snapshot_heartbeat_ms: int = 200
     memory_keys: int = 100_000
-    # Sizes of the memory section (issue 27: 100k and 1M in one run); () = memory_keys alone.
+    # Sizes of the memory section (100k and 1M keys in one run); () = memory_keys alone.
     memory_sizes: tuple[int, ...] = ()
     # A durable server (--fsync batch) measured beside the in-memory one.
     memory_durable: bool = True

@@ -1,6 +1,6 @@
 """The memory section: server RSS per key, in memory and durable, at each size.
 
-Issue 27 asks for the bytes per key *over* key+value (the key's and the
+The fleet-scale measure is the bytes per key *over* key+value (the key's and the
 value's own bytes), at 100k and 1M keys in one run, for a server in memory
 and one with a data directory.  Each (mode, size) gets a fresh standalone
 server; RSS (psutil) before and after loading the keys with raw KVSETs, the

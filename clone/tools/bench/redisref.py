@@ -1,6 +1,6 @@
 """Redis with ``appendfsync always``: the durable reference of the durability section.
 
-Issue 27 asks for the durable server's latency next to Redis's every-write
+The durable-write target puts the durable server's latency next to Redis's every-write
 fsync, measured in the same run on the same disk.  When ``redis-server`` is
 installed (Debian: ``apt-get install redis-server``), each run starts a fresh
 one (``--appendonly yes --appendfsync always``, no RDB snapshots, its AOF in

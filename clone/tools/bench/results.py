@@ -153,7 +153,7 @@ def _security_targets(d: dict[str, Any], add: Any) -> None:
 
 
 def _lease_targets(d: dict[str, Any], add: Any) -> None:
-    """Issue 27: 10,000 leases kept alive by batched keepalives, none wrongly
+    """The fleet-scale targets: 10,000 leases kept alive by batched keepalives, none wrongly
     expired, and plain writes at 80% of their throughput without leases."""
     leases = d.get("leases")
     if not leases:
@@ -179,7 +179,7 @@ def _durability_targets(d: dict[str, Any], add: Any) -> None:
         if ratio is not None:
             add("durability: fsync batch throughput / in-memory", ratio, ">= 0.6", ratio >= 0.6)
         for run in d["throughput"]["runs"]:
-            if run["mode"] == "always":  # issue 27
+            if run["mode"] == "always":  # one commit per turn, as batch
                 add("durability: fsync always msg/s", run["rate_median"], ">= 10000",
                     run["rate_median"] >= 10_000)
     for part in ("throughput", "latency"):

@@ -1,4 +1,5 @@
-"""The attacks of issue 26, each run in a process of its own until SIGTERM.
+"""The attacks on a server's memory, descriptors and loop, each run in a
+process of its own until SIGTERM.
 
 ``python -m clone.tools.hostile.attacks NAME --host H --port P --http-port N
 --scale S`` runs one attack against the server whose CHP base port is P (its

@@ -49,7 +49,8 @@ def format_line(r: AttackResult) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/drill --scenario hostile",
-                                description="Issue 26's attacks against a pair, measured.")
+                                description="Attacks on a pair's memory, descriptors and "
+                                "loop, measured.")
     p.add_argument("--attacks", default=",".join(ALL_ATTACKS),
                    help=f"comma-separated, of: {', '.join(ALL_ATTACKS)} (default all)")
     p.add_argument("--hold", type=float, default=15.0,
