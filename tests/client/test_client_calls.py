@@ -89,8 +89,28 @@ class Desk:
         for key in sorted(self.bound.pop(lease, set())):
             self.server._apply(KVMsg(key))
 
-    def ops(self, op: str) -> list[Call]:
+    def sends(self, op: str) -> list[Call]:
+        """Every ``op`` received, resends included."""
         return [c for c in list(self.server.calls) if c.op == op]
+
+    def ops(self, op: str) -> list[Call]:
+        """The ``op`` calls asked, each once (its first send), in order.
+
+        The client sends a call again, same uuid, every half heartbeat
+        (50 ms here) until it is answered: on a busy machine a reply often
+        comes later than that, so counting sends would count the machine's
+        load, not the calls."""
+        return [c for c in self.asked() if c.op == op]
+
+    def asked(self) -> list[Call]:
+        """Every call asked, each once, in order."""
+        seen: set[bytes] = set()
+        first: list[Call] = []
+        for c in list(self.server.calls):
+            if c.uuid not in seen:
+                seen.add(c.uuid)
+                first.append(c)
+        return first
 
 
 @pytest.fixture
@@ -172,8 +192,10 @@ def test_no_answer_raises_not_active_after_the_timeout(server: FakeServer, clien
 def test_not_active_replies_keep_the_call_until_an_answer(desk: Desk, client: Clone) -> None:
     desk.not_active = 3
     assert client.set("/k", "v", if_sequence=0, timeout=5) > 0
-    calls = desk.ops(OP_SET)
-    assert len(calls) == 4 and len({c.uuid for c in calls}) == 1  # one call, resent
+    # One call, sent again after each of the three not-active answers (and
+    # perhaps also by the resend timer, when an answer is slow to come).
+    calls = desk.sends(OP_SET)
+    assert len(calls) >= 4 and len({c.uuid for c in calls}) == 1
     assert client.status().counters["calls_not_active"] == 3
 
 
@@ -197,17 +219,17 @@ def test_a_lease_keeps_its_keys_and_revoking_deletes_them(desk: Desk, client: Cl
     assert client.status().leases == 1
     # Kept alive every ttl / 3 = 0.2 s, each keepalive a new call: three come
     # (however slowly a busy machine runs), and no more than that pace allows.
+    # Counted by uuid: a keepalive not answered within 50 ms is sent again.
     eventually(lambda: len(desk.ops(OP_LEASE_KEEPALIVE)) >= 3, 30, "three keepalives")
     keepalives = desk.ops(OP_LEASE_KEEPALIVE)
     assert len(keepalives) <= (time.monotonic() - started) / 0.2 + 2, len(keepalives)
-    assert len({c.uuid for c in keepalives}) == len(keepalives)
-    assert all(c.lease == lease.id for c in keepalives)
+    assert all(c.lease == lease.id for c in desk.sends(OP_LEASE_KEEPALIVE))
     lease.revoke()
     assert not lease.alive and not lease.lost and lease.wait_lost(0)
     eventually(lambda: client.get("/nodes/a") is None and client.get("/nodes/b") is None, 5)
     sent = len(desk.ops(OP_LEASE_KEEPALIVE))
     time.sleep(0.5)
-    assert len(desk.ops(OP_LEASE_KEEPALIVE)) == sent  # stopped
+    assert len(desk.ops(OP_LEASE_KEEPALIVE)) == sent  # stopped: no new keepalive
     assert client.status().leases == 0
     lease.revoke()  # again: nothing to do
     assert len(desk.ops(OP_LEASE_REVOKE)) == 1
@@ -253,11 +275,12 @@ def test_unanswered_keepalives_make_a_lease_invalid_before_it_is_lost(
     once no keepalive made within the ttl was answered, ``valid`` is False (and
     a lock on it is no longer held), though nobody said the lease is lost."""
     lease = client.lease(0.6)
-    assert lease.valid
-    time.sleep(0.4)
-    assert lease.valid  # kept alive: every answer pushes valid_until on
+    granted = lease.valid_until
+    # Kept alive: every answer pushes valid_until on (a wait for the answer,
+    # not a sleep: a busy machine may starve the client past the ttl).
+    eventually(lambda: lease.valid and lease.valid_until > granted, 5, "a keepalive answered")
     before = lease.valid_until
-    eventually(lambda: lease.valid_until > before, 3, "a keepalive answered")
+    eventually(lambda: lease.valid_until > before, 3, "another keepalive answered")
     desk.server.on_call = None  # the server stops answering
     assert lease.valid_until <= time.monotonic() + 0.6 + 0.05
     eventually(lambda: not lease.valid, 2, "the lease no longer known valid")
@@ -330,12 +353,12 @@ def test_a_lock_outside_the_acl_asks_for_nothing_but_its_named_grant(
     with pytest.raises(WriteRefused) as info:
         Lock(client, "/forbidden/lock", ttl=1.0).acquire(timeout=2)
     assert info.value.reason == "acl"
-    [grant] = desk.server.calls
+    [grant] = desk.asked()
     assert grant.op == OP_LEASE_GRANT and grant.key.startswith("/forbidden/lock/")
     assert info.value.key == grant.key
     with Lock(client, "/jobs/lock", ttl=1.0) as lock:
         assert lock.held
-    asked = [c for c in desk.server.calls[1:] if c.op != OP_LEASE_KEEPALIVE]
+    asked = [c for c in desk.asked()[1:] if c.op != OP_LEASE_KEEPALIVE]
     grant, contend, revoke = asked
     assert grant.op == OP_LEASE_GRANT and contend.op == OP_SET and revoke.op == OP_LEASE_REVOKE
     assert grant.key == contend.key and grant.key.startswith("/jobs/lock/")

@@ -43,6 +43,7 @@ __all__ = [
     "spark_fixture",
     "shared_session",
     "spark_script",
+    "TEST_CONF",
 ]
 
 log = logging.getLogger(__name__)
@@ -74,13 +75,29 @@ def child_env() -> dict[str, str]:
     return env
 
 
+#: Settings of the tests' session over the pipeline's own defaults
+#: (clone/pipeline/session.py).  The tests' tables have tens to thousands of
+#: rows: two shuffle partitions (one per core) instead of four halve the
+#: near-empty tasks of every shuffle; what a test checks is the result of a
+#: transform, never how many partitions made it.  The driver JVM's JIT stops at
+#: its quick compiler (C1) and collects garbage in one thread: a test run is
+#: many short queries, where the optimising compiler's threads cost more CPU
+#: than they win back, on two cores shared with the servers of the other
+#: worker (issue 24, the suite's time).  ``defaultJavaOptions`` so that the
+#: pipeline's own ``extraJavaOptions`` (the log4j file) stay as they are.
+TEST_CONF: dict[str, str] = {
+    "spark.sql.shuffle.partitions": "2",
+    "spark.driver.defaultJavaOptions": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+}
+
+
 @functools.cache
 def shared_session() -> SparkSession:
-    """Build the session on first use (local[2], quiet, 4 shuffle partitions)."""
+    """Build the session on first use (local[2], quiet, :data:`TEST_CONF`)."""
     warnings.filterwarnings("ignore", category=FutureWarning, module="pyspark.*")
     from clone.pipeline.session import build_session
 
-    return build_session("local[2]", "clone-pipeline-tests")
+    return build_session("local[2]", "clone-pipeline-tests", TEST_CONF)
 
 
 def _jvm() -> subprocess.Popen[bytes] | None:
