@@ -120,7 +120,7 @@ CALL: Final = b"CALL?"
 REPLY: Final = b"REPLY"
 
 OP_SET: Final = "set"
-#: Our extension of the calls (issue 29): many ``set``s in one call and one
+#: Our extension of the calls: many ``set``s in one call and one
 #: reply, for a bulk load whose rows each cost a call's receive and reply
 #: (docs/protocol.md, "Batched sets").  Each entry carries its own uuid and is
 #: judged and applied as its own ``set`` would be.
