@@ -65,6 +65,7 @@ from clone.server.security import Security
 from clone.server.serving import SnapshotPort
 from clone.server.shared import IO_COUNTERS, TURN_BUDGET, Shared
 from clone.server.sockets import ServerSockets
+from clone.server.statsparts import access_stats, ha_stats, storage_stats
 from clone.server.status import StatusLimiter
 from clone.server.streaming import SnapshotStreams
 from clone.server.subscribers import SubscriptionGate, drop_connection_from
@@ -337,32 +338,10 @@ class CloneServer:
             out["data_dir_bytes"] = dir_bytes(Path(self.config.data_dir))
         storage = self.durability.storage
         if storage is not None:
-            # Where the durable commit's time goes (docs/benchmarks.md, durable writes).
-            timing = storage.timing
-            out["commits"] = timing.commits
-            out["commit_write_us"] = round(timing.write_s * 1e6)
-            out["commit_sync_us"] = round(timing.sync_s * 1e6)
-            out["commit_max_us"] = round(timing.max_s * 1e6)
-            # A commit that waited for the checkpointer's lock; TRUNCATEs done / given up.
-            out["commit_busy_waits"] = storage.busy_waits
-            done, busy, longest = storage.wal_truncations()
-            out["wal_truncations"], out["wal_truncations_busy"] = done, busy
-            out["wal_truncate_max_us"] = round(longest * 1e6)
-        out["flood_penalties"] = self.flood_penalty.punished
-        out["flood_penalty_refused"] = self.flood_penalty.refused
-        gatekeeper = self.security.gatekeeper
-        if gatekeeper is not None:
-            out["zap_admitted"] = gatekeeper.admitted
-            out["zap_refused"] = gatekeeper.refused
-        ha = self._ha
-        if ha is not None:
-            out["ha_state"] = ha.state.name.lower()
-            counters = ha.counters
-            out["ha_state_messages_received"] = counters.state_messages_received
-            out["ha_malformed_messages"] = counters.malformed_peer_messages
-            out["ha_out_of_range_messages"] = counters.out_of_range_peer_messages
-            out["ha_handler_errors"] = counters.handler_errors
-            out["ha_subscriber_disconnects"] = counters.subscriber_disconnects
+            out.update(storage_stats(storage))
+        out.update(access_stats(self.flood_penalty, self.security.gatekeeper))
+        if self._ha is not None:
+            out.update(ha_stats(self._ha))
         return out
 
     def log_stats(self, level: int = logging.DEBUG) -> None:
