@@ -26,6 +26,7 @@ and replaced, never trusted.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import re
@@ -116,8 +117,9 @@ class CommitMark:
         try:
             written = os.pwrite(fd, format_mark(sequence, term), 0)
         except OSError as exc:
+            hint = "; free space" if exc.errno == errno.ENOSPC else ""
             raise StorageError(f"cannot write the commit mark {self.path}: {exc.strerror}"
-                               ) from exc
+                               f"{hint}") from exc
         if written != MARK_SIZE:
             raise StorageError(f"cannot write the commit mark {self.path}: {written} of "
                                f"{MARK_SIZE} bytes written (disk full?)")
