@@ -20,6 +20,7 @@ __all__ = [
     "StoreFull",
     "StorageError",
     "DataDirLocked",
+    "DataDirBehind",
     "DataDirCorrupt",
     "DataDirIncompatible",
     "DataDirTooBig",
@@ -129,6 +130,11 @@ class DataDirCorrupt(StorageError):
 class DataDirTooBig(StorageError):
     """The data directory holds more than the store's ``--max-bytes`` budget: loading it
     would break the budget (and, in a memory-limited container, be killed)."""
+
+
+class DataDirBehind(StorageError):
+    """The database holds an older position than the data directory had committed
+    (clone.storage.mark): committed updates are missing, so it is not served."""
 
 
 class DataDirIncompatible(StorageError):

@@ -23,12 +23,17 @@ def temp_path(target: Path) -> Path:
     return target.with_name(target.name + ".tmp")
 
 
-def copy_database(source: Path, target: Path) -> None:
-    """Copy the database ``source`` to ``target`` atomically and durably."""
+def copy_database(source: Path, target: Path, *, live: bool = False) -> None:
+    """Copy the database ``source`` to ``target`` atomically and durably.
+
+    ``live``: this process has ``source`` open (a running Storage), so no
+    descriptor of it may be opened and closed outside SQLite
+    (:func:`~clone.storage.schema.connect_readonly`).
+    """
     tmp = temp_path(target)
     try:
         tmp.unlink(missing_ok=True)
-        src = connect_readonly(source)
+        src = connect_readonly(source, precheck=not live)
         try:
             dst = sqlite3.connect(tmp, isolation_level=None)
             try:

@@ -36,6 +36,8 @@ from clone.storage.checkpointer import Checkpointer
 from clone.storage.copying import copy_database
 from clone.storage.files import fsync_dir
 from clone.storage.lock import DirLock
+from clone.storage.mark import CommitMark
+from clone.storage.mark import check as check_mark
 from clone.storage.migrations import migrate_file
 from clone.storage.schema import (
     DATA_FILE,
@@ -138,6 +140,7 @@ class Storage:
         checkpointer: Checkpointer,
         sequence: int,
         term: int,
+        mark: CommitMark,
     ) -> None:
         self._dir = data_dir
         self._db_path = data_dir / DATA_FILE
@@ -145,6 +148,8 @@ class Storage:
         self._conn: sqlite3.Connection | None = conn
         self._fsync = fsync
         self._checkpointer = checkpointer
+        #: The position last committed, kept outside SQLite (clone.storage.mark).
+        self._mark = mark
         self._sequence = sequence
         self._term = term
         self.timing = CommitTiming()
@@ -175,6 +180,7 @@ class Storage:
         lock = DirLock(path)
         lock.acquire()
         conn: sqlite3.Connection | None = None
+        mark: CommitMark | None = None
         try:
             db_path = path / DATA_FILE
             if not db_path.exists():
@@ -195,18 +201,24 @@ class Storage:
                 # An older format is upgraded here, after a copy is kept beside it;
                 # a newer one is refused (clone.storage.migrations).
                 migrate_file(db_path)
+            # Read before anything below writes: the last position committed.
+            mark = CommitMark.open(path)
             conn = _connect(db_path, fsync)
             sequence, term = read_position(conn, db_path)
+            check_mark(mark.path, db_path, mark.position, sequence, term)
+            mark.write(sequence, term)
         except BaseException:
             if conn is not None:
                 conn.close()
+            if mark is not None:
+                mark.close()
             lock.release()
             raise
         checkpointer = Checkpointer(db_path, checkpoint_interval, truncate_above=_WAL_SIZE_LIMIT)
         checkpointer.start()
         logger.info("opened %s at sequence %d, term %d (fsync=%s)",
                     db_path, sequence, term, fsync.value)
-        return cls(path, lock, conn, fsync, checkpointer, sequence, term)
+        return cls(path, lock, conn, fsync, checkpointer, sequence, term, mark)
 
     def close(self) -> None:
         """Stop the checkpointer, checkpoint the WAL away and release the lock; idempotent."""
@@ -222,6 +234,7 @@ class Storage:
                                "replays the WAL", self._db_path, exc_info=True)
             conn.close()
         finally:
+            self._mark.close()
             self._lock.release()
 
     def __enter__(self) -> Storage:
@@ -363,6 +376,7 @@ class Storage:
             for u, a in zip(updates, ats, strict=True)
         ]
         sequence = log_rows[-1][0]
+        self._lower_mark(sequence, term)
         with self._transaction("appending to") as conn:
             if sets:
                 conn.executemany(f"INSERT OR REPLACE INTO kv ({KV_COLUMNS}) VALUES (?, ?, ?, ?, ?)",
@@ -385,15 +399,16 @@ class Storage:
                 conflicts.write_conflicts(conn, conflict_rows)
             if conflict_drops:
                 conflicts.delete_conflicts(conn, conflict_drops)
-        self._sequence, self._term = sequence, term
+        self._committed(sequence, term)
         if trim:
             self._trimmed_from = keep_from
 
     def set_position(self, sequence: int, term: int) -> None:
         """Record a new sequence and term alone (e.g. a promotion bumps the term)."""
+        self._lower_mark(sequence, term)
         with self._transaction("recording the position in") as conn:
             _set_meta(conn, sequence, term)
-        self._sequence, self._term = sequence, term
+        self._committed(sequence, term)
 
     def record_following(self, following: bool) -> None:
         """Record whether the server now follows its peer (passive) or writes
@@ -424,6 +439,7 @@ class Storage:
 
     def finish_replace(self, sequence: int, term: int) -> None:
         """Swap the staged state in, empty the log and record the position: one commit."""
+        self._lower_mark(sequence, term)
         with self._transaction("finishing a resync in") as conn:
             if not _has_table(conn, "kv_staging"):
                 raise ValueError("finish_replace() without begin_replace()")
@@ -431,7 +447,7 @@ class Storage:
             conn.execute("ALTER TABLE kv_staging RENAME TO kv")
             conn.execute("DELETE FROM log")
             _set_meta(conn, sequence, term)
-        self._sequence, self._term = sequence, term
+        self._committed(sequence, term)
         self._trimmed_from = None
 
     def abort_replace(self) -> None:
@@ -448,7 +464,7 @@ class Storage:
         nor is blocked by :meth:`append`, and may run in another thread.
         """
         self._live()
-        copy_database(self._db_path, Path(target))
+        copy_database(self._db_path, Path(target), live=True)
 
     # -- split-brain conflicts (clone.storage.conflicts) -----------------------
 
@@ -482,6 +498,20 @@ class Storage:
             raise translate(exc, self._db_path, "reading conflicts from") from exc
 
     # -- helpers -------------------------------------------------------------
+
+    def _lower_mark(self, sequence: int, term: int) -> None:
+        """Before a commit that moves the position back (a resync onto the
+        peer's older state, a sequence written again after a failover), move
+        the mark back first: it must never be ahead of the database, or the
+        next open would refuse a database that lost nothing."""
+        marked = self._mark.position
+        if marked is not None and sequence < marked[0]:
+            self._mark.write(sequence, term)
+
+    def _committed(self, sequence: int, term: int) -> None:
+        """The commit of ``(sequence, term)`` returned: record it in memory and in the mark."""
+        self._sequence, self._term = sequence, term
+        self._mark.write(sequence, term)
 
     def _live(self) -> sqlite3.Connection:
         if self._conn is None:

@@ -1,7 +1,8 @@
 """``clone-server --restore FILE``: put a state file into a data directory.
 
-The file is checked before anything changes.  The old database stays
-reachable the whole time: it is hard-linked to ``replaced-<UTC time>.db``
+The file is checked before anything changes, and the old database's commit
+mark (``COMMITTED``) is removed: the restored state may be older, by choice.
+The old database stays reachable the whole time: it is hard-linked to ``replaced-<UTC time>.db``
 (its WAL moved along), and only then is the restored copy renamed over
 ``clone.db``, so a crash at any point leaves a ``clone.db`` -- never none, which
 would start the server empty.
@@ -18,6 +19,7 @@ from clone.errors import StorageError
 from clone.storage.copying import copy_database, temp_path
 from clone.storage.files import fsync_dir, replace_durably
 from clone.storage.lock import DirLock
+from clone.storage.mark import MARK_FILE
 from clone.storage.schema import DATA_FILE
 from clone.storage.statefile import check_state_file
 
@@ -47,6 +49,13 @@ def restore_into(
         if db.exists():
             lock.hold_database(db)  # a server whose LOCK file was deleted still refuses us
         copy_database(source, staged)
+        # The old database's commit mark (clone.storage.mark) would refuse an
+        # older restored state: the operator chose it.  Gone before the swap,
+        # so a crash in between leaves the old database without a mark.
+        mark = directory / MARK_FILE
+        if mark.exists():
+            mark.unlink()
+            fsync_dir(directory)
         aside = _set_aside(db) if db.exists() else None
         replace_durably(staged, db)
         logger.info("restored %s into %s: %d keys, sequence %d, term %d%s",

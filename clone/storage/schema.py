@@ -226,14 +226,23 @@ def read_position(conn: sqlite3.Connection, path: Path) -> tuple[int, int]:
     return sequence, term
 
 
-def connect_readonly(path: Path) -> sqlite3.Connection:
+def connect_readonly(path: Path, *, precheck: bool = True) -> sqlite3.Connection:
     """A connection to ``path`` that never writes to it (a check or a copy).
 
     Not ``mode=ro``: a read-only connection to a WAL-mode file leaves behind the
     ``-wal``/``-shm`` files it had to create; ``query_only`` stops our writes
     while SQLite may still tidy those away on close.
+
+    ``precheck=False`` for a database this process already has open through
+    SQLite (``Storage.backup_to``): :func:`precheck_file` opens and closes the
+    file, and closing any descriptor of a file drops every POSIX lock the
+    process holds on it, SQLite's included.  Without its shared lock, another
+    process's connection closing as "the last one" checkpoints and deletes the
+    ``-wal`` the running server still appends to: every commit after that is
+    lost at the next start (issue 30; ``tests/storage/test_commit_mark.py``).
     """
-    precheck_file(path)
+    if precheck:
+        precheck_file(path)
     try:
         conn = sqlite3.connect(path, isolation_level=None)
     except sqlite3.Error as exc:

@@ -33,6 +33,7 @@ import pytest
 from clone import Clone
 from clone.errors import CloneError
 from clone.storage.db import Storage
+from clone.storage.mark import MARK_FILE, format_mark, parse_mark
 from tests.support.clients import raw_peer, synced_client
 from tests.support.servers import (
     ServerProcess,
@@ -524,6 +525,32 @@ def test_a_data_dir_of_another_version_is_refused(servers: Servers) -> None:
     _refused(server)
     log = server.log_text()[offset:]
     assert "version 999" in log, log[-2000:]
+
+
+def test_a_database_behind_its_commit_mark_is_refused(servers: Servers) -> None:
+    """A data directory whose database lost committed updates (issue 30) is not
+    served: the start exits with both positions named; moving the mark aside
+    (accepting the loss, as the message says) starts it."""
+    server = servers.standalone(name="marked")
+    with synced_client(server, heartbeat=HB) as c:
+        for i in range(5):
+            c.set(f"{PREFIX}{i}", f"v{i}", wait=True, timeout=5.0)
+    _, sequence = _snapshot(server, PREFIX.encode())
+    assert server.terminate() == 0
+    data = servers.data_dir("marked")
+    assert parse_mark((data / MARK_FILE).read_bytes())[0] == sequence  # type: ignore[index]
+    # The database as if its last 3 commits were lost: the mark is ahead of it.
+    (data / MARK_FILE).write_bytes(format_mark(sequence + 3, 1))
+    offset = server.log_size()
+    server.start()
+    _refused(server)
+    log = server.log_text()[offset:]
+    assert f"holds sequence {sequence} " in log and "3 committed" in log, log[-2000:]
+    assert str(data / MARK_FILE) in log
+    (data / MARK_FILE).rename(data / "COMMITTED.aside")
+    server.start()
+    server.wait_serving()
+    assert _snapshot(server, PREFIX.encode())[1] == sequence
 
 
 # -- 6. every fsync policy survives a killed process --------------------------

@@ -88,7 +88,7 @@ def test_restore_with_a_bad_file_changes_nothing(tmp_path: Path,
     with pytest.raises(DataDirLocked):  # the running server's directory is left alone
         restore_into(data, good)
     assert sorted(p.name for p in data.iterdir() if not p.name.startswith(DATA_FILE + "-")) \
-        == sorted([DATA_FILE, "LOCK"])
+        == sorted([DATA_FILE, "LOCK", "COMMITTED"])
 
 
 def test_restore_into_a_new_dir(tmp_path: Path) -> None:

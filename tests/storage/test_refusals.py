@@ -18,12 +18,15 @@ import pytest
 
 from clone.errors import DataDirCorrupt, DataDirIncompatible, DataDirLocked, StorageError
 from clone.storage import DATA_FILE, Storage, write_state_file
+from clone.storage.mark import MARK_FILE
 from tests.storage.conftest import OpenStorage, upd
 
 
 def _assert_unlocked(path: Path) -> None:
-    """The failed open left nothing locked: a good database can take the dir."""
+    """The failed open left nothing locked: a good database can take the dir
+    (a new, empty one: without the old one's commit mark, which would refuse it)."""
     (path / DATA_FILE).unlink()
+    (path / MARK_FILE).unlink(missing_ok=True)
     Storage.open(path, checkpoint_interval=3600).close()
 
 
