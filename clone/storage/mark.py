@@ -7,7 +7,7 @@ it is never ahead of the database: a commit that lowers the position (a resync
 onto a peer's older state) lowers the mark first.  At open the mark is read
 before anything else writes; a database whose sequence is *below* the mark has
 lost committed -- so published, so confirmed -- updates, and the server must
-not serve it as if nothing happened (issue 30: a chaos run's primary reopened
+not serve it as if nothing happened (a chaos run's primary reopened
 five committed updates short after a kill -9 around a full disk, and nothing
 said so).  :func:`check` raises :class:`~clone.errors.DataDirBehind` naming
 both positions and what to do.

@@ -239,7 +239,7 @@ def connect_readonly(path: Path, *, precheck: bool = True) -> sqlite3.Connection
     process holds on it, SQLite's included.  Without its shared lock, another
     process's connection closing as "the last one" checkpoints and deletes the
     ``-wal`` the running server still appends to: every commit after that is
-    lost at the next start (issue 30; ``tests/storage/test_commit_mark.py``).
+    lost at the next start (``tests/storage/test_commit_mark.py``).
     """
     if precheck:
         precheck_file(path)
