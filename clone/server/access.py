@@ -54,10 +54,15 @@ def call_refusal(
 ) -> str | None:
     """Why the ACL refuses this call to ``user``, or None to let it through.
 
-    A call that does not decode, or asks for something malformed, is let
-    through as it is: the active server says precisely what is wrong with
-    it.  The rule is the active server's (:func:`~clone.wire.calls.acl_refusal`):
-    a grant that names a key outside the caller's write prefixes is refused.
+    A call that decodes but asks for something malformed is let through as
+    it is: the active server says precisely what is wrong with it.  A call
+    that does not decode at all, from a restricted writer, is refused: it may
+    be an operation newer than this relay (``set-many`` was one), whose keys
+    the relay cannot judge, and the pair would judge it by the relay's own,
+    wider rights.  (A relay from before this rule lets such a call through:
+    upgrade relays before the pair, docs/protocol.md.)  The rule is the
+    active server's (:func:`~clone.wire.calls.acl_refusal`): a grant that
+    names a key outside the caller's write prefixes is refused.
     """
     if user == PEER_USER or user in write_all:
         return None
@@ -66,8 +71,8 @@ def call_refusal(
     rights = rights_of(user)
     try:
         call = decode_call(frames)
-    except ProtocolError:
-        return None
+    except ProtocolError as exc:
+        return f"a call this relay cannot read is not forwarded for a restricted writer ({exc})"
     if check_call(call) is not None:
         return None
     return acl_refusal(call, rights.can_write, bool(rights.write))

@@ -7,7 +7,7 @@ import pytest
 
 from clone.security import NOTHING, PEER_USER, Rights
 from clone.server.access import NOT_ADMITTED, call_refusal, may_write
-from clone.wire.calls import OP_SET, encode_call
+from clone.wire.calls import OP_LEASE_KEEPALIVE, OP_SET, encode_call
 from clone.wire.codec import new_uuid
 
 _RIGHTS = {
@@ -78,5 +78,19 @@ def test_call_refusal_by_key() -> None:
     assert _why("reader", outside) is not None
 
 
-def test_a_malformed_call_is_let_through_for_the_active_to_judge() -> None:
-    assert _why("worker", [b"CALL?", b"short"]) is None
+def test_a_call_that_does_not_decode_is_refused_for_a_restricted_writer() -> None:
+    """Fail closed: it may be an operation newer than the relay, whose keys
+    the relay cannot judge and the pair would judge by the relay's rights."""
+    why = _why("worker", [b"CALL?", b"short"])
+    assert why is not None and "cannot read" in why
+    unknown = encode_call(OP_SET, new_uuid(), "/jobs/a", (), b"v")
+    unknown[1] = b"set-everything"  # an operation this relay does not know
+    assert _why("worker", unknown) is not None
+    # Full writers and the peer lose nothing by it: the active judges theirs.
+    assert _why("admin", [b"CALL?", b"short"]) is None
+    assert _why(PEER_USER, [b"CALL?", b"short"]) is None
+
+
+def test_a_decoded_but_malformed_call_is_let_through_for_the_active_to_judge() -> None:
+    frames = encode_call(OP_LEASE_KEEPALIVE, new_uuid(), "", (), b"")  # names no lease
+    assert _why("worker", frames) is None
