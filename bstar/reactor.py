@@ -45,7 +45,10 @@ from bstar.report import (
     BinaryStarCounters,
     IoCounts,
     RateLimitedLog,
+    behind_refusal,
+    connection_lost,
     describe_rank,
+    describe_start,
     rank_verdict,
 )
 from bstar.wire import check_wire_rank, decode_state, encode_state
@@ -338,20 +341,7 @@ class BinaryStar:
         self._react(outcome)
         if not outcome.accepted and self._fsm.waits_for_peer and not self._said_behind:
             self._said_behind = True
-            if self._fsm.state is State.PASSIVE:
-                log.warning(
-                    "refusing client votes until our sync from the active peer completes:"
-                    " our data (term %d, sequence %d) is older than what it confirmed"
-                    " (docs/failover.md, 'Cold start and ranks')",
-                    *self._fsm.rank,
-                )
-            else:
-                log.warning(
-                    "refusing client votes until the peer is heard: our data (term %d,"
-                    " sequence %d) was last written while we followed it, so it may hold"
-                    " newer confirmed writes (docs/failover.md, 'Cold start and ranks')",
-                    *self._fsm.rank,
-                )
+            log.warning("%s", behind_refusal(self._fsm.state, self._fsm.rank))
         return outcome.accepted
 
     def set_behind_peer(self, behind: bool) -> None:
@@ -399,19 +389,12 @@ class BinaryStar:
         except Exception:
             self.stop()
             raise
-        log.info(
-            "binary star %s starting: publishing at %s, peer at %s, heartbeat %.3f s x %d%s,"
-            " epoch %d, %s, waiting at least %.3f s for the peer",
-            "primary" if self.primary else "backup",
-            self._local_endpoint,
-            self._peer_endpoint,
-            self.heartbeat,
-            self.missed,
-            ", fast failover on a lost connection" if self._fast_failover else "",
-            self.epoch,
-            "no data rank" if self._rank_source is None else describe_rank(self.rank),
-            max(self.start_wait, self.heartbeat * self.missed),
-        )
+        rank = None if self._rank_source is None else self.rank
+        log.info("%s", describe_start(
+            primary=self.primary, local=self._local_endpoint, peer=self._peer_endpoint,
+            heartbeat=self.heartbeat, missed=self.missed, fast_failover=self._fast_failover,
+            epoch=self.epoch, rank=rank, start_wait=self.start_wait,
+        ))  # fmt: skip
         self._publish()
         self._next_tick = _monotonic() + self.heartbeat
         self._timer = self._loop.call_later(self.heartbeat, self._on_tick)
@@ -537,20 +520,11 @@ class BinaryStar:
         self._fsm.peer_disconnected(now)
         if self._fsm.peer_alive(now):
             # Never heard and still within the start wait: the peer may be booting.
-            log.info(
-                "peer connection lost: %s closed before the peer was heard; waiting for it"
-                " until the start wait ends in %.3f s",
-                self._peer_endpoint,
-                self._fsm.peer_expiry - now,
-            )
+            left = self._fsm.peer_expiry - now
+            log.info("%s", connection_lost(self._peer_endpoint, self.state, left))
             return
         self._fsm.check_expiry(now)  # counted now; the heartbeat must not log it again
-        log.info(
-            "peer connection lost: %s closed; presumed dead; in state %s, %s",
-            self._peer_endpoint,
-            self.state.name,
-            AFTER_EXPIRY[self.state],
-        )
+        log.info("%s", connection_lost(self._peer_endpoint, self.state, None))
 
     def _react(self, outcome: Outcome) -> None:
         """Turn a decision of the state machine into log lines, messages and callbacks."""

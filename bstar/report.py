@@ -20,7 +20,10 @@ __all__ = [
     "BinaryStarCounters",
     "IoCounts",
     "RateLimitedLog",
+    "behind_refusal",
+    "connection_lost",
     "describe_rank",
+    "describe_start",
     "rank_verdict",
 ]
 
@@ -38,6 +41,56 @@ AFTER_EXPIRY = {
 _RANK_TIE_BREAKS = frozenset(
     {TieBreak.RANK, TieBreak.RANK_NEEDS_NEWER, TieBreak.RANK_YIELDS_TO_NEWER}
 )
+
+
+def behind_refusal(state: State, rank: Rank) -> str:
+    """Why client votes are refused while our data may be behind the peer's
+    (logged once per episode): a passive still syncing, or a server restarted
+    from data it wrote while it followed the peer."""
+    term, sequence = rank
+    ours = f"our data (term {term}, sequence {sequence})"
+    why = (
+        f"until our sync from the active peer completes: {ours} is older than what it confirmed"
+        if state is State.PASSIVE
+        else f"until the peer is heard: {ours} was last written while we followed it,"
+        " so it may hold newer confirmed writes"
+    )
+    return f"refusing client votes {why} (docs/failover.md, 'Cold start and ranks')"
+
+
+def connection_lost(peer: str, state: State, wait_left: float | None) -> str:
+    """The line for a lost connection to the peer's publisher: within the start
+    wait (``wait_left`` s of it) the peer may be booting; after it, dead."""
+    if wait_left is not None:
+        return (
+            f"peer connection lost: {peer} closed before the peer was heard; waiting for it"
+            f" until the start wait ends in {wait_left:.3f} s"
+        )
+    return f"peer connection lost: {peer} closed; presumed dead; in state {state.name}, " + (
+        AFTER_EXPIRY[state]
+    )
+
+
+def describe_start(
+    *,
+    primary: bool,
+    local: str,
+    peer: str,
+    heartbeat: float,
+    missed: int,
+    fast_failover: bool,
+    epoch: int,
+    rank: Rank | None,
+    start_wait: float,
+) -> str:
+    """The one line a starting Binary Star logs: where, how often, what it holds."""
+    return (
+        f"binary star {'primary' if primary else 'backup'} starting: publishing at {local},"
+        f" peer at {peer}, heartbeat {heartbeat:.3f} s x {missed}"
+        f"{', fast failover on a lost connection' if fast_failover else ''},"
+        f" epoch {epoch}, {'no data rank' if rank is None else describe_rank(rank)},"
+        f" waiting at least {max(start_wait, heartbeat * missed):.3f} s for the peer"
+    )
 
 
 def describe_rank(rank: Rank) -> str:
