@@ -39,6 +39,10 @@ def loaded(request: pytest.FixtureRequest) -> Iterator[tuple[CloneServer, ChpPee
     peer = ChpPeer(ctx)
     try:
         peer.connect(srv.config.port, collectors=[srv.config.port])
+        # Our SUB attached first (a HUGZ came), or the updates of the writes
+        # below may be published before it is (a CI run got 0 of 50: the
+        # publisher's handshake now passes its ZAP door first).
+        peer.wait_hugz(30)
         for i in range(KEYS):
             peer.kvset(b"/u/%d" % i, b"v%d" % i)
         peer.updates(KEYS)
