@@ -177,6 +177,8 @@ def test_run_restarts_a_killed_server_while_the_other_keeps_serving(
     )
     _answers_snapshot(p, 60)  # the primary serves
     run.wait_log_count("now PASSIVE", 1)  # the backup follows it
+    # ...and has synced: until then a durable passive takes no vote.
+    run.wait_log_count("synced from", 1)
 
     # kill -9 the primary: the backup takes the vote and serves; the primary comes back.
     first = run.server("primary")
@@ -187,6 +189,10 @@ def test_run_restarts_a_killed_server_while_the_other_keeps_serving(
     assert again.pid != first.pid
     assert wait_listening(p, time.monotonic() + 20), run.text()
     run.wait_log_count("now PASSIVE", 2)  # it came back as the passive one
+    # ...and has synced: until then a durable passive takes no vote (its data
+    # may be older than what the active confirmed), so killing the active
+    # before it would leave the pair without a server to vote for.
+    run.wait_log_count("synced from", 2)
 
     # kill -9 the backup, active now: the restarted primary takes over; the backup comes back.
     victim = run.server("backup")
