@@ -13,7 +13,6 @@ mounts a tmpfs.
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import subprocess
@@ -26,6 +25,7 @@ import pytest
 
 from clone.errors import StorageError
 from clone.storage import Storage
+from clone.tools.chaos.faults import fill_disk
 
 pytestmark = [
     pytest.mark.slow,
@@ -35,19 +35,6 @@ pytestmark = [
 
 FILLER = "filler"
 
-
-def fill(path: Path) -> None:
-    """Write zeros until the file system is full (as the chaos disk-full fault does)."""
-    block = b"\0" * (1 << 20)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        while True:
-            os.write(fd, block)
-    except OSError as exc:
-        if exc.errno != errno.ENOSPC:
-            raise
-    finally:
-        os.close(fd)
 
 
 @pytest.fixture
@@ -70,17 +57,7 @@ _CHILD = textwrap.dedent("""
     mnt = Path(sys.argv[1])
     fill_during = sys.argv[2] == "1"
 
-    def fill(path):
-        block = b"\\0" * (1 << 20)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            while True:
-                os.write(fd, block)
-        except OSError as exc:
-            if exc.errno != errno.ENOSPC:
-                raise
-        finally:
-            os.close(fd)
+    from clone.tools.chaos.faults import fill_disk  # as the disk-full fault fills
 
     st = Storage.open(mnt / "data", checkpoint_interval=3600)
     seq = st.sequence
@@ -100,7 +77,7 @@ _CHILD = textwrap.dedent("""
     side = sqlite3.connect(mnt / "data" / "clone.db", isolation_level=None)
     side.execute("PRAGMA wal_checkpoint(PASSIVE)")
     if fill_during:
-        fill(mnt / "filler")
+        fill_disk(mnt / "filler")
         try:
             commit(20)
         except StorageError:
@@ -123,7 +100,7 @@ def test_committed_updates_survive_kill_and_a_full_disk(tmpfs: Path, fill_during
     committed = int(words[1])
     assert committed == 360 if fill_during else 340
     assert (tmpfs / "data" / "clone.db-wal").stat().st_size > 0
-    fill(tmpfs / FILLER)
+    fill_disk(tmpfs / FILLER)  # as the chaos disk-full fault fills
     try:
         storage = Storage.open(tmpfs / "data", checkpoint_interval=3600)
     except StorageError as exc:

@@ -149,7 +149,7 @@ class Nemesis:
         elif kind == "clock-step":
             self.clocks[fault.target].set(float(fault.params["step_s"]))
         elif kind == "disk-full":
-            _fill(self.data_dirs[fault.target] / "chaos-filler")
+            fill_disk(self.data_dirs[fault.target] / "chaos-filler")
         else:
             topo = self._topology()
             if kind == "partition-pair":
@@ -197,8 +197,9 @@ def _restarter(proc: ManagedProcess) -> Action:
     return restart
 
 
-def _fill(path: Path) -> None:
-    """Write zeros until the file system is full."""
+def fill_disk(path: Path) -> None:
+    """Write zeros to ``path`` until its file system is full (the disk-full
+    fault; tests/storage/test_full_disk_reopen.py fills the same way)."""
     block = b"\0" * (1 << 20)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
