@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +31,33 @@ def _candidates(client: Clone) -> list[bytes]:
     ]
 
 
+class _Lines:
+    """A child's output, read as it comes (so a test waits for a line the
+    child printed instead of guessing when it has printed it)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self._chunks: list[bytes] = []
+        self._lock = threading.Lock()
+        assert proc.stdout is not None
+        self._out = proc.stdout
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        for line in iter(self._out.readline, b""):
+            with self._lock:
+                self._chunks.append(line)
+
+    @property
+    def text(self) -> str:
+        with self._lock:
+            return b"".join(self._chunks).decode("utf-8", "replace")
+
+    def finish(self, timeout: float) -> str:
+        self._thread.join(timeout)
+        return self.text
+
+
 def test_a_frozen_worker_rejoins_its_election_and_registration(servers: Servers) -> None:
     server = servers.standalone("--in-memory")
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -39,10 +67,14 @@ def test_a_frozen_worker_rejoins_its_election_and_registration(servers: Servers)
         stderr=subprocess.STDOUT,
         env=env,
     )
+    lines = _Lines(worker)
     try:
         with synced_client(server) as watcher:
             eventually(lambda: watcher.get("/services/workers/w1") is not None, 20, "registered")
             eventually(lambda: _candidates(watcher) == [b"w1"], 20, "campaigning")
+            # The worker's own watcher prints its leadership from its replica,
+            # a poll after the server has the candidate: freeze it only after.
+            eventually(lambda: "leader: w1" in lines.text, 20, "the worker knows it leads")
             first = watcher.entry("/services/workers/w1")
             assert first is not None
             worker.send_signal(signal.SIGSTOP)
@@ -59,11 +91,12 @@ def test_a_frozen_worker_rejoins_its_election_and_registration(servers: Servers)
             again = watcher.entry("/services/workers/w1")
             assert again is not None and again.sequence > first.sequence
             assert again.lease != first.lease  # a fresh lease
+            eventually(lambda: "lost: unknown-lease" in lines.text, 20, "on_lost ran")
     finally:
         worker.send_signal(signal.SIGCONT)
         worker.terminate()
-        out, _ = worker.communicate(timeout=30)
-    text = out.decode("utf-8", "replace")
+        worker.wait(timeout=30)
+    text = lines.finish(30)
     assert "lost: unknown-lease" in text, text  # on_lost ran
     assert "leader: w1" in text, text
     # It knew its own process had been frozen, and did not blame the server.
