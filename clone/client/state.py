@@ -427,8 +427,11 @@ class AgentState:
                 self._map[msg.key] = new
             elif old is not None:
                 del self._map[msg.key]
-            if self.emit_changes and _differs(old, new):
-                # A delete keeps its message, so watchers learn its sequence.
+            if self.emit_changes and (old is not None or new is not None):
+                # Every write is a change, even one that leaves the value as it
+                # was (as etcd's and the history feed's watchers see it: a
+                # rewrite is news to a watcher waiting for a write); a delete
+                # keeps its message, so watchers learn its sequence.
                 actions.append(Changed(msg.key, msg))
         actions.extend(self._confirm_if_pending(msg.uuid, msg.sequence))
         return actions

@@ -1158,6 +1158,21 @@ def test_an_update_older_than_the_fuzzy_snapshots_entry_arriving_after_it_is_ski
             if isinstance(a, Changed)] == [("a", b"4")]
 
 
+def test_every_write_is_a_change_even_one_that_keeps_the_value() -> None:
+    """A watcher waits for writes (a rewrite is news: a heartbeat key, a
+    re-registration), as etcd's watchers and the history feed see them; a
+    delete of a key we never had is not a change."""
+    fsm, (srv, _) = synced(2)
+    fsm.emit_changes = True
+    changes: list[tuple[str, bytes | None, int]] = []
+    for key, body in [("a", b"1"), ("a", b"1"), ("a", b"1"), ("a", b""), ("gone", b"")]:
+        for a in fsm.update(0, srv.apply(key, body), 0.1):
+            if isinstance(a, Changed):
+                assert a.entry is not None
+                changes.append((a.key, a.entry.body or None, a.entry.sequence))
+    assert changes == [("a", b"1", 1), ("a", b"1", 2), ("a", b"1", 3), ("a", None, 4)]
+
+
 @settings(max_examples=200, deadline=None)
 @given(before=_ops, during=_ops, after=_ops, cut=st.integers(0, 30), lag=st.integers(0, 30))
 def test_no_key_goes_back_whatever_the_subscription_lags(
