@@ -194,3 +194,35 @@ def test_the_size_marker_is_checked() -> None:
     assert "split it" in (size_problem("m.py", docstring + code, 10) or "")
     assert size_problem("m.py", marked + docstring + table, 10) is None  # mostly table
     assert "they are 9 lines" in (size_problem("m.py", marked + docstring + code * 2, 10) or "")
+
+
+# What a package may import of ours, as docs/architecture.md's tree intro and
+# each package's docstring say (tools, pipeline, server and client are wider
+# and are checked by their purity tests where it matters).
+MAY_IMPORT = {
+    "clone/wire": ("clone.wire", "clone.errors"),
+    "clone/storage": ("clone.storage", "clone.errors", "clone.release"),
+    "clone/security": ("clone.security", "clone.errors", "clone.ratelimit"),
+    "bstar": ("bstar",),
+}
+
+
+def _imports(source: str) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+    return out
+
+
+def test_packages_import_only_what_they_may() -> None:
+    wrong = []
+    for package, allowed in MAY_IMPORT.items():
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for name in sorted(_imports(path.read_text())):
+                ours = name.split(".")[0] in ("clone", "bstar")
+                if ours and not any(name == a or name.startswith(a + ".") for a in allowed):
+                    wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not wrong, "imports a package may not make:\n" + "\n".join(wrong)
