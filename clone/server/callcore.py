@@ -111,7 +111,6 @@ class CallCore:
         self.history = history
         self.counters = counters
         self._record = record
-        self._quota = max_leases_per_client
         self._conditions_max = conditions_max
         # The if_sequence of each conditional write applied as active in this
         # term, by uuid (a stored update no longer says it).
