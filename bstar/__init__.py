@@ -5,7 +5,8 @@ their state to each other every heartbeat; clients vote for the server they want
 by sending it requests; a passive server takes over only when its peer has gone
 silent *and* a client asks it to. See ``docs/failover.md`` for the rules.
 
-* :mod:`bstar.fsm` holds the decisions (no I/O, explicit ``now``);
+* :mod:`bstar.rules` holds the decision table (states, events, rules, tie-breaks)
+  and :mod:`bstar.fsm` the machine that applies it (no I/O, explicit ``now``);
 * :mod:`bstar.wire` the state message format (state, election epoch and, for a
   server that keeps its data on disk, the data rank);
 * :mod:`bstar.reactor` the sockets and timers on a tornado IOLoop.

@@ -3,6 +3,7 @@ removed without its line there fails here (as the public API is checked)."""
 
 from __future__ import annotations
 
+import ast
 import re
 from pathlib import Path
 
@@ -100,3 +101,128 @@ def test_the_issue_number_check_sees_them() -> None:
     assert _ISSUE_NUMBER.search("fixed in issue 27's second round")
     assert _ISSUE_NUMBER.search("(Issue 26, the byte bounds)")
     assert not _ISSUE_NUMBER.search("zeromq/libzmq#3937, an issue 'tis")
+
+
+
+# Small modules: one duty each, readable in a sitting.  The packages the
+# house's size rule names, and their limit in lines; tools and the pipeline
+# (a drill's or a job's whole flow in one place) may run longer.
+SIZE_LIMITS = {
+    "clone/server": 600,
+    "clone/client": 600,
+    "clone/wire": 600,
+    "bstar": 600,
+    "clone/tools": 800,
+    "clone/pipeline": 800,
+}
+# A module over its limit because a table or a docstring is most of it says
+# so in a comment line starting with this, and the test checks the claim.
+SIZE_MARKER = "# size: a table or a docstring is most of this module"
+
+
+def _table_and_docstring_lines(source: str) -> int:
+    """Lines in docstrings (module, class, function) and in module-level
+    tables (an assignment of a dict, list, tuple or set literal, or of a call
+    wrapping one, as ``MappingProxyType({...})``)."""
+    tree = ast.parse(source)
+    lines: set[int] = set()
+
+    def span(node: ast.stmt) -> None:
+        lines.update(range(node.lineno, (node.end_lineno or node.lineno) + 1))
+
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = node.body[0] if node.body else None
+            if (
+                isinstance(first, ast.Expr)
+                and isinstance(first.value, ast.Constant)
+                and isinstance(first.value.value, str)
+            ):
+                span(first)
+    for stmt in tree.body:
+        if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
+            value = stmt.value
+            if isinstance(value, ast.Call) and value.args:
+                value = value.args[0]
+            if isinstance(value, (ast.Dict, ast.List, ast.Tuple, ast.Set)):
+                span(stmt)
+    return len(lines)
+
+
+def size_problem(path: str, source: str, limit: int) -> str | None:
+    """Why ``path`` is too long, or None."""
+    count = len(source.splitlines())
+    if count <= limit:
+        return None
+    if not any(line.startswith(SIZE_MARKER) for line in source.splitlines()):
+        return f"{path}: {count} lines (limit {limit}): split it along a duty"
+    mostly = _table_and_docstring_lines(source)
+    if 2 * mostly > count:
+        return None
+    return (f"{path}: {count} lines (limit {limit}); it says a table or a docstring"
+            f" is most of it, but they are {mostly} lines")
+
+
+def _modules() -> list[tuple[str, str, int]]:
+    """(path, source, limit) of every module under a limit."""
+    out = []
+    for package, limit in SIZE_LIMITS.items():
+        for path in sorted((ROOT / package).rglob("*.py")):
+            out.append((str(path.relative_to(ROOT)), path.read_text(), limit))
+    return out
+
+
+def test_modules_stay_small() -> None:
+    over = [why for why in (size_problem(*module) for module in _modules()) if why]
+    assert not over, "modules over the size limit:\n" + "\n".join(over)
+
+
+def test_the_size_check_sees_every_package() -> None:
+    paths = {path for path, _, _ in _modules()}
+    for package in SIZE_LIMITS:
+        assert any(path.startswith(package + "/") for path in paths), package
+    assert "clone/client/commands/kv.py" in paths  # subpackages count too
+
+
+def test_the_size_marker_is_checked() -> None:
+    docstring = '"""' + "\n" * 8 + '"""\n'
+    code = "".join(f"x{n} = {n}\n" for n in range(8))
+    table = "T = {\n" + "".join(f"    {n}: {n},\n" for n in range(8)) + "}\n"
+    assert _table_and_docstring_lines(docstring + code + table) == 9 + 10
+    marked = SIZE_MARKER + "\n"
+    assert size_problem("m.py", docstring + code, 20) is None  # under the limit
+    assert "split it" in (size_problem("m.py", docstring + code, 10) or "")
+    assert size_problem("m.py", marked + docstring + table, 10) is None  # mostly table
+    assert "they are 9 lines" in (size_problem("m.py", marked + docstring + code * 2, 10) or "")
+
+
+# What a package may import of ours, as docs/architecture.md's tree intro and
+# each package's docstring say (tools, pipeline, server and client are wider
+# and are checked by their purity tests where it matters).
+MAY_IMPORT = {
+    "clone/wire": ("clone.wire", "clone.errors"),
+    "clone/storage": ("clone.storage", "clone.errors", "clone.release"),
+    "clone/security": ("clone.security", "clone.errors", "clone.ratelimit"),
+    "bstar": ("bstar",),
+}
+
+
+def _imports(source: str) -> set[str]:
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            out.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+    return out
+
+
+def test_packages_import_only_what_they_may() -> None:
+    wrong = []
+    for package, allowed in MAY_IMPORT.items():
+        for path in sorted((ROOT / package).rglob("*.py")):
+            for name in sorted(_imports(path.read_text())):
+                ours = name.split(".")[0] in ("clone", "bstar")
+                if ours and not any(name == a or name.startswith(a + ".") for a in allowed):
+                    wrong.append(f"{path.relative_to(ROOT)} imports {name}")
+    assert not wrong, "imports a package may not make:\n" + "\n".join(wrong)

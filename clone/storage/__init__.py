@@ -6,8 +6,9 @@ term); ``DIR/LOCK`` keeps a second server out.  :class:`Storage` is plain
 blocking I/O that the server's reactor calls once per loop turn (group commit),
 so each call is short and bounded.
 
-May import: :mod:`clone.errors`, :mod:`clone.release` and :mod:`clone.wire`.  Never zmq, tornado,
-:mod:`clone.server` or :mod:`clone.client`.
+May import: :mod:`clone.errors` and :mod:`clone.release`.  Never zmq, tornado,
+:mod:`clone.wire`, :mod:`clone.server` or :mod:`clone.client` (docs/architecture.md
+says the same; tests/test_architecture.py checks it).
 
 Modules: :mod:`.db` (Storage), :mod:`.schema` (the format and its checks),
 :mod:`.lock` (the directory lock), :mod:`.checkpointer` (the WAL thread),

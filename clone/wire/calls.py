@@ -48,6 +48,11 @@ checks the call's *shape*; what a well-shaped call asks for (an ``if_sequence``
 that is not a number, a lease id of the wrong form, a ttl out of range) is
 judged by :func:`check_call`, so that the server can answer it with a specific
 reason instead of dropping it.
+
+The names both sides share (operations, properties, reasons, limits, lease
+ids) are in :mod:`clone.wire.callnames`, the REPLY's codec in
+:mod:`clone.wire.replies`; this module re-exports both, so callers import
+everything from here.
 """
 
 from __future__ import annotations
@@ -59,6 +64,40 @@ from dataclasses import dataclass
 from typing import Final
 
 from clone.errors import LimitExceeded, ProtocolError
+from clone.wire.callnames import (
+    CALL,
+    CALLER_PROPERTY,
+    CONFLICT_OPS,
+    CONFLICT_PROPERTY,
+    IF_SEQUENCE_PROPERTY,
+    LEASE_PREFIX,
+    LEASE_PROPERTY,
+    MAX_KEEPALIVES_PER_CALL,
+    MAX_SET_MANY_BYTES,
+    MAX_SET_MANY_ENTRIES,
+    OP_AHEAD,
+    OP_CONFLICT_APPLY,
+    OP_CONFLICT_DISCARD,
+    OP_LEASE_GRANT,
+    OP_LEASE_KEEPALIVE,
+    OP_LEASE_KEEPALIVES,
+    OP_LEASE_REVOKE,
+    OP_SET,
+    OP_SET_MANY,
+    OPS,
+    REASONS,
+    REPLY,
+    SECRET_PROPERTY,
+    SEQ_MAX,
+    UINT_RE,
+    lease_id_of,
+    lease_key,
+    parse_lease_ttl,
+    valid_lease_id,
+    valid_principal,
+    valid_secret,
+)
+from clone.wire.callnames import MIN_LEASE_TTL as MIN_LEASE_TTL
 from clone.wire.codec import (
     KVMsg,
     Properties,
@@ -66,7 +105,8 @@ from clone.wire.codec import (
     encode_properties,
     validate_key,
 )
-from clone.wire.protocol import MAX_TTL_SECONDS, MAX_VALUE_BYTES, TTL_PROPERTY
+from clone.wire.protocol import MAX_VALUE_BYTES, TTL_PROPERTY
+from clone.wire.replies import Reply, decode_reply, encode_reply
 
 __all__ = [
     "CALL",
@@ -116,102 +156,9 @@ __all__ = [
     "valid_secret",
 ]
 
-CALL: Final = b"CALL?"
-REPLY: Final = b"REPLY"
-
-OP_SET: Final = "set"
-#: Our extension of the calls: many ``set``s in one call and one
-#: reply, for a bulk load whose rows each cost a call's receive and reply
-#: (docs/protocol.md, "Batched sets").  Each entry carries its own uuid and is
-#: judged and applied as its own ``set`` would be.
-OP_SET_MANY: Final = "set-many"
-#: The most bytes a ``set-many`` body may hold: the value limit, so that a
-#: batch fits every frame cap a ``set`` fits (the server's MAXMSGSIZE).
-MAX_SET_MANY_BYTES: Final = MAX_VALUE_BYTES
-#: The most entries one ``set-many`` may carry: a batch is applied within one
-#: loop turn, and 1,024 sets are a few tens of milliseconds of it.
-MAX_SET_MANY_ENTRIES: Final = 1024
-OP_LEASE_GRANT: Final = "lease-grant"
-OP_LEASE_KEEPALIVE: Final = "lease-keepalive"
-OP_LEASE_REVOKE: Final = "lease-revoke"
-#: Our extension of the lease calls (10,000 leases at fleet scale): many leases kept alive by one
-#: call, its body a line ``<id>[ <secret>]`` per lease; its reply lists the
-#: leases not kept in a fifth frame (docs/protocol.md, "Batched keepalives").
-OP_LEASE_KEEPALIVES: Final = "lease-keepalives"
-#: The most leases one ``lease-keepalives`` call may name (about 650 KB of body).
-MAX_KEEPALIVES_PER_CALL: Final = 10_000
-#: How many lease-bound keys under a key's parent have a lower sequence: what
-#: a lock contender that may write but not read its lock's prefix asks.
-OP_AHEAD: Final = "ahead"
-#: An operator's word on a split-brain conflict (clone.server.conflicts).
-OP_CONFLICT_APPLY: Final = "conflict-apply"
-OP_CONFLICT_DISCARD: Final = "conflict-discard"
-CONFLICT_OPS: Final = frozenset({OP_CONFLICT_APPLY, OP_CONFLICT_DISCARD})
-OPS: Final = frozenset(
-    {OP_SET, OP_SET_MANY, OP_LEASE_GRANT, OP_LEASE_KEEPALIVE, OP_LEASE_KEEPALIVES,
-     OP_LEASE_REVOKE, OP_AHEAD, *CONFLICT_OPS}
-)
-#: A conflict call's property: the conflict's id.
-CONFLICT_PROPERTY: Final = "conflict"
-
-#: A key's property naming the lease it is bound to (kept on the stored entry,
-#: so every reader sees it), and a call's property naming a lease.
-LEASE_PROPERTY: Final = "lease"
-#: A ``set`` call's condition; never stored.
-IF_SEQUENCE_PROPERTY: Final = "if_sequence"
-#: A lease's proof of ownership without CURVE (never stored in clear: the
-#: lease key holds its SHA-256), sent with every call on the lease.
-SECRET_PROPERTY: Final = "secret"
-#: Who asked a relay for a call, as the relay asserts it to the pair: only a
-#: relay whose certificate the pair trusts (``--trusted-relay``) may send it.
-CALLER_PROPERTY: Final = "caller"
-#: Where a server keeps its leases: one key per lease, ``<prefix><id>``, whose
-#: value says its ttl.  Replicated, durable and snapshotted like any key;
-#: clients may read it but never write under it.
-LEASE_PREFIX: Final = "/_clone/lease/"
-
-#: Why a server refuses a call (``reason=``).
-REASONS: Final = frozenset(
-    {
-        "not-active",  # a passive, starting or relay-without-upstream server
-        "acl",  # the caller may not write that key (CURVE + ACL)
-        "full",  # --max-keys / --max-bytes
-        "size",  # a key, value or properties over a limit
-        "malformed",  # the call does not decode
-        "bad-if-sequence",  # if_sequence is not a whole number >= 0
-        "bad-lease",  # a lease id that is not 32 hex digits
-        "bad-ttl",  # a lease ttl that is not a number in range
-        "unknown-lease",  # no such lease (never granted, expired or revoked)
-        "reserved",  # a key under LEASE_PREFIX
-        "busy",  # the server has too many leases (--max-leases)
-        "not-owner",  # the lease is another client's (or predates ownership)
-        "lease-quota",  # this client holds --max-leases-per-client leases
-        "bad-secret",  # a secret that is not 32 hex digits
-        "unknown-conflict",  # no such unresolved conflict for that key
-    }
-)
-
-_AHEAD_PROPERTY = "ahead"
-_KEPT_PROPERTY = "kept"
-_ENTRIES_PROPERTY = "entries"
-#: A set-many reply's line per entry not applied: index, reason, detail.
-_FAILURE_RE = re.compile(rb"(?:[0-9]{1,5} [a-z-]{1,40} [^\n]{0,800}\n)*")
 _NOT_STORED = frozenset({IF_SEQUENCE_PROPERTY, SECRET_PROPERTY, CALLER_PROPERTY})
-_STATUSES = frozenset({"ok", "conflict", "refused"})
-_LEASE_ID_RE = re.compile(r"[0-9a-f]{32}")
-_SECRET_RE = re.compile(r"[0-9a-f]{32}")
-#: A principal: ``name:<certificate name>`` or ``addr:<peer address>``.
-_PRINCIPAL_RE = re.compile(r"(name|addr):[^\n=]{1,200}")
-_UINT_RE = re.compile(r"[0-9]{1,20}")
 #: A ``lease-keepalives`` body, checked in one C-level match: a line per lease.
 _KEEPALIVES_RE = re.compile(rb"(?:[0-9a-f]{32}(?: [0-9a-f]{32})?\n)+")
-#: A batched keepalive's reply body: a line ``<id> <reason>`` per lease not kept.
-_GONE_RE = re.compile(rb"(?:[0-9a-f]{32} [a-z-]{1,40}\n)*")
-_SEQ_MAX = 2**64 - 1
-#: A lease lives at least this long: a keepalive every third of it must be
-#: possible over a real network, and a shorter one is a unit mistake (ms for s).
-MIN_LEASE_TTL: Final = 0.3
-_DETAIL_MAX = 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,75 +205,6 @@ class Call:
     def as_kvmsg(self) -> KVMsg:
         """A ``set`` as the KVSET it stands for (uuid, stored properties, body)."""
         return KVMsg(self.key, 0, self.uuid, self.stored_properties(), self.body)
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    """One REPLY."""
-
-    uuid: bytes
-    status: str
-    sequence: int = 0
-    reason: str = ""
-    detail: str = ""
-    current: int | None = None
-    lease: str = ""
-    ttl: float | None = None
-    #: A lease grant's secret (docs/protocol.md, "Lease ownership"), or "".
-    secret: str = ""
-    #: An ``ahead`` call's answer, else None.
-    ahead: int | None = None
-    #: A ``lease-keepalives`` reply: how many leases were kept (else None)...
-    kept: int | None = None
-    #: ... and the (id, reason) of each lease that was not.
-    gone: tuple[tuple[str, str], ...] = ()
-    #: A ``set-many`` reply: each entry's sequence, in order (0: not applied)...
-    sequences: tuple[int, ...] | None = None
-    #: ... and (index, reason, detail) of each entry not applied: a refusal's
-    #: reason, or ``conflict`` with the key's sequence now as the detail.
-    failures: tuple[tuple[int, str, str], ...] = ()
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-
-def lease_key(lease_id: str) -> str:
-    """The key that holds lease ``lease_id`` on the servers."""
-    return LEASE_PREFIX + lease_id
-
-
-def lease_id_of(uuid: bytes) -> str:
-    """The id of the lease a ``lease-grant`` call with ``uuid`` creates."""
-    return uuid.hex()
-
-
-def valid_lease_id(text: str) -> bool:
-    return _LEASE_ID_RE.fullmatch(text) is not None
-
-
-def valid_secret(text: str) -> bool:
-    return _SECRET_RE.fullmatch(text) is not None
-
-
-def valid_principal(text: str) -> bool:
-    """A relay's ``caller=``: ``name:<certificate name>`` or ``addr:<address>``."""
-    return _PRINCIPAL_RE.fullmatch(text) is not None
-
-
-def parse_lease_ttl(text: str | None) -> float:
-    """A lease's ttl in seconds; ValueError saying why not."""
-    if text is None:
-        raise ValueError("a lease needs ttl=<seconds>")
-    try:
-        ttl = float(text)
-    except ValueError:
-        raise ValueError(f"lease ttl {text[:40]!r} is not a number") from None
-    if not MIN_LEASE_TTL <= ttl <= MAX_TTL_SECONDS:  # also false for nan
-        raise ValueError(
-            f"lease ttl {text[:40]!r} is out of range ({MIN_LEASE_TTL:g} to {MAX_TTL_SECONDS:g} s)"
-        )
-    return ttl
 
 
 def encode_keepalives(leases: Sequence[tuple[str, str]]) -> bytes:
@@ -563,7 +441,7 @@ def check_call(call: Call) -> tuple[str, str] | None:
         return ("malformed", f"caller {caller[:40]!r} is not name:<name> or addr:<address>")
     if call.op == OP_SET:
         text = call.prop(IF_SEQUENCE_PROPERTY)
-        if text is not None and (_UINT_RE.fullmatch(text) is None or int(text) > _SEQ_MAX):
+        if text is not None and (UINT_RE.fullmatch(text) is None or int(text) > SEQ_MAX):
             return (
                 "bad-if-sequence",
                 f"if_sequence {text[:40]!r} is not a whole number from 0 to 2^64-1",
@@ -593,7 +471,7 @@ def check_call(call: Call) -> tuple[str, str] | None:
         return None
     if call.op in CONFLICT_OPS:
         text = call.prop(CONFLICT_PROPERTY)
-        if text is None or _UINT_RE.fullmatch(text) is None:
+        if text is None or UINT_RE.fullmatch(text) is None:
             return ("malformed", f"conflict id {str(text)[:40]!r} is not a whole number")
         return None
     if call.op == OP_LEASE_GRANT:
@@ -608,161 +486,3 @@ def check_call(call: Call) -> tuple[str, str] | None:
     if lease is None or not valid_lease_id(lease):
         return ("bad-lease", f"lease id {str(lease)[:40]!r} is not 32 lowercase hex digits")
     return None
-
-
-def _detail(text: str) -> str:
-    return " ".join(text.split())[:_DETAIL_MAX]
-
-
-def encode_reply(reply: Reply) -> list[bytes]:
-    """A REPLY's frames (the ROUTER sends them after the requester's identity)."""
-    if reply.status not in _STATUSES:
-        raise ValueError(f"unknown reply status {reply.status!r}")
-    props: list[tuple[str, str]] = [("status", reply.status)]
-    if reply.reason:
-        props.append(("reason", reply.reason))
-    if reply.detail:
-        props.append(("detail", _detail(reply.detail)))
-    if reply.current is not None:
-        props.append(("current", str(reply.current)))
-    if reply.lease:
-        props.append((LEASE_PROPERTY, reply.lease))
-    if reply.ttl is not None:
-        props.append((TTL_PROPERTY, repr(float(reply.ttl))))
-    if reply.secret:
-        props.append((SECRET_PROPERTY, reply.secret))
-    if reply.ahead is not None:
-        props.append((_AHEAD_PROPERTY, str(reply.ahead)))
-    frames = [REPLY, reply.uuid, reply.sequence.to_bytes(8, "big")]
-    if reply.sequences is not None:
-        # A set-many's reply: each entry's sequence (8 bytes, 0: not applied),
-        # then a line "<index> <reason> <detail>" per entry not applied, in a
-        # fifth frame (only a caller of set-many ever gets one).
-        props.append((_ENTRIES_PROPERTY, str(len(reply.sequences))))
-        seqs = struct.pack(f">{len(reply.sequences)}Q", *reply.sequences)
-        lines = "".join(f"{index} {why} {_detail(detail)}\n"
-                        for index, why, detail in reply.failures).encode()
-        return [*frames, encode_properties(tuple(props)), seqs + lines]
-    if reply.kept is None:
-        return [*frames, encode_properties(tuple(props))]
-    # A batched keepalive's reply: the leases not kept, one line each, in a
-    # fifth frame (only a caller of lease-keepalives ever gets one).
-    props.append((_KEPT_PROPERTY, str(reply.kept)))
-    gone = "".join(f"{lease_id} {why}\n" for lease_id, why in reply.gone).encode()
-    return [*frames, encode_properties(tuple(props)), gone]
-
-
-def decode_reply(frames: Sequence[bytes]) -> Reply:
-    """A REPLY, or ProtocolError saying what was wrong."""
-    if len(frames) not in (4, 5):
-        raise ProtocolError(f"REPLY has {len(frames)} frames, expected 4 (or 5)")
-    if frames[0] != REPLY:
-        raise ProtocolError(f"expected REPLY, got {bytes(frames[0][:16])!r}")
-    uuid = bytes(frames[1])
-    if len(uuid) != 16:
-        raise ProtocolError(f"REPLY uuid is {len(uuid)} bytes, expected 16")
-    if len(frames[2]) != 8:
-        raise ProtocolError(f"REPLY sequence is {len(frames[2])} bytes, expected 8")
-    sequence = int.from_bytes(frames[2], "big")
-    props = dict(decode_properties(bytes(frames[3])))
-    status = props.get("status", "")
-    if status not in _STATUSES:
-        raise ProtocolError(f"REPLY status {status[:40]!r} is not ok, conflict or refused")
-    current: int | None = None
-    if "current" in props:
-        text = props["current"]
-        if _UINT_RE.fullmatch(text) is None or int(text) > _SEQ_MAX:
-            raise ProtocolError(f"REPLY current {text[:40]!r} is not a sequence")
-        current = int(text)
-    if status == "conflict" and current is None:
-        raise ProtocolError("a conflict REPLY without current=")
-    reason = props.get("reason", "")
-    if status == "refused" and not reason:
-        raise ProtocolError("a refused REPLY without reason=")
-    lease = props.get(LEASE_PROPERTY, "")
-    if lease and not valid_lease_id(lease):
-        raise ProtocolError(f"REPLY lease {lease[:40]!r} is not a lease id")
-    secret = props.get(SECRET_PROPERTY, "")
-    if secret and not valid_secret(secret):
-        raise ProtocolError("REPLY secret is not 32 hex digits")
-    ahead: int | None = None
-    if _AHEAD_PROPERTY in props:
-        text = props[_AHEAD_PROPERTY]
-        if _UINT_RE.fullmatch(text) is None:
-            raise ProtocolError(f"REPLY ahead {text[:40]!r} is not a count")
-        ahead = int(text)
-    ttl: float | None = None
-    if TTL_PROPERTY in props:
-        try:
-            ttl = parse_lease_ttl(props[TTL_PROPERTY])
-        except ValueError as exc:
-            raise ProtocolError(f"REPLY {exc}") from None
-    fifth = frames[4] if len(frames) == 5 else None
-    sequences: tuple[int, ...] | None = None
-    failures: tuple[tuple[int, str, str], ...] = ()
-    if _ENTRIES_PROPERTY in props:
-        if fifth is None or _KEPT_PROPERTY in props:
-            raise ProtocolError("a REPLY with entries= has a fifth frame, and no kept=")
-        sequences, failures = _set_many_answer(props[_ENTRIES_PROPERTY], bytes(fifth))
-        fifth = None
-    kept, gone = _batch_answer(props.get(_KEPT_PROPERTY), fifth)
-    return Reply(
-        uuid,
-        status,
-        sequence,
-        reason=reason,
-        detail=props.get("detail", ""),
-        current=current,
-        lease=lease,
-        ttl=ttl,
-        secret=secret,
-        ahead=ahead,
-        kept=kept,
-        gone=gone,
-        sequences=sequences,
-        failures=failures,
-    )
-
-
-def _set_many_answer(
-    count_text: str, raw: bytes
-) -> tuple[tuple[int, ...], tuple[tuple[int, str, str], ...]]:
-    """A set-many reply's ``entries=`` and fifth frame: the sequences, then
-    the lines of the entries not applied."""
-    if _UINT_RE.fullmatch(count_text) is None or int(count_text) > MAX_SET_MANY_ENTRIES:
-        raise ProtocolError(f"REPLY entries {count_text[:40]!r} is not a set-many's count")
-    count = int(count_text)
-    if len(raw) < 8 * count:
-        raise ProtocolError(f"a set-many REPLY has {len(raw)} bytes for {count} sequences")
-    sequences = struct.unpack_from(f">{count}Q", raw)
-    rest = raw[8 * count :]
-    if _FAILURE_RE.fullmatch(rest) is None:
-        raise ProtocolError("a set-many REPLY's failures are not '<index> <reason> <detail>'"
-                            " lines")
-    failures: list[tuple[int, str, str]] = []
-    for line in rest.decode("utf-8", "replace").split("\n")[:-1]:
-        index, why, detail = line.split(" ", 2)
-        if int(index) >= count:
-            raise ProtocolError(f"a set-many REPLY names entry {index} of {count}")
-        failures.append((int(index), why, detail))
-    return sequences, tuple(failures)
-
-
-def _batch_answer(
-    kept_text: str | None, body: bytes | None
-) -> tuple[int | None, tuple[tuple[str, str], ...]]:
-    """A batched keepalive reply's ``kept=`` and fifth frame (both or neither)."""
-    if kept_text is None and body is None:
-        return None, ()
-    if kept_text is None or body is None:
-        raise ProtocolError("a REPLY with kept= has a fifth frame, and only it")
-    if _UINT_RE.fullmatch(kept_text) is None:
-        raise ProtocolError(f"REPLY kept {kept_text[:40]!r} is not a count")
-    raw = bytes(body)
-    if _GONE_RE.fullmatch(raw) is None:
-        raise ProtocolError("a REPLY's leases not kept are not '<id> <reason>' lines")
-    gone = tuple(
-        (lease_id, why)
-        for lease_id, _, why in (line.partition(" ") for line in raw.decode().split("\n")[:-1])
-    )
-    return int(kept_text), gone
