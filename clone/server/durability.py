@@ -35,7 +35,7 @@ from clone.server.budget import check_fits
 from clone.server.committing import CommitJob, CommitWriter
 from clone.server.config import ServerConfig
 from clone.server.conflicts import ConflictRecord
-from clone.server.core import ServerCore
+from clone.server.core import Role, ServerCore
 from clone.server.journal import Op, OpKind, published
 from clone.server.shared import Shared
 from clone.storage import FsyncPolicy, Storage, restore_into
@@ -66,6 +66,7 @@ class _Turn:
     at: float = 0.0
     keep_from: int | None = None
     busy: StorageBusy | None = None  # its conflicts-only write found the lock held
+    publish: bool = True  # False: a passive's turn of following, committed only
 
 
 class Durability:
@@ -113,6 +114,7 @@ class Durability:
         self._job: CommitJob | None = None  # the commit in flight
         self._waiters: list[Callable[[], None]] = []  # for the next job
         self._published_through = 0  # while a job is in flight: what HUGZ may announce
+        self._next_publish = False  # whether the next job's updates are published
         self._pause: Callable[[], None] = _nothing
         self._resume: Callable[[], None] = _nothing
 
@@ -400,10 +402,12 @@ class Durability:
             self._writer.wait(self._job)
             self._land(more=False)  # what changed since is the caller's to commit
 
-    def _submit(self) -> None:
-        """Hand this turn's changes to the writer and pause the sockets."""
+    def _submit(self, publish: bool = True) -> None:
+        """Hand this turn's changes to the writer and pause the sockets;
+        publish them when the commit lands if ``publish``."""
         writer, storage = self._writer, self._storage
         assert writer is not None and storage is not None
+        self._next_publish = False
         turn = self._gather()
         waiters, self._waiters = self._waiters, []
         if turn is None or self._storage_error is not None:
@@ -411,6 +415,7 @@ class Durability:
                 for callback in waiters:
                     self._run_waiter(callback)
             return
+        turn.publish = publish
         updates = turn.updates
         before = int.from_bytes(updates[0][1], "big") - 1 if updates else self.core.store.sequence
         self._published_through = before
@@ -435,14 +440,17 @@ class Durability:
         updates = self._finish(job.turn, job.error)
         if self._storage_error is not None:
             return  # fail-stop: the sockets stay paused until the server stops
-        publish = self._publish
-        for frames in updates:
-            publish(frames)
+        if job.turn.publish:
+            publish = self._publish
+            for frames in updates:
+                publish(frames)
         self._published_through = job.through
         for callback in job.waiters:
             self._run_waiter(callback)
         if more and (self.core.journal or self._waiters):
-            self._submit()
+            # Only a passive's turns of following are committed without publishing.
+            sends = self._next_publish or self.core.role is not Role.PASSIVE
+            self._submit(publish=sends or bool(self._waiters))
         if self._job is None:
             self._resume()
 
@@ -468,8 +476,12 @@ class Durability:
         )
 
     def commit_only(self) -> None:
-        """Commit this turn's changes, publish nothing (a passive's turn of following)."""
-        self.commit()
+        """Commit this turn's changes, publish nothing (a passive's turn of
+        following): on the writer thread as :meth:`commit_and_publish`."""
+        if self._writer is None:
+            self.commit()
+        elif self._job is None and self._storage_error is None:
+            self._submit(publish=False)
 
     def commit_and_publish(self) -> None:
         """Commit this turn's changes and publish them once committed: on the
@@ -483,6 +495,8 @@ class Durability:
             return
         if self._job is None and self._storage_error is None:
             self._submit()
+        else:
+            self._next_publish = True  # in the next job, published when it lands
 
     def record_term(self) -> None:
         """A promotion: later writes carry our new epoch; record it even

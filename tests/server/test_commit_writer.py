@@ -219,3 +219,16 @@ def test_the_writer_runs_jobs_in_order_and_nothing_after_a_failure() -> None:
     with pytest.raises(ValueError):
         writer.submit(job(4))
     eventually(lambda: not writer.alive, WAIT, "the writer thread to end")
+
+
+def test_a_passive_turn_is_committed_on_the_writer_and_not_published(writing: _Writing) -> None:
+    rig, loop, gate, pauses = writing.rig, writing.loop, writing.gate, writing.pauses
+    rig.write("/a", b"1")
+    rig.part.commit_only()  # a turn of following the active
+    assert gate.entered.wait(WAIT) and gate.threads == ["clone-commit"]
+    assert pauses == ["pause"]
+    gate.open.set()
+    loop.run_next()
+    assert rig.published == [] and pauses == ["pause", "resume"]
+    storage = rig.part.storage
+    assert storage is not None and storage.sequence == 1
