@@ -40,7 +40,7 @@ from clone.server.journal import Op, OpKind, published
 from clone.server.shared import Shared
 from clone.storage import FsyncPolicy, Storage, restore_into
 
-__all__ = ["CONFLICTS_BUSY_WAIT", "Durability"]
+__all__ = ["CONFLICTS_BUSY_WAIT", "STOP_WAIT", "Durability"]
 
 log = logging.getLogger("clone.server.reactor")
 
@@ -48,6 +48,10 @@ log = logging.getLogger("clone.server.reactor")
 #: holds before leaving them for a later turn (seconds): the loop's turn, not
 #: the 2 s an update's commit may wait.
 CONFLICTS_BUSY_WAIT = 0.05
+
+#: How long the stop waits for the commit in flight (seconds): SIGTERM must
+#: stop the server within a second even while its disk is stuck.
+STOP_WAIT = 0.5
 
 
 def _nothing() -> None:
@@ -199,15 +203,24 @@ class Durability:
 
     def close(self) -> None:
         """Wait for the commit in flight (it is finished, not published:
-        nothing is confirmed after the stop), then close the data directory."""
+        nothing is confirmed after the stop), then close the data directory.
+
+        At most :data:`STOP_WAIT`: a commit stuck on a slow disk is left to
+        finish or not as the process exits, as if it had been killed in the
+        middle of it (SQLite rolls an unfinished transaction back at the next
+        start; its writers were never told), so that SIGTERM still stops the
+        server at once."""
         writer, self._writer = self._writer, None
-        if writer is not None:
-            started = time.monotonic()
-            writer.close()
-            waited = time.monotonic() - started
-            if waited > 0.5:
-                log.warning("the last commit took %.1f s to finish at the stop", waited)
         self._job = None
+        if writer is not None and not writer.close(STOP_WAIT):
+            log.warning(
+                "the commit in flight did not finish within %.1f s of the stop; exiting"
+                " without it (its updates were not confirmed; SQLite keeps or rolls it"
+                " back whole at the next start)",
+                STOP_WAIT,
+            )
+            self._storage = None
+            return
         storage, self._storage = self._storage, None
         if storage is not None:
             try:

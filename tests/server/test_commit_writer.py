@@ -12,12 +12,14 @@ from __future__ import annotations
 import queue
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from clone.server import durability
 from clone.server.committing import CommitJob, CommitWriter
 from clone.storage import Storage
 from tests.server.test_durability_part import _Rig
@@ -176,8 +178,11 @@ def test_a_commit_on_the_loop_waits_for_the_one_in_flight(writing: _Writing) -> 
     assert not rig.part.in_flight and pauses == ["pause", "resume"]
 
 
-def test_the_stop_finishes_the_commit_in_flight(tmp_path: Path, writing: _Writing) -> None:
+def test_the_stop_finishes_the_commit_in_flight(
+    tmp_path: Path, writing: _Writing, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rig, gate = writing.rig, writing.gate
+    monkeypatch.setattr(durability, "STOP_WAIT", WAIT)  # a busy machine's thread may be slow
     rig.write("/a", b"1")
     rig.part.commit_and_publish()
     assert gate.entered.wait(WAIT)
@@ -190,6 +195,22 @@ def test_the_stop_finishes_the_commit_in_flight(tmp_path: Path, writing: _Writin
         assert again.core.store.sequence == 1 and again.core.store.get("/a") is not None
     finally:
         again.part.close()
+
+
+def test_the_stop_does_not_wait_long_for_a_stuck_commit(
+    writing: _Writing, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SIGTERM stops the server at once even while its disk is stuck: the
+    commit is left as a kill would leave it (SQLite keeps it whole or not at all)."""
+    rig, gate = writing.rig, writing.gate
+    rig.write("/a", b"1")
+    rig.part.commit_and_publish()
+    assert gate.entered.wait(WAIT)
+    started = time.monotonic()
+    rig.part.close()  # the gate stays shut: the disk never answers
+    assert time.monotonic() - started < WAIT / 2
+    assert rig.part.storage is None and rig.published == []
+    assert "did not finish within" in caplog.text
 
 
 def test_the_writer_runs_jobs_in_order_and_nothing_after_a_failure() -> None:
