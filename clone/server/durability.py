@@ -462,8 +462,7 @@ class Durability:
             self._run_waiter(callback)
         if more and (self.core.journal or self._waiters):
             # Only a passive's turns of following are committed without publishing.
-            sends = self._next_publish or self.core.role is not Role.PASSIVE
-            self._submit(publish=sends or bool(self._waiters))
+            self._submit(publish=self._next_publish or self.core.role is not Role.PASSIVE)
         if self._job is None:
             self._resume()
 
@@ -508,8 +507,10 @@ class Durability:
             return
         if self._job is None and self._storage_error is None:
             self._submit()
-        else:
-            self._next_publish = True  # in the next job, published when it lands
+        elif self.core.role is not Role.PASSIVE:
+            # In the next job, published when it lands; a passive's journal
+            # holds what it follows, never published by it.
+            self._next_publish = True
 
     def record_term(self) -> None:
         """A promotion: later writes carry our new epoch; record it even
