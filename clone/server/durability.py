@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import sqlite3
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import astuple, dataclass
 
@@ -37,7 +38,7 @@ from clone.server.config import ServerConfig
 from clone.server.conflicts import ConflictRecord
 from clone.server.core import Role, ServerCore
 from clone.server.journal import Op, OpKind, published
-from clone.server.shared import Shared
+from clone.server.shared import TURN_BUDGET, Shared
 from clone.storage import FsyncPolicy, Storage, restore_into
 
 __all__ = ["CONFLICTS_BUSY_WAIT", "STOP_WAIT", "Durability"]
@@ -119,6 +120,10 @@ class Durability:
         self._waiters: list[Callable[[], None]] = []  # for the next job
         self._published_through = 0  # while a job is in flight: what HUGZ may announce
         self._next_publish = False  # whether the next job's updates are published
+        # Committed, waiting for their turn (:meth:`_release`).
+        self._ready: deque[Callable[[], None]] = deque()
+        self._ready_scheduled = False
+        self._schedule: Callable[[Callable[[], None]], object] | None = None
         self._pause: Callable[[], None] = _nothing
         self._resume: Callable[[], None] = _nothing
 
@@ -273,8 +278,7 @@ class Durability:
                 else:
                     updates = self._finish(turn, None)
         if self._storage_error is None:
-            for callback in waiters:  # committed: what waited may go
-                self._run_waiter(callback)
+            self._release(waiters)  # committed: what waited may go
         return updates
 
     def _gather(self) -> _Turn | None:
@@ -373,6 +377,7 @@ class Durability:
         if self._storage is None or self._writer is not None:
             return
         self._pause, self._resume = pause, resume
+        self._schedule = schedule
 
         def notify() -> None:
             try:
@@ -400,7 +405,10 @@ class Durability:
         if self._storage_error is not None:
             return
         if self._job is None and not self.core.journal:
-            callback()
+            if self._ready:
+                self._ready.append(callback)  # after what was released before it
+            else:
+                callback()
         elif self._job is not None and not self.core.journal:
             self._job.waiters.append(callback)
         else:
@@ -425,8 +433,7 @@ class Durability:
         waiters, self._waiters = self._waiters, []
         if turn is None or self._storage_error is not None:
             if self._storage_error is None:
-                for callback in waiters:
-                    self._run_waiter(callback)
+                self._release(waiters)
             return
         turn.publish = publish
         updates = turn.updates
@@ -458,13 +465,36 @@ class Durability:
             for frames in updates:
                 publish(frames)
         self._published_through = job.through
-        for callback in job.waiters:
-            self._run_waiter(callback)
+        self._release(job.waiters)
         if more and (self.core.journal or self._waiters):
             # Only a passive's turns of following are committed without publishing.
             self._submit(publish=self._next_publish or self.core.role is not Role.PASSIVE)
         if self._job is None:
             self._resume()
+
+    def _release(self, callbacks: list[Callable[[], None]]) -> None:
+        """Run what waited for a commit, in order, at most a turn's budget
+        now and the rest in the next turns: a storm of snapshot requests that
+        came in during one commit must not all be served in one turn."""
+        if not callbacks:
+            return
+        self._ready.extend(callbacks)
+        if not self._ready_scheduled:
+            self._run_ready()
+
+    def _run_ready(self) -> None:
+        self._ready_scheduled = False
+        ready = self._ready
+        stop_at = self._clock() + TURN_BUDGET
+        while ready:
+            if self._storage_error is not None:
+                ready.clear()  # fail-stop: nothing more is confirmed
+                return
+            self._run_waiter(ready.popleft())
+            if ready and self._schedule is not None and self._clock() >= stop_at:
+                self._ready_scheduled = True
+                self._schedule(self._run_ready)
+                return
 
     def _run_waiter(self, callback: Callable[[], None]) -> None:
         try:

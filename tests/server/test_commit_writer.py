@@ -70,9 +70,26 @@ class _Writing:
     pauses: list[str]
 
 
+class _Clock:
+    """Monotonic seconds that the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @pytest.fixture
-def writing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[_Writing]:
-    rig = _Rig(tmp_path / "data")
+def clock() -> _Clock:
+    return _Clock()
+
+
+@pytest.fixture
+def writing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, clock: _Clock
+) -> Iterator[_Writing]:
+    rig = _Rig(tmp_path / "data", clock=clock)
     rig.part.open()
     loop = _Loop()
     pauses: list[str] = []  # the sockets' state changes (pausing twice is pausing once)
@@ -140,6 +157,39 @@ def test_what_changes_meanwhile_goes_in_the_next_commit(writing: _Writing) -> No
     assert pauses == ["pause", "resume"]
     storage = rig.part.storage
     assert storage is not None and storage.timing.commits == 2
+
+
+def test_what_waited_for_a_commit_is_released_a_turn_s_budget_at_a_time(
+    writing: _Writing, clock: _Clock
+) -> None:
+    """200 snapshot requests that came in during one commit are not all
+    served in the turn it lands: each turn runs what fits its budget, in order."""
+    rig, loop, gate = writing.rig, writing.loop, writing.gate
+    ran: list[int] = []
+
+    def request(n: int) -> Callable[[], None]:
+        def serve() -> None:
+            ran.append(n)
+            clock.now += 0.004  # each takes 4 ms of the loop
+
+        return serve
+
+    rig.write("/a", b"1")
+    rig.part.commit_and_publish()
+    for n in range(10):
+        rig.part.when_published(request(n))
+    gate.open.set()
+    loop.run_next()  # lands: 10 ms of the 40 it would take
+    assert _keys(rig.published) == [b"/a"] and ran == [0, 1, 2]
+    late: list[str] = []
+    rig.part.when_published(lambda: late.append("late"))  # behind those released
+    assert late == []
+    turns = 1
+    while not late:
+        loop.run_next()
+        turns += 1
+    assert ran == list(range(10)) and late == ["late"]  # in order, the late one last
+    assert turns == 4  # 3, 3, 3, then the tenth and the late one
 
 
 def test_a_failed_commit_stops_the_server_and_confirms_nothing(writing: _Writing) -> None:
