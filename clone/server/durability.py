@@ -217,6 +217,8 @@ class Durability:
         server at once."""
         writer, self._writer = self._writer, None
         self._job = None
+        self._waiters.clear()  # nothing is answered after the stop
+        self._ready.clear()
         if writer is not None and not writer.close(STOP_WAIT):
             log.warning(
                 "the commit in flight did not finish within %.1f s of the stop; exiting"
@@ -535,7 +537,9 @@ class Durability:
             for frames in self.commit():
                 publish(frames)
             return
-        if self._job is None and self._storage_error is None:
+        if self._storage_error is not None:
+            self._gather()  # fail-stop: dropped, never written nor published
+        elif self._job is None:
             self._submit()
         elif self.core.role is not Role.PASSIVE:
             # In the next job, published when it lands; a passive's journal
