@@ -524,7 +524,9 @@ class Durability:
         following): on the writer thread as :meth:`commit_and_publish`."""
         if self._writer is None:
             self.commit()
-        elif self._job is None and self._storage_error is None:
+        elif self._storage_error is not None:
+            self._gather()  # fail-stop: dropped, never written
+        elif self._job is None:
             self._submit(publish=False)
 
     def commit_and_publish(self) -> None:
