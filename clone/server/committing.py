@@ -16,10 +16,10 @@ sets its ``done`` event and asks the loop, through ``notify`` (tornado's
 its updates published and the replies that waited for it sent.  So an update
 is still published only after its commit, and in sequence order.
 
-While a job is in flight the server reads none of its sockets (a part's
-streams are paused, :meth:`.sockets.ServerSockets.pause`): nothing new is
-applied, so the state the loop serves is the committed one plus the job's
-own updates, and what a later handler changes goes in the next job.  The
+While a job is in flight the server's streams are paused
+(:meth:`.sockets.ServerSockets.pause`): hardly anything new is applied (the
+snapshot port's backlog look after its own sends still reads requests, and
+the timers run), and what changes meanwhile goes in the next job.  The
 timers run: the heartbeat announces the sequence published so far, and Binary
 Star's own sockets are read as always.  A job's write may use the storage's
 connection only from the writer thread; the loop waits for the writer
