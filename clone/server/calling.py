@@ -64,9 +64,10 @@ def _who(identity: bytes) -> str:
 class Caller:
     """Answer CALL?s on the ROUTER; commit before confirming.
 
-    ``commit`` commits and publishes this turn's changes and says whether
-    they are on disk (False: the server is stopping or failed to write, so
-    nothing is confirmed).  ``router_backlog`` reads the requests a send from
+    ``commit`` commits this turn's changes and calls back once they are on
+    disk and published (perhaps on a later loop turn: the commit writer's,
+    clone.server.committing), never if the server is stopping or failed to
+    write, so nothing unwritten is confirmed.  ``router_backlog`` reads the requests a send from
     outside the ROUTER's own callback may have hidden (:mod:`.sending`).
     ``next_turn`` runs a callback on the loop's next turn (False: no loop).
     ``forward`` is given to a relay's caller only: every call goes there.
@@ -79,7 +80,7 @@ class Caller:
         access: Access,
         router: zmq.Socket[Any],
         *,
-        commit: Callable[[], bool],
+        commit: Callable[[Callable[[], None]], None],
         router_backlog: Backlog,
         next_turn: Callable[[Callable[[], None]], bool],
         trusted_relays: Collection[str] = (),
@@ -179,13 +180,15 @@ class Caller:
         """Once per turn: commit what the calls changed, then confirm them."""
         self._scheduled = False
         replies, self._replies = self._replies, []
-        if not self._commit():
-            return  # stopping, or fail-stop: nothing unwritten is confirmed
-        # Sent from a callback of ours, not the ROUTER stream's: the burst
-        # looks at the requests our sends may have hidden (sending.py).
-        with Burst(self._router_backlog) as burst:
-            for identity, reply in replies:
-                self.send_reply(identity, reply, burst=burst)
+
+        def confirm() -> None:
+            # Sent from a callback of ours, not the ROUTER stream's: the burst
+            # looks at the requests our sends may have hidden (sending.py).
+            with Burst(self._router_backlog) as burst:
+                for identity, reply in replies:
+                    self.send_reply(identity, reply, burst=burst)
+
+        self._commit(confirm)
 
     def send_reply(
         self, identity: bytes, reply: Reply, *, backlog: Backlog = None, burst: Burst | None = None

@@ -27,19 +27,21 @@ from __future__ import annotations
 import logging
 import sqlite3
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import astuple
+from dataclasses import astuple, dataclass
 
 from clone.errors import StorageBusy, StorageError
 from clone.server.budget import check_fits
+from clone.server.committing import CommitJob, CommitWriter
 from clone.server.config import ServerConfig
 from clone.server.conflicts import ConflictRecord
-from clone.server.core import ServerCore
-from clone.server.journal import OpKind, published
-from clone.server.shared import Shared
+from clone.server.core import Role, ServerCore
+from clone.server.journal import Op, OpKind, published
+from clone.server.shared import TURN_BUDGET, Shared
 from clone.storage import FsyncPolicy, Storage, restore_into
 
-__all__ = ["CONFLICTS_BUSY_WAIT", "Durability"]
+__all__ = ["CONFLICTS_BUSY_WAIT", "STOP_WAIT", "Durability"]
 
 log = logging.getLogger("clone.server.reactor")
 
@@ -47,6 +49,29 @@ log = logging.getLogger("clone.server.reactor")
 #: holds before leaving them for a later turn (seconds): the loop's turn, not
 #: the 2 s an update's commit may wait.
 CONFLICTS_BUSY_WAIT = 0.05
+
+#: How long the stop waits for the commit in flight (seconds): SIGTERM must
+#: stop the server within a second even while its disk is stuck.
+STOP_WAIT = 0.5
+
+
+def _nothing() -> None:
+    pass
+
+
+@dataclass(slots=True)
+class _Turn:
+    """One turn's changes, gathered on the loop, written on either thread."""
+
+    ops: list[Op]
+    updates: list[list[bytes]]  # what its commit lets us publish
+    dirty: list[ConflictRecord]
+    dropped: list[int]
+    term: int
+    at: float = 0.0
+    keep_from: int | None = None
+    busy: StorageBusy | None = None  # its conflicts-only write found the lock held
+    publish: bool = True  # False: a passive's turn of following, committed only
 
 
 class Durability:
@@ -89,6 +114,18 @@ class Durability:
         # Whether our stored data was last written while we followed the peer.
         self._data_following = False
         self._storage_error: BaseException | None = None  # set once: fail-stop
+        # The commit writer (clone.server.committing), once the loop runs.
+        self._writer: CommitWriter | None = None
+        self._job: CommitJob | None = None  # the commit in flight
+        self._waiters: list[Callable[[], None]] = []  # for the next job
+        self._published_through = 0  # while a job is in flight: what HUGZ may announce
+        self._next_publish = False  # whether the next job's updates are published
+        # Committed, waiting for their turn (:meth:`_release`).
+        self._ready: deque[Callable[[], None]] = deque()
+        self._ready_scheduled = False
+        self._schedule: Callable[[Callable[[], None]], object] | None = None
+        self._pause: Callable[[], None] = _nothing
+        self._resume: Callable[[], None] = _nothing
 
     @property
     def storage(self) -> Storage | None:
@@ -170,6 +207,27 @@ class Durability:
         )
 
     def close(self) -> None:
+        """Wait for the commit in flight (it is finished, not published:
+        nothing is confirmed after the stop), then close the data directory.
+
+        At most :data:`STOP_WAIT`: a commit stuck on a slow disk is left to
+        finish or not as the process exits, as if it had been killed in the
+        middle of it (SQLite rolls an unfinished transaction back at the next
+        start; its writers were never told), so that SIGTERM still stops the
+        server at once."""
+        writer, self._writer = self._writer, None
+        self._job = None
+        self._waiters.clear()  # nothing is answered after the stop
+        self._ready.clear()
+        if writer is not None and not writer.close(STOP_WAIT):
+            log.warning(
+                "the commit in flight did not finish within %.1f s of the stop; exiting"
+                " without it (its updates were not confirmed; SQLite keeps or rolls it"
+                " back whole at the next start)",
+                STOP_WAIT,
+            )
+            self._storage = None
+            return
         storage, self._storage = self._storage, None
         if storage is not None:
             try:
@@ -192,8 +250,9 @@ class Durability:
     # -- group commit --------------------------------------------------------
 
     def commit(self) -> list[list[bytes]]:
-        """Write this turn's changes in one transaction; return the updates,
-        in order, which may now be published.  Nothing on a write failure.
+        """Write this turn's changes in one transaction, on the loop thread,
+        after any commit in flight has landed; return the updates, in order,
+        which may now be published.  Nothing on a write failure.
 
         The conflicts recorded, resolved or dropped this turn go in the
         transaction of the turn's updates; in a turn without updates (a
@@ -203,73 +262,248 @@ class Durability:
         so a late row risks only a crash in between (its writer was told all
         the same), and a busy database must not stop the server.
         """
+        self.drain()
+        turn = self._gather()
+        waiters, self._waiters = self._waiters, []
+        storage = self._storage
+        updates: list[list[bytes]] = []
+        if turn is not None and self._storage_error is None:
+            if storage is None:
+                updates = turn.updates
+                if updates:
+                    self._committed(updates)
+            else:
+                try:
+                    self._write(storage, turn)
+                except (sqlite3.Error, OSError, StorageError) as exc:
+                    self._finish(turn, exc)
+                else:
+                    updates = self._finish(turn, None)
+        if self._storage_error is None:
+            self._release(waiters)  # committed: what waited may go
+        return updates
+
+    def _gather(self) -> _Turn | None:
+        """On the loop: take this turn's changes from the journal and the conflicts book."""
         ops = self.core.journal.take()
         book = self.core.conflicts
         if book.dropped != self.counters.get("split_conflicts_dropped", 0):
             self._conflicts_dropped(book.dropped)
         dirty = book.take_dirty()
         dropped = book.take_dropped()
-        storage = self._storage
-        if storage is None or self._storage_error is not None:
+        if self._storage is None or self._storage_error is not None:
             dirty, dropped = [], []
-        rows = [astuple(r) for r in dirty]
-        if (
-            storage is not None
-            and (rows or dropped)
-            and not any(op.kind is OpKind.UPDATES for op in ops)
-        ):
+        if not ops and not dirty and not dropped:
+            return None
+        return _Turn(
+            ops,
+            published(ops) if ops else [],
+            dirty,
+            dropped,
+            self._current_term(),
+            self._wallclock(),
+            self.core.history.keep_from,
+        )
+
+    @staticmethod
+    def _write(storage: Storage, turn: _Turn) -> None:
+        """Write a gathered turn (on the loop or the writer thread); raises on a write error."""
+        rows: list[tuple[object, ...]] = [astuple(r) for r in turn.dirty]
+        dropped = turn.dropped
+        ops = turn.ops
+        if (rows or dropped) and not any(op.kind is OpKind.UPDATES for op in ops):
             try:
                 storage.write_conflicts(rows, dropped, busy_timeout=CONFLICTS_BUSY_WAIT)
             except StorageBusy as exc:
-                book.put_back(dirty, dropped)
-                self.counters["conflict_writes_deferred"] = (
-                    self.counters.get("conflict_writes_deferred", 0) + 1
-                )
-                self._throttle.log(
-                    "conflicts-busy",
-                    logging.WARNING,
-                    "recording split-brain conflicts waits: %s; they are kept in memory and"
-                    " written at a later turn",
-                    exc,
-                )
-            except (sqlite3.Error, OSError, StorageError) as exc:
-                self._storage_failed(exc)
-                return []
+                turn.busy = exc
             rows, dropped = [], []
-        if not ops:
+        term = turn.term
+        for op in ops:
+            kind = op.kind
+            if kind is OpKind.UPDATES:
+                storage.append(
+                    op.updates,
+                    term=term,
+                    at=turn.at,
+                    keep_from=turn.keep_from,
+                    conflict_rows=rows,
+                    conflict_drops=dropped,
+                )
+                rows, dropped = [], []
+            elif kind is OpKind.STAGE:
+                storage.stage(op.staged)
+            elif kind is OpKind.BEGIN_REPLACE:
+                storage.begin_replace()
+            else:
+                storage.finish_replace(op.sequence, term)
+
+    def _finish(self, turn: _Turn, error: BaseException | None) -> list[list[bytes]]:
+        """On the loop, once a turn's write returned: the updates to publish."""
+        if turn.busy is not None:
+            self.core.conflicts.put_back(turn.dirty, turn.dropped)
+            self.counters["conflict_writes_deferred"] = (
+                self.counters.get("conflict_writes_deferred", 0) + 1
+            )
+            self._throttle.log(
+                "conflicts-busy",
+                logging.WARNING,
+                "recording split-brain conflicts waits: %s; they are kept in memory and"
+                " written at a later turn",
+                turn.busy,
+            )
+        if error is not None:
+            self._storage_failed(error)
             return []
-        updates = published(ops)
-        if storage is None or self._storage_error is not None:
+        if not turn.ops:
+            return []
+        self._data_term = turn.term
+        self._committed(turn.updates)
+        return turn.updates
+
+    # -- the commit writer (clone.server.committing) ----------------------------
+
+    def start_writer(
+        self,
+        schedule: Callable[[Callable[[], None]], object],
+        *,
+        pause: Callable[[], None],
+        resume: Callable[[], None],
+    ) -> None:
+        """From now on :meth:`commit_and_publish` commits on the writer thread.
+
+        ``schedule`` runs a callback on the loop and is safe from any thread
+        (tornado's ``add_callback``); ``pause`` and ``resume`` stop and restart
+        reading the server's sockets while a commit is in flight.  Without a
+        data directory there is nothing to write and no thread.
+        """
+        if self._storage is None or self._writer is not None:
+            return
+        self._pause, self._resume = pause, resume
+        self._schedule = schedule
+
+        def notify() -> None:
+            try:
+                schedule(self._land)
+            except RuntimeError:
+                pass  # the loop is closed: close() waits for the writer instead
+
+        self._writer = CommitWriter(notify)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a commit is being written on the writer thread."""
+        return self._job is not None
+
+    def announced_sequence(self) -> int:
+        """The sequence a HUGZ may announce: the last one published.  While a
+        commit is in flight its updates are applied but not yet sent."""
+        job = self._job
+        return self._published_through if job is not None else self.core.store.sequence
+
+    def when_published(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` once every change made so far is committed and
+        published: now if nothing waits, else when the commit holding them
+        lands.  Never after a write error (nothing unwritten is confirmed)."""
+        if self._storage_error is not None:
+            return
+        if self._job is None and not self.core.journal:
+            if self._ready:
+                self._ready.append(callback)  # after what was released before it
+            else:
+                callback()
+        elif self._job is not None and not self.core.journal:
+            self._job.waiters.append(callback)
+        else:
+            self._waiters.append(callback)  # in the next job
+            if self._job is None:
+                self.commit_and_publish()
+
+    def drain(self) -> None:
+        """Block until no commit is in flight, publishing each as it lands
+        (a role change, which writes on the loop thread next)."""
+        while self._job is not None and self._writer is not None:
+            self._writer.wait(self._job)
+            self._land(more=False)  # what changed since is the caller's to commit
+
+    def _submit(self, publish: bool = True) -> None:
+        """Hand this turn's changes to the writer and pause the sockets;
+        publish them when the commit lands if ``publish``."""
+        writer, storage = self._writer, self._storage
+        assert writer is not None and storage is not None
+        self._next_publish = False
+        turn = self._gather()
+        waiters, self._waiters = self._waiters, []
+        if turn is None or self._storage_error is not None:
+            if self._storage_error is None:
+                self._release(waiters)
+            return
+        turn.publish = publish
+        updates = turn.updates
+        before = int.from_bytes(updates[0][1], "big") - 1 if updates else self.core.store.sequence
+        self._published_through = before
+        job = CommitJob(
+            lambda: self._write(storage, turn),
+            turn=turn,
+            through=self.core.store.sequence,
+            waiters=waiters,
+        )
+        self._job = job
+        self._pause()
+        writer.submit(job)
+
+    def _land(self, more: bool = True) -> None:
+        """On the loop: the job in flight was written; publish it, tell its
+        waiters, and hand over what accumulated meanwhile (if ``more``), else
+        read again."""
+        job = self._job
+        if job is None or not job.done.is_set():
+            return
+        self._job = None
+        updates = self._finish(job.turn, job.error)
+        if self._storage_error is not None:
+            return  # fail-stop: the sockets stay paused until the server stops
+        if job.turn.publish:
+            publish = self._publish
+            for frames in updates:
+                publish(frames)
+        self._published_through = job.through
+        self._release(job.waiters)
+        if more and (self.core.journal or self._waiters):
+            # Only a passive's turns of following are committed without publishing.
+            self._submit(publish=self._next_publish or self.core.role is not Role.PASSIVE)
+        if self._job is None:
+            self._resume()
+
+    def _release(self, callbacks: list[Callable[[], None]]) -> None:
+        """Run what waited for a commit, in order, at most a turn's budget
+        now and the rest in the next turns: a storm of snapshot requests that
+        came in during one commit must not all be served in one turn."""
+        if not callbacks:
+            return
+        self._ready.extend(callbacks)
+        if not self._ready_scheduled:
+            self._run_ready()
+
+    def _run_ready(self) -> None:
+        self._ready_scheduled = False
+        ready = self._ready
+        stop_at = self._clock() + TURN_BUDGET
+        while ready:
             if self._storage_error is not None:
-                return []
-            self._committed(updates)
-            return updates
-        term = self._current_term()
+                ready.clear()  # fail-stop: nothing more is confirmed
+                return
+            self._run_waiter(ready.popleft())
+            if ready and self._schedule is not None and self._clock() >= stop_at:
+                self._ready_scheduled = True
+                self._schedule(self._run_ready)
+                return
+
+    def _run_waiter(self, callback: Callable[[], None]) -> None:
         try:
-            for op in ops:
-                kind = op.kind
-                if kind is OpKind.UPDATES:
-                    storage.append(
-                        op.updates,
-                        term=term,
-                        at=self._wallclock(),
-                        keep_from=self.core.history.keep_from,
-                        conflict_rows=rows,
-                        conflict_drops=dropped,
-                    )
-                    rows, dropped = [], []
-                elif kind is OpKind.STAGE:
-                    storage.stage(op.staged)
-                elif kind is OpKind.BEGIN_REPLACE:
-                    storage.begin_replace()
-                else:
-                    storage.finish_replace(op.sequence, term)
-        except (sqlite3.Error, OSError, StorageError) as exc:
-            self._storage_failed(exc)
-            return []
-        self._data_term = term
-        self._committed(updates)
-        return updates
+            callback()
+        except Exception:
+            self.counters["internal_errors"] = self.counters.get("internal_errors", 0) + 1
+            log.exception("internal error in %s", getattr(callback, "__name__", callback))
 
     def _conflicts_dropped(self, dropped: int) -> None:
         """Unresolved conflicts went over ``--max-conflict-bytes``: counted
@@ -286,17 +520,38 @@ class Durability:
         )
 
     def commit_only(self) -> None:
-        """Commit this turn's changes, publish nothing (a passive's turn of following)."""
-        self.commit()
+        """Commit this turn's changes, publish nothing (a passive's turn of
+        following): on the writer thread as :meth:`commit_and_publish`."""
+        if self._writer is None:
+            self.commit()
+        elif self._storage_error is not None:
+            self._gather()  # fail-stop: dropped, never written
+        elif self._job is None:
+            self._submit(publish=False)
 
     def commit_and_publish(self) -> None:
-        publish = self._publish
-        for frames in self.commit():
-            publish(frames)
+        """Commit this turn's changes and publish them once committed: on the
+        writer thread once :meth:`start_writer` ran (later, when the commit
+        lands; one in flight at a time, what comes meanwhile goes in the
+        next), else here and now."""
+        if self._writer is None:
+            publish = self._publish
+            for frames in self.commit():
+                publish(frames)
+            return
+        if self._storage_error is not None:
+            self._gather()  # fail-stop: dropped, never written nor published
+        elif self._job is None:
+            self._submit()
+        elif self.core.role is not Role.PASSIVE:
+            # In the next job, published when it lands; a passive's journal
+            # holds what it follows, never published by it.
+            self._next_publish = True
 
     def record_term(self) -> None:
         """A promotion: later writes carry our new epoch; record it even
         before the first one, so our rank says we were elected after the peer."""
+        self.drain()
         storage = self._storage
         term = self._current_term()
         if storage is None or term == self._data_term or self._storage_error is not None:
@@ -313,6 +568,7 @@ class Durability:
         publish as the active or apply the peer's first update as the passive.
         Restarted from data written as a follower, we wait for the peer
         instead of serving alone (``BinaryStar(behind_peer=True)``)."""
+        self.drain()
         storage = self._storage
         if storage is None or following == self._data_following or self._storage_error is not None:
             return

@@ -567,9 +567,10 @@ class CloneServer:
         self.monitor.note_changes(updates)
 
     def _serve_held(self, identity: bytes, subtree: str, options: dict[str, Any]) -> None:
-        """A snapshot request the healer held: served now."""
-        if self.streams is not None:
-            self.streams.serve(identity, subtree, **options)
+        """A snapshot request the healer held: served once what was applied is published."""
+        streams = self.streams
+        if streams is not None:
+            self.durability.when_published(lambda: streams.serve(identity, subtree, **options))
 
     def _promote(self) -> None:
         """A vote we won while starting or passive: the promotion first."""

@@ -355,9 +355,12 @@ class RelayLink:
             upstream_stale=self._upstream_stale,
         )
 
-    def hugz(self, heartbeat_ms: int) -> list[bytes]:
-        """Our own HUGZ: our sequence, and whether we have lost the pair."""
-        return encode_hugz(self._core.store.sequence, heartbeat_ms, stale=self.stale())
+    def hugz(self, heartbeat_ms: int, sequence: int | None = None) -> list[bytes]:
+        """Our own HUGZ: our sequence (``sequence``: the one published so far,
+        while a commit is in flight), and whether we have lost the pair."""
+        if sequence is None:
+            sequence = self._core.store.sequence
+        return encode_hugz(sequence, heartbeat_ms, stale=self.stale())
 
     def on_control(self, frames: list[bytes]) -> None:
         """A control message from the upstream's CURVE publisher, to our key.

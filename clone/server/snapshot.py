@@ -40,8 +40,9 @@ the stream starts so that it is consistent with the recorded sequence.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Sequence
-from itertools import compress, repeat
+from itertools import accumulate, compress, repeat
 from operator import itemgetter
 from typing import cast
 
@@ -95,6 +96,7 @@ class SnapshotStream:
         "_prefix",
         "_prefixes",
         "_served",
+        "_sizes",
         "_total",
         "batch",
         "batches_sent",
@@ -129,6 +131,7 @@ class SnapshotStream:
         self._end_properties = end_properties
         self._lookup = store.entry
         self._lookup_many = store.entries
+        self._sizes = store.held_sizes
         self._served = served
         self._keys = store.raw_keys()
         self._total = len(self._keys)
@@ -231,6 +234,16 @@ class SnapshotStream:
             del picked[MAX_BATCH_ENTRIES:]
         if not picked:
             return None if index < end else self._end()
+        sizes = self._sizes(picked)
+        if sum(sizes) >= BATCH_TARGET_BYTES and len(picked) > 1:
+            # Large values: cut the batch at the byte target before slicing
+            # them out of the store.  Looking up the whole window first copied
+            # every remaining value at each batch (the hostile drill's disk
+            # attack, 165 MB of 512 KB values: 4.6 s of one loop turn).
+            n = max(1, bisect_left(list(accumulate(sizes)), BATCH_TARGET_BYTES) + 1)
+            if n < len(picked):
+                self._carry[:0] = picked[n:]
+                del picked[n:]
         found = self._lookup_many(picked)
         if None in found:  # deleted since the snapshot started
             kept = [(k, e) for k, e in zip(picked, found, strict=True) if e is not None]

@@ -44,6 +44,9 @@ class ServerSockets:
         self._counters = counters
         self.loop: IOLoop | None = None
         self._streams: list[ZMQStream] = []
+        # Each stream's guarded handler and copy flag, to read it again after a pause.
+        self._handlers: dict[ZMQStream, tuple[Callable[[list[Any]], None], bool]] = {}
+        self._paused = False
 
     def socket(self, kind: int, *, bound: bool = False) -> zmq.Socket[Any]:
         """A socket with our defaults; with CURVE on, set up as a server if
@@ -61,9 +64,33 @@ class ServerSockets:
         """``handler`` gets bytes, or ``zmq.Frame``s with ``copy=False``."""
         assert self.loop is not None
         stream = ZMQStream(sock, self.loop)
-        stream.on_recv(self.guard(handler), copy=copy)
+        guarded = self.guard(handler)
+        self._handlers[stream] = (guarded, copy)
+        if not self._paused:
+            stream.on_recv(guarded, copy=copy)
         self._streams.append(stream)
         return stream
+
+    def pause(self) -> None:
+        """Read none of our streams until :meth:`resume`: a commit is in
+        flight (clone.server.committing), and nothing may change the state
+        it will publish.  Binary Star's sockets and the publisher are not
+        ours: the heartbeat and the pair's link go on."""
+        if self._paused:
+            return
+        self._paused = True
+        for stream in self._streams:
+            stream.stop_on_recv()
+
+    def resume(self) -> None:
+        """Read every stream again (what arrived meanwhile is read at once)."""
+        if not self._paused:
+            return
+        self._paused = False
+        for stream in self._streams:
+            handler, copy = self._handlers[stream]
+            if not stream.closed():
+                stream.on_recv(handler, copy=copy)
 
     def guard(self, handler: Callable[[list[_F]], None]) -> Callable[[list[_F]], None]:
         """Wrap a socket handler so that a bug is logged, never fatal."""
@@ -82,6 +109,7 @@ class ServerSockets:
         """Stop reading ``stream`` and close its socket."""
         if stream in self._streams:
             self._streams.remove(stream)
+        self._handlers.pop(stream, None)
         stream.close(linger=0)
 
     def close(self) -> None:
@@ -89,3 +117,4 @@ class ServerSockets:
         for stream in self._streams:
             stream.close(linger=0)
         self._streams.clear()
+        self._handlers.clear()

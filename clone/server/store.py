@@ -77,6 +77,11 @@ def _pack(entry: Entry) -> _Held:
     return b"".join((seq, uuid, body))
 
 
+def _packed_or_empty(held: _Held | None) -> bytes:
+    """What :meth:`Store.held_sizes` measures: a packed entry, else nothing."""
+    return held if type(held) is bytes else b""
+
+
 def _unpack(held: _Held) -> Entry:
     if isinstance(held, bytes):
         return (held[:8], held[8:24], b"", held[24:])
@@ -196,6 +201,12 @@ class Store:
             packed = cast(list[bytes], found)
             return list(zip(map(_SEQ, packed), map(_UUID, packed), repeat(b""), map(_BODY, packed)))
         return [None if held is None else _unpack(held) for held in found]
+
+    def held_sizes(self, raw_keys: Sequence[bytes]) -> list[int]:
+        """For each key, the bytes held packed (0 if absent or not packed), in
+        C and without copying a value: a batched snapshot sizes its batch by
+        them before :meth:`entries` slices the values out."""
+        return list(map(len, map(_packed_or_empty, map(self._map.get, raw_keys))))
 
     def keys(self) -> list[str]:
         """The keys as text, in insertion order (for tests and tools)."""

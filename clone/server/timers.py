@@ -35,6 +35,7 @@ from clone.server.security import Security
 from clone.server.shared import Shared
 from clone.server.streaming import SnapshotStreams
 from clone.server.voting import HeldVotes
+from clone.wire.codec import encode_hugz
 
 __all__ = ["HOUSEKEEPING", "Timers"]
 
@@ -134,9 +135,14 @@ class Timers:
                 # and the passive would resync.  Publish it first.
                 if self.core.journal:
                     self.durability.commit_and_publish()
-                self._publish_hugz(self.core.hugz(self._heartbeat_ms), stale=False)
+                # The sequence published so far: while a commit is in flight
+                # (clone.server.committing) its updates are applied, not sent.
+                sequence = self.durability.announced_sequence()
+                self._publish_hugz(encode_hugz(sequence, self._heartbeat_ms), stale=False)
             elif self.relay is not None:
-                self._publish_hugz(self.relay.hugz(self._heartbeat_ms), stale=self.relay.stale())
+                relay = self.relay
+                hugz = relay.hugz(self._heartbeat_ms, self.durability.announced_sequence())
+                self._publish_hugz(hugz, stale=relay.stale())
             # Subscriptions our sends may have hidden from the XPUB's reader.
             self.publisher_port.take_subscriptions()
         except Exception:
@@ -155,7 +161,7 @@ class Timers:
         self.counters["hugz_sent"] += 1
         security = self.security
         if security.view_counts:
-            sequence = self.core.store.sequence
+            sequence = self.durability.announced_sequence()
             for frames in security.view_heartbeats(sequence, self._heartbeat_ms, stale=stale):
                 self.publisher.publish(frames)
 

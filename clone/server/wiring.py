@@ -10,6 +10,7 @@ and no part keeps a reference to the server, only to the callbacks.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import zmq
@@ -26,6 +27,9 @@ from clone.server.serving import SnapshotPort
 from clone.server.streaming import SnapshotStreams
 from clone.server.timers import Timers
 from clone.server.voting import HeldVotes
+
+#: How a snapshot request is handed to the streams (SnapshotStreams.serve).
+Serve = Callable[..., None]
 
 if TYPE_CHECKING:
     from clone.server.reactor import CloneServer
@@ -58,7 +62,8 @@ def build_serving(server: CloneServer, router: zmq.Socket[Any]) -> None:
         stopping=stopping,
     )
     votes = server.votes = HeldVotes(
-        server.config, server.shared, loop, ha=lambda: server._ha, serve=streams.serve,
+        server.config, server.shared, loop, ha=lambda: server._ha,
+        serve=_serve_published(server, streams.serve),
         stopping=stopping,
     )  # fmt: skip
     port = server.snapshot_port = SnapshotPort(
@@ -70,7 +75,7 @@ def build_serving(server: CloneServer, router: zmq.Socket[Any]) -> None:
         secure=secure,
         healer=server.healer,
         votes=votes,
-        serve=streams.serve,
+        serve=_serve_published(server, streams.serve),
         on_call=server._on_call,
         on_conflicts=server._answer_conflicts,
         status=server.monitor.status,
@@ -135,7 +140,7 @@ def build_parts(
         server.shared,
         server.access,
         router,
-        commit=lambda: _commit_for_replies(server),
+        commit=lambda then: _commit_for_replies(server, then),
         router_backlog=port.take_backlog,
         next_turn=server._next_turn,
         trusted_relays=cfg.trusted_relays,
@@ -208,18 +213,33 @@ def _peer_term(server: CloneServer) -> int | None:
     """The followed server's term: Binary Star's peer epoch (None unpaired)."""
     return server._ha.peer_epoch if server._ha is not None else None
 
-def _commit_for_replies(server: CloneServer) -> bool:
-    """Commit and publish this turn; whether its changes may be confirmed."""
+def _commit_for_replies(server: CloneServer, then: Callable[[], None]) -> None:
+    """Commit and publish this turn; ``then`` once its changes may be confirmed
+    (never while stopping, nor after a write error: fail-stop)."""
     if server._stopping:
-        return False
+        return
     server.durability.commit_and_publish()
-    return server.durability.error is None  # fail-stop: nothing unwritten is confirmed
+    server.durability.when_published(then)
+
+
+def _serve_published(server: CloneServer, serve: Serve) -> Serve:
+    """A snapshot request is served once what was applied before it is
+    published: a commit in flight (clone.server.committing) lands first, so
+    no snapshot holds an update its writer was not confirmed."""
+
+    def serve_when_published(identity: bytes, subtree: str, **how: Any) -> None:
+        server.durability.when_published(lambda: serve(identity, subtree, **how))
+
+    return serve_when_published
 
 
 def build_timers(server: CloneServer) -> Timers:
-    """The heartbeat, housekeeping and stats timers, last: they drive the parts."""
+    """The heartbeat, housekeeping and stats timers, last: they drive the parts.
+    From here on commits run on the commit writer's thread (clone.server.committing)."""
     loop = server.loop
     assert loop is not None
+    sockets = server.sockets
+    server.durability.start_writer(loop.add_callback, pause=sockets.pause, resume=sockets.resume)
     assert server.streams is not None and server.votes is not None
     assert server.publisher_port is not None
     return Timers(

@@ -35,6 +35,8 @@ class _Rig:
         )
         self.commits = 0
         self.on_disk = True
+        self.hold = False
+        self.landings: list[Callable[[], None]] = []
         self.looks = 0
         self.turns: list[Callable[[], None]] = []
         self.forwarded: list[tuple[bytes, list[bytes], str | None, str]] = []
@@ -51,10 +53,15 @@ class _Rig:
             forward=self._forward if relay else None,
         )
 
-    def _commit(self) -> bool:
+    def _commit(self, then: Callable[[], None]) -> None:
         self.commits += 1
         self.core.journal.take()
-        return self.on_disk
+        if not self.on_disk:
+            return  # the commit failed (or the server is stopping): never confirmed
+        if self.hold:
+            self.landings.append(then)  # written on the commit writer's thread, landed later
+        else:
+            then()
 
     def _next_turn(self, callback: Callable[[], None]) -> bool:
         self.turns.append(callback)
@@ -110,6 +117,19 @@ def test_a_change_is_confirmed_only_after_the_turns_commit(rig: _Rig) -> None:
     assert second is not None and second.sequence == 2
     # Sent from outside the ROUTER's callback: one look at its backlog for the burst.
     assert rig.looks == 1
+
+
+def test_replies_wait_for_a_commit_that_lands_on_a_later_turn(rig: _Rig) -> None:
+    """The commit writer's thread writes the turn; the replies go when it lands."""
+    caller = rig.caller()
+    rig.hold = True
+    rig.call(caller, encode_call(OP_SET, UUID, "/k", (), b"v"))
+    rig.turns.pop()()
+    assert rig.commits == 1 and caller.waiting == 0 and len(rig.landings) == 1
+    assert rig.reply(timeout_ms=100) is None  # written, not yet landed: not confirmed
+    rig.landings.pop()()
+    reply = rig.reply()
+    assert reply is not None and (reply.uuid, reply.status, reply.sequence) == (UUID, "ok", 1)
 
 
 def test_nothing_unwritten_is_confirmed(rig: _Rig) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import logging
 import sqlite3
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -32,11 +33,17 @@ class _Rig:
     """A durable standalone core and its Durability part; what the part's
     callbacks were given."""
 
-    def __init__(self, data_dir: Path, *, ha_term: int | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        ha_term: int | None = None,
+        clock: Callable[[], float] = lambda: 0.0,
+    ) -> None:
         self.config = ServerConfig(port=5556, data_dir=str(data_dir))
         self.core = ServerCore(self.config.core, standalone=True, durable=True)
         self.counters: dict[str, int] = {"storage_errors": 0}
-        self.shared = Shared(Throttle(log, lambda: 0.0), lambda: 0.0, lambda: 1000.0, self.counters)
+        self.shared = Shared(Throttle(log, clock), clock, lambda: 1000.0, self.counters)
         self.published: list[list[bytes]] = []
         self.committed: list[list[list[bytes]]] = []
         self.stops = 0
