@@ -24,7 +24,7 @@ from clone.client.status import query_status
 from clone.tools.bench.processes import SNAP_SUBTREE, kvset
 from clone.wire.delta import since_metadata, update_digest
 from clone.wire.frames import cap_message_size, recv_frames
-from clone.wire.protocol import COLLECTOR_OFFSET, PUBLISHER_OFFSET
+from clone.wire.protocol import COLLECTOR_OFFSET, HUGZ, PUBLISHER_OFFSET
 
 __all__ = ["RESYNC_MODES", "RESYNC_RUNS", "before_kill"]
 
@@ -48,19 +48,28 @@ def before_kill(ctx: zmq.Context[Any], active_port: int, holder_ports: Sequence[
     pub.sndhwm = 0
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, _BEFORE)
+    sub.setsockopt(zmq.SUBSCRIBE, HUGZ)
     cap_message_size(sub)
     pub.connect(f"tcp://127.0.0.1:{active_port + COLLECTOR_OFFSET}")
     sub.connect(f"tcp://127.0.0.1:{active_port + PUBLISHER_OFFSET}")
     msg = kvset(_BEFORE, b"before the failover", 1 << 41)  # one uuid: one update
     deadline = time.monotonic() + timeout
     try:
+        # A resend of one uuid is not published again: send only once a HUGZ
+        # says our subscription is in place.
+        attached = False
         frames: list[bytes] | None = None
         while frames is None:
             if time.monotonic() > deadline:
                 raise TimeoutError("the update before the kill was not published")
-            pub.send_multipart(msg)
+            if attached:
+                pub.send_multipart(msg)
             if sub.poll(50):
-                frames = recv_frames(sub)
+                got = recv_frames(sub)
+                if got[0] == HUGZ:
+                    attached = True
+                else:
+                    frames = got
     finally:
         pub.close(linger=0)
         sub.close(linger=0)
