@@ -19,18 +19,25 @@ a full resync).  A new history is empty and accepts any first update.
 The database log can drop rows below :attr:`History.keep_from`: this history
 never needs them again.
 
-An index from each held update's uuid to its frames (which hold its
-sequence: no int object per update) answers "what sequence
-did the write with this uuid get" in O(1) (a retried call, and every write a
-split brain's loser forwards, asks it: a scan per write stalled a healing
-server for a minute).  It changes only where the ring does: an append adds
-(the newest update with a uuid wins, as a newest-first scan would find it), an
-eviction removes the entry if it still names the evicted update, a restart or
-reset clears it.  Sans-IO: no sockets, no clock, no database.
+An index from each held update's uuid to what is held for it (which holds
+its sequence: no int object per update) answers "what sequence did the write
+with this uuid get" in O(1) (a retried call, and every write a split brain's
+loser forwards, asks it: a scan per write stalled a healing server for a
+minute).  It is built when first asked, in one pass over the ring, and then
+kept up where the ring changes: an append adds (the newest update with a uuid
+wins, as a newest-first scan would find it), an eviction removes the entry if
+it still names the evicted update, a restart or reset clears it.  Once the
+ring has turned over wholly (``max_updates`` appends) without a question, the
+index is dropped: the question is rare outside a heal, and a dict slot and a
+uuid object per held update were about 100 bytes per key at 100,000 keys
+(the memory per key at fleet scale).  Building it costs one turn of
+O(updates held): about 20-50 ms for 100,000 on an idle machine.
+Sans-IO: no sockets, no clock, no database.
 
 An update the store holds packed (:mod:`clone.server.store`: no properties,
-a 16-byte uuid) is held here as ``(key, packed)``, the store's own ``bytes``
-object, and turned back into its five frames when read: at 100,000 keys the
+a 16-byte uuid) is held here as its key and the store's own packed ``bytes``
+object, in two parallel rings (no tuple per update: 48 bytes each), and turned
+back into its five frames when read: at 100,000 keys the
 default history holds one update per key, and its own sequence, uuid and
 value objects cost about 200 bytes per key next to the store's packed copy
 (the memory per key at fleet scale).  When the key is written again the store
@@ -60,51 +67,49 @@ _UPDATE_FRAMES = 5
 # the loop during a split brain's heal, on a loaded machine.
 _Frames = tuple[bytes, ...]
 _Entry = tuple[_Frames, int]  # an update's frames and the term it was written under
-# What is held per update: its frames, or (key, packed) -- the store's packed
-# entry: sequence (8), uuid (16), body; no properties.
-_Held = tuple[bytes, ...]
-_PACKED = 2
+# What is held per update beside its key: the store's packed entry --
+# sequence (8), uuid (16), body; no properties -- or the update's frames.
+_Held = bytes | _Frames
 
 
-def _size(held: Sequence[bytes]) -> int:
-    if len(held) == _PACKED:
-        return len(held[0]) + len(held[1])
+def _size(key: bytes, held: _Held) -> int:
+    if isinstance(held, bytes):
+        return len(key) + len(held)
     return len(held[0]) + len(held[1]) + len(held[2]) + len(held[3]) + len(held[4])
 
 
-def _frames(held: _Held) -> _Frames:
-    """An update's five frames from what is held for it."""
-    if len(held) == _PACKED:
-        key, packed = held
-        return (key, packed[:8], packed[8:24], b"", packed[24:])
-    return held
+def _frames(key: bytes, held: _Held) -> _Frames:
+    """An update's five frames from its key and what is held for it."""
+    if type(held) is bytes:
+        return (key, held[:8], held[8:24], b"", held[24:])
+    return held  # type: ignore[return-value]
 
 
-_KEY = itemgetter(0)
-_PACKED_OF = itemgetter(1)
 _SEQ = itemgetter(slice(0, 8))
 _UUID = itemgetter(slice(8, 24))
 _BODY = itemgetter(slice(24, None))
 
 
-def _frames_of(held: list[_Held]) -> list[_Frames]:
+def _all_packed(held: Sequence[_Held]) -> bool:
+    return set(map(type, held)) <= {bytes}
+
+
+def _frames_of(keys: list[bytes], held: list[_Held]) -> list[_Frames]:
     """:func:`_frames` of many: in C when all are packed (the usual case: a
     catch-up or a demotion may read 100,000 of them, 0.15-0.3 s one by one
     in Python on a loaded machine)."""
-    if set(map(len, held)) != {_PACKED}:
-        return list(map(_frames, held))
-    packed = list(map(_PACKED_OF, held))
-    return list(
-        zip(map(_KEY, held), map(_SEQ, packed), map(_UUID, packed), repeat(b""), map(_BODY, packed))
-    )
+    if not _all_packed(held):
+        return list(map(_frames, keys, held))
+    packed: list[bytes] = held  # type: ignore[assignment]
+    return list(zip(keys, map(_SEQ, packed), map(_UUID, packed), repeat(b""), map(_BODY, packed)))
 
 
 def _uuid(held: _Held) -> bytes:
-    return held[1][8:24] if len(held) == _PACKED else held[2]
+    return held[8:24] if type(held) is bytes else held[2]  # type: ignore[return-value]
 
 
 def _seq_frame(held: _Held) -> bytes:
-    return held[1][:8] if len(held) == _PACKED else held[1]
+    return held[:8] if type(held) is bytes else held[1]  # type: ignore[return-value]
 
 
 _Uuid = bytes  # the class below has a property named bytes
@@ -118,9 +123,11 @@ class History:
         "_base",
         "_bytes",
         "_index",
+        "_keys",
         "_max_bytes",
         "_max_updates",
         "_terms",
+        "_unasked",
         "_updates",
         "restarts",
     )
@@ -132,6 +139,9 @@ class History:
             raise ValueError(f"max_bytes must be at least 1, not {max_bytes}")
         self._max_updates = max_updates
         self._max_bytes = max_bytes
+        # Two parallel rings: each held update's key, and its packed entry or
+        # frames (a tuple per update would cost 56 bytes more).
+        self._keys: deque[bytes] = deque()
         self._updates: deque[_Held] = deque()
         # (first sequence, term) at each change of term, oldest first; the
         # first run may start before the oldest held update (evicted below it).
@@ -142,8 +152,11 @@ class History:
         # first update is accepted without counting a restart.
         self._anchored = False
         self._bytes = 0
-        # uuid -> the newest held update with it (its sequence is in it).
-        self._index: dict[_Uuid, _Held] = {}
+        # uuid -> the newest held update with it (its sequence is in it);
+        # None until sequence_of() asks, and again once unasked for a while.
+        self._index: dict[_Uuid, _Held] | None = None
+        # Appends since sequence_of() last asked.
+        self._unasked = 0
         #: Times the history was cleared because an update did not follow.
         self.restarts = 0
 
@@ -154,23 +167,20 @@ class History:
         """Add the update ``frames`` (a KVPUB's 5 frames) written under ``term``.
 
         The history keeps a tuple of the frames (a tuple given is kept as is),
-        or ``(key, packed)`` when ``packed`` is the store's packed form of this
-        very update (checked: no properties, its length, sequence and uuid; a
-        sequence names one update).
+        or the key and ``packed`` when ``packed`` is the store's packed form of
+        this very update (checked: no properties, its length, sequence and
+        uuid; a sequence names one update).
         """
         if len(frames) != _UPDATE_FRAMES or len(frames[1]) != 8:
             raise ValueError("an update is 5 frames with an 8-byte sequence")
         seq = int.from_bytes(frames[1], "big")
         if seq < 1:
             raise ValueError("an update's sequence is at least 1")
-        updates = self._updates
+        updates, keys = self._updates, self._keys
         if seq != self._base + len(updates) + 1:
             if updates or self._anchored:
                 self.restarts += 1
-            updates.clear()
-            self._index.clear()
-            self._terms.clear()
-            self._bytes = 0
+            self._clear()
             self._base = seq - 1
         self._anchored = True
         stored: _Held
@@ -181,32 +191,48 @@ class History:
             and packed.startswith(frames[1])
             and packed[8:24] == frames[2]
         ):
-            stored = (frames[0], packed)
+            stored = packed
         else:
             stored = frames if type(frames) is tuple else tuple(frames)
+        key = frames[0]
         updates.append(stored)
+        keys.append(key)
         terms = self._terms
         if not terms or terms[-1][1] != term:
             terms.append((seq, term))
         index = self._index
-        index[frames[2]] = stored
-        self._bytes += _size(stored)
+        if index is not None:
+            index[frames[2]] = stored
+            self._unasked += 1
+            if self._unasked > self._max_updates:
+                # The ring turned over with no question: let the index go.
+                self._index = index = None
+        self._bytes += _size(key, stored)
         # Evict the oldest, but never the newest: it anchors the next append.
         while len(updates) > 1 and (
             len(updates) > self._max_updates or self._bytes > self._max_bytes
         ):
             old = updates.popleft()
-            self._bytes -= _size(old)
+            self._bytes -= _size(keys.popleft(), old)
             self._base += 1
-            # A newer update with the same uuid keeps its entry.
-            uuid = _uuid(old)
-            if index.get(uuid) is old:
-                del index[uuid]
+            if index is not None:
+                # A newer update with the same uuid keeps its entry.
+                uuid = _uuid(old)
+                if index.get(uuid) is old:
+                    del index[uuid]
         # Runs wholly below the oldest held update are no one's any more.
         first = self._base + 1
         if len(terms) > 1 and terms[1][0] <= first:
             while len(terms) > 1 and terms[1][0] <= first:
                 del terms[0]
+
+    def _clear(self) -> None:
+        self._updates.clear()
+        self._keys.clear()
+        self._terms.clear()
+        self._bytes = 0
+        if self._index is not None:
+            self._index.clear()
 
     def reset(self, sequence: int) -> None:
         """Empty the history; the next update will be ``sequence + 1``.
@@ -216,10 +242,7 @@ class History:
         """
         if sequence < 0:
             raise ValueError(f"sequence must not be negative, not {sequence}")
-        self._updates.clear()
-        self._index.clear()
-        self._terms.clear()
-        self._bytes = 0
+        self._clear()
         self._base = sequence
         self._anchored = True
 
@@ -267,6 +290,11 @@ class History:
         """The lowest sequence still needed: the database log may drop below it."""
         return self._base + 1
 
+    @property
+    def indexed(self) -> bool:
+        """Whether the uuid index is built (it is dropped when unasked)."""
+        return self._index is not None
+
     def covers(self, since: int) -> bool:
         """Whether every update after ``since``, up to the newest, is held."""
         return self._base <= since <= self._base + len(self._updates)
@@ -282,11 +310,22 @@ class History:
         count = self._base + len(self._updates) - seq
         held = list(islice(reversed(self._updates), count))
         held.reverse()
-        return _frames_of(held)
+        keys = list(islice(reversed(self._keys), count))
+        keys.reverse()
+        return _frames_of(keys, held)
 
     def sequence_of(self, uuid: _Uuid) -> int | None:
-        """The sequence of the newest held update with ``uuid``, if any: O(1)."""
-        held = self._index.get(uuid)
+        """The sequence of the newest held update with ``uuid``, if any: O(1)
+        once the index is built (the first question after a quiet while
+        builds it: O(updates held))."""
+        index = self._index
+        if index is None:
+            updates = self._updates
+            uuids = map(_UUID, updates) if _all_packed(updates) else map(_uuid, updates)
+            # Oldest first, so the newest update with a uuid wins.
+            index = self._index = dict(zip(uuids, updates, strict=True))
+        self._unasked = 0
+        held = index.get(uuid)
         return None if held is None else int.from_bytes(_seq_frame(held), "big")
 
     def written_under(self, term: int) -> list[_Frames]:
@@ -294,6 +333,7 @@ class History:
         server wrote while active in it (a demoted one's split-brain writes
         are among them)."""
         out: list[_Held] = []
+        out_keys: list[bytes] = []
         terms, updates, base = self._terms, self._updates, self._base
         for i, (start, t) in enumerate(terms):
             if t != term:
@@ -301,12 +341,14 @@ class History:
             end = terms[i + 1][0] if i + 1 < len(terms) else base + len(updates) + 1
             lo, hi = max(start - base - 1, 0), max(end - base - 1, 0)
             out.extend(islice(updates, lo, hi))
-        return _frames_of(out)
+            out_keys.extend(islice(self._keys, lo, hi))
+        return _frames_of(out_keys, out)
 
     def entry(self, seq: int) -> _Entry | None:
         """The update at ``seq`` and its term, or None if not held."""
         index = seq - self._base - 1
         if 0 <= index < len(self._updates):
             terms = self._terms
-            return _frames(self._updates[index]), terms[bisect_right(terms, (seq, inf)) - 1][1]
+            held = _frames(self._keys[index], self._updates[index])
+            return held, terms[bisect_right(terms, (seq, inf)) - 1][1]
         return None

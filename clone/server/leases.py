@@ -14,9 +14,14 @@ dead one loses it one ttl later.
 A key bound to a lease carries ``lease=<id>`` in its properties.  The table
 remembers the keys written under each lease (a superset: a key rewritten
 without the lease, or deleted, stays listed), and the core checks each one's
-stored properties before deleting it.  Deadlines sit in a heap with lazy
-deletion (a keepalive pushes a new deadline; the old one is skipped when it
-surfaces), compacted when stale entries outnumber live ones.
+stored properties before deleting it.  Deadlines sit in a heap, one entry
+per lease, pushed when it is granted: a keepalive only moves the lease's own
+deadline, and an entry that surfaces before its lease's deadline is pushed
+again at that deadline (10,000 leases kept alive every ttl/3 pushed 10,000
+entries a second onto a heap of 40,000, in the keepalive's path; now an entry
+per lease per ttl, when the expiry timer looks).  Revoked and expired leases'
+entries are skipped when they surface; the heap is compacted when stale
+entries outnumber live ones.
 
 Ownership (docs/protocol.md, "Lease ownership"): the lease key carries
 ``owner=<owner>`` in its properties (``name:<certificate name>`` under CURVE,
@@ -172,12 +177,16 @@ class LeaseTable:
                 self._per_client.pop(lease.client, None)
 
     def keepalive(self, lease_id: str, now: float) -> Lease | None:
-        """Restart the lease's clock; None if there is no such lease."""
+        """Restart the lease's clock; None if there is no such lease.
+
+        The heap is not touched: the lease's entry, due earlier, is pushed
+        again at the new deadline when it surfaces (:meth:`due`)."""
         lease = self._leases.get(lease_id)
         if lease is None:
             return None
-        lease.deadline = now + lease.ttl
-        self._push(lease)
+        deadline = now + lease.ttl
+        if deadline > lease.deadline:
+            lease.deadline = deadline
         return lease
 
     def bind(self, lease_id: str, key: bytes) -> None:
@@ -199,12 +208,18 @@ class LeaseTable:
         while heap and heap[0][0] <= now and len(out) < limit:
             deadline, lease_id = heapq.heappop(heap)
             lease = leases.get(lease_id)
-            if lease is not None and lease.deadline == deadline and lease_id not in out:
+            if lease is None:
+                continue  # revoked or expired since
+            if lease.deadline > deadline:
+                # Kept alive since it was pushed: due at its new deadline.
+                heapq.heappush(heap, (lease.deadline, lease_id))
+            elif lease_id not in out:
                 out.append(lease_id)
         return out
 
     def next_deadline(self) -> float | None:
-        """The earliest heap entry (may be a stale one: an early wake-up is harmless)."""
+        """The earliest heap entry (may be before its lease's deadline, or a
+        gone lease's: an early wake-up only pushes it again)."""
         return self._heap[0][0] if self._heap else None
 
     def rebuild(
@@ -236,6 +251,6 @@ class LeaseTable:
     def _push(self, lease: Lease) -> None:
         heapq.heappush(self._heap, (lease.deadline, lease.id))
         if len(self._heap) > 4 * len(self._leases) + 64:
-            # Keepalives leave a stale entry each: drop them all at once.
+            # Gone leases' and replaced grants' entries: drop them all at once.
             self._heap = [(le.deadline, le.id) for le in self._leases.values()]
             heapq.heapify(self._heap)

@@ -20,6 +20,7 @@ in).
 from __future__ import annotations
 
 import math
+from array import array
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
@@ -42,17 +43,31 @@ def update_id(msg: KVMsg) -> Hashable:
 
 class UuidWindow:
     """The last ``capacity`` update ids seen, with O(1) membership and eviction,
-    and when each was added."""
+    and when each was added.
 
-    __slots__ = ("_capacity", "_horizon", "_order", "_set", "_times")
+    The newest id is kept beside the set, not in it, so the set holds at most
+    ``capacity - 1``: CPython sizes a set that grows past ``used * 2`` slots
+    to the next power of two *above* it, so a set of exactly 65,536 ids (the
+    default window) takes 262,144 slots, 4 MiB, and one of 65,535 half that:
+    about 20 bytes per key at 100,000 keys (the memory per key at fleet
+    scale).  The times are a ring of C doubles, not a deque of ``float``
+    objects: the server stamps every update with its own clock reading, and
+    65,536 float objects and their slots were another 2 MiB.
+    """
+
+    __slots__ = ("_capacity", "_head", "_horizon", "_newest", "_order", "_set", "_times")
 
     def __init__(self, capacity: int) -> None:
         if capacity < 1:
             raise ValueError(f"window capacity must be at least 1, not {capacity}")
         self._capacity = capacity
         self._order: deque[Hashable] = deque()
-        self._times: deque[float] = deque()
+        # When each id was added, oldest at _head once the ring is full.
+        self._times = array("d")
+        self._head = 0
+        # Every id in the window but the newest, which is _newest (None: empty).
         self._set: set[Hashable] = set()
+        self._newest: Hashable | None = None
         # Every id applied after this time is in the window.  A server starts
         # with nothing applied, so at first the window holds its whole history.
         self._horizon = -math.inf
@@ -62,25 +77,36 @@ class UuidWindow:
         return self._capacity
 
     def __len__(self) -> int:
-        return len(self._set)
+        return len(self._order)
 
     def __contains__(self, uid: object) -> bool:
-        return uid in self._set
+        return uid in self._set or (self._newest is not None and uid == self._newest)
 
     def add(self, uid: Hashable, now: float) -> bool:
         """Remember ``uid``, applied at ``now``; False if it was already in the window."""
         seen = self._set
-        if uid in seen:
+        newest = self._newest
+        if uid in seen or (newest is not None and uid == newest):
             return False
         order, times = self._order, self._times
         if len(order) >= self._capacity:
-            seen.discard(order.popleft())
-            evicted = times.popleft()
+            old = order.popleft()
+            head = self._head
+            evicted = times[head]
+            times[head] = now
+            self._head = head + 1 if head + 1 < self._capacity else 0
             if evicted > self._horizon:
                 self._horizon = evicted
+            if order:
+                seen.discard(old)
+            else:
+                newest = None  # a window of one: the newest was the oldest
+        else:
+            times.append(now)
+        if newest is not None:
+            seen.add(newest)
         order.append(uid)
-        times.append(now)
-        seen.add(uid)
+        self._newest = uid
         return True
 
     def ids(self) -> list[Hashable]:

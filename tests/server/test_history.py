@@ -299,7 +299,7 @@ def test_an_update_the_store_holds_packed_is_shared_and_read_back_as_frames() ->
         h.append(frames, term=7, packed=packed)
         sent.append(tuple(frames))
         assert h.bytes == sum(map(size, sent[-3:]))
-    assert h._updates[-1][1] is store.packed(b"/k1")  # the store's object, not a copy
+    assert h._updates[-1] is store.packed(b"/k1")  # the store's object, not a copy
     assert h.since(2) == sent[2:]
     assert h.entry(4) == (sent[3], 7) and h.written_under(7) == sent[2:]
     assert [h.sequence_of(bytes([i]) * 16) for i in range(1, 6)] == [None, None, 3, 4, 5]
@@ -307,7 +307,7 @@ def test_an_update_the_store_holds_packed_is_shared_and_read_back_as_frames() ->
     old = store.packed(b"/k0")
     frames = store.apply(KVMsg("/k0", 0, b"\x09" * 16, (), b"new"), 0.0)
     h.append(frames, term=7, packed=old)
-    assert len(h._updates[-1]) == 5 and h.since(5) == [tuple(frames)]
+    assert type(h._updates[-1]) is tuple and h.since(5) == [tuple(frames)]
     # With properties: never packed.
     frames = store.apply(KVMsg("/p", 0, b"\x0a" * 16, (("a", "1"),), b"x"), 0.0)
     assert store.packed(b"/p") is None
@@ -327,6 +327,67 @@ def test_load_shares_the_store_packed_entries_when_given_them() -> None:
     h = History(100, 1 << 20)
     h.load(rows, store.packed)
     assert h.since(0) == [tuple(frames) for frames, _, _ in rows]
-    shared = [held for held in h._updates if len(held) == 2]
-    assert [held[0] for held in shared] == [b"/k1", b"/k2", b"/k0"]  # the last write of each
-    assert all(held[1] is store.packed(held[0]) for held in shared)
+    held_now = zip(h._keys, h._updates, strict=True)
+    shared = [(key, held) for key, held in held_now if type(held) is bytes]
+    assert [key for key, _ in shared] == [b"/k1", b"/k2", b"/k0"]  # the last write of each
+    assert all(held is store.packed(key) for key, held in shared)
+
+
+def test_the_uuid_index_is_built_when_asked_and_dropped_when_unasked() -> None:
+    """The index costs a dict slot and a uuid per held update: it exists only
+    while someone asks (a heal, retried calls), and is rebuilt right."""
+    h = History(4, 1 << 20)
+    for seq in range(1, 4):
+        h.append([b"/k", seq.to_bytes(8, "big"), b"u%d" % seq, b"", b"v"], term=1)
+    assert not h.indexed
+    assert h.sequence_of(b"u2") == 2 and h.indexed
+    for seq in range(4, 8):  # kept up while the ring turns over once
+        h.append([b"/k", seq.to_bytes(8, "big"), b"u%d" % seq, b"", b"v"], term=1)
+    assert h.indexed
+    h.append([b"/k", (8).to_bytes(8, "big"), b"u8", b"", b"v"], term=1)
+    assert not h.indexed  # five appends, no question, four held: dropped
+    assert [h.sequence_of(b"u%d" % seq) for seq in (4, 5, 8)] == [None, 5, 8]
+    assert h.indexed
+
+
+def test_the_uuid_index_is_built_from_packed_updates() -> None:
+    from clone.server.store import Store
+    from clone.wire.codec import KVMsg
+
+    store = Store()
+    h = History(10, 1 << 20)
+    for i in range(1, 5):
+        frames = store.apply(KVMsg(f"/k{i}", 0, bytes([i]) * 16, (), b"v"), 0.0)
+        h.append(frames, term=1, packed=store.packed(frames[0]))
+    assert all(type(held) is bytes for held in h._updates)
+    assert [h.sequence_of(bytes([i]) * 16) for i in range(1, 6)] == [1, 2, 3, 4, None]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=_ops,
+    max_updates=st.integers(1, 6),
+    max_bytes=st.integers(1, 200),
+    asks=st.lists(st.booleans(), min_size=60, max_size=60),
+    probes=st.lists(_uuids, min_size=1, max_size=5),
+)
+def test_sequence_of_asked_now_and_then_matches_a_newest_first_scan(
+    ops: list[tuple[str, int, bytes, int]],
+    max_updates: int,
+    max_bytes: int,
+    asks: list[bool],
+    probes: list[bytes],
+) -> None:
+    """Asked only after some operations, so the index is built, kept up,
+    dropped and rebuilt in every order: it still answers as a scan."""
+    h = History(max_updates, max_bytes)
+    for (op, arg, uuid, size_), ask in zip(ops, asks, strict=False):
+        if op == "reset":
+            h.reset(arg)
+        else:
+            nxt = h.base + len(h) + 1
+            seq = nxt if arg == 0 else nxt + 3 if arg == 1 else max(1, nxt - 2)
+            h.append([b"/k", seq.to_bytes(8, "big"), uuid, b"", b"x" * size_], term=1)
+        if ask:
+            for probe in {*probes, uuid}:
+                assert h.sequence_of(probe) == _scan(h, probe)

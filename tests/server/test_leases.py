@@ -7,6 +7,8 @@ be published, and a passive core follows it the way the sockets would.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from clone.server.callcore import _PROBLEM_COUNTERS
 from clone.server.core import CoreSettings, FollowOutcome, Role, ServerCore
@@ -344,6 +346,56 @@ def test_lease_table_heap_stays_bounded() -> None:
     assert len(table._heap) <= 4 * len(table) + 65
     assert table.due(100.0, 10) == []
     assert table.due(100.9, 10) == ["a" * 32]
+
+
+def test_a_keepalive_does_not_touch_the_heap() -> None:
+    """10,000 leases kept alive every ttl/3 pushed 10,000 heap entries a
+    second; now a lease has one entry, pushed again only when it surfaces."""
+    table = LeaseTable(10)
+    table.grant("a" * 32, 3.0, 0.0)
+    for i in range(1, 1000):
+        table.keepalive("a" * 32, i * 0.01)
+        assert len(table._heap) == 1
+    assert table.due(5.0, 10) == [] and table._heap == [(9.99 + 3.0, "a" * 32)]
+    assert table.due(12.99, 10) == ["a" * 32]
+
+
+_ids = st.sampled_from(["a", "b", "c", "d"])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(
+    st.tuples(st.just("grant"), _ids, st.sampled_from([1.0, 2.0, 5.0])),
+    st.tuples(st.just("keep"), _ids, st.just(0.0)),
+    st.tuples(st.just("revoke"), _ids, st.just(0.0)),
+    st.tuples(st.just("due"), _ids, st.integers(1, 3).map(float)),
+    st.tuples(st.just("wait"), _ids, st.sampled_from([0.0, 0.5, 1.0, 3.0])),
+), max_size=50))
+def test_due_answers_as_a_scan_of_the_deadlines(ops: list[tuple[str, str, float]]) -> None:
+    """Whatever grants, keepalives, revokes and waits happen, due() gives the
+    leases whose deadline passed, earliest first, at most ``limit`` (the
+    caller ends them, as expire_leases does)."""
+    table, model, now = LeaseTable(10), {}, 0.0
+    for op, lease_id, arg in ops:
+        if op == "grant" and lease_id not in model:
+            table.grant(lease_id, arg, now)
+            model[lease_id] = (now + arg, arg)
+        elif op == "keep" and lease_id in model:
+            assert table.keepalive(lease_id, now) is not None
+            model[lease_id] = (now + model[lease_id][1], model[lease_id][1])
+        elif op == "revoke":
+            assert (table.pop(lease_id) is None) is (lease_id not in model)
+            model.pop(lease_id, None)
+        elif op == "wait":
+            now += arg
+        elif op == "due":
+            got = table.due(now, int(arg))
+            want = sorted((d, i) for i, (d, _) in model.items() if d <= now)[: int(arg)]
+            assert got == [i for _, i in want]
+            for i in got:
+                table.pop(i)
+                del model[i]
+        assert len(table._heap) <= 4 * len(table) + 65
 
 
 def test_a_promotion_applies_parked_conditional_writes_only_if_they_still_hold() -> None:

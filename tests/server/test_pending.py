@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+from collections import deque
+
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from clone.server.pending import PendingList, UuidWindow, update_id
 from clone.wire.codec import KVMsg
@@ -21,6 +26,38 @@ def test_window_remembers_the_last_n_ids() -> None:
     assert b"a" not in window
     assert all(u in window for u in (b"b", b"c", b"d"))
     assert len(window) == 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(capacity=st.integers(1, 5), ids=st.lists(st.sampled_from([b"a", b"b", b"c", b"d",
+       b"e", b"f", b"g", ("k", b"v")]), max_size=40))
+def test_window_answers_as_a_list_of_the_last_ids(capacity: int, ids: list[object]) -> None:
+    """The newest id is held beside the set, not in it: membership, order,
+    length and the horizon are those of a plain list of the last ids."""
+    window = UuidWindow(capacity)
+    model: deque[tuple[object, float]] = deque()
+    horizon = float("-inf")
+    for now, uid in enumerate(ids):
+        fresh = all(uid != u for u, _ in model)
+        assert window.add(uid, float(now)) is fresh  # type: ignore[arg-type]
+        if fresh:
+            model.append((uid, float(now)))
+            if len(model) > capacity:
+                horizon = max(horizon, model.popleft()[1])
+        assert window.ids() == [u for u, _ in model] and len(window) == len(model)
+        for probe in {*ids, b"z"}:
+            assert (probe in window) == any(probe == u for u, _ in model)
+        assert window.span(100.0) == max(0.0, 100.0 - horizon)
+
+
+def test_a_full_default_window_keeps_its_set_at_half_the_slots() -> None:
+    """65,536 ids in a set take 4 MiB of slots, 65,535 take 2 MiB: the newest
+    is kept beside it (the memory per key at fleet scale)."""
+    window = UuidWindow(65_536)
+    for n in range(100_000):
+        window.add(n.to_bytes(16, "big"), 0.0)
+    assert len(window) == 65_536 and sys.getsizeof(window._set) < 2_200_000
+    assert (99_999).to_bytes(16, "big") in window and (34_463).to_bytes(16, "big") not in window
 
 
 def test_window_rejects_a_zero_capacity() -> None:

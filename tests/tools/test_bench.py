@@ -329,7 +329,7 @@ def test_calls_section_through_the_cli(
     assert [(r["leases"], r["kept_alive"], r["elsewhere"], r["batched"])
             for r in (zero, held, batched, idle, elsewhere)] == [
         (0, True, False, False), (100, True, False, False), (100, True, False, True),
-        (100, False, False, False), (100, True, True, False)]
+        (100, False, False, False), (100, True, True, True)]
     assert "keepalives_per_s_median" not in zero and "keepalives_per_s_median" not in idle
     for kept in (held, batched, elsewhere):
         assert kept["keepalives_per_s_median"] > 0
@@ -339,7 +339,7 @@ def test_calls_section_through_the_cli(
         assert r["rate_median"] > 0 and r["server_cpu_pct_median"] >= 0
     assert set(d["leases"]["throughput_ratios"]) == {
         "100_leases_vs_0", "100_leases_batched_vs_0", "100_leases_held_idle_vs_0",
-        "100_leases_elsewhere_vs_0"}
+        "100_leases_elsewhere_batched_vs_0"}
     assert "kept alive by batched keepalives" in printed
     assert "on another server (control)" in printed
     assert not (tmp_path / "logs" / "calls-data").exists()  # data dirs removed
@@ -394,7 +394,14 @@ def test_subscribers_section_through_the_cli(
     assert direct["complete"] == 20 and direct["incomplete"] == 0
     assert len(direct["relays_delivered_s"]) == 1  # the new active itself
     assert 0 < direct["snapshot_s"]["first"] <= direct["resync_s"]
+    for name, relays in (("resync_catchup", 2), ("resync_direct_catchup", 0)):
+        # Clients that followed the old active ask for what they missed: every
+        # one gets a KVDELTA with the marker, no full snapshot.
+        cu = d[name]
+        assert cu["mode"] == "catchup" and cu["relays"] == relays
+        assert cu["complete"] == 20 and cu["catchups"] == 20, cu
     targets = {t["target"]: t for t in results["targets"]}
+    assert "subscribers: resync by catch-up of 20 clients (500 keys) direct s" in targets
     assert targets["subscribers: 20 direct lost updates"]["met"] is True
     assert targets["subscribers: 20 relays lost updates"]["met"] is True
     assert "subscribers: resync of 20 clients (500 keys) via 2 relays s" in targets
@@ -411,6 +418,15 @@ def test_final_stats_reads_the_last_stats_line_of_a_server_log() -> None:
     assert final_stats(text) == {"sequence": 9, "heartbeat_max_late_ms": 3}
     assert final_stats("no stats here\n") is None
     assert final_stats('stats: {"cut short\n') is None
+
+
+def test_resync_modes_from_the_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    args = cli._parser().parse_args(["subscribers", "--resync-modes", "catchup"])
+    assert cli.config_from_args(args).resync_modes == ("catchup",)
+    assert BenchConfig().resync_modes == ("full", "catchup")
+    with pytest.raises(SystemExit):
+        cli.main(["subscribers", "--resync-modes", "full,partial"])
+    assert "--resync-modes: unknown partial" in capsys.readouterr().err
 
 
 def test_resync_topologies_from_the_cli(capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from clone.progress import LOGGER_NAME as PROGRESS_LOGGER
 from clone.tools.bench.calls import calls_tables
+from clone.tools.bench.catchup import RESYNC_MODES
 from clone.tools.bench.config import DEFAULT_SECTIONS, SECTIONS, BenchConfig
 from clone.tools.bench.durability import durability_tables
 from clone.tools.bench.run import run_benchmarks
@@ -90,6 +91,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="subscribers: snapshot requesters of the resync run (1000)")
     p.add_argument("--resync-topologies", type=_words,
                    help="subscribers: resync runs, of relays,direct (both)")
+    p.add_argument("--resync-modes", type=_words,
+                   help="subscribers: how the resync's clients ask, of full,catchup (both)")
     p.add_argument("--calls-rtt", type=int,
                    help="calls: sequential CAS calls (and confirmed KVSETs) per run (5000)")
     p.add_argument("--calls-concurrency", type=_ints,
@@ -159,6 +162,8 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         changes["calls_parts"] = args.calls_parts
     if args.resync_topologies is not None:
         changes["resync_topologies"] = args.resync_topologies
+    if args.resync_modes is not None:
+        changes["resync_modes"] = args.resync_modes
     if args.no_redis:
         changes["durability_redis"] = False
     changes["profile_dir"] = args.profile
@@ -175,6 +180,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = sorted(set(args.resync_topologies or ()) - {"relays", "direct"})
     if bad:
         parser.error(f"--resync-topologies: unknown {', '.join(bad)}; choose from relays, direct")
+    bad = sorted(set(args.resync_modes or ()) - set(RESYNC_MODES))
+    if bad:
+        parser.error(f"--resync-modes: unknown {', '.join(bad)}; choose from "
+                     f"{', '.join(RESYNC_MODES)}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -75,6 +75,9 @@ class BenchConfig:
     resync_clients: int = 1_000
     # Where the resync's clients are: behind the relays, and/or on the pair itself.
     resync_topologies: tuple[str, ...] = ("relays", "direct")
+    # How they ask after the failover: a full snapshot each, and/or a catch-up
+    # from the last update they held (clone.tools.bench.catchup).
+    resync_modes: tuple[str, ...] = ("full", "catchup")
     # calls: compare-and-set and leases.
     calls_rtt: int = 5_000  # sequential CAS calls (and as many confirmed KVSETs) per run
     calls_concurrency: tuple[int, ...] = (1, 8, 32)  # callers, one call in flight each

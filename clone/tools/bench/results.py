@@ -11,6 +11,7 @@ from typing import Any
 
 import zmq
 
+from clone.tools.bench.catchup import RESYNC_RUNS
 from clone.tools.bench.security import reader_ok
 
 __all__ = ["cpu_pressure", "evaluate_targets", "machine_info"]
@@ -122,12 +123,13 @@ def _subscribers_targets(d: dict[str, Any], add: Any) -> None:
         if run["topology"] == "direct" and run["subscribers"] == 1000:
             p99 = run["latency"]["p99_ms"]
             add(f"{name} p99 ms", p99, "<= 50", p99 <= 50)
-    for rs in (d.get("resync"), d.get("resync_direct")):
+    for rs in (d.get(name) for name in RESYNC_RUNS):
         if not rs:
             continue
         t = rs["resync_s"]
         via = f"via {rs['relays']} relays" if rs["relays"] else "direct"
-        add(f"subscribers: resync of {rs['clients']:,} clients ({rs['keys']:,} keys) {via} s",
+        how = " by catch-up" if rs.get("mode") == "catchup" else ""
+        add(f"subscribers: resync{how} of {rs['clients']:,} clients ({rs['keys']:,} keys) {via} s",
             t if t is not None else "incomplete", "<= 5", t is not None and t <= 5)
 
 

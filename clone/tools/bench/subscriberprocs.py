@@ -32,6 +32,7 @@ from clone.wire.protocol import (
     HUGZ,
     KTHXBAI,
     KVBATCH,
+    KVDELTA,
 )
 
 __all__ = ["raise_nofile"]
@@ -251,9 +252,13 @@ def _sink_process_main(idx: int, endpoints: Sequence[str], first: int, count: in
 
 def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, count: int,
                     subtree: bytes, marker_seq: Any, ready: Any, stop: MpEvent,
-                    results: Any) -> None:
+                    results: Any, since: bytes | None = None) -> None:
     """``count`` snapshot requesters (global ``first`` ..) round-robin over ``relays``
     ((publisher, snapshot) endpoints); each asks once its relay holds the marker.
+
+    ``since``: the ``X-CHP-Since`` metadata of the last update every requester
+    holds (a client that followed the old active): each asks for a catch-up, as
+    our client does, and records whether it got a KVDELTA and the marker in it.
 
     A relay holds it when it publishes the marker's KVPUB, or when its HUGZ say
     a sequence at or past the marker's (``marker_seq``, set by the driver once
@@ -285,6 +290,8 @@ def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, cou
         d.rcvhwm = 0
         cap_message_size(d, MAX_SYNC_FRAME_BYTES)
         d.setsockopt(zmq.METADATA, BATCH_METADATA)
+        if since is not None:
+            d.setsockopt(zmq.METADATA, since)
         d.connect(relays[g % len(relays)][1])
         dealers[d] = g
         sock_of[g] = d
@@ -302,6 +309,8 @@ def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, cou
     entries: dict[int, int] = {}
     done: dict[int, float] = {}
     asked: dict[int, float] = {}
+    deltas: set[int] = set()  # answered with a KVDELTA (a catch-up)
+    marked: set[int] = set()  # the marker came as one entry of the stream
     retries = 0
     while len(done) < count and not stop.is_set():
         for sock, _ in poller.poll(100):
@@ -333,8 +342,12 @@ def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, cou
                         done[g] = mono()
                     elif frames[0] == KVBATCH and len(frames) > 1:
                         entries[g] = entries.get(g, 0) + len(frames[1]) // 4
+                    elif frames[0] == KVDELTA:
+                        deltas.add(g)
                     else:
                         entries[g] = entries.get(g, 0) + 1
+                        if frames[0] == _MARKER:
+                            marked.add(g)
         # A requester that heard nothing for _RETRY_S asks again on a fresh DEALER,
         # as a client does after its silence timeout.
         now = mono()
@@ -348,6 +361,6 @@ def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, cou
                 asked[g] = now
                 retries += 1
     results.put({"idx": idx, "marker_at": marker_at, "how": how, "done": done,
-                 "retries": retries,
+                 "retries": retries, "deltas": sorted(deltas), "marked": sorted(marked),
                  "entries": {g: entries.get(g, 0) for g in dealers.values()}})
     ctx.destroy(linger=0)

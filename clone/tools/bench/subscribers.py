@@ -74,6 +74,7 @@ from typing import Any
 
 import zmq
 
+from clone.tools.bench.catchup import RESYNC_RUNS, before_kill
 from clone.tools.bench.config import BenchConfig, Say
 from clone.tools.bench.processes import MP, SNAP_SUBTREE, kvset, reap
 from clone.tools.bench.subscriberprocs import (
@@ -377,9 +378,10 @@ def _write_marker(ctx: zmq.Context[Any], ports: Sequence[int],
 
 
 def _resync(cfg: BenchConfig, group: ProcessGroup, say: Say,
-            topology: str = "relays") -> dict[str, Any]:
+            topology: str = "relays", mode: str = "full") -> dict[str, Any]:
     """One resync run: the clients behind the relays (``relays``) or on the pair
-    itself, where a client goes to the backup when the active dies (``direct``)."""
+    itself, where a client goes to the backup when the active dies (``direct``);
+    each asking for a full snapshot or a catch-up (``mode``, :mod:`.catchup`)."""
     keys, clients = cfg.resync_keys, cfg.resync_clients
     nrelays = cfg.sub_relays if topology == "relays" else 0
     me = ServerAddress("primary", free_base_port(3), free_port())
@@ -404,14 +406,20 @@ def _resync(cfg: BenchConfig, group: ProcessGroup, say: Say,
             ports = [port for _, port in relays]
         else:
             ports = [peer.port]  # the backup: where a client fails over to
+        since, subtree = None, SNAP_SUBTREE.encode()
+        if mode == "catchup":
+            subtree = b""  # a catch-up is for a client holding the whole map
+            # What the relays and the backup must hold: a client following them
+            # holds it too, and asks for what came after.
+            since = before_kill(ctx, me.port, sorted({peer.port, *ports}))[1]
         endpoints = [(f"tcp://127.0.0.1:{port + PUBLISHER_OFFSET}",
                       f"tcp://127.0.0.1:{port + SNAPSHOT_OFFSET}") for port in ports]
         ready, results, stop = MP.Queue(), MP.Queue(), MP.Event()
         marker_seq = MP.Value("q", 0)
         slices = _split(clients, cfg.sub_processes)
         procs = [MP.Process(target=_requester_main,
-                            args=(i, endpoints, first, n, SNAP_SUBTREE.encode(), marker_seq,
-                                  ready, stop, results), daemon=True)
+                            args=(i, endpoints, first, n, subtree, marker_seq,
+                                  ready, stop, results, since), daemon=True)
                  for i, (first, n) in enumerate(slices)]
         with _reaped(procs):
             for p in procs:
@@ -446,9 +454,15 @@ def _resync(cfg: BenchConfig, group: ProcessGroup, say: Say,
         for rel, t in r["marker_at"].items():
             marker_at[int(rel)] = min(t, marker_at.get(int(rel), t))
         how.update({int(rel): h for rel, h in r["how"].items()})
-    complete = [g for g in range(clients) if g in done and entries.get(g) == keys + 1]
+    deltas = {int(g) for r in got for g in r.get("deltas", ())}
+    marked = {int(g) for r in got for g in r.get("marked", ())}
+    # A full snapshot holds every key, the marker (and the update before the kill).
+    full = keys + 1 + (mode == "catchup")
+    complete = [g for g in range(clients) if g in done
+                and ((g in deltas and g in marked) or entries.get(g) == full)]
     result: dict[str, Any] = {
         "topology": topology,
+        "mode": mode,
         "keys": keys,
         "clients": clients,
         "relays": nrelays,
@@ -460,6 +474,7 @@ def _resync(cfg: BenchConfig, group: ProcessGroup, say: Say,
         "retries": sum(int(r.get("retries", 0)) for r in got),
         "complete": len(complete),
         "incomplete": clients - len(complete),
+        "catchups": len(deltas & set(complete)),
         "snapshot_s": {},
         "resync_s": None,
     }
@@ -471,10 +486,12 @@ def _resync(cfg: BenchConfig, group: ProcessGroup, say: Say,
     if len(complete) == clients:
         result["resync_s"] = result["snapshot_s"]["last"]
     via = f"via {nrelays} relays" if nrelays else "directly on the pair"
-    say(f"  resync of {clients:,} clients ({keys:,} keys) {via} after kill -9: "
+    by = " by catch-up" if mode == "catchup" else ""
+    say(f"  resync{by} of {clients:,} clients ({keys:,} keys) {via} after kill -9: "
         f"new active published at {result['new_active_published_s']} s, relays delivered "
         f"{result['relays_delivered_s']} s, all complete at {result['resync_s']} s "
-        f"({len(complete)}/{clients} complete, {result['retries']} retries)")
+        f"({len(complete)}/{clients} complete, {result['catchups']} by KVDELTA, "
+        f"{result['retries']} retries)")
     return result
 
 
@@ -497,11 +514,13 @@ def run_subscribers(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str
                 f"{lat['max_ms']:.2f} ms ({run['probes']} probes); lost {run['lost']} "
                 f"({run['sinks_with_loss']} sinks); server CPU "
                 f"{run['server_cpu_pct']}%, RSS {run['rss_mib']} MiB")
-    for topology in cfg.resync_topologies:
-        # "resync" (through the relays) as before; "resync_direct" on the pair.
+    for topology, mode in ((t, m) for m in cfg.resync_modes for t in cfg.resync_topologies):
+        # "resync" (through the relays) as before; "resync_direct" on the pair;
+        # "_catchup" after either for the catch-up mode.
         name = "resync" if topology == "relays" else f"resync_{topology}"
+        name += "" if mode == "full" else f"_{mode}"
         try:
-            out[name] = _resync(cfg, group, say, topology)
+            out[name] = _resync(cfg, group, say, topology, mode)
         except Exception as exc:
             log.exception("subscribers: %s failed", name)
             say(f"  {name} FAILED: {exc}")
@@ -533,20 +552,22 @@ def subscribers_tables(section: dict[str, Any], *,
                 markdown=markdown,
             ),
         ))
-    resyncs = [section[k] for k in ("resync", "resync_direct") if section.get(k)]
+    resyncs = [section[k] for k in RESYNC_RUNS if section.get(k)]
     if resyncs:
         out.append((
             "Subscribers: resync after kill -9 of the active (s from the kill)",
             table(
-                ["clients", "keys", "relays", "new active published",
+                ["clients", "keys", "relays", "mode", "new active published",
                  "relays (or the new active) had it (told by)",
                  "first / median / last snapshot complete", "complete", "retries", "resync"],
-                [[rs["clients"], rs["keys"], rs["relays"] or "direct",
+                [[rs["clients"], rs["keys"], rs["relays"] or "direct", rs.get("mode", "full"),
                   rs["new_active_published_s"],
                   " / ".join(str(x) for x in rs["relays_delivered_s"])
                   + f" ({', '.join(rs['relays_told_by'])})",
                   " / ".join(str(rs["snapshot_s"].get(k)) for k in ("first", "median", "last")),
-                  f"{rs['complete']}/{rs['clients']}", rs.get("retries", "-"), rs["resync_s"]]
+                  f"{rs['complete']}/{rs['clients']}"
+                  + (f" ({rs['catchups']} KVDELTA)" if rs.get("mode") == "catchup" else ""),
+                  rs.get("retries", "-"), rs["resync_s"]]
                  for rs in resyncs],
                 markdown=markdown,
             ),
