@@ -18,21 +18,23 @@ from typing import TYPE_CHECKING, Any
 from clone.errors import CloneError
 from clone.pipeline import DEFAULT_REJECTS
 from clone.pipeline.errors import InputError, WriteFailed
+from clone.pipeline.exporting import (
+    ROWS_PER_FILE,
+    export_snapshot,
+    snapshot_dataframe,
+    write_snapshot,
+    write_text_file,
+)
 from clone.pipeline.sources import (
-    EXPORT_SCHEMA,
-    SNAPSHOT_META_FILE,
     DrillRun,
-    ExportMeta,
     read_drill_events,
     read_drill_summaries,
     resolve_output,
 )
 
 if TYPE_CHECKING:
-    import pyarrow as pa
     from pyspark.sql import DataFrame, SparkSession
 
-    from clone.pipeline.snapshot import Snapshot
     from clone.pipeline.transforms import LoadColumns
 
 __all__ = [
@@ -42,6 +44,7 @@ __all__ = [
     "drill_report",
     "export_snapshot",
     "snapshot_dataframe",
+    "write_snapshot",
     "write_text_file",
     "curve_keys",
     "export_history",
@@ -51,8 +54,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-# Parquet files of an export: about this many rows each.
-_ROWS_PER_FILE = 500_000
 
 
 def curve_keys(curve_secret: str | None, server_key: str | None) -> tuple[Any, bytes] | None:
@@ -380,103 +381,6 @@ def vars_of(obj: Any) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------
-# export
-
-
-def _snapshot_table(snap: Snapshot) -> pa.Table:
-    import pyarrow as pa
-
-    entries = sorted(snap.entries.values(), key=lambda m: m.key)
-    return pa.table(
-        {
-            "key": pa.array([m.key for m in entries], pa.string()),
-            "value": pa.array([m.body for m in entries], pa.binary()),
-            "sequence": pa.array([m.sequence for m in entries], pa.int64()),
-            "uuid": pa.array([m.uuid.hex() if m.uuid else None for m in entries], pa.string()),
-            "properties": pa.array(
-                [list(m.properties) for m in entries], pa.map_(pa.string(), pa.string())
-            ),
-        }
-    )
-
-
-def snapshot_dataframe(spark: SparkSession, snap: Snapshot) -> DataFrame:
-    """A driver-side snapshot as a DataFrame in :data:`EXPORT_SCHEMA` (built
-    from Arrow columns: no per-row Python objects on the way to the JVM)."""
-    from clone.pipeline.transforms import snapshot_to_export
-
-    raw_schema = ", ".join(
-        f"`{f.name}` {f.dataType.simpleString()}" for f in EXPORT_SCHEMA.fields[:5]
-    )
-    return snapshot_to_export(spark.createDataFrame(_snapshot_table(snap), schema=raw_schema))
-
-
-def write_text_file(spark: SparkSession, path: str, text: str) -> None:
-    """Write a small text file through Hadoop's FileSystem, so that ``path``
-    may be local or on any file system the cluster can write to."""
-    jvm = spark.sparkContext._jvm
-    assert jvm is not None
-    hpath = jvm.org.apache.hadoop.fs.Path(path)
-    fs = hpath.getFileSystem(spark.sparkContext._jsc.hadoopConfiguration())
-    out = fs.create(hpath, True)
-    try:
-        out.write(bytearray(text.encode("utf-8")))
-    finally:
-        out.close()
-
-
-def export_snapshot(
-    spark: SparkSession,
-    servers: Sequence[str],
-    output: str,
-    *,
-    subtree: str = "",
-    timeout: float = 5.0,
-    curve: tuple[Any, bytes] | None = None,
-) -> ExportMeta:
-    """Write a consistent snapshot of the store (or ``subtree``) to ``output``
-    as Parquet, with ``_clone_snapshot.json`` recording its sequence."""
-    from clone.pipeline.progress import stage_progress
-    from clone.pipeline.snapshot import take_snapshot
-    from clone.progress import Progress
-
-    started = time.time()
-    with Progress("export: snapshot", unit="keys", show_after=1.0, transient=True) as bar:
-        snap = take_snapshot(servers, subtree, timeout=timeout, curve=curve,
-                             progress=lambda keys: bar.update(keys))
-    log.info(
-        "snapshot of %d keys at sequence %d from %s in %.2fs",
-        len(snap.entries),
-        snap.sequence,
-        snap.server,
-        time.time() - started,
-    )
-    df = snapshot_dataframe(spark, snap)
-    files = max(1, -(-len(snap.entries) // _ROWS_PER_FILE))
-    try:
-        with stage_progress(spark, f"export {len(snap.entries):,} keys"):
-            df.coalesce(files).write.mode("overwrite").parquet(output)
-    except Exception as exc:
-        if type(exc).__name__ in ("AnalysisException", "Py4JJavaError"):
-            first = str(exc).strip().splitlines()[0]
-            raise InputError(f"cannot write the export to {output}: {first}") from None
-        raise
-    meta = ExportMeta(
-        sequence=snap.sequence,
-        snapshot_sequence=snap.snapshot_sequence,
-        servers=tuple(servers),
-        server=snap.server,
-        subtree=subtree,
-        time=started,
-        rows=len(snap.entries),
-    )
-    write_text_file(
-        spark, f"{output.rstrip('/')}/{SNAPSHOT_META_FILE}", json.dumps(meta.to_json(), indent=2)
-    )
-    return meta
-
-
-# --------------------------------------------------------------------------
 # history and audit
 
 
@@ -496,7 +400,7 @@ def export_history(
     fetched = fetch_history(servers, since, silence=silence, curve=curve)
     log.info("history %d..%d: %d updates", since + 1, fetched.until, fetched.updates.num_rows)
     df = spark.createDataFrame(fetched.updates)
-    files = max(1, -(-fetched.updates.num_rows // _ROWS_PER_FILE))
+    files = max(1, -(-fetched.updates.num_rows // ROWS_PER_FILE))
     df.coalesce(files).write.mode("overwrite").parquet(output)
     meta = fetched.meta()
     write_text_file(

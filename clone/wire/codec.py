@@ -37,6 +37,7 @@ from clone.wire.protocol import (
     VIEW_ID_CHARS,
     VIEW_PROPERTY,
 )
+from clone.wire.uuids import Uuid7Source
 
 __all__ = [
     "KVMsg",
@@ -67,6 +68,7 @@ Properties = tuple[tuple[str, str], ...]
 RESERVED_KEYS = frozenset({KTHXBAI.decode(), HUGZ.decode()})
 _SEQ_MAX = (1 << 64) - 1
 _ZERO_SEQ = bytes(8)
+_new_uuid = Uuid7Source()
 _RESERVED_RAW = frozenset(k.encode() for k in RESERVED_KEYS)
 # Keys beginning with NUL are control topics (clone.wire.control), never data.
 _CONTROL_BYTE = b"\x00"
@@ -78,14 +80,14 @@ _SUBTREE_RE = re.compile(r"/(?:[^/]+/)+")
 
 
 def new_uuid() -> bytes:
-    """A fresh UUIDv7 as 16 bytes: unique, and sorted by creation time.
+    """A fresh UUIDv7 as 16 bytes: unique, and sorted by creation time, whose
+    time is the time it was made, however many are made a second
+    (:mod:`clone.wire.uuids`).
 
     The one function here that reads the clock and draws randomness; the I/O
     layers call it and hand the result in (:meth:`KVMsg.build` never draws).
     """
-    import uuid6  # here: its import reads package metadata, ~50 ms of every server start
-
-    return uuid6.uuid7().bytes
+    return _new_uuid()
 
 
 @dataclass(frozen=True, slots=True)

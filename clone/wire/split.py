@@ -27,6 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
+import uuid6
+
 __all__ = [
     "GONE",
     "SPLIT_AT_PROPERTY",
@@ -134,6 +136,9 @@ def parse_split_origin(properties: Sequence[tuple[str, str]]) -> SplitOrigin | N
 def uuid_time(uuid: bytes) -> float | None:
     """The Unix time in a UUIDv7 (its first 48 bits, milliseconds), or None
     when ``uuid`` is not one."""
-    if len(uuid) != 16 or uuid[6] >> 4 != 7:
+    if len(uuid) != 16:
         return None
-    return int.from_bytes(uuid[:6], "big") / 1000.0
+    parsed = uuid6.UUID(bytes=uuid)  # the library reads the layouts of RFC 9562
+    if parsed.version != 7:
+        return None
+    return parsed.time / 1000.0

@@ -17,7 +17,7 @@ from tests.support.split_cores import resync
 
 def _uuid(n: int) -> bytes:
     # A UUIDv7 layout (version nibble 7) whose time is n seconds after the epoch.
-    return (n * 1000).to_bytes(6, "big") + bytes([0x70]) + n.to_bytes(9, "big")
+    return (n * 1000).to_bytes(6, "big") + bytes([0x70, 0, 0x80]) + n.to_bytes(7, "big")
 
 
 def _kvset(key: str, n: int, body: bytes = b"v") -> list[bytes]:

@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from clone.errors import ProtocolError
+from clone.wire.codec import new_uuid
 from clone.wire.conflicts import (
     decode_conflicts,
     decode_conflicts_request,
@@ -54,9 +55,12 @@ def test_parse_split_origin_is_total(props: list[tuple[str, str]]) -> None:
 
 
 def test_uuid_time_reads_a_uuid7_only() -> None:
-    v7 = (1_700_000_000_123).to_bytes(6, "big") + bytes([0x70]) + bytes(9)
+    v7 = (1_700_000_000_123).to_bytes(6, "big") + bytes([0x70, 0, 0x80]) + bytes(7)
     assert uuid_time(v7) == 1_700_000_000.123
     assert uuid_time(bytes(16)) is None and uuid_time(b"short") is None
+    # The version nibble without RFC 9562's variant bits is not a UUIDv7.
+    assert uuid_time(v7[:8] + bytes(8)) is None
+    assert uuid_time(new_uuid()) is not None
 
 
 def test_conflicts_round_trip_and_cut() -> None:
