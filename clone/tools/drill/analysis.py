@@ -616,6 +616,7 @@ def split_writes(
     until: float,
     heal: float,
     conflicted: Collection[str] = (),
+    winner_applied: Collection[str] | None = None,
 ) -> dict[str, Any]:
     """The writes ``server`` confirmed during a split brain, one by one, and what
     became of each.
@@ -624,8 +625,12 @@ def split_writes(
     (``write_confirmed.server``) between ``since`` (the cut) and ``until`` (the
     server's step-down).  Its ``fate``: ``kept`` when the final state holds it;
     ``conflict`` when the winner lists it as a split-brain conflict (``conflicted``);
-    ``overwritten`` (overwritten keys only) when a client synced from ``winner``
-    applied it but the key ended at another write; ``lost`` otherwise.
+    ``overwritten`` (overwritten keys only) when the winner applied it but the
+    key ended at another write: a client synced from ``winner`` applied it, or
+    the winner's own history holds it (``winner_applied``, drill write ids: a
+    write replaced before any client synced from the winner, as when its
+    clients were still failing over at the heal, is seen only there);
+    ``lost`` otherwise.  ``in_winner_history``: how many were in it (None: not read).
     ``at_winner_s``: when a client synced from ``winner`` first applied it, in
     seconds after ``heal`` (None: no client saw it come from the winner).
     Times of confirmation are seconds after ``since``.  ``reapplied_by``: the
@@ -656,6 +661,7 @@ def split_writes(
                 if ev.get("server") == winner:
                     at_winner[uid] = min(ts, at_winner.get(uid, math.inf))
     final = {k: parse_value(v) for k, v in (server_state or {}).items()}
+    history = set(winner_applied or ())
     writes: list[dict[str, Any]] = []
     arrivals: list[float] = []
     for ts, uid in sorted(confirmed):
@@ -665,7 +671,7 @@ def split_writes(
             fate = "kept"
         elif uid in conflicted:
             fate = "conflict"
-        elif key.startswith(SHARED_PREFIX) and reached is not None:
+        elif key.startswith(SHARED_PREFIX) and (reached is not None or uid in history):
             fate = "overwritten"
         else:
             fate = "lost"
@@ -691,6 +697,8 @@ def split_writes(
         "at_winner_first_s": min(arrivals, default=None),
         "at_winner_last_s": max(arrivals, default=None),
         "reapplied": sum(1 for w in writes if w["reapplied_by"]),
+        "in_winner_history": (None if winner_applied is None
+                              else sum(1 for w in writes if w["uuid"] in history)),
         "writes": writes,
     }
 

@@ -24,6 +24,7 @@ from clone.tools.drill.analysis import (
     split_writes,
     stepped_down_writes,
 )
+from clone.tools.drill.applied import WinnerHistory
 from clone.tools.drill.pair import PairRun
 
 __all__ = ["judge_partition", "judge_restarts", "judge_upgrade", "run_checks"]
@@ -74,7 +75,7 @@ def judge_partition(
     if run.cfg.split_writes:
         part["split_burst"] = burst_writes(streams, server_state)
     if part["kind"] == "partition-split" and heal is not None:
-        _judge_split(part, streams, server_state, conflicted)
+        _judge_split(part, streams, server_state, conflicted, run.notes.get("winner_history"))
     return part
 
 
@@ -83,10 +84,12 @@ def _judge_split(
     streams: Mapping[str, Sequence[Mapping[str, Any]]],
     server_state: Mapping[str, bytes] | None,
     conflicted: Collection[str],
+    history: WinnerHistory | None = None,
 ) -> None:
     """partition-split: what each side confirmed while both were active, and what
     became of every write the isolated side confirmed, from the cut to its
-    step-down (or to the end, if it never stepped down)."""
+    step-down (or to the end, if it never stepped down); ``history``: what the
+    winner's own history says it applied (:mod:`.applied`)."""
     active, passive, cut, heal = part["active"], part["passive"], part["ts"], part["heal_ts"]
     down = [t for line in part["split_brain"][active] if "we step down" in line
             and (t := log_line_time(line)) is not None]
@@ -97,7 +100,8 @@ def _judge_split(
         if ev.get("event") == "write_confirmed" and ev.get("server") == passive
         and cut <= float(ev["ts"]) <= heal)
     part["split_writes"] = split_writes(streams, server_state, active, passive, cut, until, heal,
-                                        conflicted)
+                                        conflicted, None if history is None else history.ids)
+    part["winner_history"] = None if history is None else history.summary()
     part["lock_fencing"] = lock_fencing(streams, (active, cut, until))
     part["locks"] = lock_holders(streams, server_state)
     part["conflicts_told"] = conflicts_told(streams, conflicted)

@@ -51,6 +51,7 @@ import zmq
 
 from clone.progress import Progress
 from clone.tools.drill.analysis import analyse, conflict_write_ids, highest_sequence_before
+from clone.tools.drill.applied import promotion_sequence, read_applied
 from clone.tools.drill.checks import judge_partition, judge_restarts, judge_upgrade, run_checks
 from clone.tools.drill.client import DRILL_PREFIX
 from clone.tools.drill.config import DrillConfig, Say
@@ -179,6 +180,27 @@ class Drill(Scenarios):
             self.say(f"{names[endpoint]} did not list its conflicts")
         return [{**rec, "server": names.get(rec["server"], rec["server"])} for rec in found]
 
+    def _read_winner_history(self, end_active: list[str]) -> None:
+        """partition-split: what the winner applied since its promotion, from its
+        own history (:mod:`.applied`), for the fate of the loser's writes."""
+        part = self.notes.get("partition")
+        if self.cfg.scenario != "partition-split" or part is None or len(end_active) != 1:
+            return
+        name = end_active[0]
+        if not self.group[name].alive:
+            return
+        with open(self.group[name].log_path, "rb") as f:
+            f.seek(part["log_offsets"][name])
+            since = promotion_sequence(f.read().decode(errors="replace"))
+        if since is None:
+            return
+        history = read_applied(name, self.servers[name].endpoint, since)
+        self.notes["winner_history"] = history
+        if not history.complete:
+            self.say(f"the history of {name} after {since} was not read to its end "
+                     f"({history.error or 'out of time'}): "
+                     "the fates below may miss writes it applied")
+
     def _status(self, counts: Counter[str]) -> str:
         """The run so far, as the progress bar's status."""
         active = self.monitor.active()
@@ -213,6 +235,7 @@ class Drill(Scenarios):
                     break
         stats = {name: server_stats(self.group[name]) for name in self.servers}
         conflicts = self._conflicts()
+        self._read_winner_history(end_active)
         if self.release is not None:
             self.notes["upgrade_end"] = self.versions()
             self.say("versions at the end: " + _versions_text(self.notes["upgrade_end"]))
