@@ -101,6 +101,9 @@ def test_lost_writes_are_found() -> None:
     assert s["confirmed_lost"] == 1
     assert s["confirmed_lost_keys"] == [write_key("c0", 0, 0)]
     assert s["unconfirmed_lost"] == 1
+    # Listed by a server as a split-brain conflict: kept, not lost.
+    kept = analyse(streams, state, {"c0": state_hash(state.items())}, conflicted={"u0"})
+    assert kept["confirmed_lost"] == 0 and kept["confirmed_conflicts"] == 1
 
 
 def test_duplicates_and_disorder_are_counted_per_client() -> None:
@@ -584,6 +587,10 @@ def test_stepped_down_writes_lost_only_if_never_confirmed() -> None:
     assert bad["confirmed_by_lost_count"] == bad["applied_missing_confirmed_count"] == 1
     # Writes another server confirmed are not its business.
     assert stepped_down_writes(streams, {}, "backup")["confirmed_by"] == 0
+    # A confirmed write a split brain's heal kept as a listed conflict is not lost.
+    kept = stepped_down_writes(streams, _state(("c0", 0, "u0")), "primary", {"u2"})
+    assert kept["confirmed_by_lost"] == kept["applied_missing_confirmed"] == []
+    assert kept["kept_as_conflicts"] == 1 and kept["applied_missing"] == 2
 
 
 def test_split_writes_fate_of_each_write_the_loser_confirmed() -> None:

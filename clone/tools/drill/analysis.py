@@ -368,7 +368,7 @@ def analyse(
     final = server_state or {}
     final_ids = {k: parse_value(v) for k, v in final.items()}
     lost_confirmed: list[str] = []
-    unconfirmed = unconfirmed_lost = confirmed = ttl_writes = 0
+    unconfirmed = unconfirmed_lost = confirmed = ttl_writes = confirmed_conflicts = 0
     for key, w in writes.items():
         if w["ttl"]:
             ttl_writes += 1
@@ -376,7 +376,9 @@ def analyse(
         present = final_ids.get(key) == w["uuid"]
         if w["confirmed"]:
             confirmed += 1
-            if not present:
+            if not present and w["uuid"] in conflicted:
+                confirmed_conflicts += 1  # kept and listed by a split brain's heal
+            elif not present:
                 lost_confirmed.append(key)
         else:
             unconfirmed += 1
@@ -404,6 +406,7 @@ def analyse(
         "confirmed_writes": confirmed,
         "confirmed_lost": len(lost_confirmed),
         "confirmed_lost_keys": sorted(lost_confirmed)[:20],
+        "confirmed_conflicts": confirmed_conflicts,
         "unconfirmed_writes": unconfirmed,
         "unconfirmed_lost": unconfirmed_lost,
         "write_timeouts": timeouts,
@@ -555,6 +558,7 @@ def stepped_down_writes(
     streams: Mapping[str, Sequence[Mapping[str, Any]]],
     server_state: Mapping[str, bytes] | None,
     server: str,
+    conflicted: Collection[str] = (),
 ) -> dict[str, Any]:
     """What became of the writes a server took before it stepped down.
 
@@ -567,7 +571,9 @@ def stepped_down_writes(
     although confirmed (must be none: a write the server applied and then lost
     with its step-down must never have been confirmed).  ``applied_missing``
     counts all applied-then-missing ones, confirmed or not.  The lists hold
-    the first 20 keys; the ``_count`` fields count them all.
+    the first 20 keys; the ``_count`` fields count them all.  A write the
+    servers list as a split-brain conflict (``conflicted``, write ids) is kept,
+    not lost: ``kept_as_conflicts`` counts those missing from the final state.
     """
     sent: dict[str, str | None] = {}
     confirmed: set[str] = set()
@@ -592,9 +598,12 @@ def stepped_down_writes(
     def present(key: str) -> bool:
         return key in sent and final.get(key) == sent[key]
 
+    def listed(key: str) -> bool:
+        return sent.get(key) in conflicted
+
     missing = sorted(k for k in applied if not present(k))
-    lost = sorted(k for k in confirmed_by if not present(k))
-    missing_confirmed = [k for k in missing if k in confirmed]
+    lost = sorted(k for k in confirmed_by if not present(k) and not listed(k))
+    missing_confirmed = [k for k in missing if k in confirmed and not listed(k)]
     return {
         "server": server,
         "confirmed_by": len(confirmed_by),
@@ -604,6 +613,8 @@ def stepped_down_writes(
         "applied_missing": len(missing),
         "applied_missing_confirmed": missing_confirmed[:20],
         "applied_missing_confirmed_count": len(missing_confirmed),
+        "kept_as_conflicts": sum(1 for k in {*applied, *confirmed_by}
+                                 if not present(k) and listed(k)),
     }
 
 

@@ -67,7 +67,7 @@ def judge_partition(
     part["passive_hugz_after_cut"] = len(run.monitor.hugz_after(passive, part["ts"]))
     if heal is not None:
         part["dual_active_after_heal_s"] = round(run.monitor.dual_active_seconds(heal), 3)
-    part["writes_of_stepped_down"] = [stepped_down_writes(streams, server_state, n)
+    part["writes_of_stepped_down"] = [stepped_down_writes(streams, server_state, n, conflicted)
                                       for n in part["stepped_down"]]
     # Loop stalls from the cut on: each server logs every heartbeat that ran
     # more than an interval late (the ms), and counts its worst in stats.
@@ -177,7 +177,9 @@ def run_checks(
         checks[name] = {"ok": bool(ok), "detail": detail}
 
     check("no confirmed write lost", s["confirmed_lost"] == 0,
-          f"{s['confirmed_lost']} of {s['confirmed_writes']}")
+          f"{s['confirmed_lost']} of {s['confirmed_writes']}"
+          + (f" ({s['confirmed_conflicts']} kept as listed split-brain conflicts)"
+             if s.get("confirmed_conflicts") else ""))
     check("clients converged", s["converged"],
           f"server {s['final_server'] or 'none answered'}, "
           f"{len(set(s['final_client_hashes'].values()))} distinct client hash(es)")
@@ -316,6 +318,8 @@ def _partition_checks(s: dict[str, Any], end_active: list[str], check: Any) -> N
                     f"{w['confirmed_by_lost_count']} of them lost; {w['seen_applied']} applied "
                     f"by it as clients saw, {w['applied_missing']} missing at the end, "
                     f"{w['applied_missing_confirmed_count']} of those confirmed"
+                    + (f", {w['kept_as_conflicts']} kept as listed conflicts"
+                       if w.get("kept_as_conflicts") else "")
                     + (f" {w['confirmed_by_lost'][:3] or w['applied_missing_confirmed'][:3]}"
                        if w in bad else "")
                     for w in stepped) or "no server stepped down")
