@@ -122,12 +122,17 @@ class Drill(Scenarios):
         if cfg.preload:
             self._preload(cfg.preload)
 
-        start_at = self.t0 = time.time() + 2.5
+        start_at = time.time() + 2.5
         self.write_end = start_at + cfg.duration
         final_at = self.write_end + cfg.settle
         client_ids = [f"c{i}" for i in range(cfg.clients)]
+        start_file = self.clients_dir / "start"
         for cid in client_ids:
-            self.start_client(cid, start_at, final_at)
+            self.start_client(cid, start_at, final_at, start_file)
+        start_at = self._start_when_ready(client_ids, start_file, start_at)
+        self.t0 = start_at
+        self.write_end = start_at + cfg.duration
+        final_at = self.write_end + cfg.settle
 
         actions = self._plan(start_at)
         tail = EventTail(self.clients_dir)
@@ -152,6 +157,29 @@ class Drill(Scenarios):
                     break
                 time.sleep(0.05)
         return self._finish(start_at, client_ids)
+
+    def _start_when_ready(self, client_ids: list[str], start_file: Path, planned: float) -> float:
+        """Wait until every client has synced (its ``.ready`` file), then give
+        them the start time (the planned one, or half a second from now if
+        that has passed): the plan is measured from when they all write.  On
+        a loaded machine clients took seconds more than planned to start, and
+        the fault came before some had written anything."""
+        deadline = time.monotonic() + 90
+        ready = [self.clients_dir / f"{cid}.ready" for cid in client_ids]
+        while not all(p.exists() for p in ready) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        late = [p.stem for p in ready if not p.exists()]
+        if late:
+            self.say(f"clients not synced after 90 s: {', '.join(late)}; starting anyway")
+        start_at = max(planned, time.time() + 0.5)
+        if start_at > planned + 0.05:
+            self.say(f"clients synced {start_at - planned:.1f} s later than planned; "
+                     "the run starts then")
+        start_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = start_file.with_suffix(".tmp")
+        tmp.write_text(f"{start_at!r}\n")
+        tmp.replace(start_file)
+        return start_at
 
     def _preload(self, n: int) -> None:
         from clone.tools.bench.targets import Target, load_keys
