@@ -96,12 +96,7 @@ from clone.ratelimit import Throttle
 from clone.security import KeyPair, configure_client_socket
 from clone.wire.batch import announced_entries, is_kvbatch
 from clone.wire.calls import decode_reply, encode_reply
-from clone.wire.codec import (
-    KVMsg,
-    decode_update,
-    encode_icanhaz,
-    encode_kv,
-)
+from clone.wire.codec import KVMsg, decode_update, encode_icanhaz, encode_kv
 from clone.wire.control import decode_control, is_control
 from clone.wire.delta import since_metadata
 from clone.wire.frames import (
@@ -116,6 +111,7 @@ from clone.wire.protocol import (
     PUBLISHER_OFFSET,
     SNAPSHOT_OFFSET,
 )
+from clone.wire.requester import new_requester_id, requester_metadata
 
 __all__ = ["Agent", "split_endpoint", "SUBSCRIBER_HWM"]
 
@@ -198,6 +194,8 @@ class Agent:
         self._running = False
         self._bad = Throttle(log, clock)
         self._answers = Commands(fsm, clock, self._execute, self._add_server, self._stop)
+        # Named on every snapshot DEALER: a re-ask replaces our older request.
+        self._requester = new_requester_id()
         fsm.emit_changes = False  # until somebody watches
 
     # ------------------------------------------------------------------
@@ -496,6 +494,7 @@ class Agent:
             # Our servers then pack the snapshot into KVBATCHes; the Guide's
             # ignore the property and send KVSYNCs, which we take as well.
             dealer.setsockopt(zmq.METADATA, BATCH_METADATA)
+            dealer.setsockopt(zmq.METADATA, requester_metadata(self._requester))
             if action.since is not None:
                 # Holding the map at a sequence: only what followed, if the
                 # server still has it (KVDELTA); else it sends a snapshot.

@@ -71,9 +71,11 @@ class Failover(AgentState):
         log.info(
             "no snapshot from %s within %.3g s (%d requests); trying the next server",
             self.servers[self.current],
-            self.config.server_timeout,
+            self._silence_allowed(),
             self._requests,
         )
+        # The next rounds wait longer and ask less often (clone.client.backoff).
+        self._unanswered_rounds += 1
         return self._failover(now)
 
     def _lost_server(self, server: int, payload: Any, now: float) -> list[Action]:

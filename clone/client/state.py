@@ -13,7 +13,8 @@ each a mixin over this state.  Like them, this module is sans-IO: no zmq, no
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+import random
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from clone.client.actions import (
@@ -28,6 +29,7 @@ from clone.client.actions import (
 )
 from clone.client.agentconfig import AgentConfig, AgentCounters
 from clone.client.args import normalize_subtrees
+from clone.client.backoff import reask_delay, round_window
 from clone.errors import ProtocolError
 from clone.wire.codec import (
     Hugz,
@@ -126,8 +128,13 @@ class AgentState:
         config: AgentConfig | None = None,
         *,
         now: float = 0.0,
+        draw: Callable[[], float] | None = None,
     ) -> None:
         self.config = config or AgentConfig()
+        # Uniform numbers in [0, 1) for the re-asks' jitter (clone.client.backoff).
+        self._draw = draw if draw is not None else random.Random().random
+        # Sync rounds in a row that got no snapshot data: the next wait longer.
+        self._unanswered_rounds = 0
         self.subtrees = normalize_subtrees(subtrees)
         self.servers: list[str] = []
         self.state = State.INITIAL
@@ -302,6 +309,8 @@ class AgentState:
     def _silence_allowed(self) -> float:
         if self.state is State.ACTIVE and self.current is not None:
             return self._advertised_timeout.get(self.current, self.config.server_timeout)
+        if self.state is State.SYNCING:
+            return round_window(self.config.server_timeout, self._unanswered_rounds)
         return self.config.server_timeout
 
     def _note_heartbeat(self, server: int, hugz: Hugz | ViewHeartbeat) -> None:
@@ -359,7 +368,8 @@ class AgentState:
         self._delta = False
         self._reply_seen = False
         more = self._requests < self.config.requests_per_server
-        self._reask_at = now + self.config.reask_interval if more else None
+        delay = reask_delay(self.config.reask_interval, self._unanswered_rounds, self._draw)
+        self._reask_at = now + delay if more else None
         since = self._catch_up_point()
         self._asked_since = None if since is None else since[0]
         return [RequestSnapshot(self.current, self.subtrees, since)]

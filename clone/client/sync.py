@@ -360,6 +360,7 @@ class SnapshotSync(AgentState):
         """A sync (snapshot or catch-up) completed: ACTIVE, ``changes`` told,
         pending writes confirmed if the map holds them, else sent again."""
         self._reask_at = None
+        self._unanswered_rounds = 0
         self._full_next = False
         self._delta = False
         if self._left_at is not None:

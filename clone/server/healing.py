@@ -45,6 +45,7 @@ from clone.server.pacing import (
     SplitQueue,
     send_allowance,
 )
+from clone.server.requesters import from_options, replaced
 from clone.server.sending import send_via_stream
 from clone.server.shared import TURN_BUDGET, Shared, Sockets, peer_endpoint
 from clone.wire.calls import Reply, decode_call, decode_reply
@@ -200,7 +201,16 @@ class Healer:
             self._start_hold("the peer's first sync since we took over")
 
     def hold_request(self, identity: bytes, subtree: str, options: dict[str, Any]) -> None:
-        """Hold a client's snapshot request until the heal's hold ends."""
+        """Hold a client's snapshot request until the heal's hold ends; it
+        replaces those its requester made on an older socket (one per
+        subtree may come on this one: clone.server.requesters)."""
+        asker = from_options(identity, options)
+        moot = set(replaced([(n, from_options(i, o)) for n, (i, _, o)
+                             in enumerate(self._heal_requests) if i != identity], asker))
+        if moot:
+            kept = [r for n, r in enumerate(self._heal_requests) if n not in moot]
+            self._heal_requests.clear()
+            self._heal_requests.extend(kept)
         self._heal_requests.append((identity, subtree, options))
 
     def check(self) -> None:

@@ -41,12 +41,14 @@ from clone.wire.protocol import (
     APPLIED_VERSION,
     BATCH_PROPERTY,
     BATCH_VERSION,
+    REQUESTER_PROPERTY,
     SINCE_PROPERTY,
     STATUS_REQUEST,
     STEPPED_DOWN_PROPERTY,
     TTL_LEFT_NAME,
     TTL_LEFT_VERSION,
 )
+from clone.wire.requester import parse_requester
 from clone.wire.status import encode_status
 
 if TYPE_CHECKING:
@@ -87,6 +89,17 @@ def _since(frame: zmq.Frame) -> SinceRequest | None:
     except zmq.ZMQError:
         return None
     return parse_since(str(value))
+
+
+def _requester(frame: zmq.Frame) -> str | None:
+    """The client's own id on its snapshot DEALER (:mod:`clone.wire.requester`),
+    if it says one.  Raises ProtocolError for a malformed one (the request is
+    then served as anyone's: by its routing id alone)."""
+    try:
+        value = frame.get(REQUESTER_PROPERTY)
+    except zmq.ZMQError:
+        return None
+    return parse_requester(str(value))
 
 
 def _user_id(frame: zmq.Frame) -> str | None:
@@ -202,6 +215,15 @@ class SnapshotPort:
                     "since", logging.WARNING, "ignored a bad catch-up request: %s", exc
                 )
         user = _user_id(parts[1]) if len(parts) > 1 and self._secure else None
+        requester: str | None = None
+        if len(parts) > 1 and not applied:
+            try:
+                requester = _requester(parts[1])
+            except ProtocolError as exc:
+                self.counters["snapshot_requester_invalid"] += 1
+                self._throttle.log(
+                    "requester", logging.WARNING, "ignored a bad requester id: %s", exc
+                )
         frames = [part.bytes for part in parts[1:]]
         try:
             subtree = self.core.snapshot_request(frames)
@@ -219,7 +241,8 @@ class SnapshotPort:
             # stream is dropped as unroutable).
             self.counters["snapshots_held_heal"] += 1
             self.healer.hold_request(identity, subtree, {
-                "batch": batch, "since": since, "user": user, "ttl_left": ttl_left})
+                "batch": batch, "since": since, "user": user, "ttl_left": ttl_left,
+                "requester": requester})
             log.debug("snapshot request from %s held: healing a split brain", who(identity))
             return
         ha = self._ha
@@ -242,6 +265,7 @@ class SnapshotPort:
             since=since,
             user=user,
             ttl_left=ttl_left,
+            requester=requester,
         )
 
     def take_backlog(self) -> None:

@@ -48,6 +48,7 @@ IO_COUNTERS: tuple[str, ...] = (
     "snapshots_idle_aborted",
     "snapshots_evicted",
     "snapshots_replaced",
+    "snapshot_requester_invalid",
     "snapshots_queued",
     "collector_turns_cut",
     "split_writes_applied",

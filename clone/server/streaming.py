@@ -32,6 +32,7 @@ from clone.server.config import ServerConfig
 from clone.server.core import Role, ServerCore
 from clone.server.delta import DeltaStream
 from clone.server.metrics import DurationHistogram
+from clone.server.requesters import Requester, from_options, replaced
 from clone.server.sending import Burst, Sent
 from clone.server.shared import CLOCK_EVERY, TURN_BUDGET, Shared
 from clone.server.snapshot import SnapshotStream
@@ -143,6 +144,8 @@ class SnapshotStreams:
         self._deferred_streams: set[AnyStream] = set()  # served from a held vote
         # The peer's sync streams: a heal waits for them.
         self._peer_syncs: set[AnyStream] = set()
+        # Who asked for each stream: a new request of theirs replaces it.
+        self._requesters: dict[AnyStream, Requester] = {}
 
     @property
     def _stopping(self) -> bool:
@@ -168,6 +171,7 @@ class SnapshotStreams:
         self._waiting.clear()
         self._deferred_streams.clear()
         self._peer_syncs.clear()
+        self._requesters.clear()
 
     def serve(
         self,
@@ -180,21 +184,29 @@ class SnapshotStreams:
         since: SinceRequest | None = None,
         user: str | None = None,
         ttl_left: bool = False,
+        requester: str | None = None,
     ) -> None:
         """Stream a snapshot for an accepted vote (in KVBATCHes if ``batch``,
         after the applied-update list if ``applied``), or only the updates
         after ``since`` when the history still holds them (a client's history
         request: those or a compacted reply, never a snapshot).  ``ttl_left``:
-        ephemeral entries carry the time they have left (a peer server's sync)."""
+        ephemeral entries carry the time they have left (a peer server's sync).
+        ``requester``: the client's own id (``X-CHP-Requester``): this request
+        replaces that client's older stream or waiting request."""
         if self.core.role in (Role.STARTING, Role.PASSIVE):
             # The vote was accepted; make sure the promotion happened first.
             # (A relay serves its copy at any time: it has no vote to win.)
             self._promote()
-        for old in [s for s in self._snapshots if s.identity == identity]:
-            # The same requester asked again on the same socket: it gave up on
-            # the stream it had (one stream per requester, never two interleaved).
+        asker = Requester(identity, requester, user)
+        for old in replaced(self._requesters, asker):
+            # The same requester asked again, on this socket or (naming itself)
+            # a fresh one: one stream per requester, its slot the new request's.
             self.counters["snapshots_replaced"] += 1
             self.abort(old, "the requester asked again")
+        waiting = [(i, from_options(i, how)) for i, (_, how) in self._waiting.items()]
+        for old_identity in replaced(waiting, asker):
+            del self._waiting[old_identity]
+            self.counters["snapshots_replaced"] += 1
         if len(self._snapshots) >= self.config.max_snapshots:
             self._evict_unroutable()
         if len(self._snapshots) >= self.config.max_snapshots:
@@ -210,6 +222,7 @@ class SnapshotStreams:
                 since=since,
                 user=user,
                 ttl_left=ttl_left,
+                requester=requester,
             )
             return
         allowed: tuple[bytes, ...] | None = None
@@ -247,6 +260,7 @@ class SnapshotStreams:
             # The peer always asks for the applied list too; a client never does.
             self.counters["catchups_served" if applied else "client_catchups_served"] += 1
         self._snapshots[stream] = self._snapshot_started[stream] = self._clock()
+        self._requesters[stream] = asker
         if applied:
             self._peer_syncs.add(stream)  # the peer's sync: a heal waits for it
             self._peer_sync_opened()
@@ -444,6 +458,7 @@ class SnapshotStreams:
             return  # a request the burst took after it replaced or evicted this stream
         if stream.done:
             del self._snapshots[stream]
+            self._requesters.pop(stream, None)
             started = self._snapshot_started.pop(stream, None)
             if started is not None:
                 self._durations.observe(self._clock() - started)
@@ -544,6 +559,7 @@ class SnapshotStreams:
         self._snapshot_started.pop(stream, None)
         self._unreachable.pop(stream, None)
         self._pump_queue.pop(stream, None)
+        self._requesters.pop(stream, None)
         if self._snapshots.pop(stream, None) is None:
             return
         self._in_flight.pop(stream, None)

@@ -48,6 +48,8 @@ __all__ = [
     "APPLIED_METADATA",
     "STEPPED_DOWN_PROPERTY",
     "STEPPED_DOWN_METADATA",
+    "REQUESTER_PROPERTY",
+    "REQUESTER_ID_CHARS",
     "MAX_APPLIED_IDS",
     "KVDELTA",
     "SINCE_PROPERTY",
@@ -146,6 +148,13 @@ APPLIED_METADATA: Final = f"{APPLIED_PROPERTY}:{APPLIED_VERSION}".encode()
 #: A restarted peer, with nothing of this run to forward, does not say it.
 STEPPED_DOWN_PROPERTY: Final = "X-CHP-Stepped-Down"
 STEPPED_DOWN_METADATA: Final = f"{STEPPED_DOWN_PROPERTY}:1".encode()
+#: [extension] On a client's snapshot DEALER: the client's name for itself, a
+#: random id per agent, the same on every fresh socket it asks on.  A new
+#: request from the same requester replaces its older stream (or waiting
+#: request) instead of taking another slot (clone.wire.requester).
+REQUESTER_PROPERTY: Final = "X-CHP-Requester"
+#: Its value: this many lowercase hex characters (64 random bits).
+REQUESTER_ID_CHARS: Final = 16
 # Update ids (16-byte uuids) per KVAPPLIED message: 64 KiB of ids.
 MAX_APPLIED_IDS: Final = 4096
 

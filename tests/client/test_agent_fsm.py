@@ -254,8 +254,10 @@ def _requests(actions: list) -> list[int]:
 
 
 def test_unanswered_request_is_repeated_a_bounded_number_of_times_then_fails_over() -> None:
-    """Every 0.25 heartbeat, at most 10 requests per round, next server at 2.5."""
-    fsm = AgentFSM(None, CFG, now=0.0)
+    """Every 0.25 heartbeat, at most 10 requests per round, next server at 2.5;
+    a round after one that got nothing is twice as long and asks half as often
+    (clone.client.backoff; ``draw`` 0.5: no jitter)."""
+    fsm = AgentFSM(None, CFG, now=0.0, draw=lambda: 0.5)
     fsm.connect("tcp://a:1", 0.0)
     fsm.connect("tcp://b:1", 0.0)
     assert fsm.next_deadline() == pytest.approx(0.25)
@@ -272,11 +274,12 @@ def test_unanswered_request_is_repeated_a_bounded_number_of_times_then_fails_ove
     assert fsm.tick(2.49) == []
     assert fsm.tick(2.5) == [RequestSnapshot(1, ("",))]  # next server, a new round
     assert fsm.current == 1 and fsm.counters.failovers == 1
-    assert fsm.next_deadline() == pytest.approx(2.75)
-    assert fsm.tick(2.75) == [RequestSnapshot(1, ("",))]
-    for t in (3.0, 3.25, 3.5, 3.75, 4.0, 4.25, 4.5, 4.75):
-        fsm.tick(t)
-    assert fsm.tick(5.0) == [RequestSnapshot(0, ("",))]
+    assert fsm.next_deadline() == pytest.approx(3.0)
+    assert fsm.tick(3.0) == [RequestSnapshot(1, ("",))]
+    for t in (3.5, 4.0, 4.5, 5.0, 5.5, 6.0, 6.5, 7.0):
+        assert fsm.tick(t) == [RequestSnapshot(1, ("",))]
+    assert fsm.tick(7.49) == []
+    assert fsm.tick(7.5) == [RequestSnapshot(0, ("",))]  # 2.5 + 2 x 2.5
     assert fsm.counters.failovers == 2 and fsm.counters.retries == 18
 
 
@@ -429,20 +432,24 @@ def test_two_actives_do_not_make_the_client_flap() -> None:
     # 0 -> 1 by the first HUGZ of 1; rounds then end by timeout, and a round
     # reached by timeout may end early by one HUGZ of the other server, whose
     # round is then whole: of two consecutive stays, one lasts a full round.
+    # Rounds after ones that got nothing are longer (clone.client.backoff):
+    # 0.1-2.6 on 1, 2.6-7.6 on 0, 7.6 on 1, 7.65 on 0 by its HUGZ.  The last
+    # stay, cut by the end of the loop, is left out.
     assert current_at[1] == (0.1, 1)
-    stays = [b[0] - a[0] for a, b in itertools.pairwise([*current_at, (t, -1)])]
+    stays = [b[0] - a[0] for a, b in itertools.pairwise(current_at)]
     assert all(max(a, b) >= CFG.server_timeout - 1e-9 for a, b in itertools.pairwise(stays))
     c = fsm.counters
     assert c.hint_failovers <= c.failovers - c.hint_failovers + 1
     assert len(current_at) <= 2 * (10.0 / CFG.server_timeout) + 1
-    # Served by server 1: HUGZ from the other active one are ignored.
-    assert fsm.current == 1  # since 7.65
-    feed_snapshot(fsm, MemoryServer(1), t + 0.02)
+    # Served by the current one: HUGZ from the other active one are ignored.
+    served = fsm.current
+    assert served is not None
+    feed_snapshot(fsm, MemoryServer(served), t + 0.02)
     assert fsm.state is State.ACTIVE
     for k in range(1, 20):
-        assert fsm.update(0, Hugz(0, 0.25), t + 0.1 * k) == []
-        fsm.update(1, Hugz(0, 0.25), t + 0.1 * k)
-    assert fsm.current == 1 and fsm.state is State.ACTIVE
+        assert fsm.update(1 - served, Hugz(0, 0.25), t + 0.1 * k) == []
+        fsm.update(served, Hugz(0, 0.25), t + 0.1 * k)
+    assert fsm.current == served and fsm.state is State.ACTIVE
 
 
 def test_a_frozen_active_that_resumes_before_the_takeover_is_asked_again() -> None:

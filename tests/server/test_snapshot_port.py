@@ -29,7 +29,8 @@ from clone.server.voting import HeldVotes
 from clone.wire.calls import CALL
 from clone.wire.conflicts import CONFLICTS_REQUEST
 from clone.wire.frames import recv_zero_copy
-from clone.wire.protocol import ICANHAZ, KTHXBAI, STATUS_REQUEST
+from clone.wire.protocol import ICANHAZ, KTHXBAI, REQUESTER_PROPERTY, STATUS_REQUEST
+from clone.wire.requester import new_requester_id, requester_metadata
 from tests.support.ports import free_base_port
 
 KEYS = 2000
@@ -51,6 +52,7 @@ class _Rig:
                 "snapshots_served", "snapshots_aborted", "snapshots_refused",
                 "snapshots_held_heal", "snapshot_stalls", "snapshot_unroutable_retries",
                 "snapshots_idle_aborted", "snapshots_evicted", "snapshots_replaced",
+                "snapshot_requester_invalid",
                 "snapshots_queued", "snapshot_entries_sent", "snapshots_batched",
                 "snapshot_batches_sent", "internal_errors", "catchups_served",
                 "client_catchups_served", "status_requests", "status_dropped",
@@ -131,9 +133,11 @@ class _Rig:
     def _promote(self) -> None:
         self.promotions += 1
 
-    def dealer(self) -> zmq.Socket[Any]:
+    def dealer(self, *metadata: bytes) -> zmq.Socket[Any]:
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        for prop in metadata:
+            sock.setsockopt(zmq.METADATA, prop)
         sock.connect(f"tcp://127.0.0.1:{self.port}")
         return sock
 
@@ -267,3 +271,69 @@ def test_requests_hidden_by_the_pumps_sends_are_read_by_its_backlog_look(rig: _R
         assert _snapshot(rig, dealer)[-1][0] == KTHXBAI
         dealer.close(0)
     rig.run_until(lambda: rig.counters["snapshots_served"] == 3, "all three counted")
+
+
+def test_a_client_asking_again_on_a_fresh_socket_replaces_its_stream_not_a_slot(
+    ctx: zmq.Context[Any],
+) -> None:
+    """A client re-asks on a fresh DEALER, naming itself (X-CHP-Requester): its
+    older stream goes and the new one takes the slot, so a second client's
+    request is served at once instead of waiting behind a dead stream."""
+    rig = _Rig(ctx, max_snapshots=1)
+    me = requester_metadata(new_requester_id())
+    try:
+        old = rig.dealer(me)
+        old.send_multipart([ICANHAZ, b""])
+        rig.read()
+        assert len(rig.streams) == 1
+        old.close(0)  # what our agent does before it asks again
+        new = rig.dealer(me)
+        new.send_multipart([ICANHAZ, b""])
+        rig.read()
+        assert rig.counters["snapshots_replaced"] == 1 and len(rig.streams) == 1
+        assert rig.counters["snapshots_queued"] == 0  # it did not wait for a slot
+        assert _snapshot(rig, new)[-1][0] == KTHXBAI
+        rig.run_until(lambda: rig.counters["snapshots_served"] == 1, "the new stream counted")
+        # Waiting for a slot, too: a second request of another client waits,
+        # and its own re-ask replaces it there (one waiting request each).
+        other = requester_metadata(new_requester_id())
+        busy, first, second = rig.dealer(me), rig.dealer(other), rig.dealer(other)
+        busy.send_multipart([ICANHAZ, b""])
+        rig.read()
+        first.send_multipart([ICANHAZ, b""])
+        rig.read()
+        first.close(0)
+        second.send_multipart([ICANHAZ, b""])
+        rig.read()
+        assert rig.counters["snapshots_queued"] == 2 and rig.counters["snapshots_replaced"] == 2
+        assert _snapshot(rig, busy)[-1][0] == KTHXBAI
+        assert _snapshot(rig, second)[-1][0] == KTHXBAI
+        rig.run_until(lambda: rig.counters["snapshots_served"] == 3, "all counted")
+        assert rig.counters["snapshots_refused"] == 0
+        for sock in (new, busy, second):
+            sock.close(0)
+    finally:
+        rig.close()
+
+
+def test_a_bad_requester_id_is_counted_and_the_request_served_as_anyones(rig: _Rig) -> None:
+    dealer = rig.dealer(f"{REQUESTER_PROPERTY}:not-hex".encode())
+    dealer.send_multipart([ICANHAZ, b""])
+    rig.read()
+    assert rig.counters["snapshot_requester_invalid"] == 1
+    assert _snapshot(rig, dealer)[-1][0] == KTHXBAI
+    dealer.close(0)
+
+
+def test_a_client_held_through_a_heal_keeps_only_its_newest_request(rig: _Rig) -> None:
+    rig.healer.on_split_brain()
+    me = requester_metadata(new_requester_id())
+    socks = [rig.dealer(me) for _ in range(3)]
+    for sock in socks:
+        sock.send_multipart([ICANHAZ, b""])
+        rig.read()
+    assert rig.counters["snapshots_held_heal"] == 3
+    held = list(rig.healer._heal_requests)
+    assert len(held) == 1 and held[0][2]["requester"] is not None
+    for sock in socks:
+        sock.close(0)

@@ -101,6 +101,9 @@ def test_lost_writes_are_found() -> None:
     assert s["confirmed_lost"] == 1
     assert s["confirmed_lost_keys"] == [write_key("c0", 0, 0)]
     assert s["unconfirmed_lost"] == 1
+    # Listed by a server as a split-brain conflict: kept, not lost.
+    kept = analyse(streams, state, {"c0": state_hash(state.items())}, conflicted={"u0"})
+    assert kept["confirmed_lost"] == 0 and kept["confirmed_conflicts"] == 1
 
 
 def test_duplicates_and_disorder_are_counted_per_client() -> None:
@@ -584,6 +587,10 @@ def test_stepped_down_writes_lost_only_if_never_confirmed() -> None:
     assert bad["confirmed_by_lost_count"] == bad["applied_missing_confirmed_count"] == 1
     # Writes another server confirmed are not its business.
     assert stepped_down_writes(streams, {}, "backup")["confirmed_by"] == 0
+    # A confirmed write a split brain's heal kept as a listed conflict is not lost.
+    kept = stepped_down_writes(streams, _state(("c0", 0, "u0")), "primary", {"u2"})
+    assert kept["confirmed_by_lost"] == kept["applied_missing_confirmed"] == []
+    assert kept["kept_as_conflicts"] == 1 and kept["applied_missing"] == 2
 
 
 def test_split_writes_fate_of_each_write_the_loser_confirmed() -> None:
@@ -615,6 +622,59 @@ def test_split_writes_fate_of_each_write_the_loser_confirmed() -> None:
     assert out["reached_winner"] == 1 and out["reapplied"] == 1
     # Confirmed by the other server: not the loser's.
     assert split_writes(streams, {}, "backup", "primary", 2.0, 4.5, 4.0)["confirmed"] == 0
+
+
+def test_split_writes_a_write_only_the_winners_history_holds_was_applied() -> None:
+    """A loser write of a shared key that the winner applied at the heal and
+    that a later loser write replaced before any client synced from the
+    winner: no client saw it come from the winner, but the winner's history
+    holds it, so it was applied and overwritten, not lost (two loaded runs
+    counted 8 and 11 such writes lost, each in the winner's log of its term)."""
+    from clone.tools.drill.analysis import split_writes
+
+    key = shared_key(3)
+    streams: dict[str, list[dict[str, Any]]] = {"c4": []}
+    for n, uid in ((1, "s1"), (2, "s2")):
+        streams["c4"] += [
+            {"ts": 2 + n / 10, "client": "c4", "event": "write_sent", "key": key, "uuid": uid,
+             "confirmed": True},
+            {"ts": 2.05 + n / 10, "client": "c4", "event": "write_confirmed", "key": key,
+             "uuid": uid, "confirmed": True, "server": "primary"},
+        ]
+    # The key ends at a later winner-side write by c0; the clients synced from
+    # the winner only after both loser writes had been applied and replaced.
+    final = {key: make_value("c0", 0, 9, "w9", 64)}
+    blind = split_writes(streams, final, "primary", "backup", 2.0, 4.5, 4.0)
+    assert [w["fate"] for w in blind["writes"]] == ["lost", "lost"]
+    assert blind["in_winner_history"] is None
+    seen = split_writes(streams, final, "primary", "backup", 2.0, 4.5, 4.0, (),
+                        {"s1", "s2", "w9"})
+    assert [w["fate"] for w in seen["writes"]] == ["overwritten", "overwritten"]
+    assert (seen["lost"], seen["overwritten"], seen["in_winner_history"]) == (0, 2, 2)
+    # Only what the history holds: s2 missing from it is still lost.
+    half = split_writes(streams, final, "primary", "backup", 2.0, 4.5, 4.0, (), {"s1"})
+    assert [w["fate"] for w in half["writes"]] == ["overwritten", "lost"]
+    # A client's own key is never overwritten by others: in the history but
+    # not in the final state is still lost.
+    own = {"c4": [*_write("c4", 3, "o3", True)]}
+    for ev in own["c4"]:
+        ev["ts"] = 2.5
+        if ev["event"] == "write_confirmed":
+            ev["server"] = "primary"
+    assert split_writes(own, {}, "primary", "backup", 2.0, 4.5, 4.0, (), {"o3"})["lost"] == 1
+
+
+def test_winner_promotion_sequence_and_write_ids_for_its_history() -> None:
+    from clone.tools.drill.applied import promotion_sequence, write_ids
+
+    log = ("2026-11-26 11:10:54.123 INFO bstar.reactor: PASSIVE -> ACTIVE on CLIENT_REQUEST\n"
+           "2026-11-26 11:10:54.148 WARNING clone.server.reactor: now ACTIVE (was passive): "
+           "serving at sequence 52034, 50732 keys; published 8 of 8 pending updates\n")
+    assert promotion_sequence(log) == 52034
+    assert promotion_sequence(log + log.replace("52034", "52100")) == 52100  # the last one
+    assert promotion_sequence("now PASSIVE (was active): following\n") is None
+    assert write_ids([make_value("c4", 0, 1, "a1", 64), b"", None, b"not ours",
+                      make_value("c0", 0, 2, "b2", 64)]) == {"a1", "b2"}
 
 
 def test_split_brain_lines() -> None:

@@ -368,7 +368,7 @@ def analyse(
     final = server_state or {}
     final_ids = {k: parse_value(v) for k, v in final.items()}
     lost_confirmed: list[str] = []
-    unconfirmed = unconfirmed_lost = confirmed = ttl_writes = 0
+    unconfirmed = unconfirmed_lost = confirmed = ttl_writes = confirmed_conflicts = 0
     for key, w in writes.items():
         if w["ttl"]:
             ttl_writes += 1
@@ -376,7 +376,9 @@ def analyse(
         present = final_ids.get(key) == w["uuid"]
         if w["confirmed"]:
             confirmed += 1
-            if not present:
+            if not present and w["uuid"] in conflicted:
+                confirmed_conflicts += 1  # kept and listed by a split brain's heal
+            elif not present:
                 lost_confirmed.append(key)
         else:
             unconfirmed += 1
@@ -404,6 +406,7 @@ def analyse(
         "confirmed_writes": confirmed,
         "confirmed_lost": len(lost_confirmed),
         "confirmed_lost_keys": sorted(lost_confirmed)[:20],
+        "confirmed_conflicts": confirmed_conflicts,
         "unconfirmed_writes": unconfirmed,
         "unconfirmed_lost": unconfirmed_lost,
         "write_timeouts": timeouts,
@@ -555,6 +558,7 @@ def stepped_down_writes(
     streams: Mapping[str, Sequence[Mapping[str, Any]]],
     server_state: Mapping[str, bytes] | None,
     server: str,
+    conflicted: Collection[str] = (),
 ) -> dict[str, Any]:
     """What became of the writes a server took before it stepped down.
 
@@ -567,7 +571,9 @@ def stepped_down_writes(
     although confirmed (must be none: a write the server applied and then lost
     with its step-down must never have been confirmed).  ``applied_missing``
     counts all applied-then-missing ones, confirmed or not.  The lists hold
-    the first 20 keys; the ``_count`` fields count them all.
+    the first 20 keys; the ``_count`` fields count them all.  A write the
+    servers list as a split-brain conflict (``conflicted``, write ids) is kept,
+    not lost: ``kept_as_conflicts`` counts those missing from the final state.
     """
     sent: dict[str, str | None] = {}
     confirmed: set[str] = set()
@@ -592,9 +598,12 @@ def stepped_down_writes(
     def present(key: str) -> bool:
         return key in sent and final.get(key) == sent[key]
 
+    def listed(key: str) -> bool:
+        return sent.get(key) in conflicted
+
     missing = sorted(k for k in applied if not present(k))
-    lost = sorted(k for k in confirmed_by if not present(k))
-    missing_confirmed = [k for k in missing if k in confirmed]
+    lost = sorted(k for k in confirmed_by if not present(k) and not listed(k))
+    missing_confirmed = [k for k in missing if k in confirmed and not listed(k)]
     return {
         "server": server,
         "confirmed_by": len(confirmed_by),
@@ -604,6 +613,8 @@ def stepped_down_writes(
         "applied_missing": len(missing),
         "applied_missing_confirmed": missing_confirmed[:20],
         "applied_missing_confirmed_count": len(missing_confirmed),
+        "kept_as_conflicts": sum(1 for k in {*applied, *confirmed_by}
+                                 if not present(k) and listed(k)),
     }
 
 
@@ -616,6 +627,7 @@ def split_writes(
     until: float,
     heal: float,
     conflicted: Collection[str] = (),
+    winner_applied: Collection[str] | None = None,
 ) -> dict[str, Any]:
     """The writes ``server`` confirmed during a split brain, one by one, and what
     became of each.
@@ -624,8 +636,12 @@ def split_writes(
     (``write_confirmed.server``) between ``since`` (the cut) and ``until`` (the
     server's step-down).  Its ``fate``: ``kept`` when the final state holds it;
     ``conflict`` when the winner lists it as a split-brain conflict (``conflicted``);
-    ``overwritten`` (overwritten keys only) when a client synced from ``winner``
-    applied it but the key ended at another write; ``lost`` otherwise.
+    ``overwritten`` (overwritten keys only) when the winner applied it but the
+    key ended at another write: a client synced from ``winner`` applied it, or
+    the winner's own history holds it (``winner_applied``, drill write ids: a
+    write replaced before any client synced from the winner, as when its
+    clients were still failing over at the heal, is seen only there);
+    ``lost`` otherwise.  ``in_winner_history``: how many were in it (None: not read).
     ``at_winner_s``: when a client synced from ``winner`` first applied it, in
     seconds after ``heal`` (None: no client saw it come from the winner).
     Times of confirmation are seconds after ``since``.  ``reapplied_by``: the
@@ -656,6 +672,7 @@ def split_writes(
                 if ev.get("server") == winner:
                     at_winner[uid] = min(ts, at_winner.get(uid, math.inf))
     final = {k: parse_value(v) for k, v in (server_state or {}).items()}
+    history = set(winner_applied or ())
     writes: list[dict[str, Any]] = []
     arrivals: list[float] = []
     for ts, uid in sorted(confirmed):
@@ -665,7 +682,7 @@ def split_writes(
             fate = "kept"
         elif uid in conflicted:
             fate = "conflict"
-        elif key.startswith(SHARED_PREFIX) and reached is not None:
+        elif key.startswith(SHARED_PREFIX) and (reached is not None or uid in history):
             fate = "overwritten"
         else:
             fate = "lost"
@@ -691,6 +708,8 @@ def split_writes(
         "at_winner_first_s": min(arrivals, default=None),
         "at_winner_last_s": max(arrivals, default=None),
         "reapplied": sum(1 for w in writes if w["reapplied_by"]),
+        "in_winner_history": (None if winner_applied is None
+                              else sum(1 for w in writes if w["uuid"] in history)),
         "writes": writes,
     }
 

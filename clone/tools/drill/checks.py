@@ -24,6 +24,7 @@ from clone.tools.drill.analysis import (
     split_writes,
     stepped_down_writes,
 )
+from clone.tools.drill.applied import WinnerHistory
 from clone.tools.drill.pair import PairRun
 
 __all__ = ["judge_partition", "judge_restarts", "judge_upgrade", "run_checks"]
@@ -66,7 +67,7 @@ def judge_partition(
     part["passive_hugz_after_cut"] = len(run.monitor.hugz_after(passive, part["ts"]))
     if heal is not None:
         part["dual_active_after_heal_s"] = round(run.monitor.dual_active_seconds(heal), 3)
-    part["writes_of_stepped_down"] = [stepped_down_writes(streams, server_state, n)
+    part["writes_of_stepped_down"] = [stepped_down_writes(streams, server_state, n, conflicted)
                                       for n in part["stepped_down"]]
     # Loop stalls from the cut on: each server logs every heartbeat that ran
     # more than an interval late (the ms), and counts its worst in stats.
@@ -74,7 +75,7 @@ def judge_partition(
     if run.cfg.split_writes:
         part["split_burst"] = burst_writes(streams, server_state)
     if part["kind"] == "partition-split" and heal is not None:
-        _judge_split(part, streams, server_state, conflicted)
+        _judge_split(part, streams, server_state, conflicted, run.notes.get("winner_history"))
     return part
 
 
@@ -83,10 +84,12 @@ def _judge_split(
     streams: Mapping[str, Sequence[Mapping[str, Any]]],
     server_state: Mapping[str, bytes] | None,
     conflicted: Collection[str],
+    history: WinnerHistory | None = None,
 ) -> None:
     """partition-split: what each side confirmed while both were active, and what
     became of every write the isolated side confirmed, from the cut to its
-    step-down (or to the end, if it never stepped down)."""
+    step-down (or to the end, if it never stepped down); ``history``: what the
+    winner's own history says it applied (:mod:`.applied`)."""
     active, passive, cut, heal = part["active"], part["passive"], part["ts"], part["heal_ts"]
     down = [t for line in part["split_brain"][active] if "we step down" in line
             and (t := log_line_time(line)) is not None]
@@ -97,7 +100,8 @@ def _judge_split(
         if ev.get("event") == "write_confirmed" and ev.get("server") == passive
         and cut <= float(ev["ts"]) <= heal)
     part["split_writes"] = split_writes(streams, server_state, active, passive, cut, until, heal,
-                                        conflicted)
+                                        conflicted, None if history is None else history.ids)
+    part["winner_history"] = None if history is None else history.summary()
     part["lock_fencing"] = lock_fencing(streams, (active, cut, until))
     part["locks"] = lock_holders(streams, server_state)
     part["conflicts_told"] = conflicts_told(streams, conflicted)
@@ -173,7 +177,9 @@ def run_checks(
         checks[name] = {"ok": bool(ok), "detail": detail}
 
     check("no confirmed write lost", s["confirmed_lost"] == 0,
-          f"{s['confirmed_lost']} of {s['confirmed_writes']}")
+          f"{s['confirmed_lost']} of {s['confirmed_writes']}"
+          + (f" ({s['confirmed_conflicts']} kept as listed split-brain conflicts)"
+             if s.get("confirmed_conflicts") else ""))
     check("clients converged", s["converged"],
           f"server {s['final_server'] or 'none answered'}, "
           f"{len(set(s['final_client_hashes'].values()))} distinct client hash(es)")
@@ -312,6 +318,8 @@ def _partition_checks(s: dict[str, Any], end_active: list[str], check: Any) -> N
                     f"{w['confirmed_by_lost_count']} of them lost; {w['seen_applied']} applied "
                     f"by it as clients saw, {w['applied_missing']} missing at the end, "
                     f"{w['applied_missing_confirmed_count']} of those confirmed"
+                    + (f", {w['kept_as_conflicts']} kept as listed conflicts"
+                       if w.get("kept_as_conflicts") else "")
                     + (f" {w['confirmed_by_lost'][:3] or w['applied_missing_confirmed'][:3]}"
                        if w in bad else "")
                     for w in stepped) or "no server stepped down")

@@ -308,6 +308,28 @@ def _sleep_until(t: float) -> None:
         time.sleep(min(d, 0.5))
 
 
+def _await_start(args: argparse.Namespace) -> None:
+    """Say we are synced (``<events>.ready``), then wait for the drill's start
+    time in ``--start-file`` and move every planned time by as much: on a busy
+    machine a client took longer to start than the drill allowed, and wrote
+    nothing before its fault."""
+    Path(args.events).with_suffix(".ready").touch()
+    start = Path(args.start_file)
+    deadline = time.monotonic() + args.sync_timeout + 120
+    while not start.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    try:
+        begin = float(start.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        log.warning("%s: no start time in %s; starting as planned", args.id, start)
+        return
+    shift = begin - args.start_at
+    args.start_at += shift
+    args.final_at += shift
+    if args.burst_at:
+        args.burst_at += shift
+
+
 def run(args: argparse.Namespace) -> int:
     rng = random.Random(f"{args.seed}-{args.id}-{args.gen}")
     Path(args.events).parent.mkdir(parents=True, exist_ok=True)
@@ -335,6 +357,8 @@ def run(args: argparse.Namespace) -> int:
             watch = _FailoverWatch(client, tracker, events, names)
             watch.start()
             locker = _LockWorkload(args, events, names) if args.lock_hold > 0 else None
+            if args.start_file:
+                _await_start(args)
             _sleep_until(args.start_at)
             if locker is not None:
                 locker.start()
@@ -530,6 +554,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--write-seconds", type=float, required=True)
     p.add_argument("--final-at", type=float, required=True, help="Unix time to take the state")
     p.add_argument("--sync-timeout", type=float, default=30.0)
+    p.add_argument("--start-file", default="",
+                   help="once synced, touch <events>.ready and wait for this file: its first"
+                   " number is the real start time, and every planned time moves with it")
     p.add_argument("--events", required=True, help="events file (JSON lines, appended)")
     p.add_argument("--state", required=True, help="final state file (JSON)")
     p.add_argument("--seed", type=int, default=0)

@@ -51,6 +51,7 @@ import zmq
 
 from clone.progress import Progress
 from clone.tools.drill.analysis import analyse, conflict_write_ids, highest_sequence_before
+from clone.tools.drill.applied import promotion_sequence, read_applied
 from clone.tools.drill.checks import judge_partition, judge_restarts, judge_upgrade, run_checks
 from clone.tools.drill.client import DRILL_PREFIX
 from clone.tools.drill.config import DrillConfig, Say
@@ -121,12 +122,17 @@ class Drill(Scenarios):
         if cfg.preload:
             self._preload(cfg.preload)
 
-        start_at = self.t0 = time.time() + 2.5
+        start_at = time.time() + 2.5
         self.write_end = start_at + cfg.duration
         final_at = self.write_end + cfg.settle
         client_ids = [f"c{i}" for i in range(cfg.clients)]
+        start_file = self.clients_dir / "start"
         for cid in client_ids:
-            self.start_client(cid, start_at, final_at)
+            self.start_client(cid, start_at, final_at, start_file)
+        start_at = self._start_when_ready(client_ids, start_file, start_at)
+        self.t0 = start_at
+        self.write_end = start_at + cfg.duration
+        final_at = self.write_end + cfg.settle
 
         actions = self._plan(start_at)
         tail = EventTail(self.clients_dir)
@@ -151,6 +157,29 @@ class Drill(Scenarios):
                     break
                 time.sleep(0.05)
         return self._finish(start_at, client_ids)
+
+    def _start_when_ready(self, client_ids: list[str], start_file: Path, planned: float) -> float:
+        """Wait until every client has synced (its ``.ready`` file), then give
+        them the start time (the planned one, or half a second from now if
+        that has passed): the plan is measured from when they all write.  On
+        a loaded machine clients took seconds more than planned to start, and
+        the fault came before some had written anything."""
+        deadline = time.monotonic() + 90
+        ready = [self.clients_dir / f"{cid}.ready" for cid in client_ids]
+        while not all(p.exists() for p in ready) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        late = [p.stem for p in ready if not p.exists()]
+        if late:
+            self.say(f"clients not synced after 90 s: {', '.join(late)}; starting anyway")
+        start_at = max(planned, time.time() + 0.5)
+        if start_at > planned + 0.05:
+            self.say(f"clients synced {start_at - planned:.1f} s later than planned; "
+                     "the run starts then")
+        start_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = start_file.with_suffix(".tmp")
+        tmp.write_text(f"{start_at!r}\n")
+        tmp.replace(start_file)
+        return start_at
 
     def _preload(self, n: int) -> None:
         from clone.tools.bench.targets import Target, load_keys
@@ -178,6 +207,27 @@ class Drill(Scenarios):
         for endpoint in silent:
             self.say(f"{names[endpoint]} did not list its conflicts")
         return [{**rec, "server": names.get(rec["server"], rec["server"])} for rec in found]
+
+    def _read_winner_history(self, end_active: list[str]) -> None:
+        """partition-split: what the winner applied since its promotion, from its
+        own history (:mod:`.applied`), for the fate of the loser's writes."""
+        part = self.notes.get("partition")
+        if self.cfg.scenario != "partition-split" or part is None or len(end_active) != 1:
+            return
+        name = end_active[0]
+        if not self.group[name].alive:
+            return
+        with open(self.group[name].log_path, "rb") as f:
+            f.seek(part["log_offsets"][name])
+            since = promotion_sequence(f.read().decode(errors="replace"))
+        if since is None:
+            return
+        history = read_applied(name, self.servers[name].endpoint, since)
+        self.notes["winner_history"] = history
+        if not history.complete:
+            self.say(f"the history of {name} after {since} was not read to its end "
+                     f"({history.error or 'out of time'}): "
+                     "the fates below may miss writes it applied")
 
     def _status(self, counts: Counter[str]) -> str:
         """The run so far, as the progress bar's status."""
@@ -213,6 +263,7 @@ class Drill(Scenarios):
                     break
         stats = {name: server_stats(self.group[name]) for name in self.servers}
         conflicts = self._conflicts()
+        self._read_winner_history(end_active)
         if self.release is not None:
             self.notes["upgrade_end"] = self.versions()
             self.say("versions at the end: " + _versions_text(self.notes["upgrade_end"]))

@@ -122,7 +122,8 @@ class PairRun:
             proc = self.group.add(name, argv, env=env)
         return proc
 
-    def start_client(self, cid: str, start_at: float, final_at: float) -> ManagedProcess:
+    def start_client(self, cid: str, start_at: float, final_at: float,
+                     start_file: Path | None = None) -> ManagedProcess:
         cfg = self.cfg
         gen = self.generations.get(cid, -1) + 1
         self.generations[cid] = gen
@@ -152,6 +153,8 @@ class PairRun:
             "--seed", str(cfg.seed),
             "--lock-hold", str(cfg.lock_hold if self._locks(cid) else 0),
         )  # fmt: skip
+        if start_file is not None:
+            argv += ["--start-file", str(start_file)]
         if self.topology is not None and cid == cfg.island_client:
             argv = self.topology.prefix(ISLAND) + argv
             if cfg.split_writes and gen == 0:
