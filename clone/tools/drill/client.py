@@ -64,6 +64,7 @@ import itertools
 import json
 import logging
 import random
+import re
 import sys
 import threading
 import time
@@ -96,6 +97,8 @@ log = logging.getLogger("clone.tools.drill.client")
 
 DRILL_PREFIX = "/drill/"
 # Keys every client overwrites; no client id may be "shared".
+#: A unique key: ``/drill/<client>/[ttl/]g<gen>/<n>``, written once.
+UNIQUE_KEY_RE = re.compile(r"^/drill/(?P<client>[^/]+)/(?P<ttl>ttl/)?g(?P<gen>\d+)/(?P<n>\d+)$")
 SHARED_PREFIX = DRILL_PREFIX + "shared/"
 # Keys taken and released with compare-and-set (--locks); no client id may be "lock".
 LOCK_PREFIX = DRILL_PREFIX + "lock/"
