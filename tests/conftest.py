@@ -29,6 +29,8 @@ pytest_plugins = [
     # --- markers: slow/spark given by code, the quick set's no-process guard,
     # timeouts per marker (see tests/support/markers.py) ---
     "tests.support.markers",
+    # --- the order xdist hands the tests out in: the long kinds first ---
+    "tests.support.ordering",
 ]
 
 # --- hypothesis on a busy machine: no per-example deadline and no

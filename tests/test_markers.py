@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.support import ordering
 from tests.support.markers import (
     ALL_ITEMS,
     SLOW_TIMEOUT,
@@ -24,6 +25,12 @@ from tests.support.markers import (
 )
 
 pytest_plugins = ["pytester"]
+
+# Run alone (not the whole suite), the ``collected`` fixture collects the
+# suite in this process: 50-75 s at load average 25, past the fast tests'
+# 60 s ceiling (an error at setup, nothing wrong).  A ceiling that only
+# bounds a hang.
+pytestmark = pytest.mark.timeout(180)
 
 TESTS = Path(__file__).resolve().parent
 
@@ -143,6 +150,34 @@ def test_a_grouped_test_carries_the_group_in_its_id_for_xdist(pytester: pytest.P
     hook.pytest_collection_modifyitems(config, items)  # type: ignore[arg-type]
     hook.pytest_collection_modifyitems(config, items)  # type: ignore[arg-type]
     assert [i.nodeid for i in items] == [f"{ids[0]}@spark", f"{ids[1]}@netns", ids[2]]
+
+
+def test_under_loadgroup_the_heavy_kinds_of_test_are_handed_out_first(
+    pytester: pytest.Pytester,
+) -> None:
+    """xdist hands the single tests out in collection order: a Spark job or a
+    server test collected late ran alone at the end of the run.  Under
+    ``loadgroup`` they come first, each kind in its collection order."""
+    items = pytester.getitems(
+        "import pytest\n"
+        "def test_pure_1(): pass\n"
+        "@pytest.mark.slow\n"
+        "def test_server_1(): pass\n"
+        "def test_pure_2(): pass\n"
+        "@pytest.mark.spark\n"
+        "def test_cluster(): pass\n"
+        "@pytest.mark.slow\n"
+        "def test_server_2(): pass\n"
+    )
+    names = [i.name for i in items]
+    config = types.SimpleNamespace(option=types.SimpleNamespace(loadgroup=False))
+    ordering.pytest_collection_modifyitems(config, items)  # type: ignore[arg-type]
+    assert [i.name for i in items] == names  # not under loadgroup: pytest's order
+    config.option.loadgroup = True
+    ordering.pytest_collection_modifyitems(config, items)  # type: ignore[arg-type]
+    assert [i.name for i in items] == [
+        "test_cluster", "test_server_1", "test_server_2", "test_pure_1", "test_pure_2",
+    ]  # fmt: skip
 
 
 def test_the_quick_set_holds_no_process_and_no_spark_test(collected: list[pytest.Item]) -> None:

@@ -123,10 +123,13 @@ def test_a_shell_cas_loop_of_5_processes_x_20_increments_ends_at_100(
     pair: Pair, tmp_path: Path
 ) -> None:
     pair.ok("set", "/cas/n", "0")
+    # --timeout: a ceiling for a starved command, not a pace (the default 5 s
+    # ran out at load average 25 and ended a shell with exit 9).
+    flags = f"--servers {pair.servers} --heartbeat 0.1 --timeout 60"
     script = tmp_path / "inc.sh"
     script.write_text(textwrap.dedent(f"""\
         set -u
-        clone() {{ {" ".join(CLONE_CLI)} "$@" --servers {pair.servers} --heartbeat 0.1; }}
+        clone() {{ {" ".join(CLONE_CLI)} "$@" {flags}; }}
         fields() {{ {sys.executable} -c "{FIELDS}"; }}
         done=0
         while [ $done -lt 20 ]; do
@@ -188,12 +191,19 @@ def test_lease_grant_bind_list_keep_alive_revoke(pair: Pair) -> None:
     assert pair.run("get", "/svc/a").returncode == 1  # deleted with its lease
 
     # A short lease kept alive by keep-alive outlives its ttl; it ends after.
-    granted = json.loads(pair.ok("lease", "grant", "3", "--json", env=env))
+    # The keeper is another process, started after the grant: the ttl must
+    # cover its start, sync and first keepalive on a busy machine (3 s and 5 s
+    # did not, beside stress-ng at load average 20), and the ttl's twice are
+    # counted from the keeper's word that it holds the lease.
+    granted = json.loads(pair.ok("lease", "grant", "10", "--json", env=env))
     assert granted["secret"] is None  # given by the environment: not repeated
     keeper = pair.popen("lease", "keep-alive", granted["id"], env=env)
     try:
+        assert keeper.stdout is not None
+        held = keeper.stdout.readline()
+        assert held.startswith(b"lease " + granted["id"].encode() + b" kept alive"), held
         pair.ok("set", "/svc/c", "x", "--lease", granted["id"], env=env)
-        deadline = time.monotonic() + 6  # twice the ttl
+        deadline = time.monotonic() + 20  # twice the ttl
         while time.monotonic() < deadline:
             assert pair.run("get", "/svc/c").returncode == 0
         keeper.send_signal(signal.SIGINT)
@@ -279,7 +289,10 @@ def test_watch_into_a_closed_pipe_exits_without_a_change(pair: Pair) -> None:
 
 @pytest.mark.timeout(180)
 def test_watch_piped_into_head_stops_after_the_first_line(pair: Pair) -> None:
-    # The same value again and again: each rewrite is a change to a watcher.
+    # The same value again and again: every write is a change to a watcher,
+    # also a rewrite of the value its snapshot already holds (it once was
+    # not, and a first write that landed before the watch had synced left
+    # the watch waiting for ever).
     shell = f"{' '.join(CLONE_CLI)} watch /w/ --servers {pair.servers} --heartbeat 0.1"
     proc = subprocess.Popen(["sh", "-c", f"{shell} | head -1"], stdout=subprocess.PIPE,
                             env=_env(), cwd=ROOT, start_new_session=True)  # fmt: skip
