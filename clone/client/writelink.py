@@ -297,7 +297,13 @@ class WriteLink:
             if frames[0] == HUGZ and self.router.heard(index, self._clock()):
                 log.debug("writing to server %d", index)
                 self._reconfirm(index)
-                for uuid in list(self.pending):  # resent with the same uuid
+                # Resent with the same uuids, all in the order they were
+                # written: rows queued while no server was current go after
+                # the reconfirmed ones too, not ahead of them.
+                for entry in self.pending.values():
+                    entry.queued = False
+                self._queue = []
+                for uuid in list(self.pending):
                     self._resend(uuid)
                 self.flush()
 
@@ -384,11 +390,19 @@ class WriteLink:
         active confirmed and died before replicating."""
         now = self._clock()
         pending = self.pending
-        again = 0
+        first: dict[bytes, _Pending] = {}
         for uuid, frames, server, _ in self._confirmed:
             if server != index and uuid not in pending:
-                pending[uuid] = _Pending(frames, now + _RECONFIRM_S, reconfirm=True)
-                again += 1
+                first[uuid] = _Pending(frames, now + _RECONFIRM_S, reconfirm=True)
+        again = len(first)
+        if first:
+            # They go before the writes still waiting, which were sent after
+            # them: the new server applies them in the order they were
+            # written, so a row rewritten since is not taken back by its
+            # older value, and each confirmed row gets its sequence again.
+            first.update(pending)
+            pending.clear()
+            pending.update(first)
         self._confirmed.clear()
         self._confirmed_bytes = 0
         if again:
