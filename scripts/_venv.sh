@@ -15,9 +15,34 @@ ensure_venv() {
     fi
     local stamp="$VENV/.clone-installed$extras"
     # Reinstall when setup.cfg changed since the last install with these extras.
-    if [ ! -f "$stamp" ] || [ "$ROOT/setup.cfg" -nt "$stamp" ]; then
-        echo "clone: installing the project$extras into $VENV" >&2
-        "$VENV/bin/python" -m pip install -q -e "$ROOT$extras" >&2
-        touch "$stamp"
+    if _clone_install_stale "$stamp" "$extras"; then
+        # One install at a time: the tests start several of these scripts at
+        # once, and two pips writing one venv break each other's install.
+        exec 9>"$VENV/.clone-install.lock"
+        flock 9
+        if _clone_install_stale "$stamp" "$extras"; then
+            echo "clone: installing the project$extras into $VENV" >&2
+            "$VENV/bin/python" -m pip install -q -e "$ROOT$extras" >&2
+            touch "$stamp"
+        fi
+        flock -u 9
+        exec 9>&-
     fi
+}
+
+_clone_install_stale() {
+    # $1: the stamp of an install with extras $2. Without extras, an install
+    # with any extras newer than setup.cfg installed the project too.
+    local stamp="$1" extras="$2" other
+    if [ -f "$stamp" ] && [ ! "$ROOT/setup.cfg" -nt "$stamp" ]; then
+        return 1
+    fi
+    if [ -z "$extras" ]; then
+        for other in "$VENV"/.clone-installed*; do
+            if [ -f "$other" ] && [ ! "$ROOT/setup.cfg" -nt "$other" ]; then
+                return 1
+            fi
+        done
+    fi
+    return 0
 }
