@@ -204,8 +204,8 @@ class Healer:
         """Hold a client's snapshot request until the heal's hold ends; it
         replaces those its requester made on an older socket (one per
         subtree may come on this one: clone.server.requesters)."""
-        asker = from_options(identity, options)
-        moot = set(replaced([(n, from_options(i, o)) for n, (i, _, o)
+        asker = from_options(identity, options, subtree)
+        moot = set(replaced([(n, from_options(i, o, t)) for n, (i, t, o)
                              in enumerate(self._heal_requests) if i != identity], asker))
         if moot:
             kept = [r for n, r in enumerate(self._heal_requests) if n not in moot]

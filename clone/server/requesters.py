@@ -30,9 +30,16 @@ class Requester:
     identity: bytes
     name: str | None = None
     user: str | None = None
+    #: The subtree asked for (None: not known, matches any): a client with
+    #: several subtrees asks for each on one socket, at once.
+    subtree: str | None = None
 
     def replaces(self, older: Requester) -> bool:
-        """Whether a request from us makes ``older``'s request moot."""
+        """Whether a request from us makes ``older``'s request moot: the same
+        subtree, asked again by the same socket or the same named client."""
+        if self.subtree is not None and older.subtree is not None:
+            if self.subtree != older.subtree:
+                return False
         if self.identity == older.identity:
             return True
         return self.name is not None and self.name == older.name and self.user == older.user
@@ -46,7 +53,10 @@ def replaced(requests: Mapping[K, Requester] | Iterable[tuple[K, Requester]],
     return [key for key, who in items if new.replaces(who)]
 
 
-def from_options(identity: bytes, options: Mapping[str, Any]) -> Requester:
+def from_options(
+    identity: bytes, options: Mapping[str, Any], subtree: str | None = None
+) -> Requester:
     """Who asked, for a request kept with its serve options (``requester``,
     ``user``): one waiting for a slot, or held through a heal."""
-    return Requester(identity, options.get("requester"), options.get("user"))
+    asked = options.get("subtree", subtree)
+    return Requester(identity, options.get("requester"), options.get("user"), asked)

@@ -197,7 +197,7 @@ class SnapshotStreams:
             # The vote was accepted; make sure the promotion happened first.
             # (A relay serves its copy at any time: it has no vote to win.)
             self._promote()
-        asker = Requester(identity, requester, user)
+        asker = Requester(identity, requester, user, subtree)
         for old in replaced(self._requesters, asker):
             # The same requester asked again, on this socket or (naming itself)
             # a fresh one: one stream per requester, its slot the new request's.

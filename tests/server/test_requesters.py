@@ -40,3 +40,17 @@ def test_replaced_keeps_order_and_reads_kept_options() -> None:
     assert replaced(held, Requester(b"s4", A)) == [b"s1", b"s3"]
     assert replaced(dict(held), Requester(b"s2")) == [b"s2"]
     assert replaced({}, Requester(b"s1", A)) == []
+
+
+def test_a_client_with_several_subtrees_asks_for_each_at_once() -> None:
+    """One socket, one request per subtree at the same time: the second is
+    not a re-ask of the first (a clean-clone run's ['/b/', '/c/'] client lost
+    its '/b/' stream to its '/c/' request and never synced)."""
+    b = Requester(b"\x00s1", "c1", None, "/b/")
+    c = Requester(b"\x00s1", "c1", None, "/c/")
+    assert not c.replaces(b) and not b.replaces(c)
+    assert Requester(b"\x00s2", "c1", None, "/b/").replaces(b)  # '/b/' asked again
+    assert Requester(b"\x00s1").replaces(b)  # the subtree not known: the socket decides
+    assert replaced({1: b, 2: c}, Requester(b"\x00s3", "c1", None, "/c/")) == [2]
+    assert from_options(b"\x00s1", {"requester": "c1"}, "/b/") == b
+    assert from_options(b"\x00s1", {"requester": "c1", "subtree": "/c/"}, "/b/") == c
