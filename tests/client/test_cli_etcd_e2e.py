@@ -118,8 +118,11 @@ def test_if_absent_and_if_seq(pair: Pair) -> None:
 FIELDS = "import json,sys; d=json.load(sys.stdin); print(d['value'], d['sequence'])"
 
 
-@pytest.mark.timeout(900)  # 100 increments and their conflicts: hundreds of processes
-def test_a_shell_cas_loop_of_5_processes_x_20_increments_ends_at_100(
+# 5 shells contend for every increment (each try is two CLI processes and a
+# helper: CPU-bound, 82 s idle for 100 increments); 8 each still make every
+# shell lose races to the others, which is what the loop is here to survive.
+@pytest.mark.timeout(900)  # 40 increments and their conflicts: hundreds of processes
+def test_a_shell_cas_loop_of_5_processes_x_8_increments_ends_at_40(
     pair: Pair, tmp_path: Path
 ) -> None:
     pair.ok("set", "/cas/n", "0")
@@ -132,7 +135,7 @@ def test_a_shell_cas_loop_of_5_processes_x_20_increments_ends_at_100(
         clone() {{ {" ".join(CLONE_CLI)} "$@" {flags}; }}
         fields() {{ {sys.executable} -c "{FIELDS}"; }}
         done=0
-        while [ $done -lt 20 ]; do
+        while [ $done -lt 8 ]; do
             got=$(clone get /cas/n --json) || exit 9
             # Value and sequence in one helper process: hundreds of tries.
             set -- $(printf '%s' "$got" | fields)
@@ -156,7 +159,7 @@ def test_a_shell_cas_loop_of_5_processes_x_20_increments_ends_at_100(
             except ProcessLookupError:
                 pass
             proc.wait()
-    assert pair.ok("get", "/cas/n") == "100\n"
+    assert pair.ok("get", "/cas/n") == "40\n"
 
 
 def test_del_prefix_lists_then_deletes_with_a_count(pair: Pair) -> None:
@@ -203,9 +206,13 @@ def test_lease_grant_bind_list_keep_alive_revoke(pair: Pair) -> None:
         held = keeper.stdout.readline()
         assert held.startswith(b"lease " + granted["id"].encode() + b" kept alive"), held
         pair.ok("set", "/svc/c", "x", "--lease", granted["id"], env=env)
-        deadline = time.monotonic() + 20  # twice the ttl
-        while time.monotonic() < deadline:
-            assert pair.run("get", "/svc/c").returncode == 0
+        # Twice the ttl with the keeper running (a keeper that exits early
+        # fails here), then the key is still there: nothing writes it again,
+        # so it was never deleted.  (Polling ``get`` meanwhile started a
+        # process after process: CPU the other tests of the run need.)
+        with pytest.raises(subprocess.TimeoutExpired):
+            keeper.wait(timeout=20)
+        assert pair.run("get", "/svc/c").returncode == 0
         keeper.send_signal(signal.SIGINT)
         assert keeper.wait(timeout=30) == 0
     finally:
