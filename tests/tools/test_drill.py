@@ -340,6 +340,20 @@ def test_lock_fencing_leaves_out_what_the_losing_side_granted_in_a_split_brain()
             fenced["lock_token_violations"]) == (6, 1, 0)
 
 
+def test_a_lock_hold_whose_client_failed_over_meanwhile_may_be_either_sides() -> None:
+    """A client that asked the loser and logged its hold once it had failed
+    over to the winner names both: the hold is out of the order."""
+    streams = {
+        "c0": [{**e, "server": "backup"} if e["event"] == "lock_acquired" else e
+               for e in _hold("c0", 562, 3.0, 3.1)],
+        "c1": [{**e, "server": "backup", "servers": ["backup", "primary"]}
+               if e["event"] == "lock_acquired" else e for e in _hold("c1", 551, 4.0, 4.1)],
+    }
+    assert lock_fencing(streams)["lock_token_violations"] == 1
+    fenced = lock_fencing(streams, ("primary", 2.5, float("inf")))
+    assert (fenced["lock_holds_split"], fenced["lock_token_violations"]) == (1, 0)
+
+
 def test_both_crash_timings() -> None:
     cfg = DrillConfig(scenario="both-crash", heartbeat_ms=200)
     assert cfg.crash_sequence == ("primary", "backup")

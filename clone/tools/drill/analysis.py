@@ -470,7 +470,7 @@ def lock_fencing(
                 new: dict[str, Any] = {"client": stream, "token": token,
                                        "acquired": float(ev["ts"]), "released": None}
                 open_holds[(stream, token)] = new
-                if split is not None and ev.get("server") == split[0] \
+                if split is not None and split[0] in _granted_by(ev) \
                         and split[1] <= new["acquired"] <= split[2]:
                     split_holds += 1
                     continue
@@ -502,6 +502,15 @@ def lock_fencing(
         "lock_overlaps": overlaps,
         "lock_lost": lost,
     }
+
+
+def _granted_by(ev: Mapping[str, Any]) -> set[str]:
+    """The servers a ``lock_acquired`` may have come from: the client's server
+    when it logged it and, if it failed over meanwhile, the one before."""
+    names = set(ev.get("servers") or ())
+    if ev.get("server") is not None:
+        names.add(ev["server"])
+    return names
 
 
 def highest_sequence_before(

@@ -102,7 +102,12 @@ def _judge_split(
     part["split_writes"] = split_writes(streams, server_state, active, passive, cut, until, heal,
                                         conflicted, None if history is None else history.ids)
     part["winner_history"] = None if history is None else history.summary()
-    part["lock_fencing"] = lock_fencing(streams, (active, cut, until))
+    # The loser's grants are out of the order from the cut on, not only until
+    # its step-down line: it grants nothing once passive (it stays so to the
+    # end of this scenario), so a hold a client logs as the loser's after that
+    # line was granted before it and logged late (at load 25 a client logged
+    # one after the step-down, and it broke the order against the winner's).
+    part["lock_fencing"] = lock_fencing(streams, (active, cut, float("inf")))
     part["locks"] = lock_holders(streams, server_state)
     part["conflicts_told"] = conflicts_told(streams, conflicted)
 

@@ -288,19 +288,27 @@ class _LockWorkload(threading.Thread):
 
     def _hold_once(self, client: Clone) -> None:
         lock = Lock(client, LOCK_NAME, ttl=self.args.lock_ttl)
+        before = self._server(client)
         if not lock.acquire(timeout=1.0):
             return
         token = lock.token
         try:
             # Which server granted it, as far as the client knows (a split brain
-            # has two that do).
-            where = client.status().server
-            server = None if where is None else self.names.get(where, where)
-            self.events.emit("lock_acquired", token=token, server=server)
+            # has two that do).  Asked after the grant, the client may already
+            # have failed over: ``servers`` names every one it was on from
+            # before the acquire to now, so the judge can see a grant that may
+            # have been either side's.
+            server = self._server(client)
+            servers = sorted({n for n in (before, server) if n is not None})
+            self.events.emit("lock_acquired", token=token, server=server, servers=servers)
             self.stop.wait(self.args.lock_hold)
             self.events.emit("lock_released" if lock.held else "lock_lost", token=token)
         finally:
             lock.release()
+
+    def _server(self, client: Clone) -> str | None:
+        where = client.status().server
+        return None if where is None else self.names.get(where, where)
 
 
 def _sleep_until(t: float) -> None:
