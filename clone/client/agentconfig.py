@@ -122,6 +122,10 @@ class AgentCounters:
     calls_expired: int = 0
     calls_not_active: int = 0
     late_replies: int = 0
+    # Set calls whose update our replica had not applied when their wait for
+    # it ran out (told anyway: the server wrote it; a failover's new server
+    # may not have).
+    replies_unseen: int = 0
     keepalives: int = 0  # lease keepalives sent (each a fresh call)
     keepalive_batches: int = 0  # lease-keepalives calls sent, each for many leases
     writes_as_calls: int = 0  # writes sent as calls (restricted mode: every write)

@@ -130,7 +130,15 @@ class Calls(AgentState):
             return self._batch_reply(pending, reply, now)
         if pending.lease is None:
             if reply.ok and pending.frames[1] == b"set":
-                self._remember_confirmed(reply.uuid, pending.frames[3].decode("utf-8", "replace"))
+                key = pending.frames[3].decode("utf-8", "replace")
+                self._remember_confirmed(reply.uuid, key)
+                if self._behind(key, reply.sequence):
+                    # Read your writes: a get() after the call returns must
+                    # see it, as after set(wait=True).  The REPLY comes on its
+                    # own socket, often before the KVPUB on the subscriber's.
+                    release_at = now + max(0.0, pending.expires_at - now) / 2
+                    self._replies_behind.append((reply.sequence, release_at, reply))
+                    return []
             return [CallReplied(reply)]
         return self._kept_reply(pending.lease, reply)
 
@@ -169,7 +177,7 @@ class Calls(AgentState):
         route = self._route()
         rerouted = route != self._call_route
         self._call_route = route
-        actions: list[Action] = []
+        actions: list[Action] = self._replies_caught_up(now) if self._replies_behind else []
         for uuid, pending in list(self._calls.items()):
             if now >= pending.expires_at:
                 del self._calls[uuid]
@@ -185,6 +193,16 @@ class Calls(AgentState):
 
     # ----------------------------------------------------------------------
     # Helpers
+
+    def _behind(self, key: str, sequence: int) -> bool:
+        """Whether our replica will show the update at ``sequence`` of
+        ``key`` but has not applied it yet.  A restricted client is confirmed
+        by view heartbeats and a key outside our subtrees never reaches us."""
+        return (
+            self.view is None
+            and sequence > self.last_sequence
+            and self._subtree_of(key) is not None
+        )
 
     def _route(self) -> tuple[int | None, int]:
         """Where calls go, and how many syncs completed there: a change of

@@ -367,7 +367,7 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
             actions.extend(self.handle(Event.SILENCE, self.current or 0, None, now))
         if self._reask_at is not None and now >= self._reask_at:
             actions.extend(self.handle(Event.REASK, self.current or 0, None, now))
-        if self._calls or self._leases:
+        if self._calls or self._leases or self._replies_behind:
             actions.extend(self._calls_due(now))
         return actions
 

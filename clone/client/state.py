@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from clone.client.actions import (
     Action,
+    CallReplied,
     Changed,
     Confirmed,
     Malformed,
@@ -31,6 +32,7 @@ from clone.client.agentconfig import AgentConfig, AgentCounters
 from clone.client.args import normalize_subtrees
 from clone.client.backoff import reask_delay, round_window
 from clone.errors import ProtocolError
+from clone.wire.calls import Reply
 from clone.wire.codec import (
     Hugz,
     KVMsg,
@@ -176,6 +178,10 @@ class AgentState:
         # calls were last sent (server, completed syncs): a change sends them
         # again at once (clone.client.calls).
         self._calls: dict[bytes, _PendingCall] = {}
+        # Replies to set calls whose update our replica has not applied yet:
+        # (sequence, release at, reply), told once it has (or at "release
+        # at", half the caller's time left: the server did write it).
+        self._replies_behind: list[tuple[int, float, Reply]] = []
         self._leases: dict[str, _KeptLease] = {}
         # Whether the servers take lease-keepalives (batched keepalives); False from the
         # first refusal of one (an older server or relay): one call per lease.
@@ -258,6 +264,7 @@ class AgentState:
             times.extend(c.next_send for c in self._calls.values() if c.next_send != _NEVER)
             times.extend(c.expires_at for c in self._calls.values() if c.expires_at != _NEVER)
             times.extend(k.next_keepalive for k in self._leases.values())
+        times.extend(at for _, at, _ in self._replies_behind)
         if self._silence_at is not None:
             times.append(self._silence_at)
         if self._reask_at is not None:
@@ -444,7 +451,23 @@ class AgentState:
                 # keeps its message, so watchers learn its sequence.
                 actions.append(Changed(msg.key, msg))
         actions.extend(self._confirm_if_pending(msg.uuid, msg.sequence))
+        if self._replies_behind:
+            actions.extend(self._replies_caught_up())
         return actions
+
+    def _replies_caught_up(self, now: float | None = None) -> list[Action]:
+        """The held replies our replica has caught up with (and, given
+        ``now``, those whose wait ran out), in the order they were held."""
+        done = [r for r in self._replies_behind
+                if r[0] <= self.last_sequence or (now is not None and now >= r[1])]
+        if not done:
+            return []
+        self._replies_behind = [r for r in self._replies_behind if r not in done]
+        if now is not None:
+            self.counters.replies_unseen += sum(
+                1 for r in done if r[0] > self.last_sequence
+            )
+        return [CallReplied(reply) for _, _, reply in done]
 
     def _probe(self, now: float) -> list[Action]:
         """Send the first held write alone, again every ``resend_interval``

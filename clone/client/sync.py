@@ -408,6 +408,8 @@ class SnapshotSync(AgentState):
             # A new sync, maybe a new server: probe at once, its own wait.
             self._probe_at, self._probing_since = 0.0, None
             actions.extend(self._probe(now))
+        if self._replies_behind:
+            actions.extend(self._replies_caught_up())
         return actions
 
 

@@ -51,7 +51,9 @@ def sent_calls(actions: list) -> list[tuple[int, Call]]:
     return [(a.server, decode_call(list(a.frames))) for a in sent(actions)]
 
 
-def ok(uuid: bytes, sequence: int = 7, **kw: object) -> Reply:
+def ok(uuid: bytes, sequence: int = 0, **kw: object) -> Reply:
+    # Sequence 0: at or behind any replica, so told at once (the read-your-
+    # writes hold of a set call's reply is tested on its own, below).
     return Reply(uuid, "ok", sequence, **kw)  # type: ignore[arg-type]
 
 
@@ -458,3 +460,56 @@ def test_revoking_one_lease_keeps_the_batch_for_the_others() -> None:
     assert fsm.pending_calls == 2  # the batch still keeps the three others
     actions = fsm.replied(0, Reply(call.uuid, "ok", kept=4), 1.1)
     assert actions == [LeaseKept(lease, 4.0) for lease in LEASES[1:]]
+
+
+# ---------------------------------------------------------------------------
+# Read your writes: a set call's reply waits for the replica
+
+
+def test_a_set_calls_reply_waits_until_the_replica_applied_its_update() -> None:
+    """The REPLY comes on the call socket, its KVPUB on the subscriber: told
+    first, a get() right after the call returned could still miss the write."""
+    fsm, [srv, _] = synced()
+    call = cas("/k")
+    fsm.call(call, 1.0, within=4.0)
+    update = srv.apply("/k", b"v", call.uuid)
+    assert fsm.replied(0, ok(call.uuid, update.sequence), 1.1) == []
+    assert fsm.next_deadline() is not None and fsm.next_deadline() <= 1.1 + (5.0 - 1.1) / 2
+    actions = fsm.update(0, update, 1.2)
+    assert CallReplied(ok(call.uuid, update.sequence)) in actions
+    assert actions.index(CallReplied(ok(call.uuid, update.sequence))) > 0  # after the change
+    assert fsm.get("/k") is not None and fsm.get("/k").body == b"v"
+    assert fsm.counters.replies_unseen == 0
+
+
+def test_a_held_reply_is_told_anyway_when_half_the_callers_time_is_left() -> None:
+    """The server wrote it: the caller hears so, not a timeout, even if the
+    update never reaches this replica (a failover's new server lost it)."""
+    fsm, [srv, _] = synced()
+    call = cas("/k")
+    fsm.call(call, 1.0, within=2.0)
+    reply = ok(call.uuid, srv.seq + 1)
+    assert fsm.replied(0, reply, 1.0) == []
+    assert CallReplied(reply) not in fsm.tick(1.9)
+    assert CallReplied(reply) in fsm.tick(2.0)  # 1.0 + (3.0 - 1.0) / 2
+    assert fsm.counters.replies_unseen == 1
+    assert CallReplied(reply) not in fsm.tick(2.1)  # told once
+
+
+def test_a_reply_for_a_key_outside_our_subtrees_is_told_at_once() -> None:
+    fsm, _ = synced(subtrees="/mine/")
+    call = cas("/other/k")
+    fsm.call(call, 1.0, within=4.0)
+    reply = ok(call.uuid, 99)
+    assert fsm.replied(0, reply, 1.1) == [CallReplied(reply)]
+
+
+def test_a_resync_past_the_replys_sequence_tells_it() -> None:
+    fsm, [srv, _] = synced()
+    call = cas("/k")
+    fsm.call(call, 1.0, within=4.0)
+    srv.apply("/k", b"v", call.uuid)
+    reply = ok(call.uuid, srv.seq)
+    assert fsm.replied(0, reply, 1.1) == []
+    fsm.update(0, srv.apply("/x", b"1"), 1.2)  # a gap: resync
+    assert CallReplied(reply) in feed_snapshot(fsm, srv, 1.3)
