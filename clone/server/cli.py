@@ -363,6 +363,14 @@ def build_parser() -> argparse.ArgumentParser:
         " its slot (default 10)",
     )
     limits.add_argument(
+        "--handshake-timeout",
+        type=positive_float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a connection to our ports that has not finished its ZMTP handshake in this"
+        " long is closed, one the door refused too (default 10)",
+    )
+    limits.add_argument(
         "--collector-bytes",
         type=positive_int,
         default=32 * 1024 * 1024,

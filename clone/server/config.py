@@ -60,6 +60,10 @@ class ServerConfig:
     #: Seconds a snapshot requester may read nothing before its stream is
     #: aborted and its slot freed (docs/operations.md, "Limits").
     snapshot_stall_timeout: float = 10.0
+    #: Seconds a connection to one of our bound sockets may take over its
+    #: ZMTP handshake (libzmq's HANDSHAKE_IVL, 30 s by default): a connection
+    #: the door refused (status 300) is held open that long otherwise.
+    handshake_timeout: float = 10.0
     max_snapshots: int = 64
     #: Bytes of all snapshot streams together that libzmq may hold unwritten
     #: (clone.server.snapwindow); each stream gets 1/max_snapshots of it.
@@ -145,6 +149,8 @@ class ServerConfig:
             raise ValueError("deferred_vote_max_age must be >= 0 (0 = 2 * missed heartbeats)")
         if self.max_deferred_votes < 0:
             raise ValueError("max_deferred_votes must be >= 0 (0 = never defer)")
+        if self.handshake_timeout <= 0:
+            raise ValueError(f"handshake_timeout must be positive, not {self.handshake_timeout}")
         if self.snapshot_stall_timeout <= 0:
             raise ValueError(
                 f"snapshot_stall_timeout must be positive, not {self.snapshot_stall_timeout}"

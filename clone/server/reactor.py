@@ -167,8 +167,8 @@ class CloneServer:
         self.security = Security(
             config, self._ctx, self.shared, self.access, publish=self.publisher.publish
         )
-        #: How every part opens its sockets (clone.server.sockets).
-        self.sockets = ServerSockets(self._ctx, self.security, self.counters)
+        self.sockets = ServerSockets(  # how every part opens its sockets
+            self._ctx, self.security, self.counters, config.handshake_timeout)
         #: The data directory (a part: clone.server.durability), open while serving.
         self.durability = Durability(
             config,

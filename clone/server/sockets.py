@@ -37,9 +37,18 @@ class ServerSockets:
     """
 
     def __init__(
-        self, ctx: zmq.Context[Any], security: Security, counters: dict[str, int]
+        self,
+        ctx: zmq.Context[Any],
+        security: Security,
+        counters: dict[str, int],
+        handshake_timeout: float | None = None,
     ) -> None:
         self._ctx = ctx
+        # Bound sockets close a connection whose handshake has not finished
+        # in this long (None: libzmq's 30 s).  A connection our door refused
+        # with a temporary status (the flood penalty) gets no word and, in
+        # libzmq, waits for this timer: 30 s of a descriptor per refusal.
+        self._handshake_ms = None if handshake_timeout is None else int(handshake_timeout * 1000)
         self._security = security
         self._counters = counters
         self.loop: IOLoop | None = None
@@ -55,6 +64,8 @@ class ServerSockets:
         sock.setsockopt(zmq.LINGER, 0)
         if kind not in (zmq.PUB, zmq.XPUB):
             cap_message_size(sock)
+        if bound and self._handshake_ms is not None:
+            sock.setsockopt(zmq.HANDSHAKE_IVL, self._handshake_ms)
         self._security.secure(sock, bound=bound)
         return sock
 
