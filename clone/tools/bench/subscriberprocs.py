@@ -326,6 +326,7 @@ def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, cou
     retries = 0
     draw = random.Random(first).random
     wait_for: dict[int, float] = {}  # requester -> its silence before it asks again
+    heard: dict[int, float] = {}  # requester -> its last message on its current DEALER
     while len(done) < count and not stop.is_set():
         for sock, _ in poller.poll(100):
             if sock in watch:
@@ -352,6 +353,7 @@ def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, cou
             with contextlib.suppress(zmq.Again):
                 while True:
                     frames = recv_frames(sock)
+                    heard[g] = mono()
                     if frames[0] == KTHXBAI:
                         done[g] = mono()
                     elif frames[0] == KVBATCH and len(frames) > 1:
@@ -363,12 +365,14 @@ def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, cou
                         if frames[0] == _MARKER:
                             marked.add(g)
         # A requester that heard nothing for _RETRY_S asks again on a fresh DEALER,
-        # as a client does after its silence timeout.
+        # as a client does after its silence timeout, and starts over: also one
+        # whose stream stopped part way (the server evicted or aborted it), which
+        # else waited for the rest for ever.
         now = mono()
         for g, t in list(asked.items()):
             if g not in wait_for:
                 wait_for[g] = _RETRY_S * (1 - _RETRY_JITTER + 2 * _RETRY_JITTER * draw())
-            if g not in done and now - t > wait_for[g] and not entries.get(g):
+            if g not in done and now - max(t, heard.get(g, t)) > wait_for[g]:
                 old = sock_of[g]
                 poller.unregister(old)
                 del dealers[old]
@@ -376,6 +380,10 @@ def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, cou
                 dealer(g).send_multipart([b"ICANHAZ?", subtree])
                 asked[g] = now
                 del wait_for[g]
+                heard.pop(g, None)
+                entries.pop(g, None)
+                deltas.discard(g)
+                marked.discard(g)
                 retries += 1
     results.put({"idx": idx, "marker_at": marker_at, "how": how, "done": done,
                  "retries": retries, "deltas": sorted(deltas), "marked": sorted(marked),
