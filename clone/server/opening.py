@@ -115,11 +115,12 @@ class Opener:
             return stream, applied
         if shareable:
             estimate = store.nbytes + ENTRY_OVERHEAD * len(store)
-            started = self.shares.started
+            before = self.shares.started
             reader = self.shares.start(identity, key, stream, estimate)
             if reader is not None:
-                self._counters["snapshots_shared" if started == self.shares.started
-                               else "snapshot_encodings_shared"] += 1  # fmt: skip
+                # A new encoding, or (another requester started it meanwhile) a joined one.
+                new = self.shares.started > before
+                self._counters["snapshot_encodings_shared" if new else "snapshots_shared"] += 1
                 return reader, applied
             self._counters["snapshot_shares_over_budget"] += 1
         return stream, applied
