@@ -5,7 +5,8 @@ reads nothing could pin ``--snapshot-hwm`` messages of any size in our memory
 (64 such requesters over 60 KiB values held 6 GB).  libzmq cannot count bytes,
 so we do: each stream may have at most :meth:`SnapshotBudget.window` bytes
 handed to libzmq that libzmq has not written to the connection yet, and the
-windows of all streams together stay within ``--snapshot-bytes``.
+windows of all streams together, with the snapshots encoded once for many
+requesters (:mod:`.sharedsnap`), stay within ``--snapshot-bytes``.
 
 How it is measured: tracking every message (a zero-copy send with a
 :class:`zmq.MessageTracker`) costs too much for 1 KB KVSYNCs, so only
@@ -70,13 +71,17 @@ class Tracker(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class SnapshotBudget:
-    """``--snapshot-bytes`` shared by at most ``--max-snapshots`` streams.
+    """``--snapshot-bytes`` shared by at most ``--max-snapshots`` streams and
+    the snapshots encoded once for many requesters (:mod:`.sharedsnap`).
 
-    Each stream's window is an equal share of the total for a full house, so
-    the total holds whatever the streams do, and a healthy requester always has
-    its share, however many others stopped reading.  One stream may overshoot
-    its window by one message (a KVBATCH of up to ``MAX_BATCH_BYTES``), so the
-    bytes in flight stay below ``total + max_snapshots * largest message``.
+    A quarter of the total (:attr:`shared`) is for the shared snapshots'
+    encoded messages; each stream's window is an equal share of the rest for
+    a full house, so the total holds whatever the streams do, and a healthy
+    requester always has its share, however many others stopped reading.  A
+    reader of a shared snapshot sends its large frames by reference, so its
+    window holds no copy of them.  One stream may overshoot its window by one
+    message (a KVBATCH of up to ``MAX_BATCH_BYTES``), so the bytes in flight
+    stay below ``total + max_snapshots * largest message``.
     """
 
     total: int
@@ -87,9 +92,14 @@ class SnapshotBudget:
             raise ValueError("the snapshot budget and the number of snapshots must be >= 1")
 
     @property
+    def shared(self) -> int:
+        """Bytes the shared snapshots' encoded messages may hold, all together."""
+        return self.total // 4
+
+    @property
     def window(self) -> int:
         """Bytes one stream may have unwritten in libzmq (at least 1: one message)."""
-        return max(1, self.total // self.max_snapshots)
+        return max(1, (self.total - self.shared) // self.max_snapshots)
 
 
 class SendWindow:

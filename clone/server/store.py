@@ -148,6 +148,7 @@ class Store:
         "max_keys",
         "nbytes",
         "sequence",
+        "version",
     )
 
     def __init__(self, sequence: int = 0, *, max_keys: int = 0, max_bytes: int = 0) -> None:
@@ -166,6 +167,10 @@ class Store:
         self.max_bytes = max_bytes
         #: Bytes held: key, sequence, uuid, properties and value of every entry.
         self.nbytes = 0
+        #: Counts every change to the map (a write, a delete, an expiry, a
+        #: swap): a shared snapshot is joined only at the version it started
+        #: at (clone.server.sharedsnap), and a swap may keep the sequence.
+        self.version = 0
 
     # -- reading -------------------------------------------------------------
 
@@ -400,6 +405,7 @@ class Store:
             if old is None:
                 continue
             self.nbytes -= len(key) + _held_size(old)
+            self.version += 1
             self.sequence += 1
             out.append(KVMsg(key.decode("utf-8"), self.sequence))
         return out
@@ -451,9 +457,11 @@ class Store:
         self._map = held_map
         self.sequence = sequence
         self.nbytes = nbytes
+        self.version += 1
         self._expiry.rebuild(due)
 
     def _put(self, key: bytes, entry: Entry, deadline: float | None) -> None:
+        self.version += 1
         old = self._map.get(key)
         if old is not None:
             self.nbytes -= len(key) + _held_size(old)

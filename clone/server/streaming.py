@@ -26,26 +26,22 @@ from typing import Any
 import zmq
 from tornado.ioloop import IOLoop
 
-from clone.security import PEER_USER
 from clone.server.access import Access
 from clone.server.config import ServerConfig
 from clone.server.core import Role, ServerCore
-from clone.server.delta import DeltaStream
 from clone.server.metrics import DurationHistogram
+from clone.server.opening import AnyStream, Opener
 from clone.server.requesters import Requester, from_options, replaced
 from clone.server.sending import Burst, Sent
 from clone.server.shared import CLOCK_EVERY, TURN_BUDGET, Shared
-from clone.server.snapshot import SnapshotStream
+from clone.server.sharedsnap import SharedSnapshots, SharedStream
 from clone.server.snapwindow import SendWindow, SnapshotBudget, retry_delay, stalest
-from clone.wire.control import view_id
 from clone.wire.delta import SinceRequest
+from clone.wire.frames import shared_frame
 
 __all__ = ["SNAPSHOT_SLICE", "AnyStream", "SnapshotStreams", "who"]
 
 log = logging.getLogger("clone.server.reactor")
-
-#: A reply being streamed from the snapshot port: the state, or a catch-up.
-AnyStream = SnapshotStream | DeltaStream
 
 # All snapshot streams together send for at most this long per loop turn
 # (each stream also at most --snapshot-chunk messages and its byte window).
@@ -108,15 +104,12 @@ class SnapshotStreams:
         self._throttle = shared.throttle
         self._clock = shared.clock
         self._wallclock = shared.wallclock
-        self._access = access
         self._router: zmq.Socket[Any] | None = router
         self._loop: IOLoop | None = loop  # None once closed: nothing more is scheduled
-        self._secure = secure
         self._backlog = backlog
         self._promote = promote
         self._peer_sync_opened = peer_sync_opened
         self._peer_sync_done = peer_sync_done
-        self._view_count = view_count
         self._durations = durations
         self._stopping_of = stopping
         self._snapshots: dict[AnyStream, float] = {}  # stream -> last progress
@@ -124,6 +117,11 @@ class SnapshotStreams:
         # Each stream's bytes handed to libzmq and not yet written out, within
         # its share of --snapshot-bytes (clone.server.snapwindow).
         self._snapshot_budget = SnapshotBudget(config.snapshot_bytes, config.max_snapshots)
+        # Full snapshots encoded once for every requester of the same one.
+        self._opener = Opener(core, access, SharedSnapshots(self._snapshot_budget.shared,
+                                                            shared_frame), shared.counters,
+                              secure=secure, view_count=view_count, wallclock=shared.wallclock,
+                              clock=shared.clock)  # fmt: skip
         self._in_flight: dict[AnyStream, SendWindow] = {}
         # The same windows by requester, kept after a stream ends until what
         # libzmq holds for that requester is written (or its connection dropped).
@@ -172,6 +170,7 @@ class SnapshotStreams:
         self._deferred_streams.clear()
         self._peer_syncs.clear()
         self._requesters.clear()
+        self._opener.shares.clear()
 
     def serve(
         self,
@@ -225,40 +224,8 @@ class SnapshotStreams:
                 requester=requester,
             )
             return
-        allowed: tuple[bytes, ...] | None = None
-        end_properties: tuple[tuple[str, str], ...] = ()
-        if self._secure:
-            # CURVE: the requester's rights decide what the snapshot holds;
-            # the peer-only extensions are for the pair's own key alone.
-            rights = self._access.rights_of(user if user in self._access.admitted else None)
-            if user != PEER_USER:
-                # A client's history request stays, filtered by its read
-                # prefixes below.  A digest catch-up extends the requester's
-                # whole map, so it is for those who may read everything: a
-                # restricted client's view count comes only from the KTHXBAI
-                # of a filtered snapshot.
-                applied = False
-                if since is not None and not since.history and not rights.read_all:
-                    since = None
-            if not rights.read_all:
-                allowed = rights.read
-                vid = view_id(rights.read)
-                count = self._view_count(vid)
-                end_properties = (("view", vid), ("view_count", str(count)))
-        stream = self.core.open_snapshot(
-            identity,
-            subtree,
-            batch=batch,
-            applied=applied,
-            now=self._wallclock(),
-            clock=self._clock if ttl_left else None,
-            since=since,
-            allowed=allowed,
-            end_properties=end_properties,
-        )
-        if isinstance(stream, DeltaStream) and since is not None and not since.history:
-            # The peer always asks for the applied list too; a client never does.
-            self.counters["catchups_served" if applied else "client_catchups_served"] += 1
+        stream, applied = self._opener.open(identity, subtree, batch=batch, applied=applied,
+                                            since=since, user=user, ttl_left=ttl_left)
         self._snapshots[stream] = self._snapshot_started[stream] = self._clock()
         self._requesters[stream] = asker
         if applied:
@@ -456,7 +423,7 @@ class SnapshotStreams:
                 return
         if stream not in self._snapshots:
             return  # a request the burst took after it replaced or evicted this stream
-        if stream.done:
+        if stream.done:  # (a SharedStream has left its snapshot)
             del self._snapshots[stream]
             self._requesters.pop(stream, None)
             started = self._snapshot_started.pop(stream, None)
@@ -560,6 +527,8 @@ class SnapshotStreams:
         self._unreachable.pop(stream, None)
         self._pump_queue.pop(stream, None)
         self._requesters.pop(stream, None)
+        if isinstance(stream, SharedStream):
+            stream.close()  # its snapshot loses a reader
         if self._snapshots.pop(stream, None) is None:
             return
         self._in_flight.pop(stream, None)

@@ -38,6 +38,7 @@ __all__ = [
     "recv_zero_copy",
     "send_frames",
     "send_tracked",
+    "shared_frame",
 ]
 
 #: The largest frame any CHP message but a KVBATCH may carry, with slack: a
@@ -69,6 +70,14 @@ def send_frames(sock: zmq.Socket[Any], frames: Sequence[bytes], flags: int = 0) 
     for frame in frames[:-1]:
         _raw_send(sock, frame, more)
     _raw_send(sock, frames[-1], flags)
+
+
+def shared_frame(data: bytes) -> bytes | zmq.Frame:
+    """``data`` to be sent many times (a snapshot encoded once for many
+    requesters): from :data:`zmq.COPY_THRESHOLD` (64 KiB) on, a Frame, which
+    every send passes to libzmq by reference (``zmq_msg_copy``), no copy;
+    :func:`send_tracked` makes its tracked last frame a view of it."""
+    return zmq.Frame(data, copy=False) if len(data) >= zmq.COPY_THRESHOLD else data
 
 
 def send_tracked(sock: zmq.Socket[Any], frames: Sequence[bytes], flags: int) -> zmq.MessageTracker:

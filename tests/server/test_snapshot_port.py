@@ -58,6 +58,7 @@ class _Rig:
                 "client_catchups_served", "status_requests", "status_dropped",
                 "votes_deferred", "votes_deferred_served", "votes_deferred_expired",
                 "votes_deferred_overflow", "votes_deferred_gone", "failovers",
+                "snapshots_shared", "snapshot_encodings_shared", "snapshot_shares_over_budget",
             ),
             0,
         )  # fmt: skip

@@ -38,7 +38,10 @@ def _fill(window: SendWindow, size: int) -> list[FakeTracker]:
 
 
 def test_the_budget_gives_each_slot_an_equal_share() -> None:
-    assert SnapshotBudget(64 * MB, 64).window == 1 * MB
+    # A quarter for the shared snapshots' encoded messages, the rest in windows.
+    budget = SnapshotBudget(64 * MB, 48)
+    assert (budget.shared, budget.window) == (16 * MB, 1 * MB)
+    assert budget.shared + budget.window * budget.max_snapshots == budget.total
     assert SnapshotBudget(10, 64).window == 1  # always one message
     with pytest.raises(ValueError):
         SnapshotBudget(0, 64)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import resource
 import struct
 import threading
@@ -34,6 +35,7 @@ from clone.wire.protocol import (
     KVBATCH,
     KVDELTA,
 )
+from clone.wire.requester import requester_metadata
 
 __all__ = ["raise_nofile"]
 
@@ -42,7 +44,10 @@ log = logging.getLogger(__name__)
 _PREFIX = b"/bench/l/"
 _WARM = b"/bench/warm"
 _FRAMES_PER_UPDATE = 5
-_RETRY_S = 2.0  # a resync requester that heard nothing for this long asks again
+# A resync requester that heard nothing for this long asks again (within
+# +-_RETRY_JITTER of it, as our client spreads its re-asks: clone/client/backoff.py).
+_RETRY_S = 2.0
+_RETRY_JITTER = 0.25
 _IDLE_S = 3.0  # a subscriber that got nothing for this long after the writer is done
 _MARKER = (SNAP_SUBTREE + "failover").encode()
 _VOTE_SUBTREE = b"/bench/vote/"  # an empty subtree: the vote's snapshot is one KTHXBAI
@@ -264,6 +269,12 @@ def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, cou
     a sequence at or past the marker's (``marker_seq``, set by the driver once
     known): after a *full* resync a relay replaces its copy without publishing
     the difference, and its HUGZ are what tell a client to resync.
+
+    Each requester names itself on every DEALER (``X-CHP-Requester``, as our
+    client does), so the server replaces its older stream when it asks again
+    instead of streaming to a closed socket beside the new one; and it asks
+    again after ``_RETRY_S`` within +-25 %, so that requesters that asked
+    together do not all ask again together.
     """
     raise_nofile()
     ctx = zmq.Context()
@@ -290,6 +301,7 @@ def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, cou
         d.rcvhwm = 0
         cap_message_size(d, MAX_SYNC_FRAME_BYTES)
         d.setsockopt(zmq.METADATA, BATCH_METADATA)
+        d.setsockopt(zmq.METADATA, requester_metadata(f"{g + 1:016x}"))
         if since is not None:
             d.setsockopt(zmq.METADATA, since)
         d.connect(relays[g % len(relays)][1])
@@ -312,6 +324,9 @@ def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, cou
     deltas: set[int] = set()  # answered with a KVDELTA (a catch-up)
     marked: set[int] = set()  # the marker came as one entry of the stream
     retries = 0
+    draw = random.Random(first).random
+    wait_for: dict[int, float] = {}  # requester -> its silence before it asks again
+    heard: dict[int, float] = {}  # requester -> its last message on its current DEALER
     while len(done) < count and not stop.is_set():
         for sock, _ in poller.poll(100):
             if sock in watch:
@@ -338,6 +353,7 @@ def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, cou
             with contextlib.suppress(zmq.Again):
                 while True:
                     frames = recv_frames(sock)
+                    heard[g] = mono()
                     if frames[0] == KTHXBAI:
                         done[g] = mono()
                     elif frames[0] == KVBATCH and len(frames) > 1:
@@ -349,16 +365,25 @@ def _requester_main(idx: int, relays: Sequence[tuple[str, str]], first: int, cou
                         if frames[0] == _MARKER:
                             marked.add(g)
         # A requester that heard nothing for _RETRY_S asks again on a fresh DEALER,
-        # as a client does after its silence timeout.
+        # as a client does after its silence timeout, and starts over: also one
+        # whose stream stopped part way (the server evicted or aborted it), which
+        # else waited for the rest for ever.
         now = mono()
         for g, t in list(asked.items()):
-            if g not in done and now - t > _RETRY_S and not entries.get(g):
+            if g not in wait_for:
+                wait_for[g] = _RETRY_S * (1 - _RETRY_JITTER + 2 * _RETRY_JITTER * draw())
+            if g not in done and now - max(t, heard.get(g, t)) > wait_for[g]:
                 old = sock_of[g]
                 poller.unregister(old)
                 del dealers[old]
                 old.close(linger=0)
                 dealer(g).send_multipart([b"ICANHAZ?", subtree])
                 asked[g] = now
+                del wait_for[g]
+                heard.pop(g, None)
+                entries.pop(g, None)
+                deltas.discard(g)
+                marked.discard(g)
                 retries += 1
     results.put({"idx": idx, "marker_at": marker_at, "how": how, "done": done,
                  "retries": retries, "deltas": sorted(deltas), "marked": sorted(marked),

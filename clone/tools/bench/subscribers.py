@@ -43,7 +43,8 @@ subscriber), and each sink process's zmq context its ``MAX_SOCKETS``.
 **Resync after a failover**: a pair (in memory) holding ``resync_keys`` keys
 under ``/bench/snap/``, ``sub_relays`` relays following it, and
 ``resync_clients`` raw CHP requesters (DEALERs asking for our KVBATCH
-snapshots, as our client does) spread over the relays, in a few processes.
+snapshots and naming themselves, as our client does) spread over the relays,
+in a few processes.
 The active server is killed (-9); the driver writes one marker key into the
 pair (resent, with one uuid, until the new active publishes it).  Each
 requester process watches its relays' publishers for the marker; the moment
