@@ -51,6 +51,7 @@ IO_COUNTERS: tuple[str, ...] = (
     "snapshot_requester_invalid",
     "snapshots_queued",
     "collector_turns_cut",
+    "commit_gather_pauses",
     "split_writes_applied",
     "split_writes_refused",
     "split_writes_conflicts",
