@@ -464,7 +464,7 @@ class Durability:
                 publish(frames)
         self._published_through = job.through
         self._release(job.waiters)
-        if more and (self.core.journal or self._waiters):
+        if more and self._job is None and (self.core.journal or self._waiters):
             # Only a passive's turns of following are committed without publishing.
             self._submit(publish=self._next_publish or self.core.role is not Role.PASSIVE)
         self._gate.handle(GateEvent.LANDED)
