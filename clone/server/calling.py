@@ -71,6 +71,10 @@ class Caller:
     outside the ROUTER's own callback may have hidden (:mod:`.sending`).
     ``next_turn`` runs a callback on the loop's next turn (False: no loop).
     ``forward`` is given to a relay's caller only: every call goes there.
+    ``settled`` says whether every change applied so far is published: while
+    it is not (the loop applies the next writes while a commit is in flight,
+    clone.server.gathering), a reply that changed nothing but names a
+    sequence (a retry's ``ok``, a ``conflict``) waits for the commit too.
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class Caller:
         next_turn: Callable[[Callable[[], None]], bool],
         trusted_relays: Collection[str] = (),
         forward: Forward | None = None,
+        settled: Callable[[], bool] = lambda: True,
     ) -> None:
         self._core = core
         self._shared = shared
@@ -96,6 +101,7 @@ class Caller:
         self._next_turn = next_turn
         self._trusted = trusted_relays
         self._forward = forward
+        self._settled = settled
         # Replies that wait for this turn's commit, and whether a flush is due.
         self._replies: list[tuple[bytes, Reply]] = []
         self._scheduled = False
@@ -168,7 +174,7 @@ class Caller:
                 reason,
                 detail,
             )
-        if not after_commit:
+        if not after_commit and (self._settled() or not _names_sequence(reply)):
             # From the ROUTER's reader, which looks at the socket again after us.
             self.send_reply(identity, reply, backlog=None)
             return
@@ -204,6 +210,12 @@ class Caller:
             sent = send(sock, frames, backlog=backlog)
         if sent is not Sent.OK:
             self._counters["call_replies_dropped"] += 1  # its pipe is full, or it is gone
+
+
+def _names_sequence(reply: Reply) -> bool:
+    """Whether a reply tells a sequence of the state, which may not be
+    published yet (a retry's ``ok``, a ``conflict``'s current sequence)."""
+    return bool(reply.sequence or reply.current or any(reply.sequences or ()))
 
 
 def _nothing(key: bytes) -> bool:

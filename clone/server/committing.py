@@ -16,15 +16,19 @@ sets its ``done`` event and asks the loop, through ``notify`` (tornado's
 its updates published and the replies that waited for it sent.  So an update
 is still published only after its commit, and in sequence order.
 
-While a job is in flight the server's streams are paused
-(:meth:`.sockets.ServerSockets.pause`): hardly anything new is applied (the
-snapshot port's backlog look after its own sends still reads requests, and
-the timers run), and what changes meanwhile goes in the next job.  The
-timers run: the heartbeat announces the sequence published so far, and Binary
-Star's own sockets are read as always.  A job's write may use the storage's
-connection only from the writer thread; the loop waits for the writer
-(:meth:`CommitWriter.wait`) before it uses the storage itself (a role change,
-the close).
+While a job is in flight the loop goes on reading and applying: what
+changes meanwhile is *gathered* in the core's journal and is the next job,
+handed to the writer as soon as this one lands (one job in flight, one
+gathering: a double buffer, :mod:`.gathering`).  Only when the gathering
+holds more than its bound in bytes or updates are the server's streams
+paused (:meth:`.sockets.ServerSockets.pause`) until the job in flight lands.
+So the loop's work on the next turn overlaps this one's fsync.  The timers
+run: the heartbeat announces the sequence published so far, and Binary
+Star's own sockets are read as always.  A reply that names a sequence waits
+until everything applied before it is published (the caller's ``settled``).
+A job's write may use the storage's connection only from the writer thread;
+the loop waits for the writer (:meth:`CommitWriter.wait`) before it uses the
+storage itself (a role change, the close).
 
 A write error is kept by the writer: every job after it fails with the same
 error without touching the disk, so nothing is written past a failed commit

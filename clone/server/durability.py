@@ -37,6 +37,7 @@ from clone.server.committing import CommitJob, CommitWriter
 from clone.server.config import ServerConfig
 from clone.server.conflicts import ConflictRecord
 from clone.server.core import Role, ServerCore
+from clone.server.gathering import Gate, GateAction, GateEvent
 from clone.server.journal import Op, OpKind, published
 from clone.server.shared import TURN_BUDGET, Shared
 from clone.storage import FsyncPolicy, Storage, restore_into
@@ -53,10 +54,6 @@ CONFLICTS_BUSY_WAIT = 0.05
 #: How long the stop waits for the commit in flight (seconds): SIGTERM must
 #: stop the server within a second even while its disk is stuck.
 STOP_WAIT = 0.5
-
-
-def _nothing() -> None:
-    pass
 
 
 @dataclass(slots=True)
@@ -124,8 +121,8 @@ class Durability:
         self._ready: deque[Callable[[], None]] = deque()
         self._ready_scheduled = False
         self._schedule: Callable[[Callable[[], None]], object] | None = None
-        self._pause: Callable[[], None] = _nothing
-        self._resume: Callable[[], None] = _nothing
+        # Whether the loop reads while a commit is in flight (clone.server.gathering).
+        self._gate = Gate()
 
     @property
     def storage(self) -> Storage | None:
@@ -344,13 +341,9 @@ class Durability:
             self.counters["conflict_writes_deferred"] = (
                 self.counters.get("conflict_writes_deferred", 0) + 1
             )
-            self._throttle.log(
-                "conflicts-busy",
-                logging.WARNING,
-                "recording split-brain conflicts waits: %s; they are kept in memory and"
-                " written at a later turn",
-                turn.busy,
-            )
+            self._throttle.log("conflicts-busy", logging.WARNING, "recording split-brain"
+                               " conflicts waits: %s; they are kept in memory and written at a"
+                               " later turn", turn.busy)  # fmt: skip
         if error is not None:
             self._storage_failed(error)
             return []
@@ -373,12 +366,11 @@ class Durability:
 
         ``schedule`` runs a callback on the loop and is safe from any thread
         (tornado's ``add_callback``); ``pause`` and ``resume`` stop and restart
-        reading the server's sockets while a commit is in flight.  Without a
-        data directory there is nothing to write and no thread.
-        """
+        reading the server's sockets, as the gate says (clone.server.gathering).
+        Without a data directory there is nothing to write and no thread."""
         if self._storage is None or self._writer is not None:
             return
-        self._pause, self._resume = pause, resume
+        self._gate = Gate(pause, resume)
         self._schedule = schedule
 
         def notify() -> None:
@@ -397,8 +389,13 @@ class Durability:
     def announced_sequence(self) -> int:
         """The sequence a HUGZ may announce: the last one published.  While a
         commit is in flight its updates are applied but not yet sent."""
-        job = self._job
-        return self._published_through if job is not None else self.core.store.sequence
+        return self._published_through if self._job is not None else self.core.store.sequence
+
+    @property
+    def settled(self) -> bool:
+        """Whether every change applied so far is published: a reply that
+        tells the state (a retry's ``ok``, a ``conflict``) may go at once."""
+        return self._job is None and not self.core.journal
 
     def when_published(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` once every change made so far is committed and
@@ -426,8 +423,8 @@ class Durability:
             self._land(more=False)  # what changed since is the caller's to commit
 
     def _submit(self, publish: bool = True) -> None:
-        """Hand this turn's changes to the writer and pause the sockets;
-        publish them when the commit lands if ``publish``."""
+        """Hand what was gathered to the writer; publish it when the commit
+        lands if ``publish``.  The loop reads on meanwhile (the gate)."""
         writer, storage = self._writer, self._storage
         assert writer is not None and storage is not None
         self._next_publish = False
@@ -448,31 +445,29 @@ class Durability:
             waiters=waiters,
         )
         self._job = job
-        self._pause()
         writer.submit(job)
 
     def _land(self, more: bool = True) -> None:
         """On the loop: the job in flight was written; publish it, tell its
-        waiters, and hand over what accumulated meanwhile (if ``more``), else
-        read again."""
+        waiters, hand over what was gathered meanwhile (if ``more``), and
+        read again if the gathering had filled."""
         job = self._job
         if job is None or not job.done.is_set():
             return
         self._job = None
         updates = self._finish(job.turn, job.error)
         if self._storage_error is not None:
-            return  # fail-stop: the sockets stay paused until the server stops
+            return  # fail-stop: the sockets are paused until the server stops
         if job.turn.publish:
             publish = self._publish
             for frames in updates:
                 publish(frames)
         self._published_through = job.through
         self._release(job.waiters)
-        if more and (self.core.journal or self._waiters):
+        if more and self._job is None and (self.core.journal or self._waiters):
             # Only a passive's turns of following are committed without publishing.
             self._submit(publish=self._next_publish or self.core.role is not Role.PASSIVE)
-        if self._job is None:
-            self._resume()
+        self._gate.handle(GateEvent.LANDED)
 
     def _release(self, callbacks: list[Callable[[], None]]) -> None:
         """Run what waited for a commit, in order, at most a turn's budget
@@ -509,15 +504,10 @@ class Durability:
         """Unresolved conflicts went over ``--max-conflict-bytes``: counted
         (``clone_split_conflicts_dropped_total``), warned at most once per interval."""
         self.counters["split_conflicts_dropped"] = dropped
-        self._throttle.log(
-            "conflicts-dropped",
-            logging.WARNING,
-            "%d unresolved split-brain conflicts dropped since start, the oldest first:"
-            " they held more than --max-conflict-bytes (%d); resolve them sooner"
-            " (clone conflicts) or raise the budget",
-            dropped,
-            self.core.conflicts.max_bytes,
-        )
+        self._throttle.log("conflicts-dropped", logging.WARNING, "%d unresolved split-brain"
+                           " conflicts dropped since start, the oldest first: they held more than"
+                           " --max-conflict-bytes (%d); resolve them sooner (clone conflicts) or"
+                           " raise the budget", dropped, self.core.conflicts.max_bytes)  # fmt: skip
 
     def commit_only(self) -> None:
         """Commit this turn's changes, publish nothing (a passive's turn of
@@ -528,6 +518,8 @@ class Durability:
             self._gather()  # fail-stop: dropped, never written
         elif self._job is None:
             self._submit(publish=False)
+        else:
+            self._gathered()
 
     def commit_and_publish(self) -> None:
         """Commit this turn's changes and publish them once committed: on the
@@ -543,10 +535,21 @@ class Durability:
             self._gather()  # fail-stop: dropped, never written nor published
         elif self._job is None:
             self._submit()
-        elif self.core.role is not Role.PASSIVE:
+        else:
             # In the next job, published when it lands; a passive's journal
             # holds what it follows, never published by it.
-            self._next_publish = True
+            self._next_publish = self._next_publish or self.core.role is not Role.PASSIVE
+            self._gathered()
+
+    def _gathered(self) -> None:
+        """A turn ended while a commit is in flight: past the gathering's
+        bounds, stop reading until it lands (clone.server.gathering)."""
+        j, gate = self.core.journal, self._gate
+        if gate.turn_ended(in_flight=True, nbytes=j.nbytes, rows=j.rows) is GateAction.PAUSE:
+            self.counters["commit_gather_pauses"] = gate.pauses
+            self._throttle.log("commit-gather", logging.INFO, "the next commit holds %d B, %d"
+                               " updates while one is in flight: reading waits for the disk"
+                               " (%d times)", j.nbytes, j.rows, gate.pauses)  # fmt: skip
 
     def record_term(self) -> None:
         """A promotion: later writes carry our new epoch; record it even
@@ -583,6 +586,7 @@ class Durability:
         """Fail-stop: what is in memory can no longer be made durable."""
         self._storage_error = exc
         self.counters["storage_errors"] += 1
+        self._gate.handle(GateEvent.FAILED)  # fail-stop: nothing more is read
         log.critical(
             "cannot write to the data directory %s: %s; stopping so that nothing"
             " unwritten is confirmed (the peer takes over). Fix the disk, then restart.",

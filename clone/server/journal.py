@@ -51,7 +51,7 @@ class Op:
 class Journal:
     """The ordered record of changes since the last :meth:`take`."""
 
-    __slots__ = ("_ops", "_stage", "_staging", "_updates")
+    __slots__ = ("_ops", "_stage", "_staging", "_updates", "nbytes", "rows")
 
     def __init__(self, *, stage: bool = False) -> None:
         #: Whether snapshot entries are recorded (only a server with a data
@@ -60,6 +60,11 @@ class Journal:
         self._ops: list[Op] = []
         self._updates: list[list[bytes]] | None = None  # the open UPDATES op's list
         self._staging: list[tuple[bytes, Entry]] | None = None  # the open STAGE op's list
+        #: Bytes and rows (updates and staged entries) recorded since the
+        #: last take: what bounds the gathering while a commit is in flight
+        #: (clone.server.gathering).
+        self.nbytes = 0
+        self.rows = 0
 
     @property
     def stages(self) -> bool:
@@ -77,6 +82,8 @@ class Journal:
             updates = self._updates = op.updates
             self._staging = None
         updates.append(frames)
+        self.nbytes += sum(map(len, frames))
+        self.rows += 1
 
     def begin_replace(self) -> None:
         """A full snapshot starts arriving: whatever was staged before is void."""
@@ -93,7 +100,11 @@ class Journal:
             self._ops.append(op)
             staging = self._staging = op.staged
             self._updates = None
+        before = len(staging)
         staging.extend(items)
+        added = staging[before:]
+        self.rows += len(added)
+        self.nbytes += sum(len(key) + sum(map(len, entry)) for key, entry in added)
 
     def replace(self, sequence: int) -> None:
         """The staged snapshot, complete at ``sequence``, is now the state."""
@@ -104,6 +115,7 @@ class Journal:
         ops = self._ops
         self._ops = []
         self._updates = self._staging = None
+        self.nbytes = self.rows = 0
         return ops
 
     def _mark(self, op: Op) -> None:

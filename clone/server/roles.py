@@ -161,6 +161,12 @@ class RoleSwitch:
         """Binary Star made us passive: follow the active peer."""
         core = self.core
         was = core.role
+        if was is Role.ACTIVE:
+            # What we applied as active and gathered behind the commit in
+            # flight (clone.server.gathering) is committed and published as
+            # active, as it would have been when that commit landed.
+            for frames in self.durability.commit():
+                self.publisher.publish(frames)
         core.become_passive()
         if was is not Role.PASSIVE:
             self.monitor.note_role(was.value, core.role.value)

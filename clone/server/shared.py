@@ -54,6 +54,7 @@ IO_COUNTERS: tuple[str, ...] = (
     "snapshot_encodings_shared",
     "snapshot_shares_over_budget",
     "collector_turns_cut",
+    "commit_gather_pauses",
     "split_writes_applied",
     "split_writes_refused",
     "split_writes_conflicts",

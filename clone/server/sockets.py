@@ -83,10 +83,10 @@ class ServerSockets:
         return stream
 
     def pause(self) -> None:
-        """Read none of our streams until :meth:`resume`: a commit is in
-        flight (clone.server.committing), and nothing may change the state
-        it will publish.  Binary Star's sockets and the publisher are not
-        ours: the heartbeat and the pair's link go on."""
+        """Read none of our streams until :meth:`resume`: what gathered
+        behind the commit in flight passed its bound, or a commit failed
+        (clone.server.gathering).  Binary Star's sockets and the publisher
+        are not ours: the heartbeat and the pair's link go on."""
         if self._paused:
             return
         self._paused = True

@@ -145,6 +145,7 @@ def build_parts(
         next_turn=server._next_turn,
         trusted_relays=cfg.trusted_relays,
         forward=link.forward_call if link is not None else None,
+        settled=lambda: server.durability.settled,
     )
     server.conflicts_desk = ConflictsDesk(
         server.core, server.shared, server.access, router, server._status_limiter

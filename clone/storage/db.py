@@ -536,7 +536,10 @@ class Storage:
             try:
                 yield conn
             except BaseException:
-                conn.execute("ROLLBACK")
+                # SQLite has rolled back already after a full disk or an I/O
+                # error: a ROLLBACK then fails and hides the cause.
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
                 raise
             written = perf_counter()
             conn.execute("COMMIT")

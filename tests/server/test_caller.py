@@ -16,7 +16,7 @@ from clone.server.access import Access
 from clone.server.calling import Caller
 from clone.server.core import ServerCore
 from clone.server.shared import Shared
-from clone.wire.calls import OP_SET, Reply, decode_reply, encode_call
+from clone.wire.calls import IF_SEQUENCE_PROPERTY, OP_SET, Reply, decode_reply, encode_call
 
 UUID = bytes(range(16))
 
@@ -40,6 +40,9 @@ class _Rig:
         self.looks = 0
         self.turns: list[Callable[[], None]] = []
         self.forwarded: list[tuple[bytes, list[bytes], str | None, str]] = []
+        # Whether everything applied is published (the durability part's
+        # ``settled``): False while a commit is in flight and the loop reads on.
+        self.settled = True
 
     def caller(self, *, relay: bool = False) -> Caller:
         return Caller(
@@ -51,6 +54,7 @@ class _Rig:
             router_backlog=self._look,
             next_turn=self._next_turn,
             forward=self._forward if relay else None,
+            settled=lambda: self.settled,
         )
 
     def _commit(self, then: Callable[[], None]) -> None:
@@ -151,6 +155,36 @@ def test_a_refusal_is_answered_at_once_from_the_readers_turn(rig: _Rig) -> None:
     assert reply is not None and (reply.status, reply.reason) == ("refused", "not-active")
     assert not rig.turns and rig.commits == 0
     assert rig.looks == 0  # the ROUTER's own reader looks again after us
+
+
+def test_a_retry_of_an_unpublished_write_is_answered_after_its_commit(rig: _Rig) -> None:
+    """While a commit is in flight the loop reads on (clone.server.gathering):
+    a retry of a write still in it must not be told ``ok`` before it lands,
+    nor a conditional write its key's unpublished sequence; a refusal names
+    no sequence and goes at once."""
+    caller = rig.caller()
+    rig.hold = True
+    rig.call(caller, encode_call(OP_SET, UUID, "/k", (), b"v"))
+    rig.turns.pop()()  # its commit is in flight
+    assert len(rig.landings) == 1
+    rig.settled = False
+    rig.call(caller, encode_call(OP_SET, UUID, "/k", (), b"v"))  # the client's retry
+    conditional = bytes(range(2, 18))
+    rig.call(caller, encode_call(OP_SET, conditional, "/k", ((IF_SEQUENCE_PROPERTY, "7"),), b"w"))
+    assert caller.waiting == 2 and rig.reply(timeout_ms=100) is None
+    bad = ((IF_SEQUENCE_PROPERTY, "x"),)
+    rig.call(caller, encode_call(OP_SET, bytes(range(3, 19)), "/k", bad, b"w"))
+    refusal = rig.reply()
+    assert refusal is not None and refusal.reason == "bad-if-sequence"
+    rig.landings.pop()()  # the write lands: its own reply goes
+    rig.settled = True
+    first = rig.reply()
+    assert first is not None and (first.uuid, first.status, first.sequence) == (UUID, "ok", 1)
+    rig.turns.pop()()  # the held two, after a commit of their own turn (nothing new)
+    rig.landings.pop()()
+    retry, conflict = rig.reply(), rig.reply()
+    assert retry is not None and (retry.uuid, retry.status, retry.sequence) == (UUID, "ok", 1)
+    assert conflict is not None and (conflict.status, conflict.current) == ("conflict", 1)
 
 
 def test_a_reply_to_a_caller_gone_is_counted(rig: _Rig) -> None:

@@ -4,7 +4,8 @@ A real data directory and core, the writer's real thread, and a gate on the
 storage's ``append`` standing for a slow disk; the loop is played by the test:
 what the writer asks the loop to run is collected and run by hand, so each
 test says exactly when a commit lands.  No sockets: ``pause`` and ``resume``
-are recorded.
+are recorded (the loop reads on while a commit is in flight, and pauses only
+when what gathers for the next one passes its bound: clone.server.gathering).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 
 from clone.server import durability
 from clone.server.committing import CommitJob, CommitWriter
+from clone.server.core import Role
 from clone.storage import Storage
 from tests.server.test_durability_part import _Rig
 from tests.support.waiting import eventually
@@ -121,15 +123,16 @@ def test_an_update_is_published_only_when_its_commit_lands(writing: _Writing) ->
     rig.write("/b", b"2")
     rig.part.commit_and_publish()
     assert gate.entered.wait(WAIT)
-    # Written on the writer's thread; the loop goes on, reads nothing, sends nothing.
+    # Written on the writer's thread; the loop goes on reading, sends nothing.
     assert gate.threads == ["clone-commit"]
-    assert rig.part.in_flight and pauses == ["pause"]
+    assert rig.part.in_flight and pauses == []
+    assert not rig.part.settled
     assert rig.published == [] and rig.committed == []
     assert rig.core.store.sequence == 2 and rig.part.announced_sequence() == 0
     gate.open.set()
     loop.run_next()
     assert _keys(rig.published) == [b"/a", b"/b"] and rig.committed == [rig.published]
-    assert not rig.part.in_flight and pauses == ["pause", "resume"]
+    assert not rig.part.in_flight and pauses == [] and rig.part.settled
     assert rig.part.announced_sequence() == 2
     storage = rig.part.storage
     assert storage is not None and storage.sequence == 2
@@ -142,21 +145,70 @@ def test_what_changes_meanwhile_goes_in_the_next_commit(writing: _Writing) -> No
     rig.part.commit_and_publish()
     rig.part.when_published(lambda: confirmed.append("a"))
     assert gate.entered.wait(WAIT)
-    # A timer's change while the first commit is in flight (an expiry, say).
+    # Two turns of writes while the first commit is in flight: the loop
+    # reads on, and both gather into the next job.
     rig.write("/c", b"3")
     rig.part.commit_and_publish()  # one in flight at a time: it waits
     rig.part.when_published(lambda: confirmed.append("c"))
-    assert rig.part.announced_sequence() == 0
+    rig.write("/d", b"4")
+    rig.part.commit_and_publish()
+    rig.part.when_published(lambda: confirmed.append("d"))
+    assert rig.part.announced_sequence() == 0 and rig.published == []
+    assert pauses == []
     gate.open.set()
-    loop.run_next()  # the first lands; the second goes to the writer
+    loop.run_next()  # the first lands; the gathered two go to the writer as one
     assert _keys(rig.published) == [b"/a"] and confirmed == ["a"]
-    assert rig.part.in_flight and pauses == ["pause"]  # still paused: one more in flight
+    assert rig.part.in_flight and pauses == []
     assert rig.part.announced_sequence() == 1
     loop.run_next()
-    assert _keys(rig.published) == [b"/a", b"/c"] and confirmed == ["a", "c"]
-    assert pauses == ["pause", "resume"]
+    assert _keys(rig.published) == [b"/a", b"/c", b"/d"] and confirmed == ["a", "c", "d"]
+    assert pauses == [] and not rig.part.in_flight
     storage = rig.part.storage
     assert storage is not None and storage.timing.commits == 2
+
+
+def test_a_full_gathering_pauses_the_sockets_until_the_commit_lands(writing: _Writing) -> None:
+    """Past its bound in updates (or bytes), what gathers behind a commit in
+    flight stops the reading; the landing hands it to the writer whole and
+    reads again."""
+    rig, loop, gate, pauses = writing.rig, writing.loop, writing.gate, writing.pauses
+    rig.part._gate.max_rows = 3  # the production bound is 8,192 updates
+    rig.write("/a", b"1")
+    rig.part.commit_and_publish()
+    assert gate.entered.wait(WAIT)
+    for n in range(3):  # three turns of one update each: at the bound, not past it
+        rig.write(f"/g{n}", b"x")
+        rig.part.commit_and_publish()
+    assert pauses == []
+    rig.write("/g3", b"x")
+    rig.part.commit_and_publish()  # the fourth: past it
+    assert pauses == ["pause"] and rig.counters["commit_gather_pauses"] == 1
+    rig.write("/timer", b"y")  # a timer's turn while paused: gathered too, no second pause
+    rig.part.commit_and_publish()
+    assert pauses == ["pause"] and rig.counters["commit_gather_pauses"] == 1
+    gate.open.set()
+    loop.run_next()
+    assert _keys(rig.published) == [b"/a"]
+    assert pauses == ["pause", "resume"] and rig.part.in_flight
+    loop.run_next()
+    assert _keys(rig.published)[1:] == [b"/g0", b"/g1", b"/g2", b"/g3", b"/timer"]
+    storage = rig.part.storage
+    assert storage is not None and storage.timing.commits == 2
+
+
+def test_a_byte_bound_pauses_as_the_row_bound_does(writing: _Writing) -> None:
+    rig, gate, pauses = writing.rig, writing.gate, writing.pauses
+    rig.part._gate.max_bytes = 1000
+    rig.write("/a", b"1")
+    rig.part.commit_and_publish()
+    assert gate.entered.wait(WAIT)
+    rig.write("/big", b"v" * 900)
+    rig.part.commit_and_publish()
+    assert pauses == []  # 900 bytes of value plus its key, uuid and sequence: under 1000
+    rig.write("/big2", b"v" * 200)
+    rig.part.commit_and_publish()
+    assert pauses == ["pause"]
+    assert rig.core.journal.nbytes > 1000 and rig.core.journal.rows == 2
 
 
 def test_what_waited_for_a_commit_is_released_a_turn_s_budget_at_a_time(
@@ -204,7 +256,7 @@ def test_a_failed_commit_stops_the_server_and_confirms_nothing(writing: _Writing
     assert rig.stops == 1 and rig.counters["storage_errors"] == 1
     assert rig.part.error is not None
     assert rig.published == [] and confirmed == []
-    assert pauses == ["pause"]  # the sockets stay paused until the server stops
+    assert pauses == ["pause"]  # fail-stop: paused until the server stops
     rig.write("/b", b"2")
     rig.part.commit_and_publish()
     rig.part.when_published(lambda: confirmed.append("b"))
@@ -225,7 +277,7 @@ def test_a_commit_on_the_loop_waits_for_the_one_in_flight(writing: _Writing) -> 
     opener.join()
     assert _keys(rig.published) == [b"/a"] and _keys(batch) == [b"/b"]
     assert gate.threads == ["clone-commit", threading.current_thread().name]
-    assert not rig.part.in_flight and pauses == ["pause", "resume"]
+    assert not rig.part.in_flight and pauses == []
 
 
 def test_the_stop_finishes_the_commit_in_flight(
@@ -297,9 +349,14 @@ def test_a_passive_turn_is_committed_on_the_writer_and_not_published(writing: _W
     rig.write("/a", b"1")
     rig.part.commit_only()  # a turn of following the active
     assert gate.entered.wait(WAIT) and gate.threads == ["clone-commit"]
-    assert pauses == ["pause"]
+    rig.write("/b", b"2")  # the next turn of following, read while the first commits
+    rig.core.role = Role.PASSIVE  # (the rig's core applies as a standalone one)
+    rig.part.commit_only()
+    assert pauses == []
     gate.open.set()
     loop.run_next()
-    assert rig.published == [] and pauses == ["pause", "resume"]
+    assert rig.published == [] and rig.part.in_flight  # the second went to the writer
+    loop.run_next()
+    assert rig.published == [] and pauses == []
     storage = rig.part.storage
-    assert storage is not None and storage.sequence == 1
+    assert storage is not None and storage.sequence == 2

@@ -156,3 +156,24 @@ def test_state_file_opens_as_a_data_dir(data_dir: Path, open_storage: OpenStorag
                      sequence=9, term=2)
     loaded = open_storage(data_dir, create=False).load()
     assert (len(loaded.entries), loaded.sequence, loaded.term) == (1, 9, 2)
+
+
+def test_a_full_database_is_named_full_not_a_failed_rollback(
+    data_dir: Path, open_storage: OpenStorage
+) -> None:
+    """SQLite rolls a transaction back itself when the disk fills: the error
+    must say the disk is full, not that our own ROLLBACK found nothing to undo
+    (the hostile drill's disk attack met a really full disk and said only
+    "cannot rollback - no transaction is active")."""
+    storage = open_storage(data_dir)
+    storage.append([upd(b"/a", 1)], term=0, at=0.0)
+    conn = storage._live()
+    pages = conn.execute("PRAGMA page_count").fetchone()[0]
+    conn.execute(f"PRAGMA max_page_count = {pages + 2}")  # a disk with two pages left
+    with pytest.raises(StorageError, match="full") as raised:
+        storage.append([upd(b"/big", 2, b"v" * 100_000)], term=0, at=0.0)
+    assert "rollback" not in str(raised.value)
+    assert not conn.in_transaction
+    conn.execute("PRAGMA max_page_count = 1073741823")  # space again: writing goes on
+    storage.append([upd(b"/b", 2)], term=0, at=0.0)
+    assert storage.sequence == 2
