@@ -86,6 +86,7 @@ from clone.client.verbs import (
     OK,
     REFUSED,
     REPLY,
+    RESYNC_MARK,
     SET,
     STARTED,
     STATE,
@@ -431,7 +432,10 @@ class Agent:
                 self._pub.send_multipart(frames)
             elif isinstance(action, Changed):
                 entry = action.entry or KVMsg(action.key)
-                self._events.send_multipart([CHANGE, *encode_kv(entry)])
+                frames = [CHANGE, *encode_kv(entry)]
+                if action.resync:
+                    frames.append(RESYNC_MARK)
+                self._events.send_multipart(frames)
             elif isinstance(action, SendCall):
                 self._send_call(action)
             elif isinstance(action, CallReplied):
