@@ -86,3 +86,31 @@ def test_a_change_recorded_after_a_resync_keeps_the_epoch_it_came_in(
     # like the resync's own: the false failure the chaos run reported.
     assert by_counters[1]["epoch"] == by_counters[2]["epoch"] >= 1
     assert check_watchers([*by_counters, lost]).status == "FAIL"
+
+
+def test_each_resync_starts_an_epoch_even_right_after_another(tmp_path: Path) -> None:
+    """A resync tells each key once: a key told again by a resync's change,
+    with no live change between, is a second resync (the transitions it
+    skipped must be excused by an epoch of their own)."""
+    path = tmp_path / "history.jsonl"
+    rec = Recorder(path, "watch0")
+    watch = WatchLog(rec)
+    told = [
+        Entry("/a", b"1", 1),
+        Entry("/a", b"5", 5, resync=True),
+        Entry("/b", b"6", 6, resync=True),
+        Entry("/a", b"9", 9, resync=True),  # the next resync
+        Entry("/b", b"10", 10),
+        Entry("/b", b"12", 12, resync=True),
+    ]
+    for entry in told:
+        watch.on_change(entry)
+    rec.close()
+    history = _records(path)
+    assert [(r["key"], r["epoch"]) for r in history if r["f"] == "update"] == [
+        ("/a", 0), ("/a", 1), ("/b", 1), ("/a", 2), ("/b", 2), ("/b", 3)]
+    assert [r["epoch"] for r in history if r["f"] == "resync"] == [1, 2, 3]
+    writes = [{"proc": "w0", "f": "write", "key": key, "seq": seq, "res": "ok",
+               "t0": 0.0, "t1": 0.0} for key, seq in (("/a", 3), ("/a", 7), ("/b", 11))]
+    verdict = check_watchers([*history, *writes])
+    assert verdict.status == "PASS" and verdict.checked == 3, verdict.examples

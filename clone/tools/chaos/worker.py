@@ -93,14 +93,20 @@ class WatchLog:
     def __init__(self, rec: Recorder) -> None:
         self._rec = rec
         self.epoch = 0
-        self._in_resync = False
+        # The keys of the resync's changes told since the last live one: a
+        # resync tells each key once, so a key told again is the next resync's.
+        self._resync_keys: set[str] = set()
 
     def on_change(self, entry: Entry) -> None:
         t = time.monotonic()
-        if entry.resync and not self._in_resync:
+        if not entry.resync:
+            self._resync_keys.clear()
+        elif not self._resync_keys or entry.key in self._resync_keys:
             self.epoch += 1
+            self._resync_keys = {entry.key}
             self._rec.emit("resync", t0=t, t1=t, epoch=self.epoch)
-        self._in_resync = entry.resync
+        else:
+            self._resync_keys.add(entry.key)
         self._rec.emit("update", key=entry.key, seq=entry.sequence, t0=t, t1=t,
                        epoch=self.epoch,
                        value=None if entry.value is None else entry.value.decode())
