@@ -333,7 +333,13 @@ def test_calls_section_through_the_cli(
     assert "keepalives_per_s_median" not in zero and "keepalives_per_s_median" not in idle
     for kept in (held, batched, elsewhere):
         assert kept["keepalives_per_s_median"] > 0
-        assert kept["keepalive_not_ok"] == 0 and kept["keepalive_unanswered"] == 0
+        assert kept["keepalive_unanswered"] == 0  # the driver waits for late answers
+        # Keepalives every ttl/3 lose no lease unless the grants, a keepalive's
+        # send and its answer together took the rest of the ttl: a host at load
+        # 30 did (sent up to 0.86 s late, answered 4.4 s late at p99, ttl 0.9 s).
+        late_ms = kept["grant_s"] * 1000 + kept["keepalive_lag_max_ms"] + kept[
+            "keepalive_reply_max_ms"]
+        assert kept["keepalive_not_ok"] == 0 or late_ms >= 1000 * kept["ttl"] * 2 / 3, kept
     for r in (zero, held, batched, idle, elsewhere):
         assert r["lost"] == 0 and r["latency"]["count"] == 250 and r["delivered"] == 1.0
         assert r["rate_median"] > 0 and r["server_cpu_pct_median"] >= 0
