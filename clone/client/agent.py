@@ -432,10 +432,8 @@ class Agent:
                 self._pub.send_multipart(frames)
             elif isinstance(action, Changed):
                 entry = action.entry or KVMsg(action.key)
-                frames = [CHANGE, *encode_kv(entry)]
-                if action.resync:
-                    frames.append(RESYNC_MARK)
-                self._events.send_multipart(frames)
+                mark = [RESYNC_MARK] if action.resync else []
+                self._events.send_multipart([CHANGE, *encode_kv(entry), *mark])
             elif isinstance(action, SendCall):
                 self._send_call(action)
             elif isinstance(action, CallReplied):
