@@ -98,10 +98,15 @@ class Changed:
 
     ``entry`` None, or an entry with an empty body, means deleted: a live delete
     carries its KVPUB (so its sequence), a key gone after a resync has none.
+    ``resync``: the change comes from a resync's diff, not from an update, so
+    the key's updates since the last change told are not known; watchers learn
+    it in order with the changes (a counter read later cannot say which
+    changes came before the resync).
     """
 
     key: str
     entry: KVMsg | None
+    resync: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -86,6 +86,7 @@ from clone.client.verbs import (
     OK,
     REFUSED,
     REPLY,
+    RESYNC_MARK,
     SET,
     STARTED,
     STATE,
@@ -431,7 +432,8 @@ class Agent:
                 self._pub.send_multipart(frames)
             elif isinstance(action, Changed):
                 entry = action.entry or KVMsg(action.key)
-                self._events.send_multipart([CHANGE, *encode_kv(entry)])
+                mark = [RESYNC_MARK] if action.resync else []
+                self._events.send_multipart([CHANGE, *encode_kv(entry), *mark])
             elif isinstance(action, SendCall):
                 self._send_call(action)
             elif isinstance(action, CallReplied):

@@ -50,8 +50,10 @@ _Item = Entry | Callable[[], None] | object
 
 
 def entry_of(frames: list[bytes]) -> Entry:
-    msg = decode_kvset(frames)
-    return Entry(msg.key, msg.body or None, msg.sequence, msg.properties)
+    """A CHANGE event's entry: five frames of a KVSET, then the resync mark or nothing."""
+    resync = len(frames) == 6 and frames[5] == verbs.RESYNC_MARK
+    msg = decode_kvset(frames[:5] if resync else frames)
+    return Entry(msg.key, msg.body or None, msg.sequence, msg.properties, resync=resync)
 
 
 class Waiters:

@@ -5,7 +5,10 @@ this one carries commands (one caller at a time, under :attr:`CommandPipe.lock`,
 every wait bounded by ``timeout``), the other carries events, which the agent
 writes without ever blocking (:mod:`clone.client.events` reads them).  A
 command the agent does not take or answer in time raises
-:class:`~clone.errors.AgentTimeout`, a ``TimeoutError`` like every other wait.
+:class:`~clone.errors.AgentTimeout`, a ``TimeoutError`` like every other wait;
+time this process did not run meanwhile (:data:`FROZEN_S`) does not count: a
+status() call in flight when the process was stopped for 10 s, with its
+answer in the pipe or a moment away, raised it at SIGCONT.
 """
 
 from __future__ import annotations
@@ -20,12 +23,17 @@ import zmq
 from clone.client import verbs
 from clone.errors import AgentTimeout, CloneError, ClosedError
 
-__all__ = ["PIPE_HWM", "CommandPipe"]
+__all__ = ["FROZEN_S", "PIPE_HWM", "CommandPipe"]
 
 log = logging.getLogger(__name__)
 
 # Commands queued for the agent at most; a writer that gets ahead waits.
 PIPE_HWM = 10_000
+#: A wait for the agent's answer that came back this much (s) later than it
+#: was asked to was a freeze of this process, its agent's too: the agent gets
+#: its whole timeout again (as the agent's freeze_gap does not blame the
+#: server for our own freeze).
+FROZEN_S = 1.0
 
 _Socket = zmq.Socket[bytes]
 
@@ -79,10 +87,20 @@ class CommandPipe:
             raise AgentTimeout(
                 f"the client agent did not take {verb.decode()} within {timeout:g} s"
             ) from None
-        deadline = time.monotonic() + timeout
+        last = time.monotonic()
+        deadline = last + timeout
         while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not pipe.poll(max(1, int(remaining * 1000))):
+            wait = max(0, int((deadline - last) * 1000))
+            ready = pipe.poll(wait)
+            now = time.monotonic()
+            overshoot, last = now - last - wait / 1000, now
+            if not ready and overshoot > FROZEN_S:
+                # This process did not run (SIGSTOP, a starved host) while we
+                # waited, and neither did its agent: it gets its whole time
+                # again from now.
+                deadline = now + timeout
+                continue
+            if not ready:
                 if self.stopped.is_set():
                     raise ClosedError("the client agent has stopped")
                 raise AgentTimeout(

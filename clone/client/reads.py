@@ -179,7 +179,7 @@ class Reads(ClientHandle):
         ``clone-callbacks-N``), never in the agent thread, so they may call this
         client, even a confirmed ``set``.  Exceptions are logged and swallowed.
         Only changes after registration are reported; a resync reports the keys
-        that differ from what we held.  Returns a :class:`Subscription`:
+        that differ from what we held, marked ``entry.resync``.  Returns a :class:`Subscription`:
         ``cancel()`` it (or use it as a context manager) to unregister.
         """
         if not callable(callback):

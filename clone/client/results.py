@@ -69,6 +69,11 @@ class Entry:
     properties: Properties = ()
     #: Set on what :meth:`clone.Clone.entry` returns: how current the read is.
     freshness: Freshness | None = field(default=None, compare=False, repr=False)
+    #: In a change: True when it comes from a resync (a fresh snapshot that
+    #: replaced the map), not from an update, so the key's updates since the
+    #: last change you were told of are not known.  Told in order with the
+    #: other changes: every change that skips updates says so.
+    resync: bool = field(default=False, compare=False)
 
     @property
     def deleted(self) -> bool:

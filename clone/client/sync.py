@@ -434,7 +434,10 @@ def restricted_view(
 
 
 def _diff(old: dict[str, _Stored], new: dict[str, _Stored]) -> list[Action]:
-    """The changes that turn ``old`` into ``new``, by key."""
-    out: list[Action] = [Changed(k, None) for k in old if k not in new]
-    out.extend(Changed(k, _message(k, v)) for k, v in new.items() if _differs(old.get(k), v))
+    """The changes that turn ``old`` into ``new``, by key, each marked as a
+    resync's: the updates between are not known."""
+    out: list[Action] = [Changed(k, None, resync=True) for k in old if k not in new]
+    out.extend(
+        Changed(k, _message(k, v), resync=True) for k, v in new.items() if _differs(old.get(k), v)
+    )
     return out

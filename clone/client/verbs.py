@@ -25,7 +25,8 @@ The pipe protocol, all frames bytes:
   ``REFUSED uuid reason key`` (the server refused a confirmed write), ``REPLY
   uuid reply-frames...`` (the four frames of a call's REPLY), ``LEASELOST
   lease_id why`` (a kept lease is gone), ``STATE state endpoint``, ``CHANGE key
-  seq uuid props body`` (empty body: deleted), ``STOPPED``.
+  seq uuid props body [RESYNC]`` (empty body: deleted; the ``RESYNC`` frame
+  when the change comes from a resync's diff), ``STOPPED``.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ __all__ = [
     "OK",
     "REFUSED",
     "REPLY",
+    "RESYNC_MARK",
     "SET",
     "STARTED",
     "STATE",
@@ -83,3 +85,5 @@ STARTED, CONFIRMED, FAILED, REFUSED, REPLY, LEASELOST, STATE, CHANGE, STOPPED = 
 LEASEKEPT = b"LEASEKEPT"
 #: A confirmed write became a split-brain conflict: ``CONFLICT uuid key``.
 CONFLICT = b"CONFLICT"
+#: The last frame of a CHANGE learned from a resync, not from an update.
+RESYNC_MARK = b"RESYNC"

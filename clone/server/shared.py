@@ -67,6 +67,7 @@ IO_COUNTERS: tuple[str, ...] = (
     "snapshot_batches_sent",
     "hugz_sent",
     "heartbeat_max_late_ms",
+    "heartbeat_max_blocked_ms",
     "outq_dropped",
     "sync_timeouts",
     "internal_errors",

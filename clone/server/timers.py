@@ -4,7 +4,11 @@ How this works: three timers on the server's loop, each scheduled on the
 server's one clock (``call_later`` with a delay computed from it, so a fake
 clock moves every deadline).  The heartbeat runs at a fixed rate, skipping
 ahead after a stall rather than bursting, and measures how late the loop ran
-it (``heartbeat_max_late_ms``, a warning past a whole heartbeat): while
+it (``heartbeat_max_late_ms``, a warning past a whole heartbeat), and how much
+of that the loop's thread spent waiting for a CPU (Linux's schedstat
+``run_delay``, :func:`cpu_wait`): on a host with more runnable processes than
+cores a heartbeat is late however short the loop's steps are, so the lateness
+less that wait (``heartbeat_max_blocked_ms``) is the loop's own: while
 active it publishes the turn's pending commit and then HUGZ (each restricted
 view's too); a relay publishes its link's HUGZ.  Housekeeping, every 100 ms
 (at once again while more keys are due than one batch), expires keys and
@@ -37,11 +41,30 @@ from clone.server.streaming import SnapshotStreams
 from clone.server.voting import HeldVotes
 from clone.wire.codec import encode_hugz
 
-__all__ = ["HOUSEKEEPING", "Timers"]
+__all__ = ["HOUSEKEEPING", "Timers", "cpu_wait", "own_lateness"]
 
 log = logging.getLogger("clone.server.reactor")
 
 HOUSEKEEPING = 0.1  # seconds between expiry / sync-timeout / deferred-vote checks
+
+
+def cpu_wait() -> float | None:
+    """Seconds the calling thread has spent runnable but waiting for a CPU
+    (the second field of ``/proc/thread-self/schedstat``), or None where the
+    kernel does not say."""
+    try:
+        with open("/proc/thread-self/schedstat", "rb") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def own_lateness(late_ms: int, armed: float | None, now: float | None) -> tuple[int, int]:
+    """``(waited_ms, blocked_ms)``: of a heartbeat ``late_ms`` late, the ms its
+    thread waited for a CPU since the timer was armed (:func:`cpu_wait` then and
+    now; 0 when unknown), and the rest, the loop's own."""
+    waited_ms = 0 if armed is None or now is None else max(0, int((now - armed) * 1000))
+    return waited_ms, max(0, late_ms - waited_ms)
 
 
 class Timers:
@@ -89,6 +112,7 @@ class Timers:
         self._house_timer: object | None = None
         self._stats_timer: object | None = None
         self._next_hugz = 0.0
+        self._armed_wait: float | None = None  # cpu_wait() when the heartbeat was armed
 
     @property
     def _stopping(self) -> bool:
@@ -100,6 +124,7 @@ class Timers:
         assert loop is not None
         cfg = self.config
         self._next_hugz = self._clock() + cfg.heartbeat
+        self._armed_wait = cpu_wait()
         self._hugz_timer = loop.call_later(cfg.heartbeat, self._on_heartbeat)
         self._house_timer = loop.call_later(HOUSEKEEPING, self._on_housekeeping)
         if cfg.stats_interval > 0:
@@ -122,10 +147,7 @@ class Timers:
         # How late the reactor ran this timer: the operator's measure of a
         # blocked loop (and what clients would see as a heartbeat gap).
         late_ms = int((self._clock() - self._next_hugz) * 1000)
-        if late_ms > self.counters["heartbeat_max_late_ms"]:
-            self.counters["heartbeat_max_late_ms"] = late_ms
-            if late_ms > 1000 * self.config.heartbeat:
-                log.warning("heartbeat ran %d ms late: the reactor was blocked", late_ms)
+        self._note_lateness(late_ms)
         try:
             if self.core.role is Role.ACTIVE:
                 # A call's update is applied in the ROUTER's handler but
@@ -153,7 +175,31 @@ class Timers:
         now = self._clock()
         if self._next_hugz <= now:
             self._next_hugz = now + self.config.heartbeat
+        self._armed_wait = cpu_wait()
         self._hugz_timer = loop.call_later(self._next_hugz - now, self._on_heartbeat)
+
+    def _note_lateness(self, late_ms: int) -> None:
+        """Count a heartbeat's lateness and, less the loop's wait for a CPU
+        since it was armed, the loop's own.  Warn of every heartbeat the loop
+        itself held back by more than an interval (one per stall: the timer
+        skips ahead), and of a lateness past an interval that the host caused
+        when it is the worst yet (a starved host would say so 4 times a second)."""
+        waited_ms, blocked_ms = own_lateness(late_ms, self._armed_wait, cpu_wait())
+        worst = late_ms > self.counters["heartbeat_max_late_ms"]
+        if worst:
+            self.counters["heartbeat_max_late_ms"] = late_ms
+        self.counters["heartbeat_max_blocked_ms"] = max(
+            blocked_ms, self.counters["heartbeat_max_blocked_ms"]
+        )
+        interval_ms = 1000 * self.config.heartbeat
+        blocked = blocked_ms > interval_ms
+        if blocked or (worst and late_ms > interval_ms):
+            log.warning(
+                "heartbeat ran %d ms late, %d ms of it waiting for a CPU: %s",
+                late_ms,
+                waited_ms,
+                "the reactor was blocked" if blocked else "the host kept the server from running",
+            )
 
     def _publish_hugz(self, hugz: list[bytes], *, stale: bool) -> None:
         """Our HUGZ, then each restricted view's (a relay's say ``stale`` too)."""

@@ -590,6 +590,23 @@ def test_updates_during_sync_are_buffered_and_replayed_after_kthxbai() -> None:
     assert {a.key for a in actions if isinstance(a, Changed)} == {"a", "b"}
 
 
+def test_a_resyncs_changes_say_so_and_live_ones_do_not() -> None:
+    """A watcher must know which changes skipped updates, in order with the
+    changes: a counter read later cannot say (the chaos run's watchers)."""
+    fsm, (srv, _) = synced()
+    live = fsm.update(0, srv.apply("k", b"1"), 0.1)
+    assert live == [Changed("k", srv.map["k"])] and not live[0].resync
+    srv.apply("k", b"2")  # lost on the way: the resync skips it
+    srv.apply("gone", b"x")
+    fsm.update(0, srv.apply("k", b"3"), 0.2)  # a gap: resync
+    srv.apply("gone", b"")
+    assert fsm.state is State.SYNCING
+    changes = [a for a in feed_snapshot(fsm, srv, 0.3) if isinstance(a, Changed)]
+    assert [(c.key, c.entry and c.entry.body, c.resync) for c in changes] == [("k", b"3", True)]
+    after = fsm.update(0, srv.apply("k", b"4"), 0.4)
+    assert after == [Changed("k", srv.map["k"])] and not after[0].resync
+
+
 def test_gap_inside_the_sync_buffer_resyncs() -> None:
     fsm = AgentFSM(None, CFG)
     srv = MemoryServer(0)

@@ -12,13 +12,15 @@ the same with network namespaces (``scripts/drill --scenario partition-split
 --split-writes N``), too slowly for a test.  The island client's writes go to
 the primary only (a raw PUB, as a client cut off from the backup would).
 
-What it shows: during the heal no heartbeat of either server is late by more
-than one interval (each server logs ``heartbeat ran N ms late`` at WARNING when
-one is; its ``heartbeat_max_late_ms`` counts from its start, which includes the
-start itself and the 100,000 writes, so the test reads the log lines written
-after the heal began) -- plus, on a host so loaded that it wakes even an idle
-thread late, that lateness (:class:`_SchedulerProbe`; on this 2-core machine
-shared by a dozen busy processes it reached 150-400 ms), every write reaches
+What it shows: during the heal no heartbeat of either server is held back by
+its own loop by more than one interval (each server logs ``heartbeat ran N ms
+late, W ms of it waiting for a CPU`` at WARNING when the loop's part, N - W, is;
+its counters count from its start, which includes the start itself and the
+100,000 writes, so the test reads the log lines written after the heal began).
+The wait for a CPU is the kernel's figure for the loop's thread (schedstat): at
+load 20-30 on this 2-core machine the heartbeats ran 0.5-1.2 s late however
+short the loop's steps, which a probe of the test's own wake-ups (150-400 ms)
+did not cover, and which measured the scheduler, not the server; every write reaches
 the state of the server that ends active, whether the winner applies the
 forwarded writes or (the backup killed part-way) the loser, voted active again,
 applies the rest itself; and SIGTERM stops a server within 1 s in the middle of
@@ -102,19 +104,22 @@ class _SchedulerProbe:
         self._thread.join(5)
 
 
-_LATE = re.compile(r"heartbeat ran (\d+) ms late")
+_LATE = re.compile(r"heartbeat ran (\d+) ms late, (\d+) ms of it waiting for a CPU")
 
 
-def _late_lines(server: ServerProcess, after: int, allowance_ms: float = 0.0) -> list[str]:
-    """The server's late-heartbeat warnings since ``after`` (each one is later
-    than an interval) that are later than an interval plus ``allowance_ms``."""
+def _late_lines(server: ServerProcess, after: int) -> list[str]:
+    """The server's late-heartbeat warnings since ``after`` in which the loop
+    itself held the heartbeat back by more than an interval: the lateness less
+    the time the loop's thread was runnable but waiting for a CPU (the server
+    measures it: clone.server.timers), which on a loaded host is most of it
+    however short the loop's steps are."""
     with open(server.log_path, "rb") as f:
         f.seek(after)
         text = f.read().decode(errors="replace")
     return [
         line
         for line in text.splitlines()
-        if (m := _LATE.search(line)) and int(m.group(1)) > HEARTBEAT_MS + allowance_ms
+        if (m := _LATE.search(line)) and int(m.group(1)) - int(m.group(2)) > HEARTBEAT_MS
     ]
 
 
@@ -244,21 +249,18 @@ def test_the_winner_takes_100k_split_writes_with_every_heartbeat_on_time(
     try:
         primary, backup = pair.primary, pair.backup
         b_offset = backup.log_size()
-        with _SchedulerProbe() as host:
-            eventually(
-                lambda: _num(primary, "split_writes_queued") == 0,
-                600,
-                "the split writes delivered",
-            )
+        eventually(
+            lambda: _num(primary, "split_writes_queued") == 0,
+            600,
+            "the split writes delivered",
+        )
         assert _num(primary, "split_writes_applied") >= SPLIT_WRITES
         assert _num(primary, "split_writes_abandoned") == 0
         _assert_all_written(backup.port)
         # Resends were of the few in flight, not of the whole backlog.
         assert _num(primary, "split_writes_resent") < SPLIT_WRITES // 10
-        late = _late_lines(primary, offset, host.worst_ms) + _late_lines(
-            backup, b_offset, host.worst_ms
-        )
-        assert late == [], f"the host woke a sleeping thread up to {host.worst_ms:.0f} ms late"
+        late = _late_lines(primary, offset) + _late_lines(backup, b_offset)
+        assert late == [], "a loop held its heartbeat back by more than an interval"
     finally:
         pair.close()
 
@@ -282,17 +284,12 @@ def test_the_loser_voted_active_again_applies_the_rest_itself(servers: Servers) 
     try:
         primary = pair.primary
         # The winner has taken some; then it dies, and a client votes for the loser.
-        with _SchedulerProbe() as host:
-            eventually(
-                lambda: _num(primary, "split_writes_applied") >= 1000, 120, "some delivered"
-            )
-            _elect_the_loser_again(pair, offset)
-            eventually(
-                lambda: _num(primary, "split_writes_queued") == 0, 600, "the rest applied here"
-            )
+        eventually(lambda: _num(primary, "split_writes_applied") >= 1000, 120, "some delivered")
+        _elect_the_loser_again(pair, offset)
+        eventually(lambda: _num(primary, "split_writes_queued") == 0, 600, "the rest applied here")
         _assert_all_written(primary.port)
-        late = _late_lines(primary, offset, host.worst_ms)
-        assert late == [], f"the host woke a sleeping thread up to {host.worst_ms:.0f} ms late"
+        late = _late_lines(primary, offset)
+        assert late == [], "a loop held its heartbeat back by more than an interval"
     finally:
         pair.close()
 

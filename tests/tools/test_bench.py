@@ -333,7 +333,13 @@ def test_calls_section_through_the_cli(
     assert "keepalives_per_s_median" not in zero and "keepalives_per_s_median" not in idle
     for kept in (held, batched, elsewhere):
         assert kept["keepalives_per_s_median"] > 0
-        assert kept["keepalive_not_ok"] == 0 and kept["keepalive_unanswered"] == 0
+        assert kept["keepalive_unanswered"] == 0  # the driver waits for late answers
+        # Keepalives every ttl/3 lose no lease unless the grants, a keepalive's
+        # send and its answer together took the rest of the ttl: a host at load
+        # 30 did (sent up to 0.86 s late, answered 4.4 s late at p99, ttl 0.9 s).
+        late_ms = kept["grant_s"] * 1000 + kept["keepalive_lag_max_ms"] + kept[
+            "keepalive_reply_max_ms"]
+        assert kept["keepalive_not_ok"] == 0 or late_ms >= 1000 * kept["ttl"] * 2 / 3, kept
     for r in (zero, held, batched, idle, elsewhere):
         assert r["lost"] == 0 and r["latency"]["count"] == 250 and r["delivered"] == 1.0
         assert r["rate_median"] > 0 and r["server_cpu_pct_median"] >= 0
@@ -446,3 +452,34 @@ def test_durability_parts_and_fsyncs_from_the_cli() -> None:
     assert cfg.durability_parts == ("throughput", "latency")
     assert cfg.durability_fsyncs == cfg.durability_latency_fsyncs == ("batch", "always")
     assert cfg.durability_redis is False
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_clone_target_whose_port_was_taken_starts_on_other_ports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ports are free when drawn, not when bound: a server that finds its
+    snapshot port taken (by another test next to us, say) is started again
+    elsewhere, instead of failing the section with ``Address already in use``."""
+    import socket
+
+    from clone.tools.bench import targets
+    from clone.tools.procs import ProcessGroup, free_base_port
+    from clone.wire.protocol import SNAPSHOT_OFFSET
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", free_base_port(3)))
+    taken.listen()
+    port = taken.getsockname()[1]
+    draws = iter([port - SNAPSHOT_OFFSET])
+    monkeypatch.setattr(targets, "free_base_port", lambda span=3: next(draws, None)
+                        or free_base_port(span))
+    try:
+        with ProcessGroup(tmp_path) as group, targets.running_target("clone", group) as target:
+            assert not target.snapshot_endpoint.endswith(f":{port}")
+            assert len(group.procs) == 2  # the one that found its port taken, then ours
+            first = next(iter(group.procs.values()))
+            assert "Address already in use" in first.log_text()
+    finally:
+        taken.close()

@@ -21,7 +21,9 @@ interleaved in each repeat so that the machine's mood hits them alike:
 * **leases**: a driver process grants L leases (ttl ``calls_lease_ttl``,
   pipelined) and keeps each alive every ttl/3 with raw ``lease-keepalive``
   calls, on a schedule (its lag behind it is recorded), counting replies
-  that are not ``ok`` (a lease that expired).  Once all are granted the
+  that are not ``ok`` (a lease that expired) and keepalives never answered
+  (after the run it waits up to ``DRAIN_S`` for the answers still on their
+  way: a starved host held some for seconds).  Once all are granted the
   keepalives are spread evenly over ttl/3: the grants come in bursts, and
   keepalives in the same bursts would hold the server's loop for
   milliseconds at a time (measured in a first run: plain-write p99 x10
@@ -43,7 +45,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import os
 import queue
 import random
 import shutil
@@ -57,6 +58,7 @@ from typing import Any
 import zmq
 
 from clone.tools.bench.config import BenchConfig, Say
+from clone.tools.bench.leasedriver import DRAIN_S, lease_main, open_dealer
 from clone.tools.bench.processes import MP, ZERO_SEQ, reap
 from clone.tools.bench.targets import ServerOptions, Target, cpu_seconds, running_target, traffic
 from clone.tools.drill.analysis import nearest_rank
@@ -64,21 +66,13 @@ from clone.tools.histogram import LatencyHistogram
 from clone.tools.procs import ProcessGroup
 from clone.wire.calls import (
     IF_SEQUENCE_PROPERTY,
-    LEASE_PROPERTY,
-    MAX_KEEPALIVES_PER_CALL,
-    OP_LEASE_GRANT,
-    OP_LEASE_KEEPALIVE,
-    OP_LEASE_KEEPALIVES,
     OP_SET,
-    SECRET_PROPERTY,
     Reply,
     decode_reply,
     encode_call,
-    encode_keepalives,
 )
 from clone.wire.codec import new_uuid
 from clone.wire.frames import cap_message_size, recv_frames
-from clone.wire.protocol import TTL_PROPERTY
 
 __all__ = ["calls_tables", "run_calls"]
 
@@ -120,20 +114,11 @@ def _await_kvpub(sub: zmq.Socket[Any], uuid: bytes, timeout: float = 10.0) -> No
     raise TimeoutError(f"no KVPUB of {uuid.hex()} in {timeout} s")
 
 
-def _dealer(ctx: zmq.Context[Any], endpoint: str) -> zmq.Socket[Any]:
-    sock: zmq.Socket[Any] = ctx.socket(zmq.DEALER)
-    sock.sndhwm = sock.rcvhwm = 0
-    sock.linger = 0
-    cap_message_size(sock)
-    sock.connect(endpoint)
-    return sock
-
-
 def rtt_main(snapshot_ep: str, in_ep: str, out_ep: str, n: int, value_size: int,
              results: Any) -> None:
     """``n`` sequential CAS calls, alternating with ``n`` confirmed KVSETs; both timed."""
     ctx: zmq.Context[Any] = zmq.Context()
-    dealer = _dealer(ctx, snapshot_ep)
+    dealer = open_dealer(ctx, snapshot_ep)
     pub = ctx.socket(zmq.PUB)
     pub.sndhwm = 0
     pub.connect(in_ep)
@@ -188,7 +173,7 @@ def callers_main(snapshot_ep: str, callers: int, contended: bool, seconds: float
                  value_size: int, go: MpEvent, ready: Any, results: Any) -> None:
     """``callers`` DEALERs, one CAS increment in flight each, for ``seconds``."""
     ctx: zmq.Context[Any] = zmq.Context()
-    socks = [_dealer(ctx, snapshot_ep) for _ in range(callers)]
+    socks = [open_dealer(ctx, snapshot_ep) for _ in range(callers)]
     body = b"i" * value_size
     try:
         for i, s in enumerate(socks):  # connected, and the server knows each
@@ -280,125 +265,6 @@ def callers_main(snapshot_ep: str, callers: int, contended: bool, seconds: float
         for s in socks:
             s.close(linger=0)
         ctx.term()
-
-
-def lease_main(snapshot_ep: str, leases: int, ttl: float, keepalive: bool, window: int,
-               ready: MpEvent, stop: MpEvent, results: Any, batched: bool = False) -> None:
-    """Grant ``leases`` leases (``window`` grants in flight), keep each alive every ttl/3
-    (if ``keepalive``) until ``stop``; report the replies, the lag behind the schedule,
-    the reply latency.
-
-    ``batched``: as the client agent does (clone.client.calls), one
-    ``lease-keepalives`` call for every lease due and every lease due within
-    half an interval, instead of a ``lease-keepalive`` each; once all are
-    granted they are kept in step (one call per interval for all of them)."""
-    ctx: zmq.Context[Any] = zmq.Context()
-    dealer = _dealer(ctx, snapshot_ep)
-    interval = ttl / 3
-    # One owner for all the driver's leases (docs/protocol.md, "Lease ownership").
-    secret = os.urandom(16).hex()
-    grant_props = ((TTL_PROPERTY, repr(float(ttl))), (SECRET_PROPERTY, secret))
-    pending: dict[bytes, tuple[bool, float]] = {}  # uuid -> (is a keepalive, sent)
-    half = interval / 2
-    due: collections.deque[tuple[float, str]] = collections.deque()
-    statuses: collections.Counter[str] = collections.Counter()
-    lag, ka_lat = LatencyHistogram(), LatencyHistogram()
-    granted = asked = keepalives = 0
-    mono = time.monotonic
-    t0 = mono()
-    t_granted = t_steady = 0.0
-    k_steady = 0
-    try:
-        while not stop.is_set():
-            now = mono()
-            while asked < leases and len(pending) < window:
-                u = new_uuid()
-                dealer.send_multipart(encode_call(OP_LEASE_GRANT, u, properties=grant_props))
-                pending[u] = (False, now)
-                asked += 1
-            if batched and due and due[0][0] <= now:
-                group = []
-                while due and due[0][0] <= now + half:
-                    group.append(due.popleft())
-                for at in range(0, len(group), MAX_KEEPALIVES_PER_CALL):
-                    u = new_uuid()
-                    chunk = group[at:at + MAX_KEEPALIVES_PER_CALL]
-                    dealer.send_multipart(encode_call(
-                        OP_LEASE_KEEPALIVES, u,
-                        body=encode_keepalives([(lease, secret) for _, lease in chunk])))
-                    pending[u] = (True, now)
-                for t_due, lease in group:
-                    if t_granted and t_due <= now:
-                        lag.record_seconds(now - t_due)
-                    due.append((now + interval, lease))
-                keepalives += len(group)
-            while due and due[0][0] <= now:
-                t_due, lease = due.popleft()
-                u = new_uuid()
-                dealer.send_multipart(
-                    encode_call(OP_LEASE_KEEPALIVE, u,
-                                properties=((LEASE_PROPERTY, lease), (SECRET_PROPERTY, secret))))
-                pending[u] = (True, now)
-                if t_granted:
-                    lag.record_seconds(now - t_due)
-                keepalives += 1
-                due.append((t_due + interval, lease))
-            wait = min(0.01, max(0.0, due[0][0] - mono())) if due else 0.01
-            if not dealer.poll(int(wait * 1000)):
-                continue
-            while True:
-                try:
-                    reply = decode_reply(dealer.recv_multipart(zmq.NOBLOCK))
-                except zmq.Again:
-                    break
-                now = mono()
-                is_ka, sent = pending.pop(reply.uuid, (True, now))
-                if not is_ka:
-                    if not reply.ok:
-                        raise RuntimeError(f"lease-grant refused: {reply.reason} {reply.detail}")
-                    if keepalive:
-                        due.append((sent + interval, reply.lease))
-                    granted += 1
-                    if granted == leases:
-                        # From now on spread evenly over ttl/3, most urgent first: the
-                        # grants came in bursts, and keepalives in bursts would measure
-                        # the bursts (each holds the server's loop for milliseconds).
-                        # Batched, all of them in step: one call per interval.
-                        t_granted, step = now, interval / leases
-                        due = collections.deque(
-                            (now if batched else now + j * step, lid)
-                            for j, (_, lid) in enumerate(sorted(due)))
-                        ready.set()
-                    continue
-                if reply.kept is not None:  # a lease-keepalives: each lease counts
-                    statuses["ok"] += reply.kept
-                    for _, why in reply.gone:
-                        statuses[why] += 1
-                else:
-                    statuses[reply.status if reply.status != "refused" else reply.reason] += 1
-                ka_lat.record_seconds(now - sent)
-                if not t_steady and t_granted and now - t_granted >= interval:
-                    t_steady, k_steady = now, keepalives
-        t_end = mono()
-        rate = ((keepalives - k_steady) / (t_end - t_steady)
-                if t_steady and t_end > t_steady else 0.0)
-        results.put({
-            "granted": granted,
-            "grant_s": round(t_granted - t0, 3) if t_granted else None,
-            "keepalives": keepalives,
-            "keepalives_per_s": round(rate),
-            "statuses": dict(statuses),
-            "unanswered": sum(1 for ka, sent in pending.values() if t_end - sent > 1.0),
-            "lag": lag.encode(),
-            "reply": ka_lat.encode(),
-        })
-    finally:
-        dealer.close(linger=0)
-        ctx.term()
-
-
-# --------------------------------------------------------------------------
-# The parts
 
 
 def _repeat(cfg: BenchConfig, rep: int) -> str:
@@ -594,7 +460,7 @@ def _leases_once(cfg: BenchConfig, group: ProcessGroup, leases: int,
             cpu1, t1 = cpu_seconds(target.pid), time.monotonic()
             run = _plain_writes(cfg, target)
             stop.set()
-            drv = _get(results, 15, "the lease driver") if driver is not None else None
+            drv = _get(results, 15 + DRAIN_S, "the lease driver") if driver is not None else None
         finally:
             stop.set()
             if driver is not None:
@@ -691,6 +557,11 @@ def _lease_cases(cfg: BenchConfig, group: ProcessGroup, say: Say) -> dict[str, A
             run["keepalive_lag_p99_ms"] = max(d["lag"]["p99_ms"] for d in drivers)
             run["keepalive_reply_p99_ms"] = statistics.median(
                 d["reply"]["p99_ms"] for d in drivers)
+            # The worst of each: a lease is lost only if the grants, a
+            # keepalive's send and its answer together took longer than
+            # its ttl allows (what a starved host does).
+            run["keepalive_lag_max_ms"] = max(d["lag"]["max_ms"] for d in drivers)
+            run["keepalive_reply_max_ms"] = max(d["reply"]["max_ms"] for d in drivers)
         if drivers:
             run["grant_s"] = statistics.median(d["grant_s"] or 0 for d in drivers)
         runs.append(run)

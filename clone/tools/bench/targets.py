@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import queue
 import shutil
 import time
@@ -36,6 +37,7 @@ from clone.tools.bench.processes import (
     writer_main,
 )
 from clone.tools.procs import (
+    ManagedProcess,
     ProcessGroup,
     ServerAddress,
     free_base_port,
@@ -44,6 +46,8 @@ from clone.tools.procs import (
 )
 from clone.wire.frames import cap_message_size, recv_frames
 from clone.wire.protocol import COLLECTOR_OFFSET, PUBLISHER_OFFSET, SNAPSHOT_OFFSET
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "CurveOptions",
@@ -123,6 +127,42 @@ class ServerOptions:
         return label
 
 
+#: Starts of a clone target whose ports another process took meanwhile.
+_PORT_TRIES = 3
+
+
+def _start_clone(
+    group: ProcessGroup, opts: ServerOptions, heartbeat_ms: int | None, deadline: float
+) -> tuple[ManagedProcess, int]:
+    """A clone-server on free ports, and its base port.  Ports are free when
+    drawn, not when bound: another process (a test, a benchmark, next to us)
+    can take one meanwhile, and the server then exits at once with
+    ``Address already in use``; it is started again on other ports."""
+    for attempt in range(1, _PORT_TRIES + 1):
+        base = free_base_port(3)
+        name = f"clone-server-{len(group.procs)}"
+        proc = group.add(
+            name,
+            server_argv(
+                "standalone",
+                ServerAddress(name, base),
+                heartbeat_ms=heartbeat_ms,
+                data_dir=opts.data_dir,
+                extra=(*opts.extra, *(opts.curve.argv if opts.curve else ())),
+            ),
+        )
+        offsets = (SNAPSHOT_OFFSET, PUBLISHER_OFFSET, COLLECTOR_OFFSET)
+        while proc.alive and time.monotonic() < deadline:
+            if all(wait_listening(base + off, time.monotonic() + 0.1) for off in offsets):
+                break
+        if proc.alive or "Address already in use" not in proc.log_text():
+            return proc, base
+        if attempt < _PORT_TRIES:
+            log.warning("%s: port taken before it bound (%d..%d); other ports", name, base,
+                        base + 2)
+    return proc, base
+
+
 @contextlib.contextmanager
 def running_target(
     kind: str,
@@ -140,18 +180,7 @@ def running_target(
         opts = server or ServerOptions()
         if opts.data_dir is not None:
             shutil.rmtree(opts.data_dir, ignore_errors=True)
-        base = free_base_port(3)
-        name = f"clone-server-{len(group.procs)}"
-        proc = group.add(
-            name,
-            server_argv(
-                "standalone",
-                ServerAddress(name, base),
-                heartbeat_ms=heartbeat_ms,
-                data_dir=opts.data_dir,
-                extra=(*opts.extra, *(opts.curve.argv if opts.curve else ())),
-            ),
-        )
+        proc, base = _start_clone(group, opts, heartbeat_ms, deadline)
         target = Target(
             kind,
             f"tcp://127.0.0.1:{base + COLLECTOR_OFFSET}",

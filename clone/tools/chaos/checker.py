@@ -16,7 +16,10 @@ no longer matched), ``refused`` (the server said no: nothing happened) or
   of the value written, so that an unknown one can be found later; ``seq``);
 * ``read``: a read of the local replica (``key``, ``seq``, ``value``);
 * ``update``: a change a watcher saw (``key``, ``seq``, ``value``, None when
-  deleted; ``epoch``: its client's resyncs + failovers + gaps so far);
+  deleted; ``epoch``: the resyncs its change stream told so far), and
+  ``resync``: where a resync's changes begin (``epoch``: the new count);
+* ``status``: a watcher's client's applied sequence (``seq``; ``epoch``: its
+  client's resyncs + failovers + gaps, read with it);
 * ``acquire`` / ``release``: a lock holder (``token``, ``holder``);
 * ``fence``: the fenced resource's answer (``token``, ``holder``, ``accepted``,
   ``n``: the resource's own order);

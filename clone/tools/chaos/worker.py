@@ -16,7 +16,9 @@ Run by :mod:`clone.tools.chaos.runner` as ``python -m clone.tools.chaos.worker
 * ``lease``: takes a lease, binds a key to it, and dies (``os._exit``: no
   revoke) after a random while: the checker wants the key gone in time;
 * ``watcher``: records every change it is told of (key, sequence, value) and
-  every resync (its client's resyncs + failovers + gaps: the ``epoch``).
+  every resync its change stream tells (:class:`WatchLog`: the ``epoch``), and
+  its client's applied sequence (``status``, whose ``epoch`` is its client's
+  resyncs + failovers + gaps, read in the same call).
 
 Times are ``time.monotonic()``: one clock for every process on a machine, and
 no wall-clock step (a fault of the run) moves it.  Each record is one flushed
@@ -43,7 +45,7 @@ from clone.errors import CloneError, Conflict, WriteRefused
 from clone.recipes import Lock
 from clone.tools.chaos.checker import counter_value, parse_counter
 
-__all__ = ["CHAOS_PREFIX", "LOCK_NAME", "FencedResource", "Recorder", "main"]
+__all__ = ["CHAOS_PREFIX", "LOCK_NAME", "FencedResource", "Recorder", "WatchLog", "main"]
 
 log = logging.getLogger("clone.tools.chaos.worker")
 
@@ -72,6 +74,42 @@ class Recorder:
 
     def close(self) -> None:
         self._f.close()
+
+
+class WatchLog:
+    """A watcher's records: every change it is told of (``update``), each
+    stamped with its ``epoch``, the number of resyncs told so far, and a
+    ``resync`` record where a resync's changes begin.
+
+    The epoch comes from the change stream itself (:attr:`clone.Entry.resync`,
+    in order with the changes), not from the client's counters: callbacks run
+    in the client's callback thread, behind its agent, so a counter read when
+    a change is recorded can already count a resync that came after it (a
+    change recorded late, under load or after a pause, then looked like the
+    resync's own, and the transitions the resync skipped like a watcher's
+    loss: the chaos run's ``watchers`` check failed on it).
+    """
+
+    def __init__(self, rec: Recorder) -> None:
+        self._rec = rec
+        self.epoch = 0
+        # The keys of the resync's changes told since the last live one: a
+        # resync tells each key once, so a key told again is the next resync's.
+        self._resync_keys: set[str] = set()
+
+    def on_change(self, entry: Entry) -> None:
+        t = time.monotonic()
+        if not entry.resync:
+            self._resync_keys.clear()
+        elif not self._resync_keys or entry.key in self._resync_keys:
+            self.epoch += 1
+            self._resync_keys = {entry.key}
+            self._rec.emit("resync", t0=t, t1=t, epoch=self.epoch)
+        else:
+            self._resync_keys.add(entry.key)
+        self._rec.emit("update", key=entry.key, seq=entry.sequence, t0=t, t1=t,
+                       epoch=self.epoch,
+                       value=None if entry.value is None else entry.value.decode())
 
 
 class FencedResource:
@@ -235,26 +273,12 @@ class Worker:
         os._exit(0)  # no revoke, no goodbye: a dead owner
 
     def _watcher(self) -> None:
-        state = {"epoch": self._epoch()}
-        lock = threading.Lock()
-
-        def on_change(entry: Entry) -> None:
-            epoch = self._epoch()
-            with lock:
-                state["epoch"] = max(state["epoch"], epoch)
-            self.rec.emit("update", key=entry.key, seq=entry.sequence, t0=time.monotonic(),
-                          t1=time.monotonic(), epoch=epoch,
-                          value=None if entry.value is None else entry.value.decode())
-
-        self.client.on_change(on_change)
+        watch = WatchLog(self.rec)
+        self.client.on_change(watch.on_change)
         shown = -1
         while self._running():
             epoch, seq = self._epoch_and_sequence()
             t = time.monotonic()
-            with lock:
-                if epoch > state["epoch"]:
-                    state["epoch"] = epoch
-                    self.rec.emit("resync", t0=t, t1=t, epoch=epoch)
             if seq != shown:  # the client's applied sequence: never down outside a resync
                 self.rec.emit("status", t0=t, t1=t, seq=seq, epoch=epoch)
                 shown = seq
@@ -268,9 +292,6 @@ class Worker:
         c = st.counters
         return (int(c.get("resyncs", 0)) + int(c.get("failovers", 0)) + int(c.get("gaps", 0)),
                 st.sequence)
-
-    def _epoch(self) -> int:
-        return self._epoch_and_sequence()[0]
 
     def close(self) -> None:
         try:
