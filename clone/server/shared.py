@@ -63,6 +63,8 @@ IO_COUNTERS: tuple[str, ...] = (
     "snapshot_batches_sent",
     "hugz_sent",
     "heartbeat_max_late_ms",
+    "heartbeat_max_late_ran_ms",
+    "heartbeat_max_late_waited_ms",
     "outq_dropped",
     "sync_timeouts",
     "internal_errors",

@@ -4,7 +4,9 @@ How this works: three timers on the server's loop, each scheduled on the
 server's one clock (``call_later`` with a delay computed from it, so a fake
 clock moves every deadline).  The heartbeat runs at a fixed rate, skipping
 ahead after a stall rather than bursting, and measures how late the loop ran
-it (``heartbeat_max_late_ms``, a warning past a whole heartbeat): while
+it (``heartbeat_max_late_ms``, a warning past a whole heartbeat, which says
+how much of the wait the loop thread ran and how much it waited for a CPU:
+:mod:`.lateness`): while
 active it publishes the turn's pending commit and then HUGZ (each restricted
 view's too); a relay publishes its link's HUGZ.  Housekeeping, every 100 ms
 (at once again while more keys are due than one batch), expires keys and
@@ -28,6 +30,7 @@ from clone.server.core import Role, ServerCore
 from clone.server.durability import Durability
 from clone.server.following import Follower
 from clone.server.healing import Healer
+from clone.server.lateness import LoopSample, read_loop_sample, split_interval
 from clone.server.publisherport import PublisherPort
 from clone.server.publishing import Publisher
 from clone.server.relaying import RelayLink
@@ -89,6 +92,7 @@ class Timers:
         self._house_timer: object | None = None
         self._stats_timer: object | None = None
         self._next_hugz = 0.0
+        self._loop_sample: LoopSample | None = None  # at the end of the last heartbeat
 
     @property
     def _stopping(self) -> bool:
@@ -101,6 +105,7 @@ class Timers:
         cfg = self.config
         self._next_hugz = self._clock() + cfg.heartbeat
         self._hugz_timer = loop.call_later(cfg.heartbeat, self._on_heartbeat)
+        self._loop_sample = read_loop_sample(self._clock())
         self._house_timer = loop.call_later(HOUSEKEEPING, self._on_housekeeping)
         if cfg.stats_interval > 0:
             self._stats_timer = loop.call_later(cfg.stats_interval, self._on_stats_timer)
@@ -125,7 +130,7 @@ class Timers:
         if late_ms > self.counters["heartbeat_max_late_ms"]:
             self.counters["heartbeat_max_late_ms"] = late_ms
             if late_ms > 1000 * self.config.heartbeat:
-                log.warning("heartbeat ran %d ms late: the reactor was blocked", late_ms)
+                self._warn_late(late_ms)
         try:
             if self.core.role is Role.ACTIVE:
                 # A call's update is applied in the ROUTER's handler but
@@ -154,6 +159,21 @@ class Timers:
         if self._next_hugz <= now:
             self._next_hugz = now + self.config.heartbeat
         self._hugz_timer = loop.call_later(self._next_hugz - now, self._on_heartbeat)
+        self._loop_sample = read_loop_sample(self._clock())
+
+    def _warn_late(self, late_ms: int) -> None:
+        """Log a late heartbeat, with what the loop thread did meanwhile: a
+        stall it spent running is ours, one it spent waiting for a CPU is the
+        machine's (clone.server.lateness)."""
+        before, now = self._loop_sample, read_loop_sample(self._clock())
+        if before is None or now is None:
+            log.warning("heartbeat ran %d ms late: the reactor was blocked", late_ms)
+            return
+        split = split_interval(before, now)
+        self.counters["heartbeat_max_late_ran_ms"] = split.ran_ms
+        self.counters["heartbeat_max_late_waited_ms"] = split.waited_ms
+        log.warning("heartbeat ran %d ms late: the reactor was blocked (%s)", late_ms,
+                    split.describe())
 
     def _publish_hugz(self, hugz: list[bytes], *, stale: bool) -> None:
         """Our HUGZ, then each restricted view's (a relay's say ``stale`` too)."""
