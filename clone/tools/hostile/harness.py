@@ -1,13 +1,16 @@
 """One attack against a fresh server pair, measured from the outside.
 
 For each attack the harness starts a primary and a backup (data directories,
-``--http-port``), a HUGZ watcher (:class:`~clone.tools.drill.watch.HugzMonitor`)
-and a healthy client doing confirmed writes; it times a healthy sync before the
-attack (the baseline), starts the attack process
-(:mod:`clone.tools.hostile.attacks`), waits until it says ``ready``, holds it
-for ``hold`` seconds while sampling both servers' RSS and timing a second
-healthy sync, stops it, checks every confirmed write with a fresh client, and
-finally sends the active server SIGTERM and times its exit.
+``--http-port``), a HUGZ watcher in a process of its own
+(:mod:`clone.tools.hostile.watcher`: the gaps judged) and one in a thread of
+the harness (:class:`~clone.tools.drill.watch.HugzMonitor`: shown beside them,
+it also counts the harness's own pauses), and a healthy client doing
+confirmed writes; it times a healthy sync before the attack (the baseline),
+starts the attack process (:mod:`clone.tools.hostile.attacks`), waits until
+it says ``ready``, holds it for ``hold`` seconds while sampling both servers'
+RSS and timing a second healthy sync, stops it, checks every confirmed
+write with a fresh client, and finally sends the active server SIGTERM and
+times its exit.
 
 :func:`judge` holds the issue's "done when" as a pure function of the numbers:
 RSS peak at most 200 MB over its value before the attack (the store's own budget
@@ -20,6 +23,7 @@ below which a busy 2-core machine's noise dominates).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -36,6 +40,7 @@ from clone import Clone
 from clone.storage.files import dir_bytes
 from clone.storage.lock import LOCK_FILE
 from clone.tools.drill.watch import HugzMonitor
+from clone.tools.hostile.watcher import WatcherProcess
 from clone.tools.procs import (
     ManagedProcess,
     ProcessGroup,
@@ -47,7 +52,7 @@ from clone.tools.procs import (
 )
 from clone.wire.protocol import DEFAULT_HEARTBEAT_MS, PUBLISHER_OFFSET
 
-__all__ = ["HARNESS_ATTACKS", "AttackResult", "final_stats", "judge", "run_attack"]
+__all__ = ["HARNESS_ATTACKS", "AttackResult", "final_stats", "judge", "longest_gap", "run_attack"]
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +71,13 @@ class AttackResult:
     attack: str
     rss_before: dict[str, int] = field(default_factory=dict)
     rss_peak: dict[str, int] = field(default_factory=dict)
+    #: The longest gap between HUGZ (from either server) the watcher process
+    #: saw, and when it began (seconds after the attack started) ...
     longest_hugz_gap: float = 0.0
+    hugz_gap_at: float | None = None
+    #: ... and the one a thread of the harness saw (the harness's own pauses
+    #: too: a healthy client's sync holds its interpreter lock).
+    hugz_gap_in_harness: float = 0.0
     failover: bool = False
     baseline_sync: float | None = None
     sync_under_attack: float | None = None
@@ -312,6 +323,8 @@ def run_attack(
             heartbeat,
         )
         hugz.start()
+        watcher = WatcherProcess(pair.group, {
+            n: f"tcp://127.0.0.1:{a.port + PUBLISHER_OFFSET}" for n, a in pair.addr.items()})
         # The first sync also waits for the pair to elect; the second is the baseline.
         if _timed_sync(endpoints, 60) is not None:
             result.baseline_sync = _timed_sync(endpoints, 60)
@@ -362,9 +375,17 @@ def run_attack(
         sampler.join(5)
         result.rss_peak = {n: max(s, default=0) for n, s in samples.items()}
         result.exited = {n: p.returncode for n, p in procs.items()}
-        result.longest_hugz_gap = _longest_gap(hugz, started, ended)
-        result.failover = bool(hugz.hugz_after("backup", started, ended + 1))
+        seen = watcher.hugz_after("primary", started - 1, ended) + watcher.hugz_after(
+            "backup", started - 1, ended)
+        result.longest_hugz_gap, at = longest_gap(seen, started, ended)
+        result.hugz_gap_at = round(at - started, 3)
+        in_harness = hugz.hugz_after("primary", started - 1, ended) + hugz.hugz_after(
+            "backup", started - 1, ended)
+        result.hugz_gap_in_harness = longest_gap(in_harness, started, ended)[0]
+        result.failover = bool(hugz.hugz_after("backup", started, ended + 1)
+                               or watcher.hugz_after("backup", started, ended + 1))
         hugz.stop()
+        watcher.stop()
         result.writes_confirmed = len(writer.confirmed)
         result.write_errors = writer.errors
         result.write_p99 = _p99(writer.latencies)
@@ -466,13 +487,14 @@ def _start_attack(
     ))  # fmt: skip
 
 
-def _longest_gap(hugz: HugzMonitor, start: float, end: float) -> float:
-    times = sorted(hugz.hugz_after("primary", start - 1, end) + hugz.hugz_after("backup",
-                   start - 1, end))  # fmt: skip
-    if not times:
-        return end - start
-    gaps = [b - a for a, b in zip([start, *times], [*times, end], strict=True)]
-    return max(gaps)
+def longest_gap(times: list[float], start: float, end: float) -> tuple[float, float]:
+    """The longest silence from ``start`` to ``end`` between the HUGZ arrival
+    ``times`` (any order; those before ``start`` count as at ``start``), and
+    when it began."""
+    inside = sorted(t for t in times if start < t < end)
+    edges = [start, *inside, end]
+    gap, at = max((b - a, a) for a, b in itertools.pairwise(edges))
+    return gap, at
 
 
 def _lost(endpoints: list[str], confirmed: dict[str, bytes]) -> int:

@@ -1,0 +1,101 @@
+"""The hostile drill's HUGZ watcher, in a process of its own.
+
+How this works: ``python -m clone.tools.hostile.watcher NAME=ENDPOINT ...``
+subscribes to HUGZ on each server's publisher and prints ``HUGZ <unix time>
+<name>`` for each, as it arrives; :class:`WatcherProcess` starts it in the
+drill's process group and reads the lines back from its log.
+
+Why a process: the harness also syncs healthy clients, and a client decoding
+a snapshot of hundreds of MB holds the interpreter lock for most of a second
+at a time; a watcher thread in that process stamps HUGZ when it gets the lock
+back, so it measured the harness, not the servers.  The drill keeps the
+in-process watcher too (:class:`~clone.tools.drill.watch.HugzMonitor`) and
+prints both gaps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import zmq
+
+from clone.tools.procs import ManagedProcess, ProcessGroup, python_module_argv
+from clone.wire.protocol import HUGZ
+
+__all__ = ["WatcherProcess", "main", "parse_hugz_lines"]
+
+_PREFIX = "HUGZ "
+
+
+def parse_hugz_lines(text: str) -> list[tuple[float, str]]:
+    """The (time, server) of each ``HUGZ <time> <name>`` line; other lines and
+    a torn last line are skipped."""
+    out: list[tuple[float, str]] = []
+    for line in text.splitlines():
+        if not line.startswith(_PREFIX):
+            continue
+        parts = line.split()
+        if len(parts) != 3:
+            continue
+        try:
+            out.append((float(parts[1]), parts[2]))
+        except ValueError:
+            continue
+    return out
+
+
+class WatcherProcess:
+    """The watcher process of one attack: started in ``group``, read from its log."""
+
+    def __init__(self, group: ProcessGroup, publishers: dict[str, str]) -> None:
+        args = [f"{name}={endpoint}" for name, endpoint in publishers.items()]
+        self._proc: ManagedProcess = group.add(
+            "hugz-watcher", python_module_argv("clone.tools.hostile.watcher", *args))
+
+    def stop(self) -> None:
+        self._proc.stop()
+
+    def hugz_after(self, name: str, t: float, until: float) -> list[float]:
+        """When ``name``'s HUGZ arrived, strictly between ``t`` and ``until``."""
+        try:
+            text = self._proc.log_path.read_text(errors="replace")
+        except OSError:
+            return []
+        return [ts for ts, n in parse_hugz_lines(text) if n == name and t < ts < until]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    pairs = [a.partition("=") for a in (sys.argv[1:] if argv is None else argv)]
+    if not pairs or any(not name or not endpoint for name, _, endpoint in pairs):
+        print("usage: python -m clone.tools.hostile.watcher NAME=ENDPOINT ...", file=sys.stderr)
+        return 2
+    ctx: zmq.Context[Any] = zmq.Context()
+    poller = zmq.Poller()
+    names: dict[zmq.Socket[Any], str] = {}
+    try:
+        for name, _, endpoint in pairs:
+            sub = ctx.socket(zmq.SUB)
+            sub.linger = 0
+            sub.setsockopt(zmq.SUBSCRIBE, HUGZ)
+            sub.connect(endpoint)
+            poller.register(sub, zmq.POLLIN)
+            names[sub] = name
+        while True:
+            for sock, _ in poller.poll(1000):
+                with contextlib.suppress(zmq.Again):
+                    while True:
+                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                        if frames[0] == HUGZ:
+                            print(f"{_PREFIX}{time.time():.6f} {names[sock]}", flush=True)
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        ctx.destroy(linger=0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
