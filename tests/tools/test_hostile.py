@@ -82,9 +82,11 @@ def test_the_watchers_lines_are_read_back() -> None:
     text = ("=== 15:00:00 start #1: python -m clone.tools.hostile.watcher primary=tcp://x\n"
             "HUGZ 1700000000.250000 primary\n"
             "HUGZ 1700000000.500000 backup\n"
+            "WAKE 1700000000.600000 350\n"
             "HUGZ nonsense primary\n"
             "HUGZ 1700000000.75")  # a torn last line
     assert parse_hugz_lines(text) == [(1700000000.25, "primary"), (1700000000.5, "backup")]
+    assert parse_hugz_lines(text, "WAKE ") == [(1700000000.6, "350")]
 
 
 def test_unknown_attack_is_refused() -> None:

@@ -40,7 +40,8 @@ def format_line(r: AttackResult) -> str:
     stored = "/".join(f"{r.store_bytes.get(n, 0) / 2**20:.1f}" for n in ("primary", "backup"))
     verdict = "PASS" if not r.failures else "FAIL: " + "; ".join(r.failures)
     return (f"{r.attack:24s} rss MB {rss:22s} hugz-gap {_s(r.longest_hugz_gap)} s "
-            f"(at {_s(r.hugz_gap_at)}, harness {_s(r.hugz_gap_in_harness)})  "
+            f"(at {_s(r.hugz_gap_at)}, harness {_s(r.hugz_gap_in_harness)}, host late"
+            f" {r.host_wake_late_in_gap:.3f} in it, {r.host_wake_late:.3f} max)  "
             f"sync {_s(r.baseline_sync)}->{_s(r.sync_under_attack)} s  "
             f"write p99 {_s(r.write_p99)} s ({r.writes_confirmed} ok, {r.write_errors} err)  "
             f"lost {r.confirmed_lost}  sigterm {_s(r.sigterm_seconds)} s  "

@@ -78,6 +78,11 @@ class AttackResult:
     #: ... and the one a thread of the harness saw (the harness's own pauses
     #: too: a healthy client's sync holds its interpreter lock).
     hugz_gap_in_harness: float = 0.0
+    #: The watcher process's latest wake during the attack (seconds past its
+    #: timeout): how long the host left a process that asked for no more
+    #: than a few ms of CPU without any; and whether it was during the gap.
+    host_wake_late: float = 0.0
+    host_wake_late_in_gap: float = 0.0
     failover: bool = False
     baseline_sync: float | None = None
     sync_under_attack: float | None = None
@@ -382,6 +387,11 @@ def run_attack(
         in_harness = hugz.hugz_after("primary", started - 1, ended) + hugz.hugz_after(
             "backup", started - 1, ended)
         result.hugz_gap_in_harness = longest_gap(in_harness, started, ended)[0]
+        wakes = watcher.late_wakes(started, ended)
+        result.host_wake_late = max((late for _, late in wakes), default=0.0)
+        gap_end = at + result.longest_hugz_gap
+        result.host_wake_late_in_gap = max(
+            (late for ts, late in wakes if at < ts and ts - late < gap_end), default=0.0)
         result.failover = bool(hugz.hugz_after("backup", started, ended + 1)
                                or watcher.hugz_after("backup", started, ended + 1))
         hugz.stop()

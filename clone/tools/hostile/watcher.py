@@ -3,7 +3,11 @@
 How this works: ``python -m clone.tools.hostile.watcher NAME=ENDPOINT ...``
 subscribes to HUGZ on each server's publisher and prints ``HUGZ <unix time>
 <name>`` for each, as it arrives; :class:`WatcherProcess` starts it in the
-drill's process group and reads the lines back from its log.
+drill's process group and reads the lines back from its log.  Its waits are
+short (:data:`POLL`), so it also measures the host: a wait that ends more than
+:data:`WAKE_REPORTED` past its timeout prints ``WAKE <unix time> <ms late>``
+(the machine gave this process no CPU for that long; a HUGZ gap of the same
+moment is the machine's, not the server's).
 
 Why a process: the harness also syncs healthy clients, and a client decoding
 a snapshot of hundreds of MB holds the interpreter lock for most of a second
@@ -29,14 +33,20 @@ from clone.wire.protocol import HUGZ
 __all__ = ["WatcherProcess", "main", "parse_hugz_lines"]
 
 _PREFIX = "HUGZ "
+_WAKE = "WAKE "
+#: The watcher's wait for HUGZ, seconds: the resolution of its wake check.
+POLL = 0.05
+#: A wake this much past its timeout is reported, seconds.
+WAKE_REPORTED = 0.1
 
 
-def parse_hugz_lines(text: str) -> list[tuple[float, str]]:
-    """The (time, server) of each ``HUGZ <time> <name>`` line; other lines and
-    a torn last line are skipped."""
+def parse_hugz_lines(text: str, prefix: str = _PREFIX) -> list[tuple[float, str]]:
+    """The (time, server) of each ``HUGZ <time> <name>`` line (with ``prefix``
+    "WAKE ", each late wake's (time, ms)); other lines and a torn last line are
+    skipped."""
     out: list[tuple[float, str]] = []
     for line in text.splitlines():
-        if not line.startswith(_PREFIX):
+        if not line.startswith(prefix):
             continue
         parts = line.split()
         if len(parts) != 3:
@@ -59,13 +69,21 @@ class WatcherProcess:
     def stop(self) -> None:
         self._proc.stop()
 
+    def _text(self) -> str:
+        try:
+            return self._proc.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
     def hugz_after(self, name: str, t: float, until: float) -> list[float]:
         """When ``name``'s HUGZ arrived, strictly between ``t`` and ``until``."""
-        try:
-            text = self._proc.log_path.read_text(errors="replace")
-        except OSError:
-            return []
-        return [ts for ts, n in parse_hugz_lines(text) if n == name and t < ts < until]
+        return [ts for ts, n in parse_hugz_lines(self._text()) if n == name and t < ts < until]
+
+    def late_wakes(self, t: float, until: float) -> list[tuple[float, float]]:
+        """(when, seconds late) of each late wake of the watcher between ``t``
+        and ``until``: when the host gave it no CPU."""
+        wakes = parse_hugz_lines(self._text(), _WAKE)
+        return [(ts, float(ms) / 1000) for ts, ms in wakes if t < ts < until]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,7 +103,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             poller.register(sub, zmq.POLLIN)
             names[sub] = name
         while True:
-            for sock, _ in poller.poll(1000):
+            asked = time.monotonic()
+            events = poller.poll(int(POLL * 1000))
+            late = time.monotonic() - asked - POLL
+            if not events and late > WAKE_REPORTED:
+                print(f"{_WAKE}{time.time():.6f} {late * 1000:.0f}", flush=True)
+            for sock, _ in events:
                 with contextlib.suppress(zmq.Again):
                     while True:
                         frames = sock.recv_multipart(zmq.NOBLOCK)
