@@ -61,6 +61,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="shrink the attacks' volumes (0 < F <= 1; default 1: the issue's)")
     p.add_argument("--rate", type=float, default=20.0, help="healthy confirmed writes/s")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--shared-session", action="store_true",
+                   help="run the servers, the attack and the watcher in the drill's own session"
+                   " (with the kernel's autogroups, one CPU share for all of them) instead of"
+                   " one session each")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
@@ -74,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     for attack in attacks:
         r = run_attack(attack, out / attack, hold=args.hold, scale=args.scale, rate=args.rate,
-                       say=lambda line: print(line, flush=True))
+                       say=lambda line: print(line, flush=True),
+                       own_sessions=not args.shared_session)
         print(format_line(r), flush=True)
         results.append(r)
     (out / "results.json").write_text(json.dumps([r.as_dict() for r in results], indent=1))

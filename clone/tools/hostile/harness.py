@@ -250,8 +250,9 @@ def _cgroup(name: str, limit: int) -> tuple[Path | None, str]:
 
 class _Pair:
     def __init__(self, out: Path, heartbeat_ms: int, extra: list[str],
-                 cgroup_limit: int | None) -> None:  # fmt: skip
+                 cgroup_limit: int | None, own_sessions: bool) -> None:  # fmt: skip
         self.out = out
+        self.own_sessions = own_sessions
         self.group = ProcessGroup(out / "logs")
         self.addr = {
             "primary": ServerAddress("primary", free_base_port(3), free_port()),
@@ -282,7 +283,8 @@ class _Pair:
         return argv
 
     def start(self) -> dict[str, ManagedProcess]:
-        return {name: self.group.add(name, self.argv(name)) for name in self.addr}
+        return {name: self.group.add(name, self.argv(name), own_session=self.own_sessions)
+                for name in self.addr}  # fmt: skip
 
     def endpoints(self) -> list[str]:
         return [self.addr[n].endpoint for n in ("primary", "backup")]
@@ -311,14 +313,20 @@ def _wait_line(proc: ManagedProcess, deadline: float, *words: str) -> str | None
 def run_attack(
     attack: str, out: Path, *, hold: float, scale: float, rate: float = 20.0,
     heartbeat_ms: int = DEFAULT_HEARTBEAT_MS, say: Callable[[str], None] = print,
+    own_sessions: bool = True,
 ) -> AttackResult:  # fmt: skip
-    """Run ``attack`` against a fresh pair under ``out``; the numbers and the verdict."""
+    """Run ``attack`` against a fresh pair under ``out``; the numbers and the verdict.
+
+    ``own_sessions``: each server, the attack and the watcher in a session of
+    its own, so that (with the kernel's autogroups) each has its own CPU share
+    as separate services or hosts would; else all share the drill's, and
+    what the attack burns is the servers' CPU."""
     heartbeat = heartbeat_ms / 1000.0
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     cgroup_limit = int(700e6) if attack == "memory-cgroup" else None
-    pair = _Pair(out, heartbeat_ms, [], cgroup_limit)
+    pair = _Pair(out, heartbeat_ms, [], cgroup_limit, own_sessions)
     result = AttackResult(attack)
     try:
         procs = pair.start()
@@ -329,7 +337,8 @@ def run_attack(
         )
         hugz.start()
         watcher = WatcherProcess(pair.group, {
-            n: f"tcp://127.0.0.1:{a.port + PUBLISHER_OFFSET}" for n, a in pair.addr.items()})
+            n: f"tcp://127.0.0.1:{a.port + PUBLISHER_OFFSET}" for n, a in pair.addr.items()},
+            own_session=own_sessions)
         # The first sync also waits for the pair to elect; the second is the baseline.
         if _timed_sync(endpoints, 60) is not None:
             result.baseline_sync = _timed_sync(endpoints, 60)
@@ -494,7 +503,7 @@ def _start_attack(
     return pair.group.add(f"attack-{attack}", python_module_argv(
         "clone.tools.hostile.attacks", attack, "--port", str(a.port),
         "--http-port", str(pair.http["primary"]), "--scale", str(scale),
-    ))  # fmt: skip
+    ), own_session=pair.own_sessions)  # fmt: skip
 
 
 def longest_gap(times: list[float], start: float, end: float) -> tuple[float, float]:

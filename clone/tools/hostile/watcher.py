@@ -61,10 +61,12 @@ def parse_hugz_lines(text: str, prefix: str = _PREFIX) -> list[tuple[float, str]
 class WatcherProcess:
     """The watcher process of one attack: started in ``group``, read from its log."""
 
-    def __init__(self, group: ProcessGroup, publishers: dict[str, str]) -> None:
+    def __init__(self, group: ProcessGroup, publishers: dict[str, str], *,
+                 own_session: bool = False) -> None:  # fmt: skip
         args = [f"{name}={endpoint}" for name, endpoint in publishers.items()]
         self._proc: ManagedProcess = group.add(
-            "hugz-watcher", python_module_argv("clone.tools.hostile.watcher", *args))
+            "hugz-watcher", python_module_argv("clone.tools.hostile.watcher", *args),
+            own_session=own_session)
 
     def stop(self) -> None:
         self._proc.stop()
