@@ -71,6 +71,17 @@ def test_final_stats_reads_the_last_stats_line() -> None:
     assert final_stats("nothing\n") == {}
 
 
+def test_the_line_shows_both_watchers_the_hosts_lateness_and_a_storing_attacks_baselines() -> None:
+    r = _good()
+    r.hugz_gap_at, r.hugz_gap_in_harness = 4.5, 1.4
+    r.host_wake_late_in_gap, r.host_wake_late = 0.12, 0.3
+    line = format_line(r)
+    assert "hugz-gap 1.100 s (at 4.500, harness 1.400, host late 0.120 in it, 0.300 max)" in line
+    assert "sync 0.050->0.200 s" in line
+    r.empty_store_sync = 0.004  # a storing attack: the empty store's, then the data's
+    assert "sync 0.004/0.050->0.200 s" in format_line(r)
+
+
 def test_the_longest_gap_and_where_it_began() -> None:
     # HUGZ before the start count as at the start; the end closes the last gap.
     assert longest_gap([9.0, 10.2, 10.45, 11.3, 11.5], 10.0, 12.0) == pytest.approx((0.85, 10.45))

@@ -42,7 +42,8 @@ def format_line(r: AttackResult) -> str:
     return (f"{r.attack:24s} rss MB {rss:22s} hugz-gap {_s(r.longest_hugz_gap)} s "
             f"(at {_s(r.hugz_gap_at)}, harness {_s(r.hugz_gap_in_harness)}, host late"
             f" {r.host_wake_late_in_gap:.3f} in it, {r.host_wake_late:.3f} max)  "
-            f"sync {_s(r.baseline_sync)}->{_s(r.sync_under_attack)} s  "
+            + (f"sync {_s(r.empty_store_sync)}/" if r.empty_store_sync is not None else "sync ")
+            + f"{_s(r.baseline_sync)}->{_s(r.sync_under_attack)} s  "
             f"write p99 {_s(r.write_p99)} s ({r.writes_confirmed} ok, {r.write_errors} err)  "
             f"lost {r.confirmed_lost}  sigterm {_s(r.sigterm_seconds)} s  "
             f"disk MB {disk} (stored {stored})  {verdict}"

@@ -58,6 +58,9 @@ log = logging.getLogger(__name__)
 
 #: Attacks the harness runs itself instead of an attack process.
 HARNESS_ATTACKS = ("delete-lock", "memory-cgroup")
+#: Attacks that leave data in the store: their baseline sync is timed once
+#: the attack has stopped, of the data it left (before it, the store was empty).
+STORING_ATTACKS = ("disk", "memory-cgroup")
 RSS_ALLOWANCE = 200 * 1024 * 1024
 SYNC_FLOOR = 0.25
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -85,6 +88,9 @@ class AttackResult:
     host_wake_late_in_gap: float = 0.0
     failover: bool = False
     baseline_sync: float | None = None
+    #: A storing attack's sync of the empty store before it (its baseline is
+    #: then the sync of the data it left, once it stopped).
+    empty_store_sync: float | None = None
     sync_under_attack: float | None = None
     writes_confirmed: int = 0
     write_errors: int = 0
@@ -387,6 +393,12 @@ def run_attack(
         writer.stop()
         sampling.set()
         sampler.join(5)
+        if attack in STORING_ATTACKS:
+            # The same data without the attack: what the sync under it is judged against
+            # (none: the empty store's stays, the stricter one).
+            after = _timed_sync(endpoints, 60)
+            if after is not None:
+                result.empty_store_sync, result.baseline_sync = result.baseline_sync, after
         result.rss_peak = {n: max(s, default=0) for n, s in samples.items()}
         result.exited = {n: p.returncode for n, p in procs.items()}
         seen = watcher.hugz_after("primary", started - 1, ended) + watcher.hugz_after(
