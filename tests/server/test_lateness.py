@@ -14,6 +14,7 @@ from clone.server.config import ServerConfig
 from clone.server.lateness import (
     IntervalSplit,
     LoopSample,
+    parse_major_faults,
     parse_schedstat,
     read_loop_sample,
     split_interval,
@@ -38,11 +39,28 @@ def test_schedstat_lines_parse_or_are_refused(text: str, want: tuple[float, floa
     assert parse_schedstat(text) == want
 
 
+def test_major_faults_are_read_past_a_command_with_spaces_and_parentheses() -> None:
+    line = "4242 (clone (server) x) S 1 2 3 0 -1 4194560 1234 0 17 0 5 6 0 0 20 0 4 0\n"
+    assert parse_major_faults(line) == 17
+    assert parse_major_faults("no parenthesis here") is None
+    assert parse_major_faults("1 (x) S 1 2") is None
+    assert parse_major_faults("1 (x) S 1 2 3 0 -1 4 5 6 many 0") is None
+
+
+def test_a_stall_spent_reading_pages_back_says_so() -> None:
+    before = LoopSample(wall=0.0, ran=0.0, waited=0.0, process=0.0, major_faults=3)
+    after = LoopSample(wall=0.79, ran=0.009, waited=0.03, process=0.057, major_faults=41)
+    split = split_interval(before, after)
+    assert (split.off_cpu_ms, split.major_faults) == (751, 38)
+    assert split.describe().endswith("the loop thread's major page faults: 38")
+
+
 def test_a_stall_spent_running_is_the_loops() -> None:
     before = LoopSample(wall=10.0, ran=1.0, waited=0.5, process=2.0)
     after = LoopSample(wall=10.9, ran=1.8, waited=0.55, process=2.9)
     split = split_interval(before, after)
-    assert split == IntervalSplit(wall_ms=900, ran_ms=800, waited_ms=50, process_ms=900)
+    assert split == IntervalSplit(wall_ms=900, ran_ms=800, waited_ms=50, process_ms=900,
+                                  major_faults=0)
     assert split.off_cpu_ms == 50
     assert "ran 800 ms, waited 50 ms for a CPU and was off CPU 50 ms" in split.describe()
 
@@ -108,7 +126,7 @@ def test_a_late_heartbeat_says_where_the_wait_went(
     (line,) = [r.getMessage() for r in caplog.records]
     assert line.startswith("heartbeat ran 650 ms late: the reactor was blocked (")
     assert "of the last 900 ms the loop thread ran 100 ms, waited 700 ms for a CPU" in line
-    assert "all the process's threads ran 500 ms" in line
+    assert "all the process's threads ran 500 ms; the loop thread's major page faults: 0" in line
 
 
 def test_without_the_kernels_counters_the_warning_is_the_plain_one(
