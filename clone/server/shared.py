@@ -68,6 +68,8 @@ IO_COUNTERS: tuple[str, ...] = (
     "hugz_sent",
     "heartbeat_max_late_ms",
     "heartbeat_max_blocked_ms",
+    "heartbeat_max_late_ran_ms",
+    "heartbeat_max_late_waited_ms",
     "outq_dropped",
     "sync_timeouts",
     "internal_errors",

@@ -8,7 +8,9 @@ it (``heartbeat_max_late_ms``, a warning past a whole heartbeat), and how much
 of that the loop's thread spent waiting for a CPU (Linux's schedstat
 ``run_delay``, :func:`cpu_wait`): on a host with more runnable processes than
 cores a heartbeat is late however short the loop's steps are, so the lateness
-less that wait (``heartbeat_max_blocked_ms``) is the loop's own: while
+less that wait (``heartbeat_max_blocked_ms``) is the loop's own.  The warning
+also splits the time since the previous heartbeat into what the loop thread
+ran, waited for a CPU and spent off CPU (:mod:`.lateness`): while
 active it publishes the turn's pending commit and then HUGZ (each restricted
 view's too); a relay publishes its link's HUGZ.  Housekeeping, every 100 ms
 (at once again while more keys are due than one batch), expires keys and
@@ -32,6 +34,7 @@ from clone.server.core import Role, ServerCore
 from clone.server.durability import Durability
 from clone.server.following import Follower
 from clone.server.healing import Healer
+from clone.server.lateness import LoopSample, read_loop_sample, split_interval
 from clone.server.publisherport import PublisherPort
 from clone.server.publishing import Publisher
 from clone.server.relaying import RelayLink
@@ -113,6 +116,7 @@ class Timers:
         self._stats_timer: object | None = None
         self._next_hugz = 0.0
         self._armed_wait: float | None = None  # cpu_wait() when the heartbeat was armed
+        self._loop_sample: LoopSample | None = None  # at the end of the last heartbeat
 
     @property
     def _stopping(self) -> bool:
@@ -126,6 +130,7 @@ class Timers:
         self._next_hugz = self._clock() + cfg.heartbeat
         self._armed_wait = cpu_wait()
         self._hugz_timer = loop.call_later(cfg.heartbeat, self._on_heartbeat)
+        self._loop_sample = read_loop_sample(self._clock())
         self._house_timer = loop.call_later(HOUSEKEEPING, self._on_housekeeping)
         if cfg.stats_interval > 0:
             self._stats_timer = loop.call_later(cfg.stats_interval, self._on_stats_timer)
@@ -177,6 +182,7 @@ class Timers:
             self._next_hugz = now + self.config.heartbeat
         self._armed_wait = cpu_wait()
         self._hugz_timer = loop.call_later(self._next_hugz - now, self._on_heartbeat)
+        self._loop_sample = read_loop_sample(self._clock())
 
     def _note_lateness(self, late_ms: int) -> None:
         """Count a heartbeat's lateness and, less the loop's wait for a CPU
@@ -194,12 +200,24 @@ class Timers:
         interval_ms = 1000 * self.config.heartbeat
         blocked = blocked_ms > interval_ms
         if blocked or (worst and late_ms > interval_ms):
-            log.warning(
-                "heartbeat ran %d ms late, %d ms of it waiting for a CPU: %s",
-                late_ms,
-                waited_ms,
-                "the reactor was blocked" if blocked else "the host kept the server from running",
-            )
+            why = "the reactor was blocked" if blocked else "the host kept the server from running"
+            self._warn_late(late_ms, waited_ms, why, worst=worst)
+
+    def _warn_late(self, late_ms: int, waited_ms: int, why: str, *, worst: bool) -> None:
+        """Log a late heartbeat, with what the loop thread did since the
+        previous one: a stall it spent running is ours, one it spent waiting
+        for a CPU is the machine's (clone.server.lateness); the worst's split
+        is kept in ``heartbeat_max_late_ran_ms`` / ``_waited_ms``."""
+        before, now = self._loop_sample, read_loop_sample(self._clock())
+        detail = ""
+        if before is not None and now is not None:
+            split = split_interval(before, now)
+            if worst:
+                self.counters["heartbeat_max_late_ran_ms"] = split.ran_ms
+                self.counters["heartbeat_max_late_waited_ms"] = split.waited_ms
+            detail = f" ({split.describe()})"
+        log.warning("heartbeat ran %d ms late, %d ms of it waiting for a CPU: %s%s",
+                    late_ms, waited_ms, why, detail)
 
     def _publish_hugz(self, hugz: list[bytes], *, stale: bool) -> None:
         """Our HUGZ, then each restricted view's (a relay's say ``stale`` too)."""

@@ -207,7 +207,11 @@ class ManagedProcess:
 
     ``cwd`` is the child's working directory (default: ours).  ``die_with_parent``
     sets ``PR_SET_PDEATHSIG`` on Linux; turn it off for a child started from a
-    thread that may exit before the child should.
+    thread that may exit before the child should.  ``own_session`` starts it in
+    a session of its own: with the kernel's autogroups (``sched_autogroup``)
+    that is a CPU share of its own too, as a service or another host has,
+    instead of a part of the drill's (whose attack processes would otherwise
+    spend the servers' CPU).
     """
 
     name: str
@@ -219,6 +223,7 @@ class ManagedProcess:
     frozen: bool = False
     cwd: Path | None = None
     die_with_parent: bool = True
+    own_session: bool = False
 
     @property
     def pid(self) -> int:
@@ -258,6 +263,7 @@ class ManagedProcess:
                 env=env,
                 cwd=self.cwd,
                 preexec_fn=preexec,
+                start_new_session=self.own_session,
             )
         self.frozen = False
         log.debug("started %s pid %d: %s", self.name, self.popen.pid, self.argv)
@@ -380,11 +386,13 @@ class ProcessGroup:
         self.procs: dict[str, ManagedProcess] = {}
 
     def add(
-        self, name: str, argv: list[str], *, env: dict[str, str] | None = None, start: bool = True
+        self, name: str, argv: list[str], *, env: dict[str, str] | None = None,
+        start: bool = True, own_session: bool = False,
     ) -> ManagedProcess:
         if name in self.procs:
             raise ValueError(f"a process named {name!r} already exists")
-        proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env)
+        proc = ManagedProcess(name, argv, self.log_dir / f"{name}.log", env,
+                              own_session=own_session)
         self.procs[name] = proc
         if start:
             proc.start()

@@ -9,7 +9,8 @@ import pytest
 
 from clone.tools.drill.cli import main as drill_main
 from clone.tools.hostile.cli import format_line
-from clone.tools.hostile.harness import AttackResult, final_stats, judge, run_attack
+from clone.tools.hostile.harness import AttackResult, final_stats, judge, longest_gap, run_attack
+from clone.tools.hostile.watcher import parse_hugz_lines
 
 HEARTBEAT = 1.0
 
@@ -70,6 +71,35 @@ def test_final_stats_reads_the_last_stats_line() -> None:
     assert final_stats("nothing\n") == {}
 
 
+def test_the_line_shows_both_watchers_the_hosts_lateness_and_a_storing_attacks_baselines() -> None:
+    r = _good()
+    r.hugz_gap_at, r.hugz_gap_in_harness = 4.5, 1.4
+    r.host_wake_late_in_gap, r.host_wake_late = 0.12, 0.3
+    line = format_line(r)
+    assert "hugz-gap 1.100 s (at 4.500, harness 1.400, host late 0.120 in it, 0.300 max)" in line
+    assert "sync 0.050->0.200 s" in line
+    r.empty_store_sync = 0.004  # a storing attack: the empty store's, then the data's
+    assert "sync 0.004/0.050->0.200 s" in format_line(r)
+
+
+def test_the_longest_gap_and_where_it_began() -> None:
+    # HUGZ before the start count as at the start; the end closes the last gap.
+    assert longest_gap([9.0, 10.2, 10.45, 11.3, 11.5], 10.0, 12.0) == pytest.approx((0.85, 10.45))
+    assert longest_gap([10.1, 10.3], 10.0, 11.0) == pytest.approx((0.7, 10.3))
+    assert longest_gap([], 10.0, 11.5) == pytest.approx((1.5, 10.0))  # none: all of it
+
+
+def test_the_watchers_lines_are_read_back() -> None:
+    text = ("=== 15:00:00 start #1: python -m clone.tools.hostile.watcher primary=tcp://x\n"
+            "HUGZ 1700000000.250000 primary\n"
+            "HUGZ 1700000000.500000 backup\n"
+            "WAKE 1700000000.600000 350\n"
+            "HUGZ nonsense primary\n"
+            "HUGZ 1700000000.75")  # a torn last line
+    assert parse_hugz_lines(text) == [(1700000000.25, "primary"), (1700000000.5, "backup")]
+    assert parse_hugz_lines(text, "WAKE ") == [(1700000000.6, "350")]
+
+
 def test_unknown_attack_is_refused() -> None:
     assert drill_main(["--scenario", "hostile", "--attacks", "nope"]) == 2
 
@@ -85,3 +115,6 @@ def test_two_cheap_attacks_against_a_real_pair(tmp_path: Path) -> None:
     assert idle.rss_peak["primary"] > 0 and idle.baseline_sync is not None
     assert idle.sync_under_attack is not None
     assert idle.failures == [], format_line(idle)
+    # Both watchers heard the primary throughout: the process's gaps are real ones.
+    assert 0 < idle.longest_hugz_gap <= 0.5 and 0 < idle.hugz_gap_in_harness
+    assert idle.hugz_gap_at is not None and idle.hugz_gap_at >= 0

@@ -39,8 +39,11 @@ def format_line(r: AttackResult) -> str:
     disk = "/".join(f"{r.data_dir_bytes.get(n, 0) / 2**20:.1f}" for n in ("primary", "backup"))
     stored = "/".join(f"{r.store_bytes.get(n, 0) / 2**20:.1f}" for n in ("primary", "backup"))
     verdict = "PASS" if not r.failures else "FAIL: " + "; ".join(r.failures)
-    return (f"{r.attack:24s} rss MB {rss:22s} hugz-gap {_s(r.longest_hugz_gap)} s  "
-            f"sync {_s(r.baseline_sync)}->{_s(r.sync_under_attack)} s  "
+    return (f"{r.attack:24s} rss MB {rss:22s} hugz-gap {_s(r.longest_hugz_gap)} s "
+            f"(at {_s(r.hugz_gap_at)}, harness {_s(r.hugz_gap_in_harness)}, host late"
+            f" {r.host_wake_late_in_gap:.3f} in it, {r.host_wake_late:.3f} max)  "
+            + (f"sync {_s(r.empty_store_sync)}/" if r.empty_store_sync is not None else "sync ")
+            + f"{_s(r.baseline_sync)}->{_s(r.sync_under_attack)} s  "
             f"write p99 {_s(r.write_p99)} s ({r.writes_confirmed} ok, {r.write_errors} err)  "
             f"lost {r.confirmed_lost}  sigterm {_s(r.sigterm_seconds)} s  "
             f"disk MB {disk} (stored {stored})  {verdict}"
@@ -59,6 +62,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="shrink the attacks' volumes (0 < F <= 1; default 1: the issue's)")
     p.add_argument("--rate", type=float, default=20.0, help="healthy confirmed writes/s")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--shared-session", action="store_true",
+                   help="run the servers, the attack and the watcher in the drill's own session"
+                   " (with the kernel's autogroups, one CPU share for all of them) instead of"
+                   " one session each")
     p.add_argument("-v", "--verbose", action="store_true")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
@@ -72,7 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results = []
     for attack in attacks:
         r = run_attack(attack, out / attack, hold=args.hold, scale=args.scale, rate=args.rate,
-                       say=lambda line: print(line, flush=True))
+                       say=lambda line: print(line, flush=True),
+                       own_sessions=not args.shared_session)
         print(format_line(r), flush=True)
         results.append(r)
     (out / "results.json").write_text(json.dumps([r.as_dict() for r in results], indent=1))

@@ -1,13 +1,16 @@
 """One attack against a fresh server pair, measured from the outside.
 
 For each attack the harness starts a primary and a backup (data directories,
-``--http-port``), a HUGZ watcher (:class:`~clone.tools.drill.watch.HugzMonitor`)
-and a healthy client doing confirmed writes; it times a healthy sync before the
-attack (the baseline), starts the attack process
-(:mod:`clone.tools.hostile.attacks`), waits until it says ``ready``, holds it
-for ``hold`` seconds while sampling both servers' RSS and timing a second
-healthy sync, stops it, checks every confirmed write with a fresh client, and
-finally sends the active server SIGTERM and times its exit.
+``--http-port``), a HUGZ watcher in a process of its own
+(:mod:`clone.tools.hostile.watcher`: the gaps judged) and one in a thread of
+the harness (:class:`~clone.tools.drill.watch.HugzMonitor`: shown beside them,
+it also counts the harness's own pauses), and a healthy client doing
+confirmed writes; it times a healthy sync before the attack (the baseline),
+starts the attack process (:mod:`clone.tools.hostile.attacks`), waits until
+it says ``ready``, holds it for ``hold`` seconds while sampling both servers'
+RSS and timing a second healthy sync, stops it, checks every confirmed
+write with a fresh client, and finally sends the active server SIGTERM and
+times its exit.
 
 :func:`judge` holds the issue's "done when" as a pure function of the numbers:
 RSS peak at most 200 MB over its value before the attack (the store's own budget
@@ -20,6 +23,7 @@ below which a busy 2-core machine's noise dominates).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import os
@@ -36,6 +40,7 @@ from clone import Clone
 from clone.storage.files import dir_bytes
 from clone.storage.lock import LOCK_FILE
 from clone.tools.drill.watch import HugzMonitor
+from clone.tools.hostile.watcher import WatcherProcess
 from clone.tools.procs import (
     ManagedProcess,
     ProcessGroup,
@@ -47,12 +52,15 @@ from clone.tools.procs import (
 )
 from clone.wire.protocol import DEFAULT_HEARTBEAT_MS, PUBLISHER_OFFSET
 
-__all__ = ["HARNESS_ATTACKS", "AttackResult", "final_stats", "judge", "run_attack"]
+__all__ = ["HARNESS_ATTACKS", "AttackResult", "final_stats", "judge", "longest_gap", "run_attack"]
 
 log = logging.getLogger(__name__)
 
 #: Attacks the harness runs itself instead of an attack process.
 HARNESS_ATTACKS = ("delete-lock", "memory-cgroup")
+#: Attacks that leave data in the store: their baseline sync is timed once
+#: the attack has stopped, of the data it left (before it, the store was empty).
+STORING_ATTACKS = ("disk", "memory-cgroup")
 RSS_ALLOWANCE = 200 * 1024 * 1024
 SYNC_FLOOR = 0.25
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -66,9 +74,23 @@ class AttackResult:
     attack: str
     rss_before: dict[str, int] = field(default_factory=dict)
     rss_peak: dict[str, int] = field(default_factory=dict)
+    #: The longest gap between HUGZ (from either server) the watcher process
+    #: saw, and when it began (seconds after the attack started) ...
     longest_hugz_gap: float = 0.0
+    hugz_gap_at: float | None = None
+    #: ... and the one a thread of the harness saw (the harness's own pauses
+    #: too: a healthy client's sync holds its interpreter lock).
+    hugz_gap_in_harness: float = 0.0
+    #: The watcher process's latest wake during the attack (seconds past its
+    #: timeout): how long the host left a process that asked for no more
+    #: than a few ms of CPU without any; and whether it was during the gap.
+    host_wake_late: float = 0.0
+    host_wake_late_in_gap: float = 0.0
     failover: bool = False
     baseline_sync: float | None = None
+    #: A storing attack's sync of the empty store before it (its baseline is
+    #: then the sync of the data it left, once it stopped).
+    empty_store_sync: float | None = None
     sync_under_attack: float | None = None
     writes_confirmed: int = 0
     write_errors: int = 0
@@ -234,8 +256,9 @@ def _cgroup(name: str, limit: int) -> tuple[Path | None, str]:
 
 class _Pair:
     def __init__(self, out: Path, heartbeat_ms: int, extra: list[str],
-                 cgroup_limit: int | None) -> None:  # fmt: skip
+                 cgroup_limit: int | None, own_sessions: bool) -> None:  # fmt: skip
         self.out = out
+        self.own_sessions = own_sessions
         self.group = ProcessGroup(out / "logs")
         self.addr = {
             "primary": ServerAddress("primary", free_base_port(3), free_port()),
@@ -266,7 +289,8 @@ class _Pair:
         return argv
 
     def start(self) -> dict[str, ManagedProcess]:
-        return {name: self.group.add(name, self.argv(name)) for name in self.addr}
+        return {name: self.group.add(name, self.argv(name), own_session=self.own_sessions)
+                for name in self.addr}  # fmt: skip
 
     def endpoints(self) -> list[str]:
         return [self.addr[n].endpoint for n in ("primary", "backup")]
@@ -295,14 +319,20 @@ def _wait_line(proc: ManagedProcess, deadline: float, *words: str) -> str | None
 def run_attack(
     attack: str, out: Path, *, hold: float, scale: float, rate: float = 20.0,
     heartbeat_ms: int = DEFAULT_HEARTBEAT_MS, say: Callable[[str], None] = print,
+    own_sessions: bool = True,
 ) -> AttackResult:  # fmt: skip
-    """Run ``attack`` against a fresh pair under ``out``; the numbers and the verdict."""
+    """Run ``attack`` against a fresh pair under ``out``; the numbers and the verdict.
+
+    ``own_sessions``: each server, the attack and the watcher in a session of
+    its own, so that (with the kernel's autogroups) each has its own CPU share
+    as separate services or hosts would; else all share the drill's, and
+    what the attack burns is the servers' CPU."""
     heartbeat = heartbeat_ms / 1000.0
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
     cgroup_limit = int(700e6) if attack == "memory-cgroup" else None
-    pair = _Pair(out, heartbeat_ms, [], cgroup_limit)
+    pair = _Pair(out, heartbeat_ms, [], cgroup_limit, own_sessions)
     result = AttackResult(attack)
     try:
         procs = pair.start()
@@ -312,6 +342,9 @@ def run_attack(
             heartbeat,
         )
         hugz.start()
+        watcher = WatcherProcess(pair.group, {
+            n: f"tcp://127.0.0.1:{a.port + PUBLISHER_OFFSET}" for n, a in pair.addr.items()},
+            own_session=own_sessions)
         # The first sync also waits for the pair to elect; the second is the baseline.
         if _timed_sync(endpoints, 60) is not None:
             result.baseline_sync = _timed_sync(endpoints, 60)
@@ -360,11 +393,30 @@ def run_attack(
         writer.stop()
         sampling.set()
         sampler.join(5)
+        if attack in STORING_ATTACKS:
+            # The same data without the attack: what the sync under it is judged against
+            # (none: the empty store's stays, the stricter one).
+            after = _timed_sync(endpoints, 60)
+            if after is not None:
+                result.empty_store_sync, result.baseline_sync = result.baseline_sync, after
         result.rss_peak = {n: max(s, default=0) for n, s in samples.items()}
         result.exited = {n: p.returncode for n, p in procs.items()}
-        result.longest_hugz_gap = _longest_gap(hugz, started, ended)
-        result.failover = bool(hugz.hugz_after("backup", started, ended + 1))
+        seen = watcher.hugz_after("primary", started - 1, ended) + watcher.hugz_after(
+            "backup", started - 1, ended)
+        result.longest_hugz_gap, at = longest_gap(seen, started, ended)
+        result.hugz_gap_at = round(at - started, 3)
+        in_harness = hugz.hugz_after("primary", started - 1, ended) + hugz.hugz_after(
+            "backup", started - 1, ended)
+        result.hugz_gap_in_harness = longest_gap(in_harness, started, ended)[0]
+        wakes = watcher.late_wakes(started, ended)
+        result.host_wake_late = max((late for _, late in wakes), default=0.0)
+        gap_end = at + result.longest_hugz_gap
+        result.host_wake_late_in_gap = max(
+            (late for ts, late in wakes if at < ts and ts - late < gap_end), default=0.0)
+        result.failover = bool(hugz.hugz_after("backup", started, ended + 1)
+                               or watcher.hugz_after("backup", started, ended + 1))
         hugz.stop()
+        watcher.stop()
         result.writes_confirmed = len(writer.confirmed)
         result.write_errors = writer.errors
         result.write_p99 = _p99(writer.latencies)
@@ -463,16 +515,17 @@ def _start_attack(
     return pair.group.add(f"attack-{attack}", python_module_argv(
         "clone.tools.hostile.attacks", attack, "--port", str(a.port),
         "--http-port", str(pair.http["primary"]), "--scale", str(scale),
-    ))  # fmt: skip
+    ), own_session=pair.own_sessions)  # fmt: skip
 
 
-def _longest_gap(hugz: HugzMonitor, start: float, end: float) -> float:
-    times = sorted(hugz.hugz_after("primary", start - 1, end) + hugz.hugz_after("backup",
-                   start - 1, end))  # fmt: skip
-    if not times:
-        return end - start
-    gaps = [b - a for a, b in zip([start, *times], [*times, end], strict=True)]
-    return max(gaps)
+def longest_gap(times: list[float], start: float, end: float) -> tuple[float, float]:
+    """The longest silence from ``start`` to ``end`` between the HUGZ arrival
+    ``times`` (any order; those before ``start`` count as at ``start``), and
+    when it began."""
+    inside = sorted(t for t in times if start < t < end)
+    edges = [start, *inside, end]
+    gap, at = max((b - a, a) for a, b in itertools.pairwise(edges))
+    return gap, at
 
 
 def _lost(endpoints: list[str], confirmed: dict[str, bytes]) -> int:

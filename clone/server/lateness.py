@@ -1,0 +1,135 @@
+"""Why the loop ran a timer late: our own work, or no CPU to run on.
+
+How this works: a late heartbeat says the loop thread did not get back to its
+timers in time, but not why.  Linux keeps, per thread, the time it ran on a
+CPU and the time it waited, runnable, for one (``/proc/thread-self/schedstat``:
+run and run-queue delay, in ns).  The heartbeat reads both every time it runs
+(on the loop thread) and, for a late one, splits the wall time since the
+previous heartbeat into: *ran* (the loop's own work, ours or libzmq's in its
+calls), *waited for a CPU* (the machine was busy: the scheduler, not our code)
+and the rest, *off CPU* (idle in ``epoll``, or blocked: the interpreter lock
+held by another thread, a page fault on disk); beside them, the CPU time of
+all the process's threads (another of ours busy meanwhile) and the loop
+thread's major page faults (``/proc/thread-self/stat``: off CPU reading a page
+of code or data back from disk, as a process near its memory cgroup's limit
+does).  A stall mostly *ran* is ours
+to slice; one mostly *waited* is the machine's.
+
+:func:`parse_schedstat` and :func:`split_interval` are pure; :func:`read_loop_sample`
+is the one read of the kernel (None where there is no such file: the split
+is then left out).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+__all__ = [
+    "IntervalSplit",
+    "LoopSample",
+    "parse_major_faults",
+    "parse_schedstat",
+    "read_loop_sample",
+    "split_interval",
+]
+
+_SCHEDSTAT = "/proc/thread-self/schedstat"
+_STAT = "/proc/thread-self/stat"
+#: majflt's place among the fields after the command's closing parenthesis
+#: (proc(5): field 12; the state, field 3, comes first).
+_MAJFLT_AFTER_COMM = 12 - 3
+
+
+@dataclass(frozen=True, slots=True)
+class LoopSample:
+    """The calling thread's counters at one instant, in seconds."""
+
+    wall: float  # the server's monotonic clock
+    ran: float  # on a CPU
+    waited: float  # runnable, waiting for a CPU
+    process: float  # CPU time of all the process's threads
+    major_faults: int = 0  # the thread's page faults that read from disk
+
+
+@dataclass(frozen=True, slots=True)
+class IntervalSplit:
+    """Where the wall time between two samples went, in milliseconds."""
+
+    wall_ms: int
+    ran_ms: int
+    waited_ms: int
+    process_ms: int  # every thread's CPU: far above ran_ms, another thread was busy
+    major_faults: int = 0
+
+    @property
+    def off_cpu_ms(self) -> int:
+        """Neither running nor runnable: idle, or blocked in a call."""
+        return max(0, self.wall_ms - self.ran_ms - self.waited_ms)
+
+    def describe(self) -> str:
+        """The clause a late heartbeat's warning ends with."""
+        return (
+            f"of the last {self.wall_ms} ms the loop thread ran {self.ran_ms} ms, "
+            f"waited {self.waited_ms} ms for a CPU and was off CPU {self.off_cpu_ms} ms; "
+            f"all the process's threads ran {self.process_ms} ms; "
+            f"the loop thread's major page faults: {self.major_faults}"
+        )
+
+
+def parse_schedstat(text: str) -> tuple[float, float] | None:
+    """(ran, waited) in seconds from a schedstat line ``run_ns wait_ns slices``;
+    None if it is not one."""
+    parts = text.split()
+    if len(parts) < 2:
+        return None
+    try:
+        ran_ns, wait_ns = int(parts[0]), int(parts[1])
+    except ValueError:
+        return None
+    if ran_ns < 0 or wait_ns < 0:
+        return None
+    return ran_ns / 1e9, wait_ns / 1e9
+
+
+def parse_major_faults(text: str) -> int | None:
+    """The major page faults in a ``/proc/.../stat`` line; None if it is not one."""
+    _, paren, rest = text.rpartition(")")
+    fields = rest.split()
+    if not paren or len(fields) <= _MAJFLT_AFTER_COMM:
+        return None
+    try:
+        return int(fields[_MAJFLT_AFTER_COMM])
+    except ValueError:
+        return None
+
+
+def split_interval(before: LoopSample, after: LoopSample) -> IntervalSplit:
+    """The split of the time from ``before`` to ``after`` (same thread)."""
+    return IntervalSplit(
+        wall_ms=max(0, round((after.wall - before.wall) * 1000)),
+        ran_ms=max(0, round((after.ran - before.ran) * 1000)),
+        waited_ms=max(0, round((after.waited - before.waited) * 1000)),
+        process_ms=max(0, round((after.process - before.process) * 1000)),
+        major_faults=max(0, after.major_faults - before.major_faults),
+    )
+
+
+def read_loop_sample(now: float) -> LoopSample | None:
+    """The calling thread's counters and the process's CPU time now (``now``:
+    the server's clock); None where the kernel does not keep them."""
+    try:
+        with open(_SCHEDSTAT, encoding="ascii") as f:
+            text = f.read()
+    except OSError:
+        return None
+    parsed = parse_schedstat(text)
+    if parsed is None:
+        return None
+    try:
+        with open(_STAT, encoding="ascii", errors="replace") as f:
+            faults = parse_major_faults(f.read()) or 0
+    except OSError:
+        faults = 0
+    return LoopSample(wall=now, ran=parsed[0], waited=parsed[1], process=time.process_time(),
+                      major_faults=faults)
