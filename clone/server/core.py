@@ -374,12 +374,15 @@ class ServerCore:
         self.holding = False
         self.calls.apply_parked(self.pending.drain(), now)
 
-    def become_passive(self) -> None:
-        """Demotion or first decision: the caller must now start a sync."""
+    def become_passive(self, *, wrote_last: bool = False) -> None:
+        """Demotion or first decision: the caller must now start a sync.
+        ``wrote_last``: our data was last written as the active."""
         self.holding = False
         if self.role is Role.ACTIVE:
             self.counters["demotions"] += 1
-            # What we wrote as active: the winner of a split brain may lack some.
+        # What we wrote as active: the winner of a split brain may lack some,
+        # and so may a peer that served alone after our last term.
+        if self.role is Role.ACTIVE or (wrote_last and self.role is Role.STARTING and self.term):
             self.split.demoted(self.term)
         self.promoted_at = None
         self.role = Role.PASSIVE

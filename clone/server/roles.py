@@ -167,7 +167,8 @@ class RoleSwitch:
             # active, as it would have been when that commit landed.
             for frames in self.durability.commit():
                 self.publisher.publish(frames)
-        core.become_passive()
+        durable = self.durability.storage is not None
+        core.become_passive(wrote_last=durable and not self.durability.data_following)
         if was is not Role.PASSIVE:
             self.monitor.note_role(was.value, core.role.value)
         if was is Role.ACTIVE:

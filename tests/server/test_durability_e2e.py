@@ -347,6 +347,58 @@ def test_a_lone_server_that_stopped_as_the_passive_waits_for_its_peer(
     _assert_kept(w, backup)
 
 
+def test_a_server_that_stopped_as_the_active_forwards_what_a_lone_peer_lacks(
+    servers: Servers,
+) -> None:
+    """A chaos run (restart storm, full disk): the active backup died, the
+    primary took over and confirmed writes, then died and could not start; the
+    backup, started alone from data it wrote as the active, served after
+    --peer-wait; the primary came back, found it active, went passive and took
+    its older state: 15 confirmed writes were gone.  A server restarted from
+    data it wrote as the active and made passive is a split brain's loser in
+    all but name: it sends the active the writes it confirmed that the active
+    lacks, and they are applied (or listed as conflicts)."""
+    primary, backup = servers.pair()
+    with synced_client(primary, backup, heartbeat=HB) as c, _Writer(c) as w:
+        w.flow(50)
+        # The backup active, the primary its follower.
+        offset = backup.log_size()
+        primary.kill9()
+        _take_over(backup, offset)
+        offset = primary.log_size()
+        primary.start()
+        primary.wait_log("now PASSIVE", 15, after=offset)
+        primary.wait_log("synced from", 15, after=offset)
+        w.flow(50)
+        # The active dies; the primary takes over and confirms writes that
+        # only it holds; then it dies too.
+        offset = primary.log_size()
+        backup.kill9()
+        _take_over(primary, offset)
+        w.flow(100)
+        w.stop()
+        primary.kill9()
+    assert w.max_sequence > 0
+
+    # The backup alone, from data it wrote as the active: it serves after
+    # its start wait (a client's vote), its older state.
+    set_arg(backup, "--peer-wait", "0.5")
+    offset = backup.log_size()
+    backup.start()
+    _take_over(backup, offset)
+
+    offset = primary.log_size()
+    primary.start()
+    primary.wait_log("now PASSIVE", 30, after=offset)
+    primary.wait_log("sending the active", 30, after=offset)
+    _assert_one_active(backup, primary)
+    eventually(lambda: int(str(read_stats(primary)["split_writes_queued"])) == 0, 60,
+               "the primary's writes forwarded")  # fmt: skip
+    # Nothing wrote those keys on the backup since: every one is applied.
+    assert int(str(read_stats(backup)["split_writes_conflicts"])) == 0
+    _assert_kept(w, backup)
+
+
 def _grow_offline(data: Path, count: int) -> None:
     """``count`` more keys under ``/big/`` in a stopped server's data directory,
     written as its own (so that a sync of its state takes seconds)."""
