@@ -38,6 +38,7 @@ from clone.server.config import ServerConfig
 from clone.server.conflicts import ConflictRecord
 from clone.server.core import Role, ServerCore
 from clone.server.gathering import Gate, GateAction, GateEvent
+from clone.server.heap import freeze_state
 from clone.server.journal import Op, OpKind, published
 from clone.server.shared import TURN_BUDGET, Shared
 from clone.storage import FsyncPolicy, Storage, restore_into
@@ -157,7 +158,7 @@ class Durability:
                 "in-memory mode: nothing is written to disk; the state is lost when both "
                 "servers stop"
             )
-            return
+            return freeze_state()  # the empty store's dict, as it grows (clone.server.heap)
         if cfg.restore is not None:
             moved = restore_into(cfg.data_dir, cfg.restore)
             log.warning(
@@ -202,6 +203,7 @@ class Durability:
             time.monotonic() - started,
             cfg.fsync,
         )
+        freeze_state()  # the loaded store, out of the collector's walks (clone.server.heap)
 
     def close(self) -> None:
         """Wait for the commit in flight (it is finished, not published:

@@ -37,6 +37,7 @@ from clone.ratelimit import Throttle
 from clone.server.budget import COLLECTOR_TURN_BYTES
 from clone.server.config import ServerConfig
 from clone.server.core import FollowOutcome, Role, ServerCore, SyncState
+from clone.server.heap import freeze_state
 from clone.server.sending import send
 from clone.server.shared import CLOCK_EVERY, TURN_BUDGET, Shared, Sockets, peer_endpoint
 from clone.wire.batch import is_kvbatch
@@ -354,6 +355,7 @@ class Follower:
                 )
                 if core.role is Role.PASSIVE:
                     self._synced()
+                freeze_state()  # the new store, out of the collector's walks (clone.server.heap)
                 self._next_turn(lambda: self._close_dealer_if(dealer))
                 return
             if outcome is FollowOutcome.RESYNC:
