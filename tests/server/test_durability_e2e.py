@@ -192,6 +192,22 @@ def _take_over(survivor: ServerProcess, offset: int) -> None:
     survivor.wait_log("now ACTIVE", 15, after=offset)
 
 
+def _backup_active_primary_following(
+    primary: ServerProcess, backup: ServerProcess, w: _Writer
+) -> None:
+    """Writes flowing, make the backup the active one and the primary its
+    (synced) follower, and let more writes through."""
+    w.flow(50)
+    offset = backup.log_size()
+    primary.kill9()
+    _take_over(backup, offset)
+    offset = primary.log_size()
+    primary.start()
+    primary.wait_log("now PASSIVE", 15, after=offset)
+    primary.wait_log("synced from", 15, after=offset)
+    w.flow(50)
+
+
 def _check_through_failover(w: _Writer, active: ServerProcess, passive: ServerProcess) -> None:
     """The passive's copy too: kill the active, promote the passive, read it."""
     offset = passive.log_size()
@@ -305,16 +321,7 @@ def test_a_lone_server_that_stopped_as_the_passive_waits_for_its_peer(
     restarted from data written as a follower now waits for its peer."""
     primary, backup = servers.pair()
     with synced_client(primary, backup, heartbeat=HB) as c, _Writer(c) as w:
-        w.flow(50)
-        # Make the backup the active one and the primary its follower.
-        offset = backup.log_size()
-        primary.kill9()
-        _take_over(backup, offset)
-        offset = primary.log_size()
-        primary.start()
-        primary.wait_log("now PASSIVE", 15, after=offset)
-        primary.wait_log("synced from", 15, after=offset)
-        w.flow(50)
+        _backup_active_primary_following(primary, backup, w)
         # The follower dies; the active confirms writes it alone holds.
         primary.kill9()
         w.flow(100)
@@ -360,16 +367,7 @@ def test_a_server_that_stopped_as_the_active_forwards_what_a_lone_peer_lacks(
     lacks, and they are applied (or listed as conflicts)."""
     primary, backup = servers.pair()
     with synced_client(primary, backup, heartbeat=HB) as c, _Writer(c) as w:
-        w.flow(50)
-        # The backup active, the primary its follower.
-        offset = backup.log_size()
-        primary.kill9()
-        _take_over(backup, offset)
-        offset = primary.log_size()
-        primary.start()
-        primary.wait_log("now PASSIVE", 15, after=offset)
-        primary.wait_log("synced from", 15, after=offset)
-        w.flow(50)
+        _backup_active_primary_following(primary, backup, w)
         # The active dies; the primary takes over and confirms writes that
         # only it holds; then it dies too.
         offset = primary.log_size()
