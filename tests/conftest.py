@@ -20,6 +20,11 @@ from tests.support import bytecode
 # none (tests/support/bytecode.py; the suite's time on a loaded machine).
 bytecode.enable()
 
+# Each xdist worker draws free ports from a range of its own (tests/support/ports.py).
+from tests.support.ports import claim_worker_port_range  # noqa: E402
+
+claim_worker_port_range()
+
 pytest_plugins = [
     "tests.support.servers",
     "tests.support.spark_session",

@@ -34,6 +34,7 @@ __all__ = [
     "free_base_port",
     "free_port",
     "port_is_free",
+    "port_range",
     "python_module_argv",
     "server_argv",
     "wait_listening",
@@ -55,6 +56,27 @@ def port_is_free(port: int) -> bool:
     return True
 
 
+#: Where free ports are drawn: below the usual ephemeral range (32768+).
+PORT_RANGE = (20000, 32000)
+
+
+def port_range() -> tuple[int, int]:
+    """``[low, high)`` to draw ports from: ``$CLONE_PORT_RANGE`` (``LOW-HIGH``)
+    if set, else :data:`PORT_RANGE`.  Processes that draw at the same time (a
+    parallel test suite's workers, and the servers and drills they start,
+    which inherit it) each get a range of their own, so that one cannot take
+    a port another found free before its server binds it."""
+    text = os.environ.get("CLONE_PORT_RANGE", "")
+    low_text, _, high_text = text.partition("-")
+    try:
+        low, high = int(low_text), int(high_text)
+    except ValueError:
+        return PORT_RANGE
+    if not 1024 <= low < high - 8 <= 65535:
+        return PORT_RANGE
+    return low, high
+
+
 def free_port() -> int:
     """A free TCP port on 127.0.0.1, never handed out twice by this process."""
     return free_base_port(1)
@@ -67,8 +89,9 @@ def free_base_port(span: int = 3, rng: random.Random | None = None) -> int:
     cannot take the run between this check and the server's bind.
     """
     rng = rng or random.Random()
+    low, high = port_range()
     for _ in range(2000):
-        base = rng.randrange(20000, 32000 - span)
+        base = rng.randrange(low, high - span)
         run = range(base, base + span)
         if any(p in _handed_out for p in run):
             continue
