@@ -16,6 +16,7 @@ import re
 import signal
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import zmq
@@ -23,11 +24,27 @@ import zmq
 from clone.tools.procs import ManagedProcess
 from clone.wire.protocol import DEFAULT_MISSED_HEARTBEATS, HUGZ, KTHXBAI
 
-__all__ = ["HugzMonitor", "raw_snapshot", "served_sequence", "server_stats"]
+__all__ = ["HugzMonitor", "raw_snapshot", "served_sequence", "server_stats", "subscribe_hugz"]
 
 #: A subtree that holds no key: asking for it returns just the KTHXBAI.
 _EMPTY_SUBTREE = "/drill-probe/nothing/"
 
+
+
+def subscribe_hugz(
+    ctx: zmq.Context[Any], poller: zmq.Poller, publishers: Iterable[tuple[str, str]]
+) -> dict[zmq.Socket[Any], str]:
+    """A SUB socket per ``(name, endpoint)`` publisher, subscribed to HUGZ
+    only and registered with ``poller``; the server name of each socket."""
+    names: dict[zmq.Socket[Any], str] = {}
+    for name, endpoint in publishers:
+        sub = ctx.socket(zmq.SUB)
+        sub.linger = 0
+        sub.setsockopt(zmq.SUBSCRIBE, HUGZ)
+        sub.connect(endpoint)
+        poller.register(sub, zmq.POLLIN)
+        names[sub] = name
+    return names
 
 
 class HugzMonitor:
@@ -51,15 +68,8 @@ class HugzMonitor:
     def _run(self) -> None:
         ctx: zmq.Context[Any] = zmq.Context()
         poller = zmq.Poller()
-        names: dict[zmq.Socket[Any], str] = {}
         try:
-            for name, endpoint in self.publishers.items():
-                sub = ctx.socket(zmq.SUB)
-                sub.linger = 0
-                sub.setsockopt(zmq.SUBSCRIBE, HUGZ)
-                sub.connect(endpoint)
-                poller.register(sub, zmq.POLLIN)
-                names[sub] = name
+            names = subscribe_hugz(ctx, poller, self.publishers.items())
             while not self._stop.is_set():
                 for sock, _ in poller.poll(50):
                     with contextlib.suppress(zmq.Again):

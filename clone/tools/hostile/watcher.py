@@ -27,6 +27,7 @@ from typing import Any
 
 import zmq
 
+from clone.tools.drill.watch import subscribe_hugz
 from clone.tools.procs import ManagedProcess, ProcessGroup, python_module_argv
 from clone.wire.protocol import HUGZ
 
@@ -95,15 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     ctx: zmq.Context[Any] = zmq.Context()
     poller = zmq.Poller()
-    names: dict[zmq.Socket[Any], str] = {}
     try:
-        for name, _, endpoint in pairs:
-            sub = ctx.socket(zmq.SUB)
-            sub.linger = 0
-            sub.setsockopt(zmq.SUBSCRIBE, HUGZ)
-            sub.connect(endpoint)
-            poller.register(sub, zmq.POLLIN)
-            names[sub] = name
+        names = subscribe_hugz(ctx, poller, ((name, endpoint) for name, _, endpoint in pairs))
         while True:
             asked = time.monotonic()
             events = poller.poll(int(POLL * 1000))
