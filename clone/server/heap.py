@@ -12,10 +12,12 @@ same dump ran with no heartbeat over 0.45 s late.  The store holds no cycles
 How: :func:`freeze_state` moves every object alive now to the collector's
 permanent generation (``gc.freeze``, O(1)): later collections skip them,
 while reference counting still frees any of them that is dropped.  Called
-where the store's dict is (re)built: after a data directory was loaded, and
-after a full sync from the peer replaced the state.  A store that grows by
-writes keeps its (frozen) dict.  What it costs: a cycle that is garbage at
-that moment is never collected, a bounded leak once per load or full sync.
+where the store's dict is (re)built: at the start (after a data directory was
+loaded, or on the empty in-memory store) and after a full sync from the peer
+replaced the state; and when a snapshot of :data:`FREEZE_KEYS` keys or more
+has copied the key list it walks.  A store that grows by writes keeps its
+(frozen) dict.  What it costs: a cycle that is garbage at that moment is
+never collected, a leak bounded by the cycles alive at each of those moments.
 """
 
 from __future__ import annotations
