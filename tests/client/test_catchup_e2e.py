@@ -91,6 +91,10 @@ def test_a_client_back_from_a_short_outage(
         for i in range(10):
             client.set(f"/k/{i}", "before", wait=True)
         last = client.status().sequence
+        # Counted from here: a first KVPUB published before the client's
+        # subscription reached the server is healed by a resync of its own
+        # (the next HUGZ shows the gap), which is not what this test is about.
+        before = counters(client)
         with moved(server, history) as other:
             for i in range(5):
                 other.set(f"/k/{i}", "meanwhile", wait=True)
@@ -99,11 +103,12 @@ def test_a_client_back_from_a_short_outage(
             lambda: client.status().state == "active" and client.status().sequence == last + 6,
             what="the client back in sync",
         )
-        c = counters(client)
+        after = counters(client)
+        c = {name: after[name] - before.get(name, 0) for name in after}
         if catch_up:
-            assert (c["syncs_full"], c["syncs_catchup"], c["catchup_updates"]) == (1, 1, 6), c
+            assert (c["syncs_full"], c["syncs_catchup"], c["catchup_updates"]) == (0, 1, 6), c
         else:
-            assert (c["syncs_full"], c["syncs_catchup"]) == (2, 0), c
-        assert c["catchups_abandoned"] == 0
+            assert (c["syncs_full"], c["syncs_catchup"]) == (1, 0), c
+        assert after["catchups_abandoned"] == 0
         assert client.get("/k/0") == b"meanwhile" and client.get("/k/9") is None
         same_map(client, server)
