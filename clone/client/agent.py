@@ -15,21 +15,24 @@ per event, since a sync is where the time goes (it takes KVSYNCs with
 actions.  A plain ``zmq.Poller`` loop is enough: the agent has a handful
 of sockets and one timer (the state machine's next deadline).
 
-Sockets per server (base port P): a SUB on P+1 subscribed to everything, opened at connect
-time so that it is already subscribed when we ask for a snapshot (and so that sequence holes
-can be seen even with subtrees: see docs/client.md), a DEALER on P opened afresh for every
-snapshot request, and a *call* DEALER on P, opened at connect time and kept, for CALL?s
-(compare-and-set, leases: :mod:`clone.client.calls`), whose REPLYs come back on it.  It is
-``ZMQ_IMMEDIATE``: a call for a server we are not connected to is not queued for a later
-connection (the state machine resends it where it should go).  One PUB is connected to every
-server's collector (P+2), so both servers of a pair see every update.
+Sockets per server (base port P): a SUB on P+1 subscribed to everything, opened
+at connect time so that it is already subscribed when we ask for a snapshot (and
+so that sequence holes can be seen even with subtrees: see docs/client.md), a
+DEALER on P opened afresh for every snapshot request, and a *call* DEALER on P,
+opened at connect time and kept, for CALL?s (compare-and-set, leases:
+:mod:`clone.client.calls`), whose REPLYs come back on it.  It is
+``ZMQ_IMMEDIATE``: a call for a server we are not connected to is not queued
+for a later connection (the state machine resends it where it should go).  One
+PUB is connected to every server's collector (P+2), so both servers of a pair
+see every update.
 
-With CURVE (``Clone(curve_secret=..., server_key=...)``) every socket that talks to a
-server, SUB, DEALERs and PUB alike, is made a CURVE client with
-:func:`clone.security.configure_client_socket` before it connects; a server that refuses our
-key at the handshake is logged (rate-limited) from the socket monitor, as nothing else would
-ever say so.  Control messages on a SUB (:mod:`clone.wire.control`: view heartbeats, refusal
-notices) go to the state machine like updates, and never to the application's map.
+With CURVE (``Clone(curve_secret=..., server_key=...)``) every socket that
+talks to a server, SUB, DEALERs and PUB alike, is made a CURVE client with
+:func:`clone.security.configure_client_socket` before it connects; a server
+that refuses our key at the handshake is logged (rate-limited) from the socket
+monitor, as nothing else would ever say so.  Control messages on a SUB
+(:mod:`clone.wire.control`: view heartbeats, refusal notices) go to the state
+machine like updates, and never to the application's map.
 
 Each SUB also has a zmq socket monitor (a PAIR on an inproc endpoint, polled with the rest)
 reporting ``EVENT_DISCONNECTED``: a server process that dies has its connections closed by
@@ -126,7 +129,7 @@ _SNAPSHOT_BATCH = 4096
 _SNAPSHOT_BATCH_ENTRIES = 4 * _SNAPSHOT_BATCH
 # Upper bound on one poll, so a wrong deadline can never freeze the loop.
 _MAX_POLL = 1.0
-#: A tick this long after the loop went back to waiting means we were frozen (freeze_gap).
+#: A tick this long after our own work ended means we were frozen (AgentConfig.freeze_gap).
 FREEZE_GAP = _MAX_POLL + 0.5
 # Socket monitor events we act on: a lost connection, and a handshake the
 # server refused (CURVE: our key is not admitted, or one side is not CURVE).
@@ -231,15 +234,14 @@ class Agent:
         return sock
 
     def _loop(self) -> None:
-        idle_at, cpu_at = self._clock(), time.process_time()
         while self._running:
+            idle_at, cpu_at = self._clock(), time.process_time()  # our work ended
             deadline = self._fsm.next_deadline()
             wait = _MAX_POLL if deadline is None else deadline - self._clock()
             timeout_ms = max(0, min(int(wait * 1000) + 1, int(_MAX_POLL * 1000)))
             ready = dict(self._poller.poll(timeout_ms))
-            # Time is judged as of the poll: a long command (a large ITEMS) must not
-            # make a server look silent whose HUGZ wait to be read.  Nor is our own
-            # work a freeze: this thread's since idle_at, our other threads' (the GIL).
+            # Time is judged as of the poll: a long command (a large ITEMS) must
+            # not make a server look silent whose HUGZ are waiting to be read.
             now = self._clock()
             self._fsm.idle_from(min(now, idle_at + time.process_time() - cpu_at))
             if self._commands in ready:
@@ -256,7 +258,6 @@ class Agent:
                 if server.caller is not None and server.caller in ready:
                     self._drain_replies(index, server)
             self._execute(self._fsm.tick(now))
-            idle_at, cpu_at = self._clock(), time.process_time()
 
     def _drain_commands(self) -> None:
         for _ in range(_BATCH):
