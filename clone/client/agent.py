@@ -34,16 +34,14 @@ monitor, as nothing else would ever say so.  Control messages on a SUB
 (:mod:`clone.wire.control`: view heartbeats, refusal notices) go to the state
 machine like updates, and never to the application's map.
 
-Each SUB also has a zmq socket monitor (a PAIR on an inproc endpoint, polled
-with the rest) reporting ``EVENT_DISCONNECTED``: a server process that dies has
-its connections closed by its kernel at once, and the state machine fails over
-on that instead of waiting for ``server_timeout`` of silence.  A monitor lives as
-long as its SUB (one per server, never re-created on failover): its inproc
-address is derived from the SUB's descriptor, and binding it again right after a
-close could race with libzmq's teardown.
+Each SUB also has a zmq socket monitor (a PAIR on an inproc endpoint, polled with the rest)
+reporting ``EVENT_DISCONNECTED``: a server process that dies has its connections closed by
+its kernel at once, and the state machine fails over on that instead of waiting for
+``server_timeout`` of silence.  A monitor lives as long as its SUB (one per server, never
+re-created on failover): its inproc address is derived from the SUB's descriptor, and
+binding it again right after a close could race with libzmq's teardown.
 
-The pipe protocol (the commands the frontend sends, the replies and events
-the agent sends back) is :mod:`clone.client.verbs`.
+The pipe protocol (commands from the frontend, replies, events) is :mod:`clone.client.verbs`.
 """
 
 from __future__ import annotations
@@ -131,7 +129,7 @@ _SNAPSHOT_BATCH = 4096
 _SNAPSHOT_BATCH_ENTRIES = 4 * _SNAPSHOT_BATCH
 # Upper bound on one poll, so a wrong deadline can never freeze the loop.
 _MAX_POLL = 1.0
-#: Ticks this far apart mean our process was frozen (AgentConfig.freeze_gap).
+#: A tick this long after our own work ended means we were frozen (AgentConfig.freeze_gap).
 FREEZE_GAP = _MAX_POLL + 0.5
 # Socket monitor events we act on: a lost connection, and a handshake the
 # server refused (CURVE: our key is not admitted, or one side is not CURVE).
@@ -237,6 +235,7 @@ class Agent:
 
     def _loop(self) -> None:
         while self._running:
+            idle_at, cpu_at = self._clock(), time.process_time()  # our work ended
             deadline = self._fsm.next_deadline()
             wait = _MAX_POLL if deadline is None else deadline - self._clock()
             timeout_ms = max(0, min(int(wait * 1000) + 1, int(_MAX_POLL * 1000)))
@@ -244,6 +243,7 @@ class Agent:
             # Time is judged as of the poll: a long command (a large ITEMS) must
             # not make a server look silent whose HUGZ are waiting to be read.
             now = self._clock()
+            self._fsm.idle_from(min(now, idle_at + time.process_time() - cpu_at))
             if self._commands in ready:
                 self._drain_commands()
             if self._pub_monitor is not None and self._pub_monitor in ready:

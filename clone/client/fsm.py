@@ -354,7 +354,8 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
         the same in every state), then silence and re-asks (table events), then
         calls and keepalives (after those, so that a failover or a sync they
         caused sends the waiting calls at once).  A tick long after the last
-        one means this process was frozen: see :meth:`_thawed`."""
+        one, or after the end of our own work (:meth:`idle_from`), means
+        this process was frozen: see :meth:`_thawed`."""
         gap = 0.0 if self._ticked_at is None else now - self._ticked_at
         self._ticked_at = now
         limit = self.config.freeze_gap
@@ -370,6 +371,25 @@ class AgentFSM(SnapshotSync, Failover, Writes, Calls):
         if self._calls or self._leases or self._replies_behind:
             actions.extend(self._calls_due(now))
         return actions
+
+    def idle_from(self, now: float) -> None:
+        """Our process ran its own work until ``now``: a freeze (``freeze_gap``)
+        is judged from here, never from earlier.
+
+        Why: a freeze is time in which this process did not run, and our own
+        work is not that.  Measured from the previous tick, a turn that took
+        long -- a large snapshot's batches, the side map's dict growing, a
+        collection of our own heap, a large ITEMS -- or the application's
+        thread holding the GIL (unpacking the 10M rows of that ITEMS) looked
+        like a freeze, which resyncs: a 10M-key ``clone dump`` took a second
+        full snapshot while it held the first, and was killed for memory.
+        The servers' messages queue in our sockets meanwhile and are read
+        before the next tick judges silence.  The I/O loop calls this after
+        each poll, with the end of its previous turn plus the CPU time our
+        process spent while it waited; ``now`` only ever moves it forward.
+        """
+        if self._ticked_at is not None and now > self._ticked_at:
+            self._ticked_at = now
 
     # ----------------------------------------------------------------------
     # Handlers (the table below) for the states that are not about a sync or

@@ -227,3 +227,38 @@ def test_last_update_is_the_entry_written_at_the_sequence() -> None:
     assert store.last_update() == [b"/x", *entries[b"/x"]]
     store.replace(dict(entries), 10)  # the last update was a delete
     assert store.last_update() is None
+
+
+def test_the_key_list_is_copied_again_only_when_a_key_was_added() -> None:
+    """Snapshots share one copy of the key list (at 10M keys each copy held the
+    loop for about a second, once per re-ask): a changed value or a deleted key
+    keeps it (the snapshot reads values when it sends them and skips deleted
+    keys); a new key, or a swapped state, makes the next snapshot copy again."""
+    store = Store()
+    for key in ("a", "b", "c"):
+        store.apply(_set(key), now=0.0)
+    keys = store.raw_keys()
+    assert keys == [b"a", b"b", b"c"]
+    store.apply(_set("b", b"changed"), now=0.0)
+    store.apply(_set("c", b""), now=0.0)  # a delete
+    assert store.raw_keys() is keys and keys == [b"a", b"b", b"c"]
+    store.apply(_set("d"), now=0.0)
+    assert store.raw_keys() is not keys
+    assert store.raw_keys() == [b"a", b"b", b"d"]
+    again = store.raw_keys()
+    store.replace({b"x": entry_of(KVMsg("x", 7, U1, (), b"v"))}, sequence=7)
+    assert store.raw_keys() == [b"x"] and again == [b"a", b"b", b"d"]
+
+
+def test_a_kept_key_list_never_holds_more_dead_keys_than_live_ones() -> None:
+    store = Store()
+    for i in range(10):
+        store.apply(_set(f"k{i}", props=(("ttl", "1"),) if i < 2 else ()), now=0.0)
+    keys = store.raw_keys()
+    assert len(store.expire(now=5.0)) == 2  # expiries are deletes too
+    for i in range(2, 5):
+        store.apply(_set(f"k{i}", b""), now=5.0)
+    assert store.raw_keys() is keys  # 5 live keys of the 10 it names
+    store.apply(_set("k5", b""), now=5.0)
+    assert store._key_list is None  # 4 live of 10: freed at once, not at the next snapshot
+    assert store.raw_keys() == [b"k6", b"k7", b"k8", b"k9"]
