@@ -16,7 +16,21 @@ import marshal
 from collections.abc import Callable
 
 from clone.client.fsm import Action, AgentFSM
-from clone.client.verbs import CALL, CONNECT, GET, ITEMS, LEASE, SET, STATUS, TERMINATE, WATCH
+from clone.client.listings import Listings
+from clone.client.verbs import (
+    CALL,
+    CONNECT,
+    GET,
+    ITEMS,
+    LEASE,
+    LIST,
+    PAGE,
+    SET,
+    STATUS,
+    TERMINATE,
+    UNLIST,
+    WATCH,
+)
 from clone.wire.calls import decode_call
 from clone.wire.codec import decode_kvset, encode_kv
 
@@ -62,12 +76,16 @@ class Commands:
         self._execute = execute
         self._add_server = add_server
         self._stop = stop
+        self._listings = Listings()
         self._table: dict[bytes, Callable[[_Args], list[bytes]]] = {
             GET: self._get,
             SET: self._set,
             CALL: self._call,
             LEASE: self._lease,
             ITEMS: self._items,
+            LIST: self._list,
+            PAGE: self._page,
+            UNLIST: self._unlist,
             STATUS: self._status,
             WATCH: self._watch,
             CONNECT: self._connect,
@@ -112,6 +130,18 @@ class Commands:
     def _items(self, args: _Args) -> list[bytes]:
         # Version 2: no back-references, which only cost time here.
         return [marshal.dumps(self._fsm.rows(args[0].decode("utf-8")), 2)]
+
+    def _list(self, args: _Args) -> list[bytes]:
+        # References to the replica's rows, sorted: each page is packed when asked.
+        return [str(self._listings.open(self._fsm.rows(args[0].decode("utf-8")))).encode()]
+
+    def _page(self, args: _Args) -> list[bytes]:
+        rows, more = self._listings.page(int(args[0]), int(args[1]))
+        return [b"1" if more else b"0", marshal.dumps(rows, 2)]
+
+    def _unlist(self, args: _Args) -> list[bytes]:
+        self._listings.close(int(args[0]))
+        return []
 
     def _status(self, args: _Args) -> list[bytes]:
         return [json.dumps(status(self._fsm)).encode()]

@@ -15,7 +15,7 @@ import json
 import logging
 import marshal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Literal, overload
 
 from clone.client import verbs
@@ -24,7 +24,7 @@ from clone.client.events import Subscription
 from clone.client.handle import ClientHandle
 from clone.client.history import HistoryFeed
 from clone.client.results import ChangeStream, Entry, Freshness, Status, Watcher
-from clone.errors import ClosedError, NotSynced, SplitConflict
+from clone.errors import CloneError, ClosedError, NotSynced, SplitConflict
 from clone.wire.codec import Properties
 
 __all__ = ["Reads"]
@@ -121,6 +121,49 @@ class Reads(ClientHandle):
     def entries(self, prefix: str = "") -> list[Entry]:
         """Every entry whose key starts with ``prefix``, sorted by key."""
         return [Entry(k, body, seq, props) for k, (seq, _, props, body) in self._rows(prefix)]
+
+    def iter_entries(self, prefix: str = "", *, page: int = 10_000) -> Iterator[Entry]:
+        """Every entry whose key starts with ``prefix``, sorted by key, as
+        :meth:`entries` gives them, read from the agent ``page`` rows at a
+        time: for listings too large to hold twice (``clone dump`` of 10M
+        keys).  The listing is taken when the first entry is asked for, and
+        every page comes from that same moment (:mod:`clone.client.listings`).
+        Stop early and the agent drops it (on ``close()`` or garbage
+        collection of the iterator); a client holds at most four open, and
+        reading one dropped for a newer one raises
+        :class:`~clone.errors.CloneError`."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be str, not {type(prefix).__name__}")
+        if not 1 <= page <= 1_000_000:
+            raise ValueError(f"page must be 1 to 1000000 rows, not {page}")
+        return self._listing(prefix, page)
+
+    def _listing(self, prefix: str, page: int) -> Iterator[Entry]:
+        keys = int(json.loads(self._request(verbs.STATUS, [])[0])["keys"])
+        pipe = self._pipe
+        with pipe.lock:
+            if pipe.closed:
+                raise ClosedError("this Clone client is closed")
+            # Sorting is the agent's only per-key work here: ITEMS's allowance.
+            listing = pipe.request_locked(
+                verbs.LIST, [prefix.encode("utf-8")],
+                self.command_timeout + keys * _ITEMS_SECONDS_PER_KEY,
+            )[0]  # fmt: skip
+        more = True
+        try:
+            while more:
+                more_frame, rows_frame = self._request(verbs.PAGE, [listing, b"%d" % page])
+                more = more_frame == b"1"
+                rows: list[tuple[str, tuple[int, bytes, Properties, bytes]]]
+                rows = marshal.loads(rows_frame)  # our own agent's, never the network's
+                for k, (seq, _, props, body) in rows:
+                    yield Entry(k, body, seq, props)
+        finally:
+            if more and not self._pipe.closed:
+                try:
+                    self._request(verbs.UNLIST, [listing])
+                except CloneError as exc:  # closing: the agent drops it with itself
+                    log.debug("listing %s not dropped: %s", listing.decode(), exc)
 
     def items(self, prefix: str = "") -> list[tuple[str, bytes]]:
         """``(key, value)`` for every key starting with ``prefix``, sorted by key."""

@@ -11,7 +11,10 @@ The pipe protocol, all frames bytes:
   ``CONNECT rid endpoint``, ``SET rid confirm_seconds|'' key seq uuid props body``,
   ``GET rid key``, ``ITEMS rid prefix``, ``STATUS rid``, ``WATCH rid 1|0``,
   ``CALL rid within_seconds call-frames...`` (the six frames of a CALL?),
-  ``LEASE rid lease_id ttl [secret]`` (keep it alive), ``TERMINATE rid``.  Replies are
+  ``LEASE rid lease_id ttl [secret]`` (keep it alive), ``TERMINATE rid``;
+  a listing read page by page (:mod:`clone.client.listings`): ``LIST rid
+  prefix`` (its reply: the listing's id), ``PAGE rid id limit`` (``1|0`` for
+  whether more follow, then the rows as ITEMS gives them), ``UNLIST rid id``.  Replies are
   ``OK rid ...`` or ``ERROR rid text``; an unknown command gets an ERROR too.  A
   SET or CALL with an empty ``rid`` is one-way: no reply, so writes stream
   without a round trip each; if it fails, the agent says so with ``FAILED uuid
@@ -44,7 +47,9 @@ __all__ = [
     "LEASE",
     "LEASEKEPT",
     "LEASELOST",
+    "LIST",
     "OK",
+    "PAGE",
     "REFUSED",
     "REPLY",
     "RESYNC_MARK",
@@ -54,6 +59,7 @@ __all__ = [
     "STATUS",
     "STOPPED",
     "TERMINATE",
+    "UNLIST",
     "WATCH",
 ]
 
@@ -69,6 +75,8 @@ CONNECT, SET, GET, ITEMS, STATUS, WATCH, CALL, LEASE, TERMINATE = (
     b"LEASE",
     b"TERMINATE",
 )
+#: A listing read page by page: open it, read a page, drop it.
+LIST, PAGE, UNLIST = b"LIST", b"PAGE", b"UNLIST"
 OK, ERROR = b"OK", b"ERROR"
 STARTED, CONFIRMED, FAILED, REFUSED, REPLY, LEASELOST, STATE, CHANGE, STOPPED = (
     b"STARTED",
