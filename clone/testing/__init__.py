@@ -36,7 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -193,6 +193,14 @@ class FakeClone:
     def entries(self, prefix: str = "") -> list[Entry]:
         self._check_open()
         return [e for k, e in sorted(self._map.items()) if k.startswith(prefix)]
+
+    def iter_entries(self, prefix: str = "", *, page: int = 10_000) -> Iterator[Entry]:
+        """As the client's: the entries of one moment (here, the call's)."""
+        if not isinstance(prefix, str):
+            raise TypeError(f"prefix must be str, not {type(prefix).__name__}")
+        if not 1 <= page <= 1_000_000:
+            raise ValueError(f"page must be 1 to 1000000 rows, not {page}")
+        return iter(self.entries(prefix))
 
     def items(self, prefix: str = "") -> list[tuple[str, bytes]]:
         return [(e.key, e.value or b"") for e in self.entries(prefix)]

@@ -164,6 +164,7 @@ def test_fake_clone_has_the_clients_api(fake_clone: FakeClone) -> None:
     fake_clone.delete("/flags/a")
     assert [e.key for e in seen] == ["/flags/a", "/flags/b"]  # none after cancel
     assert fake_clone.items("/flags/") == [("/flags/b", b"[1,2]")]
+    assert list(fake_clone.iter_entries("/flags/", page=1)) == fake_clone.entries("/flags/")
     assert fake_clone.set_async("/x", b"y").result(0) == 4
 
 
