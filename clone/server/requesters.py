@@ -33,6 +33,9 @@ class Requester:
     #: The subtree asked for (None: not known, matches any): a client with
     #: several subtrees asks for each on one socket, at once.
     subtree: str | None = None
+    #: The host it connects from (``Peer-Address``; None: not known): the
+    #: unit of fairness between requesters (:mod:`.fairshare`).
+    host: str | None = None
 
     def replaces(self, older: Requester) -> bool:
         """Whether a request from us makes ``older``'s request moot: the same
@@ -59,4 +62,5 @@ def from_options(
     """Who asked, for a request kept with its serve options (``requester``,
     ``user``): one waiting for a slot, or held through a heal."""
     asked = options.get("subtree", subtree)
-    return Requester(identity, options.get("requester"), options.get("user"), asked)
+    return Requester(identity, options.get("requester"), options.get("user"), asked,
+                     options.get("host"))
