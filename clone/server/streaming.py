@@ -34,7 +34,7 @@ from clone.server.core import Role, ServerCore
 from clone.server.fairshare import HostRoundRobin, SliceShares, yielder
 from clone.server.metrics import DurationHistogram
 from clone.server.opening import AnyStream, Opener
-from clone.server.requesters import Requester, from_options, replaced
+from clone.server.requesters import Requester, replaced, replaced_waiting
 from clone.server.sending import Burst, Sent
 from clone.server.shared import CLOCK_EVERY, TURN_BUDGET, Shared
 from clone.server.sharedsnap import SharedSnapshots, SharedStream
@@ -208,8 +208,7 @@ class SnapshotStreams:
             # a fresh one: one stream per requester, its slot the new request's.
             self.counters["snapshots_replaced"] += 1
             self.abort(old, "the requester asked again")
-        waiting = [(i, from_options(i, how)) for i, (_, how) in self._waiting.items()]
-        for old_identity in replaced(waiting, asker):
+        for old_identity in replaced_waiting(self._waiting, asker):
             del self._waiting[old_identity]
             self.counters["snapshots_replaced"] += 1
         if len(self._snapshots) >= self.config.max_snapshots:
