@@ -24,9 +24,9 @@ one misbehaving node must cost the others nothing):
   holding a slot may spend an equal share.  Turns alone were not enough: a
   reader's stream sends its window and waits for its requester, so it leaves
   the queue within a turn, and the flooder's streams took the rest of every
-  slice (0.5 s of the loop in a healthy client's 0.53 s sync); the loop's
-  turns came round that much more slowly, and the reader got one window per
-  turn.  With shares the flooder's streams spend half the slice at most (two
+  slice (most of the loop's time while a healthy client's stream ran); the
+  loop's turns came round that much more slowly, and the reader got one
+  window per turn.  With shares the flooder's streams spend half the slice at most (two
   hosts), the turn ends sooner and the reader's next window comes sooner.
 
 A request whose host is not known (held through a heal, deferred by a vote:
