@@ -26,8 +26,12 @@ one misbehaving node must cost the others nothing):
   the queue within a turn, and the flooder's streams took the rest of every
   slice (most of the loop's time while a healthy client's stream ran); the
   loop's turns came round that much more slowly, and the reader got one
-  window per turn.  With shares the flooder's streams spend half the slice at most (two
-  hosts), the turn ends sooner and the reader's next window comes sooner.
+  window per turn.  With shares the flooder's streams spend half the slice
+  at most (two hosts), the turn ends sooner and the reader's next window
+  comes sooner.  And a host holding more than an equal share of the slots
+  in use (:func:`over_share`) sends no first messages at once for its new
+  streams: they wait for their host's turns, instead of spending a share of
+  a second slice (the one for new streams) in every turn that admits one.
 
 A request whose host is not known (held through a heal, deferred by a vote:
 rare) neither takes a slot from a host nor gives one up for a host; for
@@ -36,10 +40,10 @@ turns and time its streams count as one more host, ``None``.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Generic, TypeVar
 
-__all__ = ["HostRoundRobin", "SliceShares", "crowded_host", "yielder"]
+__all__ = ["HostRoundRobin", "SliceShares", "crowded_host", "over_share", "yielder"]
 
 S = TypeVar("S", bound=Hashable)
 
@@ -77,6 +81,13 @@ def yielder(hosts: Mapping[S, str | None], progress: Mapping[S, float],
         return None
     theirs = [stream for stream, host in hosts.items() if host == crowded]
     return min(theirs, key=progress.__getitem__)
+
+
+def over_share(hosts: Sequence[str | None], host: str | None) -> bool:
+    """Whether ``host`` holds more than an equal share of the slots in use
+    (``hosts``: the host of each stream holding one).  Never for the only
+    host."""
+    return hosts.count(host) * len(set(hosts)) > len(hosts)
 
 
 class HostRoundRobin(Generic[S]):

@@ -31,7 +31,7 @@ from tornado.ioloop import IOLoop
 from clone.server.access import Access
 from clone.server.config import ServerConfig
 from clone.server.core import Role, ServerCore
-from clone.server.fairshare import HostRoundRobin, SliceShares, yielder
+from clone.server.fairshare import HostRoundRobin, SliceShares, over_share, yielder
 from clone.server.metrics import DurationHistogram
 from clone.server.opening import AnyStream, Opener
 from clone.server.requesters import Requester, replaced, replaced_waiting
@@ -241,13 +241,14 @@ class SnapshotStreams:
             stream.sequence,
             ", batched" if batch else "",
         )
-        # Its first messages now while this turn's slice for new streams
-        # lasts (a small snapshot is done at once, its slot free again), else
-        # in the next turn: a storm of requests must not each send a chunk
-        # within one turn.
-        shares = self._serve_slice()
-        now = self._clock()
-        stop = shares.stop_for(host, now)
+        # Its first messages now while its host's share of this turn's slice
+        # for new streams lasts (a small snapshot is done at once, its slot
+        # free again), else in the next turn: a storm of requests must not
+        # each send a chunk within one turn, nor a flooding host (over its
+        # share of the slots) take a second slice every turn.
+        shares, now = self._serve_slice(), self._clock()
+        hosts = [asker.host for asker in self._requesters.values()]
+        stop = None if over_share(hosts, host) else shares.stop_for(host, now)
         if stop is not None:
             self._pump(stream, stop)
             shares.spend(host, self._clock() - now)

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from clone.server.fairshare import HostRoundRobin, SliceShares, crowded_host, yielder
+from clone.server.fairshare import (
+    HostRoundRobin,
+    SliceShares,
+    crowded_host,
+    over_share,
+    yielder,
+)
 
 A, B, C = "10.0.0.1", "10.0.0.2", "10.0.0.3"
 
@@ -31,6 +37,23 @@ A, B, C = "10.0.0.1", "10.0.0.2", "10.0.0.3"
 def test_crowded_host(slots: dict[str | None, int], asker: str | None,
                       crowded: str | None) -> None:  # fmt: skip
     assert crowded_host(slots, asker) == crowded
+
+
+@pytest.mark.parametrize(
+    ("hosts", "host", "over"),
+    [
+        ([A] * 64, A, False),  # the only host: its new streams start at once, as before
+        ([A] * 63 + [B], A, True),  # a flood's new streams wait for their host's turns
+        ([A] * 63 + [B], B, False),  # the other host's start at once
+        ([A, A, B, B], A, False),  # equal shares
+        ([A, A, A, B, B, C], A, True),  # 3 of 6 slots among 3 hosts: over 2
+        ([A, A, B, B, C, C], C, False),
+        ([None, None, A], None, True),  # unknown hosts count as one host
+        ([], A, False),
+    ],
+)
+def test_over_share(hosts: list[str | None], host: str | None, over: bool) -> None:
+    assert over_share(hosts, host) is over
 
 
 def test_the_yielding_stream_is_the_crowded_hosts_stalest() -> None:
