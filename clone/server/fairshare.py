@@ -16,6 +16,12 @@ one misbehaving node must cost the others nothing):
   reading or not).  Hosts end up with equal shares; a host alone, or every
   requester on one host (a test, a fleet behind one address), is served as
   before.
+* **Idle slots** (:func:`sheltered`): the stream of a requester that has
+  read nothing for a while gives its slot to a new request, but not to one
+  from a host holding more slots than its own: a flooder's request does not
+  take a slot from a reader on another host that paused (a client starved
+  of CPU for a quarter second on a busy machine lost its stream to the
+  flood, and synced again after its silence timeout).
 * **Turns** (:class:`HostRoundRobin`): the pump's queue takes one stream of
   each host in turn, so a host's streams together get one turn per round,
   however many it has.
@@ -43,7 +49,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Iterator, Mapping, Sequence
 from typing import Generic, TypeVar
 
-__all__ = ["HostRoundRobin", "SliceShares", "crowded_host", "over_share", "yielder"]
+__all__ = ["HostRoundRobin", "SliceShares", "crowded_host", "over_share", "sheltered", "yielder"]
 
 S = TypeVar("S", bound=Hashable)
 
@@ -81,6 +87,19 @@ def yielder(hosts: Mapping[S, str | None], progress: Mapping[S, float],
         return None
     theirs = [stream for stream, host in hosts.items() if host == crowded]
     return min(theirs, key=progress.__getitem__)
+
+
+def sheltered(hosts: Mapping[S, str | None], asker: str | None) -> set[S]:
+    """The streams whose slots a request from ``asker`` may not take even if
+    idle (``hosts``: each stream holding a slot -> its host): those of hosts
+    holding fewer slots than ``asker``'s.  None for an unknown host's request."""
+    if asker is None:
+        return set()
+    slots: dict[str | None, int] = {}
+    for host in hosts.values():
+        slots[host] = slots.get(host, 0) + 1
+    mine = slots.get(asker, 0)
+    return {stream for stream, host in hosts.items() if slots[host] < mine}
 
 
 def over_share(hosts: Sequence[str | None], host: str | None) -> bool:

@@ -31,7 +31,7 @@ from tornado.ioloop import IOLoop
 from clone.server.access import Access
 from clone.server.config import ServerConfig
 from clone.server.core import Role, ServerCore
-from clone.server.fairshare import HostRoundRobin, SliceShares, over_share, yielder
+from clone.server.fairshare import HostRoundRobin, SliceShares, over_share, sheltered, yielder
 from clone.server.metrics import DurationHistogram
 from clone.server.opening import AnyStream, Opener
 from clone.server.requesters import Requester, replaced, replaced_waiting
@@ -214,7 +214,7 @@ class SnapshotStreams:
         if len(self._snapshots) >= self.config.max_snapshots:
             self._evict_unroutable()
         if len(self._snapshots) >= self.config.max_snapshots:
-            self._evict_stalest()
+            self._evict_stalest(host)
         if len(self._snapshots) >= self.config.max_snapshots:
             self._evict_for_host(host)
         if len(self._snapshots) >= self.config.max_snapshots:
@@ -305,13 +305,15 @@ class SnapshotStreams:
             return
         cutoff = self._clock() - _WAITING_MAX_AGE
         while waiting:
-            if len(self._snapshots) >= self.config.max_snapshots and not self._evict_stalest():
-                break
             # Newest first: an older request's client has likely asked again
             # on a fresh socket, and a burst of requesters that read nothing
             # must not stand between a reader and the next slot.
             identity = next(reversed(waiting))
-            at, how = waiting.pop(identity)
+            at, how = waiting[identity]
+            full = len(self._snapshots) >= self.config.max_snapshots
+            if full and not self._evict_stalest(how.get("host")):
+                break
+            del waiting[identity]
             if at < cutoff:
                 self.counters["snapshots_refused"] += 1
                 continue
@@ -509,7 +511,7 @@ class SnapshotStreams:
         for stream in list(self._unreachable):
             self.abort(stream, "requester went away", gone=True)
 
-    def _evict_stalest(self) -> bool:
+    def _evict_stalest(self, host: str | None) -> bool:
         """A request needs a slot and none is free: the stream whose requester
         has read nothing for longest gives up its own, if for at least
         :data:`_SLOT_IDLE` (a requester that reads nothing must not keep
@@ -518,11 +520,13 @@ class SnapshotStreams:
         A stream waiting for its turn in the pump (``_pump_queue``) waits for
         us, not for its requester: in a storm of requests on a busy machine
         new streams waited that long before their first send, and were
-        evicted, their requesters never answered."""
+        evicted, their requesters never answered.  Nor a stream of a host
+        holding fewer slots than ``host``, the asker's (:mod:`.fairshare`)."""
         for stream, window in self._in_flight.items():
             self._note_progress(stream, window)
         now = self._clock()
-        busy = [*self._peer_syncs, *self._pump_queue]
+        hosts = {stream: asker.host for stream, asker in self._requesters.items()}
+        busy = [*self._peer_syncs, *self._pump_queue, *sheltered(hosts, host)]
         victim = stalest(self._snapshots, now, _SLOT_IDLE, exclude=busy)
         if victim is None:
             return False
@@ -532,9 +536,8 @@ class SnapshotStreams:
         return True
 
     def _evict_for_host(self, host: str | None) -> None:
-        """A request from ``host`` needs a slot and none is free: a host that
-        holds at least two more gives up its stalest stream's, reading or not
-        (:mod:`.fairshare`: one host's flood must not keep the others waiting)."""
+        """A request from ``host`` needs a slot, none is free: a host holding two
+        more gives up its stalest stream's, reading or not (:mod:`.fairshare`)."""
         hosts = {stream: asker.host for stream, asker in self._requesters.items()
                  if stream in self._snapshots and stream not in self._peer_syncs}  # fmt: skip
         victim = yielder(hosts, self._snapshots, host)

@@ -9,6 +9,7 @@ from clone.server.fairshare import (
     SliceShares,
     crowded_host,
     over_share,
+    sheltered,
     yielder,
 )
 
@@ -64,6 +65,15 @@ def test_the_yielding_stream_is_the_crowded_hosts_stalest() -> None:
     assert yielder(hosts, progress, A) is None
     assert yielder({"a1": A}, {"a1": 0.0}, B) is None
     assert yielder({}, {}, B) is None
+
+
+def test_a_flooders_request_cannot_take_an_idle_slot_from_a_host_holding_fewer() -> None:
+    hosts = {"a1": A, "a2": A, "a3": A, "b1": B, "c1": C, "c2": C, "c3": C, "n1": None}
+    assert sheltered(hosts, A) == {"b1", "n1"}  # C holds as many as A: not sheltered
+    assert sheltered(hosts, B) == set()  # n1's host (unknown) holds 1, as many as B
+    assert sheltered(hosts, C) == {"b1", "n1"}
+    assert sheltered(hosts, "10.9.9.9") == set()  # a host holding none takes from anyone
+    assert sheltered(hosts, None) == set()
 
 
 def test_the_round_robin_takes_one_stream_of_each_host_in_turn() -> None:

@@ -397,3 +397,37 @@ def test_on_one_host_a_request_still_waits_for_a_slot(ctx: zmq.Context[Any]) -> 
             sock.close(0)
     finally:
         rig.close()
+
+
+@pytest.mark.slow  # the paused requester reads 8 MB a message a turn: about 20 s
+def test_a_flooders_request_does_not_take_an_idle_slot_from_a_host_holding_fewer(
+    ctx: zmq.Context[Any],
+) -> None:
+    """A client on 127.0.0.1 that has read nothing for a while (starved of
+    CPU, say) holds the stalest stream; a request from 127.0.0.2, whose host
+    holds the other three slots, evicts one of its own host's instead."""
+    rig = _Rig(ctx, max_snapshots=4, value=bytes(4096))
+    try:
+        paused = rig.dealer(source="127.0.0.1", reads=False)
+        paused.send_multipart([ICANHAZ, b""])
+        rig.read()
+        started = time.monotonic()
+        rig.run_until(lambda: time.monotonic() > started + 0.5, "its stream idle")
+        flood = [rig.dealer(source="127.0.0.2", reads=False) for _ in range(4)]
+        for sock in flood[:3]:
+            sock.send_multipart([ICANHAZ, b""])
+            rig.read()
+        started = time.monotonic()
+        rig.run_until(lambda: time.monotonic() > started + 1.0, "their streams idle too")
+        flood[3].send_multipart([ICANHAZ, b""])
+        rig.read()
+        # One of theirs gave its slot up, or (every one of theirs waiting for a
+        # pump turn, so not idle) the request waits; the paused one keeps its.
+        c = rig.counters
+        assert c["snapshots_evicted"] + c["snapshots_queued"] == 1 and c["snapshots_yielded"] == 0
+        got = _snapshot(rig, paused)  # it reads again: its stream was kept
+        assert len(got) == KEYS + 1 and got[-1][0] == KTHXBAI
+        for sock in (*flood, paused):
+            sock.close(0)
+    finally:
+        rig.close()
