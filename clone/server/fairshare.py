@@ -20,8 +20,8 @@ one misbehaving node must cost the others nothing):
   read nothing for a while gives its slot to a new request, but not to one
   from a host holding more slots than its own: a flooder's request does not
   take a slot from a reader on another host that paused (a client starved
-  of CPU for a quarter second on a busy machine lost its stream to the
-  flood, and synced again after its silence timeout).
+  of CPU for a quarter second on a busy machine would lose its stream, and
+  sync again only after its silence timeout).
 * **Turns** (:class:`HostRoundRobin`): the pump's queue takes one stream of
   each host in turn, so a host's streams together get one turn per round,
   however many it has.
