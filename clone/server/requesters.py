@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["Requester", "from_options", "replaced"]
+__all__ = ["Requester", "from_options", "replaced", "replaced_waiting"]
 
 K = TypeVar("K")
 
@@ -33,6 +33,9 @@ class Requester:
     #: The subtree asked for (None: not known, matches any): a client with
     #: several subtrees asks for each on one socket, at once.
     subtree: str | None = None
+    #: The host it connects from (``Peer-Address``; None: not known): the
+    #: unit of fairness between requesters (:mod:`.fairshare`).
+    host: str | None = None
 
     def replaces(self, older: Requester) -> bool:
         """Whether a request from us makes ``older``'s request moot: the same
@@ -59,4 +62,20 @@ def from_options(
     """Who asked, for a request kept with its serve options (``requester``,
     ``user``): one waiting for a slot, or held through a heal."""
     asked = options.get("subtree", subtree)
-    return Requester(identity, options.get("requester"), options.get("user"), asked)
+    return Requester(identity, options.get("requester"), options.get("user"), asked,
+                     options.get("host"))
+
+
+def replaced_waiting(waiting: Mapping[bytes, tuple[float, Mapping[str, Any]]],
+                     new: Requester) -> list[bytes]:  # fmt: skip
+    """The routing ids of the requests waiting for a slot (routing id ->
+    (when, serve options)) that ``new`` replaces.  A request that does not
+    name its requester can only replace its own socket's: looked up, not
+    scanned (200 such requesters re-asking scanned a thousand waiting
+    requests each)."""
+    if new.name is None:
+        held = waiting.get(new.identity)
+        if held is None or not new.replaces(from_options(new.identity, held[1])):
+            return []
+        return [new.identity]
+    return replaced(((i, from_options(i, how)) for i, (_, how) in waiting.items()), new)

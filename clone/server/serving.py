@@ -110,6 +110,15 @@ def _user_id(frame: zmq.Frame) -> str | None:
         return None
 
 
+def _peer_host(frame: zmq.Frame) -> str | None:
+    """The address the requester connects from (its share of snapshot slots
+    and turns: :mod:`.fairshare`), or None where libzmq does not say."""
+    try:
+        return str(frame.get("Peer-Address"))
+    except zmq.ZMQError:
+        return None
+
+
 def _wants_ttl_left(frame: zmq.Frame) -> bool:
     """Ephemeral entries with the time they have left: a peer server's sync
     (:mod:`clone.server.ttl`)."""
@@ -266,6 +275,7 @@ class SnapshotPort:
             user=user,
             ttl_left=ttl_left,
             requester=requester,
+            host=_peer_host(parts[1]) if len(parts) > 1 else None,
         )
 
     def take_backlog(self) -> None:

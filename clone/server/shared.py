@@ -47,6 +47,7 @@ IO_COUNTERS: tuple[str, ...] = (
     "snapshot_unroutable_retries",
     "snapshots_idle_aborted",
     "snapshots_evicted",
+    "snapshots_yielded",
     "snapshots_replaced",
     "snapshot_requester_invalid",
     "snapshots_queued",

@@ -4,12 +4,14 @@ How this works: an accepted request becomes a
 :class:`~clone.server.snapshot.SnapshotStream` (or a catch-up,
 :class:`~clone.server.delta.DeltaStream`) pumped a chunk per loop turn with
 ``ROUTER_MANDATORY`` and non-blocking sends, all streams together within one
-slice of the turn (:data:`SNAPSHOT_SLICE`).  EAGAIN pauses that stream and
+slice of the turn (:data:`SNAPSHOT_SLICE`), shared fairly by the hosts the
+requests come from (:mod:`.fairshare`).  EAGAIN pauses that stream and
 retries shortly (no entry is dropped); EHOSTUNREACH aborts it after a grace;
 a stream that makes no progress for ``snapshot_stall_timeout`` is aborted.
 Each requester's bytes in libzmq are bounded by its window
 (:mod:`.snapwindow`); when every slot is taken a requester that reads nothing
-gives its slot up, or the request waits for one, bounded.
+gives its slot up, or a host holding more than the asker's, or the request
+waits for one, bounded.
 
 :class:`SnapshotStreams` is a part of the server: it owns the streams and
 their windows, the pump's queue and the requests waiting for a slot.  The
@@ -29,9 +31,10 @@ from tornado.ioloop import IOLoop
 from clone.server.access import Access
 from clone.server.config import ServerConfig
 from clone.server.core import Role, ServerCore
+from clone.server.fairshare import HostRoundRobin, SliceShares, over_share, sheltered, yielder
 from clone.server.metrics import DurationHistogram
 from clone.server.opening import AnyStream, Opener
-from clone.server.requesters import Requester, from_options, replaced
+from clone.server.requesters import Requester, replaced, replaced_waiting
 from clone.server.sending import Burst, Sent
 from clone.server.shared import CLOCK_EVERY, TURN_BUDGET, Shared
 from clone.server.sharedsnap import SharedSnapshots, SharedStream
@@ -126,13 +129,13 @@ class SnapshotStreams:
         # The same windows by requester, kept after a stream ends until what
         # libzmq holds for that requester is written (or its connection dropped).
         self._peer_windows: dict[bytes, SendWindow] = {}
-        # Streams waiting for their turn of the loop's snapshot slice, in order
-        # (_wake, _pump_turn), and whether a turn is due.
-        self._pump_queue: dict[AnyStream, None] = {}
+        # Streams waiting for their turn of the loop's snapshot slice, one
+        # host after another (_wake, _pump_turn), and whether a turn is due.
+        self._pump_queue: HostRoundRobin[AnyStream] = HostRoundRobin()
         self._pump_scheduled = False
-        # The end of this loop turn's slice for the first messages of newly
-        # served streams (None: not opened this turn).
-        self._serve_slice_end: float | None = None
+        # This loop turn's slice for the first messages of newly served
+        # streams, shared by host (None: not opened this turn).
+        self._serve_shares: SliceShares | None = None
         # Requests that found every slot taken: requester -> (when, how to
         # serve it), oldest first; served as slots free, bounded.
         self._waiting: dict[bytes, tuple[float, dict[str, Any]]] = {}
@@ -184,6 +187,7 @@ class SnapshotStreams:
         user: str | None = None,
         ttl_left: bool = False,
         requester: str | None = None,
+        host: str | None = None,
     ) -> None:
         """Stream a snapshot for an accepted vote (in KVBATCHes if ``batch``,
         after the applied-update list if ``applied``), or only the updates
@@ -191,38 +195,33 @@ class SnapshotStreams:
         request: those or a compacted reply, never a snapshot).  ``ttl_left``:
         ephemeral entries carry the time they have left (a peer server's sync).
         ``requester``: the client's own id (``X-CHP-Requester``): this request
-        replaces that client's older stream or waiting request."""
+        replaces that client's older stream or waiting request.  ``host``:
+        the address it connects from, its share of slots and turns
+        (:mod:`.fairshare`)."""
         if self.core.role in (Role.STARTING, Role.PASSIVE):
             # The vote was accepted; make sure the promotion happened first.
             # (A relay serves its copy at any time: it has no vote to win.)
             self._promote()
-        asker = Requester(identity, requester, user, subtree)
+        asker = Requester(identity, requester, user, subtree, host)
         for old in replaced(self._requesters, asker):
             # The same requester asked again, on this socket or (naming itself)
             # a fresh one: one stream per requester, its slot the new request's.
             self.counters["snapshots_replaced"] += 1
             self.abort(old, "the requester asked again")
-        waiting = [(i, from_options(i, how)) for i, (_, how) in self._waiting.items()]
-        for old_identity in replaced(waiting, asker):
+        for old_identity in replaced_waiting(self._waiting, asker):
             del self._waiting[old_identity]
             self.counters["snapshots_replaced"] += 1
         if len(self._snapshots) >= self.config.max_snapshots:
             self._evict_unroutable()
         if len(self._snapshots) >= self.config.max_snapshots:
-            self._evict_stalest()
+            self._evict_stalest(host)
+        if len(self._snapshots) >= self.config.max_snapshots:
+            self._evict_for_host(host)
         if len(self._snapshots) >= self.config.max_snapshots:
             # Every slot holds a requester that reads: wait for one to free.
-            self._wait_for_slot(
-                identity,
-                subtree=subtree,
-                deferred=deferred,
-                batch=batch,
-                applied=applied,
-                since=since,
-                user=user,
-                ttl_left=ttl_left,
-                requester=requester,
-            )
+            self._wait_for_slot(identity, subtree=subtree, deferred=deferred, batch=batch,
+                                applied=applied, since=since, user=user, ttl_left=ttl_left,
+                                requester=requester, host=host)  # fmt: skip
             return
         stream, applied = self._opener.open(identity, subtree, batch=batch, applied=applied,
                                             since=since, user=user, ttl_left=ttl_left)
@@ -242,27 +241,40 @@ class SnapshotStreams:
             stream.sequence,
             ", batched" if batch else "",
         )
-        # Its first messages now while this turn's slice for new streams
-        # lasts (a small snapshot is done at once, its slot free again), else
-        # in the next turn: a storm of requests must not each send a chunk
-        # within one turn.
-        end = self._serve_slice()
-        if self._clock() < end:
-            self._pump(stream, end)
+        # Its first messages now while its host's share of this turn's slice
+        # for new streams lasts (a small snapshot is done at once, its slot
+        # free again), else in the next turn: a storm of requests must not
+        # each send a chunk within one turn, nor a flooding host (over its
+        # share of the slots) take a second slice every turn.
+        shares, now = self._serve_slice(), self._clock()
+        hosts = [asker.host for asker in self._requesters.values()]
+        stop = None if over_share(hosts, host) else shares.stop_for(host, now)
+        if stop is not None:
+            self._pump(stream, stop)
+            shares.spend(host, self._clock() - now)
         else:
             self._wake(stream)
 
-    def _serve_slice(self) -> float:
-        """The end of this loop turn's slice for newly served streams."""
-        end = self._serve_slice_end
-        if end is None:
-            end = self._serve_slice_end = self._clock() + SNAPSHOT_SLICE
+    def _serve_slice(self) -> SliceShares:
+        """This loop turn's slice for newly served streams, shared by host."""
+        shares = self._serve_shares
+        if shares is None:
+            shares = self._serve_shares = SliceShares(self._clock(), SNAPSHOT_SLICE,
+                                                      self._host_count())  # fmt: skip
             assert self._loop is not None
             self._loop.add_callback(self._end_serve_slice)
-        return end
+        return shares
 
     def _end_serve_slice(self) -> None:
-        self._serve_slice_end = None
+        self._serve_shares = None
+
+    def _host_of(self, stream: AnyStream) -> str | None:
+        asker = self._requesters.get(stream)
+        return None if asker is None else asker.host
+
+    def _host_count(self) -> int:
+        """Hosts holding slots: each gets an equal share of a slice."""
+        return len({asker.host for asker in self._requesters.values()})
 
     def _wait_for_slot(self, identity: bytes, **how: Any) -> None:
         """Hold a request that found every slot taken by a reader, bounded in
@@ -275,13 +287,9 @@ class SnapshotStreams:
             self.counters["snapshots_refused"] += 1
         waiting[identity] = (self._clock(), how)
         self.counters["snapshots_queued"] += 1
-        self._throttle.log(
-            "snapshots_full",
-            logging.INFO,
-            "%d snapshots in flight: requests wait for a slot (%d waiting)",
-            len(self._snapshots),
-            len(waiting),
-        )
+        self._throttle.log("snapshots_full", logging.INFO,
+                           "%d snapshots in flight: requests wait for a slot (%d waiting)",
+                           len(self._snapshots), len(waiting))  # fmt: skip
 
     def _admit_waiting(self) -> None:
         """Serve waiting requests while slots are free or a requester that
@@ -297,13 +305,15 @@ class SnapshotStreams:
             return
         cutoff = self._clock() - _WAITING_MAX_AGE
         while waiting:
-            if len(self._snapshots) >= self.config.max_snapshots and not self._evict_stalest():
-                break
             # Newest first: an older request's client has likely asked again
             # on a fresh socket, and a burst of requesters that read nothing
             # must not stand between a reader and the next slot.
             identity = next(reversed(waiting))
-            at, how = waiting.pop(identity)
+            at, how = waiting[identity]
+            full = len(self._snapshots) >= self.config.max_snapshots
+            if full and not self._evict_stalest(how.get("host")):
+                break
+            del waiting[identity]
             if at < cutoff:
                 self.counters["snapshots_refused"] += 1
                 continue
@@ -335,15 +345,16 @@ class SnapshotStreams:
         """Give ``stream`` a turn in the loop's snapshot slice (once, in order)."""
         if stream not in self._snapshots or self._loop is None or self._stopping:
             return
-        self._pump_queue[stream] = None
+        self._pump_queue.add(stream, self._host_of(stream))
         if not self._pump_scheduled:
             self._pump_scheduled = True
             self._loop.add_callback(self._pump_turn)
 
     def _pump_turn(self) -> None:
         """One loop turn's share of snapshot streaming: the streams that wait,
-        round robin, until :data:`SNAPSHOT_SLICE` is spent; the rest wait for
-        the next turn, after the loop has looked at its sockets and timers.
+        one host after another, until :data:`SNAPSHOT_SLICE` or their host's
+        share of it (:mod:`.fairshare`) is spent; the rest wait for the next
+        turn, after the loop has looked at its sockets and timers.
 
         Each stream used to pump from a callback of its own, each with a whole
         turn's budget, so 200 streams took 2.3 s of one loop turn: the HUGZ
@@ -351,15 +362,23 @@ class SnapshotStreams:
         """
         self._pump_scheduled = False
         queue = self._pump_queue
-        stop_at = self._clock() + SNAPSHOT_SLICE
+        shares = SliceShares(self._clock(), SNAPSHOT_SLICE, self._host_count())
+        spent: list[tuple[AnyStream, str | None]] = []  # their host's share was
         for _ in range(len(queue)):
-            if not queue:
+            stream = queue.pop()
+            if stream is None:
                 break
-            stream = next(iter(queue))
-            del queue[stream]
-            self._pump(stream, stop_at)
-            if self._clock() > stop_at:
+            host, now = self._host_of(stream), self._clock()
+            stop = shares.stop_for(host, now)
+            if stop is None:
+                spent.append((stream, host))
+                continue
+            self._pump(stream, stop)
+            shares.spend(host, self._clock() - now)
+            if self._clock() > shares.end:
                 break
+        for stream, host in spent:
+            queue.add(stream, host)
         if queue and not self._pump_scheduled and self._loop is not None:
             self._pump_scheduled = True
             self._loop.add_callback(self._pump_turn)
@@ -492,7 +511,7 @@ class SnapshotStreams:
         for stream in list(self._unreachable):
             self.abort(stream, "requester went away", gone=True)
 
-    def _evict_stalest(self) -> bool:
+    def _evict_stalest(self, host: str | None) -> bool:
         """A request needs a slot and none is free: the stream whose requester
         has read nothing for longest gives up its own, if for at least
         :data:`_SLOT_IDLE` (a requester that reads nothing must not keep
@@ -501,11 +520,13 @@ class SnapshotStreams:
         A stream waiting for its turn in the pump (``_pump_queue``) waits for
         us, not for its requester: in a storm of requests on a busy machine
         new streams waited that long before their first send, and were
-        evicted, their requesters never answered."""
+        evicted, their requesters never answered.  Nor a stream of a host
+        holding fewer slots than ``host``, the asker's (:mod:`.fairshare`)."""
         for stream, window in self._in_flight.items():
             self._note_progress(stream, window)
         now = self._clock()
-        busy = [*self._peer_syncs, *self._pump_queue]
+        hosts = {stream: asker.host for stream, asker in self._requesters.items()}
+        busy = [*self._peer_syncs, *self._pump_queue, *sheltered(hosts, host)]
         victim = stalest(self._snapshots, now, _SLOT_IDLE, exclude=busy)
         if victim is None:
             return False
@@ -513,6 +534,16 @@ class SnapshotStreams:
         self.counters["snapshots_evicted"] += 1
         self.abort(victim, f"its slot went to a new request ({idle:.1f} s unread)")
         return True
+
+    def _evict_for_host(self, host: str | None) -> None:
+        """A request from ``host`` needs a slot, none is free: a host holding two
+        more gives up its stalest stream's, reading or not (:mod:`.fairshare`)."""
+        hosts = {stream: asker.host for stream, asker in self._requesters.items()
+                 if stream in self._snapshots and stream not in self._peer_syncs}  # fmt: skip
+        victim = yielder(hosts, self._snapshots, host)
+        if victim is not None:
+            self.counters["snapshots_yielded"] += 1
+            self.abort(victim, f"its slot went to a request from {host}, a host with fewer")
 
     def _note_progress(self, stream: AnyStream, window: SendWindow) -> float:
         """Whether the requester read since we last looked (its checkpoints);
@@ -525,7 +556,7 @@ class SnapshotStreams:
         self._peer_syncs.discard(stream)
         self._snapshot_started.pop(stream, None)
         self._unreachable.pop(stream, None)
-        self._pump_queue.pop(stream, None)
+        self._pump_queue.discard(stream)
         self._requesters.pop(stream, None)
         if isinstance(stream, SharedStream):
             stream.close()  # its snapshot loses a reader

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from clone.server.requesters import Requester, from_options, replaced
+from clone.server.requesters import Requester, from_options, replaced, replaced_waiting
 
 A, B = "0123456789abcdef", "fedcba9876543210"
 
@@ -54,3 +54,23 @@ def test_a_client_with_several_subtrees_asks_for_each_at_once() -> None:
     assert replaced({1: b, 2: c}, Requester(b"\x00s3", "c1", None, "/c/")) == [2]
     assert from_options(b"\x00s1", {"requester": "c1"}, "/b/") == b
     assert from_options(b"\x00s1", {"requester": "c1", "subtree": "/c/"}, "/b/") == c
+
+
+def test_waiting_requests_replaced_by_name_or_by_socket_alone() -> None:
+    """The same answers as :func:`replaced` over the waiting requests' kept
+    options; a request that names no requester looks up its own socket's."""
+    waiting = {
+        b"s1": (1.0, {"requester": A, "subtree": ""}),
+        b"s2": (2.0, {"subtree": ""}),
+        b"s3": (3.0, {"requester": A, "subtree": ""}),
+        b"s4": (4.0, {"subtree": "/b/"}),
+    }
+    assert replaced_waiting(waiting, Requester(b"s9", A, None, "")) == [b"s1", b"s3"]
+    assert replaced_waiting(waiting, Requester(b"s2", None, None, "")) == [b"s2"]
+    assert replaced_waiting(waiting, Requester(b"s1", None, None, "")) == [b"s1"]
+    assert replaced_waiting(waiting, Requester(b"s4", None, None, "/c/")) == []  # another subtree
+    assert replaced_waiting(waiting, Requester(b"s9", None, None, "")) == []
+    assert replaced_waiting({}, Requester(b"s1", A)) == []
+    for new in (Requester(b"s9", A, None, ""), Requester(b"s2"), Requester(b"s4", B, None, "/b/")):
+        kept = [(i, from_options(i, how)) for i, (_, how) in waiting.items()]
+        assert replaced_waiting(waiting, new) == replaced(kept, new)

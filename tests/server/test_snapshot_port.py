@@ -37,21 +37,23 @@ KEYS = 2000
 
 
 class _Rig:
-    def __init__(self, ctx: zmq.Context[Any], *, max_snapshots: int = 4) -> None:
+    def __init__(self, ctx: zmq.Context[Any], *, max_snapshots: int = 4,
+                 value: bytes = b"v") -> None:  # fmt: skip
         self.ctx = ctx
         self.port = free_base_port()
         self.config = ServerConfig(port=self.port, max_snapshots=max_snapshots, snapshot_chunk=10)
         self.core = ServerCore(self.config.core, standalone=True)
         self.core.become_active(0.0)
         for n in range(KEYS):
-            frames = [b"/k/%d" % n, bytes(8), (n + 1).to_bytes(16, "big"), b"", b"v"]
+            frames = [b"/k/%d" % n, bytes(8), (n + 1).to_bytes(16, "big"), b"", value]
             self.core.on_kvset(frames, 0.0, 0.0)
         self.core.journal.take()
         self.counters: dict[str, int] = dict.fromkeys(
             (
                 "snapshots_served", "snapshots_aborted", "snapshots_refused",
                 "snapshots_held_heal", "snapshot_stalls", "snapshot_unroutable_retries",
-                "snapshots_idle_aborted", "snapshots_evicted", "snapshots_replaced",
+                "snapshots_idle_aborted", "snapshots_evicted", "snapshots_yielded",
+                "snapshots_replaced",
                 "snapshot_requester_invalid",
                 "snapshots_queued", "snapshot_entries_sent", "snapshots_batched",
                 "snapshot_batches_sent", "internal_errors", "catchups_served",
@@ -134,12 +136,18 @@ class _Rig:
     def _promote(self) -> None:
         self.promotions += 1
 
-    def dealer(self, *metadata: bytes) -> zmq.Socket[Any]:
+    def dealer(self, *metadata: bytes, source: str = "", reads: bool = True) -> zmq.Socket[Any]:
+        """A requester (from the address ``source``, the system's choice if
+        empty); one that does not read holds 1 message and a 4 KB buffer."""
         sock = self.ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         for prop in metadata:
             sock.setsockopt(zmq.METADATA, prop)
-        sock.connect(f"tcp://127.0.0.1:{self.port}")
+        if not reads:
+            sock.setsockopt(zmq.RCVHWM, 1)
+            sock.setsockopt(zmq.RCVBUF, 4096)
+        via = f"{source}:0;" if source else ""
+        sock.connect(f"tcp://{via}127.0.0.1:{self.port}")
         return sock
 
     def read(self) -> None:
@@ -338,3 +346,88 @@ def test_a_client_held_through_a_heal_keeps_only_its_newest_request(rig: _Rig) -
     assert len(held) == 1 and held[0][2]["requester"] is not None
     for sock in socks:
         sock.close(0)
+
+
+def test_a_host_holding_every_slot_gives_one_to_another_hosts_request(
+    ctx: zmq.Context[Any],
+) -> None:
+    """Four requesters from 127.0.0.2 that never read take every slot, and
+    look like readers (their streams wait for the pump, not for them): a
+    request from 127.0.0.1 takes one of theirs at once, and gets its whole
+    snapshot; another from 127.0.0.2 waits (its host holds the most)."""
+    rig = _Rig(ctx, max_snapshots=4, value=bytes(4096))  # 8 MB: more than the kernel takes
+    try:
+        flood = [rig.dealer(source="127.0.0.2", reads=False) for _ in range(4)]
+        for sock in flood:
+            sock.send_multipart([ICANHAZ, b""])
+            rig.read()
+        assert len(rig.streams) == 4
+        healthy = rig.dealer(source="127.0.0.1")
+        healthy.send_multipart([ICANHAZ, b""])
+        rig.read()
+        assert rig.counters["snapshots_yielded"] == 1 and rig.counters["snapshots_queued"] == 0
+        assert len(rig.streams) == 4 and rig.counters["snapshots_aborted"] == 1
+        more = rig.dealer(source="127.0.0.2", reads=False)
+        more.send_multipart([ICANHAZ, b""])
+        rig.read()
+        assert rig.counters["snapshots_yielded"] == 1 and rig.counters["snapshots_queued"] == 1
+        got = _snapshot(rig, healthy)
+        assert len(got) == KEYS + 1 and got[-1][0] == KTHXBAI
+        for sock in (*flood, more, healthy):
+            sock.close(0)
+    finally:
+        rig.close()
+
+
+def test_on_one_host_a_request_still_waits_for_a_slot(ctx: zmq.Context[Any]) -> None:
+    """Every requester on one host (a test, a fleet behind one address): the
+    slots are taken as before, no host gives one up."""
+    rig = _Rig(ctx, max_snapshots=2, value=bytes(4096))
+    try:
+        flood = [rig.dealer(source="127.0.0.2", reads=False) for _ in range(2)]
+        for sock in flood:
+            sock.send_multipart([ICANHAZ, b""])
+            rig.read()
+        same = rig.dealer(source="127.0.0.2")
+        same.send_multipart([ICANHAZ, b""])
+        rig.read()
+        assert rig.counters["snapshots_yielded"] == 0 and rig.counters["snapshots_queued"] == 1
+        assert len(rig.streams) == 2
+        for sock in (*flood, same):
+            sock.close(0)
+    finally:
+        rig.close()
+
+
+@pytest.mark.slow  # the paused requester reads 8 MB a message a turn: about 20 s
+def test_a_flooders_request_does_not_take_an_idle_slot_from_a_host_holding_fewer(
+    ctx: zmq.Context[Any],
+) -> None:
+    """A client on 127.0.0.1 that has read nothing for a while (starved of
+    CPU, say) holds the stalest stream; a request from 127.0.0.2, whose host
+    holds the other three slots, evicts one of its own host's instead."""
+    rig = _Rig(ctx, max_snapshots=4, value=bytes(4096))
+    try:
+        paused = rig.dealer(source="127.0.0.1", reads=False)
+        paused.send_multipart([ICANHAZ, b""])
+        rig.read()
+        started = time.monotonic()
+        rig.run_until(lambda: time.monotonic() > started + 0.5, "its stream idle")
+        flood = [rig.dealer(source="127.0.0.2", reads=False) for _ in range(4)]
+        for sock in flood[:3]:
+            sock.send_multipart([ICANHAZ, b""])
+            rig.read()
+        started = time.monotonic()
+        rig.run_until(lambda: time.monotonic() > started + 1.0, "their streams idle too")
+        flood[3].send_multipart([ICANHAZ, b""])
+        rig.read()
+        # One of theirs gave its slot up, or (every one of theirs waiting for a
+        # pump turn, so not idle) the request waits; the paused one keeps its.
+        c = rig.counters
+        assert c["snapshots_evicted"] + c["snapshots_queued"] == 1 and c["snapshots_yielded"] == 0
+        got = _snapshot(rig, paused)  # it reads again: its stream was kept
+        assert len(got) == KEYS + 1 and got[-1][0] == KTHXBAI
+        for sock in (*flood, paused):
+            sock.close(0)
+    finally:
+        rig.close()

@@ -82,6 +82,15 @@ def _flood_applied(ctx: zmq.Context[Any], host: str, port: int, keys: int, size:
     sub.close()
 
 
+def _via() -> str:
+    """The source part of an attacker's endpoint: it connects from the
+    address ``CLONE_HOSTILE_SOURCE`` (default 127.0.0.2: another host than the
+    healthy client's 127.0.0.1, as a misbehaving node of a fleet would be;
+    empty: the system's choice)."""
+    source = os.environ.get("CLONE_HOSTILE_SOURCE", "127.0.0.2")
+    return f"{source}:0;" if source else ""
+
+
 def _ready() -> None:
     print("ready", flush=True)
 
@@ -132,11 +141,8 @@ def sub_flood_valid(ctx: zmq.Context[Any], host: str, port: int, http: int,
     ever sent each time its connection comes back (every 100 ms after a drop).
     Each message is under the publisher's ``MAXMSGSIZE``, so what stops it is
     the server's per-connection caps, its inbound watch and its flood penalty.
-    It connects from the address ``CLONE_HOSTILE_SOURCE`` (default 127.0.0.2:
-    another host than the healthy client's 127.0.0.1, as a misbehaving node
-    of a fleet would be; empty: the system's choice)."""
-    source = os.environ.get("CLONE_HOSTILE_SOURCE", "127.0.0.2")
-    via = f"{source}:0;" if source else ""
+    It connects from another host (:func:`_via`)."""
+    via = _via()
     socks = []
     for _ in range(16):
         s = ctx.socket(zmq.XSUB)
@@ -184,13 +190,16 @@ def slow_subscribers(ctx: zmq.Context[Any], host: str, port: int, http: int,
 
 
 def _requesters(ctx: zmq.Context[Any], host: str, port: int, count: int) -> None:
+    """``count`` DEALERs from another host (:func:`_via`) that ask for a
+    snapshot and never read."""
+    via = _via()
     dealers = []
     for _ in range(count):
         d = ctx.socket(zmq.DEALER)
         d.linger = 0
         d.rcvhwm = 1
         d.setsockopt(zmq.RCVBUF, 4096)
-        d.connect(f"tcp://{host}:{port}")
+        d.connect(f"tcp://{via}{host}:{port}")
         dealers.append(d)
     for d in dealers:
         d.send_multipart([ICANHAZ, b""])

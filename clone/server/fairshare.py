@@ -1,0 +1,193 @@
+"""Snapshot slots and pump turns shared fairly between requesting hosts (pure).
+
+Why: 200 snapshot requesters from one host that never read took all 64
+slots the moment they asked, and while the kernel's buffers took their first
+megabytes (about 1.8 MB a connection on loopback) they looked like readers:
+no slot came free for 1.4 s, and the pump then gave a healthy client's
+stream one turn in 65.  A healthy client on another host synced in 1.7 to
+2.5 s instead of 0.1 to 0.4.  A connection, a routing id or a requester id
+costs a flooder nothing to multiply; the host it connects from does.  So a
+host is the unit of fairness (the Guide's Clone serves a fleet of nodes, and
+one misbehaving node must cost the others nothing):
+
+* **Slots** (:func:`crowded_host`): a request that finds every slot taken,
+  from a host holding at least two fewer than the host holding the most,
+  takes one of that host's (its stalest stream gives its slot up at once,
+  reading or not).  Hosts end up with equal shares; a host alone, or every
+  requester on one host (a test, a fleet behind one address), is served as
+  before.
+* **Idle slots** (:func:`sheltered`): the stream of a requester that has
+  read nothing for a while gives its slot to a new request, but not to one
+  from a host holding more slots than its own: a flooder's request does not
+  take a slot from a reader on another host that paused (a client starved
+  of CPU for a quarter second on a busy machine would lose its stream, and
+  sync again only after its silence timeout).
+* **Turns** (:class:`HostRoundRobin`): the pump's queue takes one stream of
+  each host in turn, so a host's streams together get one turn per round,
+  however many it has.
+* **Time** (:class:`SliceShares`): of the loop's slice for snapshots (for the
+  queue's turns, and for the first messages of new streams), each host
+  holding a slot may spend an equal share.  Turns alone were not enough: a
+  reader's stream sends its window and waits for its requester, so it leaves
+  the queue within a turn, and the flooder's streams took the rest of every
+  slice (most of the loop's time while a healthy client's stream ran); the
+  loop's turns came round that much more slowly, and the reader got one
+  window per turn.  With shares the flooder's streams spend half the slice
+  at most (two hosts), the turn ends sooner and the reader's next window
+  comes sooner.  And a host holding more than an equal share of the slots
+  in use (:func:`over_share`) sends no first messages at once for its new
+  streams: they wait for their host's turns, instead of spending a share of
+  a second slice (the one for new streams) in every turn that admits one.
+
+A request whose host is not known (held through a heal, deferred by a vote:
+rare) neither takes a slot from a host nor gives one up for a host; for
+turns and time its streams count as one more host, ``None``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from typing import Generic, TypeVar
+
+__all__ = ["HostRoundRobin", "SliceShares", "crowded_host", "over_share", "sheltered", "yielder"]
+
+S = TypeVar("S", bound=Hashable)
+
+
+def crowded_host(slots: Mapping[str | None, int], asker: str | None) -> str | None:
+    """The host that must give a slot to ``asker``'s request (``slots``: host
+    -> streams it holds), or None: ``asker`` already has its fair share.
+
+    The host holding the most, if it holds at least two more than ``asker``
+    (with one more, taking one would only move the imbalance).  Of hosts
+    holding equally many, the first in ``slots``.  Never for an unknown
+    host's request, nor from an unknown host's streams."""
+    if asker is None:
+        return None
+    mine = slots.get(asker, 0)
+    most: str | None = None
+    most_held = mine + 1
+    for host, held in slots.items():
+        if host is not None and host != asker and held > most_held:
+            most, most_held = host, held
+    return most
+
+
+def yielder(hosts: Mapping[S, str | None], progress: Mapping[S, float],
+            asker: str | None) -> S | None:  # fmt: skip
+    """The stream whose slot goes to a request from ``asker``, or None
+    (``hosts``: each stream holding a slot -> its host; ``progress``: stream
+    -> the time of its requester's last progress): the stalest stream of the
+    :func:`crowded_host`, if there is one."""
+    slots: dict[str | None, int] = {}
+    for host in hosts.values():
+        slots[host] = slots.get(host, 0) + 1
+    crowded = crowded_host(slots, asker)
+    if crowded is None:
+        return None
+    theirs = [stream for stream, host in hosts.items() if host == crowded]
+    return min(theirs, key=progress.__getitem__)
+
+
+def sheltered(hosts: Mapping[S, str | None], asker: str | None) -> set[S]:
+    """The streams whose slots a request from ``asker`` may not take even if
+    idle (``hosts``: each stream holding a slot -> its host): those of hosts
+    holding fewer slots than ``asker``'s.  None for an unknown host's request."""
+    if asker is None:
+        return set()
+    slots: dict[str | None, int] = {}
+    for host in hosts.values():
+        slots[host] = slots.get(host, 0) + 1
+    mine = slots.get(asker, 0)
+    return {stream for stream, host in hosts.items() if slots[host] < mine}
+
+
+def over_share(hosts: Sequence[str | None], host: str | None) -> bool:
+    """Whether ``host`` holds more than an equal share of the slots in use
+    (``hosts``: the host of each stream holding one).  Never for the only
+    host."""
+    return hosts.count(host) * len(set(hosts)) > len(hosts)
+
+
+class HostRoundRobin(Generic[S]):
+    """The pump's queue: streams waiting for a turn, one host after another.
+
+    Within a host, first in first out; across hosts, round robin: the host
+    whose stream was just taken goes to the back of the round.  Adding a
+    stream already queued keeps its place.
+    """
+
+    __slots__ = ("_by_host", "_host_of")
+
+    def __init__(self) -> None:
+        # host -> its queued streams, in order; the hosts in round order.
+        self._by_host: dict[str | None, dict[S, None]] = {}
+        self._host_of: dict[S, str | None] = {}
+
+    def __len__(self) -> int:
+        return len(self._host_of)
+
+    def __contains__(self, stream: object) -> bool:
+        return stream in self._host_of
+
+    def __iter__(self) -> Iterator[S]:
+        return iter(list(self._host_of))
+
+    def add(self, stream: S, host: str | None) -> None:
+        """Queue ``stream`` of ``host`` (no-op if queued)."""
+        if stream in self._host_of:
+            return
+        self._host_of[stream] = host
+        self._by_host.setdefault(host, {})[stream] = None
+
+    def discard(self, stream: S) -> None:
+        """Take ``stream`` out of the queue, if it is there."""
+        if stream not in self._host_of:
+            return
+        host = self._host_of.pop(stream)
+        queued = self._by_host[host]
+        del queued[stream]
+        if not queued:
+            del self._by_host[host]
+
+    def pop(self) -> S | None:
+        """The next stream to pump (None: the queue is empty)."""
+        if not self._by_host:
+            return None
+        host = next(iter(self._by_host))
+        queued = self._by_host.pop(host)
+        stream = next(iter(queued))
+        del queued[stream]
+        del self._host_of[stream]
+        if queued:
+            self._by_host[host] = queued  # to the back of the round
+        return stream
+
+    def clear(self) -> None:
+        self._by_host.clear()
+        self._host_of.clear()
+
+
+class SliceShares:
+    """One slice of loop time (from ``now``, ``length`` seconds) split
+    equally between ``hosts`` hosts: what each host's streams may still
+    spend of it.  The caller says what they spent (:meth:`spend`)."""
+
+    __slots__ = ("_spent", "end", "share")
+
+    def __init__(self, now: float, length: float, hosts: int) -> None:
+        self.end = now + length
+        self.share = length / max(1, hosts)
+        self._spent: dict[str | None, float] = {}
+
+    def stop_for(self, host: str | None, now: float) -> float | None:
+        """When a stream of ``host`` pumped from ``now`` must stop, or None:
+        the host's share, or the slice, is spent."""
+        left = self.share - self._spent.get(host, 0.0)
+        if left <= 0 or now >= self.end:
+            return None
+        return min(self.end, now + left)
+
+    def spend(self, host: str | None, seconds: float) -> None:
+        """``host``'s streams spent ``seconds`` of the slice."""
+        self._spent[host] = self._spent.get(host, 0.0) + seconds
