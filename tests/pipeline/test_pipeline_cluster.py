@@ -9,7 +9,9 @@ executor JVM: their executors run no Python of ours, only Spark's own file
 writing and SQL, so what they check (the master reaches the CLI, the tasks run
 and write in a JVM other than the driver's) needs one; each executor JVM is
 seconds of CPU on a two-core machine, where the suite must end in minutes
-(issue 24).  Local mode is covered by test_pipeline_e2e.py.
+(issue 24).  Every JVM of these jobs gets the shared session's JIT and
+collector flags (``child_conf``): they are mostly starting, and the flags
+halved their time.  Local mode is covered by test_pipeline_e2e.py.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from clone.pipeline.session import (
 )
 from tests.support.history_exports import TIMED, TIMED_RATES, rate_rows, write_history_export
 from tests.support.servers import ServerProcess, Servers
-from tests.support.spark_session import CLUSTER_MASTER, child_env, spark_script
+from tests.support.spark_session import CLUSTER_MASTER, child_conf, child_env, spark_script
 
 # The shortest valid command line of every subcommand that starts Spark.
 SPARK_COMMAND_LINES = [
@@ -233,7 +235,7 @@ def test_spark_submit_load_on_local_cluster(servers: Servers, tmp_path: Path) ->
     )
     built = write_package(tmp_path / "dist")
     proc = _run_child(
-        [spark_script("spark-submit"), "--master", CLUSTER_MASTER,
+        [spark_script("spark-submit"), "--master", CLUSTER_MASTER, *child_conf(),
          "--conf", "spark.executor.memory=1g", "--py-files", built.zip_path, built.driver_path,
          "load", "--master", "local[1]",  # ignored: spark-submit's master wins
          "--conf", "spark.sql.shuffle.partitions=2",
@@ -274,7 +276,7 @@ def test_export_on_local_cluster(servers: Servers, tmp_path: Path) -> None:
 
     out = tmp_path / "export"
     proc = _run_child(
-        [sys.executable, "-m", "clone.pipeline", "export", "--master", ONE_EXECUTOR,
+        [sys.executable, "-m", "clone.pipeline", "export", "--master", ONE_EXECUTOR, *child_conf(),
          "--conf", "spark.executor.memory=1g", "--servers", ",".join(eps), "--output", str(out)],
         tmp_path,
     )  # fmt: skip
@@ -295,7 +297,7 @@ def test_audit_on_local_cluster(tmp_path: Path) -> None:
     hist = write_history_export(tmp_path / "hist", TIMED, 0, 8)
     out = tmp_path / "audit"
     proc = _run_child(
-        [sys.executable, "-m", "clone.pipeline", "audit", "--master", ONE_EXECUTOR,
+        [sys.executable, "-m", "clone.pipeline", "audit", "--master", ONE_EXECUTOR, *child_conf(),
          "--conf", "spark.executor.memory=1g", "--input", str(hist), "--output", str(out),
          "--at", "5", "--from", "2", "--to", "8", "--rate-window", "10"],
         tmp_path,

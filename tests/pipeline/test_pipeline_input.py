@@ -18,7 +18,7 @@ from clone import Clone
 from clone.pipeline.cli import main
 from clone.wire.protocol import MAX_KEY_BYTES, MAX_VALUE_BYTES
 from tests.support.servers import Servers
-from tests.support.spark_session import child_env
+from tests.support.spark_session import child_conf, child_env
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -221,7 +221,7 @@ def test_json_line_that_is_not_json(
 def _child(argv: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
     """clone-pipeline in a process of its own: its JVM's stderr is what a user sees."""
     return subprocess.run(
-        [sys.executable, "-m", "clone.pipeline", *argv], cwd=cwd, env=child_env(),
+        [sys.executable, "-m", "clone.pipeline", *argv, *child_conf()], cwd=cwd, env=child_env(),
         capture_output=True, text=True, timeout=200,
     )  # fmt: skip
 

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CLUSTER_MASTER",
+    "child_conf",
     "child_env",
     "discard_session",
     "usable_session",
@@ -88,13 +89,27 @@ def child_env() -> dict[str, str]:
 #: back to back filled it ("Out of space in CodeCache", the SparkContext
 #: stopped, the drill-report tests failed in a clean-clone run): it gets the
 #: 240 MB a tiered JVM has.  ``defaultJavaOptions`` so that the pipeline's own
-#: ``extraJavaOptions`` (the log4j file) stay as they are.
+#: ``extraJavaOptions`` (the log4j file) stay as they are.  The child Spark
+#: processes get the same flags through :func:`child_conf`.
+JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -XX:ReservedCodeCacheSize=240m"
 TEST_CONF: dict[str, str] = {
     "spark.sql.shuffle.partitions": "2",
-    "spark.driver.defaultJavaOptions": (
-        "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -XX:ReservedCodeCacheSize=240m"
-    ),
+    "spark.driver.defaultJavaOptions": JVM_OPTIONS,
 }
+
+
+def child_conf() -> list[str]:
+    """``--conf`` arguments (for ``spark-submit`` or ``clone-pipeline``) that
+    give a child Spark's driver and executor JVMs the flags of
+    :data:`TEST_CONF`.  A child runs one small job and exits: its JVMs are
+    mostly starting, where the optimising compiler's threads cost CPU they
+    never win back (a local-cluster job is three JVMs): side by side, the
+    four child-JVM tests took 76-103 s with these flags, 182-218 s without
+    (docs/testing.md, "Fifth pass")."""
+    return [
+        "--conf", f"spark.driver.defaultJavaOptions={JVM_OPTIONS}",
+        "--conf", f"spark.executor.defaultJavaOptions={JVM_OPTIONS}",
+    ]  # fmt: skip
 
 
 @functools.cache
