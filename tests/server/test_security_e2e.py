@@ -512,6 +512,9 @@ def test_max_snapshots_a_third_request_waits_then_takes_a_stalled_requesters_slo
                 return entries
             entries += 1
 
+    # The servers fixture's own readiness probe may count an aborted
+    # snapshot at start (its requester gone first, on a busy machine).
+    aborted_at_start = stats()["snapshots_aborted"]
     slow = [request(slow=True) for _ in range(2)]
     eventually(lambda: stats()["snapshots_in_flight"] == 2, 10, "two snapshots")
     before = stats()
@@ -528,7 +531,7 @@ def test_max_snapshots_a_third_request_waits_then_takes_a_stalled_requesters_slo
     # Only slow streams were aborted: the evicted one, and the other if a busy
     # machine let it reach --snapshot-stall-timeout or its unreadable pipe
     # count as gone (a CI run); never the third's, which read all 4000.
-    assert 1 <= after["snapshots_aborted"] <= 2, after
+    assert 1 <= after["snapshots_aborted"] - aborted_at_start <= 2, after
     for dealer in slow:
         dealer.close(linger=0)
     eventually(lambda: stats()["snapshots_in_flight"] == 0, 20, "the slow one aborted")
