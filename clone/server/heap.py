@@ -15,7 +15,9 @@ while reference counting still frees any of them that is dropped.  Called
 where the store's dict is (re)built: at the start (after a data directory was
 loaded, or on the empty in-memory store) and after a full sync from the peer
 replaced the state; and when a snapshot of :data:`FREEZE_KEYS` keys or more
-has copied the key list it walks.  A store that grows by writes keeps its
+has copied the key list it walks (by the opener of the snapshot port's
+streams, :mod:`clone.server.opening`: a process-wide step stays out of the
+sans-IO stream).  A store that grows by writes keeps its
 (frozen) dict.  What it costs: a cycle that is garbage at that moment is
 never collected, a leak bounded by the cycles alive at each of those moments.
 """

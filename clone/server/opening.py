@@ -20,6 +20,7 @@ from clone.security import PEER_USER
 from clone.server.access import Access
 from clone.server.core import ServerCore
 from clone.server.delta import DeltaStream
+from clone.server.heap import FREEZE_KEYS, freeze_state
 from clone.server.sharedsnap import ENTRY_OVERHEAD, SharedSnapshots, SharedStream, ShareKey
 from clone.server.snapshot import SnapshotStream
 from clone.wire.control import view_id
@@ -108,6 +109,10 @@ class Opener:
             allowed=allowed,
             end_properties=end_properties,
         )
+        if isinstance(stream, SnapshotStream) and stream.total_keys >= FREEZE_KEYS:
+            # Its key list would be walked item by item by every full collection:
+            # a process-wide step, so here and not in the stream (clone.server.heap).
+            freeze_state()
         if isinstance(stream, DeltaStream):
             if since is not None and not since.history:
                 # The peer always asks for the applied list too; a client never does.

@@ -46,7 +46,6 @@ from itertools import accumulate, compress, repeat
 from operator import itemgetter
 from typing import cast
 
-from clone.server.heap import FREEZE_KEYS, freeze_state
 from clone.server.store import Entry, Served, Store
 from clone.wire.batch import batch_size, encode_kvbatch
 from clone.wire.codec import Properties, encode_kthxbai
@@ -136,8 +135,6 @@ class SnapshotStream:
         self._served = served
         self._keys = store.raw_keys()
         self._total = len(self._keys)
-        if self._total >= FREEZE_KEYS:
-            freeze_state()  # a list the collector would walk, key by key (clone.server.heap)
         self._index = 0
         self._current: Sequence[bytes] | None = None
         self._current_entries = 0  # entries in _current

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from clone.security.acl import Rights
+from clone.server import opening
 from clone.server.access import Access
 from clone.server.config import ServerConfig
 from clone.server.core import ServerCore
@@ -310,3 +311,21 @@ def test_a_peer_sync_and_a_catch_up_are_never_shared() -> None:
 
 def _since(last: list[bytes]) -> SinceRequest:
     return SinceRequest(int.from_bytes(last[1], "big"), update_digest(last))
+
+
+def test_a_snapshot_of_freeze_keys_or_more_freezes_the_heap_and_a_smaller_one_does_not(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The opener (not the sans-IO stream) moves what is alive to the
+    collector's permanent generation once a snapshot's key list is that long
+    (clone.server.heap); here with the threshold at the core's 200 keys."""
+    frozen: list[int] = []
+    monkeypatch.setattr(opening, "freeze_state", lambda: frozen.append(1))
+    opener, _ = _opener(_core())
+    monkeypatch.setattr(opening, "FREEZE_KEYS", 201)
+    _open(opener, b"small")
+    assert frozen == []
+    monkeypatch.setattr(opening, "FREEZE_KEYS", 200)
+    _open(opener, b"at-the-threshold", applied=True)  # a peer's: a private stream
+    assert frozen == [1]
+
