@@ -139,16 +139,8 @@ class Reads(ClientHandle):
         return self._listing(prefix, page)
 
     def _listing(self, prefix: str, page: int) -> Iterator[Entry]:
-        keys = int(json.loads(self._request(verbs.STATUS, [])[0])["keys"])
-        pipe = self._pipe
-        with pipe.lock:
-            if pipe.closed:
-                raise ClosedError("this Clone client is closed")
-            # Sorting is the agent's only per-key work here: ITEMS's allowance.
-            listing = pipe.request_locked(
-                verbs.LIST, [prefix.encode("utf-8")],
-                self.command_timeout + keys * _ITEMS_SECONDS_PER_KEY,
-            )[0]  # fmt: skip
+        # Sorting is the agent's only per-key work here: ITEMS's allowance.
+        listing = self._request_per_key(verbs.LIST, prefix)[0]
         more = True
         try:
             while more:
@@ -172,22 +164,24 @@ class Reads(ClientHandle):
     def _rows(self, prefix: str) -> list[tuple[str, tuple[int, bytes, Properties, bytes]]]:
         if not isinstance(prefix, str):
             raise TypeError(f"prefix must be str, not {type(prefix).__name__}")
-        # The agent sorts and packs every row in one go: seconds at a million
-        # keys on a busy machine.  The wait scales with the keys it holds
-        # ("did not answer ITEMS within 5 s" at 1M keys, before).
+        reply = self._request_per_key(verbs.ITEMS, prefix)
+        # One marshal frame from our own agent thread, never from the network.
+        rows: list[tuple[str, tuple[int, bytes, Properties, bytes]]] = marshal.loads(reply[0])
+        return rows
+
+    def _request_per_key(self, verb: bytes, prefix: str) -> list[bytes]:
+        """Ask the agent for work that grows with the keys it holds (sorting and
+        packing rows: seconds at a million keys on a busy machine): the wait
+        is ``command_timeout`` plus 20 us per key, from its key count ("did
+        not answer ITEMS within 5 s" at 1M keys, before)."""
         keys = int(json.loads(self._request(verbs.STATUS, [])[0])["keys"])
         pipe = self._pipe
         with pipe.lock:
             if pipe.closed:
                 raise ClosedError("this Clone client is closed")
-            reply = pipe.request_locked(
-                verbs.ITEMS,
-                [prefix.encode("utf-8")],
-                self.command_timeout + keys * _ITEMS_SECONDS_PER_KEY,
+            return pipe.request_locked(
+                verb, [prefix.encode("utf-8")], self.command_timeout + keys * _ITEMS_SECONDS_PER_KEY
             )
-        # One marshal frame from our own agent thread, never from the network.
-        rows: list[tuple[str, tuple[int, bytes, Properties, bytes]]] = marshal.loads(reply[0])
-        return rows
 
     def status(self) -> Status:
         raw = json.loads(self._request(verbs.STATUS, [])[0])

@@ -69,6 +69,17 @@ def _value_at(server: ServerProcess) -> tuple[bytes | None, int]:
     return with_key.get(KEY.encode()), sequence
 
 
+def _assert_kept(active: ServerProcess, reply: Reply, why: str = "") -> None:
+    """``active``, restarted after both were killed, serves the value ``b"2"``
+    the confirmed compare-and-set wrote, at its confirmed sequence."""
+    value, sequence = _value_at(active)
+    assert (value, sequence) == (b"2", reply.sequence), (
+        f"a compare-and-set confirmed with sequence {reply.sequence} was lost when both"
+        f" servers were killed right after its reply: {active.name} serves {value!r}"
+        f" at sequence {sequence}{why}"
+    )
+
+
 def test_a_retried_call_is_confirmed_only_once_on_disk_and_survives_kill9_of_both(
     servers: Servers,
 ) -> None:
@@ -110,13 +121,8 @@ def test_a_retried_call_is_confirmed_only_once_on_disk_and_survives_kill9_of_bot
         ctx.term()
     assert reply.ok and reply.sequence == created.sequence + 1, reply
     active, _ = _start_both(primary, backup)
-    value, sequence = _value_at(active)
-    assert (value, sequence) == (b"2", reply.sequence), (
-        f"a compare-and-set confirmed with sequence {reply.sequence} was lost when both"
-        f" servers were killed right after its reply: {active.name} serves {value!r}"
-        f" at sequence {sequence}"
-        + (" (it was confirmed while its commit could not land)" if early else "")
-    )
+    why = " (it was confirmed while its commit could not land)" if early else ""
+    _assert_kept(active, reply, why)
     assert early is None, f"a retry was confirmed before its commit landed: {early}"
 
 
@@ -163,12 +169,7 @@ def test_a_call_and_its_retry_queued_behind_a_held_commit_are_confirmed_once_on_
         ctx.term()
     assert reply.ok, reply
     active, _ = _start_both(primary, backup)
-    value, sequence = _value_at(active)
-    assert (value, sequence) == (b"2", reply.sequence), (
-        f"a compare-and-set confirmed with sequence {reply.sequence} was lost when both"
-        f" servers were killed right after its reply: {active.name} serves {value!r}"
-        f" at sequence {sequence}"
-    )
+    _assert_kept(active, reply)
 
 
 @pytest.mark.parametrize("rounds", [3])
