@@ -116,7 +116,7 @@ _OFF_CPU = re.compile(r"was off CPU (\d+) ms;.* its other Python threads waited 
 def _own_ms(line: str) -> int | None:
     """Of a late-heartbeat warning, the ms the loop itself held the heartbeat
     back (None: not such a warning): the lateness less the loop thread's wait
-    for a CPU, and less its time off CPU while the server's other threads
+    for a CPU, and less its time off CPU while the server's other Python threads
     waited for one (the interpreter lock held by a thread the host did not
     run: clone.server.lateness).  What is left is the loop's running and
     whatever else it blocked on (the disk, a lock of its own)."""
@@ -252,7 +252,7 @@ def _split_with_backlog(servers: Servers) -> tuple[_Split, int]:
     sending.  The step-down itself is a role change, whose commits wait for
     their fsync on the loop, and its resync is the ordinary one: neither is
     what the heal bounds (docs/failover.md, "Healing in bounded steps"); at
-    load 25 one such step-down took 1.3 s, 0.65 s of it a commit."""
+    load 30 one such step-down took 1.3 s, 0.65 s of it a commit."""
     pair = _Split(servers)
     pair.cut()
     backup = pair.backup
