@@ -9,11 +9,17 @@ previous heartbeat into: *ran* (the loop's own work, ours or libzmq's in its
 calls), *waited for a CPU* (the machine was busy: the scheduler, not our code)
 and the rest, *off CPU* (idle in ``epoll``, or blocked: the interpreter lock
 held by another thread, a page fault on disk); beside them, the CPU time of
-all the process's threads (another of ours busy meanwhile) and the loop
-thread's major page faults (``/proc/thread-self/stat``: off CPU reading a page
-of code or data back from disk, as a process near its memory cgroup's limit
-does).  A stall mostly *ran* is ours
-to slice; one mostly *waited* is the machine's.
+all the process's threads (another of ours busy meanwhile), the time the
+process's *other* Python threads waited for a CPU (``/proc/self/task/*/schedstat``)
+and the loop thread's major page faults (``/proc/thread-self/stat``: off CPU
+reading a page of code or data back from disk, as a process near its memory
+cgroup's limit does).  A stall mostly *ran* is ours to slice; one mostly
+*waited* is the machine's.  So is an *off CPU* one while our other threads
+waited for a CPU: the loop thread needs the interpreter lock back after every
+``epoll`` and takes it from whichever of our threads holds it (the commit
+writer, between its SQLite calls); on a starved host that thread, runnable,
+waits for a CPU before it can let go, and the loop waits, off CPU, behind it
+(:meth:`IntervalSplit.host_off_cpu_ms`).
 
 :func:`parse_schedstat` and :func:`split_interval` are pure; :func:`read_loop_sample`
 is the one read of the kernel (None where there is no such file: the split
@@ -22,6 +28,7 @@ is then left out).
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -36,6 +43,7 @@ __all__ = [
 
 _SCHEDSTAT = "/proc/thread-self/schedstat"
 _STAT = "/proc/thread-self/stat"
+_TASKS = "/proc/self/task"
 #: majflt's place among the fields after the command's closing parenthesis
 #: (proc(5): field 12; the state, field 3, comes first).
 _MAJFLT_AFTER_COMM = 12 - 3
@@ -50,6 +58,7 @@ class LoopSample:
     waited: float  # runnable, waiting for a CPU
     process: float  # CPU time of all the process's threads
     major_faults: int = 0  # the thread's page faults that read from disk
+    others_waited: float = 0.0  # the process's other Python threads' waits for a CPU
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +70,16 @@ class IntervalSplit:
     waited_ms: int
     process_ms: int  # every thread's CPU: far above ran_ms, another thread was busy
     major_faults: int = 0
+    others_waited_ms: int = 0  # our other Python threads, runnable, waiting for a CPU
+
+    def host_off_cpu_ms(self) -> int:
+        """Of the loop's time off CPU, at most what our other threads spent
+        waiting for a CPU meanwhile: the loop blocked on the interpreter lock
+        held by one the host did not run (the host's doing, as the loop's own
+        wait for a CPU is).  An upper bound: their waits are not known to
+        have overlapped the loop's block, only to have fitted in the same
+        interval."""
+        return min(self.off_cpu_ms, self.others_waited_ms)
 
     @property
     def off_cpu_ms(self) -> int:
@@ -72,7 +91,8 @@ class IntervalSplit:
         return (
             f"of the last {self.wall_ms} ms the loop thread ran {self.ran_ms} ms, "
             f"waited {self.waited_ms} ms for a CPU and was off CPU {self.off_cpu_ms} ms; "
-            f"all the process's threads ran {self.process_ms} ms; "
+            f"all the process's threads ran {self.process_ms} ms, "
+            f"its other Python threads waited {self.others_waited_ms} ms for a CPU; "
             f"the loop thread's major page faults: {self.major_faults}"
         )
 
@@ -112,7 +132,29 @@ def split_interval(before: LoopSample, after: LoopSample) -> IntervalSplit:
         waited_ms=max(0, round((after.waited - before.waited) * 1000)),
         process_ms=max(0, round((after.process - before.process) * 1000)),
         major_faults=max(0, after.major_faults - before.major_faults),
+        others_waited_ms=max(0, round((after.others_waited - before.others_waited) * 1000)),
     )
+
+
+def _others_waited() -> float:
+    """Seconds the process's other Python threads (those that can hold the
+    interpreter lock; libzmq's I/O threads never do) have waited for a CPU,
+    0 where the kernel does not say.  A thread that ended since the last
+    sample takes its waits with it: the difference is then low, never high."""
+    own = threading.get_native_id()
+    total = 0.0
+    for thread in threading.enumerate():
+        tid = thread.native_id
+        if tid is None or tid == own:
+            continue
+        try:
+            with open(f"{_TASKS}/{tid}/schedstat", encoding="ascii") as f:
+                parsed = parse_schedstat(f.read())
+        except OSError:
+            continue  # ended meanwhile
+        if parsed is not None:
+            total += parsed[1]
+    return total
 
 
 def read_loop_sample(now: float) -> LoopSample | None:
@@ -132,4 +174,4 @@ def read_loop_sample(now: float) -> LoopSample | None:
     except OSError:
         faults = 0
     return LoopSample(wall=now, ran=parsed[0], waited=parsed[1], process=time.process_time(),
-                      major_faults=faults)
+                      major_faults=faults, others_waited=_others_waited())

@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -14,6 +16,7 @@ from clone.server.config import ServerConfig
 from clone.server.lateness import (
     IntervalSplit,
     LoopSample,
+    _others_waited,
     parse_major_faults,
     parse_schedstat,
     read_loop_sample,
@@ -72,6 +75,38 @@ def test_a_stall_spent_waiting_for_a_cpu_is_the_machines() -> None:
     assert (split.ran_ms, split.waited_ms, split.off_cpu_ms) == (20, 700, 30)
 
 
+def test_off_cpu_behind_a_starved_thread_of_ours_is_the_hosts() -> None:
+    # The loop off CPU 300 ms while the commit writer, holding the
+    # interpreter lock, waited 280 ms for a CPU: 280 ms of the block are the
+    # host's (at most the time off CPU, however long the others waited).
+    before = LoopSample(wall=0.0, ran=0.0, waited=0.0, process=0.0, others_waited=1.0)
+    after = LoopSample(wall=1.09, ran=0.026, waited=0.754, process=0.031, others_waited=1.28)
+    split = split_interval(before, after)
+    assert (split.off_cpu_ms, split.others_waited_ms, split.host_off_cpu_ms()) == (310, 280, 280)
+    assert "its other Python threads waited 280 ms for a CPU" in split.describe()
+    longer = split_interval(before, LoopSample(1.09, 0.026, 0.754, 0.031, others_waited=2.0))
+    assert longer.host_off_cpu_ms() == 310
+    alone = split_interval(before, LoopSample(1.09, 0.026, 0.754, 0.031, others_waited=1.0))
+    assert alone.host_off_cpu_ms() == 0  # blocked while nothing of ours waited: the loop's
+
+
+def test_only_the_other_python_threads_waits_are_summed(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # /proc/self/task as the kernel lays it out: this thread, two other Python
+    # threads (one ended before its file was read), and a libzmq I/O thread,
+    # which never holds the interpreter lock and is not counted.
+    own = threading.get_native_id()
+    for tid, line in [(own, "5 9000000000 1"), (101, "7 250000000 3"), (103, "1 2 1"),
+                      (104, "1 40000000000 9")]:  # fmt: skip
+        (tmp_path / str(tid)).mkdir()
+        (tmp_path / str(tid) / "schedstat").write_text(line + "\n")
+    threads = [SimpleNamespace(native_id=n) for n in (own, 101, 102, 103, None)]
+    monkeypatch.setattr("clone.server.lateness._TASKS", str(tmp_path))
+    monkeypatch.setattr("clone.server.lateness.threading.enumerate", lambda: threads)
+    assert _others_waited() == pytest.approx(0.25 + 2e-9)
+
+
 def test_counters_that_went_back_give_no_negative_time() -> None:
     # A sample from another thread, or a counter reset: never below zero.
     split = split_interval(LoopSample(5.0, 3.0, 3.0, 3.0), LoopSample(4.0, 1.0, 1.0, 1.0))
@@ -128,7 +163,8 @@ def test_a_late_heartbeat_says_where_the_wait_went(
         "heartbeat ran 650 ms late, 700 ms of it waiting for a CPU:"
         " the host kept the server from running (")
     assert "of the last 900 ms the loop thread ran 100 ms, waited 700 ms for a CPU" in line
-    assert "all the process's threads ran 500 ms; the loop thread's major page faults: 0" in line
+    assert ("all the process's threads ran 500 ms, its other Python threads waited 0 ms"
+            " for a CPU; the loop thread's major page faults: 0") in line
 
 
 def test_without_the_kernels_counters_the_warning_is_the_plain_one(
