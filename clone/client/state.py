@@ -153,7 +153,8 @@ class AgentState:
         self._requests = 0  # snapshot requests sent to the current server this round
         self._request_id = 0  # every request, ever: a batch stops when it changes
         self._silence_at: float | None = None
-        self._reask_at: float | None = None  # when to repeat an unanswered request
+        # When to repeat a request that is unanswered, or whose answer stalled.
+        self._reask_at: float | None = None
         self._answered = False  # snapshot data arrived for the current request
         # The current server showed itself active this round (see ACTIVE_ELSEWHERE).
         self._shown_active = False
@@ -334,8 +335,18 @@ class AgentState:
             self._alive(now)
 
     def _got_snapshot_data(self, now: float) -> None:
+        """Our request is being answered: no re-ask while its data keeps
+        coming, and one if it stops for the round's window without its end.
+
+        HUGZ and updates then prove the server alive (they move the silence
+        deadline), not that our stream still flows: a server that dropped it
+        -- a late copy of one of our re-asks, arriving after the newest,
+        replaced it on a loaded machine -- kept a resyncing client waiting
+        for it for good, heartbeats and all.  Asking again costs a stream;
+        the server is alive, so we stay on it.
+        """
         self._answered = True
-        self._reask_at = None
+        self._reask_at = now + self._silence_allowed()
         self._alive(now)
 
     def _subtree_of(self, key: str) -> str | None:
