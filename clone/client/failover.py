@@ -58,15 +58,6 @@ class Failover(AgentState):
     def _reask(self, server: int, payload: Any, now: float) -> list[Action]:
         assert self.current is not None
         self.counters.retries += 1
-        if self._answered:
-            # Its data stopped (state.py, _got_snapshot_data): not refused, lost.
-            self.counters.stalled_syncs += 1
-            log.info(
-                "the snapshot from %s stopped coming for %.3g s before its end; asking again",
-                self.servers[self.current],
-                self._silence_allowed(),
-            )
-            return self._request(now)
         log.debug(
             "no snapshot from %s yet; asking again (%d of %d)",
             self.servers[self.current],
