@@ -94,6 +94,8 @@ class AgentCounters:
     catchups_abandoned: int = 0
     resyncs: int = 0  # snapshots started after the first one, for any reason
     retries: int = 0  # snapshot requests repeated to the same server (re-asks)
+    # of those, re-asks after an answer stopped before its end (10 HUGZ without data)
+    stalled_syncs: int = 0
     failovers: int = 0  # switches to another server, for any reason
     disconnects: int = 0  # lost connections to any server's publisher
     disconnect_failovers: int = 0  # failovers caused by losing the current server's

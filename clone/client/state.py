@@ -43,7 +43,7 @@ from clone.wire.codec import (
 from clone.wire.control import ViewHeartbeat
 from clone.wire.delta import update_digest
 
-__all__ = ["CONFIRMED_REMEMBERED", "SPLIT_HOLD_MAX", "AgentState"]
+__all__ = ["CONFIRMED_REMEMBERED", "SPLIT_HOLD_MAX", "STALL_HEARTBEATS", "AgentState"]
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +116,10 @@ SPLIT_HOLD_MAX = 5.0
 #: How many confirmed writes' ids a client remembers for split-brain conflict
 #: notices (16 bytes and a key each: about 10 MiB at most with long keys).
 CONFIRMED_REMEMBERED = 65_536
+#: HUGZ of the current server, with no data for our request since its last,
+#: after which an answer that began counts as stopped (with the round's
+#: window passed too): the server ran that long and sent us nothing.
+STALL_HEARTBEATS = 10
 
 
 class AgentState:
@@ -155,6 +159,9 @@ class AgentState:
         self._silence_at: float | None = None
         self._reask_at: float | None = None  # when to repeat an unanswered request
         self._answered = False  # snapshot data arrived for the current request
+        # When it last did, and the HUGZ heard since (_answer_stalled).
+        self._data_at = 0.0
+        self._hugz_without_data = 0
         # The current server showed itself active this round (see ACTIVE_ELSEWHERE).
         self._shown_active = False
         self._heard_at: float | None = None  # last message from the current server
@@ -336,7 +343,28 @@ class AgentState:
     def _got_snapshot_data(self, now: float) -> None:
         self._answered = True
         self._reask_at = None
+        self._data_at = now
+        self._hugz_without_data = 0
         self._alive(now)
+
+    def _answer_stalled(self, now: float) -> bool:
+        """A HUGZ came while our request is being answered: whether the answer
+        has stopped, so that we ask the same (live) server again.
+
+        Why: HUGZ and updates prove the server alive (they move the silence
+        deadline), not that our stream still flows.  A server that dropped it
+        -- a late copy of one of our re-asks, read after the newest, replaced
+        it on a loaded machine -- kept a resyncing client waiting for good,
+        held by the HUGZ.  Judged by the server's own heartbeats, at least
+        :data:`STALL_HEARTBEATS` of them with no data for us, as well as by
+        the round's window: on a starved machine a live stream's data comes
+        late, but no later than the HUGZ sent after it.
+        """
+        self._hugz_without_data += 1
+        return (
+            self._hugz_without_data >= STALL_HEARTBEATS
+            and now - self._data_at >= self._silence_allowed()
+        )
 
     def _subtree_of(self, key: str) -> str | None:
         for subtree in self.subtrees:

@@ -299,6 +299,18 @@ class SnapshotSync(AgentState):
         if _shows_active(hugz):
             self._shown_active = True
         self._alive_if_answered(now)
+        if self._answered and server == self.current and self._answer_stalled(now):
+            # Not refused but lost (state.py): the server is alive, ask it again.
+            assert self.current is not None
+            self.counters.retries += 1
+            self.counters.stalled_syncs += 1
+            log.info(
+                "the snapshot from %s stopped for %.3g s (%d HUGZ) before its end; asking again",
+                self.servers[self.current],
+                now - self._data_at,
+                self._hugz_without_data,
+            )
+            return self._request(now)
         return []
 
     def _swap(self, now: float) -> list[Action]:

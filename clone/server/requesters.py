@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-__all__ = ["Requester", "from_options", "replaced", "replaced_waiting"]
+__all__ = ["Requester", "from_options", "replaced", "replaced_waiting", "stale", "stale_waiting"]
 
 K = TypeVar("K")
 
@@ -45,7 +45,48 @@ class Requester:
                 return False
         if self.identity == older.identity:
             return True
-        return self.name is not None and self.name == older.name and self.user == older.user
+        if self.name is None or self.name != older.name or self.user != older.user:
+            return False
+        # A late copy of an earlier re-ask replaces nothing newer: see stale().
+        return not _connected_before(self.identity, older.identity)
+
+
+def _generated_number(identity: bytes) -> int | None:
+    """The number in a routing id libzmq made up (a zero byte, then a 32-bit
+    counter the ROUTER counts up per connection), or None for one the peer
+    chose."""
+    if len(identity) == 5 and identity[0] == 0:
+        return int.from_bytes(identity[1:], "big")
+    return None
+
+
+def _connected_before(identity: bytes, other: bytes) -> bool:
+    """Whether the connection of ``identity`` came to the ROUTER before that of
+    ``other``, as far as their generated routing ids tell (else False)."""
+    mine, theirs = _generated_number(identity), _generated_number(other)
+    return mine is not None and theirs is not None and mine < theirs
+
+
+def stale(requests: Iterable[Requester], new: Requester) -> bool:
+    """Whether ``new`` is a late copy: the same named requester (same user,
+    same subtree) already asked on a socket that connected after ``new``'s.
+
+    Why: a client re-asks on a fresh DEALER each time, closing the old one;
+    its requests travel on separate connections, and a loaded server read the
+    ninth of ten re-asks after the tenth.  Replacing the tenth's stream with
+    the ninth's left the client with no stream at all (the ninth's socket was
+    closed), waiting for its answer.  The routing ids libzmq makes up count
+    the connections in order, which says which socket is the newer."""
+    if new.name is None:
+        return False
+    for older in requests:
+        if older.identity == new.identity or older.name != new.name or older.user != new.user:
+            continue
+        if new.subtree is not None and older.subtree is not None and new.subtree != older.subtree:
+            continue
+        if _connected_before(new.identity, older.identity):
+            return True
+    return False
 
 
 def replaced(requests: Mapping[K, Requester] | Iterable[tuple[K, Requester]],
@@ -79,3 +120,12 @@ def replaced_waiting(waiting: Mapping[bytes, tuple[float, Mapping[str, Any]]],
             return []
         return [new.identity]
     return replaced(((i, from_options(i, how)) for i, (_, how) in waiting.items()), new)
+
+
+def stale_waiting(waiting: Mapping[bytes, tuple[float, Mapping[str, Any]]],
+                  new: Requester) -> bool:  # fmt: skip
+    """:func:`stale` against the requests waiting for a slot (routing id ->
+    (when, serve options))."""
+    if new.name is None:
+        return False
+    return stale((from_options(i, how) for i, (_, how) in waiting.items()), new)

@@ -34,7 +34,7 @@ from clone.server.core import Role, ServerCore
 from clone.server.fairshare import HostRoundRobin, SliceShares, over_share, sheltered, yielder
 from clone.server.metrics import DurationHistogram
 from clone.server.opening import AnyStream, Opener
-from clone.server.requesters import Requester, replaced, replaced_waiting
+from clone.server.requesters import Requester, replaced, replaced_waiting, stale, stale_waiting
 from clone.server.sending import Burst, Sent
 from clone.server.shared import CLOCK_EVERY, TURN_BUDGET, Shared
 from clone.server.sharedsnap import SharedSnapshots, SharedStream
@@ -203,6 +203,9 @@ class SnapshotStreams:
             # (A relay serves its copy at any time: it has no vote to win.)
             self._promote()
         asker = Requester(identity, requester, user, subtree, host)
+        if stale(self._requesters.values(), asker) or stale_waiting(self._waiting, asker):
+            self.counters["snapshots_replaced"] += 1  # a late copy: the newer one is served
+            return
         for old in replaced(self._requesters, asker):
             # The same requester asked again, on this socket or (naming itself)
             # a fresh one: one stream per requester, its slot the new request's.
@@ -233,14 +236,9 @@ class SnapshotStreams:
         self._in_flight[stream] = self._window_of(identity)
         if deferred:
             self._deferred_streams.add(stream)
-        log.debug(
-            "snapshot for %s: subtree %r, up to %d keys at sequence %d%s",
-            who(identity),
-            subtree,
-            stream.total_keys,
-            stream.sequence,
-            ", batched" if batch else "",
-        )
+        log.debug("snapshot for %s: subtree %r, up to %d keys at sequence %d%s", who(identity),
+                  subtree, stream.total_keys, stream.sequence,
+                  ", batched" if batch else "")  # fmt: skip
         # Its first messages now while its host's share of this turn's slice
         # for new streams lasts (a small snapshot is done at once, its slot
         # free again), else in the next turn: a storm of requests must not

@@ -305,6 +305,44 @@ def test_snapshot_data_stops_the_reasks() -> None:
     assert fsm.tick(2.6) == [] and fsm.counters.retries == 0
 
 
+def test_an_answer_that_stops_before_its_end_is_asked_again_on_the_same_server() -> None:
+    """The server's HUGZ keep coming but our stream does not (it replaced it
+    with a late copy of an older request of ours, whose socket we had
+    closed): after STALL_HEARTBEATS of them and the round's window with no
+    data, we ask again, there.  Before, the HUGZ held the sync open for good."""
+    fsm, (primary, _backup) = synced()
+    m = primary.apply("a", b"1")
+    fsm.update(0, m, 0.5)
+    fsm.update(0, Hugz(primary.seq + 1), 1.0)  # a lost update: resync from it
+    assert fsm.state is State.SYNCING and fsm.current == 0
+    snapshot_reply(fsm, 0, KVMsg("a", 1, b"", (), b"1"), 1.1)  # the start, then nothing
+    for i in range(1, 25):  # HUGZ every 0.1 s up to 3.5: the window (2.5 s) not yet over
+        t = 1.1 + 0.1 * i
+        assert _requests(fsm.update(0, Hugz(primary.seq), t) + fsm.tick(t)) == [], t
+    assert _requests(fsm.update(0, Hugz(primary.seq), 3.6)) == [0]  # the same server
+    c = fsm.counters
+    assert (c.stalled_syncs, c.retries, c.failovers) == (1, 1, 0)
+    feed_snapshot(fsm, primary, 3.7)
+    assert fsm.state is State.ACTIVE and fsm.get("a") is not None
+
+
+def test_a_slow_answer_on_a_starved_machine_is_not_asked_again() -> None:
+    """Time alone is no stall: a client or server starved for seconds hears
+    few HUGZ, and the stream's next data is queued behind them."""
+    fsm = AgentFSM(None, CFG, now=0.0)
+    fsm.connect("tcp://a:1", 0.0)
+    snapshot_reply(fsm, 0, KVMsg("k", 1, b"", (), b"v"), 0.1)
+    for t in (2.0, 4.0, 6.0):  # one HUGZ every 2 s (of the server's 1 s heartbeat)
+        assert _requests(fsm.update(0, Hugz(1), t) + fsm.tick(t)) == []
+    for i in range(1, 20):  # many HUGZ, with data among them
+        t = 6.0 + 0.1 * i
+        actions = fsm.update(0, Hugz(1), t)
+        if i % 5 == 0:
+            snapshot_reply(fsm, 0, KVMsg(f"k{i}", 1 + i, b"", (), b"v"), t)
+        assert _requests(actions + fsm.tick(t)) == []
+    assert fsm.counters.stalled_syncs == 0 and fsm.state is State.SYNCING
+
+
 def test_server_that_ignores_the_first_requests_is_synced_without_failover() -> None:
     """The backup refuses votes until it notices the primary's death, then answers."""
     fsm, (primary, backup) = synced()

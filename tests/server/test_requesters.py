@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from clone.server.requesters import Requester, from_options, replaced, replaced_waiting
+from clone.server.requesters import (
+    Requester,
+    from_options,
+    replaced,
+    replaced_waiting,
+    stale,
+    stale_waiting,
+)
 
 A, B = "0123456789abcdef", "fedcba9876543210"
 
@@ -74,3 +81,33 @@ def test_waiting_requests_replaced_by_name_or_by_socket_alone() -> None:
     for new in (Requester(b"s9", A, None, ""), Requester(b"s2"), Requester(b"s4", B, None, "/b/")):
         kept = [(i, from_options(i, how)) for i, (_, how) in waiting.items()]
         assert replaced_waiting(waiting, new) == replaced(kept, new)
+
+
+def _generated(n: int) -> bytes:
+    """A routing id as libzmq's ROUTER makes one up for its n-th connection."""
+    return b"\x00" + n.to_bytes(4, "big")
+
+
+def test_a_late_copy_of_an_earlier_reask_replaces_nothing_and_is_stale() -> None:
+    """A loaded server read a client's ninth re-ask after its tenth: the ninth
+    (its socket closed) replaced the tenth's stream, and the client waited
+    for good.  The generated routing ids count connections in order."""
+    ninth = Requester(_generated(0x6B8B4574), A, None, "")
+    tenth = Requester(_generated(0x6B8B4575), A, None, "")
+    assert tenth.replaces(ninth) and not ninth.replaces(tenth)
+    assert stale([tenth], ninth) and not stale([ninth], tenth)
+    assert not stale([ninth], ninth)  # its own socket asking again is no copy
+    assert not stale([Requester(_generated(9), B, None, "")], Requester(_generated(1), A))
+    other_subtree = Requester(_generated(9), A, None, "/b/")
+    assert not stale([other_subtree], Requester(_generated(1), A, None, ""))
+    under_curve = Requester(_generated(9), A, "alice", "")
+    assert not stale([under_curve], Requester(_generated(1), A, "mallory", ""))
+    assert stale([under_curve], Requester(_generated(1), A, "alice", ""))
+    assert not stale([tenth], Requester(_generated(1)))  # a Guide client: by socket, as before
+    # Ids a peer chose say no order: a fresh socket's request replaces, as before.
+    assert Requester(b"s1", A).replaces(Requester(b"s2", A))
+    assert not stale([Requester(b"s2", A)], Requester(b"s1", A))
+    waiting = {_generated(5): (1.0, {"requester": A, "subtree": ""})}
+    assert stale_waiting(waiting, Requester(_generated(4), A, None, ""))
+    assert not stale_waiting(waiting, Requester(_generated(6), A, None, ""))
+    assert not stale_waiting(waiting, Requester(_generated(4), None, None, ""))

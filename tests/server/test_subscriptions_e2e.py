@@ -213,13 +213,23 @@ def test_a_subscriber_over_its_budget_loses_updates_and_resyncs(
     try:
         eventually(lambda: "synced" in (tmp_path / "slow.out").read_text(), WAIT, "its sync")
         proc.send_signal(signal.SIGSTOP)  # reads nothing, sockets open
+        cut = b"past --max-subscriber-bytes 3145728: connection dropped"
         with synced_client(server) as writer:
             value = os.urandom(60 * 1024)
-            for i in range(400):  # 24 MB: past every kernel buffer on the way
+            # 24 MB: past every kernel buffer on the way; then on until the
+            # cut.  The server's watch (a thread of its own, every 50 ms)
+            # counts what is published after it has seen the subscriber stop
+            # acknowledging: starved, it looked after a burst had ended, and
+            # nothing more was ever published (no cut in 30 s at load 11).
+            deadline = time.monotonic() + WAIT
+            i = 0
+            while i < 400 or cut not in server.log_path.read_bytes():
+                assert time.monotonic() < deadline, "not cut while it read nothing"
                 writer.set(f"/slow/k{i % 50}", value)
+                i += 1
             writer.set("/slow/last", b"done", wait=True, timeout=WAIT)
-        eventually(lambda: _stat(server, "subscribers_over_budget") >= 1, WAIT, "the cut")
-        assert server.wait_log("past --max-subscriber-bytes 3145728: connection dropped")
+        assert _stat(server, "subscribers_over_budget") >= 1
+        assert server.wait_log(cut.decode())
         proc.send_signal(signal.SIGCONT)
 
         def caught_up() -> bool:
