@@ -173,7 +173,8 @@ def test_watch_streams_changes_until_ctrl_c(solo: ServerProcess) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=env_with(),
+        # A watch that outlives Ctrl-C is asked for its threads' stacks (SIGABRT).
+        env={**env_with(), "PYTHONFAULTHANDLER": "1"},
         cwd=ROOT,
     )
     assert proc.stdout is not None
@@ -203,7 +204,12 @@ def test_watch_streams_changes_until_ctrl_c(solo: ServerProcess) -> None:
             c.delete("/w/k", wait=True)
             read_until('"deleted": true', lambda: None)
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=10)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+            _, stacks = proc.communicate(timeout=10)
+            pytest.fail(f"clone watch still ran 10 s after SIGINT:\n{stacks[-6000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()

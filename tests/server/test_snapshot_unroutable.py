@@ -88,7 +88,9 @@ def test_a_requester_unroutable_for_a_moment_gets_its_whole_snapshot(
     assert len(snap.entries) == KEYS and snap.sequence == KEYS
     assert srv.counters["snapshots_aborted"] == 0
     assert srv.counters["snapshot_unroutable_retries"] == 3
-    assert srv.counters["snapshots_served"] == 1
+    # The server's thread counts the stream served after its last send: the
+    # peer may have read the whole snapshot first (a clean-clone run, idle).
+    eventually(lambda: srv.counters["snapshots_served"] == 1, 10, "the stream counted served")
 
 
 def test_a_requester_that_stays_unroutable_is_aborted_as_gone(
