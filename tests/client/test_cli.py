@@ -164,6 +164,22 @@ def test_dump_into_a_closed_pipe_exits_141_quietly(solo: ServerProcess) -> None:
     assert err == "", err  # no traceback, no "Exception ignored" at exit
 
 
+def _sigint_as_in_a_terminal() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _signal_masks(pid: int) -> str:
+    """The process's blocked, ignored and caught signals, as the kernel says."""
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return ", ".join(
+                line.strip() for line in status if line.startswith(("SigBlk", "SigIgn", "SigCgt"))
+            )
+    except OSError as exc:
+        return f"no /proc status: {exc}"
+
+
 def test_watch_streams_changes_until_ctrl_c(solo: ServerProcess) -> None:
     proc = subprocess.Popen(
         [
@@ -176,6 +192,10 @@ def test_watch_streams_changes_until_ctrl_c(solo: ServerProcess) -> None:
         # A watch that outlives Ctrl-C is asked for its threads' stacks (SIGABRT).
         env={**env_with(), "PYTHONFAULTHANDLER": "1"},
         cwd=ROOT,
+        # As a terminal's foreground job gets it: SIGINT at its default and not
+        # blocked, whatever this worker's state (a disposition of SIG_IGN and
+        # the signal mask are inherited across exec).
+        preexec_fn=_sigint_as_in_a_terminal,
     )
     assert proc.stdout is not None
     os.set_blocking(proc.stdout.fileno(), False)
@@ -207,9 +227,10 @@ def test_watch_streams_changes_until_ctrl_c(solo: ServerProcess) -> None:
         try:
             out, err = proc.communicate(timeout=10)
         except subprocess.TimeoutExpired:
+            masks = _signal_masks(proc.pid)
             proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
             _, stacks = proc.communicate(timeout=10)
-            pytest.fail(f"clone watch still ran 10 s after SIGINT:\n{stacks[-6000:]}")
+            pytest.fail(f"clone watch still ran 10 s after SIGINT ({masks}):\n{stacks[-6000:]}")
     finally:
         if proc.poll() is None:
             proc.kill()
