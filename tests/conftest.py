@@ -36,6 +36,8 @@ pytest_plugins = [
     "tests.support.markers",
     # --- the order xdist hands the tests out in: the long kinds first ---
     "tests.support.ordering",
+    # --- SIGINT/SIGTERM deliverable in every child a test starts ---
+    "tests.support.signals",
 ]
 
 # --- hypothesis on a busy machine: no per-example deadline and no
