@@ -44,9 +44,11 @@ tests/conftest.py registers this module as a plugin.  It does three things:
    interrupted.)
 
 4. **Groups that reach xdist.**  The Spark tests of the shared session run on
-   one worker (``xdist_group("spark")``), the partition drills on one
-   (``"netns"``); a Spark test that starts its own JVMs in child processes
-   is not grouped.  :class:`GroupIds` writes the ``@group`` suffix into the
+   one worker (``xdist_group("spark")``); a Spark test that starts its own
+   JVMs in child processes is not grouped.  The partition drills are not
+   grouped either: each holds its subnet by a lock
+   (``clone.tools.drill.netns``), so several run at once.
+   :class:`GroupIds` writes the ``@group`` suffix into the
    test's id that xdist's scheduler reads, which xdist 3.8 cannot do under
    pytest 9.
 """
@@ -95,8 +97,6 @@ _OS_STARTERS = frozenset(
 )
 #: Where the reading follows names into: our tests and the tools that start servers.
 _FOLLOW = ("tests.", "clone.tools.")
-#: The partition drills' network namespaces: tests reaching it run on one worker.
-_NETNS = "clone.tools.drill.netns"
 
 #: Every collected test of the run, before ``-m`` deselects any.
 ALL_ITEMS = pytest.StashKey[list[pytest.Item]]()
@@ -114,8 +114,6 @@ class ProcessInFastTest(RuntimeError):
 
 
 def _module_kind(name: str) -> Kinds:
-    if name.startswith(_NETNS):
-        return frozenset({"netns"})
     if name.startswith("pyspark"):
         return frozenset({"spark"})
     if any(name == m or name.startswith(m + ".") for m in _PROCESS_MODULES):
@@ -285,9 +283,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.xdist_group("spark"))
         elif item.get_closest_marker("slow") is not None:
             _timeout(item, SLOW_TIMEOUT, None)
-        if "netns" in found:
-            # Partition drills pick a free subnet, then use it: one at a time.
-            item.add_marker(pytest.mark.xdist_group("netns"))
 
 
 class GroupIds:

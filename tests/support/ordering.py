@@ -1,8 +1,8 @@
 """The order xdist hands out the tests in: the long ones first.
 
 tests/conftest.py registers this module as a plugin.  Under ``--dist
-loadgroup`` xdist's scheduler makes one work unit of each group (``spark``,
-``netns``) and one of every other test, puts the units of more tests first
+loadgroup`` xdist's scheduler makes one work unit of each group (``spark``)
+and one of every other test, puts the units of more tests first
 (the groups) and then hands out the single tests *in collection order*, to
 whichever worker is free.  In collection order a drill or a local-cluster
 Spark job of ``tests/tools`` or ``tests/pipeline`` could start when the other

@@ -881,3 +881,32 @@ def test_drill_partition_split(tmp_path: Path, island_reset: bool) -> None:
     # came with a token above all earlier ones.
     assert checks["no two lock holders with the same or a lower token"]["ok"] is True
     assert part["lock_fencing"]["lock_holds_split"] > 0
+
+
+def test_concurrent_drills_claim_different_subnets(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two drills at once (two test workers) each hold their /24 by a lock, so
+    the second never picks the first's before the first has added its
+    addresses; a used subnet is skipped, one taken between the two reads too,
+    and a released one can be claimed again."""
+    import os
+
+    from clone.tools.drill import netns
+
+    # Two reads a claim that gets a lock: before it, and again once it holds it.
+    seen = iter(["", "", "", "", "", "inet 10.213.9.1/24 brd", ""] + [""] * 10)
+    monkeypatch.setattr(netns, "_used_subnets", lambda: next(seen))
+    first, fd1 = netns._claim_subnet(7, tmp_path)
+    second, fd2 = netns._claim_subnet(7, tmp_path)  # the same pid: the lock alone decides
+    assert (first, second) == ("10.213.7", "10.213.8")
+    # 10.213.9 was free at the first read and in use at the second: skipped.
+    third, fd3 = netns._claim_subnet(7, tmp_path)
+    assert third == "10.213.10"
+    monkeypatch.setattr(netns, "_used_subnets", lambda: "10.213.11.1/24 dev cd1br\n")
+    os.close(fd1)
+    again, fd4 = netns._claim_subnet(7, tmp_path)
+    assert again == "10.213.7"
+    assert netns._claim_subnet(10, tmp_path)[0] == "10.213.12"  # 10 held, 11 in use
+    for fd in (fd2, fd3, fd4):
+        os.close(fd)

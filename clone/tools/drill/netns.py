@@ -30,13 +30,16 @@ installs iptables (Debian's package) when it is missing and we may.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 __all__ = [
     "ISLAND",
@@ -146,14 +149,41 @@ def remove_leftovers() -> list[str]:
     return removed
 
 
-def _free_subnet(pid: int) -> str:
-    """``10.213.<k>`` not yet used by any address or route on this host."""
+def _used_subnets() -> str:
+    """Every IPv4 address and route on this host, as ``ip`` prints them."""
     used = _run(["ip", "-4", "-o", "addr", "show"], check=False).stdout
-    used += _run(["ip", "-4", "route", "show"], check=False).stdout
+    return used + _run(["ip", "-4", "route", "show"], check=False).stdout
+
+
+def _claim_subnet(pid: int, lock_dir: Path | None = None) -> tuple[str, int]:
+    """``10.213.<k>`` not used by any address or route on this host, and the
+    open descriptor of the lock that holds it for this run.
+
+    Drills run at once (parallel test workers, two operators): each looked for
+    a free /24 and only later added its addresses, so two could pick the same
+    one.  The lock (``flock`` on ``<tmp>/clone-drill-subnets/<k>.lock``) is taken
+    before the addresses are read again: a subnet is this run's until
+    :meth:`Topology.destroy` closes the descriptor, or until the run dies (the
+    kernel drops the lock, and :func:`remove_leftovers` its links).
+    """
+    locks = lock_dir or Path(tempfile.gettempdir()) / "clone-drill-subnets"
+    locks.mkdir(mode=0o700, exist_ok=True)
+    used = _used_subnets()
     for i in range(256):
-        prefix = f"{_NETS}.{(pid + i) % 256}"
-        if f"{prefix}." not in used:
-            return prefix
+        k = (pid + i) % 256
+        prefix = f"{_NETS}.{k}"
+        if f"{prefix}." in used:
+            continue
+        fd = os.open(locks / f"{k}.lock", os.O_CREAT | os.O_RDWR, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        if f"{prefix}." in _used_subnets():  # taken between the two reads
+            os.close(fd)
+            continue
+        return prefix, fd
     raise RuntimeError(f"no free /24 under {_NETS}.0.0/16")
 
 
@@ -168,6 +198,8 @@ class Topology:
     subnet: str = ""  # "10.213.<k>", chosen at create()
     created: list[str] = field(default_factory=list)  # what destroy() removes, in order made
     cuts: list[str] = field(default_factory=list)  # the rules in force, for the record
+    #: The lock that holds :attr:`subnet` for this run (-1: none held).
+    subnet_lock: int = -1
 
     @property
     def bridge(self) -> str:
@@ -203,7 +235,7 @@ class Topology:
         """Make the namespaces, veths, bridge and chains; on a failure, remove
         what was made and raise."""
         remove_leftovers()
-        self.subnet = _free_subnet(self.pid)
+        self.subnet, self.subnet_lock = _claim_subnet(self.pid)
         try:
             _run(["ip", "link", "add", self.bridge, "type", "bridge"])
             self.created.append(f"link:{self.bridge}")
@@ -247,6 +279,9 @@ class Topology:
                 log.exception("could not remove %s", item)
         self.created.clear()
         self.cuts.clear()
+        if self.subnet_lock >= 0:  # last: the subnet's addresses are gone
+            os.close(self.subnet_lock)
+            self.subnet_lock = -1
 
     # -- faults ---------------------------------------------------------------
 
