@@ -1,15 +1,19 @@
-"""``clone``'s main() called in-process leaves the caller's SIGINT as it was.
+"""``clone``'s main() called in-process leaves the caller's signals as they were.
 
 The CLI ignores SIGINT while it closes its client (a second Ctrl-C must not
-cut the close short); a program that embeds it must get its own handler back,
-whether the close returned or raised, and its later children must not inherit
-an ignored SIGINT.  No server: the client's close and the unreachable path.
+cut the close short), and ``lease keep-alive`` and ``elect`` make SIGTERM and
+SIGHUP end them as Ctrl-C does; a program that embeds the CLI must get its
+own handlers back, whether the command returned or raised, and its later
+children must not inherit an ignored SIGINT.  No server: the client's close,
+the unreachable path and the held commands' handlers.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 from collections.abc import Iterator
 from signal import getsignal as real_getsignal
 from types import FrameType
@@ -17,6 +21,7 @@ from types import FrameType
 import pytest
 
 from clone.client import cli
+from clone.client.commands import leases
 from clone.errors import CloneError
 
 
@@ -91,3 +96,21 @@ def test_main_on_its_error_path_gives_the_handler_back(
     assert code == cli.EXIT_UNREACHABLE
     assert capsys.readouterr().err
     assert signal.getsignal(signal.SIGINT) is _embedders_handler
+
+
+def test_a_held_command_ends_on_sigterm_and_gives_the_handlers_back() -> None:
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    with pytest.raises(KeyboardInterrupt), leases._held_until_signal():
+        os.kill(os.getpid(), signal.SIGTERM)  # as `kill` sends it to clone lease keep-alive
+        for _ in range(1000):  # the handler runs between bytecodes, in this thread
+            time.sleep(0.01)
+        raise AssertionError("SIGTERM did not end the held command")
+    assert {sig: signal.getsignal(sig) for sig in before} == before
+
+
+def test_a_held_command_that_fails_gives_the_handlers_back() -> None:
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    with pytest.raises(CloneError, match="lost"), leases._held_until_signal():
+        assert signal.getsignal(signal.SIGHUP) not in (before[signal.SIGHUP], signal.SIG_DFL)
+        raise CloneError("lost")
+    assert {sig: signal.getsignal(sig) for sig in before} == before
