@@ -435,12 +435,20 @@ def _why_not_synced(args: argparse.Namespace, servers: list[str], exc: Exception
 
 
 def _close_uninterrupted(client: Clone) -> None:
-    """Close the client even if a second Ctrl-C arrives while it shuts down."""
-    if threading.current_thread() is not threading.main_thread():
+    """Close the client even if a second Ctrl-C arrives while it shuts down.
+
+    SIGINT is ignored for the close only and put back as it was, also when
+    the close raises: a program that calls :func:`main` in-process keeps its
+    Ctrl-C, and so do the children it starts later (an ignored signal is
+    inherited across ``exec``).  A handler that Python did not install (an
+    embedding C program's: ``getsignal`` gives None) could not be put back
+    from Python, so then the close is left interruptible instead."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
         client.close()
         return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         client.close()
     finally:
         signal.signal(signal.SIGINT, previous)

@@ -13,12 +13,14 @@ certificate's name).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
 import secrets
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -94,14 +96,28 @@ def _secret(args: argparse.Namespace) -> str:
     return str(args.lease_secret or os.environ.get(LEASE_SECRET_ENV, ""))
 
 
-def _hold_until_signal() -> None:
-    """Make SIGTERM and SIGHUP end the process as Ctrl-C does (KeyboardInterrupt)."""
+@contextlib.contextmanager
+def _held_until_signal() -> Iterator[None]:
+    """Make SIGTERM and SIGHUP end the command as Ctrl-C does
+    (KeyboardInterrupt) while it holds, then put their handlers back as they
+    were, also on an exception: a program that calls ``main()`` in-process
+    must not be left with a SIGTERM that raises KeyboardInterrupt.  A handler
+    that Python did not install (``getsignal`` gives None: an embedding C
+    program's) could not be put back, so that signal is left alone."""
 
     def stop(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, stop)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, stop)
+        yield
+    finally:
+        for sig, handler in previous.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def run_grant(args: argparse.Namespace, client: Clone) -> int:
@@ -139,13 +155,13 @@ def run_keep_alive(args: argparse.Namespace, client: Clone) -> int:
              " may not read /_clone/lease/)")
         return EXIT_MISSING
     lease = client.adopt_lease(args.id, ttl, secret=_secret(args))
-    _hold_until_signal()
-    emit(f"lease {args.id} kept alive (ttl {ttl:g}s) until interrupted")
-    try:
-        lease.wait_lost()
-    except KeyboardInterrupt:
-        lease._mark_ended()  # stop keeping it: it ends a ttl later, as etcdctl's
-        return EXIT_OK
+    with _held_until_signal():
+        emit(f"lease {args.id} kept alive (ttl {ttl:g}s) until interrupted")
+        try:
+            lease.wait_lost()
+        except KeyboardInterrupt:
+            lease._mark_ended()  # stop keeping it: it ends a ttl later, as etcdctl's
+            return EXIT_OK
     fail(f"lease {args.id} lost: {lease.why}")
     return EXIT_ERROR
 
@@ -210,16 +226,16 @@ def run_elect(args: argparse.Namespace, client: Clone) -> int:
     election = Election(
         client, args.name, args.proposal or "-", ttl=args.ttl, on_change=changed
     )
-    _hold_until_signal()
-    try:
-        if args.listen:
-            election.watch()
-        else:
-            election.campaign()
-        signal.pause()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        election.close()
+    with _held_until_signal():
+        try:
+            if args.listen:
+                election.watch()
+            else:
+                election.campaign()
+            signal.pause()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            election.close()
     sys.stdout.flush()
     return EXIT_OK
