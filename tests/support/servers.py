@@ -106,6 +106,7 @@ from tests.support.ports import free_base_port, free_port
 
 __all__ = [
     "ROOT",
+    "STEADY_MISSED",
     "ServerProcess",
     "Servers",
     "active_and_passive",
@@ -127,6 +128,13 @@ DEFAULT_HEARTBEAT_MS = 100
 #: bounds a hang.  On a machine kept busy, a server took 10 s from exec to its
 #: first log line (the load check); an idle one takes well under 1 s.
 WAIT = 60.0
+#: ``--missed`` for a pair whose roles a test assumes until it kills a server:
+#: 5 s of silence at the 100 ms heartbeat before the passive may take a vote.
+#: At the default 4 (400 ms) both servers waiting over 500 ms for a CPU under
+#: load made the passive take a client's vote and win the split brain, and a
+#: metrics test found its counters on the other server.  A killed server is
+#: still noticed at once (fast failover on the lost connection).
+STEADY_MISSED = ("--missed", "50")
 
 
 class ServerProcess:
