@@ -4,9 +4,11 @@ Why a module of its own: :class:`bstar.reactor.BinaryStar` decides, logs and
 calls back; :class:`PairLink` only owns the four sockets of the link and
 their options, so that the reactor reads as timers and decisions.  Both
 sockets carry ZMTP heartbeats and ``LINK_MAX_MESSAGE``; the PUB's monitor
-reports closed connections (counted and logged here), and with fast
-failover the SUB's monitor reports the connection to the peer's publisher
-made or lost, which the reactor hands to the state machine.
+reports closed connections (counted and logged here), and the SUB's
+monitor reports the connection to the peer's publisher made or lost: with
+fast failover the reactor hands that to the state machine, and in either mode
+the link connects again itself when libzmq would not (see
+:meth:`PairLink._repair`).
 """
 
 from __future__ import annotations
@@ -33,13 +35,19 @@ log = logging.getLogger("bstar.reactor")
 #: times the longest state message (:data:`bstar.wire.MAX_STATE_FRAME`).
 LINK_MAX_MESSAGE = max(4096, MAX_STATE_FRAME)
 
-#: Socket monitor events that matter for fast failover.
+#: Socket monitor events of the SUB: fast failover, and the repair of a
+#: connection libzmq gave up on.
 _MONITORED_EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 
 Handler = Callable[[list[bytes]], None]
 
 #: Bad input from the network is logged at most once per this many seconds.
 _LOG_INTERVAL = 10.0
+
+#: The least wait, in seconds, before the link connects again itself after
+#: a lost connection: libzmq's own retry comes within twice its 100 ms
+#: reconnect interval, and should come first.
+_MIN_REPAIR_DELAY = 0.25
 
 
 def check_link_arguments(
@@ -116,6 +124,13 @@ class PairLink:
         self._pub_monitor: ZMQStream | None = None
         self._on_connected: Callable[[], None] = _nothing
         self._on_disconnected: Callable[[], None] = _nothing
+        #: Connections the SUB made to the peer's publisher (monitor events);
+        #: a repair scheduled at a disconnect acts only if none came since.
+        self._sub_connects = 0
+        self._repair_timer: object | None = None
+        #: Times the link connected the SUB again itself (:meth:`_repair`).
+        self.reconnects = 0
+        self._repair_log = RateLimitedLog(log, _LOG_INTERVAL, clock)
         #: Connections to our state publisher that closed (the peer's, when it
         #: reconnects; any sender's that libzmq cut off for an oversized frame).
         self.subscriber_disconnects = 0
@@ -156,12 +171,11 @@ class PairLink:
                 self._secure_socket(sub, False)
             self._sub = ZMQStream(sub, self._loop)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
-            if self._fast_failover:
-                # Before connect(), so that no event is missed. The monitor is a
-                # PAIR socket on an inproc endpoint, made in the SUB's context.
-                # Wrapped at once, so that close() closes it whatever fails next.
-                self._monitor = ZMQStream(sub.get_monitor_socket(_MONITORED_EVENTS), self._loop)
-                self._monitor.setsockopt(zmq.LINGER, 0)
+            # Before connect(), so that no event is missed. The monitor is a
+            # PAIR socket on an inproc endpoint, made in the SUB's context.
+            # Wrapped at once, so that close() closes it whatever fails next.
+            self._monitor = ZMQStream(sub.get_monitor_socket(_MONITORED_EVENTS), self._loop)
+            self._monitor.setsockopt(zmq.LINGER, 0)
             sub.connect(self._peer)
         except Exception:
             self.close()
@@ -179,9 +193,60 @@ class PairLink:
             self._event_log.log(logging.WARNING, "dropped monitor event: %s", exc)
             return
         if event == zmq.EVENT_CONNECTED:
-            self._on_connected()
+            self._sub_connects += 1
+            if self._fast_failover:
+                self._on_connected()
         elif event == zmq.EVENT_DISCONNECTED:
-            self._on_disconnected()
+            self._schedule_repair()
+            if self._fast_failover:
+                self._on_disconnected()
+
+    def _schedule_repair(self) -> None:
+        """After a lost connection, check one heartbeat later that libzmq made
+        a new one (:meth:`_repair`)."""
+        if self._repair_timer is None and self._sub is not None:
+            connects = self._sub_connects
+            self._repair_timer = self._loop.call_later(
+                max(self._heartbeat, _MIN_REPAIR_DELAY), self._repair, connects
+            )
+
+    def _repair(self, connects: int) -> None:
+        """Connect the SUB to the peer's publisher again if libzmq made no new
+        connection since the last one closed.
+
+        libzmq reconnects after a connection error or a heartbeat timeout, but
+        after a protocol error (a handshake with a socket of another type, a
+        frame over ``LINK_MAX_MESSAGE``) it drops the endpoint for good: a
+        primary whose peer's publishing port still answered for another
+        program when it first connected (a CHP ROUTER of another server, on a
+        shared test machine) never heard the backup that bound the port a
+        moment later, and stayed starting for a minute.  Disconnecting and
+        connecting again makes a fresh attempt; when libzmq was retrying
+        anyway (the peer is down) this only restarts its retries, once per
+        lost connection."""
+        self._repair_timer = None
+        if self._monitor is not None:
+            # Events libzmq queued but the loop has not handed us yet: a new
+            # connection must be seen, or cutting it would look like the
+            # peer's death to fast failover.
+            self._monitor.flush(zmq.POLLIN)
+        if self._sub is None or self._sub.closed() or connects != self._sub_connects:
+            return
+        sock = self._sub.socket
+        try:
+            sock.disconnect(self._peer)
+        except zmq.ZMQError:
+            pass  # libzmq dropped the endpoint already: the protocol-error case
+        sock.connect(self._peer)
+        self.reconnects += 1
+        self._repair_log.log(
+            logging.DEBUG,
+            "no connection to the peer's publisher at %s since the last one closed:"
+            " connecting again (%d so far; libzmq gives up after a protocol error,"
+            " e.g. another program answering on that port)",
+            self._peer,
+            self.reconnects,
+        )
 
     def _on_publisher_event(self, frames: list[bytes]) -> None:
         """A connection to our state publisher closed: the peer reconnecting, or
@@ -197,6 +262,10 @@ class PairLink:
             self._local,
             self.subscriber_disconnects,
         )
+
+    def counts(self) -> tuple[int, int]:
+        """``(subscriber_disconnects, reconnects)``, for the reactor's counters."""
+        return self.subscriber_disconnects, self.reconnects
 
     def _keep_alive(self, sock: zmq.Socket[Any]) -> None:
         keep_alive(sock, self._heartbeat, self._missed)
@@ -221,6 +290,9 @@ class PairLink:
 
     def close(self) -> None:
         """Close every socket (monitors first, detached). Safe to call twice."""
+        if self._repair_timer is not None:
+            self._loop.remove_timeout(self._repair_timer)
+            self._repair_timer = None
         if self._monitor is not None:
             # Detach the monitor from the SUB first, so that libzmq stops writing
             # events to it, then close our end; both before the SUB goes.

@@ -274,8 +274,7 @@ class BinaryStar:
     @property
     def counters(self) -> BinaryStarCounters:
         link = self._link
-        closed = link.subscriber_disconnects if link is not None else 0
-        return self._io.snapshot(self._fsm.counters, subscriber_disconnects=closed)
+        return self._io.snapshot(self._fsm.counters, *(link.counts() if link else (0, 0)))
 
     # -- application hooks -----------------------------------------------------
 

@@ -137,6 +137,10 @@ class BinaryStarCounters:
     #: socket monitor (always 0 with ``fast_failover=False``).
     peer_disconnects: int = 0
     peer_connects: int = 0
+    #: Times the link connected to the peer's publisher again itself, libzmq
+    #: having made no new connection after one closed (it gives up after a
+    #: protocol error).
+    peer_reconnects: int = 0
 
 
 @dataclass(slots=True)
@@ -153,7 +157,9 @@ class IoCounts:
     disconnects: int = 0
     connects: int = 0
 
-    def snapshot(self, fsm: FsmCounters, *, subscriber_disconnects: int) -> BinaryStarCounters:
+    def snapshot(
+        self, fsm: FsmCounters, subscriber_disconnects: int, peer_reconnects: int
+    ) -> BinaryStarCounters:
         return BinaryStarCounters(
             fsm=fsm,
             state_messages_sent=self.sent,
@@ -166,6 +172,7 @@ class IoCounts:
             callback_errors=self.callback_errors,
             peer_disconnects=self.disconnects,
             peer_connects=self.connects,
+            peer_reconnects=peer_reconnects,
         )
 
 

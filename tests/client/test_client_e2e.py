@@ -24,7 +24,14 @@ from clone import Clone
 from clone.errors import ConfirmTimeout
 from clone.wire.codec import KVMsg, encode_kv
 from clone.wire.protocol import DEFAULT_HEARTBEAT_MS
-from tests.support.servers import ROOT, ServerProcess, Servers, server_pool
+from tests.support.servers import (
+    ROOT,
+    STEADY_MISSED,
+    ServerProcess,
+    Servers,
+    server_pool,
+    wait_role,
+)
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
@@ -221,14 +228,16 @@ def test_failback_a_client_that_lists_the_passive_first_finds_the_active_at_once
     here).  The client runs at its defaults, which is the slow case.
     Measured: 80-100 ms per client (each starts just after the HUGZ that ended
     the previous one's wait, so close to a whole heartbeat), 2.5 s before."""
-    primary, backup = servers.pair()
+    # The clients below must find the backup active: no failover but the kill's.
+    primary, backup = servers.pair(*STEADY_MISSED)
     with client(primary, backup) as c:
         c.set("/failback/k", b"v", wait=True, timeout=5)
     primary.kill9()
     backup.wait_serving()  # a vote: Binary Star takes over on a client's request
+    wait_role(backup, "active")
     mark = primary.log_size()
     primary.restart()
-    primary.wait_log("now PASSIVE", after=mark)
+    wait_role(primary, "passive")
     primary.wait_log("synced from", after=mark)
 
     times = []

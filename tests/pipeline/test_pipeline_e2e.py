@@ -19,7 +19,7 @@ import pytest
 from clone import Clone
 from clone.pipeline.cli import main
 from clone.pipeline.sources import read_export
-from tests.support.servers import ServerProcess, Servers
+from tests.support.servers import ServerProcess, Servers, wait_role
 
 pytestmark = [pytest.mark.spark, pytest.mark.slow, pytest.mark.timeout(180)]
 
@@ -62,7 +62,7 @@ def _table(path: Path, n: int, prefix: str, bad: bool = True) -> dict[str, tuple
 
 def _client(*srv: ServerProcess) -> Clone:
     c = Clone([endpoint(s) for s in srv], heartbeat=HB, server_timeout=1.0)
-    c.wait_synced(10)
+    c.wait_synced(60)
     return c
 
 
@@ -130,12 +130,20 @@ def test_load_survives_a_failover(
     stored_at_kill: list[int] = []
 
     def kill_primary_mid_load() -> None:
+        # The watcher is also the pair's voter: the load's write-only writers
+        # never ask for a snapshot, so they cast no Binary Star vote
+        # (docs/client.md), and the backup takes over at the watcher's
+        # request after its failover.  It stays open until then: closed right
+        # after the kill, on a loaded machine it was gone before it had
+        # asked, nobody voted, and the writers gave up after 10 s without a
+        # heartbeat (9,504 of 10,000 rows).
         with _client(primary, backup) as watcher:
             deadline = time.monotonic() + 120
             while time.monotonic() < deadline and len(watcher.entries("/fo/")) < 500:
                 time.sleep(0.02)
             primary.kill9()
             stored_at_kill.append(len(watcher.entries("/fo/")))
+            wait_role(backup, "active")
 
     killer = threading.Thread(target=kill_primary_mid_load, daemon=True)
     killer.start()
@@ -143,7 +151,7 @@ def test_load_survives_a_failover(
         ["load", "--servers", eps, "--input", str(tmp_path / "t.parquet"), "--ttl-col", "ttl",
          "--heartbeat", str(HB), "--max-in-flight", "16", "--confirm-timeout", "10"]
     )  # fmt: skip
-    killer.join(10)
+    killer.join(60)
     out, err = capsys.readouterr()
     assert stored_at_kill and stored_at_kill[0] < ROWS_FO, "the primary was killed too late"
     assert code == 0, out + err

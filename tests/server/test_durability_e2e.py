@@ -42,6 +42,7 @@ from tests.support.servers import (
     read_stats,
     set_arg,
     start_both,
+    wait_role,
 )
 from tests.support.waiting import eventually
 
@@ -193,8 +194,8 @@ def _take_over(survivor: ServerProcess, offset: int) -> None:
     earlier, it took a vote and won the split brain (docs/failover.md, "Fast
     failover on a lost connection"), its "now ACTIVE" logged before
     ``offset``.  Its role says it either way; a line after ``offset`` did not."""
-    survivor.wait_serving(15)
-    eventually(lambda: read_stats(survivor)["role"] == "active", 15, f"{survivor.name} to serve")
+    survivor.wait_serving()
+    wait_role(survivor, "active")
     if b"now ACTIVE" not in survivor.log_path.read_bytes()[offset:]:
         assert b"now ACTIVE" in survivor.log_path.read_bytes(), "active, never said so"
 
@@ -210,8 +211,11 @@ def _backup_active_primary_following(
     _take_over(backup, offset)
     offset = primary.log_size()
     primary.start()
-    primary.wait_log("now PASSIVE", 15, after=offset)
-    primary.wait_log("synced from", 15, after=offset)
+    # Its role, not a "now PASSIVE" line: the same starved split brain can
+    # make it active first and passive again later (_take_over).
+    wait_role(primary, "passive")
+    wait_role(backup, "active")
+    primary.wait_log("synced from", after=offset)
     w.flow(50)
 
 
@@ -312,8 +316,8 @@ def test_a_lone_server_waits_for_its_peer_then_serves_its_state(servers: Servers
 
     offset = backup.log_size()
     backup.start()
-    backup.wait_log("now PASSIVE", 15, after=offset)
-    backup.wait_log("synced from", 15, after=offset)
+    wait_role(backup, "passive")
+    backup.wait_log("synced from", after=offset)
     synced = log_line(backup, "synced from", after=offset)
     assert f":{primary.port} " in synced, synced
     _assert_one_active(primary, backup)
@@ -355,10 +359,9 @@ def test_a_lone_server_that_stopped_as_the_passive_waits_for_its_peer(
     tail = primary.log_path.read_bytes()[offset:]
     assert b"now ACTIVE" not in tail, tail.decode(errors="replace")[-2000:]
 
-    offsets = {s.name: s.log_size() for s in (primary, backup)}
     backup.start()
-    backup.wait_log("now ACTIVE", 15, after=offsets[backup.name])
-    primary.wait_log("now PASSIVE", 15, after=offsets[primary.name])
+    wait_role(backup, "active")
+    wait_role(primary, "passive")
     _assert_one_active(backup, primary)
     _assert_kept(w, backup)
 
@@ -396,8 +399,8 @@ def test_a_server_that_stopped_as_the_active_forwards_what_a_lone_peer_lacks(
 
     offset = primary.log_size()
     primary.start()
-    primary.wait_log("now PASSIVE", 30, after=offset)
-    primary.wait_log("sending the active", 30, after=offset)
+    wait_role(primary, "passive")
+    primary.wait_log("sending the active", after=offset)
     _assert_one_active(backup, primary)
     eventually(lambda: int(str(read_stats(primary)["split_writes_queued"])) == 0, 60,
                "the primary's writes forwarded")  # fmt: skip
@@ -435,7 +438,7 @@ def test_a_passive_that_has_not_synced_yet_never_takes_over(servers: Servers) ->
     offset = primary.log_size()
     primary.start()
     primary.wait_serving(60)  # alone, its data written as the active: after --peer-wait
-    primary.wait_log("now ACTIVE", 10, after=offset)
+    wait_role(primary, "active")
 
     offset = backup.log_size()
     backup.start()
@@ -455,7 +458,7 @@ def test_a_passive_that_has_not_synced_yet_never_takes_over(servers: Servers) ->
 
     offsets = {s.name: s.log_size() for s in (primary, backup)}
     primary.start()
-    primary.wait_log("now ACTIVE", 60, after=offsets[primary.name])
+    wait_role(primary, "active")
     backup.wait_log("synced from", 120, after=offsets[backup.name])
     _assert_one_active(primary, backup)
 

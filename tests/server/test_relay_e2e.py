@@ -15,7 +15,7 @@ import zmq
 from clone import Clone
 from clone.client.status import query_status
 from clone.wire.codec import Hugz, decode_update
-from tests.support.servers import Servers, read_stats
+from tests.support.servers import Servers, read_stats, wait_role
 from tests.support.waiting import eventually
 
 Entry = tuple[bytes, bytes, bytes, bytes, bytes]
@@ -130,8 +130,8 @@ def test_a_relay_follows_a_failover(servers: Servers, ctx: zmq.Context) -> None:
     offset = relay.log_size()
     primary.kill9()
     # The relay's own request to the backup is a client's vote: it takes over.
-    backup.wait_log("now ACTIVE", timeout=15)
-    relay.wait_log(f"synced from 127.0.0.1:{backup.port}", timeout=15, after=offset)
+    wait_role(backup, "active")
+    relay.wait_log(f"synced from 127.0.0.1:{backup.port}", after=offset)
     _write(backup.port, {"/after": b"2"})
     entries = _wait_same_snapshot(ctx, backup.port, relay.port)
     assert {e[0] for e in entries} == {b"/before", b"/after"}
@@ -193,8 +193,8 @@ def test_a_relay_catches_up_after_a_failover_even_with_no_update_since_its_snaps
     )
     offset = relay.log_size()
     primary.kill9()
-    backup.wait_log("now ACTIVE", timeout=15)
-    relay.wait_log(f"synced from 127.0.0.1:{backup.port} (catch-up)", timeout=15, after=offset)
+    wait_role(backup, "active")
+    relay.wait_log(f"synced from 127.0.0.1:{backup.port} (catch-up)", after=offset)
     stats = read_stats(relay)
     assert (stats["syncs_full"], stats["syncs_catchup"]) == (1, 1), stats
     assert _snapshot(ctx, relay.port)[0] == before

@@ -19,7 +19,7 @@ import pytest
 from clone import Clone
 from clone.errors import CloneError
 from tests.support.clients import raw_peer, synced_client
-from tests.support.servers import ServerProcess, Servers
+from tests.support.servers import ServerProcess, Servers, active_and_passive, wait_role
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
@@ -116,17 +116,25 @@ def _let_writes_flow(w: _Overwriter, count: int = 200, timeout: float = 20.0) ->
 
 
 def _stop_and_take_over(
-    w: _Overwriter, active: ServerProcess, passive: ServerProcess, sig: int
-) -> None:
-    """Stop the active server with ``sig``; the passive must take over with
-    every key at its last confirmed value or later."""
-    offset = passive.log_size()
+    w: _Overwriter, a: ServerProcess, b: ServerProcess, sig: int
+) -> tuple[ServerProcess, ServerProcess]:
+    """Stop the active one of ``a`` and ``b`` with ``sig``; the passive must
+    take over with every key at its last confirmed value or later.
+    ``(stopped, survivor)``.
+
+    Which one is active is asked, not assumed: on a busy machine both can
+    starve past the pair's expiry (4 x 100 ms), the passive takes a client's
+    vote and wins the split brain (docs/failover.md, "Fast failover on a lost
+    connection"), and a test that stopped the server it expected to be active
+    waited 60 s for a "now ACTIVE" the survivor had written before."""
+    active, passive = active_and_passive(a, b)
     before = dict(w.confirmed)
     active.signal(sig)
     active.terminate(5)
-    passive.wait_log("now ACTIVE", timeout=60, after=offset)
+    wait_role(passive, "active")
     _assert_no_revert(before, passive)
     _let_writes_flow(w)
+    return active, passive
 
 
 def _restart(server: ServerProcess, sig: int) -> None:
@@ -146,16 +154,16 @@ def test_restart_passive_then_stop_active_keeps_confirmed_values(
     with synced_client(primary, backup, heartbeat=HB) as c, _Overwriter(c) as w:
         _let_writes_flow(w)
         # 1. restart the passive under load
-        _restart(backup, sig)
+        _restart(active_and_passive(primary, backup)[1], sig)
         _let_writes_flow(w)
         # 2. stop the active: the restarted passive takes over
-        _stop_and_take_over(w, primary, backup, sig)
+        stopped, _ = _stop_and_take_over(w, primary, backup, sig)
         # 3. bring the old active back (it must follow) and stop the other role too
-        _restart(primary, sig)
+        _restart(stopped, sig)
         _let_writes_flow(w)
-        _stop_and_take_over(w, backup, primary, sig)
+        _, survivor = _stop_and_take_over(w, primary, backup, sig)
     assert len(w.confirmed) == KEYS, f"only {len(w.confirmed)} keys were ever confirmed"
-    _assert_no_revert(w.confirmed, primary)
+    _assert_no_revert(w.confirmed, survivor)
 
 
 def test_restart_passive_during_a_large_snapshot_keeps_confirmed_values(
@@ -172,5 +180,5 @@ def test_restart_passive_during_a_large_snapshot_keeps_confirmed_values(
         backup.wait_log("asked", timeout=60, after=offset)
         _restart(backup, signal.SIGKILL)
         _let_writes_flow(w)
-        _stop_and_take_over(w, primary, backup, signal.SIGKILL)
-    _assert_no_revert(w.confirmed, backup)
+        _, survivor = _stop_and_take_over(w, primary, backup, signal.SIGKILL)
+    _assert_no_revert(w.confirmed, survivor)

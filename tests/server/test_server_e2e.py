@@ -22,7 +22,7 @@ import zmq
 
 from tests.support.chp_peer import ChpPeer, Snapshot, Update
 from tests.support.ports import free_base_port, free_port
-from tests.support.servers import ServerProcess, Servers, server_pool
+from tests.support.servers import ServerProcess, Servers, server_pool, wait_role
 from tests.support.waiting import eventually
 
 pytestmark = pytest.mark.slow
@@ -473,7 +473,7 @@ def test_restarted_primary_comes_back_passive_with_the_full_state(
     peer.wait_hugz()
     mark = primary.log_size()
     primary.restart()
-    primary.wait_log("now PASSIVE", after=mark)
+    wait_role(primary, "passive")
     primary.wait_log("synced from", after=mark)
     # Passive: it does not answer snapshot requests while the backup lives.
     probe = ChpPeer(ctx)

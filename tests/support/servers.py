@@ -65,6 +65,21 @@ Durability helpers (module functions):
 * ``start_both(a, b) -> (active, passive)`` -- start two stopped servers of a
   pair together; back once one is ACTIVE and the other has synced from it.
 
+Roles, as the servers report them (``STATUS?``: read-only, no vote, no signal):
+
+* ``server_role(server) -> str | None`` -- ``"active"``, ``"passive"``,
+  ``"starting"``..., None if it did not answer;
+* ``wait_role(server, role)`` -- until it reports ``role``;
+* ``active_and_passive(a, b) -> (active, passive)`` -- until one reports
+  active and the other passive.
+
+Wait for a role rather than for a "now ACTIVE" line after an offset: on a
+busy machine both servers of a pair can starve past its expiry (4 x 100 ms
+here), one takes a client's vote and wins the split brain, and its line is
+written before the offset a test takes for a takeover it expects later, or
+the roles a test assumed are swapped (docs/failover.md, "Fast failover on a
+lost connection").
+
 Every wait has a deadline and raises ``TimeoutError`` with the log tail.
 """
 
@@ -85,20 +100,25 @@ from typing import TypeVar
 import pytest
 import zmq
 
+from clone.client.status import query_status
 from clone.tools.procs import ManagedProcess, python_module_argv
 from tests.support.ports import free_base_port, free_port
 
 __all__ = [
     "ROOT",
+    "STEADY_MISSED",
     "ServerProcess",
     "Servers",
+    "active_and_passive",
     "answers_icanhaz",
     "log_line",
     "read_stats",
     "server_pool",
+    "server_role",
     "servers",
     "set_arg",
     "start_both",
+    "wait_role",
 ]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -108,6 +128,13 @@ DEFAULT_HEARTBEAT_MS = 100
 #: bounds a hang.  On a machine kept busy, a server took 10 s from exec to its
 #: first log line (the load check); an idle one takes well under 1 s.
 WAIT = 60.0
+#: ``--missed`` for a pair whose roles a test assumes until it kills a server:
+#: 5 s of silence at the 100 ms heartbeat before the passive may take a vote.
+#: At the default 4 (400 ms) both servers waiting over 500 ms for a CPU under
+#: load made the passive take a client's vote and win the split brain, and a
+#: metrics test found its counters on the other server.  A killed server is
+#: still noticed at once (fast failover on the lost connection).
+STEADY_MISSED = ("--missed", "50")
 
 
 class ServerProcess:
@@ -458,6 +485,56 @@ def read_stats(server: ServerProcess, timeout: float = WAIT) -> dict[str, object
         if time.monotonic() > deadline:
             raise TimeoutError(f"{server.name}: a truncated stats line: {rest[:200]!r}")
         time.sleep(0.01)
+
+
+#: Between two ``STATUS?`` of a role wait: the servers answer 20 a second
+#: (a burst of 40), and a role changes in a heartbeat (100 ms) at the soonest.
+_ROLE_POLL = 0.05
+
+
+def server_role(server: ServerProcess, timeout: float = 2.0) -> str | None:
+    """The role ``server`` reports (``STATUS?`` to its snapshot port), None if
+    it did not answer within ``timeout`` s; ``RuntimeError`` if it exited."""
+    if server.proc is not None and server.proc.poll() is not None:
+        raise RuntimeError(
+            f"{server.name} exited with {server.proc.returncode}:\n{server.log_text()[-3000:]}"
+        )
+    [status] = query_status([f"tcp://127.0.0.1:{server.port}"], timeout)
+    role = status["role"]
+    return None if role is None else str(role)
+
+
+def wait_role(server: ServerProcess, role: str, timeout: float = WAIT) -> None:
+    """Until ``server`` reports ``role``; ``TimeoutError`` with its log tail."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        last = server_role(server, min(2.0, max(0.1, deadline - time.monotonic())))
+        if last == role:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"{server.name}: role {last!r}, not {role!r}, after {timeout} s; tail:\n"
+                + server.log_text()[-3000:]
+            )
+        time.sleep(_ROLE_POLL)
+
+
+def active_and_passive(
+    a: ServerProcess, b: ServerProcess, timeout: float = WAIT
+) -> tuple[ServerProcess, ServerProcess]:
+    """``(active, passive)`` once one of the two reports active and the other
+    passive, whichever way round."""
+    deadline = time.monotonic() + timeout
+    while True:
+        roles = {s.name: server_role(s) for s in (a, b)}
+        if (roles[a.name], roles[b.name]) == ("active", "passive"):
+            return a, b
+        if (roles[a.name], roles[b.name]) == ("passive", "active"):
+            return b, a
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no active and passive after {timeout} s: {roles}")
+        time.sleep(_ROLE_POLL)
 
 
 def log_line(server: ServerProcess, text: str, *, after: int = 0) -> str:
