@@ -13,12 +13,15 @@ the stream has not reached yet is overwritten meanwhile, so the stream
 shows that update, applied and not committed.  Its KTHXBAI must wait for
 the commit: it may not arrive while the lock is held, and when it arrives
 the commit mark (``DIR/COMMITTED``) covers every sequence the snapshot
-carried.
+carried.  And if the server is killed instead, the restarted one serves the
+state without that update: a requester that had taken it would have seen the
+pair go back.
 """
 
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -47,9 +50,34 @@ def _key(i: int) -> str:
     return f"{PREFIX}{i:05d}"
 
 
-def test_a_snapshot_ends_only_once_the_updates_it_shows_are_committed(
-    servers: Servers, ctx: zmq.Context[Any]
-) -> None:
+class _Held:
+    """A snapshot stream that showed an update whose commit is held up."""
+
+    def __init__(self, servers: Servers, server: ServerProcess, req: zmq.Socket[Any],
+                 lock: sqlite3.Connection, before: int) -> None:  # fmt: skip
+        self.servers, self.server, self.req, self.lock, self.before = (
+            servers, server, req, lock, before)  # fmt: skip
+        self.seen: dict[bytes, int] = {}
+        self.ended: list[int] = []
+
+    def read_some(self) -> bool:
+        """Take what arrived; true once the end came or every entry did."""
+        while self.req.poll(0):
+            frames = self.req.recv_multipart()
+            if frames[0] == KTHXBAI:
+                self.ended.append(int.from_bytes(frames[1], "big"))
+            else:
+                self.seen[frames[0]] = int.from_bytes(frames[1], "big")
+        return bool(self.ended) or len(self.seen) == KEYS
+
+    def release(self) -> None:
+        if self.lock.in_transaction:
+            self.lock.execute("ROLLBACK")
+
+
+def _held_snapshot(servers: Servers, ctx: zmq.Context[Any], then: Callable[[_Held], None]) -> None:
+    """Stall a snapshot of ``KEYS`` keys, hold the commits, overwrite the last
+    key, read the stream to its end (which must wait), then ``then(held)``."""
     server = servers.standalone()
     with synced_client(server) as client:
         for i in range(KEYS - 1):
@@ -68,6 +96,7 @@ def test_a_snapshot_ends_only_once_the_updates_it_shows_are_committed(
 
     lock = sqlite3.connect(servers.data_dir(server.name) / "clone.db", isolation_level=None,
                            timeout=10)  # fmt: skip
+    held = _Held(servers, server, req, lock, before)
     try:
         lock.execute("BEGIN IMMEDIATE")  # the server's next commit waits for it
         with synced_client(server) as writer:
@@ -75,38 +104,52 @@ def test_a_snapshot_ends_only_once_the_updates_it_shows_are_committed(
             eventually(lambda: int(read_stats(server)["sequence"]) == before + 1,  # type: ignore[call-overload]
                        WAIT, "the overwrite to be applied")
         assert _committed(servers, server) == before, "the commit was not held up"
-
-        # Read the stream: every entry comes, the overwrite's among them.
-        seen: dict[bytes, int] = {}
-        ended: list[int] = []
-
-        def read_some() -> bool:
-            while req.poll(0):
-                frames = req.recv_multipart()
-                if frames[0] == KTHXBAI:
-                    ended.append(int.from_bytes(frames[1], "big"))
-                else:
-                    seen[frames[0]] = int.from_bytes(frames[1], "big")
-            return bool(ended) or len(seen) == KEYS
-
-        eventually(read_some, WAIT, "the snapshot's entries")
-        assert seen.get(_key(KEYS - 1).encode()) == before + 1, "the stream missed the overwrite"
+        # Every entry comes, the overwrite's among them: applied, not committed.
+        eventually(held.read_some, WAIT, "the snapshot's entries")
+        assert held.seen.get(_key(KEYS - 1).encode()) == before + 1, "the stream missed it"
         # Its end is due now: it must wait for the commit, not go.
-        eventually(lambda: read_some() and (bool(ended) or int(
+        eventually(lambda: held.read_some() and (bool(held.ended) or int(
             read_stats(server).get("snapshot_ends_held", 0)) >= 1),  # type: ignore[call-overload]
             WAIT, "the snapshot's end to be sent or held")
-        assert not ended, (
-            f"the snapshot ended (KTHXBAI at {ended[0]}) while the update at sequence"
+        assert not held.ended, (
+            f"the snapshot ended (KTHXBAI at {held.ended[0]}) while the update at sequence"
             f" {before + 1} it showed was not on disk (committed: {_committed(servers, server)})"
         )
+        then(held)
     finally:
-        if lock.in_transaction:
-            lock.execute("ROLLBACK")
+        held.release()
         lock.close()
+        req.close(linger=0)
 
-    eventually(lambda: read_some() and bool(ended), WAIT, "the snapshot's end after the commit")
-    assert _committed(servers, server) >= max(seen.values()), (
-        "the snapshot ended before the updates it showed were committed"
-    )
-    assert ended[0] >= before
-    req.close(linger=0)
+
+def test_a_snapshot_ends_only_once_the_updates_it_shows_are_committed(
+    servers: Servers, ctx: zmq.Context[Any]
+) -> None:
+    def commit_lands(held: _Held) -> None:
+        held.release()
+        eventually(lambda: held.read_some() and bool(held.ended), WAIT,
+                   "the snapshot's end after the commit")  # fmt: skip
+        assert _committed(held.servers, held.server) >= max(held.seen.values()), (
+            "the snapshot ended before the updates it showed were committed")  # fmt: skip
+        assert held.ended[0] >= held.before
+
+    _held_snapshot(servers, ctx, commit_lands)
+
+
+def test_a_snapshot_cut_by_a_crash_never_ended_so_nobody_took_the_lost_update(
+    servers: Servers, ctx: zmq.Context[Any]
+) -> None:
+    def crash(held: _Held) -> None:
+        held.server.kill9()
+        held.release()
+        assert not held.read_some() or not held.ended
+        held.server.start()
+        held.server.wait_serving()
+        # The update the stream showed is gone: the requester, which never got
+        # the end, holds nothing of it; the restarted server serves the state
+        # before it (and will give its sequence to another write).
+        assert int(read_stats(held.server)["sequence"]) == held.before  # type: ignore[call-overload]
+        with synced_client(held.server) as reader:
+            assert reader.get(_key(KEYS - 1)) == VALUE
+
+    _held_snapshot(servers, ctx, crash)
