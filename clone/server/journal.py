@@ -73,6 +73,15 @@ class Journal:
     def __bool__(self) -> bool:
         return bool(self._ops)
 
+    def first_sequence(self) -> int | None:
+        """The sequence of the first update recorded since the last take
+        (None: none): everything below it that was applied is committed or
+        in the commit in flight (clone.server.diskgate)."""
+        for op in self._ops:
+            if op.kind is OpKind.UPDATES and op.updates:
+                return int.from_bytes(op.updates[0][1], "big")
+        return None
+
     def update(self, frames: list[bytes]) -> None:
         """An update was applied to the state: record its KVPUB frames."""
         updates = self._updates

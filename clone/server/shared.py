@@ -44,6 +44,7 @@ IO_COUNTERS: tuple[str, ...] = (
     "votes_deferred_overflow",
     "votes_deferred_gone",
     "snapshot_stalls",
+    "snapshot_ends_held",
     "snapshot_unroutable_retries",
     "snapshots_idle_aborted",
     "snapshots_evicted",

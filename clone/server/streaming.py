@@ -72,15 +72,14 @@ def who(identity: bytes) -> str:
 class SnapshotStreams:
     """Stream snapshots for accepted requests: slots, stalls, aborts.
 
-    Built with the ROUTER it sends on and the loop it schedules turns on,
-    and with callbacks: ``backlog`` (the port reader's look at the ROUTER's
-    backlog after a send outside its callback: :mod:`.sending`), ``promote``
-    (the role switch: a won vote makes a starting or passive server active
-    first), ``peer_sync_opened`` / ``peer_sync_done`` (the healer's: a
-    peer's sync began or finished streaming), ``view_count`` (security's
-    count of a restricted view's keys) and ``stopping``.  ``access`` gives
-    each requester's read rights under CURVE (``secure``); ``durations``
-    records how long each stream took (the metrics' histogram).
+    Built with the ROUTER it sends on and the loop it schedules turns on, and with callbacks:
+    ``backlog`` (the port reader's look at the ROUTER's backlog after a send outside its
+    callback: :mod:`.sending`), ``promote`` (the role switch: a won vote makes a starting or
+    passive server active first), ``peer_sync_opened`` / ``peer_sync_done`` (the healer's: a
+    peer's sync began or finished streaming), ``view_count`` (security's count of a restricted
+    view's keys) and ``stopping``.  ``access`` gives each requester's read rights under CURVE
+    (``secure``); ``durations`` records how long each stream took (the metrics' histogram).
+    ``held``, set by the wiring (:mod:`.diskgate`), says whether a stream's next message waits.
     """
 
     def __init__(
@@ -130,7 +129,7 @@ class SnapshotStreams:
         # libzmq holds for that requester is written (or its connection dropped).
         self._peer_windows: dict[bytes, SendWindow] = {}
         # Streams waiting for their turn of the loop's snapshot slice, one
-        # host after another (_wake, _pump_turn), and whether a turn is due.
+        # host after another (wake, _pump_turn), and whether a turn is due.
         self._pump_queue: HostRoundRobin[AnyStream] = HostRoundRobin()
         self._pump_scheduled = False
         # This loop turn's slice for the first messages of newly served
@@ -147,6 +146,7 @@ class SnapshotStreams:
         self._peer_syncs: set[AnyStream] = set()
         # Who asked for each stream: a new request of theirs replaces it.
         self._requesters: dict[AnyStream, Requester] = {}
+        self.held: Callable[[AnyStream, Any], bool] = lambda stream, frames: False
 
     @property
     def _stopping(self) -> bool:
@@ -155,6 +155,9 @@ class SnapshotStreams:
     def __len__(self) -> int:
         """Streams in flight."""
         return len(self._snapshots)
+
+    def __contains__(self, stream: object) -> bool:
+        return stream in self._snapshots
 
     def abort_all(self, why: str) -> None:
         """Abort every stream (the server became passive)."""
@@ -251,7 +254,7 @@ class SnapshotStreams:
             self._pump(stream, stop)
             shares.spend(host, self._clock() - now)
         else:
-            self._wake(stream)
+            self.wake(stream)
 
     def _serve_slice(self) -> SliceShares:
         """This loop turn's slice for newly served streams, shared by host."""
@@ -339,7 +342,7 @@ class SnapshotStreams:
             if window.settled:
                 del windows[identity]
 
-    def _wake(self, stream: AnyStream) -> None:
+    def wake(self, stream: AnyStream) -> None:
         """Give ``stream`` a turn in the loop's snapshot slice (once, in order)."""
         if stream not in self._snapshots or self._loop is None or self._stopping:
             return
@@ -412,6 +415,8 @@ class SnapshotStreams:
                         # Done, or a long run of keys outside the subtree was
                         # skipped: either way, give the loop back.
                         break
+                    if self.held(stream, frames):
+                        return  # woken once what it shows is on disk
                     nbytes = sum(map(len, frames))
                     if window.track_next(nbytes):
                         sent = burst.send(sock, frames, trackers=trackers)
@@ -458,15 +463,11 @@ class SnapshotStreams:
             if stream.batch:
                 c["snapshots_batched"] += 1
                 c["snapshot_batches_sent"] += stream.batches_sent
-            log.debug(
-                "snapshot for %s done: %d entries in %d messages, sequence %d",
-                who(stream.identity),
-                stream.sent,
-                stream.batches_sent if stream.batch else stream.sent,
-                stream.sequence,
-            )
+            log.debug("snapshot for %s done: %d entries in %d messages, sequence %d",
+                      who(stream.identity), stream.sent,
+                      stream.batches_sent if stream.batch else stream.sent, stream.sequence)
             return
-        self._wake(stream)
+        self.wake(stream)
 
     def _stall(self, stream: AnyStream, window: SendWindow) -> None:
         """The requester is not keeping up (its byte window or its pipe is
@@ -483,7 +484,7 @@ class SnapshotStreams:
         self.counters["snapshot_stalls"] += 1
         now = self._clock()
         last = self._note_progress(stream, window)
-        self._loop.call_later(retry_delay(now - last), self._wake, stream)
+        self._loop.call_later(retry_delay(now - last), self.wake, stream)
 
     def _unroutable(self, stream: AnyStream, window: SendWindow) -> None:
         """EHOSTUNREACH: the requester went away, or its pipe is only slow to

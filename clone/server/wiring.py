@@ -20,6 +20,7 @@ from clone.server.calling import Caller
 from clone.server.collecting import Applier, Collector, Judge, Sink
 from clone.server.config import ServerMode
 from clone.server.core import Role
+from clone.server.diskgate import DiskGate, committed_through
 from clone.server.following import Follower
 from clone.server.relaying import RelayLink
 from clone.server.roles import RoleSwitch
@@ -61,6 +62,16 @@ def build_serving(server: CloneServer, router: zmq.Socket[Any]) -> None:
         durations=server.monitor.snapshot_seconds,
         stopping=stopping,
     )
+    # A snapshot's end, and a catch-up, wait until what they show is on disk.
+    gate = DiskGate(
+        committed=lambda: committed_through(server.durability, server.core),
+        store_sequence=lambda: server.core.store.sequence,
+        when_published=server.durability.when_published,
+        wake=streams.wake,
+        alive=streams.__contains__,
+        counters=server.shared.counters,
+    )
+    streams.held = gate.holds
     votes = server.votes = HeldVotes(
         server.config, server.shared, loop, ha=lambda: server._ha,
         serve=_serve_published(server, streams.serve),
