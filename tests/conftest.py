@@ -38,6 +38,8 @@ pytest_plugins = [
     "tests.support.ordering",
     # --- SIGINT/SIGTERM deliverable in every child a test starts ---
     "tests.support.signals",
+    # --- --cpu-report: CPU per test and per file (off unless asked) ---
+    "tests.support.cpu_report",
 ]
 
 # --- hypothesis on a busy machine: no per-example deadline and no

@@ -20,11 +20,24 @@ pytestmark = [pytest.mark.slow, pytest.mark.asyncio]
 
 @pytest.fixture
 def server(servers: Servers) -> ServerProcess:
+    """A server of the test's own (one it restarts)."""
     return servers.standalone("--in-memory")
 
 
-async def test_set_then_get_sees_it_and_json_round_trips(server: ServerProcess) -> None:
-    async with AsyncClone(endpoint(server), heartbeat=0.1) as c:
+@pytest.fixture(scope="module")
+def shared(module_servers: Servers) -> ServerProcess:
+    """One server for the tests that only read and write it, each under key,
+    lock and election names of its own (a server start is about 0.2 CPU-s)."""
+    return module_servers.standalone("--in-memory")
+
+
+#: The tests of ``shared``, on one xdist worker so that it starts once.
+SHARED = pytest.mark.xdist_group("test_aio_shared")
+
+
+@SHARED
+async def test_set_then_get_sees_it_and_json_round_trips(shared: ServerProcess) -> None:
+    async with AsyncClone(endpoint(shared), heartbeat=0.1) as c:
         seq = await c.set("/config/flag", b"on")
         assert seq > 0
         assert c.get("/config/flag") == b"on"  # a read after a confirmed write sees it
@@ -49,8 +62,9 @@ async def test_set_then_get_sees_it_and_json_round_trips(server: ServerProcess) 
         c.get("/config/app")
 
 
-async def test_changes_stream_and_since(server: ServerProcess) -> None:
-    async with AsyncClone(endpoint(server), heartbeat=0.1) as c:
+@SHARED
+async def test_changes_stream_and_since(shared: ServerProcess) -> None:
+    async with AsyncClone(endpoint(shared), heartbeat=0.1) as c:
         first = await c.set("/a/0", b"zero")
         async with c.changes("/a/") as stream:
             await c.set("/b/x", b"elsewhere")
@@ -63,8 +77,9 @@ async def test_changes_stream_and_since(server: ServerProcess) -> None:
         await replay.aclose()
 
 
-async def test_lease_lock_and_election(server: ServerProcess) -> None:
-    async with AsyncClone(endpoint(server), heartbeat=0.1) as c:
+@SHARED
+async def test_lease_lock_and_election(shared: ServerProcess) -> None:
+    async with AsyncClone(endpoint(shared), heartbeat=0.1) as c:
         lease = await c.lease(1.0)
         await c.set("/svc/me", b"1", lease=lease)
         assert c.entry("/svc/me") is not None
@@ -115,10 +130,11 @@ async def test_registration_to_await_comes_back_after_the_server_forgets_its_lea
         await _until(lambda: c.get("/svc/web") is None, 10, "registration revoked")
 
 
-async def test_reads_take_microseconds_on_the_loop(server: ServerProcess) -> None:
+@SHARED
+async def test_reads_take_microseconds_on_the_loop(shared: ServerProcess) -> None:
     """No round trip to the agent: measured, with a ceiling generous enough for a
     busy machine (the target, and what a quiet one does, is far lower)."""
-    async with AsyncClone(endpoint(server), heartbeat=0.1) as c:
+    async with AsyncClone(endpoint(shared), heartbeat=0.1) as c:
         await c.set("/flags/x", b"1")
         n = 20_000
         start = time.perf_counter()

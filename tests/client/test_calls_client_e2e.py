@@ -61,6 +61,19 @@ def raw_revoke(server: ServerProcess, lease_id: str, secret: str) -> None:
         ctx.destroy(linger=0)
 
 
+@pytest.fixture(scope="module")
+def shared(module_servers: Servers) -> ServerProcess:
+    """One server for the lease tests, each under keys of its own (a server
+    start is about 0.2 CPU-s).  The compare-and-set test keeps one of its own:
+    it checks that each write's sequence is the one before plus one, which a
+    lease of another test expiring meanwhile would break."""
+    return module_servers.standalone()
+
+
+#: The tests of ``shared``, on one xdist worker so that it starts once.
+SHARED = pytest.mark.xdist_group("test_calls_client_shared")
+
+
 def test_compare_and_set_and_the_sequences_writes_return(servers: Servers) -> None:
     server = servers.standalone()
     with client(server) as c:
@@ -88,8 +101,9 @@ def test_compare_and_set_and_the_sequences_writes_return(servers: Servers) -> No
         assert c.delete("/plain", wait=True) == deleted + 1
 
 
-def test_lease_keys_go_on_revoke_and_on_leaving_the_with_block(servers: Servers) -> None:
-    server = servers.standalone()
+@SHARED
+def test_lease_keys_go_on_revoke_and_on_leaving_the_with_block(shared: ServerProcess) -> None:
+    server = shared
     with client(server) as holder, client(server) as reader:
         lease = holder.lease(1.0)
         holder.set("/svc/a", "up", lease=lease)
@@ -108,8 +122,9 @@ def test_lease_keys_go_on_revoke_and_on_leaving_the_with_block(servers: Servers)
             holder.set("/svc/c", "up", lease=scoped)
 
 
-def test_close_revokes_and_its_keys_go_at_once(servers: Servers) -> None:
-    server = servers.standalone()
+@SHARED
+def test_close_revokes_and_its_keys_go_at_once(shared: ServerProcess) -> None:
+    server = shared
     with client(server) as reader:
         holder = Clone([endpoint(server)], heartbeat=HB)
         lease = holder.lease(30.0)
@@ -119,8 +134,9 @@ def test_close_revokes_and_its_keys_go_at_once(servers: Servers) -> None:
         eventually(lambda: reader.get("/held") is None, 3, "deleted well before the 30 s ttl")
 
 
-def test_a_lease_revoked_elsewhere_is_lost_and_told(servers: Servers) -> None:
-    server = servers.standalone()
+@SHARED
+def test_a_lease_revoked_elsewhere_is_lost_and_told(shared: ServerProcess) -> None:
+    server = shared
     with client(server) as holder, client(server) as other:
         lease = holder.lease(0.9)
         holder.set("/lock", "holder", lease=lease)
@@ -184,10 +200,11 @@ def _many_leases(holder: Clone, n: int, ttl: float) -> list:  # list[Lease]
     return leases
 
 
-def test_many_leases_are_kept_alive_by_batched_keepalives(servers: Servers) -> None:
+@SHARED
+def test_many_leases_are_kept_alive_by_batched_keepalives(shared: ServerProcess) -> None:
     """A client's leases fall into step and one lease-keepalives call
     keeps them all alive; none is lost, every key stays."""
-    server = servers.standalone()
+    server = shared
     with client(server) as holder, client(server) as reader:
         leases = _many_leases(holder, 200, 1.0)
         start = holder.status().counters["keepalive_batches"]

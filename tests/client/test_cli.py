@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -17,7 +17,8 @@ from clone.client.cli import main
 from tests.support.ports import free_base_port
 from tests.support.servers import ROOT, ServerProcess, Servers
 
-pytestmark = pytest.mark.slow
+# One worker runs the file's server tests, so its one server (``solo``) starts once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("test_cli")]
 
 #: How a user runs the ``clone`` command (without the console script).
 CLONE_CLI = (sys.executable, "-m", "clone.client.cli")
@@ -32,9 +33,11 @@ def env_with(servers_list: str | None = None) -> dict[str, str]:
     return env
 
 
-@pytest.fixture
-def solo(servers: Servers) -> Iterator[ServerProcess]:
-    yield servers.standalone()
+@pytest.fixture(scope="module")
+def solo(module_servers: Servers) -> ServerProcess:
+    """One server for the file: each test keeps to a key prefix of its own
+    (/cli/, /d/, /env/, /bare/, /pipe/, /w/, /quiet/, /hello/) and none stops it."""
+    return module_servers.standalone()
 
 
 def ep(server: ServerProcess) -> str:
@@ -250,7 +253,9 @@ def test_watch_streams_changes_until_ctrl_c(solo: ServerProcess) -> None:
 
 
 def test_watch_duration_ends_by_itself(solo: ServerProcess) -> None:
-    r = clone_cmd(solo, "watch", "--duration", "0.3")
+    # A prefix no other test writes: the server is shared (a ttl key of
+    # another test may expire meanwhile).
+    r = clone_cmd(solo, "watch", "--duration", "0.3", "/quiet/")
     assert r.returncode == 0, r.stderr
     assert r.stdout == ""
 

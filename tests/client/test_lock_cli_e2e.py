@@ -12,6 +12,7 @@ command gets SIGTERM and ``clone lock`` exits 4 with a message.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ import pytest
 from clone.client.cli import EXIT_ERROR, _lock_command, _parser
 from clone.client.locked import exit_status
 from tests.support.clients import endpoint, synced_client
-from tests.support.servers import ROOT, Servers
+from tests.support.servers import ROOT, ServerProcess, Servers
 from tests.support.waiting import eventually
 
 NAME = "/locks/cli"
@@ -236,6 +237,7 @@ class TickerRun:
         *extra: str,
         ignore_sigterm: bool = False,
         in_shell: bool = False,
+        name: str = NAME,
     ) -> None:
         script = tmp / "ticker.py"
         if not script.exists():
@@ -251,7 +253,7 @@ class TickerRun:
             command = ["sh", "-c", " ".join(command) + " & wait"]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "clone.client.cli", "--heartbeat", "0.1", "--servers", eps,
-             "lock", NAME, "--ttl", str(ttl), *extra, "--", *command],
+             "lock", name, "--ttl", str(ttl), *extra, "--", *command],
             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
         )  # fmt: skip
 
@@ -296,6 +298,23 @@ def tickers() -> Iterator[list[TickerRun]]:
         run.proc.communicate(timeout=10)
 
 
+@pytest.fixture(scope="module")
+def shared(module_servers: Servers) -> ServerProcess:
+    """One server for the ticker tests (a server start is about 0.2 CPU-s):
+    none stops or freezes it, and each locks a name of its own (``lock``)."""
+    return module_servers.standalone()
+
+
+@pytest.fixture
+def lock(request: pytest.FixtureRequest) -> str:
+    """The test's own lock name on the shared server."""
+    return f"/locks/{re.sub(r'[^A-Za-z0-9_-]', '-', request.node.name)}"
+
+
+#: The tests of ``shared``, on one xdist worker so that it starts once.
+SHARED = pytest.mark.xdist_group("test_lock_cli_shared")
+
+
 def _gone(pid: int) -> bool:
     """The process has exited (gone, or a zombie nobody reaped yet)."""
     try:
@@ -310,18 +329,19 @@ def test_exit_status_is_what_a_shell_reports() -> None:
 
 
 @pytest.mark.slow
+@SHARED
 def test_kill9_of_clone_lock_stops_its_command_at_once_and_the_next_starts_after(
-    servers: Servers, tickers: list[TickerRun], tmp_path: Path
+    shared: ServerProcess, lock: str, tickers: list[TickerRun], tmp_path: Path
 ) -> None:
     ttl = 1.0
-    server = servers.standalone()
-    first = TickerRun(tmp_path, endpoint(server), "first", "0", 60.0, ttl)
+    server = shared
+    first = TickerRun(tmp_path, endpoint(server), "first", "0", 60.0, ttl, name=lock)
     tickers.append(first)
     eventually(first.started, 15, "the first command started")
-    second = TickerRun(tmp_path, endpoint(server), "second", "0", 0.2, ttl)
+    second = TickerRun(tmp_path, endpoint(server), "second", "0", 0.2, ttl, name=lock)
     tickers.append(second)
     with synced_client(server) as observer:
-        eventually(lambda: len(observer.entries(NAME + "/")) == 2, 15, "the second one waits")
+        eventually(lambda: len(observer.entries(lock + "/")) == 2, 15, "the second one waits")
     _, first_pid, first_token = first.start()
     killed = time.monotonic_ns()
     first.proc.kill()
@@ -335,13 +355,14 @@ def test_kill9_of_clone_lock_stops_its_command_at_once_and_the_next_starts_after
 
 
 @pytest.mark.slow
+@SHARED
 def test_kill9_of_clone_lock_also_stops_what_its_command_started(
-    servers: Servers, tickers: list[TickerRun], tmp_path: Path
+    shared: ServerProcess, lock: str, tickers: list[TickerRun], tmp_path: Path
 ) -> None:
     """The parent-death signal reaches only the command (here a shell); its
     guard kills the rest of the command's process group (here the ticker)."""
-    server = servers.standalone()
-    run = TickerRun(tmp_path, endpoint(server), "shell", "0", 60.0, 1.0, in_shell=True)
+    server = shared
+    run = TickerRun(tmp_path, endpoint(server), "shell", "0", 60.0, 1.0, in_shell=True, name=lock)
     tickers.append(run)
     eventually(run.started, 15, "the shell's child started")
     _, ticker_pid, token = run.start()
@@ -354,12 +375,13 @@ def test_kill9_of_clone_lock_also_stops_what_its_command_started(
 
 
 @pytest.mark.slow
+@SHARED
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
 def test_a_signal_to_clone_lock_goes_to_its_command_and_the_exit_is_128_plus_n(
-    servers: Servers, tickers: list[TickerRun], tmp_path: Path, signum: int
+    shared: ServerProcess, lock: str, tickers: list[TickerRun], tmp_path: Path, signum: int
 ) -> None:
-    server = servers.standalone()
-    run = TickerRun(tmp_path, endpoint(server), "holder", "0", 60.0, 2.0)
+    server = shared
+    run = TickerRun(tmp_path, endpoint(server), "holder", "0", 60.0, 2.0, name=lock)
     tickers.append(run)
     eventually(run.started, 15, "the command started")
     run.proc.send_signal(signum)
@@ -368,17 +390,18 @@ def test_a_signal_to_clone_lock_goes_to_its_command_and_the_exit_is_128_plus_n(
     assert run.signals() == [signum]
     assert _gone(run.start()[1])
     with synced_client(server) as observer:
-        eventually(lambda: observer.entries(NAME + "/") == [], 5, "the lock released")
+        eventually(lambda: observer.entries(lock + "/") == [], 5, "the lock released")
 
 
 @pytest.mark.slow
+@SHARED
 def test_clone_lock_exits_with_the_commands_code_or_128_plus_its_signal(
-    servers: Servers, tickers: list[TickerRun], tmp_path: Path
+    shared: ServerProcess, lock: str, tickers: list[TickerRun], tmp_path: Path
 ) -> None:
-    server = servers.standalone()
+    server = shared
     tokens = []
     for code, expected in (("0", 0), ("3", 3), ("sig9", 137), ("sig15", 143)):
-        run = TickerRun(tmp_path, endpoint(server), f"code-{code}", code, 0.0, 2.0)
+        run = TickerRun(tmp_path, endpoint(server), f"code-{code}", code, 0.0, 2.0, name=lock)
         tickers.append(run)
         returncode, err = run.finish()
         assert (returncode, err) == (expected, ""), (code, err)
@@ -387,23 +410,24 @@ def test_clone_lock_exits_with_the_commands_code_or_128_plus_its_signal(
 
 
 @pytest.mark.slow
+@SHARED
 def test_a_lost_lock_sigkills_a_command_that_ignores_sigterm_after_the_grace(
-    servers: Servers, tickers: list[TickerRun], tmp_path: Path
+    shared: ServerProcess, lock: str, tickers: list[TickerRun], tmp_path: Path
 ) -> None:
-    server = servers.standalone()
+    server = shared
     grace = 0.5
     run = TickerRun(tmp_path, endpoint(server), "stubborn", "0", 60.0, 1.0,
-                    "--kill-grace", str(grace), ignore_sigterm=True)  # fmt: skip
+                    "--kill-grace", str(grace), ignore_sigterm=True, name=lock)  # fmt: skip
     tickers.append(run)
     eventually(run.started, 15, "the command started")
     _, pid, _ = run.start()
     with synced_client(server) as observer:
-        eventually(lambda: len(observer.entries(NAME + "/")) == 1, 5, "the lock's key")
+        eventually(lambda: len(observer.entries(lock + "/")) == 1, 5, "the lock's key")
         # Lose the lease as a frozen holder does (only its owner may revoke it):
         # clone lock stopped until the lease runs out, the command ticking on.
         run.proc.send_signal(signal.SIGSTOP)
         try:
-            eventually(lambda: observer.entries(NAME + "/") == [], 10, "the lease to run out")
+            eventually(lambda: observer.entries(lock + "/") == [], 10, "the lease to run out")
         finally:
             run.proc.send_signal(signal.SIGCONT)
         revoked = time.monotonic_ns()

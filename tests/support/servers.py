@@ -35,6 +35,8 @@ every server's log (pytest shows it under "Captured stderr teardown").
 * ``standalone()`` and ``pair()`` start again on other ports (up to three
   tries) when a server found a port it was given taken by another process
   meanwhile ("Address already in use"; with ``wait`` only).
+* ``module_servers`` is the same, shared by the tests of one module (see
+  its docstring for when a test may share a server).
 * ``servers.heartbeat_ms`` -- the ``--heartbeat`` given to every server (default
   100, so failover tests take a fraction of a second per heartbeat).
 * Durable by default, as ``clone-server`` is: each server of ``standalone()`` and
@@ -112,6 +114,7 @@ __all__ = [
     "active_and_passive",
     "answers_icanhaz",
     "log_line",
+    "module_servers",
     "read_stats",
     "server_pool",
     "server_role",
@@ -428,6 +431,24 @@ def server_pool(
 def servers(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Servers]:
     """Real server processes; all stopped at teardown, logs dumped on failure."""
     with server_pool(tmp_path, request) as pool:
+        yield pool
+
+
+@pytest.fixture(scope="module")
+def module_servers(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Servers]:
+    """Servers shared by the tests of one module, stopped after its last test.
+
+    A server costs about 0.2 CPU-seconds to start and stop (its Python's
+    imports, mostly), which on a 2-core machine running four workers is the
+    suite's time.  Only for tests that neither stop nor restart it, nor depend
+    on an empty store or on sequence numbers, and that each keep to keys (and
+    lock or lease names) of their own.  Under xdist a module's tests are handed
+    to several workers, each of which would start its own: give them an
+    ``xdist_group`` of their own too, so that one worker runs them all.
+    """
+    with server_pool(tmp_path_factory.mktemp("module-servers"), request) as pool:
         yield pool
 
 
