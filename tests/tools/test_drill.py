@@ -743,6 +743,25 @@ def test_partition_config_and_names() -> None:
         topo.split("primary", "backup")
 
 
+def test_a_subnet_claimed_by_one_drill_is_not_claimed_by_another() -> None:
+    import os
+    import tempfile
+
+    from clone.tools.drill.netns import _claim_file
+
+    prefix = f"test-{os.getpid()}"  # not a subnet a real drill claims
+    first = _claim_file(prefix)
+    assert first is not None
+    try:
+        assert _claim_file(prefix) is None  # another open file: another drill
+    finally:
+        os.close(first)
+    again = _claim_file(prefix)  # released with its file (or its process)
+    assert again is not None
+    os.close(again)
+    os.unlink(os.path.join(tempfile.gettempdir(), f"clonedrill-subnet-{prefix}.lock"))
+
+
 @pytest.mark.parametrize("scenario", ["partition-pair", "partition-split"])
 def test_partition_drill_without_root_exits_2(
     scenario: str,

@@ -4,10 +4,11 @@ iptables rules that cut it off.
 How this works: :class:`Topology` creates two network namespaces
 (``clonedrill-<pid>-primary`` and ``-backup``), each joined by a veth pair to a
 bridge in the root namespace, all on a private /24 (``10.213.<k>.0/24``: the
-bridge ``.1``, the primary ``.2``, the backup ``.3``).  The servers run inside
-their namespaces (``ip netns exec NS clone-server ...``) and bind their
-namespace's address; the clients and the drill itself stay in the root
-namespace and reach them over the bridge.  Each namespace gets two iptables
+bridge ``.1``, the primary ``.2``, the backup ``.3``; ``<k>`` free on the host
+and claimed with a lock file, so that drills started at once never share it).
+The servers run inside their namespaces (``ip netns exec NS clone-server ...``)
+and bind their namespace's address; the clients and the drill itself stay in the
+root namespace and reach them over the bridge.  Each namespace gets two iptables
 chains, ``CLONE-DRILL-IN`` (jumped to from ``INPUT``) and ``CLONE-DRILL-OUT``
 (from ``OUTPUT``): a fault appends ``DROP`` rules to them, healing flushes them.
 Dropping (not rejecting) is what a partition looks like: no FIN, no RST, the
@@ -30,11 +31,13 @@ installs iptables (Debian's package) when it is missing and we may.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import os
 import re
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -146,14 +149,40 @@ def remove_leftovers() -> list[str]:
     return removed
 
 
-def _free_subnet(pid: int) -> str:
-    """``10.213.<k>`` not yet used by any address or route on this host."""
+def _claim_file(prefix: str) -> int | None:
+    """An open file holding an exclusive lock on ``prefix`` for this process,
+    or None if another live process holds it.  The kernel drops the lock when
+    the file is closed or the process dies, so a crashed drill claims nothing."""
+    path = os.path.join(tempfile.gettempdir(), f"clonedrill-subnet-{prefix}.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _free_subnet(pid: int) -> tuple[str, int]:
+    """``10.213.<k>`` not yet used by any address or route on this host, and
+    the claim on it (:func:`_claim_file`), held until :meth:`Topology.destroy`.
+    Without the claim, two drills started at once (two test workers) could
+    both see one subnet free between the look and the use."""
     used = _run(["ip", "-4", "-o", "addr", "show"], check=False).stdout
     used += _run(["ip", "-4", "route", "show"], check=False).stdout
     for i in range(256):
         prefix = f"{_NETS}.{(pid + i) % 256}"
-        if f"{prefix}." not in used:
-            return prefix
+        if f"{prefix}." in used:
+            continue
+        claim = _claim_file(prefix)
+        if claim is None:
+            continue
+        # Looked at again under the claim: another drill may have taken it
+        # between our look and its claim's release.
+        now = _run(["ip", "-4", "-o", "addr", "show"], check=False).stdout
+        if f"{prefix}." not in now:
+            return prefix, claim
+        os.close(claim)
     raise RuntimeError(f"no free /24 under {_NETS}.0.0/16")
 
 
@@ -168,6 +197,7 @@ class Topology:
     subnet: str = ""  # "10.213.<k>", chosen at create()
     created: list[str] = field(default_factory=list)  # what destroy() removes, in order made
     cuts: list[str] = field(default_factory=list)  # the rules in force, for the record
+    claim: int | None = field(default=None, repr=False)  # the subnet's lock, held until destroy()
 
     @property
     def bridge(self) -> str:
@@ -203,7 +233,7 @@ class Topology:
         """Make the namespaces, veths, bridge and chains; on a failure, remove
         what was made and raise."""
         remove_leftovers()
-        self.subnet = _free_subnet(self.pid)
+        self.subnet, self.claim = _free_subnet(self.pid)
         try:
             _run(["ip", "link", "add", self.bridge, "type", "bridge"])
             self.created.append(f"link:{self.bridge}")
@@ -247,6 +277,9 @@ class Topology:
                 log.exception("could not remove %s", item)
         self.created.clear()
         self.cuts.clear()
+        if self.claim is not None:  # the subnet is free again
+            os.close(self.claim)
+            self.claim = None
 
     # -- faults ---------------------------------------------------------------
 
