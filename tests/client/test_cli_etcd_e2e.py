@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import IO
 
 import pytest
 
@@ -176,7 +179,25 @@ def test_del_prefix_lists_then_deletes_with_a_count(pair: Pair) -> None:
     assert r.returncode == 2 and b"every key" in r.stderr
 
 
-def test_lease_grant_bind_list_keep_alive_revoke(pair: Pair) -> None:
+class _Lines:
+    """A process's stdout lines as they come (a thread reads them), for
+    waiting on one with a ceiling instead of blocking in ``readline``."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        self.lines: list[str] = []
+        assert proc.stdout is not None
+        out = proc.stdout
+        threading.Thread(target=self._read, args=(out,), daemon=True).start()
+
+    def _read(self, out: IO[bytes]) -> None:
+        for line in iter(out.readline, b""):
+            self.lines.append(line.decode().rstrip("\n"))
+
+    def wait_for(self, line: str, timeout: float) -> None:
+        eventually(lambda: line in self.lines, timeout=timeout, what=f"{line!r} in {self.lines}")
+
+
+def _grant_bind_list_revoke(pair: Pair) -> None:
     out = pair.ok("lease", "grant", "60").splitlines()
     lease_id = out[0].split()[1]
     assert out[1].startswith("CLONE_LEASE_SECRET=")
@@ -193,32 +214,47 @@ def test_lease_grant_bind_list_keep_alive_revoke(pair: Pair) -> None:
     pair.ok("lease", "revoke", lease_id, env=env)
     assert pair.run("get", "/svc/a").returncode == 1  # deleted with its lease
 
-    # A short lease kept alive by keep-alive outlives its ttl; it ends after.
-    # The keeper is another process, started after the grant: the ttl must
-    # cover its start, sync and first keepalive on a busy machine (3 s and 5 s
-    # did not, beside stress-ng at load average 20), and the ttl's twice are
-    # counted from the keeper's word that it holds the lease.
-    granted = json.loads(pair.ok("lease", "grant", "10", "--json", env=env))
-    assert granted["secret"] is None  # given by the environment: not repeated
-    keeper = pair.popen("lease", "keep-alive", granted["id"], env=env)
+
+def test_lease_grant_bind_list_keep_alive_revoke(pair: Pair) -> None:
+    # One watch from the start of the history says when a lease's key is
+    # deleted (polling ``get`` started a process after a process: CPU the
+    # other tests of the run need).
+    watch = pair.popen("watch", "/svc/", "--since", "0")
+    deleted = _Lines(watch)
     try:
-        assert keeper.stdout is not None
-        held = keeper.stdout.readline()
-        assert held.startswith(b"lease " + granted["id"].encode() + b" kept alive"), held
-        pair.ok("set", "/svc/c", "x", "--lease", granted["id"], env=env)
-        # Twice the ttl with the keeper running (a keeper that exits early
-        # fails here), then the key is still there: nothing writes it again,
-        # so it was never deleted.  (Polling ``get`` meanwhile started a
-        # process after process: CPU the other tests of the run need.)
-        with pytest.raises(subprocess.TimeoutExpired):
-            keeper.wait(timeout=20)
-        assert pair.run("get", "/svc/c").returncode == 0
-        keeper.send_signal(signal.SIGINT)
-        assert keeper.wait(timeout=30) == 0
+        # A short lease kept alive by keep-alive outlives its ttl; it ends after.
+        # The keeper is another process, started after the grant: the ttl must
+        # cover its start, sync and first keepalive on a busy machine (3 s and 5 s
+        # did not, beside stress-ng at load average 20).  The secret is another
+        # than the grant-and-list part's, so that its lease list is its own.
+        env = _env(CLONE_LEASE_SECRET=secrets.token_hex(16))
+        granted = json.loads(pair.ok("lease", "grant", "10", "--json", env=env))
+        assert granted["secret"] is None  # given by the environment: not repeated
+        keeper = pair.popen("lease", "keep-alive", granted["id"], env=env)
+        try:
+            assert keeper.stdout is not None
+            held = keeper.stdout.readline()
+            assert held.startswith(b"lease " + granted["id"].encode() + b" kept alive"), held
+            pair.ok("set", "/svc/c", "x", "--lease", granted["id"], env=env)
+            # The control: a lease of the same ttl granted after the kept one,
+            # and never kept alive.  Once its key is gone, the kept lease would
+            # be too without its keeper (it is older), however late the server
+            # expires leases; where the test waited twice the ttl instead.
+            control = json.loads(pair.ok("lease", "grant", "10", "--json", env=env))
+            pair.ok("set", "/svc/d", "x", "--lease", control["id"], env=env)
+            _grant_bind_list_revoke(pair)  # meanwhile, with a lease of its own
+            deleted.wait_for("/svc/d (deleted)", timeout=60)
+            assert keeper.poll() is None, keeper.stderr  # a keeper that exits early fails
+            assert pair.run("get", "/svc/c").returncode == 0
+            keeper.send_signal(signal.SIGINT)
+            assert keeper.wait(timeout=30) == 0
+        finally:
+            keeper.kill()
+            keeper.wait()
+        deleted.wait_for("/svc/c (deleted)", timeout=30)  # it ends a ttl after the keeper
     finally:
-        keeper.kill()
-        keeper.wait()
-    eventually(lambda: pair.run("get", "/svc/c").returncode == 1, timeout=30)
+        watch.kill()
+        watch.wait()
 
 
 def test_elect_prints_the_leader_and_listen_follows_it(pair: Pair) -> None:

@@ -81,3 +81,25 @@ def test_without_root_the_kinds_that_need_it_are_left_out_with_a_message(
     assert said == skipped and len(said) == 2
     assert said[0].startswith("partition faults skipped: the partition drills need root")
     assert said[1] == "disk-full skipped: mounting a small tmpfs needs root"
+
+
+def test_the_settle_reads_a_pair_alone_active_from_the_monitors_record() -> None:
+    import time
+
+    from clone.tools.chaos.runner import _alone_throughout
+    from clone.tools.drill.watch import HugzMonitor
+
+    def record(*beats: tuple[float, str]) -> HugzMonitor:
+        monitor = HugzMonitor({}, 0.25)  # not started: its record is ours
+        now = time.time()
+        monitor.history = sorted((now - ago, name) for ago, name in beats)
+        return monitor
+
+    steady = [(i * 0.25, "primary") for i in range(16)]  # the last 4 s
+    assert _alone_throughout(record(*steady), 2.0) == "primary"
+    # Both sent HUGZ within the 2 s (a split brain): not settled.
+    assert _alone_throughout(record(*steady, (1.0, "backup")), 2.0) is None
+    # Silent for the last 1.5 s (no one active at the end): not settled.
+    assert _alone_throughout(record(*[(a, n) for a, n in steady if a > 1.5]), 2.0) is None
+    # Active for only the last second of the 2: not yet.
+    assert _alone_throughout(record(*[(a, n) for a, n in steady if a < 1.0]), 2.0) is None

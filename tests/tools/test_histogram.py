@@ -76,7 +76,7 @@ def _record_in_child(lo_us: int, hi_us: int, queue: multiprocessing.Queue[str]) 
 
 
 def test_encode_decode_across_a_process_boundary() -> None:
-    ctx = multiprocessing.get_context("spawn")  # as the bench starts its watchers
+    ctx = multiprocessing.get_context("forkserver")  # as the bench starts its watchers
     queue: multiprocessing.Queue[str] = ctx.Queue()
     procs = [ctx.Process(target=_record_in_child, args=(lo, lo + 9_999, queue))
              for lo in (1, 10_001)]

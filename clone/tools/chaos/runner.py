@@ -55,6 +55,8 @@ Say = Callable[[str], None]
 QUIET_END = 6.0
 #: How long the run waits, after the traffic, for one server alone to be active.
 SETTLE_LIMIT = 60.0
+#: How long the run waits for its clients to sync before it starts.
+READY_LIMIT = 90.0
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ class ChaosRun:
         self.out = Path(cfg.out)
         self.group = ProcessGroup(self.out / "logs")
         self.hist_dir = self.out / "records"
+        self.start_file = self.hist_dir / "start"
         self.topology: Topology | None = None
         self.mounts: list[Path] = []
         self.clocks: dict[str, FakeClock] = {}
@@ -173,12 +176,14 @@ class ChaosRun:
                 raise RuntimeError(f"{name} not listening:\n{procs[name].log_tail()}")
         return procs
 
-    def _worker(self, role: str, wid: str, until: float, **extra: Any) -> ManagedProcess:
+    def _worker(self, role: str, wid: str, until: float | None, **extra: Any) -> ManagedProcess:
+        """A client process; ``until`` None: it waits for the start file (:meth:`_start`)."""
         cfg = self.cfg
+        when = ["--start-file", str(self.start_file)] if until is None else ["--until", repr(until)]
         args = ["--role", role, "--id", wid,
                 "--servers", ",".join(a.endpoint for a in self.addr.values()),
                 "--history", str(self.hist_dir / f"{wid}.jsonl"),
-                "--until", repr(until), "--seed", str(cfg.seed),
+                *when, "--seed", str(cfg.seed),
                 "--heartbeat", str(cfg.heartbeat), "--rate", str(cfg.rate),
                 "--timeout", str(cfg.timeout), "--fence", str(self.out / "fence.state"),
                 "--lock-ttl", str(cfg.lock_ttl), "--lease-ttl", str(cfg.lease_ttl)]
@@ -227,14 +232,15 @@ class ChaosRun:
              "skipped": skipped, "faults": [f.as_dict() for f in faults]}, indent=1))
         self.say(f"chaos: seed {cfg.seed}, {cfg.duration:g} s, {len(faults)} faults of "
                  f"{', '.join(kinds) or 'no kind'}; out {self.out}")
-        # Watchers first, so they see every write; everyone starts at t0.
-        t0 = time.monotonic() + 3.0
-        wall_minus_mono = time.time() - time.monotonic()
-        until = t0 + cfg.duration
+        # Everyone starts at t0, once every client has synced (the watchers
+        # then see every write); a fixed 3 s was 2 s of waiting when idle.
         roles = {"w": "writer", "cas": "cas", "lock": "lock", "watch": "watcher"}
         for wid in sorted(names, key=lambda n: not n.startswith("watch")):
             role = roles[wid.rstrip("0123456789")]
-            self.workers[wid] = self._worker(role, wid, until)
+            self.workers[wid] = self._worker(role, wid, None)
+        t0 = self._start(names)
+        wall_minus_mono = time.time() - time.monotonic()
+        until = t0 + cfg.duration
         rec = Recorder(self.hist_dir / "nemesis.jsonl", "nemesis")
         rec.emit("run", t0=t0, t1=until, seed=cfg.seed, duration=cfg.duration,
                  kinds=list(kinds), lease_bound=cfg.lease_bound, wall_minus_mono=wall_minus_mono)
@@ -300,10 +306,41 @@ class ChaosRun:
         self.say(f"history: {merged} records in {self.out / 'history.jsonl'}")
         return judge_dir(self.out)
 
+    def _start(self, names: list[str]) -> float:
+        """Wait until every client has synced (its ``.ready`` file; at most
+        :data:`READY_LIMIT` s, then without the late ones), then give them
+        the run's start, half a second from now, and end: the start file."""
+        deadline = time.monotonic() + READY_LIMIT
+
+        def waiting() -> list[str]:  # not ready yet, and still running
+            return [w for w in names if not (self.hist_dir / f"{w}.ready").exists()
+                    and self.workers[w].alive]
+
+        while waiting() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        late = [w for w in names if not (self.hist_dir / f"{w}.ready").exists()]
+        if late:
+            self.say(f"clients not synced after {READY_LIMIT:g} s: {', '.join(late)}; "
+                     "starting without them")
+        t0 = time.monotonic() + 0.5
+        tmp = self.start_file.with_suffix(".tmp")
+        tmp.write_text(f"{t0!r} {t0 + self.cfg.duration!r}\n")
+        tmp.replace(self.start_file)
+        return t0
+
     def _settle(self, monitor: HugzMonitor) -> str | None:
         """Wait until one server alone has been active for a few heartbeats (a
         split brain's heal waits for TCP's backed-off retransmits, up to about
         the cut's length), so that the final state is the settled pair's."""
+        alone = 8 * self.cfg.heartbeat
+        # The monitor keeps every HUGZ it heard: a pair settled during the
+        # quiet end of the traffic (no fault in its last QUIET_END seconds)
+        # needs no more waiting, where the loop below waited 8 more heartbeats.
+        if self.nemesis is not None:
+            self.nemesis.supervise(time.monotonic())
+        settled = _alone_throughout(monitor, alone)
+        if settled is not None:
+            return settled
         deadline = time.monotonic() + SETTLE_LIMIT
         alone_since, who = None, None
         while time.monotonic() < deadline:
@@ -311,7 +348,7 @@ class ChaosRun:
                 self.nemesis.supervise(time.monotonic())
             active = monitor.active()
             if len(active) == 1 and active[0] == who and alone_since is not None:
-                if time.monotonic() - alone_since >= 8 * self.cfg.heartbeat:
+                if time.monotonic() - alone_since >= alone:
                     return who
             elif len(active) == 1:
                 alone_since, who = time.monotonic(), active[0]
@@ -329,6 +366,18 @@ class ChaosRun:
             c.wait_synced(timeout=30)
             return {e.key: [e.sequence, (e.value or b"").decode()]
                     for e in c.entries(CHAOS_PREFIX)}
+
+
+def _alone_throughout(monitor: HugzMonitor, seconds: float, step: float = 0.05) -> str | None:
+    """The server that the monitor's record shows alone active at every moment
+    (``step`` apart) of the last ``seconds``, or None."""
+    now = time.time()
+    seen = {tuple(monitor.active(now - i * step)) for i in range(int(seconds / step) + 1)}
+    if len(seen) == 1:
+        (names,) = seen
+        if len(names) == 1:
+            return names[0]
+    return None
 
 
 def merge(records: Path, into: Path) -> int:

@@ -164,8 +164,28 @@ class Worker:
         except CloneError as exc:
             self.rec.emit("error", t0=time.monotonic(), what=f"not synced: {exc}")
             return
+        if self.args.start_file and not self._await_start(Path(self.args.start_file)):
+            return
         role = getattr(self, f"_{self.args.role}")
         role()
+
+    def _await_start(self, start: Path) -> bool:
+        """Say we are synced (``<history>.ready``), then wait for the run's
+        start and end in ``start`` (monotonic times): every client starts
+        together, the watchers synced before anyone writes, and the run
+        starts when the last one is ready rather than at a fixed delay."""
+        Path(self.args.history).with_suffix(".ready").touch()
+        deadline = time.monotonic() + 180
+        while not start.exists():
+            if time.monotonic() >= deadline:
+                self.rec.emit("error", t0=time.monotonic(), what=f"no start in {start}")
+                return False
+            time.sleep(0.02)
+        t0, until = (float(x) for x in start.read_text().split()[:2])
+        self.args.until = until
+        while time.monotonic() < t0:
+            time.sleep(min(0.02, max(0.0, t0 - time.monotonic())))
+        return True
 
     def _pace(self) -> None:
         time.sleep(self.rng.uniform(0.5, 1.5) / self.args.rate)
@@ -307,7 +327,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--id", required=True)
     p.add_argument("--servers", required=True)
     p.add_argument("--history", required=True)
-    p.add_argument("--until", type=float, required=True, help="monotonic time to stop")
+    p.add_argument("--until", type=float, default=0.0, help="monotonic time to stop")
+    p.add_argument("--start-file", default=None,
+                   help="once synced, touch <history>.ready and wait for this file: "
+                        "'T0 UNTIL' (monotonic), when to start and to stop")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--heartbeat", type=float, default=0.25)
     p.add_argument("--rate", type=float, default=10.0)
