@@ -48,11 +48,15 @@ def _slow_readers(port: int, n: int, stop: Any) -> None:
 def _stats_until(server: ServerProcess, check: Callable[[dict[str, Any]], bool], what: str) -> None:
     """Until ``check(stats)``; the ceiling only bounds a hang.  Asked every
     0.1 s, not every 10 ms: each answer is a 4 KB log line, and a failed
-    test's log dump (its last 200 KB) held nothing else."""
+    test's log dump (its last 200 KB) held nothing else.  A timeout says the
+    slot counters: under load the request that should wait was served in
+    the place of a reader evicted as idle (``snapshots_evicted``), which the
+    test cannot rule out (docs/testing.md, "The load check")."""
     deadline = time.monotonic() + 60
-    while not check(read_stats(server)):
+    while not check(stats := read_stats(server)):
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after 60 s waiting for {what}")
+            slots = {k: v for k, v in stats.items() if k.startswith("snapshots_")}
+            raise AssertionError(f"timed out after 60 s waiting for {what}: {slots}")
         time.sleep(0.1)
 
 
@@ -64,7 +68,6 @@ def test_a_host_holding_every_slot_yields_one_to_a_client_on_another_host(
     stop = multiprocessing.Event()
     readers = multiprocessing.Process(target=_slow_readers, args=(solo.port, SLOTS, stop))
     readers.start()
-    helpers = [readers]
     try:
         _stats_until(solo, lambda st: st["snapshots_in_flight"] == SLOTS,
                      "every slot taken by the slow readers")  # fmt: skip
@@ -78,27 +81,19 @@ def test_a_host_holding_every_slot_yields_one_to_a_client_on_another_host(
         assert stats["snapshots_yielded"] >= 1 and stats["snapshots_evicted"] == 0, stats
         assert stats["snapshots_in_flight"] == SLOTS - 1, stats
         assert took < 15, took
-        # One more slow reader of their host takes the client's slot, now
-        # free; then one more request of theirs waits (its host holds them
-        # all, and every one of them reads).  Two bare requests sent together
-        # used to stand for both: the first one's DEALER took its whole
-        # snapshot into libzmq's pipe in about a second and gave the slot
-        # back, so when the second reached the server later (a starved test
-        # process, a slow handshake) it was served, and none ever waited.
-        extra = multiprocessing.Process(target=_slow_readers, args=(solo.port, 1, stop))
-        extra.start()
-        helpers.append(extra)
-        _stats_until(solo, lambda st: st["snapshots_in_flight"] == SLOTS, "the free slot taken")
-        more = ctx.socket(zmq.DEALER)
-        more.setsockopt(zmq.LINGER, 0)
-        more.connect(f"tcp://127.0.0.2:0;127.0.0.1:{solo.port}")
-        more.send_multipart([ICANHAZ, b""])
+        # Two more requests from their host: one takes the client's slot, now
+        # free, the other waits (its host holds them all).
+        more = [ctx.socket(zmq.DEALER) for _ in range(2)]
+        for sock in more:
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.2:0;127.0.0.1:{solo.port}")
+            sock.send_multipart([ICANHAZ, b""])
         _stats_until(solo, lambda st: st["snapshots_queued"] >= 1, "a request waiting")
         assert read_stats(solo)["snapshots_yielded"] == stats["snapshots_yielded"]
-        more.close()
+        for sock in more:
+            sock.close()
     finally:
         stop.set()
-        for helper in helpers:
-            helper.join(30)
-            if helper.is_alive():
-                helper.kill()
+        readers.join(30)
+        if readers.is_alive():
+            readers.kill()
