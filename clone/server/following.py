@@ -119,6 +119,7 @@ class Follower:
         synced: Callable[[], None],
         upstream: Upstream | None = None,
         stepped_down: Callable[[], bool] = lambda: False,
+        resyncing: Callable[[], None] = lambda: None,
     ) -> None:
         self._config = config
         self._core = core
@@ -134,6 +135,9 @@ class Follower:
         self._stepped_down = stepped_down
         self._fork_known = fork_known
         self._synced = synced
+        # A gap: what we hold lags the followed server by more than replication
+        # until the resync completes (the role switch refuses votes meanwhile).
+        self._resyncing = resyncing
         self.upstream = upstream
         self._sub: ZMQStream | None = None
         self._dealer: ZMQStream | None = None
@@ -296,6 +300,7 @@ class Follower:
                         core.store.sequence,
                         core.highest_seen,
                     )
+                    self._resyncing()
                     self.request_snapshot()
             # Decide to yield *before* taking the next message, never after:
             # a message received and then abandoned is lost for good.
@@ -360,6 +365,7 @@ class Follower:
                 return
             if outcome is FollowOutcome.RESYNC:
                 self._throttle.log("gap", logging.INFO, "updates missed during the sync; resyncing")
+                self._resyncing()
                 self.request_snapshot()
                 return
             budget -= 1

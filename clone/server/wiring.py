@@ -125,6 +125,7 @@ def build_parts(
             # Built before the role switch, which clears "behind the peer" first.
             synced=lambda: _synced(server),
             stepped_down=lambda: server.healer.stepped_down,
+            resyncing=lambda: server.roles.on_resync() if server.roles is not None else None,
         )
     if follower is not None and cfg.mode is ServerMode.RELAY:
         link = server.relay = RelayLink(

@@ -108,7 +108,12 @@ class _Rig:
             next_turn=self._next_turn,
             fork_known=lambda: None,
             synced=self._synced,
+            resyncing=self._resyncing,
         )
+        self.resyncs = 0
+
+    def _resyncing(self) -> None:
+        self.resyncs += 1
 
     def _end_turn(self) -> None:
         self.turns_ended += 1
@@ -193,8 +198,11 @@ def test_a_gap_asks_again_on_a_fresh_dealer(rig: _Rig) -> None:
     while first.poll(50):
         first.recv_multipart()
     rig.active.pub.send_multipart(_kv("/c", 9))  # 6..8 missed
+    assert rig.resyncs == 0
     rig.deliver(zmq.SUB)
     assert rig.core.sync_state is SyncState.SYNCING
+    # Told before it asks: the role switch refuses votes until the resync is done.
+    assert rig.resyncs == 1 and rig.synced == 1
     rig.active.request()  # asked again
     assert rig.core.store.sequence == 5
 
