@@ -363,6 +363,14 @@ def build_parser() -> argparse.ArgumentParser:
         " its slot (default 10)",
     )
     limits.add_argument(
+        "--snapshot-slot-idle",
+        type=positive_float,
+        default=0.25,
+        metavar="SECONDS",
+        help="with every snapshot slot taken, a requester that has read nothing for this"
+        " long gives its slot to a new request (default 0.25)",
+    )
+    limits.add_argument(
         "--handshake-timeout",
         type=positive_float,
         default=10.0,

@@ -60,6 +60,9 @@ class ServerConfig:
     #: Seconds a snapshot requester may read nothing before its stream is
     #: aborted and its slot freed (docs/operations.md, "Limits").
     snapshot_stall_timeout: float = 10.0
+    #: Seconds a snapshot requester may read nothing, with every slot taken,
+    #: before a new request takes its slot (docs/operations.md, "Limits").
+    snapshot_slot_idle: float = 0.25
     #: Seconds a connection to one of our bound sockets may take over its
     #: ZMTP handshake (libzmq's HANDSHAKE_IVL, 30 s by default): a connection
     #: the door refused (status 300) is held open that long otherwise.
@@ -151,6 +154,8 @@ class ServerConfig:
             raise ValueError("max_deferred_votes must be >= 0 (0 = never defer)")
         if self.handshake_timeout <= 0:
             raise ValueError(f"handshake_timeout must be positive, not {self.handshake_timeout}")
+        if self.snapshot_slot_idle <= 0:
+            raise ValueError(f"snapshot_slot_idle must be positive, not {self.snapshot_slot_idle}")
         if self.snapshot_stall_timeout <= 0:
             raise ValueError(
                 f"snapshot_stall_timeout must be positive, not {self.snapshot_stall_timeout}"

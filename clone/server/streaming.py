@@ -49,10 +49,9 @@ log = logging.getLogger("clone.server.reactor")
 # All snapshot streams together send for at most this long per loop turn
 # (each stream also at most --snapshot-chunk messages and its byte window).
 SNAPSHOT_SLICE = TURN_BUDGET
-# When every slot is taken, a stream whose requester has read nothing for this
-# long gives its slot to a new request.  Under our client's re-ask interval (a
-# quarter heartbeat at the default 250 ms): a reader always reads within it.
-_SLOT_IDLE = 0.25
+# When every slot is taken, a stream whose requester has read nothing for
+# config.snapshot_slot_idle (0.25 s: our client's re-ask interval, a quarter
+# heartbeat at the default 250 ms) gives its slot to a new request.
 # Requests that wait for a slot at most, and for how long: a client re-asks on
 # a fresh socket every quarter heartbeat, so an older request has no reader.
 _WAITING_MAX = 1000
@@ -513,7 +512,7 @@ class SnapshotStreams:
     def _evict_stalest(self, host: str | None) -> bool:
         """A request needs a slot and none is free: the stream whose requester
         has read nothing for longest gives up its own, if for at least
-        :data:`_SLOT_IDLE` (a requester that reads nothing must not keep
+        ``snapshot_slot_idle`` (a requester that reads nothing must not keep
         one that reads from being served).  True if one was freed.
 
         A stream waiting for its turn in the pump (``_pump_queue``) waits for
@@ -526,7 +525,8 @@ class SnapshotStreams:
         now = self._clock()
         hosts = {stream: asker.host for stream, asker in self._requesters.items()}
         busy = [*self._peer_syncs, *self._pump_queue, *sheltered(hosts, host)]
-        victim = stalest(self._snapshots, now, _SLOT_IDLE, exclude=busy)
+        victim = stalest(self._snapshots, now, self.config.snapshot_slot_idle,
+                         exclude=busy)
         if victim is None:
             return False
         idle = now - self._snapshots[victim]

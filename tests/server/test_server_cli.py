@@ -80,3 +80,17 @@ def test_max_conflict_bytes_flag() -> None:
     assert cfg.core.max_conflict_bytes == 0
     assert ServerCore(_config("--standalone", "--max-conflict-bytes", "4096").core
                       ).conflicts.max_bytes == 4096
+
+
+def test_snapshot_slot_idle_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    """--snapshot-slot-idle: 0.25 s by default (a quarter of the default
+    heartbeat, our client's re-ask interval), positive, and the library's
+    default is the CLI's."""
+    assert _config("--standalone").snapshot_slot_idle == 0.25
+    assert ServerConfig(port=5556).snapshot_slot_idle == 0.25
+    assert _config("--standalone", "--snapshot-slot-idle", "5").snapshot_slot_idle == 5.0
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--standalone", "--snapshot-slot-idle", "0"])
+    assert "--snapshot-slot-idle" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="snapshot_slot_idle must be positive"):
+        ServerConfig(port=5556, snapshot_slot_idle=0)
