@@ -22,7 +22,10 @@ ensure_venv() {
         flock 9
         if _clone_install_stale "$stamp" "$extras"; then
             echo "clone: installing the project$extras into $VENV" >&2
-            "$VENV/bin/python" -m pip install -q -e "$ROOT$extras" >&2
+            # --no-compile: byte-compiling every installed module (pyspark's
+            # thousands) took a third of the install; what is imported is
+            # compiled once, when first imported (docs/testing.md).
+            "$VENV/bin/python" -m pip install -q --no-compile -e "$ROOT$extras" >&2
             touch "$stamp"
         fi
         flock -u 9
