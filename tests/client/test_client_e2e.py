@@ -199,15 +199,18 @@ def test_backup_serves_a_client_that_starts_while_the_primary_is_dead(
         assert late.status().server == endpoint(backup)
 
 
-def _clone_get(key: str, *srv: ServerProcess) -> tuple[subprocess.CompletedProcess[str], float]:
+def _clone_get(key: str, *srv: ServerProcess, verbose: bool = False
+               ) -> tuple[subprocess.CompletedProcess[str], float]:  # fmt: skip
     """``clone get`` at the client's defaults (1 s assumed heartbeat, so a 2.5 s
-    snapshot wait), and its wall time, interpreter start included."""
+    snapshot wait), and its wall time, interpreter start included; with
+    ``verbose``, what the client did is on its stderr."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     servers_arg = ",".join(endpoint(s) for s in srv)
     t0 = time.monotonic()
     r = subprocess.run(
-        [sys.executable, "-m", "clone.client.cli", "--servers", servers_arg, "get", key],
+        [sys.executable, "-m", "clone.client.cli", *(["-v"] if verbose else []),
+         "--servers", servers_arg, "get", key],
         capture_output=True,
         text=True,
         timeout=30,
@@ -253,29 +256,24 @@ def test_failback_a_client_that_lists_the_passive_first_finds_the_active_at_once
             assert st.counters["hint_failovers"] == 1 and st.failovers == 1, st.counters
         finally:
             c.close()
+    # Each found the active by the hint (the counters above), not by waiting
+    # out its snapshot timeout.  The times are recorded, not asserted: they
+    # are the machine's as much as the client's (a loaded run failed a 1 s
+    # bound with the hint taken), and targets live in the benchmarks.
     record_property("failback_get_s", max(times))
     print("failback: client with the passive first synced and read in", times)
-    # Was 2.5 s + the sync, every time.  The best of three, not each, is held
-    # to 1 s: a busy machine may stall any one client (the counters above say
-    # each found the active by the hint).
-    assert min(times) < 1.0 and max(times) < 2.5, times
 
-    # The command line, passive first, against active first (both pay for the
-    # interpreter's start), interleaved three times: the best of each compared,
-    # so one stalled interpreter start on a busy machine does not decide.
-    t_actives, t_passives = [], []
-    for _ in range(3):
-        r_active, t_active = _clone_get("/failback/k", backup, primary)
-        r_passive, t_passive = _clone_get("/failback/k", primary, backup)
-        for r in (r_active, r_passive):
-            assert (r.returncode, r.stdout) == (0, "v\n"), r.stderr
-        t_actives.append(t_active)
-        t_passives.append(t_passive)
-    t_active, t_passive = min(t_actives), min(t_passives)
+    # The command line, passive first: the same hint, read from what the
+    # client logs with -v, and the value; active first for the record.
+    r_active, t_active = _clone_get("/failback/k", backup, primary)
+    r_passive, t_passive = _clone_get("/failback/k", primary, backup, verbose=True)
+    for r in (r_active, r_passive):
+        assert (r.returncode, r.stdout) == (0, "v\n"), r.stderr
+    assert f"{endpoint(backup)} is active" in r_passive.stderr, r_passive.stderr
+    assert f"has not answered; asking {endpoint(backup)}" in r_passive.stderr, r_passive.stderr
     record_property("cli_get_active_first_s", t_active)
     record_property("cli_get_passive_first_s", t_passive)
     print(f"clone get: active first {t_active:.3f} s, passive first {t_passive:.3f} s")
-    assert t_passive < t_active + 1.0, (t_passives, t_actives)
 
 
 @pytest.fixture
