@@ -128,6 +128,12 @@ def test_a_long_listing_in_the_agent_is_not_taken_for_a_freeze(
     with Clone([endpoint(server)]) as client:
         client.wait_synced(30)
         client.set("/own/k", b"v", wait=True)
+        # From here: a resync at the client's start is not the listing's.
+        # Its subscription may not be live on the server yet when the first
+        # update is published (a slow joiner: the next HUGZ shows the hole,
+        # and the client resyncs, as it must; seen under two CPU hogs); once
+        # this write is confirmed, the subscription is live.
+        before = client.status().counters
         assert client.items("/own/") == [("/own/k", b"v")]
         # The turn that takes this write ticks after the listing's turn (a
         # STATUS drained with the listing's would be answered before it);
@@ -135,4 +141,5 @@ def test_a_long_listing_in_the_agent_is_not_taken_for_a_freeze(
         client.set("/own/k", b"w", wait=True)
         counters = client.status().counters
     assert counters["self_freezes"] == 0, counters
-    assert counters["resyncs"] == 0 and counters["failovers"] == 0, counters
+    assert counters["resyncs"] == before["resyncs"], (before, counters)
+    assert counters["failovers"] == before["failovers"] == 0, counters
