@@ -338,7 +338,7 @@ class CloneServer:
             out["data_dir_bytes"] = dir_bytes(Path(self.config.data_dir))
         storage = self.durability.storage
         if storage is not None:
-            out.update(storage_stats(storage))
+            out.update(storage_stats(storage, self.durability, self.core))
         out.update(access_stats(self.flood_penalty, self.security.gatekeeper))
         if self._ha is not None:
             out.update(ha_stats(self._ha))

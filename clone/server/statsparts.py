@@ -10,22 +10,30 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from clone.server.diskgate import committed_through
+
 if TYPE_CHECKING:
     from bstar.reactor import BinaryStar
     from clone.security.zap import Gatekeeper
+    from clone.server.core import ServerCore
+    from clone.server.durability import Durability
     from clone.server.penalty import FloodPenalty
     from clone.storage import Storage
 
 __all__ = ["access_stats", "ha_stats", "storage_stats"]
 
 
-def storage_stats(storage: Storage) -> dict[str, int]:
+def storage_stats(storage: Storage, durability: Durability, core: ServerCore) -> dict[str, int]:
     """Where the durable commit's time goes (docs/benchmarks.md, durable
     writes); commits that waited for the checkpointer's lock; TRUNCATEs done
-    and given up."""
+    and given up; and ``committed_sequence``, the sequence up to which every
+    applied update is on disk (``sequence`` is what the map holds): a process
+    killed now restarts at it, so a drill or bench that kills a server waits
+    for it instead of guessing how long a commit takes."""
     timing = storage.timing
     done, busy, longest = storage.wal_truncations()
     return {
+        "committed_sequence": committed_through(durability, core),
         "commits": timing.commits,
         "commit_write_us": round(timing.write_s * 1e6),
         "commit_sync_us": round(timing.sync_s * 1e6),
