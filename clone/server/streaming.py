@@ -31,7 +31,7 @@ from tornado.ioloop import IOLoop
 from clone.server.access import Access
 from clone.server.config import ServerConfig
 from clone.server.core import Role, ServerCore
-from clone.server.fairshare import HostRoundRobin, SliceShares, over_share
+from clone.server.fairshare import HostRoundRobin, SliceShares, host_weights, over_share
 from clone.server.metrics import DurationHistogram
 from clone.server.opening import AnyStream, Opener
 from clone.server.requesters import Requester, replaced, replaced_waiting, stale, stale_waiting
@@ -254,7 +254,7 @@ class SnapshotStreams(SnapshotSlots):
         shares = self._serve_shares
         if shares is None:
             shares = self._serve_shares = SliceShares(self._clock(), SNAPSHOT_SLICE,
-                                                      self._host_count())  # fmt: skip
+                                                      self._weights())  # fmt: skip
             assert self._loop is not None
             self._loop.add_callback(self._end_serve_slice)
         return shares
@@ -266,9 +266,12 @@ class SnapshotStreams(SnapshotSlots):
         asker = self._requesters.get(stream)
         return None if asker is None else asker.host
 
-    def _host_count(self) -> int:
-        """Hosts holding slots: each gets an equal share of a slice."""
-        return len({asker.host for asker in self._requesters.values()})
+    def _weights(self) -> dict[str | None, int]:
+        """Each host holding a slot -> its weight in a slice: more for one
+        whose requester has shown it reads (:func:`.fairshare.host_weights`)."""
+        hosts = {stream: asker.host for stream, asker in self._requesters.items()}
+        readers = [stream for stream, window in self._in_flight.items() if window.proven]
+        return host_weights(hosts, readers)
 
     def _window_of(self, identity: bytes) -> SendWindow:
         """The requester's byte window: the one it still has, with what its
@@ -310,7 +313,7 @@ class SnapshotStreams(SnapshotSlots):
         """
         self._pump_scheduled = False
         queue = self._pump_queue
-        shares = SliceShares(self._clock(), SNAPSHOT_SLICE, self._host_count())
+        shares = SliceShares(self._clock(), SNAPSHOT_SLICE, self._weights())
         spent: list[tuple[AnyStream, str | None]] = []  # their host's share was
         for _ in range(len(queue)):
             stream = queue.pop()

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 
 from clone.server.fairshare import (
+    READER_WEIGHT,
     HostRoundRobin,
     SliceShares,
     crowded_host,
+    host_weights,
     over_share,
     sheltered,
     yielder,
@@ -113,29 +115,65 @@ def test_discard_and_clear() -> None:
     assert len(q) == 0 and q.pop() is None
 
 
-# A slice of 10 ms from t=100.0 among hosts; each step: (host, now, spent
-# before asking) -> the stop it gets (None: its share or the slice is spent).
+# A slice of 10 ms from t=100.0 among hosts (host -> weight); each step:
+# (host, now, spent before asking) -> the stop it gets (None: its share or
+# the slice is spent).
 @pytest.mark.parametrize(
-    ("hosts", "steps"),
+    ("weights", "steps"),
     [
         # One host: the whole slice, as before the shares.
-        (1, [(A, 100.000, 0.0, 100.010), (A, 100.004, 0.004, 100.010),
-             (A, 100.010, 0.006, None)]),
+        ({A: 1}, [(A, 100.000, 0.0, 100.010), (A, 100.004, 0.004, 100.010),
+                  (A, 100.010, 0.006, None)]),
         # Two hosts: 5 ms each; A's spent share does not touch B's.
-        (2, [(A, 100.000, 0.0, 100.005), (A, 100.005, 0.005, None),
-             (B, 100.005, 0.0, 100.010), (B, 100.006, 0.001, 100.010)]),
+        ({A: 1, B: 1}, [(A, 100.000, 0.0, 100.005), (A, 100.005, 0.005, None),
+                        (B, 100.005, 0.0, 100.010), (B, 100.006, 0.001, 100.010)]),
         # B used less than its share, but the slice ends at 100.010.
-        (2, [(B, 100.008, 0.0, 100.010), (B, 100.011, 0.001, None)]),
+        ({A: 1, B: 1}, [(B, 100.008, 0.0, 100.010), (B, 100.011, 0.001, None)]),
         # Four hosts: 2.5 ms each, whatever the others spent.
-        (4, [(A, 100.000, 0.0, 100.0025), (B, 100.0025, 0.0, 100.005),
-             (A, 100.005, 0.0025, None), (C, 100.005, 0.0, 100.0075)]),
+        ({A: 1, B: 1, C: 1, "d": 1},
+         [(A, 100.000, 0.0, 100.0025), (B, 100.0025, 0.0, 100.005),
+          (A, 100.005, 0.0025, None), (C, 100.005, 0.0, 100.0075)]),
         # No host holds a slot yet (the first request): one share, the slice.
-        (0, [(A, 100.000, 0.0, 100.010)]),
+        ({}, [(A, 100.000, 0.0, 100.010)]),
+        # A reader's host (weight 4) against a flooder's: 8 ms and 2 ms.
+        ({A: READER_WEIGHT, B: 1}, [(B, 100.000, 0.0, 100.002), (B, 100.002, 0.002, None),
+                                    (A, 100.002, 0.0, 100.010)]),
+        ({A: READER_WEIGHT, B: 1}, [(A, 100.000, 0.0, 100.008), (A, 100.008, 0.008, None),
+                                    (B, 100.008, 0.0, 100.010)]),
+        # Two readers and a flooder: 4/9, 4/9 and 1/9 of the slice.
+        ({A: READER_WEIGHT, B: 1, C: READER_WEIGHT},
+         [(B, 100.000, 0.0, 100.0 + 0.010 / 9), (C, 100.001, 0.0, 100.001 + 0.040 / 9)]),
+        # A host not weighed (its first request this turn) weighs 1.
+        ({A: 1, B: 1}, [(C, 100.000, 0.0, 100.005)]),
+        ({A: READER_WEIGHT}, [(C, 100.000, 0.0, 100.0025)]),
     ],
 )
-def test_slice_shares(hosts: int, steps: list[tuple[str, float, float, float | None]]) -> None:
-    shares = SliceShares(100.0, 0.010, hosts)
+def test_slice_shares(weights: dict[str | None, int],
+                      steps: list[tuple[str, float, float, float | None]]) -> None:  # fmt: skip
+    shares = SliceShares(100.0, 0.010, weights)
     for host, now, spent, stop in steps:
         shares.spend(host, spent)
         got = shares.stop_for(host, now)
         assert got == (None if stop is None else pytest.approx(stop)), (host, now)
+
+
+@pytest.mark.parametrize(
+    ("hosts", "readers", "weights"),
+    [
+        # A flood from B, and A's requester that has read past the kernel's buffers.
+        ({"a1": A, "b1": B, "b2": B, "b3": B}, {"a1"}, {A: READER_WEIGHT, B: 1}),
+        # Neither has shown it reads: equal weights (a healthy client's first windows).
+        ({"a1": A, "b1": B, "b2": B}, set(), {A: 1, B: 1}),
+        # One reader among a host's streams weighs the host as a reader.
+        ({"a1": A, "b1": B, "b2": B}, {"b2"}, {A: 1, B: READER_WEIGHT}),
+        ({"b1": B, "b2": B, "b3": B}, {"b1", "b3"}, {B: READER_WEIGHT}),
+        # An unknown host's streams count as a host of their own.
+        ({"x": None, "a1": A}, {"x"}, {None: READER_WEIGHT, A: 1}),
+        # A reader no longer holding a slot counts for nothing.
+        ({"a1": A}, {"gone"}, {A: 1}),
+        ({}, set(), {}),
+    ],
+)
+def test_host_weights(hosts: dict[str, str | None], readers: set[str],
+                      weights: dict[str | None, int]) -> None:  # fmt: skip
+    assert host_weights(hosts, readers) == weights
