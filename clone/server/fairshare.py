@@ -38,19 +38,20 @@ one misbehaving node must cost the others nothing):
   in use (:func:`over_share`) sends no first messages at once for its new
   streams: they wait for their host's turns, instead of spending a share of
   a second slice (the one for new streams) in every turn that admits one.
-* **Readers first** (:func:`host_weights`): equal shares still left a
-  healthy client 2.3 times its time alone.  Its stream waits for its
-  requester after every window or two, and each time its next turn came only
-  after the flooder's streams had spent their half of a slice: twenty such
-  waits in a 20 MB sync.  So a host one of whose requesters has shown it
-  reads (it has read more than the kernel's buffers could take for a
-  requester that reads nothing: :data:`~clone.server.snapwindow.GROW_AFTER`)
+* **Readers first** (:func:`host_weights`): with equal shares a healthy
+  client still synced in about twice its time alone (1.8 to 2.4 times in
+  runs against 200 requesters that never read).  Its stream waits for its
+  requester after every window or two (ten to twenty times in a 20 MB
+  sync), and each time its next turn came only after the flood's streams
+  had spent their half of a slice.  So a host one of whose requesters has
+  shown it reads (it has read more than the kernel's buffers could take for
+  a requester that reads nothing: :data:`~clone.server.snapwindow.GROW_AFTER`)
   weighs :data:`READER_WEIGHT` times one whose requesters have not: against
-  a flood, its streams get four fifths of each slice, and the flood's turn
-  that a reader waits behind lasts a fifth.  A host that has not shown it
-  yet still gets an equal share, so a healthy client's first windows get at
-  least half; a flooder that also reads is weighed as a reader, which is
-  where it stood before.
+  a flood its streams get four fifths of each slice, and the flood's turn a
+  reader waits behind lasts a fifth.  A host that has not shown it yet
+  still gets an equal share, so a healthy client's first windows get at
+  least half; a flooder that also reads is weighed as a reader, where it
+  stood before.
 
 A request whose host is not known (held through a heal, deferred by a vote:
 rare) neither takes a slot from a host nor gives one up for a host; for
