@@ -52,6 +52,15 @@ one misbehaving node must cost the others nothing):
   still gets an equal share, so a healthy client's first windows get at
   least half; a flooder that also reads is weighed as a reader, where it
   stood before.
+* **Paced, not only shared** (:class:`SliceWindows`): a share of each loop
+  turn bounds a host's time per turn, not per second, and turns come back
+  at once: while the reader waited for its client the flood's streams ran
+  turn after turn, keeping the loop (and on a small machine the client's
+  CPU) busy.  So while a reader's host holds a slot, a slice lasts its
+  length in wall time, and a host that has not shown it reads and has
+  spent its share waits for the next slice; a reader's host that spent its
+  share opens the next one at once (readers use whatever time the loop
+  has).  Without a reader among the hosts, slices are per turn as before.
 
 A request whose host is not known (held through a heal, deferred by a vote:
 rare) neither takes a slot from a host nor gives one up for a host; for
@@ -67,9 +76,11 @@ __all__ = [
     "READER_WEIGHT",
     "HostRoundRobin",
     "SliceShares",
+    "SliceWindows",
     "crowded_host",
     "host_weights",
     "over_share",
+    "paced",
     "sheltered",
     "yielder",
 ]
@@ -173,6 +184,10 @@ class HostRoundRobin(Generic[S]):
     def __iter__(self) -> Iterator[S]:
         return iter(list(self._host_of))
 
+    def hosts(self) -> list[str | None]:
+        """The hosts with queued streams, in round order."""
+        return list(self._by_host)
+
     def add(self, stream: S, host: str | None) -> None:
         """Queue ``stream`` of ``host`` (no-op if queued)."""
         if stream in self._host_of:
@@ -240,3 +255,60 @@ class SliceShares:
     def spend(self, host: str | None, seconds: float) -> None:
         """``host``'s streams spent ``seconds`` of the slice."""
         self._spent[host] = self._spent.get(host, 0.0) + seconds
+
+
+def paced(weights: Mapping[str | None, float]) -> bool:
+    """Whether hosts that have not shown they read are paced: a reader's
+    host and one of theirs both hold slots."""
+    values = set(weights.values())
+    return READER_WEIGHT in values and 1 in values
+
+
+class SliceWindows:
+    """The loop's snapshot slices, each ``length`` seconds of wall time while
+    some hosts are paced (:func:`paced`); else one slice per pump turn.
+
+    A pump turn asks :meth:`open` for the slice it draws from, and when it
+    ends with streams still queued, :meth:`wait` for how long before the next
+    turn can send anything for them.
+    """
+
+    __slots__ = ("_current", "_weights", "length")
+
+    def __init__(self, length: float) -> None:
+        self.length = length
+        self._current: SliceShares | None = None
+        self._weights: dict[str | None, float] = {}
+
+    def open(self, now: float, weights: Mapping[str | None, float],
+             waiting: Collection[str | None]) -> SliceShares:  # fmt: skip
+        """The slice a pump turn at ``now`` draws from (``weights``:
+        :func:`host_weights`; ``waiting``: the hosts with queued streams).
+        The current one while it lasts, the hosts are paced and their
+        weights unchanged, and no reader's host among ``waiting`` has spent
+        its share; else a new one."""
+        current = self._current
+        if (
+            current is None
+            or now >= current.end
+            or not paced(weights)
+            or weights != self._weights
+            or any(weights.get(host, 1) >= READER_WEIGHT and current.stop_for(host, now) is None
+                   for host in waiting)
+        ):  # fmt: skip
+            current = self._current = SliceShares(now, self.length, weights)
+            self._weights = dict(weights)
+        return current
+
+    def wait(self, now: float, waiting: Collection[str | None]) -> float:
+        """Seconds before a turn can send for ``waiting`` (hosts with queued
+        streams): 0, unless every one of them is a paced host that has spent
+        its share of the current slice: then until the slice ends."""
+        current = self._current
+        if current is None or not waiting or not paced(self._weights):
+            return 0.0
+        for host in waiting:
+            reader = self._weights.get(host, 1) >= READER_WEIGHT
+            if reader or current.stop_for(host, now) is not None:
+                return 0.0
+        return max(0.0, current.end - now)

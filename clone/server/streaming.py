@@ -31,7 +31,13 @@ from tornado.ioloop import IOLoop
 from clone.server.access import Access
 from clone.server.config import ServerConfig
 from clone.server.core import Role, ServerCore
-from clone.server.fairshare import HostRoundRobin, SliceShares, host_weights, over_share
+from clone.server.fairshare import (
+    HostRoundRobin,
+    SliceShares,
+    SliceWindows,
+    host_weights,
+    over_share,
+)
 from clone.server.metrics import DurationHistogram
 from clone.server.opening import AnyStream, Opener
 from clone.server.requesters import Requester, replaced, replaced_waiting, stale, stale_waiting
@@ -125,6 +131,10 @@ class SnapshotStreams(SnapshotSlots):
         # host after another (wake, _pump_turn), and whether a turn is due.
         self._pump_queue: HostRoundRobin[AnyStream] = HostRoundRobin()
         self._pump_scheduled = False
+        # The pump's slices, paced in wall time while a reader's host holds a
+        # slot, and the timer of a turn that waits for the next one.
+        self._slices = SliceWindows(SNAPSHOT_SLICE)
+        self._pump_timer: object | None = None
         # This loop turn's slice for the first messages of newly served
         # streams, shared by host (None: not opened this turn).
         self._serve_shares: SliceShares | None = None
@@ -159,6 +169,7 @@ class SnapshotStreams(SnapshotSlots):
 
     def close(self) -> None:
         """The server stops: every stream and waiting request dropped."""
+        self._cancel_pump_timer()
         self._loop = None
         self._router = None
         self._snapshots.clear()
@@ -312,8 +323,9 @@ class SnapshotStreams(SnapshotSlots):
         stopped and the backup took over.
         """
         self._pump_scheduled = False
+        self._cancel_pump_timer()
         queue = self._pump_queue
-        shares = SliceShares(self._clock(), SNAPSHOT_SLICE, self._weights())
+        shares = self._slices.open(self._clock(), self._weights(), queue.hosts())
         spent: list[tuple[AnyStream, str | None]] = []  # their host's share was
         for _ in range(len(queue)):
             stream = queue.pop()
@@ -331,9 +343,20 @@ class SnapshotStreams(SnapshotSlots):
         for stream, host in spent:
             queue.add(stream, host)
         if queue and not self._pump_scheduled and self._loop is not None:
-            self._pump_scheduled = True
-            self._loop.add_callback(self._pump_turn)
+            # Only paced hosts that spent their share left: the next turn when
+            # the slice ends (a wake meanwhile schedules one at once).
+            delay = self._slices.wait(self._clock(), queue.hosts())
+            if delay > 0:
+                self._pump_timer = self._loop.call_later(delay, self._pump_turn)
+            else:
+                self._pump_scheduled = True
+                self._loop.add_callback(self._pump_turn)
         self._admit_waiting()
+
+    def _cancel_pump_timer(self) -> None:
+        if self._pump_timer is not None and self._loop is not None:
+            self._loop.remove_timeout(self._pump_timer)
+        self._pump_timer = None
 
     def _pump(self, stream: AnyStream, stop_at: float) -> None:
         """Send ``stream``'s next messages until ``stop_at``, its chunk, or its

@@ -8,9 +8,11 @@ from clone.server.fairshare import (
     READER_WEIGHT,
     HostRoundRobin,
     SliceShares,
+    SliceWindows,
     crowded_host,
     host_weights,
     over_share,
+    paced,
     sheltered,
     yielder,
 )
@@ -102,6 +104,17 @@ def test_a_host_woken_again_goes_to_the_back_of_the_round() -> None:
     assert [q.pop() for _ in range(3)] == ["a2", "b1", "a1"]
 
 
+def test_hosts_with_queued_streams_in_round_order() -> None:
+    q: HostRoundRobin[str] = HostRoundRobin()
+    assert q.hosts() == []
+    for stream, host in [("a1", A), ("b1", B), ("a2", A), ("x", None)]:
+        q.add(stream, host)
+    assert q.hosts() == [A, B, None]
+    assert q.pop() == "a1" and q.hosts() == [B, None, A]
+    q.discard("b1")
+    assert q.hosts() == [None, A]
+
+
 def test_discard_and_clear() -> None:
     q: HostRoundRobin[str] = HostRoundRobin()
     q.add("a1", A)
@@ -177,3 +190,61 @@ def test_slice_shares(weights: dict[str | None, int],
 def test_host_weights(hosts: dict[str, str | None], readers: set[str],
                       weights: dict[str | None, int]) -> None:  # fmt: skip
     assert host_weights(hosts, readers) == weights
+
+
+def test_paced_only_with_a_reader_and_a_host_that_has_not_shown_it() -> None:
+    assert paced({A: READER_WEIGHT, B: 1})
+    assert not paced({A: 1, B: 1})  # nobody has shown it reads: per turn, as before
+    assert not paced({A: READER_WEIGHT, B: READER_WEIGHT})  # readers use all the time
+    assert not paced({A: 1}) and not paced({})
+
+
+def test_slices_are_per_turn_without_a_reader() -> None:
+    windows = SliceWindows(0.010)
+    first = windows.open(100.000, {A: 1, B: 1}, [A, B])
+    first.spend(B, 0.005)
+    second = windows.open(100.006, {A: 1, B: 1}, [A, B])
+    assert second is not first and second.stop_for(B, 100.006) == pytest.approx(100.011)
+    assert windows.wait(100.006, [B]) == 0.0
+
+
+def test_a_flooder_that_spent_its_share_waits_for_the_next_slice() -> None:
+    # A (a reader) against B (requesters that have shown nothing): B's 2 ms
+    # of each 10 ms of wall time, however often the loop turns.
+    weights = {A: READER_WEIGHT, B: 1}
+    windows = SliceWindows(0.010)
+    first = windows.open(100.000, weights, [B])
+    assert first.stop_for(B, 100.000) == pytest.approx(100.002)
+    first.spend(B, 0.002)
+    # The next turn, 1 ms later: the same slice, B's share spent.
+    again = windows.open(100.003, weights, [B])
+    assert again is first and again.stop_for(B, 100.003) is None
+    assert windows.wait(100.003, [B]) == pytest.approx(0.007)
+    # A's stream wakes meanwhile: no wait for it, and its share is whole.
+    assert windows.wait(100.003, [A, B]) == 0.0
+    assert windows.open(100.003, weights, [A, B]).stop_for(A, 100.003) == pytest.approx(100.010)
+    # The slice over: a new one, B's share again.
+    later = windows.open(100.010, weights, [B])
+    assert later is not first and later.stop_for(B, 100.010) == pytest.approx(100.012)
+
+
+def test_a_reader_that_spent_its_share_opens_the_next_slice_at_once() -> None:
+    weights = {A: READER_WEIGHT, B: 1}
+    windows = SliceWindows(0.010)
+    first = windows.open(100.000, weights, [A, B])
+    first.spend(A, 0.008)
+    first.spend(B, 0.001)
+    assert windows.wait(100.009, [A]) == 0.0
+    second = windows.open(100.009, weights, [A, B])
+    assert second is not first and second.stop_for(A, 100.009) == pytest.approx(100.017)
+
+
+def test_new_weights_open_a_new_slice() -> None:
+    windows = SliceWindows(0.010)
+    first = windows.open(100.000, {A: 1, B: READER_WEIGHT}, [A])
+    first.spend(A, 0.002)
+    # A's requester has now shown it reads: both readers, per turn again.
+    second = windows.open(100.003, {A: READER_WEIGHT, B: READER_WEIGHT}, [A])
+    assert second is not first and second.stop_for(A, 100.003) == pytest.approx(100.008)
+    assert windows.wait(100.003, [A]) == 0.0
+    assert SliceWindows(0.010).wait(100.0, [A]) == 0.0  # no slice yet
