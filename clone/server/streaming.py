@@ -347,6 +347,7 @@ class SnapshotStreams(SnapshotSlots):
             # the slice ends (a wake meanwhile schedules one at once).
             delay = self._slices.wait(self._clock(), queue.hosts())
             if delay > 0:
+                self.counters["snapshot_turns_paced"] += 1
                 self._pump_timer = self._loop.call_later(delay, self._pump_turn)
             else:
                 self._pump_scheduled = True
