@@ -316,7 +316,10 @@ class SnapshotStreams(SnapshotSlots):
         """One loop turn's share of snapshot streaming: the streams that wait,
         one host after another, until :data:`SNAPSHOT_SLICE` or their host's
         share of it (:mod:`.fairshare`) is spent; the rest wait for the next
-        turn, after the loop has looked at its sockets and timers.
+        turn, after the loop has looked at its sockets and timers.  While a
+        reader's host holds a slot, the slice is one of wall time: streams of
+        hosts that have not shown they read and spent their share wait for
+        its end (a timer), not for the next turn.
 
         Each stream used to pump from a callback of its own, each with a whole
         turn's budget, so 200 streams took 2.3 s of one loop turn: the HUGZ
