@@ -49,6 +49,7 @@ IO_COUNTERS: tuple[str, ...] = (
     "snapshots_idle_aborted",
     "snapshots_evicted",
     "snapshots_yielded",
+    "snapshot_turns_paced",
     "snapshots_replaced",
     "snapshot_requester_invalid",
     "snapshots_queued",

@@ -161,6 +161,14 @@ class SendWindow:
         return moved
 
     @property
+    def proven(self) -> bool:
+        """The requester has shown it reads: it has read more than the
+        kernel's buffers take for one that reads nothing (call :meth:`update`
+        first).  Its host gets a reader's weight in the loop's slice
+        (:func:`~clone.server.fairshare.host_weights`)."""
+        return self.done_bytes >= GROW_AFTER
+
+    @property
     def settled(self) -> bool:
         """No tracked message is unwritten (an untracked tail of less than a
         quarter window may be): the window may be forgotten."""

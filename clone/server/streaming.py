@@ -11,7 +11,7 @@ a stream that makes no progress for ``snapshot_stall_timeout`` is aborted.
 Each requester's bytes in libzmq are bounded by its window
 (:mod:`.snapwindow`); when every slot is taken a requester that reads nothing
 gives its slot up, or a host holding more than the asker's, or the request
-waits for one, bounded.
+waits for one, bounded (the slot rules: :mod:`.snapslots`).
 
 :class:`SnapshotStreams` is a part of the server: it owns the streams and
 their windows, the pump's queue and the requests waiting for a slot.  The
@@ -31,14 +31,21 @@ from tornado.ioloop import IOLoop
 from clone.server.access import Access
 from clone.server.config import ServerConfig
 from clone.server.core import Role, ServerCore
-from clone.server.fairshare import HostRoundRobin, SliceShares, over_share, sheltered, yielder
+from clone.server.fairshare import (
+    HostRoundRobin,
+    SliceShares,
+    SliceWindows,
+    host_weights,
+    over_share,
+)
 from clone.server.metrics import DurationHistogram
 from clone.server.opening import AnyStream, Opener
 from clone.server.requesters import Requester, replaced, replaced_waiting, stale, stale_waiting
 from clone.server.sending import Burst, Sent
 from clone.server.shared import CLOCK_EVERY, TURN_BUDGET, Shared
 from clone.server.sharedsnap import SharedSnapshots, SharedStream
-from clone.server.snapwindow import SendWindow, SnapshotBudget, retry_delay, stalest
+from clone.server.snapslots import SnapshotSlots
+from clone.server.snapwindow import SendWindow, SnapshotBudget, retry_delay
 from clone.wire.delta import SinceRequest
 from clone.wire.frames import shared_frame
 
@@ -49,13 +56,6 @@ log = logging.getLogger("clone.server.reactor")
 # All snapshot streams together send for at most this long per loop turn
 # (each stream also at most --snapshot-chunk messages and its byte window).
 SNAPSHOT_SLICE = TURN_BUDGET
-# When every slot is taken, a stream whose requester has read nothing for
-# config.snapshot_slot_idle (0.25 s: our client's re-ask interval, a quarter
-# heartbeat at the default 250 ms) gives its slot to a new request.
-# Requests that wait for a slot at most, and for how long: a client re-asks on
-# a fresh socket every quarter heartbeat, so an older request has no reader.
-_WAITING_MAX = 1000
-_WAITING_MAX_AGE = 2.0
 # How long a requester's identity may stay unroutable (EHOSTUNREACH) before its
 # stream is aborted as gone.  With ROUTER_MANDATORY libzmq also says
 # EHOSTUNREACH for a live peer whose pipe it marked inactive when the pipe was
@@ -68,7 +68,7 @@ def who(identity: bytes) -> str:
     return identity.hex() if identity else "?"
 
 
-class SnapshotStreams:
+class SnapshotStreams(SnapshotSlots):
     """Stream snapshots for accepted requests: slots, stalls, aborts.
 
     Built with the ROUTER it sends on and the loop it schedules turns on, and with callbacks:
@@ -131,6 +131,10 @@ class SnapshotStreams:
         # host after another (wake, _pump_turn), and whether a turn is due.
         self._pump_queue: HostRoundRobin[AnyStream] = HostRoundRobin()
         self._pump_scheduled = False
+        # The pump's slices, paced in wall time while a reader's host holds a
+        # slot, and the timer of a turn that waits for the next one.
+        self._slices = SliceWindows(SNAPSHOT_SLICE)
+        self._pump_timer: object | None = None
         # This loop turn's slice for the first messages of newly served
         # streams, shared by host (None: not opened this turn).
         self._serve_shares: SliceShares | None = None
@@ -165,6 +169,7 @@ class SnapshotStreams:
 
     def close(self) -> None:
         """The server stops: every stream and waiting request dropped."""
+        self._cancel_pump_timer()
         self._loop = None
         self._router = None
         self._snapshots.clear()
@@ -260,7 +265,7 @@ class SnapshotStreams:
         shares = self._serve_shares
         if shares is None:
             shares = self._serve_shares = SliceShares(self._clock(), SNAPSHOT_SLICE,
-                                                      self._host_count())  # fmt: skip
+                                                      self._weights())  # fmt: skip
             assert self._loop is not None
             self._loop.add_callback(self._end_serve_slice)
         return shares
@@ -272,55 +277,12 @@ class SnapshotStreams:
         asker = self._requesters.get(stream)
         return None if asker is None else asker.host
 
-    def _host_count(self) -> int:
-        """Hosts holding slots: each gets an equal share of a slice."""
-        return len({asker.host for asker in self._requesters.values()})
-
-    def _wait_for_slot(self, identity: bytes, **how: Any) -> None:
-        """Hold a request that found every slot taken by a reader, bounded in
-        number and age (:data:`_WAITING_MAX`, :data:`_WAITING_MAX_AGE`)."""
-        waiting = self._waiting
-        waiting.pop(identity, None)  # asked again: keep the newest, last
-        if len(waiting) >= _WAITING_MAX:
-            oldest = next(iter(waiting))
-            del waiting[oldest]
-            self.counters["snapshots_refused"] += 1
-        waiting[identity] = (self._clock(), how)
-        self.counters["snapshots_queued"] += 1
-        self._throttle.log("snapshots_full", logging.INFO,
-                           "%d snapshots in flight: requests wait for a slot (%d waiting)",
-                           len(self._snapshots), len(waiting))  # fmt: skip
-
-    def _admit_waiting(self) -> None:
-        """Serve waiting requests while slots are free or a requester that
-        reads nothing gives one up; drop those too old (their requester has
-        asked again on a fresh socket by then)."""
-        waiting = self._waiting
-        if not waiting:
-            return
-        if self.core.role in (Role.STARTING, Role.PASSIVE) or self._stopping:
-            # Their vote was won by the active server we no longer are.
-            self.counters["snapshots_refused"] += len(waiting)
-            waiting.clear()
-            return
-        cutoff = self._clock() - _WAITING_MAX_AGE
-        while waiting:
-            # Newest first: an older request's client has likely asked again
-            # on a fresh socket, and a burst of requesters that read nothing
-            # must not stand between a reader and the next slot.
-            identity = next(reversed(waiting))
-            at, how = waiting[identity]
-            full = len(self._snapshots) >= self.config.max_snapshots
-            if full and not self._evict_stalest(how.get("host")):
-                break
-            del waiting[identity]
-            if at < cutoff:
-                self.counters["snapshots_refused"] += 1
-                continue
-            self.serve(identity, **how)
-        for identity in [i for i, (at, _) in waiting.items() if at < cutoff]:
-            del waiting[identity]
-            self.counters["snapshots_refused"] += 1
+    def _weights(self) -> dict[str | None, int]:
+        """Each host holding a slot -> its weight in a slice: more for one
+        whose requester has shown it reads (:func:`.fairshare.host_weights`)."""
+        hosts = {stream: asker.host for stream, asker in self._requesters.items()}
+        readers = [stream for stream, window in self._in_flight.items() if window.proven]
+        return host_weights(hosts, readers)
 
     def _window_of(self, identity: bytes) -> SendWindow:
         """The requester's byte window: the one it still has, with what its
@@ -354,15 +316,19 @@ class SnapshotStreams:
         """One loop turn's share of snapshot streaming: the streams that wait,
         one host after another, until :data:`SNAPSHOT_SLICE` or their host's
         share of it (:mod:`.fairshare`) is spent; the rest wait for the next
-        turn, after the loop has looked at its sockets and timers.
+        turn, after the loop has looked at its sockets and timers.  While a
+        reader's host holds a slot, the slice is one of wall time: streams of
+        hosts that have not shown they read and spent their share wait for
+        its end (a timer), not for the next turn.
 
         Each stream used to pump from a callback of its own, each with a whole
         turn's budget, so 200 streams took 2.3 s of one loop turn: the HUGZ
         stopped and the backup took over.
         """
         self._pump_scheduled = False
+        self._cancel_pump_timer()
         queue = self._pump_queue
-        shares = SliceShares(self._clock(), SNAPSHOT_SLICE, self._host_count())
+        shares = self._slices.open(self._clock(), self._weights(), queue.hosts())
         spent: list[tuple[AnyStream, str | None]] = []  # their host's share was
         for _ in range(len(queue)):
             stream = queue.pop()
@@ -380,9 +346,21 @@ class SnapshotStreams:
         for stream, host in spent:
             queue.add(stream, host)
         if queue and not self._pump_scheduled and self._loop is not None:
-            self._pump_scheduled = True
-            self._loop.add_callback(self._pump_turn)
+            # Only paced hosts that spent their share left: the next turn when
+            # the slice ends (a wake meanwhile schedules one at once).
+            delay = self._slices.wait(self._clock(), queue.hosts())
+            if delay > 0:
+                self.counters["snapshot_turns_paced"] += 1
+                self._pump_timer = self._loop.call_later(delay, self._pump_turn)
+            else:
+                self._pump_scheduled = True
+                self._loop.add_callback(self._pump_turn)
         self._admit_waiting()
+
+    def _cancel_pump_timer(self) -> None:
+        if self._pump_timer is not None and self._loop is not None:
+            self._loop.remove_timeout(self._pump_timer)
+        self._pump_timer = None
 
     def _pump(self, stream: AnyStream, stop_at: float) -> None:
         """Send ``stream``'s next messages until ``stop_at``, its chunk, or its
@@ -496,60 +474,6 @@ class SnapshotStreams:
             return
         self.counters["snapshot_unroutable_retries"] += 1
         self._stall(stream, window)
-
-    def _evict_unroutable(self) -> None:
-        """A request needs a slot: streams whose requester is unroutable now
-        give theirs up at once, as gone, instead of after the grace.
-
-        The grace protects a live reader libzmq briefly calls unroutable; a
-        client that asks again on a fresh socket leaves its old stream
-        unroutable for good, and holding its slot for the grace turned away
-        other requests (the relay resync bench: a third more retries).
-        """
-        for stream in list(self._unreachable):
-            self.abort(stream, "requester went away", gone=True)
-
-    def _evict_stalest(self, host: str | None) -> bool:
-        """A request needs a slot and none is free: the stream whose requester
-        has read nothing for longest gives up its own, if for at least
-        ``snapshot_slot_idle`` (a requester that reads nothing must not keep
-        one that reads from being served).  True if one was freed.
-
-        A stream waiting for its turn in the pump (``_pump_queue``) waits for
-        us, not for its requester: in a storm of requests on a busy machine
-        new streams waited that long before their first send, and were
-        evicted, their requesters never answered.  Nor a stream of a host
-        holding fewer slots than ``host``, the asker's (:mod:`.fairshare`)."""
-        for stream, window in self._in_flight.items():
-            self._note_progress(stream, window)
-        now = self._clock()
-        hosts = {stream: asker.host for stream, asker in self._requesters.items()}
-        busy = [*self._peer_syncs, *self._pump_queue, *sheltered(hosts, host)]
-        victim = stalest(self._snapshots, now, self.config.snapshot_slot_idle,
-                         exclude=busy)
-        if victim is None:
-            return False
-        idle = now - self._snapshots[victim]
-        self.counters["snapshots_evicted"] += 1
-        self.abort(victim, f"its slot went to a new request ({idle:.1f} s unread)")
-        return True
-
-    def _evict_for_host(self, host: str | None) -> None:
-        """A request from ``host`` needs a slot, none is free: a host holding two
-        more gives up its stalest stream's, reading or not (:mod:`.fairshare`)."""
-        hosts = {stream: asker.host for stream, asker in self._requesters.items()
-                 if stream in self._snapshots and stream not in self._peer_syncs}  # fmt: skip
-        victim = yielder(hosts, self._snapshots, host)
-        if victim is not None:
-            self.counters["snapshots_yielded"] += 1
-            self.abort(victim, f"its slot went to a request from {host}, a host with fewer")
-
-    def _note_progress(self, stream: AnyStream, window: SendWindow) -> float:
-        """Whether the requester read since we last looked (its checkpoints);
-        the time of its last progress."""
-        if window.update() and stream in self._snapshots:
-            self._snapshots[stream] = self._clock()
-        return self._snapshots.get(stream, self._clock())
 
     def abort(self, stream: AnyStream, why: str, *, gone: bool = False) -> None:
         self._peer_syncs.discard(stream)

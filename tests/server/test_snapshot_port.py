@@ -53,7 +53,7 @@ class _Rig:
                 "snapshots_served", "snapshots_aborted", "snapshots_refused",
                 "snapshots_held_heal", "snapshot_stalls", "snapshot_unroutable_retries",
                 "snapshots_idle_aborted", "snapshots_evicted", "snapshots_yielded",
-                "snapshots_replaced",
+                "snapshot_turns_paced", "snapshots_replaced",
                 "snapshot_requester_invalid",
                 "snapshots_queued", "snapshot_entries_sent", "snapshots_batched",
                 "snapshot_batches_sent", "internal_errors", "catchups_served",

@@ -89,6 +89,26 @@ def test_a_reader_past_what_the_kernel_could_take_gets_its_share() -> None:
     assert 2 * MB <= window.in_flight < 2 * MB + 4 * KB
 
 
+def test_a_requester_proves_it_reads_past_what_the_kernel_could_take() -> None:
+    # Proven: its host weighs as a reader's in the loop's slice (fairshare).
+    window = SendWindow(1 * MB)
+    _fill(window, 1 * KB)
+    assert not window.proven  # sent, not read: what a non-reader's kernel takes
+    window = SendWindow(1 * MB)
+    while window.done_bytes < GROW_AFTER:
+        assert not window.proven
+        _read_all(window, 1 * KB)
+    assert window.proven
+    # Counted only once update() takes the completed checkpoints.
+    other = SendWindow(8 * MB, first=8 * MB)
+    trackers = _fill(other, 1 * MB)
+    for t in trackers:
+        t.done = True
+    assert other.done_bytes == 0 and not other.proven
+    other.update()
+    assert other.proven
+
+
 def test_a_reader_paced_by_its_full_pipe_shows_progress_with_a_large_window() -> None:
     """A reader's window grown to a 64 MiB share is tracked every 16 MiB; when
     its pipe (the high-water mark), not the window, stops the sends, the first
