@@ -9,9 +9,16 @@ machine: 8 and 11 such writes, each in the winner's own log of updates at its
 term).  The winner's history says what it applied, in order, through the
 public ``changes(since=N)`` read (:func:`clone.client.history.read_history`).
 
-``N`` is the sequence the winner served at its promotion, from its log
-(``now ACTIVE ... serving at sequence N``): the loser's writes reach it only
-after the heal, so every one it applied is after ``N``.
+``N`` is the sequence the winner's promotion started its own updates
+after, from its log (``now ACTIVE ... serving at sequence S ... published P
+of ...``: ``N = S - P``).  Not ``S`` itself: a write the loser confirmed just
+before the cut can also sit in the winner's pending list (its client sent it
+to both servers) and be published at the promotion, within those ``P``; a
+later write of the key replaced it, no client synced from the winner saw it,
+and with ``N = S`` the drill called it lost though the winner's history held
+it (a loaded run: the loser's seq 343, published by the winner from its
+pending list as its own 343, one of 3).  Reading a few updates too many is
+harmless: every id read was applied.
 
 :func:`promotion_sequence` and :func:`write_ids` are pure; :func:`read_applied`
 does the read.
@@ -31,14 +38,21 @@ __all__ = ["WinnerHistory", "promotion_sequence", "read_applied", "write_ids"]
 
 log = logging.getLogger(__name__)
 
-_PROMOTED = re.compile(r"now ACTIVE \(was [a-z]+\): serving at sequence (\d+)")
+_PROMOTED = re.compile(
+    r"now ACTIVE \(was [a-z]+\): serving at sequence (\d+), \d+ keys; published (\d+) of"
+)
 
 
 def promotion_sequence(log_text: str) -> int | None:
-    """The sequence at the last promotion in ``log_text`` (a server's log since
-    the cut), or None if it was not promoted there."""
+    """The sequence the last promotion in ``log_text`` (a server's log since
+    the cut) carried on from, before the updates it published (its pending
+    list's, the deletes of orphaned lease keys), or None if it was not
+    promoted there."""
     found = _PROMOTED.findall(log_text)
-    return int(found[-1]) if found else None
+    if not found:
+        return None
+    serving, published = found[-1]
+    return max(0, int(serving) - int(published))
 
 
 def write_ids(values: Iterable[bytes | None]) -> set[str]:
