@@ -9,8 +9,6 @@ fast test that starts a process, before the process exists.
 
 from __future__ import annotations
 
-import json
-import re
 import types
 from pathlib import Path
 
@@ -180,64 +178,6 @@ def test_under_loadgroup_the_heavy_kinds_of_test_are_handed_out_first(
     assert [i.name for i in items] == [
         "test_cluster", "test_server_1", "test_server_2", "test_pure_1", "test_pure_2",
     ]  # fmt: skip
-
-
-def test_measured_tests_go_first_longest_first_and_a_group_keeps_its_order(
-    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A long test collected late ran alone at the end (the chaos run, 65 s,
-    after the Spark group): the tests a whole run measured go first, longest
-    first; the rest by kind; a group's tests in their own order."""
-    items = pytester.getitems(
-        "import pytest\n"
-        "def test_pure(): pass\n"
-        "@pytest.mark.slow\n"
-        "def test_short_server(): pass\n"
-        "@pytest.mark.slow\n"
-        "def test_long_server(): pass\n"
-        "@pytest.mark.slow\n"
-        "def test_longest_server(): pass\n"
-        "@pytest.mark.spark\n"
-        "@pytest.mark.xdist_group('spark')\n"
-        "def test_shared_b(): pass\n"
-        "@pytest.mark.spark\n"
-        "@pytest.mark.xdist_group('spark')\n"
-        "def test_shared_a(): pass\n"
-    )
-    module = items[0].nodeid.split("::")[0]
-    recorded = {f"{module}::test_long_server": 20.0, f"{module}::test_longest_server": 60.0,
-                f"{module}::test_shared_a": 90.0}  # fmt: skip
-    monkeypatch.setattr(ordering, "_recorded", lambda: recorded)
-    assert ordering.known_seconds(f"{module}::test_shared_a@spark") == 90.0
-    config = types.SimpleNamespace(option=types.SimpleNamespace(loadgroup=True))
-    ordering.pytest_collection_modifyitems(config, items)  # type: ignore[arg-type]
-    assert [i.name for i in items] == [
-        "test_shared_b", "test_shared_a", "test_longest_server", "test_long_server",
-        "test_short_server", "test_pure",
-    ]  # fmt: skip
-
-
-def test_durations_are_recorded_from_a_junit_report(tmp_path: Path) -> None:
-    report = tmp_path / "run.xml"
-    report.write_text(
-        '<testsuites><testsuite name="pytest">'
-        '<testcase classname="tests.tools.test_chaos_run" name="test_run" time="64.71"/>'
-        '<testcase classname="tests.pipeline.test_x" name="test_y@spark" time="5.0"/>'
-        '<testcase classname="tests.wire.test_codec" name="test_fast[1]" time="0.2"/>'
-        "</testsuite></testsuites>"
-    )
-    out = tmp_path / "durations.json"
-    assert ordering.record(str(report), out) == 1
-    assert json.loads(out.read_text()) == {"tests/tools/test_chaos_run.py::test_run": 64.7}
-
-
-def test_the_recorded_durations_name_tests_that_exist(collected: list[pytest.Item]) -> None:
-    """A renamed or removed test left in durations.json orders nothing: the
-    file is measured again (docs/testing.md, "Workers")."""
-    ids = {re.sub(r"@\w+$", "", i.nodeid) for i in collected}
-    recorded = json.loads(ordering.DURATIONS.read_text())
-    gone = sorted(set(recorded) - ids)
-    assert not gone, gone
 
 
 def test_the_quick_set_holds_no_process_and_no_spark_test(collected: list[pytest.Item]) -> None:
