@@ -223,6 +223,27 @@ def test_the_log_is_trimmed_once_keep_from_moved_trim_every(
     assert first == 5 + TRIM_EVERY
 
 
+def test_the_log_is_trimmed_once_trim_every_bytes_went_into_it(
+    data_dir: Path, open_storage: OpenStorage
+) -> None:
+    """A count alone let 1,024 large updates pile up in the log (512 KB
+    values: 358 MB of rows beyond a 64 MiB history): 16 MiB written since the
+    last trim trims too, however few updates that was."""
+    from clone.storage.db import TRIM_EVERY, TRIM_EVERY_BYTES
+
+    s = open_storage(data_dir)
+    s.append([upd(b"k", 1)], term=1, at=0.0, keep_from=1)  # the first always trims
+    big = b"x" * (512 * 1024)
+    per_trim = TRIM_EVERY_BYTES // len(big)
+    assert per_trim < TRIM_EVERY
+    for seq in range(2, 2 + per_trim - 1):  # under the bytes: no trim
+        s.append([upd(b"k", seq, big)], term=1, at=0.0, keep_from=seq - 1)
+    assert int.from_bytes(s.load().history[0][0][1], "big") == 1
+    seq = 1 + per_trim
+    s.append([upd(b"k", seq, big)], term=1, at=0.0, keep_from=seq - 1)  # 16 MiB: trims
+    assert int.from_bytes(s.load().history[0][0][1], "big") == seq - 1
+
+
 def test_the_writer_keeps_a_small_page_cache(data_dir: Path, open_storage: OpenStorage) -> None:
     """The reactor's connection only writes (the map is served from memory): its
     page cache is PAGE_CACHE_KIB, not SQLite's 2 MB, which was a fifth of a
