@@ -91,10 +91,23 @@ def child_env() -> dict[str, str]:
 #: 240 MB a tiered JVM has.  ``defaultJavaOptions`` so that the pipeline's own
 #: ``extraJavaOptions`` (the log4j file) stay as they are.  The child Spark
 #: processes get the same flags through :func:`child_conf`.
+#:
+#: The shared session also evaluates its queries without generated code and
+#: plans them once, without adaptive re-planning: on tables of tens of rows a
+#: query's Janino compiles and AQE's extra stages are most of its CPU.  Side
+#: by side (``-m spark``, one process, idle): 157 s and 181 CPU-seconds with
+#: Spark's defaults, 141.5 s and 158 without (docs/testing.md, "Ninth pass").
+#: Results do not depend on either (Spark's own suites run every expression
+#: both ways).  The child Spark processes (local-cluster, the CLI) keep
+#: Spark's defaults, so the run still goes through generated code and AQE as
+#: a deployment does, and the 1M-row pipeline bench measures them.
 JVM_OPTIONS = "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC -XX:ReservedCodeCacheSize=240m"
 TEST_CONF: dict[str, str] = {
     "spark.sql.shuffle.partitions": "2",
     "spark.driver.defaultJavaOptions": JVM_OPTIONS,
+    "spark.sql.codegen.wholeStage": "false",
+    "spark.sql.codegen.factoryMode": "NO_CODEGEN",  # internal; what Spark's own tests set
+    "spark.sql.adaptive.enabled": "false",
 }
 
 

@@ -194,6 +194,7 @@ def test_durability_section_through_the_cli(
     out = tmp_path / "bench.json"
     rc = cli.main(["--quick", "durability", "--durability-keys", "5000",
                    "--durability-messages", "2000", "--rate-seconds", "0.5",
+                   "--durability-floors", "py-forwarder",
                    "--out", str(out), "--log-dir", str(tmp_path / "logs")])
     printed = capsys.readouterr().out
     results = json.loads(out.read_text())
@@ -211,7 +212,8 @@ def test_durability_section_through_the_cli(
         assert r["rate_median"] > 0 and r["delivered"] == 1.0
     modes = ("batch", "always", "off", *redis)
     assert set(d["throughput"]["ratios"]) == {f"{m}_vs_in-memory" for m in modes}
-    assert [r["mode"] for r in d["latency"]] == ["in-memory", "batch", "always", "off", *redis]
+    assert [r["mode"] for r in d["latency"]] == ["in-memory", "batch", "always", "off", *redis,
+                                                 "py-forwarder"]
     for r in d["latency"]:
         lat = r["latency"]
         assert r["lost"] == 0 and lat["count"] == 1000
@@ -452,6 +454,10 @@ def test_durability_parts_and_fsyncs_from_the_cli() -> None:
     assert cfg.durability_parts == ("throughput", "latency")
     assert cfg.durability_fsyncs == cfg.durability_latency_fsyncs == ("batch", "always")
     assert cfg.durability_redis is False
+    assert cfg.durability_floors == ("py-forwarder", "c-proxy")  # the store-less floors
+    none = cli.config_from_args(cli._parser().parse_args(
+        ["durability", "--durability-floors", ""]))
+    assert none.durability_floors == ()
 
 
 @pytest.mark.slow

@@ -73,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
                    " (batch,always,off)")
     p.add_argument("--no-redis", action="store_true",
                    help="durability: no Redis appendfsync-always row even if redis-server exists")
+    p.add_argument("--durability-floors", type=_words,
+                   help="durability: store-less forwarders measured beside the latency rows, of"
+                   " py-forwarder,c-proxy (both; '' for none)")
     p.add_argument("--durability-dir", type=Path,
                    help="durability, calls: where durable servers keep their data (default: in the"
                    " log directory; use a real disk, not tmpfs)")
@@ -153,6 +156,12 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
     if args.durability_fsyncs is not None:
         changes["durability_fsyncs"] = args.durability_fsyncs
         changes["durability_latency_fsyncs"] = args.durability_fsyncs
+    if args.durability_floors is not None:
+        unknown = set(args.durability_floors) - {"py-forwarder", "c-proxy"}
+        if unknown:
+            raise SystemExit(f"scripts/bench: --durability-floors takes py-forwarder and c-proxy,"
+                             f" not {', '.join(sorted(unknown))}")
+        changes["durability_floors"] = args.durability_floors
     if args.durability_parts is not None:
         changes["durability_parts"] = args.durability_parts
     if args.memory_keys is not None:

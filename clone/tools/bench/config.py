@@ -55,6 +55,9 @@ class BenchConfig:
                                          "engines")
     # A Redis appendfsync-always row next to the clone rows, when redis-server is installed.
     durability_redis: bool = True
+    # Forwarders with no store at all (the latency section's targets) measured
+    # beside the latency rows: the floor any pyzmq server has on this machine.
+    durability_floors: tuple[str, ...] = ("py-forwarder", "c-proxy")
     durability_keys: int = 1_000_000
     durability_missed: int = 1_000
     durability_restarts: int = 2

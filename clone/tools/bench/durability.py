@@ -106,7 +106,8 @@ def _throughput(cfg: BenchConfig, group: ProcessGroup, base: Path, say: Say) -> 
 
 
 def _latency(cfg: BenchConfig, group: ProcessGroup, base: Path, say: Say) -> list[dict[str, Any]]:
-    modes = (IN_MEMORY, *cfg.durability_latency_fsyncs, *_redis_mode(cfg, say))
+    floors = tuple(cfg.durability_floors)
+    modes = (IN_MEMORY, *cfg.durability_latency_fsyncs, *_redis_mode(cfg, say), *floors)
     rate = cfg.durability_rate
     reps: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for rep in range(cfg.repeats):
@@ -114,6 +115,8 @@ def _latency(cfg: BenchConfig, group: ProcessGroup, base: Path, say: Say) -> lis
             if mode == REDIS_ALWAYS:
                 one = redis_latency_once(_redis_exe(), base / "redis", rate, cfg.rate_seconds,
                                          cfg.value_size)
+            elif mode in floors:  # the same writer, hops and watcher, with no store at all
+                one = latency_once(cfg, group, mode, rate, 1, rep)
             else:
                 one = latency_once(cfg, group, "clone", rate, 1, rep, _options(base, mode))
             reps[mode].append(one)
