@@ -38,7 +38,6 @@ import difflib
 import enum
 import logging
 import os
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -376,6 +375,8 @@ def _from_env(
 
 
 def _from_file(options: list[_Option], path: str, flag_only: list[str]) -> dict[str, Any]:
+    import tomllib  # only with --config: every server and command line starts without it
+
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)

@@ -44,7 +44,6 @@ from collections import deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-import zmq
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from tornado.httpserver import HTTPServer
 from tornado.ioloop import IOLoop
@@ -56,7 +55,7 @@ from tornado.websocket import WebSocketClosedError, WebSocketHandler
 from clone.errors import ServerStartError
 from clone.server.config import ServerConfig
 from clone.server.fdlimit import http_connection_cap
-from clone.server.metrics import MonitoredServer, SubscriberCount, build_registry
+from clone.server.metrics import MonitoredServer, build_registry
 from clone.server.shared import Shared
 
 if TYPE_CHECKING:
@@ -67,8 +66,6 @@ __all__ = [
     "MAX_STATUS_SOCKETS",
     "WEB_DIR",
     "HttpPort",
-    "PublisherWatch",
-    "publisher_events",
     "StatusHub",
     "StatusSource",
 ]
@@ -452,40 +449,3 @@ class HttpPort:
             return
         rate = max(0, seq - last[1]) / (now - last[0])
         self._rate_samples.append((self._shared.wallclock(), rate))
-
-
-class PublisherWatch:
-    """Count the publisher's connections (with ``--http-port`` only): what
-    ``subscribers`` reports.  Fed the events of the publisher's monitor, which
-    the inbound watch (clone.server.subscribers) reads on its own thread and
-    hands to the loop: one monitor, two readers of its events."""
-
-    def __init__(self) -> None:
-        self.count: SubscriberCount | None = None
-
-    def watch(self, secure: bool) -> None:
-        """A new publisher socket: a new count."""
-        self.count = SubscriberCount(secure=secure)
-
-    def on_event(self, event: int) -> None:
-        count = self.count
-        if count is not None:
-            count.on_event(event)
-
-    def close(self) -> None:
-        self.count = None
-
-
-def publisher_events(secure: bool) -> int:
-    """The monitor events of the publisher that the inbound watch and the
-    connection count need (the handshakes only under CURVE)."""
-    events = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
-    if secure:
-        for name in (
-            "EVENT_HANDSHAKE_SUCCEEDED",
-            "EVENT_HANDSHAKE_FAILED_NO_DETAIL",
-            "EVENT_HANDSHAKE_FAILED_PROTOCOL",
-            "EVENT_HANDSHAKE_FAILED_AUTH",
-        ):
-            events |= getattr(zmq, name, 0)
-    return events

@@ -8,19 +8,19 @@ turn.  Each server has its own :class:`~prometheus_client.CollectorRegistry`
 (:func:`build_registry`), never the global one: tests run several servers in
 one process.
 
-Two small pure helpers hold what the counters did not: :class:`DurationHistogram`
-(the snapshot durations, observed where a stream completes) and
+Two small pure helpers hold what the counters did not, in
+:mod:`clone.server.counting` (no Prometheus there, so a server without an
+HTTP port never imports this module): :class:`DurationHistogram` (the
+snapshot durations, observed where a stream completes) and
 :class:`SubscriberCount` (connections to the publisher, from socket-monitor
 events; docs/operations.md, "Monitoring", says how it is counted).
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Protocol
 
-import zmq
 from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -32,6 +32,7 @@ from prometheus_client.registry import Collector
 
 from clone.release import RELEASE
 from clone.server.config import ServerMode
+from clone.server.counting import SNAPSHOT_BUCKETS, DurationHistogram, SubscriberCount
 from clone.storage.schema import FORMAT_VERSION
 
 if TYPE_CHECKING:
@@ -50,10 +51,6 @@ __all__ = [
     "SubscriberCount",
     "build_registry",
 ]
-
-#: Upper bounds (seconds) of the snapshot-duration buckets: a small subtree in a
-#: millisecond up to a million keys in tens of seconds.
-SNAPSHOT_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0)
 
 #: ``clone_calls_total{result}``: the stats counter behind each result of a
 #: CALL? (docs/protocol.md, "CALL? / REPLY").  ``invalid`` counts only calls
@@ -110,81 +107,6 @@ PROTOCOL_ERRORS: Mapping[str, str] = {
     "peer": "peer_invalid",
     "binary_star": "ha_malformed_messages",
 }
-
-
-class DurationHistogram:
-    """Cumulative bucket counts, a sum and a count: a Prometheus histogram's state."""
-
-    __slots__ = ("bounds", "count", "counts", "total")
-
-    def __init__(self, bounds: tuple[float, ...] = SNAPSHOT_BUCKETS) -> None:
-        if list(bounds) != sorted(bounds) or not bounds:
-            raise ValueError("bucket bounds must be increasing and not empty")
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
-        self.count = 0
-        self.total = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
-        self.count += 1
-        self.total += seconds
-
-    def buckets(self) -> list[tuple[str, float]]:
-        """(le, cumulative count) pairs, ending with ``+Inf``."""
-        out: list[tuple[str, float]] = []
-        running = 0
-        for bound, n in zip((*map(str, self.bounds), "+Inf"), self.counts, strict=True):
-            running += n
-            out.append((bound, running))
-        return out
-
-
-class SubscriberCount:
-    """Connections to the publisher, from its socket monitor's events.
-
-    A plain PUB never hears from its subscribers, but its monitor reports each
-    TCP connection accepted and each one closed: ``ACCEPTED - DISCONNECTED``.
-    With CURVE a connection counts only once its handshake succeeded, and
-    every connection ends in ``DISCONNECTED`` whether or not it got that far
-    (a failed one is reported as failed first), so the count is ``succeeded -
-    (disconnected - failed)``.
-    """
-
-    __slots__ = ("_failed", "_secure", "_succeeded", "accepted", "disconnected")
-
-    _FAILURES = frozenset(
-        getattr(zmq, name)
-        for name in (
-            "EVENT_HANDSHAKE_FAILED_NO_DETAIL",
-            "EVENT_HANDSHAKE_FAILED_PROTOCOL",
-            "EVENT_HANDSHAKE_FAILED_AUTH",
-        )
-        if hasattr(zmq, name)
-    )
-
-    def __init__(self, *, secure: bool) -> None:
-        self._secure = secure
-        self.accepted = 0
-        self.disconnected = 0
-        self._succeeded = 0
-        self._failed = 0
-
-    def on_event(self, event: int) -> None:
-        if event == zmq.EVENT_ACCEPTED:
-            self.accepted += 1
-        elif event == zmq.EVENT_DISCONNECTED:
-            self.disconnected += 1
-        elif event == getattr(zmq, "EVENT_HANDSHAKE_SUCCEEDED", None):
-            self._succeeded += 1
-        elif event in self._FAILURES:
-            self._failed += 1
-
-    @property
-    def value(self) -> int:
-        if self._secure:
-            return max(0, self._succeeded - (self.disconnected - self._failed))
-        return max(0, self.accepted - self.disconnected)
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:

@@ -22,8 +22,7 @@ from tornado.ioloop import IOLoop
 
 from clone.server.config import ServerConfig
 from clone.server.core import Role, ServerCore, SyncState
-from clone.server.http import HttpPort, PublisherWatch, publisher_events
-from clone.server.metrics import DurationHistogram
+from clone.server.counting import DurationHistogram, PublisherWatch, publisher_events
 from clone.server.rolelog import load_role_changes, save_role_changes
 from clone.server.shared import Shared
 from clone.server.status import PeerView, clone_version, server_status
@@ -31,6 +30,7 @@ from clone.storage.files import dir_bytes
 
 if TYPE_CHECKING:
     from bstar.reactor import BinaryStar
+    from clone.server.http import HttpPort
 
 __all__ = ["RECENT_CHANGES", "ROLE_CHANGES", "Monitor"]
 
@@ -245,6 +245,11 @@ class Monitor:
         """Bind the HTTP port (if configured); serving starts with the loop."""
         if self.config.http_port is None:
             return
+        # Imported here: tornado.web, its HTTP server and prometheus_client are
+        # a quarter of a server's start-up imports, and most servers have no
+        # HTTP port (docs/testing.md, "Ninth pass").
+        from clone.server.http import HttpPort
+
         port = HttpPort(self.config, self._shared, loop, self)
         self._http = port
         port.open()

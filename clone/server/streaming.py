@@ -31,6 +31,7 @@ from tornado.ioloop import IOLoop
 from clone.server.access import Access
 from clone.server.config import ServerConfig
 from clone.server.core import Role, ServerCore
+from clone.server.counting import DurationHistogram
 from clone.server.fairshare import (
     HostRoundRobin,
     SliceShares,
@@ -38,7 +39,6 @@ from clone.server.fairshare import (
     host_weights,
     over_share,
 )
-from clone.server.metrics import DurationHistogram
 from clone.server.opening import AnyStream, Opener
 from clone.server.requesters import Requester, replaced, replaced_waiting, stale, stale_waiting
 from clone.server.sending import Burst, Sent

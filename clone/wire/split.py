@@ -27,8 +27,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-import uuid6
-
 __all__ = [
     "GONE",
     "SPLIT_AT_PROPERTY",
@@ -138,6 +136,10 @@ def uuid_time(uuid: bytes) -> float | None:
     when ``uuid`` is not one."""
     if len(uuid) != 16:
         return None
+    # Imported here: uuid6 brings importlib.metadata, a tenth of a server's
+    # start-up imports, for a call made only when a split brain heals.
+    import uuid6
+
     parsed = uuid6.UUID(bytes=uuid)  # the library reads the layouts of RFC 9562
     if parsed.version != 7:
         return None
