@@ -232,3 +232,36 @@ def test_the_reader_marks_a_test_that_uses_subprocess_slow(pytester: pytest.Pyte
         *_INLINE, "-m", "not slow", "--strict-markers", "-o", "markers=slow\nspark"
     )
     result.assert_outcomes(passed=1, deselected=1)
+
+
+_SPARK_WITHOUT_FIXTURE = '''
+from pyspark import SparkContext
+
+class _Gateway:  # what a started JVM leaves in pyspark, without the JVM
+    proc = None
+    def close(self):
+        pass
+
+def test_starts_spark():
+    SparkContext._gateway = _Gateway()
+
+def test_after():
+    assert SparkContext._gateway is None  # the guard forgot the gateway
+'''
+
+
+@pytest.mark.slow  # a process of its own: the guard resets pyspark's globals
+def test_a_test_that_starts_spark_without_the_fixture_fails(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PYTHONPATH", str(TESTS.parent))  # our tests.support
+    pytester.makepyfile(test_spark_alone=_SPARK_WITHOUT_FIXTURE)
+    result = pytester.runpytest_subprocess(
+        "-p", "tests.support.spark_session", "-p", "no:xdist", "-p", "no:asyncio",
+        "-p", "no:cacheprovider",
+    )  # fmt: skip
+    result.assert_outcomes(failed=1, passed=1)
+    result.stdout.fnmatch_lines(
+        ["*SparkWithoutFixture: test_spark_alone.py::test_starts_spark started Spark in its"
+         " worker without the spark fixture*"]
+    )

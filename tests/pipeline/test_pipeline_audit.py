@@ -350,9 +350,10 @@ def test_audit_reconstructs_a_known_state_at_a_sequence_exactly(
     assert "oldest update held is 7" in capsys.readouterr().err
 
 
+@pytest.mark.spark
 @pytest.mark.slow
 def test_history_compacted_exits_non_zero_with_the_message(
-    servers: Servers, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    spark: Any, servers: Servers, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     server = servers.standalone("--history", "2")
     with Clone([endpoint(server)], heartbeat=HB, server_timeout=1.0) as client:

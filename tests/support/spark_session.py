@@ -45,6 +45,7 @@ __all__ = [
     "shared_session",
     "spark_script",
     "TEST_CONF",
+    "SparkWithoutFixture",
 ]
 
 log = logging.getLogger(__name__)
@@ -204,6 +205,46 @@ def pytest_runtest_makereport(
     ):
         item.stash[_BROKEN] = True
     return report
+
+
+class SparkWithoutFixture(RuntimeError):
+    """A test that does not take the ``spark`` fixture started Spark in its
+    worker's process."""
+
+
+def _active_context() -> object | None:
+    """pyspark's gateway to a JVM in this process, if pyspark was imported.  The
+    gateway, not the SparkContext: a command that stops its session at the end
+    leaves the JVM running for as long as the process lives."""
+    if "pyspark" not in sys.modules:
+        return None
+    from pyspark import SparkContext
+
+    return SparkContext._gateway
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
+    """A test without the ``spark`` fixture that starts Spark in-process
+    (``clone.pipeline.main`` does, for most commands) is an error: it is not in
+    the Spark group, so it started a JVM of its own on another worker, which
+    then lived to the end of the run (found so: 8 CPU-seconds and a GiB).
+    Its JVM is killed and the test fails, saying what to do."""
+    if "spark" in getattr(item, "fixturenames", ()) or _active_context() is not None:
+        return (yield)
+    try:
+        result = yield
+    except BaseException:
+        if _active_context() is not None:
+            discard_session()
+        raise
+    if _active_context() is not None:
+        discard_session()
+        raise SparkWithoutFixture(
+            f"{item.nodeid} started Spark in its worker without the spark fixture: take the "
+            "fixture (one session in the Spark group), or run Spark in a child process"
+        )
+    return result
 
 
 @pytest.fixture(name="spark")
