@@ -430,13 +430,19 @@ def _write_loop(
         _one_write(client, events, args, write_key(args.id, args.gen, n), n, confirmed,
                    names=names)
         n += 1
-        if args.shared_keys > 0:
+        # A confirmed write may wait up to --confirm-timeout: a tick that began
+        # before the end and waited past it starts nothing more, or its later
+        # steps change the state after the others took theirs (a loaded run: one
+        # client's lock step 0.5 s after another's final state, "not converged").
+        if args.shared_keys > 0 and time.time() < end:
             key = shared_key(pick.randrange(args.shared_keys))
             confirmed = args.confirm_every > 0 and shared_n % args.confirm_every == 0
             _one_write(client, events, args, key, shared_n, confirmed, names=names)
             shared_n += 1
-        if args.locks > 0:
+        if args.locks > 0 and time.time() < end:
             locks.step(pick.randrange(args.locks))
+        if time.time() >= end:
+            return
         for _ in range(args.ttl_per_tick):
             ttl = round(rng.uniform(args.ttl_min, args.ttl_max), 3)
             key = write_key(args.id, args.gen, ttl_n, ttl=True)
