@@ -212,7 +212,7 @@ class SparkWithoutFixture(RuntimeError):
     worker's process."""
 
 
-def _active_context() -> object | None:
+def _gateway() -> object | None:
     """pyspark's gateway to a JVM in this process, if pyspark was imported.  The
     gateway, not the SparkContext: a command that stops its session at the end
     leaves the JVM running for as long as the process lives."""
@@ -230,15 +230,15 @@ def pytest_runtest_call(item: pytest.Item) -> Generator[None, None, None]:
     the Spark group, so it started a JVM of its own on another worker, which
     then lived to the end of the run (found so: 8 CPU-seconds and a GiB).
     Its JVM is killed and the test fails, saying what to do."""
-    if "spark" in getattr(item, "fixturenames", ()) or _active_context() is not None:
+    if "spark" in getattr(item, "fixturenames", ()) or _gateway() is not None:
         return (yield)
     try:
         result = yield
     except BaseException:
-        if _active_context() is not None:
+        if _gateway() is not None:
             discard_session()
         raise
-    if _active_context() is not None:
+    if _gateway() is not None:
         discard_session()
         raise SparkWithoutFixture(
             f"{item.nodeid} started Spark in its worker without the spark fixture: take the "
