@@ -74,6 +74,8 @@ def test_without_root_the_kinds_that_need_it_are_left_out_with_a_message(
 
     monkeypatch.setattr(runner, "preflight", no_netns)
     monkeypatch.setattr(runner.os, "geteuid", lambda: 1000)
+    # Whether this machine has Debian's faketime is not the question here.
+    monkeypatch.setattr(runner, "find_libfaketime", lambda: "/usr/lib/libfaketimeMT.so.1")
     said: list[str] = []
     kinds, skipped = runner.usable_kinds(FAULT_KINDS, said.append)
     assert not set(kinds) & set(NEEDS_ROOT)
@@ -81,6 +83,19 @@ def test_without_root_the_kinds_that_need_it_are_left_out_with_a_message(
     assert said == skipped and len(said) == 2
     assert said[0].startswith("partition faults skipped: the partition drills need root")
     assert said[1] == "disk-full skipped: mounting a small tmpfs needs root"
+
+
+def test_without_libfaketime_the_clock_step_is_left_out_with_the_package_to_install(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from clone.tools.chaos import runner
+
+    monkeypatch.setattr(runner, "find_libfaketime", lambda: None)
+    said: list[str] = []
+    kinds, skipped = runner.usable_kinds(("kill", "clock-step"), said.append)
+    assert kinds == ("kill",)
+    assert said == skipped == [
+        "clock-step skipped: libfaketime is not installed (Debian: apt-get install faketime)"]
 
 
 def test_the_settle_reads_a_pair_alone_active_from_the_monitors_record() -> None:
