@@ -86,12 +86,20 @@ def test_a_finished_build_is_reused_by_commit(tmp_path: Path) -> None:
     home = tmp_path / sha
     (home / "venv" / "bin").mkdir(parents=True)
     (home / "venv" / "bin" / "clone-server").write_text("#!/bin/sh\n")
+    python = home / "venv" / "bin" / "python"  # what the release's metadata says
+    python.write_text("#!/bin/sh\necho 0.1.0\n")
+    python.chmod(0o755)
     (home / "ready").write_text(json.dumps({"ref": OLD_REF, "version": "0.1.0"}))
     said: list[str] = []
     env = prepare_release(OLD_REF, tmp_path, said.append)
     assert (env.key, env.version, env.cached, env.build_s) == (sha, "0.1.0", True, 0.0)
     assert env.server == home / "venv" / "bin" / "clone-server"
     assert "cached" in said[0]
+    # A build that recorded the checkout's version (run from it, before the
+    # version was read isolated): the environment's own answer wins, and is kept.
+    (home / "ready").write_text(json.dumps({"ref": OLD_REF, "version": "0.2.0"}))
+    assert prepare_release(OLD_REF, tmp_path, said.append).version == "0.1.0"
+    assert json.loads((home / "ready").read_text())["version"] == "0.1.0"
 
 
 @pytest.mark.slow  # asks git whether the ref exists: a process

@@ -121,7 +121,14 @@ def prepare_release(ref: str, cache: Path, say: Say, *, repo: Path | None = None
     with _locked(home / "lock"):
         if ready.exists():
             info = json.loads(ready.read_text())
-            env = ReleaseEnv(ref, key, venv, _server(venv), info["version"], 0.0, True)
+            # Read again, not trusted: a build before 2026-11-27 could record
+            # the checkout's version instead of the release's (see
+            # _installed_version), and a drill judged by it fails.
+            version = _installed_version(venv, home)
+            if version != info.get("version"):
+                info["version"] = version
+                ready.write_text(json.dumps(info) + "\n")
+            env = ReleaseEnv(ref, key, venv, _server(venv), version, 0.0, True)
             say(f"upgrade from {ref} ({key[:12]}): release {env.version}, cached in {venv}")
             return env
         say(f"upgrade from {ref} ({key[:12]}): building its environment in {venv}")
@@ -131,16 +138,26 @@ def prepare_release(ref: str, cache: Path, say: Say, *, repo: Path | None = None
         _run([_base_python(), "-m", "venv", str(venv)], "creating the virtual environment")
         _run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet",
               "--disable-pip-version-check", str(target)],
-             f"installing {ref} (pip needs its index or cache for the dependencies)")
-        version = _run([str(venv / "bin" / "python"), "-c",
-                        "from importlib.metadata import version; "
-                        f"print(version({_DISTRIBUTION!r}))"],
-                       "reading the installed version").strip()
+             f"installing {ref} (pip needs its index or cache for the dependencies)", cwd=home)
+        version = _installed_version(venv, home)
         server = _server(venv)
         build_s = round(time.monotonic() - started, 1)
         ready.write_text(json.dumps({"ref": ref, "version": version, "build_s": build_s}) + "\n")
     say(f"upgrade from {ref}: release {version} built in {build_s} s")
     return ReleaseEnv(ref, key, venv, server, version, build_s, False)
+
+
+def _installed_version(venv: Path, home: Path) -> str:
+    """The release's version as its own environment has it installed.
+
+    Isolated (``-I``) and run from the cache, not from our working directory:
+    ``python -c`` puts the working directory first on ``sys.path``, and run
+    from a checkout with an editable install (its ``clone_kv.egg-info``)
+    ``importlib.metadata`` answered the checkout's version, not the release's.
+    """
+    code = f"from importlib.metadata import version; print(version({_DISTRIBUTION!r}))"
+    return _run([str(venv / "bin" / "python"), "-I", "-c", code],
+                "reading the installed version", cwd=home).strip()
 
 
 def _commit(ref: str, repo: Path) -> str:
@@ -179,10 +196,11 @@ def _server(venv: Path) -> Path:
     return server
 
 
-def _run(argv: list[str], doing: str) -> str:
+def _run(argv: list[str], doing: str, cwd: Path | None = None) -> str:
     log.debug("running %s", argv)
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False)
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=600, check=False,
+                             cwd=cwd)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise UpgradeError(f"{doing} failed: {exc}") from exc
     if out.returncode != 0:
