@@ -96,6 +96,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -105,6 +106,7 @@ import zmq
 from clone.client.status import query_status
 from clone.tools.procs import ManagedProcess, python_module_argv
 from tests.support.ports import free_base_port, free_port
+from tests.support.zygote import Zygote
 
 __all__ = [
     "ROOT",
@@ -138,6 +140,54 @@ WAIT = 60.0
 #: metrics test found its counters on the other server.  A killed server is
 #: still noticed at once (fast failover on the lost connection).
 STEADY_MISSED = ("--missed", "50")
+#: ``0`` starts every server with ``python -m clone.server.cli`` (an exec), not
+#: forked from the zygote (tests/support/zygote.py): to check that a failure
+#: is not the fork's.
+FORK_SERVERS_ENV = "CLONE_TEST_FORK_SERVERS"
+
+_zygotes: list[Zygote] = []  # this pytest process's one zygote, once made
+
+
+def _zygote() -> Zygote | None:
+    """The zygote to fork a server from now, or None (start it by exec)."""
+    if os.environ.get(FORK_SERVERS_ENV, "1") == "0":
+        return None
+    if not _zygotes:
+        _zygotes.append(Zygote(ROOT, os.environ))
+    zygote = _zygotes[0]
+    return zygote if zygote.usable() else None
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """End the zygote with the session (its servers were stopped by then)."""
+    while _zygotes:
+        _zygotes.pop().close()
+
+
+@dataclass(eq=False)
+class _ServerManagedProcess(ManagedProcess):
+    """A :class:`ManagedProcess` that forks its server from the zygote when
+    it can (``fork_args``: the server's arguments; None: always exec)."""
+
+    fork_args: list[str] | None = None
+
+    def start(self) -> None:
+        zygote = _zygote() if self.fork_args is not None else None
+        if zygote is None:
+            super().start()
+            return
+        if self.alive:
+            raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
+        assert self.fork_args is not None
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ if self.env is None else self.env)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        self.starts += 1
+        with open(self.log_path, "ab") as logf:
+            stamp = time.strftime("%H:%M:%S")
+            logf.write(f"=== {stamp} start #{self.starts}: {' '.join(self.argv)}\n".encode())
+        self.popen = zygote.spawn(self.fork_args, self.log_path, env, self.cwd)
+        self.frozen = False
 
 
 class ServerProcess:
@@ -162,10 +212,15 @@ class ServerProcess:
         self.args = args
         self.port = port
         self.ha_port = ha_port
+        # A server with an environment of its own is exec'd: only an exec
+        # applies libfaketime's LD_PRELOAD (tests/support/zygote.py).
+        self._forkable = not env
         env = {**os.environ, **(env or {})}
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
         env["PYTHONUNBUFFERED"] = "1"
-        self.process = ManagedProcess(name, self._argv(), log_dir / f"{name}.log", env, cwd=ROOT)
+        self.process = _ServerManagedProcess(
+            name, self._argv(), log_dir / f"{name}.log", env, cwd=ROOT
+        )
 
     def __repr__(self) -> str:
         return f"<ServerProcess {self.name} port {self.port} pid {self.pid}>"
@@ -200,6 +255,10 @@ class ServerProcess:
         # (re)started from a test's worker thread must outlive that thread.
         self.process.die_with_parent = threading.current_thread() is threading.main_thread()
         self.process.argv = self._argv()  # ``args`` may have been changed
+        # Forked only when the command is the server of this checkout (a
+        # subclass may run another release's, tests/tools/test_drill_upgrade.py).
+        own = self.process.argv == python_module_argv("clone.server.cli", *self.args)
+        self.process.fork_args = list(self.args) if self._forkable and own else None
         self.process.start()
 
     def restart(self) -> None:
