@@ -75,13 +75,16 @@ class ForkedChild(subprocess.Popen):  # type: ignore[type-arg]
         self._zygote = zygote
 
     def poll(self) -> int | None:
-        return self._zygote.exit_code(self.pid, 0.0)
+        if self.returncode is None:  # as Popen: set once known
+            self.returncode = self._zygote.exit_code(self.pid, 0.0)
+        return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        code = self._zygote.exit_code(self.pid, timeout)
-        if code is None:
+        if self.returncode is None:
+            self.returncode = self._zygote.exit_code(self.pid, timeout)
+        if self.returncode is None:
             raise subprocess.TimeoutExpired(self.args, timeout or 0.0)
-        return code
+        return self.returncode
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:

@@ -1,0 +1,66 @@
+"""The servers fixture's forked servers (tests/support/zygote.py) behave as
+exec'd ones do: their own pid, log, signals and exit codes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.support.ports import free_base_port
+from tests.support.servers import FORK_SERVERS_ENV, Servers
+from tests.support.zygote import ForkedChild
+
+pytestmark = pytest.mark.skipif(
+    os.environ.get(FORK_SERVERS_ENV, "1") == "0", reason=f"{FORK_SERVERS_ENV}=0: nothing is forked"
+)
+
+
+def _status(pid: int, field: str) -> str:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return line.split(":", 1)[1].strip()
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+@pytest.mark.slow
+def test_a_forked_server_serves_and_exits_as_an_execd_one(servers: Servers) -> None:
+    solo = servers.standalone("--in-memory")
+    proc = solo.proc
+    assert isinstance(proc, ForkedChild) and proc.poll() is None
+    # A process of its own, a child of the zygote, nothing blocked, its own log.
+    assert solo.pid != os.getpid() and int(_status(proc.pid, "PPid")) != os.getpid()
+    assert int(_status(proc.pid, "SigBlk"), 16) == 0
+    assert "=== " in solo.log_text() and "standalone" in solo.log_text()
+    # SIGTERM: a clean stop, exit code 0, as the console script.
+    assert solo.terminate() == 0
+    assert proc.returncode == 0 and not solo.alive
+    # Restarted on the same ports: forked again, a new pid; SIGKILL is -9.
+    solo.start()
+    solo.wait_serving()
+    again = solo.proc
+    assert isinstance(again, ForkedChild) and again.pid != proc.pid
+    solo.kill9()
+    assert again.wait(10) == -signal.SIGKILL
+
+
+@pytest.mark.slow
+def test_a_forked_server_refuses_a_bad_flag_with_the_parsers_exit_code(servers: Servers) -> None:
+    port = free_base_port()
+    bad = servers.spawn("bad", ["--standalone", "--port", str(port), "--heartbeat", "x"], port,
+                        None)  # fmt: skip
+    assert isinstance(bad.proc, ForkedChild)
+    assert bad.proc.wait(30) == 2
+    assert "--heartbeat" in bad.log_text()
+    with pytest.raises(subprocess.TimeoutExpired):
+        ForkedChild(bad.proc._zygote, 2**22 + 12345, ["none"]).wait(0.01)
+
+
+@pytest.mark.slow
+def test_a_server_with_an_environment_of_its_own_is_execd(servers: Servers) -> None:
+    solo = servers.standalone("--in-memory", env={"CLONE_TEST_MARK": "1"})
+    assert solo.proc is not None and not isinstance(solo.proc, ForkedChild)
+    assert b"CLONE_TEST_MARK=1" in Path(f"/proc/{solo.pid}/environ").read_bytes()
