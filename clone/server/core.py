@@ -395,10 +395,10 @@ class ServerCore:
         """(Re)start a full sync: the caller sends ICANHAZ? on a fresh socket."""
         self.sync.start()
 
-    def catch_up_request(self) -> SinceRequest | None:
+    def catch_up_request(self, with_term: bool = True) -> SinceRequest | None:
         """What to ask the active for instead of a full snapshot, if anything
         (:meth:`SyncCore.catch_up_request`)."""
-        return self.sync.catch_up_request()
+        return self.sync.catch_up_request(with_term)
 
     def on_peer_update(
         self, frames: Sequence[bytes], now: float, mono: float | None = None

@@ -189,7 +189,15 @@ def open_catch_up(
     the request is for sequence 0 or for a subtree, the history does not
     cover the request's sequence, no update is held at that sequence to
     compare digests with, or the digests differ (the requester's history
-    diverged from ours).
+    diverged from ours), or the requester names the term its update was
+    written under and ours was written under another.
+
+    Why the term: after a failover the new active publishes its pending list
+    (client writes the old one may also have published) with fresh
+    sequences, and can publish the very update the old active had at the
+    same sequence after a different one before it: the digests agree and the
+    histories do not.  One active per term writes each term's updates, so
+    the same update under the same term has the same history before it.
     """
     since = request.sequence
     if since == 0 or subtree:
@@ -198,6 +206,8 @@ def open_catch_up(
         return None
     held = history.entry(since)
     if held is None or update_digest(held[0]) != request.digest:
+        return None
+    if request.term is not None and held[1] != request.term:
         return None
     return DeltaStream(
         identity, history.since(since), since, sequence, preamble=preamble, served=served

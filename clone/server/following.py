@@ -43,7 +43,7 @@ from clone.server.shared import CLOCK_EVERY, TURN_BUDGET, Shared, Sockets, peer_
 from clone.wire.batch import is_kvbatch
 from clone.wire.codec import encode_icanhaz
 from clone.wire.control import is_control
-from clone.wire.delta import since_metadata
+from clone.wire.delta import since_metadata, since_term_metadata
 from clone.wire.frames import MAX_SYNC_FRAME_BYTES, cap_message_size, recv_frames
 from clone.wire.protocol import (
     APPLIED_METADATA,
@@ -220,9 +220,11 @@ class Follower:
             # ... and for the time each ephemeral key has left (clone.server.ttl).
             dealer.setsockopt(zmq.METADATA, TTL_LEFT_METADATA)
             # ... and, holding a state, only for what followed it (a catch-up).
-            since = core.catch_up_request()
+            since = core.catch_up_request(with_term=core.role is not Role.RELAY)
             if since is not None:
                 dealer.setsockopt(zmq.METADATA, since_metadata(since.sequence, since.digest))
+                if since.term is not None:
+                    dealer.setsockopt(zmq.METADATA, since_term_metadata(since.term))
             cap_message_size(dealer, MAX_SYNC_FRAME_BYTES)
         except zmq.ZMQError:  # a libzmq older than 4.3: the standard stream
             log.debug("this libzmq cannot send ZMTP metadata; syncing without KVBATCH")

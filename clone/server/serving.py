@@ -34,7 +34,7 @@ from clone.server.streaming import who
 from clone.server.voting import HeldVotes
 from clone.wire.calls import CALL
 from clone.wire.conflicts import CONFLICTS_REQUEST
-from clone.wire.delta import SinceRequest, parse_since
+from clone.wire.delta import SinceRequest, parse_since, parse_since_term
 from clone.wire.frames import NOBLOCK, recv_zero_copy
 from clone.wire.protocol import (
     APPLIED_PROPERTY,
@@ -43,6 +43,7 @@ from clone.wire.protocol import (
     BATCH_VERSION,
     REQUESTER_PROPERTY,
     SINCE_PROPERTY,
+    SINCE_TERM_PROPERTY,
     STATUS_REQUEST,
     STEPPED_DOWN_PROPERTY,
     TTL_LEFT_NAME,
@@ -88,7 +89,14 @@ def _since(frame: zmq.Frame) -> SinceRequest | None:
         value = frame.get(SINCE_PROPERTY)
     except zmq.ZMQError:
         return None
-    return parse_since(str(value))
+    since = parse_since(str(value))
+    if since.digest is None:
+        return since
+    try:
+        term = frame.get(SINCE_TERM_PROPERTY)
+    except zmq.ZMQError:
+        return since  # a relay, or a server from before the term was sent
+    return SinceRequest(since.sequence, since.digest, parse_since_term(str(term)))
 
 
 def _requester(frame: zmq.Frame) -> str | None:

@@ -200,7 +200,7 @@ class SyncCore:
         self._forget_peer_applied()
         self.transition(SyncEvent.STOP)
 
-    def catch_up_request(self) -> SinceRequest | None:
+    def catch_up_request(self, with_term: bool = True) -> SinceRequest | None:
         """What to ask the active for instead of a full snapshot, if anything.
 
         Our state up to our sequence, named by the digest of its last update
@@ -211,6 +211,11 @@ class SyncCore:
         frames (a relay that synced and then saw its upstream fail over would
         otherwise always resync in full).  None (a full snapshot) when we hold
         nothing, or not the last update itself (it was a delete).
+
+        ``with_term`` (a pair server; a relay's terms are not its upstream's):
+        the request also names the term our last update was written under,
+        when the history holds it, so that a fork at an update both servers
+        hold alike is told apart (:func:`clone.server.delta.open_catch_up`).
         """
         seq = self.store.sequence
         if self._plain_sync_next:
@@ -222,7 +227,8 @@ class SyncCore:
         last = held[0] if held is not None else self.store.last_update()
         if last is None:
             return None
-        return SinceRequest(seq, update_digest(last))
+        term = held[1] if held is not None and with_term else None
+        return SinceRequest(seq, update_digest(last), term)
 
     def restore(
         self,

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 from clone.errors import ProtocolError
 from clone.wire.codec import decode_properties, encode_properties
-from clone.wire.protocol import KVDELTA, SINCE_DIGEST_BYTES, SINCE_PROPERTY
+from clone.wire.protocol import KVDELTA, SINCE_DIGEST_BYTES, SINCE_PROPERTY, SINCE_TERM_PROPERTY
 
 __all__ = [
     "COMPACTED_PROPERTY",
@@ -74,7 +74,9 @@ __all__ = [
     "encode_kvdelta",
     "is_kvdelta",
     "parse_since",
+    "parse_since_term",
     "since_metadata",
+    "since_term_metadata",
     "update_digest",
 ]
 
@@ -96,11 +98,14 @@ class SinceRequest:
     """A requester's ``X-CHP-Since``: the sequence and digest of its last update.
 
     ``digest`` None is a history request: a client that holds no state and
-    wants every update after ``sequence``.
+    wants every update after ``sequence``.  ``term``: the term that update
+    was written under, when a pair server says it (``X-CHP-Since-Term``);
+    None for a relay, a client or an older server.
     """
 
     sequence: int
     digest: bytes | None = None
+    term: int | None = None
 
     @property
     def history(self) -> bool:
@@ -137,6 +142,24 @@ def since_metadata(sequence: int, digest: bytes | None = None) -> bytes:
     if len(digest) != SINCE_DIGEST_BYTES:
         raise ValueError(f"digest of {len(digest)} bytes, expected {SINCE_DIGEST_BYTES}")
     return f"{SINCE_PROPERTY}:{sequence},{digest.hex()}".encode()
+
+
+def since_term_metadata(term: int) -> bytes:
+    """The ``ZMQ_METADATA`` option value that names the term of the last
+    update of a catch-up request (set beside :func:`since_metadata`'s)."""
+    _check_sequence(term)
+    return f"{SINCE_TERM_PROPERTY}:{term}".encode()
+
+
+def parse_since_term(value: str) -> int:
+    """Parse an ``X-CHP-Since-Term`` value (one decimal in 0..2**64-1);
+    ProtocolError if malformed."""
+    if not (value.isascii() and value.isdigit()) or len(value) > _MAX_SEQUENCE_DIGITS:
+        raise ProtocolError(f"{SINCE_TERM_PROPERTY} {value[:30]!r} is not a decimal number")
+    term = int(value)
+    if term > _MAX_SEQUENCE:
+        raise ProtocolError(f"{SINCE_TERM_PROPERTY} {term} is over 2**64-1")
+    return term
 
 
 def parse_since(value: str) -> SinceRequest:

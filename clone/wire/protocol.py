@@ -53,6 +53,7 @@ __all__ = [
     "MAX_APPLIED_IDS",
     "KVDELTA",
     "SINCE_PROPERTY",
+    "SINCE_TERM_PROPERTY",
     "SINCE_DIGEST_BYTES",
     "CONTROL_PREFIX",
     "VIEW_TAG",
@@ -171,6 +172,12 @@ DEFAULT_BACKUP_HA_PORT: Final = 5004
 # only the updates after it, announced by a KVDELTA, instead of a snapshot.
 KVDELTA: Final = b"KVDELTA"
 SINCE_PROPERTY: Final = "X-CHP-Since"
+# Beside it, a pair server's catch-up also says the term its last update was
+# written under (decimal).  The digest alone cannot tell a fork in which both
+# servers published the same client write at the same sequence after
+# different updates (a promoted backup's pending list); the term can.  A
+# server that does not know this property ignores it (and checks the digest).
+SINCE_TERM_PROPERTY: Final = "X-CHP-Since-Term"
 # Bytes of an update's digest (blake2b), 16 hex characters in the metadata.
 SINCE_DIGEST_BYTES: Final = 8
 

@@ -141,7 +141,9 @@ def _pair_in_step(n: int) -> tuple[ServerCore, ServerCore]:
 def test_a_restarted_passive_catches_up_from_its_sequence() -> None:
     active, passive = _pair_in_step(10)
     since = passive.catch_up_request()
-    assert since == SinceRequest(10, update_digest(active.history.entry(10)[0]))  # type: ignore[index]
+    held = active.history.entry(10)
+    assert held is not None
+    assert since == SinceRequest(10, update_digest(held[0]), held[1])
     # It misses five updates (down), then asks for what followed its sequence.
     for i in range(10, 15):
         active.on_kvset(_kvset(f"k{i % 3}", b"%d" % i, n=i + 1), float(i))
@@ -237,3 +239,42 @@ def test_a_log_that_does_not_end_at_the_state_is_not_served() -> None:
     restarted = ServerCore(standalone=True)
     restarted.load({}, 4, rows)
     assert restarted.history.last is None and restarted.history.base == 4
+
+
+def test_a_fork_at_an_update_both_actives_published_gets_a_full_snapshot() -> None:
+    """After a failover the new active publishes its pending list with fresh
+    sequences.  Here both actives published the same client write W at
+    sequence 6, after different updates at 5 (Y, a call only the old one
+    had; Z, a write only the new one had): the digests of 6 agree, the
+    histories do not.  The term of W tells them apart, and the restarted old
+    active gets the whole state (with Z), not a delta on top of Y
+    (docs/drills.md, "A catch-up across a fork")."""
+    old = ServerCore(standalone=True)
+    old.term = 2
+    new = _follower()
+    new.term = 2  # a passive writes what it follows under its active's term
+    new.on_snapshot_reply(encode_kthxbai(0), 0.0)
+    for i in range(4):
+        pub = kvset(old, _kvset(f"k{i}", n=i + 1), float(i))
+        assert pub is not None and new.on_peer_update(pub, float(i)) is FollowOutcome.OK
+    y, z, w = _kvset("y", n=10), _kvset("z", n=11), _kvset("w", n=12)
+    new.on_kvset(z, 5.0)  # parked: the old active never got it
+    new.on_kvset(w, 5.0)
+    assert kvset(old, y, 5.0) is not None and kvset(old, w, 5.0) is not None
+    assert old.store.sequence == 6
+    # The old active stops; the new one takes over under term 3.
+    new.term = 3
+    new.become_active(6.0)
+    assert new.store.sequence == 6
+    ours, theirs = old.history.entry(6), new.history.entry(6)
+    assert ours is not None and theirs is not None
+    assert update_digest(ours[0]) == update_digest(theirs[0])  # the same W at 6
+    assert (ours[1], theirs[1]) == (2, 3)
+    since = old.catch_up_request()
+    assert since == SinceRequest(6, update_digest(ours[0]), 2)
+    kind, msgs = _stream(new, since)
+    assert kind is SnapshotStream
+    # By the digest alone it was a delta: the hole the term closes.
+    assert _stream(new, SinceRequest(6, since.digest))[0] is DeltaStream
+    # A relay does not send its term (its terms are not its upstream's).
+    assert old.catch_up_request(with_term=False) == SinceRequest(6, since.digest)

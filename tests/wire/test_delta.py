@@ -19,10 +19,12 @@ from clone.wire.delta import (
     encode_kvdelta,
     is_kvdelta,
     parse_since,
+    parse_since_term,
     since_metadata,
+    since_term_metadata,
     update_digest,
 )
-from clone.wire.protocol import KVDELTA, SINCE_PROPERTY
+from clone.wire.protocol import KVDELTA, SINCE_PROPERTY, SINCE_TERM_PROPERTY
 
 DIGEST = bytes.fromhex("0123456789abcdef")
 UPDATE = [b"/k", struct.pack("!Q", 7), bytes(16), b"ttl=5\n", b"value"]
@@ -261,3 +263,27 @@ def test_decode_kvdelta_head_is_total(frames: list[bytes], compacted: str) -> No
             continue
         assert 0 <= head.from_sequence < 2**64
         assert head.compacted is None or 0 <= head.compacted < 2**64
+
+
+# --------------------------------------------------------------------------
+# X-CHP-Since-Term: the term of a pair server's last update, beside its digest
+
+
+def test_since_term_metadata_is_its_own_property() -> None:
+    assert since_term_metadata(7) == f"{SINCE_TERM_PROPERTY}:7".encode()
+    assert SINCE_TERM_PROPERTY != SINCE_PROPERTY  # an older server ignores it whole
+    with pytest.raises(ValueError):
+        since_term_metadata(-1)
+
+
+@given(st.integers(0, 2**64 - 1))
+def test_since_term_round_trip(term: int) -> None:
+    value = since_term_metadata(term).decode().split(":", 1)[1]
+    assert parse_since_term(value) == term
+
+
+@pytest.mark.parametrize("value", ["", "-1", "1.0", " 1", "1,2", "\u0663", "x", str(2**64),
+                                   "9" * 30])
+def test_since_term_rejects_malformed_values(value: str) -> None:
+    with pytest.raises(ProtocolError, match=SINCE_TERM_PROPERTY):
+        parse_since_term(value)
