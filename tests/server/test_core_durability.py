@@ -274,6 +274,7 @@ def test_a_fork_at_an_update_both_actives_published_gets_a_full_snapshot() -> No
     assert since == SinceRequest(6, update_digest(ours[0]), 2)
     kind, msgs = _stream(new, since)
     assert kind is SnapshotStream
+    assert b"z" in {m[0] for m in msgs}  # the new active's write comes with it
     # By the digest alone it was a delta: the hole the term closes.
     assert _stream(new, SinceRequest(6, since.digest))[0] is DeltaStream
     # A relay does not send its term (its terms are not its upstream's).
