@@ -20,7 +20,10 @@ API
 ---
 :class:`Servers` (the ``servers`` fixture) starts processes on free loopback
 ports, each logging (``--verbose``) to a file under the test's tmp dir, and
-kills every one of them at teardown.  When the test failed, teardown prints
+kills every one of them at teardown.  A server is forked from a process that
+has imported the server already (tests/support/zygote.py; a sixth of the
+suite's CPU was imports), unless it has an environment of its own or
+``CLONE_TEST_FORK_SERVERS=0``.  When the test failed, teardown prints
 every server's log (pytest shows it under "Captured stderr teardown").
 
 * ``servers.standalone(*extra_args) -> ServerProcess`` -- waits until it answers
