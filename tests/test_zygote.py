@@ -64,3 +64,27 @@ def test_a_server_with_an_environment_of_its_own_is_execd(servers: Servers) -> N
     solo = servers.standalone("--in-memory", env={"CLONE_TEST_MARK": "1"})
     assert solo.proc is not None and not isinstance(solo.proc, ForkedChild)
     assert b"CLONE_TEST_MARK=1" in Path(f"/proc/{solo.pid}/environ").read_bytes()
+
+
+@pytest.mark.slow
+def test_a_server_left_running_dies_with_its_zygote(tmp_path: Path) -> None:
+    from tests.support.servers import ROOT
+    from tests.support.waiting import eventually
+    from tests.support.zygote import Zygote
+
+    zygote = Zygote(ROOT, os.environ)
+    port = free_base_port()
+    child = zygote.spawn(["--standalone", "--in-memory", "--port", str(port), "--bind",
+                          "127.0.0.1"], tmp_path / "left.log", dict(os.environ), ROOT)  # fmt: skip
+    log = tmp_path / "left.log"  # the child opens it
+    eventually(lambda: log.exists() and "standalone: active" in log.read_text(), 60,
+               "the server up")  # fmt: skip
+    zygote.close()  # as at the session's end, or when the pytest process dies
+
+    def gone() -> bool:
+        try:
+            return _status(child.pid, "State").startswith("Z")  # reaped by init soon
+        except FileNotFoundError:
+            return True
+
+    eventually(gone, 30, "the left server gone")

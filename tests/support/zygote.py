@@ -190,7 +190,7 @@ class Zygote:
             return None
 
     def close(self) -> None:
-        """End the zygote (its children were stopped by the test's teardown;
+        """End the zygote (its children were stopped by the tests' teardowns;
         any left die with it)."""
         proc, self._proc = self._proc, None
         if proc is None:
@@ -253,7 +253,9 @@ def _child(request: dict[str, Any], keep: tuple[int, ...]) -> None:
 
 def serve() -> None:
     """The zygote's loop: a request per line on stdin, ``spawned N PID`` and
-    ``exit PID CODE`` lines on stdout; ends at stdin's end."""
+    ``exit PID CODE`` lines on stdout; ends at stdin's end (the pytest
+    process closed it, or died), and any child still running then dies with
+    it (``PR_SET_PDEATHSIG``): every server a test left is stopped."""
     import importlib
 
     for name in PRELOAD:
@@ -275,8 +277,8 @@ def serve() -> None:
     number = 0
     open_input = True
     children = 0
-    while open_input or children:
-        ready, _, _ = select.select([requests, wake_r] if open_input else [wake_r], [], [], 1.0)
+    while open_input:
+        ready, _, _ = select.select([requests, wake_r], [], [], 1.0)
         if wake_r in ready:
             try:
                 os.read(wake_r, 4096)
