@@ -140,6 +140,9 @@ class SyncCore:
         self.state = SyncState.IDLE
         #: The highest sequence seen anywhere (own store, peer KVPUB/HUGZ/KTHXBAI).
         self.highest_seen = 0
+        #: What a HUGZ ahead of our sequence announced, while we wait one
+        #: heartbeat for its updates (see :meth:`on_peer_update`).
+        self._hugz_ahead: int | None = None
         #: What the last completed sync was: "full" (a snapshot) or "catch-up".
         self.last_sync = ""
         #: The fork the peer's KVAPPLIED named in this sync (the sequence it
@@ -184,6 +187,7 @@ class SyncCore:
         self._staged_deadlines = {}
         self._buffer = []
         self._buffer_overflowed = False
+        self._hugz_ahead = None
         self._delta = False
         self._staging_begun = False
         self.peer_fork = None
@@ -279,9 +283,23 @@ class SyncCore:
             seq = msg.sequence
             if seq > self.highest_seen:
                 self.highest_seen = seq
-            if state is SyncState.SYNCED and seq != self.store.sequence:
-                # Higher: we missed its tail.  Lower: it is not the state we
-                # follow (a restarted peer).  Either way, start over.
+            if state is not SyncState.SYNCED:
+                return FollowOutcome.OK
+            have = self.store.sequence
+            ahead, self._hugz_ahead = self._hugz_ahead, None
+            if seq > have and (ahead is None or have >= ahead):
+                # Ahead of us: the updates it announces may still be on their
+                # way.  A release before 0.2.0 announces what it applied, not
+                # what it published, so its HUGZ can overtake a KVPUB held by a
+                # commit in flight; the upgrade drill saw a passive resync on
+                # that, refuse votes, and miss its takeover.  A gap only if the
+                # next HUGZ finds us still short of what this one announced.
+                self._hugz_ahead = seq
+                return FollowOutcome.OK
+            if seq != have:
+                # Still short of what the last HUGZ announced: we missed its
+                # tail.  Lower: it is not the state we follow (a restarted
+                # peer).  Either way, start over.
                 c["peer_gaps"] += 1
                 return FollowOutcome.RESYNC
             return FollowOutcome.OK

@@ -110,8 +110,29 @@ def test_synced_follows_in_order_and_asks_again_on_a_gap() -> None:
     assert f.counters["peer_gaps"] == 1 and f.store.sequence == 1
     # A heartbeat that disagrees with our sequence: resync too.
     assert f.sync.on_peer_update(encode_hugz(1), 2.0, 2.0) is FollowOutcome.OK
-    assert f.sync.on_peer_update(encode_hugz(5), 2.0, 2.0) is FollowOutcome.RESYNC
+    assert f.sync.on_peer_update(encode_hugz(5), 2.0, 2.0) is FollowOutcome.OK  # may be coming
+    assert f.sync.on_peer_update(encode_hugz(5), 2.1, 2.1) is FollowOutcome.RESYNC
     assert f.sync.highest_seen == 5
+
+
+def test_a_hugz_ahead_waits_one_heartbeat_for_the_updates_it_announces() -> None:
+    """An older active's HUGZ can overtake a KVPUB held by its commit: ahead
+    of us once is not a gap; still short at the next HUGZ is."""
+    f = Follower()
+    f.sync.start()
+    f.sync.on_snapshot_reply(encode_kthxbai(0), 0.0, 0.0)
+    assert f.sync.on_peer_update(_pub("/a", 1, 1), 1.0, 1.0) is FollowOutcome.OK
+    assert f.sync.on_peer_update(encode_hugz(2), 1.1, 1.1) is FollowOutcome.OK
+    assert f.sync.on_peer_update(_pub("/a", 2, 2), 1.1, 1.1) is FollowOutcome.OK
+    # Caught up with what it announced; ahead again by one in flight: fine.
+    assert f.sync.on_peer_update(encode_hugz(3), 1.2, 1.2) is FollowOutcome.OK
+    assert f.sync.on_peer_update(_pub("/a", 3, 3), 1.2, 1.2) is FollowOutcome.OK
+    assert f.sync.on_peer_update(encode_hugz(3), 1.3, 1.3) is FollowOutcome.OK
+    assert f.counters["peer_gaps"] == 0
+    # 4 announced and never sent: the next HUGZ calls it a gap.
+    assert f.sync.on_peer_update(encode_hugz(4), 1.4, 1.4) is FollowOutcome.OK
+    assert f.sync.on_peer_update(encode_hugz(4), 1.5, 1.5) is FollowOutcome.RESYNC
+    assert f.counters["peer_gaps"] == 1
 
 
 def test_a_full_buffer_means_a_resync_not_unbounded_memory() -> None:
