@@ -151,15 +151,21 @@ def since_term_metadata(term: int) -> bytes:
     return f"{SINCE_TERM_PROPERTY}:{term}".encode()
 
 
+def _decimal(text: str, what: str) -> int:
+    """One decimal number in 0..2**64-1, or ProtocolError naming ``what``."""
+    # isascii() first: str.isdigit() accepts digits of other scripts.
+    if not (text.isascii() and text.isdigit()) or len(text) > _MAX_SEQUENCE_DIGITS:
+        raise ProtocolError(f"{what} {text[:30]!r} is not a decimal number")
+    number = int(text)
+    if number > _MAX_SEQUENCE:
+        raise ProtocolError(f"{what} {number} is over 2**64-1")
+    return number
+
+
 def parse_since_term(value: str) -> int:
     """Parse an ``X-CHP-Since-Term`` value (one decimal in 0..2**64-1);
     ProtocolError if malformed."""
-    if not (value.isascii() and value.isdigit()) or len(value) > _MAX_SEQUENCE_DIGITS:
-        raise ProtocolError(f"{SINCE_TERM_PROPERTY} {value[:30]!r} is not a decimal number")
-    term = int(value)
-    if term > _MAX_SEQUENCE:
-        raise ProtocolError(f"{SINCE_TERM_PROPERTY} {term} is over 2**64-1")
-    return term
+    return _decimal(value, SINCE_TERM_PROPERTY)
 
 
 def parse_since(value: str) -> SinceRequest:
@@ -172,13 +178,7 @@ def parse_since(value: str) -> SinceRequest:
     parts = value.split(",")
     if len(parts) > 2:
         raise ProtocolError(f"{SINCE_PROPERTY} {value[:60]!r} is not '<sequence>[,<digest>]'")
-    seq_text = parts[0]
-    # isascii() first: str.isdigit() accepts digits of other scripts.
-    if not (seq_text.isascii() and seq_text.isdigit()) or len(seq_text) > _MAX_SEQUENCE_DIGITS:
-        raise ProtocolError(f"{SINCE_PROPERTY} sequence {seq_text[:30]!r} is not a decimal number")
-    sequence = int(seq_text)
-    if sequence > _MAX_SEQUENCE:
-        raise ProtocolError(f"{SINCE_PROPERTY} sequence {sequence} is over 2**64-1")
+    sequence = _decimal(parts[0], f"{SINCE_PROPERTY} sequence")
     if len(parts) == 1:
         return SinceRequest(sequence)
     hex_text = parts[1]
