@@ -65,6 +65,7 @@ class Net:
         self, endpoint: str, keypair: KeyPair | None, server_public: bytes
     ) -> zmq.Socket[Any]:
         sock = self.socket(zmq.DEALER)
+        sock.sndtimeo = int(WAIT * 1000)  # an admitted send never hangs a test
         if keypair is not None:
             configure_client_socket(sock, keypair, server_public)
         sock.connect(endpoint)
@@ -102,6 +103,18 @@ def _eventually(check: Callable[[], bool], timeout: float = WAIT) -> bool:
     return check()
 
 
+def _knock(sock: zmq.Socket[Any], payload: bytes = b"x") -> None:
+    """A message from a client the handler refuses: without waiting for a
+    peer to take it.  After a refused handshake libzmq may hold no pipe for
+    the message, and a blocking send waits for a connection that never comes
+    (loaded runs hung here until pytest-timeout's 60 s); the connect alone
+    makes the handshake the tests count."""
+    try:
+        sock.send(payload, zmq.NOBLOCK)
+    except zmq.Again:
+        pass
+
+
 def test_known_client_gets_its_name_as_user_id(net: Net) -> None:
     server_keys, alice = _pair(), _pair()
     gk = net.gatekeeper(server_keys.public, ClientKeys(None, {alice.public: "alice"}))
@@ -123,7 +136,7 @@ def test_unknown_key_gets_nothing_through_and_is_logged_by_fingerprint(
     gk.start()
     server, endpoint = net.server(server_keys)
     with caplog.at_level(logging.WARNING, logger=LOG.name):
-        net.client(endpoint, mallory, server_keys.public).send(b"let me in")
+        _knock(net.client(endpoint, mallory, server_keys.public), b"let me in")
         assert _receive(server, SILENCE) is None
         assert _eventually(lambda: gk.refused >= 1)
     assert gk.admitted == 0
@@ -162,7 +175,7 @@ def test_replace_keys_admits_a_new_client_without_restart(net: Net) -> None:
     gk = net.gatekeeper(server_keys.public, ClientKeys(None, {}))
     gk.start()
     server, endpoint = net.server(server_keys)
-    net.client(endpoint, bob, server_keys.public).send(b"early")
+    _knock(net.client(endpoint, bob, server_keys.public), b"early")
     assert _receive(server, SILENCE) is None
     assert _eventually(lambda: gk.refused >= 1)
 
@@ -181,7 +194,7 @@ def test_replace_keys_removes_a_client(net: Net) -> None:
     gk.start()
     server, endpoint = net.server(server_keys)
     gk.replace_keys(ClientKeys(None, {}))
-    net.client(endpoint, carol, server_keys.public).send(b"x")
+    _knock(net.client(endpoint, carol, server_keys.public))
     assert _receive(server, SILENCE) is None
 
 
@@ -190,7 +203,7 @@ def test_plain_client_gets_nothing_through(net: Net) -> None:
     gk = net.gatekeeper(server_keys.public, ClientKeys(None, {alice.public: "alice"}))
     gk.start()
     server, endpoint = net.server(server_keys)
-    net.client(endpoint, None, server_keys.public).send(b"plain")
+    _knock(net.client(endpoint, None, server_keys.public), b"plain")
     assert _receive(server, SILENCE) is None
 
 
@@ -202,20 +215,9 @@ def test_null_mechanism_on_a_zap_socket_is_refused(net: Net) -> None:
     server.zap_domain = b"clone"
     server.bind("tcp://127.0.0.1:*")
     endpoint = server.getsockopt_string(zmq.LAST_ENDPOINT)
-    net.client(endpoint, None, b"").send(b"plain")
+    _knock(net.client(endpoint, None, b""), b"plain")
     assert _receive(server, SILENCE) is None
     assert _eventually(lambda: gk.refused >= 1)
-
-
-def _knock(sock: zmq.Socket[Any]) -> None:
-    """A message from a client the handler refuses: without waiting for a
-    peer to take it.  A blocking send from a refused client waits for a
-    connection that never comes (a loaded run hung here until pytest-timeout's
-    60 s); the connect alone makes the handshake the test counts."""
-    try:
-        sock.send(b"x", zmq.NOBLOCK)
-    except zmq.Again:
-        pass
 
 
 def test_refusals_are_rate_limited(net: Net, caplog: pytest.LogCaptureFixture) -> None:
@@ -284,7 +286,7 @@ def test_after_stop_nobody_gets_in(net: Net) -> None:
     server, endpoint = net.server(server_keys)
     gk.stop()
     assert not gk.running
-    net.client(endpoint, alice, server_keys.public).send(b"x")
+    _knock(net.client(endpoint, alice, server_keys.public))
     assert _receive(server, SILENCE) is None
 
 

@@ -126,7 +126,12 @@ def curve_answers_icanhaz(port: int, keys: CurveKeys, name: str, timeout: float)
             dealer = curve_socket(ctx, zmq.DEALER, keys, name)
             try:
                 dealer.connect(f"tcp://127.0.0.1:{port}")
-                dealer.send_multipart([b"ICANHAZ?", b"/--wait-serving--/"])
+                # a refused handshake can leave no pipe: never block on it
+                dealer.sndtimeo = 200
+                try:
+                    dealer.send_multipart([b"ICANHAZ?", b"/--wait-serving--/"])
+                except zmq.Again:
+                    continue
                 while dealer.poll(200):
                     if dealer.recv_multipart()[0] == b"KTHXBAI":
                         return True
