@@ -405,6 +405,7 @@ class SnapshotSync(AgentState):
         for uuid, p in list(self._pending.items()):
             if p.published:
                 del self._pending[uuid]
+                self._remember_confirmed(uuid, p.msg.key)  # its conflict notice may follow
                 actions.append(Confirmed(uuid, p.sequence))
             elif uuid in still:
                 p.next_send = _NEVER  # sent once the collector is proven

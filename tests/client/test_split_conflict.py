@@ -19,7 +19,7 @@ from clone.client.state import CONFIRMED_REMEMBERED
 from clone.errors import SplitConflict, WriteRefused
 from clone.wire.codec import Hugz, KVMsg, new_uuid
 from clone.wire.control import Refusal
-from tests.client.test_agent_fsm import MemoryServer, prove_collector, synced
+from tests.client.test_agent_fsm import MemoryServer, feed_snapshot, prove_collector, synced
 
 
 def _synced() -> tuple[AgentFSM, MemoryServer]:
@@ -42,6 +42,20 @@ def test_a_confirmed_write_that_became_a_conflict_is_an_event() -> None:
     assert fsm.update(1, _notice(msg.uuid), 5.0) == [SplitConflicted(msg.uuid, "/cfg/db/host")]
     assert fsm.counters.split_conflicts == 1
     assert fsm.update(1, _notice(msg.uuid), 5.1) == []  # told once
+
+
+def test_a_write_confirmed_by_a_resync_snapshot_is_remembered_too() -> None:
+    """Its KVPUB lost (a subscriber that joined late, a HUGZ ahead): the
+    resync's snapshot confirms the write, and its conflict is still an event.
+    (A loaded run's e2e test lost the notice this way.)"""
+    fsm, srv = _synced()
+    msg = KVMsg.build("/cfg/db/host", b"island", uuid=new_uuid())
+    fsm.write(msg, 1.0, confirm_within=5.0)
+    srv.apply("/cfg/db/host", b"island", msg.uuid)  # its KVPUB never arrives
+    assert not any(isinstance(a, Confirmed) for a in fsm.update(0, Hugz(srv.seq), 1.1))
+    actions = feed_snapshot(fsm, srv, 1.2)
+    assert Confirmed(msg.uuid, srv.seq) in actions
+    assert fsm.update(0, _notice(msg.uuid), 5.0) == [SplitConflicted(msg.uuid, "/cfg/db/host")]
 
 
 def test_a_write_still_waited_on_fails_with_the_conflict() -> None:
