@@ -101,6 +101,9 @@ class AgentCounters:
     disconnect_failovers: int = 0  # failovers caused by losing the current server's
     # failovers while syncing to another server that showed itself active
     hint_failovers: int = 0
+    # hints ignored from a server that showed itself active for a whole round
+    # and served nothing (clone.client.failover)
+    unserving_hints: int = 0
     gaps: int = 0  # holes in the sequence that forced a resync
     stale: int = 0  # KVPUBs discarded as not newer than the last applied
     protocol_errors: int = 0  # malformed messages dropped

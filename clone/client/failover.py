@@ -36,6 +36,12 @@ class Failover(AgentState):
         has not answered and has not shown itself active too (no flapping)."""
         if server == self.current or self._answered or self._shown_active:
             return []
+        if server == self._unserving:
+            # It said it was active for a whole round and served nothing: the
+            # server we left it for gets its own round first, or a server
+            # that only heartbeats could hold us forever.
+            self.counters.unserving_hints += 1
+            return []
         assert self.current is not None
         log.info(
             "%s is active (%s) and %s has not answered; asking %s",
@@ -76,7 +82,12 @@ class Failover(AgentState):
         )
         # The next rounds wait longer and ask less often (clone.client.backoff).
         self._unanswered_rounds += 1
-        return self._failover(now)
+        unserving = self._shown_active and not self._answered
+        left = self.current
+        actions = self._failover(now)  # a new round: resets what it showed
+        if unserving:
+            self._unserving = left
+        return actions
 
     def _lost_server(self, server: int, payload: Any, now: float) -> list[Action]:
         assert self.current is not None

@@ -57,6 +57,10 @@ both heartbeat):
   switch happens per round, and the server switched to keeps us for a whole
   round (``server_timeout``), as after any failover.
 
+And a server that showed itself active for a whole round without sending any
+snapshot data does not take us back by a hint until its next ordinary round,
+or one that only heartbeats would hold us forever (``unserving_hints``).
+
 While ACTIVE the event is ignored: we are served (a second active is a split
 brain, or a takeover our own silence detection will follow).  Nothing changes on
 the wire, and a request left behind at a passive server is only a vote held

@@ -164,6 +164,10 @@ class AgentState:
         self._hugz_without_data = 0
         # The current server showed itself active this round (see ACTIVE_ELSEWHERE).
         self._shown_active = False
+        # A server whose last round ended with no snapshot data although it
+        # showed itself active (broken or hostile): its hints do not move us
+        # until its next ordinary round (clone.client.failover).
+        self._unserving: int | None = None
         self._heard_at: float | None = None  # last message from the current server
         self._ticked_at: float | None = None  # the last tick: a long gap is our own freeze
         self._left_at: float | None = None  # last heard from the server we failed over from
@@ -385,6 +389,8 @@ class AgentState:
         self.current = server
         self._requests = 0
         self._shown_active = False
+        if server == self._unserving:
+            self._unserving = None  # its turn: judged again by this round
         actions = self._set_state(State.SYNCING)
         self._alive(now)  # the round's deadline; re-asks do not move it
         return actions + self._request(now)

@@ -490,6 +490,52 @@ def test_two_actives_do_not_make_the_client_flap() -> None:
     assert fsm.current == served and fsm.state is State.ACTIVE
 
 
+def test_a_server_that_heartbeats_active_but_never_serves_cannot_hold_the_client() -> None:
+    """A broken or hostile server says it is active in every HUGZ and never
+    answers a request.  Left by timeout, it must not take the client back by
+    its next HUGZ before the other server had a whole round: under load the
+    good server answered later than one hostile heartbeat, the client went
+    back each time, its rounds grew, and a loaded e2e run never synced in 10 s."""
+    fsm = two_servers()  # on server 0 (the hostile one); server 1 answers slowly
+    t = 0.0
+    while fsm.current == 0:
+        t = round(t + 0.05, 2)
+        fsm.update(0, Hugz(0, 0.05), t)  # active, says it: never left for a hint
+        fsm.tick(t)
+        assert t < 5.0, "never left the server that does not answer"
+    assert fsm.current == 1 and fsm.state is State.SYNCING
+    left = t
+    while t < left + CFG.server_timeout - 0.1:
+        t = round(t + 0.05, 2)
+        assert fsm.update(0, Hugz(0, 0.05), t) == []  # no pull back
+        fsm.tick(t)
+        assert fsm.current == 1
+    assert fsm.counters.unserving_hints >= 1
+    good = MemoryServer(1)
+    good.apply("a", b"1")
+    feed_snapshot(fsm, good, t)  # a slow answer, within its round
+    assert fsm.state is State.ACTIVE and fsm.current == 1
+
+
+def test_a_server_left_for_not_serving_moves_the_client_again_once_it_had_its_turn() -> None:
+    """The mark lasts until the server's next ordinary round: a real active
+    that was only slow once is still found by its hint afterwards."""
+    fsm = two_servers()
+    fsm.update(0, Hugz(0, 0.25), 0.1)  # shown active, never answers
+    assert _requests(fsm.tick(CFG.server_timeout + 0.01)) == [1]
+    t = CFG.server_timeout + 0.01
+    # Server 1 does not answer either; its round ends, server 0 has its turn.
+    while fsm.current == 1:
+        t = round(t + 0.05, 2)
+        fsm.tick(t)
+    assert fsm.current == 0
+    while fsm.current == 0:  # silent this time: left without a mark
+        t = round(t + 0.05, 2)
+        fsm.tick(t)
+    assert fsm.current == 1
+    assert fsm.update(0, Hugz(0, 0.25), t + 0.01) == [RequestSnapshot(0, ("",))]
+
+
 def test_a_frozen_active_that_resumes_before_the_takeover_is_asked_again() -> None:
     """We left a silent server for a backup that refuses (its peer still looks
     alive to it); the old active's next HUGZ shows it is still the one."""
