@@ -269,16 +269,26 @@ class ManagedProcess:
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         self.starts += 1
+        with open(self.log_path, "ab") as logf:
+            stamp = time.strftime("%H:%M:%S")
+            logf.write(f"=== {stamp} start #{self.starts}: {' '.join(self.argv)}\n".encode())
+        self.popen = self._launch(env)
+        self.frozen = False
+        log.debug("started %s pid %d: %s", self.name, self.popen.pid, self.argv)
+
+    def _launch(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """Make the process, its output appended to the log.
+
+        A hook: the test suite forks its servers from a warm parent instead
+        (tests/support/servers.py); the bookkeeping in :meth:`start` is the
+        same for both."""
         pdeathsig = self.die_with_parent and sys.platform.startswith("linux")
         argv = self.argv
         preexec: Callable[[], None] | None = None
         if pdeathsig:
             argv, preexec = with_pdeathsig(argv)
         with open(self.log_path, "ab") as logf:
-            stamp = time.strftime("%H:%M:%S")
-            logf.write(f"=== {stamp} start #{self.starts}: {' '.join(self.argv)}\n".encode())
-            logf.flush()
-            self.popen = subprocess.Popen(
+            return subprocess.Popen(
                 argv,
                 stdin=subprocess.DEVNULL,
                 stdout=logf,
@@ -288,8 +298,6 @@ class ManagedProcess:
                 preexec_fn=preexec,
                 start_new_session=self.own_session,
             )
-        self.frozen = False
-        log.debug("started %s pid %d: %s", self.name, self.popen.pid, self.argv)
 
     def signal(self, sig: int) -> None:
         if self.alive:

@@ -174,23 +174,12 @@ class _ServerManagedProcess(ManagedProcess):
 
     fork_args: list[str] | None = None
 
-    def start(self) -> None:
+    def _launch(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
         zygote = _zygote() if self.fork_args is not None else None
         if zygote is None:
-            super().start()
-            return
-        if self.alive:
-            raise RuntimeError(f"{self.name} is already running (pid {self.pid})")
+            return super()._launch(env)
         assert self.fork_args is not None
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ if self.env is None else self.env)
-        env.setdefault("PYTHONUNBUFFERED", "1")
-        self.starts += 1
-        with open(self.log_path, "ab") as logf:
-            stamp = time.strftime("%H:%M:%S")
-            logf.write(f"=== {stamp} start #{self.starts}: {' '.join(self.argv)}\n".encode())
-        self.popen = zygote.spawn(self.fork_args, self.log_path, env, self.cwd)
-        self.frozen = False
+        return zygote.spawn(self.fork_args, self.log_path, env, self.cwd)
 
 
 class ServerProcess:
