@@ -426,3 +426,6 @@ class CallCore:
 
     def rebuild_leases(self, now: float) -> None:
         self.lease_calls.rebuild_leases(now)
+
+    def leases_usable_from(self, mono: float, lease_ids: Iterable[str] | None = None) -> None:
+        self.lease_calls.leases_usable_from(mono, lease_ids)

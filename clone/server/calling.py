@@ -188,6 +188,12 @@ class Caller:
         replies, self._replies = self._replies, []
 
         def confirm() -> None:
+            # A grant's lease counts from its confirmation, not its apply: a
+            # commit slower than its ttl must not end it before its holder
+            # hears of it.
+            granted = [reply.lease for _, reply in replies if reply.ok and reply.lease]
+            if granted:
+                self._core.calls.leases_usable_from(self._shared.clock(), granted)
             # Sent from a callback of ours, not the ROUTER stream's: the burst
             # looks at the requests our sends may have hidden (sending.py).
             with Burst(self._router_backlog) as burst:

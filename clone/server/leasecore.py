@@ -18,7 +18,7 @@ grant, a lease's deletes) goes to ``record`` and nowhere else.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from clone.errors import StoreFull
 from clone.server.leases import (
@@ -261,6 +261,13 @@ class LeaseCore:
         frames = self.store.apply(KVMsg(raw_key.decode("utf-8"), 0), now)
         self.counters["kvpub_published"] += 1
         self._record(frames)
+
+    def leases_usable_from(self, mono: float, lease_ids: Iterable[str] | None = None) -> None:
+        """The leases ``lease_ids`` (None: all) became usable only at ``mono``
+        (a grant confirmed after its commit, a promotion's writes done):
+        their ttl counts from then, so a slow disk never ends a lease its
+        holder could not yet keep alive."""
+        self.leases.restart(lease_ids, mono)
 
     def rebuild_leases(self, now: float) -> None:
         """Becoming active: every stored lease gets a full ttl from ``now``;

@@ -9,7 +9,10 @@ one would send every node a change per keepalive).  So this table lives on the
 active server only, and is rebuilt from the store whenever a server becomes
 active (or starts active from its data directory), giving every lease a full
 ttl from that moment: a holder that is alive keeps it across the failover, a
-dead one loses it one ttl later.
+dead one loses it one ttl later.  "That moment" is when the server can first
+be reached: its clocks restart (:meth:`LeaseTable.restart`) once the
+promotion's writes are done, and a grant's once its reply is sent after its
+commit, so a slow disk never ends a lease its holder could not keep alive.
 
 A key bound to a lease carries ``lease=<id>`` in its properties.  The table
 remembers the keys written under each lease (a superset: a key rewritten
@@ -188,6 +191,20 @@ class LeaseTable:
         if deadline > lease.deadline:
             lease.deadline = deadline
         return lease
+
+    def restart(self, lease_ids: Iterable[str] | None, now: float) -> int:
+        """Restart the clocks of ``lease_ids`` (None: every lease) at ``now``,
+        as a keepalive would; returns how many were restarted.
+
+        For the moments a lease exists in the table before its holder can
+        use it: a grant whose commit took longer than its ttl, a promotion
+        whose writes held the loop (clone.server.roles).  Only ever later."""
+        ids = list(self._leases) if lease_ids is None else lease_ids
+        restarted = 0
+        for lease_id in ids:
+            if self.keepalive(lease_id, now) is not None:
+                restarted += 1
+        return restarted
 
     def bind(self, lease_id: str, key: bytes) -> None:
         lease = self._leases.get(lease_id)

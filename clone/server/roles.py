@@ -110,6 +110,11 @@ class RoleSwitch:
         self.durability.record_term()
         self.durability.record_following(False)
         batch = self.durability.commit()
+        # The writes above block the loop (each waits for the disk): on a
+        # slow one, seconds past the rebuild's clock.  Leases count from now,
+        # when their holders can first reach us (a loaded CI run lost a
+        # 1.5 s lease to a 4.5 s promotion).
+        core.calls.leases_usable_from(self._clock())
         if follower is not None:
             follower.close()  # the peer's SUB and sync DEALER
         self.publisher.publish_bulk(batch)

@@ -16,7 +16,16 @@ from clone.server.access import Access
 from clone.server.calling import Caller
 from clone.server.core import ServerCore
 from clone.server.shared import Shared
-from clone.wire.calls import IF_SEQUENCE_PROPERTY, OP_SET, Reply, decode_reply, encode_call
+from clone.wire.calls import (
+    IF_SEQUENCE_PROPERTY,
+    OP_LEASE_GRANT,
+    OP_SET,
+    SECRET_PROPERTY,
+    Reply,
+    decode_reply,
+    encode_call,
+)
+from clone.wire.protocol import TTL_PROPERTY
 
 UUID = bytes(range(16))
 
@@ -220,3 +229,22 @@ def test_a_set_many_is_confirmed_after_the_commit_and_its_refused_entries_logged
     reply = rig.reply()
     assert reply is not None and reply.ok and reply.sequences == (1, 0, 2)
     assert [(i, why) for i, why, _ in reply.failures] == [(1, "reserved")]
+
+
+def test_a_grant_confirmed_after_its_ttl_counts_from_its_confirmation(rig: _Rig) -> None:
+    """A commit slower than the lease's ttl (a slow disk) must not end the
+    lease before its holder hears of it: its clock starts at the reply."""
+    caller = rig.caller()
+    rig.hold = True
+    props = ((TTL_PROPERTY, "2"), (SECRET_PROPERTY, "5e" * 16))
+    rig.call(caller, encode_call(OP_LEASE_GRANT, UUID, "", props))
+    rig.turns.pop()()  # the turn's flush: the commit is on the writer's thread
+    rig.now += 5.0  # the disk took 5 s, past the 2 s ttl
+    rig.landings.pop()()
+    reply = rig.reply()
+    assert reply is not None and reply.ok and reply.lease
+    leases = rig.core.calls.lease_calls.leases
+    rig.core.calls.expire_leases(rig.now + 1.99, 100)
+    assert leases.get(reply.lease) is not None  # a whole ttl from the reply
+    rig.core.calls.expire_leases(rig.now + 2.0, 100)
+    assert leases.get(reply.lease) is None
