@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from clone.tools.procs import ProcessGroup, python_module_argv
 from tests.support.ports import free_base_port
-from tests.support.servers import FORK_SERVERS_ENV, Servers
+from tests.support.servers import FORK_SERVERS_ENV, ROOT, Servers, _fork_applies
 from tests.support.zygote import ForkedChild
 
 pytestmark = pytest.mark.skipif(
@@ -88,3 +89,43 @@ def test_a_server_left_running_dies_with_its_zygote(tmp_path: Path) -> None:
             return True
 
     eventually(gone, 30, "the left server gone")
+
+
+# -- the drills' processes: ManagedProcess forked when it can be -------------
+
+
+def test_a_drill_client_is_forked_and_exits_with_its_mains_code(tmp_path: Path) -> None:
+    group = ProcessGroup(tmp_path / "logs")
+    with group:
+        proc = group.add("client", python_module_argv("clone.tools.drill.client", "--help"))
+        assert proc.popen is not None
+        assert proc.popen.wait(30) == 0
+    assert isinstance(proc.popen, ForkedChild)
+    assert "--rate" in proc.log_text()  # its parser's help, in its own log
+    # A module the zygote does not hold, and a process of its own session: exec'd.
+    with ProcessGroup(tmp_path / "logs2") as other:
+        plain = other.add("true", ["true"])
+        session = other.add(
+            "own", python_module_argv("clone.tools.drill.client", "--help"), own_session=True
+        )
+        for p in (plain, session):
+            assert p.popen is not None and p.popen.wait(30) == 0
+            assert not isinstance(p.popen, ForkedChild)
+
+
+@pytest.mark.parametrize(
+    ("change", "forkable"),
+    [
+        ({}, True),
+        ({"PYTHONUNBUFFERED": "1"}, True),  # applied by the child itself
+        ({"LD_PRELOAD": "/usr/lib/faketime/libfaketime.so.1"}, False),
+        ({"PYTHONHASHSEED": "7"}, False),
+        ({"PYTHONPATH": str(ROOT)}, True),
+        ({"PYTHONPATH": "/elsewhere"}, False),  # another release's code
+    ],
+)
+def test_a_fork_applies_only_to_what_the_zygote_started_with(
+    change: dict[str, str], forkable: bool
+) -> None:
+    zygote_env = {"PATH": "/usr/bin", "PYTHONPATH": ""}
+    assert _fork_applies({**zygote_env, **change}, zygote_env) is forkable

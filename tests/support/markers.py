@@ -74,6 +74,7 @@ __all__ = [
     "ProcessInFastTest",
     "paused",
     "process_fixtures",
+    "refuse_in_fast_test",
     "uses",
 ]
 
@@ -346,18 +347,27 @@ def paused() -> Iterator[None]:
         _current.pop()
 
 
+def refuse_in_fast_test(what: str, detail: str = "") -> None:
+    """Raise :class:`ProcessInFastTest` if the test running now is neither
+    ``slow`` nor ``spark``: a process is about to start (``what``).  Also
+    called by the zygote (tests/support/zygote.py), whose children are
+    forked by a process started long before the test."""
+    item = _current[-1] if _current else None
+    if item is None:
+        return
+    if item.get_closest_marker("slow") is None and item.get_closest_marker("spark") is None:
+        raise ProcessInFastTest(
+            f"{item.nodeid} is not marked slow but starts a process ({what}{detail}): "
+            "mark it @pytest.mark.slow (the quick set starts no process)"
+        )
+
+
 def _guarded(what: str, real: Callable[..., Any]) -> Callable[..., Any]:
     def guard(*args: Any, **kwargs: Any) -> Any:
-        item = _current[-1] if _current else None
-        if item is not None:
-            if item.get_closest_marker("slow") is None and item.get_closest_marker("spark") is None:
-                detail = ""
-                if what == "subprocess" and len(args) > 1:
-                    detail = f" {args[1]!r}"  # fork_exec's executable list
-                raise ProcessInFastTest(
-                    f"{item.nodeid} is not marked slow but starts a process ({what}{detail}): "
-                    "mark it @pytest.mark.slow (the quick set starts no process)"
-                )
+        detail = ""
+        if what == "subprocess" and len(args) > 1:
+            detail = f" {args[1]!r}"  # fork_exec's executable list
+        refuse_in_fast_test(what, detail)
         return real(*args, **kwargs)
 
     guard.__wrapped__ = real  # type: ignore[attr-defined]

@@ -109,7 +109,7 @@ import zmq
 from clone.client.status import query_status
 from clone.tools.procs import ManagedProcess, python_module_argv
 from tests.support.ports import free_base_port, free_port
-from tests.support.zygote import Zygote
+from tests.support.zygote import MODULES, SERVER, Zygote
 
 __all__ = [
     "ROOT",
@@ -163,8 +163,75 @@ def _zygote() -> Zygote | None:
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """End the zygote with the session (its servers were stopped by then)."""
+    ManagedProcess._launch = _exec_launch  # type: ignore[method-assign]
     while _zygotes:
         _zygotes.pop().close()
+
+
+#: Variables read when an interpreter starts (or by the dynamic loader), which
+#: a fork cannot apply: a process asking for other values than the zygote's
+#: is exec'd.  ``PYTHONPATH`` is checked apart: a subset of the zygote's is fine.
+_START_ONLY = ("LD_", "PYTHON")
+_APPLIED_IN_THE_CHILD = frozenset({"PYTHONUNBUFFERED", "PYTHONDONTWRITEBYTECODE", "PYTHONPATH"})
+
+
+def _fork_applies(env: dict[str, str], zygote_env: dict[str, str]) -> bool:
+    """Whether a process with ``env`` behaves the same forked from the
+    zygote (started with ``zygote_env``) as exec'd."""
+    for key in set(env) | set(zygote_env):
+        if key.startswith(_START_ONLY) and key not in _APPLIED_IN_THE_CHILD:
+            if env.get(key) != zygote_env.get(key):
+                return False
+    wanted = set(filter(None, env.get("PYTHONPATH", "").split(os.pathsep)))
+    held = set(filter(None, zygote_env.get("PYTHONPATH", "").split(os.pathsep)))
+    return wanted <= held | {str(ROOT)}
+
+
+def fork_or_exec(proc: ManagedProcess, env: dict[str, str]) -> subprocess.Popen[bytes] | None:
+    """A child of the zygote for ``proc`` when its command is ``python -m``
+    one of the zygote's modules and nothing about it needs an exec (its own
+    session, libfaketime, another interpreter or code path); else None.
+
+    The drills, benches and chaos runs the suite runs in-process start their
+    servers and drill clients through :class:`ManagedProcess`: this is how
+    they are forked too (:func:`_fork_drill_processes`)."""
+    argv = proc.argv
+    if argv[:1] == [_CONSOLE_SERVER]:  # the drills' servers: this venv's console script
+        module, args = SERVER, argv[1:]
+    elif len(argv) >= 3 and argv[0] == sys.executable and argv[1] == "-m" and argv[2] in MODULES:
+        module, args = argv[2], argv[3:]
+    else:
+        return None
+    if proc.own_session:
+        return None
+    zygote = _zygote()
+    if zygote is None or not _fork_applies(env, zygote.env):
+        return None
+    return zygote.spawn(args, proc.log_path, env, proc.cwd, module=module)
+
+
+_exec_launch = ManagedProcess._launch
+#: ``clone-server`` beside this interpreter: ``clone.server.cli:main``.
+_CONSOLE_SERVER = str(Path(sys.executable).with_name("clone-server"))
+
+
+def _launch_forked_when_possible(
+    self: ManagedProcess, env: dict[str, str]
+) -> subprocess.Popen[bytes]:
+    forked = fork_or_exec(self, env)
+    return forked if forked is not None else _exec_launch(self, env)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every :class:`ManagedProcess` this pytest process starts (a drill's
+    servers and clients, a bench's servers) is forked from the zygote when it
+    can be (:func:`fork_or_exec`): a drill client's imports were 0.6 CPU-s of
+    a short life, and the drills start hundreds.  The product's tools still
+    exec (scripts/drill, scripts/bench); ``CLONE_TEST_FORK_SERVERS=0`` execs
+    here too.  For the session, not a fixture: an autouse fixture reaching
+    the zygote would make every test look like one that starts processes
+    (tests/support/markers.py reads the fixtures' code)."""
+    ManagedProcess._launch = _launch_forked_when_possible  # type: ignore[method-assign]
 
 
 @dataclass(eq=False)
@@ -177,7 +244,7 @@ class _ServerManagedProcess(ManagedProcess):
     def _launch(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
         zygote = _zygote() if self.fork_args is not None else None
         if zygote is None:
-            return super()._launch(env)
+            return _exec_launch(self, env)  # ServerProcess decided: not the patched one
         assert self.fork_args is not None
         return zygote.spawn(self.fork_args, self.log_path, env, self.cwd)
 

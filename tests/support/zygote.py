@@ -19,10 +19,16 @@ children and writes each exit code back.  The test holds a
 ``poll``, ``wait``, ``returncode``, signals), so a forked server is stopped,
 frozen, killed and waited for like any other.
 
+The drills' processes are forked too: the drill client
+(``clone.tools.drill.client``, 0.6 CPU-s of imports) is the other module a
+child may run (:data:`MODULES`), and tests/support/servers.py makes every
+:class:`~clone.tools.procs.ManagedProcess` the suite starts in-process (a
+drill's servers and clients, a bench's servers) ask here first.
+
 It is still a real server process, on real sockets, with its own pid and
 signals, running the same ``main``; what it does not exercise is the
 interpreter's start and the imports, which every test that runs a console
-script (and every drill) still does.  A server with an environment of its
+script (and scripts/drill and scripts/bench) still does.  A server with an environment of its
 own (``env=``: libfaketime's ``LD_PRELOAD``, which only an ``exec`` applies)
 is started the ordinary way, and so is one asked for from a thread other
 than the main one before the zygote exists (``PR_SET_PDEATHSIG`` on the
@@ -51,12 +57,19 @@ __all__ = ["ForkedChild", "Zygote"]
 #: it imports only when a flag asks (--http-port, a split heal, --config).
 PRELOAD = (
     "clone.server.cli",
+    "clone.tools.drill.client",
     "clone.server.http",
     "clone.server.metrics",
     "uuid6",
     "tomllib",
 )
 _PR_SET_PDEATHSIG = 1
+#: The server's module; the drill's client is the other one the zygote forks
+#: (a drill starts several per run, and restarts them).
+SERVER = "clone.server.cli"
+#: The modules a child may run: each has ``main()``, reading ``sys.argv``,
+#: and is in :data:`PRELOAD`.
+MODULES = (SERVER, "clone.tools.drill.client")
 
 
 class ForkedChild(subprocess.Popen):  # type: ignore[type-arg]
@@ -116,6 +129,12 @@ class Zygote:
         self._requests = 0
         self._eof = False
 
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment the zygote was started with (its children's
+        interpreter was started with it)."""
+        return dict(self._env)
+
     def usable(self) -> bool:
         """Whether a server may be forked now (else it is started as usual)."""
         if self._broken or not sys.platform.startswith("linux"):
@@ -140,10 +159,16 @@ class Zygote:
         return proc
 
     def spawn(self, args: Sequence[str], log_path: Path, env: Mapping[str, str],
-              cwd: Path | None) -> ForkedChild:  # fmt: skip
-        """A forked ``clone-server *args`` writing to ``log_path`` (appended)."""
+              cwd: Path | None, module: str = SERVER) -> ForkedChild:  # fmt: skip
+        """A forked ``python -m module *args`` (one of :data:`MODULES`; by
+        default ``clone-server``) writing to ``log_path`` (appended)."""
+        if module not in MODULES:
+            raise ValueError(f"the zygote forks only {MODULES}, not {module!r}")
+        from tests.support.markers import refuse_in_fast_test
+
+        refuse_in_fast_test("a fork of the zygote", f" {module!r}")
         request = {"args": list(args), "log": str(log_path), "env": dict(env),
-                   "cwd": str(cwd or os.getcwd())}  # fmt: skip
+                   "cwd": str(cwd or os.getcwd()), "module": module}  # fmt: skip
         with self._lock:
             proc = self._start()
             assert proc.stdin is not None
@@ -163,7 +188,7 @@ class Zygote:
                 self._broken = True
                 raise RuntimeError("the server zygote exited")
             pid = self._spawned.pop(number)
-        return ForkedChild(self, pid, ["clone-server", *args])
+        return ForkedChild(self, pid, [module, *args])
 
     def _read(self, stream: IO[bytes]) -> None:
         for line in stream:
@@ -233,12 +258,15 @@ def _child(request: dict[str, Any], keep: tuple[int, ...]) -> None:
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
-    sys.argv = ["clone-server", *request["args"]]
+    module = request.get("module", SERVER)
+    sys.argv = ["clone-server" if module == SERVER else module, *request["args"]]
     code = 1
     try:
-        from clone.server import cli
+        import importlib
 
-        code = cli.main()  # exits itself (os._exit) once it has served
+        # The server's main exits itself (os._exit) once it has served; the
+        # drill client's returns its exit code, as its ``__main__`` block does.
+        code = importlib.import_module(module).main()
     except SystemExit as exc:  # argparse's errors, as the console script
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
