@@ -159,8 +159,8 @@ def test_plan_truncates_only_what_a_passive_pass_has_nearly_copied() -> None:
     assert plan(0, 1000, 10, 1_000_000, mib64) is Next.WAIT
     assert plan(1, 90_000, 10, mib64 + 1, mib64) is Next.WAIT
     # Over the limit, all but CATCH_UP_FRAMES copied: cut it now.
-    assert plan(0, 20_000, 20_000, mib64 + 1, mib64) is Next.TRUNCATE
-    assert plan(0, 20_000, 20_000 - CATCH_UP_FRAMES, mib64 + 1, mib64) is Next.TRUNCATE
+    assert plan(0, 20_000, 20_000, mib64 + 1, mib64) is Next.RESTART
+    assert plan(0, 20_000, 20_000 - CATCH_UP_FRAMES, mib64 + 1, mib64) is Next.RESTART
     # More left: another passive pass soon, while passes make progress ...
     assert plan(0, 20_000, 15_000, mib64 + 1, mib64, copied_before=9_000) is Next.CATCH_UP
     # ... (a WAL that started again from the top counts as progress) ...
