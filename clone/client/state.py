@@ -423,20 +423,41 @@ class AgentState:
         (a restricted client's count comes from a filtered snapshot's KTHXBAI),
         holding a state whose last update we know, and not right after a
         catch-up that failed.
+
+        After a full snapshot and no live update since, the last update is
+        the snapshot's entry at its sequence, when the map holds it (the
+        update at a sequence is the entry with that sequence: none other
+        has it); not when it was a delete.  Found once, by a scan, at the
+        resync that needs it.  Without it, a client that missed the first
+        KVPUB after a full sync (its subscriber joined late) had only a full
+        snapshot to resync by, and its write in that KVPUB, a delete, could
+        never be confirmed: a snapshot does not show a delete's uuid, and the
+        server drops the resent write as a duplicate (a loaded run's
+        ``clone del --prefix`` waited out its 5 s).
         """
-        last = self._last_update
         if (
-            last is None
-            or self._full_next
+            self._full_next
             or self.last_sequence <= 0
             or self.subtrees != ("",)
             or self.view is not None
         ):
             return None
+        last = self._last_update
+        if last is None:
+            last = self._last_update = self._entry_at(self.last_sequence)
+        if last is None:
+            return None
         frames = last if isinstance(last, list) else encode_kv(last)
         if len(frames) != 5 or int.from_bytes(frames[1], "big") != self.last_sequence:
             return None
         return self.last_sequence, update_digest(frames)
+
+    def _entry_at(self, sequence: int) -> KVMsg | None:
+        """The map's entry written at ``sequence``, or None."""
+        for key, stored in self._map.items():
+            if stored[0] == sequence:
+                return _message(key, stored)
+        return None
 
     def _apply_live(self, server: int, msg: KVMsg, now: float) -> list[Action]:
         """A KVPUB newer than the last applied, to the map in place (the "+1"

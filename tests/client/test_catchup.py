@@ -65,9 +65,34 @@ def test_no_catch_up_on_the_first_sync_nor_without_a_known_update() -> None:
     fsm.connect("tcp://b:2", 0.0)
     srv = MemoryServer(0)
     srv.apply("a", b"1")
+    srv.apply("b", b"2")
+    srv.apply("b", b"")  # the last update, 3, a delete: in no snapshot
     feed_snapshot(fsm, srv, 0.1)
-    # Synced at sequence 1 from a snapshot: the frames of update 1 are unknown.
+    # Synced at sequence 3 from a snapshot: the frames of update 3 are unknown.
     assert requests(fsm.server_disconnected(0, 0.2)) == [RequestSnapshot(1, ("",))]
+
+
+def test_after_a_full_sync_the_snapshots_last_entry_is_the_catch_up_point() -> None:
+    """A client that missed the first KVPUB after a full sync (its subscriber
+    joined late) catches up from the snapshot's last entry, and so confirms
+    its delete in that KVPUB, which no snapshot could show (a loaded run's
+    ``clone del --prefix`` waited out its 5 s for it)."""
+    fsm = AgentFSM(None, CFG)
+    fsm.connect("tcp://a:1", 0.0)
+    fsm.connect("tcp://b:2", 0.0)
+    srv = MemoryServer(0)
+    srv.apply("gone", b"x")
+    last = srv.apply("stays", b"y")
+    feed_snapshot(fsm, srv, 0.2)  # a full snapshot ends at ``last``
+    assert fsm.state is State.ACTIVE and fsm.last_sequence == last.sequence
+    delete = KVMsg.build("gone", b"", uuid=new_uuid())
+    fsm.write(delete, 0.3, confirm_within=5.0)
+    missed = srv.apply("gone", b"", delete.uuid)  # its KVPUB never arrives
+    actions = fsm.update(0, Hugz(srv.seq), 0.4)
+    assert requests(actions) == [RequestSnapshot(0, ("",), catch_up_of(last))]
+    actions = fsm.snapshot_batch(0, delta([missed], last.sequence), 0.5)
+    assert Confirmed(delete.uuid, missed.sequence) in actions
+    assert fsm.state is State.ACTIVE and fsm.get("gone") is None
 
 
 def test_several_subtrees_never_ask_for_a_catch_up() -> None:
