@@ -17,7 +17,8 @@ RSS peak at most 200 MB over its value before the attack (the store's own budget
 is a fixed share of memory, so the attack is what must stay within 200 MB),
 no HUGZ gap over 2 heartbeats, no failover, SIGTERM obeyed within 1 s, no
 confirmed write lost, a healthy sync within twice the baseline (at least 0.25 s,
-below which a busy 2-core machine's noise dominates).
+below which a busy 2-core machine's noise dominates; each the median of three
+syncs, :data:`SYNC_SAMPLES`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import logging
 import os
 import shutil
 import signal
+import statistics
 import threading
 import time
 from collections.abc import Callable
@@ -63,6 +65,8 @@ HARNESS_ATTACKS = ("delete-lock", "memory-cgroup")
 STORING_ATTACKS = ("disk", "memory-cgroup")
 RSS_ALLOWANCE = 200 * 1024 * 1024
 SYNC_FLOOR = 0.25
+#: Healthy syncs timed for each measure; their median is judged.
+SYNC_SAMPLES = 3
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 _CGROUP_V1 = _CGROUP_ROOT / "memory"
 
@@ -167,6 +171,21 @@ def _p99(values: list[float]) -> float | None:
 
 
 def _timed_sync(endpoints: list[str], timeout: float) -> float | None:
+    """The median of :data:`SYNC_SAMPLES` healthy syncs, or None if one failed.
+
+    One sync each was judged before: a 0.13 s baseline against a 0.26 s sync
+    under an idle-HTTP attack failed a loaded run by 5 ms, noise a single
+    sample of a fraction of a second cannot avoid on a busy 2-core machine."""
+    times: list[float] = []
+    for _ in range(SYNC_SAMPLES):
+        took = _one_sync(endpoints, timeout)
+        if took is None:
+            return None
+        times.append(took)
+    return statistics.median(times)
+
+
+def _one_sync(endpoints: list[str], timeout: float) -> float | None:
     started = time.monotonic()
     try:
         with Clone(endpoints) as client:
