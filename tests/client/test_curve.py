@@ -85,6 +85,10 @@ class CurveServer:
         self.view_count = 0
         self.snapshot_requests = 0
         self.refused = 0
+        # Applied uuids, as our servers' dedup window: a client that missed
+        # its write's KVPUB (its subscriber joined late) sends it again, and a
+        # CI run's backup test found the write applied twice (sequence 2).
+        self._applied: dict[bytes, int] = {}
         self._keys = keys
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -164,8 +168,8 @@ class CurveServer:
             self.refused += 1
             reply = Reply(call.uuid, "refused", reason="acl", detail="no")
         else:
-            self._apply(pub, call.as_kvmsg())
-            reply = Reply(call.uuid, "ok", self.sequence)
+            sequence = self._apply(pub, call.as_kvmsg())
+            reply = Reply(call.uuid, "ok", sequence)
         router.send_multipart([frames[0], *encode_reply(reply)])
 
     def _kvset(self, pub: zmq.Socket[bytes], user: str, frames: list[bytes]) -> None:
@@ -176,8 +180,14 @@ class CurveServer:
             return
         self._apply(pub, msg)
 
-    def _apply(self, pub: zmq.Socket[bytes], msg: KVMsg) -> None:
+    def _apply(self, pub: zmq.Socket[bytes], msg: KVMsg) -> int:
+        """Apply and publish ``msg``; its sequence (the first one's, for a
+        uuid already applied: applied once, as by our servers)."""
+        if msg.uuid and msg.uuid in self._applied:
+            return self._applied[msg.uuid]
         self.sequence += 1
+        if msg.uuid:
+            self._applied[msg.uuid] = self.sequence
         out = KVMsg(msg.key, self.sequence, msg.uuid, msg.properties, msg.body)
         if msg.body:
             self.map[msg.key] = out
@@ -186,6 +196,7 @@ class CurveServer:
         if msg.key.startswith(self.read):  # its one client sees nothing else
             self.view_count += 1
             pub.send_multipart(encode_kv(out))
+        return self.sequence
 
 
 def client(srv: CurveServer, keys: dict[str, Path], who: str = "alice") -> Clone:
