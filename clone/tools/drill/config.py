@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from clone.server.config import PEER_WAIT_DEFAULT
+from clone.server.healing import HOLD_FIRST_CALL
 from clone.tools.drill.client import DEFAULT_SHARED_KEYS
 from clone.wire.protocol import DEFAULT_HEARTBEAT_MS, DEFAULT_MISSED_HEARTBEATS
 
@@ -35,6 +36,8 @@ SCENARIOS: tuple[str, ...] = (
 #: The scenarios that run each server in a network namespace of its own and cut
 #: links with iptables (root only: :mod:`.netns`).
 PARTITION_SCENARIOS: tuple[str, ...] = ("partition-pair", "partition-active", "partition-split")
+#: The scenarios that kill a server and start it again before the end.
+RESTART_SCENARIOS: tuple[str, ...] = ("kill-active", "kill-passive", "ttl-storm")
 #: both-crash: which server is killed first (by name; the primary is normally the
 #: active one), or both at once.
 CRASH_ORDERS: tuple[str, ...] = ("primary-first", "backup-first", "together")
@@ -197,8 +200,15 @@ class DrillConfig:
     @property
     def settle(self) -> float:
         extra = 0.0
+        if self.scenario in RESTART_SCENARIOS:
+            # The killed server comes back near the end of the writes and steps
+            # down as after a split brain (it cannot know it was not active
+            # meanwhile): the active holds client updates until it has
+            # forwarded its writes, up to HOLD_FIRST_CALL when it has none
+            # (clone.server.healing). The clients' final state comes after.
+            extra += HOLD_FIRST_CALL + 1.0
         if self.scenario == "ttl-storm":
-            extra = self.ttl_max + DEFAULT_MISSED_HEARTBEATS * self.heartbeat + 1.0
+            extra += self.ttl_max + DEFAULT_MISSED_HEARTBEATS * self.heartbeat + 1.0
         elif self.scenario == "rolling-restart":
             # The last takeover comes after the writes, and a passive takes over
             # only when a client asks it to: the clients must still be there.
