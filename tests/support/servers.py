@@ -194,7 +194,7 @@ def fork_or_exec(proc: ManagedProcess, env: dict[str, str]) -> subprocess.Popen[
 
     The drills, benches and chaos runs the suite runs in-process start their
     servers and drill clients through :class:`ManagedProcess`: this is how
-    they are forked too (:func:`_fork_drill_processes`)."""
+    they are forked too (this module's ``pytest_configure``)."""
     argv = proc.argv
     if argv[:1] == [_CONSOLE_SERVER]:  # the drills' servers: this venv's console script
         module, args = SERVER, argv[1:]
