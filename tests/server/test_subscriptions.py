@@ -154,6 +154,36 @@ def test_inbound_watch_shuts_down_a_connection_past_its_allowance() -> None:
         ctx.term()
 
 
+def test_the_watch_polls_until_a_check_is_due_rounded_up_never_spinning() -> None:
+    """A check due in under a millisecond waits a whole millisecond: rounded
+    down to 0, the watch polled again and again without sleeping until the
+    check came (half a CPU-second for every new connection, whose checks come
+    every 2 ms in its first second)."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    monitor = ctx.socket(zmq.PAIR)  # never polled here
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server_side, _ = listener.accept()
+    clock = _Clock()
+    watch = InboundWatch(monitor, None, lambda e, v: None, lambda peer, n: None, clock=clock)
+    try:
+        assert watch.poll_timeout_ms(clock.now) == 50  # nothing to check: the old pace
+        watch.event(zmq.EVENT_ACCEPTED, server_side.fileno())
+        assert watch.poll_timeout_ms(clock.now) == 0  # a new connection is due at once
+        watch.check(clock.now)  # young: the next check 2 ms on
+        for ahead_ms, timeout_ms in ((0.3, 2), (1.0, 1), (1.7, 1), (1.9999, 1), (2.0, 0)):
+            assert watch.poll_timeout_ms(clock.now + ahead_ms / 1000) == timeout_ms, ahead_ms
+        clock.now += 5.0  # old now: checked every 50 ms, and the wait is capped at 100
+        watch.check(clock.now)
+        assert watch.poll_timeout_ms(clock.now + 0.0495) == 1
+        assert watch.poll_timeout_ms(clock.now - 1.0) == 100
+    finally:
+        watch.stop()
+        for s in (client, server_side, listener):
+            s.close()
+        ctx.term()
+
+
 def _eventually_received(sock: socket.socket, n: int) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
