@@ -237,16 +237,18 @@ def pytest_configure(config: pytest.Config) -> None:
 @dataclass(eq=False)
 class _ServerManagedProcess(ManagedProcess):
     """A :class:`ManagedProcess` that forks its server from the zygote when
-    it can (``fork_args``: the server's arguments; None: always exec)."""
+    it can (``fork_args``: the server's arguments; None: always exec).  The
+    fork goes through :func:`fork_or_exec`, the one path every forked process
+    of the suite takes, so its rules (the command, the session, the
+    environment) are checked in one place."""
 
     fork_args: list[str] | None = None
 
     def _launch(self, env: dict[str, str]) -> subprocess.Popen[bytes]:
-        zygote = _zygote() if self.fork_args is not None else None
-        if zygote is None:
+        if self.fork_args is None:
             return _exec_launch(self, env)  # ServerProcess decided: not the patched one
-        assert self.fork_args is not None
-        return zygote.spawn(self.fork_args, self.log_path, env, self.cwd)
+        forked = fork_or_exec(self, env)
+        return forked if forked is not None else _exec_launch(self, env)
 
 
 class ServerProcess:
