@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from clone.client.agent import split_endpoint
+from clone.client.status import RESEND_MS
 from clone.errors import ProtocolError
 from clone.security import KeyPair, configure_client_socket
 from clone.wire.calls import (
@@ -36,7 +37,7 @@ from clone.wire.conflicts import (
     decode_conflicts,
     encode_conflicts_request,
 )
-from clone.wire.frames import cap_message_size
+from clone.wire.frames import cap_message_size, offer_frames
 from clone.wire.protocol import SNAPSHOT_OFFSET
 
 __all__ = ["conflicts_table", "query_conflicts", "resolve_conflict"]
@@ -76,15 +77,20 @@ def query_conflicts(
     bad: list[str] = []
     try:
         poller = zmq.Poller()
+        request = encode_conflicts_request(everything=everything)
+        unsent: set[zmq.Socket[bytes]] = set()  # no connection took it yet (frames.offer_frames)
         for endpoint in endpoints:
             sock = _dealer(ctx, endpoint, curve)
             socks[sock] = endpoint
-            sock.send_multipart(encode_conflicts_request(everything=everything), zmq.NOBLOCK)
+            if not offer_frames(sock, request):
+                unsent.add(sock)
             poller.register(sock, zmq.POLLIN)
         deadline = clock() + timeout
         waiting = set(socks)
         while waiting and (left := deadline - clock()) > 0:
-            for sock, _ in poller.poll(max(1, round(left * 1000))):
+            unsent = {sock for sock in unsent if not offer_frames(sock, request)}
+            wait_ms = max(1, round(left * 1000))
+            for sock, _ in poller.poll(min(wait_ms, RESEND_MS) if unsent else wait_ms):
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -124,9 +130,11 @@ def resolve_conflict(
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     sock = _dealer(ctx, endpoint, curve)
     try:
-        sock.send_multipart(
-            encode_call(op, uuid, key, ((CONFLICT_PROPERTY, str(conflict_id)),)), zmq.NOBLOCK
-        )
+        # Writable once a connection can take the call (frames.offer_frames).
+        if not sock.poll(max(1, round(timeout * 1000)), zmq.POLLOUT) or not offer_frames(
+            sock, encode_call(op, uuid, key, ((CONFLICT_PROPERTY, str(conflict_id)),))
+        ):
+            raise TimeoutError(f"no connection to {endpoint} took the call within {timeout:g} s")
         if not sock.poll(max(1, round(timeout * 1000))):
             raise TimeoutError(f"{endpoint} did not answer within {timeout:g} s")
         reply = decode_reply(sock.recv_multipart())

@@ -21,7 +21,7 @@ import zmq
 from clone.client.agent import split_endpoint
 from clone.errors import ProtocolError
 from clone.security import KeyPair, configure_client_socket
-from clone.wire.frames import cap_message_size
+from clone.wire.frames import cap_message_size, offer_frames
 from clone.wire.protocol import MAX_STATUS_BYTES, SNAPSHOT_OFFSET
 from clone.wire.status import decode_status, encode_status_request
 
@@ -57,6 +57,7 @@ def query_status(
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context() if ctx is None else ctx
     results: dict[str, dict[str, Any]] = {}
     socks: dict[zmq.Socket[bytes], str] = {}
+    unsent: set[zmq.Socket[bytes]] = set()  # no connection took the request yet
     try:
         poller = zmq.Poller()
         for endpoint, host, base in targets:
@@ -68,7 +69,8 @@ def query_status(
                 configure_client_socket(sock, *curve)
             sock.connect(f"{host}:{base + SNAPSHOT_OFFSET}")
             # Queued until connected: the DEALER sends once the handshake is done.
-            sock.send_multipart(encode_status_request(), zmq.NOBLOCK)
+            if not _send_request(sock):
+                unsent.add(sock)
             poller.register(sock, zmq.POLLIN)
         deadline = clock() + timeout
         waiting = set(socks)
@@ -76,7 +78,13 @@ def query_status(
             left = deadline - clock()
             if left <= 0:
                 break
-            for sock, _ in poller.poll(max(1, round(left * 1000))):
+            for sock in list(unsent):
+                if _send_request(sock):
+                    unsent.discard(sock)
+            wait_ms = max(1, round(left * 1000))
+            if unsent:
+                wait_ms = min(wait_ms, RESEND_MS)
+            for sock, _ in poller.poll(wait_ms):
                 endpoint = socks[sock]
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -98,10 +106,27 @@ def query_status(
             sock.close(linger=0)
         if own_ctx:
             context.term()
+    never_sent = {socks[sock] for sock in unsent}
     return [
-        results.get(endpoint) or _unreachable(endpoint, f"no answer within {timeout:g} s")
+        results.get(endpoint)
+        or _unreachable(
+            endpoint,
+            f"no connection took the request within {timeout:g} s "
+            "(the server refused the handshake?)"
+            if endpoint in never_sent
+            else f"no answer within {timeout:g} s",
+        )
         for endpoint, _, _ in targets
     ]
+
+
+
+#: How often a request no connection has taken yet is offered again.
+RESEND_MS = 50
+
+
+def _send_request(sock: zmq.Socket[bytes]) -> bool:
+    return offer_frames(sock, encode_status_request())
 
 
 def _unreachable(endpoint: str, error: str) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from zmq.backend import Socket as _BackendSocket
 from clone.wire.protocol import MAX_BATCH_BYTES, MAX_VALUE_BYTES
 
 __all__ = [
+    "offer_frames",
     "MAX_FRAME_BYTES",
     "MAX_FRAMES",
     "MAX_SYNC_FRAME_BYTES",
@@ -70,6 +71,21 @@ def send_frames(sock: zmq.Socket[Any], frames: Sequence[bytes], flags: int = 0) 
     for frame in frames[:-1]:
         _raw_send(sock, frame, more)
     _raw_send(sock, frames[-1], flags)
+
+
+def offer_frames(sock: zmq.Socket[Any], frames: Sequence[bytes]) -> bool:
+    """Queue ``frames`` without blocking; whether a connection took them.
+
+    A client's DEALER normally queues a request until its connection is
+    made, but after a handshake the server refused (CURVE keys it does not
+    know, or none) libzmq may hold no connection at all to queue it on, and
+    a send raises ``Again``: the caller offers the request again while it
+    waits, and calls the server unreachable if none ever took it."""
+    try:
+        send_frames(sock, frames, NOBLOCK)
+    except zmq.Again:
+        return False
+    return True
 
 
 def shared_frame(data: bytes) -> bytes | zmq.Frame:

@@ -67,6 +67,62 @@ def test_an_answer_and_a_silence(answerer: _Answerer) -> None:
     assert "no answer within 0.5 s" in got[1]["error"]
 
 
+class _ImmediateSocket(zmq.Socket):  # type: ignore[type-arg]
+    """A socket that queues nothing before its connection is made
+    (``ZMQ_IMMEDIATE``): a send with no connection raises ``Again``, as a
+    DEALER's does after a server refused its handshake."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.setsockopt(zmq.IMMEDIATE, 1)
+
+
+class _ImmediateContext(zmq.Context):  # type: ignore[type-arg]
+    _socket_class = _ImmediateSocket
+
+
+def test_a_request_no_connection_takes_is_unreachable_not_a_crash() -> None:
+    """Found by a CI run: ``clone status`` without keys against a CURVE pair
+    raised ``zmq.Again`` from its send instead of saying unreachable."""
+    ctx = _ImmediateContext()
+    try:
+        down = _dead()
+        (got,) = query_status([down], 0.3, ctx=ctx)
+    finally:
+        ctx.term()
+    assert got["endpoint"] == down and got["reachable"] is False
+    assert "no connection took the request within 0.3 s" in got["error"]
+
+
+def test_a_request_is_offered_again_until_a_connection_takes_it(answerer: _Answerer) -> None:
+    """With nothing queued before the connection is made, the first send
+    finds no connection; the request is offered again and answered."""
+    ctx = _ImmediateContext()
+    try:
+        (got,) = query_status([f"tcp://127.0.0.1:{answerer.port}"], 10.0, ctx=ctx)
+    finally:
+        ctx.term()
+    assert got["reachable"] is True and got["role"] == "active"
+
+
+def test_conflicts_and_diagnose_say_unreachable_when_no_connection_takes_a_request(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``clone conflicts``, ``clone resolve`` and ``clone diagnose`` open their
+    own contexts: every socket made here queues nothing before a connection,
+    as after a refused handshake; each says the server did not answer."""
+    from clone.client.commands.diagnose import probe
+    from clone.client.conflicts import query_conflicts, resolve_conflict
+
+    monkeypatch.setattr(zmq, "Context", _ImmediateContext)
+    down = _dead()
+    assert query_conflicts([down], 0.3) == ([], [down])
+    with pytest.raises(TimeoutError, match=r"took the call within 0\.3 s"):
+        resolve_conflict(down, 1, "/k", apply=True, timeout=0.3)
+    (seen,) = probe([down], 0.3, None)
+    assert seen.role is None and not seen.refused_key
+
+
 def test_a_bad_reply_is_unreachable() -> None:
     server = _Answerer([b"STATUS", b"[]"])
     try:

@@ -19,9 +19,10 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from clone.client.agent import split_endpoint
+from clone.client.status import RESEND_MS
 from clone.errors import ProtocolError
 from clone.security import KeyPair, configure_client_socket
-from clone.wire.frames import cap_message_size
+from clone.wire.frames import cap_message_size, offer_frames
 from clone.wire.protocol import MAX_STATUS_BYTES, SNAPSHOT_OFFSET
 from clone.wire.status import decode_status, encode_status_request
 
@@ -50,6 +51,7 @@ def probe(
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     probes = [Probe(e) for e in endpoints]
     socks: list[tuple[Probe, zmq.Socket[bytes], zmq.Socket[bytes]]] = []
+    unsent: set[zmq.Socket[bytes]] = set()
     try:
         poller = zmq.Poller()
         for p in probes:
@@ -61,7 +63,8 @@ def probe(
                 configure_client_socket(sock, *curve)
             monitor = sock.get_monitor_socket()
             sock.connect(f"{host}:{base + SNAPSHOT_OFFSET}")
-            sock.send_multipart(encode_status_request(), zmq.NOBLOCK)
+            if not offer_frames(sock, encode_status_request()):
+                unsent.add(sock)  # a refused handshake may leave no connection (offer_frames)
             poller.register(sock, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
             socks.append((p, sock, monitor))
@@ -70,7 +73,9 @@ def probe(
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            ready = dict(poller.poll(max(1, round(left * 1000))))
+            unsent = {sock for sock in unsent if not offer_frames(sock, encode_status_request())}
+            wait_ms = max(1, round(left * 1000))
+            ready = dict(poller.poll(min(wait_ms, RESEND_MS) if unsent else wait_ms))
             for p, sock, monitor in socks:
                 if monitor in ready:
                     _read_monitor(p, monitor)
