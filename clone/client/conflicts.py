@@ -20,7 +20,6 @@ from typing import Any
 import zmq
 
 from clone.client.agent import split_endpoint
-from clone.client.status import RESEND_MS
 from clone.errors import ProtocolError
 from clone.security import KeyPair, configure_client_socket
 from clone.wire.calls import (
@@ -37,7 +36,7 @@ from clone.wire.conflicts import (
     decode_conflicts,
     encode_conflicts_request,
 )
-from clone.wire.frames import cap_message_size, offer_frames
+from clone.wire.frames import RESEND_MS, cap_message_size, offer_frames
 from clone.wire.protocol import SNAPSHOT_OFFSET
 
 __all__ = ["conflicts_table", "query_conflicts", "resolve_conflict"]

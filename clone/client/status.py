@@ -21,7 +21,7 @@ import zmq
 from clone.client.agent import split_endpoint
 from clone.errors import ProtocolError
 from clone.security import KeyPair, configure_client_socket
-from clone.wire.frames import cap_message_size, offer_frames
+from clone.wire.frames import RESEND_MS, cap_message_size, offer_frames
 from clone.wire.protocol import MAX_STATUS_BYTES, SNAPSHOT_OFFSET
 from clone.wire.status import decode_status, encode_status_request
 
@@ -58,6 +58,7 @@ def query_status(
     results: dict[str, dict[str, Any]] = {}
     socks: dict[zmq.Socket[bytes], str] = {}
     unsent: set[zmq.Socket[bytes]] = set()  # no connection took the request yet
+    request = encode_status_request()
     try:
         poller = zmq.Poller()
         for endpoint, host, base in targets:
@@ -69,7 +70,7 @@ def query_status(
                 configure_client_socket(sock, *curve)
             sock.connect(f"{host}:{base + SNAPSHOT_OFFSET}")
             # Queued until connected: the DEALER sends once the handshake is done.
-            if not _send_request(sock):
+            if not offer_frames(sock, request):
                 unsent.add(sock)
             poller.register(sock, zmq.POLLIN)
         deadline = clock() + timeout
@@ -78,13 +79,9 @@ def query_status(
             left = deadline - clock()
             if left <= 0:
                 break
-            for sock in list(unsent):
-                if _send_request(sock):
-                    unsent.discard(sock)
+            unsent = {sock for sock in unsent if not offer_frames(sock, request)}
             wait_ms = max(1, round(left * 1000))
-            if unsent:
-                wait_ms = min(wait_ms, RESEND_MS)
-            for sock, _ in poller.poll(wait_ms):
+            for sock, _ in poller.poll(min(wait_ms, RESEND_MS) if unsent else wait_ms):
                 endpoint = socks[sock]
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -118,15 +115,6 @@ def query_status(
         )
         for endpoint, _, _ in targets
     ]
-
-
-
-#: How often a request no connection has taken yet is offered again.
-RESEND_MS = 50
-
-
-def _send_request(sock: zmq.Socket[bytes]) -> bool:
-    return offer_frames(sock, encode_status_request())
 
 
 def _unreachable(endpoint: str, error: str) -> dict[str, Any]:

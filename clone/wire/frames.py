@@ -27,6 +27,7 @@ from zmq.backend import Socket as _BackendSocket
 from clone.wire.protocol import MAX_BATCH_BYTES, MAX_VALUE_BYTES
 
 __all__ = [
+    "RESEND_MS",
     "offer_frames",
     "MAX_FRAME_BYTES",
     "MAX_FRAMES",
@@ -71,6 +72,10 @@ def send_frames(sock: zmq.Socket[Any], frames: Sequence[bytes], flags: int = 0) 
     for frame in frames[:-1]:
         _raw_send(sock, frame, more)
     _raw_send(sock, frames[-1], flags)
+
+
+#: How often a request no connection has taken yet is offered again (ms).
+RESEND_MS = 50
 
 
 def offer_frames(sock: zmq.Socket[Any], frames: Sequence[bytes]) -> bool:
