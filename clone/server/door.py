@@ -30,6 +30,7 @@ from typing import Any
 import zmq
 
 from clone.security.zap import PUBLISHER_DOMAIN, ZAP_ENDPOINT
+from clone.server.wakeup import WakePipe
 
 __all__ = ["PUBLISHER_DOMAIN", "PublisherDoor"]
 
@@ -38,6 +39,9 @@ log = logging.getLogger(__name__)
 
 class PublisherDoor:
     """Answers ZAP requests in its own thread: 200 unless ``admits`` says no."""
+
+    #: The longest one poll waits (a bound, not a pace: :meth:`stop` wakes it).
+    poll_ms = 100
 
     def __init__(
         self,
@@ -51,6 +55,7 @@ class PublisherDoor:
         self._socket: zmq.Socket[Any] | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._wake: WakePipe | None = None
 
     def start(self) -> None:
         """Bind the ZAP endpoint (in this thread, so a conflict raises here) and
@@ -63,26 +68,37 @@ class PublisherDoor:
             sock.close(linger=0)
             raise
         self._socket = sock
+        self._wake = WakePipe()
         self._thread = threading.Thread(target=self._run, name="clone-publisher-door",
                                         daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop answering and close the socket; after the publisher is closed."""
+        """Stop answering and close the socket; after the publisher is closed.
+        The thread is woken at once, not at its poll's timeout."""
         self._stop.set()
         thread, self._thread = self._thread, None
+        wake, self._wake = self._wake, None
+        if wake is not None:
+            wake.wake()
         if thread is not None and thread is not threading.current_thread():
             thread.join(2.0)
+        if wake is not None:
+            wake.close()
         sock, self._socket = self._socket, None
         if sock is not None and not sock.closed:
             sock.close(linger=0)
 
     def _run(self) -> None:
-        sock = self._socket
-        assert sock is not None
+        sock, wake = self._socket, self._wake
+        assert sock is not None and wake is not None
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(wake.fd, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                if not sock.poll(100, zmq.POLLIN):
+                ready = dict(poller.poll(self.poll_ms))
+                if self._stop.is_set() or not ready.get(sock):
                     continue
                 request = sock.recv_multipart()
             except zmq.ZMQError:

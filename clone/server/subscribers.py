@@ -49,6 +49,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from clone.ratelimit import Throttle
 from clone.server.subscriptions import InboundAllowance, SubscriptionLedger, Verdict
+from clone.server.wakeup import WakePipe
 
 __all__ = [
     "PER_TURN",
@@ -183,6 +184,9 @@ class InboundWatch:
     go of the interpreter lock there).  ``allowance`` None: events only.
     """
 
+    #: The longest one poll waits (a bound, not a pace: :meth:`stop` wakes it).
+    longest_wait_ms = 100
+
     def __init__(
         self,
         monitor: zmq.Socket[Any],
@@ -211,19 +215,31 @@ class InboundWatch:
         self._clock = clock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # The thread polls the monitor and a pipe that stop() writes to.
+        self._wake: WakePipe | None = None
+        self._poller = zmq.Poller()
+        self._poller.register(monitor, zmq.POLLIN)
         # descriptor -> its connection's state
         self._conns: dict[int, _Conn] = {}
 
     def start(self) -> None:
+        self._wake = WakePipe()
+        self._poller.register(self._wake.fd, zmq.POLLIN)
         self._thread = threading.Thread(target=self._run, name="clone-inbound-watch", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop the thread and close the monitor socket."""
+        """Stop the thread (woken at once, not at its poll's timeout) and
+        close the monitor socket."""
         self._stop.set()
         thread, self._thread = self._thread, None
+        wake, self._wake = self._wake, None
+        if wake is not None:
+            wake.wake()
         if thread is not None and thread is not threading.current_thread():
             thread.join(2.0)
+        if wake is not None:
+            wake.close()
         if not self._monitor.closed:
             self._monitor.close(linger=0)
 
@@ -245,10 +261,13 @@ class InboundWatch:
         (checked every 2 ms in its first second) and 2% of a core for every
         older one (docs/benchmarks.md, "Idle CPU")."""
         due = min((c.due for c in self._conns.values()), default=now + self._old_every)
-        return min(max(0, math.ceil((due - now) * 1000)), 100)
+        return min(max(0, math.ceil((due - now) * 1000)), self.longest_wait_ms)
 
     def _turn(self) -> None:
-        if self._monitor.poll(self.poll_timeout_ms(self._clock()), zmq.POLLIN):
+        ready = dict(self._poller.poll(self.poll_timeout_ms(self._clock())))
+        if self._stop.is_set():
+            return
+        if ready.get(self._monitor):
             for _ in range(1000):
                 try:
                     frames = self._monitor.recv_multipart(_NOBLOCK)

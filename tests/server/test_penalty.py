@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import zmq
 
+from clone.security.zap import ZAP_ENDPOINT
 from clone.server.door import PublisherDoor
 from clone.server.penalty import FloodPenalty
 
@@ -93,3 +96,26 @@ def test_a_door_whose_decision_fails_admits() -> None:
 
     door = PublisherDoor(zmq.Context.instance(), broken)
     assert door.answer(_request(b"10.1.1.1"))[2] == b"200"
+
+
+def test_stop_wakes_the_door_thread_out_of_its_poll() -> None:
+    """stop() ends the door's thread at once, not when its poll times out (a
+    minute here; stop joins for at most 2 s), and the door answered before."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    door = PublisherDoor(ctx, lambda address, now: True)
+    door.poll_ms = 60_000
+    try:
+        door.start()
+        thread = door._thread
+        assert thread is not None and thread.is_alive()
+        zap = ctx.socket(zmq.REQ)
+        zap.setsockopt(zmq.LINGER, 0)
+        zap.connect(ZAP_ENDPOINT)
+        zap.send_multipart(_request(b"10.1.1.1"))
+        assert zap.poll(10_000), "the door did not answer"
+        assert zap.recv_multipart()[2] == b"200"
+        zap.close()
+        door.stop()
+        assert not thread.is_alive()
+    finally:
+        ctx.term()

@@ -184,6 +184,27 @@ def test_the_watch_polls_until_a_check_is_due_rounded_up_never_spinning() -> Non
         ctx.term()
 
 
+def test_stop_wakes_the_watch_thread_out_of_its_poll() -> None:
+    """stop() ends the thread at once, not when its poll times out: with a
+    poll of a minute, the thread is gone when stop() returns (it joins for at
+    most 2 s).  Waiting out the 100 ms poll was most of every server's stop."""
+    ctx: zmq.Context[Any] = zmq.Context()
+    monitor = ctx.socket(zmq.PAIR)  # nothing arrives on it
+    watch = InboundWatch(monitor, None, lambda e, v: None, lambda peer, n: None)
+    watch.longest_wait_ms = 60_000
+    watch._old_every = 60.0  # nothing due for a minute either
+    try:
+        watch.start()
+        thread = watch._thread
+        assert thread is not None and thread.is_alive()
+        watch.stop()
+        assert not thread.is_alive()
+        assert monitor.closed
+        watch.stop()  # twice is fine
+    finally:
+        ctx.term()
+
+
 def _eventually_received(sock: socket.socket, n: int) -> None:
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
