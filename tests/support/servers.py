@@ -162,7 +162,16 @@ def _zygote() -> Zygote | None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """End the zygote with the session (its servers were stopped by then)."""
+    """End the zygote with the session (its servers were stopped by then).
+
+    Only the outermost session's end: a session run *inside* this process
+    (pytester's ``runpytest_inprocess``, tests/test_markers.py) ends too, and
+    used to put every later start of this worker back to exec and close its
+    zygote (``test_a_drill_client_is_forked…`` failed after it, ``-n 0``)."""
+    if config in _sessions:
+        _sessions.remove(config)
+    if _sessions:
+        return
     ManagedProcess._launch = _exec_launch  # type: ignore[method-assign]
     while _zygotes:
         _zygotes.pop().close()
@@ -231,7 +240,12 @@ def pytest_configure(config: pytest.Config) -> None:
     here too.  For the session, not a fixture: an autouse fixture reaching
     the zygote would make every test look like one that starts processes
     (tests/support/markers.py reads the fixtures' code)."""
+    _sessions.append(config)
     ManagedProcess._launch = _launch_forked_when_possible  # type: ignore[method-assign]
+
+
+#: The sessions configured in this process, outermost first (see pytest_unconfigure).
+_sessions: list[pytest.Config] = []
 
 
 @dataclass(eq=False)
