@@ -398,6 +398,13 @@ class BinaryStar:
         self._next_tick = _monotonic() + self.heartbeat
         self._timer = self._loop.call_later(self.heartbeat, self._on_tick)
 
+    def announce(self) -> None:
+        """Send our state (and rank) now instead of at the next tick: a
+        passive answers each HUGZ of its active this way, so that an active
+        handing over at its stop learns our sequence in a round trip."""
+        if self.running:
+            self._publish()
+
     def stop(self) -> None:
         """Cancel the heartbeat and close every socket we own. Safe to call twice."""
         if self._stopped:
@@ -485,14 +492,9 @@ class BinaryStar:
             self._bad_input_log.log(logging.ERROR, "rejected peer state: %s", exc)
             return
         if was_silent:
-            log.info(
-                "peer at %s heard (%s, epoch %d, %s; ours: %s)",
-                self._peer_endpoint,
-                report.state.name,
-                report.epoch,
-                describe_rank(report.rank),
-                describe_rank(self.rank),
-            )
+            ours = describe_rank(self.rank)
+            log.info("peer at %s heard (%s, epoch %d, %s; ours: %s)", self._peer_endpoint,
+                     report.state.name, report.epoch, describe_rank(report.rank), ours)
         self._react(outcome)
 
     def _on_peer_connected(self) -> None:
@@ -530,12 +532,9 @@ class BinaryStar:
         if outcome.conflict is Conflict.SPLIT_BRAIN:
             log.warning(
                 "split brain: peer at %s is active too (our epoch %d, its epoch %s); %s: %s",
-                self._peer_endpoint,
-                outcome.epoch,
-                outcome.peer_epoch,
-                "we step down" if outcome.became_passive else "we keep serving",
-                outcome.why,
-            )
+                self._peer_endpoint, outcome.epoch, outcome.peer_epoch,
+                "we step down" if outcome.became_passive else "we keep serving", outcome.why,
+            )  # fmt: skip
             self._fire(self._on_split_brain, "split-brain")
         elif outcome.conflict is Conflict.DUAL_PASSIVE:
             log.warning(

@@ -146,6 +146,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {DEFAULT_MISSED_HEARTBEATS}: 1 s at the default heartbeat)",
     )
     p.add_argument(
+        "--handover-timeout",
+        type=non_negative_float,
+        default=0.5,
+        metavar="SECONDS",
+        help="an active stopped (SIGTERM, SIGINT) with a live passive first waits, at most"
+        " this long, until the passive holds every update it applied (default 0.5; 0: no wait)",
+    )
+    p.add_argument(
         "--hwm",
         type=non_negative_int,
         default=100_000,

@@ -60,6 +60,9 @@ class ServerConfig:
     #: Seconds a snapshot requester may read nothing before its stream is
     #: aborted and its slot freed (docs/operations.md, "Limits").
     snapshot_stall_timeout: float = 10.0
+    #: Seconds an active stopping with a live passive waits until the passive
+    #: holds everything it applied (clone.server.handover); 0: no handover.
+    handover_timeout: float = 0.5
     #: Seconds a snapshot requester may read nothing, with every slot taken,
     #: before a new request takes its slot (docs/operations.md, "Limits").
     snapshot_slot_idle: float = 0.25
@@ -156,6 +159,8 @@ class ServerConfig:
             raise ValueError(f"handshake_timeout must be positive, not {self.handshake_timeout}")
         if self.snapshot_slot_idle <= 0:
             raise ValueError(f"snapshot_slot_idle must be positive, not {self.snapshot_slot_idle}")
+        if self.handover_timeout < 0:
+            raise ValueError(f"handover_timeout must be >= 0, not {self.handover_timeout}")
         if self.snapshot_stall_timeout <= 0:
             raise ValueError(
                 f"snapshot_stall_timeout must be positive, not {self.snapshot_stall_timeout}"

@@ -76,6 +76,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_snapshots=args.max_snapshots,
         snapshot_bytes=args.snapshot_bytes,
         snapshot_stall_timeout=args.snapshot_stall_timeout,
+        handover_timeout=args.handover_timeout,
         snapshot_slot_idle=args.snapshot_slot_idle,
         handshake_timeout=args.handshake_timeout,
         collector_bytes=args.collector_bytes,

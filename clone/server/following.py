@@ -48,6 +48,7 @@ from clone.wire.frames import MAX_SYNC_FRAME_BYTES, cap_message_size, recv_frame
 from clone.wire.protocol import (
     APPLIED_METADATA,
     BATCH_METADATA,
+    HUGZ,
     PUBLISHER_OFFSET,
     SNAPSHOT_OFFSET,
     STEPPED_DOWN_METADATA,
@@ -120,6 +121,7 @@ class Follower:
         upstream: Upstream | None = None,
         stepped_down: Callable[[], bool] = lambda: False,
         resyncing: Callable[[], None] = lambda: None,
+        heard_hugz: Callable[[], None] = lambda: None,
     ) -> None:
         self._config = config
         self._core = core
@@ -138,6 +140,10 @@ class Follower:
         # A gap: what we hold lags the followed server by more than replication
         # until the resync completes (the role switch refuses votes meanwhile).
         self._resyncing = resyncing
+        # A turn that read a HUGZ ends by telling the pair's link (the passive
+        # announces its sequence at once: clone.server.handover).
+        self._heard_hugz = heard_hugz
+        self._hugz_in_turn = False
         self.upstream = upstream
         self._sub: ZMQStream | None = None
         self._dealer: ZMQStream | None = None
@@ -265,6 +271,9 @@ class Follower:
             self._follow_updates(frames)
         finally:
             self._after_turn()
+            if self._hugz_in_turn:
+                self._hugz_in_turn = False
+                self._heard_hugz()
 
     def _follow_updates(self, frames: list[bytes]) -> None:
         sub = self._sub
@@ -280,6 +289,8 @@ class Follower:
         upstream = self.upstream if core.role is Role.RELAY else None
         while True:
             outcome = FollowOutcome.OK
+            if frames[0] == HUGZ:
+                self._hugz_in_turn = True
             if upstream is not None:
                 upstream.heard(frames)
             if upstream is not None and is_control(frames):

@@ -54,6 +54,7 @@ from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import Role, ServerCore
 from clone.server.durability import Durability
 from clone.server.following import Follower
+from clone.server.handover import Handover
 from clone.server.healing import Healer
 from clone.server.monitoring import Monitor
 from clone.server.penalty import FloodPenalty
@@ -238,6 +239,7 @@ class CloneServer:
         self.roles: RoleSwitch | None = None
         # The heartbeat, housekeeping and stats timers (clone.server.timers).
         self.timers: Timers | None = None
+        self.handover: Handover | None = None  # a graceful stop's (clone.server.handover)
 
     # -- life cycle ------------------------------------------------------------
 
@@ -452,24 +454,16 @@ class CloneServer:
         log.info(
             "%s server: snapshots %s:%d, updates %s:%d, collector %s:%d, heartbeat %.3f s%s; "
             "release %s, data format %d",
-            cfg.mode.value,
-            base,
-            cfg.port,
-            base,
-            cfg.port + 1,
-            base,
-            cfg.port + 2,
-            cfg.heartbeat,
-            peer,
-            RELEASE,
-            FORMAT_VERSION,
-        )
+            cfg.mode.value, base, cfg.port, base, cfg.port + 1, base, cfg.port + 2,
+            cfg.heartbeat, peer, RELEASE, FORMAT_VERSION,
+        )  # fmt: skip
         if cfg.mode is ServerMode.STANDALONE:
             log.info("standalone: active at once")
         self.monitor.open_http(loop)
 
     def _shutdown(self) -> None:
-        if self._stopping:
+        # An active with a live passive hands over first, then calls us again.
+        if self._stopping or (self.handover is not None and self.handover.begin()):
             return
         self._stopping = True
         log.info("stopping (%s, sequence %d)", self.core.role.value, self.core.store.sequence)

@@ -99,9 +99,17 @@ class ServerSockets:
             return
         self._paused = False
         for stream in self._streams:
-            handler, copy = self._handlers[stream]
-            if not stream.closed():
-                stream.on_recv(handler, copy=copy)
+            how = self._handlers.get(stream)  # None: held for good (stop_reading)
+            if how is not None and not stream.closed():
+                stream.on_recv(how[0], copy=how[1])
+
+    def stop_reading(self, sock: zmq.Socket[Any]) -> None:
+        """Read ``sock`` no more, even after a :meth:`resume` (a handover
+        holds the collector: clone.server.handover); it stays open."""
+        for stream in self._streams:
+            if stream.socket is sock:
+                self._handlers.pop(stream, None)
+                stream.stop_on_recv()
 
     def guard(self, handler: Callable[[list[_F]], None]) -> Callable[[list[_F]], None]:
         """Wrap a socket handler so that a bug is logged, never fatal."""

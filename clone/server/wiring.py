@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
+from bstar.fsm import NO_RANK
+from bstar.fsm import State as BStarState
 from clone.server.admin import ConflictsDesk
 from clone.server.calling import Caller
 from clone.server.collecting import Applier, Collector, Judge, Sink
@@ -22,12 +24,15 @@ from clone.server.config import ServerMode
 from clone.server.core import Role
 from clone.server.diskgate import DiskGate, committed_through
 from clone.server.following import Follower
+from clone.server.handover import Handover
+from clone.server.handovercore import PeerView
 from clone.server.relaying import RelayLink
 from clone.server.roles import RoleSwitch
 from clone.server.serving import SnapshotPort
 from clone.server.streaming import SnapshotStreams
 from clone.server.timers import Timers
 from clone.server.voting import HeldVotes
+from clone.wire.codec import encode_hugz
 
 #: How a snapshot request is handed to the streams (SnapshotStreams.serve).
 Serve = Callable[..., None]
@@ -35,7 +40,7 @@ Serve = Callable[..., None]
 if TYPE_CHECKING:
     from clone.server.reactor import CloneServer
 
-__all__ = ["build_parts", "build_roles", "build_serving", "build_timers"]
+__all__ = ["build_handover", "build_parts", "build_roles", "build_serving", "build_timers"]
 
 
 def build_serving(server: CloneServer, router: zmq.Socket[Any]) -> None:
@@ -126,6 +131,7 @@ def build_parts(
             synced=lambda: _synced(server),
             stepped_down=lambda: server.healer.stepped_down,
             resyncing=lambda: server.roles.on_resync() if server.roles is not None else None,
+            heard_hugz=lambda: server._ha.announce() if server._ha is not None else None,
         )
     if follower is not None and cfg.mode is ServerMode.RELAY:
         link = server.relay = RelayLink(
@@ -247,12 +253,14 @@ def _serve_published(server: CloneServer, serve: Serve) -> Serve:
 
 
 def build_timers(server: CloneServer) -> Timers:
-    """The heartbeat, housekeeping and stats timers, last: they drive the parts.
+    """The heartbeat, housekeeping and stats timers, last: they drive the parts
+    (and the handover of a graceful stop, which waits on them).
     From here on commits run on the commit writer's thread (clone.server.committing)."""
     loop = server.loop
     assert loop is not None
     sockets = server.sockets
     server.durability.start_writer(loop.add_callback, pause=sockets.pause, resume=sockets.resume)
+    server.handover = build_handover(server)
     assert server.streams is not None and server.votes is not None
     assert server.publisher_port is not None
     return Timers(
@@ -272,4 +280,38 @@ def build_timers(server: CloneServer) -> Timers:
         relay=server.relay,
         log_stats=server.log_stats,
         stopping=lambda: server._stopping,
+    )
+
+
+def build_handover(server: CloneServer) -> Handover:
+    """A graceful stop's handover to the passive (clone.server.handover)."""
+    collector = server._collector
+
+    def view() -> PeerView | None:
+        ha = server._ha
+        if ha is None or server.durability.error is not None:
+            return None
+        rank = ha.peer_rank
+        return PeerView(
+            active=server.core.role is Role.ACTIVE and ha.state is BStarState.ACTIVE,
+            peer_alive=ha.peer_alive,
+            peer_passive=ha.peer_state is BStarState.PASSIVE,
+            peer_sequence=None if rank == NO_RANK else rank[1],
+        )
+
+    def announce() -> None:
+        hugz = encode_hugz(server.durability.announced_sequence(), server._heartbeat_ms)
+        server.publisher.publish(hugz)
+        server.counters["hugz_sent"] += 1
+
+    return Handover(
+        server.config.handover_timeout,
+        server.shared.clock,
+        lambda: server.loop,
+        view=view,
+        sequence=lambda: server.core.store.sequence,
+        hold_writes=lambda: server.sockets.stop_reading(collector) if collector else None,
+        when_published=server.durability.when_published,
+        announce=announce,
+        finish=server._shutdown,
     )

@@ -109,8 +109,13 @@ class _Rig:
             fork_known=lambda: None,
             synced=self._synced,
             resyncing=self._resyncing,
+            heard_hugz=self._heard_hugz,
         )
         self.resyncs = 0
+        self.hugz_turns = 0
+
+    def _heard_hugz(self) -> None:
+        self.hugz_turns += 1
 
     def _resyncing(self) -> None:
         self.resyncs += 1
@@ -243,3 +248,24 @@ def test_before_a_promotion_it_takes_what_the_old_active_already_sent(rig: _Rig)
     assert rig.core.store.sequence == 8 and taken == 3
     rig.part.close()
     assert rig.part.take_backlog() == 0  # nothing to take once closed
+
+
+def test_a_turn_that_reads_a_hugz_ends_by_saying_so(rig: _Rig) -> None:
+    # The passive then announces its sequence on the pair's link at once, so
+    # that an active handing over at its stop hears it in a round trip
+    # (clone.server.handover); updates alone announce nothing.
+    rig.part.follow()
+    _sync(rig, 5)
+    sub = rig.sockets.live(zmq.SUB)
+    deadline = time.monotonic() + 30
+    while not sub.poll(20):
+        assert time.monotonic() < deadline, "the SUB never joined the publisher"
+        rig.active.pub.send_multipart(encode_hugz(5))
+    while sub.poll(50):
+        sub.recv_multipart()
+    rig.active.pub.send_multipart(_kv("/d", 6))
+    rig.deliver(zmq.SUB)
+    assert rig.core.store.sequence == 6 and rig.hugz_turns == 0
+    rig.active.pub.send_multipart(encode_hugz(6))
+    rig.deliver(zmq.SUB)
+    assert rig.hugz_turns == 1
