@@ -193,12 +193,22 @@ class Healer:
         if stepped_down:
             self._peer_stepped_down = True
 
-    def peer_sync_served(self) -> None:
+    def peer_sync_served(self, caught_up_from: int | None = None) -> None:
         """The peer's sync stream is open: if it is its first since we took
-        over, hold client updates until what it forwards is in."""
-        if self._await_peer_sync and self.core.role is Role.ACTIVE:
-            self._await_peer_sync = False
-            self._start_hold("the peer's first sync since we took over")
+        over, hold client updates until what it forwards is in.  Not for a
+        catch-up from at or before our takeover (``caught_up_from``): the peer
+        holds a prefix of our state, as the old active does after a handover
+        (:mod:`.handover`); the hold only delayed clients 3-5 s per failback
+        (docs/failover.md, "Stopping the active")."""
+        core, fork = self.core, self.core.promoted_at
+        if not self._await_peer_sync or core.role is not Role.ACTIVE:
+            return
+        self._await_peer_sync = False
+        if caught_up_from is not None and fork is not None and caught_up_from <= fork:
+            log.info("the peer's first sync since we took over catches up from %d, at or"
+                     " before our takeover at %d: nothing to hold", caught_up_from, fork)
+            return
+        self._start_hold("the peer's first sync since we took over")
 
     def hold_request(self, identity: bytes, subtree: str, options: dict[str, Any]) -> None:
         """Hold a client's snapshot request until the heal's hold ends; it

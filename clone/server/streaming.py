@@ -32,6 +32,7 @@ from clone.server.access import Access
 from clone.server.config import ServerConfig
 from clone.server.core import Role, ServerCore
 from clone.server.counting import DurationHistogram
+from clone.server.delta import DeltaStream
 from clone.server.fairshare import (
     HostRoundRobin,
     SliceShares,
@@ -75,9 +76,10 @@ class SnapshotStreams(SnapshotSlots):
     ``backlog`` (the port reader's look at the ROUTER's backlog after a send outside its
     callback: :mod:`.sending`), ``promote`` (the role switch: a won vote makes a starting or
     passive server active first), ``peer_sync_opened`` / ``peer_sync_done`` (the healer's: a
-    peer's sync began or finished streaming), ``view_count`` (security's count of a restricted
-    view's keys) and ``stopping``.  ``access`` gives each requester's read rights under CURVE
-    (``secure``); ``durations`` records how long each stream took (the metrics' histogram).
+    peer's sync began, with a catch-up's first sequence, or finished streaming),
+    ``view_count`` (security's count of a restricted view's keys) and ``stopping``.
+    ``access`` gives each requester's read rights under CURVE (``secure``); ``durations``
+    records how long each stream took (the metrics' histogram).
     ``held``, set by the wiring (:mod:`.diskgate`), says whether a stream's next message waits.
     """
 
@@ -93,7 +95,7 @@ class SnapshotStreams(SnapshotSlots):
         secure: bool,
         backlog: Callable[[], None],
         promote: Callable[[], None],
-        peer_sync_opened: Callable[[], None],
+        peer_sync_opened: Callable[[int | None], None],
         peer_sync_done: Callable[[], None],
         view_count: Callable[[str], int],
         durations: DurationHistogram,
@@ -239,7 +241,9 @@ class SnapshotStreams(SnapshotSlots):
         self._requesters[stream] = asker
         if applied:
             self._peer_syncs.add(stream)  # the peer's sync: a heal waits for it
-            self._peer_sync_opened()
+            # A catch-up says from where: the peer holds our state up to there.
+            caught_up = stream.from_sequence if isinstance(stream, DeltaStream) else None
+            self._peer_sync_opened(caught_up)
         self._in_flight[stream] = self._window_of(identity)
         if deferred:
             self._deferred_streams.add(stream)

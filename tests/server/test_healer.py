@@ -136,6 +136,31 @@ def test_the_peers_first_sync_after_a_takeover_holds_updates_not_clients() -> No
     assert not rig.core.holding
 
 
+def test_a_peer_catching_up_from_before_the_takeover_holds_nothing() -> None:
+    # The old active back after a handover: its last update is ours at or
+    # before the sequence we took over at, so it has nothing to forward.
+    core = ServerCore()
+    core.store.sequence = 40
+    core.become_active(0.0)
+    assert core.promoted_at == 40
+    for start in (40, 12):
+        rig = _Rig(core)
+        rig.part.took_over()
+        rig.part.peer_sync_started(stepped_down=True)
+        rig.part.peer_sync_served(caught_up_from=start)
+        assert not core.holding
+    # A catch-up from past the takeover (it wrote on in its own term), or a
+    # whole snapshot (its last update is not ours): held, as before.
+    for start in (41, None):
+        rig = _Rig(core)
+        rig.part.took_over()
+        rig.part.peer_sync_served(caught_up_from=start)
+        assert core.holding
+        rig.now += 30.0
+        rig.part.check()
+        assert not core.holding
+
+
 def test_a_loser_that_says_so_defers_client_snapshots() -> None:
     rig = _Rig(_active())
     rig.part.took_over()
