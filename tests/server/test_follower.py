@@ -170,6 +170,19 @@ def _sync(rig: _Rig, sequence: int) -> None:
         rig.deliver(zmq.DEALER)
 
 
+
+def _joined(rig: _Rig, sub: zmq.Socket[Any], handle: bool = False) -> None:
+    """Until the SUB has joined the fake active's publisher (a HUGZ at 5 got
+    through), then read what came: handed to the part if ``handle``."""
+    deadline = time.monotonic() + 30
+    while not sub.poll(20):
+        assert time.monotonic() < deadline, "the SUB never joined the publisher"
+        rig.active.pub.send_multipart(encode_hugz(5))
+    while sub.poll(50):
+        frames = sub.recv_multipart()
+        if handle:
+            rig.sockets.handlers[zmq.SUB](frames)
+
 def test_it_syncs_then_follows_the_publisher_in_order(rig: _Rig) -> None:
     rig.part.follow()
     _sync(rig, 5)
@@ -181,12 +194,7 @@ def test_it_syncs_then_follows_the_publisher_in_order(rig: _Rig) -> None:
     assert not [s for s in rig.sockets.opened if s.type == zmq.DEALER and not s.closed]
     # The publisher's stream: the SUB joins once a HUGZ gets through.
     sub = rig.sockets.live(zmq.SUB)
-    deadline = time.monotonic() + 30
-    while not sub.poll(20):
-        assert time.monotonic() < deadline, "the SUB never joined the publisher"
-        rig.active.pub.send_multipart(encode_hugz(5))
-    while sub.poll(50):
-        rig.sockets.handlers[zmq.SUB](sub.recv_multipart())
+    _joined(rig, sub, handle=True)
     rig.active.pub.send_multipart(_kv("/b", 6))
     rig.deliver(zmq.SUB)
     assert rig.core.store.sequence == 6 and rig.core.role is Role.PASSIVE
@@ -196,12 +204,7 @@ def test_a_gap_asks_again_on_a_fresh_dealer(rig: _Rig) -> None:
     rig.part.follow()
     _sync(rig, 5)
     first = rig.sockets.live(zmq.SUB)
-    deadline = time.monotonic() + 30
-    while not first.poll(20):
-        assert time.monotonic() < deadline
-        rig.active.pub.send_multipart(encode_hugz(5))
-    while first.poll(50):
-        first.recv_multipart()
+    _joined(rig, first)
     rig.active.pub.send_multipart(_kv("/c", 9))  # 6..8 missed
     assert rig.resyncs == 0
     rig.deliver(zmq.SUB)
@@ -229,12 +232,7 @@ def test_before_a_promotion_it_takes_what_the_old_active_already_sent(rig: _Rig)
     rig.part.follow()
     _sync(rig, 5)
     sub = rig.sockets.live(zmq.SUB)
-    deadline = time.monotonic() + 30
-    while not sub.poll(20):
-        assert time.monotonic() < deadline
-        rig.active.pub.send_multipart(encode_hugz(5))
-    while sub.poll(50):
-        sub.recv_multipart()
+    _joined(rig, sub)
     for seq in (6, 7, 8):
         rig.active.pub.send_multipart(_kv(f"/k{seq}", seq))
     deadline = time.monotonic() + 30
@@ -257,12 +255,7 @@ def test_a_turn_that_reads_a_hugz_ends_by_saying_so(rig: _Rig) -> None:
     rig.part.follow()
     _sync(rig, 5)
     sub = rig.sockets.live(zmq.SUB)
-    deadline = time.monotonic() + 30
-    while not sub.poll(20):
-        assert time.monotonic() < deadline, "the SUB never joined the publisher"
-        rig.active.pub.send_multipart(encode_hugz(5))
-    while sub.poll(50):
-        sub.recv_multipart()
+    _joined(rig, sub)
     rig.active.pub.send_multipart(_kv("/d", 6))
     rig.deliver(zmq.SUB)
     assert rig.core.store.sequence == 6 and rig.hugz_turns == 0
