@@ -164,13 +164,16 @@ def test_the_passive_refuses_and_the_new_active_knows_the_lease(
     servers: Servers, ctx: zmq.Context
 ) -> None:
     primary, backup = servers.pair()
-    lease = call(ctx, primary, OP_LEASE_GRANT, ttl="1.5").lease
+    lease = call(ctx, primary, OP_LEASE_GRANT, ttl="3").lease
     assert call(ctx, primary, OP_SET, "/svc/x", b"1", lease=lease).ok
     refused = call(ctx, backup, OP_SET, "/svc/y", b"1", if_sequence="0")
     assert refused.reason == "not-active"
     # Mirroring is asynchronous: a kill -9 before the backup has the grant
     # loses it (seen in CI, 30 ms after the set).  This test is about the
     # backup knowing a lease it mirrored, so wait for it to follow first.
+    # Kept alive up to the kill: a CI host's disk once stalled the primary's
+    # commits for 4 s, and a 1.5 s lease expired before the kill.
+    assert call(ctx, primary, OP_LEASE_KEEPALIVE, lease=lease).ok
     top = read_stats(primary)["sequence"]
     eventually(lambda: read_stats(backup)["sequence"] == top, 10, "the backup to follow")
     primary.kill9()
@@ -178,7 +181,7 @@ def test_the_passive_refuses_and_the_new_active_knows_the_lease(
     assert answers_icanhaz(backup.port, 10.0, b"")
     assert call(ctx, backup, OP_LEASE_KEEPALIVE, lease=lease).ok
     # Kept alive past its ttl on the new active: the key is still there.
-    for _ in range(6):
+    for _ in range(9):
         assert call(ctx, backup, OP_LEASE_KEEPALIVE, lease=lease).ok
         time.sleep(0.4)
     conflict = call(ctx, backup, OP_SET, "/svc/x", b"2", if_sequence="0")
