@@ -209,7 +209,7 @@ class Durability:
         """Wait for the commit in flight (it is finished, not published:
         nothing is confirmed after the stop), then close the data directory.
 
-        At most :data:`STOP_WAIT`: a commit stuck on a slow disk is left to
+        At most :data:`STOP_WAIT` for both: a commit stuck on a slow disk is left to
         finish or not as the process exits, as if it had been killed in the
         middle of it (SQLite rolls an unfinished transaction back at the next
         start; its writers were never told), so that SIGTERM still stops the
@@ -218,21 +218,19 @@ class Durability:
         self._job = None
         self._waiters.clear()  # nothing is answered after the stop
         self._ready.clear()
+        started = time.monotonic()
         if writer is not None and not writer.close(STOP_WAIT):
-            log.warning(
-                "the commit in flight did not finish within %.1f s of the stop; exiting"
-                " without it (its updates were not confirmed; SQLite keeps or rolls it"
-                " back whole at the next start)",
-                STOP_WAIT,
-            )
+            log.warning("the commit in flight did not finish within %.1f s of the stop; exiting"
+                        " without it (its updates were not confirmed; SQLite keeps or rolls it"
+                        " back whole at the next start)", STOP_WAIT)  # fmt: skip
             self._storage = None
             return
+        # The final checkpoint shares the bound (clone.storage.db.Storage.close_within).
         storage, self._storage = self._storage, None
-        if storage is not None:
-            try:
-                storage.close()
-            except (sqlite3.Error, OSError) as exc:
-                log.error("closing the data directory failed: %s", exc)
+        left = max(0.05, STOP_WAIT - (time.monotonic() - started))
+        if storage is not None and not storage.close_within(left):
+            log.warning("closing the data directory did not finish within %.1f s of the stop;"
+                        " exiting without it (the next start replays its WAL)", STOP_WAIT)
 
     # -- the rank Binary Star announces ----------------------------------------
 

@@ -315,6 +315,37 @@ def test_the_stop_does_not_wait_long_for_a_stuck_commit(
     assert "did not finish within" in caplog.text
 
 
+def test_the_stop_does_not_wait_long_for_a_stuck_final_checkpoint(
+    writing: _Writing, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The commit landed, but closing the data directory (its final WAL
+    checkpoint) hangs on the disk: the stop goes on within STOP_WAIT, as a
+    loaded run saw a SIGTERM take 1.09 s when it waited for it."""
+    rig, gate = writing.rig, writing.gate
+    gate.open.set()
+    rig.write("/a", b"1")
+    rig.part.commit_and_publish()
+    storage = rig.part.storage
+    assert storage is not None
+    release = threading.Event()
+    entered = threading.Event()
+    real_close = storage.close
+
+    def stuck_close() -> None:
+        entered.set()
+        release.wait(WAIT)
+        real_close()
+
+    monkeypatch.setattr(storage, "close", stuck_close)
+    try:
+        rig.part.close()
+        assert entered.is_set() and not release.is_set()  # returned while it hung
+        assert rig.part.storage is None
+        assert "closing the data directory did not finish within" in caplog.text
+    finally:
+        release.set()
+
+
 def test_the_writer_runs_jobs_in_order_and_nothing_after_a_failure() -> None:
     ran: list[int] = []
     landed = threading.Semaphore(0)
