@@ -713,6 +713,17 @@ def test_log_line_time_reads_the_servers_stamp() -> None:
     assert log_line_time("=== 07:11:00 start #1") is None
 
 
+def test_a_thawed_active_gets_the_heals_hold_in_its_settle() -> None:
+    # The thawed active steps down as a split brain's loser: the winner may
+    # hold client updates for HOLD_FIRST_CALL, and the clients' final state
+    # must come after that.
+    from clone.server.healing import HOLD_FIRST_CALL
+
+    cfg = DrillConfig(scenario="freeze-active", duration=5.0, heartbeat_ms=200)
+    plain = DrillConfig(scenario="client-restart", duration=5.0, heartbeat_ms=200)
+    assert cfg.settle >= plain.settle + HOLD_FIRST_CALL
+
+
 def test_partition_config_and_names() -> None:
     from clone.tools.drill.netns import Topology
 
