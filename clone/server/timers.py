@@ -155,17 +155,7 @@ class Timers:
         self._note_lateness(late_ms)
         try:
             if self.core.role is Role.ACTIVE:
-                # A call's update is applied in the ROUTER's handler but
-                # committed and published by a callback after it
-                # (clone.server.calling); a timer that runs between the two
-                # would announce a sequence nobody was sent, and every client
-                # and the passive would resync.  Publish it first.
-                if self.core.journal:
-                    self.durability.commit_and_publish()
-                # The sequence published so far: while a commit is in flight
-                # (clone.server.committing) its updates are applied, not sent.
-                sequence = self.durability.announced_sequence()
-                self._publish_hugz(encode_hugz(sequence, self._heartbeat_ms), stale=False)
+                self.send_hugz()
             elif self.relay is not None:
                 relay = self.relay
                 hugz = relay.hugz(self._heartbeat_ms, self.durability.announced_sequence())
@@ -183,6 +173,21 @@ class Timers:
         self._armed_wait = cpu_wait()
         self._hugz_timer = loop.call_later(self._next_hugz - now, self._on_heartbeat)
         self._loop_sample = read_loop_sample(self._clock())
+
+    def send_hugz(self) -> None:
+        """An active server's HUGZ, now: each heartbeat's, and the handover's
+        at a stop (clone.server.handover).
+
+        A call's update is applied in the ROUTER's handler but committed and
+        published by a callback after it (clone.server.calling); a HUGZ sent
+        between the two would announce a sequence nobody was sent, and every
+        client and the passive would resync.  So that is published first, and
+        the HUGZ carries the sequence published so far: while a commit is in
+        flight (clone.server.committing) its updates are applied, not sent."""
+        if self.core.journal:
+            self.durability.commit_and_publish()
+        sequence = self.durability.announced_sequence()
+        self._publish_hugz(encode_hugz(sequence, self._heartbeat_ms), stale=False)
 
     def _note_lateness(self, late_ms: int) -> None:
         """Count a heartbeat's lateness and, less the loop's wait for a CPU

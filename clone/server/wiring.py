@@ -32,7 +32,6 @@ from clone.server.serving import SnapshotPort
 from clone.server.streaming import SnapshotStreams
 from clone.server.timers import Timers
 from clone.server.voting import HeldVotes
-from clone.wire.codec import encode_hugz
 
 #: How a snapshot request is handed to the streams (SnapshotStreams.serve).
 Serve = Callable[..., None]
@@ -299,11 +298,6 @@ def build_handover(server: CloneServer) -> Handover:
             peer_sequence=None if rank == NO_RANK else rank[1],
         )
 
-    def announce() -> None:
-        hugz = encode_hugz(server.durability.announced_sequence(), server._heartbeat_ms)
-        server.publisher.publish(hugz)
-        server.counters["hugz_sent"] += 1
-
     return Handover(
         server.config.handover_timeout,
         server.shared.clock,
@@ -312,6 +306,7 @@ def build_handover(server: CloneServer) -> Handover:
         sequence=lambda: server.core.store.sequence,
         hold_writes=lambda: server.sockets.stop_reading(collector) if collector else None,
         when_published=server.durability.when_published,
-        announce=announce,
+        # Built before the timers, whose HUGZ it sends (Timers.send_hugz).
+        announce=lambda: server.timers.send_hugz() if server.timers is not None else None,
         finish=server._shutdown,
     )
