@@ -377,6 +377,21 @@ def test_config_rejects_nonsense() -> None:
         DrillConfig(scenario="kill-active", shared_keys=-1)
 
 
+def test_a_drill_that_fails_before_the_pair_is_up_shows_its_own_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before: the ``finally`` joined the never-started HUGZ monitor, and CI saw
+    "cannot join thread before it is started" instead of why the drill failed."""
+    from clone.tools.drill.harness import Drill
+
+    def fail(self: Drill, name: str) -> None:
+        raise RuntimeError(f"{name} would not start")
+
+    monkeypatch.setattr(Drill, "start_server", fail)
+    with pytest.raises(RuntimeError, match="primary would not start"):
+        run_drill(_small("kill-active", tmp_path))
+
+
 # --------------------------------------------------------------------------
 # Real drills
 

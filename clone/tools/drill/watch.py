@@ -62,8 +62,12 @@ class HugzMonitor:
         self._thread.start()
 
     def stop(self) -> None:
+        """Safe before :meth:`start` and twice: a drill that failed before the
+        pair was up stops it in a ``finally``, and must show that failure, not
+        "cannot join thread before it is started"."""
         self._stop.set()
-        self._thread.join(5)
+        if self._thread.ident is not None:
+            self._thread.join(5)
 
     def _run(self) -> None:
         ctx: zmq.Context[Any] = zmq.Context()
