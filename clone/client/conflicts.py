@@ -36,7 +36,7 @@ from clone.wire.conflicts import (
     decode_conflicts,
     encode_conflicts_request,
 )
-from clone.wire.frames import RESEND_MS, cap_message_size, offer_frames
+from clone.wire.frames import Offers, cap_message_size, offer_frames
 from clone.wire.protocol import SNAPSHOT_OFFSET
 
 __all__ = ["conflicts_table", "query_conflicts", "resolve_conflict"]
@@ -76,20 +76,16 @@ def query_conflicts(
     bad: list[str] = []
     try:
         poller = zmq.Poller()
-        request = encode_conflicts_request(everything=everything)
-        unsent: set[zmq.Socket[bytes]] = set()  # no connection took it yet (frames.offer_frames)
+        offers = Offers(encode_conflicts_request(everything=everything))
         for endpoint in endpoints:
             sock = _dealer(ctx, endpoint, curve)
             socks[sock] = endpoint
-            if not offer_frames(sock, request):
-                unsent.add(sock)
+            offers.offer(sock)
             poller.register(sock, zmq.POLLIN)
         deadline = clock() + timeout
         waiting = set(socks)
         while waiting and (left := deadline - clock()) > 0:
-            unsent = {sock for sock in unsent if not offer_frames(sock, request)}
-            wait_ms = max(1, round(left * 1000))
-            for sock, _ in poller.poll(min(wait_ms, RESEND_MS) if unsent else wait_ms):
+            for sock, _ in poller.poll(offers.poll_ms(left)):
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:

@@ -21,7 +21,7 @@ import zmq
 from clone.client.agent import split_endpoint
 from clone.errors import ProtocolError
 from clone.security import KeyPair, configure_client_socket
-from clone.wire.frames import RESEND_MS, cap_message_size, offer_frames
+from clone.wire.frames import Offers, cap_message_size
 from clone.wire.protocol import MAX_STATUS_BYTES, SNAPSHOT_OFFSET
 from clone.wire.status import decode_status, encode_status_request
 
@@ -57,8 +57,7 @@ def query_status(
     context: zmq.Context[zmq.Socket[bytes]] = zmq.Context() if ctx is None else ctx
     results: dict[str, dict[str, Any]] = {}
     socks: dict[zmq.Socket[bytes], str] = {}
-    unsent: set[zmq.Socket[bytes]] = set()  # no connection took the request yet
-    request = encode_status_request()
+    offers = Offers(encode_status_request())
     try:
         poller = zmq.Poller()
         for endpoint, host, base in targets:
@@ -70,8 +69,7 @@ def query_status(
                 configure_client_socket(sock, *curve)
             sock.connect(f"{host}:{base + SNAPSHOT_OFFSET}")
             # Queued until connected: the DEALER sends once the handshake is done.
-            if not offer_frames(sock, request):
-                unsent.add(sock)
+            offers.offer(sock)
             poller.register(sock, zmq.POLLIN)
         deadline = clock() + timeout
         waiting = set(socks)
@@ -79,9 +77,7 @@ def query_status(
             left = deadline - clock()
             if left <= 0:
                 break
-            unsent = {sock for sock in unsent if not offer_frames(sock, request)}
-            wait_ms = max(1, round(left * 1000))
-            for sock, _ in poller.poll(min(wait_ms, RESEND_MS) if unsent else wait_ms):
+            for sock, _ in poller.poll(offers.poll_ms(left)):
                 endpoint = socks[sock]
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
@@ -103,7 +99,7 @@ def query_status(
             sock.close(linger=0)
         if own_ctx:
             context.term()
-    never_sent = {socks[sock] for sock in unsent}
+    never_sent = {socks[sock] for sock in offers.unsent}
     return [
         results.get(endpoint)
         or _unreachable(

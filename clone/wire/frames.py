@@ -28,6 +28,7 @@ from clone.wire.protocol import MAX_BATCH_BYTES, MAX_VALUE_BYTES
 
 __all__ = [
     "RESEND_MS",
+    "Offers",
     "offer_frames",
     "MAX_FRAME_BYTES",
     "MAX_FRAMES",
@@ -91,6 +92,39 @@ def offer_frames(sock: zmq.Socket[Any], frames: Sequence[bytes]) -> bool:
     except zmq.Again:
         return False
     return True
+
+
+class Offers:
+    """One request to several DEALERs, offered again to those that have not
+    taken it (:func:`offer_frames`) at every poll of the caller's wait loop.
+
+    The CLI's one-shot askers (``clone status``, ``clone conflicts``, the
+    diagnosis behind "not synced") share this: each sends the same request
+    to every server and waits for the replies; a server whose refused
+    handshake left no connection is offered it again every
+    :data:`RESEND_MS` and, if none ever took it, is in :attr:`unsent` at the
+    end (reported unreachable, with why)."""
+
+    __slots__ = ("request", "unsent")
+
+    def __init__(self, request: Sequence[bytes]) -> None:
+        self.request = request
+        #: Sockets no connection has taken the request on yet.
+        self.unsent: set[zmq.Socket[Any]] = set()
+
+    def offer(self, sock: zmq.Socket[Any]) -> None:
+        """The first offer (right after ``connect``): kept for later if not taken."""
+        if not offer_frames(sock, self.request):
+            self.unsent.add(sock)
+
+    def poll_ms(self, left: float) -> int:
+        """Offer again where not taken yet; how long the caller's poll may
+        wait of the ``left`` seconds (at most :data:`RESEND_MS` while any
+        request is still unsent, so that it is offered again soon)."""
+        request = self.request
+        self.unsent = {sock for sock in self.unsent if not offer_frames(sock, request)}
+        wait_ms = max(1, round(left * 1000))
+        return min(wait_ms, RESEND_MS) if self.unsent else wait_ms
 
 
 def shared_frame(data: bytes) -> bytes | zmq.Frame:

@@ -105,6 +105,32 @@ def test_a_request_is_offered_again_until_a_connection_takes_it(answerer: _Answe
     assert got["reachable"] is True and got["role"] == "active"
 
 
+def test_offers_poll_briefly_only_while_a_request_is_unsent() -> None:
+    """The shared wait of the one-shot askers: while no connection took the
+    request, the poll wakes every RESEND_MS to offer it again; once every
+    socket took it, the poll may wait the whole time left."""
+    from clone.wire.frames import RESEND_MS, Offers
+
+    ctx = _ImmediateContext()
+    plain = zmq.Context()
+    try:
+        refused = ctx.socket(zmq.DEALER)
+        refused.connect(_dead())
+        queued = plain.socket(zmq.DEALER)  # queues before it connects
+        queued.connect(_dead())
+        offers = Offers([b"ping"])
+        offers.offer(refused)
+        offers.offer(queued)
+        assert offers.unsent == {refused}
+        assert offers.poll_ms(5.0) == RESEND_MS
+        assert offers.poll_ms(0.01) == 10
+        offers.unsent.clear()  # as if a connection took it
+        assert offers.poll_ms(5.0) == 5000
+    finally:
+        ctx.destroy(linger=0)
+        plain.destroy(linger=0)
+
+
 def test_conflicts_and_diagnose_say_unreachable_when_no_connection_takes_a_request(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -21,7 +21,7 @@ from zmq.utils.monitor import recv_monitor_message
 from clone.client.agent import split_endpoint
 from clone.errors import ProtocolError
 from clone.security import KeyPair, configure_client_socket
-from clone.wire.frames import RESEND_MS, cap_message_size, offer_frames
+from clone.wire.frames import Offers, cap_message_size
 from clone.wire.protocol import MAX_STATUS_BYTES, SNAPSHOT_OFFSET
 from clone.wire.status import decode_status, encode_status_request
 
@@ -50,8 +50,7 @@ def probe(
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     probes = [Probe(e) for e in endpoints]
     socks: list[tuple[Probe, zmq.Socket[bytes], zmq.Socket[bytes]]] = []
-    unsent: set[zmq.Socket[bytes]] = set()  # no connection took it yet (frames.offer_frames)
-    request = encode_status_request()
+    offers = Offers(encode_status_request())
     try:
         poller = zmq.Poller()
         for p in probes:
@@ -63,8 +62,7 @@ def probe(
                 configure_client_socket(sock, *curve)
             monitor = sock.get_monitor_socket()
             sock.connect(f"{host}:{base + SNAPSHOT_OFFSET}")
-            if not offer_frames(sock, request):
-                unsent.add(sock)  # a refused handshake may leave no connection (offer_frames)
+            offers.offer(sock)  # a refused handshake may leave no connection (Offers)
             poller.register(sock, zmq.POLLIN)
             poller.register(monitor, zmq.POLLIN)
             socks.append((p, sock, monitor))
@@ -73,9 +71,7 @@ def probe(
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            unsent = {sock for sock in unsent if not offer_frames(sock, request)}
-            wait_ms = max(1, round(left * 1000))
-            ready = dict(poller.poll(min(wait_ms, RESEND_MS) if unsent else wait_ms))
+            ready = dict(poller.poll(offers.poll_ms(left)))
             for p, sock, monitor in socks:
                 if monitor in ready:
                     _read_monitor(p, monitor)
