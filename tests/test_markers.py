@@ -129,9 +129,17 @@ def test_a_spark_test_with_its_own_spark_processes_is_not_queued_behind_the_grou
         assert "spark" not in [m.args[0] for m in item.iter_markers("xdist_group")], item.nodeid
 
 
+def _quiet_asyncio(pytester: pytest.Pytester) -> None:
+    """``getitems`` takes no ``-p no:asyncio``: give its directory the one
+    setting of our setup.cfg whose absence makes pytest-asyncio warn (a
+    deprecation in every CI log)."""
+    pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
+
+
 def test_a_grouped_test_carries_the_group_in_its_id_for_xdist(pytester: pytest.Pytester) -> None:
     """xdist's loadgroup schedules by an ``@group`` suffix of the test's id,
     which xdist 3.8 cannot set under pytest 9: GroupIds sets it, once."""
+    _quiet_asyncio(pytester)
     items = pytester.getitems(
         "import pytest\n"
         "@pytest.mark.xdist_group('spark')\n"
@@ -158,6 +166,7 @@ def test_under_loadgroup_the_heavy_kinds_of_test_are_handed_out_first(
     """xdist hands the single tests out in collection order: a Spark job or a
     server test collected late ran alone at the end of the run.  Under
     ``loadgroup`` they come first, each kind in its collection order."""
+    _quiet_asyncio(pytester)
     items = pytester.getitems(
         "import pytest\n"
         "def test_pure_1(): pass\n"
