@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import zmq
@@ -105,18 +106,21 @@ def test_a_request_is_offered_again_until_a_connection_takes_it(answerer: _Answe
     assert got["reachable"] is True and got["role"] == "active"
 
 
-def test_offers_poll_briefly_only_while_a_request_is_unsent() -> None:
+def test_offers_poll_briefly_only_while_a_request_is_unsent(ctx: zmq.Context[Any]) -> None:
     """The shared wait of the one-shot askers: while no connection took the
     request, the poll wakes every RESEND_MS to offer it again; once every
     socket took it, the poll may wait the whole time left."""
     from clone.wire.frames import RESEND_MS, Offers
 
-    ctx = _ImmediateContext()
-    plain = zmq.Context()
+    immediate = _ImmediateContext()
     try:
-        refused = ctx.socket(zmq.DEALER)
+        refused = immediate.socket(zmq.DEALER)
         refused.connect(_dead())
-        queued = plain.socket(zmq.DEALER)  # queues before it connects
+        queued = ctx.socket(zmq.DEALER)  # queues before it connects
+        # Linger 0 now: freed with the test's locals, before the fixture's
+        # destroy, a socket closes with the default (forever) and the queued
+        # request would hold the context's term.
+        queued.setsockopt(zmq.LINGER, 0)
         queued.connect(_dead())
         offers = Offers([b"ping"])
         offers.offer(refused)
@@ -127,8 +131,7 @@ def test_offers_poll_briefly_only_while_a_request_is_unsent() -> None:
         offers.unsent.clear()  # as if a connection took it
         assert offers.poll_ms(5.0) == 5000
     finally:
-        ctx.destroy(linger=0)
-        plain.destroy(linger=0)
+        immediate.destroy(linger=0)
 
 
 def test_conflicts_and_diagnose_say_unreachable_when_no_connection_takes_a_request(

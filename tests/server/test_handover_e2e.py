@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -84,13 +83,6 @@ class _Disk:
             real(*args, **kwargs)  # type: ignore[arg-type]
 
         monkeypatch.setattr(storage, "append", append)
-
-
-@pytest.fixture
-def ctx() -> Iterator[zmq.Context[Any]]:
-    context: zmq.Context[Any] = zmq.Context()
-    yield context
-    context.destroy(linger=0)
 
 
 def _writer(ctx: zmq.Context[Any], server: CloneServer) -> ChpPeer:
