@@ -43,7 +43,7 @@ from clone.server.journal import Op, OpKind, published
 from clone.server.shared import TURN_BUDGET, Shared
 from clone.storage import FsyncPolicy, Storage, restore_into
 
-__all__ = ["CONFLICTS_BUSY_WAIT", "STOP_WAIT", "Durability"]
+__all__ = ["CONFLICTS_BUSY_WAIT", "MIN_STOP_WAIT", "STOP_WAIT", "Durability"]
 
 log = logging.getLogger("clone.server.reactor")
 
@@ -52,9 +52,10 @@ log = logging.getLogger("clone.server.reactor")
 #: the 2 s an update's commit may wait.
 CONFLICTS_BUSY_WAIT = 0.05
 
-#: How long the stop waits for the commit in flight (seconds): SIGTERM must
-#: stop the server within a second even while its disk is stuck.
-STOP_WAIT = 0.5
+#: Seconds the stop waits, from the SIGTERM, for a handover, the commit in
+#: flight and the close, together: it must end within a second even while
+#: both the disk and the passive are stuck.  The close always gets the minimum.
+STOP_WAIT, MIN_STOP_WAIT = 0.5, 0.05
 
 
 @dataclass(slots=True)
@@ -205,32 +206,33 @@ class Durability:
         )
         freeze_state()  # the loaded store, out of the collector's walks (clone.server.heap)
 
-    def close(self) -> None:
+    def close(self, wait: float = STOP_WAIT) -> None:
         """Wait for the commit in flight (it is finished, not published:
         nothing is confirmed after the stop), then close the data directory.
 
-        At most :data:`STOP_WAIT` for both: a commit stuck on a slow disk is left to
-        finish or not as the process exits, as if it had been killed in the
-        middle of it (SQLite rolls an unfinished transaction back at the next
-        start; its writers were never told), so that SIGTERM still stops the
-        server at once."""
+        At most ``wait`` seconds for both (the rest of :data:`STOP_WAIT`): a
+        commit stuck on a slow disk is left to finish or not as the process
+        exits, as if it had been killed in the middle of it (SQLite rolls an
+        unfinished transaction back at the next start; its writers were never
+        told), so that SIGTERM still stops the server at once."""
+        wait = max(MIN_STOP_WAIT, wait)
         writer, self._writer = self._writer, None
         self._job = None
         self._waiters.clear()  # nothing is answered after the stop
         self._ready.clear()
         started = time.monotonic()
-        if writer is not None and not writer.close(STOP_WAIT):
-            log.warning("the commit in flight did not finish within %.1f s of the stop; exiting"
+        if writer is not None and not writer.close(wait):
+            log.warning("the commit in flight did not finish within %.2f s of the stop; exiting"
                         " without it (its updates were not confirmed; SQLite keeps or rolls it"
-                        " back whole at the next start)", STOP_WAIT)  # fmt: skip
+                        " back whole at the next start)", wait)  # fmt: skip
             self._storage = None
             return
         # The final checkpoint shares the bound (clone.storage.db.Storage.close_within).
         storage, self._storage = self._storage, None
-        left = max(0.05, STOP_WAIT - (time.monotonic() - started))
+        left = max(MIN_STOP_WAIT, wait - (time.monotonic() - started))
         if storage is not None and not storage.close_within(left):
-            log.warning("closing the data directory did not finish within %.1f s of the stop;"
-                        " exiting without it (the next start replays its WAL)", STOP_WAIT)
+            log.warning("closing the data directory did not finish within %.2f s of the stop;"
+                        " exiting without it (the next start replays its WAL)", wait)
 
     # -- the rank Binary Star announces ----------------------------------------
 

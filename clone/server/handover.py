@@ -67,6 +67,9 @@ class Handover:
         self._finish = finish
         self._core = HandoverCore()
         self._started = 0.0
+        #: Seconds the handover took (0 without one): the stop's later waits
+        #: share one budget with it (clone.server.durability.STOP_WAIT).
+        self.spent = 0.0
         # The deadline's timeout and the next look at the peer's sequence.
         self._timers: dict[str, object] = {}
 
@@ -133,7 +136,8 @@ class Handover:
             for timer in self._timers.values():
                 loop.remove_timeout(timer)
         self._timers.clear()
-        took_ms = (self._clock() - self._started) * 1000
+        self.spent = max(0.0, self._clock() - self._started)
+        took_ms = self.spent * 1000
         view = self._view()
         theirs = None if view is None else view.peer_sequence
         why = self._core.last_event

@@ -52,7 +52,7 @@ from clone.server.calling import Caller
 from clone.server.collecting import Collector
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import Role, ServerCore
-from clone.server.durability import Durability
+from clone.server.durability import STOP_WAIT, Durability
 from clone.server.following import Follower
 from clone.server.handover import Handover
 from clone.server.healing import Healer
@@ -498,7 +498,8 @@ class CloneServer:
                 sock.close(linger=0)
         # Only now: a CURVE socket must never outlive its ZAP handler.
         self.security.close()
-        self.durability.close()
+        spent = self.handover.spent if self.handover is not None else 0.0
+        self.durability.close(STOP_WAIT - spent)  # one budget for the whole stop
 
     def _drop_flooder(self, fd: int, ino: int) -> bool:
         """Cut a publisher connection that kept subscribing past its caps, and

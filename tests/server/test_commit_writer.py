@@ -315,6 +315,38 @@ def test_the_stop_does_not_wait_long_for_a_stuck_commit(
     assert "did not finish within" in caplog.text
 
 
+def test_the_stop_gives_the_commit_and_the_close_what_is_left_of_its_budget(
+    writing: _Writing, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handover that spent most of the stop's budget leaves the commit in
+    flight and the final checkpoint the rest, never less than the minimum:
+    a stuck disk and a stuck passive together must not make SIGTERM take
+    their two waits one after the other."""
+    from clone.server.committing import CommitWriter
+    from clone.storage import Storage
+
+    rig, gate = writing.rig, writing.gate
+    gate.open.set()
+    rig.write("/a", b"1")
+    rig.part.commit_and_publish()
+    given: dict[str, float] = {}
+    real_writer_close, real_close_within = CommitWriter.close, Storage.close_within
+
+    def writer_close(self: CommitWriter, timeout: float | None = None) -> bool:
+        given["commit"] = float(timeout or 0)
+        return real_writer_close(self, timeout)
+
+    def close_within(self: Storage, timeout: float) -> bool:
+        given["close"] = timeout
+        return real_close_within(self, timeout)
+
+    monkeypatch.setattr(CommitWriter, "close", writer_close)
+    monkeypatch.setattr(Storage, "close_within", close_within)
+    rig.part.close(durability.STOP_WAIT - 0.49)  # a handover took 0.49 s of 0.5
+    assert given["commit"] == durability.MIN_STOP_WAIT
+    assert given["close"] == durability.MIN_STOP_WAIT
+
+
 def test_the_stop_does_not_wait_long_for_a_stuck_final_checkpoint(
     writing: _Writing, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

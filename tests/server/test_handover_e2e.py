@@ -24,6 +24,7 @@ from bstar.fsm import NO_RANK
 from bstar.fsm import State as BStarState
 from clone.server.config import ServerConfig, ServerMode
 from clone.server.core import Role, SyncState
+from clone.server.durability import STOP_WAIT
 from clone.server.reactor import CloneServer
 from tests.support.chp_peer import ChpPeer
 from tests.support.ports import free_base_port, free_port
@@ -133,7 +134,10 @@ def test_stopping_the_active_mid_commit_hands_the_passive_every_write(
 
 
 def test_a_passive_that_does_not_answer_costs_only_the_timeout(
-    tmp_path: Path, ctx: zmq.Context[Any], caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    ctx: zmq.Context[Any],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     caplog.set_level(logging.INFO, logger="clone.server.reactor")
     # A 1 s heartbeat: the frozen passive stays alive to Binary Star (4 s)
@@ -155,9 +159,21 @@ def test_a_passive_that_does_not_answer_costs_only_the_timeout(
         writer = _writer(ctx, pair.primary)
         writer.kvset(b"/ho/unseen", b"v")
         eventually(lambda: pair.primary.core.store.sequence == 1, WAIT, "the write applied")
+        waits: list[float] = []
+        real_close = pair.primary.durability.close
+
+        def close(wait: float = STOP_WAIT) -> None:
+            waits.append(wait)
+            real_close(wait)
+
+        monkeypatch.setattr(pair.primary.durability, "close", close)
         pair.primary.stop(WAIT)
         assert "server stopped" in caplog.text
         assert "without a complete handover (not done within --handover-timeout" in caplog.text
+        # What the handover spent comes off the rest of the stop's waits.
+        handover = pair.primary.handover
+        assert handover is not None and handover.spent >= 0.2
+        assert waits[0] == pytest.approx(STOP_WAIT - handover.spent)
         writer.close()
     finally:
         release.set()
