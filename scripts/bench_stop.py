@@ -25,7 +25,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -35,23 +34,7 @@ import uuid
 import zmq
 
 from clone.server import cli
-
-
-def _free_port() -> int:
-    """A base port whose next two are free too (snapshot, publisher, collector)."""
-    while True:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            base = probe.getsockname()[1]
-        if base + 2 >= 65536:
-            continue
-        try:
-            for port in (base + 1, base + 2):
-                with socket.socket() as other:
-                    other.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
+from clone.tools.procs import free_base_port, free_port, wait_listening
 
 
 def _fork_server(workdir: str, name: str, argv: list[str]) -> int:
@@ -79,20 +62,14 @@ def _wait_for(what: str, check: object, pids: list[int], workdir: str) -> None:
         time.sleep(0.02)
 
 
-def _listening(port: int) -> bool:
-    try:
-        socket.create_connection(("127.0.0.1", port), 0.1).close()
-        return True
-    except OSError:
-        return False
-
-
 def _one(args: list[str], workdir: str) -> float:
-    port = _free_port()
+    port = free_base_port()
     data = [] if "--in-memory" in args else ["--data-dir", os.path.join(workdir, f"data-{port}")]
     pid = _fork_server(workdir, f"server-{port}", ["--standalone", "--port", str(port),
                                                     *data, *args])  # fmt: skip
-    _wait_for(f"the server on port {port} serving", lambda: _listening(port), [pid], workdir)
+    if not wait_listening(port, time.monotonic() + 30):
+        os.kill(pid, signal.SIGKILL)
+        raise SystemExit(f"the server on port {port} did not start: see {workdir}")
     time.sleep(0.5)  # serving and idle, as a test's server is at its teardown
     started = time.monotonic()
     os.kill(pid, signal.SIGTERM)
@@ -129,8 +106,8 @@ def _sequence(log: str, pattern: str) -> int | None:
 def _one_pair(args: list[str], workdir: str, rate: int) -> tuple[float, int, str]:
     """SIGTERM to exit of a pair's active; how many updates the passive lacked; the
     active's handover line."""
-    p, b = _free_port(), _free_port()
-    p_ha, b_ha = _free_port(), _free_port()
+    p, b = free_base_port(), free_base_port()
+    p_ha, b_ha = free_port(), free_port()
     tag = f"pair-{p}"
     common = ["--heartbeat", "250"]
     primary = _fork_server(workdir, f"{tag}-primary", [
