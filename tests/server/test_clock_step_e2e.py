@@ -19,12 +19,14 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import zmq
 
+from clone.tools.chaos.faults import sweep_faketime_segments
 from clone.wire.calls import OP_LEASE_GRANT, decode_reply, encode_call, lease_key
 from tests.support.chp_peer import ChpPeer, Snapshot
 from tests.support.servers import ServerProcess, Servers, log_line, read_stats
@@ -85,8 +87,10 @@ _PROBE = "import time; print(time.time(), time.monotonic())"
 
 
 @pytest.fixture(scope="module")
-def libfaketime() -> str:
-    """The preload library, checked to step the wall clock and only it."""
+def libfaketime() -> Iterator[str]:
+    """The preload library, checked to step the wall clock and only it; once
+    the module's servers have stopped, the shared memory libfaketime left for
+    each of them is removed (clone.tools.chaos.faults.sweep_faketime_segments)."""
     lib = _find_libfaketime()
     if lib is None:
         pytest.skip(
@@ -112,7 +116,8 @@ def libfaketime() -> str:
         pytest.skip(f"libfaketime did not step the wall clock (offset {wall - time.time():.0f} s)")
     if not before <= mono <= after:
         pytest.skip("libfaketime here fakes CLOCK_MONOTONIC too (DONT_FAKE_MONOTONIC ignored)")
-    return lib
+    yield lib
+    sweep_faketime_segments()
 
 
 def _server_wall_offset(server: ServerProcess) -> float:

@@ -10,12 +10,16 @@ can do still run.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from clone.tools.chaos import check
 from clone.tools.chaos.checker import CHECKS
+from clone.tools.chaos.faults import FakeClock, find_libfaketime, sweep_faketime_segments
 from clone.tools.drill import cli
 
 SEED = 1  # as root: kill-both, a clock step, partition-all (plan.json)
@@ -118,3 +122,33 @@ def test_the_settle_reads_a_pair_alone_active_from_the_monitors_record() -> None
     assert _alone_throughout(record(*[(a, n) for a, n in steady if a > 1.5]), 2.0) is None
     # Active for only the last second of the 2: not yet.
     assert _alone_throughout(record(*[(a, n) for a, n in steady if a < 1.0]), 2.0) is None
+
+
+def test_the_sweep_removes_the_segments_of_ended_processes_only(tmp_path: Path) -> None:
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    dead, alive = int(ended.stdout), os.getpid()
+    names = [f"faketime_shm_{dead}", f"sem.faketime_sem_{dead}", f"faketime_shm_{alive}",
+             f"sem.faketime_sem_{alive}", "other_shm_1", "faketime_shm_x"]  # fmt: skip
+    for name in names:
+        (tmp_path / name).write_bytes(b"")
+    assert sweep_faketime_segments(tmp_path) == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])
+    assert sweep_faketime_segments(tmp_path / "missing") == 0
+
+
+def test_a_faketime_process_that_exits_without_its_destructor_is_swept(tmp_path: Path) -> None:
+    # What a server does: os._exit under libfaketime leaves its pair in /dev/shm.
+    lib = find_libfaketime()
+    if lib is None:
+        pytest.skip("libfaketime is not installed (Debian: apt-get install faketime)")
+    clock = FakeClock(lib, tmp_path / "clock")
+    exits = "import os; print(os.getpid()); os._exit(0)"
+    done = subprocess.run([sys.executable, "-c", exits], env=clock.env,
+                          capture_output=True, text=True, timeout=60, check=True)  # fmt: skip
+    pid = int(done.stdout)
+    left = {f"faketime_shm_{pid}", f"sem.faketime_sem_{pid}"}
+    shm = Path("/dev/shm")
+    assert left <= {p.name for p in shm.iterdir()}, "libfaketime no longer leaves them"
+    assert sweep_faketime_segments() >= 2
+    assert not left & {p.name for p in shm.iterdir()}

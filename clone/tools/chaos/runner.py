@@ -30,7 +30,12 @@ from pathlib import Path
 from typing import Any
 
 from clone.errors import CloneError
-from clone.tools.chaos.faults import FakeClock, Nemesis, find_libfaketime
+from clone.tools.chaos.faults import (
+    FakeClock,
+    Nemesis,
+    find_libfaketime,
+    sweep_faketime_segments,
+)
 from clone.tools.chaos.schedule import FAULT_KINDS, NEEDS_ROOT, plan
 from clone.tools.chaos.worker import CHAOS_PREFIX, Recorder
 from clone.tools.drill.netns import NetnsUnavailable, Topology, preflight
@@ -211,6 +216,8 @@ class ChaosRun:
                 self.topology.destroy()
             for d in self.mounts:
                 subprocess.run(["umount", "-l", str(d)], capture_output=True, timeout=30)
+            if self.clocks:  # the group has stopped every faketime'd server by now
+                sweep_faketime_segments()
 
     def _run(self, kinds: tuple[str, ...], skipped: list[str],
              monitor: HugzMonitor) -> dict[str, Any]:
