@@ -51,6 +51,9 @@ def test_a_short_chaos_run_passes_and_its_history_judges_again(
     assert verdict["figures"]["fault_count"] >= 1, verdict["figures"]
     plan = json.loads((out / "plan.json").read_text())
     assert len(plan["faults"]) == verdict["figures"]["fault_count"]
+    # libfaketime only on the servers whose clock the plan steps.
+    stepped = {f["target"] for f in plan["faults"] if f["kind"] == "clock-step"}
+    assert plan["faketime"] == sorted(stepped), plan
     for name in ("history.jsonl", "verdict.json", "verdict.md", "timeline.png", "plan.json"):
         assert (out / name).stat().st_size > 0, name
     lines = (out / "history.jsonl").read_text().splitlines()
