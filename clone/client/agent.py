@@ -52,7 +52,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from clone.argtypes import split_endpoint
 from clone.client.agentcommands import Commands
@@ -103,6 +102,7 @@ from clone.wire.frames import (
     MAX_SYNC_FRAME_BYTES,
     cap_message_size,
     recv_frames,
+    recv_monitor_event,
 )
 from clone.wire.protocol import (
     BATCH_METADATA,
@@ -328,7 +328,7 @@ class Agent:
         assert monitor is not None
         for _ in range(_BATCH):
             try:
-                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+                event = recv_monitor_event(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
             except (ValueError, RuntimeError) as exc:  # a libzmq we do not understand
@@ -375,7 +375,7 @@ class Agent:
         assert monitor is not None
         while True:
             try:
-                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+                event = recv_monitor_event(monitor, zmq.NOBLOCK)
             except zmq.Again:
                 return
             except zmq.ZMQError as exc:

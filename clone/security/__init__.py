@@ -13,12 +13,20 @@ tornado, :mod:`clone.server` or :mod:`clone.client`.
 Modules: :mod:`.names` (client names, the reserved peer name), :mod:`.certs`
 (certificate files, the clients directory), :mod:`.keys` (a client's
 CURVE key files, from arguments or the environment), :mod:`.acl` (the ACL, pure),
-:mod:`.zap` (the Gatekeeper and socket setup).
+:mod:`.zap` (the Gatekeeper and a server socket's setup), :mod:`.clientsocket`
+(a client socket's setup).
+
+The server's half (:mod:`.acl`, :mod:`.zap`) is imported on first use of one of
+its names: :mod:`.zap` brings pyzmq's ``zmq.auth.thread`` and with it asyncio,
+and :mod:`.acl` tomllib, which cost every ``clone`` command's start 50 ms for
+a Gatekeeper and an ACL no client has.
 """
 
 from __future__ import annotations
 
-from clone.security.acl import FULL, NOTHING, Acl, Rights
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from clone.security.certs import (
     PUBLIC_SUFFIX,
     SECRET_SUFFIX,
@@ -30,15 +38,25 @@ from clone.security.certs import (
     load_public,
     load_secret,
 )
+from clone.security.clientsocket import configure_client_socket
 from clone.security.keys import default_curve_files, load_curve_keys
 from clone.security.names import PEER_USER, name_problem
-from clone.security.zap import (
-    ZAP_DOMAIN,
-    ZAP_ENDPOINT,
-    Gatekeeper,
-    configure_client_socket,
-    configure_server_socket,
-)
+
+if TYPE_CHECKING:
+    from clone.security.acl import FULL, NOTHING, Acl, Rights
+    from clone.security.zap import ZAP_DOMAIN, ZAP_ENDPOINT, Gatekeeper, configure_server_socket
+
+#: The names imported on first use, and their module.
+_LAZY = {
+    "FULL": "acl",
+    "NOTHING": "acl",
+    "Acl": "acl",
+    "Rights": "acl",
+    "ZAP_DOMAIN": "zap",
+    "ZAP_ENDPOINT": "zap",
+    "Gatekeeper": "zap",
+    "configure_server_socket": "zap",
+}
 
 __all__ = [
     "FULL",
@@ -64,3 +82,13 @@ __all__ = [
     "load_secret",
     "name_problem",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """PEP 562: the server's half, imported when a name of it is first used."""
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -44,7 +44,6 @@ __all__ = [
     "ZAP_DOMAIN",
     "ZAP_ENDPOINT",
     "Gatekeeper",
-    "configure_client_socket",
     "configure_server_socket",
 ]
 
@@ -323,12 +322,3 @@ def configure_server_socket(sock: zmq.Socket[Any], keypair: KeyPair) -> None:
     sock.curve_publickey = keypair.public
     sock.zap_domain = ZAP_DOMAIN
     sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
-
-
-def configure_client_socket(sock: zmq.Socket[Any], keypair: KeyPair, server_public: bytes) -> None:
-    """Make ``sock`` a CURVE client of the server holding ``server_public``; before ``connect``."""
-    if sock.get(zmq.LAST_ENDPOINT):
-        raise ValueError("configure_client_socket must be called before connect/bind")
-    sock.curve_serverkey = server_public
-    sock.curve_publickey = keypair.public
-    sock.curve_secretkey = keypair.secret

@@ -147,6 +147,23 @@ def test_the_cli_module_imports_neither_zmq_nor_the_client() -> None:
     assert out.stdout.strip() == "[]"
 
 
+def test_the_client_imports_no_event_loop_and_no_server_security() -> None:
+    # asyncio came with zmq.utils.monitor and zmq.auth.thread (the Gatekeeper's),
+    # tomllib with the ACL: 50 ms of every clone command's start, for nothing a
+    # client runs.
+    code = (
+        "import sys, clone.client.frontend, clone.client.cli; "
+        "print(sorted(m for m in ('asyncio', 'zmq.asyncio', 'zmq.auth.thread', 'tomllib', "
+        "'clone.security.zap', 'clone.security.acl', 'tornado') if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def test_clone_still_exports_the_api_lazily() -> None:
     import clone
 
