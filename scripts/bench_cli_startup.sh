@@ -4,7 +4,9 @@
 # usage: scripts/bench_cli_startup.sh BEFORE_TREE AFTER_TREE PORT  (PORT..PORT+13 free)
 OUT=$(mktemp -d)
 B=$1; A=$2; PORT=$3
-PY=${CLONE_VENV:-.venv}/bin/python; PY=$(realpath "$PY")
+# Absolute, but not through its symlink: realpath led to the base interpreter,
+# outside the venv, where the pair could not start (no zmq) and get failed.
+PY=${CLONE_VENV:-.venv}/bin/python; PY="$(cd "$(dirname "$PY")" && pwd)/$(basename "$PY")"
 cd /tmp  # python -m puts the cwd first on sys.path: neither tree
 S="--servers 127.0.0.1:$PORT,127.0.0.1:$((PORT+10))"
 PYTHONPATH=$A $PY -m clone.tools.run_pair --in-memory --port $PORT --bind 127.0.0.1 >$OUT/pair2.log 2>&1 &
