@@ -6,6 +6,7 @@ that does not import the client library."""
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import io
 import os
@@ -133,35 +134,30 @@ def test_kill_grace_default_is_the_lock_runners() -> None:
     assert cli.KILL_GRACE == DEFAULT_KILL_GRACE
 
 
-def test_the_cli_module_imports_neither_zmq_nor_the_client() -> None:
-    code = (
-        "import sys, clone.client.cli as c; c._parser(); "
-        "print(sorted(m for m in ('zmq', 'clone.client.frontend', 'clone.client.agent', "
-        "'tornado') if m in sys.modules))"
-    )
+def _imported(setup: str, modules: tuple[str, ...]) -> list[str]:
+    """Which of ``modules`` a fresh interpreter has imported after ``setup``."""
+    code = f"import sys; {setup}; print(sorted(m for m in {modules!r} if m in sys.modules))"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    return ast.literal_eval(out.stdout.strip())
+
+
+def test_the_cli_module_imports_neither_zmq_nor_the_client() -> None:
+    setup = "import clone.client.cli as c; c._parser()"
+    modules = ("zmq", "clone.client.frontend", "clone.client.agent", "tornado")
+    assert _imported(setup, modules) == []
 
 
 def test_the_client_imports_no_event_loop_and_no_server_security() -> None:
     # asyncio came with zmq.utils.monitor and zmq.auth.thread (the Gatekeeper's),
     # tomllib with the ACL: 50 ms of every clone command's start, for nothing a
     # client runs.
-    code = (
-        "import sys, clone.client.frontend, clone.client.cli; "
-        "print(sorted(m for m in ('asyncio', 'zmq.asyncio', 'zmq.auth.thread', 'tomllib', "
-        "'clone.security.zap', 'clone.security.acl', 'tornado') if m in sys.modules))"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=60,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )  # fmt: skip
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
+    modules = ("asyncio", "zmq.asyncio", "zmq.auth.thread", "tomllib", "clone.security.zap",
+               "clone.security.acl", "tornado")  # fmt: skip
+    assert _imported("import clone.client.frontend, clone.client.cli", modules) == []
 
 
 def test_clone_still_exports_the_api_lazily() -> None:
