@@ -18,8 +18,9 @@ CURVE key files, from arguments or the environment), :mod:`.acl` (the ACL, pure)
 
 The server's half (:mod:`.acl`, :mod:`.zap`) is imported on first use of one of
 its names: :mod:`.zap` brings pyzmq's ``zmq.auth.thread`` and with it asyncio,
-and :mod:`.acl` tomllib, which cost every ``clone`` command's start 50 ms for
-a Gatekeeper and an ACL no client has.
+and :mod:`.acl` tomllib: together with ``zmq.utils.monitor``'s asyncio, 20-30 ms
+of every ``clone`` command's start (docs/benchmarks.md), for a Gatekeeper and
+an ACL no client has.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """A CURVE client socket's setup: the one piece of the package a client needs.
 
 Kept apart from :mod:`.zap` (the server's Gatekeeper), which imports pyzmq's
-``zmq.auth.thread`` and with it asyncio: 45 ms of every ``clone`` command's
-start, for a ZAP handler a client never runs.
+``zmq.auth.thread`` and with it asyncio, part of the 20-30 ms this saved every
+``clone`` command's start (docs/benchmarks.md), for a ZAP handler a client
+never runs.
 """
 
 from __future__ import annotations

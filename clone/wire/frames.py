@@ -202,8 +202,9 @@ _MONITOR_HEAD = struct.Struct("=hi")
 def recv_monitor_event(monitor: zmq.Socket[Any], flags: int = NOBLOCK) -> dict[str, Any]:
     """One event from a socket monitor, as pyzmq's ``recv_monitor_message``
     gives it (``event``, ``value``, ``endpoint``), read here because
-    ``zmq.utils.monitor`` imports ``zmq.asyncio`` and with it asyncio: 30 ms of
-    every ``clone`` command's start, for an event loop the client never runs.
+    ``zmq.utils.monitor`` imports ``zmq.asyncio`` and with it asyncio, part of
+    the 20-30 ms of every ``clone`` command's start this saved
+    (docs/benchmarks.md), for an event loop the client never runs.
     Raises ``zmq.Again`` when there is none and ``RuntimeError`` for a message
     that is not a monitor event."""
     msg = recv_frames(monitor, flags)

@@ -153,7 +153,7 @@ def test_the_cli_module_imports_neither_zmq_nor_the_client() -> None:
 
 def test_the_client_imports_no_event_loop_and_no_server_security() -> None:
     # asyncio came with zmq.utils.monitor and zmq.auth.thread (the Gatekeeper's),
-    # tomllib with the ACL: 50 ms of every clone command's start, for nothing a
+    # tomllib with the ACL: 20-30 ms of every clone command's start, for nothing a
     # client runs.
     modules = ("asyncio", "zmq.asyncio", "zmq.auth.thread", "tomllib", "clone.security.zap",
                "clone.security.acl", "tornado")  # fmt: skip
