@@ -157,7 +157,8 @@ def test_the_client_imports_no_event_loop_and_no_server_security() -> None:
     # client runs.
     modules = ("asyncio", "zmq.asyncio", "zmq.auth.thread", "tomllib", "clone.security.zap",
                "clone.security.acl", "tornado")  # fmt: skip
-    assert _imported("import clone.client.frontend, clone.client.cli", modules) == []
+    setup = "import clone.client.frontend, clone.client.cli, clone.client.commands.diagnose"
+    assert _imported(setup, modules) == []
 
 
 def test_clone_still_exports_the_api_lazily() -> None:

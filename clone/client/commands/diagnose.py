@@ -16,12 +16,11 @@ import time
 from collections.abc import Sequence
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
 
 from clone.client.agent import split_endpoint
 from clone.errors import ProtocolError
 from clone.security import KeyPair, configure_client_socket
-from clone.wire.frames import Offers, cap_message_size
+from clone.wire.frames import Offers, cap_message_size, recv_monitor_event
 from clone.wire.protocol import MAX_STATUS_BYTES, SNAPSHOT_OFFSET
 from clone.wire.status import decode_status, encode_status_request
 
@@ -92,7 +91,7 @@ def probe(
 def _read_monitor(p: Probe, monitor: zmq.Socket[bytes]) -> None:
     while True:
         try:
-            event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            event = recv_monitor_event(monitor, zmq.NOBLOCK)
         except zmq.Again:
             return
         kind = event["event"]
