@@ -14,7 +14,6 @@ Lifetimes are measured on the test's monotonic clock, which the servers share
 from __future__ import annotations
 
 import datetime
-import glob
 import os
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 import zmq
 
-from clone.tools.chaos.faults import sweep_faketime_segments
+from clone.tools.chaos.faults import find_libfaketime, sweep_faketime_segments
 from clone.wire.calls import OP_LEASE_GRANT, decode_reply, encode_call, lease_key
 from tests.support.chp_peer import ChpPeer, Snapshot
 from tests.support.servers import ServerProcess, Servers, log_line, read_stats
@@ -37,20 +36,6 @@ from tests.support.waiting import eventually
 #: the housekeeping timer and a loaded machine's scheduling.
 SLACK = 1.0
 STEP = 60.0
-
-_LIBS = (
-    "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
-    "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1",
-    "/usr/local/lib/faketime/libfaketimeMT.so.1",
-)
-
-
-def _find_libfaketime() -> str | None:
-    for path in (*_LIBS, *glob.glob("/usr/lib/*/faketime/libfaketimeMT.so.1")):
-        if os.path.exists(path):
-            return path
-    return None
-
 
 class FakeClock:
     """One server's wall-clock offset, in a libfaketime timestamp file."""
@@ -91,7 +76,7 @@ def libfaketime() -> Iterator[str]:
     """The preload library, checked to step the wall clock and only it; once
     the module's servers have stopped, the shared memory libfaketime left for
     each of them is removed (clone.tools.chaos.faults.sweep_faketime_segments)."""
-    lib = _find_libfaketime()
+    lib = find_libfaketime()
     if lib is None:
         pytest.skip(
             "libfaketime is not installed (Debian: apt-get install faketime; scripts/test"
