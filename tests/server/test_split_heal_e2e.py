@@ -29,7 +29,9 @@ that a starved thread of ours (the commit writer) held; every write reaches
 the state of the server that ends active, whether the winner applies the
 forwarded writes or (the backup killed part-way) the loser, voted active again,
 applies the rest itself; and SIGTERM stops a server within 1 s in the middle of
-a heal.
+a heal.  The tests that end the heal part-way (the winner killed, SIGTERM)
+take a backlog of 25,000 (:data:`PART_WAY_WRITES`): what they check does not
+depend on its size.
 """
 
 from __future__ import annotations
@@ -59,6 +61,14 @@ from tests.support.tcp_link import CuttableLink
 from tests.support.waiting import eventually
 
 SPLIT_WRITES = 100_000
+#: The backlog of the tests that stop the heal part-way (the winner killed,
+#: SIGTERM): what they check does not grow with the backlog, only their cost
+#: does, so they take a quarter of it.  25,000 writes are still a hundred of
+#: the heal's 256-write steps, and a server that blocked its loop for the
+#: whole backlog (the fault behind the SIGTERM tests, once more than 50 s at
+#: 100,000) would still hold SIGTERM seconds past its 1 s bound.  Each 100,000
+#: cost some 12 CPU-seconds of the suite's CPU-bound run.
+PART_WAY_WRITES = 25_000
 HEARTBEAT_MS = 250  # the server's default: the bound is one interval of it
 
 # 100,000 writes, a split and its heal: about 40 s on an idle 2-core machine,
@@ -165,7 +175,7 @@ def test_the_loops_own_part_leaves_out_the_hosts_waits() -> None:
 class _Split:
     """A pair whose HA link goes through two cuttable links."""
 
-    def __init__(self, servers: Servers) -> None:
+    def __init__(self, servers: Servers, writes: int) -> None:
         p_port, b_port = free_base_port(), free_base_port()
         p_ha, b_ha = free_port(), free_port()
         # The primary's SUB reaches the backup's HA PUB through to_backup, and
@@ -186,7 +196,7 @@ class _Split:
                 "--data-dir", str(servers.data_dir(role)),
                 "--peer-wait", "0.5",
                 # The split writes must fit the loser's history to be found.
-                "--history", str(SPLIT_WRITES + 20_000),
+                "--history", str(writes + 20_000),
             ]  # fmt: skip
 
         self.primary = servers.spawn(
@@ -246,19 +256,19 @@ def _write_to(server: ServerProcess, count: int) -> None:
         ctx.destroy(linger=0)
 
 
-def _split_with_backlog(servers: Servers) -> tuple[_Split, int]:
-    """Cut, vote the backup active, write to the primary, heal: returns the
+def _split_with_backlog(servers: Servers, writes: int) -> tuple[_Split, int]:
+    """Cut, vote the backup active, write ``writes`` keys to the primary, heal: returns the
     pair and the primary's log offset once it has stepped down and starts
     sending.  The step-down itself is a role change, whose commits wait for
     their fsync on the loop, and its resync is the ordinary one: neither is
     what the heal bounds (docs/failover.md, "Healing in bounded steps"); at
     load 30 one such step-down took 1.3 s, 0.65 s of it a commit."""
-    pair = _Split(servers)
+    pair = _Split(servers, writes)
     pair.cut()
     backup = pair.backup
     assert answers_icanhaz(backup.port, 30, b"/nothing/"), "backup not voted active"
     backup.wait_log("now ACTIVE", 30)
-    _write_to(pair.primary, SPLIT_WRITES)
+    _write_to(pair.primary, writes)
     offset = pair.primary.log_size()
     pair.heal()
     sending = pair.primary.wait_log("stepped down after a split brain: sending", 60, after=offset)
@@ -284,16 +294,16 @@ def _items(port: int) -> dict[bytes, bytes]:
         ctx.destroy(linger=0)
 
 
-def _assert_all_written(port: int) -> None:
+def _assert_all_written(port: int, writes: int) -> None:
     items = _items(port)
-    missing = [n for n in range(SPLIT_WRITES) if items.get(b"/split/%06d" % n) != b"v%d" % n]
+    missing = [n for n in range(writes) if items.get(b"/split/%06d" % n) != b"v%d" % n]
     assert not missing, f"{len(missing)} split writes missing, first {missing[:5]}"
 
 
 def test_the_winner_takes_100k_split_writes_with_every_heartbeat_on_time(
     servers: Servers,
 ) -> None:
-    pair, offset = _split_with_backlog(servers)
+    pair, offset = _split_with_backlog(servers, SPLIT_WRITES)
     try:
         primary, backup = pair.primary, pair.backup
         b_offset = backup.log_size()
@@ -304,7 +314,7 @@ def test_the_winner_takes_100k_split_writes_with_every_heartbeat_on_time(
         )
         assert _num(primary, "split_writes_applied") >= SPLIT_WRITES
         assert _num(primary, "split_writes_abandoned") == 0
-        _assert_all_written(backup.port)
+        _assert_all_written(backup.port, SPLIT_WRITES)
         # Resends were of the few in flight, not of the whole backlog.
         assert _num(primary, "split_writes_resent") < SPLIT_WRITES // 10
         late = _late_lines(primary, offset) + _late_lines(backup, b_offset)
@@ -328,14 +338,14 @@ def _elect_the_loser_again(pair: _Split, offset: int) -> None:
 
 
 def test_the_loser_voted_active_again_applies_the_rest_itself(servers: Servers) -> None:
-    pair, offset = _split_with_backlog(servers)
+    pair, offset = _split_with_backlog(servers, PART_WAY_WRITES)
     try:
         primary = pair.primary
         # The winner has taken some; then it dies, and a client votes for the loser.
         eventually(lambda: _num(primary, "split_writes_applied") >= 1000, 120, "some delivered")
         _elect_the_loser_again(pair, offset)
         eventually(lambda: _num(primary, "split_writes_queued") == 0, 600, "the rest applied here")
-        _assert_all_written(primary.port)
+        _assert_all_written(primary.port, PART_WAY_WRITES)
         late = _late_lines(primary, offset)
         assert late == [], "a loop held its heartbeat back by more than an interval"
     finally:
@@ -349,13 +359,13 @@ def test_sigterm_stops_a_server_within_1s_in_the_middle_of_a_heal(
     """``sending``: the loser is delivering its writes to the winner;
     ``applying``: voted active again, it is applying them itself (the state
     in which a server was once seen to leave SIGTERM ignored for more than 50 s)."""
-    pair, offset = _split_with_backlog(servers)
+    pair, offset = _split_with_backlog(servers, PART_WAY_WRITES)
     try:
         primary = pair.primary
         if side == "applying":
             _elect_the_loser_again(pair, offset)
         queued = _num(primary, "split_writes_queued")
-        assert queued > SPLIT_WRITES // 2, f"only {queued} left: not the middle of a heal"
+        assert queued > PART_WAY_WRITES // 2, f"only {queued} left: not the middle of a heal"
         proc = primary.proc
         assert proc is not None
         with _SchedulerProbe() as host:
