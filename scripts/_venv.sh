@@ -10,8 +10,19 @@ ensure_venv() {
     local extras="$1"
     if [ ! -x "$VENV/bin/python" ]; then
         echo "clone: creating $VENV" >&2
-        "$PYTHON" -m venv "$VENV"
-        "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel >&2
+        # With a pip of its own, the host's Python installs the venv's first
+        # pip itself (pip's --python): venv's ensurepip unpacks and compiles a
+        # bundled pip only for it to be upgraded next, 3-4 s of a clean
+        # clone's run, before any test (docs/testing.md, "Seventeenth pass").
+        # Without one (or one older than --python, pip 22.3), venv's own way.
+        if "$PYTHON" -m venv --without-pip "$VENV" &&
+            "$PYTHON" -m pip --python "$VENV/bin/python" install -q --upgrade pip setuptools wheel >&2 2>/dev/null; then
+            :
+        else
+            # (venv over the half-made one: it adds ensurepip's pip.)
+            "$PYTHON" -m venv "$VENV"
+            "$VENV/bin/python" -m pip install -q --upgrade pip setuptools wheel >&2
+        fi
     fi
     local stamp="$VENV/.clone-installed$extras"
     # Reinstall when setup.cfg changed since the last install with these extras.
