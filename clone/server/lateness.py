@@ -2,7 +2,7 @@
 
 How this works: a late heartbeat says the loop thread did not get back to its
 timers in time, but not why.  Linux keeps, per thread, the time it ran on a
-CPU and the time it waited, runnable, for one (``/proc/thread-self/schedstat``:
+CPU and the time it waited, runnable, for one (``/proc/self/task/TID/schedstat``:
 run and run-queue delay, in ns).  The heartbeat reads both every time it runs
 (on the loop thread) and, for a late one, splits the wall time since the
 previous heartbeat into: *ran* (the loop's own work, ours or libzmq's in its
@@ -11,7 +11,7 @@ and the rest, *off CPU* (idle in ``epoll``, or blocked: the interpreter lock
 held by another thread, a page fault on disk); beside them, the CPU time of
 all the process's threads (another of ours busy meanwhile), the time the
 process's *other* Python threads waited for a CPU (``/proc/self/task/*/schedstat``)
-and the loop thread's major page faults (``/proc/thread-self/stat``: off CPU
+and the loop thread's major page faults (``/proc/self/task/TID/stat``: off CPU
 reading a page of code or data back from disk, as a process near its memory
 cgroup's limit does).  A stall mostly *ran* is ours to slice; one mostly
 *waited* is the machine's.  So is an *off CPU* one while our other threads
@@ -21,13 +21,14 @@ writer, between its SQLite calls); on a starved host that thread, runnable,
 waits for a CPU before it can let go, and the loop waits, off CPU, behind it
 (:meth:`IntervalSplit.host_off_cpu_ms`).
 
-:func:`parse_schedstat` and :func:`split_interval` are pure; :func:`read_loop_sample`
-is the one read of the kernel (None where there is no such file: the split
+:func:`parse_schedstat` and :func:`split_interval` are pure; :class:`ThreadCounters`
+is the one reader of the kernel (None where there is no such file: the split
 is then left out).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -35,15 +36,15 @@ from dataclasses import dataclass
 __all__ = [
     "IntervalSplit",
     "LoopSample",
+    "ThreadCounters",
     "parse_major_faults",
     "parse_schedstat",
-    "read_loop_sample",
     "split_interval",
 ]
 
-_SCHEDSTAT = "/proc/thread-self/schedstat"
-_STAT = "/proc/thread-self/stat"
 _TASKS = "/proc/self/task"
+#: Enough for a thread's ``stat`` line (52 numbers and a 16-byte name).
+_READ_BYTES = 1024
 #: majflt's place among the fields after the command's closing parenthesis
 #: (proc(5): field 12; the state, field 3, comes first).
 _MAJFLT_AFTER_COMM = 12 - 3
@@ -136,42 +137,89 @@ def split_interval(before: LoopSample, after: LoopSample) -> IntervalSplit:
     )
 
 
-def _others_waited() -> float:
-    """Seconds the process's other Python threads (those that can hold the
-    interpreter lock; libzmq's I/O threads never do) have waited for a CPU,
-    0 where the kernel does not say.  A thread that ended since the last
-    sample takes its waits with it: the difference is then low, never high."""
-    own = threading.get_native_id()
-    total = 0.0
-    for thread in threading.enumerate():
-        tid = thread.native_id
-        if tid is None or tid == own:
-            continue
+class ThreadCounters:
+    """The kernel's counters of this process's threads, read through
+    descriptors kept open.
+
+    Each heartbeat reads the loop thread's run and wait times three times, its
+    page faults once, and the wait of every other Python thread.  Opened, read
+    and closed each time (``open()``: eight system calls a file), that was 13 %
+    of an idle server's CPU at a 100 ms heartbeat (docs/benchmarks.md, "Idle
+    CPU"); a ``pread`` at offset 0 of a kept descriptor makes the kernel write
+    the line afresh, at a tenth of the cost.  The files are named by thread id
+    (``/proc/self/task/TID``), not ``thread-self``, so that a descriptor serves
+    the thread it was opened for, whichever thread reads it; one of a thread
+    that ended is closed once Python no longer lists the thread, or at the
+    first read that fails.  :meth:`close` closes the rest (the server's
+    timers, when they stop).
+    """
+
+    def __init__(self, tasks: str = _TASKS) -> None:
+        self._tasks = tasks
+        self._schedstat: dict[int, int] = {}  # thread id -> descriptor
+        self._stat: dict[int, int] = {}
+
+    @property
+    def descriptors(self) -> int:
+        """How many descriptors are open now."""
+        return len(self._schedstat) + len(self._stat)
+
+    def close(self) -> None:
+        """Close every descriptor; a later read opens what it needs again."""
+        for table in (self._schedstat, self._stat):
+            for fd in table.values():
+                os.close(fd)
+            table.clear()
+
+    def _read(self, table: dict[int, int], tid: int, name: str) -> str | None:
+        fd = table.get(tid)
         try:
-            with open(f"{_TASKS}/{tid}/schedstat", encoding="ascii") as f:
-                parsed = parse_schedstat(f.read())
-        except OSError:
-            continue  # ended meanwhile
-        if parsed is not None:
-            total += parsed[1]
-    return total
+            if fd is None:
+                fd = table[tid] = os.open(f"{self._tasks}/{tid}/{name}", os.O_RDONLY)
+            return os.pread(fd, _READ_BYTES, 0).decode("ascii", "replace")
+        except OSError:  # no such file here, or the thread ended
+            if (gone := table.pop(tid, None)) is not None:
+                os.close(gone)
+            return None
 
+    def cpu_wait(self) -> float | None:
+        """Seconds the calling thread has spent runnable but waiting for a
+        CPU, or None where the kernel does not say."""
+        text = self._read(self._schedstat, threading.get_native_id(), "schedstat")
+        parsed = None if text is None else parse_schedstat(text)
+        return None if parsed is None else parsed[1]
 
-def read_loop_sample(now: float) -> LoopSample | None:
-    """The calling thread's counters and the process's CPU time now (``now``:
-    the server's clock); None where the kernel does not keep them."""
-    try:
-        with open(_SCHEDSTAT, encoding="ascii") as f:
-            text = f.read()
-    except OSError:
-        return None
-    parsed = parse_schedstat(text)
-    if parsed is None:
-        return None
-    try:
-        with open(_STAT, encoding="ascii", errors="replace") as f:
-            faults = parse_major_faults(f.read()) or 0
-    except OSError:
-        faults = 0
-    return LoopSample(wall=now, ran=parsed[0], waited=parsed[1], process=time.process_time(),
-                      major_faults=faults, others_waited=_others_waited())
+    def others_waited(self) -> float:
+        """Seconds the process's other Python threads (those that can hold the
+        interpreter lock; libzmq's I/O threads never do) have waited for a CPU,
+        0 where the kernel does not say.  A thread that ended since the last
+        sample takes its waits with it: the difference is then low, never high."""
+        own = threading.get_native_id()
+        alive = {own}
+        total = 0.0
+        for thread in threading.enumerate():
+            tid = thread.native_id
+            if tid is None or tid == own:
+                continue
+            alive.add(tid)
+            text = self._read(self._schedstat, tid, "schedstat")
+            parsed = None if text is None else parse_schedstat(text)
+            if parsed is not None:
+                total += parsed[1]
+        for table in (self._schedstat, self._stat):
+            for tid in [t for t in table if t not in alive]:  # ended: Python joined it
+                os.close(table.pop(tid))
+        return total
+
+    def sample(self, now: float) -> LoopSample | None:
+        """The calling thread's counters and the process's CPU time now (``now``:
+        the server's clock); None where the kernel does not keep them."""
+        own = threading.get_native_id()
+        text = self._read(self._schedstat, own, "schedstat")
+        parsed = None if text is None else parse_schedstat(text)
+        if parsed is None:
+            return None
+        stat = self._read(self._stat, own, "stat")
+        faults = (parse_major_faults(stat) if stat is not None else None) or 0
+        return LoopSample(wall=now, ran=parsed[0], waited=parsed[1], process=time.process_time(),
+                          major_faults=faults, others_waited=self.others_waited())

@@ -6,7 +6,7 @@ clock moves every deadline).  The heartbeat runs at a fixed rate, skipping
 ahead after a stall rather than bursting, and measures how late the loop ran
 it (``heartbeat_max_late_ms``, a warning past a whole heartbeat), and how much
 of that the loop's thread spent waiting for a CPU (Linux's schedstat
-``run_delay``, :func:`cpu_wait`): on a host with more runnable processes than
+``run_delay``, ``ThreadCounters.cpu_wait``): on a host with more runnable processes than
 cores a heartbeat is late however short the loop's steps are, so the lateness
 less that wait (``heartbeat_max_blocked_ms``) is the loop's own.  The warning
 also splits the time since the previous heartbeat into what the loop thread
@@ -34,7 +34,7 @@ from clone.server.core import Role, ServerCore
 from clone.server.durability import Durability
 from clone.server.following import Follower
 from clone.server.healing import Healer
-from clone.server.lateness import LoopSample, read_loop_sample, split_interval
+from clone.server.lateness import LoopSample, ThreadCounters, split_interval
 from clone.server.publisherport import PublisherPort
 from clone.server.publishing import Publisher
 from clone.server.relaying import RelayLink
@@ -44,27 +44,16 @@ from clone.server.streaming import SnapshotStreams
 from clone.server.voting import HeldVotes
 from clone.wire.codec import encode_hugz
 
-__all__ = ["HOUSEKEEPING", "Timers", "cpu_wait", "own_lateness"]
+__all__ = ["HOUSEKEEPING", "Timers", "own_lateness"]
 
 log = logging.getLogger("clone.server.reactor")
 
 HOUSEKEEPING = 0.1  # seconds between expiry / sync-timeout / deferred-vote checks
 
 
-def cpu_wait() -> float | None:
-    """Seconds the calling thread has spent runnable but waiting for a CPU
-    (the second field of ``/proc/thread-self/schedstat``), or None where the
-    kernel does not say."""
-    try:
-        with open("/proc/thread-self/schedstat", "rb") as f:
-            return int(f.read().split()[1]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def own_lateness(late_ms: int, armed: float | None, now: float | None) -> tuple[int, int]:
     """``(waited_ms, blocked_ms)``: of a heartbeat ``late_ms`` late, the ms its
-    thread waited for a CPU since the timer was armed (:func:`cpu_wait` then and
+    thread waited for a CPU since the timer was armed (``ThreadCounters.cpu_wait`` then and
     now; 0 when unknown), and the rest, the loop's own."""
     waited_ms = 0 if armed is None or now is None else max(0, int((now - armed) * 1000))
     return waited_ms, max(0, late_ms - waited_ms)
@@ -115,6 +104,8 @@ class Timers:
         self._house_timer: object | None = None
         self._stats_timer: object | None = None
         self._next_hugz = 0.0
+        # The kernel's per-thread counters, through descriptors kept open.
+        self._counters = ThreadCounters()
         self._armed_wait: float | None = None  # cpu_wait() when the heartbeat was armed
         self._loop_sample: LoopSample | None = None  # at the end of the last heartbeat
 
@@ -128,9 +119,9 @@ class Timers:
         assert loop is not None
         cfg = self.config
         self._next_hugz = self._clock() + cfg.heartbeat
-        self._armed_wait = cpu_wait()
+        self._armed_wait = self._counters.cpu_wait()
         self._hugz_timer = loop.call_later(cfg.heartbeat, self._on_heartbeat)
-        self._loop_sample = read_loop_sample(self._clock())
+        self._loop_sample = self._counters.sample(self._clock())
         self._house_timer = loop.call_later(HOUSEKEEPING, self._on_housekeeping)
         if cfg.stats_interval > 0:
             self._stats_timer = loop.call_later(cfg.stats_interval, self._on_stats_timer)
@@ -144,6 +135,7 @@ class Timers:
                 if timer is not None:
                     loop.remove_timeout(timer)
         self._hugz_timer = self._house_timer = self._stats_timer = None
+        self._counters.close()
 
     def _on_heartbeat(self) -> None:
         loop = self._loop
@@ -170,9 +162,9 @@ class Timers:
         now = self._clock()
         if self._next_hugz <= now:
             self._next_hugz = now + self.config.heartbeat
-        self._armed_wait = cpu_wait()
+        self._armed_wait = self._counters.cpu_wait()
         self._hugz_timer = loop.call_later(self._next_hugz - now, self._on_heartbeat)
-        self._loop_sample = read_loop_sample(self._clock())
+        self._loop_sample = self._counters.sample(self._clock())
 
     def send_hugz(self) -> None:
         """An active server's HUGZ, now: each heartbeat's, and the handover's
@@ -195,7 +187,7 @@ class Timers:
         itself held back by more than an interval (one per stall: the timer
         skips ahead), and of a lateness past an interval that the host caused
         when it is the worst yet (a starved host would say so 4 times a second)."""
-        waited_ms, blocked_ms = own_lateness(late_ms, self._armed_wait, cpu_wait())
+        waited_ms, blocked_ms = own_lateness(late_ms, self._armed_wait, self._counters.cpu_wait())
         worst = late_ms > self.counters["heartbeat_max_late_ms"]
         if worst:
             self.counters["heartbeat_max_late_ms"] = late_ms
@@ -213,7 +205,7 @@ class Timers:
         previous one: a stall it spent running is ours, one it spent waiting
         for a CPU is the machine's (clone.server.lateness); the worst's split
         is kept in ``heartbeat_max_late_ran_ms`` / ``_waited_ms``."""
-        before, now = self._loop_sample, read_loop_sample(self._clock())
+        before, now = self._loop_sample, self._counters.sample(self._clock())
         detail = ""
         if before is not None and now is not None:
             split = split_interval(before, now)

@@ -16,10 +16,9 @@ from clone.server.config import ServerConfig
 from clone.server.lateness import (
     IntervalSplit,
     LoopSample,
-    _others_waited,
+    ThreadCounters,
     parse_major_faults,
     parse_schedstat,
-    read_loop_sample,
     split_interval,
 )
 from clone.server.shared import IO_COUNTERS, Shared
@@ -102,9 +101,20 @@ def test_only_the_other_python_threads_waits_are_summed(
         (tmp_path / str(tid)).mkdir()
         (tmp_path / str(tid) / "schedstat").write_text(line + "\n")
     threads = [SimpleNamespace(native_id=n) for n in (own, 101, 102, 103, None)]
-    monkeypatch.setattr("clone.server.lateness._TASKS", str(tmp_path))
     monkeypatch.setattr("clone.server.lateness.threading.enumerate", lambda: threads)
-    assert _others_waited() == pytest.approx(0.25 + 2e-9)
+    counters = ThreadCounters(str(tmp_path))
+    try:
+        assert counters.others_waited() == pytest.approx(0.25 + 2e-9)
+        assert counters.descriptors == 2  # 101 and 103: 102 has no file
+        # Kept open, read afresh: 101 waited more; 103 ended (Python no
+        # longer lists it), and its descriptor is closed.
+        (tmp_path / "101" / "schedstat").write_text("7 750000000 4\n")
+        threads.remove(threads[3])
+        assert counters.others_waited() == pytest.approx(0.75)
+        assert counters.descriptors == 1
+    finally:
+        counters.close()
+    assert counters.descriptors == 0
 
 
 def test_counters_that_went_back_give_no_negative_time() -> None:
@@ -115,7 +125,8 @@ def test_counters_that_went_back_give_no_negative_time() -> None:
 
 
 def test_the_kernel_counts_this_threads_own_work() -> None:
-    first = read_loop_sample(time.monotonic())
+    counters = ThreadCounters()
+    first = counters.sample(time.monotonic())
     if first is None:
         pytest.skip("no /proc/thread-self/schedstat on this kernel")
     # Run 20 ms of CPU on this thread (however long a busy machine takes to
@@ -125,7 +136,8 @@ def test_the_kernel_counts_this_threads_own_work() -> None:
         pass
     done = threading.Event()
     done.wait(0.05)
-    second = read_loop_sample(time.monotonic())
+    second = counters.sample(time.monotonic())  # the same descriptors, read afresh
+    counters.close()
     assert second is not None
     split = split_interval(first, second)
     assert split.wall_ms >= 70
@@ -153,7 +165,7 @@ def test_a_late_heartbeat_says_where_the_wait_went(
     timers = _timers(counters)
     timers._loop_sample = LoopSample(wall=19.1, ran=4.0, waited=1.0, process=6.0)
     now = LoopSample(wall=20.0, ran=4.1, waited=1.7, process=6.5)
-    monkeypatch.setattr("clone.server.timers.read_loop_sample", lambda wall: now)
+    monkeypatch.setattr(timers._counters, "sample", lambda wall: now)
     with caplog.at_level(logging.WARNING, logger="clone.server.reactor"):
         timers._warn_late(650, 700, "the host kept the server from running", worst=True)
     assert counters["heartbeat_max_late_ran_ms"] == 100
@@ -173,7 +185,7 @@ def test_without_the_kernels_counters_the_warning_is_the_plain_one(
     counters = dict.fromkeys(IO_COUNTERS, 0)
     timers = _timers(counters)
     timers._loop_sample = None
-    monkeypatch.setattr("clone.server.timers.read_loop_sample", lambda wall: None)
+    monkeypatch.setattr(timers._counters, "sample", lambda wall: None)
     with caplog.at_level(logging.WARNING, logger="clone.server.reactor"):
         timers._warn_late(300, 0, "the reactor was blocked", worst=True)
     assert [r.getMessage() for r in caplog.records] == [

@@ -10,7 +10,8 @@ import time
 
 import pytest
 
-from clone.server.timers import cpu_wait, own_lateness
+from clone.server.lateness import ThreadCounters
+from clone.server.timers import own_lateness
 
 
 def test_the_wait_for_a_cpu_is_taken_off_the_lateness() -> None:
@@ -29,7 +30,8 @@ def test_without_the_kernels_figure_the_whole_lateness_is_the_loops() -> None:
 def test_a_thread_that_competes_for_a_cpu_waits_for_one() -> None:
     """More spinning processes than cores: this thread, spinning too, must
     spend some time runnable without a CPU."""
-    before = cpu_wait()
+    counters = ThreadCounters()
+    before = counters.cpu_wait()
     assert before is not None and before >= 0
     spinners = [
         subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -40,11 +42,12 @@ def test_a_thread_that_competes_for_a_cpu_waits_for_one() -> None:
         waited = 0.0
         while waited <= 0 and time.monotonic() < deadline:
             sum(range(100_000))
-            now = cpu_wait()
+            now = counters.cpu_wait()  # the same descriptor, read afresh
             assert now is not None
             waited = now - before
     finally:
         for p in spinners:
             p.kill()
             p.wait(10)
+        counters.close()
     assert waited > 0
