@@ -41,7 +41,7 @@ def servers(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Servers]
 
 def _split(servers: Servers) -> _Split:
     """Cut the link and vote the backup active: both serve."""
-    pair = _Split(servers)
+    pair = _Split(servers, SPLIT_WRITES)
     pair.cut()
     assert answers_icanhaz(pair.backup.port, 30, b"/nothing/"), "backup not voted active"
     pair.backup.wait_log("now ACTIVE", 30)
