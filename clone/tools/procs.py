@@ -33,6 +33,7 @@ __all__ = [
     "ServerAddress",
     "free_base_port",
     "free_port",
+    "pid_alive",
     "port_is_free",
     "port_range",
     "python_module_argv",
@@ -44,6 +45,18 @@ log = logging.getLogger(__name__)
 
 _handed_out: set[int] = set()
 _PR_SET_PDEATHSIG = 1
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists (another user's counts: signal 0 is
+    refused, not unanswered)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def port_is_free(port: int) -> bool:

@@ -24,7 +24,7 @@ from pathlib import Path
 from clone.tools.chaos.schedule import SERVER_FAULTS, Fault
 from clone.tools.chaos.worker import Recorder
 from clone.tools.drill.netns import Topology
-from clone.tools.procs import ManagedProcess
+from clone.tools.procs import ManagedProcess, pid_alive
 
 __all__ = ["FakeClock", "Nemesis", "find_libfaketime", "sweep_faketime_segments"]
 
@@ -60,22 +60,12 @@ def sweep_faketime_segments(shm: Path = Path("/dev/shm")) -> int:
     removed = 0
     for name in names:
         match = _SEGMENT.match(name)
-        if match is None or _exists(int(match.group(1))):
+        if match is None or pid_alive(int(match.group(1))):
             continue
         with contextlib.suppress(FileNotFoundError):
             (shm / name).unlink()
             removed += 1
     return removed
-
-
-def _exists(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
 
 
 class FakeClock:

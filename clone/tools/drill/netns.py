@@ -41,6 +41,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from clone.tools.procs import pid_alive
+
 __all__ = [
     "ISLAND",
     "NS_PREFIX",
@@ -113,16 +115,6 @@ def preflight() -> None:
         _run(["ip", "netns", "del", probe], check=False)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_leftovers() -> list[str]:
     """Delete the namespaces and links of drills that died without cleaning up
     (their pid is gone); what was removed."""
@@ -131,7 +123,7 @@ def remove_leftovers() -> list[str]:
     for line in names:
         name = line.split(" ")[0]
         m = _NS_RE.match(name)
-        if m and not _alive(int(m[1])):
+        if m and not pid_alive(int(m[1])):
             _run(["ip", "netns", "del", name], check=False)
             removed.append(name)
     links = _run(["ip", "-o", "link", "show"], check=False).stdout
@@ -141,7 +133,7 @@ def remove_leftovers() -> list[str]:
             continue
         link = parts[1].strip().split("@")[0]
         m = _LINK_RE.match(link)
-        if m and not _alive(int(m[1])):
+        if m and not pid_alive(int(m[1])):
             _run(["ip", "link", "del", link], check=False)
             removed.append(link)
     if removed:
