@@ -141,12 +141,12 @@ class ThreadCounters:
     """The kernel's counters of this process's threads, read through
     descriptors kept open.
 
-    Each heartbeat reads the loop thread's run and wait times three times, its
-    page faults once, and the wait of every other Python thread.  Opened, read
-    and closed each time (``open()``: eight system calls a file), that was 13 %
-    of an idle server's CPU at a 100 ms heartbeat (docs/benchmarks.md, "Idle
-    CPU"); a ``pread`` at offset 0 of a kept descriptor makes the kernel write
-    the line afresh, at a tenth of the cost.  The files are named by thread id
+    Each heartbeat reads the loop thread's run and wait times twice, its page
+    faults once, and the wait of every other Python thread.  Opened, read and
+    closed each time (``open()``: eight system calls a file), that took 116 µs
+    a heartbeat; a ``pread`` at offset 0 of a kept descriptor makes the kernel
+    write the line afresh, and the same reads take 16 µs (docs/benchmarks.md,
+    "Idle CPU: the heartbeat's kernel counters").  The files are named by thread id
     (``/proc/self/task/TID``), not ``thread-self``, so that a descriptor serves
     the thread it was opened for, whichever thread reads it; one of a thread
     that ended is closed once Python no longer lists the thread, or at the

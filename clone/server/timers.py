@@ -106,7 +106,7 @@ class Timers:
         self._next_hugz = 0.0
         # The kernel's per-thread counters, through descriptors kept open.
         self._counters = ThreadCounters()
-        self._armed_wait: float | None = None  # cpu_wait() when the heartbeat was armed
+        self._armed_wait: float | None = None  # the CPU-queue wait as the heartbeat was armed
         self._loop_sample: LoopSample | None = None  # at the end of the last heartbeat
 
     @property
@@ -119,9 +119,8 @@ class Timers:
         assert loop is not None
         cfg = self.config
         self._next_hugz = self._clock() + cfg.heartbeat
-        self._armed_wait = self._counters.cpu_wait()
         self._hugz_timer = loop.call_later(cfg.heartbeat, self._on_heartbeat)
-        self._loop_sample = self._counters.sample(self._clock())
+        self._sample_as_armed()
         self._house_timer = loop.call_later(HOUSEKEEPING, self._on_housekeeping)
         if cfg.stats_interval > 0:
             self._stats_timer = loop.call_later(cfg.stats_interval, self._on_stats_timer)
@@ -162,9 +161,16 @@ class Timers:
         now = self._clock()
         if self._next_hugz <= now:
             self._next_hugz = now + self.config.heartbeat
-        self._armed_wait = self._counters.cpu_wait()
         self._hugz_timer = loop.call_later(self._next_hugz - now, self._on_heartbeat)
-        self._loop_sample = self._counters.sample(self._clock())
+        self._sample_as_armed()
+
+    def _sample_as_armed(self) -> None:
+        """The loop thread's counters as the heartbeat is armed, read once for
+        both their uses: the next late warning's split starts from them, and
+        the next lateness's CPU-queue wait is counted from their ``waited``."""
+        sample = self._counters.sample(self._clock())
+        self._loop_sample = sample
+        self._armed_wait = None if sample is None else sample.waited
 
     def send_hugz(self) -> None:
         """An active server's HUGZ, now: each heartbeat's, and the handover's
